@@ -1,0 +1,153 @@
+"""Recipe files: TOML, validated by a schema, overridable with ``--set KEY=VALUE``.
+
+Errors are raised as :class:`RecipeError` with one line that names the file, the
+key and what was expected, because the person reading it is usually tired.
+Engine sections (``[titan]``, ``[trl]``) are validated by the engine's own
+model, which lives beside the engine adapter but imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ptops.recipes.titan.config import TitanSection
+from ptops.recipes.trl.config import TrlSection
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class RecipeError(Exception):
+    """One clear line about a bad recipe or override; the CLI exits 2 with it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainSection(_Strict):
+    steps: int = Field(20, ge=1, description="optimizer steps in the whole run")
+    seed: int = Field(42, description="seed for model init, data order and dropout")
+
+
+class LaunchSection(_Strict):
+    nproc: int = Field(2, ge=1, le=64, description="ranks per node (torchrun --nproc-per-node)")
+    omp_num_threads: int = Field(1, ge=1, description="OMP_NUM_THREADS for each rank")
+    master_port: int = Field(0, ge=0, le=65535, description="rendezvous port; 0 picks a free one")
+
+
+class CheckpointSection(_Strict):
+    interval: int = Field(10, ge=1, description="save every N steps (and always at the final step)")
+    keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
+
+
+class Recipe(_Strict):
+    name: str = Field(..., min_length=1)
+    engine: Literal["titan", "trl"]
+    description: str = ""
+    train: TrainSection = TrainSection()
+    launch: LaunchSection = LaunchSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    titan: TitanSection | None = None
+    trl: TrlSection | None = None
+
+    def engine_section(self) -> TitanSection | TrlSection:
+        section = getattr(self, self.engine)
+        assert section is not None
+        return section
+
+
+def resolve_path(recipe: str | Path) -> Path:
+    """A path, or the bare name of a shipped recipe (``titan-tiny``)."""
+    p = Path(recipe)
+    if p.exists():
+        return p
+    shipped = RECIPES_DIR / f"{recipe}.toml"
+    if not p.suffix and shipped.exists():
+        return shipped
+    raise RecipeError(f"{recipe}: recipe file not found (expected a TOML file or one of: {', '.join(shipped_names())})")
+
+
+def shipped_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``train.steps=30`` -> (``train.steps``, 30). Values parse as TOML, else as strings."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part.isidentifier() for part in key.split(".")):
+        raise RecipeError(f"--set {text!r}: bad syntax (expected KEY=VALUE, e.g. train.steps=30)")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def _apply(data: dict, key: str, value: Any, origin: str) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{origin}: key '{key}': '{part}' is a value, not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def _explain(exc: ValidationError, origin: str) -> RecipeError:
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return RecipeError(f"{origin}: key '{key}': unknown key")
+    if kind == "missing":
+        return RecipeError(f"{origin}: key '{key}': missing (required)")
+    got = err.get("input")
+    got_s = f" (got {json.dumps(got) if isinstance(got, (str, int, float, bool)) else type(got).__name__})"
+    return RecipeError(f"{origin}: key '{key}': {err['msg'].lower()}{got_s}")
+
+
+def load(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Recipe, Path]:
+    """Load, override and validate. Returns the recipe and the file it came from."""
+    path = resolve_path(recipe)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: not valid TOML ({e})") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read ({e.strerror})") from None
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply(data, key, value, f"{path} (--set {text})")
+    return validate(data, str(path)), path
+
+
+def validate(data: dict, origin: str) -> Recipe:
+    engine = data.get("engine")
+    if engine not in ("titan", "trl"):
+        raise RecipeError(f"{origin}: key 'engine': unknown engine {json.dumps(engine)} (expected \"titan\" or \"trl\")")
+    data = dict(data)
+    data.setdefault(engine, {})
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise _explain(e, origin) from None
+    other = "trl" if engine == "titan" else "titan"
+    if getattr(recipe, other) is not None:
+        raise RecipeError(f"{origin}: key '{other}': section does not apply to engine \"{engine}\"")
+    return recipe
+
+
+def dump_json(recipe: Recipe) -> str:
+    return recipe.model_dump_json(indent=2, exclude_none=True)
+
+
+def from_json(text: str) -> Recipe:
+    return Recipe.model_validate_json(text)

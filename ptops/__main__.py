@@ -1,0 +1,3 @@
+from ptops.ops.cli import main
+
+main()
