@@ -1,0 +1,81 @@
+"""The tiny Qwen2-style causal LM that TRL recipes train on CPU.
+
+Built deterministically from a seed and the local tokenizer, saved with
+``save_pretrained`` into the ptops asset cache (build-once, atomic rename, so
+ranks that race never see half a model) and loaded with ``from_pretrained``
+offline. The same folder serves as DPO's reference model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from ptops.recipes.assets import _build_once, tokenizer_dir
+from ptops.recipes.trl.config import TrlModel
+
+
+def _config_dict(dims: TrlModel, tok_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    heads = dims.num_heads
+    if dims.hidden_size % heads:
+        raise ValueError(f"[trl].model: hidden_size {dims.hidden_size} is not divisible by num_heads {heads}")
+    return dict(
+        vocab_size=len(tok),
+        hidden_size=dims.hidden_size,
+        intermediate_size=dims.hidden_size * 2,
+        num_hidden_layers=dims.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        use_cache=True,
+    )
+
+
+def _build(dims: TrlModel, seed: int, out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok_dir = tokenizer_dir(dims.vocab_size)
+    config = Qwen2Config(**_config_dict(dims, tok_dir))
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
+    # keep the chat template exactly as the tokenizer asset has it
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = tok_dir / name
+        if src.exists():
+            shutil.copy2(src, out / name)
+    (out / "ptops_model.json").write_text(json.dumps({"seed": seed, **dims.model_dump()}, indent=2))
+
+
+def model_dir(dims: TrlModel, seed: int = 0) -> Path:
+    """Folder with a ``from_pretrained``-loadable tiny Qwen2 model and its tokenizer."""
+    name = f"trl-qwen2-h{dims.hidden_size}-l{dims.num_layers}-a{dims.num_heads}-v{dims.vocab_size}-s{seed}"
+    return _build_once(name, lambda out: _build(dims, seed, out))
+
+
+def load_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype="float32", local_files_only=True)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok.padding_side = "left"  # generation (GRPO) wants left padding; SFT/DPO collators pad themselves
+    return tok

@@ -1,0 +1,107 @@
+"""Bad input gets one clear line naming file, key and expectation, exit 2, no traceback."""
+
+import textwrap
+
+import pytest
+
+from ptops.ops.recipe import RecipeError, load, parse_override
+
+GOOD = """
+name = "t"
+engine = "titan"
+[train]
+steps = 5
+"""
+
+
+def write(tmp_path, text, name="r.toml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def assert_one_clear_line(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: ")
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_missing_recipe_file(ptops, tmp_path):
+    proc = ptops("launch", str(tmp_path / "nope.toml"), "--dry-run")
+    assert_one_clear_line(proc, "nope.toml", "not found")
+
+
+def test_unknown_key(ptops, tmp_path):
+    p = write(tmp_path, GOOD + "[checkpoint]\nintervall = 3\n")
+    assert_one_clear_line(ptops("launch", str(p), "--dry-run"), str(p), "checkpoint.intervall", "unknown key")
+
+
+def test_wrong_type(ptops, tmp_path):
+    p = write(tmp_path, GOOD.replace("steps = 5", 'steps = "many"'))
+    assert_one_clear_line(ptops("launch", str(p), "--dry-run"), str(p), "train.steps", "integer")
+
+
+def test_unknown_engine(ptops, tmp_path):
+    p = write(tmp_path, GOOD.replace('"titan"', '"megatron"'))
+    assert_one_clear_line(ptops("launch", str(p), "--dry-run"), str(p), "engine", "megatron", '"titan" or "trl"')
+
+
+def test_bad_set_syntax(ptops, tmp_path):
+    p = write(tmp_path, GOOD)
+    assert_one_clear_line(ptops("launch", str(p), "--set", "train.steps", "--dry-run"), "train.steps", "KEY=VALUE")
+
+
+def test_set_unknown_key_names_key(ptops, tmp_path):
+    p = write(tmp_path, GOOD)
+    assert_one_clear_line(ptops("launch", str(p), "--set", "train.stepz=3", "--dry-run"), "train.stepz", "unknown key")
+
+
+def test_invalid_toml(ptops, tmp_path):
+    p = write(tmp_path, "name = \n")
+    assert_one_clear_line(ptops("launch", str(p), "--dry-run"), str(p), "not valid TOML")
+
+
+def test_set_overrides_and_types(tmp_path):
+    p = write(tmp_path, GOOD)
+    rec, _ = load(p, ["train.steps=30", "checkpoint.interval=4", "titan.parallelism.tp=2", "titan.lr=1e-3"])
+    assert rec.train.steps == 30 and rec.checkpoint.interval == 4
+    assert rec.titan.parallelism.tp == 2 and rec.titan.lr == 1e-3
+
+
+def test_parse_override_values():
+    assert parse_override("a.b=3") == ("a.b", 3)
+    assert parse_override("a.b=true") == ("a.b", True)
+    assert parse_override("a.b=hello") == ("a.b", "hello")
+    with pytest.raises(RecipeError):
+        parse_override("=3")
+
+
+def test_section_of_other_engine_rejected(tmp_path):
+    p = write(tmp_path, GOOD + '[trl]\ntrainer = "sft"\n')
+    with pytest.raises(RecipeError, match="trl"):
+        load(p)
+
+
+def test_dry_run_prints_resolved_recipe(ptops, tmp_path):
+    p = write(tmp_path, GOOD)
+    proc = ptops("launch", str(p), "--dry-run", "--set", "launch.nproc=3")
+    assert proc.returncode == 0, proc.stderr
+    assert '"nproc": 3' in proc.stdout
+    assert "--nproc-per-node 3" in proc.stdout
+    assert "ptops.recipes.entry" in proc.stdout
+
+
+def test_resume_with_different_recipe_refused(ptops, tmp_path):
+    from ptops.ops.launcher import prepare_run
+
+    p = write(tmp_path, GOOD)
+    rec, path = load(p)
+    prepare_run(rec, path, tmp_path / "run")
+    rec2, _ = load(p, ["train.steps=9"])
+    with pytest.raises(RecipeError, match="train.steps"):
+        prepare_run(rec2, path, tmp_path / "run")
+    assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
