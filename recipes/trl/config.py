@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -16,6 +16,13 @@ class TrlModel(_Strict):
     num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
     vocab_size: int = Field(512, ge=64)
+    seed: int = Field(0, description="seed of the initial weights (independent of train.seed)")
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> "TrlModel":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
+        return self
 
 
 class TrlSection(_Strict):
@@ -23,4 +30,13 @@ class TrlSection(_Strict):
     model: TrlModel = TrlModel()
     lr: float = Field(5e-4, gt=0)
     per_device_batch_size: int = Field(4, ge=1)
-    max_length: int = Field(64, ge=8)
+    grad_accum: int = Field(1, ge=1, description="gradient accumulation steps per optimizer step")
+    max_length: int = Field(64, ge=8, description="max tokens of a training sequence (GRPO: of the prompt)")
+    dataset_size: int = Field(256, ge=8, description="rows of the generated local data set")
+    max_grad_norm: float = Field(1.0, gt=0)
+    # DPO and GRPO
+    beta: float = Field(0.1, gt=0, description="KL coefficient (DPO beta; GRPO beta > 0 so that kl is logged)")
+    # GRPO
+    num_generations: int = Field(4, ge=2, description="completions per prompt; must divide the global batch")
+    max_completion_length: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)

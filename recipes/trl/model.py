@@ -76,6 +76,4 @@ def load_model(path: Path):
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    tok.padding_side = "left"  # generation (GRPO) wants left padding; SFT/DPO collators pad themselves
-    return tok
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
