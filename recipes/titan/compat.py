@@ -106,7 +106,7 @@ def stub_minimal_async_ep_kernels_needed() -> bool:
 class CpuDeviceModule(types.ModuleType):
     """``torch.cpu`` plus the CUDA-style calls torchtitan makes on its device module.
 
-    Memory numbers are zeros: CPU has no caching allocator statistics.
+    Memory numbers are the process's peak RSS: CPU has no caching allocator statistics.
     """
 
     def __init__(self) -> None:
@@ -148,7 +148,12 @@ class CpuDeviceModule(types.ModuleType):
         return types.SimpleNamespace(name="CPU", total_memory=total)
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
-        return {}
+        """Peak resident set size of this process (Linux ru_maxrss is KiB)."""
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak,
+                "num_alloc_retries": 0, "num_ooms": 0}
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         return None
@@ -429,7 +434,68 @@ def pp_step_accepts_microbatches_needed() -> bool:
 
 
 # --------------------------------------------------------------------------- #
-# 6. attention: SDPA instead of FlexAttention
+# 6. chat templates with {% generation %} markers
+# --------------------------------------------------------------------------- #
+_GEN_TAG = None
+
+
+def _strip_generation_tags(template: str) -> str:
+    import re
+
+    global _GEN_TAG
+    if _GEN_TAG is None:
+        _GEN_TAG = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
+    return _GEN_TAG.sub("", template)
+
+
+def chat_template_generation_tags() -> None:
+    """Let torchtitan's tokenizer load chat templates that use ``{% generation %}``.
+
+    Upstream reason: Hugging Face chat templates mark assistant turns with
+    ``{% generation %}...{% endgeneration %}`` (transformers' own Jinja
+    extension; TRL's ``assistant_only_loss`` needs them). torchtitan 0.3.0's
+    ``BaseTokenizer.set_chat_template`` compiles every template found in
+    ``tokenizer_config.json`` with a plain sandboxed Jinja environment, which
+    raises TemplateSyntaxError on the unknown tag even when no chat template
+    is ever rendered (pre-training). The markers render to nothing, so
+    stripping them before compiling gives the same text.
+    """
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    original = BaseTokenizer.__dict__["set_chat_template"]
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def set_chat_template(self: Any, template: str) -> Any:
+        return original(self, _strip_generation_tags(template))
+
+    setattr(set_chat_template, _MARK, True)
+    BaseTokenizer.set_chat_template = set_chat_template
+
+
+def chat_template_generation_tags_applied() -> bool:
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    return getattr(BaseTokenizer.__dict__["set_chat_template"], _MARK, False)
+
+
+def chat_template_generation_tags_needed() -> bool:
+    """torchtitan's unpatched set_chat_template rejects a template with the markers."""
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    original = BaseTokenizer.__dict__["set_chat_template"]
+    original = getattr(original, "__wrapped__", original)
+    probe = types.SimpleNamespace()
+    try:
+        original(probe, "{% for m in messages %}{% generation %}{{ m }}{% endgeneration %}{% endfor %}")
+    except Exception:  # noqa: BLE001 - jinja2.TemplateSyntaxError
+        return True
+    return False
+
+
+# --------------------------------------------------------------------------- #
+# 7. attention: SDPA instead of FlexAttention
 # --------------------------------------------------------------------------- #
 def sdpa_instead_of_flex(model_config: Any) -> Any:
     """Replace every ``FlexAttention.Config`` in a model config tree by SDPA.
@@ -471,7 +537,7 @@ def sdpa_instead_of_flex_needed() -> bool:
     try:
         out = flex_attention(q, q, q)
         out.sum().backward()
-    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+    except NotImplementedError:  # "FlexAttention does not support backward on CPU"
         return True
     return False
 
@@ -487,6 +553,8 @@ PATCHES: tuple[Patch, ...] = (
           add_distributed_set_timeout_applied, add_distributed_set_timeout_needed),
     Patch("pp_step_accepts_microbatches", pp_step_accepts_microbatches,
           pp_step_accepts_microbatches_applied, pp_step_accepts_microbatches_needed),
+    Patch("chat_template_generation_tags", chat_template_generation_tags,
+          chat_template_generation_tags_applied, chat_template_generation_tags_needed),
 )
 
 # Trainer flags a CPU run needs (not patches: plain torchtitan config):

@@ -32,3 +32,5 @@ class TitanSection(_Strict):
     lr: float = Field(8e-4, gt=0)
     warmup_steps: int = Field(2, ge=0)
     max_norm: float = Field(1.0, gt=0)
+    deterministic: bool = Field(True, description="torch.use_deterministic_algorithms in every rank")
+    train_timeout_s: int = Field(100, ge=1, description="collective timeout after the first step (hang -> error)")

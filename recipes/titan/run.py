@@ -1,0 +1,52 @@
+"""TorchTitan engine entry: ``main(recipe, probe)`` inside each torchrun rank.
+
+Applies the CPU/torch-2.13 compatibility layer, hands the recipe and the probe
+to ptops' torchtitan components (``registry``, ``trainer``), then runs
+torchtitan's own ``torchtitan.train.main`` with
+``--module ptops.recipes.titan.registry --config ptops_recipe``. A rerun on the
+same run directory resumes from the newest complete checkpoint (torchtitan
+loads ``RUN_DIR/checkpoints/step-N`` with the highest N that has ``.metadata``).
+
+Environment (set by torchrun / the launcher): RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT, PTOPS_RUN_DIR, PTOPS_ATTEMPT; OMP_NUM_THREADS=1 on CPU.
+Extra torchtitan CLI flags may be passed in ``PTOPS_TITAN_ARGS`` (split on
+whitespace), e.g. ``--compile.enable``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+REGISTRY = "ptops.recipes.titan.registry"
+CONFIG = "ptops_recipe"
+
+
+def titan_argv() -> list[str]:
+    return ["--module", REGISTRY, "--config", CONFIG, *shlex.split(os.environ.get("PTOPS_TITAN_ARGS", ""))]
+
+
+def main(recipe: Any, probe: Any) -> None:
+    from ptops.recipes.titan import compat
+
+    compat.apply()
+    run_dir = Path(os.environ["PTOPS_RUN_DIR"])
+    (run_dir / "titan").mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from ptops.recipes.titan import registry, trainer
+
+    registry.set_recipe(recipe)
+    trainer.set_probe(probe)
+
+    import torchtitan.train
+
+    saved = sys.argv
+    sys.argv = [saved[0], *titan_argv()]
+    try:
+        torchtitan.train.main()
+    finally:
+        sys.argv = saved
