@@ -1,0 +1,142 @@
+"""MLflow export: a run with a restart is one MLflow run holding the loss of every step;
+a slow or dead MLflow never blocks the caller."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from ptops.ops.exporters.mlflow_export import MlflowExporter, default_tracking_uri, flatten
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_restarted_run_is_one_mlflow_run_with_every_step(tmp_path):
+    runs = tmp_path / "runs"
+    run = runs / "obs-titan"
+    shutil.copytree(DATA / "obs-titan", run)
+    (run / "checkpoints" / "step-8").mkdir(parents=True)
+    (run / "checkpoints" / "step-8" / "ptops-manifest.json").write_text('{"version": 1, "step": 8, "files": []}')
+    events, metrics = read(run / "events.jsonl"), read(run / "metrics.jsonl")
+    cut = next(i for i, e in enumerate(events) if e["kind"] == "restart") + 1
+
+    # attempt 1 (the supervisor that dies after the restart decision), then attempt 2 (a new supervisor)
+    t0 = time.monotonic()
+    first = MlflowExporter(run)
+    for e in events[:cut]:
+        first.observe_event(e)
+    for m in metrics:
+        if m["attempt"] == 1:
+            first.observe_metric(m)
+    feed_s = time.monotonic() - t0
+    assert feed_s < 0.5, f"observe_* blocked for {feed_s:.2f}s"
+    assert first.close(60), first.last_error
+    assert (run / "mlflow.json").exists()
+    assert stat.S_IMODE(os.stat(run / "mlflow.json").st_mode) == 0o600
+    second = MlflowExporter(run)
+    for e in events[cut:]:
+        second.observe_event(e)
+    for m in metrics:
+        if m["attempt"] == 2:
+            second.observe_metric(m)
+    assert second.close(60), second.last_error
+    assert second.run_id == first.run_id
+    assert first.dropped == second.dropped == 0
+
+    from mlflow.tracking import MlflowClient
+
+    assert default_tracking_uri(run) == f"sqlite:///{runs.resolve() / 'mlflow.db'}"
+    assert (runs / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=default_tracking_uri(run))
+    exp = client.get_experiment_by_name("titan-tiny")
+    found = client.search_runs([exp.experiment_id])
+    assert len(found) == 1
+    r = found[0]
+    assert r.info.run_id == first.run_id and r.info.status == "FINISHED"
+    history = client.get_metric_history(r.info.run_id, "loss")
+    assert sorted({h.step for h in history}) == list(range(1, 9))
+    rank0 = {(m["attempt"], m["step"]): m["loss"] for m in metrics if m["rank"] == 0}
+    assert len(history) == len(rank0)  # steps 6-8 twice: attempt 1 and the redo in attempt 2
+    assert {h.value for h in history if h.step == 8} == {rank0[(2, 8)]}
+    assert client.get_metric_history(r.info.run_id, "tokens_per_s")
+    # params: the recipe flattened
+    recipe = json.loads((run / "recipe.json").read_text())
+    assert r.data.params["train.steps"] == str(recipe["train"]["steps"])
+    assert r.data.params["name"] == "titan-tiny"
+    # tags: event counts over both attempts, last event, state
+    tags = r.data.tags
+    assert tags["ptops.events.launch.count"] == "2"
+    assert tags["ptops.events.restart.count"] == "1"
+    assert json.loads(tags["ptops.events.restart.last"])["reason"].startswith("crash")
+    assert tags["ptops.state"] == "completed" and tags["ptops.attempt"] == "2"
+    # artifacts: incident summary and the checkpoint manifests
+    arts = {a.path for a in client.list_artifacts(r.info.run_id, "ptops")}
+    assert {"ptops/incident_summary.json", "ptops/incident_summary.md", "ptops/checkpoints"} <= arts
+    assert [a.path for a in client.list_artifacts(r.info.run_id, "ptops/checkpoints/step-8")] == \
+        ["ptops/checkpoints/step-8/ptops-manifest.json"]
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_dead_mlflow_never_blocks_and_drops_are_counted(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    ex = MlflowExporter(run, tracking_uri=f"http://127.0.0.1:{_closed_port()}", queue_size=100)
+    t0 = time.monotonic()
+    for step in range(10000):
+        ex.observe_metric({"step": step, "rank": 0, "loss": 1.0, "ts": time.time()})
+    ex.observe_event({"ts": time.time(), "kind": "completed", "step": 9999})
+    feed_s = time.monotonic() - t0
+    assert feed_s < 1.0, f"10000 observe_metric calls took {feed_s:.2f}s"
+    assert ex.dropped > 0
+    t1 = time.monotonic()
+    ok = ex.close(timeout=2.0)
+    assert time.monotonic() - t1 < 3.0
+    assert not ok  # nothing reached MLflow, and close says so instead of hanging
+    assert not (run / "mlflow.json").exists()
+
+
+def test_slow_mlflow_is_bounded(tmp_path, monkeypatch):
+    """A store that takes 1 s per call: the caller is never slowed, close() gives up on time."""
+    run = tmp_path / "runs" / "r2"
+    run.mkdir(parents=True)
+
+    def slow_connect(self):
+        time.sleep(5)
+        raise ConnectionError("too slow")
+
+    monkeypatch.setattr(MlflowExporter, "_connect", slow_connect)
+    ex = MlflowExporter(run, queue_size=50)
+    t0 = time.monotonic()
+    for step in range(1000):
+        ex.observe_metric({"step": step, "rank": 0, "loss": 1.0})
+        ex.observe_metric({"step": step, "rank": 1, "loss": 1.0})  # other ranks are not exported at all
+    assert time.monotonic() - t0 < 0.5
+    assert ex.dropped == 950
+    t1 = time.monotonic()
+    assert not ex.close(timeout=0.5)
+    assert time.monotonic() - t1 < 1.5
+
+
+def test_flatten():
+    assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2], "f": None}) == \
+        {"a.b": "1", "a.c.d": "x", "e": "[1, 2]", "f": "None"}
