@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Sets up ptops in ./.venv (idempotent, fast when nothing changed).
+# --servers also installs the real servers the tests start (Debian packages, needs root).
 # Installs the CPU build of torch first so pip never pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | quiet
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | quiet
   echo "$want" > "$stamp"
+fi
+
+# Real servers for the integration tests (Prometheus, promtool, Alertmanager from Debian).
+if [ "${1:-}" = "--servers" ]; then
+  bash scripts/setup_servers.sh
 fi
 
 # Tiny local assets (tokenizer); built once into ~/.cache/ptops, nothing downloaded.

@@ -3,5 +3,5 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k titan
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --servers
 exec .venv/bin/python -m pytest -ra --timeout 900 "$@"
