@@ -1,0 +1,305 @@
+"""``ptops diagnose``: what happened in a run, which rank, which runbook.
+
+Replays the monitors over the run directory's ``metrics.jsonl`` (so it works on
+a run that never had monitors on, or on a copy from another machine), with the
+run's own ``[monitors]`` configuration from ``recipe.json`` when it has one and
+the defaults otherwise, and merges the findings with ``events.jsonl`` (crashes,
+hangs, restarts, rollbacks, invalid checkpoints, live findings) into one
+incident timeline.
+
+The JSON shape (``diagnose(...)`` returns it; ``ptops diagnose --json`` prints it)
+is stable; keys are only ever added::
+
+    {
+      "run_dir": str, "recipe": str | null, "config": "recipe.json" | "defaults",
+      "metrics_records": int, "ranks": [int], "last_step": int | null,
+      "findings": [ {"source": "replay" | "event", "monitor": str, "family": str,
+                     "step": int | null, "rank": int | null, "host": str | null,
+                     "value": float | str | null, "detail": str, "severity": str,
+                     "runbook": str | null, "ts": float | null, "attempt": int | null,
+                     "live": bool} ],
+      "events_summary": {"state": str, "attempts": int, "counts": {kind: n},
+                         "crashes": [...], "hangs": [...], "rollbacks": [...], "restarts": int,
+                         "checkpoints": int, "last_checkpoint_step": int | null,
+                         "checkpoint_invalid": [...], "first_ts": float | null, "last_ts": float | null},
+      "timeline": [ {"ts": float | null, "step": int | null, "kind": str, "what": str,
+                     "runbook": str | null} ],
+      "notes": [str]
+    }
+
+``value`` is a number, or the string "nan"/"inf"/"-inf", or null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ptops.monitors import Finding, MonitorsSection, build_monitors, replay
+from ptops.ops.rundir import RunDir, read_jsonl
+
+# monitor or event kind -> runbook (runbooks/<Name>.md; the names of ops/alerts)
+RUNBOOKS: dict[str, str] = {
+    "nan": "TrainingNaN",
+    "loss_spike": "LossSpike",
+    "grad_explosion": "LossSpike",
+    "straggler": "StragglerRank",
+    "entropy_collapse": "EntropyCollapse",
+    "mode_collapse": "EntropyCollapse",
+    "kl_drift": "KLDrift",
+    "reward_hacking": "RewardHacking",
+    "stale_rollout": "StaleRollouts",
+    "hang": "TrainingHang",
+    "crash": "TrainingCrashLoop",
+    "early_exit": "TrainingCrashLoop",
+    "checkpoint_invalid": "CheckpointCorrupt",
+    "checkpoint_failed": "CheckpointSaveFailing",
+}
+
+# events that are incidents in their own right (listed as findings with source "event")
+INCIDENT_KINDS = ("crash", "hang", "early_exit", "checkpoint_invalid", "checkpoint_failed", "failed")
+_SEVERITY = {"crash": "critical", "hang": "critical", "early_exit": "critical", "failed": "critical",
+             "checkpoint_invalid": "critical", "checkpoint_failed": "warning"}
+_END_KINDS = ("completed", "failed", "stopped", "interrupted")
+
+
+class DiagnoseError(Exception):
+    """One line for the user; the CLI exits 2 with it."""
+
+
+def load_section(run: RunDir) -> tuple[MonitorsSection, str]:
+    """The run's ``[monitors]`` section from recipe.json, else the defaults."""
+    path = run.recipe_json
+    if not path.is_file():
+        return MonitorsSection(), "defaults"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DiagnoseError(f"{path}: not readable JSON ({e})") from None
+    raw = data.get("monitors") if isinstance(data, dict) else None
+    if raw is None:
+        return MonitorsSection(), "defaults"
+    from pydantic import ValidationError
+
+    try:
+        return MonitorsSection.model_validate(raw), "recipe.json"
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in ("monitors", *err["loc"]))
+        raise DiagnoseError(f"{path}: key '{key}': {err['msg'].lower()}") from None
+
+
+def _num(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def _hosts(events: list[dict[str, Any]]) -> dict[int, str]:
+    """rank -> host from any event that lists ``ranks`` as ``[{rank, host, ...}]`` (the newest wins)."""
+    out: dict[int, str] = {}
+    for e in events:
+        ranks = e.get("ranks")
+        if isinstance(ranks, list):
+            for r in ranks:
+                if isinstance(r, dict) and "rank" in r and r.get("host"):
+                    try:
+                        out[int(r["rank"])] = str(r["host"])
+                    except (TypeError, ValueError):
+                        pass
+    return out
+
+
+def _event_what(e: dict[str, Any]) -> str:
+    kind = e.get("kind", "?")
+    skip = {"ts", "kind"}
+    fields = ", ".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in e.items() if k not in skip)
+    return f"{kind} {fields}".strip()
+
+
+def _event_step(e: dict[str, Any]) -> int | None:
+    for k in ("step", "from_step"):
+        v = e.get(k)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def _summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for e in events:
+        k = str(e.get("kind", "?"))
+        counts[k] = counts.get(k, 0) + 1
+    end = next((e for e in reversed(events) if e.get("kind") in _END_KINDS), None)
+    launched = counts.get("launch", 0)
+    if end is not None:
+        state = str(end["kind"])
+    elif launched:
+        state = "unknown (no end event: still running, or the supervisor died)"
+    else:
+        state = "unknown (no events)"
+    ckpts = [e for e in events if e.get("kind") == "checkpoint" and isinstance(e.get("step"), int)]
+    ts = [e["ts"] for e in events if isinstance(e.get("ts"), (int, float))]
+    pick = lambda kind, keys: [{k: e.get(k) for k in keys if k in e} for e in events if e.get("kind") == kind]  # noqa: E731
+    return {
+        "state": state,
+        "reason": (end or {}).get("reason"),
+        "attempts": launched,
+        "counts": counts,
+        "crashes": pick("crash", ("attempt", "rank", "exit_code", "ts")),
+        "hangs": pick("hang", ("attempt", "ranks", "step", "silent_s", "ts")),
+        "rollbacks": pick("rollback", ("from_step", "to_step", "reason", "ts")),
+        "restarts": counts.get("restart", 0),
+        "checkpoints": len(ckpts),
+        "last_checkpoint_step": max((e["step"] for e in ckpts), default=None),
+        "checkpoint_invalid": pick("checkpoint_invalid", ("path", "reason", "ts")),
+        "first_ts": min(ts, default=None),
+        "last_ts": max(ts, default=None),
+    }
+
+
+def _finding_row(f: Finding, hosts: dict[int, str]) -> dict[str, Any]:
+    d = f.to_dict()
+    return {
+        "source": "replay",
+        "monitor": d["monitor"],
+        "family": d["family"],
+        "step": d["step"],
+        "rank": d["rank"],
+        "host": hosts.get(d["rank"]) if d["rank"] is not None else None,
+        "value": d["value"],
+        "detail": d["detail"],
+        "severity": d["severity"],
+        "runbook": RUNBOOKS.get(d["monitor"]),
+        "ts": d["ts"],
+        "attempt": d["attempt"],
+        "live": False,
+    }
+
+
+def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
+    kind = str(e.get("kind"))
+    if kind == "anomaly":
+        monitor = str(e.get("monitor", "anomaly"))
+        rank, value, detail = e.get("rank"), e.get("value"), str(e.get("detail", ""))
+        severity = str(e.get("severity", "warning"))
+    elif kind == "straggler":
+        monitor, rank, value = "straggler", e.get("rank"), e.get("ratio")
+        detail = str(e.get("detail") or f"rank {rank} {value}x slower than the others")
+        severity = str(e.get("severity", "warning"))
+    else:
+        monitor = kind
+        rank = e.get("rank")
+        if rank is None and isinstance(e.get("ranks"), list) and e["ranks"] and isinstance(e["ranks"][0], int):
+            rank = e["ranks"][0] if len(e["ranks"]) == 1 else None
+        value = e.get("exit_code", e.get("silent_s"))
+        detail = _event_what(e)
+        severity = _SEVERITY.get(kind, "warning")
+    if kind == "failed":
+        reason = str(e.get("reason", ""))
+        runbook = next((rb for k, rb in RUNBOOKS.items() if k in reason), None)
+    else:
+        runbook = RUNBOOKS.get(monitor)
+    try:
+        rank = int(rank) if rank is not None else None
+    except (TypeError, ValueError):
+        rank = None
+    from ptops.monitors.base import FAMILIES
+
+    return {
+        "source": "event",
+        "monitor": monitor,
+        "family": FAMILIES.get(monitor, "incident"),
+        "step": _event_step(e),
+        "rank": rank,
+        "host": hosts.get(rank) if rank is not None else None,
+        "value": _num(value),
+        "detail": detail,
+        "severity": severity,
+        "runbook": runbook,
+        "ts": e.get("ts"),
+        "attempt": e.get("attempt"),
+        "live": kind in ("anomaly", "straggler"),
+    }
+
+
+def diagnose(run_dir: Path) -> dict[str, Any]:
+    """The report for one run directory (see the module docstring for its shape)."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise DiagnoseError(f"{run_dir}: no such run directory")
+    if not run_dir.is_dir():
+        raise DiagnoseError(f"{run_dir}: not a directory")
+    run = RunDir(run_dir)
+    has_metrics, has_events = run.metrics.is_file(), run.events.is_file()
+    if not has_metrics and not has_events:
+        raise DiagnoseError(f"{run_dir}: not a run directory (no metrics.jsonl and no events.jsonl)")
+    notes: list[str] = []
+    section, config_src = load_section(run)
+    metrics = list(read_jsonl(run.metrics)) if has_metrics else []
+    events = list(read_jsonl(run.events)) if has_events else []
+    if not has_metrics:
+        notes.append("no metrics.jsonl: the monitors had nothing to replay (the run died before its first step?)")
+    if not has_events:
+        notes.append("no events.jsonl: no crash/hang/restart history")
+    if not section.enabled:
+        notes.append("recipe.json has [monitors] enabled = false: nothing replayed")
+    hosts = _hosts(events)
+
+    replayed = [_finding_row(f, hosts) for f in replay(metrics, build_monitors(section))]
+    rows = list(replayed)
+    # live findings the supervisor wrote: match them to the replay, keep the ones the replay lacks
+    for e in events:
+        if e.get("kind") not in ("anomaly", "straggler"):
+            continue
+        row = _event_row(e, hosts)
+        twin = next((r for r in replayed if r["monitor"] == row["monitor"] and r["step"] == row["step"]
+                     and (row["rank"] is None or r["rank"] == row["rank"] or row["monitor"] != "straggler")), None)
+        if row["monitor"] == "straggler" and twin is None:
+            twin = next((r for r in replayed if r["monitor"] == "straggler" and r["rank"] == row["rank"]), None)
+        if twin is not None:
+            twin["live"] = True
+        else:
+            rows.append(row)
+    rows.extend(_event_row(e, hosts) for e in events if e.get("kind") in INCIDENT_KINDS)
+    big = float("inf")
+    rows.sort(key=lambda r: (r["ts"] if isinstance(r["ts"], (int, float)) else big,
+                             r["step"] if isinstance(r["step"], int) else -1))
+
+    timeline: list[dict[str, Any]] = []
+    for e in events:
+        kind = str(e.get("kind"))
+        if kind in ("anomaly", "straggler"):
+            continue  # listed through the findings below
+        timeline.append({"ts": e.get("ts"), "step": _event_step(e), "kind": kind, "what": _event_what(e),
+                         "runbook": RUNBOOKS.get(kind)})
+    for r in rows:
+        if r["source"] == "replay" or r["live"]:
+            who = f" rank {r['rank']}" if r["rank"] is not None and not r["detail"].startswith("rank ") else ""
+            timeline.append({"ts": r["ts"], "step": r["step"], "kind": f"finding:{r['monitor']}",
+                             "what": f"{r['monitor']}{who}: {r['detail']}", "runbook": r["runbook"]})
+    timeline.sort(key=lambda t: (t["ts"] if isinstance(t["ts"], (int, float)) else big,
+                                 t["step"] if isinstance(t["step"], int) else -1))
+
+    steps = [r["step"] for r in metrics if isinstance(r.get("step"), int)]
+    ranks = sorted({r["rank"] for r in metrics if isinstance(r.get("rank"), int)})
+    recipe_name = None
+    if run.recipe_json.is_file():
+        try:
+            recipe_name = json.loads(run.recipe_json.read_text()).get("name")
+        except (OSError, ValueError, AttributeError):
+            recipe_name = None
+    return {
+        "run_dir": str(run_dir),
+        "recipe": recipe_name,
+        "config": config_src,
+        "metrics_records": len(metrics),
+        "ranks": ranks,
+        "last_step": max(steps, default=None),
+        "findings": rows,
+        "events_summary": _summarize_events(events),
+        "timeline": timeline,
+        "notes": notes,
+    }

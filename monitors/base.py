@@ -1,0 +1,365 @@
+"""The monitor contract: a stream of metric records in, findings out.
+
+Everything under ``ptops.monitors`` is pure: no ptops imports, no torch, no I/O,
+no wall clock. Time comes from the records themselves (``step``, and ``ts`` when
+the writer stamped one), so the same monitor objects run live in the supervisor
+and offline over a run's ``metrics.jsonl``, and a recorded run replays exactly.
+
+A *record* is one line of ``metrics.jsonl``: a dict with at least ``step`` and
+``rank`` (``attempt``, ``ts`` and the metric keys are optional). Non-finite
+floats arrive as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (the probe's JSON
+encoding) or as float NaN/Inf (a live feed that never went through JSON); TRL
+logs ``None`` for a key whose values were all NaN. :func:`number` reads all of
+them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+
+Severity = str  # "info" | "warning" | "critical"
+SEVERITIES = ("info", "warning", "critical")
+
+# monitor name -> family; the supervisor's policy is chosen per monitor (config.py)
+FAMILIES: dict[str, str] = {
+    "straggler": "straggler",
+    "nan": "numeric",
+    "loss_spike": "numeric",
+    "grad_explosion": "numeric",
+    "entropy_collapse": "rl",
+    "kl_drift": "rl",
+    "reward_hacking": "rl",
+    "mode_collapse": "rl",
+    "stale_rollout": "rl",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing a monitor saw.
+
+    ``step`` is the optimizer step of the record that completed the evidence;
+    ``rank`` is set when the finding is about one rank (straggler, a rank-local
+    NaN) and is the reporting rank otherwise; ``value`` is the score the
+    threshold was compared against (a ratio, a z-score, the offending value;
+    ``None`` for NaN); ``ts`` is copied from that record when it had one.
+    """
+
+    monitor: str
+    step: int
+    value: float | None
+    detail: str
+    severity: Severity = "warning"
+    rank: int | None = None
+    attempt: int | None = None
+    ts: float | None = None
+    family: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.family:
+            object.__setattr__(self, "family", FAMILIES.get(self.monitor, self.monitor))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        v = d["value"]
+        if isinstance(v, float) and not math.isfinite(v):
+            d["value"] = str(v)  # JSON-safe, like the probe's encoding
+        return d
+
+    def to_event(self) -> dict[str, Any]:
+        """The ``events.jsonl`` fields (without ``ts``/``kind`` bookkeeping) for this finding.
+
+        ``straggler {rank, ratio}`` for stragglers, ``anomaly {monitor, step, value, detail}``
+        for everything else (the design's event vocabulary), plus ``severity`` and ``rank``.
+        """
+        value = self.to_dict()["value"]
+        if self.monitor == "straggler":
+            return {"kind": "straggler", "rank": self.rank, "ratio": value, "step": self.step,
+                    "detail": self.detail, "severity": self.severity}
+        return {"kind": "anomaly", "monitor": self.monitor, "step": self.step, "value": value,
+                "detail": self.detail, "severity": self.severity, "rank": self.rank}
+
+
+@runtime_checkable
+class Monitor(Protocol):
+    """A monitor eats records one at a time and says what it saw.
+
+    ``feed`` must be cheap (it runs for every record of every rank), must not
+    raise on odd records (missing keys, strings, None) and must be
+    deterministic: the same records in the same order give the same findings.
+    ``reset`` forgets everything (a new run).
+    """
+
+    name: str
+
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]: ...
+
+    def reset(self) -> None: ...
+
+    # optional: ``flush() -> list[Finding]`` scores anything buffered (end of a stream)
+
+
+def replay(records: Iterable[Mapping[str, Any]], monitors: Iterable[Monitor], flush: bool = True) -> list[Finding]:
+    """Feed every record to every monitor, in order; all findings in the order they fired.
+
+    With ``flush`` (default) monitors that buffer across ranks (straggler) score
+    what they still hold at the end of the stream, as a finished run would.
+    """
+    mons = list(monitors)
+    out: list[Finding] = []
+    for record in records:
+        for m in mons:
+            out.extend(m.feed(record))
+    if flush:
+        for m in mons:
+            f = getattr(m, "flush", None)
+            if f is not None:
+                out.extend(f())
+    return out
+
+
+# ---------------------------------------------------------------- helpers shared by the monitors
+
+_NONFINITE = {"nan": math.nan, "+nan": math.nan, "-nan": math.nan, "inf": math.inf, "+inf": math.inf,
+              "infinity": math.inf, "+infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
+
+
+def number(value: Any) -> float | None:
+    """A metric value as a float: NaN/Inf strings become NaN/Inf floats; None, bools and junk become None."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        v = _NONFINITE.get(value.strip().lower())
+        if v is not None:
+            return v
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def lookup(record: Mapping[str, Any], key: str) -> tuple[bool, Any]:
+    """(present, raw value) for ``key``; ``a/b/c`` also matches the adapter's sanitised ``a_b_c``."""
+    if key in record:
+        return True, record[key]
+    alt = key.replace("/", "_")
+    if alt != key and alt in record:
+        return True, record[alt]
+    return False, None
+
+
+def get_number(record: Mapping[str, Any], key: str) -> float | None:
+    return number(lookup(record, key)[1])
+
+
+def first_number(record: Mapping[str, Any], keys: Iterable[str]) -> tuple[str | None, float | None]:
+    """The first of ``keys`` that holds a finite number: (key, value), else (None, None)."""
+    for k in keys:
+        v = get_number(record, k)
+        if v is not None and math.isfinite(v):
+            return k, v
+    return None, None
+
+
+def record_step(record: Mapping[str, Any]) -> int | None:
+    try:
+        return int(record["step"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def record_rank(record: Mapping[str, Any]) -> int:
+    try:
+        return int(record.get("rank", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def record_ts(record: Mapping[str, Any]) -> float | None:
+    v = number(record.get("ts"))
+    return v if v is not None and math.isfinite(v) else None
+
+
+def record_attempt(record: Mapping[str, Any]) -> int | None:
+    try:
+        a = record.get("attempt")
+        return None if a is None else int(a)
+    except (TypeError, ValueError):
+        return None
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        return math.nan
+    mid = n // 2
+    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default method)."""
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    pos = (len(s) - 1) * q
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def linfit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares line ``y = a + b*x``: returns (a, b). Needs >= 2 distinct xs (else slope 0)."""
+    n = len(xs)
+    mx = sum(xs) / n
+    my = sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return my, 0.0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx, b
+
+
+def correlation(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx = sum(xs) / n
+    my = sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx == 0 or syy == 0:
+        return 0.0
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)
+
+
+class StepSeries:
+    """Per-rank history of one value, keyed by step, that rewinds when the run does.
+
+    A resumed or rolled-back run writes steps again (``step`` goes back); the
+    history then drops every entry at or after the new step, so trailing windows
+    describe the timeline the run is actually on.
+    """
+
+    __slots__ = ("steps", "values", "maxlen")
+
+    def __init__(self, maxlen: int) -> None:
+        self.steps: list[int] = []
+        self.values: list[float] = []
+        self.maxlen = maxlen
+
+    def rewind(self, step: int) -> bool:
+        """Drop entries at or after ``step``; True when anything was dropped."""
+        if not self.steps or self.steps[-1] < step:
+            return False
+        i = len(self.steps)
+        while i > 0 and self.steps[i - 1] >= step:
+            i -= 1
+        del self.steps[i:]
+        del self.values[i:]
+        return True
+
+    def append(self, step: int, value: float) -> None:
+        self.rewind(step)
+        self.steps.append(step)
+        self.values.append(value)
+        if len(self.steps) > self.maxlen:
+            del self.steps[0]
+            del self.values[0]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+class Latch:
+    """Once-per-episode firing: a condition fires once, and again only after it cleared.
+
+    Keyed by step too, so that two ranks reporting the same global value at the
+    same step give one finding, and a rewound run may fire again on a step it
+    redoes only if it reached that step anew (the key holds the attempt).
+    """
+
+    __slots__ = ("active", "emitted")
+
+    def __init__(self) -> None:
+        self.active: set[Any] = set()
+        self.emitted: set[Any] = set()
+
+    def fire(self, key: Any, on: bool) -> bool:
+        if not on:
+            self.active.discard(key)
+            return False
+        if key in self.active:
+            return False
+        self.active.add(key)
+        return True
+
+    def once(self, key: Any) -> bool:
+        if key in self.emitted:
+            return False
+        self.emitted.add(key)
+        return True
+
+    def clear(self) -> None:
+        self.active.clear()
+        self.emitted.clear()
+
+
+class RankedMonitor:
+    """Base for monitors that follow one series per rank.
+
+    Handles what every such monitor needs: per-rank state, rewinding when a
+    rank's step goes back (resume, rollback), and one finding per (step, kind)
+    across ranks (most keys are global - the same loss on every rank - so two
+    ranks would otherwise report the same thing twice). Subclasses implement
+    ``_new_state``, ``_check`` and optionally ``_rewind``.
+    """
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._ranks: dict[int, Any] = {}
+        self._last_step: dict[int, int] = {}
+        self._fired: dict[tuple[int, str], int] = {}
+
+    def _new_state(self) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _rewind(self, state: Any, step: int) -> None:
+        """Forget everything at or after ``step`` (the run is redoing it)."""
+
+    def _check(self, state: Any, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:  # pragma: no cover
+        raise NotImplementedError
+
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+        step = record_step(record)
+        if step is None:
+            return []
+        rank = record_rank(record)
+        state = self._ranks.get(rank)
+        if state is None:
+            state = self._ranks[rank] = self._new_state()
+        last = self._last_step.get(rank)
+        if last is not None and step <= last:
+            self._rewind(state, step)
+            for key, r in list(self._fired.items()):
+                if r == rank and key[0] >= step:
+                    del self._fired[key]
+        self._last_step[rank] = step
+        return self._check(state, record, step, rank)
+
+    def _emit(self, out: list[Finding], record: Mapping[str, Any], step: int, rank: int, kind: str,
+              value: float | None, detail: str, severity: Severity) -> None:
+        key = (step, kind)
+        if key in self._fired:
+            return
+        self._fired[key] = rank
+        out.append(Finding(self.name, step, value, detail, severity, rank, record_attempt(record), record_ts(record)))

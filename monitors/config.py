@@ -1,0 +1,240 @@
+"""The recipe's ``[monitors]`` section: every threshold, with its default and why.
+
+A recipe may say, for example::
+
+    [monitors.loss_spike]
+    z_threshold = 8.0
+    action = "rollback"
+
+    [monitors.rollback]
+    skip_batches = 4
+    lr_scale = 0.5
+
+    [monitors.reward_hacking]
+    verifier_key = "rewards/correct/mean"
+
+Policy vocabulary (what the supervisor does with a finding of that monitor):
+
+- ``alert``        record the finding (events.jsonl ``anomaly``/``straggler``), export it, keep training;
+- ``stop``         stop the run cleanly (``failed`` with the finding as the reason);
+- ``rollback``     restart from the newest good checkpoint before the finding's step, skip
+                   ``rollback.skip_batches`` batches, scale the LR by ``rollback.lr_scale``;
+                   after ``rollback.max_rollbacks`` rollbacks in one run, ``stop`` instead;
+- ``exclude_node`` (straggler only) restart without the straggler rank's node.
+
+Every field can be written in TOML: "off" is 0 for a number and "" for a key.
+Metric keys are written the TRL way (``completions/mean_length``); the monitors
+also match the adapter's sanitised spelling (``completions_mean_length``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Action = Literal["alert", "stop", "rollback"]
+StragglerAction = Literal["alert", "stop", "rollback", "exclude_node"]
+ACTIONS = ("alert", "stop", "rollback", "exclude_node")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RollbackPolicy(_Strict):
+    """How a ``rollback`` action rolls back."""
+
+    skip_batches: int = Field(
+        1, ge=0,
+        description="data batches to skip after restoring, ending at the step that triggered the rollback "
+        "(0 = replay the same data; the PaLM recipe skips a few hundred around a spike)",
+    )
+    lr_scale: float = Field(1.0, gt=0, le=1.0, description="multiply the learning rate by this after a rollback")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed in one run; the next one becomes `stop`")
+
+
+class StragglerConfig(_Strict):
+    """Per-rank time against the median of the other ranks at the same step (see straggler.py)."""
+
+    enabled: bool = True
+    action: StragglerAction = "alert"
+    busy_keys: list[str] = Field(
+        ["compute_s"], description="per-rank busy time that excludes waiting in collectives (best signal)"
+    )
+    wait_keys: list[str] = Field(
+        ["wait_s"], description="per-rank time spent waiting in collectives; busy = step_s - wait_s when no busy key"
+    )
+    data_keys: list[str] = Field(
+        ["data_s", "data_loading_s", "time_metrics_data_loading_s", "data_load_s", "dataloader_s"],
+        description="per-rank data-loading time, scored on its own",
+    )
+    step_key: str = Field("step_s", description="per-rank step time (fallback signal)")
+    step_s_mode: Literal["wait_inferred", "busy", "off"] = Field(
+        "wait_inferred",
+        description="how to read step_s when no busy/wait key exists: `wait_inferred` = in synchronous data "
+        "parallel the ranks leave the step's collectives together, so a rank whose measured step is persistently "
+        "*shorter* than the others' is the one they waited for (its slowness lies outside its measured step); "
+        "`busy` = step_s is busy time (ranks not synchronised per step); `off` = ignore step_s",
+    )
+    margin: float = Field(0.2, gt=0, description="a rank is slow when its time is >= (1 + margin) x the others' median")
+    window: int = Field(5, ge=1, description="steps over which the median per-step ratio must stay past the margin")
+    min_excess_s: float = Field(
+        0.05, ge=0, description="and the median absolute excess must be at least this many seconds (noise floor)"
+    )
+    lag_steps: int = Field(
+        2, ge=1, description="score a step once every known rank reported it, or once any rank is this many steps past it"
+    )
+
+
+class NanConfig(_Strict):
+    """Non-finite loss / grad norm (see numeric.py)."""
+
+    enabled: bool = True
+    action: Action = "rollback"
+    keys: list[str] = Field(["loss", "grad_norm"], description="keys checked for NaN/Inf")
+    none_after_numeric: bool = Field(
+        True, description="treat None as NaN for a key that held numbers earlier on that rank (TRL logs None when all values were NaN)"
+    )
+
+
+class LossSpikeConfig(_Strict):
+    """Robust z-score of the loss against its recent level and noise (see numeric.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    key: str = Field("loss", description="the loss key")
+    window: int = Field(50, ge=5, description="trailing finite values the noise level is estimated from")
+    level_window: int = Field(5, ge=1, description="the current level is the median of this many last values")
+    warmup_steps: int = Field(10, ge=0, description="steps <= this are never judged (the loss falls fast early on)")
+    min_history: int = Field(10, ge=3, description="reference values needed before judging")
+    z_threshold: float = Field(
+        6.0, gt=0, description="(x - level) / (1.4826 * noise) at or above this is a spike (noise: median |step-to-step change| / sqrt 2)"
+    )
+    min_rel_jump: float = Field(
+        0.1, ge=0, description="and x must exceed the level by this fraction of |level| (guards flat, noiseless curves)"
+    )
+    skip_rl: bool = Field(
+        True, description="stand down on records with a `reward` key: a GRPO/PPO loss is ~0 and sign-changing, not a descent objective"
+    )
+
+
+class GradExplosionConfig(_Strict):
+    """Grad norm against a trailing reference and an absolute cap (see numeric.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    key: str = Field("grad_norm", description="the grad-norm key (the adapters log the norm before clipping)")
+    window: int = Field(50, ge=5, description="trailing finite values that form the reference")
+    warmup_steps: int = Field(10, ge=0, description="steps <= this are not judged by the ratio rule")
+    min_history: int = Field(10, ge=3, description="reference values needed before the ratio rule applies")
+    reference_quantile: float = Field(
+        0.75, gt=0, le=1,
+        description="reference = this quantile of the trailing window (0.5 = median); above the median so that "
+        "near-zero-gradient steps (GRPO groups with zero reward variance) do not drag it down",
+    )
+    ratio: float = Field(10.0, gt=1, description="grad norm >= ratio x reference is an explosion")
+    abs_max: float | None = Field(1e4, ge=0, description="grad norm >= this is an explosion at any step (0 = off)")
+
+
+class EntropyCollapseConfig(_Strict):
+    """Policy entropy against its early level (see rl.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    key: str = Field("entropy", description="mean token entropy of the policy")
+    warmup_steps: int = Field(0, ge=0, description="steps <= this are not part of the early level")
+    baseline_steps: int = Field(10, ge=1, description="the early level is the median of this many first values")
+    smooth: int = Field(5, ge=1, description="the current level is the median of this many last values")
+    collapse_frac: float = Field(0.3, gt=0, lt=1, description="current < collapse_frac x early level is a collapse")
+    window: int = Field(20, ge=3, description="values the linear projection is fitted on")
+    horizon: int = Field(50, ge=1, description="steps ahead the projection looks")
+    floor_frac: float = Field(0.3, gt=0, lt=1, description="projection reaching floor_frac x early level within horizon warns")
+    project_gate_frac: float = Field(
+        0.8, gt=0, le=1, description="the projection rule needs the current level already below this x early level"
+    )
+
+
+class KLDriftConfig(_Strict):
+    """KL to the reference policy: over budget, or growing steadily (see rl.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    key: str = Field("kl", description="KL to the reference policy (TRL logs it when beta > 0)")
+    budget: float | None = Field(1.0, ge=0, description="kl (median of the last `smooth`) above this is over budget (0 = off)")
+    smooth: int = Field(3, ge=1, description="values the budget rule takes the median of")
+    warmup_steps: int = Field(20, ge=0, description="steps <= this are not judged by the trend rule (KL rises from 0 early on)")
+    window: int = Field(20, ge=3, description="values the trend is fitted on")
+    min_up_frac: float = Field(0.65, ge=0, le=1, description="fraction of step-to-step increases in the window")
+    min_growth: float = Field(1.0, ge=0, description="fitted end / fitted start - 1 over the window (1.0 = doubled)")
+    min_kl: float = Field(0.05, ge=0, description="the trend rule ignores KL below this (noise near zero)")
+
+
+class RewardHackingConfig(_Strict):
+    """Training reward rising while a held-out verifier falls, or with length / clipping (see rl.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    reward_key: str = Field("reward", description="the training reward (TRL: weighted sum of the reward functions)")
+    verifier_key: str | None = Field(
+        "rewards/verifier/mean", description="held-out / verifier reward key; \"\" (or a key the run never logs) = that rule is off"
+    )
+    coupled_keys: list[str] = Field(
+        ["completions/mean_length", "clip_ratio/region_mean"],
+        description="keys whose steady rise together with the reward is suspicious",
+    )
+    warmup_steps: int = Field(10, ge=0, description="steps <= this are not judged")
+    window: int = Field(20, ge=4, description="values the trends are computed on")
+    trend_corr: float = Field(0.6, gt=0, le=1, description="|Pearson r| of a value against the step that counts as a trend")
+    coupling_corr: float = Field(0.8, gt=0, le=1, description="Pearson r of reward and a coupled key that counts as coupled")
+    min_growth: float = Field(0.25, ge=0, description="relative rise of a coupled key over the window (fitted)")
+
+
+class ModeCollapseConfig(_Strict):
+    """Groups with zero reward variance, or falling diversity (see rl.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    key: str = Field("frac_reward_zero_std", description="fraction of groups whose rewards all agree")
+    threshold: float = Field(0.9, gt=0, le=1, description="every value in the window at or above this is a collapse")
+    window: int = Field(10, ge=1, description="consecutive values")
+    warmup_steps: int = Field(0, ge=0, description="steps <= this are not judged")
+    distinct_key: str | None = Field(None, description="a diversity key (e.g. distinct completions fraction), if the engine logs one (\"\" = off)")
+    distinct_frac: float = Field(0.3, gt=0, lt=1, description="diversity below this x its early level is a collapse")
+    baseline_steps: int = Field(10, ge=1, description="early level of the diversity key: median of the first values")
+
+
+class StaleRolloutConfig(_Strict):
+    """Policy-version lag of the rollouts a step trained on (see rl.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    keys: list[str] = Field(["policy_lag", "policy_version_lag", "staleness"], description="the first present key is read")
+    max_lag: float = Field(4, ge=0, description="lag above this is stale")
+
+
+class MonitorsSection(_Strict):
+    """``[monitors]``: which monitors run, their thresholds, and what the supervisor does on a finding."""
+
+    enabled: bool = Field(True, description="false = run no monitors at all")
+    rollback: RollbackPolicy = RollbackPolicy()
+    straggler: StragglerConfig = StragglerConfig()
+    nan: NanConfig = NanConfig()
+    loss_spike: LossSpikeConfig = LossSpikeConfig()
+    grad_explosion: GradExplosionConfig = GradExplosionConfig()
+    entropy_collapse: EntropyCollapseConfig = EntropyCollapseConfig()
+    kl_drift: KLDriftConfig = KLDriftConfig()
+    reward_hacking: RewardHackingConfig = RewardHackingConfig()
+    mode_collapse: ModeCollapseConfig = ModeCollapseConfig()
+    stale_rollout: StaleRolloutConfig = StaleRolloutConfig()
+
+    def action_for(self, monitor: str) -> str:
+        """The policy action for a finding of ``monitor`` (``alert`` for monitors this section does not know)."""
+        cfg = getattr(self, monitor, None)
+        return getattr(cfg, "action", "alert")
+
+
+MONITOR_NAMES = (
+    "straggler", "nan", "loss_spike", "grad_explosion",
+    "entropy_collapse", "kl_drift", "reward_hacking", "mode_collapse", "stale_rollout",
+)

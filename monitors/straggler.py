@@ -1,0 +1,215 @@
+"""Straggler ranks: one rank persistently slower than the others at the same steps.
+
+Which keys are read, in this order of trust (per rank, per step):
+
+1. **busy time** - the first of ``busy_keys`` (``compute_s``): time the rank
+   spent working, excluding waits inside collectives. Scored directly: a rank
+   is slow when its busy time is ``>= (1 + margin)`` x the median of the other
+   ranks at the same step. Best signal; the adapters/probe should report it.
+2. **step_s - wait_s** - when a wait key (``wait_s``: time blocked in
+   collectives) is reported but no busy key; scored like busy time.
+3. **data-loading time** - the first of ``data_keys`` (``data_s``,
+   ``data_loading_s``, ...), scored directly, on its own, when present.
+4. **step_s alone** (the fallback every record has), read according to
+   ``step_s_mode``:
+
+   - ``wait_inferred`` (default): in synchronous data parallel (DDP, FSDP,
+     TRL's DDP) every rank leaves the step's gradient collectives at the same
+     time, so the slow rank does *not* show a longer ``step_s``: the others do,
+     because they wait for it. Measured on a 2-rank gloo DDP
+     (tests/data/traces/ddp_sleep_rank1.jsonl, recorded with
+     tests/data/traces/ddp_slow_recorder.py): rank 1 sleeping 0.3 s before each
+     step (how the ``slow`` fault and a slow data loader look) gave rank 1
+     ``step_s`` ~0.01 s and rank 0 ~0.31 s when step_s is measured from the
+     step's start to its end (the TRL adapter's definition), and 0.31 s on both
+     when measured end-to-end (the probe's fallback). So in this mode the rank
+     whose step is persistently *shorter* than the others' median by the margin
+     is reported (value = others' median / its own).
+   - ``busy``: read step_s as busy time (ranks that are not synchronised per
+     step, e.g. independent workers). ``off``: ignore step_s.
+
+A rank is reported when the *median* of its per-step ratios over the last
+``window`` scored steps passes ``1 + margin`` and the median absolute excess is
+at least ``min_excess_s`` (the noise floor of tiny CPU steps); once per episode
+per (rank, signal): again only after it cleared.
+
+Known false positives: ranks doing different work by design (pipeline stages,
+rank 0 doing logging/eval/checkpoint-writing: a rank-0-only save makes the
+others *wait*, which ``wait_inferred`` reads as rank 0 being slow - that is true
+but expected); uneven sequence lengths per rank without packing; a noisy
+neighbour for a few steps (the window median absorbs short bursts).
+Known misses: with only step_s, a rank that is slow *inside* its measured step
+before the collective (a slow GPU) makes every rank's step_s equal
+(tests/data/traces/ddp_slowcompute_rank1.jsonl) - nothing distinguishes it
+without ``compute_s``/``wait_s``; step_s measured end-to-end carries no signal
+at all; a job of one rank.
+
+A step is scored once every rank seen so far reported it and a later step was
+seen, or once any rank is ``lag_steps`` past it, or at ``flush()``. The world is
+the set of ranks seen (or ``world_size`` from a record that carries it). When a
+rank's step goes back (restart, rollback) the monitor starts over from that step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Mapping
+
+from .base import Finding, first_number, median, number, record_attempt, record_rank, record_step, record_ts
+from .config import StragglerConfig
+
+_MAX_PENDING = 256
+
+
+class StragglerMonitor:
+    name = "straggler"
+
+    def __init__(self, cfg: StragglerConfig | None = None) -> None:
+        self.cfg = cfg or StragglerConfig()
+        self.reset()
+
+    def reset(self) -> None:
+        self._known: set[int] = set()
+        self._world: int | None = None
+        self._last: dict[int, int] = {}
+        self._floor = -(1 << 62)  # steps <= floor are scored (or given up)
+        self._pending: dict[int, dict[int, tuple[dict[str, float], Mapping[str, Any]]]] = {}
+        self._hist: dict[tuple[int, str], deque] = {}
+        self._latched: set[tuple[int, str]] = set()
+
+    # ------------------------------------------------------------ signals
+
+    def _signals(self, record: Mapping[str, Any]) -> dict[str, float]:
+        cfg = self.cfg
+        sig: dict[str, float] = {}
+        key, busy = first_number(record, cfg.busy_keys)
+        step_s = number(record.get(cfg.step_key))
+        if busy is not None:
+            sig[key or "busy"] = busy
+        else:
+            wkey, wait = first_number(record, cfg.wait_keys)
+            if wait is not None and step_s is not None and step_s == step_s:
+                sig[f"{cfg.step_key}-{wkey}"] = max(step_s - wait, 0.0)
+            elif step_s is not None and step_s == step_s and step_s != float("inf") and cfg.step_s_mode != "off":
+                sig[cfg.step_key + ("~wait" if cfg.step_s_mode == "wait_inferred" else "")] = step_s
+        dkey, data = first_number(record, cfg.data_keys)
+        if data is not None:
+            sig[dkey or "data"] = data
+        return sig
+
+    # ------------------------------------------------------------ feeding
+
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+        step = record_step(record)
+        if step is None:
+            return []
+        rank = record_rank(record)
+        ws = record.get("world_size")
+        if isinstance(ws, int) and ws > 0:
+            self._world = ws
+        last = self._last.get(rank)
+        if last is not None and step <= last:
+            self._restart(step)
+        self._last[rank] = step
+        self._known.add(rank)
+        if step <= self._floor:
+            return []
+        self._pending.setdefault(step, {})[rank] = (self._signals(record), record)
+        return self._score_ready()
+
+    def flush(self) -> list[Finding]:
+        """Score every pending step (end of a replay)."""
+        out: list[Finding] = []
+        for s in sorted(self._pending):
+            out.extend(self._score(s))
+        return out
+
+    def _restart(self, step: int) -> None:
+        """The run redoes ``step``: every rank will, so start over from there."""
+        self._pending = {s: v for s, v in self._pending.items() if s < step}
+        for k, h in self._hist.items():
+            while h and h[-1][0] >= step:
+                h.pop()
+        self._latched.clear()
+        self._floor = min(self._floor, step - 1)
+        for r in self._last:
+            self._last[r] = min(self._last[r], step - 1)
+
+    def _expected(self) -> set[int]:
+        if self._world is not None:
+            return set(range(self._world)) | self._known
+        return self._known
+
+    def _score_ready(self) -> list[Finding]:
+        out: list[Finding] = []
+        if not self._pending:
+            return out
+        newest = max(self._last.values())
+        expected = self._expected()
+        for s in sorted(self._pending):
+            ranks = self._pending[s]
+            complete = expected.issubset(ranks) and (newest > s or self._world is not None)
+            if complete or newest >= s + self.cfg.lag_steps or len(self._pending) > _MAX_PENDING:
+                out.extend(self._score(s))
+            else:
+                break
+        return out
+
+    # ------------------------------------------------------------ scoring
+
+    def _score(self, s: int) -> list[Finding]:
+        ranks = self._pending.pop(s, None)
+        self._floor = max(self._floor, s)
+        out: list[Finding] = []
+        if not ranks or len(ranks) < 2:
+            return out
+        cfg = self.cfg
+        names: set[str] = set()
+        for sig, _ in ranks.values():
+            names.update(sig)
+        for name in sorted(names):
+            vals = {r: sig[name] for r, (sig, _) in ranks.items() if name in sig}
+            if len(vals) < 2:
+                continue
+            inferred = name.endswith("~wait")
+            for r, v in vals.items():
+                others = median([x for q, x in vals.items() if q != r])
+                if inferred:  # the others waited for r: their step is longer than r's
+                    ratio = others / v if v > 0 else (float("inf") if others > 0 else 1.0)
+                    excess = others - v
+                else:
+                    ratio = v / others if others > 0 else (float("inf") if v > 0 else 1.0)
+                    excess = v - others
+                h = self._hist.get((r, name))
+                if h is None:
+                    h = self._hist[(r, name)] = deque(maxlen=cfg.window)
+                if h and h[-1][0] >= s:
+                    while h and h[-1][0] >= s:
+                        h.pop()
+                h.append((s, ratio, excess))
+                if len(h) < cfg.window:
+                    continue
+                med_ratio = median([x[1] for x in h])
+                med_excess = median([x[2] for x in h])
+                slow = med_ratio >= 1 + cfg.margin and med_excess >= cfg.min_excess_s
+                key = (r, name)
+                if not slow:
+                    self._latched.discard(key)
+                    continue
+                if key in self._latched:
+                    continue
+                self._latched.add(key)
+                rec = ranks[r][1]
+                first = h[0][0]
+                if inferred:
+                    detail = (f"rank {r}: the other ranks' {cfg.step_key} is {med_ratio:.2f}x its own "
+                              f"(+{med_excess:.3f} s, median over steps {first}-{s}): they wait for rank {r} in the "
+                              f"collectives; its slowness lies outside its measured step (data loading, host stall)")
+                    signal = cfg.step_key
+                else:
+                    detail = (f"rank {r}: {name} is {med_ratio:.2f}x the other ranks' median "
+                              f"(+{med_excess:.3f} s, median over steps {first}-{s})")
+                    signal = name
+                out.append(Finding("straggler", s, med_ratio, f"{detail} [signal {signal}]", "warning", r,
+                                   record_attempt(rec), record_ts(rec)))
+        return out
