@@ -50,18 +50,24 @@ def launch(
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key, e.g. --set train.steps=30 (repeatable; values parse as TOML).")] = [],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved recipe and the rank command; start nothing.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
+    supervise: Annotated[bool, typer.Option("--supervise", help="Run under the supervisor: detect crashes and hangs, restart from the last good checkpoint. Exit 3 means do not requeue.")] = False,
+    fault: Annotated[list[str], typer.Option("--fault", help="Inject a fault, e.g. crash:rank=1,step=12 (repeatable; first attempt only unless attempt=N).")] = [],
 ) -> None:
     """Run a recipe's ranks with torchrun, checkpoint as the recipe says, resume on rerun.
 
     Examples:\n
       ptops launch titan-tiny --run-dir runs/demo\n
       ptops launch recipes/trl-grpo-tiny.toml --set train.steps=40 --set launch.nproc=2\n
-      ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run
+      ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run\n
+      ptops launch titan-tiny --supervise --fault crash:rank=1,step=12
     """
     from ptops.ops import launcher
     from ptops.ops.progress import Progress
     from ptops.ops.recipe import RecipeError, dump_json, load
 
+    from ptops.ops.cli_supervise import launch_supervised, parse_faults
+
+    faults = parse_faults(fault)
     try:
         rec, path = load(recipe, set_)
         target = run_dir or launcher.default_run_dir(rec)
@@ -75,12 +81,20 @@ def launch(
         run = launcher.prepare_run(rec, path, target)
     except RecipeError as e:
         fail(str(e))
+    if supervise:
+        raise typer.Exit(launch_supervised(rec, run, faults, json_out))
     resumed_from = launcher.completed_step(run)
     typer.echo(
         f"ptops: {rec.name} ({rec.engine}) -> {run.path}"
         + (f"  (resuming after step {resumed_from})" if resumed_from else ""),
         err=True,
     )
+    if faults:
+        import os
+
+        from ptops.faultinject.spec import to_env
+
+        os.environ["PTOPS_FAULTS"] = to_env(faults)  # rank_command passes the environment on
     t0 = time.monotonic()
     progress = Progress(rec.train.steps)
     code = launcher.run_plain(rec, run, progress)
@@ -131,6 +145,33 @@ def recipes() -> None:
             typer.echo(f"{name:18s} {rec.engine:6s} {rec.description}")
         except RecipeError as e:
             typer.echo(f"{name:18s} INVALID {e}")
+
+
+from ptops.ops.cli_supervise import register as _register_supervision  # noqa: E402
+
+_register_supervision(app)
+
+from ptops.ops.cli_obs import register as _register_observability  # noqa: E402
+
+_register_observability(app)
+
+@app.command()
+def diagnose(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (also one copied from elsewhere).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """What happened in a run: replay the monitors over metrics.jsonl, merge events, name the runbooks.
+
+    Exit 0 with a report (findings or not); exit 2 when RUN_DIR is not a run directory.
+    """
+    from ptops.ops.cli_diagnose import diagnose_command
+
+    raise typer.Exit(diagnose_command(run_dir, json_out))
+
+
+from ptops.ops.cli_ckpt import app as _ckpt_app  # noqa: E402
+
+app.add_typer(_ckpt_app, name="ckpt")
 
 
 def main() -> None:

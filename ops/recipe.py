@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ptops.monitors.config import MonitorsSection
 from ptops.recipes.titan.config import TitanSection
 from ptops.recipes.trl.config import TrlSection
 
@@ -45,6 +46,30 @@ class CheckpointSection(_Strict):
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
 
 
+class SupervisorSection(_Strict):
+    """``[supervisor]``: how ``ptops launch --supervise`` watches and restarts a run (all optional)."""
+
+    channel_host: str = Field("127.0.0.1", description="address the supervisor's channel listens on (0.0.0.0 for multi-node)")
+    channel_port: int = Field(0, ge=0, le=65535, description="channel port; 0 picks a free one")
+    channel_advertise: str = Field("", description="host name ranks connect to; empty = channel_host (its hostname for 0.0.0.0)")
+    heartbeat_s: float = Field(2.0, gt=0, description="rank liveness ping interval")
+    hang_multiplier: float = Field(10.0, gt=1, description="a step is hung after this many times the recent median step time ...")
+    hang_floor_s: float = Field(60.0, gt=0, description="... but never sooner than this")
+    hang_window: int = Field(20, ge=1, description="recent steps whose median sets the step timeout")
+    startup_timeout_s: float = Field(600.0, gt=0, description="budget from launch to each rank's first finished step")
+    checkpoint_timeout_s: float = Field(600.0, gt=0, description="budget for one checkpoint save (and for the shutdown after the final step)")
+    unresponsive_s: float = Field(10.0, gt=0, description="a rank silent this long (no ping either) is named as the culprit of a hang")
+    stack_timeout_s: float = Field(5.0, gt=0, description="wait this long for a rank to send its stacks before using py-spy / faulthandler")
+    max_restarts: int = Field(10, ge=0, description="restarts in the whole run; then stop (exit 1)")
+    backoff_s: float = Field(1.0, ge=0, description="delay before a restart; doubles with each attempt that made no progress")
+    backoff_max_s: float = Field(60.0, ge=0, description="longest delay before a restart")
+    storm_restarts: int = Field(5, ge=1, description="this many failures within storm_window_min is a restart storm (exit 3)")
+    storm_window_min: float = Field(10.0, gt=0, description="window of the restart-storm rule, minutes")
+    no_progress_attempts: int = Field(3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint")
+    grace_s: float = Field(30.0, ge=0, description="Ctrl-C / SIGTERM: time the ranks get to checkpoint (engines that support it) before they are stopped")
+    kill_timeout_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down")
+
+
 class Recipe(_Strict):
     name: str = Field(..., min_length=1)
     engine: Literal["titan", "trl"]
@@ -52,6 +77,8 @@ class Recipe(_Strict):
     train: TrainSection = TrainSection()
     launch: LaunchSection = LaunchSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    supervisor: SupervisorSection = SupervisorSection()
+    monitors: MonitorsSection = MonitorsSection()
     titan: TitanSection | None = None
     trl: TrlSection | None = None
 

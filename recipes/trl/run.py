@@ -13,13 +13,20 @@ What the adapter guarantees:
   ``probe.phase("step")`` after it;
 - checkpoints every ``checkpoint.interval`` steps and always at the final step,
   newest ``checkpoint.keep`` kept, under ``RUN_DIR/checkpoints/checkpoint-N``;
-- rerunning on the same run directory resumes from the newest *complete*
-  checkpoint (explicit ``resume_from_checkpoint=path``), bit-identical to an
-  uninterrupted run.
+- every save is committed with :mod:`ptops.ckpt`: after all ranks wrote their
+  part, rank 0 writes ``ptops-manifest.json`` (sizes + sha256), moves
+  ``checkpoints/LATEST`` and prunes to the newest ``checkpoint.keep`` good ones
+  (transformers' own rotation is off: it could delete the last good checkpoint
+  before the new one is committed); the probe's checkpoint phase spans all of it;
+- rerunning on the same run directory resumes from the newest *good*
+  checkpoint (verified against its manifest; explicit
+  ``resume_from_checkpoint=path``, chosen on rank 0 and broadcast), bit-identical
+  to an uninterrupted run;
+- under a supervisor, a stop request (Ctrl-C / SIGTERM of the supervisor) is
+  agreed on by all ranks at the end of a step, which then checkpoints and returns.
 
-Test hook: ``PTOPS_TRL_KILL_AFTER_SAVE=N`` makes every rank SIGKILL itself right
-after the checkpoint of step N is written (all ranks pass a barrier first), to
-emulate a job killed between two steps.
+Faults (crash, hang, nan, enospc, corrupt-ckpt, ...) come through the probe's
+hooks; the adapter has no fault code of its own.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,29 +79,62 @@ def _missing(path: Path, world_size: int, with_rng: bool) -> list[str]:
 
 
 def latest_checkpoint(ckpt_dir: Path, world_size: int) -> Path | None:
-    """Newest complete ``checkpoint-N``; never trusts the highest N blindly.
+    """Newest good ``checkpoint-N``; never trusts the highest N blindly.
 
-    Complete means model weights, optimizer, scheduler, a readable
-    ``trainer_state.json`` for step N, and the RNG state of every rank. When no
-    checkpoint has every rank's RNG state (the world size changed), the newest
-    one complete otherwise is used and transformers reseeds the missing ranks.
+    Good means :func:`ptops.ckpt.verify` (deep: hashes against the manifest, or
+    without one every tensor record read back) passes, and, for a checkpoint
+    without a manifest (killed between the save and the commit), that the RNG
+    state of every rank is there too. When no checkpoint is good with every
+    rank's RNG state (the world size changed), the newest one good otherwise is
+    used and transformers reseeds the missing ranks.
     """
+    from ptops.ckpt import verify
+
     if not ckpt_dir.is_dir():
         return None
     found = sorted(
-        (int(m.group(1)), p) for p in ckpt_dir.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))
+        ((int(m.group(1)), p) for p in ckpt_dir.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))),
+        reverse=True,
     )
-    found.reverse()
+    fallback = None
     for _, path in found:
-        missing = _missing(path, world_size, with_rng=True)
+        res = verify(path, deep=True)
+        if not res.ok:
+            _log(f"skipping bad checkpoint {path}: {res.reason}")
+            continue
+        missing = [] if res.has_manifest else _missing(path, world_size, with_rng=True)
         if not missing:
             return path
-        _log(f"skipping incomplete checkpoint {path}: missing {', '.join(missing)}")
-    for _, path in found:
-        if not _missing(path, world_size, with_rng=False):
-            _log(f"no checkpoint has RNG state for all {world_size} ranks; resuming from {path} anyway")
-            return path
-    return None
+        _log(f"checkpoint {path} has no manifest and misses {', '.join(missing)}")
+        fallback = fallback or (path if not _missing(path, world_size, with_rng=False) else None)
+    if fallback is not None:
+        _log(f"no checkpoint has RNG state for all {world_size} ranks; resuming from {fallback} anyway")
+    return fallback
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in ("torch", "transformers", "trl", "accelerate"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            out[name] = getattr(mod, "__version__", "?")
+    return out
+
+
+def commit_checkpoint(path: Path, step: int, world_size: int, keep: int) -> bool:
+    """Rank 0, after every rank finished its part of the save: manifest, LATEST, retention."""
+    from ptops.ckpt import ManifestError, commit, prune, write_manifest
+
+    try:
+        write_manifest(path, step, world_size, _versions())
+        commit(path.parent, path, deep=False)  # write_manifest just hashed; sizes + structure suffice
+    except ManifestError as e:
+        _log(f"checkpoint {path} NOT committed: {e}")
+        return False
+    report = prune(path.parent, keep_last=keep, min_age_s=0)
+    if report.deleted:
+        _log(f"retention: deleted {', '.join(report.deleted)}")
+    return True
 
 
 # ---------------------------------------------------------------- metrics
@@ -163,7 +203,19 @@ def _make_trainer_class(base: type, probe, tally: _StepTally) -> type:
     return PtopsTrainer
 
 
-def _make_callback(probe, tally: _StepTally):
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+def _make_callback(probe, tally: _StepTally, keep: int):
     from transformers import TrainerCallback
 
     class ProbeCallback(TrainerCallback):
@@ -171,8 +223,7 @@ def _make_callback(probe, tally: _StepTally):
             self._t0 = time.monotonic()
             self._step_s: float | None = None
             self._recorded: set[int] = set()
-            kill = os.environ.get("PTOPS_TRL_KILL_AFTER_SAVE", "")
-            self._kill_after = int(kill) if kill.strip() else None
+            self.stopped_at: int | None = None
 
         def on_step_begin(self, args, state, control, **kwargs):
             tally.reset()
@@ -180,8 +231,27 @@ def _make_callback(probe, tally: _StepTally):
             probe.before_step(state.global_step + 1)
             self._t0 = time.monotonic()
 
+        def _stop_agreed(self, args) -> bool:
+            """All ranks stop at the same step or none does (a lone stop would hang the others)."""
+            if not getattr(probe, "supervised", False):
+                return False
+            flag = bool(getattr(probe, "stop_requested", False))
+            dist = _dist()
+            if dist is None:
+                return flag
+            import torch
+
+            t = torch.tensor([1 if flag else 0], device=args.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return bool(t.item())
+
         def on_step_end(self, args, state, control, **kwargs):
             self._step_s = time.monotonic() - self._t0
+            if state.global_step < state.max_steps and self._stop_agreed(args):
+                _log(f"stop requested: checkpointing step {state.global_step} and stopping")
+                self.stopped_at = state.global_step
+                control.should_save = True
+                control.should_training_stop = True
             if state.global_step >= state.max_steps:
                 control.should_save = True  # always checkpoint the final step
             if control.should_save and not control.should_log:
@@ -212,16 +282,10 @@ def _make_callback(probe, tally: _StepTally):
 
         def on_save(self, args, state, control, **kwargs):
             step = state.global_step
+            _barrier()  # every rank has written its part (rank R's rng_state_R.pth)
+            if state.is_world_process_zero:
+                commit_checkpoint(Path(args.output_dir) / f"checkpoint-{step}", step, args.world_size, keep)
             probe.phase("step", step)
-            if self._kill_after is not None and step == self._kill_after:
-                import torch.distributed as dist
-
-                if dist.is_available() and dist.is_initialized():
-                    dist.barrier()
-                _log(f"PTOPS_TRL_KILL_AFTER_SAVE={step}: killing myself after checkpoint-{step}")
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
 
     return ProbeCallback()
 
@@ -247,12 +311,13 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
         report_to=[],
         save_strategy="steps",
         save_steps=recipe.checkpoint.interval,
-        save_total_limit=recipe.checkpoint.keep,
+        save_total_limit=None,  # retention is ptops.ckpt.prune after each commit (never the last good one)
         disable_tqdm=True,
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
-        ddp_backend="gloo",
-    )
+        # TRL defaults gradient checkpointing on; a 100k-parameter model only pays the recompute
+        activation_checkpointing=False,
+    ) | ({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {})
 
 
 def build_trainer(recipe, probe, run: RunDir):
@@ -268,7 +333,7 @@ def build_trainer(recipe, probe, run: RunDir):
     model = load_model(mdir)
     args = _common_args(recipe, run.checkpoints)
     tally = _StepTally()
-    callbacks = [_make_callback(probe, tally)]
+    callbacks = [_make_callback(probe, tally, recipe.checkpoint.keep)]
 
     if sec.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
@@ -329,6 +394,16 @@ def build_trainer(recipe, probe, run: RunDir):
     raise ValueError(f"[trl].trainer: unknown trainer {sec.trainer!r}")
 
 
+def choose_resume(run: RunDir, world: int) -> Path | None:
+    """Rank 0 picks the checkpoint (verifying hashes once), every rank gets the same answer."""
+    dist = _dist()
+    if dist is None:
+        return latest_checkpoint(run.checkpoints, world)
+    box = [str(latest_checkpoint(run.checkpoints, world) or "") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0]) if box[0] else None
+
+
 def main(recipe, probe) -> None:
     for key, value in (
         ("HF_HUB_OFFLINE", "1"),
@@ -336,14 +411,20 @@ def main(recipe, probe) -> None:
         ("TRANSFORMERS_OFFLINE", "1"),
         ("TOKENIZERS_PARALLELISM", "false"),
         ("HF_HUB_DISABLE_TELEMETRY", "1"),
+        # report_to=[]: ranks report through the probe; importing mlflow here only costs ~1-3 s per rank
+        ("DISABLE_MLFLOW_INTEGRATION", "TRUE"),
     ):
         os.environ.setdefault(key, value)
+    # TRL 1.16 still calls transformers' deprecated gradient_checkpointing names on every save
+    warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
     run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
     run.checkpoints.mkdir(parents=True, exist_ok=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.monotonic()
     trainer = build_trainer(recipe, probe, run)
-    resume = latest_checkpoint(run.checkpoints, world)
+    if hasattr(probe, "accept_stop_requests"):
+        probe.accept_stop_requests()
+    resume = choose_resume(run, world)
     _log(
         f"{recipe.trl.trainer} trainer ready in {time.monotonic() - t0:.1f}s; "
         + (f"resuming from {resume}" if resume else "starting fresh")
@@ -354,5 +435,9 @@ def main(recipe, probe) -> None:
         # belt and braces: the callback asks for a save at max_steps; make sure it exists
         probe.phase("checkpoint", final)
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        _barrier()
+        if trainer.is_world_process_zero():
+            commit_checkpoint(run.checkpoints / f"checkpoint-{final}", final, world, recipe.checkpoint.keep)
         probe.phase("step", final)
-    _log(f"finished at step {final}")
+    stopped = next((cb.stopped_at for cb in trainer.callback_handler.callbacks if hasattr(cb, "stopped_at")), None)
+    _log(f"stopped on request at step {final}" if stopped is not None else f"finished at step {final}")

@@ -1,0 +1,187 @@
+"""Fault specs: ``KIND[:key=value,...]``, e.g. ``crash:rank=1,step=12``.
+
+Grammar (design.md): a kind, then optionally ``:`` and comma-separated
+``key=value`` pairs. Every kind understands ``attempt=N`` (default 1: a fault
+fires in the first attempt only; ``attempt=0`` means every attempt) and
+``rank=R`` (default: every rank). Keys per kind:
+
+=============  ==========================================  =========================================
+kind           keys                                        effect (rank side, see faultinject.inject)
+=============  ==========================================  =========================================
+crash          step (req), rank, attempt, code, signal     the rank dies at the start of ``step``:
+                                                           SIGKILL by default, ``code=N`` exits N,
+                                                           ``signal=TERM|SEGV|...`` kills with it
+hang           step (req), rank, attempt, seconds,         the rank stops making progress at the
+               mode                                        start of ``step`` (``seconds``: default
+                                                           forever; ``mode=sleep`` keeps its
+                                                           liveness pings, ``mode=stop`` SIGSTOPs)
+slow           step (req), rank, attempt, seconds,         the rank sleeps ``seconds`` (default 1)
+               steps                                       at the start of ``steps`` steps (default 1)
+nan            step (req), rank, attempt                   the step's loss is multiplied by NaN
+oom            step (req), rank, attempt                   ``torch.OutOfMemoryError`` (MemoryError
+                                                           without torch) at the start of ``step``
+preempt        step (req), attempt                         SIGTERM to the supervisor (or, without
+                                                           one, to torchrun) at the start of ``step``
+enospc         step (req), rank, attempt                   ``OSError(ENOSPC)`` when the checkpoint of
+                                                           ``step`` begins
+corrupt-ckpt   step (req), attempt                         after the checkpoint of ``step`` is written,
+                                                           rank 0 truncates its largest file
+=============  ==========================================  =========================================
+
+Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
+wrong type each raise :class:`FaultSpecError` with one line naming the spec,
+the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import signal as _signal
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class FaultSpecError(ValueError):
+    """One clear line about a bad ``--fault`` spec."""
+
+
+_INT, _FLOAT, _STR = "int", "float", "str"
+
+# kind -> {key: type}; "step" is required for every kind below
+KINDS: dict[str, dict[str, str]] = {
+    "crash": {"step": _INT, "rank": _INT, "attempt": _INT, "code": _INT, "signal": _STR},
+    "hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR},
+    "slow": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "steps": _INT},
+    "nan": {"step": _INT, "rank": _INT, "attempt": _INT},
+    "oom": {"step": _INT, "rank": _INT, "attempt": _INT},
+    "preempt": {"step": _INT, "attempt": _INT},
+    "enospc": {"step": _INT, "rank": _INT, "attempt": _INT},
+    "corrupt-ckpt": {"step": _INT, "attempt": _INT},
+}
+REQUIRED = ("step",)
+HANG_MODES = ("sleep", "stop")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None  # None: every rank
+    attempt: int = 1  # 0: every attempt
+    params: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
+
+    def applies(self, rank: int, attempt: int) -> bool:
+        return (self.rank is None or self.rank == rank) and (self.attempt == 0 or self.attempt == attempt)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Fault":
+        return cls(
+            kind=d["kind"],
+            step=int(d["step"]),
+            rank=None if d.get("rank") is None else int(d["rank"]),
+            attempt=int(d.get("attempt", 1)),
+            params=dict(d.get("params") or {}),
+            text=d.get("text", ""),
+        )
+
+    def __str__(self) -> str:
+        return self.text or format_spec(self)
+
+
+def _convert(spec: str, key: str, raw: str, kind: str) -> Any:
+    try:
+        if kind == _INT:
+            return int(raw)
+        if kind == _FLOAT:
+            return float(raw)
+    except ValueError:
+        expected = "an integer" if kind == _INT else "a number"
+        raise FaultSpecError(f"fault {spec!r}: key '{key}': expected {expected}, got {raw!r}") from None
+    return raw
+
+
+def parse(spec: str) -> Fault:
+    """Parse one ``KIND[:key=value,...]`` spec."""
+    text = spec.strip()
+    if not text:
+        raise FaultSpecError("fault '': empty spec (expected KIND[:key=value,...], e.g. crash:rank=1,step=12)")
+    kind, _, rest = text.partition(":")
+    kind = kind.strip()
+    if kind not in KINDS:
+        raise FaultSpecError(f"fault {spec!r}: unknown kind {kind!r} (expected one of: {', '.join(KINDS)})")
+    allowed = KINDS[kind]
+    values: dict[str, Any] = {}
+    if rest.strip():
+        for item in rest.split(","):
+            key, sep, raw = item.partition("=")
+            key, raw = key.strip(), raw.strip()
+            if not sep or not key or not raw:
+                raise FaultSpecError(f"fault {spec!r}: bad item {item.strip()!r} (expected key=value, e.g. step=12)")
+            if key not in allowed:
+                raise FaultSpecError(
+                    f"fault {spec!r}: key '{key}': unknown key for {kind} (expected one of: {', '.join(allowed)})"
+                )
+            if key in values:
+                raise FaultSpecError(f"fault {spec!r}: key '{key}': given twice")
+            values[key] = _convert(spec, key, raw, allowed[key])
+    elif ":" in text:
+        raise FaultSpecError(f"fault {spec!r}: nothing after ':' (expected key=value, e.g. {kind}:step=12)")
+    for key in REQUIRED:
+        if key in allowed and key not in values:
+            raise FaultSpecError(f"fault {spec!r}: key '{key}': missing (required, e.g. {kind}:step=12)")
+    step = values.pop("step")
+    if step < 1:
+        raise FaultSpecError(f"fault {spec!r}: key 'step': must be >= 1 (got {step})")
+    rank = values.pop("rank", None)
+    if rank is not None and rank < 0:
+        raise FaultSpecError(f"fault {spec!r}: key 'rank': must be >= 0 (got {rank})")
+    attempt = values.pop("attempt", 1)
+    if attempt < 0:
+        raise FaultSpecError(f"fault {spec!r}: key 'attempt': must be >= 0 (0 = every attempt; got {attempt})")
+    if "seconds" in values and values["seconds"] < 0:
+        raise FaultSpecError(f"fault {spec!r}: key 'seconds': must be >= 0 (got {values['seconds']})")
+    if "steps" in values and values["steps"] < 1:
+        raise FaultSpecError(f"fault {spec!r}: key 'steps': must be >= 1 (got {values['steps']})")
+    if kind == "hang" and values.get("mode", "sleep") not in HANG_MODES:
+        raise FaultSpecError(f"fault {spec!r}: key 'mode': expected one of {', '.join(HANG_MODES)} (got {values['mode']!r})")
+    if "signal" in values:
+        name = values["signal"].upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if not isinstance(getattr(_signal, name, None), _signal.Signals):
+            raise FaultSpecError(f"fault {spec!r}: key 'signal': unknown signal {values['signal']!r} (e.g. KILL, TERM, SEGV)")
+        values["signal"] = name
+    if "code" in values and "signal" in values:
+        raise FaultSpecError(f"fault {spec!r}: keys 'code' and 'signal': give one, not both")
+    return Fault(kind=kind, step=step, rank=rank, attempt=attempt, params=values, text=text)
+
+
+def parse_all(specs: list[str] | tuple[str, ...]) -> list[Fault]:
+    return [parse(s) for s in specs]
+
+
+def format_spec(fault: Fault) -> str:
+    items = [f"step={fault.step}"]
+    if fault.rank is not None:
+        items.append(f"rank={fault.rank}")
+    if fault.attempt != 1:
+        items.append(f"attempt={fault.attempt}")
+    items += [f"{k}={v}" for k, v in sorted(fault.params.items())]
+    return f"{fault.kind}:{','.join(items)}"
+
+
+def to_env(faults: list[Fault]) -> str:
+    """Serialise for ``PTOPS_FAULTS`` (JSON list)."""
+    return json.dumps([f.to_dict() for f in faults], separators=(",", ":"))
+
+
+def from_env(text: str | None) -> list[Fault]:
+    if not text:
+        return []
+    try:
+        return [Fault.from_dict(d) for d in json.loads(text)]
+    except (ValueError, KeyError, TypeError) as e:
+        raise FaultSpecError(f"PTOPS_FAULTS: not a valid fault list ({e})") from None

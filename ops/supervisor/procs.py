@@ -1,0 +1,151 @@
+"""Processes of a supervised attempt: spawn torchrun so it dies with us, find and kill what is left.
+
+No orphans, in layers:
+
+1. torchrun is spawned in its own session with ``PR_SET_PDEATHSIG=SIGKILL``:
+   if the supervisor dies (even by SIGKILL), the kernel kills torchrun;
+2. each rank sets ``PR_SET_PDEATHSIG=SIGKILL`` towards torchrun and watches
+   its parent (``recipes/entry.py``), and kills itself when the supervisor's
+   channel closes (``ops/probe.py``);
+3. on teardown and on adoption the supervisor sweeps ``/proc`` for every process
+   whose environment carries this run's ``PTOPS_RUN_DIR`` and kills it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _prctl = _libc.prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec: keep it tiny
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start torchrun in its own session; the kernel SIGKILLs it when this process dies."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def run_processes(run_dir: Path, exclude: set[int] | None = None) -> list[int]:
+    """Pids of live processes whose environment has ``PTOPS_RUN_DIR`` = this run (same user or root)."""
+    want = b"PTOPS_RUN_DIR=" + str(Path(run_dir).resolve()).encode()
+    skip = {os.getpid()} | (exclude or set())
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid in skip:
+            continue
+        if want in _environ(pid).split(b"\0") and not is_zombie(pid):
+            out.append(pid)
+    return sorted(out)
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not is_zombie(pid)
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def teardown(proc: subprocess.Popen | None, run_dir: Path, rank_pids: list[int], grace_s: float) -> list[int]:
+    """Stop torchrun and every rank of this run: SIGTERM (+SIGCONT), wait ``grace_s``, then SIGKILL.
+
+    ``grace_s=0`` kills at once (a hung attempt). Returns the pids that needed SIGKILL.
+    """
+    pids = sorted(set(rank_pids) | set(run_processes(run_dir)))
+    if proc is not None and proc.poll() is None:
+        pids = sorted(set(pids) | {proc.pid})
+    if grace_s > 0:
+        signal_all(pids, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+        if proc is not None and proc.poll() is None:
+            killpg(proc.pid, signal.SIGTERM)
+        signal_all(pids, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc is not None:
+                proc.poll()
+            if not any(alive(p) for p in pids):
+                break
+            time.sleep(0.1)
+    killed = [p for p in pids if alive(p)]
+    if proc is not None and proc.poll() is None:
+        killpg(proc.pid, signal.SIGKILL)
+    signal_all(killed, signal.SIGKILL)
+    # anything started in between (a rank mid-spawn) goes too
+    for _ in range(50):
+        if proc is not None:
+            proc.poll()
+        left = [p for p in run_processes(run_dir) if alive(p)]
+        if not left and (proc is None or proc.poll() is not None):
+            break
+        signal_all(left, signal.SIGKILL)
+        time.sleep(0.1)
+    if proc is not None:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    return killed

@@ -1,0 +1,86 @@
+"""Stacks of ranks that are not answering over the channel: py-spy first, faulthandler as fallback.
+
+py-spy reads a process' memory from outside (``--nonblocking``), so it works on a
+SIGSTOPped rank or one stuck in C code; the rank allows it via ``PR_SET_PTRACER``
+(``recipes/entry.py``). faulthandler (SIGUSR1, registered by every rank) needs
+the rank to run, but not the GIL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def py_spy() -> str | None:
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    candidate = Path(sys.executable).parent / "py-spy"
+    return str(candidate) if candidate.exists() else None
+
+
+def with_py_spy(pid: int, timeout_s: float = 20.0) -> tuple[str | None, str]:
+    """(stack text, note). ``None`` text when py-spy is missing or failed."""
+    exe = py_spy()
+    if exe is None:
+        return None, "py-spy not installed"
+    try:
+        out = subprocess.run(
+            [exe, "dump", "--pid", str(pid), "--nonblocking", "--locals"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"py-spy timed out after {timeout_s:g} s"
+    if out.returncode != 0 or not out.stdout.strip():
+        return None, f"py-spy failed ({out.returncode}): {(out.stderr or out.stdout).strip()[:300]}"
+    return out.stdout, "py-spy dump --nonblocking"
+
+
+def with_faulthandler(pid: int, stack_file: Path, wait_s: float = 2.0) -> tuple[str | None, str]:
+    """SIGUSR1 -> the rank's faulthandler appends all threads' stacks to ``stack_file``."""
+    try:
+        before = stack_file.stat().st_size
+    except OSError:
+        before = 0
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return None, "process gone"
+    deadline = time.monotonic() + wait_s
+    text = ""
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            with open(stack_file, "rb") as f:
+                f.seek(before)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            text = ""
+        if text.strip() and "File" in text:
+            time.sleep(0.2)  # let it finish writing
+            with open(stack_file, "rb") as f:
+                f.seek(before)
+                text = f.read().decode(errors="replace")
+            return text, "faulthandler (SIGUSR1)"
+    return None, f"faulthandler wrote nothing within {wait_s:g} s (process stopped?)"
+
+
+def write_private(path: Path, text: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for d in (path.parent.parent, path.parent):
+        try:
+            os.chmod(d, 0o700)
+        except OSError:
+            pass
+    data = text.encode() if isinstance(text, str) else text
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
