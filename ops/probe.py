@@ -202,6 +202,14 @@ class Probe:
         """True when a ``nan`` fault wants this step's loss poisoned (adapter multiplies by NaN)."""
         return self.injector.should_poison(int(step))
 
+    def event(self, kind: str, **fields: Any) -> None:
+        """A rank-side event (e.g. ``checkpoint_failed``): over the channel when supervised, else straight to events.jsonl."""
+        fields = {"rank": self.rank, "attempt": self.attempt, **fields}
+        if self.client is not None:
+            self._send({"t": "event", "kind": kind, "fields": fields})
+        else:
+            self.run.event(kind, **fields)
+
     def accept_stop_requests(self) -> None:
         """An adapter that can save on request declares it (see the module docstring)."""
         self._accepts_stop = True

@@ -50,6 +50,10 @@ from ptops.ops.supervisor.lock import acquire, release
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
+# Event kinds a rank may report itself (the run directory records them as they come).
+RANK_EVENT_KINDS = frozenset({"checkpoint", "checkpoint_saved", "checkpoint_failed", "checkpoint_committed", "rollback_applied"})
+
+
 @dataclass
 class RankInfo:
     rank: int
@@ -478,6 +482,10 @@ class Supervisor:
             self.say(f"fault injected: {fields['fault']} on rank {fields['rank']} at step {fields['step']}")
         elif t == "fault_armed":
             pass
+        elif t == "event":
+            kind = str(msg.get("kind") or "")
+            if kind in RANK_EVENT_KINDS:
+                self.event(kind, **(msg.get("fields") or {}))
         elif t == "stacks":
             self.stacks_replies[rank] = msg
         elif t == "stop_ack":
