@@ -95,9 +95,18 @@ def launch(
         from ptops.faultinject.spec import to_env
 
         os.environ["PTOPS_FAULTS"] = to_env(faults)  # rank_command passes the environment on
+    from ptops.ops.supervisor.lock import LockedError, acquire, release
+
+    try:
+        lock_fd = acquire(run.path)  # one launcher per run directory, supervised or not
+    except LockedError as e:
+        fail(str(e))
     t0 = time.monotonic()
     progress = Progress(rec.train.steps)
-    code = launcher.run_plain(rec, run, progress)
+    try:
+        code = launcher.run_plain(rec, run, progress)
+    finally:
+        release(lock_fd)
     progress.close()
     summary = summarize(run, time.monotonic() - t0)
     if json_out:

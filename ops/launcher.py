@@ -21,6 +21,10 @@ from ptops.ops.recipe import Recipe, RecipeError, dump_json, from_json
 from ptops.ops.rundir import RunDir, final_metrics_by_step
 
 
+# Sections that change how a run is watched, not what it computes: a resume may retune them.
+OPERATIONAL_SECTIONS = {"supervisor", "monitors"}
+
+
 def default_run_dir(recipe: Recipe) -> Path:
     return Path("runs") / f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
@@ -42,12 +46,18 @@ def prepare_run(recipe: Recipe, recipe_path: Path, run_dir: Path) -> RunDir:
     run = RunDir(Path(run_dir))
     if run.recipe_json.exists():
         stored = from_json(run.recipe_json.read_text())
-        if stored != recipe:
-            diff = _first_difference(stored.model_dump(), recipe.model_dump())
+        a = stored.model_dump(exclude=OPERATIONAL_SECTIONS)
+        b = recipe.model_dump(exclude=OPERATIONAL_SECTIONS)
+        if a != b:
+            diff = _first_difference(a, b)
             raise RecipeError(
                 f"{run.recipe_json}: key {diff.split(' ')[0]}: this run directory holds a different recipe "
                 f"({diff}); resume it with the same recipe and --set values, or use a new --run-dir"
             )
+        if stored != recipe:  # retuned watchdogs on resume: allowed, and recorded
+            changed = _first_difference(stored.model_dump(), recipe.model_dump())
+            run.recipe_json.write_text(dump_json(recipe) + "\n")
+            run.event("recipe_updated", first_change=changed)
         return run
     run.create()
     run.recipe_json.write_text(dump_json(recipe) + "\n")

@@ -105,3 +105,34 @@ def test_resume_with_different_recipe_refused(ptops, tmp_path):
     with pytest.raises(RecipeError, match="train.steps"):
         prepare_run(rec2, path, tmp_path / "run")
     assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
+
+
+def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
+    from ptops.ops.launcher import prepare_run
+    from ptops.ops.recipe import from_json
+    from ptops.ops.rundir import RunDir
+
+    p = write(tmp_path, GOOD)
+    rec, path = load(p)
+    prepare_run(rec, path, tmp_path / "run")
+    rec2, _ = load(p, ["supervisor.hang_floor_s=5"])
+    run = prepare_run(rec2, path, tmp_path / "run")
+    assert from_json(run.recipe_json.read_text()).supervisor.hang_floor_s == 5
+    assert [e["kind"] for e in RunDir(tmp_path / "run").read_events()] == ["recipe_updated"]
+
+
+def test_second_launcher_on_same_run_dir_refused(ptops, tmp_path):
+    from ptops.ops.launcher import prepare_run
+    from ptops.ops.supervisor.lock import acquire, release
+
+    p = write(tmp_path, GOOD)
+    rec, path = load(p)
+    prepare_run(rec, path, tmp_path / "run")
+    fd = acquire(tmp_path / "run")
+    try:
+        proc = ptops("launch", str(p), "--run-dir", str(tmp_path / "run"))
+    finally:
+        release(fd)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
