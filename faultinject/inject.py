@@ -2,10 +2,18 @@
 
 The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
 
-- ``before_step(step)`` (start of an optimizer step): crash, hang, slow, oom, preempt
+- ``before_step(step)`` (start of an optimizer step): crash, hang, slow, oom,
+  preempt, kill-supervisor
 - ``should_poison(step)``: nan
-- ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc
-- ``after_checkpoint(step)`` (first ``probe.phase("step", step)`` after it): corrupt-ckpt
+- ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc. The
+  ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
+  ``checkpoint_failed`` and carries on (an adapter without one crashes, and the
+  supervisor restarts it: also survivable).
+- ``after_checkpoint(step)`` (first ``probe.phase("step", step)`` after it, i.e.
+  once the save is complete and committed): corrupt-ckpt
+
+preempt, kill-supervisor and corrupt-ckpt are carried out by one rank for the
+whole job (rank 0 unless the spec says ``rank=``).
 
 Every fault fires at most once per process, and ``emit(fault, step)`` is called
 *before* it takes effect, so ``fault_injected`` reaches the run directory even
@@ -24,9 +32,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ptops.faultinject.spec import Fault
+from ptops.faultinject.spec import ONE_RANK_KINDS, Fault
 
-BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt")
+BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor")
+FLIP_BYTES = 64
 
 
 class Injector:
@@ -49,16 +58,17 @@ class Injector:
         self._slow_left: dict[int, tuple[float, int]] = {}
         self._ckpt_steps: set[int] = set()
 
+    def _for_rank(self, f: Fault) -> bool:
+        if f.kind in ONE_RANK_KINDS and f.rank is None:
+            return self.rank == 0
+        return f.rank is None or f.rank == self.rank
+
     def _mine(self, f: Fault) -> bool:
-        if f.kind in ("corrupt-ckpt", "preempt") and f.rank is None:
-            return self.rank == 0 and (f.attempt == 0 or f.attempt == self.attempt)
-        return f.applies(self.rank, self.attempt)
+        return self._for_rank(f) and (f.attempt == 0 or f.attempt == self.attempt)
 
     def add(self, fault: Fault) -> bool:
         """A fault injected into the live run; returns whether it applies to this rank."""
-        if not (fault.rank is None or fault.rank == self.rank):
-            return False
-        if fault.kind in ("corrupt-ckpt", "preempt") and fault.rank is None and self.rank != 0:
+        if not self._for_rank(fault):
             return False
         with self._lock:
             self._pending.append((fault, True))
@@ -91,7 +101,7 @@ class Injector:
                 self._slow_left[key] = (seconds, left - 1)
         for f in self._take(BEFORE_STEP, step):
             self.emit(f, step)
-            getattr(self, "_" + f.kind)(f, step)
+            getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)
@@ -152,23 +162,85 @@ class Injector:
             raise MemoryError(msg) from None
 
     def _preempt(self, f: Fault, step: int) -> None:
+        # A scheduler's SIGTERM before the time limit: the supervisor owns the job's stop path
+        # (save request, teardown, exit 143). Unsupervised, torchrun (this rank's parent) gets it
+        # and forwards it to every rank.
         target = int(os.environ.get("PTOPS_SUPERVISOR_PID") or 0) or os.getppid()
         try:
             os.kill(target, signal.SIGTERM)
         except ProcessLookupError:
             pass
 
-    def _corrupt(self, f: Fault, step: int) -> None:
-        if self.run_dir is None:
+    def _kill_supervisor(self, f: Fault, step: int) -> None:
+        target = int(os.environ.get("PTOPS_SUPERVISOR_PID") or 0)
+        if not target:
+            _warn(f"fault {f}: no supervisor to kill (not a supervised run); ignored")
             return
-        root = self.run_dir / "checkpoints"
-        for name in (f"step-{step}", f"checkpoint-{step}"):
-            d = root / name
-            if d.is_dir():
-                files = sorted((p for p in d.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-                if files:
-                    victim = files[-1]
-                    size = victim.stat().st_size
-                    with open(victim, "r+b") as fh:
-                        fh.truncate(size // 2)
-                return
+        time.sleep(0.5)  # the supervisor pumps its channel every 0.2 s: let it record fault_injected first
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(30)  # the channel's EOF (probe) and PDEATHSIG (torchrun) end this rank meanwhile
+
+    def _corrupt(self, f: Fault, step: int) -> None:
+        victim = corrupt_checkpoint(self.run_dir, step, self.rank, f.params.get("mode", "truncate"))
+        if victim is None:
+            _warn(f"fault {f}: no checkpoint of step {step} to corrupt under {self.run_dir}")
+        else:
+            _warn(f"fault {f}: corrupted {victim}")
+
+
+def _warn(msg: str) -> None:
+    import sys
+
+    print(f"[ptops.faultinject] {msg}", file=sys.stderr, flush=True)
+
+
+def find_checkpoint(run_dir: Path | None, step: int) -> Path | None:
+    if run_dir is None:
+        return None
+    for name in (f"step-{step}", f"checkpoint-{step}"):
+        d = Path(run_dir) / "checkpoints" / name
+        if d.is_dir():
+            return d
+    return None
+
+
+def pick_victim(ckpt: Path, rank: int = 0) -> Path | None:
+    """The shard to damage: rank's own DCP shard ``__R_0.distcp`` when present, else the largest file."""
+    own = ckpt / f"__{rank}_0.distcp"
+    if own.is_file() and own.stat().st_size > 0:
+        return own
+    files = [p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith("ptops-")]
+    files.sort(key=lambda p: (p.stat().st_size, str(p)))
+    return files[-1] if files else None
+
+
+def corrupt_file(path: Path, mode: str = "truncate") -> None:
+    """``truncate``: cut to half its size; ``flip``: invert FLIP_BYTES bytes in the middle (size unchanged)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        if mode == "flip":
+            n = min(FLIP_BYTES, size)
+            at = max(0, size // 2 - n // 2)
+            fh.seek(at)
+            data = fh.read(n)
+            fh.seek(at)
+            fh.write(bytes(b ^ 0xFF for b in data))
+        else:
+            fh.truncate(size // 2)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def corrupt_checkpoint(run_dir: Path | None, step: int, rank: int = 0, mode: str = "truncate") -> Path | None:
+    """Damage one shard of the checkpoint of ``step`` in ``run_dir``; returns the file, or None if none."""
+    ckpt = find_checkpoint(run_dir, step)
+    if ckpt is None:
+        return None
+    victim = pick_victim(ckpt, rank)
+    if victim is None:
+        return None
+    corrupt_file(victim, mode)
+    return victim

@@ -20,12 +20,26 @@ slow           step (req), rank, attempt, seconds,         the rank sleeps ``sec
 nan            step (req), rank, attempt                   the step's loss is multiplied by NaN
 oom            step (req), rank, attempt                   ``torch.OutOfMemoryError`` (MemoryError
                                                            without torch) at the start of ``step``
-preempt        step (req), attempt                         SIGTERM to the supervisor (or, without
-                                                           one, to torchrun) at the start of ``step``
-enospc         step (req), rank, attempt                   ``OSError(ENOSPC)`` when the checkpoint of
-                                                           ``step`` begins
-corrupt-ckpt   step (req), attempt                         after the checkpoint of ``step`` is written,
-                                                           rank 0 truncates its largest file
+preempt        step (req), attempt                         SIGTERM to the job as a scheduler sends it
+                                                           before a time limit: rank 0 signals the
+                                                           supervisor (which asks the ranks to save,
+                                                           stops, exits 143; relaunching resumes) or,
+                                                           unsupervised, torchrun, at ``step``'s start
+kill-supervisor step (req), attempt                        rank 0 SIGKILLs the supervisor at the start
+                                                           of ``step`` (the ranks die with it;
+                                                           relaunching adopts the run). No effect
+                                                           without a supervisor
+enospc         step (req), rank, attempt                   ``OSError(ENOSPC)`` from
+                                                           ``probe.phase("checkpoint", step)``, i.e.
+                                                           inside the adapter's save (every rank by
+                                                           default: a full disk is everyone's)
+corrupt-ckpt   step (req), rank, attempt, mode             after the checkpoint of ``step`` is written
+                                                           (committed), one rank (default 0) damages
+                                                           one shard: its own DCP shard
+                                                           ``__R_0.distcp`` when there is one, else the
+                                                           largest file; ``mode=truncate`` (default:
+                                                           cut to half) or ``mode=flip`` (invert 64
+                                                           bytes in the middle, size unchanged)
 =============  ==========================================  =========================================
 
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
@@ -55,11 +69,15 @@ KINDS: dict[str, dict[str, str]] = {
     "nan": {"step": _INT, "rank": _INT, "attempt": _INT},
     "oom": {"step": _INT, "rank": _INT, "attempt": _INT},
     "preempt": {"step": _INT, "attempt": _INT},
+    "kill-supervisor": {"step": _INT, "attempt": _INT},
     "enospc": {"step": _INT, "rank": _INT, "attempt": _INT},
-    "corrupt-ckpt": {"step": _INT, "attempt": _INT},
+    "corrupt-ckpt": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
 }
 REQUIRED = ("step",)
 HANG_MODES = ("sleep", "stop")
+CORRUPT_MODES = ("truncate", "flip")
+# Kinds that one rank carries out for the whole job: rank 0 unless ``rank=`` says otherwise.
+ONE_RANK_KINDS = ("preempt", "kill-supervisor", "corrupt-ckpt")
 
 
 @dataclass(frozen=True)
@@ -148,6 +166,10 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(f"fault {spec!r}: key 'steps': must be >= 1 (got {values['steps']})")
     if kind == "hang" and values.get("mode", "sleep") not in HANG_MODES:
         raise FaultSpecError(f"fault {spec!r}: key 'mode': expected one of {', '.join(HANG_MODES)} (got {values['mode']!r})")
+    if kind == "corrupt-ckpt" and values.get("mode", "truncate") not in CORRUPT_MODES:
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'mode': expected one of {', '.join(CORRUPT_MODES)} (got {values['mode']!r})"
+        )
     if "signal" in values:
         name = values["signal"].upper()
         name = name if name.startswith("SIG") else "SIG" + name

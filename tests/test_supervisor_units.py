@@ -299,3 +299,45 @@ def test_recipe_supervisor_section_validates(ptops):
         load("titan-tiny", ["supervisor.hang_floor_s=-1"])
     with pytest.raises(RecipeError, match="supervisor.bogus"):
         load("titan-tiny", ["supervisor.bogus=1"])
+
+
+TORCHRUN_FAILURES = """\
+Failures:
+[1]:
+  time      : 2026-11-30_03:49:40
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 21144)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 21144
+------------------------------------------------------------
+Root Cause (first observed failure):
+[1]:
+  time      : 2026-11-30_03:49:40
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 21143)  (SIGTERM)
+"""
+
+
+def _sup_with_log(tmp_path, text, first_bad=None):
+    from ptops.ops.rundir import RunDir
+    from ptops.ops.supervisor.core import Supervisor
+
+    sup = Supervisor.__new__(Supervisor)
+    sup.run = RunDir(tmp_path)
+    sup.run.logs(1).mkdir(parents=True)
+    (sup.run.logs(1) / "torchrun.log").write_text(text)
+    sup.first_bad = first_bad
+    sup.proc = None
+    return sup
+
+
+def test_root_cause_is_not_torchruns_sigtermed_survivor(tmp_path):
+    """torchrun blames the rank with the earliest error file; the SIGKILLed rank never writes one."""
+    assert _sup_with_log(tmp_path, TORCHRUN_FAILURES)._root_cause(1) == (1, -9, "torchrun")
+
+
+def test_root_cause_prefers_the_channel(tmp_path):
+    sup = _sup_with_log(tmp_path, TORCHRUN_FAILURES, first_bad=(1, None, "channel closed without goodbye"))
+    assert sup._root_cause(1) == (1, -9, "channel closed without goodbye")

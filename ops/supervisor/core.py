@@ -47,7 +47,7 @@ from ptops.ops.status import last_good_checkpoint, read_status_file, write_statu
 from ptops.ops.supervisor import procs, stacks
 from ptops.ops.supervisor.lock import acquire, release
 
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.M)
 
 
 # Event kinds a rank may report itself (the run directory records them as they come).
@@ -403,19 +403,29 @@ class Supervisor:
         return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code})
 
     def _root_cause(self, attempt: int) -> tuple[int | None, int | None, str]:
-        """Which rank failed first: torchrun's own report, else the channel (first rank gone without goodbye)."""
+        """Which rank failed first.
+
+        The channel sees it first: a rank killed outright closes its socket at once,
+        while its peers only fail later inside a collective. torchrun's "Root Cause"
+        is a fallback only: it picks the earliest *error file*, which a SIGKILLed rank
+        never writes, so it blames the survivor that raised (seen with crash faults).
+        Among torchrun's failures, a rank that torchrun itself did not SIGTERM wins.
+        """
         try:
             text = (self.run.logs(attempt) / "torchrun.log").read_text(errors="replace")
         except OSError:
             text = ""
-        m = None
-        for m in _ROOT_CAUSE.finditer(text):
-            pass
-        if m is not None:
-            return int(m.group(1)), int(m.group(2)), "torchrun"
+        failures = [(int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(text)]
         if self.first_bad is not None:
             rank, code, how = self.first_bad
+            if code is None:
+                code = dict(failures).get(rank)
             return rank, code, how
+        for rank, code in failures:
+            if code != -signal.SIGTERM:
+                return rank, code, "torchrun"
+        if failures:
+            return failures[0][0], failures[0][1], "torchrun"
         return None, self.proc.returncode if self.proc else None, "torchrun exit code"
 
     # ------------------------------------------------------------ the channel

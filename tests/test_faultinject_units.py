@@ -1,0 +1,257 @@
+"""Fault injectors' trigger logic (right rank / step / attempt, once) and the chaos runner's pure parts.
+
+No training here: effects that would end the process (os.kill, os._exit) are
+replaced by recorders; sleeps are recorded instead of slept.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+
+import pytest
+
+from ptops.faultinject import chaos, inject
+from ptops.faultinject.inject import Injector, corrupt_checkpoint, pick_victim
+from ptops.faultinject.spec import FaultSpecError, parse
+
+
+class Effects:
+    def __init__(self, monkeypatch):
+        self.kills: list[tuple[int, int]] = []
+        self.exits: list[int] = []
+        self.sleeps: list[float] = []
+        monkeypatch.setattr(inject.os, "kill", lambda pid, sig: self.kills.append((pid, sig)))
+        monkeypatch.setattr(inject.os, "_exit", self._exit)
+        monkeypatch.setattr(inject.time, "sleep", lambda s: self.sleeps.append(s))
+
+    def _exit(self, code):
+        self.exits.append(code)
+        raise SystemExit(code)
+
+
+@pytest.fixture
+def fx(monkeypatch):
+    return Effects(monkeypatch)
+
+
+def make(specs, rank=0, attempt=1, run_dir=None):
+    fired = []
+    inj = Injector([parse(s) for s in specs], rank, attempt, lambda f, step: fired.append((f.kind, step)), run_dir=run_dir)
+    return inj, fired
+
+
+def drive(inj, steps=range(1, 11)):
+    """Run the hooks the way an adapter does: before_step, poison, checkpoint every 4 steps."""
+    poisoned = []
+    for s in steps:
+        inj.before_step(s)
+        if inj.should_poison(s):
+            poisoned.append(s)
+        if s % 4 == 0:
+            try:
+                inj.on_checkpoint(s)
+            except OSError:
+                pass
+            inj.after_checkpoint(s)
+    return poisoned
+
+
+# ------------------------------------------------------------ spec additions
+def test_new_kinds_parse_and_reject_bad_keys():
+    f = parse("kill-supervisor:step=4")
+    assert (f.kind, f.step, f.rank, f.attempt) == ("kill-supervisor", 4, None, 1)
+    f = parse("corrupt-ckpt:step=8,mode=flip,rank=1")
+    assert f.params == {"mode": "flip"} and f.rank == 1
+    for bad, words in (
+        ("corrupt-ckpt:step=8,mode=shred", ["key 'mode'", "truncate, flip"]),
+        ("kill-supervisor:step=4,rank=1", ["key 'rank'", "unknown key for kill-supervisor"]),
+        ("kill-supervisor", ["key 'step'", "missing"]),
+        ("oom:step=2,seconds=3", ["key 'seconds'", "unknown key for oom"]),
+        ("enospc:step=x", ["key 'step'", "integer"]),
+    ):
+        with pytest.raises(FaultSpecError) as e:
+            parse(bad)
+        assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+# ------------------------------------------------------------ trigger logic
+@pytest.mark.parametrize("kind", ["crash", "hang", "slow", "oom"])
+def test_before_step_kinds_fire_at_their_rank_step_attempt_only(fx, kind):
+    spec = f"{kind}:rank=1,step=5" + (",seconds=0.01" if kind in ("hang", "slow") else "")
+    for rank, attempt, expect in ((0, 1, []), (1, 2, []), (1, 1, [(kind, 5)])):
+        inj, fired = make([spec], rank=rank, attempt=attempt)
+        try:
+            drive(inj)
+        except (SystemExit, MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            assert kind in ("crash", "oom"), e
+            assert inj.pending == []
+        assert fired == expect, (rank, attempt)
+
+
+def test_crash_kills_itself_with_sigkill_or_exits_with_code(fx):
+    inj, fired = make(["crash:step=3"])
+    drive(inj, range(1, 6))
+    assert fired == [("crash", 3)] and fx.kills[0][1] == signal.SIGKILL
+    inj, _ = make(["crash:step=2,code=7"])
+    with pytest.raises(SystemExit):
+        drive(inj, range(1, 4))
+    assert fx.exits == [7]
+
+
+def test_oom_raises_torch_out_of_memory_error(fx):
+    torch = pytest.importorskip("torch")
+    inj, fired = make(["oom:step=2"])
+    inj.before_step(1)
+    with pytest.raises(torch.OutOfMemoryError, match="injected fault oom"):
+        inj.before_step(2)
+    inj.before_step(2)  # once only
+    assert fired == [("oom", 2)]
+
+
+def test_slow_sleeps_for_its_steps_then_stops(fx):
+    inj, fired = make(["slow:step=3,seconds=0.25,steps=3"])
+    drive(inj, range(1, 9))
+    assert fired == [("slow", 3)] and fx.sleeps == [0.25, 0.25, 0.25]
+
+
+def test_nan_poisons_one_step_on_every_rank_by_default(fx):
+    for rank in (0, 1):
+        inj, fired = make(["nan:step=6"], rank=rank)
+        assert drive(inj) == [6] and fired == [("nan", 6)]
+    inj, _ = make(["nan:step=6,attempt=2"], attempt=1)
+    assert drive(inj) == []
+    inj, _ = make(["nan:step=6,attempt=0"], attempt=5)
+    assert drive(inj) == [6]
+
+
+def test_enospc_raises_from_on_checkpoint_once(fx):
+    inj, fired = make(["enospc:step=8"], rank=1)
+    inj.on_checkpoint(4)
+    with pytest.raises(OSError) as e:
+        inj.on_checkpoint(8)
+    assert e.value.errno == errno.ENOSPC and "injected fault enospc" in str(e.value)
+    inj.on_checkpoint(8)  # the retry (or the next save) goes through
+    assert fired == [("enospc", 8)]
+    inj, fired = make(["enospc:step=8,rank=0"], rank=1)
+    inj.on_checkpoint(8)
+    assert fired == []
+
+
+@pytest.mark.parametrize("kind", ["preempt", "kill-supervisor"])
+def test_job_level_kinds_are_carried_out_by_rank_0_only(fx, monkeypatch, kind):
+    monkeypatch.setenv("PTOPS_SUPERVISOR_PID", "424242")
+    inj1, fired1 = make([f"{kind}:step=4"], rank=1)
+    drive(inj1)
+    assert fired1 == [] and fx.kills == []
+    inj0, fired0 = make([f"{kind}:step=4"], rank=0)
+    drive(inj0)
+    expect = signal.SIGTERM if kind == "preempt" else signal.SIGKILL
+    assert fired0 == [(kind, 4)] and fx.kills == [(424242, expect)]
+
+
+def test_kill_supervisor_without_supervisor_is_a_no_op(fx, monkeypatch):
+    monkeypatch.delenv("PTOPS_SUPERVISOR_PID", raising=False)
+    inj, fired = make(["kill-supervisor:step=2"])
+    drive(inj, range(1, 4))
+    assert fired == [("kill-supervisor", 2)] and fx.kills == []
+
+
+def _fake_dcp(root, step, sizes=(4000, 3000)):
+    d = root / "checkpoints" / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"m" * 100)
+    for r, n in enumerate(sizes):
+        (d / f"__{r}_0.distcp").write_bytes(bytes(range(256)) * (n // 256) + b"x" * (n % 256))
+    (d / "ptops-manifest.json").write_text("{}" + " " * 10000)
+    return d
+
+
+def test_corrupt_ckpt_fires_after_the_save_of_its_step_on_rank_0(fx, tmp_path):
+    d4, d8 = _fake_dcp(tmp_path, 4), _fake_dcp(tmp_path, 8)
+    inj1, fired1 = make(["corrupt-ckpt:step=8"], rank=1, run_dir=tmp_path)
+    drive(inj1)
+    assert fired1 == [] and (d8 / "__1_0.distcp").stat().st_size == 3000
+    inj, fired = make(["corrupt-ckpt:step=8"], rank=0, run_dir=tmp_path)
+    inj.after_checkpoint(8)  # no save of step 8 seen yet: nothing
+    assert fired == []
+    drive(inj)
+    assert fired == [("corrupt-ckpt", 8)]
+    assert (d8 / "__0_0.distcp").stat().st_size == 2000  # truncated to half
+    assert (d4 / "__0_0.distcp").stat().st_size == 4000  # other checkpoints untouched
+    assert (d8 / "ptops-manifest.json").stat().st_size > 10000  # never the manifest
+
+
+def test_corrupt_modes_and_victim_choice(tmp_path):
+    d = _fake_dcp(tmp_path, 8)
+    assert pick_victim(d, 1).name == "__1_0.distcp"
+    before = (d / "__1_0.distcp").read_bytes()
+    victim = corrupt_checkpoint(tmp_path, 8, rank=1, mode="flip")
+    after = victim.read_bytes()
+    assert victim.name == "__1_0.distcp" and len(after) == len(before)
+    diff = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+    assert len(diff) == inject.FLIP_BYTES and all(after[i] == before[i] ^ 0xFF for i in diff)
+    trl = tmp_path / "checkpoints" / "checkpoint-4"
+    trl.mkdir()
+    (trl / "model.safetensors").write_bytes(b"a" * 500)
+    (trl / "optimizer.pt").write_bytes(b"b" * 900)
+    assert corrupt_checkpoint(tmp_path, 4).name == "optimizer.pt" and (trl / "optimizer.pt").stat().st_size == 450
+    assert corrupt_checkpoint(tmp_path, 99) is None
+
+
+def test_live_fault_fires_at_next_opportunity_once(fx):
+    inj, fired = make([])
+    for s in (1, 2, 3):
+        inj.before_step(s)
+    assert inj.add(parse("slow:step=2,seconds=0.1"))  # step 2 is past: fires at the next step
+    inj.before_step(4)
+    inj.before_step(5)
+    assert fired == [("slow", 4)]
+    assert not make([], rank=1)[0].add(parse("kill-supervisor:step=1"))
+    assert not make([], rank=1)[0].add(parse("crash:rank=0,step=1"))
+
+
+# ------------------------------------------------------------ chaos runner, pure parts
+def test_select_scenarios():
+    names = [s.name for s in chaos.select()]
+    assert len(names) == 9 + 5 + 5 and "titan-tiny/kill-supervisor" in names and "trl-grpo-tiny/preempt" in names
+    assert [s.name for s in chaos.select(["trl-sft-tiny"])] == [f"trl-sft-tiny/{k}" for k in chaos.TRL_KINDS]
+    sc = chaos.select([], ["titan-tiny/crash:rank=0,step=3"])
+    assert sc[0].faults == ("crash:rank=0,step=3",) and sc[0].detect == ("crash",)
+    assert [s.name for s in chaos.select(["titan-tiny", "trl-sft-tiny"], ["hang"])] == ["titan-tiny/hang", "trl-sft-tiny/hang"]
+    for bad in ("titan-tiny/explode", "titan-tiny/crash:stp=3", "titan-tiny/"):
+        with pytest.raises(chaos.ScenarioError):
+            chaos.select([], [bad])
+    argv = chaos.select([], ["titan-tiny/corrupt-ckpt"])[0].launch_argv(chaos.Path("/r"))
+    assert argv.count("--fault") == 2 and "--supervise" in argv and "train.steps=12" in argv
+
+
+def test_analyze_timings_and_data_checks():
+    ev = [
+        {"ts": 100.0, "kind": "launch", "attempt": 1},
+        {"ts": 110.0, "kind": "fault_injected", "fault": "crash:rank=1,step=6", "rank": 1, "step": 6, "attempt": 1},
+        {"ts": 111.5, "kind": "crash", "attempt": 1, "rank": 1},
+        {"ts": 112.0, "kind": "restart", "attempt": 2, "from_step": 4},
+        {"ts": 130.0, "kind": "completed", "step": 8},
+    ]
+    m = [{"step": s, "rank": 0, "attempt": 1, "loss": 1.0, "ts": 100.0 + s} for s in range(1, 6)]
+    m += [{"step": s, "rank": 0, "attempt": 2, "loss": 1.0, "ts": 120.0 + s} for s in range(5, 9)]
+    m += [{"step": s, "rank": 1, "attempt": 2, "loss": 1.0, "ts": 120.0 + s} for s in range(5, 9)]
+    a = chaos.analyze(ev, m, 8, ("crash",))
+    assert a["fired"] and a["detected_by"] == "crash" and a["detect_s"] == 1.5
+    assert a["recover_s"] == 15.0 and a["steps_recomputed"] == 1 and a["restarts"] == 1
+    assert a["state"] == "completed" and a["missing_steps"] == [] and a["final_step"] == 8
+    m[-5]["loss"] = "nan"  # rank 0's final record of step 8
+    a = chaos.analyze(ev, m[:3] + m[4:], 8, ("hang",))
+    assert a["missing_steps"] == [4] and a["nonfinite_steps"] == [8] and a["detected_by"] is None
+    assert chaos._ranges([1, 2, 3, 7, 9, 10]) == "1-3,7,9-10"
+    assert not chaos.analyze([], [], 8, ("crash",))["fired"]
+
+
+def test_fault_spec_error_names_the_spec_in_chaos_cli(ptops):
+    proc = ptops("chaos", "--scenario", "titan-tiny/crash:step=zero", "--list")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "key 'step'" in proc.stderr and "integer" in proc.stderr
+    listed = ptops("chaos", "--list", "--recipe", "trl-sft-tiny", check=True).stdout
+    assert json.dumps("trl-sft-tiny/preempt")[1:-1] in listed
