@@ -51,6 +51,9 @@ def launch(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved recipe and the rank command; start nothing.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
     supervise: Annotated[bool, typer.Option("--supervise", help="Run under the supervisor: detect crashes and hangs, restart from the last good checkpoint. Exit 3 means do not requeue.")] = False,
+    metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help="Serve Prometheus metrics on 127.0.0.1:PORT while the run lives (0 picks a free port).")] = None,
+    mlflow_uri: Annotated[Optional[str], typer.Option("--mlflow-uri", help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs root>/mlflow.db beside the run directories.")] = None,
+    mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="Log params, per-step metrics, events and an incident summary to MLflow.")] = True,
     fault: Annotated[list[str], typer.Option("--fault", help="Inject a fault, e.g. crash:rank=1,step=12 (repeatable; first attempt only unless attempt=N).")] = [],
 ) -> None:
     """Run a recipe's ranks with torchrun, checkpoint as the recipe says, resume on rerun.
@@ -62,7 +65,6 @@ def launch(
       ptops launch titan-tiny --supervise --fault crash:rank=1,step=12
     """
     from ptops.ops import launcher
-    from ptops.ops.progress import Progress
     from ptops.ops.recipe import RecipeError, dump_json, load
 
     from ptops.ops.cli_supervise import launch_supervised, parse_faults
@@ -81,8 +83,31 @@ def launch(
         run = launcher.prepare_run(rec, path, target)
     except RecipeError as e:
         fail(str(e))
-    if supervise:
-        raise typer.Exit(launch_supervised(rec, run, faults, json_out))
+    from ptops.ops.exporters.live import LiveExporters
+    from ptops.ops.supervisor.lock import LockedError, acquire, release
+
+    try:
+        lock_fd = acquire(run.path)  # one launcher per run directory, supervised or not
+    except LockedError as e:
+        fail(str(e))
+    exporters = LiveExporters(run.path, metrics_port, mlflow_uri, mlflow)
+    try:
+        if supervise:  # the supervisor owns the lock from here and releases it
+            code = launch_supervised(rec, run, faults, json_out, lock_fd=lock_fd)
+        else:
+            try:
+                code = _launch_plain(rec, run, faults, json_out)
+            finally:
+                release(lock_fd)
+    finally:
+        exporters.close()
+    raise typer.Exit(code)
+
+
+def _launch_plain(rec, run, faults, json_out: bool) -> int:
+    from ptops.ops import launcher
+    from ptops.ops.progress import Progress
+
     resumed_from = launcher.completed_step(run)
     typer.echo(
         f"ptops: {rec.name} ({rec.engine}) -> {run.path}"
@@ -95,25 +120,16 @@ def launch(
         from ptops.faultinject.spec import to_env
 
         os.environ["PTOPS_FAULTS"] = to_env(faults)  # rank_command passes the environment on
-    from ptops.ops.supervisor.lock import LockedError, acquire, release
-
-    try:
-        lock_fd = acquire(run.path)  # one launcher per run directory, supervised or not
-    except LockedError as e:
-        fail(str(e))
     t0 = time.monotonic()
     progress = Progress(rec.train.steps)
-    try:
-        code = launcher.run_plain(rec, run, progress)
-    finally:
-        release(lock_fd)
+    code = launcher.run_plain(rec, run, progress)
     progress.close()
     summary = summarize(run, time.monotonic() - t0)
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
     else:
         _print_summary(summary)
-    raise typer.Exit(code)
+    return code
 
 
 def summarize(run, wall_s: float) -> dict:

@@ -32,17 +32,18 @@ def parse_faults(specs: list[str]) -> list:
         return []
 
 
-def launch_supervised(rec, run, faults: list, json_out: bool = False) -> int:
+def launch_supervised(rec, run, faults: list, json_out: bool = False, lock_fd: int | None = None) -> int:
     """Run ``run`` (a prepared RunDir) under the supervisor; print progress and a summary; return the exit code."""
     from ptops.ops.launcher import completed_step
     from ptops.ops.progress import Progress
     from ptops.ops.supervisor import LockedError, Supervisor
     from ptops.ops.supervisor.lock import acquire
 
-    try:
-        lock_fd = acquire(run.path)
-    except LockedError as e:
-        _fail(str(e))
+    if lock_fd is None:
+        try:
+            lock_fd = acquire(run.path)
+        except LockedError as e:
+            _fail(str(e))
     resumed_from = completed_step(run)
     typer.echo(
         f"ptops: {rec.name} ({rec.engine}) -> {run.path}  [supervised, pid {os.getpid()}]"

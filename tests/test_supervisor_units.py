@@ -341,3 +341,17 @@ def test_root_cause_is_not_torchruns_sigtermed_survivor(tmp_path):
 def test_root_cause_prefers_the_channel(tmp_path):
     sup = _sup_with_log(tmp_path, TORCHRUN_FAILURES, first_bad=(1, None, "channel closed without goodbye"))
     assert sup._root_cause(1) == (1, -9, "channel closed without goodbye")
+
+
+def test_killed_rank_beats_the_peer_whose_error_it_caused(tmp_path):
+    sup = _sup_with_log(tmp_path, TORCHRUN_FAILURES)
+    sup._note_bad(0, 1, "goodbye", 100.0)  # rank 0: "connection closed by peer"
+    sup._note_bad(1, None, "channel closed without goodbye", 100.05)  # rank 1 was SIGKILLed
+    assert sup._root_cause(1) == (1, -9, "channel closed without goodbye")
+
+
+def test_late_silent_exit_does_not_steal_the_blame(tmp_path):
+    sup = _sup_with_log(tmp_path, TORCHRUN_FAILURES)
+    sup._note_bad(0, 1, "goodbye", 100.0)  # rank 0 raised a real error
+    sup._note_bad(1, None, "channel closed without goodbye", 101.5)  # rank 1 SIGTERMed by torchrun later
+    assert sup._root_cause(1)[0] == 0

@@ -50,6 +50,9 @@ from ptops.ops.supervisor.lock import acquire, release
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.M)
 
 
+# A rank's error goodbye and the EOF of the peer whose death caused it race by milliseconds.
+KILLED_PEER_RACE_S = 0.25
+
 # Event kinds a rank may report itself (the run directory records them as they come).
 RANK_EVENT_KINDS = frozenset({"checkpoint", "checkpoint_saved", "checkpoint_failed", "checkpoint_committed", "rollback_applied"})
 
@@ -92,6 +95,7 @@ class Supervisor:
         self.stacks_replies: dict[int, dict] = {}
         self.stop_acks: dict[int, dict] = {}
         self.first_bad: tuple[int, int | None, str] | None = None  # (rank, exit_code, how)
+        self._first_bad_ts = 0.0
         self.ckpt_started: dict[int, float] = {}
         self.last_status = 0.0
         self.host = socket.gethostname()
@@ -402,6 +406,15 @@ class Supervisor:
         self.say(f"crash: {desc}; logs: {self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}")
         return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code})
 
+    def _note_bad(self, rank: int, code: int | None, how: str, ts: float) -> None:
+        """Keep the first failure, except that a rank killed outright (no goodbye) right
+        after a peer's error goodbye is the likelier cause: the peer's error is usually
+        "connection closed by peer", raised within milliseconds of the kill."""
+        if self.first_bad is None:
+            self.first_bad, self._first_bad_ts = (rank, code, how), ts
+        elif self.first_bad[2] == "goodbye" and code is None and ts - self._first_bad_ts <= KILLED_PEER_RACE_S:
+            self.first_bad = (rank, code, how)
+
     def _root_cause(self, attempt: int) -> tuple[int | None, int | None, str]:
         """Which rank failed first.
 
@@ -506,16 +519,15 @@ class Supervisor:
             if info is not None:
                 info.exit_code, info.error = code, msg.get("error")
             mon.observe({"kind": "exit", "rank": rank, "ts": ts})
-            if code != 0 and self.first_bad is None:
-                self.first_bad = (rank, code, "goodbye")
+            if code != 0:
+                self._note_bad(rank, code, "goodbye", ts)
         elif t == "_eof":
             info = self.ranks.get(rank)
             if info is not None:
                 info.gone_ts = ts
                 if info.exit_code is None:
                     mon.observe({"kind": "exit", "rank": rank, "ts": ts})
-                    if self.first_bad is None:
-                        self.first_bad = (rank, None, "channel closed without goodbye")
+                    self._note_bad(rank, None, "channel closed without goodbye", ts)
 
     def _checkpoint_beat(self, phase: str, step: int, ts: float) -> None:
         if phase == "checkpoint":

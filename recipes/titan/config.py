@@ -33,4 +33,7 @@ class TitanSection(_Strict):
     warmup_steps: int = Field(2, ge=0)
     max_norm: float = Field(1.0, gt=0)
     deterministic: bool = Field(True, description="torch.use_deterministic_algorithms in every rank")
+    async_checkpoint: bool = Field(
+        True, description="DCP async save for interval checkpoints: training blocks only while the state is staged"
+    )
     train_timeout_s: int = Field(100, ge=1, description="collective timeout after the first step (hang -> error)")

@@ -128,7 +128,9 @@ def trainer_config(recipe: Any, run_dir: Path) -> ProbeTrainer.Config:
             enable=True,
             folder=str(run_dir / "checkpoints"),
             interval=recipe.checkpoint.interval,
-            keep_latest_k=max(keep, 2),  # torchtitan refuses 1 (the newest may still be writing)
+            keep_latest_k=0,  # torchtitan's purge is off: ptops.ckpt.prune after each commit
+            keep=keep,
+            async_mode="async" if t.async_checkpoint else "disabled",
             last_save_model_only=False,
         ),
         activation_checkpoint=None,  # no AC: tiny model, saves recompute time

@@ -4,8 +4,11 @@ Applies the CPU/torch-2.13 compatibility layer, hands the recipe and the probe
 to ptops' torchtitan components (``registry``, ``trainer``), then runs
 torchtitan's own ``torchtitan.train.main`` with
 ``--module ptops.recipes.titan.registry --config ptops_recipe``. A rerun on the
-same run directory resumes from the newest complete checkpoint (torchtitan
-loads ``RUN_DIR/checkpoints/step-N`` with the highest N that has ``.metadata``).
+same run directory resumes from the newest checkpoint that verifies against its
+ptops manifest (``ProbeCheckpointManager._load``: newer bad ones are quarantined
+to ``checkpoints/invalid/``), not torchtitan's highest ``step-N`` with ``.metadata``.
+Under a supervisor the ranks accept stop requests: Ctrl-C / SIGTERM of the
+supervisor makes them checkpoint the current step and return (exit 0).
 
 Environment (set by torchrun / the launcher): RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT, PTOPS_RUN_DIR, PTOPS_ATTEMPT; OMP_NUM_THREADS=1 on CPU.
@@ -41,6 +44,8 @@ def main(recipe: Any, probe: Any) -> None:
 
     registry.set_recipe(recipe)
     trainer.set_probe(probe)
+    if hasattr(probe, "accept_stop_requests"):
+        probe.accept_stop_requests()
 
     import torchtitan.train
 

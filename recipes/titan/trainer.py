@@ -5,8 +5,10 @@
   fault hook.
 - ``ProbeMetricsProcessor``: a ``MetricsProcessor`` subclass whose logger hands
   torchtitan's per-step metrics to the trainer (every rank, not just rank 0).
-- ``ProbeCheckpointManager``: torchtitan's DCP ``CheckpointManager`` that tells
-  the probe when a save starts and ends.
+- ``ProbeCheckpointManager``: torchtitan's DCP ``CheckpointManager`` with ptops'
+  commit protocol (manifest, LATEST, retention, ``checkpoint`` events), failed
+  saves that do not end training, resume from the newest *verified* checkpoint,
+  and save-on-request (see its docstring).
 - ``PoisonableCrossEntropyLoss``: torchtitan's cross-entropy, multiplied by NaN
   when the probe asks for it (fault injection), before backward.
 - ``register_local_text_dataset``: the ptops text corpus as an entry of
@@ -19,14 +21,18 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchtitan.components.checkpoint import CheckpointManager
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.trainer import Trainer
@@ -130,32 +136,327 @@ class ProbeMetricsProcessor(MetricsProcessor):
 
 
 # --------------------------------------------------------------------------- #
-class ProbeCheckpointManager(CheckpointManager):
-    """torchtitan's DCP checkpointing; the probe hears ``checkpoint`` before and ``step`` after.
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
-    Also applies the retention policy after the final-step save (torchtitan
-    itself purges only after interval saves).
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist_on() else 1
+
+
+def _log(msg: str) -> None:
+    print(f"[ptops.titan rank {_rank()}] {msg}", flush=True)
+
+
+def _err_text(err: Any) -> str:
+    if isinstance(err, BaseException):
+        text = f"{type(err).__name__}: {err}"
+    else:
+        text = str(err)
+    return text[:1000]
+
+
+def _versions() -> dict[str, str]:
+    import torchtitan
+
+    return {"torch": torch.__version__, "torchtitan": getattr(torchtitan, "__version__", "?")}
+
+
+@dataclass
+class _Save:
+    step: int
+    path: Path
+    t0: float  # time.monotonic() when the save began (training blocked from here)
+    final: bool = False
+    is_async: bool = False
+    blocking_s: float = 0.0
+    total_s: float = 0.0
+    ok: bool = False
+    error: str = ""
+    done: Any = None  # threading.Event, set when committed or failed
+
+
+class ProbeCheckpointManager(CheckpointManager):
+    """torchtitan's DCP checkpointing with ptops' commit protocol (``ptops.ckpt``).
+
+    Save (every ``interval`` steps, the final step, and the step at which a stop
+    request was agreed):
+
+    - the probe hears ``phase("checkpoint")`` (fault hooks fire here: ``enospc``
+      raises ``OSError``) ... ``phase("step")`` around the part that blocks training;
+    - rank 0 marks ``step-N/.writing``; all ranks agree (all-reduce) that nobody
+      failed so far, then DCP writes (``async_mode="async"``: training blocks only
+      while the state is staged; the final and on-request saves are synchronous);
+    - once DCP's save has finished on rank 0, every rank's shards are written and
+      fsynced (DCP gathers every rank's write result before rank 0 writes
+      ``.metadata``), and rank 0 writes ``ptops-manifest.json``, moves
+      ``checkpoints/LATEST`` (``ptops.ckpt.commit``), prunes to the newest
+      ``keep`` good checkpoints (``ptops.ckpt.prune``; torchtitan's own
+      keep_latest_k is off) and emits one ``checkpoint {step, path, blocking_s,
+      total_s}`` event;
+    - a save that fails (``OSError`` such as ENOSPC / EACCES / EIO, DCP's
+      ``CheckpointException``, a refused commit) emits ``checkpoint_failed {step,
+      path, error}``; its files stay behind uncommitted (``.writing`` marker, no
+      manifest, never LATEST) and training continues: the next interval tries
+      again. A failed *final* (or on-request) save raises, so the run ends
+      non-zero instead of losing the last steps silently.
+
+    Load: rank 0 picks the newest checkpoint that verifies deeply
+    (``ptops.ckpt.verify``: hashes against the manifest), quarantines newer
+    invalid ones (``checkpoint_invalid {path, reason}`` event), broadcasts the
+    step, and every rank loads that step explicitly (torchtitan alone would load
+    the highest ``step-N`` that has ``.metadata``).
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        pass
+        keep: int = 3
+        """ptops retention: the newest ``keep`` good checkpoints stay (never the last good one)."""
 
-    def save(self, curr_step: int, last_step: bool = False) -> bool:
-        if not (self.enable and self._should_save(curr_step, last_step)):
-            return super().save(curr_step, last_step)
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        self.ptops_keep = max(1, int(getattr(config, "keep", 3)))
+        self.stop_step: int | None = None
+        self.records: list[_Save] = []
+        self.failed_final: _Save | None = None
+        self._inflight: _Save | None = None
+        self._agree_pg: Any = None
+        self._closed = False
+        super().__init__(config, **kwargs)
+        if self.enable and _dist_on():
+            # our own small gloo group: agreement all-reduces never interleave with
+            # training collectives nor with DCP's background save (self.pg)
+            self._agree_pg = dist.new_group(backend="gloo")
+
+    # ------------------------------------------------------------ collectives
+    def agree_any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank (all-reduce MAX)."""
+        if not _dist_on():
+            return bool(flag)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_pg)
+        return bool(t.item())
+
+    def _bcast_int(self, value: int) -> int:
+        if not _dist_on():
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self._agree_pg)
+        return int(t.item())
+
+    # ------------------------------------------------------------ load
+    def _pick_resume(self) -> int:
+        """Rank 0: newest deeply verified ``step-N``; newer bad ones are quarantined."""
+        from ptops.ckpt import commit, quarantine, read_latest, verify, write_manifest
+        from ptops.ckpt._util import DCP_RE
+
+        root = Path(self.folder)
+        if not root.is_dir():
+            return -1
+        found = sorted(
+            ((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := DCP_RE.match(p.name))),
+            reverse=True,
+        )
         probe = get_probe()
-        begin = time.monotonic()
+        for step, path in found:
+            res = verify(path, deep=True)
+            if res.ok:
+                try:
+                    if not res.has_manifest:
+                        # complete DCP save (every record CRC-checked) killed before its commit
+                        write_manifest(path, step, _world(), _versions(), extra={"adopted": True})
+                        commit(root, path, deep=False)
+                        _log(f"adopted uncommitted but complete checkpoint {path}")
+                    elif read_latest(root) != path:
+                        commit(root, path, deep=False)
+                except Exception as e:  # noqa: BLE001 - LATEST is advisory for the resume itself
+                    _log(f"could not commit {path} on resume: {_err_text(e)}")
+                return step
+            try:
+                dest = quarantine(path, res.reason)
+            except OSError as e:
+                _log(f"bad checkpoint {path} ({res.reason}) could not be quarantined: {e}")
+                dest = None
+            _log(f"checkpoint {path} is not good ({res.reason}); moved to {dest}")
+            if probe is not None:
+                probe.event("checkpoint_invalid", path=str(path), reason=res.reason,
+                            moved_to=str(dest) if dest else None, step=step)
+        return -1
+
+    def _load(self, step: int = -1) -> bool:
+        if step != -1:  # an explicit --checkpoint.load_step is the user's call
+            return super()._load(step)
+        pick = self._pick_resume() if _rank() == 0 else -1
+        pick = self._bcast_int(pick)
+        if pick < 0:
+            # nothing good: a fresh start (or initial_load_path), never the highest step-N blindly
+            self._find_load_step = lambda folder="": -1  # type: ignore[method-assign]
+            try:
+                return super()._load(-1)
+            finally:
+                del self._find_load_step
+        _log(f"resuming from verified checkpoint step-{pick}")
+        return super()._load(pick)
+
+    # ------------------------------------------------------------ save
+    def _sync_wanted(self, probe: Any, step: int) -> bool:
+        """A ``corrupt-ckpt`` fault for this step fires at the next ``phase("step")``:
+        the files must be complete by then, so save synchronously."""
+        inj = getattr(probe, "injector", None)
+        try:
+            return any(f.kind == "corrupt-ckpt" and f.step <= step for f in (inj.pending if inj else []))
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _prepare_folder(self, path: Path) -> None:
+        """Rank 0, before any rank writes: a leftover folder is moved away, the new one marked."""
+        from ptops.ckpt import mark_writing, quarantine
+
+        if path.exists():
+            dest = quarantine(path, "leftover folder replaced by a new save of the same step")
+            _log(f"moved leftover {path} to {dest}")
+        mark_writing(path)
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        forced = self.stop_step is not None and curr_step == self.stop_step and not self.load_only
+        if not (self._should_save(curr_step, last_step) or forced):
+            return False
+        final = bool(last_step or forced)
+        probe = get_probe()
+        t0 = time.monotonic()
+        self._wait_inflight()  # one save at a time; the previous one is committed (or failed) first
+        path = Path(self._create_checkpoint_id(curr_step))
+        rec = _Save(step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event())
+        self.records.append(rec)
+        err: BaseException | None = None
+        try:
+            try:
+                if probe is not None:
+                    probe.phase("checkpoint", curr_step)  # the enospc fault raises OSError here
+                if _rank() == 0:
+                    self._prepare_folder(path)
+            except OSError as e:
+                err = e
+            if self.agree_any(err is not None):
+                return self._failed(rec, err or "failed on another rank before writing")
+            use_async = (
+                self.async_mode == AsyncMode.ASYNC and not final and not self._sync_wanted(probe, curr_step)
+            )
+            rec.is_async = use_async
+            try:
+                if last_step and not forced:
+                    self._save_last_step(curr_step)  # honours last_save_model_only / last_save_in_hf
+                else:
+                    states = self._flattened_model_states_sd()
+                    if use_async:
+                        self.save_future = self.dcp_save(states, checkpoint_id=str(path), async_mode=AsyncMode.ASYNC)
+                    else:
+                        self.dcp_save(states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED,
+                                      enable_garbage_collection=True)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
+                err = e
+            rec.blocking_s = time.monotonic() - t0
+            if use_async and err is None:
+                self._inflight = rec
+                fut = self.save_future
+                fut.add_done_callback(lambda f, rec=rec: self._async_done(rec, f))
+                return True
+            if self.agree_any(err is not None):
+                return self._failed(rec, err or "DCP save failed on another rank")
+            cerr = self._commit(rec) if _rank() == 0 else None
+            if self.agree_any(cerr is not None):
+                return self._failed(rec, cerr or "commit failed on rank 0")
+            return True
+        finally:
+            if probe is not None:
+                probe.phase("step", curr_step)
+
+    def _async_done(self, rec: _Save, fut: Any) -> None:
+        exc = fut.exception()
+
+        def finish() -> None:
+            try:
+                if exc is not None:
+                    self._failed(rec, exc)
+                elif _rank() == 0:
+                    cerr = self._commit(rec)
+                    if cerr is not None:
+                        self._failed(rec, cerr)
+                else:
+                    rec.ok = True
+            except BaseException as e:  # noqa: BLE001 - never kill the process from here
+                rec.error = rec.error or _err_text(e)
+            finally:
+                rec.done.set()
+
+        threading.Thread(target=finish, name=f"ptops-ckpt-commit-{rec.step}", daemon=True).start()
+
+    def _commit(self, rec: _Save) -> str | None:
+        """Rank 0, every rank's shards durable: manifest, LATEST, retention, ``checkpoint`` event."""
+        from ptops.ckpt import commit, prune, write_manifest
+
+        try:
+            write_manifest(rec.path, rec.step, _world(), _versions())
+            commit(rec.path.parent, rec.path, deep=False)  # write_manifest just hashed every file
+        except Exception as e:  # noqa: BLE001 - ManifestError, OSError (ENOSPC writing the manifest), ...
+            return _err_text(e)
+        rec.ok = True
+        rec.total_s = time.monotonic() - rec.t0
+        try:
+            report = prune(rec.path.parent, keep_last=self.ptops_keep, min_age_s=0)
+            if report.deleted:
+                _log(f"retention: deleted {', '.join(report.deleted)}")
+        except Exception as e:  # noqa: BLE001 - retention failing is not a failed save
+            _log(f"retention failed: {_err_text(e)}")
+        probe = get_probe()
         if probe is not None:
-            probe.phase("checkpoint", curr_step)
-        saved = super().save(curr_step, last_step)
-        if last_step and saved:
-            # torchtitan purges only after interval saves; keep ``keep`` at the end too
-            self._purge_stale_checkpoints()
-        self.last_save_s = time.monotonic() - begin
-        if probe is not None:
-            probe.phase("step", curr_step)
-        return saved
+            probe.event("checkpoint", step=rec.step, path=str(rec.path), blocking_s=round(rec.blocking_s, 4),
+                        total_s=round(rec.total_s, 4), mode="async" if rec.is_async else "sync")
+        _log(f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total {rec.total_s:.3f}s)")
+        return None
+
+    def _failed(self, rec: _Save, err: Any) -> bool:
+        rec.ok = False
+        rec.error = _err_text(err)
+        rec.total_s = time.monotonic() - rec.t0
+        if rec.done is not None and not rec.is_async:
+            rec.done.set()
+        _log(f"checkpoint step-{rec.step} FAILED, not committed ({rec.error})")
+        probe = get_probe()
+        if probe is not None and _rank() == 0:
+            probe.event("checkpoint_failed", step=rec.step, path=str(rec.path), error=rec.error, final=rec.final)
+        if rec.final:
+            self.failed_final = rec
+            raise RuntimeError(
+                f"the {'final' if self.stop_step != rec.step else 'on-request'} checkpoint (step {rec.step}) "
+                f"could not be saved: {rec.error}; the last good checkpoint is the newest one committed"
+            )
+        return False
+
+    def _wait_inflight(self, timeout: float | None = None) -> None:
+        rec, fut = self._inflight, self.save_future
+        if fut is not None:
+            try:
+                fut.result(timeout=timeout)
+            except BaseException:  # noqa: BLE001 - reported by _async_done as checkpoint_failed
+                pass
+        if rec is not None and rec.done is not None:
+            rec.done.wait(timeout)
+        self._inflight = None
+        self.save_future = None
+
+    def _wait_for_saving(self) -> None:
+        self._wait_inflight()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wait_inflight(timeout=120.0)
+        super()._close()
 
 
 # --------------------------------------------------------------------------- #
@@ -170,13 +471,16 @@ def _metric_name(key: str) -> str:
 
 
 class ProbeTrainer(Trainer):
-    """torchtitan's Trainer with the ptops probe around every optimizer step."""
+    """torchtitan's Trainer with the ptops probe around every optimizer step; under a
+    supervisor, a stop request is agreed on at the end of a step, that step is
+    checkpointed and the training loop ends normally (exit 0)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         pass
 
     def __init__(self, config: Config):
+        self.ptops_stopped_at: int | None = None
         super().__init__(config)
         if isinstance(self.metrics_processor, ProbeMetricsProcessor):
             self.metrics_processor.pp_has_last_stage = (
@@ -203,6 +507,24 @@ class ProbeTrainer(Trainer):
         step_s = time.perf_counter() - begin
         if probe is not None:
             probe.step(step, self._step_record(step, step_s))
+            self._agree_stop(probe, step)
+
+    def _agree_stop(self, probe: Any, step: int) -> None:
+        """Save-on-request: all ranks agree (all-reduce) at the end of a step, so they
+        checkpoint the same step and leave the loop together (a lone stop would hang the rest)."""
+        if not getattr(probe, "supervised", False) or step >= self.config.training.steps:
+            return  # unsupervised: nobody can ask; the final step is saved anyway
+        ckpt = self.checkpointer
+        flag = bool(getattr(probe, "stop_requested", False))
+        agreed = ckpt.agree_any(flag) if isinstance(ckpt, ProbeCheckpointManager) else flag
+        if agreed:
+            self.ptops_stopped_at = step
+            if isinstance(ckpt, ProbeCheckpointManager):
+                ckpt.stop_step = step
+            print(f"[ptops.titan rank {_rank()}] stop requested: checkpointing step {step} and stopping", flush=True)
+
+    def should_continue_training(self) -> bool:
+        return super().should_continue_training() and self.ptops_stopped_at is None
 
     def _step_record(self, step: int, step_s: float) -> dict[str, Any]:
         mp = self.metrics_processor

@@ -78,7 +78,7 @@ def _missing(path: Path, world_size: int, with_rng: bool) -> list[str]:
     return missing
 
 
-def latest_checkpoint(ckpt_dir: Path, world_size: int) -> Path | None:
+def latest_checkpoint(ckpt_dir: Path, world_size: int, probe: Any = None, quarantine_bad: bool = True) -> Path | None:
     """Newest good ``checkpoint-N``; never trusts the highest N blindly.
 
     Good means :func:`ptops.ckpt.verify` (deep: hashes against the manifest, or
@@ -87,8 +87,12 @@ def latest_checkpoint(ckpt_dir: Path, world_size: int) -> Path | None:
     state of every rank is there too. When no checkpoint is good with every
     rank's RNG state (the world size changed), the newest one good otherwise is
     used and transformers reseeds the missing ranks.
+
+    Invalid checkpoints newer than the one chosen are quarantined
+    (``ptops.ckpt.quarantine``: moved to ``checkpoints/invalid/``, LATEST fixed)
+    and reported as ``checkpoint_invalid {path, reason}`` through ``probe.event``.
     """
-    from ptops.ckpt import verify
+    from ptops.ckpt import quarantine, verify
 
     if not ckpt_dir.is_dir():
         return None
@@ -97,10 +101,19 @@ def latest_checkpoint(ckpt_dir: Path, world_size: int) -> Path | None:
         reverse=True,
     )
     fallback = None
-    for _, path in found:
+    for step, path in found:
         res = verify(path, deep=True)
         if not res.ok:
-            _log(f"skipping bad checkpoint {path}: {res.reason}")
+            dest = None
+            if quarantine_bad:
+                try:
+                    dest = quarantine(path, res.reason)
+                except OSError as e:
+                    _log(f"could not quarantine {path}: {e}")
+            _log(f"skipping bad checkpoint {path}: {res.reason}" + (f"; moved to {dest}" if dest else ""))
+            if probe is not None and hasattr(probe, "event"):
+                probe.event("checkpoint_invalid", path=str(path), reason=res.reason,
+                            moved_to=str(dest) if dest else None, step=step)
             continue
         missing = [] if res.has_manifest else _missing(path, world_size, with_rng=True)
         if not missing:
@@ -121,20 +134,24 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def commit_checkpoint(path: Path, step: int, world_size: int, keep: int) -> bool:
-    """Rank 0, after every rank finished its part of the save: manifest, LATEST, retention."""
-    from ptops.ckpt import ManifestError, commit, prune, write_manifest
+def commit_checkpoint(path: Path, step: int, world_size: int, keep: int) -> str | None:
+    """Rank 0, after every rank finished its part of the save: manifest, LATEST, retention.
+    Returns None when committed, else why not (the folder then stays uncommitted)."""
+    from ptops.ckpt import commit, prune, write_manifest
 
     try:
         write_manifest(path, step, world_size, _versions())
         commit(path.parent, path, deep=False)  # write_manifest just hashed; sizes + structure suffice
-    except ManifestError as e:
+    except Exception as e:  # noqa: BLE001 - ManifestError, OSError (ENOSPC writing the manifest), ...
         _log(f"checkpoint {path} NOT committed: {e}")
-        return False
-    report = prune(path.parent, keep_last=keep, min_age_s=0)
-    if report.deleted:
-        _log(f"retention: deleted {', '.join(report.deleted)}")
-    return True
+        return f"{type(e).__name__}: {e}"[:1000]
+    try:
+        report = prune(path.parent, keep_last=keep, min_age_s=0)
+        if report.deleted:
+            _log(f"retention: deleted {', '.join(report.deleted)}")
+    except Exception as e:  # noqa: BLE001 - retention failing is not a failed save
+        _log(f"retention failed: {e}")
+    return None
 
 
 # ---------------------------------------------------------------- metrics
