@@ -13,63 +13,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import threading
 import time
-import urllib.parse
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import yaml
 
+from promstack import PromStack, wait_for
 from ptops.ops import dashboard
-from ptops.ops.alerts import RULES_FILE
 from ptops.ops.exporters import PrometheusExporter, follow
 
 DATA = Path(__file__).resolve().parent / "data"
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def get_json(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def wait_for(pred, timeout: float, what: str, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except Exception as e:  # server not up yet
-            last = e
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-class Hook(BaseHTTPRequestHandler):
-    received: list = []
-
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        n = int(self.headers.get("Content-Length") or 0)
-        Hook.received.append((time.time(), json.loads(self.rfile.read(n))))
-        self.send_response(200)
-        self.end_headers()
 
 
 def write_live(src: Path, dst: Path, skip_kinds=("completed",), pace_s: float = 0.05) -> None:
@@ -88,18 +42,10 @@ def write_live(src: Path, dst: Path, skip_kinds=("completed",), pace_s: float = 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, have):
-    prometheus = have("prometheus")
-    am_bin = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-    alertmanager = am_bin or have("prometheus-alertmanager")
     tmp = tmp_path_factory.mktemp("obs-e2e")
-    procs: list[subprocess.Popen] = []
     closers = []
+    servers = None
     try:
-        # webhook receiver
-        Hook.received = []
-        hook = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-        threading.Thread(target=hook.serve_forever, daemon=True).start()
-        closers.append(lambda: (hook.shutdown(), hook.server_close()))
         # run directories followed by exporters (titan + grpo), served on loopback
         runs, exporters, ports = {}, {}, {}
         for name in ("obs-titan", "obs-grpo"):
@@ -112,40 +58,9 @@ def stack(tmp_path_factory, have):
             f = follow(rd, exporters[name], poll_s=0.1)
             closers.append(f.stop)
             closers.append(exporters[name].close)
-        # alertmanager
-        am_port = free_port()
-        (tmp / "am.yml").write_text(yaml.safe_dump({
-            "route": {"receiver": "hook", "group_by": ["alertname", "run"], "group_wait": "1s",
-                      "group_interval": "1s", "repeat_interval": "1h"},
-            "receivers": [{"name": "hook", "webhook_configs": [
-                {"url": f"http://127.0.0.1:{hook.server_address[1]}/", "send_resolved": False}]}],
-        }))
-        procs.append(subprocess.Popen(
-            [alertmanager, f"--config.file={tmp / 'am.yml'}", f"--storage.path={tmp / 'am-data'}",
-             f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
-            stdout=open(tmp / "am.log", "w"), stderr=subprocess.STDOUT))
-        # prometheus
-        prom_port = free_port()
-        shutil.copy(RULES_FILE, tmp / "ptops-rules.yml")
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(tmp / "ptops-rules.yml")],
-            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-            "scrape_configs": [{"job_name": "ptops", "static_configs": [
-                {"targets": [f"127.0.0.1:{p}" for p in ports.values()]}]}],
-        }))
-        procs.append(subprocess.Popen(
-            [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'prom-data'}",
-             f"--web.listen-address=127.0.0.1:{prom_port}", "--rules.alert.resend-delay=1s"],
-            stdout=open(tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT))
-        prom = f"http://127.0.0.1:{prom_port}"
-        wait_for(lambda: urllib.request.urlopen(f"{prom}/-/ready", timeout=2).status == 200, 30, "prometheus ready")
-        wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{am_port}/-/ready", timeout=2).status == 200, 30,
-                 "alertmanager ready")
-
-        def query(q: str):
-            return get_json(f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q}))["data"]["result"]
-
+        # prometheus (shipped rules) -> alertmanager -> webhook receiver
+        servers = PromStack(tmp, [f"127.0.0.1:{p}" for p in ports.values()], have)
+        query = servers.query
         # both exporters scraped once before the runs start writing: counters start at 0 in Prometheus
         wait_for(lambda: len([r for r in query("ptops_up") if r["value"][1] == "1"]) == 2, 30, "first scrapes")
         t0 = time.monotonic()
@@ -158,15 +73,11 @@ def stack(tmp_path_factory, have):
         wait_for(lambda: any(r["value"][1] == "8" for r in query('ptops_step{run="obs-titan-live"}')), 30,
                  "titan step 8 scraped")
         wait_for(lambda: query('ptops_rl_entropy{run="obs-grpo-live"}'), 30, "grpo entropy scraped")
-        yield {"prom": prom, "query": query, "runs": runs, "tmp": tmp, "feed_s": time.monotonic() - t0}
+        yield {"prom": servers.url, "query": query, "runs": runs, "tmp": tmp, "hook": servers.hook,
+               "feed_s": time.monotonic() - t0}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        if servers is not None:
+            servers.close()
         for c in closers:
             try:
                 c()
@@ -200,12 +111,10 @@ def test_hang_reaches_the_webhook_through_alertmanager(stack):
         f.write(json.dumps({"ts": t_hang, "kind": "hang", "attempt": 2, "ranks": [1], "step": 9, "silent_s": 30.0})
                 + "\n")
 
+    hook = stack["hook"]
+
     def got_hang():
-        for ts, body in Hook.received:
-            for a in body.get("alerts", []):
-                if a["labels"].get("alertname") == "TrainingHang" and a["status"] == "firing":
-                    return ts, a
-        return None
+        return next(iter(hook.alerts("TrainingHang")), None)
 
     ts, alert = wait_for(got_hang, 60, "TrainingHang at the webhook", step=0.5)
     assert alert["labels"]["run"] == "obs-titan-live"
@@ -217,4 +126,4 @@ def test_hang_reaches_the_webhook_through_alertmanager(stack):
     assert latency < 60
     # nothing from the grpo run (healthy) is paging as a hang
     assert not any(a["labels"].get("run") == "obs-grpo-live" and a["labels"]["alertname"] == "TrainingHang"
-                   for _, b in Hook.received for a in b.get("alerts", []))
+                   for _, a in hook.alerts(status=None))

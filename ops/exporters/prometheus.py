@@ -359,7 +359,8 @@ class PrometheusExporter:
 
             out = [
                 gauge("ptops_up", "1 while this exporter serves the run.", 1),
-                gauge("ptops_attempt", "Current attempt number (1 = first launch).", s.attempt),
+                gauge("ptops_attempt", "Current attempt number (1 = first launch; absent before it).",
+                      s.attempt or None),
                 gauge("ptops_step", "Latest optimizer step reported by rank 0.", s.step),
                 gauge("ptops_loss", "Training loss at the latest step (rank 0).", s.scalars.get("ptops_loss")),
                 gauge("ptops_grad_norm", "Gradient norm at the latest step (rank 0).", s.scalars.get("ptops_grad_norm")),
