@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --servers
-exec .venv/bin/python -m pytest -ra --timeout 900 "$@"
+exec .venv/bin/python -m pytest -ra --durations=15 --timeout 900 "$@"
