@@ -1,5 +1,10 @@
 """Restart policy: a failed attempt (crash, hang, early exit) -> restart after a backoff, or stop.
 
+Monitor findings (NaN, loss spike, straggler, RL) are a separate policy, per monitor
+(``[monitors.<name>] action``): ``ptops.ops.supervisor.actions``. A rollback is not a
+failure here: it neither counts toward ``max_restarts`` nor the storm / no-progress rules
+(``monitors.rollback.max_rollbacks`` bounds it).
+
 Pure: the caller passes the clock and the checkpoint steps; nothing here
 sleeps, reads files or starts processes, so the tests drive it directly and a
 restarted supervisor rebuilds the history from ``events.jsonl``.
@@ -12,6 +17,8 @@ Exit codes of a supervised ``ptops launch`` (also what schedulers should act on)
       a requeue may help (e.g. on other nodes)
 2     bad input (recipe, ``--set``, ``--fault``, run directory locked by another supervisor)
 3     do not requeue: restart storm, or restarts stopped making progress;
+      a monitor finding whose ``[monitors]`` action is ``stop``; a rollback
+      refused because ``monitors.rollback.max_rollbacks`` were spent;
       rerunning the same thing will fail the same way, a person must look
 130   interrupted by SIGINT (Ctrl-C)
 143   interrupted by SIGTERM (e.g. preemption)

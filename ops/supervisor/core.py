@@ -44,7 +44,7 @@ from ptops.ops.policy import (
 from ptops.ops.recipe import Recipe
 from ptops.ops.rundir import RunDir, append_jsonl
 from ptops.ops.status import last_good_checkpoint, read_status_file, write_status
-from ptops.ops.supervisor import procs, stacks
+from ptops.ops.supervisor import actions, procs, stacks
 from ptops.ops.supervisor.lock import acquire, release
 
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.M)
@@ -54,7 +54,8 @@ _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.
 KILLED_PEER_RACE_S = 0.25
 
 # Event kinds a rank may report itself (the run directory records them as they come).
-RANK_EVENT_KINDS = frozenset({"checkpoint", "checkpoint_saved", "checkpoint_failed", "checkpoint_committed", "rollback_applied"})
+RANK_EVENT_KINDS = frozenset({"checkpoint", "checkpoint_saved", "checkpoint_failed", "checkpoint_committed",
+                              "checkpoint_invalid", "rollback_applied"})
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Supervisor:
         self.world = recipe.launch.nproc
         self.t_start = time.monotonic()
         self.monitors = self._build_monitors()
+        self.policy_action = None  # a halting [monitors] decision for the live attempt (actions.py)
 
     def _build_monitors(self) -> list:
         """The pure metric monitors (ptops.monitors), alert-only here: findings become events."""
@@ -126,6 +128,7 @@ class Supervisor:
                 ev = f.to_event()
                 kind = ev.pop("kind", "anomaly")
                 self.event(kind, attempt=self.attempt, **ev)
+                actions.on_finding(self, f)  # [monitors] policy: alert | stop | rollback | exclude_node
 
     # ------------------------------------------------------------ output
     def say(self, msg: str) -> None:
@@ -214,6 +217,10 @@ class Supervisor:
             self.say(f"killed {len(orphans)} leftover process(es) of this run: {orphans}")
         self.good = last_good_checkpoint(self.run, deep=False)
         done = launcher.completed_step(self.run)
+        if done >= self.recipe.train.steps:
+            # finished only if the final checkpoint still verifies (hashes): flipped bytes keep
+            # sizes, and a run whose final checkpoint went bad must redo its last steps
+            self.good = last_good_checkpoint(self.run, deep=True)
         if done >= self.recipe.train.steps and self.good and self.good["step"] >= self.recipe.train.steps:
             self.state = "completed"
             self.step = done
@@ -242,6 +249,11 @@ class Supervisor:
                 self.state = "completed"
                 self.event("completed", step=self.step, attempt=self.attempt)
                 return EXIT_DONE
+            if outcome.kind in actions.HALTING:  # a monitor finding's stop / rollback
+                code = actions.after_attempt(self, outcome)
+                if code is not None:
+                    return code
+                continue
             if outcome.kind == "interrupted":
                 sig = self.stop_signal or signal.SIGTERM
                 self.state = "stopped"
@@ -323,6 +335,7 @@ class Supervisor:
         }
         if self.faults:
             extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
+        extra.update(actions.attempt_env(self))  # PTOPS_ROLLBACK after a rollback
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
             ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
@@ -366,9 +379,13 @@ class Supervisor:
                 if self.stop_signal is not None:
                     self.graceful_stop()
                     return Outcome("interrupted", f"signal {self.stop_signal}")
+                if self.policy_action is not None:  # wins over the crash a NaN causes right after
+                    return actions.end_attempt(self, attempt)
                 rc = self.proc.poll()
                 if rc is not None:
                     self.pump(0.3, drain=True)
+                    if self.policy_action is not None:
+                        return actions.end_attempt(self, attempt)
                     return self._after_exit(rc, attempt)
                 if self.first_bad is not None:
                     # torchrun notices within its monitor interval and stops the others; give it a moment
@@ -508,7 +525,11 @@ class Supervisor:
         elif t == "event":
             kind = str(msg.get("kind") or "")
             if kind in RANK_EVENT_KINDS:
-                self.event(kind, **(msg.get("fields") or {}))
+                fields = msg.get("fields") or {}
+                self.event(kind, **fields)
+                if kind == "checkpoint" and fields.get("path"):
+                    # the engine's own event, sent after its commit: the one source of ``checkpoint``
+                    self.good = {"step": int(fields.get("step", 0)), "path": str(fields["path"])}
         elif t == "stacks":
             self.stacks_replies[rank] = msg
         elif t == "stop_ack":
@@ -530,17 +551,14 @@ class Supervisor:
                     self._note_bad(rank, None, "channel closed without goodbye", ts)
 
     def _checkpoint_beat(self, phase: str, step: int, ts: float) -> None:
+        """State only (``checkpointing`` while rank 0 is in a save's blocking part). The
+        ``checkpoint`` event itself comes from the engine after its commit (``probe.event``),
+        so there is one source, supervised or not, and a failed save never looks saved."""
         if phase == "checkpoint":
             self.ckpt_started.setdefault(step, ts)
             self.state = "checkpointing"
         elif step in self.ckpt_started:
-            began = self.ckpt_started.pop(step)
-            path = next(
-                (str(p) for p in (self.run.checkpoints / f"step-{step}", self.run.checkpoints / f"checkpoint-{step}") if p.exists()),
-                None,
-            )
-            self.event("checkpoint", step=step, path=path, blocking_s=round(ts - began, 3), total_s=round(ts - began, 3), source="supervisor")
-            self.good = {"step": step, "path": path} if path else self.good
+            self.ckpt_started.pop(step)
             self.state = "running"
 
     def _inject(self, peer: Peer, msg: dict[str, Any]) -> None:

@@ -20,7 +20,9 @@ Import only after ``compat.apply()`` (``registry`` does that).
 from __future__ import annotations
 
 import math
+import os
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -166,6 +168,20 @@ def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "torchtitan": getattr(torchtitan, "__version__", "?")}
 
 
+def _test_die_in_save(step: int) -> None:
+    """Test hook (``PTOPS_TEST_DIE_IN_SAVE=STEP:RANK``, first attempt only): SIGKILL this
+    rank once its part of the save of STEP has been handed to DCP, so the save is left
+    half-written (the other ranks block in DCP's collectives until torchrun kills them)."""
+    spec = os.environ.get("PTOPS_TEST_DIE_IN_SAVE")
+    if not spec or os.environ.get("PTOPS_ATTEMPT", "1") != "1":
+        return
+    want_step, _, want_rank = spec.partition(":")
+    if int(want_step) == step and int(want_rank or 0) == _rank():
+        print(f"[ptops.titan rank {_rank()}] PTOPS_TEST_DIE_IN_SAVE: killing myself in the save of step {step}",
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 @dataclass
 class _Save:
     step: int
@@ -262,7 +278,11 @@ class ProbeCheckpointManager(CheckpointManager):
         )
         probe = get_probe()
         for step, path in found:
-            res = verify(path, deep=True)
+            # nobody is writing now (this is the start of an attempt): a `.writing` marker left
+            # by a save killed after DCP finished (.metadata is written last, after every
+            # rank's shards) but before the commit does not make a complete save bad; a
+            # half-written one fails the structure check anyway (no .metadata)
+            res = verify(path, deep=True, ignore_writing_marker=True)
             if res.ok:
                 try:
                     if not res.has_manifest:
@@ -270,8 +290,8 @@ class ProbeCheckpointManager(CheckpointManager):
                         write_manifest(path, step, _world(), _versions(), extra={"adopted": True})
                         commit(root, path, deep=False)
                         _log(f"adopted uncommitted but complete checkpoint {path}")
-                    elif read_latest(root) != path:
-                        commit(root, path, deep=False)
+                    elif read_latest(root) != path or (path / ".writing").exists():
+                        commit(root, path, deep=False)  # clears the marker, moves LATEST
                 except Exception as e:  # noqa: BLE001 - LATEST is advisory for the resume itself
                     _log(f"could not commit {path} on resume: {_err_text(e)}")
                 return step
@@ -358,6 +378,7 @@ class ProbeCheckpointManager(CheckpointManager):
                                       enable_garbage_collection=True)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
                 err = e
+            _test_die_in_save(curr_step)
             rec.blocking_s = time.monotonic() - t0
             if use_async and err is None:
                 self._inflight = rec
@@ -494,6 +515,9 @@ class ProbeTrainer(Trainer):
         if probe is not None:
             probe.before_step(step)
             _POISON = bool(probe.should_poison(step))
+        from ptops.recipes.titan import rollback as _rollback  # PTOPS_ROLLBACK: lr factor, skipped batches
+
+        _rollback.on_step(self, data_iterator, step, probe)
         begin = time.perf_counter()
         try:
             super().train_step(data_iterator)

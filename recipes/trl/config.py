@@ -40,3 +40,12 @@ class TrlSection(_Strict):
     num_generations: int = Field(4, ge=2, description="completions per prompt; must divide the global batch")
     max_completion_length: int = Field(16, ge=1)
     temperature: float = Field(1.0, gt=0)
+    reward: Literal["correct", "length"] = Field(
+        "correct",
+        description="GRPO training reward: `correct` (answer checked, + 0.2 x format) or `length` "
+        "(deliberately gameable: pays for characters; the held-out `verifier` is logged at weight 0)",
+    )
+    verifier: bool = Field(
+        False, description="also log the held-out graded-correctness `verifier` reward (weight 0) as "
+        "rewards/verifier/mean (always on with reward = \"length\")",
+    )

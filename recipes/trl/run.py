@@ -11,6 +11,14 @@ What the adapter guarantees:
 - ``probe.before_step`` before each step, ``probe.should_poison`` turns that
   step's loss into NaN, ``probe.phase("checkpoint")`` before a save and
   ``probe.phase("step")`` after it;
+- a failed save (ENOSPC, EACCES, EIO, ... including the ``enospc`` fault raised
+  at ``phase("checkpoint")``) does not end training: all ranks agree it failed,
+  nothing is committed (the partial ``checkpoint-N`` never gets a manifest nor
+  LATEST), rank 0 emits ``checkpoint_failed {step, path, error}`` and the next
+  interval tries again; a failed *final* (or on-request) save raises on every
+  rank, so the run ends non-zero rather than losing its last steps silently;
+- every committed save emits one ``checkpoint {step, path, blocking_s, total_s}``
+  event from rank 0 (the save is synchronous: blocking_s == total_s);
 - checkpoints every ``checkpoint.interval`` steps and always at the final step,
   newest ``checkpoint.keep`` kept, under ``RUN_DIR/checkpoints/checkpoint-N``;
 - every save is committed with :mod:`ptops.ckpt`: after all ranks wrote their
@@ -21,7 +29,8 @@ What the adapter guarantees:
 - rerunning on the same run directory resumes from the newest *good*
   checkpoint (verified against its manifest; explicit
   ``resume_from_checkpoint=path``, chosen on rank 0 and broadcast), bit-identical
-  to an uninterrupted run;
+  to an uninterrupted run; newer invalid checkpoints are quarantined
+  (``checkpoints/invalid/``) and reported as ``checkpoint_invalid {path, reason}``;
 - under a supervisor, a stop request (Ctrl-C / SIGTERM of the supervisor) is
   agreed on by all ranks at the end of a step, which then checkpoints and returns.
 
@@ -199,10 +208,58 @@ class _StepTally:
         return sum(self.losses) / len(self.losses) if self.losses else None
 
 
-def _make_trainer_class(base: type, probe, tally: _StepTally) -> type:
-    """``base`` with a compute_loss that counts tokens, keeps the rank's loss and poisons on request."""
+class _SaveState:
+    """The save in progress on this rank, shared by the trainer's ``_save_checkpoint`` and the callback."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.t0 = 0.0
+        self.error: str | None = None  # set on every rank when any rank failed to write
+        self.failures: list[dict[str, Any]] = []
+
+
+def _failed_ranks(failed: bool, device: Any = None) -> list[int]:
+    """Every rank learns which ranks failed (all-reduce of a one-hot vector)."""
+    dist = _dist()
+    if dist is None:
+        return [0] if failed else []
+    import torch
+
+    t = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    if failed:
+        t[dist.get_rank()] = 1
+    dist.all_reduce(t)
+    return [r for r, v in enumerate(t.tolist()) if v]
+
+
+def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState) -> type:
+    """``base`` with a compute_loss that counts tokens, keeps the rank's loss and poisons on
+    request, and a guarded ``_save_checkpoint``: a failing save (ENOSPC, EACCES, EIO, ...)
+    is recorded for the callback to report instead of ending training."""
 
     class PtopsTrainer(base):  # type: ignore[misc, valid-type]
+        def _save_checkpoint(self, model, trial):
+            step = self.state.global_step
+            saves.step, saves.t0, saves.error = step, time.monotonic(), None
+            err: BaseException | None = None
+            try:
+                probe.phase("checkpoint", step)  # the enospc fault raises OSError here
+                super()._save_checkpoint(model, trial)
+            except Exception as e:  # noqa: BLE001 - OSError, torch.save's RuntimeError, safetensors errors
+                err = e
+                _log(f"checkpoint-{step}: save failed on this rank: {type(e).__name__}: {e}")
+            bad = _failed_ranks(err is not None, self.args.device)
+            if bad:
+                mine = f"{type(err).__name__}: {err}"[:1000] if err is not None else None
+                saves.error = mine or f"save failed on rank(s) {bad}"
+                if err is not None and len(bad) > 1:
+                    saves.error += f" (failed on ranks {bad})"
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            from ptops.recipes.trl import rollback  # PTOPS_ROLLBACK: drop the skipped window's batches
+
+            rollback.skip(self, epoch_iterator, num_batches, probe)
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             out = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
@@ -232,7 +289,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _make_callback(probe, tally: _StepTally, keep: int):
+def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
     from transformers import TrainerCallback
 
     class ProbeCallback(TrainerCallback):
@@ -271,8 +328,7 @@ def _make_callback(probe, tally: _StepTally, keep: int):
                 control.should_training_stop = True
             if state.global_step >= state.max_steps:
                 control.should_save = True  # always checkpoint the final step
-            if control.should_save and not control.should_log:
-                probe.phase("checkpoint", state.global_step)
+            # the probe's checkpoint phase starts in PtopsTrainer._save_checkpoint (after on_log's record)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
@@ -294,15 +350,37 @@ def _make_callback(probe, tally: _StepTally, keep: int):
             metrics["tokens_per_s"] = tally.tokens / step_s if step_s and step_s > 0 else None
             metrics["rank_loss"] = tally.rank_loss()
             probe.step(step, metrics)
-            if control.should_save:
-                probe.phase("checkpoint", step)
 
         def on_save(self, args, state, control, **kwargs):
+            """Every rank has written its part: rank 0 commits (manifest, LATEST, prune) and
+            reports ``checkpoint`` or ``checkpoint_failed``. Training goes on after a failed
+            save; a failed final (or on-request) save raises on every rank."""
             step = state.global_step
+            path = Path(args.output_dir) / f"checkpoint-{step}"
             _barrier()  # every rank has written its part (rank R's rng_state_R.pth)
-            if state.is_world_process_zero:
-                commit_checkpoint(Path(args.output_dir) / f"checkpoint-{step}", step, args.world_size, keep)
+            final = step >= state.max_steps or self.stopped_at == step
+            err = saves.error if saves.step == step else None
+            if err is None and state.is_world_process_zero:
+                err = commit_checkpoint(path, step, args.world_size, keep)
+            if _failed_ranks(err is not None, args.device) and err is None:
+                err = "commit failed on rank 0"
+            total = time.monotonic() - saves.t0 if saves.step == step else 0.0
+            if err is not None:
+                saves.failures.append({"step": step, "error": err, "final": final})
+                _log(f"checkpoint-{step} FAILED, not committed ({err}); training goes on" if not final
+                     else f"checkpoint-{step} FAILED, not committed ({err})")
+                if state.is_world_process_zero:
+                    probe.event("checkpoint_failed", step=step, path=str(path), error=err, final=final)
+            elif state.is_world_process_zero:
+                # a synchronous save: training was blocked for all of it
+                probe.event("checkpoint", step=step, path=str(path), blocking_s=round(total, 4),
+                            total_s=round(total, 4), mode="sync")
             probe.phase("step", step)
+            if err is not None and final:
+                raise RuntimeError(
+                    f"the {'final' if self.stopped_at != step else 'on-request'} checkpoint (step {step}) "
+                    f"could not be saved: {err}; the last good checkpoint is the newest one committed"
+                )
 
     return ProbeCallback()
 
@@ -350,14 +428,18 @@ def build_trainer(recipe, probe, run: RunDir):
     model = load_model(mdir)
     args = _common_args(recipe, run.checkpoints)
     tally = _StepTally()
-    callbacks = [_make_callback(probe, tally, recipe.checkpoint.keep)]
+    saves = _SaveState()
+    callbacks = [_make_callback(probe, tally, recipe.checkpoint.keep, saves)]
+    from ptops.recipes.trl import rollback
+
+    callbacks += rollback.callbacks(probe)  # PTOPS_ROLLBACK: lr factor after a rollback
 
     if sec.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
         config = SFTConfig(**args, max_length=sec.max_length, packing=False, assistant_only_loss=True)
         data = Dataset.from_list(assets.chat_dataset(sec.dataset_size))
-        cls = _make_trainer_class(SFTTrainer, probe, tally)
+        cls = _make_trainer_class(SFTTrainer, probe, tally, saves)
         return cls(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
 
     if sec.trainer == "dpo":
@@ -366,7 +448,7 @@ def build_trainer(recipe, probe, run: RunDir):
         config = DPOConfig(**args, max_length=sec.max_length, beta=sec.beta, precompute_ref_log_probs=False)
         data = Dataset.from_list(assets.preference_dataset(sec.dataset_size))
         ref_model = load_model(mdir)
-        cls = _make_trainer_class(DPOTrainer, probe, tally)
+        cls = _make_trainer_class(DPOTrainer, probe, tally, saves)
         return cls(
             model=model,
             ref_model=ref_model,
@@ -379,7 +461,9 @@ def build_trainer(recipe, probe, run: RunDir):
     if sec.trainer == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        from ptops.recipes.trl.rewards import REWARD_FUNCS, REWARD_WEIGHTS
+        from ptops.recipes.trl.rewards import reward_setup
+
+        reward_funcs, reward_weights = reward_setup(sec.reward, sec.verifier)
 
         batch = sec.per_device_batch_size * world * sec.grad_accum
         if batch % sec.num_generations:
@@ -394,14 +478,14 @@ def build_trainer(recipe, probe, run: RunDir):
             beta=sec.beta,
             temperature=sec.temperature,
             use_vllm=False,
-            reward_weights=REWARD_WEIGHTS,
+            reward_weights=reward_weights,
             log_completions=False,
         )
         data = Dataset.from_list(assets.prompt_dataset(sec.dataset_size))
-        cls = _make_trainer_class(GRPOTrainer, probe, tally)
+        cls = _make_trainer_class(GRPOTrainer, probe, tally, saves)
         return cls(
             model=model,
-            reward_funcs=REWARD_FUNCS,
+            reward_funcs=reward_funcs,
             args=config,
             train_dataset=data,
             processing_class=tokenizer,
@@ -411,12 +495,13 @@ def build_trainer(recipe, probe, run: RunDir):
     raise ValueError(f"[trl].trainer: unknown trainer {sec.trainer!r}")
 
 
-def choose_resume(run: RunDir, world: int) -> Path | None:
-    """Rank 0 picks the checkpoint (verifying hashes once), every rank gets the same answer."""
+def choose_resume(run: RunDir, world: int, probe: Any = None) -> Path | None:
+    """Rank 0 picks the checkpoint (verifying hashes once, quarantining newer bad ones),
+    every rank gets the same answer."""
     dist = _dist()
     if dist is None:
-        return latest_checkpoint(run.checkpoints, world)
-    box = [str(latest_checkpoint(run.checkpoints, world) or "") if dist.get_rank() == 0 else None]
+        return latest_checkpoint(run.checkpoints, world, probe)
+    box = [str(latest_checkpoint(run.checkpoints, world, probe) or "") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return Path(box[0]) if box[0] else None
 
@@ -441,7 +526,7 @@ def main(recipe, probe) -> None:
     trainer = build_trainer(recipe, probe, run)
     if hasattr(probe, "accept_stop_requests"):
         probe.accept_stop_requests()
-    resume = choose_resume(run, world)
+    resume = choose_resume(run, world, probe)
     _log(
         f"{recipe.trl.trainer} trainer ready in {time.monotonic() - t0:.1f}s; "
         + (f"resuming from {resume}" if resume else "starting fresh")
@@ -450,11 +535,8 @@ def main(recipe, probe) -> None:
     final = trainer.state.global_step
     if final >= recipe.train.steps and not (run.checkpoints / f"checkpoint-{final}").is_dir():
         # belt and braces: the callback asks for a save at max_steps; make sure it exists
-        probe.phase("checkpoint", final)
+        # (same path as a regular save: guarded save, commit, events; raises if it fails)
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-        _barrier()
-        if trainer.is_world_process_zero():
-            commit_checkpoint(run.checkpoints / f"checkpoint-{final}", final, world, recipe.checkpoint.keep)
-        probe.phase("step", final)
+        trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
     stopped = next((cb.stopped_at for cb in trainer.callback_handler.callbacks if hasattr(cb, "stopped_at")), None)
     _log(f"stopped on request at step {final}" if stopped is not None else f"finished at step {final}")
