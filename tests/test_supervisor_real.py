@@ -165,7 +165,9 @@ def test_titan_sigint_sigkill_lock_and_resume(tmp_path, titan_reference):
     wait_for(lambda: run_processes(run) == [], 10, "every process of the run to die with its supervisor")
     from ptops.ops.supervisor.procs import alive
 
-    assert not any(alive(p) for p in ranks)  # dead (a zombie waiting for init to reap it counts as dead)
+    # dead (a zombie waiting for init to reap it counts as dead); a process in the middle of exiting
+    # has already lost its environment but is not a zombie yet, hence the short wait
+    wait_for(lambda: not any(alive(p) for p in ranks), 10, "the ranks to finish exiting")
     s = json.loads(run_ptops("status", str(run), "--json", check=True).stdout)
     assert s["state"] == "dead" and s["supervisor_pid"] is None
     # 3. rerun adopts the run and completes it
