@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ptops.monitors.base import number  # the probe's "nan"/"inf" encoding, decoded in one place
+
 log = logging.getLogger("ptops.exporters.prometheus")
 
 STATES = ("starting", "running", "hung", "crashed", "restarting", "rolling_back", "completed", "failed", "stopped")
@@ -48,26 +50,6 @@ STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 RL_KEYS = {"entropy": "ptops_rl_entropy", "kl": "ptops_rl_kl", "reward": "ptops_rl_reward",
            "reward_std": "ptops_rl_reward_std"}
 MAX_LABEL_VALUES = 32  # per free-form label (reason, monitor, kind)
-
-_NONFINITE = {"nan": math.nan, "-nan": math.nan, "+nan": math.nan, "inf": math.inf, "+inf": math.inf,
-              "infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
-
-
-def number(value: Any) -> float | None:
-    """A record value as float: "nan"/"inf" strings (the probe's encoding) included; junk -> None."""
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        v = _NONFINITE.get(value.strip().lower())
-        if v is not None:
-            return v
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
 
 
 def _int(value: Any, default: int | None = None) -> int | None:
