@@ -36,6 +36,8 @@ from ptops.faultinject.spec import ONE_RANK_KINDS, Fault
 
 BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor")
 FLIP_BYTES = 64
+COMMIT_WAIT_S = 60.0
+WRITING = ".writing"  # ptops.ckpt's "save in progress" marker (kept import-free here)
 
 
 class Injector:
@@ -55,6 +57,13 @@ class Injector:
         self.on_hang_stop = on_hang_stop
         self._lock = threading.Lock()
         self._pending: list[tuple[Fault, bool]] = [(f, False) for f in faults if self._mine(f)]
+        # Job-level faults (ONE_RANK_KINDS) that another rank carries out: tracked here too and
+        # consumed at the same hook, so that every rank answers ``pending`` / ``sync_save_wanted``
+        # alike (a save that one rank makes synchronous and another asynchronous deadlocks).
+        self._shadow: list[tuple[Fault, bool]] = [
+            (f, False) for f in faults
+            if f.kind in ONE_RANK_KINDS and not self._for_rank(f) and (f.attempt == 0 or f.attempt == attempt)
+        ]  # fmt: skip
         self._slow_left: dict[int, tuple[float, int]] = {}
         self._ckpt_steps: set[int] = set()
 
@@ -67,8 +76,11 @@ class Injector:
         return self._for_rank(f) and (f.attempt == 0 or f.attempt == self.attempt)
 
     def add(self, fault: Fault) -> bool:
-        """A fault injected into the live run; returns whether it applies to this rank."""
+        """A fault injected into the live run; returns whether this rank carries it out."""
         if not self._for_rank(fault):
+            if fault.kind in ONE_RANK_KINDS:
+                with self._lock:
+                    self._shadow.append((fault, True))
             return False
         with self._lock:
             self._pending.append((fault, True))
@@ -76,18 +88,29 @@ class Injector:
 
     @property
     def pending(self) -> list[Fault]:
-        return [f for f, _ in self._pending]
+        """Faults of this attempt not fired yet that this rank carries out or takes part in
+        (a job-level fault carried out by another rank stays listed until its hook passed here)."""
+        with self._lock:
+            return [f for f, _ in self._pending] + [f for f, _ in self._shadow]
+
+    def sync_save_wanted(self, step: int) -> bool:
+        """True on every rank alike when a ``corrupt-ckpt`` fault wants the save of ``step``:
+        it fires once the save is committed, so an adapter should save synchronously then."""
+        with self._lock:
+            return any(
+                f.kind == "corrupt-ckpt" and (step == f.step or (live and step >= f.step))
+                for f, live in self._pending + self._shadow
+            )
+
+    @staticmethod
+    def _due(f: Fault, live: bool, kinds: tuple[str, ...], step: int) -> bool:
+        return f.kind in kinds and (step == f.step or (live and step >= f.step))
 
     def _take(self, kinds: tuple[str, ...], step: int) -> list[Fault]:
-        fired = []
         with self._lock:
-            keep = []
-            for f, live in self._pending:
-                if f.kind in kinds and (step == f.step or (live and step >= f.step)):
-                    fired.append(f)
-                else:
-                    keep.append((f, live))
-            self._pending = keep
+            fired = [f for f, live in self._pending if self._due(f, live, kinds, step)]
+            self._pending = [(f, live) for f, live in self._pending if not self._due(f, live, kinds, step)]
+            self._shadow = [(f, live) for f, live in self._shadow if not self._due(f, live, kinds, step)]
         return fired
 
     # ------------------------------------------------------------ hooks
@@ -184,17 +207,39 @@ class Injector:
         time.sleep(30)  # the channel's EOF (probe) and PDEATHSIG (torchrun) end this rank meanwhile
 
     def _corrupt(self, f: Fault, step: int) -> None:
+        # The damage must come after the commit (manifest written, .writing marker gone), or the
+        # manifest would record the damaged bytes. A sync save is committed by now; an async
+        # one finishes in the background: wait for it there, without stalling training.
+        if committed(find_checkpoint(self.run_dir, step)):
+            self._do_corrupt(f, step)
+        else:
+            threading.Thread(target=self._corrupt_when_committed, args=(f, step), name="ptops-corrupt", daemon=True).start()
+
+    def _corrupt_when_committed(self, f: Fault, step: int, timeout_s: float = COMMIT_WAIT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not committed(find_checkpoint(self.run_dir, step)):
+            time.sleep(0.1)
+        self._do_corrupt(f, step)
+
+    def _do_corrupt(self, f: Fault, step: int) -> None:
         victim = corrupt_checkpoint(self.run_dir, step, self.rank, f.params.get("mode", "truncate"))
         if victim is None:
             _warn(f"fault {f}: no checkpoint of step {step} to corrupt under {self.run_dir}")
         else:
-            _warn(f"fault {f}: corrupted {victim}")
+            _warn(f"fault {f}: corrupted {victim} ({f.params.get('mode', 'truncate')})")
 
 
 def _warn(msg: str) -> None:
     import sys
 
     print(f"[ptops.faultinject] {msg}", file=sys.stderr, flush=True)
+
+
+def committed(ckpt: Path | None) -> bool:
+    """A checkpoint folder without a ``.writing`` marker: ptops' commit protocol marks a save in
+    progress and clears the marker after writing the manifest; an engine without the protocol
+    never marks, so its folder counts as complete once the save hook returned."""
+    return ckpt is not None and not (ckpt / WRITING).exists()
 
 
 def find_checkpoint(run_dir: Path | None, step: int) -> Path | None:

@@ -198,6 +198,10 @@ from ptops.ops.cli_ckpt import app as _ckpt_app  # noqa: E402
 
 app.add_typer(_ckpt_app, name="ckpt")
 
+from ptops.ops.cli_chaos import register as _register_chaos  # noqa: E402
+
+_register_chaos(app)
+
 
 def main() -> None:
     try:

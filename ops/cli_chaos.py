@@ -50,7 +50,8 @@ def chaos_cmd(
         _fail(str(e))
     if list_only:
         for sc in scenarios:
-            typer.echo(f"{sc.name:32s} {' '.join('--fault ' + f for f in sc.faults)}   detect: {', '.join(sc.detect)}")
+            extra = "".join(f" --set {x}" for x in sc.extra_sets)
+            typer.echo(f"{sc.name:28s} {' '.join('--fault ' + f for f in sc.faults)}{extra}   detect: {', '.join(sc.detect)}")
         return
     target = work_dir or Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     if target.exists() and any(target.iterdir()):
@@ -75,7 +76,7 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=sys.stdout)
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 150)  # piped: no squeezed columns
     t = Table(title=f"ptops chaos: {report['work_dir']}", show_lines=False)
     for col, kw in (
         ("scenario", {}), ("result", {}), ("detected by", {}), ("detect", {"justify": "right"}),

@@ -57,13 +57,17 @@ def test_chaos_ci_subset(tmp_path):
 
     crash = res["titan-tiny/crash"]
     assert crash["detected_by"] == "crash" and crash["restarts"] == 1 and crash["launches"] == 1
-    assert crash["steps_recomputed"] == 1  # crashed at the start of step 6, resumed from step 4: step 5 redone
+    # crashed at the start of step 6: steps after the checkpoint it resumed from are redone (step-4
+    # normally; step 0 when the async save of step 4 was still in flight under load)
+    restart = events(crash["run_dir"], "restart")[0]
+    assert restart["from_step"] in (0, 4) and crash["steps_recomputed"] == 5 - restart["from_step"]
 
     corrupt = res["titan-tiny/corrupt-ckpt"]
     invalid = events(corrupt["run_dir"], "checkpoint_invalid")
-    assert len(invalid) == 1 and invalid[0]["path"].endswith("step-8"), invalid
-    assert events(corrupt["run_dir"], "restart")[0]["from_step"] == 4  # fell back past the damaged step-8
-    assert corrupt["steps_recomputed"] == 5  # steps 5-9 redone
+    assert any(e["path"].endswith("step-8") and "distcp" in e["reason"] for e in invalid), invalid
+    restart = events(corrupt["run_dir"], "restart")[0]
+    assert restart["from_step"] in (0, 4)  # fell back past the damaged step-8
+    assert corrupt["steps_recomputed"] == 9 - restart["from_step"]  # crashed at the start of step 10
 
     ks = res["titan-tiny/kill-supervisor"]
     assert ks["exit_codes"][0] in (-9, 137) and ks["exit_codes"][-1] == 0 and ks["launches"] == 2

@@ -257,3 +257,37 @@ def test_fault_spec_error_names_the_spec_in_chaos_cli(ptops):
     assert proc.stderr.strip().count("\n") == 0 and "key 'step'" in proc.stderr and "integer" in proc.stderr
     listed = ptops("chaos", "--list", "--recipe", "trl-sft-tiny", check=True).stdout
     assert json.dumps("trl-sft-tiny/preempt")[1:-1] in listed
+
+
+def test_corrupt_waits_for_an_async_save_to_commit(fx, tmp_path):
+    """A save still writing (``.writing`` marker) is damaged only once committed, off the training thread."""
+    import threading
+
+    d = _fake_dcp(tmp_path, 8)
+    (d / ".writing").write_text("")
+    inj, fired = make(["corrupt-ckpt:step=8,mode=truncate"], run_dir=tmp_path)
+    inj.on_checkpoint(8)
+    inj.after_checkpoint(8)
+    assert fired == [("corrupt-ckpt", 8)] and (d / "__0_0.distcp").stat().st_size == 4000  # not yet
+    (d / ".writing").unlink()
+    for t in threading.enumerate():
+        if t.name == "ptops-corrupt":
+            t.join(timeout=10)
+    assert (d / "__0_0.distcp").stat().st_size == 2000
+
+
+def test_every_rank_agrees_on_a_sync_save_for_corrupt_ckpt(fx, tmp_path):
+    """Rank 0 corrupts, rank 1 does not; both must want the save of step 8 synchronous, and neither after it."""
+    _fake_dcp(tmp_path, 8)
+    ranks = [make(["corrupt-ckpt:step=8"], rank=r, run_dir=tmp_path)[0] for r in (0, 1)]
+    live = [make([], rank=r, run_dir=tmp_path)[0] for r in (0, 1)]
+    for inj in live:
+        inj.add(parse("corrupt-ckpt:step=5"))  # live: the next save at or after step 5
+    for step in (4, 8, 12):
+        for group in (ranks, live):
+            answers = [inj.sync_save_wanted(step) for inj in group]
+            assert answers == [step == 8] * 2, (step, answers)
+            assert [bool(inj.pending) for inj in group] == [step <= 8] * 2
+            for inj in group:
+                inj.on_checkpoint(step)
+                inj.after_checkpoint(step)
