@@ -169,7 +169,21 @@ def validate(data: dict, origin: str) -> Recipe:
     other = "trl" if engine == "titan" else "titan"
     if getattr(recipe, other) is not None:
         raise RecipeError(f"{origin}: key '{other}': section does not apply to engine \"{engine}\"")
+    _check_cross_keys(recipe, origin)
     return recipe
+
+
+def _check_cross_keys(recipe: Recipe, origin: str) -> None:
+    """Rules that span sections, caught here rather than as a traceback inside every rank."""
+    sec = recipe.trl
+    if sec is not None and sec.trainer == "grpo":
+        batch = sec.per_device_batch_size * recipe.launch.nproc * sec.grad_accum
+        if batch % sec.num_generations:
+            raise RecipeError(
+                f"{origin}: key 'trl.num_generations': must divide per_device_batch_size x launch.nproc x "
+                f"grad_accum = {sec.per_device_batch_size} x {recipe.launch.nproc} x {sec.grad_accum} = {batch} "
+                f"(got {sec.num_generations})"
+            )
 
 
 def dump_json(recipe: Recipe) -> str:

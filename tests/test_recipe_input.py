@@ -136,3 +136,8 @@ def test_second_launcher_on_same_run_dir_refused(ptops, tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_grpo_generations_must_divide_the_batch(ptops):
+    proc = ptops("launch", "trl-grpo-tiny", "--set", "trl.num_generations=3", "--dry-run")
+    assert_one_clear_line(proc, "trl-grpo-tiny.toml", "trl.num_generations", "must divide", "got 3")
