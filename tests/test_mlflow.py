@@ -11,7 +11,6 @@ import stat
 import time
 from pathlib import Path
 
-import pytest
 
 from ptops.ops.exporters.mlflow_export import MlflowExporter, default_tracking_uri, flatten
 

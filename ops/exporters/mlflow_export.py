@@ -373,7 +373,7 @@ def incident_summary(events: list[dict]) -> dict:
 
 
 def summary_markdown(s: dict) -> str:
-    lines = [f"# ptops incident summary", "", f"- final state: **{s['state']}**", f"- attempts: {s['attempts']}"]
+    lines = ["# ptops incident summary", "", f"- final state: **{s['state']}**", f"- attempts: {s['attempts']}"]
     ck = s.get("last_good_checkpoint")
     lines.append(f"- last good checkpoint: step {ck.get('step')} ({ck.get('path')})" if ck else "- no checkpoint")
     lines += ["", "| time (UTC) | kind | details |", "|---|---|---|"]
