@@ -24,15 +24,20 @@ class UnsafeMetadata(pickle.UnpicklingError):
     pass
 
 
+def _plain(module: str, name: str) -> bool:
+    """The stdlib names both unpicklers allow as the real thing."""
+    return (
+        (module == "builtins" and name in _BUILTINS)
+        or (module == "collections" and name in {"OrderedDict", "defaultdict"})
+        or (module == "pathlib" and name in _PATHLIB)
+    )
+
+
 class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         import torch
 
-        if module == "builtins" and name in _BUILTINS:
-            return super().find_class(module, name)
-        if module == "collections" and name in {"OrderedDict", "defaultdict"}:
-            return super().find_class(module, name)
-        if module == "pathlib" and name in _PATHLIB:
+        if _plain(module, name):
             return super().find_class(module, name)
         if module == "torch":
             obj = getattr(torch, name, None)
@@ -127,11 +132,7 @@ def _stub(module: str, name: str) -> type:
 
 class _LiteUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module == "builtins" and name in _BUILTINS:
-            return super().find_class(module, name)
-        if module == "collections" and name in {"OrderedDict", "defaultdict"}:
-            return super().find_class(module, name)
-        if module == "pathlib" and name in _PATHLIB:
+        if _plain(module, name):
             return super().find_class(module, name)
         if module == "torch" and name == "Size":
             return lambda seq=(): tuple(seq)
