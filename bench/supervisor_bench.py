@@ -63,9 +63,9 @@ def probe_cost(n: int = 5000) -> dict:
     """Per-step cost of the probe inside a rank: before_step + should_poison + step, channel vs file."""
     import threading
 
-    from ptops.ops.channel import ChannelServer
-    from ptops.ops.probe import Probe
-    from ptops.ops.rundir import append_jsonl
+    from ptops.ops.supervisor.channel import ChannelServer
+    from ptops.ops.rank.probe import Probe
+    from ptops.ops.runrecord.rundir import append_jsonl
 
     metrics = {"loss": 2.5, "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.06, "tokens_per_s": 9000.0, "mfu": 0.1}
     out = {}
@@ -120,8 +120,8 @@ def supervised_fault(recipe: str, tmp: Path, name: str, fault: str, extra: list[
 def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: float) -> dict:
     """The same recipe and fault under plain torchrun --max-restarts=1 (the probe writes files directly)."""
     from ptops.faultinject.spec import parse, to_env
-    from ptops.ops import launcher
-    from ptops.ops.recipe import load
+    from ptops.ops.supervisor import launcher
+    from ptops.recipes.schema import load
 
     rec, path = load(recipe, ["train.steps=16", "checkpoint.interval=5"])
     run = launcher.prepare_run(rec, path, tmp / f"torchrun-{name}")

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from ptops.monitors import Finding, MonitorsSection, build_monitors, replay
-from ptops.ops.rundir import RunDir, read_jsonl
+from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
-# monitor or event kind -> runbook (runbooks/<Name>.md; the names of ops/alerts)
+# monitor or event kind -> runbook (runbooks/<Name>.md; the names of ops/obs/alerts)
 RUNBOOKS: dict[str, str] = {
     "nan": "TrainingNaN",
     "loss_spike": "LossSpike",

@@ -226,7 +226,7 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
 
 
 def check_recipes(scenarios: list[Scenario]) -> None:
-    from ptops.ops.recipe import RecipeError, load
+    from ptops.recipes.schema import RecipeError, load
 
     for r in dict.fromkeys(sc.recipe for sc in scenarios):
         try:

@@ -1,3 +1,3 @@
-from ptops.ops.cli import main
+from ptops.ops.cli.app import main
 
 main()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ptops.ops.alerts import RULES_FILE
+from ptops.ops.obs.alerts import RULES_FILE
 
 
 def free_port() -> int:

@@ -489,7 +489,7 @@ def test_async_checkpointer_two_ranks(made):
 def test_cli(made, dcp_run, tmp_path):
     from typer.testing import CliRunner
 
-    from ptops.ops.cli_ckpt import app
+    from ptops.ops.cli.ckpt import app
 
     runner = CliRunner()
     root = dcp_run / "checkpoints"
@@ -527,7 +527,7 @@ def test_cli(made, dcp_run, tmp_path):
 def test_import_list_verify_without_torch(made):
     """Listing and verifying (structure, manifest, CRC) never import torch."""
     code = (
-        "import sys, ptops.ckpt as c, ptops.ops.cli_ckpt\n"
+        "import sys, ptops.ckpt as c, ptops.ops.cli.ckpt\n"
         f"es = c.list_checkpoints({str(made / 'run')!r})\n"
         f"assert [e.ok for e in es] == [True, True, True], es\n"
         f"assert c.verify({str(made / 'two/step-3')!r}).ok\n"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from ptops.ops.rundir import read_jsonl
+from ptops.ops.runrecord.rundir import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 TITAN = "recipes/titan-tiny.toml"

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-from ptops.ops import dashboard
-from ptops.ops.alerts import ALERTS
+from ptops.ops.obs import dashboard
+from ptops.ops.obs.alerts import ALERTS
 
 REQUIRED_ROWS = ["Run overview", "Throughput", "Loss and grad norm", "Checkpoints", "Restarts and incidents",
                  "Stragglers by rank", "RL health", "GPU"]
@@ -74,8 +74,8 @@ def test_grafana_rules_mirror_prometheus_rules():
 def test_shipped_provisioning_is_current():
     for rel, text in dashboard.provisioning_files().items():
         path = dashboard.SHIPPED_PROVISIONING / rel
-        assert path.is_file(), f"missing {path}: run `ptops dashboard --provisioning ops/grafana/provisioning`"
-        assert path.read_text() == text, f"{path} is stale: run `ptops dashboard --provisioning ops/grafana/provisioning`"
+        assert path.is_file(), f"missing {path}: run `ptops dashboard --provisioning ops/obs/grafana/provisioning`"
+        assert path.read_text() == text, f"{path} is stale: run `ptops dashboard --provisioning ops/obs/grafana/provisioning`"
     ds = yaml.safe_load((dashboard.SHIPPED_PROVISIONING / "datasources/ptops.yml").read_text())
     assert ds["datasources"][0]["uid"] == dashboard.DATASOURCE_UID
     rules = yaml.safe_load((dashboard.SHIPPED_PROVISIONING / "alerting/ptops-rules.yml").read_text())
@@ -86,7 +86,7 @@ def test_shipped_provisioning_is_current():
 def test_cli_dashboard_and_provisioning(tmp_path):
     from typer.testing import CliRunner
 
-    from ptops.ops.cli_obs import make_app
+    from ptops.ops.cli.obs import make_app
 
     res = CliRunner().invoke(make_app(), ["dashboard"])
     assert res.exit_code == 0, res.output
@@ -159,7 +159,7 @@ def fake_grafana():
 def test_grafana_push_sends_folder_dashboard_and_rule_group(fake_grafana):
     from typer.testing import CliRunner
 
-    from ptops.ops.cli_obs import make_app
+    from ptops.ops.cli.obs import make_app
 
     url, reqs = fake_grafana
     for attempt in (1, 2):  # the second push finds the folder and overwrites the rest (idempotent)
@@ -192,7 +192,7 @@ def test_grafana_push_sends_folder_dashboard_and_rule_group(fake_grafana):
 def test_grafana_push_failure_is_one_clear_line(fake_grafana):
     from typer.testing import CliRunner
 
-    from ptops.ops.cli_obs import make_app
+    from ptops.ops.cli.obs import make_app
 
     res = CliRunner().invoke(make_app(), ["grafana", "push", "--url", "http://127.0.0.1:1", "--token", "t"])
     assert res.exit_code == 1

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from ptops.ops.exporters import PrometheusExporter, follow, replay
-from ptops.ops.exporters.nvml import NvmlCollector
+from ptops.ops.obs import PrometheusExporter, follow, replay
+from ptops.ops.obs.nvml import NvmlCollector
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 
-from ptops.ops.exporters.mlflow_export import MlflowExporter, default_tracking_uri, flatten
+from ptops.ops.obs.mlflow_export import MlflowExporter, default_tracking_uri, flatten
 
 DATA = Path(__file__).resolve().parent / "data"
 

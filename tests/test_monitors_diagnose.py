@@ -56,7 +56,7 @@ def make_run(tmp_path: Path, recipe: dict | None = None, live_nan: bool = True) 
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ptops.ops.cli_diagnose", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ptops.ops.cli.diagnose", *args], capture_output=True, text=True,
                           timeout=120, cwd=REPO, env=dict(os.environ))
 
 
@@ -161,7 +161,7 @@ def test_ptops_diagnose_wired():
     """Once the lead wires ``ptops diagnose``, the real CLI must behave like the module."""
     p = subprocess.run([sys.executable, "-m", "ptops", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
     if "diagnose" not in p.stdout:
-        pytest.skip("`ptops diagnose` not wired into ops/cli.py yet")
+        pytest.skip("`ptops diagnose` not wired into ops/cli/app.py yet")
     q = subprocess.run([sys.executable, "-m", "ptops", "diagnose", "/nonexistent/run", "--json"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert q.returncode == 2 and q.stderr.strip().startswith("error:")

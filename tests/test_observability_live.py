@@ -30,7 +30,7 @@ import pytest
 
 from conftest import PTOPS, REPO
 from promstack import PromStack, wait_for
-from ptops.ops import dashboard
+from ptops.ops.obs import dashboard
 
 STEPS = 16
 INTERVAL = 4
@@ -290,7 +290,7 @@ def test_mlflow_holds_one_run_with_every_step(live):
 def test_attempt_is_absent_before_the_first_launch(tmp_path):
     """No ``ptops_attempt 0`` sample before the launch event: Prometheus would count 0 -> 1 as a change and
     TrainingCrashLoop (``changes(ptops_attempt[30m]) >= 3``) would page after two restarts instead of three."""
-    from ptops.ops.exporters import PrometheusExporter
+    from ptops.ops.obs import PrometheusExporter
 
     ex = PrometheusExporter("r", "t", nvml=False)
     assert "ptops_attempt{" not in ex.text()

@@ -131,7 +131,7 @@ class _Sup:
     def __init__(self, tmp_path, monitors: MonitorsSection, events=()):
         from types import SimpleNamespace
 
-        from ptops.ops.rundir import RunDir
+        from ptops.ops.runrecord.rundir import RunDir
 
         self.run = RunDir(tmp_path)
         self.run.checkpoints.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from promstack import PromStack, wait_for
-from ptops.ops import dashboard
-from ptops.ops.exporters import PrometheusExporter, follow
+from ptops.ops.obs import dashboard
+from ptops.ops.obs import PrometheusExporter, follow
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from ptops.ops.recipe import RecipeError, load, parse_override
+from ptops.recipes.schema import RecipeError, load, parse_override
 
 GOOD = """
 name = "t"
@@ -92,11 +92,11 @@ def test_dry_run_prints_resolved_recipe(ptops, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert '"nproc": 3' in proc.stdout
     assert "--nproc-per-node 3" in proc.stdout
-    assert "ptops.recipes.entry" in proc.stdout
+    assert "ptops.ops.rank.entry" in proc.stdout
 
 
 def test_resume_with_different_recipe_refused(ptops, tmp_path):
-    from ptops.ops.launcher import prepare_run
+    from ptops.ops.supervisor.launcher import prepare_run
 
     p = write(tmp_path, GOOD)
     rec, path = load(p)
@@ -108,9 +108,9 @@ def test_resume_with_different_recipe_refused(ptops, tmp_path):
 
 
 def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
-    from ptops.ops.launcher import prepare_run
-    from ptops.ops.recipe import from_json
-    from ptops.ops.rundir import RunDir
+    from ptops.ops.supervisor.launcher import prepare_run
+    from ptops.recipes.schema import from_json
+    from ptops.ops.runrecord.rundir import RunDir
 
     p = write(tmp_path, GOOD)
     rec, path = load(p)
@@ -122,7 +122,7 @@ def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
 
 
 def test_second_launcher_on_same_run_dir_refused(ptops, tmp_path):
-    from ptops.ops.launcher import prepare_run
+    from ptops.ops.supervisor.launcher import prepare_run
     from ptops.ops.supervisor.lock import acquire, release
 
     p = write(tmp_path, GOOD)

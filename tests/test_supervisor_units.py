@@ -12,8 +12,9 @@ import pytest
 from ptops.faultinject.inject import Injector
 from ptops.faultinject.spec import parse
 from ptops.monitors.hang import HangConfig, HangMonitor
-from ptops.ops.channel import ChannelClient, ChannelServer
-from ptops.ops.policy import EXIT_FAILED, EXIT_NO_REQUEUE, Failure, PolicyConfig, RestartPolicy
+from ptops.ops.rank.channel import ChannelClient
+from ptops.ops.supervisor.channel import ChannelServer
+from ptops.ops.supervisor.policy import EXIT_FAILED, EXIT_NO_REQUEUE, Failure, PolicyConfig, RestartPolicy
 
 # ---------------------------------------------------------------- policy
 
@@ -187,7 +188,7 @@ def test_probe_dies_when_supervisor_channel_closes(tmp_path):
     server = ChannelServer()
     code = (
         "import time\n"
-        "from ptops.ops.probe import Probe\n"
+        "from ptops.ops.rank.probe import Probe\n"
         f"p = Probe({str(tmp_path)!r}, 0, 1, channel={server.address()!r}, token={server.token!r}, heartbeat_s=0.2)\n"
         "p.startup()\n"
         "time.sleep(60)\n"
@@ -242,7 +243,7 @@ def test_enospc_and_corrupt(tmp_path):
 
 def test_crash_fault_kills_the_process(tmp_path):
     code = (
-        "from ptops.ops.probe import Probe\n"
+        "from ptops.ops.rank.probe import Probe\n"
         f"p = Probe({str(tmp_path)!r}, 1, 1, faults={json.dumps(json.dumps([parse('crash:rank=1,step=2').to_dict()]))})\n"
         "p.before_step(1); p.before_step(2); print('survived')\n"
     )
@@ -276,8 +277,8 @@ def test_lock_is_exclusive_and_dies_with_holder(tmp_path):
 
 
 def test_status_marks_a_dead_supervisor(tmp_path, ptops):
-    from ptops.ops.rundir import RunDir
-    from ptops.ops.status import write_status
+    from ptops.ops.runrecord.rundir import RunDir
+    from ptops.ops.runrecord.status import write_status
 
     run = RunDir(tmp_path / "run").create()
     run.event("launch", attempt=1, supervised=True)
@@ -291,7 +292,7 @@ def test_status_marks_a_dead_supervisor(tmp_path, ptops):
 
 
 def test_recipe_supervisor_section_validates(ptops):
-    from ptops.ops.recipe import RecipeError, load
+    from ptops.recipes.schema import RecipeError, load
 
     rec, _ = load("titan-tiny", ["supervisor.hang_floor_s=5"])
     assert rec.supervisor.hang_floor_s == 5 and rec.supervisor.channel_host == "127.0.0.1"
@@ -321,7 +322,7 @@ Root Cause (first observed failure):
 
 
 def _sup_with_log(tmp_path, text, first_bad=None):
-    from ptops.ops.rundir import RunDir
+    from ptops.ops.runrecord.rundir import RunDir
     from ptops.ops.supervisor.core import Supervisor
 
     sup = Supervisor.__new__(Supervisor)

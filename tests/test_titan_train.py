@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ptops.ops.rundir import final_metrics_by_step, read_jsonl
+from ptops.ops.runrecord.rundir import final_metrics_by_step, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = "recipes/titan-tiny.toml"

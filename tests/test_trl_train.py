@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ptops.ops.rundir import final_metrics_by_step, read_jsonl
+from ptops.ops.runrecord.rundir import final_metrics_by_step, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -217,8 +217,8 @@ def test_grpo_reward_is_verifiable():
 
 def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
     """One rank, in this process: before_step/phase order, forced final save, should_poison -> NaN loss."""
-    from ptops.ops.probe import Probe
-    from ptops.ops.recipe import load as load_recipe
+    from ptops.ops.rank.probe import Probe
+    from ptops.recipes.schema import load as load_recipe
 
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(key, "1")
@@ -257,8 +257,8 @@ def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
 
 def test_stop_request_checkpoints_and_returns(tmp_path, monkeypatch):
     """Under a supervisor, Ctrl-C asks the ranks to save: the adapter saves at the step's end and returns."""
-    from ptops.ops.probe import Probe
-    from ptops.ops.recipe import load as load_recipe
+    from ptops.ops.rank.probe import Probe
+    from ptops.recipes.schema import load as load_recipe
 
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(key, "1")

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ptops.ops.policy import EXIT_NO_REQUEUE
+from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE
 from ptops.recipes.rollback import ENV as ENV_ROLLBACK
 from ptops.recipes.rollback import RollbackInfo, skip_start
 

@@ -32,18 +32,19 @@ from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
 from ptops.faultinject.spec import parse as parse_fault
 from ptops.faultinject.spec import to_env as faults_to_env
 from ptops.monitors.hang import HangConfig, HangMonitor
-from ptops.ops import launcher
-from ptops.ops.channel import ENV_ADDRESS, ENV_TOKEN, ChannelServer, Peer, write_info
-from ptops.ops.policy import (
+from ptops.ops.supervisor import launcher
+from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN, write_info
+from ptops.ops.supervisor.channel import ChannelServer, Peer
+from ptops.ops.supervisor.policy import (
     EXIT_DONE,
     EXIT_FAILED,
     Failure,
     PolicyConfig,
     RestartPolicy,
 )
-from ptops.ops.recipe import Recipe
-from ptops.ops.rundir import RunDir, append_jsonl
-from ptops.ops.status import last_good_checkpoint, read_status_file, write_status
+from ptops.recipes.schema import Recipe
+from ptops.ops.runrecord.rundir import RunDir, append_jsonl
+from ptops.ops.runrecord.status import last_good_checkpoint, read_status_file, write_status
 from ptops.ops.supervisor import actions, procs, stacks
 from ptops.ops.supervisor.lock import acquire, release
 

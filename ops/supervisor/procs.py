@@ -5,8 +5,8 @@ No orphans, in layers:
 1. torchrun is spawned in its own session with ``PR_SET_PDEATHSIG=SIGKILL``:
    if the supervisor dies (even by SIGKILL), the kernel kills torchrun;
 2. each rank sets ``PR_SET_PDEATHSIG=SIGKILL`` towards torchrun and watches
-   its parent (``recipes/entry.py``), and kills itself when the supervisor's
-   channel closes (``ops/probe.py``);
+   its parent (``ops/rank/entry.py``), and kills itself when the supervisor's
+   channel closes (``ops/rank/probe.py``);
 3. on teardown and on adoption the supervisor sweeps ``/proc`` for every process
    whose environment carries this run's ``PTOPS_RUN_DIR`` and kills it.
 """

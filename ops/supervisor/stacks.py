@@ -2,7 +2,7 @@
 
 py-spy reads a process' memory from outside (``--nonblocking``), so it works on a
 SIGSTOPped rank or one stuck in C code; the rank allows it via ``PR_SET_PTRACER``
-(``recipes/entry.py``). faulthandler (SIGUSR1, registered by every rank) needs
+(``ops/rank/entry.py``). faulthandler (SIGUSR1, registered by every rank) needs
 the rank to run, but not the GIL.
 """
 

@@ -46,7 +46,7 @@ def set_recipe(recipe: Any) -> None:
 def _recipe() -> Any:
     if _RECIPE is not None:
         return _RECIPE
-    from ptops.ops.recipe import from_json
+    from ptops.recipes.schema import from_json
 
     run_dir = Path(os.environ["PTOPS_RUN_DIR"])
     return from_json((run_dir / "recipe.json").read_text())

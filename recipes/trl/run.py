@@ -49,7 +49,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ptops.ops.rundir import RunDir
+from ptops.ops.runrecord.rundir import RunDir
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _ESSENTIAL = ("trainer_state.json", "optimizer.pt", "scheduler.pt")

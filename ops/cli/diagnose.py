@@ -1,0 +1,114 @@
+"""``ptops diagnose RUN_DIR [--json]``: the on-call report of one run directory.
+
+Wiring (ops/cli/app.py)::
+
+    @app.command()
+    def diagnose(run_dir: Path, json_out: bool = typer.Option(False, "--json", ...)):
+        from ptops.ops.cli.diagnose import diagnose_command
+        raise typer.Exit(diagnose_command(run_dir, json_out))
+
+Exit codes: 0 = report printed (also when it lists findings: a report is not a
+verdict; read ``findings``), 2 = no such run directory / not a run directory /
+bad recipe.json ``[monitors]`` section (one ``error: ...`` line on stderr).
+
+Also runnable without the main CLI: ``python -m ptops.ops.cli.diagnose RUN_DIR [--json]``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+
+_MAX_TIMELINE = 40
+
+
+def diagnose_command(run_dir: Path, json_out: bool) -> int:
+    """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit code."""
+    from ptops.diagnostics.diagnose import DiagnoseError, diagnose
+
+    try:
+        report = diagnose(Path(run_dir))
+    except DiagnoseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if json_out:
+        print(json.dumps(report, indent=2, allow_nan=False, default=str))
+    else:
+        _print_human(report)
+    return EXIT_OK
+
+
+def _when(ts: Any) -> str:
+    if not isinstance(ts, (int, float)):
+        return "-"
+    return _dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+def _print_human(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=160)  # pipes and files: do not wrap at 80
+    s = r["events_summary"]
+    head = (f"{r['run_dir']}  recipe {r['recipe'] or '?'}  state {s['state']}  last step {r['last_step']}  "
+            f"attempts {s['attempts']}  ranks {','.join(map(str, r['ranks'])) or '-'}  "
+            f"monitors config: {r['config']}")
+    console.print(head, markup=False)
+    if s.get("reason"):
+        console.print(f"  reason: {s['reason']}", markup=False)
+    bits = [f"{k} {v}" for k, v in sorted(s["counts"].items())]
+    console.print(f"  events: {', '.join(bits) or 'none'}; last good checkpoint step: {s['last_checkpoint_step']}", markup=False)
+    for note in r["notes"]:
+        console.print(f"  note: {note}", markup=False)
+    findings = r["findings"]
+    if not findings:
+        console.print("No findings: the monitors saw nothing wrong and no incidents were recorded.")
+    else:
+        t = Table(title=f"{len(findings)} finding(s)", title_justify="left", show_lines=False)
+        for col in ("step", "rank", "monitor", "value", "severity", "runbook", "detail"):
+            t.add_column(col, overflow="fold")
+        for f in findings:
+            rank = "-" if f["rank"] is None else str(f["rank"]) + (f"@{f['host']}" if f.get("host") else "")
+            src = "" if f["source"] == "replay" and not f["live"] else (" (live)" if f["live"] else " (event)")
+            t.add_row(*(Text(x) for x in (_value(f["step"]), rank, f["monitor"] + src, _value(f["value"]),
+                                          f["severity"], f["runbook"] or "-", f["detail"])))
+        console.print(t)
+        books = sorted({f["runbook"] for f in findings if f["runbook"]})
+        if books:
+            console.print("Runbooks: " + ", ".join(f"ptops runbook {b}" for b in books))
+    tl = r["timeline"]
+    if tl:
+        console.print(f"Timeline ({len(tl)} entries{', last ' + str(_MAX_TIMELINE) if len(tl) > _MAX_TIMELINE else ''}):")
+        for e in tl[-_MAX_TIMELINE:]:
+            step = f"step {e['step']}" if e["step"] is not None else ""
+            what = e["what"] if len(e["what"]) <= 150 else e["what"][:147] + "..."
+            console.print(f"  {_when(e['ts'])} {step:>10}  {what}", markup=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="ptops diagnose", description="What happened in a run, which rank, which runbook.")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--json", dest="json_out", action="store_true", help="print the report as JSON")
+    a = p.parse_args(argv)
+    return diagnose_command(a.run_dir, a.json_out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

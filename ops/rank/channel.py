@@ -1,0 +1,166 @@
+"""The supervisor channel: TCP, one JSON object per line, token-authenticated.
+
+The supervisor listens (``127.0.0.1`` and a free port by default; the recipe's
+``[supervisor].channel_host`` / ``channel_port`` change that for multi-node
+runs) and passes the address and a random token to every rank in
+``PTOPS_CHANNEL`` (``host:port``) and ``PTOPS_CHANNEL_TOKEN``. No shared
+filesystem is assumed: ranks on other hosts only need to reach the address.
+
+Every connection starts with a hello line::
+
+    {"t": "hello", "token": "...", "role": "rank", "rank": 0, "pid": 123, "host": "n1", "attempt": 1}
+
+A connection with a wrong token is closed without an answer. After the hello,
+ranks send ``beat`` / ``ping`` / ``metrics`` / ``fault`` / ``stacks`` / ``exit``
+messages, and the supervisor sends commands (``{"cmd": "stacks", "id": 1}``,
+``{"cmd": "stop", ...}``, ``{"cmd": "fault", ...}``). ``role: "control"``
+connections (``ptops inject``) send one request and read one answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+MAX_LINE = 16 * 1024 * 1024
+ENV_ADDRESS = "PTOPS_CHANNEL"
+ENV_TOKEN = "PTOPS_CHANNEL_TOKEN"
+
+
+def new_token() -> str:
+    return secrets.token_hex(32)
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(",", ":"), allow_nan=True) + "\n").encode()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"channel address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class ChannelClient:
+    """The rank (or control) side. ``on_message`` runs on the reader thread; ``on_eof`` once."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        hello: dict[str, Any],
+        on_message: Callable[[dict[str, Any]], None] | None = None,
+        on_eof: Callable[[], None] | None = None,
+        connect_timeout: float = 30.0,
+    ):
+        host, port = split_address(address)
+        deadline = time.monotonic() + connect_timeout
+        last: OSError | None = None
+        while True:
+            try:
+                self.sock = socket.create_connection((host, port), timeout=5)
+                break
+            except OSError as e:
+                last = e
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"cannot reach the supervisor channel at {address}: {last}") from None
+                time.sleep(0.2)
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock = threading.Lock()
+        self.broken = False
+        self.on_message = on_message
+        self.on_eof = on_eof
+        self.send({"t": "hello", "token": token, **hello})
+        self._reader: threading.Thread | None = None
+        if on_message is not None or on_eof is not None:
+            self._reader = threading.Thread(target=self._read_loop, name="ptops-probe-reader", daemon=True)
+            self._reader.start()
+
+    def send(self, obj: dict[str, Any]) -> bool:
+        if self.broken:
+            return False
+        try:
+            with self._lock:
+                self.sock.sendall(encode(obj))
+            return True
+        except OSError:
+            self.broken = True
+            return False
+
+    def _lines(self):
+        buf = bytearray()
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                return
+            buf += data
+            while True:
+                i = buf.find(b"\n")
+                if i < 0:
+                    break
+                raw = bytes(buf[:i])
+                del buf[: i + 1]
+                try:
+                    msg = json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(msg, dict):
+                    yield msg
+
+    def _read_loop(self) -> None:
+        for msg in self._lines():
+            if self.on_message is not None:
+                try:
+                    self.on_message(msg)
+                except Exception:  # a bad command must not kill the reader
+                    pass
+        self.broken = True
+        if self.on_eof is not None:
+            self.on_eof()
+
+    def request(self, obj: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        """Control connections: send one request and wait for one answer line."""
+        self.send(obj)
+        self.sock.settimeout(timeout)
+        for msg in self._lines():
+            return msg
+        raise ConnectionError("the supervisor closed the channel without answering")
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # sends FIN and wakes our own reader thread
+        except OSError:
+            pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- the private address file
+
+
+def write_info(path: Path, address: str, token: str, pid: int) -> None:
+    """``RUN_DIR/supervisor/channel.json``: address + token for ``ptops inject`` (0600 in a 0700 dir)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"address": address, "token": token, "pid": pid}, f)
+    os.replace(tmp, path)
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())

@@ -1,0 +1,110 @@
+"""Entry point of every rank: ``python -m ptops.ops.rank.entry`` under torchrun.
+
+The launcher writes the resolved recipe to ``RUN_DIR/recipe.json`` and sets
+``PTOPS_RUN_DIR`` and ``PTOPS_ATTEMPT``; each rank sends its own output to
+``logs/attempt-K/rank-R.log`` so that two ranks never interleave in one file.
+
+No orphans: each rank asks the kernel for SIGKILL when its parent (the torchrun
+agent) dies (``PR_SET_PDEATHSIG``), checks that the parent did not die before
+that, and keeps a watchdog thread that exits when the parent changes. Under a
+supervisor the probe also dies when the supervisor's channel closes. SIGUSR1
+makes faulthandler write every thread's stack to ``logs/attempt-K/rank-R.stacks``
+(the supervisor's fallback when a rank cannot answer over the channel), and the
+supervisor (pid in ``PTOPS_SUPERVISOR_PID``) may ptrace this rank for py-spy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+PR_SET_PTRACER = 0x59616D61
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(expected_parent: int | None = None) -> None:
+    """SIGKILL this process when its parent dies (Linux), plus a polling watchdog for other kernels."""
+    parent = os.getppid() if expected_parent is None else expected_parent
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent or parent == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os.write(2, b"[ptops.entry] parent process gone; exiting\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ptops-parent-watchdog", daemon=True).start()
+
+
+def _redirect_output(log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _stack_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    f = os.fdopen(fd, "w", buffering=1)
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    _stack_file.keep = f  # type: ignore[attr-defined]  # keep the file open for the process' life
+
+
+def main() -> None:
+    die_with_parent()
+    supervisor = int(os.environ.get("PTOPS_SUPERVISOR_PID") or 0)
+    if supervisor:
+        _prctl(PR_SET_PTRACER, supervisor)  # Yama: let the supervisor (py-spy) read our stacks
+
+    from ptops.ops.rank.probe import Probe
+    from ptops.recipes.schema import from_json
+    from ptops.ops.runrecord.rundir import RunDir
+
+    run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("PTOPS_ATTEMPT", "1"))
+    if os.environ.get("PTOPS_RANK_LOGS", "1") == "1":
+        _redirect_output(run.rank_log(attempt, rank))
+    _stack_file(run.logs(attempt) / f"rank-{rank}.stacks")
+    recipe = from_json(run.recipe_json.read_text())
+    probe = Probe.from_env()
+    try:
+        probe.startup()
+        if recipe.engine == "titan":
+            from ptops.recipes.titan.run import main as engine_main
+        else:
+            from ptops.recipes.trl.run import main as engine_main
+        engine_main(recipe, probe)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        probe.close(code, None if code == 0 else f"SystemExit({e.code!r})")
+        raise
+    except BaseException as e:
+        probe.close(1, f"{type(e).__name__}: {e}"[:2000])
+        raise
+    probe.close(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""The rank probe: the one object an engine adapter talks to inside a training process.
+
+Adapters call ``probe.startup()``, ``probe.before_step(step)`` at the start of
+every optimizer step, ``probe.should_poison(step)`` (multiply the loss by NaN
+when True), ``probe.step(step, metrics)`` after it, and
+``probe.phase("checkpoint", step)`` / ``probe.phase("step", step)`` around saves.
+
+Where the records go is the probe's business:
+
+- unsupervised (no ``PTOPS_CHANNEL`` in the environment): straight into
+  ``RUN_DIR/metrics.jsonl`` (and ``fault_injected`` into ``events.jsonl``);
+- supervised: over the supervisor's TCP channel (:mod:`ptops.ops.rank.channel`;
+  no shared filesystem assumed). Each step sends a ``begin`` beat and its
+  metrics (which count as the ``end`` beat); a background thread sends a
+  liveness ``ping`` every ``PTOPS_HEARTBEAT_S`` seconds (default 2) so the
+  supervisor can tell a rank that is alive but stuck from one that is stopped
+  or stuck in C code holding the GIL. Commands from the supervisor: ``stacks``
+  (answer with every thread's Python stack), ``stop`` (a save-and-stop request,
+  see below), ``fault`` (a fault injected into the live run).
+
+Channel EOF means the supervisor is gone: the rank kills itself (the
+supervisor-side half of "no orphans", next to PR_SET_PDEATHSIG in
+``ops/rank/entry.py``).
+
+Save-on-request: an adapter that can checkpoint on demand calls
+``probe.accept_stop_requests()`` once and polls ``probe.stop_requested`` at the
+end of each step; when it is True it saves (``phase("checkpoint")`` ...
+``phase("step")``) and returns. Without that, the supervisor does not wait for
+a save on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ptops.ops.runrecord.rundir import RunDir, append_jsonl
+
+REQUIRED_KEYS = ("loss", "grad_norm", "lr", "step_s", "tokens_per_s")
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe scalars; NaN/Inf stay visible as strings so monitors can see them."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf", "-inf"
+    return value
+
+
+def dump_stacks() -> str:
+    """Every thread's Python stack, most recent call last (like faulthandler, but with names)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    out = [f"# pid {os.getpid()} host {socket.gethostname()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}"]
+    frames = sys._current_frames()
+    # the main thread first: that is where the training loop is
+    order = sorted(frames, key=lambda ident: (ident != threading.main_thread().ident, ident))
+    for ident in order:
+        tag = " (this dump)" if ident == me else ""
+        out.append(f'\nThread {ident:#x} "{names.get(ident, "?")}"{tag} (most recent call last):')
+        out.append("".join(traceback.format_stack(frames[ident])).rstrip())
+    return "\n".join(out) + "\n"
+
+
+def flight_recorder_dump() -> bytes | None:
+    """NCCL flight-recorder trace when this rank runs NCCL with a trace buffer; None otherwise."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "nccl":
+            return None
+        return torch._C._distributed_c10d._dump_nccl_trace()  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+class Probe:
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        attempt: int,
+        world_size: int = 1,
+        channel: str | None = None,
+        token: str | None = None,
+        faults: str | None = None,
+        heartbeat_s: float = 2.0,
+    ):
+        from ptops.faultinject.inject import Injector
+        from ptops.faultinject.spec import from_env
+
+        self.run = RunDir(Path(run_dir))
+        self.rank = rank
+        self.attempt = attempt
+        self.world_size = world_size
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self._last_step_end = time.monotonic()
+        self._step = 0
+        self._phase = "startup"
+        self._stop_requested = threading.Event()
+        self._accepts_stop = False
+        self._closing = False
+        self.injector = Injector(
+            from_env(faults), rank, attempt, self._emit_fault, run_dir=self.run.path, on_hang_stop=self._stop_pinging
+        )
+        self.client = None
+        self._pinging = threading.Event()
+        if channel:
+            from ptops.ops.rank.channel import ChannelClient
+
+            self.client = ChannelClient(
+                channel,
+                token or "",
+                {
+                    "role": "rank",
+                    "rank": rank,
+                    "pid": self.pid,
+                    "host": self.host,
+                    "attempt": attempt,
+                    "world_size": world_size,
+                },
+                on_message=self._on_command,
+                on_eof=self._on_eof,
+            )
+            _keepalive(self.client.sock)
+            self._pinging.set()
+            threading.Thread(target=self._ping_loop, args=(heartbeat_s,), name="ptops-probe-ping", daemon=True).start()
+
+    @classmethod
+    def from_env(cls) -> "Probe":
+        from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN
+
+        return cls(
+            run_dir=Path(os.environ["PTOPS_RUN_DIR"]),
+            rank=int(os.environ.get("RANK", "0")),
+            attempt=int(os.environ.get("PTOPS_ATTEMPT", "1")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            channel=os.environ.get(ENV_ADDRESS) or None,
+            token=os.environ.get(ENV_TOKEN),
+            faults=os.environ.get("PTOPS_FAULTS"),
+            heartbeat_s=float(os.environ.get("PTOPS_HEARTBEAT_S", "2.0")),
+        )
+
+    @property
+    def supervised(self) -> bool:
+        return self.client is not None
+
+    # ------------------------------------------------------------ adapter API
+    def startup(self) -> None:
+        self.phase("startup", 0)
+
+    def phase(self, phase: str, step: int) -> None:
+        """Heartbeat with a phase (startup / step / checkpoint); fault hooks of saves fire here."""
+        prev = self._phase
+        self._phase, self._step = phase, int(step)
+        self._send({"t": "beat", "step": int(step), "phase": phase})
+        if phase == "checkpoint":
+            self.injector.on_checkpoint(int(step))
+        elif phase == "step" and prev == "checkpoint":
+            self.injector.after_checkpoint(int(step))
+
+    def step(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Record one finished optimizer step. Missing required keys are filled with None."""
+        now = time.monotonic()
+        record: dict[str, Any] = {"step": int(step), "rank": self.rank, "attempt": self.attempt}
+        for key in REQUIRED_KEYS:
+            record[key] = None
+        if metrics.get("step_s") is None:
+            record["step_s"] = now - self._last_step_end
+        for key, value in metrics.items():
+            record[key] = _clean(value)
+        record["ts"] = time.time()
+        self._last_step_end = now
+        self._phase, self._step = "step", int(step)
+        if self.client is not None:
+            self._send({"t": "metrics", "rec": record})  # doubles as the step's end beat
+        else:
+            append_jsonl(self.run.metrics, record)
+        return record
+
+    def before_step(self, step: int) -> None:
+        """Called by the adapter at the start of each optimizer step (fault hooks fire here first)."""
+        self.injector.before_step(int(step))
+        self._phase, self._step = "step", int(step)
+        self._send({"t": "beat", "step": int(step), "phase": "step", "stage": "begin"})
+
+    def should_poison(self, step: int) -> bool:
+        """True when a ``nan`` fault wants this step's loss poisoned (adapter multiplies by NaN)."""
+        return self.injector.should_poison(int(step))
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """A rank-side event (e.g. ``checkpoint_failed``): over the channel when supervised, else straight to events.jsonl."""
+        fields = {"rank": self.rank, "attempt": self.attempt, **fields}
+        if self.client is not None:
+            self._send({"t": "event", "kind": kind, "fields": fields})
+        else:
+            self.run.event(kind, **fields)
+
+    def accept_stop_requests(self) -> None:
+        """An adapter that can save on request declares it (see the module docstring)."""
+        self._accepts_stop = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
+    def close(self, code: int = 0, error: str | None = None) -> None:
+        """Tell the supervisor this rank is leaving on purpose (``code`` is its exit status)."""
+        if self.client is None:
+            return
+        self._closing = True
+        self._send({"t": "exit", "code": int(code), "error": error, "step": self._step})
+        self.client.close()
+
+    # ------------------------------------------------------------ internals
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self.client is not None:
+            msg.setdefault("ts", time.time())
+            self.client.send(msg)
+
+    def _emit_fault(self, fault, step: int) -> None:
+        fields = {"fault": str(fault), "rank": self.rank, "step": int(step), "attempt": self.attempt}
+        if self.client is not None:
+            self._send({"t": "fault", **fields})
+        else:
+            self.run.event("fault_injected", **fields)
+        print(f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}", file=sys.stderr, flush=True)
+
+    def _stop_pinging(self) -> None:
+        self._pinging.clear()
+
+    def _ping_loop(self, every: float) -> None:
+        while not self._closing and self.client is not None and not self.client.broken:
+            time.sleep(every)
+            if self._pinging.is_set():
+                self._send({"t": "ping", "step": self._step, "phase": self._phase})
+
+    def _on_command(self, msg: dict[str, Any]) -> None:
+        cmd = msg.get("cmd")
+        if cmd == "stacks":
+            reply: dict[str, Any] = {"t": "stacks", "id": msg.get("id"), "text": dump_stacks()}
+            fr = flight_recorder_dump()
+            if fr:
+                reply["flight_recorder_b64"] = base64.b64encode(fr).decode()
+            self._send(reply)
+        elif cmd == "stop":
+            self._stop_requested.set()
+            self._send({"t": "stop_ack", "supported": self._accepts_stop, "step": self._step})
+        elif cmd == "fault":
+            from ptops.faultinject.spec import Fault
+
+            fault = Fault.from_dict(msg["fault"])
+            if self.injector.add(fault):
+                self._send({"t": "fault_armed", "fault": str(fault)})
+
+    def _on_eof(self) -> None:
+        if self._closing:
+            return
+        # The supervisor is gone (killed, or its host is): do not outlive it.
+        try:
+            os.write(2, f"[ptops.probe rank {self.rank}] supervisor channel closed; exiting\n".encode())
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Notice a vanished supervisor host within ~1 minute even without a FIN."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, val in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, opt):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+    except OSError:
+        pass

@@ -1,0 +1,180 @@
+"""The supervisor's side of the channel: accepts ranks and control clients, queues their messages.
+
+The wire format, token and address handling are in :mod:`ptops.ops.rank.channel` (the rank side).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import queue
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ptops.ops.rank.channel import MAX_LINE, encode, new_token
+
+
+@dataclass
+class Peer:
+    """One authenticated connection, as the server sees it."""
+
+    cid: int
+    sock: socket.socket
+    hello: dict[str, Any] = field(default_factory=dict)
+    buf: bytearray = field(default_factory=bytearray)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    authed: bool = False
+
+    @property
+    def role(self) -> str:
+        return self.hello.get("role", "rank")
+
+    @property
+    def rank(self) -> int | None:
+        r = self.hello.get("rank")
+        return None if r is None else int(r)
+
+
+class ChannelServer:
+    """Accepts connections in a background thread and queues ``(peer, message, recv_ts)``.
+
+    Synthetic messages: ``{"t": "_hello"}`` after a good hello, ``{"t": "_eof"}``
+    when a connection closes. ``recv_ts`` is the supervisor's ``time.monotonic()``.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+        self.token = token or new_token()
+        self.inbox: queue.Queue[tuple[Peer, dict[str, Any], float]] = queue.Queue()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listen = socket.socket(family, socket.SOCK_STREAM)
+        self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listen.bind((host, port))
+        self._listen.listen(256)
+        self._listen.setblocking(False)
+        self.host, self.port = self._listen.getsockname()[:2]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listen, selectors.EVENT_READ, None)
+        self._peers: dict[int, Peer] = {}
+        self._next = 0
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._loop, name="ptops-channel", daemon=True)
+        self._thread.start()
+
+    def address(self, advertise: str = "") -> str:
+        host = advertise or self.host
+        if host in ("0.0.0.0", "::"):
+            host = socket.gethostname()
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    # ------------------------------------------------------------ thread side
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(timeout=0.5):
+                if key.data == "wake":
+                    try:
+                        self._wake_r.recv(64)
+                    except OSError:
+                        pass
+                elif key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.data)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listen.accept()
+        except OSError:
+            return
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._next += 1
+        peer = Peer(self._next, sock)
+        self._peers[peer.cid] = peer
+        self._sel.register(sock, selectors.EVENT_READ, peer)
+
+    def _drop(self, peer: Peer) -> None:
+        try:
+            self._sel.unregister(peer.sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            peer.sock.close()
+        except OSError:
+            pass
+        self._peers.pop(peer.cid, None)
+        if peer.authed:
+            self.inbox.put((peer, {"t": "_eof"}, time.monotonic()))
+
+    def _read(self, peer: Peer) -> None:
+        try:
+            data = peer.sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(peer)
+            return
+        peer.buf += data
+        if len(peer.buf) > MAX_LINE:
+            self._drop(peer)
+            return
+        now = time.monotonic()
+        while True:
+            i = peer.buf.find(b"\n")
+            if i < 0:
+                break
+            raw = bytes(peer.buf[:i])
+            del peer.buf[: i + 1]
+            try:
+                msg = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(msg, dict):
+                continue
+            if not peer.authed:
+                tok = str(msg.get("token", ""))
+                if msg.get("t") != "hello" or not hmac.compare_digest(tok.encode(), self.token.encode()):
+                    peer.authed = False
+                    self._drop(peer)
+                    return
+                msg.pop("token", None)
+                peer.hello = msg
+                peer.authed = True
+                self.inbox.put((peer, {**msg, "t": "_hello"}, now))
+                continue
+            self.inbox.put((peer, msg, now))
+
+    # ------------------------------------------------------------ caller side
+    def send(self, peer: Peer, obj: dict[str, Any]) -> bool:
+        try:
+            with peer.lock:
+                peer.sock.sendall(encode(obj))
+            return True
+        except OSError:
+            return False
+
+    def peers(self, role: str | None = None) -> list[Peer]:
+        return [p for p in list(self._peers.values()) if p.authed and (role is None or p.role == role)]
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=2)
+        for peer in list(self._peers.values()):
+            try:
+                peer.sock.close()
+            except OSError:
+                pass
+        for s in (self._listen, self._wake_r, self._wake_w):
+            try:
+                s.close()
+            except OSError:
+                pass

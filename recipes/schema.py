@@ -1,0 +1,194 @@
+"""Recipe files: TOML, validated by a schema, overridable with ``--set KEY=VALUE``.
+
+Errors are raised as :class:`RecipeError` with one line that names the file, the
+key and what was expected, because the person reading it is usually tired.
+Engine sections (``[titan]``, ``[trl]``) are validated by the engine's own
+model, which lives beside the engine adapter but imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ptops.monitors.config import MonitorsSection
+from ptops.recipes.titan.config import TitanSection
+from ptops.recipes.trl.config import TrlSection
+
+RECIPES_DIR = Path(__file__).resolve().parent
+
+
+class RecipeError(Exception):
+    """One clear line about a bad recipe or override; the CLI exits 2 with it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainSection(_Strict):
+    steps: int = Field(20, ge=1, description="optimizer steps in the whole run")
+    seed: int = Field(42, description="seed for model init, data order and dropout")
+
+
+class LaunchSection(_Strict):
+    nproc: int = Field(2, ge=1, le=64, description="ranks per node (torchrun --nproc-per-node)")
+    omp_num_threads: int = Field(1, ge=1, description="OMP_NUM_THREADS for each rank")
+    master_port: int = Field(0, ge=0, le=65535, description="rendezvous port; 0 picks a free one")
+
+
+class CheckpointSection(_Strict):
+    interval: int = Field(10, ge=1, description="save every N steps (and always at the final step)")
+    keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
+
+
+class SupervisorSection(_Strict):
+    """``[supervisor]``: how ``ptops launch --supervise`` watches and restarts a run (all optional)."""
+
+    channel_host: str = Field("127.0.0.1", description="address the supervisor's channel listens on (0.0.0.0 for multi-node)")
+    channel_port: int = Field(0, ge=0, le=65535, description="channel port; 0 picks a free one")
+    channel_advertise: str = Field("", description="host name ranks connect to; empty = channel_host (its hostname for 0.0.0.0)")
+    heartbeat_s: float = Field(2.0, gt=0, description="rank liveness ping interval")
+    hang_multiplier: float = Field(10.0, gt=1, description="a step is hung after this many times the recent median step time ...")
+    hang_floor_s: float = Field(60.0, gt=0, description="... but never sooner than this")
+    hang_window: int = Field(20, ge=1, description="recent steps whose median sets the step timeout")
+    startup_timeout_s: float = Field(600.0, gt=0, description="budget from launch to each rank's first finished step")
+    checkpoint_timeout_s: float = Field(600.0, gt=0, description="budget for one checkpoint save (and for the shutdown after the final step)")
+    unresponsive_s: float = Field(10.0, gt=0, description="a rank silent this long (no ping either) is named as the culprit of a hang")
+    stack_timeout_s: float = Field(5.0, gt=0, description="wait this long for a rank to send its stacks before using py-spy / faulthandler")
+    max_restarts: int = Field(10, ge=0, description="restarts in the whole run; then stop (exit 1)")
+    backoff_s: float = Field(1.0, ge=0, description="delay before a restart; doubles with each attempt that made no progress")
+    backoff_max_s: float = Field(60.0, ge=0, description="longest delay before a restart")
+    storm_restarts: int = Field(5, ge=1, description="this many failures within storm_window_min is a restart storm (exit 3)")
+    storm_window_min: float = Field(10.0, gt=0, description="window of the restart-storm rule, minutes")
+    no_progress_attempts: int = Field(3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint")
+    grace_s: float = Field(30.0, ge=0, description="Ctrl-C / SIGTERM: time the ranks get to checkpoint (engines that support it) before they are stopped")
+    kill_timeout_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down")
+
+
+class Recipe(_Strict):
+    name: str = Field(..., min_length=1)
+    engine: Literal["titan", "trl"]
+    description: str = ""
+    train: TrainSection = TrainSection()
+    launch: LaunchSection = LaunchSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    supervisor: SupervisorSection = SupervisorSection()
+    monitors: MonitorsSection = MonitorsSection()
+    titan: TitanSection | None = None
+    trl: TrlSection | None = None
+
+    def engine_section(self) -> TitanSection | TrlSection:
+        section = getattr(self, self.engine)
+        assert section is not None
+        return section
+
+
+def resolve_path(recipe: str | Path) -> Path:
+    """A path, or the bare name of a shipped recipe (``titan-tiny``)."""
+    p = Path(recipe)
+    if p.exists():
+        return p
+    shipped = RECIPES_DIR / f"{recipe}.toml"
+    if not p.suffix and shipped.exists():
+        return shipped
+    raise RecipeError(f"{recipe}: recipe file not found (expected a TOML file or one of: {', '.join(shipped_names())})")
+
+
+def shipped_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``train.steps=30`` -> (``train.steps``, 30). Values parse as TOML, else as strings."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part.isidentifier() for part in key.split(".")):
+        raise RecipeError(f"--set {text!r}: bad syntax (expected KEY=VALUE, e.g. train.steps=30)")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def _apply(data: dict, key: str, value: Any, origin: str) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{origin}: key '{key}': '{part}' is a value, not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def _explain(exc: ValidationError, origin: str) -> RecipeError:
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return RecipeError(f"{origin}: key '{key}': unknown key")
+    if kind == "missing":
+        return RecipeError(f"{origin}: key '{key}': missing (required)")
+    got = err.get("input")
+    got_s = f" (got {json.dumps(got) if isinstance(got, (str, int, float, bool)) else type(got).__name__})"
+    return RecipeError(f"{origin}: key '{key}': {err['msg'].lower()}{got_s}")
+
+
+def load(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Recipe, Path]:
+    """Load, override and validate. Returns the recipe and the file it came from."""
+    path = resolve_path(recipe)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: not valid TOML ({e})") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read ({e.strerror})") from None
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply(data, key, value, f"{path} (--set {text})")
+    return validate(data, str(path)), path
+
+
+def validate(data: dict, origin: str) -> Recipe:
+    engine = data.get("engine")
+    if engine not in ("titan", "trl"):
+        raise RecipeError(f"{origin}: key 'engine': unknown engine {json.dumps(engine)} (expected \"titan\" or \"trl\")")
+    data = dict(data)
+    data.setdefault(engine, {})
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise _explain(e, origin) from None
+    other = "trl" if engine == "titan" else "titan"
+    if getattr(recipe, other) is not None:
+        raise RecipeError(f"{origin}: key '{other}': section does not apply to engine \"{engine}\"")
+    _check_cross_keys(recipe, origin)
+    return recipe
+
+
+def _check_cross_keys(recipe: Recipe, origin: str) -> None:
+    """Rules that span sections, caught here rather than as a traceback inside every rank."""
+    sec = recipe.trl
+    if sec is not None and sec.trainer == "grpo":
+        batch = sec.per_device_batch_size * recipe.launch.nproc * sec.grad_accum
+        if batch % sec.num_generations:
+            raise RecipeError(
+                f"{origin}: key 'trl.num_generations': must divide per_device_batch_size x launch.nproc x "
+                f"grad_accum = {sec.per_device_batch_size} x {recipe.launch.nproc} x {sec.grad_accum} = {batch} "
+                f"(got {sec.num_generations})"
+            )
+
+
+def dump_json(recipe: Recipe) -> str:
+    return recipe.model_dump_json(indent=2, exclude_none=True)
+
+
+def from_json(text: str) -> Recipe:
+    return Recipe.model_validate_json(text)
