@@ -110,16 +110,17 @@ class ScenarioError(ValueError):
 @dataclass
 class Scenario:
     name: str  # "titan-tiny/crash"
-    recipe: str
+    recipe: str  # the recipe's short name (scenario and folder names)
     kind: str
     faults: tuple[str, ...]
     detect: tuple[str, ...]
     sets: tuple[str, ...] = COMMON_SETS  # shared with the baseline
     extra_sets: tuple[str, ...] = ()  # this scenario only (settings a fault-free run never uses)
+    recipe_path: str = ""  # the file to launch ("" = the shipped recipe of that name)
 
     def launch_argv(self, run_dir: Path, faults: bool = True) -> list[str]:
         # --no-mlflow: the exporters are not under test, and their start-up would blur the timings
-        argv = [sys.executable, "-m", "ptops", "launch", self.recipe, "--supervise", "--run-dir", str(run_dir), "--json",
+        argv = [sys.executable, "-m", "ptops", "launch", self.recipe_path or self.recipe, "--supervise", "--run-dir", str(run_dir), "--json",
                 "--no-mlflow"]  # fmt: skip
         for s in self.sets:
             argv += ["--set", s]
@@ -163,7 +164,7 @@ class Result:
 
 
 # ---------------------------------------------------------------- selection
-def scenario_for(recipe: str, kind: str, faults: tuple[str, ...] | None = None) -> Scenario:
+def scenario_for(recipe: str, kind: str, faults: tuple[str, ...] | None = None, recipe_path: str = "") -> Scenario:
     if faults is None:
         if kind not in KIND_SCENARIOS:
             raise ScenarioError(f"unknown scenario kind {kind!r} (expected one of: {', '.join(ALL_KINDS)}, or a fault spec)")
@@ -174,29 +175,50 @@ def scenario_for(recipe: str, kind: str, faults: tuple[str, ...] | None = None) 
         detect = KIND_SCENARIOS.get(kind, ((), DETECT_KINDS_ANY))[1]
         name = f"{recipe}/{','.join(faults)}" if len(faults) > 1 else f"{recipe}/{faults[0]}"
     return Scenario(name=name, recipe=recipe, kind=kind, faults=tuple(faults), detect=tuple(detect),
-                    extra_sets=KIND_SETS.get(kind, ()))
+                    extra_sets=KIND_SETS.get(kind, ()), recipe_path=recipe_path)
+
+
+def _resolve(recipe: str) -> tuple[str, str]:
+    """``titan-tiny``, ``recipes/titan-tiny.toml`` or an absolute path -> (short name, file): the launch's resolver."""
+    from ptops.recipes.schema import RecipeError, resolve
+
+    try:
+        ref = resolve(recipe)
+    except RecipeError as e:
+        raise ScenarioError(f"--recipe {recipe!r}: {e}") from None
+    return ref.name, str(ref.path)
 
 
 def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[Scenario]:
     """``--recipe R``... and ``--scenario S``... -> scenarios.
 
-    S is ``RECIPE/KIND`` (``titan-tiny/crash``), ``KIND`` (for every selected recipe),
-    or a fault spec with or without ``RECIPE/`` (``titan-tiny/crash:rank=0,step=3``)
-    for a custom scenario. No S: the default matrix of the selected recipes (all of
-    them without --recipe).
+    R is a shipped recipe's name or a recipe file (as ``ptops launch`` takes it). S is
+    ``RECIPE/KIND`` (``titan-tiny/crash``), ``KIND`` (for every selected recipe), or a fault
+    spec with or without ``RECIPE/`` (``titan-tiny/crash:rank=0,step=3``) for a custom
+    scenario. No S: the default matrix of the selected recipes (all of them without --recipe).
     """
-    recipes = list(dict.fromkeys(recipes))
+    paths: dict[str, str] = {}
+    for r in dict.fromkeys(recipes):
+        name, path = _resolve(r)
+        paths.setdefault(name, path)
+    recipes = list(paths)
     scenarios = list(scenarios)
     pool = recipes or list(DEFAULT_MATRIX)
     out: list[Scenario] = []
     if not scenarios:
         for r in pool:
             for k in DEFAULT_MATRIX.get(r, TRL_KINDS if r.startswith("trl") else ALL_KINDS):
-                out.append(scenario_for(r, k))
+                out.append(scenario_for(r, k, recipe_path=paths.get(r, "")))
     for s in scenarios:
         text = s.strip()
-        if "/" in text.split(":", 1)[0]:
-            rec, _, what = text.partition("/")
+        head = text.split(":", 1)[0]
+        if "/" in head:
+            rec = head.rpartition("/")[0]
+            what = text[len(rec) + 1 :]
+            if rec not in paths:
+                name, path = _resolve(rec)
+                paths.setdefault(name, path)
+                rec = name
             targets = [rec]
         else:
             what = text
@@ -210,10 +232,10 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
                     kinds = [parse(x).kind for x in specs]
                 except FaultSpecError as e:
                     raise ScenarioError(f"--scenario {s!r}: {e}") from None
-                out.append(scenario_for(rec, kinds[0], specs))
+                out.append(scenario_for(rec, kinds[0], specs, recipe_path=paths.get(rec, "")))
             else:
                 try:
-                    out.append(scenario_for(rec, what))
+                    out.append(scenario_for(rec, what, recipe_path=paths.get(rec, "")))
                 except ScenarioError as e:
                     raise ScenarioError(f"--scenario {s!r}: {e}") from None
     seen: set[str] = set()
@@ -228,7 +250,7 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
 def check_recipes(scenarios: list[Scenario]) -> None:
     from ptops.recipes.schema import RecipeError, load
 
-    for r in dict.fromkeys(sc.recipe for sc in scenarios):
+    for r in dict.fromkeys(sc.recipe_path or sc.recipe for sc in scenarios):
         try:
             load(r, list(COMMON_SETS))
         except RecipeError as e:

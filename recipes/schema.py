@@ -3,21 +3,22 @@
 Errors are raised as :class:`RecipeError` with one line that names the file, the
 key and what was expected, because the person reading it is usually tired.
 Engine sections (``[titan]``, ``[trl]``) are validated by the engine's own
-model, which lives beside the engine adapter but imports no torch.
+model, which lives beside the engine adapter but imports no torch; engines register
+themselves (:mod:`ptops.recipes.engines`), and ``Recipe`` gets one optional field per engine.
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ptops.monitors.config import MonitorsSection
-from ptops.recipes.titan.config import TitanSection
-from ptops.recipes.trl.config import TrlSection
+from ptops.recipes import engines as _engines
 
 RECIPES_DIR = Path(__file__).resolve().parent
 
@@ -70,33 +71,52 @@ class SupervisorSection(_Strict):
     kill_timeout_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down")
 
 
-class Recipe(_Strict):
+class RecipeBase(_Strict):
     name: str = Field(..., min_length=1)
-    engine: Literal["titan", "trl"]
+    engine: str = Field(..., description="a registered engine (ptops.recipes.engines)")
     description: str = ""
     train: TrainSection = TrainSection()
     launch: LaunchSection = LaunchSection()
     checkpoint: CheckpointSection = CheckpointSection()
     supervisor: SupervisorSection = SupervisorSection()
     monitors: MonitorsSection = MonitorsSection()
-    titan: TitanSection | None = None
-    trl: TrlSection | None = None
 
-    def engine_section(self) -> TitanSection | TrlSection:
+    def engine_section(self) -> Any:
         section = getattr(self, self.engine)
         assert section is not None
         return section
 
 
+# One optional section per registered engine: [titan], [trl], ...
+Recipe = create_model(
+    "Recipe",
+    __base__=RecipeBase,
+    **{name: (Optional[e.section], None) for name, e in _engines.engines().items()},  # type: ignore[call-overload]
+)
+
+
 def resolve_path(recipe: str | Path) -> Path:
     """A path, or the bare name of a shipped recipe (``titan-tiny``)."""
     p = Path(recipe)
-    if p.exists():
+    if p.is_file():
         return p
     shipped = RECIPES_DIR / f"{recipe}.toml"
     if not p.suffix and shipped.exists():
         return shipped
     raise RecipeError(f"{recipe}: recipe file not found (expected a TOML file or one of: {', '.join(shipped_names())})")
+
+
+@dataclass(frozen=True)
+class RecipeRef:
+    """What every command makes of a RECIPE argument: its short name (run and scenario names) and file."""
+
+    name: str
+    path: Path
+
+
+def resolve(recipe: str | Path) -> RecipeRef:
+    path = resolve_path(recipe).resolve()
+    return RecipeRef(path.stem, path)
 
 
 def shipped_names() -> list[str]:
@@ -157,38 +177,41 @@ def load(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tup
 
 
 def validate(data: dict, origin: str) -> Recipe:
+    registered = _engines.engines()
     engine = data.get("engine")
-    if engine not in ("titan", "trl"):
-        raise RecipeError(f"{origin}: key 'engine': unknown engine {json.dumps(engine)} (expected \"titan\" or \"trl\")")
+    if engine not in registered:
+        expected = " or ".join(json.dumps(n) for n in registered)
+        raise RecipeError(f"{origin}: key 'engine': unknown engine {json.dumps(engine)} (expected {expected})")
     data = dict(data)
     data.setdefault(engine, {})
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise _explain(e, origin) from None
-    other = "trl" if engine == "titan" else "titan"
-    if getattr(recipe, other) is not None:
-        raise RecipeError(f"{origin}: key '{other}': section does not apply to engine \"{engine}\"")
+    for other in registered:
+        if other != engine and getattr(recipe, other) is not None:
+            raise RecipeError(f"{origin}: key '{other}': section does not apply to engine \"{engine}\"")
     _check_cross_keys(recipe, origin)
     return recipe
 
 
 def _check_cross_keys(recipe: Recipe, origin: str) -> None:
-    """Rules that span sections, caught here rather than as a traceback inside every rank."""
-    sec = recipe.trl
-    if sec is not None and sec.trainer == "grpo":
-        batch = sec.per_device_batch_size * recipe.launch.nproc * sec.grad_accum
-        if batch % sec.num_generations:
-            raise RecipeError(
-                f"{origin}: key 'trl.num_generations': must divide per_device_batch_size x launch.nproc x "
-                f"grad_accum = {sec.per_device_batch_size} x {recipe.launch.nproc} x {sec.grad_accum} = {batch} "
-                f"(got {sec.num_generations})"
-            )
+    """The engine's rules that span sections, caught here rather than as a traceback inside every rank."""
+    check = _engines.get(recipe.engine).check
+    problem = check(recipe) if check is not None else None
+    if problem is not None:
+        key, expected = problem
+        raise RecipeError(f"{origin}: key '{key}': {expected}")
 
 
 def dump_json(recipe: Recipe) -> str:
     return recipe.model_dump_json(indent=2, exclude_none=True)
 
 
-def from_json(text: str) -> Recipe:
-    return Recipe.model_validate_json(text)
+def from_json(text: str, origin: str = "recipe.json") -> Recipe:
+    """A run directory's stored recipe, validated as strictly as a TOML file."""
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise RecipeError(f"{origin}: not valid JSON ({e})") from None
+    return validate(data, origin)

@@ -91,11 +91,9 @@ def main() -> None:
     probe = Probe.from_env()
     try:
         probe.startup()
-        if recipe.engine == "titan":
-            from ptops.recipes.titan.run import main as engine_main
-        else:
-            from ptops.recipes.trl.run import main as engine_main
-        engine_main(recipe, probe)
+        from ptops.recipes.engines import entry_point
+
+        entry_point(recipe.engine)(recipe, probe)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         probe.close(code, None if code == 0 else f"SystemExit({e.code!r})")

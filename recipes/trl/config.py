@@ -49,3 +49,23 @@ class TrlSection(_Strict):
         False, description="also log the held-out graded-correctness `verifier` reward (weight 0) as "
         "rewards/verifier/mean (always on with reward = \"length\")",
     )
+
+
+def generation_batch(section: TrlSection, nproc: int) -> int:
+    """Prompts x completions generated per optimizer step across all ranks (GRPO)."""
+    return section.per_device_batch_size * nproc * section.grad_accum
+
+
+def check_recipe(recipe) -> tuple[str, str] | None:
+    """The GRPO batch rule, in one place: caught at load instead of as a traceback in every rank."""
+    sec = recipe.trl
+    if sec is None or sec.trainer != "grpo":
+        return None
+    batch = generation_batch(sec, recipe.launch.nproc)
+    if batch % sec.num_generations:
+        return (
+            "trl.num_generations",
+            f"must divide per_device_batch_size x launch.nproc x grad_accum = {sec.per_device_batch_size} x "
+            f"{recipe.launch.nproc} x {sec.grad_accum} = {batch} (got {sec.num_generations})",
+        )
+    return None

@@ -422,7 +422,6 @@ def build_trainer(recipe, probe, run: RunDir):
     from ptops.recipes.trl.model import load_model, load_tokenizer, model_dir
 
     sec = recipe.trl
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     mdir = model_dir(sec.model, seed=sec.model.seed)
     tokenizer = load_tokenizer(mdir)
     model = load_model(mdir)
@@ -465,12 +464,6 @@ def build_trainer(recipe, probe, run: RunDir):
 
         reward_funcs, reward_weights = reward_setup(sec.reward, sec.verifier)
 
-        batch = sec.per_device_batch_size * world * sec.grad_accum
-        if batch % sec.num_generations:
-            raise ValueError(
-                f"[trl].num_generations={sec.num_generations} must divide the generation batch "
-                f"per_device_batch_size*nproc*grad_accum = {sec.per_device_batch_size}*{world}*{sec.grad_accum} = {batch}"
-            )
         config = GRPOConfig(
             **args,
             num_generations=sec.num_generations,
@@ -521,7 +514,6 @@ def main(recipe, probe) -> None:
     warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
     run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
     run.checkpoints.mkdir(parents=True, exist_ok=True)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.monotonic()
     trainer = build_trainer(recipe, probe, run)
     if hasattr(probe, "accept_stop_requests"):
