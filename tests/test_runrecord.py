@@ -127,6 +127,16 @@ def test_every_kind_written_in_the_tree_is_in_the_vocabulary():
     assert written <= {str(k) for k in EventKind}, written - {str(k) for k in EventKind}
 
 
+def test_monitor_findings_are_events_of_the_vocabulary():
+    """The supervisor writes ``Finding.to_event()`` as is: its kind and fields must be the vocabulary's."""
+    from ptops.monitors import Finding
+
+    for f in (Finding("straggler", 7, 1.6, "rank 1 slow", rank=1), Finding("nan", 3, float("nan"), "loss nan", "critical", 0)):
+        rec = {"ts": 1.0, **f.to_event()}
+        assert missing_fields(rec) == [], rec
+        assert ev.kind_of(rec) in ev.MONITOR_FINDING_KINDS
+
+
 # ---------------------------------------------------------------- the reducer
 
 def _e(kind: str, ts: float, **f) -> dict:
