@@ -74,7 +74,8 @@ def test_the_collectors_see_what_they_should():
     assert {"TrainingHang", "GPUErrors", "CheckpointStale"} <= used["alert rules"]
     assert "StaleRollouts" in used["monitor registry"]
     assert {"TrainingHang", "CheckpointCorrupt"} <= used["event vocabulary"]
-    assert LINK.findall("see runbooks/Nope.md and runbooks/<Name>.md") == ["Nope"]
+    fake = "runbooks/" + "Nope.md"  # split so that this file itself links no missing runbook
+    assert LINK.findall(f"see {fake} and runbooks/<Name>.md") == ["Nope"]
 
 
 def test_every_monitor_has_a_runbook_and_a_config_field():
