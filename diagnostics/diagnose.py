@@ -37,32 +37,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ptops.monitors import Finding, MonitorsSection, build_monitors, replay
+from ptops.monitors import FAMILIES, Finding, MonitorsSection, build_monitors, replay
+from ptops.monitors import RUNBOOKS as MONITOR_RUNBOOKS
+from ptops.ops.runrecord.events import INCIDENT_KINDS, MONITOR_FINDING_KINDS, SPECS, EventKind, reduce, spec
 from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
-# monitor or event kind -> runbook (runbooks/<Name>.md; the names of ops/obs/alerts)
-RUNBOOKS: dict[str, str] = {
-    "nan": "TrainingNaN",
-    "loss_spike": "LossSpike",
-    "grad_explosion": "LossSpike",
-    "straggler": "StragglerRank",
-    "entropy_collapse": "EntropyCollapse",
-    "mode_collapse": "EntropyCollapse",
-    "kl_drift": "KLDrift",
-    "reward_hacking": "RewardHacking",
-    "stale_rollout": "StaleRollouts",
-    "hang": "TrainingHang",
-    "crash": "TrainingCrashLoop",
-    "early_exit": "TrainingCrashLoop",
-    "checkpoint_invalid": "CheckpointCorrupt",
-    "checkpoint_failed": "CheckpointSaveFailing",
-}
-
-# events that are incidents in their own right (listed as findings with source "event")
-INCIDENT_KINDS = ("crash", "hang", "early_exit", "checkpoint_invalid", "checkpoint_failed", "failed")
-_SEVERITY = {"crash": "critical", "hang": "critical", "early_exit": "critical", "failed": "critical",
-             "checkpoint_invalid": "critical", "checkpoint_failed": "warning"}
-_END_KINDS = ("completed", "failed", "stopped", "interrupted")
+# monitor or event kind -> runbook (runbooks/<Name>.md): the monitor registry's, then the event vocabulary's
+RUNBOOKS: dict[str, str] = {**MONITOR_RUNBOOKS,
+                            **{str(k): sp.runbook for k, sp in SPECS.items() if sp.runbook}}
 
 
 class DiagnoseError(Exception):
@@ -128,35 +110,29 @@ def _event_step(e: dict[str, Any]) -> int | None:
 
 
 def _summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
-    counts: dict[str, int] = {}
-    for e in events:
-        k = str(e.get("kind", "?"))
-        counts[k] = counts.get(k, 0) + 1
-    end = next((e for e in reversed(events) if e.get("kind") in _END_KINDS), None)
-    launched = counts.get("launch", 0)
-    if end is not None:
-        state = str(end["kind"])
-    elif launched:
+    view = reduce(events)
+    if view.end is not None:
+        state = str(view.end["kind"])
+    elif view.launches:
         state = "unknown (no end event: still running, or the supervisor died)"
     else:
         state = "unknown (no events)"
-    ckpts = [e for e in events if e.get("kind") == "checkpoint" and isinstance(e.get("step"), int)]
-    ts = [e["ts"] for e in events if isinstance(e.get("ts"), (int, float))]
+    ckpts = [e for e in events if e.get("kind") == EventKind.CHECKPOINT and isinstance(e.get("step"), int)]
     pick = lambda kind, keys: [{k: e.get(k) for k in keys if k in e} for e in events if e.get("kind") == kind]  # noqa: E731
     return {
         "state": state,
-        "reason": (end or {}).get("reason"),
-        "attempts": launched,
-        "counts": counts,
-        "crashes": pick("crash", ("attempt", "rank", "exit_code", "ts")),
-        "hangs": pick("hang", ("attempt", "ranks", "step", "silent_s", "ts")),
-        "rollbacks": pick("rollback", ("from_step", "to_step", "reason", "ts")),
-        "restarts": counts.get("restart", 0),
+        "reason": view.reason,
+        "attempts": view.launches,
+        "counts": view.counts,
+        "crashes": pick(EventKind.CRASH, ("attempt", "rank", "exit_code", "ts")),
+        "hangs": pick(EventKind.HANG, ("attempt", "ranks", "step", "silent_s", "ts")),
+        "rollbacks": pick(EventKind.ROLLBACK, ("from_step", "to_step", "reason", "ts")),
+        "restarts": view.restarts,
         "checkpoints": len(ckpts),
         "last_checkpoint_step": max((e["step"] for e in ckpts), default=None),
-        "checkpoint_invalid": pick("checkpoint_invalid", ("path", "reason", "ts")),
-        "first_ts": min(ts, default=None),
-        "last_ts": max(ts, default=None),
+        "checkpoint_invalid": pick(EventKind.CHECKPOINT_INVALID, ("path", "reason", "ts")),
+        "first_ts": view.first_ts,
+        "last_ts": view.last_ts,
     }
 
 
@@ -181,11 +157,11 @@ def _finding_row(f: Finding, hosts: dict[int, str]) -> dict[str, Any]:
 
 def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
     kind = str(e.get("kind"))
-    if kind == "anomaly":
+    if kind == EventKind.ANOMALY:
         monitor = str(e.get("monitor", "anomaly"))
         rank, value, detail = e.get("rank"), e.get("value"), str(e.get("detail", ""))
         severity = str(e.get("severity", "warning"))
-    elif kind == "straggler":
+    elif kind == EventKind.STRAGGLER:
         monitor, rank, value = "straggler", e.get("rank"), e.get("ratio")
         detail = str(e.get("detail") or f"rank {rank} {value}x slower than the others")
         severity = str(e.get("severity", "warning"))
@@ -196,8 +172,9 @@ def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
             rank = e["ranks"][0] if len(e["ranks"]) == 1 else None
         value = e.get("exit_code", e.get("silent_s"))
         detail = _event_what(e)
-        severity = _SEVERITY.get(kind, "warning")
-    if kind == "failed":
+        sp = spec(kind)
+        severity = sp.severity if sp is not None and sp.severity else "warning"
+    if kind == EventKind.FAILED:
         reason = str(e.get("reason", ""))
         runbook = next((rb for k, rb in RUNBOOKS.items() if k in reason), None)
     else:
@@ -206,8 +183,6 @@ def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
         rank = int(rank) if rank is not None else None
     except (TypeError, ValueError):
         rank = None
-    from ptops.monitors.base import FAMILIES
-
     return {
         "source": "event",
         "monitor": monitor,
@@ -221,7 +196,7 @@ def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
         "runbook": runbook,
         "ts": e.get("ts"),
         "attempt": e.get("attempt"),
-        "live": kind in ("anomaly", "straggler"),
+        "live": kind in MONITOR_FINDING_KINDS,
     }
 
 
@@ -252,7 +227,7 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
     rows = list(replayed)
     # live findings the supervisor wrote: match them to the replay, keep the ones the replay lacks
     for e in events:
-        if e.get("kind") not in ("anomaly", "straggler"):
+        if e.get("kind") not in MONITOR_FINDING_KINDS:
             continue
         row = _event_row(e, hosts)
         twin = next((r for r in replayed if r["monitor"] == row["monitor"] and r["step"] == row["step"]
@@ -271,7 +246,7 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
     timeline: list[dict[str, Any]] = []
     for e in events:
         kind = str(e.get("kind"))
-        if kind in ("anomaly", "straggler"):
+        if kind in MONITOR_FINDING_KINDS:
             continue  # listed through the findings below
         timeline.append({"ts": e.get("ts"), "step": _event_step(e), "kind": kind, "what": _event_what(e),
                          "runbook": RUNBOOKS.get(kind)})

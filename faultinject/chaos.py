@@ -51,6 +51,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ptops.faultinject.spec import FaultSpecError, parse
+from ptops.ops.runrecord.events import EventKind, reduce
+from ptops.ops.runrecord.jsonl import read_jsonl
+from ptops.ops.runrecord.rundir import RunDir
+from ptops.ops.runrecord.status import read_status_file
 
 STEPS = 12
 INTERVAL = 4
@@ -259,19 +263,7 @@ def check_recipes(scenarios: list[Scenario]) -> None:
 
 # ---------------------------------------------------------------- run directory reading
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        text = path.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a kill
-    return out
+    return list(read_jsonl(path))
 
 
 def _finite(x: Any) -> bool:
@@ -281,11 +273,11 @@ def _finite(x: Any) -> bool:
 def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[str, ...]) -> dict[str, Any]:
     """Pure: timings and data checks from a run's records (see the module docstring)."""
     out: dict[str, Any] = {}
-    faults = [e for e in events if e.get("kind") == "fault_injected"]
+    view = reduce(events)
+    faults = [e for e in events if e.get("kind") == EventKind.FAULT_INJECTED]
     out["fired"] = bool(faults)
-    out["restarts"] = sum(1 for e in events if e.get("kind") == "restart")
-    ends = [e for e in events if e.get("kind") in ("completed", "failed", "stopped")]
-    out["state"] = ends[-1]["kind"] if ends else None
+    out["restarts"] = view.restarts
+    out["state"] = view.end["kind"] if view.end else None
     r0 = [m for m in metrics if m.get("rank") == 0 and isinstance(m.get("step"), int)]
     final: dict[int, dict] = {}
     for m in r0:
@@ -379,10 +371,7 @@ class Runner:
             try:
                 return proc.wait(timeout=min(PROGRESS_EVERY_S, left))
             except subprocess.TimeoutExpired:
-                try:
-                    st = json.loads((run_dir / "status.json").read_text())
-                except (OSError, ValueError):
-                    st = {}
+                st = read_status_file(RunDir(run_dir))
                 self.progress(
                     f"{label}: {st.get('state', 'starting')}, attempt {st.get('attempt', '?')}, "
                     f"step {st.get('step', 0)}/{st.get('total_steps', '?')}"

@@ -9,10 +9,9 @@ offline over a run's ``metrics.jsonl`` (``ptops diagnose``).
 
 from __future__ import annotations
 
-from .base import FAMILIES, Finding, Monitor, RankedMonitor, number, replay
+from .base import Finding, Monitor, RankedMonitor, number, replay
 from .config import (
     ACTIONS,
-    MONITOR_NAMES,
     EntropyCollapseConfig,
     GradExplosionConfig,
     KLDriftConfig,
@@ -33,19 +32,8 @@ from .rl import (
     RewardHackingMonitor,
     StaleRolloutMonitor,
 )
+from .registry import FAMILIES, MONITOR_CLASSES, MONITOR_NAMES, MONITORS, RUNBOOKS, MonitorInfo, monitors_for_runbook
 from .straggler import StragglerMonitor
-
-MONITOR_CLASSES = {
-    "straggler": StragglerMonitor,
-    "nan": NaNMonitor,
-    "loss_spike": LossSpikeMonitor,
-    "grad_explosion": GradExplosionMonitor,
-    "entropy_collapse": EntropyCollapseMonitor,
-    "kl_drift": KLDriftMonitor,
-    "reward_hacking": RewardHackingMonitor,
-    "mode_collapse": ModeCollapseMonitor,
-    "stale_rollout": StaleRolloutMonitor,
-}
 
 
 def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
@@ -54,15 +42,16 @@ def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
     if not section.enabled:
         return []
     out: list[Monitor] = []
-    for name, cls in MONITOR_CLASSES.items():
+    for name, info in MONITORS.items():
         cfg = getattr(section, name)
         if cfg.enabled:
-            out.append(cls(cfg))
+            out.append(info.monitor(cfg))
     return out
 
 
 __all__ = [
-    "ACTIONS", "FAMILIES", "MONITOR_CLASSES", "MONITOR_NAMES",
+    "ACTIONS", "FAMILIES", "MONITOR_CLASSES", "MONITOR_NAMES", "MONITORS", "RUNBOOKS", "MonitorInfo",
+    "monitors_for_runbook",
     "Finding", "Monitor", "RankedMonitor", "build_monitors", "number", "replay",
     "MonitorsSection", "RollbackPolicy", "StragglerConfig", "NanConfig", "LossSpikeConfig",
     "GradExplosionConfig", "EntropyCollapseConfig", "KLDriftConfig", "RewardHackingConfig",

@@ -22,20 +22,6 @@ from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 Severity = str  # "info" | "warning" | "critical"
 SEVERITIES = ("info", "warning", "critical")
 
-# monitor name -> family; the supervisor's policy is chosen per monitor (config.py)
-FAMILIES: dict[str, str] = {
-    "straggler": "straggler",
-    "nan": "numeric",
-    "loss_spike": "numeric",
-    "grad_explosion": "numeric",
-    "entropy_collapse": "rl",
-    "kl_drift": "rl",
-    "reward_hacking": "rl",
-    "mode_collapse": "rl",
-    "stale_rollout": "rl",
-}
-
-
 @dataclass(frozen=True)
 class Finding:
     """One thing a monitor saw.
@@ -59,6 +45,8 @@ class Finding:
 
     def __post_init__(self) -> None:
         if not self.family:
+            from .registry import FAMILIES  # the registry imports the monitors, which import this module
+
             object.__setattr__(self, "family", FAMILIES.get(self.monitor, self.monitor))
 
     def to_dict(self) -> dict[str, Any]:

@@ -233,8 +233,3 @@ class MonitorsSection(_Strict):
         cfg = getattr(self, monitor, None)
         return getattr(cfg, "action", "alert")
 
-
-MONITOR_NAMES = (
-    "straggler", "nan", "loss_spike", "grad_explosion",
-    "entropy_collapse", "kl_drift", "reward_hacking", "mode_collapse", "stale_rollout",
-)

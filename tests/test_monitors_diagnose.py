@@ -151,10 +151,13 @@ def test_healthy_recorded_run_has_no_findings(tmp_path):
     assert rep["findings"] == []
 
 
-def test_runbook_names_cover_every_monitor():
+def test_every_runbook_diagnose_names_is_a_file():
+    """Each monitor and incident kind diagnose links resolves to runbooks/<Name>.md (all sources: test_runbooks.py)."""
     from ptops.monitors import MONITOR_NAMES
 
     assert set(MONITOR_NAMES) <= set(RUNBOOKS)
+    missing = sorted({rb for rb in RUNBOOKS.values() if not (REPO / "runbooks" / f"{rb}.md").is_file()})
+    assert not missing, f"diagnose links runbooks with no file: {missing}"
 
 
 def test_ptops_diagnose_wired():

@@ -153,7 +153,8 @@ def cmd_export(
 
     Example:  ptops export runs/titan-tiny-20261130-101500 --port 9464
     """
-    from ptops.ops.obs.prometheus import PrometheusExporter, follow, replay
+    from ptops.ops.obs.prometheus import PrometheusExporter
+    from ptops.ops.runrecord.follow import follow, replay
 
     if not (run_dir / "events.jsonl").exists() and not (run_dir / "metrics.jsonl").exists():
         _fail(f"{run_dir}: not a run directory (no events.jsonl or metrics.jsonl)")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
+
+from ptops.ops.runrecord.jsonl import JsonlTail
 
 
 def _fmt_s(seconds: float) -> str:
@@ -30,22 +31,11 @@ class Progress:
 
     def follow(self, path: Path, offset: int) -> int:
         """Read rank-0 records appended since ``offset``; returns the new offset."""
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-        except FileNotFoundError:
-            return offset
-        lines = data.split(b"\n")
-        complete, tail = lines[:-1], lines[-1]
-        for raw in complete:
-            try:
-                rec = json.loads(raw)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("rank") == 0:
+        tail = JsonlTail(path, offset)
+        for rec in tail.records():
+            if rec.get("rank") == 0 and isinstance(rec.get("step"), int):
                 self.update(rec)
-        return offset + len(data) - len(tail)
+        return tail.offset
 
     def update(self, rec: dict) -> None:
         now = time.monotonic()

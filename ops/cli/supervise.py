@@ -119,7 +119,8 @@ def status_cmd(
     Works on a live run (reads the supervisor's status.json) and after the fact.\n
     Example:  ptops status runs/demo --json
     """
-    from ptops.ops.runrecord.status import collect, render
+    from ptops.ops.cli.status_view import render
+    from ptops.ops.runrecord.status import collect
 
     try:
         s = collect(run_dir)

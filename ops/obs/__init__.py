@@ -4,14 +4,15 @@ Both are fed from the run directory's records, one at a time:
 ``observe_event(event_dict)`` for each ``events.jsonl`` line and
 ``observe_metric(record_dict)`` for each ``metrics.jsonl`` line. The live
 supervisor calls them as it writes; ``follow(run_dir, ...)`` tails a run
-directory and feeds any number of sinks (an offline ``ptops export``).
+directory and feeds any number of sinks (``ptops.ops.runrecord.follow``).
 
 Heavy imports (mlflow, pynvml) stay inside the modules that need them.
 """
 
 from __future__ import annotations
 
-from ptops.ops.obs.prometheus import Follower, PrometheusExporter, follow, replay
+from ptops.ops.obs.prometheus import PrometheusExporter
+from ptops.ops.runrecord.follow import Follower, follow, replay
 
 __all__ = ["PrometheusExporter", "Follower", "follow", "replay", "MlflowExporter"]
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ptops.ops.obs.prometheus import PrometheusExporter, follow
+from ptops.ops.obs.prometheus import PrometheusExporter
+from ptops.ops.runrecord.follow import follow
 
 
 class LiveExporters:

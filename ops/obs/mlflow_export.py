@@ -34,9 +34,13 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from ptops.ops.runrecord.events import END_KINDS, SUMMARY_KINDS, EventKind, reduce, spec
+from ptops.ops.runrecord.jsonl import read_jsonl
+
 log = logging.getLogger("ptops.exporters.mlflow")
 
-TERMINAL = {"completed": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+# end event kind (END_KINDS) -> MLflow run status
+TERMINAL = {EventKind.COMPLETED: "FINISHED", EventKind.FAILED: "FAILED", EventKind.STOPPED: "KILLED"}
 SKIP_METRIC_KEYS = {"step", "rank", "attempt", "ts"}
 MAX_BATCH_METRICS = 1000  # MLflow log_batch limit
 _STOP = object()
@@ -125,7 +129,7 @@ class MlflowExporter:
         if self._closed:
             return
         self._put(("event", dict(event)))
-        if event.get("kind") in TERMINAL:
+        if event.get("kind") in END_KINDS:
             self._put(_FINALIZE)
 
     def close(self, timeout: float = 10.0) -> bool:
@@ -293,12 +297,11 @@ class MlflowExporter:
         n = self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
         tags = {f"ptops.events.{kind}.count": str(n),
                 f"ptops.events.{kind}.last": json.dumps(ev, default=str)[:4000]}
-        if kind == "launch" and ev.get("attempt") is not None:
+        if kind == EventKind.LAUNCH and ev.get("attempt") is not None:
             tags["ptops.attempt"] = str(ev["attempt"])
-        state = {"launch": "running", "hang": "hung", "crash": "crashed", "restart": "restarting",
-                 "rollback": "rolling_back"}.get(kind, kind if kind in TERMINAL else None)
-        if state:
-            tags["ptops.state"] = state
+        sp = spec(kind)
+        if sp is not None and sp.state is not None:
+            tags["ptops.state"] = str(sp.state)
         return tags
 
     def _flush(self, metrics: list, tags: dict[str, str]) -> None:
@@ -320,7 +323,7 @@ class MlflowExporter:
     def _finalize(self, terminal: bool) -> None:
         if self._finalized:
             return
-        events = _read_jsonl(self.run_dir / "events.jsonl")
+        events = list(read_jsonl(self.run_dir / "events.jsonl"))
         try:
             summary = incident_summary(events)
             self._client.log_dict(self.run_id, summary, "ptops/incident_summary.json")
@@ -328,7 +331,7 @@ class MlflowExporter:
             for manifest in sorted((self.run_dir / "checkpoints").glob("*/ptops-manifest.json")):
                 self._client.log_artifact(self.run_id, str(manifest), f"ptops/checkpoints/{manifest.parent.name}")
             if terminal:
-                end = next((e for e in reversed(events) if e.get("kind") in TERMINAL), None)
+                end = reduce(events).end
                 status = TERMINAL.get((end or {}).get("kind"), "FINISHED")
                 self._client.set_terminated(self.run_id, status=status)
                 self._finalized = True
@@ -338,37 +341,14 @@ class MlflowExporter:
             log.warning("MLflow finalize failed: %s", self.last_error)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        with open(path, "rb") as f:
-            for raw in f:
-                if raw.endswith(b"\n"):
-                    try:
-                        out.append(json.loads(raw))
-                    except ValueError:
-                        pass
-    except OSError:
-        pass
-    return out
-
-
-INCIDENT_KINDS = ("crash", "hang", "straggler", "anomaly", "restart", "rollback", "checkpoint_invalid",
-                  "checkpoint_failed", "fault_injected", "failed")
-
-
 def incident_summary(events: list[dict]) -> dict:
-    counts: dict[str, int] = {}
-    for e in events:
-        counts[e.get("kind", "unknown")] = counts.get(e.get("kind", "unknown"), 0) + 1
-    end = next((e for e in reversed(events) if e.get("kind") in TERMINAL), None)
-    ckpts = [e for e in events if e.get("kind") == "checkpoint"]
+    view = reduce(events)
     return {
-        "state": (end or {}).get("kind", "running"),
-        "attempts": sum(1 for e in events if e.get("kind") == "launch"),
-        "event_counts": counts,
-        "last_good_checkpoint": ckpts[-1] if ckpts else None,
-        "incidents": [e for e in events if e.get("kind") in INCIDENT_KINDS][-500:],
+        "state": (view.end or {}).get("kind", "running"),
+        "attempts": view.launches,
+        "event_counts": view.counts,
+        "last_good_checkpoint": view.last_checkpoint,
+        "incidents": [e for e in events if e.get("kind") in SUMMARY_KINDS][-500:],
     }
 
 

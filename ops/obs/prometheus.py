@@ -5,7 +5,7 @@ The supervisor owns one :class:`PrometheusExporter` per run and calls
 ``observe_metric(record)`` for every ``metrics.jsonl`` record it writes or
 receives; ``serve(port)`` exposes ``/metrics`` on 127.0.0.1. An offline
 ``ptops export RUN_DIR --port P`` does the same with :func:`follow`, which tails
-the run directory's files.
+the run directory's files (``ptops.ops.runrecord.follow``).
 
 Everything is built at scrape time by one custom collector from a small state
 object under a lock, so values computed "now" (checkpoint age, goodput) are
@@ -36,16 +36,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ptops.monitors.base import number  # the probe's "nan"/"inf" encoding, decoded in one place
+from ptops.monitors.registry import MONITORS
+from ptops.ops.runrecord.events import END_KINDS, EXPORTED_STATES, TERMINAL_STATES, EventKind, RunState, next_state
 
 log = logging.getLogger("ptops.exporters.prometheus")
 
-STATES = ("starting", "running", "hung", "crashed", "restarting", "rolling_back", "completed", "failed", "stopped")
-TERMINAL = {"completed", "failed", "stopped"}
-# The monitors' names (ptops.monitors.base.FAMILIES): pre-initialised at 0 so rate()/increase() see the first one.
-KNOWN_MONITORS = ("straggler", "nan", "loss_spike", "grad_explosion", "entropy_collapse", "kl_drift",
-                  "reward_hacking", "mode_collapse", "stale_rollout")
-KNOWN_KINDS = ("launch", "checkpoint", "checkpoint_invalid", "checkpoint_failed", "fault_injected", "crash",
-               "hang", "straggler", "anomaly", "restart", "rollback", "completed", "failed", "stopped")
+# The monitors' names: pre-initialised at 0 so rate()/increase() see the first finding.
+KNOWN_MONITORS = tuple(MONITORS)
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RL_KEYS = {"entropy": "ptops_rl_entropy", "kl": "ptops_rl_kl", "reward": "ptops_rl_reward",
            "reward_std": "ptops_rl_reward_std"}
@@ -84,7 +81,7 @@ class _Capped:
 class _State:
     def __init__(self) -> None:
         self.attempt = 0
-        self.state = "starting"
+        self.state: str | None = "starting"
         self.step: int | None = None
         self.scalars: dict[str, float] = {}  # ptops_loss, ptops_grad_norm, ptops_learning_rate, ptops_rl_*
         self.tps: dict[int, tuple[int, float]] = {}  # rank -> (attempt, tokens/s)
@@ -140,7 +137,7 @@ class PrometheusExporter:
         self._rank_label = _Capped(max_ranks)
         self._reason_label = _Capped(MAX_LABEL_VALUES)
         self._monitor_label = _Capped(MAX_LABEL_VALUES, (m for m in KNOWN_MONITORS))
-        self._kind_label = _Capped(MAX_LABEL_VALUES, KNOWN_KINDS)
+        self._kind_label = _Capped(MAX_LABEL_VALUES, (str(k) for k in EventKind))
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
         self.nvml = None
@@ -170,14 +167,13 @@ class PrometheusExporter:
             k = self._kind_label(_slug(kind))
             s.events[k] = s.events.get(k, 0) + 1
             s.event_ts[k] = max(ts, s.event_ts.get(k, ts))
-            if kind == "launch":
+            if kind == EventKind.LAUNCH:
                 att = _int(event.get("attempt"), s.attempt + 1) or 0
                 s.attempt = max(s.attempt, att)
-                s.state = "running"
                 s.first_launch_ts = ts if s.first_launch_ts is None else min(s.first_launch_ts, ts)
                 s.end_ts = None
                 s.last_progress_ts = max(ts, s.last_progress_ts or ts)
-            elif kind == "checkpoint":
+            elif kind == EventKind.CHECKPOINT:
                 s.counts["checkpoints"] += 1
                 for key in ("blocking_s", "total_s"):
                     v = number(event.get(key))
@@ -187,21 +183,17 @@ class PrometheusExporter:
                 if step is not None:
                     s.ckpt["step"] = step
                 s.ckpt["ts"] = max(ts, s.ckpt.get("ts", ts))
-            elif kind == "checkpoint_invalid":
+            elif kind == EventKind.CHECKPOINT_INVALID:
                 s.counts["checkpoint_invalid"] += 1
-            elif kind in ("checkpoint_failed", "checkpoint_save_failed"):
+            elif kind == EventKind.CHECKPOINT_FAILED:
                 s.counts["checkpoint_save_failures"] += 1
-            elif kind == "fault_injected":
+            elif kind == EventKind.FAULT_INJECTED:
                 s.counts["faults_injected"] += 1
-            elif kind == "crash":
+            elif kind == EventKind.CRASH:
                 s.counts["crashes"] += 1
-                if s.state not in TERMINAL:
-                    s.state = "crashed"
-            elif kind == "hang":
+            elif kind == EventKind.HANG:
                 s.counts["hangs"] += 1
-                if s.state not in TERMINAL:
-                    s.state = "hung"
-            elif kind == "straggler":
+            elif kind == EventKind.STRAGGLER:
                 rank = _int(event.get("rank"))
                 if rank is not None:
                     r = self._rank_label(str(rank))
@@ -209,25 +201,21 @@ class PrometheusExporter:
                     ratio = number(event.get("ratio"))
                     if ratio is not None and math.isfinite(ratio):
                         s.straggler_ratio[r] = (ratio, ts)
-            elif kind == "anomaly":
+            elif kind == EventKind.ANOMALY:
                 m = self._monitor_label(_slug(event.get("monitor")))
                 s.anomalies[m] = s.anomalies.get(m, 0) + 1
                 s.anomaly_ts[m] = max(ts, s.anomaly_ts.get(m, ts))
-            elif kind == "restart":
+            elif kind == EventKind.RESTART:
                 reason = self._reason_label(_slug(event.get("reason")))
                 s.restarts[reason] = s.restarts.get(reason, 0) + 1
                 att = _int(event.get("attempt"))
                 if att is not None:
                     s.attempt = max(s.attempt, att)
-                if s.state not in TERMINAL:
-                    s.state = "restarting"
-            elif kind == "rollback":
+            elif kind == EventKind.ROLLBACK:
                 s.counts["rollbacks"] += 1
-                if s.state not in TERMINAL:
-                    s.state = "rolling_back"
-            elif kind in TERMINAL:
-                s.state = kind
+            elif kind in END_KINDS:
                 s.end_ts = ts
+            s.state = next_state(s.state, event)
 
     def observe_metric(self, record: Mapping[str, Any]) -> None:
         """One ``metrics.jsonl`` record (one step of one rank)."""
@@ -242,8 +230,8 @@ class PrometheusExporter:
             attempt = _int(record.get("attempt"), s.attempt) or 0
             if attempt > s.attempt:
                 s.attempt = attempt
-            if attempt >= s.attempt and s.state not in TERMINAL:
-                s.state = "running"
+            if attempt >= s.attempt and s.state not in TERMINAL_STATES:
+                s.state = RunState.RUNNING
             s.last_progress_ts = max(ts, s.last_progress_ts or ts)
             if s.first_launch_ts is None:
                 s.first_launch_ts = ts
@@ -416,8 +404,8 @@ class PrometheusExporter:
                              s.last_progress_ts))
             st = GaugeMetricFamily("ptops_run_state", "1 for the run's current state, 0 for the others.",
                                    labels=[*base_names, "state"])
-            for name in STATES:
-                st.add_metric([*base, name], 1.0 if s.state == name else 0.0)
+            for name in EXPORTED_STATES:
+                st.add_metric([*base, str(name)], 1.0 if s.state == name else 0.0)
             out.append(st)
         for family in out:
             if family.samples or family.type in ("histogram",):
@@ -456,102 +444,3 @@ def recipe_name(run_dir: str | Path) -> str:
         return str(json.loads((Path(run_dir) / "recipe.json").read_text()).get("name") or "")
     except (OSError, ValueError, AttributeError):
         return ""
-
-
-class _Tail:
-    """Complete new lines of one JSONL file since the last call (a torn last line waits)."""
-
-    def __init__(self, path: Path, from_start: bool = True) -> None:
-        self.path = path
-        self.offset = 0
-        if not from_start:
-            try:
-                self.offset = path.stat().st_size
-            except OSError:
-                pass
-
-    def read(self) -> list[dict]:
-        try:
-            size = self.path.stat().st_size
-        except OSError:
-            return []
-        if size < self.offset:  # truncated or replaced
-            self.offset = 0
-        if size == self.offset:
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
-        end = data.rfind(b"\n")
-        if end < 0:
-            return []
-        self.offset += end + 1
-        out = []
-        for raw in data[: end + 1].splitlines():
-            try:
-                rec = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-        return out
-
-
-def _feed(sinks: Iterable[Any], events: list[dict], metrics: list[dict]) -> int:
-    merged = [(number(e.get("ts")) or 0.0, 0, i, e) for i, e in enumerate(events)]
-    merged += [(number(m.get("ts")) or 0.0, 1, i, m) for i, m in enumerate(metrics)]
-    merged.sort(key=lambda t: (t[0], t[1], t[2]))
-    for _, is_metric, _, rec in merged:
-        for sink in sinks:
-            try:
-                (sink.observe_metric if is_metric else sink.observe_event)(rec)
-            except Exception:  # a broken sink must not stop the others
-                log.exception("exporter sink %r failed on a record", sink)
-    return len(merged)
-
-
-class Follower(threading.Thread):
-    """Tails ``events.jsonl`` and ``metrics.jsonl`` of a run directory into sinks."""
-
-    def __init__(self, run_dir: str | Path, sinks: Iterable[Any], poll_s: float = 0.5, from_start: bool = True):
-        super().__init__(name="ptops-follow", daemon=True)
-        run_dir = Path(run_dir)
-        self.run_dir = run_dir
-        self.sinks = list(sinks)
-        self.poll_s = poll_s
-        self._events = _Tail(run_dir / "events.jsonl", from_start)
-        self._metrics = _Tail(run_dir / "metrics.jsonl", from_start)
-        self._stop_event = threading.Event()
-        self.records = 0
-
-    def poll_once(self) -> int:
-        n = _feed(self.sinks, self._events.read(), self._metrics.read())
-        self.records += n
-        return n
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            try:
-                self.poll_once()
-            except Exception:
-                log.exception("following %s failed", self.run_dir)
-            self._stop_event.wait(self.poll_s)
-        self.poll_once()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout)
-
-
-def follow(run_dir: str | Path, *sinks: Any, poll_s: float = 0.5, from_start: bool = True) -> Follower:
-    """Start tailing a run directory into ``sinks`` (objects with observe_event/observe_metric)."""
-    f = Follower(run_dir, sinks, poll_s=poll_s, from_start=from_start)
-    f.poll_once()
-    f.start()
-    return f
-
-
-def replay(run_dir: str | Path, *sinks: Any) -> int:
-    """Feed a run directory's records once, in time order; return how many."""
-    return Follower(run_dir, sinks).poll_once()

@@ -1,44 +1,23 @@
 """The run directory: the single source of truth for a run.
 
-Every writer appends whole lines with one ``write`` on an ``O_APPEND`` file, so
-concurrent writers (ranks, supervisor) never interleave within a line.
+Its JSONL files are written and read only through :mod:`.jsonl` (re-exported here);
+event kinds and the reducer live in :mod:`.events`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from .events import reduce
+from .jsonl import PRIVATE_FILE, JsonlTail, append_jsonl, read_jsonl
+
+__all__ = ["PRIVATE_DIR", "PRIVATE_FILE", "JsonlTail", "RunDir", "append_jsonl", "final_metrics_by_step", "read_jsonl"]
 
 PRIVATE_DIR = 0o700
-PRIVATE_FILE = 0o600
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    line = (json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield records; a torn last line (writer killed mid-write) is skipped, not fatal."""
-    try:
-        with open(path, "rb") as f:
-            for raw in f:
-                if not raw.endswith(b"\n"):
-                    break
-                try:
-                    yield json.loads(raw)
-                except json.JSONDecodeError:
-                    continue
-    except FileNotFoundError:
-        return
 
 
 @dataclass(frozen=True)
@@ -89,8 +68,7 @@ class RunDir:
         return list(read_jsonl(self.metrics))
 
     def last_attempt(self) -> int:
-        attempts = [e.get("attempt", 0) for e in self.read_events() if e.get("kind") == "launch"]
-        return max(attempts, default=0)
+        return reduce(read_jsonl(self.events)).attempt
 
 
 def final_metrics_by_step(records: list[dict[str, Any]], rank: int = 0) -> dict[int, dict[str, Any]]:

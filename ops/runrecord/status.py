@@ -1,4 +1,4 @@
-"""``status.json`` (rewritten atomically by the supervisor) and ``ptops status`` on top of it.
+"""``status.json`` (rewritten atomically by the supervisor) and the data of ``ptops status`` (its text: ``ops/cli/status_view.py``).
 
 ``ptops status`` never trusts a stale file: it checks whether a supervisor still
 holds ``supervisor.lock``; when none does, a "running" status becomes "dead"
@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
-
-LIVE_STATES = ("starting", "running", "checkpointing", "restarting", "collecting_stacks", "stopping")
-FINDING_KINDS = ("crash", "hang", "straggler", "anomaly", "checkpoint_invalid", "rollback")
+from .events import LIVE_STATES, RunState, reduce
+from .rundir import RunDir, final_metrics_by_step
 
 
 def status_path(run: RunDir) -> Path:
@@ -86,60 +83,32 @@ def collect(run_dir: Path) -> dict[str, Any]:
             total = json.loads(run.recipe_json.read_text())["train"]["steps"]
         except (OSError, ValueError, KeyError):
             total = None
-    launches = [e for e in events if e.get("kind") == "launch"]
-    attempt = max((int(e.get("attempt", 0)) for e in launches), default=0)
-    last_launch_i = max((i for i, e in enumerate(events) if e.get("kind") == "launch"), default=-1)
-    end = next((e for e in reversed(events) if e.get("kind") in ("completed", "failed", "stopped")), None)
+    view = reduce(events)
     lock_pid = holder(run.path)
     state = st.get("state")
     if state is None:
-        if end is not None and events.index(end) > last_launch_i:
-            state = end["kind"]
-        elif launches:
-            state = "running" if lock_pid else "unknown (unsupervised run; no status.json)"
+        if view.ended or not view.launches:
+            state = view.state  # the latest attempt's end kind, or new
         else:
-            state = "new"
+            state = RunState.RUNNING if lock_pid else "unknown (unsupervised run; no status.json)"
     elif state in LIVE_STATES and lock_pid is None:
-        state = "dead"
-    findings = [e for e in events[last_launch_i + 1 :] if e.get("kind") in FINDING_KINDS] if last_launch_i >= 0 else []
+        state = RunState.DEAD
     out: dict[str, Any] = {
         "run_dir": str(run.path),
-        "state": state,
+        "state": str(state),
         "step": max(steps, default=0),
         "total_steps": total,
-        "attempt": st.get("attempt", attempt),
-        "restarts": sum(1 for e in events if e.get("kind") == "restart"),
+        "attempt": st.get("attempt", view.attempt),
+        "restarts": view.restarts,
         "last_good_checkpoint": last_good_checkpoint(run),
         "supervisor_pid": st.get("supervisor_pid") if lock_pid else None,
         "supervisor_alive": lock_pid is not None,
         "ranks": st.get("ranks", []) if state in LIVE_STATES else [],
-        "open_findings": findings,
-        "reason": (end or {}).get("reason") if end is not None and events.index(end) > last_launch_i else st.get("reason"),
+        "open_findings": view.open_findings,
+        "reason": view.reason if view.ended else st.get("reason"),
         "updated": st.get("updated"),
         "loss": (steps[max(steps)] if steps else {}).get("loss"),
     }
-    if state == "dead":
+    if state == RunState.DEAD:
         out["hint"] = f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch --supervise <recipe> --run-dir {run.path}"
     return out
-
-
-def render(s: dict[str, Any]) -> str:
-    total = f"/{s['total_steps']}" if s.get("total_steps") else ""
-    ck = s.get("last_good_checkpoint")
-    lines = [
-        f"{s['run_dir']}: {s['state']}",
-        f"  step {s['step']}{total}, attempt {s['attempt']}, restarts {s['restarts']}, loss {s.get('loss')}",
-        f"  last good checkpoint: {'step ' + str(ck['step']) + ' (' + ck['path'] + ')' if ck else 'none'}",
-        f"  supervisor: {'pid ' + str(s['supervisor_pid']) if s['supervisor_alive'] else 'not running'}",
-    ]
-    if s.get("ranks"):
-        lines.append("  ranks: " + ", ".join(f"{r['rank']}=pid {r['pid']}@{r['host']}" for r in s["ranks"]))
-    for f in s.get("open_findings", []):
-        detail = {k: v for k, v in f.items() if k not in ("ts", "kind")}
-        when = time.strftime("%H:%M:%S", time.localtime(f.get("ts", 0)))
-        lines.append(f"  finding {when} {f['kind']}: {json.dumps(detail, default=str)}")
-    if s.get("reason"):
-        lines.append(f"  reason: {s['reason']}")
-    if s.get("hint"):
-        lines.append(f"  hint: {s['hint']}")
-    return "\n".join(lines)

@@ -17,6 +17,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptops.monitors.registry import monitors_for_runbook
+from ptops.ops.runrecord.events import EventKind
+
 DEFAULT_RUNBOOK_BASE_URL = "https://github.com/your-org/ptops/blob/main/runbooks"
 RULES_FILE = Path(__file__).with_name("ptops-rules.yml")
 GROUP = "ptops"
@@ -33,13 +36,19 @@ class Alert:
     labels: dict[str, str] = field(default_factory=dict)
 
 
+def _monitors(runbook: str) -> str:
+    """The ``monitor`` label matcher for the findings this alert (named like its runbook) covers."""
+    names = monitors_for_runbook(runbook)
+    return f'monitor="{names[0]}"' if len(names) == 1 else f'monitor=~"{"|".join(names)}"'
+
+
 _ACTIVE = 'ptops_run_state{state=~"running|starting|restarting|rolling_back|hung|crashed"} == 1'
 
 ALERTS: tuple[Alert, ...] = (
     Alert(
         "TrainingHang",
         'max by (run, recipe) (ptops_run_state{state="hung"}) == 1\n'
-        'or\nmax by (run, recipe) (time() - ptops_last_event_timestamp_seconds{kind="hang"}) < 900',
+        f'or\nmax by (run, recipe) (time() - ptops_last_event_timestamp_seconds{{kind="{EventKind.HANG}"}}) < 900',
         "10s", "critical",
         "Run {{ $labels.run }} hung",
         "The supervisor detected a hang in run {{ $labels.run }} ({{ $labels.recipe }}): at least one rank stopped "
@@ -72,7 +81,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "CheckpointSaveFailing",
-        'max by (run, recipe) (time() - ptops_last_event_timestamp_seconds{kind="checkpoint_failed"}) < 1800',
+        f'max by (run, recipe) (time() - ptops_last_event_timestamp_seconds{{kind="{EventKind.CHECKPOINT_FAILED}"}}) < 1800',
         "30s", "critical",
         "Checkpoint saves fail in run {{ $labels.run }}",
         "A checkpoint save failed in run {{ $labels.run }} ({{ $labels.recipe }}) in the last 30 minutes "
@@ -80,7 +89,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "CheckpointCorrupt",
-        'max by (run, recipe) (time() - ptops_last_event_timestamp_seconds{kind="checkpoint_invalid"}) < 3600',
+        f'max by (run, recipe) (time() - ptops_last_event_timestamp_seconds{{kind="{EventKind.CHECKPOINT_INVALID}"}}) < 3600',
         "10s", "critical",
         "Invalid checkpoint in run {{ $labels.run }}",
         "A checkpoint of run {{ $labels.run }} failed verification against its manifest (missing, truncated or "
@@ -97,7 +106,7 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "TrainingNaN",
         "max by (run, recipe) (time() - ptops_last_nonfinite_timestamp_seconds) < 900\n"
-        'or\nmax by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{monitor="nan"}) < 900',
+        f'or\nmax by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("TrainingNaN")}}}) < 900',
         "10s", "critical",
         "NaN/Inf loss or gradient in run {{ $labels.run }}",
         "Run {{ $labels.run }} ({{ $labels.recipe }}) produced a non-finite loss or grad norm. Training past this "
@@ -105,7 +114,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "LossSpike",
-        'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{monitor=~"loss_spike|grad_explosion"}) < 900\n'
+        f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("LossSpike")}}}) < 900\n'
         "or\nptops_loss > on (run, recipe) (3 * (quantile_over_time(0.5, ptops_loss[30m]) > 0.1))",
         "30s", "warning",
         "Loss spike in run {{ $labels.run }}",
@@ -113,7 +122,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "EntropyCollapse",
-        'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{monitor=~"entropy_collapse|mode_collapse"}) < 900\n'
+        f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("EntropyCollapse")}}}) < 900\n'
         "or\nptops_rl_entropy < 0.1 * max_over_time(ptops_rl_entropy[1h])",
         "5m", "warning",
         "Policy entropy collapsed in run {{ $labels.run }}",
@@ -122,7 +131,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "KLDrift",
-        'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{monitor="kl_drift"}) < 900\n'
+        f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("KLDrift")}}}) < 900\n'
         "or\nptops_rl_kl > 1",
         "5m", "warning",
         "KL to the reference drifts in run {{ $labels.run }}",
@@ -131,7 +140,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "RewardHacking",
-        'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{monitor="reward_hacking"}) < 1800\n'
+        f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("RewardHacking")}}}) < 1800\n'
         "or\n(deriv(ptops_rl_reward[15m]) > 0\n and on (run, recipe) deriv(ptops_rl_kl[15m]) > 0\n"
         " and on (run, recipe) ptops_rl_reward_std < 0.05)",
         "10m", "warning",

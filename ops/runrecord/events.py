@@ -1,0 +1,261 @@
+"""The run record's vocabulary, declared once: event kinds with their fields, run states,
+and the one reducer from ``events.jsonl`` to what a reader wants to know about a run.
+
+Writers (supervisor, launcher, probe, engine adapters) and readers (``ptops status``,
+the Prometheus and MLflow exporters, ``diagnose``, chaos) name kinds and states from
+here, so a kind cannot be read under one spelling and written under another. The
+values are the strings already in run directories: the on-disk format is unchanged.
+
+Imports nothing of ptops (design.md: ``ops/runrecord/`` is the bottom layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Iterable, Mapping
+
+
+class EventKind(StrEnum):
+    """Every ``kind`` written to ``events.jsonl`` (``SPECS`` says its fields)."""
+
+    LAUNCH = "launch"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_INVALID = "checkpoint_invalid"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    FAULT_INJECTED = "fault_injected"
+    INJECT = "inject"
+    CRASH = "crash"
+    EARLY_EXIT = "early_exit"
+    HANG = "hang"
+    STRAGGLER = "straggler"
+    ANOMALY = "anomaly"
+    RESTART = "restart"
+    ROLLBACK = "rollback"
+    ROLLBACK_APPLIED = "rollback_applied"
+    EXCLUDE_NODE = "exclude_node"
+    ADOPT = "adopt"
+    ORPHANS_KILLED = "orphans_killed"
+    RECIPE_UPDATED = "recipe_updated"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class RunState(StrEnum):
+    """Every state a run is reported in (``status.json``, ``ptops status``, exporters)."""
+
+    NEW = "new"  # a run directory nobody launched yet
+    STARTING = "starting"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    RESTARTING = "restarting"
+    COLLECTING_STACKS = "collecting_stacks"
+    STOPPING = "stopping"
+    # what the latest event says happened, until the next progress (exporters' view)
+    HUNG = "hung"
+    CRASHED = "crashed"
+    ROLLING_BACK = "rolling_back"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    DEAD = "dead"  # status.json says live but no supervisor holds the lock
+
+
+# A supervisor writes these into status.json while it works; without a lock holder they mean "dead".
+LIVE_STATES = frozenset({RunState.STARTING, RunState.RUNNING, RunState.CHECKPOINTING, RunState.RESTARTING,
+                         RunState.COLLECTING_STACKS, RunState.STOPPING})
+TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.STOPPED})
+# The ``ptops_run_state{state=...}`` series, in exposition order (alert rules select on them).
+EXPORTED_STATES = (RunState.STARTING, RunState.RUNNING, RunState.HUNG, RunState.CRASHED, RunState.RESTARTING,
+                   RunState.ROLLING_BACK, RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """One kind: its fields, and what readers make of it.
+
+    ``required``: always written (design.md's contract where it names the kind);
+    ``optional``: written by some writers or some of the time.
+    ``state``: the run state an event of this kind moves the run to (exporters' view).
+    ``finding``: ``ptops status`` lists it as an open finding of the live attempt.
+    ``severity``: an incident in its own right for ``diagnose`` (None: not one).
+    ``summary``: listed in the MLflow incident summary.
+    ``runbook``: ``runbooks/<name>.md`` for it (monitor findings get theirs from the monitor registry).
+    """
+
+    required: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    state: RunState | None = None
+    finding: bool = False
+    severity: str | None = None
+    summary: bool = False
+    runbook: str | None = None
+    doc: str = ""
+
+
+K = EventKind
+_RANK = ("rank", "attempt")  # the probe stamps every rank-side event with these
+
+SPECS: dict[EventKind, EventSpec] = {
+    K.LAUNCH: EventSpec(("attempt",), ("supervised", "nproc", "from_step", "supervisor_pid", "faults"),
+                        state=RunState.RUNNING, doc="an attempt's ranks were started"),
+    K.CHECKPOINT: EventSpec(("step", "path", "blocking_s", "total_s"), ("mode", *_RANK),
+                            doc="a checkpoint was committed (sent by rank 0 after its commit)"),
+    K.CHECKPOINT_INVALID: EventSpec(("path", "reason"), ("moved_to", "step", *_RANK), finding=True,
+                                    severity="critical", summary=True, runbook="CheckpointCorrupt",
+                                    doc="a checkpoint failed verification and was set aside"),
+    K.CHECKPOINT_FAILED: EventSpec(("step", "path", "error", "final"), _RANK, severity="warning", summary=True,
+                                   runbook="CheckpointSaveFailing", doc="a checkpoint save failed, nothing committed"),
+    K.FAULT_INJECTED: EventSpec(("fault", "rank", "step"), ("attempt",), summary=True,
+                                doc="an injected fault fired in a rank"),
+    K.INJECT: EventSpec(("fault", "attempt", "ranks"), doc="`ptops inject` armed a fault in a live attempt"),
+    K.CRASH: EventSpec(("attempt", "rank", "exit_code"), ("step", "host", "how"), state=RunState.CRASHED,
+                       finding=True, severity="critical", summary=True, runbook="TrainingCrashLoop",
+                       doc="a rank exited non-zero (rank: the blamed one)"),
+    K.EARLY_EXIT: EventSpec(("attempt", "step"), severity="critical", runbook="TrainingCrashLoop",
+                            doc="torchrun exited 0 before the last step"),
+    K.HANG: EventSpec(("attempt", "ranks", "step", "silent_s"),
+                      ("phase", "timeout_s", "stalled", "why", "stacks", "stack_sources", "stacks_s", "teardown_s"),
+                      state=RunState.HUNG, finding=True, severity="critical", summary=True, runbook="TrainingHang",
+                      doc="ranks made no progress past their budget; stacks were collected"),
+    K.STRAGGLER: EventSpec(("rank", "ratio"), ("step", "detail", "severity", "attempt"), finding=True, summary=True,
+                           doc="the straggler monitor's finding"),
+    K.ANOMALY: EventSpec(("monitor", "step", "value", "detail"), ("severity", "rank", "attempt"), finding=True,
+                         summary=True, doc="a metric monitor's finding (runbook: the monitor registry's)"),
+    K.RESTART: EventSpec(("attempt", "from_step", "reason"), ("prev_from_step", "delay_s"),
+                         state=RunState.RESTARTING, summary=True,
+                         doc="the supervisor relaunches (attempt: the next one)"),
+    K.ROLLBACK: EventSpec(("from_step", "to_step", "reason"),
+                          ("monitor", "attempt", "next_attempt", "to_path", "skip_batches", "skip_at_step",
+                           "lr_scale", "lr_factor", "count"),
+                          state=RunState.ROLLING_BACK, finding=True, summary=True,
+                          doc="a monitor finding sends the run back to an earlier checkpoint"),
+    K.ROLLBACK_APPLIED: EventSpec(("what", "step"), ("lr_factor", "lr", "skip_batches", "batches_dropped",
+                                                    "from_step", "to_step", *_RANK),
+                                  doc="the engine applied a rollback's lr scale or batch skip"),
+    K.EXCLUDE_NODE: EventSpec(("attempt", "rank", "host", "step", "reason"), ("acted", "note"),
+                              doc="a straggler policy asked to exclude a node (recorded)"),
+    K.ADOPT: EventSpec(("previous_supervisor_pid", "last_attempt"),
+                       doc="a new supervisor took over a run whose supervisor died"),
+    K.ORPHANS_KILLED: EventSpec(("pids",), doc="leftover processes of the run were killed before a launch"),
+    K.RECIPE_UPDATED: EventSpec(("first_change",), doc="a relaunch runs a changed recipe"),
+    K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
+    K.FAILED: EventSpec(("reason",), ("attempt", "exit_code"), state=RunState.FAILED, severity="critical",
+                        summary=True, doc="the run gave up (reason names the cause)"),
+    K.STOPPED: EventSpec((), ("attempt", "signal", "step", "reason"), state=RunState.STOPPED,
+                         doc="the run was stopped by a signal"),
+}
+del K
+
+# Kinds that end a run; each one's value is also its terminal state.
+END_KINDS = frozenset({EventKind.COMPLETED, EventKind.FAILED, EventKind.STOPPED})
+# Kinds a rank may report itself over the channel (the supervisor records only these).
+RANK_KINDS = frozenset({EventKind.CHECKPOINT, EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_INVALID,
+                        EventKind.ROLLBACK_APPLIED})
+# Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).
+MONITOR_FINDING_KINDS = frozenset({EventKind.STRAGGLER, EventKind.ANOMALY})
+FINDING_KINDS = frozenset(k for k, s in SPECS.items() if s.finding)
+INCIDENT_KINDS = frozenset(k for k, s in SPECS.items() if s.severity)
+SUMMARY_KINDS = frozenset(k for k, s in SPECS.items() if s.summary)
+
+
+def kind_of(event: Mapping[str, Any]) -> EventKind | None:
+    """The event's kind, or None for a kind this vocabulary does not know (read, never fatal)."""
+    try:
+        return EventKind(event.get("kind"))
+    except ValueError:
+        return None
+
+
+def spec(kind: str) -> EventSpec | None:
+    try:
+        return SPECS[EventKind(kind)]
+    except ValueError:
+        return None
+
+
+def missing_fields(event: Mapping[str, Any]) -> list[str]:
+    """Required fields the event lacks (``["kind"]`` for an unknown kind)."""
+    s = spec(str(event.get("kind")))
+    if s is None:
+        return ["kind"]
+    return [f for f in ("ts", *s.required) if f not in event]
+
+
+def next_state(state: str | None, event: Mapping[str, Any]) -> str | None:
+    """The run state after ``event``: a launch always (re)starts the run, an end event ends it,
+    incidents show until the next launch or end but never reopen an ended run."""
+    s = spec(str(event.get("kind")))
+    if s is None or s.state is None:
+        return state
+    if s.state is RunState.RUNNING or s.state in TERMINAL_STATES or state not in TERMINAL_STATES:
+        return str(s.state)
+    return state
+
+
+@dataclass
+class RunView:
+    """What the events alone say about a run (``reduce``)."""
+
+    state: str = RunState.NEW  # the end kind of the latest attempt; running after a launch; new without one
+    event_state: str | None = None  # next_state folded over every event (exporters' view)
+    attempt: int = 0  # the highest launched attempt
+    launches: int = 0
+    restarts: int = 0
+    end: dict[str, Any] | None = None  # the end event of the latest attempt (None while it runs)
+    open_findings: list[dict[str, Any]] = field(default_factory=list)  # finding events since the last launch
+    counts: dict[str, int] = field(default_factory=dict)  # kind -> events
+    last_checkpoint: dict[str, Any] | None = None  # the latest ``checkpoint`` event
+    first_ts: float | None = None
+    last_ts: float | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.end is not None
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.end is None else self.end.get("reason")
+
+
+def _as_int(v: Any, default: int = 0) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def reduce(events: Iterable[Mapping[str, Any]]) -> RunView:
+    """Fold events, in file order, into a :class:`RunView`. Pure: same events, same view.
+
+    An end event counts only when no launch follows it (a resumed run is running again);
+    findings are those of the latest attempt (since the latest launch).
+    """
+    v = RunView()
+    for e in events:
+        if not isinstance(e, Mapping):
+            continue
+        kind = str(e.get("kind") or "unknown")
+        v.counts[kind] = v.counts.get(kind, 0) + 1
+        ts = e.get("ts")
+        if isinstance(ts, (int, float)) and not isinstance(ts, bool):
+            v.first_ts = ts if v.first_ts is None else min(v.first_ts, ts)
+            v.last_ts = ts if v.last_ts is None else max(v.last_ts, ts)
+        v.event_state = next_state(v.event_state, e)
+        if kind == EventKind.LAUNCH:
+            v.launches += 1
+            v.attempt = max(v.attempt, _as_int(e.get("attempt")))
+            v.end = None
+            v.open_findings = []
+            v.state = RunState.RUNNING
+        elif kind in END_KINDS:
+            v.end = dict(e)
+            v.state = kind
+        elif kind == EventKind.RESTART:
+            v.restarts += 1
+        elif kind == EventKind.CHECKPOINT:
+            v.last_checkpoint = dict(e)
+        if kind in FINDING_KINDS and v.launches:
+            v.open_findings.append(dict(e))
+    return v
