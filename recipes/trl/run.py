@@ -514,6 +514,7 @@ def main(recipe, probe) -> None:
     warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
     run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
     run.checkpoints.mkdir(parents=True, exist_ok=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.monotonic()
     trainer = build_trainer(recipe, probe, run)
     if hasattr(probe, "accept_stop_requests"):
