@@ -521,3 +521,24 @@ def test_broken_monitor_config_exits_2_at_launch(monkeypatch, tmp_path):
     assert res.exit_code == 2, res.output
     assert "error: " in res.output and "titan-tiny.toml: key 'monitors.nan'" in res.output and "no such key" in res.output
     assert not (tmp_path / "run").exists()  # nothing started, no run directory made
+
+
+# ---------------------------------------------------------------- launch output
+
+
+def test_mlflow_setup_lines_stay_out_of_the_launch_output(tmp_path):
+    """MLflow's "Creating initial MLflow database tables..." (and alembic's notes) must not land in the
+    progress output; our own warning lines still may."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.json").write_text('{"name": "t", "engine": "titan"}')
+    code = (
+        "from ptops.ops.obs.mlflow_export import MlflowExporter\n"
+        f"e = MlflowExporter({str(run)!r}, 'sqlite:///{tmp_path}/mlflow.db')\n"
+        "assert e.wait_ready(120) and e.run_id\n"
+        "e.close(30)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "mlflow.db").exists()  # the tables were created, quietly
+    assert "Creating initial MLflow database tables" not in proc.stderr and " INFO " not in proc.stderr, proc.stderr
