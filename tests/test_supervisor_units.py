@@ -1,5 +1,6 @@
 """Supervisor pieces without training: restart policy, hang monitor, channel, dispatch, blame, injectors, lock, status."""
 
+import io
 import json
 import os
 import signal
@@ -411,7 +412,7 @@ def _dispatch_sup(tmp_path):
 
     rec, _ = load("titan-tiny", ["launch.nproc=2"])
     run = RunDir(tmp_path / "run").create()
-    sup = Supervisor(rec, run, [], out=open(os.devnull, "w"), strategy="temporary")
+    sup = Supervisor(rec, run, [], out=io.StringIO(), strategy="temporary")
     sup.server = _FakeServer()
     sup.attempt = 1
     sup.monitor = HangMonitor(2, 0.0, rec.supervisor.hang)
@@ -440,6 +441,7 @@ def test_dispatch_table_routes_and_counts_unknown_types(tmp_path):
     sup.handle(p1, {"t": "telepathy"}, 2.1)
     sup.handle(_peer(None, role="control"), {"t": "reboot"}, 2.2)
     assert sup.unknown_messages == {"rank:telepathy": 2, "control:reboot": 1}
+    assert sup.out.getvalue().count("unknown type 'telepathy'") == 1  # said once, not per message
     sup.handle(_peer(0, attempt=0), {"t": "metrics", "rec": {"step": 99}}, 3.0)  # a straggler of attempt 0
     assert sup.step == 3 and sup.unknown_messages == {"rank:telepathy": 2, "control:reboot": 1}
     sup.handle(_peer(None, role="control"), {"t": "status"}, 3.0)
@@ -482,7 +484,7 @@ def test_monitor_error_becomes_one_event(tmp_path):
     sup = _dispatch_sup(tmp_path)
     sup.feed.monitors.insert(0, _Boom())
     for step in (1, 2, 3):
-        sup._feed_monitors({"step": step, "rank": 0, "loss": 1.0})
+        sup.feed_monitors({"step": step, "rank": 0, "loss": 1.0})
     (ev,) = [e for e in sup.run.read_events() if e["kind"] == "monitor_error"]
     assert ev["monitor"] == "boom" and ev["step"] == 1 and "ValueError: odd record" in ev["error"]
 

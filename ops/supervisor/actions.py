@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ptops.ckpt import list_checkpoints, quarantine, verify
 from ptops.monitors.config import MonitorsSection
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.supervisor.outcome import Outcome
@@ -84,8 +85,6 @@ class FindingActions:
         return Outcome(d.action, d.reason, {"monitor": d.monitor, "step": d.step, "rank": d.rank, "attempt": attempt})
 
     def _entries(self) -> list[tuple[int, str, bool]]:
-        from ptops.ckpt import list_checkpoints
-
         try:
             return [(e.step, e.path, bool(e.ok)) for e in list_checkpoints(self.run.checkpoints, deep=False)]
         except FileNotFoundError:
@@ -109,8 +108,6 @@ class FindingActions:
                            monitor=d.monitor if d else None, step=d.step if d else None)
             self.say(f"giving up: {reason}")
             return Verdict("failed", reason, exit_code=EXIT_NO_REQUEUE)
-        from ptops.ckpt import quarantine, verify
-
         plan = plan_rollback(self._entries(), d.step, pol, outcome.reason)
         why = f"after anomaly at step {d.step}"
         for path in plan.quarantine:

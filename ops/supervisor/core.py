@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from typing import Any
 
 from ptops.faultinject.spec import Fault
@@ -103,7 +104,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         info = self.ranks.get(rank) if rank is not None else None
         return info.host if info is not None else None
 
-    def _feed_monitors(self, rec: dict[str, Any]) -> None:
+    def feed_monitors(self, rec: dict[str, Any]) -> None:
         findings, errors = self.feed.feed(rec)
         for name, e in errors:
             self.event("monitor_error", attempt=self.attempt, monitor=name, step=rec.get("step"),
@@ -161,8 +162,6 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             try:
                 return self._run_locked()
             except Exception as e:  # a bug here must still leave a truthful run directory and no processes
-                import traceback
-
                 traceback.print_exc()
                 self.state = "failed"
                 self.reason = f"supervisor error: {type(e).__name__}: {e}"

@@ -82,9 +82,11 @@ class MessagesMixin:
             if int(peer.hello.get("attempt", -1)) != self.attempt or peer.rank is None:
                 return  # a straggler from an earlier attempt
             name = RANK_HANDLERS.get(t)
-        if name is None:
+        if name is None:  # e.g. a rank of a newer ptops: ignored, counted, said once per type
             key = f"{peer.role}:{t}"
             self.unknown_messages[key] = self.unknown_messages.get(key, 0) + 1
+            if self.unknown_messages[key] == 1:
+                self.say(f"ignoring channel messages of unknown type {t!r} (from a {peer.role})")
             return
         getattr(self, name)(peer, msg, ts)
 
@@ -134,7 +136,7 @@ class MessagesMixin:
         rank = peer.rank
         rec = msg.get("rec") or {}
         append_jsonl(self.run.metrics, rec)
-        self._feed_monitors(rec)
+        self.feed_monitors(rec)
         self.monitor.observe({"kind": "metrics", "rank": rank, "step": rec.get("step", 0), "step_s": rec.get("step_s"), "ts": ts})
         if rank == 0:
             self.step = int(rec.get("step", self.step))
