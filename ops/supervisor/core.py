@@ -230,7 +230,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 self.reason = f"interrupted by {signal.Signals(sig).name}"
                 self.event("stopped", attempt=self.attempt, signal=int(sig), step=self.step, reason=self.reason)
                 return 128 + int(sig)
-            self.good = self._good_checkpoint_for_restart()
+            if self.supervised:  # a plain launch never restarts: its checkpoints stay as they are for the next launch
+                self.good = self._good_checkpoint_for_restart()
             good_step = (self.good or {}).get("step", 0)
             decision = policy.decide(
                 Failure(ts=time.time(), start_step=start_step, good_step=good_step, reason=outcome.reason)

@@ -20,7 +20,6 @@ class StopMixin:
         if self.stop_signal is None:
             self.stop_signal = signum
 
-
     def graceful_stop(self) -> None:
         """Ctrl-C / SIGTERM: ask ranks to save (if they can), then stop everything."""
         self.state = "stopping"
