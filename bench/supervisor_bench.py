@@ -201,7 +201,7 @@ def main() -> None:
             res["overhead"] = overhead(a.recipe, a.steps, tmp)
             print("overhead", json.dumps(res["overhead"]), flush=True)
         if "hang" in only:
-            res["hang_ptops"] = supervised_fault(a.recipe, tmp, "hang", "hang:rank=0,step=8", ["--set", "supervisor.hang_floor_s=5"])
+            res["hang_ptops"] = supervised_fault(a.recipe, tmp, "hang", "hang:rank=0,step=8", ["--set", "supervisor.hang.floor_s=5"])
             print("hang ptops", json.dumps(res["hang_ptops"]), flush=True)
             res["hang_torchrun"] = torchrun_fault(a.recipe, tmp, "hang", "hang:rank=0,step=8", give_up_s=180)
             print("hang torchrun", json.dumps(res["hang_torchrun"]), flush=True)

@@ -62,9 +62,9 @@ INTERVAL = 4
 COMMON_SETS = (
     f"train.steps={STEPS}",
     f"checkpoint.interval={INTERVAL}",
-    "supervisor.hang_floor_s=5",
-    "supervisor.unresponsive_s=4",
-    "supervisor.backoff_s=0.5",
+    "supervisor.hang.floor_s=5",
+    "supervisor.hang.ping_stale_s=4",
+    "supervisor.restart.backoff_s=0.5",
     "supervisor.kill_timeout_s=5",
     "supervisor.stack_timeout_s=3",
 )

@@ -45,14 +45,25 @@ def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
     for name, info in MONITORS.items():
         cfg = getattr(section, name)
         if cfg.enabled:
-            out.append(info.monitor(cfg))
+            try:
+                out.append(info.monitor(cfg))
+            except Exception as e:  # noqa: BLE001 - any constructor error is a bad config of that monitor
+                raise MonitorConfigError(name, e) from e
     return out
+
+
+class MonitorConfigError(ValueError):
+    """A monitor that cannot be built from its ``[monitors.<name>]`` settings (callers name the file)."""
+
+    def __init__(self, monitor: str, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.monitor = monitor
 
 
 __all__ = [
     "ACTIONS", "FAMILIES", "MONITOR_CLASSES", "MONITOR_NAMES", "MONITORS", "RUNBOOKS", "MonitorInfo",
     "monitors_for_runbook",
-    "Finding", "Monitor", "RankedMonitor", "build_monitors", "number", "replay",
+    "Finding", "Monitor", "MonitorConfigError", "RankedMonitor", "build_monitors", "number", "replay",
     "MonitorsSection", "RollbackPolicy", "StragglerConfig", "NanConfig", "LossSpikeConfig",
     "GradExplosionConfig", "EntropyCollapseConfig", "KLDriftConfig", "RewardHackingConfig",
     "ModeCollapseConfig", "StaleRolloutConfig",

@@ -33,16 +33,29 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, ConfigDict, Field
 
-@dataclass(frozen=True)
-class HangConfig:
-    multiplier: float = 10.0
-    floor_s: float = 60.0
-    window: int = 20
-    startup_s: float = 600.0
-    checkpoint_s: float = 600.0
-    ping_stale_s: float = 10.0  # a rank with no message at all for this long is unresponsive
-    total_steps: int | None = None
+
+class HangConfig(BaseModel):
+    """Hang budgets; the recipe nests this as ``[supervisor.hang]`` (defaults written here only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    multiplier: float = Field(10.0, gt=1, description="a step is hung after this many times the recent median step time ...")
+    floor_s: float = Field(60.0, gt=0, description="... but never sooner than this")
+    window: int = Field(20, ge=1, description="recent steps whose median sets the step timeout")
+    startup_s: float = Field(600.0, gt=0, description="budget from launch to each rank's first finished step")
+    checkpoint_s: float = Field(
+        600.0, gt=0, description="budget for one checkpoint save (and for the shutdown after the final step)"
+    )
+    ping_stale_s: float = Field(
+        10.0, gt=0,
+        description="a rank that sends nothing, not even its liveness pings, for this long is unresponsive "
+        "(named as the culprit of a hang; its stacks come from py-spy, not the channel)",
+    )
+    total_steps: int | None = Field(
+        None, exclude=True, description="the run's train.steps, filled in by the supervisor (not a recipe key)"
+    )
 
 
 @dataclass(frozen=True)

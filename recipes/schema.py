@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ptops.monitors.config import MonitorsSection
 from ptops.recipes import engines as _engines
+from ptops.monitors.hang import HangConfig
 
 RECIPES_DIR = Path(__file__).resolve().parent
 
@@ -47,28 +48,43 @@ class CheckpointSection(_Strict):
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
 
 
+class RestartConfig(_Strict):
+    """``[supervisor.restart]``: when a failed attempt (crash, hang, early exit) is restarted, and when not."""
+
+    max_restarts: int = Field(10, ge=0, description="restarts in the whole run (across supervisors); then stop (exit 1)")
+    backoff_s: float = Field(1.0, ge=0, description="delay before a restart; doubles with each attempt that made no progress")
+    backoff_max_s: float = Field(60.0, ge=0, description="longest delay before a restart")
+    storm_restarts: int = Field(5, ge=1, description="this many failures within storm_window_min is a restart storm (exit 3)")
+    storm_window_min: float = Field(10.0, gt=0, description="window of the restart-storm rule, minutes")
+    no_progress_attempts: int = Field(
+        3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint"
+    )
+
+
 class SupervisorSection(_Strict):
-    """``[supervisor]``: how ``ptops launch --supervise`` watches and restarts a run (all optional)."""
+    """``[supervisor]``: how ``ptops launch`` watches (and, with ``--supervise``, restarts) a run (all optional)."""
 
     channel_host: str = Field("127.0.0.1", description="address the supervisor's channel listens on (0.0.0.0 for multi-node)")
     channel_port: int = Field(0, ge=0, le=65535, description="channel port; 0 picks a free one")
     channel_advertise: str = Field("", description="host name ranks connect to; empty = channel_host (its hostname for 0.0.0.0)")
     heartbeat_s: float = Field(2.0, gt=0, description="rank liveness ping interval")
-    hang_multiplier: float = Field(10.0, gt=1, description="a step is hung after this many times the recent median step time ...")
-    hang_floor_s: float = Field(60.0, gt=0, description="... but never sooner than this")
-    hang_window: int = Field(20, ge=1, description="recent steps whose median sets the step timeout")
-    startup_timeout_s: float = Field(600.0, gt=0, description="budget from launch to each rank's first finished step")
-    checkpoint_timeout_s: float = Field(600.0, gt=0, description="budget for one checkpoint save (and for the shutdown after the final step)")
-    unresponsive_s: float = Field(10.0, gt=0, description="a rank silent this long (no ping either) is named as the culprit of a hang")
     stack_timeout_s: float = Field(5.0, gt=0, description="wait this long for a rank to send its stacks before using py-spy / faulthandler")
-    max_restarts: int = Field(10, ge=0, description="restarts in the whole run; then stop (exit 1)")
-    backoff_s: float = Field(1.0, ge=0, description="delay before a restart; doubles with each attempt that made no progress")
-    backoff_max_s: float = Field(60.0, ge=0, description="longest delay before a restart")
-    storm_restarts: int = Field(5, ge=1, description="this many failures within storm_window_min is a restart storm (exit 3)")
-    storm_window_min: float = Field(10.0, gt=0, description="window of the restart-storm rule, minutes")
-    no_progress_attempts: int = Field(3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint")
     grace_s: float = Field(30.0, ge=0, description="Ctrl-C / SIGTERM: time the ranks get to checkpoint (engines that support it) before they are stopped")
     kill_timeout_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down")
+    restart: RestartConfig = Field(RestartConfig(), description="restart policy (``ptops launch --supervise`` only)")
+    hang: HangConfig = Field(HangConfig(), description="hang budgets (monitors/hang.py)")
+
+
+# Flat ``[supervisor]`` keys of earlier versions -> where they live now (one clear line, exit 2).
+MOVED_KEYS = {
+    "supervisor.hang_multiplier": "supervisor.hang.multiplier",
+    "supervisor.hang_floor_s": "supervisor.hang.floor_s",
+    "supervisor.hang_window": "supervisor.hang.window",
+    "supervisor.startup_timeout_s": "supervisor.hang.startup_s",
+    "supervisor.checkpoint_timeout_s": "supervisor.hang.checkpoint_s",
+    "supervisor.unresponsive_s": "supervisor.hang.ping_stale_s",
+    **{f"supervisor.{k}": f"supervisor.restart.{k}" for k in RestartConfig.model_fields},
+}
 
 
 class RecipeBase(_Strict):
@@ -170,10 +186,21 @@ def load(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tup
         raise RecipeError(f"{path}: not valid TOML ({e})") from None
     except OSError as e:
         raise RecipeError(f"{path}: cannot read ({e.strerror})") from None
+    _check_moved(data, str(path))
     for text in overrides:
         key, value = parse_override(text)
         _apply(data, key, value, f"{path} (--set {text})")
+        _check_moved(data, f"{path} (--set {text})")
     return validate(data, str(path)), path
+
+
+def _check_moved(data: dict, origin: str) -> None:
+    """An old flat key fails with the key it moved to (instead of a bare "unknown key")."""
+    for old, new in MOVED_KEYS.items():
+        section, _, key = old.partition(".")
+        table = data.get(section)
+        if isinstance(table, dict) and key in table:
+            raise RecipeError(f"{origin}: key '{old}': moved to '{new}'")
 
 
 def validate(data: dict, origin: str) -> Recipe:
@@ -182,6 +209,7 @@ def validate(data: dict, origin: str) -> Recipe:
     if engine not in registered:
         expected = " or ".join(json.dumps(n) for n in registered)
         raise RecipeError(f"{origin}: key 'engine': unknown engine {json.dumps(engine)} (expected {expected})")
+    _check_moved(data, origin)
     data = dict(data)
     data.setdefault(engine, {})
     try:
@@ -191,6 +219,8 @@ def validate(data: dict, origin: str) -> Recipe:
     for other in registered:
         if other != engine and getattr(recipe, other) is not None:
             raise RecipeError(f"{origin}: key '{other}': section does not apply to engine \"{engine}\"")
+    if recipe.supervisor.hang.total_steps is not None:
+        raise RecipeError(f"{origin}: key 'supervisor.hang.total_steps': not a recipe key (the supervisor sets it from train.steps)")
     _check_cross_keys(recipe, origin)
     return recipe
 
@@ -209,9 +239,17 @@ def dump_json(recipe: Recipe) -> str:
 
 
 def from_json(text: str, origin: str = "recipe.json") -> Recipe:
-    """A run directory's stored recipe, validated as strictly as a TOML file."""
+    """A run directory's stored recipe, validated as strictly as a TOML file; one written before
+    the ``[supervisor]`` keys moved still reads."""
     try:
         data = json.loads(text)
     except ValueError as e:
         raise RecipeError(f"{origin}: not valid JSON ({e})") from None
+    sup = data.get("supervisor") if isinstance(data, dict) else None
+    if isinstance(sup, dict):
+        for old, new in MOVED_KEYS.items():
+            key = old.partition(".")[2]
+            if key in sup:
+                _, table, leaf = new.split(".")
+                sup.setdefault(table, {})[leaf] = sup.pop(key)
     return validate(data, origin)

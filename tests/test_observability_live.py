@@ -39,9 +39,9 @@ FAULTS = [f"hang:rank=1,step={HANG_STEP}", f"slow:rank=1,step=2,seconds=0.4,step
 SETTINGS = {
     "train.steps": STEPS,
     "checkpoint.interval": INTERVAL,
-    "supervisor.hang_floor_s": 5,
-    "supervisor.unresponsive_s": 4,
-    "supervisor.backoff_s": 0.5,
+    "supervisor.hang.floor_s": 5,
+    "supervisor.hang.ping_stale_s": 4,
+    "supervisor.restart.backoff_s": 0.5,
     "monitors.grad_explosion.abs_max": 0.3,  # a real finding on the real grad-norm stream (norms are ~0.37-0.6)
 }
 RESTART_FROM = (HANG_STEP - 1) // INTERVAL * INTERVAL  # the last checkpoint before the hang
@@ -268,7 +268,7 @@ def test_mlflow_holds_one_run_with_every_step(live):
     p = r.data.params
     assert p["name"] == "titan-tiny" and p["engine"] == "titan"
     assert p["train.steps"] == str(STEPS) and p["checkpoint.interval"] == str(INTERVAL)
-    assert p["supervisor.hang_floor_s"] in ("5", "5.0")
+    assert p["supervisor.hang.floor_s"] in ("5", "5.0")
     # tags: the events of both attempts
     t = r.data.tags
     assert t["ptops.state"] == "completed" and t["ptops.attempt"] == "2"

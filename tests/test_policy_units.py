@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ptops.monitors import Finding, MonitorsSection
-from ptops.ops.supervisor.actions import FindingPolicy, plan_rollback
+from ptops.ops.supervisor.actions import FindingActions
+from ptops.ops.supervisor.policy import FINDING_EFFECTS, HALTING, FindingPolicy, plan_rollback
 from ptops.recipes.rollback import ENV, RollbackInfo, skip_start
 
 
@@ -40,6 +41,26 @@ def test_configured_mapping():
     assert pol.decide(Finding("straggler", 8, 1.6, "slow", rank=1)).action == "exclude_node"
     assert pol.decide(Finding("reward_hacking", 30, -0.7, "hack")).action == "rollback"
     assert pol.decide(nan_at(3)).action == "alert"
+
+
+def test_findings_to_actions_table():
+    """The effects are data: which actions end the attempt, which write an extra event."""
+    assert set(FINDING_EFFECTS) == {"alert", "stop", "rollback", "exclude_node"}
+    assert HALTING == ("stop", "rollback")
+    assert FINDING_EFFECTS["exclude_node"].record == "exclude_node" and not FINDING_EFFECTS["exclude_node"].halts
+    assert not FINDING_EFFECTS["alert"].halts and FINDING_EFFECTS["alert"].record is None
+    # exclude_node names a node: only a straggler finding can have it
+    pol = FindingPolicy(section(straggler={"action": "exclude_node"}))
+    assert pol.decide(Finding("straggler", 8, 1.6, "slow", rank=1)).effect.record == "exclude_node"
+
+
+def test_record_only_policy_never_acts():
+    """A plain launch: findings are recorded (their events), every action is ``alert``."""
+    pol = FindingPolicy.from_events(section(loss_spike={"action": "stop"}, straggler={"action": "exclude_node"}),
+                                    [], record_only=True)
+    for f in (nan_at(12), Finding("loss_spike", 30, 9.0, "spike"), Finding("straggler", 8, 1.6, "slow", rank=1)):
+        d = pol.decide(f)
+        assert d.action == "alert" and not d.effect.halts and d.effect.record is None
 
 
 def test_max_rollbacks_counts_earlier_rollback_events():
@@ -122,90 +143,84 @@ def test_gameable_reward_and_verifier():
         reward_setup("bogus")
 
 
-# ---------------------------------------------------------------- the supervisor hooks, with a stand-in supervisor
+# ---------------------------------------------------------------- the effects, on a real run directory
 
 
-class _Sup:
-    """What actions.py uses of the Supervisor."""
+class _Run:
+    """FindingActions' inputs: a run directory, a place to say things, a rank -> host lookup."""
 
-    def __init__(self, tmp_path, monitors: MonitorsSection, events=()):
-        from types import SimpleNamespace
-
+    def __init__(self, tmp_path, monitors: MonitorsSection, events=(), record_only=False):
         from ptops.ops.runrecord.rundir import RunDir
 
         self.run = RunDir(tmp_path)
         self.run.checkpoints.mkdir(parents=True, exist_ok=True)
         for e in events:
             self.run.event(**e)
-        self.recipe = SimpleNamespace(monitors=monitors)
-        self.ranks = {1: SimpleNamespace(host="node-b")}
-        self.attempt, self.state, self.reason, self.good, self.policy_action = 1, "running", "", None, None
         self.said: list[str] = []
+        self.actions = FindingActions(monitors, self.run, self.said.append, record_only=record_only)
+        self.picked = None  # what the supervisor's deep restart pick would return
 
-    def event(self, kind, **fields):
-        return self.run.event(kind, **fields)
+    def host_of(self, rank):
+        return {1: "node-b"}.get(rank)
 
-    def say(self, msg):
-        self.said.append(msg)
-
-    def write_status(self, force=False):
-        pass
-
-    def _good_checkpoint_for_restart(self):
-        return None
+    def restart_checkpoint(self):
+        return self.picked
 
 
-def _kinds(sup):
-    return [e["kind"] for e in sup.run.read_events()]
+def _kinds(r):
+    return [e["kind"] for e in r.run.read_events()]
 
 
-def test_hooks_stop_is_exit_3(tmp_path):
-    from ptops.ops.supervisor import actions
-
-    sup = _Sup(tmp_path, section(loss_spike={"action": "stop"}))
-    actions.on_finding(sup, Finding("loss_spike", 30, 9.0, "spike"))
-    assert sup.policy_action.action == "stop"
-    out = actions.end_attempt(sup, 1)
+def test_effects_stop_is_exit_3(tmp_path):
+    r = _Run(tmp_path, section(loss_spike={"action": "stop"}))
+    r.actions.on_finding(Finding("loss_spike", 30, 9.0, "spike"), 1, r.host_of)
+    assert r.actions.pending.action == "stop"
+    out = r.actions.end_attempt(1)
     assert out.kind == "stop"
-    assert actions.after_attempt(sup, out) == 3
-    (failed,) = [e for e in sup.run.read_events() if e["kind"] == "failed"]
-    assert "loss_spike at step 30" in failed["reason"] and failed["exit_code"] == 3 and sup.state == "failed"
+    v = r.actions.after_attempt(out, 1, r.restart_checkpoint)
+    assert v.exit_code == 3 and v.state == "failed" and "loss_spike at step 30" in v.reason
+    (failed,) = [e for e in r.run.read_events() if e["kind"] == "failed"]
+    assert "loss_spike at step 30" in failed["reason"] and failed["exit_code"] == 3
 
 
-def test_hooks_rollback_quarantines_and_budget(tmp_path):
-    from ptops.ops.supervisor import actions
-
+def test_effects_rollback_quarantines_and_budget(tmp_path):
     ck = tmp_path / "checkpoints"
     for s in (5, 12, 15):
         (ck / f"step-{s}").mkdir(parents=True)
-    sup = _Sup(tmp_path, section(rollback={"max_rollbacks": 1}))
-    actions.on_finding(sup, nan_at(12))
-    actions.on_finding(sup, nan_at(13))  # the first halting decision of an attempt wins
-    assert sup.policy_action.step == 12
-    assert actions.after_attempt(sup, actions.end_attempt(sup, 1)) is None
-    moved = [e for e in sup.run.read_events() if e["kind"] == "checkpoint_invalid"]
+    r = _Run(tmp_path, section(rollback={"max_rollbacks": 1}))
+    r.actions.on_finding(nan_at(12), 1, r.host_of)
+    r.actions.on_finding(nan_at(13), 1, r.host_of)  # the first halting decision of an attempt wins
+    assert r.actions.pending.step == 12
+    v = r.actions.after_attempt(r.actions.end_attempt(1), 1, r.restart_checkpoint)
+    assert v.exit_code is None and v.state == "restarting" and v.good is None  # from scratch
+    moved = [e for e in r.run.read_events() if e["kind"] == "checkpoint_invalid"]
     assert sorted(Path(e["path"]).name for e in moved) == ["step-12", "step-15"]
     assert all(e["reason"] == "after anomaly at step 12" for e in moved)
     assert not (ck / "step-12").exists() and len(list((ck / "invalid").iterdir())) == 2  # moved, never deleted
-    (rb,) = [e for e in sup.run.read_events() if e["kind"] == "rollback"]
+    (rb,) = [e for e in r.run.read_events() if e["kind"] == "rollback"]
     assert rb["from_step"] == 12 and rb["to_step"] == 0  # step-5 is not a real checkpoint here: from scratch
-    env = actions.attempt_env(sup)
-    assert json.loads(env[ENV])["from_step"] == 12 and sup.policy_action is None
+    env = r.actions.attempt_env()
+    assert json.loads(env[ENV])["from_step"] == 12 and r.actions.pending is None
     # a second rollback is over max_rollbacks=1: failed, exit 3
-    actions.on_finding(sup, nan_at(14))
-    assert actions.after_attempt(sup, actions.end_attempt(sup, 2)) == 3
-    assert _kinds(sup)[-1] == "failed" and "max_rollbacks=1" in sup.reason
+    r.actions.on_finding(nan_at(14), 2, r.host_of)
+    v = r.actions.after_attempt(r.actions.end_attempt(2), 2, r.restart_checkpoint)
+    assert v.exit_code == 3 and _kinds(r)[-1] == "failed" and "max_rollbacks=1" in v.reason
     # a supervisor that adopts the run knows the rollback count and the env from events.jsonl
-    sup2 = _Sup(tmp_path, section(rollback={"max_rollbacks": 1}))
-    assert json.loads(actions.attempt_env(sup2)[ENV])["to_step"] == 0
-    assert not actions._policy(sup2).rollback_allowed()
+    r2 = _Run(tmp_path, section(rollback={"max_rollbacks": 1}))
+    assert json.loads(r2.actions.attempt_env()[ENV])["to_step"] == 0
+    assert not r2.actions.policy.rollback_allowed()
 
 
-def test_hooks_exclude_node_is_recorded_only(tmp_path):
-    from ptops.ops.supervisor import actions
-
-    sup = _Sup(tmp_path, section(straggler={"action": "exclude_node"}))
-    actions.on_finding(sup, Finding("straggler", 8, 1.6, "slow", rank=1))
-    assert sup.policy_action is None
-    (ev,) = [e for e in sup.run.read_events() if e["kind"] == "exclude_node"]
+def test_effects_exclude_node_is_recorded_only(tmp_path):
+    r = _Run(tmp_path, section(straggler={"action": "exclude_node"}))
+    r.actions.on_finding(Finding("straggler", 8, 1.6, "slow", rank=1), 1, r.host_of)
+    assert r.actions.pending is None
+    (ev,) = [e for e in r.run.read_events() if e["kind"] == "exclude_node"]
     assert ev["rank"] == 1 and ev["host"] == "node-b" and ev["acted"] is False
+
+
+def test_effects_record_only_writes_nothing_more(tmp_path):
+    r = _Run(tmp_path, section(straggler={"action": "exclude_node"}, loss_spike={"action": "stop"}), record_only=True)
+    r.actions.on_finding(Finding("straggler", 8, 1.6, "slow", rank=1), 1, r.host_of)
+    r.actions.on_finding(nan_at(12), 1, r.host_of)
+    assert r.actions.pending is None and _kinds(r) == [] and r.said == []

@@ -115,9 +115,9 @@ def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
     p = write(tmp_path, GOOD)
     rec, path = load(p)
     prepare_run(rec, path, tmp_path / "run")
-    rec2, _ = load(p, ["supervisor.hang_floor_s=5"])
+    rec2, _ = load(p, ["supervisor.hang.floor_s=5"])
     run = prepare_run(rec2, path, tmp_path / "run")
-    assert from_json(run.recipe_json.read_text()).supervisor.hang_floor_s == 5
+    assert from_json(run.recipe_json.read_text()).supervisor.hang.floor_s == 5
     assert [e["kind"] for e in RunDir(tmp_path / "run").read_events()] == ["recipe_updated"]
 
 
@@ -141,3 +141,50 @@ def test_second_launcher_on_same_run_dir_refused(ptops, tmp_path):
 def test_grpo_generations_must_divide_the_batch(ptops):
     proc = ptops("launch", "trl-grpo-tiny", "--set", "trl.num_generations=3", "--dry-run")
     assert_one_clear_line(proc, "trl-grpo-tiny.toml", "trl.num_generations", "must divide", "got 3")
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [("hang_floor_s", "supervisor.hang.floor_s"), ("unresponsive_s", "supervisor.hang.ping_stale_s"),
+     ("startup_timeout_s", "supervisor.hang.startup_s"), ("max_restarts", "supervisor.restart.max_restarts"),
+     ("storm_window_min", "supervisor.restart.storm_window_min")],
+)
+def test_old_flat_supervisor_key_names_its_new_place(ptops, tmp_path, old, new):
+    p = write(tmp_path, GOOD + f"[supervisor]\n{old} = 5\n")
+    assert_one_clear_line(ptops("launch", str(p), "--dry-run"), str(p), f"key 'supervisor.{old}': moved to '{new}'")
+
+
+def test_old_flat_supervisor_key_in_set(ptops, tmp_path):
+    p = write(tmp_path, GOOD)
+    proc = ptops("launch", str(p), "--set", "supervisor.backoff_s=0.5", "--dry-run")
+    assert_one_clear_line(proc, "--set supervisor.backoff_s=0.5", "moved to 'supervisor.restart.backoff_s'")
+
+
+def test_nested_supervisor_keys_in_toml(tmp_path):
+    p = write(tmp_path, GOOD + "[supervisor.hang]\nfloor_s = 7\n[supervisor.restart]\nbackoff_s = 0.25\n")
+    rec, _ = load(p)
+    assert rec.supervisor.hang.floor_s == 7 and rec.supervisor.restart.backoff_s == 0.25
+    assert rec.supervisor.hang.multiplier == 10.0 and rec.supervisor.restart.max_restarts == 10  # defaults kept
+    with pytest.raises(RecipeError, match=r"key 'supervisor.hang.total_steps': not a recipe key"):
+        load(p, ["supervisor.hang.total_steps=3"])
+
+
+def test_run_directory_of_the_flat_spelling_still_resumes(tmp_path):
+    """recipe.json written before the keys moved: read as the nested form (no error on resume)."""
+    import json
+
+    from ptops.ops.supervisor.launcher import prepare_run
+    from ptops.recipes.schema import dump_json, from_json
+
+    p = write(tmp_path, GOOD)
+    rec, path = load(p)
+    run = prepare_run(rec, path, tmp_path / "run")
+    old = json.loads(dump_json(rec))
+    sup = old["supervisor"]
+    sup.pop("hang"), sup.pop("restart")
+    sup.update({"hang_floor_s": 5.0, "max_restarts": 2, "unresponsive_s": 3.0})
+    run.recipe_json.write_text(json.dumps(old))
+    back = from_json(run.recipe_json.read_text())
+    assert back.supervisor.hang.floor_s == 5 and back.supervisor.restart.max_restarts == 2
+    assert back.supervisor.hang.ping_stale_s == 3
+    prepare_run(rec, path, tmp_path / "run")  # same recipe apart from the watchdogs: resumes

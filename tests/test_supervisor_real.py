@@ -21,7 +21,7 @@ from conftest import PTOPS, REPO, run_ptops
 pytestmark = pytest.mark.slow
 
 STEPS = ["--set", "train.steps=16", "--set", "checkpoint.interval=5"]
-FAST_HANG = ["--set", "supervisor.hang_floor_s=5", "--set", "supervisor.unresponsive_s=4", "--set", "supervisor.backoff_s=0.5"]
+FAST_HANG = ["--set", "supervisor.hang.floor_s=5", "--set", "supervisor.hang.ping_stale_s=4", "--set", "supervisor.restart.backoff_s=0.5"]
 
 
 def events(run: Path, kind: str | None = None) -> list[dict]:

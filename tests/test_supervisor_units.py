@@ -1,5 +1,7 @@
-"""Supervisor pieces without training: restart policy, hang monitor, channel, injectors, lock, status."""
+"""Supervisor pieces without training: restart policy, hang monitor, channel, dispatch, blame, injectors, lock, status."""
 
+import dataclasses
+import io
 import json
 import os
 import signal
@@ -13,14 +15,16 @@ from ptops.faultinject.inject import Injector
 from ptops.faultinject.spec import parse
 from ptops.monitors.hang import HangConfig, HangMonitor
 from ptops.ops.rank.channel import ChannelClient
+from ptops.ops.supervisor.blame import GOODBYE, KILLED_PEER_RACE_S, NO_GOODBYE, Bad, Blame, root_cause
 from ptops.ops.supervisor.channel import ChannelServer
-from ptops.ops.supervisor.policy import EXIT_FAILED, EXIT_NO_REQUEUE, Failure, PolicyConfig, RestartPolicy
+from ptops.ops.supervisor.policy import EXIT_FAILED, EXIT_NO_REQUEUE, Failure, RestartPolicy
+from ptops.recipes.schema import RestartConfig
 
 # ---------------------------------------------------------------- policy
 
 
 def test_backoff_doubles_without_progress_and_is_capped():
-    p = RestartPolicy(PolicyConfig(backoff_s=1, backoff_max_s=5, storm_restarts=100, no_progress_attempts=100))
+    p = RestartPolicy(RestartConfig(backoff_s=1, backoff_max_s=5, storm_restarts=100, no_progress_attempts=100))
     delays = []
     for i in range(6):
         d = p.decide(Failure(ts=1000 * i, start_step=10, good_step=10, reason="x"))
@@ -33,7 +37,7 @@ def test_backoff_doubles_without_progress_and_is_capped():
 
 
 def test_storm_stops_with_do_not_requeue():
-    p = RestartPolicy(PolicyConfig(storm_restarts=3, storm_window_s=60, no_progress_attempts=100))
+    p = RestartPolicy(RestartConfig(storm_restarts=3, storm_window_min=1, no_progress_attempts=100))
     steps = iter(range(0, 1000, 10))
     def fail(ts):
         s = next(steps)
@@ -46,7 +50,7 @@ def test_storm_stops_with_do_not_requeue():
 
 
 def test_no_progress_stops_after_k_attempts():
-    p = RestartPolicy(PolicyConfig(no_progress_attempts=3, storm_restarts=100))
+    p = RestartPolicy(RestartConfig(no_progress_attempts=3, storm_restarts=100))
     assert p.decide(Failure(0, start_step=0, good_step=10)).action == "restart"  # made progress
     assert p.decide(Failure(100, start_step=10, good_step=10)).action == "restart"
     assert p.decide(Failure(200, start_step=10, good_step=10)).action == "restart"
@@ -55,11 +59,11 @@ def test_no_progress_stops_after_k_attempts():
 
 
 def test_max_restarts_is_plain_failure():
-    p = RestartPolicy(PolicyConfig(max_restarts=2, storm_restarts=100, no_progress_attempts=100))
+    p = RestartPolicy(RestartConfig(max_restarts=2, storm_restarts=100, no_progress_attempts=100))
     for i in range(2):
         assert p.decide(Failure(1000 * i, start_step=i, good_step=i + 1)).action == "restart"
     d = p.decide(Failure(5000, start_step=2, good_step=3))
-    assert d.action == "stop" and d.exit_code == EXIT_FAILED and "max_restarts=2" in d.reason
+    assert d.action == "stop" and d.exit_code == EXIT_FAILED and "supervisor.restart.max_restarts=2" in d.reason
 
 
 def test_policy_history_from_events():
@@ -68,9 +72,18 @@ def test_policy_history_from_events():
         {"kind": "restart", "ts": 10, "from_step": 5, "prev_from_step": 5, "reason": "crash"},
         {"kind": "restart", "ts": 20, "from_step": 5, "prev_from_step": 5, "reason": "crash"},
     ]
-    p = RestartPolicy.from_events(PolicyConfig(no_progress_attempts=3, storm_restarts=100), events)
+    p = RestartPolicy.from_events(RestartConfig(no_progress_attempts=3, storm_restarts=100), events)
     assert p.no_progress_streak() == 2
     assert p.decide(Failure(30, start_step=5, good_step=5)).exit_code == EXIT_NO_REQUEUE
+
+
+def test_temporary_strategy_never_restarts():
+    """A plain launch: the first failure ends the run (exit 1), whatever the restart budget says."""
+    p = RestartPolicy(RestartConfig(max_restarts=10), strategy="temporary")
+    d = p.decide(Failure(0, start_step=0, good_step=10, reason="crash: rank 1 exited -9 at step 12"))
+    assert d.action == "stop" and d.exit_code == EXIT_FAILED
+    assert "crash: rank 1 exited -9" in d.reason and "no restart" in d.reason
+    assert RestartPolicy.from_events(RestartConfig(), [], "temporary").decide(Failure(0, 0, 0)).action == "stop"
 
 
 # ---------------------------------------------------------------- hang monitor
@@ -294,12 +307,30 @@ def test_status_marks_a_dead_supervisor(tmp_path, ptops):
 def test_recipe_supervisor_section_validates(ptops):
     from ptops.recipes.schema import RecipeError, load
 
-    rec, _ = load("titan-tiny", ["supervisor.hang_floor_s=5"])
-    assert rec.supervisor.hang_floor_s == 5 and rec.supervisor.channel_host == "127.0.0.1"
-    with pytest.raises(RecipeError, match="supervisor.hang_floor_s"):
-        load("titan-tiny", ["supervisor.hang_floor_s=-1"])
+    rec, _ = load("titan-tiny", ["supervisor.hang.floor_s=5", "supervisor.restart.max_restarts=2"])
+    assert rec.supervisor.hang.floor_s == 5 and rec.supervisor.restart.max_restarts == 2
+    assert rec.supervisor.channel_host == "127.0.0.1"
+    with pytest.raises(RecipeError, match="supervisor.hang.floor_s"):
+        load("titan-tiny", ["supervisor.hang.floor_s=-1"])
     with pytest.raises(RecipeError, match="supervisor.bogus"):
         load("titan-tiny", ["supervisor.bogus=1"])
+    with pytest.raises(RecipeError, match="supervisor.restart.bogus"):
+        load("titan-tiny", ["supervisor.restart.bogus=1"])
+
+
+def test_nested_supervisor_defaults_are_the_models_own():
+    """Defaults are written once: the recipe's sections are the models the policy and hang monitor take."""
+    from ptops.monitors.hang import HangConfig
+    from ptops.recipes.schema import SupervisorSection, load
+
+    rec, _ = load("titan-tiny")
+    assert rec.supervisor.hang == HangConfig() and rec.supervisor.restart == RestartConfig()
+    assert SupervisorSection().hang.floor_s == 60.0 and SupervisorSection().restart.max_restarts == 10
+    for model in (HangConfig, RestartConfig):
+        for name, f in model.model_fields.items():
+            assert f.description, f"{model.__name__}.{name} has no description"
+    # the supervisor hands its recipe's section to the policy as is
+    assert RestartPolicy.from_events(rec.supervisor.restart, []).config is rec.supervisor.restart
 
 
 TORCHRUN_FAILURES = """\
@@ -321,38 +352,196 @@ Root Cause (first observed failure):
 """
 
 
-def _sup_with_log(tmp_path, text, first_bad=None):
-    from ptops.ops.runrecord.rundir import RunDir
-    from ptops.ops.supervisor.core import Supervisor
+def test_root_cause_is_not_torchruns_sigtermed_survivor():
+    """torchrun blames the rank with the earliest error file; the SIGKILLed rank never writes one."""
+    assert root_cause(None, TORCHRUN_FAILURES, 1) == (1, -9, "torchrun")
 
-    sup = Supervisor.__new__(Supervisor)
-    sup.run = RunDir(tmp_path)
-    sup.run.logs(1).mkdir(parents=True)
-    (sup.run.logs(1) / "torchrun.log").write_text(text)
-    sup.first_bad = first_bad
-    sup.proc = None
+
+def test_root_cause_prefers_the_channel():
+    first = Bad(1, None, NO_GOODBYE, 100.0)
+    assert root_cause(first, TORCHRUN_FAILURES, 1) == (1, -9, NO_GOODBYE)  # exit code from torchrun's log
+    assert root_cause(Bad(0, 3, GOODBYE, 100.0), TORCHRUN_FAILURES, 1) == (0, 3, GOODBYE)  # its own goodbye's code
+
+
+def test_root_cause_without_any_report_is_torchruns_exit_code():
+    assert root_cause(None, "", 1) == (None, 1, "torchrun exit code")
+    only_sigterm = "  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 1)\n"
+    assert root_cause(None, only_sigterm, 1) == (0, -15, "torchrun")  # nobody else to blame
+
+
+def test_killed_rank_beats_the_peer_whose_error_it_caused():
+    b = Blame()
+    b.note(0, 1, GOODBYE, 100.0)  # rank 0: "connection closed by peer"
+    b.note(1, None, NO_GOODBYE, 100.0 + KILLED_PEER_RACE_S / 5)  # rank 1 was SIGKILLed
+    assert root_cause(b.first, TORCHRUN_FAILURES, 1) == (1, -9, NO_GOODBYE)
+
+
+def test_late_silent_exit_does_not_steal_the_blame():
+    b = Blame()
+    b.note(0, 1, GOODBYE, 100.0)  # rank 0 raised a real error
+    b.note(1, None, NO_GOODBYE, 100.0 + KILLED_PEER_RACE_S * 6)  # rank 1 SIGTERMed by torchrun later
+    assert root_cause(b.first, TORCHRUN_FAILURES, 1)[0] == 0
+
+
+def test_first_silent_death_is_not_replaced():
+    b = Blame()
+    b.note(1, None, NO_GOODBYE, 100.0)
+    b.note(0, None, NO_GOODBYE, 100.01)  # only a goodbye can be overtaken by a silent death
+    b.note(0, 1, GOODBYE, 100.02)
+    assert b.first.rank == 1
+
+
+# ---------------------------------------------------------------- channel dispatch
+
+
+class _FakeServer:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, peer, msg):
+        self.sent.append((peer, msg))
+        return True
+
+    def address(self, advertise=""):
+        return "127.0.0.1:1"
+
+
+def _dispatch_sup(tmp_path):
+    from ptops.ops.runrecord.rundir import RunDir
+    from ptops.ops.supervisor import Supervisor
+    from ptops.recipes.schema import load
+
+    rec, _ = load("titan-tiny", ["launch.nproc=2"])
+    run = RunDir(tmp_path / "run").create()
+    sup = Supervisor(rec, run, [], out=io.StringIO(), strategy="temporary")
+    sup.server = _FakeServer()
+    sup.attempt = 1
+    sup.monitor = HangMonitor(2, 0.0, rec.supervisor.hang)
     return sup
 
 
-def test_root_cause_is_not_torchruns_sigtermed_survivor(tmp_path):
-    """torchrun blames the rank with the earliest error file; the SIGKILLed rank never writes one."""
-    assert _sup_with_log(tmp_path, TORCHRUN_FAILURES)._root_cause(1) == (1, -9, "torchrun")
+def _peer(rank, attempt=1, role="rank"):
+    from ptops.ops.supervisor.channel import Peer
+
+    return Peer(cid=rank or 0, sock=None, hello={"role": role, "rank": rank, "attempt": attempt, "pid": 100 + (rank or 0), "host": "h"})
 
 
-def test_root_cause_prefers_the_channel(tmp_path):
-    sup = _sup_with_log(tmp_path, TORCHRUN_FAILURES, first_bad=(1, None, "channel closed without goodbye"))
-    assert sup._root_cause(1) == (1, -9, "channel closed without goodbye")
+def test_dispatch_table_routes_and_counts_unknown_types(tmp_path):
+    from ptops.ops.supervisor.messages import CONTROL_HANDLERS, RANK_HANDLERS, MessagesMixin
+
+    for name in (*RANK_HANDLERS.values(), *CONTROL_HANDLERS.values()):
+        assert callable(getattr(MessagesMixin, name)), name
+    sup = _dispatch_sup(tmp_path)
+    p0, p1 = _peer(0), _peer(1)
+    sup.handle(p0, {"t": "_hello"}, 1.0)
+    sup.handle(p1, {"t": "_hello"}, 1.0)
+    assert sorted(sup.ranks) == [0, 1] and sup.state == "running"
+    sup.handle(p0, {"t": "metrics", "rec": {"step": 3, "rank": 0, "loss": 1.0, "step_s": 0.1}}, 2.0)
+    assert sup.step == 3 and sup.run.read_metrics()[-1]["step"] == 3
+    sup.handle(p1, {"t": "telepathy"}, 2.0)
+    sup.handle(p1, {"t": "telepathy"}, 2.1)
+    sup.handle(_peer(None, role="control"), {"t": "reboot"}, 2.2)
+    assert sup.unknown_messages == {"rank:telepathy": 2, "control:reboot": 1}
+    assert sup.out.getvalue().count("unknown type 'telepathy'") == 1  # said once, not per message
+    sup.handle(_peer(0, attempt=0), {"t": "metrics", "rec": {"step": 99}}, 3.0)  # a straggler of attempt 0
+    assert sup.step == 3 and sup.unknown_messages == {"rank:telepathy": 2, "control:reboot": 1}
+    sup.handle(_peer(None, role="control"), {"t": "status"}, 3.0)
+    assert sup.server.sent[-1][1] == {"ok": True, "state": "running", "attempt": 1, "step": 3}
+    # goodbyes and EOFs feed the blame in channel order
+    sup.handle(p0, {"t": "exit", "code": 1, "error": "peer closed"}, 4.0)
+    sup.handle(p1, {"t": "_eof"}, 4.05)
+    assert sup.blame.first.rank == 1 and sup.blame.first.exit_code is None
+    assert sup.ranks[0].exit_code == 1 and sup.ranks[1].gone_ts == 4.05
 
 
-def test_killed_rank_beats_the_peer_whose_error_it_caused(tmp_path):
-    sup = _sup_with_log(tmp_path, TORCHRUN_FAILURES)
-    sup._note_bad(0, 1, "goodbye", 100.0)  # rank 0: "connection closed by peer"
-    sup._note_bad(1, None, "channel closed without goodbye", 100.05)  # rank 1 was SIGKILLed
-    assert sup._root_cause(1) == (1, -9, "channel closed without goodbye")
+# ---------------------------------------------------------------- monitors: a broken config, a raising monitor
 
 
-def test_late_silent_exit_does_not_steal_the_blame(tmp_path):
-    sup = _sup_with_log(tmp_path, TORCHRUN_FAILURES)
-    sup._note_bad(0, 1, "goodbye", 100.0)  # rank 0 raised a real error
-    sup._note_bad(1, None, "channel closed without goodbye", 101.5)  # rank 1 SIGTERMed by torchrun later
-    assert sup._root_cause(1)[0] == 0
+class _Boom:
+    name = "boom"
+
+    def feed(self, rec):
+        raise ValueError("odd record")
+
+
+class _Echo:
+    name = "echo"
+
+    def feed(self, rec):
+        return [("finding", rec["step"])]
+
+
+def test_monitor_that_raises_is_recorded_once_and_the_others_go_on():
+    from ptops.ops.supervisor.monitorfeed import MonitorFeed
+
+    feed = MonitorFeed([_Boom(), _Echo()])
+    findings, errors = feed.feed({"step": 1})
+    assert findings == [("finding", 1)] and [(n, str(e)) for n, e in errors] == [("boom", "odd record")]
+    findings, errors = feed.feed({"step": 2})
+    assert findings == [("finding", 2)] and errors == [] and feed.errors == {"boom": 2}
+
+
+def test_monitor_error_becomes_one_event(tmp_path):
+    sup = _dispatch_sup(tmp_path)
+    sup.feed.monitors.insert(0, _Boom())
+    for step in (1, 2, 3):
+        sup.feed_monitors({"step": step, "rank": 0, "loss": 1.0})
+    (ev,) = [e for e in sup.run.read_events() if e["kind"] == "monitor_error"]
+    assert ev["monitor"] == "boom" and ev["step"] == 1 and "ValueError: odd record" in ev["error"]
+
+
+def test_broken_monitor_config_is_a_recipe_error(monkeypatch, tmp_path):
+    from ptops import monitors
+    from ptops.monitors.config import MonitorsSection
+    from ptops.ops.supervisor import monitorfeed
+    from ptops.recipes.schema import RecipeError
+
+    class Picky:
+        def __init__(self, cfg):
+            raise ValueError("window must exceed level_window")
+
+    monkeypatch.setitem(monitors.MONITORS, "loss_spike", dataclasses.replace(monitors.MONITORS["loss_spike"], monitor=Picky))
+    with pytest.raises(RecipeError, match=r"^r.toml: key 'monitors.loss_spike': .*window must exceed level_window"):
+        monitorfeed.build(MonitorsSection(), "r.toml")
+    # switched off, it is not built at all
+    assert monitorfeed.build(MonitorsSection.model_validate({"loss_spike": {"enabled": False}}), "r.toml")
+    with pytest.raises(RecipeError):  # the Supervisor refuses too (callers other than the CLI)
+        _dispatch_sup(tmp_path)
+
+
+def test_broken_monitor_config_exits_2_at_launch(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from ptops import monitors
+    from ptops.ops.cli.app import app
+
+    class Picky:
+        def __init__(self, cfg):
+            raise ValueError("no such key")
+
+    monkeypatch.setitem(monitors.MONITORS, "nan", dataclasses.replace(monitors.MONITORS["nan"], monitor=Picky))
+    res = CliRunner().invoke(app, ["launch", "titan-tiny", "--run-dir", str(tmp_path / "run"), "--no-mlflow"])
+    assert res.exit_code == 2, res.output
+    assert "error: " in res.output and "titan-tiny.toml: key 'monitors.nan'" in res.output and "no such key" in res.output
+    assert not (tmp_path / "run").exists()  # nothing started, no run directory made
+
+
+# ---------------------------------------------------------------- launch output
+
+
+def test_mlflow_setup_lines_stay_out_of_the_launch_output(tmp_path):
+    """MLflow's "Creating initial MLflow database tables..." (and alembic's notes) must not land in the
+    progress output; our own warning lines still may."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.json").write_text('{"name": "t", "engine": "titan"}')
+    code = (
+        "from ptops.ops.obs.mlflow_export import MlflowExporter\n"
+        f"e = MlflowExporter({str(run)!r}, 'sqlite:///{tmp_path}/mlflow.db')\n"
+        "assert e.wait_ready(120) and e.run_id\n"
+        "e.close(30)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "mlflow.db").exists()  # the tables were created, quietly
+    assert "Creating initial MLflow database tables" not in proc.stderr and " INFO " not in proc.stderr, proc.stderr

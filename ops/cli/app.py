@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -50,7 +48,7 @@ def launch(
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key, e.g. --set train.steps=30 (repeatable; values parse as TOML).")] = [],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved recipe and the rank command; start nothing.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
-    supervise: Annotated[bool, typer.Option("--supervise", help="Run under the supervisor: detect crashes and hangs, restart from the last good checkpoint. Exit 3 means do not requeue.")] = False,
+    supervise: Annotated[bool, typer.Option("--supervise", help="Restart a crashed or hung run from the last good checkpoint, and act on monitor findings (without it, the same watch ends the run failed). Exit 3 means do not requeue.")] = False,
     metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help="Serve Prometheus metrics on 127.0.0.1:PORT while the run lives (0 picks a free port).")] = None,
     mlflow_uri: Annotated[Optional[str], typer.Option("--mlflow-uri", help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs root>/mlflow.db beside the run directories.")] = None,
     mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="Log params, per-step metrics, events and an incident summary to MLflow.")] = True,
@@ -64,14 +62,14 @@ def launch(
       ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run\n
       ptops launch titan-tiny --supervise --fault crash:rank=1,step=12
     """
-    from ptops.ops.supervisor import launcher
+    from ptops.ops.cli.supervise import parse_faults
+    from ptops.ops.supervisor import launcher, monitorfeed
     from ptops.recipes.schema import RecipeError, dump_json, load
-
-    from ptops.ops.cli.supervise import launch_supervised, parse_faults
 
     faults = parse_faults(fault)
     try:
         rec, path = load(recipe, set_)
+        monitorfeed.build(rec.monitors, str(path))  # a [monitors] config no monitor accepts: exit 2 now, not silence later
         target = run_dir or launcher.default_run_dir(rec)
         if dry_run:
             typer.echo(dump_json(rec))
@@ -83,80 +81,20 @@ def launch(
         run = launcher.prepare_run(rec, path, target)
     except RecipeError as e:
         fail(str(e))
+    from ptops.ops.cli.launch import run_launch
     from ptops.ops.obs.live import LiveExporters
-    from ptops.ops.supervisor.lock import LockedError, acquire, release
+    from ptops.ops.supervisor.lock import LockedError, acquire
 
     try:
         lock_fd = acquire(run.path)  # one launcher per run directory, supervised or not
     except LockedError as e:
         fail(str(e))
     exporters = LiveExporters(run.path, metrics_port, mlflow_uri, mlflow)
-    try:
-        if supervise:  # the supervisor owns the lock from here and releases it
-            code = launch_supervised(rec, run, faults, json_out, lock_fd=lock_fd)
-        else:
-            try:
-                code = _launch_plain(rec, run, faults, json_out)
-            finally:
-                release(lock_fd)
+    try:  # the supervisor owns the lock from here and releases it
+        code = run_launch(rec, run, faults, json_out, lock_fd, supervise)
     finally:
         exporters.close()
     raise typer.Exit(code)
-
-
-def _launch_plain(rec, run, faults, json_out: bool) -> int:
-    from ptops.ops.supervisor import launcher
-    from ptops.ops.cli.progress import Progress
-
-    resumed_from = launcher.completed_step(run)
-    typer.echo(
-        f"ptops: {rec.name} ({rec.engine}) -> {run.path}"
-        + (f"  (resuming after step {resumed_from})" if resumed_from else ""),
-        err=True,
-    )
-    if faults:
-        import os
-
-        from ptops.faultinject.spec import to_env
-
-        os.environ["PTOPS_FAULTS"] = to_env(faults)  # rank_command passes the environment on
-    t0 = time.monotonic()
-    progress = Progress(rec.train.steps)
-    code = launcher.run_plain(rec, run, progress)
-    progress.close()
-    summary = summarize(run, time.monotonic() - t0)
-    if json_out:
-        typer.echo(json.dumps(summary, indent=2))
-    else:
-        _print_summary(summary)
-    return code
-
-
-def summarize(run, wall_s: float) -> dict:
-    from ptops.ops.runrecord.rundir import final_metrics_by_step
-
-    events = run.read_events()
-    steps = final_metrics_by_step(run.read_metrics())
-    last = steps[max(steps)] if steps else {}
-    end = next((e for e in reversed(events) if e["kind"] in ("completed", "failed", "stopped")), None)
-    return {
-        "run_dir": str(run.path),
-        "state": end["kind"] if end else "unknown",
-        "reason": (end or {}).get("reason"),
-        "step": max(steps, default=0),
-        "loss": last.get("loss"),
-        "attempts": sum(1 for e in events if e["kind"] == "launch"),
-        "checkpoints": sorted(p.name for p in run.checkpoints.glob("*") if p.is_dir()),
-        "wall_s": round(wall_s, 2),
-    }
-
-
-def _print_summary(s: dict) -> None:
-    typer.echo(f"{s['state']}: step {s['step']}, loss {s['loss']}, attempts {s['attempts']}, {s['wall_s']} s", err=True)
-    if s["reason"]:
-        typer.echo(f"  reason: {s['reason']}", err=True)
-    typer.echo(f"  run dir: {s['run_dir']}", err=True)
-    typer.echo(f"  checkpoints: {', '.join(s['checkpoints']) or 'none'}", err=True)
 
 
 @app.command()

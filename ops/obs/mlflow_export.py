@@ -47,6 +47,16 @@ _STOP = object()
 _FINALIZE = object()
 
 
+def _quiet_third_party_loggers() -> None:
+    """MLflow's INFO lines ("Creating initial MLflow database tables...") and alembic's migration
+    notes would land in the middle of the launch's progress output (stderr): keep warnings only.
+    Call after ``import mlflow`` (its import sets these loggers up)."""
+    for name in ("mlflow", "alembic", "sqlalchemy"):
+        logger = logging.getLogger(name)
+        if logger.getEffectiveLevel() < logging.WARNING:
+            logger.setLevel(logging.WARNING)
+
+
 def default_tracking_uri(run_dir: str | Path) -> str:
     root = Path(run_dir).resolve().parent
     return f"sqlite:///{root / 'mlflow.db'}"
@@ -211,6 +221,7 @@ class MlflowExporter:
     def _connect(self):
         from mlflow.tracking import MlflowClient
 
+        _quiet_third_party_loggers()
         client = MlflowClient(tracking_uri=self.tracking_uri)
         state_file = self.run_dir / "mlflow.json"
         stored = None

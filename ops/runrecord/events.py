@@ -30,6 +30,7 @@ class EventKind(StrEnum):
     HANG = "hang"
     STRAGGLER = "straggler"
     ANOMALY = "anomaly"
+    MONITOR_ERROR = "monitor_error"
     RESTART = "restart"
     ROLLBACK = "rollback"
     ROLLBACK_APPLIED = "rollback_applied"
@@ -123,6 +124,8 @@ SPECS: dict[EventKind, EventSpec] = {
                            doc="the straggler monitor's finding"),
     K.ANOMALY: EventSpec(("monitor", "step", "value", "detail"), ("severity", "rank", "attempt"), finding=True,
                          summary=True, doc="a metric monitor's finding (runbook: the monitor registry's)"),
+    K.MONITOR_ERROR: EventSpec(("monitor", "error"), ("step", "rank", "attempt"), severity="warning", summary=True,
+                               doc="a monitor raised on a record; it is reported once and the others keep running"),
     K.RESTART: EventSpec(("attempt", "from_step", "reason"), ("prev_from_step", "delay_s"),
                          state=RunState.RESTARTING, summary=True,
                          doc="the supervisor relaunches (attempt: the next one)"),

@@ -1,18 +1,16 @@
 """Local launcher: runs a recipe's ranks through torchrun on this machine.
 
-The supervisor and the plain (unsupervised) launch share ``prepare_run`` and
-``rank_command``, so a supervised attempt starts ranks exactly as a plain one.
+Every launch, plain or ``--supervise``, runs through the Supervisor; this module is
+what it needs from the machine: the run directory (``prepare_run``) and the rank
+command (``rank_command``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -113,51 +111,3 @@ def completed_step(run: RunDir) -> int:
     """The last step rank 0 recorded, 0 when none."""
     steps = final_metrics_by_step(run.read_metrics())
     return max(steps, default=0)
-
-
-def run_plain(recipe: Recipe, run: RunDir, progress) -> int:
-    """One attempt without supervision: start torchrun, follow progress, record the outcome.
-
-    Returns the process exit code to use (0 done, 1 failed, 130/143 interrupted).
-    """
-    attempt = run.last_attempt() + 1
-    run.logs(attempt).mkdir(parents=True, exist_ok=True)
-    cmd = rank_command(recipe, run, attempt)
-    run.event("launch", attempt=attempt, supervised=False, nproc=recipe.launch.nproc)
-    agent_log = open(run.logs(attempt) / "torchrun.log", "ab")
-    proc = subprocess.Popen(cmd.argv, env=cmd.env, stdout=agent_log, stderr=subprocess.STDOUT, start_new_session=True)
-    stop_signal: list[int] = []
-
-    def _forward(signum, _frame):
-        stop_signal.append(signum)
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-
-    old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        offset = 0
-        while True:
-            offset = progress.follow(run.metrics, offset)
-            rc = proc.poll()
-            if rc is not None:
-                progress.follow(run.metrics, offset)
-                break
-            time.sleep(0.25)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        agent_log.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    step = completed_step(run)
-    if stop_signal:
-        run.event("stopped", attempt=attempt, signal=stop_signal[0], step=step)
-        return 128 + stop_signal[0]
-    if rc == 0 and step >= recipe.train.steps:
-        run.event("completed", step=step)
-        return 0
-    run.event("failed", reason=f"torchrun exited {rc} at step {step}; see {run.logs(attempt)}", attempt=attempt)
-    return 1

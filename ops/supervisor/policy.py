@@ -1,13 +1,21 @@
-"""Restart policy: a failed attempt (crash, hang, early exit) -> restart after a backoff, or stop.
+"""The supervisor's decisions as data: failed attempt -> restart or stop; finding -> action.
 
-Monitor findings (NaN, loss spike, straggler, RL) are a separate policy, per monitor
-(``[monitors.<name>] action``): ``ptops.ops.supervisor.actions``. A rollback is not a
-failure here: it neither counts toward ``max_restarts`` nor the storm / no-progress rules
-(``monitors.rollback.max_rollbacks`` bounds it).
+Two policies, both pure (the caller passes the clock and the checkpoint steps; nothing
+here sleeps, reads files or starts processes), so the tests drive them directly and a
+restarted supervisor rebuilds their history from ``events.jsonl``:
 
-Pure: the caller passes the clock and the checkpoint steps; nothing here
-sleeps, reads files or starts processes, so the tests drive it directly and a
-restarted supervisor rebuilds the history from ``events.jsonl``.
+- :class:`RestartPolicy`: a failed attempt (crash, hang, early exit) -> restart after a
+  backoff, or stop. Its settings are the recipe's ``[supervisor.restart]``
+  (:class:`ptops.recipes.schema.RestartConfig`, defaults written there once). The
+  strategy names come from Erlang/OTP: ``permanent`` children are restarted within the
+  restart intensity (``ptops launch --supervise``); ``temporary`` ones never are (a plain
+  ``ptops launch``: same watch, same records, no restart).
+- :class:`FindingPolicy` and :data:`FINDING_EFFECTS`: a monitor finding (NaN, loss spike,
+  straggler, RL) -> ``alert | stop | rollback | exclude_node``, per monitor
+  (``[monitors.<name>] action``); :func:`plan_rollback` says where a rollback goes.
+  ``ptops.ops.supervisor.actions`` carries the decisions out. A rollback is not a
+  failure for the restart policy: it neither counts toward ``max_restarts`` nor the
+  storm / no-progress rules (``monitors.rollback.max_rollbacks`` bounds it).
 
 Exit codes of a supervised ``ptops launch`` (also what schedulers should act on):
 
@@ -28,6 +36,11 @@ Exit codes of a supervised ``ptops launch`` (also what schedulers should act on)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+from ptops.monitors.config import MonitorsSection
+from ptops.recipes.rollback import RollbackInfo, skip_start
+from ptops.recipes.schema import RestartConfig
 
 EXIT_DONE = 0
 EXIT_FAILED = 1
@@ -35,16 +48,6 @@ EXIT_BAD_INPUT = 2
 EXIT_NO_REQUEUE = 3
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    max_restarts: int = 10  # restarts in the whole run (across supervisors)
-    backoff_s: float = 1.0  # first delay; doubles with each attempt that made no progress
-    backoff_max_s: float = 60.0
-    storm_restarts: int = 5  # this many failures ...
-    storm_window_s: float = 600.0  # ... within this window: a storm (exit 3)
-    no_progress_attempts: int = 3  # K attempts in a row without a newer good checkpoint (exit 3)
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,14 @@ class Decision:
     exit_code: int = 0
 
 
+Strategy = Literal["permanent", "temporary"]
+
+
 @dataclass
 class RestartPolicy:
-    config: PolicyConfig = field(default_factory=PolicyConfig)
+    config: RestartConfig = field(default_factory=RestartConfig)
     history: list[Failure] = field(default_factory=list)
+    strategy: Strategy = "permanent"
 
     def no_progress_streak(self) -> int:
         n = 0
@@ -84,13 +91,16 @@ class RestartPolicy:
         """Record ``failure`` and say what to do next."""
         c = self.config
         self.history.append(failure)
+        if self.strategy == "temporary":
+            return Decision("stop", f"{failure.reason} (plain launch: no restart; --supervise restarts)",
+                            exit_code=EXIT_FAILED)
         restarts_so_far = len(self.history) - 1
-        in_window = [f for f in self.history if failure.ts - f.ts <= c.storm_window_s]
+        in_window = [f for f in self.history if failure.ts - f.ts <= c.storm_window_min * 60]
         if len(in_window) >= c.storm_restarts:
             return Decision(
                 "stop",
-                f"restart storm: {len(in_window)} failures within {c.storm_window_s / 60:g} min "
-                f"(supervisor.storm_restarts={c.storm_restarts}); last: {failure.reason}",
+                f"restart storm: {len(in_window)} failures within {c.storm_window_min:g} min "
+                f"(supervisor.restart.storm_restarts={c.storm_restarts}); last: {failure.reason}",
                 exit_code=EXIT_NO_REQUEUE,
             )
         streak = self.no_progress_streak()
@@ -98,14 +108,14 @@ class RestartPolicy:
             return Decision(
                 "stop",
                 f"no progress: {streak} attempts in a row failed without a newer good checkpoint "
-                f"than step {failure.good_step} (supervisor.no_progress_attempts={c.no_progress_attempts}); "
+                f"than step {failure.good_step} (supervisor.restart.no_progress_attempts={c.no_progress_attempts}); "
                 f"last: {failure.reason}",
                 exit_code=EXIT_NO_REQUEUE,
             )
         if restarts_so_far >= c.max_restarts:
             return Decision(
                 "stop",
-                f"gave up after {restarts_so_far} restarts (supervisor.max_restarts={c.max_restarts}); "
+                f"gave up after {restarts_so_far} restarts (supervisor.restart.max_restarts={c.max_restarts}); "
                 f"last: {failure.reason}",
                 exit_code=EXIT_FAILED,
             )
@@ -113,7 +123,7 @@ class RestartPolicy:
         return Decision("restart", failure.reason, delay_s=delay)
 
     @classmethod
-    def from_events(cls, config: PolicyConfig, events: list[dict]) -> "RestartPolicy":
+    def from_events(cls, config: RestartConfig, events: list[dict], strategy: Strategy = "permanent") -> "RestartPolicy":
         """Rebuild the history from earlier ``restart`` events (a supervisor that adopts a run)."""
         history = []
         for e in events:
@@ -126,4 +136,123 @@ class RestartPolicy:
                         reason=str(e.get("reason", "")),
                     )
                 )
-        return cls(config, history)
+        return cls(config, history, strategy)
+
+
+# ---------------------------------------------------------------- findings -> actions
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What the supervisor does for one ``[monitors]`` action (the finding's own event is always written)."""
+
+    halts: bool  # the attempt ends (torn down), then :func:`actions.FindingActions.after_attempt` decides
+    record: str | None = None  # an extra event kind to write
+
+
+FINDING_EFFECTS: dict[str, Effect] = {
+    "alert": Effect(halts=False),
+    "stop": Effect(halts=True),  # failed, exit 3: rerunning the same recipe walks into the same finding
+    "rollback": Effect(halts=True),  # back to the newest good checkpoint before the finding's step
+    "exclude_node": Effect(halts=False, record="exclude_node"),  # recorded only: no launcher excludes nodes yet
+}
+HALTING = tuple(a for a, e in FINDING_EFFECTS.items() if e.halts)
+
+
+@dataclass(frozen=True)
+class FindingDecision:
+    action: str  # a key of FINDING_EFFECTS
+    monitor: str
+    step: int
+    reason: str
+    rank: int | None = None
+
+    @property
+    def effect(self) -> Effect:
+        return FINDING_EFFECTS[self.action]
+
+
+def finding_reason(f: Any) -> str:
+    return f"{f.monitor} at step {f.step}: {f.detail}"
+
+
+@dataclass
+class FindingPolicy:
+    """The mapping finding -> action, plus the run's rollback history.
+
+    ``record_only`` (a plain launch): every finding is an ``alert`` - recorded, never acted on.
+    """
+
+    section: MonitorsSection = field(default_factory=MonitorsSection)
+    rollbacks: list[dict] = field(default_factory=list)  # earlier ``rollback`` events of the run
+    record_only: bool = False
+
+    @classmethod
+    def from_events(cls, section: MonitorsSection | None, events: Iterable[dict],
+                    record_only: bool = False) -> "FindingPolicy":
+        return cls(section or MonitorsSection(), [e for e in events if e.get("kind") == "rollback"], record_only)
+
+    def decide(self, finding: Any) -> FindingDecision:
+        action = "alert" if self.record_only else self.section.action_for(finding.monitor)
+        if action == "exclude_node" and finding.monitor != "straggler":
+            action = "alert"  # only a straggler names a node; the schema allows it nowhere else
+        if action not in FINDING_EFFECTS:
+            action = "alert"
+        return FindingDecision(action, finding.monitor, int(finding.step), finding_reason(finding), finding.rank)
+
+    @property
+    def max_rollbacks(self) -> int:
+        return int(self.section.rollback.max_rollbacks)
+
+    def rollback_allowed(self) -> bool:
+        return len(self.rollbacks) < self.max_rollbacks
+
+    def lr_factor(self) -> float:
+        """Absolute LR factor after one more rollback (product of every rollback's lr_scale)."""
+        f = 1.0
+        for e in self.rollbacks:
+            f *= float(e.get("lr_scale", 1.0) or 1.0)
+        return f * float(self.section.rollback.lr_scale)
+
+    def last_env(self) -> str | None:
+        """``PTOPS_ROLLBACK`` for the next attempt: the latest rollback of the run, if any."""
+        if not self.rollbacks:
+            return None
+        try:
+            return RollbackInfo.from_dict(self.rollbacks[-1]).to_env()
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class RollbackPlan:
+    from_step: int
+    to_step: int  # 0 = from scratch
+    to_path: str | None
+    quarantine: list[str]  # checkpoints at or after the anomaly step
+    info: RollbackInfo
+
+
+def plan_rollback(entries: Iterable[tuple[int, str, bool]], anomaly_step: int, policy: FindingPolicy,
+                  reason: str) -> RollbackPlan:
+    """Which checkpoint to roll back to: the newest good one strictly before ``anomaly_step``.
+
+    ``entries``: (step, path, ok) of the checkpoints on disk. Every checkpoint at or after the
+    anomaly step is to be quarantined, good or not (its state already holds the anomaly).
+    """
+    rows = sorted(entries, key=lambda e: e[0], reverse=True)
+    quarantine = [path for step, path, _ in rows if step >= anomaly_step]
+    target = next(((step, path) for step, path, ok in rows if ok and step < anomaly_step), None)
+    to_step, to_path = target if target else (0, None)
+    rb = policy.section.rollback
+    info = RollbackInfo(
+        from_step=int(anomaly_step),
+        to_step=int(to_step),
+        skip_batches=int(rb.skip_batches),
+        skip_at_step=skip_start(anomaly_step, to_step, rb.skip_batches),
+        lr_scale=float(rb.lr_scale),
+        lr_factor=policy.lr_factor(),
+        count=len(policy.rollbacks) + 1,
+        reason=reason,
+    )
+    return RollbackPlan(int(anomaly_step), int(to_step), to_path, quarantine, info)

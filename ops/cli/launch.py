@@ -1,0 +1,89 @@
+"""``ptops launch``'s one path: plain or ``--supervise``, the same Supervisor, progress and summary.
+
+A plain launch is the supervisor with the ``temporary`` restart strategy (never restarts;
+its monitors only record), so both kinds of run leave the same records and end with the
+same summary; only what happens after a failure differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import typer
+
+
+def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: bool) -> int:
+    """Run ``run`` (a prepared RunDir whose lock the caller holds as ``lock_fd``; the supervisor
+    releases it); print progress and the summary; return the exit code."""
+    from ptops.ops.cli.progress import Progress
+    from ptops.ops.supervisor import Supervisor
+    from ptops.ops.supervisor.launcher import completed_step
+
+    resumed_from = completed_step(run)
+    typer.echo(
+        f"ptops: {rec.name} ({rec.engine}) -> {run.path}"
+        + (f"  [supervised, pid {os.getpid()}]" if supervise else "")
+        + (f"  (resuming after step {resumed_from})" if resumed_from else ""),
+        err=True,
+    )
+    t0 = time.monotonic()
+    progress = Progress(rec.train.steps)
+    sup = Supervisor(rec, run, faults, progress=progress, strategy="permanent" if supervise else "temporary")
+    code = sup.run_all(lock_fd=lock_fd)
+    progress.close()
+    summary = summarize(run, time.monotonic() - t0, code)
+    if json_out:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        print_summary(summary)
+    return code
+
+
+def summarize(run, wall_s: float, code: int) -> dict:
+    """The end-of-launch summary, from the run directory (the same for plain and supervised runs)."""
+    from ptops.ops.runrecord.rundir import final_metrics_by_step
+    from ptops.ops.runrecord.status import last_good_checkpoint
+
+    events = run.read_events()
+    steps = final_metrics_by_step(run.read_metrics())
+    last = steps[max(steps)] if steps else {}
+    end = next((e for e in reversed(events) if e["kind"] in ("completed", "failed", "stopped")), None)
+    count = lambda kind: sum(1 for e in events if e["kind"] == kind)  # noqa: E731
+    good = last_good_checkpoint(run)
+    return {
+        "run_dir": str(run.path),
+        "state": end["kind"] if end else "unknown",
+        "exit_code": code,
+        "reason": (end or {}).get("reason"),
+        "step": max(steps, default=0),
+        "loss": last.get("loss"),
+        "attempts": count("launch"),
+        "restarts": count("restart"),
+        "crashes": count("crash"),
+        "hangs": count("hang"),
+        "faults_injected": count("fault_injected"),
+        "last_good_checkpoint": good,
+        "checkpoints": sorted(p.name for p in run.checkpoints.glob("*") if p.is_dir()),
+        "stacks": sorted(str(p) for p in (run.path / "stacks").glob("attempt-*")) if (run.path / "stacks").exists() else [],
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def print_summary(s: dict) -> None:
+    e = lambda m: typer.echo(m, err=True)  # noqa: E731
+    e(
+        f"{s['state']} (exit {s['exit_code']}): step {s['step']}, loss {s['loss']}, attempts {s['attempts']}, "
+        f"restarts {s['restarts']} (crashes {s['crashes']}, hangs {s['hangs']}), {s['wall_s']} s"
+    )
+    if s["reason"]:
+        e(f"  reason: {s['reason']}")
+    e(f"  run dir: {s['run_dir']}")
+    good = s.get("last_good_checkpoint")
+    e(f"  last good checkpoint: {good['path'] if good else 'none'}")
+    e(f"  checkpoints: {', '.join(s['checkpoints']) or 'none'}")
+    for p in s["stacks"]:
+        e(f"  stacks: {p}")
+    if s["exit_code"] == 3:
+        e("  do not requeue: a person must look (ptops status / ptops diagnose)")

@@ -1,0 +1,130 @@
+"""One attempt: start torchrun with the channel's address, watch it, and say how it ended.
+
+Why a part of its own: this is the lifecycle of a single torchrun (env, spawn, the
+watch loop, teardown in ``finally``) and its verdict as an :class:`Outcome`; the run
+loop in ``core`` only decides what to do with that verdict. Who failed first is
+:mod:`ptops.ops.supervisor.blame` (pure).
+
+Used as a mixin of :class:`ptops.ops.supervisor.core.Supervisor`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ptops.faultinject.spec import to_env as faults_to_env
+from ptops.monitors.hang import HangMonitor
+from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN
+from ptops.ops.supervisor import launcher, procs
+from ptops.ops.supervisor.blame import Blame, root_cause
+from ptops.ops.supervisor.outcome import Outcome
+
+
+class AttemptMixin:
+    def _rank_pids(self) -> list[int]:
+        return [r.pid for r in self.ranks.values()]
+
+    def run_attempt(self, attempt: int) -> Outcome:
+        self.ranks = {}
+        self.stacks_replies = {}
+        self.stop_acks = {}
+        self.blame = Blame()
+        self.ckpt_started = {}
+        self.run.logs(attempt).mkdir(parents=True, exist_ok=True)
+        stack_dir = self.run.path / "stacks" / f"attempt-{attempt}"
+        extra = {
+            ENV_ADDRESS: self.server.address(self.cfg.channel_advertise),
+            ENV_TOKEN: self.server.token,
+            "PTOPS_SUPERVISOR_PID": str(os.getpid()),
+            "PTOPS_HEARTBEAT_S": str(self.cfg.heartbeat_s),
+        }
+        if self.faults:
+            extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
+        extra.update(self.findings.attempt_env())  # PTOPS_ROLLBACK after a rollback
+        for key, value in (
+            ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+            ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+            ("TORCH_FR_DUMP_TEMP_FILE", str(stack_dir / "flight_recorder_rank_")),
+        ):
+            if key not in os.environ:
+                extra[key] = value
+        cmd = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
+        from_step = (self.good or {}).get("step", 0)
+        self.step = from_step  # the engine resumes there; steps after it are redone
+        self.event(
+            "launch",
+            attempt=attempt,
+            supervised=self.supervised,
+            nproc=self.recipe.launch.nproc,
+            from_step=from_step,
+            supervisor_pid=os.getpid(),
+            faults=[str(f) for f in self.faults if f.attempt in (0, attempt)],
+        )
+        t0 = time.monotonic()
+        self.monitor = HangMonitor(
+            self.world,
+            t0,
+            self.cfg.hang.model_copy(update={"total_steps": self.recipe.train.steps}),
+        )
+        self.state = "starting"
+        self.proc = procs.spawn(cmd.argv, cmd.env, self.run.logs(attempt) / "torchrun.log")
+        self.write_status(force=True)
+        bad_since: float | None = None
+        try:
+            while True:
+                self.pump(0.2)
+                if self.stop_signal is not None:
+                    self.graceful_stop()
+                    return Outcome("interrupted", f"signal {self.stop_signal}")
+                if self.findings.pending is not None:  # wins over the crash a NaN causes right after
+                    return self.findings.end_attempt(attempt)
+                rc = self.proc.poll()
+                if rc is not None:
+                    self.pump(0.3, drain=True)
+                    if self.findings.pending is not None:
+                        return self.findings.end_attempt(attempt)
+                    return self._after_exit(rc, attempt)
+                if self.blame.first is not None:
+                    # torchrun notices within its monitor interval and stops the others; give it a moment
+                    bad_since = bad_since or time.monotonic()
+                    if time.monotonic() - bad_since > self.cfg.kill_timeout_s:
+                        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=self.cfg.kill_timeout_s)
+                        return self._after_exit(self.proc.returncode if self.proc.returncode is not None else -9, attempt)
+                    continue
+                finding = self.monitor.check(time.monotonic())
+                if finding is not None:
+                    return self.on_hang(finding, attempt, stack_dir)
+                self.write_status()
+        finally:
+            if self.proc is not None and self.proc.poll() is None:
+                procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
+            else:
+                left = procs.run_processes(self.run.path)
+                if left:
+                    procs.teardown(None, self.run.path, left, grace_s=0)
+
+    def _after_exit(self, rc: int, attempt: int) -> Outcome:
+        self.step = max(self.step, launcher.completed_step(self.run))
+        if rc == 0 and self.step >= self.recipe.train.steps:
+            return Outcome("completed")
+        if rc == 0:
+            reason = f"torchrun exited 0 at step {self.step} of {self.recipe.train.steps}"
+            self.event("early_exit", attempt=attempt, step=self.step)
+            self.say(reason)
+            return Outcome("early_exit", reason)
+        rank, code, how = self._root_cause(attempt)
+        host = self.ranks[rank].host if rank in self.ranks else self.host
+        self.event("crash", attempt=attempt, rank=rank, exit_code=code, step=self.step, host=host, how=how)
+        err = self.ranks[rank].error if rank in self.ranks else None
+        desc = f"rank {rank} exited {code}" + (f" ({err})" if err else "") + f" at step {self.step}"
+        self.say(f"crash: {desc}; logs: {self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}")
+        return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code})
+
+    def _root_cause(self, attempt: int) -> tuple[int | None, int | None, str]:
+        """Which rank failed first (:func:`ptops.ops.supervisor.blame.root_cause`)."""
+        try:
+            text = (self.run.logs(attempt) / "torchrun.log").read_text(errors="replace")
+        except OSError:
+            text = ""
+        return root_cause(self.blame.first, text, self.proc.returncode if self.proc else None)

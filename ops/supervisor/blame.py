@@ -1,0 +1,69 @@
+"""Which rank failed first: a pure function of what the supervisor saw.
+
+Inputs are plain values, so the races that decide blame are unit-tested with made-up
+timestamps: the order of rank goodbyes and channel EOFs (``Blame.note``, fed by the
+channel handlers), the text of torchrun's log, and torchrun's exit code.
+
+The channel sees a failure first: a rank killed outright closes its socket at once,
+while its peers only fail later inside a collective. torchrun's "Root Cause" is a
+fallback only: it picks the earliest *error file*, which a SIGKILLed rank never writes,
+so it blames the survivor that raised (seen with crash faults). Among torchrun's
+failures, a rank that torchrun itself did not SIGTERM wins.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+# A rank's error goodbye and the EOF of the peer whose death caused it race by milliseconds.
+KILLED_PEER_RACE_S = 0.25
+
+GOODBYE = "goodbye"
+NO_GOODBYE = "channel closed without goodbye"
+
+_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+
+
+@dataclass(frozen=True)
+class Bad:
+    rank: int
+    exit_code: int | None  # None: no goodbye (killed outright)
+    how: str
+    ts: float  # the supervisor's monotonic receive time
+
+
+@dataclass
+class Blame:
+    """The first bad rank of an attempt, as the channel reported it."""
+
+    first: Bad | None = None
+
+    def note(self, rank: int, code: int | None, how: str, ts: float) -> None:
+        """Keep the first failure, except that a rank killed outright (no goodbye) right
+        after a peer's error goodbye is the likelier cause: the peer's error is usually
+        "connection closed by peer", raised within milliseconds of the kill."""
+        if self.first is None:
+            self.first = Bad(rank, code, how, ts)
+        elif self.first.how == GOODBYE and code is None and ts - self.first.ts <= KILLED_PEER_RACE_S:
+            self.first = Bad(rank, code, how, ts)
+
+
+def torchrun_failures(log_text: str) -> list[tuple[int, int]]:
+    """(rank, exitcode) of every failure block in torchrun's log, in its order."""
+    return [(int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(log_text)]
+
+
+def root_cause(first: Bad | None, log_text: str, torchrun_rc: int | None) -> tuple[int | None, int | None, str]:
+    """(rank, exit code, how it was determined) of the rank that failed first."""
+    failures = torchrun_failures(log_text)
+    if first is not None:
+        code = first.exit_code if first.exit_code is not None else dict(failures).get(first.rank)
+        return first.rank, code, first.how
+    for rank, code in failures:
+        if code != -signal.SIGTERM:
+            return rank, code, "torchrun"
+    if failures:
+        return failures[0][0], failures[0][1], "torchrun"
+    return None, torchrun_rc, "torchrun exit code"

@@ -1,0 +1,88 @@
+"""A hung attempt: every rank's stacks first, then teardown, then the ``hang`` event.
+
+Why a part of its own: at 03:00 the stacks are what the on-call reads, so how they are
+obtained (the rank's own dump over the channel; py-spy or faulthandler for a rank that
+cannot answer; a note for a rank that never connected) is kept in one place. Detection
+itself is the pure ``ptops.monitors.hang`` monitor, driven by the channel handlers.
+
+Used as a mixin of :class:`ptops.ops.supervisor.core.Supervisor`.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from pathlib import Path
+
+from ptops.ops.supervisor import launcher, procs, stacks
+from ptops.ops.supervisor.outcome import Outcome
+
+
+class HangMixin:
+    def on_hang(self, finding, attempt: int, stack_dir: Path) -> Outcome:
+        self.state = "collecting_stacks"
+        self.write_status(force=True)
+        self.say(
+            f"hang: rank(s) {finding.ranks} made no progress for {finding.silent_s:.1f} s "
+            f"(timeout {finding.timeout_s:.1f} s, {finding.phase}, step {finding.step}); collecting stacks"
+        )
+        t0 = time.monotonic()
+        notes = self.collect_stacks(stack_dir)
+        ev = finding.as_event(attempt)
+        ev["stacks"] = str(stack_dir)
+        ev["stack_sources"] = notes
+        ev["stacks_s"] = round(time.monotonic() - t0, 2)
+        t1 = time.monotonic()
+        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
+        ev["teardown_s"] = round(time.monotonic() - t1, 2)
+        self.event("hang", **ev)
+        self.step = max(self.step, launcher.completed_step(self.run))
+        return Outcome("hang", f"hang: rank(s) {finding.ranks} silent {finding.silent_s:.0f} s at step {finding.step}", ev)
+
+    def collect_stacks(self, stack_dir: Path) -> dict[str, str]:
+        """Every rank's stacks into ``stack_dir/rank-R.txt``; returns rank -> how it was obtained."""
+        stack_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(stack_dir, 0o700)
+        self.stacks_replies = {}
+        asked = []
+        now = time.monotonic()
+        for info in self.ranks.values():
+            seen = self.monitor.ranks.get(info.rank).last_seen if self.monitor and info.rank in self.monitor.ranks else None
+            if seen is not None and now - seen > self.cfg.hang.ping_stale_s:
+                continue  # not even pinging (stopped, or stuck in C holding the GIL): go straight to py-spy
+            if info.peer is not None and info.gone_ts is None and self.server.send(info.peer, {"cmd": "stacks", "id": info.rank}):
+                asked.append(info.rank)
+        deadline = time.monotonic() + self.cfg.stack_timeout_s
+        while time.monotonic() < deadline and not all(r in self.stacks_replies for r in asked):
+            self.pump(0.1)
+        notes: dict[str, str] = {}
+        for rank in range(self.world):
+            path = stack_dir / f"rank-{rank}.txt"
+            reply = self.stacks_replies.get(rank)
+            if reply is not None:
+                stacks.write_private(path, f"# source: channel (the rank's own dump)\n{reply.get('text', '')}")
+                notes[str(rank)] = "channel"
+                fr = reply.get("flight_recorder_b64")
+                if fr:
+                    stacks.write_private(stack_dir / f"rank-{rank}.flight_recorder", base64.b64decode(fr))
+                continue
+            info = self.ranks.get(rank)
+            if info is None:
+                stacks.write_private(path, "# no stack: this rank never connected to the supervisor\n")
+                notes[str(rank)] = "never connected"
+                continue
+            if info.host not in (self.host, "localhost") or not procs.alive(info.pid):
+                stacks.write_private(path, f"# no stack: rank unreachable (pid {info.pid} on {info.host})\n")
+                notes[str(rank)] = "unreachable"
+                continue
+            text, note = stacks.with_py_spy(info.pid)
+            if text is None:
+                text2, note2 = stacks.with_faulthandler(info.pid, self.run.logs(self.attempt) / f"rank-{rank}.stacks")
+                note = f"{note}; {note2}"
+                text = text2
+            stacks.write_private(path, f"# source: {note}\n{text or ''}")
+            notes[str(rank)] = note
+        for fr in stack_dir.parent.glob(f"attempt-{self.attempt}/flight_recorder_rank_*"):
+            notes.setdefault("flight_recorder", str(fr))
+        return notes

@@ -1,0 +1,199 @@
+"""The channel: every message a rank or a control client sends, and what the supervisor does with it.
+
+Why a table: a message type names one handler method (:data:`RANK_HANDLERS`,
+:data:`CONTROL_HANDLERS`), so "what happens on a ``beat``" is one short method to
+read, and a message type nobody handles is counted (``unknown_messages``), not lost
+in an if/elif. Messages of an earlier attempt (a straggler rank) are dropped here.
+
+Used as a mixin of :class:`ptops.ops.supervisor.core.Supervisor`; it reads and writes
+the attempt's live state (``ranks``, ``monitor``, ``blame``, ``step``, ``state``).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
+from ptops.faultinject.spec import parse as parse_fault
+from ptops.ops.runrecord.rundir import append_jsonl
+from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
+from ptops.ops.supervisor.channel import Peer
+
+# Event kinds a rank may report itself (the run directory records them as they come).
+RANK_EVENT_KINDS = frozenset({"checkpoint", "checkpoint_saved", "checkpoint_failed", "checkpoint_committed",
+                              "checkpoint_invalid", "rollback_applied"})
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    pid: int
+    host: str
+    peer: Peer | None = None
+    exit_code: int | None = None  # from the rank's goodbye
+    error: str | None = None
+    gone_ts: float | None = None  # EOF (monotonic)
+
+
+# message type -> handler method name (``t`` of the message; ``_hello``/``_eof`` come from the server)
+RANK_HANDLERS = {
+    "_hello": "_on_hello",
+    "beat": "_on_beat",
+    "ping": "_on_ping",
+    "metrics": "_on_metrics",
+    "fault": "_on_fault",
+    "fault_armed": "_on_ignored",
+    "event": "_on_event",
+    "stacks": "_on_stacks",
+    "stop_ack": "_on_stop_ack",
+    "exit": "_on_exit",
+    "_eof": "_on_eof",
+}
+CONTROL_HANDLERS = {
+    "inject": "_on_inject",
+    "status": "_on_status",
+}
+
+
+class MessagesMixin:
+    def pump(self, timeout: float, drain: bool = False) -> None:
+        """Handle channel messages for up to ``timeout`` seconds (``drain``: until quiet)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                peer, msg, ts = self.server.inbox.get(timeout=left)
+            except queue.Empty:
+                return
+            self.handle(peer, msg, ts)
+            if self.stop_signal is not None and not drain:
+                return
+
+    def handle(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        t = str(msg.get("t"))
+        if peer.role == "control":
+            name = CONTROL_HANDLERS.get(t)
+        else:
+            if int(peer.hello.get("attempt", -1)) != self.attempt or peer.rank is None:
+                return  # a straggler from an earlier attempt
+            name = RANK_HANDLERS.get(t)
+        if name is None:  # e.g. a rank of a newer ptops: ignored, counted, said once per type
+            key = f"{peer.role}:{t}"
+            self.unknown_messages[key] = self.unknown_messages.get(key, 0) + 1
+            if self.unknown_messages[key] == 1:
+                self.say(f"ignoring channel messages of unknown type {t!r} (from a {peer.role})")
+            return
+        getattr(self, name)(peer, msg, ts)
+
+    # ------------------------------------------------------------ control clients (ptops inject)
+    def _on_status(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        self.server.send(peer, {"ok": True, "state": self.state, "attempt": self.attempt, "step": self.step})
+
+    def _on_inject(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        try:
+            fault = parse_fault(str(msg.get("spec", "")))
+        except FaultSpecError as e:
+            self.server.send(peer, {"ok": False, "error": str(e)})
+            return
+        if self.state not in ("starting", "running", "checkpointing"):
+            self.server.send(peer, {"ok": False, "error": f"no live attempt to inject into (state {self.state})"})
+            return
+        fault = Fault(fault.kind, fault.step, fault.rank, self.attempt, fault.params, fault.text)
+        sent = []
+        for info in self.ranks.values():
+            if info.peer is not None and info.gone_ts is None:
+                if self.server.send(info.peer, {"cmd": "fault", "fault": fault.to_dict()}):
+                    sent.append(info.rank)
+        self.event("inject", fault=format_spec(fault), attempt=self.attempt, ranks=sorted(sent))
+        self.server.send(peer, {"ok": True, "attempt": self.attempt, "ranks": sorted(sent), "fault": str(fault)})
+
+    # ------------------------------------------------------------ ranks
+    def _on_hello(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        hello, rank = peer.hello, peer.rank
+        self.ranks[rank] = RankInfo(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")), peer)
+        self.monitor.observe({"kind": "beat", "rank": rank, "step": 0, "phase": "startup", "ts": ts})
+        if self.state == "starting" and len(self.ranks) >= self.world:
+            self.state = "running"
+        self.write_status(force=len(self.ranks) >= self.world)
+
+    def _on_beat(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        rank = peer.rank
+        phase = msg.get("phase", "step")
+        step = int(msg.get("step", 0))
+        self.monitor.observe({"kind": "beat", "rank": rank, "step": step, "phase": phase, "stage": msg.get("stage"), "ts": ts})
+        if rank == 0:
+            self._checkpoint_beat(phase, step, ts)
+
+    def _on_ping(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        self.monitor.observe({"kind": "ping", "rank": peer.rank, "ts": ts})
+
+    def _on_metrics(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        rank = peer.rank
+        rec = msg.get("rec") or {}
+        append_jsonl(self.run.metrics, rec)
+        self.feed_monitors(rec)
+        self.monitor.observe({"kind": "metrics", "rank": rank, "step": rec.get("step", 0), "step_s": rec.get("step_s"), "ts": ts})
+        if rank == 0:
+            self.step = int(rec.get("step", self.step))
+            if self.state == "starting":
+                self.state = "running"
+            if self.progress is not None:
+                self.progress.update(rec)
+
+    def _on_fault(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        fields = {k: msg.get(k) for k in ("fault", "rank", "step", "attempt")}
+        self.event("fault_injected", **fields)
+        self.say(f"fault injected: {fields['fault']} on rank {fields['rank']} at step {fields['step']}")
+
+    def _on_ignored(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        pass
+
+    def _on_event(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        kind = str(msg.get("kind") or "")
+        if kind in RANK_EVENT_KINDS:
+            fields = msg.get("fields") or {}
+            self.event(kind, **fields)
+            if kind == "checkpoint" and fields.get("path"):
+                # the engine's own event, sent after its commit: the one source of ``checkpoint``
+                self.good = {"step": int(fields.get("step", 0)), "path": str(fields["path"])}
+
+    def _on_stacks(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        self.stacks_replies[peer.rank] = msg
+
+    def _on_stop_ack(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        self.stop_acks[peer.rank] = msg
+
+    def _on_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        rank = peer.rank
+        info = self.ranks.get(rank)
+        code = int(msg.get("code", 0))
+        if info is not None:
+            info.exit_code, info.error = code, msg.get("error")
+        self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts})
+        if code != 0:
+            self.blame.note(rank, code, GOODBYE, ts)
+
+    def _on_eof(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        rank = peer.rank
+        info = self.ranks.get(rank)
+        if info is not None:
+            info.gone_ts = ts
+            if info.exit_code is None:
+                self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts})
+                self.blame.note(rank, None, NO_GOODBYE, ts)
+
+    def _checkpoint_beat(self, phase: str, step: int, ts: float) -> None:
+        """State only (``checkpointing`` while rank 0 is in a save's blocking part). The
+        ``checkpoint`` event itself comes from the engine after its commit (``probe.event``),
+        so there is one source, supervised or not, and a failed save never looks saved."""
+        if phase == "checkpoint":
+            self.ckpt_started.setdefault(step, ts)
+            self.state = "checkpointing"
+        elif step in self.ckpt_started:
+            self.ckpt_started.pop(step)
+            self.state = "running"
