@@ -173,6 +173,11 @@ class Probe:
         elif phase == "step" and prev == "checkpoint":
             self.injector.after_checkpoint(int(step))
 
+    def save_written(self, step: int) -> None:
+        """Called by the adapter in the middle of a save: this rank's part is written (handed to
+        the engine's writer for an async save), the commit has not happened (``crash:phase=save``)."""
+        self.injector.in_save(int(step))
+
     def step(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Record one finished optimizer step. Missing required keys are filled with None."""
         now = time.monotonic()

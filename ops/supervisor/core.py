@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ptops.ckpt import RESUME_ENV, resume_point
 from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
 from ptops.faultinject.spec import parse as parse_fault
 from ptops.faultinject.spec import to_env as faults_to_env
@@ -44,7 +45,7 @@ from ptops.ops.supervisor.policy import (
 )
 from ptops.recipes.schema import Recipe
 from ptops.ops.runrecord.rundir import RunDir, append_jsonl
-from ptops.ops.runrecord.status import last_good_checkpoint, read_status_file, write_status
+from ptops.ops.runrecord.status import read_status_file, write_status
 from ptops.ops.supervisor import actions, procs, stacks
 from ptops.ops.supervisor.lock import acquire, release
 
@@ -216,12 +217,10 @@ class Supervisor:
             procs.teardown(None, self.run.path, orphans, grace_s=2)
             self.event("orphans_killed", pids=orphans)
             self.say(f"killed {len(orphans)} leftover process(es) of this run: {orphans}")
-        self.good = last_good_checkpoint(self.run, deep=False)
+        # verified once, here (hashes: flipped bytes keep sizes, and a run whose final checkpoint
+        # went bad must redo its last steps); the ranks get the choice (PTOPS_RESUME_FROM)
+        self.good = self._good_checkpoint_for_restart()
         done = launcher.completed_step(self.run)
-        if done >= self.recipe.train.steps:
-            # finished only if the final checkpoint still verifies (hashes): flipped bytes keep
-            # sizes, and a run whose final checkpoint went bad must redo its last steps
-            self.good = last_good_checkpoint(self.run, deep=True)
         if done >= self.recipe.train.steps and self.good and self.good["step"] >= self.recipe.train.steps:
             self.state = "completed"
             self.step = done
@@ -298,23 +297,15 @@ class Supervisor:
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def _good_checkpoint_for_restart(self) -> dict[str, Any] | None:
-        """Newest good checkpoint (deep check); newer bad ones are quarantined so the engine skips them."""
-        good = last_good_checkpoint(self.run, deep=True)
-        try:
-            from ptops.ckpt import list_checkpoints, quarantine  # type: ignore[attr-defined]
-        except ImportError:
-            return good
-        try:
-            for entry in list_checkpoints(self.run.checkpoints, deep=False):
-                if not entry.ok and entry.step > (good or {}).get("step", -1):
-                    dest = quarantine(entry.path, entry.reason)
-                    self.event("checkpoint_invalid", path=entry.path, reason=entry.reason, moved_to=str(dest))
-                    self.say(f"checkpoint {entry.path} is not good ({entry.reason}); moved to {dest}")
-        except (OSError, FileNotFoundError):
-            pass
-        except Exception as e:  # the catalog is someone else's code: never let it stop a restart
-            self.say(f"checkpoint catalog error ignored: {e}")
-        return good
+        """Where the next attempt resumes: ``ptops.ckpt.resume_point`` (deep check; newer bad ones
+        quarantined and reported); the ranks take it from PTOPS_RESUME_FROM without verifying again."""
+        def report(**invalid: Any) -> None:
+            self.event("checkpoint_invalid", **invalid)
+            self.say(f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to {invalid['moved_to']}")
+
+        entry = resume_point(self.run.checkpoints, deep=True, on_invalid=report, world_size=self.world,
+                             trust_env=False)
+        return None if entry is None else {"step": int(entry.step), "path": str(entry.path)}
 
     # ------------------------------------------------------------ one attempt
     def _rank_pids(self) -> list[int]:
@@ -337,6 +328,7 @@ class Supervisor:
         if self.faults:
             extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
         extra.update(actions.attempt_env(self))  # PTOPS_ROLLBACK after a rollback
+        extra[RESUME_ENV] = (self.good or {}).get("path") or ""  # verified here: the ranks do not again
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
             ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
