@@ -76,6 +76,9 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # must notice the damage, quarantine it and fall back to the previous good checkpoint
     "corrupt-ckpt": (("corrupt-ckpt:step=8,mode=flip", "crash:rank=1,step=10"), ("checkpoint_invalid",)),
     "enospc": (("enospc:step=8",), ("checkpoint_failed", "crash")),
+    # a rank killed in the middle of a save: the half-written step-8 is never committed; the
+    # restart quarantines it (or, TRL, passes over it) and resumes from step 4
+    "crash-in-save": (("crash:phase=save,rank=1,step=8",), ("crash",)),
     "preempt": (("preempt:step=6",), ("stopped",)),
     "kill-supervisor": (("kill-supervisor:step=6",), ("adopt",)),
 }
@@ -86,8 +89,8 @@ KIND_SETS: dict[str, tuple[str, ...]] = {"nan": ("monitors.rollback.skip_batches
 ALL_KINDS = tuple(KIND_SCENARIOS)
 DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {
     "titan-tiny": ALL_KINDS,
-    "trl-sft-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt"),
-    "trl-grpo-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt"),
+    "trl-sft-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt", "crash-in-save"),
+    "trl-grpo-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt", "crash-in-save"),
 }
 TRL_KINDS = DEFAULT_MATRIX["trl-sft-tiny"]
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)

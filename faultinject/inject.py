@@ -9,8 +9,11 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
   ``checkpoint_failed`` and carries on (an adapter without one crashes, and the
   supervisor restarts it: also survivable).
-- ``in_save(step)`` (``probe.save_written(step)``: this rank's part of the save is
-  written, the commit has not happened): crash with ``phase=save``
+- ``in_save(step)`` (``probe.in_save(step)``: every rank has begun the save of
+  ``step``, the folder is marked, this rank has not handed its part to the engine):
+  crash with ``phase=save``. Earlier would be a plain crash; later races the engine's
+  background writer, which may finish the save within the emission grace below and
+  leave a complete (adoptable) checkpoint instead of a half-written one
 - ``after_checkpoint(step)`` (first ``probe.phase("step", step)`` after it, i.e.
   once the save is complete and committed): corrupt-ckpt
 

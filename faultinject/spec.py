@@ -12,10 +12,11 @@ crash          step (req), rank, attempt, code, signal,    the rank dies at the 
                phase                                       SIGKILL by default, ``code=N`` exits N,
                                                            ``signal=TERM|SEGV|...`` kills with it;
                                                            ``phase=save``: in the middle of the save
-                                                           of ``step`` instead (its own part written,
-                                                           before the commit: a half-written
-                                                           checkpoint that must never be resumed
-                                                           from); both engine adapters honour it
+                                                           of ``step`` instead (every rank has begun
+                                                           it, this rank's part is not written: a
+                                                           half-written checkpoint that must never
+                                                           be committed nor resumed from); both
+                                                           engine adapters honour it
 hang           step (req), rank, attempt, seconds,         the rank stops making progress at the
                mode                                        start of ``step`` (``seconds``: default
                                                            forever; ``mode=sleep`` keeps its

@@ -192,8 +192,8 @@ class ProbeCheckpointManager(CheckpointManager):
     - one ``ptops.ckpt.SaveTransaction`` per save: ``begin`` (rank 0 marks
       ``step-N/.writing``, all ranks agree nobody failed so far), then DCP writes
       (``async_mode="async"``: training blocks only while the state is staged; the
-      final and on-request saves are synchronous), the probe hears ``save_written``
-      (``crash:phase=save`` fires there), then ``commit``: rank 0 writes the
+      final and on-request saves are synchronous; the probe's ``in_save`` comes
+      just before, where ``crash:phase=save`` fires), then ``commit``: rank 0 writes the
       manifest, moves LATEST and prunes to the newest ``keep`` (torchtitan's own
       keep_latest_k is off). An async save commits once DCP's save finished on
       rank 0: DCP gathers every rank's write result before it writes ``.metadata``.
@@ -317,6 +317,8 @@ class ProbeCheckpointManager(CheckpointManager):
                 return self._failed(rec, txn.error)
             if txn.moved_leftover is not None:
                 _log(f"moved leftover {path} to {txn.moved_leftover}")
+            if probe is not None:
+                probe.in_save(curr_step)  # crash:phase=save fires here: the save never completes
             use_async = (
                 self.async_mode == AsyncMode.ASYNC and not final and not self._sync_wanted(probe, curr_step)
             )
@@ -333,8 +335,6 @@ class ProbeCheckpointManager(CheckpointManager):
                                       enable_garbage_collection=True)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
                 err = e
-            if err is None and probe is not None:
-                probe.save_written(curr_step)  # this rank's part is with DCP; crash:phase=save fires here
             rec.blocking_s = time.monotonic() - t0
             if use_async and err is None:
                 self._inflight = rec

@@ -26,8 +26,8 @@ What the adapter guarantees:
   ``ptops-manifest.json`` (sizes + sha256), moves ``checkpoints/LATEST`` and prunes
   to the newest ``checkpoint.keep`` good ones (transformers' own rotation is off: it
   could delete the last good checkpoint before the new one is committed); the
-  probe's checkpoint phase spans all of it, and ``probe.save_written`` marks the
-  middle (``crash:phase=save`` fires there);
+  probe's checkpoint phase spans all of it, and ``probe.in_save`` marks the middle
+  (``crash:phase=save`` fires there);
 - rerunning on the same run directory resumes from :func:`ptops.ckpt.resume_point`
   (the supervisor's verified choice, or the newest *good* checkpoint, chosen on rank
   0 and broadcast; explicit ``resume_from_checkpoint=path``), bit-identical to an
@@ -171,13 +171,12 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
                 err = e
             if not txn.begin(err):
                 return
+            probe.in_save(step)  # crash:phase=save fires here: the save never completes
             try:
                 super()._save_checkpoint(model, trial)
             except Exception as e:  # noqa: BLE001 - OSError, torch.save's RuntimeError, safetensors errors
                 err = e
                 _log(f"checkpoint-{step}: save failed on this rank: {type(e).__name__}: {e}")
-            if err is None:
-                probe.save_written(step)  # this rank's files are written; crash:phase=save fires here
             txn.commit(err)
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
