@@ -145,7 +145,10 @@ def resume_point(
         if aborted is not None:
             reason = f"{WRITING_MARKER}: save failed and was not committed ({aborted})"
         else:
-            res = verify(p, deep=deep, ignore_writing_marker=True)
+            try:
+                res = verify(p, deep=deep, ignore_writing_marker=True)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # gone since it was listed
             reason = res.reason
             if res.ok:
                 missing = [] if res.has_manifest or res.kind != "trl" or not world_size else _rng_missing(p, world_size)
