@@ -296,11 +296,9 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
 
 
 def final_checkpoint(run_dir: Path, steps: int) -> Path | None:
-    for name in (f"step-{steps}", f"checkpoint-{steps}"):
-        p = run_dir / "checkpoints" / name
-        if p.is_dir():
-            return p
-    return None
+    from ptops.ckpt import checkpoint_path
+
+    return checkpoint_path(run_dir, steps)
 
 
 def digest_of(run_dir: Path, steps: int) -> tuple[str | None, str]:

@@ -275,9 +275,9 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
             reports ``checkpoint`` or ``checkpoint_failed``. Training goes on after a failed
             save; a failed final (or on-request) save raises on every rank."""
             step = state.global_step
-            path = Path(args.output_dir) / f"checkpoint-{step}"
             final = step >= state.max_steps or self.stopped_at == step
             txn = saves.txn if saves.step == step else None
+            path = txn.path if txn is not None else Path(args.output_dir) / f"checkpoint-{step}"
             err = "the save of this step never started" if txn is None else (None if txn.ok else txn.error)
             total = time.monotonic() - saves.t0 if txn is not None else 0.0
             if err is not None:
@@ -442,6 +442,8 @@ def choose_resume(run: RunDir, world: int, probe: Any = None) -> Path | None:
 
 
 def main(recipe, probe) -> None:
+    from ptops.ckpt import checkpoint_path
+
     for key, value in (
         ("HF_HUB_OFFLINE", "1"),
         ("HF_DATASETS_OFFLINE", "1"),
@@ -468,7 +470,7 @@ def main(recipe, probe) -> None:
     )
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     final = trainer.state.global_step
-    if final >= recipe.train.steps and not (run.checkpoints / f"checkpoint-{final}").is_dir():
+    if final >= recipe.train.steps and checkpoint_path(run.checkpoints, final) is None:
         # belt and braces: the callback asks for a save at max_steps; make sure it exists
         # (same path as a regular save: guarded save, commit, events; raises if it fails)
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
