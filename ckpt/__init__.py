@@ -1,12 +1,22 @@
-"""ptops.ckpt: checkpoint manifest/commit protocol, verification, catalog, retention,
-content digest and async DCP save for TorchTitan (DCP `step-N/`) and TRL/HF
-(`checkpoint-N/`) checkpoints. Imports only the stdlib at import time; torch is
-imported inside the functions that need it.
+"""ptops.ckpt: the checkpoint lifecycle for TorchTitan (DCP `step-N/`) and TRL/HF
+(`checkpoint-N/`) checkpoints: where to resume (`resume_point`), how a save becomes a
+checkpoint (`SaveTransaction`), manifest/commit protocol, verification, catalog,
+retention and content digest. Imports only the stdlib at import time; torch is imported
+inside the functions that need it. Nothing outside this package imports its private
+modules (`_util`, `_dcpmeta`): what others need is exported here.
 """
 
-from .async_save import AsyncCheckpointer, SaveRecord
+from ._util import MANIFEST_NAME, detect_kind
 from .catalog import Entry, checkpoints_dir, latest_good, list_checkpoints, quarantine
 from .digest import DigestError, digest
+from .lifecycle import (
+    RESUME_ENV,
+    SaveTransaction,
+    checkpoint_path,
+    is_writing,
+    resume_point,
+    shard_files,
+)
 from .manifest import (
     ManifestError,
     clear_writing,
@@ -20,9 +30,9 @@ from .retention import PruneReport, prune
 from .verify import Result, verify
 
 __all__ = [
-    "AsyncCheckpointer", "SaveRecord",
+    "RESUME_ENV", "SaveTransaction", "checkpoint_path", "is_writing", "resume_point", "shard_files",
     "Entry", "checkpoints_dir", "latest_good", "list_checkpoints", "quarantine",
-    "DigestError", "digest",
+    "DigestError", "digest", "MANIFEST_NAME", "detect_kind",
     "ManifestError", "clear_writing", "commit", "mark_writing", "read_latest", "read_manifest", "write_manifest",
     "PruneReport", "prune", "Result", "verify",
 ]

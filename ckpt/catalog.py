@@ -99,13 +99,26 @@ def latest_good(run_checkpoints_dir: str | os.PathLike, deep: bool = True) -> En
     root = checkpoints_dir(run_checkpoints_dir)
     if not root.is_dir():
         return None
-    cands = sorted(_candidates(root), key=lambda p: (step_from_name(p.name) or 0, p.stat().st_mtime), reverse=True)
-    for p in cands:
-        r = verify(p, deep=deep)
-        if r.ok:
-            return Entry(step=step_from_name(p.name) or 0, path=str(p), kind=r.kind, ok=True, reason="",
-                         size_bytes=dir_size(p), has_manifest=r.has_manifest, mtime=p.stat().st_mtime)
+    for p in _newest_first(_candidates(root)):
+        try:  # a checkpoint may be pruned or quarantined while a reader (status) looks
+            r = verify(p, deep=deep)
+            if r.ok:
+                return Entry(step=step_from_name(p.name) or 0, path=str(p), kind=r.kind, ok=True, reason="",
+                             size_bytes=dir_size(p), has_manifest=r.has_manifest, mtime=_mtime(p))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
     return None
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _newest_first(paths: list[Path]) -> list[Path]:
+    return sorted(paths, key=lambda p: (step_from_name(p.name) or 0, _mtime(p)), reverse=True)
 
 
 def quarantine(path: str | os.PathLike, reason: str) -> Path:

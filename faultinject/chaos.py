@@ -80,6 +80,9 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # must notice the damage, quarantine it and fall back to the previous good checkpoint
     "corrupt-ckpt": (("corrupt-ckpt:step=8,mode=flip", "crash:rank=1,step=10"), ("checkpoint_invalid",)),
     "enospc": (("enospc:step=8",), ("checkpoint_failed", "crash")),
+    # a rank killed in the middle of a save: the half-written step-8 is never committed; the
+    # restart quarantines it (or, TRL, passes over it) and resumes from step 4
+    "crash-in-save": (("crash:phase=save,rank=1,step=8",), ("crash",)),
     "preempt": (("preempt:step=6",), ("stopped",)),
     "kill-supervisor": (("kill-supervisor:step=6",), ("adopt",)),
 }
@@ -90,8 +93,8 @@ KIND_SETS: dict[str, tuple[str, ...]] = {"nan": ("monitors.rollback.skip_batches
 ALL_KINDS = tuple(KIND_SCENARIOS)
 DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {
     "titan-tiny": ALL_KINDS,
-    "trl-sft-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt"),
-    "trl-grpo-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt"),
+    "trl-sft-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt", "crash-in-save"),
+    "trl-grpo-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt", "crash-in-save"),
 }
 TRL_KINDS = DEFAULT_MATRIX["trl-sft-tiny"]
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)
@@ -307,11 +310,9 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
 
 
 def final_checkpoint(run_dir: Path, steps: int) -> Path | None:
-    for name in (f"step-{steps}", f"checkpoint-{steps}"):
-        p = run_dir / "checkpoints" / name
-        if p.is_dir():
-            return p
-    return None
+    from ptops.ckpt import checkpoint_path
+
+    return checkpoint_path(run_dir, steps)
 
 
 def digest_of(run_dir: Path, steps: int) -> tuple[str | None, str]:

@@ -9,6 +9,11 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
   ``checkpoint_failed`` and carries on (an adapter without one crashes, and the
   supervisor restarts it: also survivable).
+- ``in_save(step)`` (``probe.in_save(step)``: every rank has begun the save of
+  ``step``, the folder is marked, this rank has not handed its part to the engine):
+  crash with ``phase=save``. Earlier would be a plain crash; later races the engine's
+  background writer, which may finish the save within the emission grace below and
+  leave a complete (adoptable) checkpoint instead of a half-written one
 - ``after_checkpoint(step)`` (first ``probe.phase("step", step)`` after it, i.e.
   once the save is complete and committed): corrupt-ckpt
 
@@ -32,12 +37,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ptops.ckpt import checkpoint_path, is_writing, shard_files
 from ptops.faultinject.spec import ONE_RANK_KINDS, Fault
 
 BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor")
 FLIP_BYTES = 64
 COMMIT_WAIT_S = 60.0
-WRITING = ".writing"  # ptops.ckpt's "save in progress" marker (kept import-free here)
 
 
 class Injector:
@@ -103,14 +108,15 @@ class Injector:
             )
 
     @staticmethod
-    def _due(f: Fault, live: bool, kinds: tuple[str, ...], step: int) -> bool:
-        return f.kind in kinds and (step == f.step or (live and step >= f.step))
+    def _due(f: Fault, live: bool, kinds: tuple[str, ...], step: int, phase: str = "step") -> bool:
+        return (f.kind in kinds and f.params.get("phase", "step") == phase
+                and (step == f.step or (live and step >= f.step)))
 
-    def _take(self, kinds: tuple[str, ...], step: int) -> list[Fault]:
+    def _take(self, kinds: tuple[str, ...], step: int, phase: str = "step") -> list[Fault]:
         with self._lock:
-            fired = [f for f, live in self._pending if self._due(f, live, kinds, step)]
-            self._pending = [(f, live) for f, live in self._pending if not self._due(f, live, kinds, step)]
-            self._shadow = [(f, live) for f, live in self._shadow if not self._due(f, live, kinds, step)]
+            fired = [f for f, live in self._pending if self._due(f, live, kinds, step, phase)]
+            self._pending = [(f, live) for f, live in self._pending if not self._due(f, live, kinds, step, phase)]
+            self._shadow = [(f, live) for f, live in self._shadow if not self._due(f, live, kinds, step, phase)]
         return fired
 
     # ------------------------------------------------------------ hooks
@@ -137,6 +143,11 @@ class Injector:
         for f in self._take(("enospc",), step):
             self.emit(f, step)
             raise OSError(errno.ENOSPC, f"No space left on device (injected fault {f})")
+
+    def in_save(self, step: int) -> None:
+        for f in self._take(("crash",), step, phase="save"):
+            self.emit(f, step)
+            self._crash(f, step)
 
     def after_checkpoint(self, step: int) -> None:
         if step not in self._ckpt_steps:
@@ -236,30 +247,22 @@ def _warn(msg: str) -> None:
 
 
 def committed(ckpt: Path | None) -> bool:
-    """A checkpoint folder without a ``.writing`` marker: ptops' commit protocol marks a save in
-    progress and clears the marker after writing the manifest; an engine without the protocol
-    never marks, so its folder counts as complete once the save hook returned."""
-    return ckpt is not None and not (ckpt / WRITING).exists()
+    """A checkpoint folder whose save is not in progress (ptops.ckpt's commit protocol); an
+    engine without the protocol never marks, so its folder counts once the save hook returned."""
+    return ckpt is not None and not is_writing(ckpt)
 
 
 def find_checkpoint(run_dir: Path | None, step: int) -> Path | None:
-    if run_dir is None:
-        return None
-    for name in (f"step-{step}", f"checkpoint-{step}"):
-        d = Path(run_dir) / "checkpoints" / name
-        if d.is_dir():
-            return d
-    return None
+    return None if run_dir is None else checkpoint_path(run_dir, step)
 
 
 def pick_victim(ckpt: Path, rank: int = 0) -> Path | None:
-    """The shard to damage: rank's own DCP shard ``__R_0.distcp`` when present, else the largest file."""
-    own = ckpt / f"__{rank}_0.distcp"
-    if own.is_file() and own.stat().st_size > 0:
-        return own
-    files = [p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith("ptops-")]
-    files.sort(key=lambda p: (p.stat().st_size, str(p)))
-    return files[-1] if files else None
+    """The shard to damage: rank's own DCP shard when present, else the largest file."""
+    own = [f for f in shard_files(ckpt, rank) if f.stat().st_size > 0]
+    if own:
+        return own[0]
+    files = shard_files(ckpt)
+    return files[0] if files else None
 
 
 def corrupt_file(path: Path, mode: str = "truncate") -> None:

@@ -8,9 +8,15 @@ fires in the first attempt only; ``attempt=0`` means every attempt) and
 =============  ==========================================  =========================================
 kind           keys                                        effect (rank side, see faultinject.inject)
 =============  ==========================================  =========================================
-crash          step (req), rank, attempt, code, signal     the rank dies at the start of ``step``:
-                                                           SIGKILL by default, ``code=N`` exits N,
-                                                           ``signal=TERM|SEGV|...`` kills with it
+crash          step (req), rank, attempt, code, signal,    the rank dies at the start of ``step``:
+               phase                                       SIGKILL by default, ``code=N`` exits N,
+                                                           ``signal=TERM|SEGV|...`` kills with it;
+                                                           ``phase=save``: in the middle of the save
+                                                           of ``step`` instead (every rank has begun
+                                                           it, this rank's part is not written: a
+                                                           half-written checkpoint that must never
+                                                           be committed nor resumed from); both
+                                                           engine adapters honour it
 hang           step (req), rank, attempt, seconds,         the rank stops making progress at the
                mode                                        start of ``step`` (``seconds``: default
                                                            forever; ``mode=sleep`` keeps its
@@ -63,7 +69,7 @@ _INT, _FLOAT, _STR = "int", "float", "str"
 
 # kind -> {key: type}; "step" is required for every kind below
 KINDS: dict[str, dict[str, str]] = {
-    "crash": {"step": _INT, "rank": _INT, "attempt": _INT, "code": _INT, "signal": _STR},
+    "crash": {"step": _INT, "rank": _INT, "attempt": _INT, "code": _INT, "signal": _STR, "phase": _STR},
     "hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR},
     "slow": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "steps": _INT},
     "nan": {"step": _INT, "rank": _INT, "attempt": _INT},
@@ -75,6 +81,7 @@ KINDS: dict[str, dict[str, str]] = {
 }
 REQUIRED = ("step",)
 HANG_MODES = ("sleep", "stop")
+CRASH_PHASES = ("step", "save")  # where a crash fires: start of the step (default), middle of its save
 CORRUPT_MODES = ("truncate", "flip")
 # Kinds that one rank carries out for the whole job: rank 0 unless ``rank=`` says otherwise.
 ONE_RANK_KINDS = ("preempt", "kill-supervisor", "corrupt-ckpt")
@@ -169,6 +176,10 @@ def parse(spec: str) -> Fault:
     if kind == "corrupt-ckpt" and values.get("mode", "truncate") not in CORRUPT_MODES:
         raise FaultSpecError(
             f"fault {spec!r}: key 'mode': expected one of {', '.join(CORRUPT_MODES)} (got {values['mode']!r})"
+        )
+    if kind == "crash" and values.get("phase", "step") not in CRASH_PHASES:
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'phase': expected one of {', '.join(CRASH_PHASES)} (got {values['phase']!r})"
         )
     if "signal" in values:
         name = values["signal"].upper()

@@ -4,7 +4,7 @@ CI runs a subset that fits the time budget (~3 min on 2 cores): TorchTitan crash
 corrupt checkpoint + crash (fall back past the damaged checkpoint), supervisor
 SIGKILL (relaunch adopts), and TRL SFT preemption (SIGTERM, save on request,
 relaunch resumes). The full matrix (every kind on titan-tiny; crash / hang / nan /
-corrupt-ckpt / preempt on trl-sft-tiny and trl-grpo-tiny) is behind the
+corrupt-ckpt / preempt / crash-in-save on trl-sft-tiny and trl-grpo-tiny) is behind the
 ``chaos_full`` marker:  scripts/test.sh -m chaos_full
 """
 

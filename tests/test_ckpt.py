@@ -23,14 +23,20 @@ from pathlib import Path
 import pytest
 
 from ptops.ckpt import (
+    RESUME_ENV,
     ManifestError,
+    SaveTransaction,
+    checkpoint_path,
     commit,
     digest,
     latest_good,
     list_checkpoints,
     prune,
     quarantine,
+    is_writing,
     read_latest,
+    resume_point,
+    shard_files,
     verify,
     write_manifest,
 )
@@ -74,13 +80,28 @@ DCP_GEN = textwrap.dedent(
         sd = titan_sd(m, opt, 3)
         assert type(sd["a.weight"]).__name__ == "DTensor"
         dcp.save(sd, checkpoint_id=dst)
-        # ptops' async saver on 2 ranks, own gloo group: rank 0 writes manifest + LATEST, prunes
-        from ptops.ckpt.async_save import AsyncCheckpointer
-        ac = AsyncCheckpointer(dst.replace("/two/", "/two-async/").rsplit("/", 1)[0],
-                               process_group=dist.new_group(backend="gloo"), keep_last=1)
-        for st in (2, 3):
-            ac.save(sd, st)
-        assert ac.wait().ok
+        # ptops' save transaction on 2 ranks: all-reduce agreement, rank 0 writes manifest + LATEST and
+        # prunes (keep 1); at step 4 rank 1 fails after writing: nobody commits
+        import json
+        from ptops.ckpt import SaveTransaction
+        pg = dist.new_group(backend="gloo")
+        def agree(failed):
+            t = torch.tensor([1 if failed else 0]); dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+            return bool(t.item())
+        root = dst.replace("/two/", "/two-txn/").rsplit("/", 1)[0]
+        seen = []
+        for st in (2, 3, 4):
+            txn = SaveTransaction(root, st, leader=rank == 0, agree=agree, world_size=ws, keep=1)
+            began = txn.begin()
+            err = None
+            if began:
+                dcp.save(sd, checkpoint_id=str(txn.path), process_group=pg)
+                if st == 4 and rank == 1:
+                    err = OSError(28, "No space left on device (test)")
+                txn.commit(err)
+            seen.append([st, began, txn.ok, txn.error])
+        with open(f"{root}-rank{rank}.json", "w") as fh:
+            json.dump(seen, fh)
         dist.barrier(); dist.destroy_process_group()
 
     if __name__ == "__main__":
@@ -447,41 +468,220 @@ def test_digest_trl_layout_independent(hf_run):
     assert digest(ck) == d
 
 
-# ------------------------------------------------------------------- async save --
+# ------------------------------------------------------------- lifecycle API --
 
-def test_async_checkpointer(made, tmp_path):
-    import torch.distributed.checkpoint as dcp  # noqa: F401
-    from ptops.ckpt.async_save import AsyncCheckpointer
-    from ptops.ckpt.digest import iter_dcp_tensors
+def _commit_all(root: Path, steps) -> None:
+    for s in steps:
+        write_manifest(root / f"step-{s}", s, 1, {})
+        commit(root, root / f"step-{s}")
 
-    import warnings
 
-    warnings.simplefilter("ignore")
-    state = dict(iter_dcp_tensors(made / "run/checkpoints/step-3"))
-    seen = []
-    root = tmp_path / "checkpoints"
-    ac = AsyncCheckpointer(root, keep_last=2, versions={"torch": "x"}, on_commit=seen.append)
-    for step in (1, 2, 3):
-        rec = ac.save({k: v.clone() for k, v in state.items()}, step)
-        assert rec.blocking_s >= 0
-    rec = ac.wait()
-    assert rec.ok and rec.step == 3 and rec.total_s >= rec.blocking_s
-    assert [r.step for r in seen] == [1, 2, 3] and all(r.ok for r in seen)
+def test_resume_point_quarantines_newer_invalid_and_returns_newest_valid(dcp_run):
+    root = dcp_run / "checkpoints"
+    _commit_all(root, (1, 2, 3))
+    _flip_mid(root / "step-3" / "__0_0.distcp")           # sizes unchanged: only the hashes see it
+    shutil.copytree(root / "step-2", root / "step-4")
+    (root / "step-4" / ".metadata").unlink()              # a killed save
+    (root / "step-4" / "ptops-manifest.json").unlink()
+    reported = []
+    good = resume_point(dcp_run, on_invalid=lambda **kw: reported.append(kw))
+    assert good is not None and good.step == 2 and good.path == str(root / "step-2") and good.ok
+    assert [Path(r["path"]).name for r in reported] == ["step-4", "step-3"]
+    assert [r["step"] for r in reported] == [4, 3]
+    assert ".metadata" in reported[0]["reason"] and "__0_0.distcp" in reported[1]["reason"]
+    for r in reported:  # moved, never deleted
+        assert Path(r["moved_to"]).parent == root / "invalid" and Path(r["moved_to"]).is_dir()
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "invalid", "step-1", "step-2"]
+    assert read_latest(root) == root / "step-2"
+    # nothing good at all: None, everything quarantined and reported
+    empty = dcp_run / "empty"
+    shutil.copytree(root / "step-1", empty / "step-1")
+    (empty / "step-1" / "__0_0.distcp").unlink()
+    reported.clear()
+    assert resume_point(empty, on_invalid=lambda **kw: reported.append(kw)) is None
+    assert [Path(r["path"]).name for r in reported] == ["step-1"]
+    assert resume_point(dcp_run / "nothing-here") is None
+
+
+def test_resume_point_adopts_a_complete_save_killed_before_its_commit(dcp_run):
+    root = dcp_run / "checkpoints"
+    _commit_all(root, (1, 2))
+    (root / "step-3" / ".writing").write_text("123 0.0\n")  # DCP finished (.metadata), commit never ran
+    assert not verify(root / "step-3").ok
+    assert resume_point(root, adopt=False).step == 3
+    assert read_latest(root) == root / "step-2" and not (root / "step-3" / "ptops-manifest.json").exists()
+    good = resume_point(root, world_size=1, versions={"torch": "x"})
+    assert good.step == 3 and good.has_manifest and "adopted" in good.reason
+    man = json.loads((root / "step-3" / "ptops-manifest.json").read_text())
+    assert man["extra"] == {"adopted": True} and man["versions"] == {"torch": "x"}
+    assert read_latest(root) == root / "step-3" and verify(root / "step-3").ok
+
+
+def test_resume_point_trl_needs_every_ranks_rng_state_without_a_manifest(hf_run):
+    root = hf_run / "checkpoints"
+    # checkpoint-4 killed before rank 1 wrote its RNG state: used only when nothing else is good
+    (root / "checkpoint-4" / "rng_state.pth").rename(root / "checkpoint-4" / "rng_state_0.pth")
+    shutil.copy2(root / "checkpoint-4" / "rng_state_0.pth", root / "checkpoint-2" / "rng_state_0.pth")
+    shutil.copy2(root / "checkpoint-4" / "rng_state_0.pth", root / "checkpoint-2" / "rng_state_1.pth")
+    assert resume_point(root, world_size=2, adopt=False).step == 2
+    shutil.rmtree(root / "checkpoint-2")
+    fallback = resume_point(root, world_size=2, adopt=False)
+    assert fallback.step == 4 and "rng_state_1.pth" in fallback.reason
+
+
+def test_resume_point_from_the_supervisor_is_not_verified_again(dcp_run, monkeypatch):
+    """A restart verifies once: the supervisor's choice (PTOPS_RESUME_FROM) is taken as is."""
+    import ptops.ckpt.lifecycle as lc
+
+    root = dcp_run / "checkpoints"
+    calls = []
+    real = lc.verify
+    monkeypatch.setattr(lc, "verify", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    monkeypatch.delenv(RESUME_ENV, raising=False)
+    chosen = resume_point(root, adopt=False)  # what the supervisor does
+    assert chosen.step == 3 and len(calls) == 1
+    monkeypatch.setenv(RESUME_ENV, chosen.path)  # what the ranks then see
+    calls.clear()
+    again = resume_point(root)
+    assert again.step == 3 and again.path == chosen.path and calls == []
+    assert "supervisor" in again.reason
+    monkeypatch.setenv(RESUME_ENV, "")  # the supervisor found nothing good: a fresh start
+    assert resume_point(root) is None and calls == []
+    monkeypatch.setenv(RESUME_ENV, str(root / "step-9"))  # gone since: decide here
+    assert resume_point(root, adopt=False).step == 3 and len(calls) == 1
+    calls.clear()
+    monkeypatch.setenv(RESUME_ENV, chosen.path)
+    assert resume_point(root, trust_env=False, adopt=False).step == 3 and len(calls) == 1
+
+
+def _engine_writes(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+
+
+def test_save_transaction_commits_and_prunes(dcp_run):
+    root = dcp_run / "checkpoints"
+    for s in (1, 2, 3):
+        _age(root / f"step-{s}")
+    txn = SaveTransaction(root, 5, keep=2, world_size=1, versions={"torch": "x"})
+    assert txn.begin() and txn.path == root / "step-5" and is_writing(txn.path)
+    assert read_latest(root) is None
+    _engine_writes(root / "step-3", txn.path)
+    assert txn.commit() and txn.ok and txn.error is None
+    assert read_latest(root) == root / "step-5" and not is_writing(txn.path)
+    assert json.loads((txn.path / "ptops-manifest.json").read_text())["step"] == 5
+    assert txn.pruned == ["step-2", "step-1"]  # keep 2: step-5 and step-3
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-3", "step-5"]
+    # a leftover folder of the same step is moved aside, not written into
+    (root / "step-6").mkdir()
+    (root / "step-6" / "junk").write_text("x")
+    txn = SaveTransaction(root, 6)
+    assert txn.begin() and txn.moved_leftover.parent == root / "invalid"
+    assert sorted(p.name for p in txn.path.iterdir()) == [".writing"]
+    with pytest.raises(ValueError):
+        SaveTransaction(root, 7, name="latest")
+
+
+def test_save_transaction_failure_never_looks_saved(dcp_run):
+    root = dcp_run / "checkpoints"
+    _commit_all(root, (3,))
+    # this rank wrote, another failed: nobody commits
+    txn = SaveTransaction(root, 4, agree=lambda failed: True)
+    assert not txn.begin() and txn.error == "failed on another rank before writing"
+    txn = SaveTransaction(root, 5)
+    assert txn.begin()
+    _engine_writes(root / "step-3", txn.path)
+    (txn.path / "ptops-manifest.json").unlink()
+    assert not txn.commit(OSError(28, "No space left on device")) and "No space left" in txn.error
+    # the shards are complete, yet: no manifest, aborted marker, LATEST unchanged, never adopted
     assert read_latest(root) == root / "step-3"
-    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-2", "step-3"]
-    r = verify(root / "step-3")
-    assert r.ok and r.has_manifest and not (root / "step-3" / ".writing").exists()
-    assert digest(root / "step-3") == digest(made / "run/checkpoints/step-3")
+    assert not (txn.path / "ptops-manifest.json").exists()
+    assert (txn.path / ".writing").read_text().startswith("aborted: OSError")
+    assert not verify(txn.path).ok
+    # the leader's own commit refused (the save is incomplete): reported, nothing committed
+    txn6 = SaveTransaction(root, 6)
+    assert txn6.begin()
+    _engine_writes(root / "step-3", txn6.path)
+    (txn6.path / ".metadata").unlink()
+    assert not txn6.commit() and ".metadata" in txn6.error and read_latest(root) == root / "step-3"
+    # retention never deletes a failed save (left for quarantine)
+    rep = prune(root, keep_last=1, min_age_s=0)
+    assert rep.deleted == ["step-2", "step-1"]
+    assert all(".writing" in rep.kept[f"step-{s}"] for s in (4, 5, 6)) and "LATEST" in rep.kept["step-3"]
+    reported = []
+    assert resume_point(root, on_invalid=lambda **kw: reported.append(kw)).step == 3
+    assert [Path(r["path"]).name for r in reported] == ["step-6", "step-5", "step-4"]
+    assert "not committed" in reported[1]["reason"] and "No space left" in reported[1]["reason"]
 
 
-def test_async_checkpointer_two_ranks(made):
-    root = made / "two-async"
-    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-3"]  # step-2 pruned
+def test_save_transaction_on_two_ranks(made):
+    root = made / "two-txn"
+    seen = [json.loads((made / f"two-txn-rank{r}.json").read_text()) for r in (0, 1)]
+    for r in (0, 1):
+        assert [s[:3] for s in seen[r]] == [[2, True, True], [3, True, True], [4, True, False]]
+    assert seen[1][2][3].startswith("OSError") and seen[0][2][3] == "save failed on another rank"
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-3", "step-4"]  # step-2 pruned
     assert read_latest(root) == root / "step-3"
     man = json.loads((root / "step-3" / "ptops-manifest.json").read_text())
     assert man["world_size"] == 2 and len([f for f in man["files"] if f["path"].endswith(".distcp")]) == 2
-    assert verify(root / "step-3").ok
+    assert verify(root / "step-3").ok and not verify(root / "step-4").ok
     assert digest(root / "step-3") == digest(made / "run/checkpoints/step-3")
+
+
+def test_layout_helpers(made, dcp_run):
+    root = dcp_run / "checkpoints"
+    assert checkpoint_path(dcp_run, 2) == root / "step-2" and checkpoint_path(root, 9) is None
+    assert checkpoint_path(made / "hf", 4) == made / "hf/checkpoints/checkpoint-4"
+    two = made / "two/step-3"
+    assert [f.name for f in shard_files(two, 1)] == ["__1_0.distcp"]
+    files = shard_files(two)
+    assert {f.name for f in files} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    sizes = [f.stat().st_size for f in files]
+    assert sizes == sorted(sizes, reverse=True)  # largest first: what corrupt-ckpt damages
+    assert shard_files(made / "hf/checkpoints/checkpoint-4", 0) == []
+    assert not is_writing(two)
+
+
+def test_ckpt_imports_nothing_of_ptops():
+    """ckpt/ is a leaf: stdlib at import time, torch/numpy/safetensors only inside functions,
+    never another ptops package (the supervisor, status and the adapters import it, not back)."""
+    import ast
+
+    pkg = Path(__file__).resolve().parent.parent / "ckpt"
+    allowed_lazy = {"torch", "numpy", "safetensors"}
+    for f in sorted(pkg.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1, f"{f.name}: relative import leaves ckpt/"
+                continue
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""]
+            else:
+                continue
+            for m in mods:
+                root_mod = m.split(".")[0]
+                assert root_mod != "ptops", f"{f.name}: imports {m}"
+                if id(node) in top:
+                    assert root_mod in sys.stdlib_module_names or root_mod == "__future__", f"{f.name}: {m} at import time"
+                else:
+                    assert root_mod in sys.stdlib_module_names or root_mod in allowed_lazy, f"{f.name}: imports {m}"
+
+
+def test_nothing_outside_ckpt_imports_its_private_modules():
+    import re
+
+    repo = Path(__file__).resolve().parent.parent
+    bad = []
+    for f in repo.rglob("*.py"):
+        rel = f.relative_to(repo)
+        if rel.parts[0] in {".venv", "ckpt", "tests"} or rel.parts[0].startswith("."):
+            continue
+        if re.search(r"ptops\.ckpt\._|ptops\.ckpt import _", f.read_text(errors="replace")):
+            bad.append(str(rel))
+    assert bad == []
 
 
 # ------------------------------------------------------------------------- CLI --

@@ -11,8 +11,8 @@ optimizer tensors) as an uninterrupted run:
   (``checkpoint_invalid``) and redoes the lost steps;
 - ENOSPC during a save (the ``enospc`` fault): ``checkpoint_failed``, training
   goes on, the next save commits;
-- a rank SIGKILLed in the middle of a save (test hook ``PTOPS_TEST_DIE_IN_SAVE``):
-  the half-written checkpoint never becomes LATEST and is never resumed from;
+- a rank SIGKILLed in the middle of a save (the ``crash:phase=save`` fault): the
+  half-written checkpoint never becomes LATEST and is never resumed from;
 - Ctrl-C of the supervisor: the ranks checkpoint the current step, exit 130, and
   a rerun resumes from that step.
 
@@ -51,7 +51,6 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PTOPS_RANK_LOGS", None)
-    env.pop("PTOPS_TEST_DIE_IN_SAVE", None)
     env.update(extra or {})
     return env
 
@@ -197,7 +196,7 @@ def titan_faulty(tmp_path_factory) -> Path:
     step 6 (first attempt: the run fails), then the rerun."""
     run = tmp_path_factory.mktemp("titan") / "faulty"
     sets = [f"train.steps={STEPS}", "checkpoint.interval=2"]
-    launch(run, TITAN, sets, faults=("enospc:step=2",), env={"PTOPS_TEST_DIE_IN_SAVE": "6:1"}, expect=1)
+    launch(run, TITAN, sets, faults=("enospc:step=2", "crash:phase=save,rank=1,step=6"), expect=1)
     snapshot = {
         "latest": latest(run),
         "step6_verify": ptops("ckpt", "verify", str(run / "checkpoints" / "step-6")).returncode,
@@ -226,6 +225,8 @@ def test_titan_kill_in_save_never_becomes_latest(titan_faulty, titan_base):
     assert snap["latest"] == "step-4"  # the half-written step-6 never got LATEST
     assert snap["step6_verify"] == 1
     assert not any(e["kind"] == "checkpoint" and e["step"] == 6 for e in snap["events"])
+    killed = [e for e in snap["events"] if e["kind"] == "fault_injected" and e["fault"].startswith("crash")]
+    assert [(e["rank"], e["step"]) for e in killed] == [(1, 6)], killed
     # the rerun did not resume from it: quarantined, back to step-4, steps 5-8 redone
     inv = [e for e in events(run, "checkpoint_invalid") if Path(e["path"]).name == "step-6"]
     assert len(inv) == 1, events(run)

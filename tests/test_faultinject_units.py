@@ -77,6 +77,38 @@ def test_new_kinds_parse_and_reject_bad_keys():
 
 
 # ------------------------------------------------------------ trigger logic
+def test_crash_in_save_fires_only_in_the_save_of_its_step(fx):
+    """``crash:phase=save`` ignores the step's start and the checkpoint phase; it kills at
+    ``in_save`` of its step, once, on its rank only."""
+    inj, fired = make(["crash:phase=save,rank=1,step=8"], rank=1)
+    other, other_fired = make(["crash:phase=save,rank=1,step=8"], rank=0)
+    for s in range(1, 9):
+        inj.before_step(s)
+        other.before_step(s)
+        if s % 4 == 0:
+            inj.on_checkpoint(s)
+            other.on_checkpoint(s)
+            if s == 4:
+                inj.in_save(s)
+            assert fired == [] and fx.kills == []
+    other.in_save(8)
+    assert other_fired == [] and fx.kills == []
+    with pytest.raises(SystemExit):  # the recorded kill "returns": the injector falls back to _exit
+        inj.in_save(8)
+    assert fired == [("crash", 8)] and [sig for _, sig in fx.kills] == [signal.SIGKILL]
+    inj.in_save(8)
+    assert len(fx.kills) == 1
+
+
+def test_plain_crash_does_not_fire_in_the_save(fx):
+    inj, fired = make(["crash:step=8"])
+    inj.in_save(8)
+    assert fired == [] and fx.kills == []
+    with pytest.raises(SystemExit):
+        inj.before_step(8)
+    assert fired == [("crash", 8)]
+
+
 @pytest.mark.parametrize("kind", ["crash", "hang", "slow", "oom"])
 def test_before_step_kinds_fire_at_their_rank_step_attempt_only(fx, kind):
     spec = f"{kind}:rank=1,step=5" + (",seconds=0.01" if kind in ("hang", "slow") else "")
@@ -217,7 +249,11 @@ def test_live_fault_fires_at_next_opportunity_once(fx):
 # ------------------------------------------------------------ chaos runner, pure parts
 def test_select_scenarios():
     names = [s.name for s in chaos.select()]
-    assert len(names) == 9 + 5 + 5 and "titan-tiny/kill-supervisor" in names and "trl-grpo-tiny/preempt" in names
+    assert len(names) == 10 + 6 + 6 and "titan-tiny/kill-supervisor" in names and "trl-grpo-tiny/preempt" in names
+    for recipe in ("titan-tiny", "trl-sft-tiny", "trl-grpo-tiny"):
+        sc = chaos.select([], [f"{recipe}/crash-in-save"])[0]
+        assert sc.faults == ("crash:phase=save,rank=1,step=8",) and sc.detect == ("crash",)
+        assert sc.faults[0] and parse(sc.faults[0]).step % chaos.INTERVAL == 0  # a step that saves
     assert [s.name for s in chaos.select(["trl-sft-tiny"])] == [f"trl-sft-tiny/{k}" for k in chaos.TRL_KINDS]
     sc = chaos.select([], ["titan-tiny/crash:rank=0,step=3"])
     assert sc[0].faults == ("crash:rank=0,step=3",) and sc[0].detect == ("crash",)

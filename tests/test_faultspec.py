@@ -18,6 +18,13 @@ def test_design_examples():
         assert parse(spec).kind == spec.split(":")[0]
 
 
+def test_crash_in_save_parses_and_round_trips():
+    f = parse("crash:phase=save,rank=1,step=6")
+    assert (f.kind, f.step, f.rank, f.params) == ("crash", 6, 1, {"phase": "save"})
+    assert from_env(to_env([f]))[0].params == {"phase": "save"}
+    assert parse(format_spec(f)) == parse("crash:step=6,rank=1,phase=save")
+
+
 def test_attempt_rules():
     assert parse("crash:step=3").applies(0, 1) and not parse("crash:step=3").applies(0, 2)
     f = parse("crash:step=3,attempt=2")
@@ -56,6 +63,8 @@ def test_roundtrip_env_and_format():
         ("hang:step=3,mode=spin", ["key 'mode'", "sleep, stop"]),
         ("crash:step=3,signal=BOGUS", ["key 'signal'", "unknown signal"]),
         ("crash:step=3,code=2,signal=TERM", ["give one, not both"]),
+        ("crash:step=3,phase=load", ["key 'phase'", "step, save", "'load'"]),
+        ("hang:step=3,phase=save", ["key 'phase'", "unknown key for hang"]),
         ("slow:step=3,seconds=-1", ["key 'seconds'", ">= 0"]),
         ("preempt:step=3,rank=1", ["key 'rank'", "unknown key for preempt"]),
     ],

@@ -166,20 +166,25 @@ def test_sft_kill_and_resume_is_bit_identical(sft_run, tmp_path_factory):
 
 
 def test_resume_picks_newest_good_checkpoint(sft_run, tmp_path):
-    """Real checkpoints of the SFT run, damaged the ways a kill or a bad disk damages them."""
+    """Real checkpoints of the SFT run, damaged the ways a kill or a bad disk damages them;
+    the adapter resumes from ``ptops.ckpt.resume_point`` with the run's world size."""
     import json
     import shutil
 
-    from ptops.recipes.trl.run import latest_checkpoint
+    from ptops.ckpt import resume_point
+
+    def pick(root):
+        entry = resume_point(root, world_size=NPROC, trust_env=False)
+        return Path(entry.path) if entry is not None else None
 
     root = tmp_path / "checkpoints"
     shutil.copytree(sft_run / "checkpoints", root)
-    assert latest_checkpoint(tmp_path / "nothing", NPROC) is None
-    assert latest_checkpoint(root, NPROC) == root / "checkpoint-6"
+    assert pick(tmp_path / "nothing") is None
+    assert pick(root) == root / "checkpoint-6"
     # a truncated file (corrupt-ckpt) fails the manifest's size/hash
     opt = root / "checkpoint-6" / "optimizer.pt"
     opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
-    assert latest_checkpoint(root, NPROC) == root / "checkpoint-4"
+    assert pick(root) == root / "checkpoint-4"
     # killed between the save and the commit: no manifest, rank 1's RNG state not written yet
     late = root / "checkpoint-8"
     shutil.copytree(root / "checkpoint-4", late)
@@ -187,13 +192,13 @@ def test_resume_picks_newest_good_checkpoint(sft_run, tmp_path):
     state = json.loads((late / "trainer_state.json").read_text())
     (late / "trainer_state.json").write_text(json.dumps({**state, "global_step": 8}))
     (late / "rng_state_1.pth").unlink()
-    assert latest_checkpoint(root, NPROC) == root / "checkpoint-4"
-    # ... with every rank's part it is good (structure and every tensor record read back)
+    assert pick(root) == root / "checkpoint-4"
+    # ... with every rank's part it is good (structure and every tensor record read back): adopted
     shutil.copy2(root / "checkpoint-4" / "rng_state_1.pth", late)
-    assert latest_checkpoint(root, NPROC) == late
+    assert pick(root) == late and (late / "ptops-manifest.json").is_file()
     # killed before trainer_state.json (written last)
     (late / "trainer_state.json").unlink()
-    assert latest_checkpoint(root, NPROC) == root / "checkpoint-4"
+    assert pick(root) == root / "checkpoint-4"
 
 
 def test_metric_names_are_sanitised():

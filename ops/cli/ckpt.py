@@ -77,7 +77,7 @@ def verify_cmd(
         _fail(f"checkpoint not found: {path}", 2)
     if not path.is_dir():
         _fail(f"not a checkpoint folder: {path}", 2)
-    from ptops.ckpt._util import MANIFEST_NAME, detect_kind
+    from ptops.ckpt import MANIFEST_NAME, detect_kind
 
     if detect_kind(path) == "unknown" and not (path / MANIFEST_NAME).exists():
         _fail(f"not a checkpoint folder (expected step-N/ or checkpoint-N/): {path}; "

@@ -173,6 +173,12 @@ class Probe:
         elif phase == "step" and prev == "checkpoint":
             self.injector.after_checkpoint(int(step))
 
+    def in_save(self, step: int) -> None:
+        """Called by the adapter in the middle of a save: every rank has begun it (the folder is
+        marked ``.writing``), this rank has not handed its part to the engine yet, nothing is
+        committed (``crash:phase=save`` fires here: the save can then never complete)."""
+        self.injector.in_save(int(step))
+
     def step(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Record one finished optimizer step. Missing required keys are filled with None."""
         now = time.monotonic()

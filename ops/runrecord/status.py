@@ -41,28 +41,11 @@ def read_status_file(run: RunDir) -> dict[str, Any]:
 
 
 def last_good_checkpoint(run: RunDir, deep: bool = False) -> dict[str, Any] | None:
-    """``{step, path}`` of the newest good checkpoint: ptops.ckpt's catalog when present, else a scan."""
-    try:
-        from ptops.ckpt import latest_good  # type: ignore[attr-defined]
-    except ImportError:
-        latest_good = None
-    if latest_good is not None:
-        try:
-            entry = latest_good(run.checkpoints, deep=deep)
-        except Exception:
-            entry = None
-        else:
-            return None if entry is None else {"step": int(entry.step), "path": str(entry.path)}
-    best: tuple[int, Path] | None = None
-    if run.checkpoints.is_dir():
-        for p in run.checkpoints.iterdir():
-            name = p.name
-            for prefix, marker in (("step-", ".metadata"), ("checkpoint-", "trainer_state.json")):
-                if name.startswith(prefix) and name[len(prefix) :].isdigit() and (p / marker).exists():
-                    step = int(name[len(prefix) :])
-                    if best is None or step > best[0]:
-                        best = (step, p)
-    return None if best is None else {"step": best[0], "path": str(best[1])}
+    """``{step, path}`` of the newest good checkpoint (``ptops.ckpt.latest_good``; read-only)."""
+    from ptops.ckpt import latest_good
+
+    entry = latest_good(run.checkpoints, deep=deep)
+    return None if entry is None else {"step": int(entry.step), "path": str(entry.path)}
 
 
 def collect(run_dir: Path) -> dict[str, Any]:

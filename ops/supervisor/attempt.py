@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 
+from ptops.ckpt import RESUME_ENV
 from ptops.faultinject.spec import to_env as faults_to_env
 from ptops.monitors.hang import HangMonitor
 from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN
@@ -42,6 +43,7 @@ class AttemptMixin:
         if self.faults:
             extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
         extra.update(self.findings.attempt_env())  # PTOPS_ROLLBACK after a rollback
+        extra[RESUME_ENV] = (self.good or {}).get("path") or ""  # verified by the supervisor: the ranks do not again
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
             ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),

@@ -40,11 +40,12 @@ import time
 import traceback
 from typing import Any
 
+from ptops.ckpt import resume_point
 from ptops.faultinject.spec import Fault
 from ptops.monitors.hang import HangMonitor
 from ptops.ops.rank.channel import write_info
 from ptops.ops.runrecord.rundir import RunDir
-from ptops.ops.runrecord.status import last_good_checkpoint, read_status_file, write_status
+from ptops.ops.runrecord.status import read_status_file, write_status
 from ptops.ops.supervisor import launcher, monitorfeed, procs
 from ptops.ops.supervisor.actions import FindingActions
 from ptops.ops.supervisor.attempt import AttemptMixin
@@ -193,12 +194,10 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             procs.teardown(None, self.run.path, orphans, grace_s=2)
             self.event("orphans_killed", pids=orphans)
             self.say(f"killed {len(orphans)} leftover process(es) of this run: {orphans}")
-        self.good = last_good_checkpoint(self.run, deep=False)
+        # verified once, here (hashes: flipped bytes keep sizes, and a run whose final checkpoint
+        # went bad must redo its last steps); the ranks get the choice (PTOPS_RESUME_FROM)
+        self.good = self._good_checkpoint_for_restart()
         done = launcher.completed_step(self.run)
-        if done >= self.recipe.train.steps:
-            # finished only if the final checkpoint still verifies (hashes): flipped bytes keep
-            # sizes, and a run whose final checkpoint went bad must redo its last steps
-            self.good = last_good_checkpoint(self.run, deep=True)
         if done >= self.recipe.train.steps and self.good and self.good["step"] >= self.recipe.train.steps:
             self.state = "completed"
             self.step = done
@@ -268,20 +267,12 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def _good_checkpoint_for_restart(self) -> dict[str, Any] | None:
-        """Newest good checkpoint (deep check); newer bad ones are quarantined so the engine skips them."""
-        good = last_good_checkpoint(self.run, deep=True)
-        try:
-            from ptops.ckpt import list_checkpoints, quarantine  # type: ignore[attr-defined]
-        except ImportError:
-            return good
-        try:
-            for entry in list_checkpoints(self.run.checkpoints, deep=False):
-                if not entry.ok and entry.step > (good or {}).get("step", -1):
-                    dest = quarantine(entry.path, entry.reason)
-                    self.event("checkpoint_invalid", path=entry.path, reason=entry.reason, moved_to=str(dest))
-                    self.say(f"checkpoint {entry.path} is not good ({entry.reason}); moved to {dest}")
-        except (OSError, FileNotFoundError):
-            pass
-        except Exception as e:  # the catalog is someone else's code: never let it stop a restart
-            self.say(f"checkpoint catalog error ignored: {e}")
-        return good
+        """Where the next attempt resumes: ``ptops.ckpt.resume_point`` (deep check; newer bad ones
+        quarantined and reported); the ranks take it from PTOPS_RESUME_FROM without verifying again."""
+        def report(**invalid: Any) -> None:
+            self.event("checkpoint_invalid", **invalid)
+            self.say(f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to {invalid['moved_to']}")
+
+        entry = resume_point(self.run.checkpoints, deep=True, on_invalid=report, world_size=self.world,
+                             trust_env=False)
+        return None if entry is None else {"step": int(entry.step), "path": str(entry.path)}

@@ -20,9 +20,7 @@ Import only after ``compat.apply()`` (``registry`` does that).
 from __future__ import annotations
 
 import math
-import os
 import random
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -168,20 +166,6 @@ def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "torchtitan": getattr(torchtitan, "__version__", "?")}
 
 
-def _test_die_in_save(step: int) -> None:
-    """Test hook (``PTOPS_TEST_DIE_IN_SAVE=STEP:RANK``, first attempt only): SIGKILL this
-    rank once its part of the save of STEP has been handed to DCP, so the save is left
-    half-written (the other ranks block in DCP's collectives until torchrun kills them)."""
-    spec = os.environ.get("PTOPS_TEST_DIE_IN_SAVE")
-    if not spec or os.environ.get("PTOPS_ATTEMPT", "1") != "1":
-        return
-    want_step, _, want_rank = spec.partition(":")
-    if int(want_step) == step and int(want_rank or 0) == _rank():
-        print(f"[ptops.titan rank {_rank()}] PTOPS_TEST_DIE_IN_SAVE: killing myself in the save of step {step}",
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 @dataclass
 class _Save:
     step: int
@@ -194,6 +178,7 @@ class _Save:
     ok: bool = False
     error: str = ""
     done: Any = None  # threading.Event, set when committed or failed
+    txn: Any = None  # ptops.ckpt.SaveTransaction
 
 
 class ProbeCheckpointManager(CheckpointManager):
@@ -204,28 +189,27 @@ class ProbeCheckpointManager(CheckpointManager):
 
     - the probe hears ``phase("checkpoint")`` (fault hooks fire here: ``enospc``
       raises ``OSError``) ... ``phase("step")`` around the part that blocks training;
-    - rank 0 marks ``step-N/.writing``; all ranks agree (all-reduce) that nobody
-      failed so far, then DCP writes (``async_mode="async"``: training blocks only
-      while the state is staged; the final and on-request saves are synchronous);
-    - once DCP's save has finished on rank 0, every rank's shards are written and
-      fsynced (DCP gathers every rank's write result before rank 0 writes
-      ``.metadata``), and rank 0 writes ``ptops-manifest.json``, moves
-      ``checkpoints/LATEST`` (``ptops.ckpt.commit``), prunes to the newest
-      ``keep`` good checkpoints (``ptops.ckpt.prune``; torchtitan's own
-      keep_latest_k is off) and emits one ``checkpoint {step, path, blocking_s,
-      total_s}`` event;
+    - one ``ptops.ckpt.SaveTransaction`` per save: ``begin`` (rank 0 marks
+      ``step-N/.writing``, all ranks agree nobody failed so far), then DCP writes
+      (``async_mode="async"``: training blocks only while the state is staged; the
+      final and on-request saves are synchronous; the probe's ``in_save`` comes
+      just before, where ``crash:phase=save`` fires), then ``commit``: rank 0 writes the
+      manifest, moves LATEST and prunes to the newest ``keep`` (torchtitan's own
+      keep_latest_k is off). An async save commits once DCP's save finished on
+      rank 0: DCP gathers every rank's write result before it writes ``.metadata``.
+      One ``checkpoint {step, path, blocking_s, total_s}`` event per commit;
     - a save that fails (``OSError`` such as ENOSPC / EACCES / EIO, DCP's
-      ``CheckpointException``, a refused commit) emits ``checkpoint_failed {step,
-      path, error}``; its files stay behind uncommitted (``.writing`` marker, no
-      manifest, never LATEST) and training continues: the next interval tries
-      again. A failed *final* (or on-request) save raises, so the run ends
-      non-zero instead of losing the last steps silently.
+      ``CheckpointException``, a refused commit) is aborted (see
+      ``SaveTransaction``: never LATEST, never resumed from) and emits
+      ``checkpoint_failed {step, path, error}``; training continues: the next
+      interval tries again. A failed *final* (or on-request) save raises, so the
+      run ends non-zero instead of losing the last steps silently.
 
-    Load: rank 0 picks the newest checkpoint that verifies deeply
-    (``ptops.ckpt.verify``: hashes against the manifest), quarantines newer
-    invalid ones (``checkpoint_invalid {path, reason}`` event), broadcasts the
-    step, and every rank loads that step explicitly (torchtitan alone would load
-    the highest ``step-N`` that has ``.metadata``).
+    Load: rank 0 asks ``ptops.ckpt.resume_point`` (the supervisor's verified
+    choice, or the newest checkpoint that verifies deeply, newer invalid ones
+    quarantined and reported as ``checkpoint_invalid``), broadcasts the step, and
+    every rank loads that step explicitly (torchtitan alone would load the highest
+    ``step-N`` that has ``.metadata``).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -265,46 +249,22 @@ class ProbeCheckpointManager(CheckpointManager):
 
     # ------------------------------------------------------------ load
     def _pick_resume(self) -> int:
-        """Rank 0: newest deeply verified ``step-N``; newer bad ones are quarantined."""
-        from ptops.ckpt import commit, quarantine, read_latest, verify, write_manifest
-        from ptops.ckpt._util import DCP_RE
+        """Rank 0: the step to resume from (-1: none); see ``ptops.ckpt.resume_point``."""
+        from ptops.ckpt import resume_point
 
-        root = Path(self.folder)
-        if not root.is_dir():
-            return -1
-        found = sorted(
-            ((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := DCP_RE.match(p.name))),
-            reverse=True,
-        )
         probe = get_probe()
-        for step, path in found:
-            # nobody is writing now (this is the start of an attempt): a `.writing` marker left
-            # by a save killed after DCP finished (.metadata is written last, after every
-            # rank's shards) but before the commit does not make a complete save bad; a
-            # half-written one fails the structure check anyway (no .metadata)
-            res = verify(path, deep=True, ignore_writing_marker=True)
-            if res.ok:
-                try:
-                    if not res.has_manifest:
-                        # complete DCP save (every record CRC-checked) killed before its commit
-                        write_manifest(path, step, _world(), _versions(), extra={"adopted": True})
-                        commit(root, path, deep=False)
-                        _log(f"adopted uncommitted but complete checkpoint {path}")
-                    elif read_latest(root) != path or (path / ".writing").exists():
-                        commit(root, path, deep=False)  # clears the marker, moves LATEST
-                except Exception as e:  # noqa: BLE001 - LATEST is advisory for the resume itself
-                    _log(f"could not commit {path} on resume: {_err_text(e)}")
-                return step
-            try:
-                dest = quarantine(path, res.reason)
-            except OSError as e:
-                _log(f"bad checkpoint {path} ({res.reason}) could not be quarantined: {e}")
-                dest = None
-            _log(f"checkpoint {path} is not good ({res.reason}); moved to {dest}")
+
+        def report(**invalid: Any) -> None:
+            _log(f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to {invalid['moved_to']}")
             if probe is not None:
-                probe.event("checkpoint_invalid", path=str(path), reason=res.reason,
-                            moved_to=str(dest) if dest else None, step=step)
-        return -1
+                probe.event("checkpoint_invalid", **invalid)
+
+        entry = resume_point(self.folder, deep=True, on_invalid=report, world_size=_world(), versions=_versions())
+        if entry is None:
+            return -1
+        if entry.reason:
+            _log(f"{entry.path}: {entry.reason}")
+        return entry.step
 
     def _load(self, step: int = -1) -> bool:
         if step != -1:  # an explicit --checkpoint.load_step is the user's call
@@ -331,16 +291,9 @@ class ProbeCheckpointManager(CheckpointManager):
         except Exception:  # noqa: BLE001
             return False
 
-    def _prepare_folder(self, path: Path) -> None:
-        """Rank 0, before any rank writes: a leftover folder is moved away, the new one marked."""
-        from ptops.ckpt import mark_writing, quarantine
-
-        if path.exists():
-            dest = quarantine(path, "leftover folder replaced by a new save of the same step")
-            _log(f"moved leftover {path} to {dest}")
-        mark_writing(path)
-
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        from ptops.ckpt import SaveTransaction
+
         forced = self.stop_step is not None and curr_step == self.stop_step and not self.load_only
         if not (self._should_save(curr_step, last_step) or forced):
             return False
@@ -349,19 +302,23 @@ class ProbeCheckpointManager(CheckpointManager):
         t0 = time.monotonic()
         self._wait_inflight()  # one save at a time; the previous one is committed (or failed) first
         path = Path(self._create_checkpoint_id(curr_step))
-        rec = _Save(step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event())
+        txn = SaveTransaction(path.parent, curr_step, name=path.name, leader=_rank() == 0, agree=self.agree_any,
+                              world_size=_world(), versions=_versions(), keep=self.ptops_keep)
+        rec = _Save(step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event(), txn=txn)
         self.records.append(rec)
         err: BaseException | None = None
         try:
             try:
                 if probe is not None:
                     probe.phase("checkpoint", curr_step)  # the enospc fault raises OSError here
-                if _rank() == 0:
-                    self._prepare_folder(path)
             except OSError as e:
                 err = e
-            if self.agree_any(err is not None):
-                return self._failed(rec, err or "failed on another rank before writing")
+            if not txn.begin(err):
+                return self._failed(rec, txn.error)
+            if txn.moved_leftover is not None:
+                _log(f"moved leftover {path} to {txn.moved_leftover}")
+            if probe is not None:
+                probe.in_save(curr_step)  # crash:phase=save fires here: the save never completes
             use_async = (
                 self.async_mode == AsyncMode.ASYNC and not final and not self._sync_wanted(probe, curr_step)
             )
@@ -378,18 +335,15 @@ class ProbeCheckpointManager(CheckpointManager):
                                       enable_garbage_collection=True)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
                 err = e
-            _test_die_in_save(curr_step)
             rec.blocking_s = time.monotonic() - t0
             if use_async and err is None:
                 self._inflight = rec
                 fut = self.save_future
                 fut.add_done_callback(lambda f, rec=rec: self._async_done(rec, f))
                 return True
-            if self.agree_any(err is not None):
-                return self._failed(rec, err or "DCP save failed on another rank")
-            cerr = self._commit(rec) if _rank() == 0 else None
-            if self.agree_any(cerr is not None):
-                return self._failed(rec, cerr or "commit failed on rank 0")
+            if not txn.commit(err):
+                return self._failed(rec, txn.error)
+            self._committed(rec)
             return True
         finally:
             if probe is not None:
@@ -400,14 +354,10 @@ class ProbeCheckpointManager(CheckpointManager):
 
         def finish() -> None:
             try:
-                if exc is not None:
-                    self._failed(rec, exc)
-                elif _rank() == 0:
-                    cerr = self._commit(rec)
-                    if cerr is not None:
-                        self._failed(rec, cerr)
+                if rec.txn.commit(exc, collective=False):
+                    self._committed(rec)
                 else:
-                    rec.ok = True
+                    self._failed(rec, rec.txn.error)
             except BaseException as e:  # noqa: BLE001 - never kill the process from here
                 rec.error = rec.error or _err_text(e)
             finally:
@@ -415,29 +365,21 @@ class ProbeCheckpointManager(CheckpointManager):
 
         threading.Thread(target=finish, name=f"ptops-ckpt-commit-{rec.step}", daemon=True).start()
 
-    def _commit(self, rec: _Save) -> str | None:
-        """Rank 0, every rank's shards durable: manifest, LATEST, retention, ``checkpoint`` event."""
-        from ptops.ckpt import commit, prune, write_manifest
-
-        try:
-            write_manifest(rec.path, rec.step, _world(), _versions())
-            commit(rec.path.parent, rec.path, deep=False)  # write_manifest just hashed every file
-        except Exception as e:  # noqa: BLE001 - ManifestError, OSError (ENOSPC writing the manifest), ...
-            return _err_text(e)
+    def _committed(self, rec: _Save) -> None:
+        """Rank 0 reports the commit: one ``checkpoint`` event."""
         rec.ok = True
         rec.total_s = time.monotonic() - rec.t0
-        try:
-            report = prune(rec.path.parent, keep_last=self.ptops_keep, min_age_s=0)
-            if report.deleted:
-                _log(f"retention: deleted {', '.join(report.deleted)}")
-        except Exception as e:  # noqa: BLE001 - retention failing is not a failed save
-            _log(f"retention failed: {_err_text(e)}")
+        if not rec.txn.leader:
+            return
+        if rec.txn.pruned:
+            _log(f"retention: deleted {', '.join(rec.txn.pruned)}")
+        if rec.txn.prune_error:
+            _log(f"retention failed: {rec.txn.prune_error}")
         probe = get_probe()
         if probe is not None:
             probe.event("checkpoint", step=rec.step, path=str(rec.path), blocking_s=round(rec.blocking_s, 4),
                         total_s=round(rec.total_s, 4), mode="async" if rec.is_async else "sync")
         _log(f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total {rec.total_s:.3f}s)")
-        return None
 
     def _failed(self, rec: _Save, err: Any) -> bool:
         rec.ok = False

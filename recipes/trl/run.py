@@ -21,15 +21,17 @@ What the adapter guarantees:
   event from rank 0 (the save is synchronous: blocking_s == total_s);
 - checkpoints every ``checkpoint.interval`` steps and always at the final step,
   newest ``checkpoint.keep`` kept, under ``RUN_DIR/checkpoints/checkpoint-N``;
-- every save is committed with :mod:`ptops.ckpt`: after all ranks wrote their
-  part, rank 0 writes ``ptops-manifest.json`` (sizes + sha256), moves
-  ``checkpoints/LATEST`` and prunes to the newest ``checkpoint.keep`` good ones
-  (transformers' own rotation is off: it could delete the last good checkpoint
-  before the new one is committed); the probe's checkpoint phase spans all of it;
-- rerunning on the same run directory resumes from the newest *good*
-  checkpoint (verified against its manifest; explicit
-  ``resume_from_checkpoint=path``, chosen on rank 0 and broadcast), bit-identical
-  to an uninterrupted run; newer invalid checkpoints are quarantined
+- every save is one :class:`ptops.ckpt.SaveTransaction`: rank 0 marks the folder,
+  transformers writes it, all ranks agree they wrote their part, rank 0 writes
+  ``ptops-manifest.json`` (sizes + sha256), moves ``checkpoints/LATEST`` and prunes
+  to the newest ``checkpoint.keep`` good ones (transformers' own rotation is off: it
+  could delete the last good checkpoint before the new one is committed); the
+  probe's checkpoint phase spans all of it, and ``probe.in_save`` marks the middle
+  (``crash:phase=save`` fires there);
+- rerunning on the same run directory resumes from :func:`ptops.ckpt.resume_point`
+  (the supervisor's verified choice, or the newest *good* checkpoint, chosen on rank
+  0 and broadcast; explicit ``resume_from_checkpoint=path``), bit-identical to an
+  uninterrupted run; newer invalid checkpoints are quarantined
   (``checkpoints/invalid/``) and reported as ``checkpoint_invalid {path, reason}``;
 - under a supervisor, a stop request (Ctrl-C / SIGTERM of the supervisor) is
   agreed on by all ranks at the end of a step, which then checkpoints and returns.
@@ -40,7 +42,6 @@ hooks; the adapter has no fault code of its own.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -51,9 +52,6 @@ from typing import Any
 
 from ptops.ops.runrecord.rundir import RunDir
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_ESSENTIAL = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _KEY_RE = re.compile(r"[^A-Za-z0-9_.]+")
 # transformers' names -> the probe's names
 _RENAME = {"learning_rate": "lr"}
@@ -68,72 +66,6 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------- checkpoints
 
 
-def _missing(path: Path, world_size: int, with_rng: bool) -> list[str]:
-    missing = [name for name in _ESSENTIAL if not (path / name).is_file()]
-    if not any((path / name).is_file() for name in _WEIGHTS):
-        missing.append("model.safetensors")
-    if with_rng:
-        rng = ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
-        missing += [name for name in rng if not (path / name).is_file()]
-    if "trainer_state.json" not in missing:
-        try:
-            step = json.loads((path / "trainer_state.json").read_text()).get("global_step")
-        except (OSError, ValueError):
-            missing.append("trainer_state.json (unreadable)")
-        else:
-            m = CHECKPOINT_RE.match(path.name)
-            if m and step != int(m.group(1)):
-                missing.append(f"trainer_state.json (global_step {step} != {m.group(1)})")
-    return missing
-
-
-def latest_checkpoint(ckpt_dir: Path, world_size: int, probe: Any = None, quarantine_bad: bool = True) -> Path | None:
-    """Newest good ``checkpoint-N``; never trusts the highest N blindly.
-
-    Good means :func:`ptops.ckpt.verify` (deep: hashes against the manifest, or
-    without one every tensor record read back) passes, and, for a checkpoint
-    without a manifest (killed between the save and the commit), that the RNG
-    state of every rank is there too. When no checkpoint is good with every
-    rank's RNG state (the world size changed), the newest one good otherwise is
-    used and transformers reseeds the missing ranks.
-
-    Invalid checkpoints newer than the one chosen are quarantined
-    (``ptops.ckpt.quarantine``: moved to ``checkpoints/invalid/``, LATEST fixed)
-    and reported as ``checkpoint_invalid {path, reason}`` through ``probe.event``.
-    """
-    from ptops.ckpt import quarantine, verify
-
-    if not ckpt_dir.is_dir():
-        return None
-    found = sorted(
-        ((int(m.group(1)), p) for p in ckpt_dir.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))),
-        reverse=True,
-    )
-    fallback = None
-    for step, path in found:
-        res = verify(path, deep=True)
-        if not res.ok:
-            dest = None
-            if quarantine_bad:
-                try:
-                    dest = quarantine(path, res.reason)
-                except OSError as e:
-                    _log(f"could not quarantine {path}: {e}")
-            _log(f"skipping bad checkpoint {path}: {res.reason}" + (f"; moved to {dest}" if dest else ""))
-            if probe is not None and hasattr(probe, "event"):
-                probe.event("checkpoint_invalid", path=str(path), reason=res.reason,
-                            moved_to=str(dest) if dest else None, step=step)
-            continue
-        missing = [] if res.has_manifest else _missing(path, world_size, with_rng=True)
-        if not missing:
-            return path
-        _log(f"checkpoint {path} has no manifest and misses {', '.join(missing)}")
-        fallback = fallback or (path if not _missing(path, world_size, with_rng=False) else None)
-    if fallback is not None:
-        _log(f"no checkpoint has RNG state for all {world_size} ranks; resuming from {fallback} anyway")
-    return fallback
-
-
 def _versions() -> dict[str, str]:
     out = {}
     for name in ("torch", "transformers", "trl", "accelerate"):
@@ -141,26 +73,6 @@ def _versions() -> dict[str, str]:
         if mod is not None:
             out[name] = getattr(mod, "__version__", "?")
     return out
-
-
-def commit_checkpoint(path: Path, step: int, world_size: int, keep: int) -> str | None:
-    """Rank 0, after every rank finished its part of the save: manifest, LATEST, retention.
-    Returns None when committed, else why not (the folder then stays uncommitted)."""
-    from ptops.ckpt import commit, prune, write_manifest
-
-    try:
-        write_manifest(path, step, world_size, _versions())
-        commit(path.parent, path, deep=False)  # write_manifest just hashed; sizes + structure suffice
-    except Exception as e:  # noqa: BLE001 - ManifestError, OSError (ENOSPC writing the manifest), ...
-        _log(f"checkpoint {path} NOT committed: {e}")
-        return f"{type(e).__name__}: {e}"[:1000]
-    try:
-        report = prune(path.parent, keep_last=keep, min_age_s=0)
-        if report.deleted:
-            _log(f"retention: deleted {', '.join(report.deleted)}")
-    except Exception as e:  # noqa: BLE001 - retention failing is not a failed save
-        _log(f"retention failed: {e}")
-    return None
 
 
 # ---------------------------------------------------------------- metrics
@@ -211,10 +123,11 @@ class _StepTally:
 class _SaveState:
     """The save in progress on this rank, shared by the trainer's ``_save_checkpoint`` and the callback."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
         self.step: int | None = None
         self.t0 = 0.0
-        self.error: str | None = None  # set on every rank when any rank failed to write
+        self.txn: Any = None  # ptops.ckpt.SaveTransaction of ``step``
         self.failures: list[dict[str, Any]] = []
 
 
@@ -239,21 +152,33 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
 
     class PtopsTrainer(base):  # type: ignore[misc, valid-type]
         def _save_checkpoint(self, model, trial):
+            """One ``ptops.ckpt.SaveTransaction``: begin (rank 0 marks the folder, all agree),
+            transformers writes, commit (all agree, rank 0: manifest, LATEST, prune)."""
+            from ptops.ckpt import SaveTransaction
+
             step = self.state.global_step
-            saves.step, saves.t0, saves.error = step, time.monotonic(), None
+            device = self.args.device
+            txn = SaveTransaction(
+                Path(self.args.output_dir), step, name=f"checkpoint-{step}", leader=self.is_world_process_zero(),
+                agree=lambda failed: bool(_failed_ranks(failed, device)), world_size=self.args.world_size,
+                versions=_versions(), keep=saves.keep,
+            )
+            saves.step, saves.t0, saves.txn = step, time.monotonic(), txn
             err: BaseException | None = None
             try:
                 probe.phase("checkpoint", step)  # the enospc fault raises OSError here
+            except OSError as e:
+                err = e
+            if not txn.begin(err):
+                return
+            probe.in_save(step)  # crash:phase=save fires here: the save never completes
+            try:
                 super()._save_checkpoint(model, trial)
             except Exception as e:  # noqa: BLE001 - OSError, torch.save's RuntimeError, safetensors errors
                 err = e
                 _log(f"checkpoint-{step}: save failed on this rank: {type(e).__name__}: {e}")
-            bad = _failed_ranks(err is not None, self.args.device)
-            if bad:
-                mine = f"{type(err).__name__}: {err}"[:1000] if err is not None else None
-                saves.error = mine or f"save failed on rank(s) {bad}"
-                if err is not None and len(bad) > 1:
-                    saves.error += f" (failed on ranks {bad})"
+            txn.commit(err)
+
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             from ptops.recipes.trl import rollback  # PTOPS_ROLLBACK: drop the skipped window's batches
 
@@ -281,12 +206,6 @@ def _dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _barrier() -> None:
-    dist = _dist()
-    if dist is not None:
-        dist.barrier()
 
 
 def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
@@ -352,19 +271,15 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
             probe.step(step, metrics)
 
         def on_save(self, args, state, control, **kwargs):
-            """Every rank has written its part: rank 0 commits (manifest, LATEST, prune) and
+            """The save of this step ended (committed or aborted in ``_save_checkpoint``): rank 0
             reports ``checkpoint`` or ``checkpoint_failed``. Training goes on after a failed
             save; a failed final (or on-request) save raises on every rank."""
             step = state.global_step
-            path = Path(args.output_dir) / f"checkpoint-{step}"
-            _barrier()  # every rank has written its part (rank R's rng_state_R.pth)
             final = step >= state.max_steps or self.stopped_at == step
-            err = saves.error if saves.step == step else None
-            if err is None and state.is_world_process_zero:
-                err = commit_checkpoint(path, step, args.world_size, keep)
-            if _failed_ranks(err is not None, args.device) and err is None:
-                err = "commit failed on rank 0"
-            total = time.monotonic() - saves.t0 if saves.step == step else 0.0
+            txn = saves.txn if saves.step == step else None
+            path = txn.path if txn is not None else Path(args.output_dir) / f"checkpoint-{step}"
+            err = "the save of this step never started" if txn is None else (None if txn.ok else txn.error)
+            total = time.monotonic() - saves.t0 if txn is not None else 0.0
             if err is not None:
                 saves.failures.append({"step": step, "error": err, "final": final})
                 _log(f"checkpoint-{step} FAILED, not committed ({err}); training goes on" if not final
@@ -372,6 +287,10 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
                 if state.is_world_process_zero:
                     probe.event("checkpoint_failed", step=step, path=str(path), error=err, final=final)
             elif state.is_world_process_zero:
+                if txn.pruned:
+                    _log(f"retention: deleted {', '.join(txn.pruned)}")
+                if txn.prune_error:
+                    _log(f"retention failed: {txn.prune_error}")
                 # a synchronous save: training was blocked for all of it
                 probe.event("checkpoint", step=step, path=str(path), blocking_s=round(total, 4),
                             total_s=round(total, 4), mode="sync")
@@ -427,7 +346,7 @@ def build_trainer(recipe, probe, run: RunDir):
     model = load_model(mdir)
     args = _common_args(recipe, run.checkpoints)
     tally = _StepTally()
-    saves = _SaveState()
+    saves = _SaveState(recipe.checkpoint.keep)
     callbacks = [_make_callback(probe, tally, recipe.checkpoint.keep, saves)]
     from ptops.recipes.trl import rollback
 
@@ -489,17 +408,35 @@ def build_trainer(recipe, probe, run: RunDir):
 
 
 def choose_resume(run: RunDir, world: int, probe: Any = None) -> Path | None:
-    """Rank 0 picks the checkpoint (verifying hashes once, quarantining newer bad ones),
-    every rank gets the same answer."""
+    """Rank 0 asks ``ptops.ckpt.resume_point`` (the supervisor's verified choice, or the newest
+    good checkpoint, newer bad ones quarantined); every rank gets the same answer."""
+
+    def pick() -> str:
+        from ptops.ckpt import resume_point
+
+        def report(**invalid: Any) -> None:
+            _log(f"skipping bad checkpoint {invalid['path']}: {invalid['reason']}; moved to {invalid['moved_to']}")
+            if probe is not None and hasattr(probe, "event"):
+                probe.event("checkpoint_invalid", **invalid)
+
+        entry = resume_point(run.checkpoints, deep=True, on_invalid=report, world_size=world, versions=_versions())
+        if entry is not None and entry.reason:
+            _log(f"{entry.path}: {entry.reason}")
+        return entry.path if entry is not None else ""
+
     dist = _dist()
     if dist is None:
-        return latest_checkpoint(run.checkpoints, world, probe)
-    box = [str(latest_checkpoint(run.checkpoints, world, probe) or "") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0]) if box[0] else None
+        chosen = pick()
+    else:
+        box = [pick() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        chosen = box[0]
+    return Path(chosen) if chosen else None
 
 
 def main(recipe, probe) -> None:
+    from ptops.ckpt import checkpoint_path
+
     for key, value in (
         ("HF_HUB_OFFLINE", "1"),
         ("HF_DATASETS_OFFLINE", "1"),
@@ -526,7 +463,7 @@ def main(recipe, probe) -> None:
     )
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     final = trainer.state.global_step
-    if final >= recipe.train.steps and not (run.checkpoints / f"checkpoint-{final}").is_dir():
+    if final >= recipe.train.steps and checkpoint_path(run.checkpoints, final) is None:
         # belt and braces: the callback asks for a save at max_steps; make sure it exists
         # (same path as a regular save: guarded save, commit, events; raises if it fails)
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
