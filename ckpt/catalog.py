@@ -37,6 +37,10 @@ class Entry:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def ref(self) -> dict:
+        """``{step, path}``: how run records and status name a checkpoint."""
+        return {"step": int(self.step), "path": str(self.path)}
+
 
 def checkpoints_dir(path: str | os.PathLike) -> Path:
     """Accept a run directory (uses `<run>/checkpoints`) or a checkpoints folder."""

@@ -123,7 +123,7 @@ def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
 
 def test_second_launcher_on_same_run_dir_refused(ptops, tmp_path):
     from ptops.ops.supervisor.launcher import prepare_run
-    from ptops.ops.supervisor.lock import acquire, release
+    from ptops.ops.runrecord.lock import acquire, release
 
     p = write(tmp_path, GOOD)
     rec, path = load(p)

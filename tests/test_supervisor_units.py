@@ -270,17 +270,17 @@ def test_crash_fault_kills_the_process(tmp_path):
 
 
 def test_lock_is_exclusive_and_dies_with_holder(tmp_path):
-    from ptops.ops.supervisor.lock import LockedError, acquire, holder, release
+    from ptops.ops.runrecord.lock import LockedError, acquire, holder, release
 
     fd = acquire(tmp_path)
     assert holder(tmp_path) == os.getpid()
-    code = f"from ptops.ops.supervisor.lock import acquire; acquire({str(tmp_path)!r}, wait_s=0.2)"
+    code = f"from ptops.ops.runrecord.lock import acquire; acquire({str(tmp_path)!r}, wait_s=0.2)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "already supervised by pid" in proc.stderr
     release(fd)
     assert holder(tmp_path) is None
     # a holder killed with SIGKILL releases it
-    p = subprocess.Popen([sys.executable, "-c", f"from ptops.ops.supervisor.lock import acquire; acquire({str(tmp_path)!r}); import time; print('ok', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", f"from ptops.ops.runrecord.lock import acquire; acquire({str(tmp_path)!r}); import time; print('ok', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ok"
     with pytest.raises(LockedError):
         acquire(tmp_path, wait_s=0.1)

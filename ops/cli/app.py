@@ -83,7 +83,7 @@ def launch(
         fail(str(e))
     from ptops.ops.cli.launch import run_launch
     from ptops.ops.obs.live import LiveExporters
-    from ptops.ops.supervisor.lock import LockedError, acquire
+    from ptops.ops.runrecord.lock import LockedError, acquire
 
     try:
         lock_fd = acquire(run.path)  # one launcher per run directory, supervised or not

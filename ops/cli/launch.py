@@ -43,15 +43,18 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
 
 def summarize(run, wall_s: float, code: int) -> dict:
     """The end-of-launch summary, from the run directory (the same for plain and supervised runs)."""
+    from ptops.ckpt import latest_good
+    from ptops.ops.runrecord.events import EventKind as K
+    from ptops.ops.runrecord.events import reduce
     from ptops.ops.runrecord.rundir import final_metrics_by_step
-    from ptops.ops.runrecord.status import last_good_checkpoint
 
-    events = run.read_events()
+    view = reduce(run.read_events())
     steps = final_metrics_by_step(run.read_metrics())
     last = steps[max(steps)] if steps else {}
-    end = next((e for e in reversed(events) if e["kind"] in ("completed", "failed", "stopped")), None)
-    count = lambda kind: sum(1 for e in events if e["kind"] == kind)  # noqa: E731
-    good = last_good_checkpoint(run)
+    end = view.end
+    count = lambda kind: view.counts.get(kind, 0)  # noqa: E731
+    entry = latest_good(run.checkpoints, deep=False)
+    good = entry.ref() if entry else None
     return {
         "run_dir": str(run.path),
         "state": end["kind"] if end else "unknown",
@@ -59,11 +62,11 @@ def summarize(run, wall_s: float, code: int) -> dict:
         "reason": (end or {}).get("reason"),
         "step": max(steps, default=0),
         "loss": last.get("loss"),
-        "attempts": count("launch"),
-        "restarts": count("restart"),
-        "crashes": count("crash"),
-        "hangs": count("hang"),
-        "faults_injected": count("fault_injected"),
+        "attempts": view.launches,
+        "restarts": view.restarts,
+        "crashes": count(K.CRASH),
+        "hangs": count(K.HANG),
+        "faults_injected": count(K.FAULT_INJECTED),
         "last_good_checkpoint": good,
         "checkpoints": sorted(p.name for p in run.checkpoints.glob("*") if p.is_dir()),
         "stacks": sorted(str(p) for p in (run.path / "stacks").glob("attempt-*")) if (run.path / "stacks").exists() else [],

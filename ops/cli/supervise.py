@@ -39,11 +39,14 @@ def status_cmd(
     Works on a live run (reads the supervisor's status.json) and after the fact.\n
     Example:  ptops status runs/demo --json
     """
+    from ptops.ckpt import latest_good
     from ptops.ops.cli.status_view import render
+    from ptops.ops.runrecord.rundir import RunDir
     from ptops.ops.runrecord.status import collect
 
     try:
-        s = collect(run_dir)
+        good = latest_good(RunDir(run_dir).checkpoints, deep=False)
+        s = collect(run_dir, good.ref() if good else None)
     except FileNotFoundError as e:
         _fail(str(e))
     typer.echo(json.dumps(s, indent=2, default=str) if json_out else render(s))
@@ -65,7 +68,7 @@ def inject_cmd(
     except FaultSpecError as e:
         _fail(str(e))
     info_path = Path(run_dir) / "supervisor" / "channel.json"
-    from ptops.ops.supervisor.lock import holder
+    from ptops.ops.runrecord.lock import holder
 
     if holder(Path(run_dir)) is None:
         _fail(f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops launch`)", 1)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import LIVE_STATES, RunState, reduce
+from .lock import holder
 from .rundir import RunDir, final_metrics_by_step
 
 
@@ -40,18 +41,9 @@ def read_status_file(run: RunDir) -> dict[str, Any]:
         return {}
 
 
-def last_good_checkpoint(run: RunDir, deep: bool = False) -> dict[str, Any] | None:
-    """``{step, path}`` of the newest good checkpoint (``ptops.ckpt.latest_good``; read-only)."""
-    from ptops.ckpt import latest_good
-
-    entry = latest_good(run.checkpoints, deep=deep)
-    return None if entry is None else {"step": int(entry.step), "path": str(entry.path)}
-
-
-def collect(run_dir: Path) -> dict[str, Any]:
-    """Everything ``ptops status`` reports, as one dict."""
-    from ptops.ops.supervisor.lock import holder
-
+def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything ``ptops status`` reports, as one dict. The caller names the last good checkpoint
+    (``ptops.ckpt.latest_good``): which checkpoint is good is the checkpoint layer's call, not the record's."""
     run = RunDir(Path(run_dir))
     if not run.path.is_dir():
         raise FileNotFoundError(f"{run.path}: no such run directory")
@@ -83,7 +75,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "total_steps": total,
         "attempt": st.get("attempt", view.attempt),
         "restarts": view.restarts,
-        "last_good_checkpoint": last_good_checkpoint(run),
+        "last_good_checkpoint": last_good_checkpoint,
         "supervisor_pid": st.get("supervisor_pid") if lock_pid else None,
         "supervisor_alive": lock_pid is not None,
         "ranks": st.get("ranks", []) if state in LIVE_STATES else [],

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from ptops.ckpt import list_checkpoints, quarantine, verify
 from ptops.monitors.config import MonitorsSection
+from ptops.ops.runrecord.events import EventKind
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE, FindingDecision, FindingPolicy, plan_rollback
@@ -64,7 +65,7 @@ class FindingActions:
         d = self.policy.decide(finding)
         if d.effect.record == "exclude_node":
             host = host_of(finding.rank) if finding.rank is not None else None
-            self.run.event("exclude_node", attempt=attempt, rank=finding.rank, host=host, step=d.step,
+            self.run.event(EventKind.EXCLUDE_NODE, attempt=attempt, rank=finding.rank, host=host, step=d.step,
                            reason=d.reason, acted=False,
                            note="recorded only: no launcher can exclude a node yet (the Slurm launcher would pass --exclude)")
             self.say(f"straggler rank {finding.rank} on {host}: exclude_node recorded (not acted on: no Slurm launcher yet)")
@@ -104,7 +105,7 @@ class FindingActions:
             else:
                 reason = (f"rollback refused: {len(pol.rollbacks)} rollbacks already "
                           f"(monitors.rollback.max_rollbacks={pol.max_rollbacks}); last: {outcome.reason}")
-            self.run.event("failed", reason=reason, attempt=attempt, exit_code=EXIT_NO_REQUEUE,
+            self.run.event(EventKind.FAILED, reason=reason, attempt=attempt, exit_code=EXIT_NO_REQUEUE,
                            monitor=d.monitor if d else None, step=d.step if d else None)
             self.say(f"giving up: {reason}")
             return Verdict("failed", reason, exit_code=EXIT_NO_REQUEUE)
@@ -116,7 +117,7 @@ class FindingActions:
             except (OSError, FileNotFoundError) as e:
                 self.say(f"could not move {path} aside: {e}")
                 dest = None
-            self.run.event("checkpoint_invalid", path=path, reason=why, moved_to=str(dest) if dest else None)
+            self.run.event(EventKind.CHECKPOINT_INVALID, path=path, reason=why, moved_to=str(dest) if dest else None)
         if plan.to_path is not None and not verify(plan.to_path, deep=True).ok:
             # the shallow catalog said good, the hashes disagree: let the restart logic pick (and quarantine)
             good = restart_checkpoint()
@@ -124,7 +125,7 @@ class FindingActions:
                                  if good else [], d.step, pol, outcome.reason)
         else:
             good = {"step": plan.to_step, "path": plan.to_path} if plan.to_path else None
-        ev = self.run.event("rollback", from_step=plan.from_step, to_step=plan.to_step, reason=outcome.reason,
+        ev = self.run.event(EventKind.ROLLBACK, from_step=plan.from_step, to_step=plan.to_step, reason=outcome.reason,
                             monitor=d.monitor, attempt=attempt, next_attempt=attempt + 1, to_path=plan.to_path,
                             skip_batches=plan.info.skip_batches, skip_at_step=plan.info.skip_at_step,
                             lr_scale=plan.info.lr_scale, lr_factor=plan.info.lr_factor, count=plan.info.count)

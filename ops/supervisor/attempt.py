@@ -17,6 +17,7 @@ from ptops.ckpt import RESUME_ENV
 from ptops.faultinject.spec import to_env as faults_to_env
 from ptops.monitors.hang import HangMonitor
 from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN
+from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.supervisor import launcher, procs
 from ptops.ops.supervisor.blame import Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
@@ -69,7 +70,7 @@ class AttemptMixin:
             t0,
             self.cfg.hang.model_copy(update={"total_steps": self.recipe.train.steps}),
         )
-        self.state = "starting"
+        self.state = RunState.STARTING
         self.proc = procs.spawn(cmd.argv, cmd.env, self.run.logs(attempt) / "torchrun.log")
         self.write_status(force=True)
         bad_since: float | None = None
@@ -112,12 +113,12 @@ class AttemptMixin:
             return Outcome("completed")
         if rc == 0:
             reason = f"torchrun exited 0 at step {self.step} of {self.recipe.train.steps}"
-            self.event("early_exit", attempt=attempt, step=self.step)
+            self.event(EventKind.EARLY_EXIT, attempt=attempt, step=self.step)
             self.say(reason)
             return Outcome("early_exit", reason)
         rank, code, how = self._root_cause(attempt)
         host = self.ranks[rank].host if rank in self.ranks else self.host
-        self.event("crash", attempt=attempt, rank=rank, exit_code=code, step=self.step, host=host, how=how)
+        self.event(EventKind.CRASH, attempt=attempt, rank=rank, exit_code=code, step=self.step, host=host, how=how)
         err = self.ranks[rank].error if rank in self.ranks else None
         desc = f"rank {rank} exited {code}" + (f" ({err})" if err else "") + f" at step {self.step}"
         self.say(f"crash: {desc}; logs: {self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}")

@@ -44,6 +44,7 @@ from ptops.ckpt import resume_point
 from ptops.faultinject.spec import Fault
 from ptops.monitors.hang import HangMonitor
 from ptops.ops.rank.channel import write_info
+from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
 from ptops.ops.supervisor import launcher, monitorfeed, procs
@@ -52,7 +53,7 @@ from ptops.ops.supervisor.attempt import AttemptMixin
 from ptops.ops.supervisor.blame import Blame
 from ptops.ops.supervisor.channel import ChannelServer
 from ptops.ops.supervisor.hangs import HangMixin
-from ptops.ops.supervisor.lock import acquire, release
+from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.supervisor.messages import MessagesMixin, RankInfo
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import EXIT_DONE, EXIT_FAILED, HALTING, Failure, RestartPolicy, Strategy
@@ -75,7 +76,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.stop_signal: int | None = None
         self._signals = 0
         self.attempt = 0
-        self.state = "starting"
+        self.state = RunState.STARTING
         self.step = 0
         self.ranks: dict[int, RankInfo] = {}
         self.server: ChannelServer | None = None
@@ -108,7 +109,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
     def feed_monitors(self, rec: dict[str, Any]) -> None:
         findings, errors = self.feed.feed(rec)
         for name, e in errors:
-            self.event("monitor_error", attempt=self.attempt, monitor=name, step=rec.get("step"),
+            self.event(EventKind.MONITOR_ERROR, attempt=self.attempt, monitor=name, step=rec.get("step"),
                        rank=rec.get("rank"), error=f"{type(e).__name__}: {e}")
             self.say(f"monitor {name} raised on a record ({type(e).__name__}: {e}); the other monitors go on")
         for f in findings:
@@ -164,9 +165,9 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 return self._run_locked()
             except Exception as e:  # a bug here must still leave a truthful run directory and no processes
                 traceback.print_exc()
-                self.state = "failed"
+                self.state = RunState.FAILED
                 self.reason = f"supervisor error: {type(e).__name__}: {e}"
-                self.event("failed", reason=self.reason, attempt=self.attempt, exit_code=EXIT_FAILED)
+                self.event(EventKind.FAILED, reason=self.reason, attempt=self.attempt, exit_code=EXIT_FAILED)
                 return EXIT_FAILED
         finally:
             try:
@@ -186,20 +187,20 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
     def _run_locked(self) -> int:
         prev = read_status_file(self.run)
         self.attempt = self.run.last_attempt()
-        if prev.get("state") not in (None, "completed", "failed", "stopped"):
-            self.event("adopt", previous_supervisor_pid=prev.get("supervisor_pid"), last_attempt=self.attempt)
+        if prev.get("state") is not None and prev.get("state") not in TERMINAL_STATES:
+            self.event(EventKind.ADOPT, previous_supervisor_pid=prev.get("supervisor_pid"), last_attempt=self.attempt)
             self.say(f"adopting {self.run.path} (previous supervisor pid {prev.get('supervisor_pid')} is gone)")
         orphans = procs.run_processes(self.run.path)
         if orphans:
             procs.teardown(None, self.run.path, orphans, grace_s=2)
-            self.event("orphans_killed", pids=orphans)
+            self.event(EventKind.ORPHANS_KILLED, pids=orphans)
             self.say(f"killed {len(orphans)} leftover process(es) of this run: {orphans}")
         # verified once, here (hashes: flipped bytes keep sizes, and a run whose final checkpoint
         # went bad must redo its last steps); the ranks get the choice (PTOPS_RESUME_FROM)
         self.good = self._good_checkpoint_for_restart()
         done = launcher.completed_step(self.run)
         if done >= self.recipe.train.steps and self.good and self.good["step"] >= self.recipe.train.steps:
-            self.state = "completed"
+            self.state = RunState.COMPLETED
             self.step = done
             self.say(f"already complete (step {done}, checkpoint {self.good['path']}); nothing to do")
             return EXIT_DONE
@@ -212,8 +213,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             start_step = (self.good or {}).get("step", 0)
             outcome = self.run_attempt(self.attempt)
             if outcome.kind == "completed":
-                self.state = "completed"
-                self.event("completed", step=self.step, attempt=self.attempt)
+                self.state = RunState.COMPLETED
+                self.event(EventKind.COMPLETED, step=self.step, attempt=self.attempt)
                 return EXIT_DONE
             if outcome.kind in HALTING:  # a monitor finding's stop / rollback
                 verdict = self.findings.after_attempt(outcome, self.attempt, self._good_checkpoint_for_restart)
@@ -225,9 +226,9 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 continue
             if outcome.kind == "interrupted":
                 sig = self.stop_signal or signal.SIGTERM
-                self.state = "stopped"
+                self.state = RunState.STOPPED
                 self.reason = f"interrupted by {signal.Signals(sig).name}"
-                self.event("stopped", attempt=self.attempt, signal=int(sig), step=self.step, reason=self.reason)
+                self.event(EventKind.STOPPED, attempt=self.attempt, signal=int(sig), step=self.step, reason=self.reason)
                 return 128 + int(sig)
             if self.supervised:  # a plain launch never restarts: its checkpoints stay as they are for the next launch
                 self.good = self._good_checkpoint_for_restart()
@@ -236,12 +237,12 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 Failure(ts=time.time(), start_step=start_step, good_step=good_step, reason=outcome.reason)
             )
             if decision.action == "stop":
-                self.state = "failed"
+                self.state = RunState.FAILED
                 self.reason = decision.reason
-                self.event("failed", reason=decision.reason, attempt=self.attempt, exit_code=decision.exit_code)
+                self.event(EventKind.FAILED, reason=decision.reason, attempt=self.attempt, exit_code=decision.exit_code)
                 self.say(f"giving up: {decision.reason}")
                 return decision.exit_code
-            self.state = "restarting"
+            self.state = RunState.RESTARTING
             self.reason = outcome.reason
             self.event(
                 "restart",
@@ -261,8 +262,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             while time.monotonic() < deadline:
                 if self.stop_signal is not None:
                     sig = self.stop_signal
-                    self.state = "stopped"
-                    self.event("stopped", attempt=self.attempt, signal=int(sig), step=self.step, reason="interrupted during restart backoff")
+                    self.state = RunState.STOPPED
+                    self.event(EventKind.STOPPED, attempt=self.attempt, signal=int(sig), step=self.step, reason="interrupted during restart backoff")
                     return 128 + int(sig)
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
@@ -270,9 +271,9 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         """Where the next attempt resumes: ``ptops.ckpt.resume_point`` (deep check; newer bad ones
         quarantined and reported); the ranks take it from PTOPS_RESUME_FROM without verifying again."""
         def report(**invalid: Any) -> None:
-            self.event("checkpoint_invalid", **invalid)
+            self.event(EventKind.CHECKPOINT_INVALID, **invalid)
             self.say(f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to {invalid['moved_to']}")
 
         entry = resume_point(self.run.checkpoints, deep=True, on_invalid=report, world_size=self.world,
                              trust_env=False)
-        return None if entry is None else {"step": int(entry.step), "path": str(entry.path)}
+        return None if entry is None else entry.ref()

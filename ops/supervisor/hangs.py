@@ -15,13 +15,14 @@ import os
 import time
 from pathlib import Path
 
+from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.supervisor import launcher, procs, stacks
 from ptops.ops.supervisor.outcome import Outcome
 
 
 class HangMixin:
     def on_hang(self, finding, attempt: int, stack_dir: Path) -> Outcome:
-        self.state = "collecting_stacks"
+        self.state = RunState.COLLECTING_STACKS
         self.write_status(force=True)
         self.say(
             f"hang: rank(s) {finding.ranks} made no progress for {finding.silent_s:.1f} s "
@@ -36,7 +37,7 @@ class HangMixin:
         t1 = time.monotonic()
         procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
         ev["teardown_s"] = round(time.monotonic() - t1, 2)
-        self.event("hang", **ev)
+        self.event(EventKind.HANG, **ev)
         self.step = max(self.step, launcher.completed_step(self.run))
         return Outcome("hang", f"hang: rank(s) {finding.ranks} silent {finding.silent_s:.0f} s at step {finding.step}", ev)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ptops.ops.runrecord.events import EventKind
 from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
 
@@ -55,7 +56,7 @@ def prepare_run(recipe: Recipe, recipe_path: Path, run_dir: Path) -> RunDir:
         if stored != recipe:  # retuned watchdogs on resume: allowed, and recorded
             changed = _first_difference(stored.model_dump(), recipe.model_dump())
             run.recipe_json.write_text(dump_json(recipe) + "\n")
-            run.event("recipe_updated", first_change=changed)
+            run.event(EventKind.RECIPE_UPDATED, first_change=changed)
         return run
     run.create()
     run.recipe_json.write_text(dump_json(recipe) + "\n")

@@ -18,13 +18,12 @@ from typing import Any
 
 from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
 from ptops.faultinject.spec import parse as parse_fault
+from ptops.ops.runrecord.events import EventKind, RANK_KINDS, RunState
 from ptops.ops.runrecord.rundir import append_jsonl
 from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
 from ptops.ops.supervisor.channel import Peer
 
 # Event kinds a rank may report itself (the run directory records them as they come).
-RANK_EVENT_KINDS = frozenset({"checkpoint", "checkpoint_saved", "checkpoint_failed", "checkpoint_committed",
-                              "checkpoint_invalid", "rollback_applied"})
 
 
 @dataclass
@@ -100,7 +99,7 @@ class MessagesMixin:
         except FaultSpecError as e:
             self.server.send(peer, {"ok": False, "error": str(e)})
             return
-        if self.state not in ("starting", "running", "checkpointing"):
+        if self.state not in (RunState.STARTING, RunState.RUNNING, RunState.CHECKPOINTING):
             self.server.send(peer, {"ok": False, "error": f"no live attempt to inject into (state {self.state})"})
             return
         fault = Fault(fault.kind, fault.step, fault.rank, self.attempt, fault.params, fault.text)
@@ -109,7 +108,7 @@ class MessagesMixin:
             if info.peer is not None and info.gone_ts is None:
                 if self.server.send(info.peer, {"cmd": "fault", "fault": fault.to_dict()}):
                     sent.append(info.rank)
-        self.event("inject", fault=format_spec(fault), attempt=self.attempt, ranks=sorted(sent))
+        self.event(EventKind.INJECT, fault=format_spec(fault), attempt=self.attempt, ranks=sorted(sent))
         self.server.send(peer, {"ok": True, "attempt": self.attempt, "ranks": sorted(sent), "fault": str(fault)})
 
     # ------------------------------------------------------------ ranks
@@ -117,8 +116,8 @@ class MessagesMixin:
         hello, rank = peer.hello, peer.rank
         self.ranks[rank] = RankInfo(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")), peer)
         self.monitor.observe({"kind": "beat", "rank": rank, "step": 0, "phase": "startup", "ts": ts})
-        if self.state == "starting" and len(self.ranks) >= self.world:
-            self.state = "running"
+        if self.state == RunState.STARTING and len(self.ranks) >= self.world:
+            self.state = RunState.RUNNING
         self.write_status(force=len(self.ranks) >= self.world)
 
     def _on_beat(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
@@ -140,14 +139,14 @@ class MessagesMixin:
         self.monitor.observe({"kind": "metrics", "rank": rank, "step": rec.get("step", 0), "step_s": rec.get("step_s"), "ts": ts})
         if rank == 0:
             self.step = int(rec.get("step", self.step))
-            if self.state == "starting":
-                self.state = "running"
+            if self.state == RunState.STARTING:
+                self.state = RunState.RUNNING
             if self.progress is not None:
                 self.progress.update(rec)
 
     def _on_fault(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         fields = {k: msg.get(k) for k in ("fault", "rank", "step", "attempt")}
-        self.event("fault_injected", **fields)
+        self.event(EventKind.FAULT_INJECTED, **fields)
         self.say(f"fault injected: {fields['fault']} on rank {fields['rank']} at step {fields['step']}")
 
     def _on_ignored(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
@@ -155,7 +154,7 @@ class MessagesMixin:
 
     def _on_event(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         kind = str(msg.get("kind") or "")
-        if kind in RANK_EVENT_KINDS:
+        if kind in RANK_KINDS:
             fields = msg.get("fields") or {}
             self.event(kind, **fields)
             if kind == "checkpoint" and fields.get("path"):
@@ -193,7 +192,7 @@ class MessagesMixin:
         so there is one source, supervised or not, and a failed save never looks saved."""
         if phase == "checkpoint":
             self.ckpt_started.setdefault(step, ts)
-            self.state = "checkpointing"
+            self.state = RunState.CHECKPOINTING
         elif step in self.ckpt_started:
             self.ckpt_started.pop(step)
-            self.state = "running"
+            self.state = RunState.RUNNING

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from ptops.monitors.config import MonitorsSection
+from ptops.ops.runrecord.events import EventKind
 from ptops.recipes.rollback import RollbackInfo, skip_start
 from ptops.recipes.schema import RestartConfig
 
@@ -127,7 +128,7 @@ class RestartPolicy:
         """Rebuild the history from earlier ``restart`` events (a supervisor that adopts a run)."""
         history = []
         for e in events:
-            if e.get("kind") == "restart":
+            if e.get("kind") == EventKind.RESTART:
                 history.append(
                     Failure(
                         ts=float(e.get("ts", 0)),
@@ -190,7 +191,7 @@ class FindingPolicy:
     @classmethod
     def from_events(cls, section: MonitorsSection | None, events: Iterable[dict],
                     record_only: bool = False) -> "FindingPolicy":
-        return cls(section or MonitorsSection(), [e for e in events if e.get("kind") == "rollback"], record_only)
+        return cls(section or MonitorsSection(), [e for e in events if e.get("kind") == EventKind.ROLLBACK], record_only)
 
     def decide(self, finding: Any) -> FindingDecision:
         action = "alert" if self.record_only else self.section.action_for(finding.monitor)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import time
 
+from ptops.ops.runrecord.events import RunState
 from ptops.ops.supervisor import launcher, procs
 
 
@@ -22,7 +23,7 @@ class StopMixin:
 
     def graceful_stop(self) -> None:
         """Ctrl-C / SIGTERM: ask ranks to save (if they can), then stop everything."""
-        self.state = "stopping"
+        self.state = RunState.STOPPING
         self.write_status(force=True)
         name = signal.Signals(self.stop_signal).name
         live = [i for i in self.ranks.values() if i.peer is not None and i.gone_ts is None]
