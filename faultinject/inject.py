@@ -3,7 +3,7 @@
 The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
 
 - ``before_step(step)`` (start of an optimizer step): crash, hang, slow, oom,
-  preempt, kill-supervisor
+  preempt, kill-supervisor, hold
 - ``should_poison(step)``: nan
 - ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc. The
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
@@ -14,6 +14,12 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
 
 preempt, kill-supervisor and corrupt-ckpt are carried out by one rank for the
 whole job (rank 0 unless the spec says ``rank=``).
+
+``hold`` is a declared pause, not a failure: the rank waits before the step
+(outside any collective; the probe keeps pinging and reports phase ``hold``)
+until ``release`` arrives (``ptops inject RUN_DIR release``, handed to
+:meth:`Injector.add`) or its ``seconds`` pass. Tests use it to keep a run alive
+until what they wait for has been observed, instead of racing a short run.
 
 Every fault fires at most once per process, and ``emit(fault, step)`` is called
 *before* it takes effect, so ``fault_injected`` reaches the run directory even
@@ -32,9 +38,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ptops.faultinject.spec import ONE_RANK_KINDS, Fault
+from ptops.faultinject.spec import HOLD_DEFAULT_S, ONE_RANK_KINDS, Fault
 
-BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor")
+BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor", "hold")
 FLIP_BYTES = 64
 COMMIT_WAIT_S = 60.0
 WRITING = ".writing"  # ptops.ckpt's "save in progress" marker (kept import-free here)
@@ -49,6 +55,8 @@ class Injector:
         emit: Callable[[Fault, int], None],
         run_dir: Path | None = None,
         on_hang_stop: Callable[[], None] | None = None,
+        on_hold: Callable[[int], None] | None = None,
+        on_release: Callable[[int, float, str], None] | None = None,
     ):
         self.rank = rank
         self.attempt = attempt
@@ -66,6 +74,10 @@ class Injector:
         ]  # fmt: skip
         self._slow_left: dict[int, tuple[float, int]] = {}
         self._ckpt_steps: set[int] = set()
+        self.on_hold = on_hold  # (step): the rank stops before ``step``
+        self.on_release = on_release  # (step, held_s, "release" | "timeout"): it goes on
+        self._released = threading.Condition()
+        self._release_gen = 0
 
     def _for_rank(self, f: Fault) -> bool:
         if f.kind in ONE_RANK_KINDS and f.rank is None:
@@ -82,6 +94,9 @@ class Injector:
                 with self._lock:
                     self._shadow.append((fault, True))
             return False
+        if fault.kind == "release":
+            self.release()
+            return True
         with self._lock:
             self._pending.append((fault, True))
         return True
@@ -122,9 +137,13 @@ class Injector:
                 del self._slow_left[key]
             else:
                 self._slow_left[key] = (seconds, left - 1)
+        gen = self._release_gen  # a release that comes once a hold is taken (and announced) ends it
         for f in self._take(BEFORE_STEP, step):
             self.emit(f, step)
-            getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
+            if f.kind == "hold":
+                self._hold(f, step, gen)
+            else:
+                getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)
@@ -146,7 +165,26 @@ class Injector:
             self.emit(f, step)
             self._corrupt(f, step)
 
+    def release(self) -> None:
+        """End the hold in effect (if any) and drop the holds not reached yet: after a release
+        the run goes on to its end (a hold injected later holds again)."""
+        with self._lock:
+            self._pending = [(f, live) for f, live in self._pending if f.kind != "hold"]
+        with self._released:
+            self._release_gen += 1
+            self._released.notify_all()
+
     # ------------------------------------------------------------ effects
+    def _hold(self, f: Fault, step: int, gen: int) -> None:
+        seconds = float(f.params.get("seconds", HOLD_DEFAULT_S))
+        t0 = time.monotonic()
+        if self.on_hold:
+            self.on_hold(step)
+        with self._released:
+            released = self._released.wait_for(lambda: self._release_gen != gen, timeout=seconds)
+        if self.on_release:
+            self.on_release(step, time.monotonic() - t0, "release" if released else "timeout")
+
     def _crash(self, f: Fault, step: int) -> None:
         time.sleep(0.05)  # let the fault_injected record leave the socket buffer
         if "code" in f.params:

@@ -40,6 +40,15 @@ corrupt-ckpt   step (req), rank, attempt, mode             after the checkpoint 
                                                            largest file; ``mode=truncate`` (default:
                                                            cut to half) or ``mode=flip`` (invert 64
                                                            bytes in the middle, size unchanged)
+hold           step (req), rank, attempt, seconds          every rank (or ``rank``) stops *before*
+                                                           ``step`` (outside any collective), keeps
+                                                           its liveness pings, reports the declared
+                                                           pause phase ``hold`` (not a hang) and waits
+                                                           for ``release`` or ``seconds`` (default
+                                                           600); ``hold_released`` records the end
+release        rank, attempt (no step)                     live only (``ptops inject RUN_DIR
+                                                           release``): ends the holds in effect and
+                                                           cancels this attempt's pending ones
 =============  ==========================================  =========================================
 
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
@@ -72,8 +81,13 @@ KINDS: dict[str, dict[str, str]] = {
     "kill-supervisor": {"step": _INT, "attempt": _INT},
     "enospc": {"step": _INT, "rank": _INT, "attempt": _INT},
     "corrupt-ckpt": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
+    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT},
+    "release": {"rank": _INT, "attempt": _INT},
 }
-REQUIRED = ("step",)
+REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
+HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
+# Kinds that only make sense in a live run (``ptops inject``), not at launch.
+LIVE_ONLY_KINDS = ("release",)
 HANG_MODES = ("sleep", "stop")
 CORRUPT_MODES = ("truncate", "flip")
 # Kinds that one rank carries out for the whole job: rank 0 unless ``rank=`` says otherwise.
@@ -151,8 +165,8 @@ def parse(spec: str) -> Fault:
     for key in REQUIRED:
         if key in allowed and key not in values:
             raise FaultSpecError(f"fault {spec!r}: key '{key}': missing (required, e.g. {kind}:step=12)")
-    step = values.pop("step")
-    if step < 1:
+    step = values.pop("step", 0)
+    if "step" in allowed and step < 1:
         raise FaultSpecError(f"fault {spec!r}: key 'step': must be >= 1 (got {step})")
     rank = values.pop("rank", None)
     if rank is not None and rank < 0:
@@ -182,17 +196,24 @@ def parse(spec: str) -> Fault:
 
 
 def parse_all(specs: list[str] | tuple[str, ...]) -> list[Fault]:
-    return [parse(s) for s in specs]
+    """The faults of a launch (``--fault``): a live-only kind is an error here."""
+    faults = [parse(s) for s in specs]
+    for f in faults:
+        if f.kind in LIVE_ONLY_KINDS:
+            raise FaultSpecError(
+                f"fault {f.text!r}: {f.kind} acts on a live run only (ptops inject RUN_DIR {f.kind}), not at launch"
+            )
+    return faults
 
 
 def format_spec(fault: Fault) -> str:
-    items = [f"step={fault.step}"]
+    items = [f"step={fault.step}"] if "step" in KINDS.get(fault.kind, {"step": _INT}) else []
     if fault.rank is not None:
         items.append(f"rank={fault.rank}")
     if fault.attempt != 1:
         items.append(f"attempt={fault.attempt}")
     items += [f"{k}={v}" for k, v in sorted(fault.params.items())]
-    return f"{fault.kind}:{','.join(items)}"
+    return f"{fault.kind}:{','.join(items)}" if items else fault.kind
 
 
 def to_env(faults: list[Fault]) -> str:

@@ -56,7 +56,7 @@ KILLED_PEER_RACE_S = 0.25
 
 # Event kinds a rank may report itself (the run directory records them as they come).
 RANK_EVENT_KINDS = frozenset({"checkpoint", "checkpoint_saved", "checkpoint_failed", "checkpoint_committed",
-                              "checkpoint_invalid", "rollback_applied"})
+                              "checkpoint_invalid", "rollback_applied", "hold_released"})
 
 
 @dataclass
