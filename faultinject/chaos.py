@@ -259,7 +259,8 @@ def _finite(x: Any) -> bool:
 def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[str, ...]) -> dict[str, Any]:
     """Pure: timings and data checks from a run's records (see the module docstring)."""
     out: dict[str, Any] = {}
-    faults = [e for e in events if e.get("kind") == "fault_injected"]
+    # a hold is a pause some scenarios take before their fault, not the fault: timings start at the fault
+    faults = [e for e in events if e.get("kind") == "fault_injected" and not str(e.get("fault", "")).startswith("hold")]
     out["fired"] = bool(faults)
     out["restarts"] = sum(1 for e in events if e.get("kind") == "restart")
     ends = [e for e in events if e.get("kind") in ("completed", "failed", "stopped")]

@@ -5,7 +5,8 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
 - ``before_step(step)`` (start of an optimizer step): crash, hang, slow, oom,
   preempt, kill-supervisor, hold
 - ``should_poison(step)``: nan
-- ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc. The
+- ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc (and it
+  notes the save a ``hold:until=committed`` waits for). The
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
   ``checkpoint_failed`` and carries on (an adapter without one crashes, and the
   supervisor restarts it: also survivable).
@@ -78,6 +79,7 @@ class Injector:
         self.on_release = on_release  # (step, held_s, "release" | "timeout"): it goes on
         self._released = threading.Condition()
         self._release_gen = 0
+        self._last_save: int | None = None  # the step of the last save this rank began
 
     def _for_rank(self, f: Fault) -> bool:
         if f.kind in ONE_RANK_KINDS and f.rank is None:
@@ -138,7 +140,8 @@ class Injector:
             else:
                 self._slow_left[key] = (seconds, left - 1)
         gen = self._release_gen  # a release that comes once a hold is taken (and announced) ends it
-        for f in self._take(BEFORE_STEP, step):
+        # a hold is a pause *before* the step: it goes first, whatever the order of the specs
+        for f in sorted(self._take(BEFORE_STEP, step), key=lambda f: f.kind != "hold"):
             self.emit(f, step)
             if f.kind == "hold":
                 self._hold(f, step, gen)
@@ -153,6 +156,7 @@ class Injector:
 
     def on_checkpoint(self, step: int) -> None:
         self._ckpt_steps.add(step)
+        self._last_save = step
         for f in self._take(("enospc",), step):
             self.emit(f, step)
             raise OSError(errno.ENOSPC, f"No space left on device (injected fault {f})")
@@ -177,13 +181,29 @@ class Injector:
     # ------------------------------------------------------------ effects
     def _hold(self, f: Fault, step: int, gen: int) -> None:
         seconds = float(f.params.get("seconds", HOLD_DEFAULT_S))
+        on_commit = f.params.get("until", "release") == "committed"
         t0 = time.monotonic()
+        deadline = t0 + seconds
         if self.on_hold:
             self.on_hold(step)
+        by = "timeout"
         with self._released:
-            released = self._released.wait_for(lambda: self._release_gen != gen, timeout=seconds)
+            while True:
+                if self._release_gen != gen:
+                    by = "release"
+                    break
+                if on_commit and self._last_save_committed():
+                    by = "committed"
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._released.wait(min(left, 0.1) if on_commit else left)  # a commit is seen on disk: poll it
         if self.on_release:
-            self.on_release(step, time.monotonic() - t0, "release" if released else "timeout")
+            self.on_release(step, time.monotonic() - t0, by)
+
+    def _last_save_committed(self) -> bool:
+        return self._last_save is None or committed(find_checkpoint(self.run_dir, self._last_save))
 
     def _crash(self, f: Fault, step: int) -> None:
         time.sleep(0.05)  # let the fault_injected record leave the socket buffer

@@ -40,12 +40,17 @@ corrupt-ckpt   step (req), rank, attempt, mode             after the checkpoint 
                                                            largest file; ``mode=truncate`` (default:
                                                            cut to half) or ``mode=flip`` (invert 64
                                                            bytes in the middle, size unchanged)
-hold           step (req), rank, attempt, seconds          every rank (or ``rank``) stops *before*
-                                                           ``step`` (outside any collective), keeps
-                                                           its liveness pings, reports the declared
+hold           step (req), rank, attempt, seconds,         every rank (or ``rank``) stops *before*
+               until                                       ``step`` (before any other fault there;
+                                                           outside any collective), keeps its
+                                                           liveness pings, reports the declared
                                                            pause phase ``hold`` (not a hang) and waits
                                                            for ``release`` or ``seconds`` (default
-                                                           600); ``hold_released`` records the end
+                                                           600); ``until=committed``: also ends once
+                                                           the last checkpoint the rank began is
+                                                           committed (an async save in flight is
+                                                           durable before what follows);
+                                                           ``hold_released`` records the end
 release        rank, attempt (no step)                     live only (``ptops inject RUN_DIR
                                                            release``): ends the holds in effect and
                                                            cancels this attempt's pending ones
@@ -81,11 +86,12 @@ KINDS: dict[str, dict[str, str]] = {
     "kill-supervisor": {"step": _INT, "attempt": _INT},
     "enospc": {"step": _INT, "rank": _INT, "attempt": _INT},
     "corrupt-ckpt": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
-    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT},
+    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR},
     "release": {"rank": _INT, "attempt": _INT},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
+HOLD_UNTIL = ("release", "committed")
 # Kinds that only make sense in a live run (``ptops inject``), not at launch.
 LIVE_ONLY_KINDS = ("release",)
 HANG_MODES = ("sleep", "stop")
@@ -184,6 +190,8 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(
             f"fault {spec!r}: key 'mode': expected one of {', '.join(CORRUPT_MODES)} (got {values['mode']!r})"
         )
+    if kind == "hold" and values.get("until", "release") not in HOLD_UNTIL:
+        raise FaultSpecError(f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got {values['until']!r})")
     if "signal" in values:
         name = values["signal"].upper()
         name = name if name.startswith("SIG") else "SIG" + name

@@ -142,6 +142,55 @@ def test_a_hold_injected_after_a_release_holds_again():
     assert not t.is_alive() and r.log[-1][:3] == ("released", 7, "release")
 
 
+def test_until_committed_waits_for_the_save_in_flight(tmp_path):
+    """``hold:until=committed`` ends once the last save this rank began lost its ``.writing`` marker."""
+    ckpt = tmp_path / "checkpoints" / "step-4"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".writing").touch()  # the async save of step 4 is in flight
+    log: list[tuple] = []
+    inj = Injector([parse("crash:step=6,code=3"), parse("hold:step=6,until=committed,seconds=30")], 0, 1,
+                   emit=lambda f, step: log.append(("fault_injected", f.kind, step)), run_dir=tmp_path,
+                   on_hold=lambda step: log.append(("hold", step)),
+                   on_release=lambda step, held_s, by: log.append(("released", step, by)))
+    inj.on_checkpoint(4)
+    inj.after_checkpoint(4)
+    inj._crash = lambda f, step: log.append(("crash", step))  # noqa: SLF001 - record instead of dying
+    t = threading.Thread(target=inj.before_step, args=(6,), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and log == [("fault_injected", "hold", 6), ("hold", 6)]
+    (ckpt / ".writing").unlink()  # rank 0 committed it
+    t.join(5)
+    assert not t.is_alive()
+    # the hold went first although given second, and the crash came after the commit
+    assert log[2:] == [("released", 6, "committed"), ("fault_injected", "crash", 6), ("crash", 6)]
+
+
+def test_until_committed_without_a_save_does_not_wait(tmp_path):
+    r = Rank(["hold:step=2,until=committed,seconds=30"])
+    r.inj.run_dir = tmp_path
+    t0 = time.monotonic()
+    r.inj.before_step(2)
+    assert time.monotonic() - t0 < 1 and r.log[-1][:3] == ("released", 2, "committed")
+
+
+def test_until_errors():
+    with pytest.raises(FaultSpecError, match="'until': expected one of release, committed"):
+        parse("hold:step=2,until=forever")
+    assert parse("hold:step=2,until=committed").params == {"until": "committed"}
+
+
+def test_chaos_timings_start_at_the_fault_not_at_a_hold():
+    from ptops.faultinject.chaos import analyze
+
+    events = [{"ts": 10.0, "kind": "fault_injected", "fault": "hold:step=6,until=committed", "rank": 0, "step": 6},
+              {"ts": 14.0, "kind": "fault_injected", "fault": "crash:rank=1,step=6", "rank": 1, "step": 6},
+              {"ts": 15.0, "kind": "crash", "attempt": 1, "rank": 1}]
+    a = analyze(events, [], 12, ("crash",))
+    assert a["fired"] and a["detected_by"] == "crash" and a["detect_s"] == 1.0
+    assert not analyze(events[:1], [], 12, ("crash",))["fired"]  # a hold alone is no fault
+
+
 # ---------------------------------------------------------------- hang monitor
 
 
