@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from ptops.faultinject import inject
 from ptops.faultinject.inject import Injector
 from ptops.faultinject.spec import HOLD_DEFAULT_S, FaultSpecError, format_spec, from_env, parse, parse_all, to_env
 from ptops.monitors.hang import HangConfig, HangMonitor
@@ -142,7 +143,7 @@ def test_a_hold_injected_after_a_release_holds_again():
     assert not t.is_alive() and r.log[-1][:3] == ("released", 7, "release")
 
 
-def test_until_committed_waits_for_the_save_in_flight(tmp_path):
+def test_until_committed_waits_for_the_save_in_flight(tmp_path, monkeypatch):
     """``hold:until=committed`` ends once the last save this rank began lost its ``.writing`` marker."""
     ckpt = tmp_path / "checkpoints" / "step-4"
     ckpt.mkdir(parents=True)
@@ -154,8 +155,20 @@ def test_until_committed_waits_for_the_save_in_flight(tmp_path):
                    on_release=lambda step, held_s, by: log.append(("released", step, by)))
     inj.on_checkpoint(4)
     inj.after_checkpoint(4)
-    inj._crash = lambda f, step: log.append(("crash", step))  # noqa: SLF001 - record instead of dying
-    t = threading.Thread(target=inj.before_step, args=(6,), daemon=True)
+
+    def exit_(code):  # the crash's os._exit, recorded; SystemExit ends only this thread
+        log.append(("crash", code))
+        raise SystemExit(code)
+
+    monkeypatch.setattr(inject.os, "_exit", exit_)
+
+    def step6():
+        try:
+            inj.before_step(6)
+        except SystemExit:
+            pass
+
+    t = threading.Thread(target=step6, daemon=True)
     t.start()
     t.join(0.5)
     assert t.is_alive() and log == [("fault_injected", "hold", 6), ("hold", 6)]
@@ -163,7 +176,7 @@ def test_until_committed_waits_for_the_save_in_flight(tmp_path):
     t.join(5)
     assert not t.is_alive()
     # the hold went first although given second, and the crash came after the commit
-    assert log[2:] == [("released", 6, "committed"), ("fault_injected", "crash", 6), ("crash", 6)]
+    assert log[2:] == [("released", 6, "committed"), ("fault_injected", "crash", 6), ("crash", 3)]
 
 
 def test_until_committed_without_a_save_does_not_wait(tmp_path):
