@@ -305,25 +305,28 @@ class PrometheusExporter:
         ``completed``/``failed``/``stopped``.
         """
         with self._lock:
-            s = self._s
-            if s.first_launch_ts is None:
-                return None
-            end = s.end_ts if s.end_ts is not None else (self.clock() if now is None else now)
-            wall = end - s.first_launch_ts
-            if wall <= 0:
-                return None
-            return max(0.0, min(1.0, s.productive_sum / wall))
+            return self._goodput(self.clock() if now is None else now)
+
+    def _goodput(self, now: float) -> float | None:
+        s = self._s  # the caller holds the lock
+        if s.first_launch_ts is None:
+            return None
+        end = s.end_ts if s.end_ts is not None else now
+        wall = end - s.first_launch_ts
+        if wall <= 0:
+            return None
+        return max(0.0, min(1.0, s.productive_sum / wall))
 
     # ------------------------------------------------------------------ exposition
 
     def collect(self):
         started = time.monotonic()
         now = self.clock()
-        goodput = self.goodput(now)
         base_names = ["run", "recipe"]
         base = [self.run, self.recipe]
         with self._lock:
             s = self._s
+            goodput = self._goodput(now)  # under the same lock as productive_seconds: one consistent scrape
 
             def gauge(name: str, doc: str, value: float | None, unit: str = ""):
                 g = GaugeMetricFamily(name, doc, labels=base_names, unit=unit)
