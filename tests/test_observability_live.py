@@ -140,6 +140,10 @@ def live(tmp_path_factory, have):
         obs["gpu_any"] = query('{__name__=~"ptops_gpu_.*"}')
         obs["alive_after_panels"] = proc.poll() is None
         obs["up_after"] = query(f'ptops_up{{run="{run.name}"}}')
+        # held past three hang budgets (5 s floor) at least: the supervisor must call it a pause, not a hang
+        held_since = min(e["ts"] for e in obs["held"])
+        while time.time() < held_since + 3 * SETTINGS["supervisor.hang_floor_s"] and proc.poll() is None:
+            time.sleep(0.5)
         obs["hang_events_while_held"] = len(_events(run, "hang"))
         # 5. release the hold; the run completes
         rel = subprocess.run([*PTOPS, "inject", str(run), "release"], cwd=REPO, capture_output=True, text=True,
@@ -227,6 +231,7 @@ def test_the_hold_is_a_declared_pause_released_on_request(live):
     assert live["hang_events_while_held"] == 1, "the hold was taken for a hang"
     released = _events(run, "hold_released")
     assert sorted(e["rank"] for e in released) == [0, 1]
+    assert min(e["held_s"] for e in released) > 2 * SETTINGS["supervisor.hang_floor_s"]
     assert {(e["attempt"], e["step"], e["by"]) for e in released} == {(2, HANG_STEP, "release")}
     inject = _events(run, "inject")
     assert [(e["fault"], e["attempt"], sorted(e["ranks"])) for e in inject] == [("release:attempt=2", 2, [0, 1])]
