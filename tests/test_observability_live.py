@@ -40,10 +40,11 @@ INTERVAL = 4
 HANG_STEP = 10
 FAULTS = [f"hang:rank=1,step={HANG_STEP}", f"slow:rank=1,step=2,seconds=0.4,steps={HANG_STEP - 2}",
           f"hold:step={HANG_STEP},attempt=2"]
+HANG_FLOOR_S = 5
 SETTINGS = {
     "train.steps": STEPS,
     "checkpoint.interval": INTERVAL,
-    "supervisor.hang_floor_s": 5,
+    "supervisor.hang_floor_s": HANG_FLOOR_S,
     "supervisor.unresponsive_s": 4,
     "supervisor.backoff_s": 0.5,
     "monitors.grad_explosion.abs_max": 0.3,  # a real finding on the real grad-norm stream (norms are ~0.37-0.6)
@@ -142,7 +143,7 @@ def live(tmp_path_factory, have):
         obs["up_after"] = query(f'ptops_up{{run="{run.name}"}}')
         # held past three hang budgets (5 s floor) at least: the supervisor must call it a pause, not a hang
         held_since = min(e["ts"] for e in obs["held"])
-        while time.time() < held_since + 3 * SETTINGS["supervisor.hang_floor_s"] and proc.poll() is None:
+        while time.time() < held_since + 3 * HANG_FLOOR_S and proc.poll() is None:
             time.sleep(0.5)
         obs["hang_events_while_held"] = len(_events(run, "hang"))
         # 5. release the hold; the run completes
@@ -231,7 +232,7 @@ def test_the_hold_is_a_declared_pause_released_on_request(live):
     assert live["hang_events_while_held"] == 1, "the hold was taken for a hang"
     released = _events(run, "hold_released")
     assert sorted(e["rank"] for e in released) == [0, 1]
-    assert min(e["held_s"] for e in released) > 2 * SETTINGS["supervisor.hang_floor_s"]
+    assert min(e["held_s"] for e in released) > 2 * HANG_FLOOR_S
     assert {(e["attempt"], e["step"], e["by"]) for e in released} == {(2, HANG_STEP, "release")}
     inject = _events(run, "inject")
     assert [(e["fault"], e["attempt"], sorted(e["ranks"])) for e in inject] == [("release:attempt=2", 2, [0, 1])]
