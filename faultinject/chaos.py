@@ -277,7 +277,8 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
     """Pure: timings and data checks from a run's records (see the module docstring)."""
     out: dict[str, Any] = {}
     view = reduce(events)
-    faults = [e for e in events if e.get("kind") == EventKind.FAULT_INJECTED]
+    # a hold is a pause some scenarios take before their fault, not the fault: timings start at the fault
+    faults = [e for e in events if e.get("kind") == EventKind.FAULT_INJECTED and not str(e.get("fault", "")).startswith("hold")]
     out["fired"] = bool(faults)
     out["restarts"] = view.restarts
     out["state"] = view.end["kind"] if view.end else None

@@ -3,9 +3,10 @@
 The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
 
 - ``before_step(step)`` (start of an optimizer step): crash, hang, slow, oom,
-  preempt, kill-supervisor
+  preempt, kill-supervisor, hold
 - ``should_poison(step)``: nan
-- ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc. The
+- ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc (and it
+  notes the save a ``hold:until=committed`` waits for). The
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
   ``checkpoint_failed`` and carries on (an adapter without one crashes, and the
   supervisor restarts it: also survivable).
@@ -19,6 +20,12 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
 
 preempt, kill-supervisor and corrupt-ckpt are carried out by one rank for the
 whole job (rank 0 unless the spec says ``rank=``).
+
+``hold`` is a declared pause, not a failure: the rank waits before the step
+(outside any collective; the probe keeps pinging and reports phase ``hold``)
+until ``release`` arrives (``ptops inject RUN_DIR release``, handed to
+:meth:`Injector.add`) or its ``seconds`` pass. Tests use it to keep a run alive
+until what they wait for has been observed, instead of racing a short run.
 
 Every fault fires at most once per process, and ``emit(fault, step)`` is called
 *before* it takes effect, so ``fault_injected`` reaches the run directory even
@@ -38,9 +45,9 @@ from pathlib import Path
 from typing import Callable
 
 from ptops.ckpt import checkpoint_path, is_writing, shard_files
-from ptops.faultinject.spec import ONE_RANK_KINDS, Fault
+from ptops.faultinject.spec import HOLD_DEFAULT_S, ONE_RANK_KINDS, Fault
 
-BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor")
+BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor", "hold")
 FLIP_BYTES = 64
 COMMIT_WAIT_S = 60.0
 
@@ -54,6 +61,8 @@ class Injector:
         emit: Callable[[Fault, int], None],
         run_dir: Path | None = None,
         on_hang_stop: Callable[[], None] | None = None,
+        on_hold: Callable[[int], None] | None = None,
+        on_release: Callable[[int, float, str], None] | None = None,
     ):
         self.rank = rank
         self.attempt = attempt
@@ -71,6 +80,11 @@ class Injector:
         ]  # fmt: skip
         self._slow_left: dict[int, tuple[float, int]] = {}
         self._ckpt_steps: set[int] = set()
+        self.on_hold = on_hold  # (step): the rank stops before ``step``
+        self.on_release = on_release  # (step, held_s, "release" | "timeout"): it goes on
+        self._released = threading.Condition()
+        self._release_gen = 0
+        self._last_save: int | None = None  # the step of the last save this rank began
 
     def _for_rank(self, f: Fault) -> bool:
         if f.kind in ONE_RANK_KINDS and f.rank is None:
@@ -87,6 +101,9 @@ class Injector:
                 with self._lock:
                     self._shadow.append((fault, True))
             return False
+        if fault.kind == "release":
+            self.release()
+            return True
         with self._lock:
             self._pending.append((fault, True))
         return True
@@ -128,9 +145,14 @@ class Injector:
                 del self._slow_left[key]
             else:
                 self._slow_left[key] = (seconds, left - 1)
-        for f in self._take(BEFORE_STEP, step):
+        gen = self._release_gen  # a release that comes once a hold is taken (and announced) ends it
+        # a hold is a pause *before* the step: it goes first, whatever the order of the specs
+        for f in sorted(self._take(BEFORE_STEP, step), key=lambda f: f.kind != "hold"):
             self.emit(f, step)
-            getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
+            if f.kind == "hold":
+                self._hold(f, step, gen)
+            else:
+                getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)
@@ -140,6 +162,7 @@ class Injector:
 
     def on_checkpoint(self, step: int) -> None:
         self._ckpt_steps.add(step)
+        self._last_save = step
         for f in self._take(("enospc",), step):
             self.emit(f, step)
             raise OSError(errno.ENOSPC, f"No space left on device (injected fault {f})")
@@ -157,7 +180,42 @@ class Injector:
             self.emit(f, step)
             self._corrupt(f, step)
 
+    def release(self) -> None:
+        """End the hold in effect (if any) and drop the holds not reached yet: after a release
+        the run goes on to its end (a hold injected later holds again)."""
+        with self._lock:
+            self._pending = [(f, live) for f, live in self._pending if f.kind != "hold"]
+        with self._released:
+            self._release_gen += 1
+            self._released.notify_all()
+
     # ------------------------------------------------------------ effects
+    def _hold(self, f: Fault, step: int, gen: int) -> None:
+        seconds = float(f.params.get("seconds", HOLD_DEFAULT_S))
+        on_commit = f.params.get("until", "release") == "committed"
+        t0 = time.monotonic()
+        deadline = t0 + seconds
+        if self.on_hold:
+            self.on_hold(step)
+        by = "timeout"
+        with self._released:
+            while True:
+                if self._release_gen != gen:
+                    by = "release"
+                    break
+                if on_commit and self._last_save_committed():
+                    by = "committed"
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._released.wait(min(left, 0.1) if on_commit else left)  # a commit is seen on disk: poll it
+        if self.on_release:
+            self.on_release(step, time.monotonic() - t0, by)
+
+    def _last_save_committed(self) -> bool:
+        return self._last_save is None or committed(find_checkpoint(self.run_dir, self._last_save))
+
     def _crash(self, f: Fault, step: int) -> None:
         time.sleep(0.05)  # let the fault_injected record leave the socket buffer
         if "code" in f.params:

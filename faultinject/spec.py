@@ -46,6 +46,20 @@ corrupt-ckpt   step (req), rank, attempt, mode             after the checkpoint 
                                                            largest file; ``mode=truncate`` (default:
                                                            cut to half) or ``mode=flip`` (invert 64
                                                            bytes in the middle, size unchanged)
+hold           step (req), rank, attempt, seconds,         every rank (or ``rank``) stops *before*
+               until                                       ``step`` (before any other fault there;
+                                                           outside any collective), keeps its
+                                                           liveness pings, reports the declared
+                                                           pause phase ``hold`` (not a hang) and waits
+                                                           for ``release`` or ``seconds`` (default
+                                                           600); ``until=committed``: also ends once
+                                                           the last checkpoint the rank began is
+                                                           committed (an async save in flight is
+                                                           durable before what follows);
+                                                           ``hold_released`` records the end
+release        rank, attempt (no step)                     live only (``ptops inject RUN_DIR
+                                                           release``): ends the holds in effect and
+                                                           cancels this attempt's pending ones
 =============  ==========================================  =========================================
 
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
@@ -78,8 +92,14 @@ KINDS: dict[str, dict[str, str]] = {
     "kill-supervisor": {"step": _INT, "attempt": _INT},
     "enospc": {"step": _INT, "rank": _INT, "attempt": _INT},
     "corrupt-ckpt": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
+    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR},
+    "release": {"rank": _INT, "attempt": _INT},
 }
-REQUIRED = ("step",)
+REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
+HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
+HOLD_UNTIL = ("release", "committed")
+# Kinds that only make sense in a live run (``ptops inject``), not at launch.
+LIVE_ONLY_KINDS = ("release",)
 HANG_MODES = ("sleep", "stop")
 CRASH_PHASES = ("step", "save")  # where a crash fires: start of the step (default), middle of its save
 CORRUPT_MODES = ("truncate", "flip")
@@ -158,8 +178,8 @@ def parse(spec: str) -> Fault:
     for key in REQUIRED:
         if key in allowed and key not in values:
             raise FaultSpecError(f"fault {spec!r}: key '{key}': missing (required, e.g. {kind}:step=12)")
-    step = values.pop("step")
-    if step < 1:
+    step = values.pop("step", 0)
+    if "step" in allowed and step < 1:
         raise FaultSpecError(f"fault {spec!r}: key 'step': must be >= 1 (got {step})")
     rank = values.pop("rank", None)
     if rank is not None and rank < 0:
@@ -181,6 +201,8 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(
             f"fault {spec!r}: key 'phase': expected one of {', '.join(CRASH_PHASES)} (got {values['phase']!r})"
         )
+    if kind == "hold" and values.get("until", "release") not in HOLD_UNTIL:
+        raise FaultSpecError(f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got {values['until']!r})")
     if "signal" in values:
         name = values["signal"].upper()
         name = name if name.startswith("SIG") else "SIG" + name
@@ -193,17 +215,24 @@ def parse(spec: str) -> Fault:
 
 
 def parse_all(specs: list[str] | tuple[str, ...]) -> list[Fault]:
-    return [parse(s) for s in specs]
+    """The faults of a launch (``--fault``): a live-only kind is an error here."""
+    faults = [parse(s) for s in specs]
+    for f in faults:
+        if f.kind in LIVE_ONLY_KINDS:
+            raise FaultSpecError(
+                f"fault {f.text!r}: {f.kind} acts on a live run only (ptops inject RUN_DIR {f.kind}), not at launch"
+            )
+    return faults
 
 
 def format_spec(fault: Fault) -> str:
-    items = [f"step={fault.step}"]
+    items = [f"step={fault.step}"] if "step" in KINDS.get(fault.kind, {"step": _INT}) else []
     if fault.rank is not None:
         items.append(f"rank={fault.rank}")
     if fault.attempt != 1:
         items.append(f"attempt={fault.attempt}")
     items += [f"{k}={v}" for k, v in sorted(fault.params.items())]
-    return f"{fault.kind}:{','.join(items)}"
+    return f"{fault.kind}:{','.join(items)}" if items else fault.kind
 
 
 def to_env(faults: list[Fault]) -> str:

@@ -157,14 +157,14 @@ def first_number(record: Mapping[str, Any], keys: Iterable[str]) -> tuple[str | 
 def record_step(record: Mapping[str, Any]) -> int | None:
     try:
         return int(record["step"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: a step of inf
         return None
 
 
 def record_rank(record: Mapping[str, Any]) -> int:
     try:
         return int(record.get("rank", 0) or 0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0
 
 

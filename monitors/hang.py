@@ -3,8 +3,9 @@
 Records are dicts with ``kind`` and ``ts`` (seconds on the observer's clock, e.g.
 the supervisor's ``time.monotonic()`` at receipt, so hosts' clocks never matter):
 
-- ``{"kind": "beat", "rank": r, "step": n, "phase": "startup"|"step"|"checkpoint", "stage": "begin"|None}``
-  progress: the rank reached a new point (``stage="begin"``: the start of step n);
+- ``{"kind": "beat", "rank": r, "step": n, "phase": "startup"|"step"|"checkpoint"|"hold", "stage": "begin"|None}``
+  progress: the rank reached a new point (``stage="begin"``: the start of step n; ``phase="hold"``:
+  a declared pause before step n, e.g. the ``hold`` fault);
 - ``{"kind": "metrics", "rank": r, "step": n, "step_s": s}``: step n finished (progress);
 - ``{"kind": "ping", "rank": r}``: liveness only (a thread of the rank is alive), no progress;
 - ``{"kind": "exit", "rank": r}``: the rank left on purpose; it is no longer watched.
@@ -15,6 +16,13 @@ phase it is in:
 - before its first finished step of the attempt: ``startup_s`` from the attempt start;
 - during a checkpoint save, or after the final step (saving, shutting down): ``checkpoint_s``;
 - otherwise ``max(floor_s, multiplier * median(last `window` step times))``.
+
+A declared pause (phase ``hold``: the rank stopped on purpose before a step,
+outside any collective) is no hang while the paused rank keeps pinging: it has
+no progress budget, its peers waiting for it are not judged either, and the
+budgets of everyone restart when the pause ends. The pause's own bound is the
+pausing side's business (the ``hold`` fault ends by itself); a paused rank that
+stops pinging is judged by the unresponsive rule below, startup or not.
 
 A rank that sends nothing at all (not even its liveness pings) for longer than
 that step timeout (and ``ping_stale_s``) is stalled in every phase but startup: a SIGSTOPped rank in
@@ -82,6 +90,7 @@ class HangFinding:
 
 
 _STAGE = {"startup": 0, "begin": 1, "end": 2, "checkpoint": 3, "after_checkpoint": 4}
+HOLD = "hold"  # the declared-pause phase
 
 
 @dataclass
@@ -104,6 +113,7 @@ class HangMonitor:
     def __post_init__(self) -> None:
         self.ranks: dict[int, _Rank] = {r: _Rank(last_progress=self.start_ts) for r in range(self.world_size)}
         self.step_times: deque[float] = deque(maxlen=max(1, self.config.window))
+        self.resumed_at = self.start_ts  # the end of the last declared pause: budgets count from here
 
     # ------------------------------------------------------------ input
     def observe(self, rec: dict) -> None:
@@ -132,6 +142,8 @@ class HangMonitor:
                 pos = (0, _STAGE["startup"])
             elif phase == "checkpoint":
                 pos = (step, _STAGE["checkpoint"])
+            elif phase == HOLD:
+                pos = (step - 1, _STAGE["end"])  # step n-1 done, step n not begun
             elif rec.get("stage") == "begin":
                 pos = (step, _STAGE["begin"])
             elif st.phase == "checkpoint":
@@ -140,6 +152,8 @@ class HangMonitor:
                 pos = (step, _STAGE["end"])
         else:
             return
+        if st.phase == HOLD and phase != HOLD:
+            self.resumed_at = max(self.resumed_at, ts)
         st.step, st.phase, st.pos = step, phase, pos
         st.last_progress = ts
 
@@ -154,34 +168,43 @@ class HangMonitor:
         """(deadline, timeout, phase name) of one rank."""
         c = self.config
         st = self.ranks[rank]
+        if st.phase == HOLD:
+            return float("inf"), float("inf"), HOLD
         if st.steps_done == 0:
-            return self.start_ts + c.startup_s, c.startup_s, "startup"
+            return max(self.start_ts, self.resumed_at) + c.startup_s, c.startup_s, "startup"
+        since = max(st.last_progress, self.resumed_at)
         if st.phase == "checkpoint":
-            return st.last_progress + c.checkpoint_s, c.checkpoint_s, "checkpoint"
+            return since + c.checkpoint_s, c.checkpoint_s, "checkpoint"
         if c.total_steps is not None and st.step >= c.total_steps and st.pos[1] >= _STAGE["end"]:
-            return st.last_progress + c.checkpoint_s, c.checkpoint_s, "finishing"
+            return since + c.checkpoint_s, c.checkpoint_s, "finishing"
         t = self.step_timeout()
-        return st.last_progress + t, t, "step"
+        return since + t, t, "step"
 
     def _unresponsive_past_step_timeout(self, rank: int, now: float) -> bool:
         """A rank that sends nothing at all, not even pings, is judged by the step timeout in every phase
         but startup (a stopped rank inside a checkpoint save must not get the long save budget)."""
         st = self.ranks[rank]
-        if st.steps_done == 0 or st.last_seen is None:
+        if (st.steps_done == 0 and st.phase != HOLD) or st.last_seen is None:
             return False
         return now - st.last_seen > max(self.step_timeout(), self.config.ping_stale_s)
 
     # ------------------------------------------------------------ output
     def check(self, now: float) -> HangFinding | None:
-        live = [r for r, st in sorted(self.ranks.items()) if not st.exited]
-        stalled = [r for r in live if now > self.budget(r)[0] or self._unresponsive_past_step_timeout(r, now)]
-        if not stalled:
-            return None
         c = self.config
 
         def unresponsive(r: int) -> bool:
             seen = self.ranks[r].last_seen
             return seen is None or now - seen > c.ping_stale_s
+
+        live = [r for r, st in sorted(self.ranks.items()) if not st.exited]
+        # a declared pause of a live rank pauses the job: its peers block on it by design
+        paused = any(self.ranks[r].phase == HOLD and not unresponsive(r) for r in live)
+        stalled = [
+            r for r in live
+            if (not paused and now > self.budget(r)[0]) or self._unresponsive_past_step_timeout(r, now)
+        ]  # fmt: skip
+        if not stalled:
+            return None
 
         quiet = [r for r in live if unresponsive(r)]
         if quiet and len(quiet) < len(live):
@@ -196,7 +219,7 @@ class HangMonitor:
         first = min(culprits, key=lambda r: self.ranks[r].last_progress)
         judged = next((r for r in culprits if r in stalled), stalled[0])
         _, timeout, phase = self.budget(judged)
-        if now <= self.budget(judged)[0]:  # stalled by the unresponsive rule, not its phase budget
+        if paused or now <= self.budget(judged)[0]:  # stalled by the unresponsive rule, not its phase budget
             timeout, phase = self.step_timeout(), f"unresponsive in {phase}"
         return HangFinding(
             ranks=culprits,

@@ -1,7 +1,8 @@
 """``ptops chaos`` against real supervised training (tiny models, 2 CPU ranks, gloo).
 
-CI runs a subset that fits the time budget (~3 min on 2 cores): TorchTitan crash,
-corrupt checkpoint + crash (fall back past the damaged checkpoint), supervisor
+CI runs a subset that fits the time budget (~3 min on 2 cores): TorchTitan crash
+(held before the crash until the async save of step 4 is committed, so the restart point is
+one value, not a race), corrupt checkpoint + crash (fall back past the damaged checkpoint), supervisor
 SIGKILL (relaunch adopts), and TRL SFT preemption (SIGTERM, save on request,
 relaunch resumes). The full matrix (every kind on titan-tiny; crash / hang / nan /
 corrupt-ckpt / preempt / crash-in-save on trl-sft-tiny and trl-grpo-tiny) is behind the
@@ -17,7 +18,13 @@ import pytest
 
 from conftest import run_ptops
 
-CI_SUBSET = ["titan-tiny/crash", "titan-tiny/corrupt-ckpt", "titan-tiny/kill-supervisor", "trl-sft-tiny/preempt"]
+# The crash scenario's own faults plus a hold: without it the crash at the start of step 6 races the
+# async save of step 4 (begun at the end of step 4, committed in the background), and the restart
+# point is 4 or 0 depending on load. Held until that save is committed, the one right answer is 4.
+CRASH = "titan-tiny/crash:rank=1,step=6;hold:step=6,until=committed,seconds=120"
+CRASH_NAME = "titan-tiny/crash:rank=1,step=6,hold:step=6,until=committed,seconds=120"
+CI_SUBSET = [CRASH, "titan-tiny/corrupt-ckpt", "titan-tiny/kill-supervisor", "trl-sft-tiny/preempt"]
+CI_NAMES = [CRASH_NAME, *CI_SUBSET[1:]]
 
 
 def events(run: str | Path, kind: str) -> list[dict]:
@@ -43,7 +50,7 @@ def test_chaos_ci_subset(tmp_path):
     args = [a for s in CI_SUBSET for a in ("--scenario", s)]
     report, err = chaos(tmp_path, *args)
     res = by_name(report)
-    assert list(res) == CI_SUBSET
+    assert list(res) == CI_NAMES
     failed = {n: r["problems"] for n, r in res.items() if not r["passed"]}
     assert not failed, f"{failed}\n{err}"
     # progress lines while running, one baseline per recipe
@@ -55,19 +62,25 @@ def test_chaos_ci_subset(tmp_path):
         assert r["recover_s"] is not None and r["recover_s"] >= r["detect_s"], r
         assert r["final_step"] == 12 and r["state"] == "completed"
 
-    crash = res["titan-tiny/crash"]
+    crash = res[CRASH_NAME]
     assert crash["detected_by"] == "crash" and crash["restarts"] == 1 and crash["launches"] == 1
-    # crashed at the start of step 6: steps after the checkpoint it resumed from are redone (step-4
-    # normally; step 0 when the async save of step 4 was still in flight under load)
+    # both ranks held before step 6 until step 4's save was committed (by "committed", not the bound);
+    # then rank 1 crashed: the restart resumes from that committed step-4 checkpoint and redoes step 5
+    released = events(crash["run_dir"], "hold_released")
+    assert sorted(e["rank"] for e in released) == [0, 1] and {e["by"] for e in released} == {"committed"}
+    ckpt4 = [e for e in events(crash["run_dir"], "checkpoint") if e["step"] == 4]
+    assert len(ckpt4) == 1 and ckpt4[0]["mode"] == "async"
     restart = events(crash["run_dir"], "restart")[0]
-    assert restart["from_step"] in (0, 4) and crash["steps_recomputed"] == 5 - restart["from_step"]
+    assert restart["from_step"] == 4 and crash["steps_recomputed"] == 1, (restart, crash)
 
     corrupt = res["titan-tiny/corrupt-ckpt"]
     invalid = events(corrupt["run_dir"], "checkpoint_invalid")
     assert any(e["path"].endswith("step-8") and "distcp" in e["reason"] for e in invalid), invalid
+    # fell back past the damaged step-8 to step-4: committed before the save of step 8 began (one save
+    # at a time: the adapter waits for the one in flight), and kept (checkpoint.keep = 3)
     restart = events(corrupt["run_dir"], "restart")[0]
-    assert restart["from_step"] in (0, 4)  # fell back past the damaged step-8
-    assert corrupt["steps_recomputed"] == 9 - restart["from_step"]  # crashed at the start of step 10
+    assert restart["from_step"] == 4, restart
+    assert corrupt["steps_recomputed"] == 9 - 4  # crashed at the start of step 10
 
     ks = res["titan-tiny/kill-supervisor"]
     assert ks["exit_codes"][0] in (-9, 137) and ks["exit_codes"][-1] == 0 and ks["launches"] == 2

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from ptops.diagnostics.diagnose import RUNBOOKS, diagnose
 
 TRACES = Path(__file__).parent / "data" / "traces"
@@ -160,11 +158,16 @@ def test_every_runbook_diagnose_names_is_a_file():
     assert not missing, f"diagnose links runbooks with no file: {missing}"
 
 
-def test_ptops_diagnose_wired():
-    """Once the lead wires ``ptops diagnose``, the real CLI must behave like the module."""
+def test_ptops_diagnose_help_teaches_and_the_cli_behaves_like_the_module():
     p = subprocess.run([sys.executable, "-m", "ptops", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
-    if "diagnose" not in p.stdout:
-        pytest.skip("`ptops diagnose` not wired into ops/cli/app.py yet")
+    assert p.returncode == 0 and "diagnose" in p.stdout
+    h = subprocess.run([sys.executable, "-m", "ptops", "diagnose", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env=dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb"))
+    assert h.returncode == 0, h.stderr
+    text = " ".join(h.stdout.split())
+    # what it takes, how to get JSON, and what it prints
+    for words in ("RUN_DIR", "--json", "findings", "runbook", "timeline", "events_summary", "exit 2"):
+        assert words.lower() in text.lower(), f"`ptops diagnose --help` does not say {words!r}:\n{h.stdout}"
     q = subprocess.run([sys.executable, "-m", "ptops", "diagnose", "/nonexistent/run", "--json"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert q.returncode == 2 and q.stderr.strip().startswith("error:")
+    assert q.returncode == 2 and q.stdout == "" and q.stderr.strip().startswith("error:") and q.stderr.count("\n") == 1

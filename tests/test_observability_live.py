@@ -2,19 +2,22 @@
 under ``ptops launch --supervise --metrics-port P --mlflow-uri sqlite:///...``, scraped by a real
 Prometheus (the shipped rules) that alerts through a real Alertmanager to a local webhook.
 
-One run, shared by every test here (~90 s on 2 cores):
+One run, shared by every test here (~2 min on 2 cores):
 
 - attempt 1: rank 1 is slowed by 0.4 s before steps 2-9 (``slow`` fault) -> the straggler monitor
   names it; the grad-explosion monitor runs with a low absolute cap (0.3, below every grad norm of
   this model) so a real monitor finding reaches the "Monitor findings" panel; rank 1 hangs before
   step 10 (``hang`` fault) -> the supervisor detects it (5 s floor), writes ``hang``, restarts;
-- attempt 2 resumes from the step-8 checkpoint and completes.
+- attempt 2 resumes from the step-8 checkpoint and is *held* before step 10 (``hold`` fault: every
+  rank waits outside any collective, pinging; a declared pause, no hang) until the fixture has
+  observed TrainingHang at the webhook, the straggler and monitor findings scraped and every
+  dashboard query answered; then ``ptops inject RUN_DIR release`` lets it complete.
 
-TrainingHang fires for 15 minutes after the ``hang`` event (``for: 10s``); attempt 2's start-up
-alone lasts ~30 s here, so the alert reaches the receiver while the exporter still serves the run.
-The dashboard's queries are sent as Grafana sends them (range queries over the run so far) while
-the run is alive. Afterwards: the exporter's last values agree with the run directory, and the
-MLflow store holds one run with the loss of every step.
+Nothing here races the run's length: the run lives until what the tests wait for was observed
+(a 16-step run is over in seconds, before ``for: 10s`` + scrape + group_wait could fire). The
+exporter waits for one scrape after the run's last record before it closes, so Prometheus' last
+values are the run's final ones. Afterwards: they agree with the run directory, and the MLflow
+store holds one run with the loss of every step.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ from ptops.ops.obs import dashboard
 STEPS = 16
 INTERVAL = 4
 HANG_STEP = 10
-FAULTS = [f"hang:rank=1,step={HANG_STEP}", f"slow:rank=1,step=2,seconds=0.4,steps={HANG_STEP - 2}"]
+FAULTS = [f"hang:rank=1,step={HANG_STEP}", f"slow:rank=1,step=2,seconds=0.4,steps={HANG_STEP - 2}",
+          f"hold:step={HANG_STEP},attempt=2"]
+HANG_FLOOR_S = 5
 SETTINGS = {
     "train.steps": STEPS,
     "checkpoint.interval": INTERVAL,
-    "supervisor.hang.floor_s": 5,
+    "supervisor.hang.floor_s": HANG_FLOOR_S,
     "supervisor.hang.ping_stale_s": 4,
     "supervisor.restart.backoff_s": 0.5,
     "monitors.grad_explosion.abs_max": 0.3,  # a real finding on the real grad-norm stream (norms are ~0.37-0.6)
@@ -50,6 +55,11 @@ RESTART_FROM = (HANG_STEP - 1) // INTERVAL * INTERVAL  # the last checkpoint bef
 def _events(run: Path, kind: str | None = None) -> list[dict]:
     out = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
     return [e for e in out if kind is None or e["kind"] == kind]
+
+
+def _holds(run: Path) -> list[dict]:
+    return [e for e in _events(run, "fault_injected") if e["fault"].startswith("hold:")] if run.joinpath(
+        "events.jsonl").exists() else []
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -100,30 +110,53 @@ def live(tmp_path_factory, have):
         hang = wait_for(alive_or_fail("the hang event")(lambda: (run / "events.jsonl").exists() and _events(run, "hang")),
                         240, "the hang event", step=0.2)[0]
         obs["hang_event"] = hang
-        # 2. TrainingHang at the webhook (Prometheus rule -> Alertmanager -> receiver)
+        # 2. attempt 2 is held before step HANG_STEP: every rank announced its hold
+        obs["held"] = wait_for(alive_or_fail("both ranks held in attempt 2")(lambda: len(_holds(run)) == 2 and _holds(run)),
+                               300, "both ranks held in attempt 2", step=0.2)
+        # 3. TrainingHang at the webhook (Prometheus rule -> Alertmanager -> receiver)
         hook = servers.hook
-        ts, alert = wait_for(lambda: next(iter(hook.alerts("TrainingHang")), None), 90,
-                             "TrainingHang at the webhook", step=0.2)
+        ts, alert = wait_for(alive_or_fail("TrainingHang at the webhook")(
+            lambda: next(iter(hook.alerts("TrainingHang")), None)), 300, "TrainingHang at the webhook", step=0.2)
         obs["alert"], obs["alert_ts"], obs["alive_at_alert"] = alert, ts, proc.poll() is None
-        # 3. while the run lives: the incidents are scraped, then every dashboard query as Grafana sends it
+        # 4. while the run is held: the incidents are scraped, then every dashboard query as Grafana sends it
         query = servers.query
-        wait_for(lambda: query("ptops_stragglers_total > 0") and query("ptops_anomalies_total > 0"), 60,
-                 "straggler and monitor findings scraped", step=0.5)
+        wait_for(alive_or_fail("straggler and monitor findings scraped")(
+            lambda: query("ptops_stragglers_total > 0") and query("ptops_anomalies_total > 0")), 300,
+            "straggler and monitor findings scraped", step=0.5)
         obs["up_before"] = query(f'ptops_up{{run="{run.name}"}}')
-        t_q = time.time()
-        obs["panels"] = [(panel, expr, servers.query_range(expr, t_start - 5, t_q, 1.0))
-                         for panel, expr in dashboard.panel_exprs(substitute=True)]
+
+        def panels():
+            t_q = time.time()
+            return [(panel, expr, servers.query_range(expr, t_start - 5, t_q, 1.0))
+                    for panel, expr in dashboard.panel_exprs(substitute=True)]
+
+        def answered(got):  # every panel that can have data has some (the test names the ones without)
+            return all(result for panel, _, result in got if panel.needs not in ("gpu", "rl"))
+
+        obs["panels"] = panels()
+        deadline = time.monotonic() + 60  # held: waiting costs nothing, e.g. for a rate()'s second sample
+        while not answered(obs["panels"]) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(1)
+            obs["panels"] = panels()
         obs["gpu_any"] = query('{__name__=~"ptops_gpu_.*"}')
         obs["alive_after_panels"] = proc.poll() is None
         obs["up_after"] = query(f'ptops_up{{run="{run.name}"}}')
-        # 4. the run completes
+        # held past three hang budgets (5 s floor) at least: the supervisor must call it a pause, not a hang
+        held_since = min(e["ts"] for e in obs["held"])
+        while time.time() < held_since + 3 * HANG_FLOOR_S and proc.poll() is None:
+            time.sleep(0.5)
+        obs["hang_events_while_held"] = len(_events(run, "hang"))
+        # 5. release the hold; the run completes
+        rel = subprocess.run([*PTOPS, "inject", str(run), "release"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+        obs["release"] = (rel.returncode, rel.stdout + rel.stderr)
         out, _ = proc.communicate(timeout=240)
         obs["rc"], obs["stdout"] = proc.returncode, out
         stderr.seek(0)
         obs["stderr"] = stderr.read()
         obs["t_end"] = time.time()
         obs["wall_s"] = obs["t_end"] - t_start
-        # 5. the exporter's last scraped values (its series went stale when the launch exited)
+        # 6. the exporter's last scraped values (its series went stale when the launch exited)
         last = {}
         for name in ("ptops_step", "ptops_attempt", "ptops_hangs_total", "ptops_crashes_total",
                      "ptops_step_duration_seconds_count", "ptops_productive_seconds", "ptops_start_timestamp_seconds",
@@ -133,15 +166,17 @@ def live(tmp_path_factory, have):
                      "ptops_straggler_ratio"):
             last[name] = query(f'last_over_time({name}{{run="{run.name}"}}[10m])')
         last["attempt_changes"] = query(f'changes(ptops_attempt{{run="{run.name}"}}[10m])')
-        last["goodput_range"] = servers.query_range(f'ptops_goodput_ratio{{run="{run.name}"}}', t_start,
-                                                    obs["t_end"], 1.0)
-        last["productive_range"] = servers.query_range(f'ptops_productive_seconds{{run="{run.name}"}}', t_start,
-                                                       obs["t_end"], 1.0)
+        # raw samples, stamped with their scrape's start (a range query's grid would be up to one
+        # scrape interval off), and each scrape's duration: the exporter read its clock in between
+        last["goodput_raw"] = query(f'ptops_goodput_ratio{{run="{run.name}"}}[30m]')
+        last["productive_raw"] = query(f'ptops_productive_seconds{{run="{run.name}"}}[30m]')
+        last["scrape_s_raw"] = query(f'scrape_duration_seconds{{instance="127.0.0.1:{port}"}}[30m]')
         obs["last"] = last
         obs["up_end"] = query(f'ptops_up{{run="{run.name}"}}')
         print(f"\nlive observability run: {obs['wall_s']:.1f} s; hang event -> webhook "
               f"{obs['alert_ts'] - hang['ts']:.1f} s; fault -> webhook "
-              f"{obs['alert_ts'] - _events(run, 'fault_injected')[-1]['ts']:.1f} s")
+              f"{obs['alert_ts'] - _events(run, 'fault_injected')[0]['ts']:.1f} s; held "
+              f"{max(e['held_s'] for e in _events(run, 'hold_released')):.1f} s")
         yield obs
     finally:
         if proc.poll() is None:
@@ -189,6 +224,25 @@ def test_every_dashboard_query_has_data_while_the_run_lives(live):
 
 
 @pytest.mark.slow
+def test_the_hold_is_a_declared_pause_released_on_request(live):
+    run = live["run"]
+    assert live["release"][0] == 0 and "injected release" in live["release"][1], live["release"]
+    held = live["held"]
+    assert sorted(e["rank"] for e in held) == [0, 1] and {(e["attempt"], e["step"]) for e in held} == {(2, HANG_STEP)}
+    assert live["hang_events_while_held"] == 1, "the hold was taken for a hang"
+    released = _events(run, "hold_released")
+    assert sorted(e["rank"] for e in released) == [0, 1]
+    assert min(e["held_s"] for e in released) > 2 * HANG_FLOOR_S
+    assert {(e["attempt"], e["step"], e["by"]) for e in released} == {(2, HANG_STEP, "release")}
+    inject = _events(run, "inject")
+    assert [(e["fault"], e["attempt"], sorted(e["ranks"])) for e in inject] == [("release:attempt=2", 2, [0, 1])]
+    # every rank was held until the fixture had seen the alert, and did the held step after the release
+    assert min(e["ts"] for e in released) > live["alert_ts"]
+    steps_after = [m for m in _metrics(run) if m["attempt"] == 2 and m["step"] == HANG_STEP]
+    assert len(steps_after) == 2 and min(m["ts"] for m in steps_after) > inject[0]["ts"]
+
+
+@pytest.mark.slow
 def test_run_completes_after_one_restart(live):
     assert live["rc"] == 0, live["stderr"][-4000:]
     summary = json.loads(live["stdout"])
@@ -231,15 +285,20 @@ def test_exporter_values_match_the_run_directory(live):
     assert _value(last["ptops_checkpoints_total"]) == len(ckpts)
     start = _value(last["ptops_start_timestamp_seconds"])
     assert start == pytest.approx(_events(run, "launch")[0]["ts"], abs=1e-3)
-    # goodput at every scrape = productive time so far / wall time since the first launch
-    prod = {ts: float(v) for ts, v in live["last"]["productive_range"][0]["values"]}
+    # goodput at every scrape = productive time so far / wall time since the first launch, "now" being
+    # the exporter's clock during the scrape: between the scrape's start (ts, ms) and its end
+    prod = {ts: float(v) for ts, v in last["productive_raw"][0]["values"]}
+    took = {ts: float(v) for ts, v in last["scrape_s_raw"][0]["values"]}
+    end = _events(run, "completed")[0]["ts"]
     checked = 0
-    for ts, v in live["last"]["goodput_range"][0]["values"]:
-        if ts in prod:
-            assert float(v) == pytest.approx(prod[ts] / (ts - start), abs=0.01), (ts, v)
-            checked += 1
+    for ts, v in last["goodput_raw"][0]["values"]:
+        if ts not in prod:
+            continue  # before the first step record: no productive time yet
+        lo_now, hi_now = min(ts - 0.001, end), min(ts + took[ts] + 0.001, end)  # wall time stops at completed
+        assert prod[ts] / (hi_now - start) - 1e-9 <= float(v) <= prod[ts] / (lo_now - start) + 1e-9, (ts, v, took[ts])
+        checked += 1
     assert checked >= 10
-    assert 0 < float(live["last"]["goodput_range"][0]["values"][-1][1]) < 1
+    assert 0 < float(last["goodput_raw"][0]["values"][-1][1]) < 1
 
 
 @pytest.mark.slow

@@ -38,8 +38,11 @@ def metrics(run: Path) -> list[dict]:
 
 def test_titan_nan_rolls_back_to_the_checkpoint_before_the_anomaly(tmp_path):
     run = tmp_path / "run"
+    # held before step 12 until the async save of step 10 is committed: else the rollback target is 10
+    # or 5 depending on whether that save was still in flight (a race with the machine's load)
     proc = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--no-mlflow",
-                     "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=12", "--json")
+                     "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=12",
+                     "--fault", "hold:step=12,until=committed,seconds=120", "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["state"] == "completed" and summary["attempts"] == 2

@@ -73,6 +73,14 @@ def stack(tmp_path_factory, have):
         wait_for(lambda: any(r["value"][1] == "8" for r in query('ptops_step{run="obs-titan-live"}')), 30,
                  "titan step 8 scraped")
         wait_for(lambda: query('ptops_rl_entropy{run="obs-grpo-live"}'), 30, "grpo entropy scraped")
+        # rate()-based panels need two scrapes of a series: the ~1.5 s of writing may hold one scrape of
+        # it or several. Wait until every panel answers (the test below asserts it and names the
+        # empty ones), rather than query at the first scrape that saw the last record.
+        try:
+            wait_for(lambda: not [e for p, e in dashboard.panel_exprs(substitute=True) if p.needs != "gpu" and not query(e)],
+                     30, "every dashboard query answered", step=0.5)
+        except AssertionError:
+            pass
         yield {"prom": servers.url, "query": query, "runs": runs, "tmp": tmp, "hook": servers.hook,
                "feed_s": time.monotonic() - t0}
     finally:

@@ -29,6 +29,11 @@ def events(run: Path, kind: str | None = None) -> list[dict]:
     return [e for e in out if kind is None or e["kind"] == kind]
 
 
+def events_or_none(run: Path, kind: str) -> list[dict]:
+    """Like events(), before the run directory has any: an empty list."""
+    return events(run, kind) if (run / "events.jsonl").exists() else []
+
+
 def final_digest(run: Path, steps: int = 16) -> str:
     """Digest of the final checkpoint (ptops.ckpt); falls back to the final rank-0 loss."""
     ck = next((p for p in (run / "checkpoints" / f"step-{steps}", run / "checkpoints" / f"checkpoint-{steps}") if p.is_dir()), None)
@@ -79,13 +84,17 @@ def titan_reference(tmp_path_factory) -> str:
 
 def test_titan_crash_restarts_from_checkpoint(tmp_path, titan_reference):
     run = tmp_path / "run"
-    proc = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--fault", "crash:rank=1,step=12", "--json")
+    # held before step 12 until the async save of step 10 is committed (else: 10 or 5 by load)
+    proc = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--fault", "crash:rank=1,step=12",
+                     "--fault", "hold:step=12,until=committed,seconds=120", "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["state"] == "completed" and summary["restarts"] == 1 and summary["crashes"] == 1
     crash = events(run, "crash")[0]
     assert crash["attempt"] == 1 and crash["rank"] == 1 and crash["exit_code"] == -9
-    assert events(run, "fault_injected")[0] | {"ts": 0} == {"ts": 0, "kind": "fault_injected", "fault": "crash:rank=1,step=12", "rank": 1, "step": 12, "attempt": 1}
+    crash_fault = [e for e in events(run, "fault_injected") if e["fault"].startswith("crash")]
+    assert crash_fault[0] | {"ts": 0} == {"ts": 0, "kind": "fault_injected", "fault": "crash:rank=1,step=12", "rank": 1, "step": 12, "attempt": 1}
+    assert {e["by"] for e in events(run, "hold_released")} == {"committed"}
     restart = events(run, "restart")[0]
     assert restart["attempt"] == 2 and restart["from_step"] == 10
     assert events(run, "completed")[0]["step"] == 16
@@ -94,21 +103,25 @@ def test_titan_crash_restarts_from_checkpoint(tmp_path, titan_reference):
 
 
 def test_titan_hang_fault_and_sigstopped_rank(tmp_path, titan_reference):
-    """Attempt 1: rank 0 hangs in Python (hang fault). Attempt 2: rank 1 is SIGSTOPped from outside."""
+    """Attempt 1: rank 0 hangs in Python (hang fault). Attempt 2: rank 1 is SIGSTOPped from outside
+    (attempt 2 is held before step 8 until then, so the SIGSTOP never races the run's end)."""
     run = tmp_path / "run"
     proc = start(
         "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, *FAST_HANG,
         "--fault", "hang:rank=0,step=8",
-        "--fault", "slow:rank=0,step=6,seconds=0.4,steps=11,attempt=2",  # leaves time to SIGSTOP in attempt 2
+        "--fault", "hold:step=8,attempt=2",
     )  # fmt: skip
     try:
-        st = wait_for(
-            lambda: (s := status(run)).get("attempt") == 2 and s.get("step", 0) >= 7 and len(s.get("ranks", [])) == 2 and s,
-            200, "attempt 2 at step 7", proc,
-        )  # fmt: skip
+        wait_for(lambda: len([e for e in events_or_none(run, "fault_injected") if e["fault"].startswith("hold")]) == 2,
+                 200, "both ranks held in attempt 2", proc)
+        st = status(run)
+        assert st.get("attempt") == 2 and len(st.get("ranks", [])) == 2, st
         victim = next(r["pid"] for r in st["ranks"] if r["rank"] == 1)
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.time()
+        # rank 0 goes on into step 8 and waits there for the stopped rank 1
+        rel = run_ptops("inject", str(run), "release")
+        assert rel.returncode == 0 and "injected release" in rel.stdout, rel.stderr
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -118,6 +131,7 @@ def test_titan_hang_fault_and_sigstopped_rank(tmp_path, titan_reference):
     assert len(hangs) == 2, err
     first, second = hangs
     injected = events(run, "fault_injected")[0]
+    assert injected["fault"] == "hang:rank=0,step=8"
     assert first["attempt"] == 1 and first["ranks"] == [0] and first["step"] == 7 and first["why"] == "behind"
     assert first["ts"] - injected["ts"] < 5 + 3  # detected within the 5 s floor (+ stack collection)
     assert second["attempt"] == 2 and second["ranks"] == [1] and second["why"] == "unresponsive"
@@ -148,9 +162,13 @@ def test_titan_sigint_sigkill_lock_and_resume(tmp_path, titan_reference):
     proc = start("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS)
     try:
         wait_for(lambda: status(run).get("attempt") == 2 and len(status(run).get("ranks", [])) == 2, 120, "attempt 2 ranks", proc)
-        inj = run_ptops("inject", str(run), "slow:rank=0,step=1,seconds=0.3,steps=40")
+        # held at step 8 (or the next step, if 8 has passed) while the supervisor is checked and killed,
+        # instead of racing the rest of the run with a slow fault
+        inj = run_ptops("inject", str(run), "hold:step=8")
         assert inj.returncode == 0 and "injected" in inj.stdout, inj.stderr
-        st = wait_for(lambda: (s := status(run)).get("step", 0) >= 8 and s, 120, "step 8", proc)
+        wait_for(lambda: len([e for e in events_or_none(run, "fault_injected")
+                              if e["fault"].startswith("hold") and e["attempt"] == 2]) == 2, 120, "both ranks held", proc)
+        st = status(run)  # written at every attempt's start with its ranks (its step may lag: not used)
         # a second supervisor on the same run directory: one clear line, exit 2
         second = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS)
         assert second.returncode == 2 and second.stderr.strip().count("\n") == 0

@@ -125,7 +125,13 @@ def diagnose(
 ) -> None:
     """What happened in a run: replay the monitors over metrics.jsonl, merge events, name the runbooks.
 
+    Prints the findings (what, which step, which rank, which runbook), a summary of the run's
+    events (state, attempts, restarts, last checkpoint) and a timeline; --json prints the same
+    report as one JSON object (run_dir, findings, events_summary, timeline).
+
     Exit 0 with a report (findings or not); exit 2 when RUN_DIR is not a run directory.
+
+    Example:  ptops diagnose runs/demo --json
     """
     from ptops.ops.cli.diagnose import diagnose_command
 

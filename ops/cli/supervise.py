@@ -54,7 +54,7 @@ def status_cmd(
 
 def inject_cmd(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a live run (plain or --supervise).")],
-    spec: Annotated[str, typer.Argument(help="Fault spec, e.g. hang:rank=0,step=30 (the step may be past: fires at the next).")],
+    spec: Annotated[str, typer.Argument(help="Fault spec, e.g. hang:rank=0,step=30 (the step may be past: fires at the next), or release (ends a hold).")],
 ) -> None:
     """Inject a fault into a live run (sent to its ranks over the supervisor's channel).
 

@@ -40,4 +40,5 @@ class LiveExporters:
             if not self.mlflow.close(timeout):
                 print(f"ptops: MLflow export incomplete ({self.mlflow.dropped} records dropped, last error: {self.mlflow.last_error})", file=self.out)
         if self.prom is not None:
+            self.prom.last_scrape()  # the followers' final poll is in: let Prometheus see the end
             self.prom.close()

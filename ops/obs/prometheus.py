@@ -148,6 +148,8 @@ class PrometheusExporter:
             self.registry.register(self.nvml)
         self._server = None
         self._thread = None
+        self._scraped = threading.Condition()
+        self._scrapes: list[float] = []  # monotonic start of the last two complete collections
 
     @classmethod
     def for_run_dir(cls, run_dir: str | Path, **kwargs: Any) -> "PrometheusExporter":
@@ -291,24 +293,28 @@ class PrometheusExporter:
         ``completed``/``failed``/``stopped``.
         """
         with self._lock:
-            s = self._s
-            if s.first_launch_ts is None:
-                return None
-            end = s.end_ts if s.end_ts is not None else (self.clock() if now is None else now)
-            wall = end - s.first_launch_ts
-            if wall <= 0:
-                return None
-            return max(0.0, min(1.0, s.productive_sum / wall))
+            return self._goodput(self.clock() if now is None else now)
+
+    def _goodput(self, now: float) -> float | None:
+        s = self._s  # the caller holds the lock
+        if s.first_launch_ts is None:
+            return None
+        end = s.end_ts if s.end_ts is not None else now
+        wall = end - s.first_launch_ts
+        if wall <= 0:
+            return None
+        return max(0.0, min(1.0, s.productive_sum / wall))
 
     # ------------------------------------------------------------------ exposition
 
     def collect(self):
+        started = time.monotonic()
         now = self.clock()
-        goodput = self.goodput(now)
         base_names = ["run", "recipe"]
         base = [self.run, self.recipe]
         with self._lock:
             s = self._s
+            goodput = self._goodput(now)  # under the same lock as productive_seconds: one consistent scrape
 
             def gauge(name: str, doc: str, value: float | None, unit: str = ""):
                 g = GaugeMetricFamily(name, doc, labels=base_names, unit=unit)
@@ -410,6 +416,9 @@ class PrometheusExporter:
         for family in out:
             if family.samples or family.type in ("histogram",):
                 yield family
+        with self._scraped:
+            self._scrapes = [*self._scrapes[-1:], started]
+            self._scraped.notify_all()
 
     # ------------------------------------------------------------------ serving
 
@@ -426,6 +435,21 @@ class PrometheusExporter:
     @property
     def port(self) -> int | None:
         return self._server.server_port if self._server else None
+
+    def last_scrape(self, cap_s: float = 30.0) -> bool:
+        """Wait (at most two scrape intervals, ``cap_s`` at most) for one more scrape, so that the
+        scraper sees what was fed last (the run's end) before the endpoint goes; returns at once
+        when nothing scrapes (fewer than two collections seen: the registration's own)."""
+        asked = time.monotonic()
+        with self._scraped:
+            if len(self._scrapes) < 2 or self._server is None:
+                return False
+            timeout = min(cap_s, 2 * (self._scrapes[-1] - self._scrapes[-2]) + 1.0)
+            # a collection that began after everything was fed, not one that snapshotted before
+            if not self._scraped.wait_for(lambda: self._scrapes[-1] > asked, timeout=timeout):
+                return False
+        time.sleep(0.2)  # the HTTP handler thread still writes the response out
+        return True
 
     def close(self) -> None:
         if self._server is not None:

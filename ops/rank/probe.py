@@ -16,7 +16,8 @@ Where the records go is the probe's business:
   supervisor can tell a rank that is alive but stuck from one that is stopped
   or stuck in C code holding the GIL. Commands from the supervisor: ``stacks``
   (answer with every thread's Python stack), ``stop`` (a save-and-stop request,
-  see below), ``fault`` (a fault injected into the live run).
+  see below), ``fault`` (a fault injected into the live run; ``release`` ends a
+  ``hold``, during which the rank pings on and reports phase ``hold``).
 
 Channel EOF means the supervisor is gone: the rank kills itself (the
 supervisor-side half of "no orphans", next to PR_SET_PDEATHSIG in
@@ -115,7 +116,8 @@ class Probe:
         self._accepts_stop = False
         self._closing = False
         self.injector = Injector(
-            from_env(faults), rank, attempt, self._emit_fault, run_dir=self.run.path, on_hang_stop=self._stop_pinging
+            from_env(faults), rank, attempt, self._emit_fault, run_dir=self.run.path, on_hang_stop=self._stop_pinging,
+            on_hold=self._on_hold, on_release=self._on_release,
         )
         self.client = None
         self._pinging = threading.Event()
@@ -245,6 +247,18 @@ class Probe:
         else:
             self.run.event("fault_injected", **fields)
         print(f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}", file=sys.stderr, flush=True)
+
+    def _on_hold(self, step: int) -> None:
+        # a declared pause: the pings go on, and the phase tells the hang monitor it is no hang
+        self._phase, self._step = "hold", int(step)
+        self._send({"t": "beat", "step": int(step), "phase": "hold"})
+        print(f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject RUN_DIR release`)",
+              file=sys.stderr, flush=True)
+
+    def _on_release(self, step: int, held_s: float, by: str) -> None:
+        self.event("hold_released", step=int(step), held_s=round(held_s, 3), by=by)
+        print(f"[ptops.probe rank {self.rank}] released after {held_s:.1f} s ({by}); step {step} begins",
+              file=sys.stderr, flush=True)
 
     def _stop_pinging(self) -> None:
         self._pinging.clear()

@@ -38,6 +38,7 @@ class EventKind(StrEnum):
     ADOPT = "adopt"
     ORPHANS_KILLED = "orphans_killed"
     RECIPE_UPDATED = "recipe_updated"
+    HOLD_RELEASED = "hold_released"
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -143,6 +144,8 @@ SPECS: dict[EventKind, EventSpec] = {
                        doc="a new supervisor took over a run whose supervisor died"),
     K.ORPHANS_KILLED: EventSpec(("pids",), doc="leftover processes of the run were killed before a launch"),
     K.RECIPE_UPDATED: EventSpec(("first_change",), doc="a relaunch runs a changed recipe"),
+    K.HOLD_RELEASED: EventSpec(("rank", "attempt", "step", "held_s", "by"),
+                               doc="a rank held by a `hold` fault went on (by: release | committed | timeout)"),
     K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
     K.FAILED: EventSpec(("reason",), ("attempt", "exit_code"), state=RunState.FAILED, severity="critical",
                         summary=True, doc="the run gave up (reason names the cause)"),
@@ -155,7 +158,7 @@ del K
 END_KINDS = frozenset({EventKind.COMPLETED, EventKind.FAILED, EventKind.STOPPED})
 # Kinds a rank may report itself over the channel (the supervisor records only these).
 RANK_KINDS = frozenset({EventKind.CHECKPOINT, EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_INVALID,
-                        EventKind.ROLLBACK_APPLIED})
+                        EventKind.ROLLBACK_APPLIED, EventKind.HOLD_RELEASED})
 # Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).
 MONITOR_FINDING_KINDS = frozenset({EventKind.STRAGGLER, EventKind.ANOMALY})
 FINDING_KINDS = frozenset(k for k, s in SPECS.items() if s.finding)
