@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ptops.ops.cli.errors import fail
+
 from ptops import __version__
 
 app = typer.Typer(
@@ -21,11 +23,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-
-def fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 def _version(value: bool) -> None:

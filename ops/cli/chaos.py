@@ -14,10 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
+from ptops.ops.cli.errors import fail
 
 
 def chaos_cmd(
@@ -47,7 +44,7 @@ def chaos_cmd(
         scenarios = chaos.select(recipe, scenario)
         chaos.check_recipes(scenarios)
     except chaos.ScenarioError as e:
-        _fail(str(e))
+        fail(str(e))
     if list_only:
         for sc in scenarios:
             extra = "".join(f" --set {x}" for x in sc.extra_sets)
@@ -55,7 +52,7 @@ def chaos_cmd(
         return
     target = work_dir or Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     if target.exists() and any(target.iterdir()):
-        _fail(f"--work-dir {target}: exists and is not empty (chaos needs fresh run directories)")
+        fail(f"--work-dir {target}: exists and is not empty (chaos needs fresh run directories)")
 
     def progress(msg: str) -> None:
         typer.echo(f"chaos {time.strftime('%H:%M:%S')}  {msg}", err=True)
@@ -64,7 +61,7 @@ def chaos_cmd(
     try:
         report = chaos.run_all(scenarios, target, progress, launch_timeout_s=launch_timeout)
     except KeyboardInterrupt:
-        _fail("interrupted", 130)
+        fail("interrupted", 130)
     if json_out:
         typer.echo(json.dumps(report, indent=1))
     else:

@@ -12,12 +12,9 @@ from pathlib import Path
 
 import typer
 
+from ptops.ops.cli.errors import fail
+
 app = typer.Typer(help="List, verify and digest TorchTitan (DCP) and TRL/HF checkpoints.", no_args_is_help=True)
-
-
-def _fail(msg: str, code: int) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
 
 
 def _human(n: int) -> str:
@@ -38,10 +35,10 @@ def list_cmd(
     from ptops.ckpt import checkpoints_dir, list_checkpoints, read_latest
 
     if not run_dir.exists():
-        _fail(f"run directory not found: {run_dir}", 2)
+        fail(f"run directory not found: {run_dir}", 2)
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
-        _fail(f"no checkpoints folder: {root}", 2)
+        fail(f"no checkpoints folder: {root}", 2)
     entries = list_checkpoints(root, deep=deep)
     latest = read_latest(root)
     if as_json:
@@ -74,13 +71,13 @@ def verify_cmd(
     from ptops.ckpt import verify
 
     if not path.exists():
-        _fail(f"checkpoint not found: {path}", 2)
+        fail(f"checkpoint not found: {path}", 2)
     if not path.is_dir():
-        _fail(f"not a checkpoint folder: {path}", 2)
+        fail(f"not a checkpoint folder: {path}", 2)
     from ptops.ckpt import MANIFEST_NAME, detect_kind
 
     if detect_kind(path) == "unknown" and not (path / MANIFEST_NAME).exists():
-        _fail(f"not a checkpoint folder (expected step-N/ or checkpoint-N/): {path}; "
+        fail(f"not a checkpoint folder (expected step-N/ or checkpoint-N/): {path}; "
               f"to see a run's checkpoints use `ptops ckpt list`", 2)
     res = verify(path, deep=not quick)
     if as_json:
@@ -103,10 +100,10 @@ def digest_cmd(
     from ptops.ckpt import DigestError, digest
 
     if not path.exists():
-        _fail(f"path not found: {path}", 2)
+        fail(f"path not found: {path}", 2)
     try:
         typer.echo(digest(path))
     except DigestError as e:
-        _fail(str(e), 1)
+        fail(str(e), 1)
     except (OSError, ValueError, KeyError) as e:
-        _fail(f"cannot digest {path}: {type(e).__name__}: {e}", 1)
+        fail(f"cannot digest {path}: {type(e).__name__}: {e}", 1)

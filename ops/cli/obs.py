@@ -20,10 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
+from ptops.ops.cli.errors import fail
 
 
 # ---------------------------------------------------------------------- plain functions
@@ -120,7 +117,7 @@ def cmd_grafana_push(
         res = dashboard.push(url, token, datasource_uid=datasource_uid, folder_uid=folder_uid,
                              runbook_base=runbook_base_url)
     except Exception as e:  # one clear line: which URL, what went wrong
-        _fail(f"grafana push to {url} failed: {type(e).__name__}: {e}", 1)
+        fail(f"grafana push to {url} failed: {type(e).__name__}: {e}", 1)
     typer.echo(f"provisioned on {url}: folder {res['folder']}, dashboard {res['dashboard']}, {res['rules']} alert rules")
 
 
@@ -138,7 +135,7 @@ def cmd_runbook(
     try:
         typer.echo(runbook_text(name), nl=False)
     except KeyError as e:
-        _fail(str(e.args[0]))
+        fail(str(e.args[0]))
 
 
 def cmd_export(
@@ -157,7 +154,7 @@ def cmd_export(
     from ptops.ops.runrecord.follow import follow, replay
 
     if not (run_dir / "events.jsonl").exists() and not (run_dir / "metrics.jsonl").exists():
-        _fail(f"{run_dir}: not a run directory (no events.jsonl or metrics.jsonl)")
+        fail(f"{run_dir}: not a run directory (no events.jsonl or metrics.jsonl)")
     exporter = PrometheusExporter.for_run_dir(run_dir)
     sinks = [exporter]
     ml = None
@@ -175,7 +172,7 @@ def cmd_export(
     try:
         bound = exporter.serve(port, addr)
     except OSError as e:
-        _fail(f"cannot serve metrics on {addr}:{port}: {e}")
+        fail(f"cannot serve metrics on {addr}:{port}: {e}")
     typer.echo(f"ptops export: serving http://{addr}:{bound}/metrics for {run_dir} (Ctrl-C to stop)", err=True)
     follower = follow(run_dir, *sinks)
     done = threading.Event()

@@ -13,10 +13,7 @@ from typing import Annotated
 
 import typer
 
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
+from ptops.ops.cli.errors import fail
 
 
 def parse_faults(specs: list[str]) -> list:
@@ -26,7 +23,7 @@ def parse_faults(specs: list[str]) -> list:
     try:
         return parse_all(specs)
     except FaultSpecError as e:
-        _fail(f"--fault: {e}")
+        fail(f"--fault: {e}")
         return []
 
 
@@ -48,7 +45,7 @@ def status_cmd(
         good = latest_good(RunDir(run_dir).checkpoints, deep=False)
         s = collect(run_dir, good.ref() if good else None)
     except FileNotFoundError as e:
-        _fail(str(e))
+        fail(str(e))
     typer.echo(json.dumps(s, indent=2, default=str) if json_out else render(s))
 
 
@@ -66,21 +63,21 @@ def inject_cmd(
     try:
         parse(spec)
     except FaultSpecError as e:
-        _fail(str(e))
+        fail(str(e))
     info_path = Path(run_dir) / "supervisor" / "channel.json"
     from ptops.ops.runrecord.lock import holder
 
     if holder(Path(run_dir)) is None:
-        _fail(f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops launch`)", 1)
+        fail(f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops launch`)", 1)
     try:
         info = read_info(info_path)
         client = ChannelClient(info["address"], info["token"], {"role": "control", "pid": 0}, connect_timeout=5)
         answer = client.request({"t": "inject", "spec": spec}, timeout=10)
         client.close()
     except (OSError, ValueError, KeyError, ConnectionError) as e:
-        _fail(f"{run_dir}: cannot reach the supervisor ({e})", 1)
+        fail(f"{run_dir}: cannot reach the supervisor ({e})", 1)
     if not answer.get("ok"):
-        _fail(str(answer.get("error")), 2)
+        fail(str(answer.get("error")), 2)
     typer.echo(f"injected {answer['fault']} into attempt {answer['attempt']} (ranks {answer['ranks']})")
 
 
