@@ -114,7 +114,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             self.say(f"monitor {name} raised on a record ({type(e).__name__}: {e}); the other monitors go on")
         for f in findings:
             ev = f.to_event()
-            kind = ev.pop("kind", "anomaly")
+            kind = ev.pop("kind", EventKind.ANOMALY)
             self.event(kind, attempt=self.attempt, **ev)
             self.findings.on_finding(f, self.attempt, self.rank_host)  # [monitors] policy
 

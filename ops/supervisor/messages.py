@@ -18,12 +18,10 @@ from typing import Any
 
 from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
 from ptops.faultinject.spec import parse as parse_fault
-from ptops.ops.runrecord.events import EventKind, RANK_KINDS, RunState
+from ptops.ops.runrecord.events import RANK_KINDS, EventKind, RunState
 from ptops.ops.runrecord.rundir import append_jsonl
 from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
 from ptops.ops.supervisor.channel import Peer
-
-# Event kinds a rank may report itself (the run directory records them as they come).
 
 
 @dataclass
