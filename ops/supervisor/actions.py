@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ptops.ckpt import list_checkpoints, quarantine, verify
 from ptops.monitors.config import MonitorsSection
-from ptops.ops.runrecord.events import EventKind
+from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE, FindingDecision, FindingPolicy, plan_rollback
@@ -108,7 +108,7 @@ class FindingActions:
             self.run.event(EventKind.FAILED, reason=reason, attempt=attempt, exit_code=EXIT_NO_REQUEUE,
                            monitor=d.monitor if d else None, step=d.step if d else None)
             self.say(f"giving up: {reason}")
-            return Verdict("failed", reason, exit_code=EXIT_NO_REQUEUE)
+            return Verdict(RunState.FAILED, reason, exit_code=EXIT_NO_REQUEUE)
         plan = plan_rollback(self._entries(), d.step, pol, outcome.reason)
         why = f"after anomaly at step {d.step}"
         for path in plan.quarantine:
@@ -134,4 +134,4 @@ class FindingActions:
         self.say(f"rolling back from step {plan.from_step} to "
                  + (f"checkpoint step {plan.to_step}" if plan.to_path else "scratch")
                  + f" (skip {plan.info.skip_batches} batch(es) before step {plan.info.skip_at_step}{lr}): {outcome.reason}")
-        return Verdict("restarting", f"rollback: {outcome.reason}", good=good)
+        return Verdict(RunState.RESTARTING, f"rollback: {outcome.reason}", good=good)

@@ -56,7 +56,7 @@ class AttemptMixin:
         from_step = (self.good or {}).get("step", 0)
         self.step = from_step  # the engine resumes there; steps after it are redone
         self.event(
-            "launch",
+            EventKind.LAUNCH,
             attempt=attempt,
             supervised=self.supervised,
             nproc=self.recipe.launch.nproc,
@@ -117,7 +117,7 @@ class AttemptMixin:
             self.say(reason)
             return Outcome("early_exit", reason)
         rank, code, how = self._root_cause(attempt)
-        host = self.ranks[rank].host if rank in self.ranks else self.host
+        host = self.rank_host(rank) or self.host
         self.event(EventKind.CRASH, attempt=attempt, rank=rank, exit_code=code, step=self.step, host=host, how=how)
         err = self.ranks[rank].error if rank in self.ranks else None
         desc = f"rank {rank} exited {code}" + (f" ({err})" if err else "") + f" at step {self.step}"

@@ -245,7 +245,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             self.state = RunState.RESTARTING
             self.reason = outcome.reason
             self.event(
-                "restart",
+                EventKind.RESTART,
                 attempt=self.attempt + 1,
                 from_step=good_step,
                 prev_from_step=start_step,

@@ -155,7 +155,7 @@ class MessagesMixin:
         if kind in RANK_KINDS:
             fields = msg.get("fields") or {}
             self.event(kind, **fields)
-            if kind == "checkpoint" and fields.get("path"):
+            if kind == EventKind.CHECKPOINT and fields.get("path"):
                 # the engine's own event, sent after its commit: the one source of ``checkpoint``
                 self.good = {"step": int(fields.get("step", 0)), "path": str(fields["path"])}
 
