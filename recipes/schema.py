@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from ptops.monitors import MonitorConfigError, build_monitors
 from ptops.monitors.config import MonitorsSection
 from ptops.recipes import engines as _engines
 from ptops.monitors.hang import HangConfig
@@ -221,8 +222,17 @@ def validate(data: dict, origin: str) -> Recipe:
             raise RecipeError(f"{origin}: key '{other}': section does not apply to engine \"{engine}\"")
     if recipe.supervisor.hang.total_steps is not None:
         raise RecipeError(f"{origin}: key 'supervisor.hang.total_steps': not a recipe key (the supervisor sets it from train.steps)")
+    build_monitors_of(recipe.monitors, origin)  # a [monitors] config no monitor accepts is bad input, not silence
     _check_cross_keys(recipe, origin)
     return recipe
+
+
+def build_monitors_of(section: MonitorsSection, origin: str) -> list:
+    """The monitors of a ``[monitors]`` section, or one :class:`RecipeError` naming the monitor that cannot be built."""
+    try:
+        return build_monitors(section)
+    except MonitorConfigError as e:
+        raise RecipeError(f"{origin}: key 'monitors.{e.monitor}': the monitor cannot be built with these settings ({e})") from None
 
 
 def _check_cross_keys(recipe: Recipe, origin: str) -> None:

@@ -60,13 +60,12 @@ def launch(
       ptops launch titan-tiny --supervise --fault crash:rank=1,step=12
     """
     from ptops.ops.cli.supervise import parse_faults
-    from ptops.ops.supervisor import launcher, monitorfeed
+    from ptops.ops.supervisor import launcher
     from ptops.recipes.schema import RecipeError, dump_json, load
 
     faults = parse_faults(fault)
     try:
         rec, path = load(recipe, set_)
-        monitorfeed.build(rec.monitors, str(path))  # a [monitors] config no monitor accepts: exit 2 now, not silence later
         target = run_dir or launcher.default_run_dir(rec)
         if dry_run:
             typer.echo(dump_json(rec))

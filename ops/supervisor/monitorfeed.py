@@ -11,17 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptops.monitors import MonitorConfigError, build_monitors
 from ptops.monitors.config import MonitorsSection
-from ptops.recipes.schema import RecipeError
+from ptops.recipes.schema import build_monitors_of
 
 
 def build(section: MonitorsSection | None, origin: str) -> list:
-    """Fresh monitors of a ``[monitors]`` section, or :class:`RecipeError` naming the monitor that fails."""
-    try:
-        return build_monitors(section)
-    except MonitorConfigError as e:
-        raise RecipeError(f"{origin}: key 'monitors.{e.monitor}': the monitor cannot be built with these settings ({e})") from None
+    """Fresh monitors of a ``[monitors]`` section, or :class:`RecipeError` naming the monitor that fails
+    (the schema's own check: a recipe that loaded builds here too)."""
+    return build_monitors_of(section or MonitorsSection(), origin)
 
 
 @dataclass
