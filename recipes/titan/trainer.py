@@ -249,22 +249,11 @@ class ProbeCheckpointManager(CheckpointManager):
 
     # ------------------------------------------------------------ load
     def _pick_resume(self) -> int:
-        """Rank 0: the step to resume from (-1: none); see ``ptops.ckpt.resume_point``."""
-        from ptops.ckpt import resume_point
+        """Rank 0: the step to resume from (-1: none); see ``ptops.recipes.resume``."""
+        from ptops.recipes.resume import resume_entry
 
-        probe = get_probe()
-
-        def report(**invalid: Any) -> None:
-            _log(f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to {invalid['moved_to']}")
-            if probe is not None:
-                probe.event("checkpoint_invalid", **invalid)
-
-        entry = resume_point(self.folder, deep=True, on_invalid=report, world_size=_world(), versions=_versions())
-        if entry is None:
-            return -1
-        if entry.reason:
-            _log(f"{entry.path}: {entry.reason}")
-        return entry.step
+        entry = resume_entry(self.folder, probe=get_probe(), world_size=_world(), versions=_versions(), log=_log)
+        return -1 if entry is None else entry.step
 
     def _load(self, step: int = -1) -> bool:
         if step != -1:  # an explicit --checkpoint.load_step is the user's call

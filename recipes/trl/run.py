@@ -412,16 +412,9 @@ def choose_resume(run: RunDir, world: int, probe: Any = None) -> Path | None:
     good checkpoint, newer bad ones quarantined); every rank gets the same answer."""
 
     def pick() -> str:
-        from ptops.ckpt import resume_point
+        from ptops.recipes.resume import resume_entry
 
-        def report(**invalid: Any) -> None:
-            _log(f"skipping bad checkpoint {invalid['path']}: {invalid['reason']}; moved to {invalid['moved_to']}")
-            if probe is not None and hasattr(probe, "event"):
-                probe.event("checkpoint_invalid", **invalid)
-
-        entry = resume_point(run.checkpoints, deep=True, on_invalid=report, world_size=world, versions=_versions())
-        if entry is not None and entry.reason:
-            _log(f"{entry.path}: {entry.reason}")
+        entry = resume_entry(run.checkpoints, probe=probe, world_size=world, versions=_versions(), log=_log)
         return entry.path if entry is not None else ""
 
     dist = _dist()
