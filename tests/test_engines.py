@@ -62,7 +62,7 @@ def test_one_resolver_for_names_relative_and_absolute_paths(given, monkeypatch):
 
 
 @pytest.mark.parametrize("given", ["titan-tiny", "recipes/titan-tiny.toml", str(REPO / "recipes" / "titan-tiny.toml")])
-def test_chaos_takes_a_recipe_as_launch_does(given, tmp_path):
+def test_chaos_takes_a_recipe_as_launch_does(given, tmp_path, monkeypatch):
     """``ptops chaos --recipe recipes/titan-tiny.toml`` used to die with FileNotFoundError (FileExistsError absolute)."""
     proc = subprocess.run([sys.executable, "-m", "ptops", "chaos", "--recipe", given, "--scenario", "crash", "--list"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -70,7 +70,8 @@ def test_chaos_takes_a_recipe_as_launch_does(given, tmp_path):
     assert proc.stdout.split()[0] == "titan-tiny/crash"
     from ptops.faultinject.chaos import select
 
-    (sc,) = select([given], ["crash"]) if given != "titan-tiny" else select([str(REPO / "recipes" / "titan-tiny.toml")], ["crash"])
+    monkeypatch.chdir(REPO)
+    (sc,) = select([given], ["crash"])  # (cwd is the repo: the relative form resolves there)
     assert sc.recipe == "titan-tiny" and sc.launch_argv(tmp_path / "r")[4] == str(REPO / "recipes" / "titan-tiny.toml")
 
 
