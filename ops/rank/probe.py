@@ -7,9 +7,10 @@ when True), ``probe.step(step, metrics)`` after it, and
 
 Where the records go is the probe's business:
 
-- unsupervised (no ``PTOPS_CHANNEL`` in the environment): straight into
-  ``RUN_DIR/metrics.jsonl`` (and ``fault_injected`` into ``events.jsonl``);
-- supervised: over the supervisor's TCP channel (:mod:`ptops.ops.rank.channel`;
+- with no supervisor at all (no ``PTOPS_CHANNEL`` in the environment: a rank started by
+  hand or by a test; every ``ptops launch``, plain or ``--supervise``, has one): straight
+  into ``RUN_DIR/metrics.jsonl`` (and ``fault_injected`` into ``events.jsonl``);
+- under the supervisor: over its TCP channel (:mod:`ptops.ops.rank.channel`;
   no shared filesystem assumed). Each step sends a ``begin`` beat and its
   metrics (which count as the ``end`` beat); a background thread sends a
   liveness ``ping`` every ``PTOPS_HEARTBEAT_S`` seconds (default 2) so the
