@@ -42,3 +42,11 @@ def have(request):
         pytest.skip(f"{program} is not installed; run scripts/setup.sh")
 
     return _have
+
+
+@pytest.fixture(scope="session")
+def faulted_runs(tmp_path_factory):
+    """Real faulted titan-tiny runs shared by every test that reads one (tests/faulted.py)."""
+    from faulted import FaultedRuns
+
+    return FaultedRuns(tmp_path_factory.mktemp("faulted"))

@@ -36,13 +36,9 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_titan_nan_rolls_back_to_the_checkpoint_before_the_anomaly(tmp_path):
-    run = tmp_path / "run"
-    # held before step 12 until the async save of step 10 is committed: else the rollback target is 10
-    # or 5 depending on whether that save was still in flight (a race with the machine's load)
-    proc = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--no-mlflow",
-                     "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=12",
-                     "--fault", "hold:step=12,until=committed,seconds=120", "--json")
+def test_titan_nan_rolls_back_to_the_checkpoint_before_the_anomaly(faulted_runs):
+    # made in tests/faulted.py: held before step 12 until the async save of step 10 is committed
+    run, proc = faulted_runs.get("nan").run, faulted_runs.get("nan").proc
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["state"] == "completed" and summary["attempts"] == 2
@@ -68,11 +64,8 @@ def test_titan_nan_rolls_back_to_the_checkpoint_before_the_anomaly(tmp_path):
     assert events(run, "completed")[0]["step"] == 16
 
 
-def test_titan_slow_rank_is_a_straggler_and_exclude_node_is_recorded(tmp_path):
-    run = tmp_path / "run"
-    proc = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--no-mlflow",
-                     "--set", 'monitors.straggler.action="exclude_node"',
-                     "--fault", "slow:rank=1,step=3,seconds=0.5,steps=14", "--json")
+def test_titan_slow_rank_is_a_straggler_and_exclude_node_is_recorded(faulted_runs):
+    run, proc = faulted_runs.get("straggler").run, faulted_runs.get("straggler").proc
     assert proc.returncode == 0, proc.stderr
     strag = events(run, "straggler")
     assert strag and {e["rank"] for e in strag} == {1}, strag

@@ -76,17 +76,15 @@ def start(*args: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def titan_reference(tmp_path_factory) -> str:
-    run = tmp_path_factory.mktemp("titan-ref") / "run"
-    run_ptops("launch", "titan-tiny", "--run-dir", str(run), *STEPS, check=True)
-    return final_digest(run)
+def titan_reference(faulted_runs) -> str:
+    ref = faulted_runs.get("reference")
+    assert ref.proc.returncode == 0, ref.proc.stderr
+    return final_digest(ref.run)
 
 
-def test_titan_crash_restarts_from_checkpoint(tmp_path, titan_reference):
-    run = tmp_path / "run"
+def test_titan_crash_restarts_from_checkpoint(faulted_runs, titan_reference):
     # held before step 12 until the async save of step 10 is committed (else: 10 or 5 by load)
-    proc = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--fault", "crash:rank=1,step=12",
-                     "--fault", "hold:step=12,until=committed,seconds=120", "--json")
+    run, proc = faulted_runs.get("crash").run, faulted_runs.get("crash").proc
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["state"] == "completed" and summary["restarts"] == 1 and summary["crashes"] == 1
@@ -102,30 +100,12 @@ def test_titan_crash_restarts_from_checkpoint(tmp_path, titan_reference):
     assert run_processes(run) == []
 
 
-def test_titan_hang_fault_and_sigstopped_rank(tmp_path, titan_reference):
+def test_titan_hang_fault_and_sigstopped_rank(faulted_runs, titan_reference):
     """Attempt 1: rank 0 hangs in Python (hang fault). Attempt 2: rank 1 is SIGSTOPped from outside
     (attempt 2 is held before step 8 until then, so the SIGSTOP never races the run's end)."""
-    run = tmp_path / "run"
-    proc = start(
-        "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, *FAST_HANG,
-        "--fault", "hang:rank=0,step=8",
-        "--fault", "hold:step=8,attempt=2",
-    )  # fmt: skip
-    try:
-        wait_for(lambda: len([e for e in events_or_none(run, "fault_injected") if e["fault"].startswith("hold")]) == 2,
-                 200, "both ranks held in attempt 2", proc)
-        st = status(run)
-        assert st.get("attempt") == 2 and len(st.get("ranks", [])) == 2, st
-        victim = next(r["pid"] for r in st["ranks"] if r["rank"] == 1)
-        os.kill(victim, signal.SIGSTOP)
-        stopped_at = time.time()
-        # rank 0 goes on into step 8 and waits there for the stopped rank 1
-        rel = run_ptops("inject", str(run), "release")
-        assert rel.returncode == 0 and "injected release" in rel.stdout, rel.stderr
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    hang = faulted_runs.get("hang")
+    run, err, stopped_at = hang.run, hang.proc.stderr, hang.extra["stopped_at"]
+    proc = hang.proc
     assert proc.returncode == 0, err
     hangs = events(run, "hang")
     assert len(hangs) == 2, err
