@@ -48,8 +48,12 @@ def by_name(report: dict) -> dict[str, dict]:
 @pytest.mark.slow
 def test_chaos_ci_subset(tmp_path):
     args = [a for s in CI_SUBSET for a in ("--scenario", s)]
-    report, err = chaos(tmp_path, *args)
+    report, err = chaos(tmp_path, *args, "--junit", str(tmp_path / "chaos-junit.xml"))
     res = by_name(report)
+    from junitparser import JUnitXml
+
+    (suite,) = list(JUnitXml.fromfile(str(tmp_path / "chaos-junit.xml")))
+    assert [c.name for c in suite] == CI_NAMES and suite.failures == sum(not r["passed"] for r in res.values())
     assert list(res) == CI_NAMES
     failed = {n: r["problems"] for n, r in res.items() if not r["passed"]}
     assert not failed, f"{failed}\n{err}"

@@ -327,3 +327,42 @@ def test_every_rank_agrees_on_a_sync_save_for_corrupt_ckpt(fx, tmp_path):
             for inj in group:
                 inj.on_checkpoint(step)
                 inj.after_checkpoint(step)
+
+
+def test_chaos_junit_is_valid_junit_with_one_case_per_scenario(tmp_path):
+    """`ptops chaos --junit`: parsed back by a JUnit XML parser (what CI systems use)."""
+    from junitparser import Failure, JUnitXml
+
+    from ptops.faultinject.junit import to_junit
+
+    report = {
+        "work_dir": "/tmp/chaos", "passed": False, "wall_s": 98.5,
+        "baselines": {"titan-tiny": {"digest": "abc123", "run_dir": "x"}},
+        "scenarios": [
+            {"scenario": "titan-tiny/crash", "recipe": "titan-tiny", "kind": "crash", "faults": ["crash:rank=1,step=6"],
+             "passed": True, "problems": [], "detect_s": 1.3, "recover_s": 8.7, "steps_recomputed": 1,
+             "detected_by": "crash", "digest_equal": True, "wall_s": 40.2, "run_dir": "/tmp/chaos/a"},
+            {"scenario": "titan-tiny/hang", "recipe": "titan-tiny", "kind": "hang", "faults": ["hang:rank=0,step=6"],
+             "passed": False, "problems": ["digest <differs> & \"final\" step 11 != 12"], "detect_s": None,
+             "recover_s": None, "digest_equal": False, "wall_s": 58.3, "run_dir": "/tmp/chaos/b"},
+        ],
+    }
+    path = tmp_path / "junit.xml"
+    path.write_text(to_junit(report))
+    xml = JUnitXml.fromfile(str(path))
+    suites = list(xml)
+    assert len(suites) == 1
+    suite = suites[0]
+    assert suite.tests == 2 and suite.failures == 1
+    cases = {c.name: c for c in suite}
+    assert set(cases) == {"titan-tiny/crash", "titan-tiny/hang"}
+    assert cases["titan-tiny/crash"].is_passed and cases["titan-tiny/crash"].classname == "ptops.chaos.titan-tiny"
+    def props(case) -> dict[str, str]:  # testcase-level <properties> (pytest's record_property shape)
+        return {p.get("name"): p.get("value") for p in case._elem.iter("property")}
+
+    assert props(cases["titan-tiny/crash"])["detect_s"] == "1.3" and props(cases["titan-tiny/crash"])["recover_s"] == "8.7"
+    assert props(cases["titan-tiny/crash"])["digest_equal"] == "true"
+    assert "recover_s" not in props(cases["titan-tiny/hang"])  # unknown: left out, not "None"
+    (failure,) = [r for r in cases["titan-tiny/hang"].result if isinstance(r, Failure)]
+    assert failure.message == "digest <differs> & \"final\" step 11 != 12"
+    assert cases["titan-tiny/hang"].time == 58.3

@@ -24,6 +24,7 @@ def chaos_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout (progress still goes to stderr).")] = False,
     list_only: Annotated[bool, typer.Option("--list", help="List the selected scenarios and their faults; run nothing.")] = False,
     launch_timeout: Annotated[float, typer.Option("--launch-timeout", help="Seconds one launch may take before it is stopped.")] = 600.0,
+    junit: Annotated[Optional[Path], typer.Option("--junit", help="Also write a JUnit XML file (one test case per scenario; detect/recover times as properties) for GitLab CI, GitHub Actions, Jenkins.")] = None,
 ) -> None:
     """Inject faults into real supervised runs; report detection, recovery and whether the result equals a fault-free run.
 
@@ -36,6 +37,7 @@ def chaos_cmd(
     Examples:\n
       ptops chaos --scenario titan-tiny/crash --scenario titan-tiny/corrupt-ckpt\n
       ptops chaos --recipe trl-sft-tiny --json\n
+      ptops chaos --scenario titan-tiny/crash --junit chaos-junit.xml\n
       ptops chaos --scenario titan-tiny/slow:rank=1,step=3,seconds=1,steps=5 --list
     """
     from ptops.faultinject import chaos
@@ -50,6 +52,8 @@ def chaos_cmd(
             extra = "".join(f" --set {x}" for x in sc.extra_sets)
             typer.echo(f"{sc.name:28s} {' '.join('--fault ' + f for f in sc.faults)}{extra}   detect: {', '.join(sc.detect)}")
         return
+    if junit is not None and not junit.parent.is_dir():
+        fail(f"--junit {junit}: folder {junit.parent} does not exist")
     target = work_dir or Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     if target.exists() and any(target.iterdir()):
         fail(f"--work-dir {target}: exists and is not empty (chaos needs fresh run directories)")
@@ -62,6 +66,11 @@ def chaos_cmd(
         report = chaos.run_all(scenarios, target, progress, launch_timeout_s=launch_timeout)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+    if junit is not None:
+        from ptops.faultinject.junit import to_junit
+
+        junit.write_text(to_junit(report))
+        progress(f"JUnit XML -> {junit}")
     if json_out:
         typer.echo(json.dumps(report, indent=1))
     else:
