@@ -139,9 +139,10 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
             injected = next((e for e in ev if e["kind"] == "fault_injected"), None)
             if injected is None:
                 continue
-            recs = [r for r in read(run.metrics) if r["rank"] == 0 and r["ts"] > injected["ts"]]
-            # after a restart the steps start again below the fault step
-            restarted = [r for r in recs if r["step"] < injected["step"]]
+            # only the restarted worker group's records (attempt 2 = torchrun's restart count 1, see
+            # ops/rank/probe.py::attempt_from_env): rank 0 of the failed group may still log the step
+            # before the fault just after the fault_injected stamp (an earlier run counted that: 0.004 s)
+            restarted = [r for r in read(run.metrics) if r["rank"] == 0 and r.get("attempt") == injected["attempt"] + 1]
             if restarted:
                 result["fault_to_first_productive_step_s"] = restarted[0]["ts"] - injected["ts"]
                 text = (run.logs(1) / "torchrun.log").read_text(errors="replace")

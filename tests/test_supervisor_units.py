@@ -545,3 +545,15 @@ def test_mlflow_setup_lines_stay_out_of_the_launch_output(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "mlflow.db").exists()  # the tables were created, quietly
     assert "Creating initial MLflow database tables" not in proc.stderr and " INFO " not in proc.stderr, proc.stderr
+
+
+def test_a_group_restarted_by_plain_torchrun_is_a_new_attempt(monkeypatch):
+    """Records and attempt-1-only faults of a worker group torchrun restarted itself are told apart."""
+    from ptops.ops.rank.probe import attempt_from_env
+
+    monkeypatch.setenv("PTOPS_ATTEMPT", "3")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert attempt_from_env() == 3  # under ptops: torchrun --max-restarts 0, the supervisor counts
+    monkeypatch.setenv("PTOPS_ATTEMPT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert attempt_from_env() == 2

@@ -77,13 +77,13 @@ def main() -> None:
     if supervisor:
         _prctl(PR_SET_PTRACER, supervisor)  # Yama: let the supervisor (py-spy) read our stacks
 
-    from ptops.ops.rank.probe import Probe
+    from ptops.ops.rank.probe import Probe, attempt_from_env
     from ptops.recipes.schema import from_json
     from ptops.ops.runrecord.rundir import RunDir
 
     run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
     rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("PTOPS_ATTEMPT", "1"))
+    attempt = attempt_from_env()
     if os.environ.get("PTOPS_RANK_LOGS", "1") == "1":
         _redirect_output(run.rank_log(attempt, rank))
     _stack_file(run.logs(attempt) / f"rank-{rank}.stacks")

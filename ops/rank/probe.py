@@ -89,6 +89,16 @@ def flight_recorder_dump() -> bytes | None:
         return None
 
 
+def attempt_from_env() -> int:
+    """The worker group's attempt: the supervisor's ``PTOPS_ATTEMPT`` plus torchrun's own restart count.
+
+    Under ptops, torchrun runs with ``--max-restarts 0`` (the supervisor restarts), so the count is 0;
+    under a plain ``torchrun --max-restarts N`` a restarted group is a new attempt too, so its records
+    and its faults (which fire in attempt 1 only) are told apart from the group that failed.
+    """
+    return int(os.environ.get("PTOPS_ATTEMPT", "1")) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 class Probe:
     def __init__(
         self,
@@ -150,7 +160,7 @@ class Probe:
         return cls(
             run_dir=Path(os.environ["PTOPS_RUN_DIR"]),
             rank=int(os.environ.get("RANK", "0")),
-            attempt=int(os.environ.get("PTOPS_ATTEMPT", "1")),
+            attempt=attempt_from_env(),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             channel=os.environ.get(ENV_ADDRESS) or None,
             token=os.environ.get(ENV_TOKEN),
