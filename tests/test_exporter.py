@@ -85,6 +85,10 @@ def test_goodput_counts_each_step_once(titan):
     assert e.goodput() == pytest.approx(sum(final.values()) / wall)
     assert samples(e)[("ptops_goodput_ratio", ())] == pytest.approx(sum(final.values()) / wall)
     assert samples(e)[("ptops_productive_seconds", ())] == pytest.approx(sum(final.values()))
+    lost = {labels[0][1]: v for (name, labels), v in samples(e).items() if name == "ptops_goodput_lost_seconds"}
+    assert set(lost) == {"startup", "detection", "restart", "recomputed", "checkpoint_blocking", "shutdown", "other"}
+    assert lost["recomputed"] > 0 and lost["restart"] > 0  # this trace has a crash and redone steps
+    assert sum(final.values()) + sum(lost.values()) == pytest.approx(wall)
 
 
 def test_straggler_ratio_expires():

@@ -290,3 +290,51 @@ def test_the_exporter_state_is_the_reducers_at_every_event():
         assert on == [reduce(CRASH_RESTART_COMPLETE[: i + 1]).event_state], e
         seen.append(on[0])
     assert {"running", "crashed", "restarting", "completed"} <= set(seen)
+
+
+def test_goodput_accounts_for_every_second_of_a_crash_and_restart():
+    """Goodput = productive / wall, and where the rest went, from events and rank-0 records alone."""
+    from ptops.ops.runrecord.goodput import account
+
+    t = 1000.0
+    events = [
+        {"ts": t, "kind": "launch", "attempt": 1},
+        {"ts": t + 10.5, "kind": "checkpoint", "rank": 0, "attempt": 1, "step": 2, "blocking_s": 0.5},
+        {"ts": t + 14.0, "kind": "crash", "attempt": 1, "rank": 1},  # last step ended at t+13
+        {"ts": t + 16.0, "kind": "launch", "attempt": 2},
+        {"ts": t + 30.0, "kind": "completed", "attempt": 2},
+    ]
+    rec = lambda step, att, end, dur=1.0: {"step": step, "rank": 0, "attempt": att, "ts": t + end, "step_s": dur}  # noqa: E731
+    records = [rec(1, 1, 10), rec(2, 1, 11), rec(3, 1, 13),  # startup 9 s; 1 s gap (the 0.5 s save + 0.5 s other)
+               {**rec(1, 1, 10), "rank": 1},  # other ranks do not count
+               rec(3, 2, 25), rec(4, 2, 26)]  # attempt 2: startup 8 s; step 3 done again
+    g = account(events, records)
+    assert g["wall_s"] == 30.0 and g["productive_s"] == 4.0 and g["ratio"] == round(4 / 30, 4)
+    lost = g["lost_s"]
+    assert lost["startup"] == 9.0 + 8.0
+    assert lost["detection"] == 1.0  # the last step's end -> the crash event
+    assert lost["restart"] == 2.0  # the crash event -> the next launch
+    assert lost["recomputed"] == 1.0  # step 3's first execution
+    assert lost["checkpoint_blocking"] == 0.5
+    assert lost["shutdown"] == 4.0  # the last step -> completed
+    assert lost["other"] == 0.5
+    assert g["productive_s"] + sum(lost.values()) == g["wall_s"]
+    # the exporter follows the two files separately: any interleaving gives the same account
+    import pytest
+
+    from ptops.ops.runrecord.goodput import Goodput
+
+    live = Goodput()
+    for r in records:
+        live.record(r)
+    for e in events:
+        live.event(e)
+    assert live.summary()["lost_s"] == pytest.approx(lost) and live.summary()["ratio"] == pytest.approx(4 / 30)
+
+
+def test_goodput_of_a_live_run_runs_to_now_and_an_empty_run_has_none():
+    from ptops.ops.runrecord.goodput import account
+
+    assert account([], [])["ratio"] is None
+    g = account([{"ts": 0.0, "kind": "launch", "attempt": 1}], [{"step": 1, "rank": 0, "attempt": 1, "ts": 5.0, "step_s": 1.0}], now=10.0)
+    assert g["wall_s"] == 10.0 and g["lost_s"]["startup"] == 4.0 and g["lost_s"]["other"] == 5.0

@@ -96,6 +96,11 @@ def test_titan_crash_restarts_from_checkpoint(faulted_runs, titan_reference):
     restart = events(run, "restart")[0]
     assert restart["attempt"] == 2 and restart["from_step"] == 10
     assert events(run, "completed")[0]["step"] == 16
+    st = run_ptops("status", str(run), "--json")
+    good = json.loads(st.stdout)["goodput"]
+    assert 0 < good["ratio"] < 1 and good["lost_s"]["restart"] > 0 and good["lost_s"]["detection"] > 0
+    assert good["lost_s"]["recomputed"] > 0  # steps 11 trained twice (resumed from 10, crashed at the start of 12)
+    assert "goodput:" in run_ptops("status", str(run)).stdout
     assert final_digest(run) == titan_reference
     assert run_processes(run) == []
 

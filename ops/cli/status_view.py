@@ -16,6 +16,11 @@ def render(s: dict[str, Any]) -> str:
         f"  last good checkpoint: {'step ' + str(ck['step']) + ' (' + ck['path'] + ')' if ck else 'none'}",
         f"  supervisor: {'pid ' + str(s['supervisor_pid']) if s['supervisor_alive'] else 'not running'}",
     ]
+    g = s.get("goodput") or {}
+    if g.get("ratio") is not None:
+        lost = sorted(((v, k) for k, v in g["lost_s"].items() if v >= 0.05), reverse=True)
+        where = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for v, k in lost) or "nothing lost"
+        lines.append(f"  goodput: {g['ratio']:.0%} of {g['wall_s']:.1f} s productive; lost: {where}")
     if s.get("ranks"):
         lines.append("  ranks: " + ", ".join(f"{r['rank']}=pid {r['pid']}@{r['host']}" for r in s["ranks"]))
     for f in s.get("open_findings", []):

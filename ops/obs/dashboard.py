@@ -54,6 +54,9 @@ PANELS: tuple[PanelSpec, ...] = (
     _p("Run overview", "Attempt", [(f"ptops_attempt{{{SEL}}}", "{{run}}")], kind="stat"),
     _p("Run overview", "Goodput", [(f"ptops_goodput_ratio{{{SEL}}}", "{{run}}")], unit="percentunit", kind="stat",
        description="Productive step time / wall time since the first launch."),
+    _p("Run overview", "Where the wall time went", [(f"ptops_goodput_lost_seconds{{{SEL}}}", "{{run}}: {{cause}}")],
+       unit="s", description="Wall time not spent in productive steps, by cause: startup, detection, restart, "
+       "recomputed steps, checkpoint blocking, shutdown, other."),
     _p("Run overview", "Since last progress", [(f"time() - ptops_last_progress_timestamp_seconds{{{SEL}}}", "{{run}}")],
        unit="s", kind="stat"),
     _p("Run overview", "Exporter up", [(f"ptops_up{{{SEL}}}", "{{run}}")], kind="stat"),

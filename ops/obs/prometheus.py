@@ -28,7 +28,6 @@ import re
 import socket
 import threading
 import time
-from array import array
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -37,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ptops.monitors.base import number  # the probe's "nan"/"inf" encoding, decoded in one place
 from ptops.monitors.registry import MONITORS
+from ptops.ops.runrecord.goodput import Goodput
 from ptops.ops.runrecord.events import END_KINDS, EXPORTED_STATES, TERMINAL_STATES, EventKind, RunState, next_state
 
 log = logging.getLogger("ptops.exporters.prometheus")
@@ -89,8 +89,7 @@ class _State:
         self.hist = [0] * (len(STEP_BUCKETS) + 1)
         self.hist_sum = 0.0
         self.hist_count = 0
-        self.productive = array("d")  # step -> the duration of that step's final execution
-        self.productive_sum = 0.0
+        self.good = Goodput()  # productive time and where the rest went (ops/runrecord/goodput.py)
         self.restarts: dict[str, int] = {}
         self.counts: dict[str, int] = {"crashes": 0, "hangs": 0, "rollbacks": 0, "faults_injected": 0,
                                        "checkpoint_save_failures": 0, "checkpoint_invalid": 0, "checkpoints": 0}
@@ -217,6 +216,7 @@ class PrometheusExporter:
                 s.counts["rollbacks"] += 1
             elif kind in END_KINDS:
                 s.end_ts = ts
+            s.good.event({**event, "ts": ts})
             s.state = next_state(s.state, event)
 
     def observe_metric(self, record: Mapping[str, Any]) -> None:
@@ -271,11 +271,7 @@ class PrometheusExporter:
                 s.hist[i] += 1
                 s.hist_sum += step_s
                 s.hist_count += 1
-                if step < 50_000_000:
-                    if step >= len(s.productive):
-                        s.productive.extend([0.0] * (step + 1 - len(s.productive)))
-                    s.productive_sum += step_s - s.productive[step]
-                    s.productive[step] = step_s
+                s.good.record({**record, "ts": ts, "rank": 0, "step": step})
 
     def set_state(self, state: str) -> None:
         """Let the supervisor say what it is doing when no event says it (e.g. ``starting``)."""
@@ -285,25 +281,10 @@ class PrometheusExporter:
     # ------------------------------------------------------------------ computed values
 
     def goodput(self, now: float | None = None) -> float | None:
-        """Productive training time / wall time since the first launch.
-
-        Productive time is the sum of the durations of each step's final
-        execution (rank 0): a step redone after a restart or rollback counts
-        once, its earlier executions are lost work. Wall time ends at
-        ``completed``/``failed``/``stopped``.
-        """
+        """Productive training time / wall time since the first launch (``ops/runrecord/goodput.py``):
+        a step redone after a restart or rollback counts once; wall time ends at the run's end event."""
         with self._lock:
-            return self._goodput(self.clock() if now is None else now)
-
-    def _goodput(self, now: float) -> float | None:
-        s = self._s  # the caller holds the lock
-        if s.first_launch_ts is None:
-            return None
-        end = s.end_ts if s.end_ts is not None else now
-        wall = end - s.first_launch_ts
-        if wall <= 0:
-            return None
-        return max(0.0, min(1.0, s.productive_sum / wall))
+            return self._s.good.summary(self.clock() if now is None else now)["ratio"]
 
     # ------------------------------------------------------------------ exposition
 
@@ -314,7 +295,8 @@ class PrometheusExporter:
         base = [self.run, self.recipe]
         with self._lock:
             s = self._s
-            goodput = self._goodput(now)  # under the same lock as productive_seconds: one consistent scrape
+            good = s.good.summary(now)  # under the same lock as the other values: one consistent scrape
+            goodput = good["ratio"]
 
             def gauge(name: str, doc: str, value: float | None, unit: str = ""):
                 g = GaugeMetricFamily(name, doc, labels=base_names, unit=unit)
@@ -404,7 +386,10 @@ class PrometheusExporter:
             out.append(gauge("ptops_goodput_ratio", "Productive step time (each step's final execution) / wall time "
                              "since the first launch.", goodput))
             out.append(gauge("ptops_productive_seconds", "Sum of the durations of each step's final execution.",
-                             s.productive_sum if s.hist_count else None))
+                             good["productive_s"] if s.hist_count else None))
+            out.append(labelled(GaugeMetricFamily, "ptops_goodput_lost_seconds", "Wall time not spent in productive "
+                                "steps, by cause (startup, detection, restart, recomputed, checkpoint_blocking, "
+                                "shutdown, other).", "cause", good["lost_s"] if good["ratio"] is not None else {}))
             out.append(gauge("ptops_start_timestamp_seconds", "Unix time of the first launch.", s.first_launch_ts))
             out.append(gauge("ptops_last_progress_timestamp_seconds", "Unix time of the latest step record or launch.",
                              s.last_progress_ts))

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from .events import LIVE_STATES, RunState, reduce
+from .goodput import account
 from .lock import holder
 from .rundir import RunDir, final_metrics_by_step
 
@@ -51,7 +53,8 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
         raise FileNotFoundError(f"{run.path}: not a ptops run directory (no events.jsonl or recipe.json)")
     events = run.read_events()
     st = read_status_file(run)
-    steps = final_metrics_by_step(run.read_metrics())
+    records = run.read_metrics()
+    steps = final_metrics_by_step(records)
     total = st.get("total_steps")
     if total is None and run.recipe_json.exists():
         try:
@@ -83,6 +86,8 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
         "reason": view.reason if view.ended else st.get("reason"),
         "updated": st.get("updated"),
         "loss": (steps[max(steps)] if steps else {}).get("loss"),
+        # a live run's wall time runs to now; an ended (or dead) one's to its last event or record
+        "goodput": account(events, records, now=time.time() if state in LIVE_STATES else None),
     }
     if state == RunState.DEAD:
         out["hint"] = f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch --supervise <recipe> --run-dir {run.path}"
