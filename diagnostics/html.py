@@ -160,7 +160,12 @@ def _series(metrics: list[dict[str, Any]], key: str, by: str) -> Series:
         else:
             label = f"rank {r.get('rank', '?')}"
         out.setdefault(label, []).append((float(r["step"]), r[key]))
-    return out
+
+    def order(label: str) -> tuple[int, Any]:
+        n = label.split(" ", 1)[1]
+        return (0, int(n)) if n.lstrip("-").isdigit() else (1, n)
+
+    return {k: out[k] for k in sorted(out, key=order)}
 
 
 def _segments(pts: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
@@ -208,13 +213,15 @@ def chart(cid: str, title: str, series: Series, markers: list[dict[str, Any]], y
     if y_label:
         o.append(f'<text x="12" y="{PAD_T + ph / 2:.0f}" class="tick" text-anchor="middle" '
                  f'transform="rotate(-90 12 {PAD_T + ph / 2:.0f})">{_e(y_label)}</text>')
+    placed: list[float] = []
     for m in markers:
         x = sx(m["x"])
+        slot = _slot(placed, x)
         colour = SEVERITY_COLOUR.get(str(m.get("severity")), "#555")
         o.append(f'<g class="incident-marker" data-incident="{_e(m["id"])}"><title>{_e(m["tip"])}</title>'
                  f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{PAD_T + ph}" stroke="{colour}" '
                  f'stroke-width="1.5" stroke-dasharray="4 3"/>'
-                 f'<text x="{x + 3:.1f}" y="{PAD_T + 11}" fill="{colour}" class="mlabel">{_e(m["label"])}</text></g>')
+                 f'<text x="{x + 3:.1f}" y="{PAD_T + 11 + 11 * slot}" fill="{colour}" class="mlabel">{_e(m["label"])}</text></g>')
     legend_x = PAD_L + pw - sum(8 + 7 * len(label) + 14 for label in series)
     for n, (label, pts) in enumerate(series.items()):
         colour = PALETTE[n % len(PALETTE)]
@@ -255,21 +262,30 @@ def timeline_strip(report: dict[str, Any], incidents: list[dict[str, Any]]) -> s
     for t, anchor in ((t0, "start"), (t1, "end")):
         o.append(f'<text x="{sx(t):.1f}" y="62" class="tick" text-anchor="{anchor}">'
                  f'{_e(_dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc).strftime("%H:%M:%S"))}</text>')
+    placed: list[float] = []
     for n, i in enumerate(incidents):
         t = _num(i.get("ts"))
         if t is None:
             continue
         colour = SEVERITY_COLOUR.get(str(i.get("severity")), "#555")
         x = sx(t)
+        dx = 22 * _slot(placed, x)  # labels of incidents at (nearly) the same time side by side
         te = _num(i.get("ts_end"))
         band = (f'<rect x="{x:.1f}" y="33" width="{max(sx(te) - x, 2):.1f}" height="14" fill="{colour}" opacity="0.35"/>'
                 if te is not None and te > t else "")
         o.append(f'<g class="incident-marker" data-incident="{_e(i.get("id", n + 1))}">'
                  f'<title>{_e(_label(n))} {_e(i.get("kind"))}: {_e(i.get("title"))} ({_e(_when(t))})</title>{band}'
                  f'<circle cx="{x:.1f}" cy="40" r="5" fill="{colour}"/>'
-                 f'<text x="{x:.1f}" y="28" fill="{colour}" class="mlabel" text-anchor="middle">{_e(_label(n))}</text></g>')
+                 f'<text x="{x + dx:.1f}" y="28" fill="{colour}" class="mlabel" text-anchor="middle">{_e(_label(n))}</text></g>')
     o.append("</svg>")
     return "".join(o)
+
+
+def _slot(placed: list[float], x: float, near: float = 16) -> int:
+    """How many labels already sit within ``near`` px of x (so the next one moves aside); records x."""
+    k = sum(1 for p in placed if abs(p - x) < near)
+    placed.append(x)
+    return k
 
 
 def _label(n: int) -> str:

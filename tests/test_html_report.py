@@ -9,11 +9,12 @@ strings from a run (a metric name, a log line, a host) stay text.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import run_ptops
+from conftest import REPO, run_ptops
 from ptops.diagnostics.html import incidents_of, render
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -97,6 +98,21 @@ def test_html_report_of_a_faulted_run_renders_in_chromium(faulted_runs, browser,
         assert any("nan" in r.lower() or "rollback" in r.lower() for r in rows), rows
         assert page.eval_on_selector_all("#chart-loss .legend", "els => els.map(e => e.textContent)") == \
             ["attempt 1", "attempt 2"], "the rollback should show as a second line"
+
+
+def test_html_report_of_a_real_grpo_run_draws_the_rl_curves(browser, tmp_path):
+    """A recorded real TRL GRPO run (tests/data/obs-grpo): reward, entropy and KL are drawn."""
+    run = tmp_path / "obs-grpo"
+    shutil.copytree(REPO / "tests" / "data" / "obs-grpo", run)
+    out = tmp_path / "grpo.html"
+    _diagnose_html(run, out)
+    page, errors = _open(browser, out, tmp_path / "grpo.png")
+    assert errors == [], errors
+    titles = page.eval_on_selector_all("svg.chart .ctitle", "els => els.map(e => e.textContent)")
+    assert {"RL: reward", "RL: reward_std", "RL: entropy", "RL: kl"} <= set(titles), titles
+    points = page.eval_on_selector_all("svg.chart polyline.series", "els => els.map(e => e.points.numberOfItems)")
+    assert points and min(points) >= 2, points
+    assert page.eval_on_selector("#no-incidents", "e => e.textContent").startswith("No incidents")
 
 
 def _hostile_report(run_dir: str, with_incidents: bool) -> tuple[dict, list[dict]]:
