@@ -15,6 +15,7 @@ useful either way.
 
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
 import html
 import math
@@ -120,16 +121,13 @@ def _ts_to_step(metrics: list[dict[str, Any]]) -> Callable[[Any], float | None]:
     pts = sorted((float(r["ts"]), float(r["step"])) for r in metrics
                  if _num(r.get("ts")) is not None and _num(r.get("step")) is not None)
 
+    times = [p[0] for p in pts]
+
     def f(ts: Any) -> float | None:
         t = _num(ts)
         if t is None or not pts or t < pts[0][0] - 60:
             return None
-        best = pts[0][1]
-        for pt, ps in pts:
-            if pt > t:
-                break
-            best = ps
-        return best
+        return pts[max(bisect.bisect_right(times, t) - 1, 0)][1]  # the step being trained at that time
 
     return f
 
@@ -168,6 +166,23 @@ def _series(metrics: list[dict[str, Any]], key: str, by: str) -> Series:
     return {k: out[k] for k in sorted(out, key=order)}
 
 
+MAX_POINTS = 1200  # per line segment: a long run's page stays small (the chart is ~700 px wide anyway)
+
+
+def _thin(seg: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """At most ~MAX_POINTS points: per bucket keep the min and the max (spikes stay visible) and the ends."""
+    if len(seg) <= MAX_POINTS:
+        return seg
+    size = -(-len(seg) // (MAX_POINTS // 2))
+    out = [seg[0]]
+    for i in range(0, len(seg), size):
+        b = seg[i:i + size]
+        lo, hi = min(b, key=lambda p: p[1]), max(b, key=lambda p: p[1])
+        out.extend(sorted({lo, hi}))
+    out.append(seg[-1])
+    return out
+
+
 def _segments(pts: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
     """Split where the step goes back (a restart re-doing steps) so no line jumps backwards."""
     segs: list[list[tuple[float, float]]] = []
@@ -175,7 +190,7 @@ def _segments(pts: list[tuple[float, float]]) -> list[list[tuple[float, float]]]
         if not segs or p[0] <= segs[-1][-1][0]:
             segs.append([])
         segs[-1].append(p)
-    return segs
+    return [_thin(s) for s in segs]
 
 
 def chart(cid: str, title: str, series: Series, markers: list[dict[str, Any]], y_label: str = "") -> str:
@@ -321,6 +336,7 @@ def _incident_table(incidents: list[dict[str, Any]], href: Callable[[str], str |
         if rb:
             url = href(str(rb))
             book = f'<a class="runbook" href="{_e(url)}">{_e(rb)}</a>' if url else _e(rb)
+            book += f'<div class="muted">ptops runbook {_e(rb)}</div>'
         else:
             book = '<span class="muted">-</span>'
         action = f'<div class="muted">action: {_e(i["action"])}</div>' if i.get("action") else ""

@@ -199,3 +199,15 @@ def test_html_bad_output_path_is_one_error_line(tmp_path):
     out = tmp_path / "sub" / "r.html"
     proc = run_ptops("diagnose", str(run), "--html", str(out), timeout=60)
     assert proc.returncode == 0 and out.is_file() and "chart-loss" in out.read_text(), proc.stderr
+
+
+def test_a_long_run_gives_a_small_page_and_keeps_its_spike():
+    """100k steps x 2 ranks: the page stays small (lines are thinned) and a one-step spike is still drawn."""
+    metrics = [{"step": s, "rank": r, "attempt": 1, "loss": 50.0 if s == 77_777 else 2.0 + (s % 7) * 0.01,
+                "grad_norm": 1.0, "step_s": 0.1} for s in range(1, 100_001) for r in (0, 1)]
+    report = {"run_dir": "long", "findings": [], "timeline": [], "events_summary": {}, "notes": []}
+    page = render(report, metrics)
+    assert len(page) < 400_000, len(page)
+    loss = page[page.index('id="chart-loss"'):page.index('id="chart-grad_norm"')]
+    ys = [float(pt.split(",")[1]) for pt in loss.split('points="')[1].split('"')[0].split()]
+    assert min(ys) < 40, "the spike to 50 should reach the top of the plot"
