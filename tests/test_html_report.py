@@ -211,3 +211,16 @@ def test_a_long_run_gives_a_small_page_and_keeps_its_spike():
     loss = page[page.index('id="chart-loss"'):page.index('id="chart-grad_norm"')]
     ys = [float(pt.split(",")[1]) for pt in loss.split('points="')[1].split('"')[0].split()]
     assert min(ys) < 40, "the spike to 50 should reach the top of the plot"
+
+
+def test_an_incident_with_only_a_time_is_marked_at_the_step_trained_then():
+    metrics = [{"step": s, "rank": 0, "attempt": 1, "loss": 1.0, "ts": 1000.0 + s} for s in range(1, 11)]
+    report = {"run_dir": "r", "events_summary": {}, "timeline": [], "notes": [],
+              "incidents": [{"id": "t", "kind": "hang", "title": "x", "severity": "critical", "ts": 1006.5}]}
+    page = render(report, metrics)
+    loss = page[page.index('id="chart-loss"'):]
+    assert 'data-incident="t"' in loss
+    marker = loss[loss.index('data-incident="t"'):]
+    x = float(marker.split('x1="')[1].split('"')[0])
+    # step 6 of steps 1..10 on a 682 px wide plot starting at 62
+    assert abs(x - (62 + (6 - 1) / 9 * (760 - 62 - 16))) < 1, x

@@ -54,6 +54,7 @@ EXPECT = {
     "CheckpointCorrupt": ["checkpoint_invalid" , "step-8", "verify exit 1", "last good checkpoint: "],
     "CheckpointStale": ["ptops_checkpoint_age_seconds", '"interval"', "mean_step_s"],
     "EntropyCollapse": ['"entropy":', '"kl":', "no rank-0 log"],
+    "KLDrift": ['"kl":', '"beta":0.1'],
     "RewardHacking": ['"rewards_format_mean":'],
     "GPUErrors": ["rank 1 host"],
     "GoodputLow": ["ptops_goodput_ratio", '"kind":"restart"', "startup_s"],
