@@ -60,7 +60,7 @@ EXPECT = {
     "GoodputLow": ["ptops_goodput_ratio", '"kind":"restart"', "startup_s"],
     "LossSpike": ['"loss":"nan"'],
     "StragglerRank": ['"monitor":"straggler"', '"mean_step_s"'],
-    "TrainingCrashLoop": ['"exit_code":-9', "last crash: attempt 1 rank 1", "ok: ", "step-10 (dcp"],
+    "TrainingCrashLoop": ['"exit_code":-9', "last crash: attempt 1 rank 1", "no out-of-memory message", "ok: ", "step-10 (dcp"],
     "TrainingHang": ['"why":"unresponsive"', "silent rank: attempt 1 rank 0", "File "],
     "TrainingNaN": ['"monitor":"nan"', '"loss":"nan"', '"kind":"rollback"'],
     "TrainingStalled": ["supervisor_alive", "ptops_last_progress_timestamp_seconds", "rank-0.log"],
