@@ -25,6 +25,29 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# Programs the runbooks and tests use from Debian: jq (runbook commands), chromium (the HTML report is
+# checked in a real headless browser). Installed only when missing; without root/apt only a note.
+apt_tools() {
+  local missing=()
+  command -v jq >/dev/null 2>&1 || missing+=(jq)
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=""
+  if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && sudo="sudo" || {
+      echo "setup: note: install ${missing[*]} (apt-get install ${missing[*]}): runbooks need jq, the HTML report test chromium" >&2
+      return 0; }
+  fi
+  command -v apt-get >/dev/null 2>&1 || { echo "setup: note: install ${missing[*]} yourself (no apt-get)" >&2; return 0; }
+  echo "setup: installing ${missing[*]} (Debian)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/tmp/ptops-setup-apt.log 2>&1 \
+    || { $sudo apt-get update -qq >>/tmp/ptops-setup-apt.log 2>&1 \
+         && $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >>/tmp/ptops-setup-apt.log 2>&1; } \
+    || { echo "setup: apt-get install ${missing[*]} failed; see /tmp/ptops-setup-apt.log" >&2; exit 1; }
+}
+apt_tools
+
 # Real servers for the integration tests (Prometheus, promtool, Alertmanager from Debian).
 if [ "${1:-}" = "--servers" ]; then
   bash scripts/setup_servers.sh

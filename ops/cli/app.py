@@ -118,6 +118,9 @@ _register_observability(app)
 def diagnose(
     run_dir: Annotated[Path, typer.Argument(help="Run directory (also one copied from elsewhere).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    html_out: Annotated[Optional[Path], typer.Option(
+        "--html", help="Also write the report as one self-contained HTML page (charts, incidents on the step "
+        "axis, runbook links; no network needed to open it).")] = None,
 ) -> None:
     """What happened in a run: replay the monitors over metrics.jsonl, merge events, name the runbooks.
 
@@ -128,10 +131,11 @@ def diagnose(
     Exit 0 with a report (findings or not); exit 2 when RUN_DIR is not a run directory.
 
     Example:  ptops diagnose runs/demo --json
+              ptops diagnose runs/demo --html demo-report.html   (open it in any browser, offline)
     """
     from ptops.ops.cli.diagnose import diagnose_command
 
-    raise typer.Exit(diagnose_command(run_dir, json_out))
+    raise typer.Exit(diagnose_command(run_dir, json_out, html_out))
 
 
 from ptops.ops.cli.ckpt import app as _ckpt_app  # noqa: E402

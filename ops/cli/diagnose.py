@@ -1,4 +1,4 @@
-"""``ptops diagnose RUN_DIR [--json]``: the on-call report of one run directory.
+"""``ptops diagnose RUN_DIR [--json] [--html OUT]``: the on-call report of one run directory.
 
 Wiring (ops/cli/app.py)::
 
@@ -28,20 +28,57 @@ EXIT_BAD_INPUT = 2
 _MAX_TIMELINE = 40
 
 
-def diagnose_command(run_dir: Path, json_out: bool) -> int:
-    """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit code."""
+def diagnose_command(run_dir: Path, json_out: bool, html_out: Path | None = None) -> int:
+    """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit code.
+    With ``html_out`` also write the self-contained HTML page there."""
     from ptops.diagnostics.diagnose import DiagnoseError, diagnose
 
+    if html_out is not None and Path(html_out).is_dir():
+        print(f"error: --html {html_out}: is a directory (expected a file path, e.g. report.html)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         report = diagnose(Path(run_dir))
     except DiagnoseError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if html_out is not None:
+        err = write_html(Path(run_dir), report, Path(html_out))
+        if err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     if json_out:
         print(json.dumps(report, indent=2, allow_nan=False, default=str))
     else:
         _print_human(report)
     return EXIT_OK
+
+
+def _runbook_href(name: str) -> str | None:
+    """file:// link to the installed runbook (None when there is no such file)."""
+    from importlib.resources import files
+
+    try:
+        path = Path(str(files("ptops.runbooks").joinpath(f"{name}.md")))
+    except (ModuleNotFoundError, TypeError):
+        return None
+    return path.resolve().as_uri() if path.is_file() else None
+
+
+def write_html(run_dir: Path, report: dict[str, Any], out: Path) -> str | None:
+    """Render and write the page; the error line on failure, else None (a note on stderr says where)."""
+    from ptops.diagnostics.html import render
+    from ptops.ops.runrecord.rundir import RunDir, read_jsonl
+
+    run = RunDir(run_dir)
+    metrics = list(read_jsonl(run.metrics)) if run.metrics.is_file() else []
+    page = render(report, metrics, runbook_href=_runbook_href)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(page, encoding="utf-8")
+    except OSError as e:
+        return f"--html {out}: cannot write ({e.strerror or e})"
+    print(f"wrote {out} ({len(page) // 1024} KiB)", file=sys.stderr)
+    return None
 
 
 def _when(ts: Any) -> str:
@@ -106,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ptops diagnose", description="What happened in a run, which rank, which runbook.")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--json", dest="json_out", action="store_true", help="print the report as JSON")
+    p.add_argument("--html", dest="html_out", type=Path, default=None, help="also write a self-contained HTML report")
     a = p.parse_args(argv)
-    return diagnose_command(a.run_dir, a.json_out)
+    return diagnose_command(a.run_dir, a.json_out, a.html_out)
 
 
 if __name__ == "__main__":
