@@ -91,16 +91,14 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # transient (attempt 1 only): replaying the same data is the comparison that can be bit-identical.
 KIND_SETS: dict[str, tuple[str, ...]] = {"nan": ("monitors.rollback.skip_batches=0",)}
 ALL_KINDS = tuple(KIND_SCENARIOS)
-DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {
-    "titan-tiny": ALL_KINDS,
-    "trl-sft-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt", "crash-in-save"),
-    "trl-grpo-tiny": ("crash", "hang", "nan", "corrupt-ckpt", "preempt", "crash-in-save"),
-}
-TRL_KINDS = DEFAULT_MATRIX["trl-sft-tiny"]
+# every fault kind on every shipped tiny recipe (each kind applies to both engines: the faults act
+# through the probe and the checkpoint layer, which both adapters share)
+TINY_RECIPES = ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny")
+DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES}
+TRL_KINDS = ALL_KINDS
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)
 RECIPE_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("trl-sft-tiny", "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10"),
-    ("trl-grpo-tiny", "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10"),
+    (r, "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10") for r in TINY_RECIPES if r.startswith("trl")
 }
 DETECT_KINDS_ANY = (
     "crash", "hang", "straggler", "anomaly", "checkpoint_failed", "checkpoint_invalid", "stopped", "adopt", "rollback",

@@ -4,9 +4,9 @@ CI runs a subset that fits the time budget (~3 min on 2 cores): TorchTitan crash
 (held before the crash until the async save of step 4 is committed, so the restart point is
 one value, not a race), corrupt checkpoint + crash (fall back past the damaged checkpoint), supervisor
 SIGKILL (relaunch adopts), and TRL SFT preemption (SIGTERM, save on request,
-relaunch resumes). The full matrix (every kind on titan-tiny; crash / hang / nan /
-corrupt-ckpt / preempt / crash-in-save on trl-sft-tiny and trl-grpo-tiny) is behind the
-``chaos_full`` marker:  scripts/test.sh -m chaos_full
+relaunch resumes). The full matrix (every fault kind on every shipped tiny recipe: titan-tiny,
+trl-sft-tiny, trl-dpo-tiny, trl-grpo-tiny; 40 scenarios) is behind the ``chaos_full`` marker:
+scripts/test.sh -m chaos_full
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_chaos_ci_subset(tmp_path):
 
 
 @pytest.mark.chaos_full
-@pytest.mark.parametrize("recipe", ["titan-tiny", "trl-sft-tiny", "trl-grpo-tiny"])
+@pytest.mark.parametrize("recipe", ["titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny"])
 def test_chaos_full_matrix(tmp_path, recipe):
     report, err = chaos(tmp_path, "--recipe", recipe, timeout=3600)
     failed = {r["scenario"]: r["problems"] for r in report["scenarios"] if not r["passed"]}

@@ -249,8 +249,9 @@ def test_live_fault_fires_at_next_opportunity_once(fx):
 # ------------------------------------------------------------ chaos runner, pure parts
 def test_select_scenarios():
     names = [s.name for s in chaos.select()]
-    assert len(names) == 10 + 6 + 6 and "titan-tiny/kill-supervisor" in names and "trl-grpo-tiny/preempt" in names
-    for recipe in ("titan-tiny", "trl-sft-tiny", "trl-grpo-tiny"):
+    assert len(names) == 4 * 10 and "titan-tiny/kill-supervisor" in names and "trl-grpo-tiny/preempt" in names
+    assert {n.split("/")[0] for n in names} == {"titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny"}
+    for recipe in ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny"):
         sc = chaos.select([], [f"{recipe}/crash-in-save"])[0]
         assert sc.faults == ("crash:phase=save,rank=1,step=8",) and sc.detect == ("crash",)
         assert sc.faults[0] and parse(sc.faults[0]).step % chaos.INTERVAL == 0  # a step that saves
