@@ -53,7 +53,7 @@ class RestartConfig(_Strict):
     """``[supervisor.restart]``: when a failed attempt (crash, hang, early exit) is restarted, and when not."""
 
     max_restarts: int = Field(10, ge=0, description="restarts in the whole run (across supervisors); then stop (exit 1)")
-    backoff_s: float = Field(1.0, ge=0, description="delay before a restart; doubles with each attempt that made no progress")
+    backoff_s: float = Field(1.0, ge=0, description="delay before restarting an attempt that made no progress (newer good checkpoint); doubles with each such attempt in a row (an attempt that made progress restarts at once)")
     backoff_max_s: float = Field(60.0, ge=0, description="longest delay before a restart")
     storm_restarts: int = Field(5, ge=1, description="this many failures within storm_window_min is a restart storm (exit 3)")
     storm_window_min: float = Field(10.0, gt=0, description="window of the restart-storm rule, minutes")

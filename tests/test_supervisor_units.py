@@ -30,9 +30,11 @@ def test_backoff_doubles_without_progress_and_is_capped():
         d = p.decide(Failure(ts=1000 * i, start_step=10, good_step=10, reason="x"))
         assert d.action == "restart"
         delays.append(d.delay_s)
-    assert delays == [2, 4, 5, 5, 5, 5]
-    # an attempt that made progress resets the backoff
+    assert delays == [1, 2, 4, 5, 5, 5]
+    # an attempt that made progress restarts at once, and resets the backoff
     d = p.decide(Failure(ts=10_000, start_step=10, good_step=20, reason="x"))
+    assert d.delay_s == 0
+    d = p.decide(Failure(ts=20_000, start_step=20, good_step=20, reason="x"))
     assert d.delay_s == 1
 
 

@@ -120,7 +120,9 @@ class RestartPolicy:
                 f"last: {failure.reason}",
                 exit_code=EXIT_FAILED,
             )
-        delay = min(c.backoff_max_s, c.backoff_s * (2**streak))
+        # an attempt that made progress restarts at once (a waiting supervisor only lengthens the outage);
+        # attempts that fail without progress back off: backoff_s, doubling with each one, capped
+        delay = 0.0 if streak == 0 else min(c.backoff_max_s, c.backoff_s * (2 ** (streak - 1)))
         return Decision("restart", failure.reason, delay_s=delay)
 
     @classmethod
