@@ -36,7 +36,7 @@ import os
 import re
 import statistics
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 STEP_PREFIX = "ptops/step#"
 DATA_RANGE = "ptops/data"
@@ -317,12 +317,3 @@ def render(report: Mapping[str, Any]) -> str:
         lines.append(f"summary: {report['summary']}")
     return "\n".join(lines)
 
-
-def ranks_of(paths: Iterable[Path]) -> dict[int, Path]:
-    """``rank-R.json`` files of a profile folder, by rank."""
-    out = {}
-    for p in paths:
-        m = re.fullmatch(r"rank-(\d+)\.json", Path(p).name)
-        if m:
-            out[int(m.group(1))] = Path(p)
-    return out

@@ -25,7 +25,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
@@ -106,8 +106,9 @@ class Capture:
         prof, self._prof = self._prof, None
         self.done = True
         try:
+            t_end = time.monotonic()
             prof.stop()
-            wall_s = time.monotonic() - self._t0
+            wall_s = t_end - self._t0
             path = trace_path(self.run_dir, self.id, self.rank)
             _private_dirs(path.parent, self.run_dir)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -117,7 +118,8 @@ class Capture:
             os.replace(tmp, path)
             self.report("profile_captured", id=self.id, first_step=self.first_step, steps=int(steps_done),
                         path=str(path.relative_to(self.run_dir)), bytes=path.stat().st_size,
-                        wall_s=round(wall_s, 4), export_s=round(time.monotonic() - t0, 4), partial=partial)
+                        wall_s=round(wall_s, 4), export_s=round(time.monotonic() - t0, 4),
+                        pause_s=round(time.monotonic() - t_end, 4), partial=partial)
         except Exception as e:  # noqa: BLE001
             self._fail(f"{type(e).__name__}: {e}")
 
@@ -163,6 +165,3 @@ class Capture:
                 prof.stop()
         self.report("profile_failed", id=self.id, error=error[:500], first_step=self.first_step)
 
-
-def describe(fields: dict[str, Any]) -> str:
-    return f"profile {fields.get('id')} steps {fields.get('first_step')}+{fields.get('steps')}"

@@ -153,9 +153,9 @@ SPECS: dict[EventKind, EventSpec] = {
                                    doc="`ptops profile` asked every rank for a profiler trace of `steps` steps "
                                        "from `start_step` (traces in profiles/<id>/)"),
     K.PROFILE_CAPTURED: EventSpec(("id", "rank", "attempt", "first_step", "steps", "path"),
-                                  ("bytes", "wall_s", "export_s", "partial"),
+                                  ("bytes", "wall_s", "export_s", "pause_s", "partial"),
                                   doc="a rank wrote its profiler trace (path: relative to the run directory; "
-                                      "partial: the rank left before the last step)"),
+                                      "partial: the rank left before the last step; pause_s: what stopping and writing the trace held the rank)"),
     K.PROFILE_FAILED: EventSpec(("id", "rank", "attempt", "error"), ("first_step",),
                                 doc="a rank could not take its part of a profile (training went on)"),
     K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
