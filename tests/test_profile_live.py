@@ -41,17 +41,17 @@ def test_profile_of_a_live_run_names_the_slow_rank(tmp_path, faulted_runs):
     run = tmp_path / "run"
     launch = subprocess.Popen(
         [*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--no-mlflow", "--json",
-         "--fault", "slow:rank=1,step=3,seconds=0.3,steps=40", "--fault", "hold:step=4"],
+         "--fault", "slow:rank=1,step=3,seconds=0.5,steps=40", "--fault", "hold:step=4"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     prof = None
     try:
         _wait(lambda: len([e for e in _events(run, "fault_injected") if e["fault"].startswith("hold")]) == 2,
               "both ranks held before step 4", launch)
-        prof = subprocess.Popen([*PTOPS, "profile", str(run), "--steps", "3", "--json"], cwd=REPO,
+        prof = subprocess.Popen([*PTOPS, "profile", str(run), "--steps", "4", "--json"], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _wait(lambda: _events(run, "profile_requested"), "the profile request", prof)
         req = _events(run, "profile_requested")[0]
-        assert req["ranks"] == [0, 1] and req["steps"] == 3 and req["start_step"] > 4, req
+        assert req["ranks"] == [0, 1] and req["steps"] == 4 and req["start_step"] > 4, req
         rel = run_ptops("inject", str(run), "release")
         assert rel.returncode == 0, rel.stderr
         out, err = prof.communicate(timeout=300)
@@ -66,10 +66,11 @@ def test_profile_of_a_live_run_names_the_slow_rank(tmp_path, faulted_runs):
     assert report["slow_rank"] == 1, report["verdict"]
     assert report["slow_part"] == "compute" and report["peers_wait_in"], report["verdict"]
     assert report["verdict"].startswith("rank 1 is the slow rank: +"), report["verdict"]
-    assert report["steps"] == list(range(req["start_step"], req["start_step"] + 3))
+    assert report["steps"] == list(range(req["start_step"], req["start_step"] + 4))
     fast, slow = report["per_rank"]
-    # the 0.3 s sleep each step: rank 1's time outside collectives, rank 0's time waiting in them
-    assert report["excess_s"] > 0.15 and fast["waiting_s"] > 0.15 and slow["waiting_s"] < fast["waiting_s"]
+    # the 0.5 s sleep each step: rank 1's time outside collectives, rank 0's time waiting in them (less what
+    # the shared machine's scheduler adds: a rank starved of CPU for a while is slower too, and measured so)
+    assert report["excess_s"] > 0.3 and fast["waiting_s"] > 0.3 and slow["waiting_s"] < fast["waiting_s"]
     assert f"rank 0: captured steps {req['start_step']}" in err or f"rank 1: captured steps {req['start_step']}" in err
     # the traces and the summary are in the run directory, private like the rest of it
     folder = run / "profiles" / req["id"]
@@ -78,7 +79,7 @@ def test_profile_of_a_live_run_names_the_slow_rank(tmp_path, faulted_runs):
         assert stat.S_IMODE((folder / name).stat().st_mode) == 0o600, name
     captured = _events(run, "profile_captured")
     assert sorted(e["rank"] for e in captured) == [0, 1] and not _events(run, "profile_failed")
-    assert all(e["id"] == req["id"] and e["first_step"] == req["start_step"] and e["steps"] == 3 for e in captured)
+    assert all(e["id"] == req["id"] and e["first_step"] == req["start_step"] and e["steps"] == 4 for e in captured)
     # no restart, and the same training math as the uninterrupted reference run
     assert launch.returncode == 0, l_err
     summary = json.loads(l_out)
