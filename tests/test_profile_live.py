@@ -62,16 +62,20 @@ def test_profile_of_a_live_run_names_the_slow_rank(tmp_path, faulted_runs):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.communicate()
+    assert out.strip(), err
     report = json.loads(out)
-    assert report["slow_rank"] == 1, report["verdict"]
-    assert report["slow_part"] == "compute" and report["peers_wait_in"], report["verdict"]
-    assert report["verdict"].startswith("rank 1 is the slow rank: +"), report["verdict"]
-    assert report["steps"] == list(range(req["start_step"], req["start_step"] + 4))
+    from ptops.diagnostics.profile import render
+
+    seen = f"{render(report)}\n--- ptops profile stderr:\n{err}"  # what a failure shows
+    assert report["slow_rank"] == 1, seen
+    assert report["slow_part"] == "compute" and report["peers_wait_in"], seen
+    assert report["verdict"].startswith("rank 1 is the slow rank: +"), seen
+    assert report["steps"] == list(range(req["start_step"], req["start_step"] + 4)), seen
     fast, slow = report["per_rank"]
-    # the 0.5 s sleep each step: rank 1's time outside collectives, rank 0's time waiting in them (less what
-    # the shared machine's scheduler adds: a rank starved of CPU for a while is slower too, and measured so)
-    assert report["excess_s"] > 0.3 and fast["waiting_s"] > 0.3 and slow["waiting_s"] < fast["waiting_s"]
-    assert f"rank 0: captured steps {req['start_step']}" in err or f"rank 1: captured steps {req['start_step']}" in err
+    # the 0.5 s sleep each step: rank 1's time outside collectives, rank 0's time waiting in them, less what
+    # the shared machine's scheduler adds (a rank starved of CPU for a while is slower too, and measured so)
+    assert report["excess_s"] > 0.2 and fast["waiting_s"] > 0.2 and slow["waiting_s"] < fast["waiting_s"], seen
+    assert f"captured steps {req['start_step']}..{req['start_step'] + 3}" in err, seen
     # the traces and the summary are in the run directory, private like the rest of it
     folder = run / "profiles" / req["id"]
     assert stat.S_IMODE((run / "profiles").stat().st_mode) == 0o700 and stat.S_IMODE(folder.stat().st_mode) == 0o700
