@@ -138,6 +138,10 @@ def diagnose(
     raise typer.Exit(diagnose_command(run_dir, json_out, html_out))
 
 
+from ptops.ops.cli.profile import register as _register_profile  # noqa: E402
+
+_register_profile(app)
+
 from ptops.ops.cli.ckpt import app as _ckpt_app  # noqa: E402
 
 app.add_typer(_ckpt_app, name="ckpt")

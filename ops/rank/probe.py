@@ -18,7 +18,10 @@ Where the records go is the probe's business:
   or stuck in C code holding the GIL. Commands from the supervisor: ``stacks``
   (answer with every thread's Python stack), ``stop`` (a save-and-stop request,
   see below), ``fault`` (a fault injected into the live run; ``release`` ends a
-  ``hold``, during which the rank pings on and reports phase ``hold``).
+  ``hold``, during which the rank pings on and reports phase ``hold``), ``profile``
+  (``ptops profile``: a torch profiler trace of N steps from a given step, taken at
+  ``before_step`` boundaries by :mod:`ptops.ops.rank.profiler`; adapters mark data
+  loading with ``with probe.mark("data"):``, a no-op unless a capture runs).
 
 Channel EOF means the supervisor is gone: the rank kills itself (the
 supervisor-side half of "no orphans", next to PR_SET_PDEATHSIG in
@@ -126,6 +129,7 @@ class Probe:
         self._stop_requested = threading.Event()
         self._accepts_stop = False
         self._closing = False
+        self._capture = None  # a ptops profile request (ops/rank/profiler.Capture), set by the channel thread
         self.injector = Injector(
             from_env(faults), rank, attempt, self._emit_fault, run_dir=self.run.path, on_hang_stop=self._stop_pinging,
             on_hold=self._on_hold, on_release=self._on_release,
@@ -212,10 +216,30 @@ class Probe:
         return record
 
     def before_step(self, step: int) -> None:
-        """Called by the adapter at the start of each optimizer step (fault hooks fire here first)."""
+        """Called by the adapter at the start of each optimizer step (fault hooks fire here first,
+        inside the step a profile capture measures: the capture's boundary comes before them)."""
+        capture = self._capture
+        if capture is not None:
+            capture.at_step(int(step))
+            if capture.done and self._capture is capture:
+                self._capture = None
         self.injector.before_step(int(step))
         self._phase, self._step = "step", int(step)
         self._send({"t": "beat", "step": int(step), "phase": "step", "stage": "begin"})
+
+    @property
+    def profiling(self) -> bool:
+        """A ``ptops profile`` capture is recording on this rank now."""
+        capture = self._capture
+        return capture is not None and capture.running
+
+    def mark(self, what: str):
+        """``with probe.mark("data"):`` around fetching a batch: a ``ptops/data`` range in a
+        profile trace; a no-op context when no capture runs (the usual case)."""
+        capture = self._capture
+        if capture is None:
+            return _NULL
+        return capture.mark(what)
 
     def should_poison(self, step: int) -> bool:
         """True when a ``nan`` fault wants this step's loss poisoned (adapter multiplies by NaN)."""
@@ -239,6 +263,9 @@ class Probe:
 
     def close(self, code: int = 0, error: str | None = None) -> None:
         """Tell the supervisor this rank is leaving on purpose (``code`` is its exit status)."""
+        capture, self._capture = self._capture, None
+        if capture is not None:
+            capture.close(self._step)
         if self.client is None:
             return
         self._closing = True
@@ -297,6 +324,19 @@ class Probe:
             fault = Fault.from_dict(msg["fault"])
             if self.injector.add(fault):
                 self._send({"t": "fault_armed", "fault": str(fault)})
+        elif cmd == "profile":
+            self._on_profile(msg)
+
+    def _on_profile(self, msg: dict[str, Any]) -> None:
+        from ptops.ops.rank.profiler import Capture
+
+        pid = str(msg.get("id") or "")
+        current = self._capture
+        if current is not None and not current.done:
+            self.event("profile_failed", id=pid, error=f"this rank is busy with profile {current.id}")
+            return
+        self._capture = Capture(pid, int(msg.get("start_step", 0)), int(msg.get("steps", 1)), self.run.path,
+                                self.rank, self.event)
 
     def _on_eof(self) -> None:
         if self._closing:
@@ -307,6 +347,17 @@ class Probe:
         except OSError:
             pass
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
 
 
 def _keepalive(sock: socket.socket) -> None:

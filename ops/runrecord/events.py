@@ -39,6 +39,9 @@ class EventKind(StrEnum):
     ORPHANS_KILLED = "orphans_killed"
     RECIPE_UPDATED = "recipe_updated"
     HOLD_RELEASED = "hold_released"
+    PROFILE_REQUESTED = "profile_requested"
+    PROFILE_CAPTURED = "profile_captured"
+    PROFILE_FAILED = "profile_failed"
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -146,6 +149,15 @@ SPECS: dict[EventKind, EventSpec] = {
     K.RECIPE_UPDATED: EventSpec(("first_change",), doc="a relaunch runs a changed recipe"),
     K.HOLD_RELEASED: EventSpec(("rank", "attempt", "step", "held_s", "by"),
                                doc="a rank held by a `hold` fault went on (by: release | committed | timeout)"),
+    K.PROFILE_REQUESTED: EventSpec(("id", "attempt", "start_step", "steps", "ranks"), ("dir",),
+                                   doc="`ptops profile` asked every rank for a profiler trace of `steps` steps "
+                                       "from `start_step` (traces in profiles/<id>/)"),
+    K.PROFILE_CAPTURED: EventSpec(("id", "rank", "attempt", "first_step", "steps", "path"),
+                                  ("bytes", "wall_s", "export_s", "pause_s", "partial"),
+                                  doc="a rank wrote its profiler trace (path: relative to the run directory; "
+                                      "partial: the rank left before the last step; pause_s: what stopping and writing the trace held the rank)"),
+    K.PROFILE_FAILED: EventSpec(("id", "rank", "attempt", "error"), ("first_step",),
+                                doc="a rank could not take its part of a profile (training went on)"),
     K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
     K.FAILED: EventSpec(("reason",), ("attempt", "exit_code"), state=RunState.FAILED, severity="critical",
                         summary=True, doc="the run gave up (reason names the cause)"),
@@ -158,7 +170,8 @@ del K
 END_KINDS = frozenset({EventKind.COMPLETED, EventKind.FAILED, EventKind.STOPPED})
 # Kinds a rank may report itself over the channel (the supervisor records only these).
 RANK_KINDS = frozenset({EventKind.CHECKPOINT, EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_INVALID,
-                        EventKind.ROLLBACK_APPLIED, EventKind.HOLD_RELEASED})
+                        EventKind.ROLLBACK_APPLIED, EventKind.HOLD_RELEASED, EventKind.PROFILE_CAPTURED,
+                        EventKind.PROFILE_FAILED})
 # Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).
 MONITOR_FINDING_KINDS = frozenset({EventKind.STRAGGLER, EventKind.ANOMALY})
 FINDING_KINDS = frozenset(k for k, s in SPECS.items() if s.finding)

@@ -86,6 +86,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.stop_acks: dict[int, dict] = {}
         self.blame = Blame()
         self.unknown_messages: dict[str, int] = {}  # "role:type" -> count of messages no handler takes
+        self.profiling: dict[str, Any] | None = None  # the `ptops profile` request in flight (messages._on_profile)
         self.ckpt_started: dict[int, float] = {}
         self.last_status = 0.0
         self.host = socket.gethostname()

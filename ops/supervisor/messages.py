@@ -11,7 +11,10 @@ the attempt's live state (``ranks``, ``monitor``, ``blame``, ``step``, ``state``
 
 from __future__ import annotations
 
+import math
 import queue
+import secrets
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +36,8 @@ class RankInfo:
     exit_code: int | None = None  # from the rank's goodbye
     error: str | None = None
     gone_ts: float | None = None  # EOF (monotonic)
+    step: int = 0  # the highest step this rank has begun (its beats) or finished (its metrics)
+    step_s: float | None = None  # its last step's duration
 
 
 # message type -> handler method name (``t`` of the message; ``_hello``/``_eof`` come from the server)
@@ -52,7 +57,22 @@ RANK_HANDLERS = {
 CONTROL_HANDLERS = {
     "inject": "_on_inject",
     "status": "_on_status",
+    "profile": "_on_profile",
 }
+PROFILE_MAX_STEPS = 100
+PROFILE_LEAD_S = 1.0  # a profile request must reach every rank before the step it starts at
+
+
+def profile_start(rank_steps: list[int], step_s: float | None, lead_s: float = PROFILE_LEAD_S,
+                  min_margin: int = 2) -> int:
+    """The step every rank starts profiling at: past the furthest rank by ``min_margin`` steps,
+    or by ``lead_s`` worth of steps when steps are fast, so the request reaches every rank first
+    (a rank it reaches late starts at its next step and says so; the analysis keeps the steps
+    common to all ranks)."""
+    margin = min_margin
+    if step_s and step_s > 0:
+        margin = max(min_margin, math.ceil(lead_s / step_s) + 1)
+    return max(rank_steps, default=0) + margin
 
 
 class MessagesMixin:
@@ -109,6 +129,46 @@ class MessagesMixin:
         self.event(EventKind.INJECT, fault=format_spec(fault), attempt=self.attempt, ranks=sorted(sent))
         self.server.send(peer, {"ok": True, "attempt": self.attempt, "ranks": sorted(sent), "fault": str(fault)})
 
+    def _on_profile(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        """``ptops profile``: one start step for every rank, forwarded; the ranks report back as events."""
+        def refuse(error: str) -> None:
+            self.server.send(peer, {"ok": False, "error": error})
+
+        try:
+            steps = int(msg.get("steps", 5))
+        except (TypeError, ValueError):
+            return refuse(f"steps: expected a whole number, got {msg.get('steps')!r}")
+        if not 1 <= steps <= PROFILE_MAX_STEPS:
+            return refuse(f"steps: expected 1..{PROFILE_MAX_STEPS}, got {steps}")
+        if self.state not in (RunState.RUNNING, RunState.CHECKPOINTING):
+            return refuse(f"no live attempt to profile (state {self.state})")
+        live = sorted((i for i in self.ranks.values() if i.peer is not None and i.gone_ts is None),
+                      key=lambda i: i.rank)
+        if len(live) < self.world:
+            return refuse(f"only {len(live)} of {self.world} ranks of attempt {self.attempt} are connected; "
+                          "try again once all have started")
+        busy = self.profiling
+        if busy and busy["attempt"] == self.attempt and busy["waiting"]:
+            return refuse(f"profile {busy['id']} (steps {busy['start_step']}..{busy['start_step'] + busy['steps'] - 1}) "
+                          f"is still being captured by ranks {sorted(busy['waiting'])}")
+        times = [i.step_s for i in live if i.step_s]
+        start = profile_start([i.step for i in live], statistics.median(times) if times else None)
+        total = int(self.recipe.train.steps)
+        if start + steps > total:
+            at = max(i.step for i in live)
+            return refuse(f"the run is at step {at} of {total}: too few steps left to profile {steps} steps "
+                          f"from step {start} (the window must end before the last step)")
+        pid = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        cmd = {"cmd": "profile", "id": pid, "start_step": start, "steps": steps}
+        sent = [i.rank for i in live if self.server.send(i.peer, cmd)]
+        self.profiling = {"id": pid, "attempt": self.attempt, "start_step": start, "steps": steps,
+                          "waiting": set(sent)}
+        self.event(EventKind.PROFILE_REQUESTED, id=pid, attempt=self.attempt, start_step=start, steps=steps,
+                   ranks=sent, dir=f"profiles/{pid}")
+        self.say(f"profile {pid}: ranks {sent} trace steps {start}..{start + steps - 1}")
+        self.server.send(peer, {"ok": True, "id": pid, "attempt": self.attempt, "start_step": start, "steps": steps,
+                                "ranks": sent, "dir": f"profiles/{pid}", "total_steps": total})
+
     # ------------------------------------------------------------ ranks
     def _on_hello(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         hello, rank = peer.hello, peer.rank
@@ -122,6 +182,9 @@ class MessagesMixin:
         rank = peer.rank
         phase = msg.get("phase", "step")
         step = int(msg.get("step", 0))
+        info = self.ranks.get(rank)
+        if info is not None:
+            info.step = max(info.step, step)
         self.monitor.observe({"kind": "beat", "rank": rank, "step": step, "phase": phase, "stage": msg.get("stage"), "ts": ts})
         if rank == 0:
             self._checkpoint_beat(phase, step, ts)
@@ -133,6 +196,10 @@ class MessagesMixin:
         rank = peer.rank
         rec = msg.get("rec") or {}
         append_jsonl(self.run.metrics, rec)
+        info = self.ranks.get(rank)
+        if info is not None:
+            info.step = max(info.step, int(rec.get("step") or 0))
+            info.step_s = rec.get("step_s") if isinstance(rec.get("step_s"), (int, float)) else info.step_s
         self.feed_monitors(rec)
         self.monitor.observe({"kind": "metrics", "rank": rank, "step": rec.get("step", 0), "step_s": rec.get("step_s"), "ts": ts})
         if rank == 0:
@@ -155,6 +222,9 @@ class MessagesMixin:
         if kind in RANK_KINDS:
             fields = msg.get("fields") or {}
             self.event(kind, **fields)
+            busy = self.profiling
+            if kind in (EventKind.PROFILE_CAPTURED, EventKind.PROFILE_FAILED) and busy and busy["id"] == fields.get("id"):
+                busy["waiting"].discard(peer.rank)
             if kind == EventKind.CHECKPOINT and fields.get("path"):
                 # the engine's own event, sent after its commit: the one source of ``checkpoint``
                 self.good = {"step": int(fields.get("step", 0)), "path": str(fields["path"])}

@@ -422,6 +422,21 @@ def _metric_name(key: str) -> str:
     return out.strip("_")
 
 
+class _MarkedBatches:
+    """The same batch iterator, each ``next`` inside ``probe.mark("data")`` (nothing buffered:
+    the batches and their order are the iterator's own)."""
+
+    def __init__(self, it: Any, probe: Any):
+        self.it, self.probe = it, probe
+
+    def __iter__(self) -> "_MarkedBatches":
+        return self
+
+    def __next__(self) -> Any:
+        with self.probe.mark("data"):
+            return next(self.it)
+
+
 class ProbeTrainer(Trainer):
     """torchtitan's Trainer with the ptops probe around every optimizer step; under a
     supervisor, a stop request is agreed on at the end of a step, that step is
@@ -446,6 +461,8 @@ class ProbeTrainer(Trainer):
         if probe is not None:
             probe.before_step(step)
             _POISON = bool(probe.should_poison(step))
+            if getattr(probe, "profiling", False):  # `ptops profile`: batches fetched inside a ptops/data range
+                data_iterator = _MarkedBatches(data_iterator, probe)
         from ptops.recipes.titan import rollback as _rollback  # PTOPS_ROLLBACK: lr factor, skipped batches
 
         _rollback.on_step(self, data_iterator, step, probe)

@@ -182,8 +182,9 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             from ptops.recipes.trl import rollback  # PTOPS_ROLLBACK: drop the skipped window's batches
 
-            rollback.skip(self, epoch_iterator, num_batches, probe)
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
+            with probe.mark("data"):  # `ptops profile`: a ptops/data range (a no-op otherwise)
+                rollback.skip(self, epoch_iterator, num_batches, probe)
+                return super().get_batch_samples(epoch_iterator, num_batches, device)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             out = super().compute_loss(
