@@ -1,0 +1,129 @@
+"""``diagnose --baseline OTHER``: is this run's convergence a regression against a reference run of
+the same recipe, beyond seed-to-seed noise?
+
+Curves: for each step, the value that counts (the last record written for that step and rank: a
+resumed run redoes steps), averaged over ranks, for every metric in :data:`CURVES` both runs log.
+
+Noise, per metric:
+- one baseline: the baseline's own step-to-step jitter, a robust residual scale: the median absolute
+  deviation of the curve from its centred running median (window 5), times 1.4826 (a standard
+  deviation for Gaussian noise), times sqrt(2) because the difference of two independent runs carries
+  two runs' noise. Two seeds of one recipe differ by about that much step by step;
+- several baselines: the spread between them (per step, the largest absolute difference of any
+  baseline from their mean, then the median over steps), which measures seed-to-seed noise directly.
+The scale is floored at 1e-3 of the curve's median magnitude, so a perfectly smooth curve does not
+make every tiny difference significant.
+
+Divergence: the difference (run - baseline mean), smoothed by the same running median so a single
+noisy step does not count, exceeds ``K`` noise scales for ``SUSTAIN`` consecutive steps; the first of
+those steps is the first step of divergence. Early steps share the initialisation, so the first steps
+being equal is expected, not required.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+CURVES = ("loss", "grad_norm", "reward", "entropy", "kl")
+K = 4.0
+SUSTAIN = 3
+WINDOW = 5
+
+
+class BaselineError(Exception):
+    """One line for the user (exit 2)."""
+
+
+def curves(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """metric -> step -> mean over ranks of the last value written for that step and rank."""
+    last: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in records:
+        s = r.get("step")
+        if isinstance(s, int) and not isinstance(s, bool):
+            last[(s, r.get("rank", 0) if isinstance(r.get("rank", 0), int) else 0)] = r
+    out: dict[str, dict[int, list[float]]] = {}
+    for (s, _rank), r in last.items():
+        for m in CURVES:
+            v = r.get(m)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
+                out.setdefault(m, {}).setdefault(s, []).append(float(v))
+    return {m: {s: sum(v) / len(v) for s, v in sorted(d.items())} for m, d in out.items()}
+
+
+def _running_median(xs: list[float], w: int = WINDOW) -> list[float]:
+    h = w // 2
+    return [statistics.median(xs[max(0, i - h): i + h + 1]) for i in range(len(xs))]
+
+
+def _noise_one(ys: list[float]) -> float:
+    if len(ys) < 3:
+        return 0.0
+    med = _running_median(ys)
+    res = [abs(a - b) for a, b in zip(ys, med)]
+    return 1.4826 * statistics.median(res) * math.sqrt(2)
+
+
+def _read(run_dir: Path) -> list[dict[str, Any]]:
+    from ptops.ops.runrecord.rundir import RunDir, read_jsonl
+
+    run = RunDir(Path(run_dir))
+    if not Path(run_dir).is_dir():
+        raise BaselineError(f"{run_dir}: no such baseline run directory")
+    if not run.metrics.is_file():
+        raise BaselineError(f"{run.metrics}: the baseline has no metrics.jsonl")
+    return list(read_jsonl(run.metrics))
+
+
+def compare(run_records: list[dict[str, Any]], baselines: dict[str, list[dict[str, Any]]], *,
+            k: float = K, sustain: int = SUSTAIN) -> dict[str, Any]:
+    """The ``baseline`` key of the diagnose report (see the module docstring for the method)."""
+    mine = curves(run_records)
+    refs = {name: curves(recs) for name, recs in baselines.items()}
+    compared = [m for m in CURVES if m in mine and all(m in c for c in refs.values())]
+    per_metric: dict[str, Any] = {}
+    firsts: list[int] = []
+    for m in compared:
+        steps = sorted(set(mine[m]).intersection(*(set(c[m]) for c in refs.values())))
+        if len(steps) < sustain + 2:
+            per_metric[m] = {"steps": len(steps), "diverged": False, "first_divergent_step": None,
+                             "note": "too few common steps to compare"}
+            continue
+        ref_mean = [sum(c[m][s] for c in refs.values()) / len(refs) for s in steps]
+        if len(refs) > 1:
+            spread = [max(abs(c[m][s] - mu) for c in refs.values()) for s, mu in zip(steps, ref_mean)]
+            noise, method = statistics.median(spread) * math.sqrt(2), f"spread of {len(refs)} baselines"
+        else:
+            noise, method = _noise_one(ref_mean), "baseline step-to-step jitter (MAD of residual from running median)"
+        floor = 1e-3 * max(1e-12, statistics.median(abs(x) for x in ref_mean))
+        noise = max(noise, floor)
+        diff = [mine[m][s] - mu for s, mu in zip(steps, ref_mean)]
+        smooth = _running_median(diff)
+        z = [d / noise for d in smooth]
+        first, run_len = None, 0
+        for s, zz in zip(steps, z):
+            run_len = run_len + 1 if abs(zz) > k else 0
+            if run_len >= sustain:
+                first = steps[steps.index(s) - sustain + 1]
+                break
+        peak_i = max(range(len(z)), key=lambda i: abs(z[i]))
+        per_metric[m] = {"steps": len(steps), "noise": noise, "noise_method": method, "threshold": k * noise,
+                         "diverged": first is not None, "first_divergent_step": first,
+                         "max_z": z[peak_i], "max_z_step": steps[peak_i],
+                         "final_diff": diff[-1], "final": mine[m][steps[-1]], "baseline_final": ref_mean[-1]}
+        if first is not None:
+            firsts.append(first)
+    return {"run_dir": None, "baselines": list(baselines), "compared": compared,
+            "diverged": bool(firsts), "first_divergent_step": min(firsts, default=None),
+            "k": k, "sustain": sustain, "per_metric": per_metric}
+
+
+def against(run_records: list[dict[str, Any]], baseline_dirs: list[Path]) -> dict[str, Any]:
+    recs = {str(d): _read(Path(d)) for d in baseline_dirs}
+    out = compare(run_records, recs)
+    out["run_dir"] = str(baseline_dirs[0])
+    if not out["compared"]:
+        out["note"] = "no metric in common (loss, grad_norm, reward, entropy, kl)"
+    return out
