@@ -5,8 +5,8 @@ Curves: for each step, the value that counts (the last record written for that s
 resumed run redoes steps), averaged over ranks, for every metric in :data:`CURVES` both runs log.
 
 Noise, per metric:
-- one baseline: the baseline's own step-to-step jitter, a robust residual scale: the median absolute
-  deviation of the curve from its centred running median (window 5), times 1.4826 (a standard
+- one baseline: the baseline's own step-to-step jitter, a robust scale that ignores the curve's trend:
+  the median absolute second difference (y[i-1] - 2 y[i] + y[i+1]) times 1.4826 / sqrt(6) (a standard
   deviation for Gaussian noise), times sqrt(2) because the difference of two independent runs carries
   two runs' noise. Two seeds of one recipe differ by about that much step by step;
 - several baselines: the spread between them (per step, the largest absolute difference of any
@@ -59,11 +59,13 @@ def _running_median(xs: list[float], w: int = WINDOW) -> list[float]:
 
 
 def _noise_one(ys: list[float]) -> float:
+    """Step-to-step noise of one curve, robust to its trend: second differences y[i-1] - 2y[i] + y[i+1]
+    cancel a smooth trend and carry 6 sigma^2 of white noise; their MAD * 1.4826 / sqrt(6) is sigma.
+    Times sqrt(2): the difference of two runs carries both runs' noise."""
     if len(ys) < 3:
         return 0.0
-    med = _running_median(ys)
-    res = [abs(a - b) for a, b in zip(ys, med)]
-    return 1.4826 * statistics.median(res) * math.sqrt(2)
+    d2 = [abs(ys[i - 1] - 2 * ys[i] + ys[i + 1]) for i in range(1, len(ys) - 1)]
+    return 1.4826 * statistics.median(d2) / math.sqrt(6) * math.sqrt(2)
 
 
 def _read(run_dir: Path) -> list[dict[str, Any]]:
@@ -96,7 +98,7 @@ def compare(run_records: list[dict[str, Any]], baselines: dict[str, list[dict[st
             spread = [max(abs(c[m][s] - mu) for c in refs.values()) for s, mu in zip(steps, ref_mean)]
             noise, method = statistics.median(spread) * math.sqrt(2), f"spread of {len(refs)} baselines"
         else:
-            noise, method = _noise_one(ref_mean), "baseline step-to-step jitter (MAD of residual from running median)"
+            noise, method = _noise_one(ref_mean), "baseline step-to-step jitter (MAD of second differences)"
         floor = 1e-3 * max(1e-12, statistics.median(abs(x) for x in ref_mean))
         noise = max(noise, floor)
         diff = [mine[m][s] - mu for s, mu in zip(steps, ref_mean)]
