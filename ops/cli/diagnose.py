@@ -142,8 +142,8 @@ def _print_incidents(console: Any, incs: list[dict[str, Any]]) -> None:
 def _print_baseline(console: Any, b: dict[str, Any]) -> None:
     verdict = (f"DIVERGES from step {b['first_divergent_step']}" if b["diverged"]
                else "within seed-to-seed noise")
-    console.print(f"Baseline {b['run_dir']}: {verdict} (compared: {', '.join(b['compared']) or 'nothing'})",
-                  markup=False)
+    names = ", ".join(b.get("baselines") or [str(b["run_dir"])])
+    console.print(f"Baseline {names}: {verdict} (compared: {', '.join(b['compared']) or 'nothing'})", markup=False)
     for m, d in b["per_metric"].items():
         if "noise" not in d:
             console.print(f"  {m}: {d.get('note')}", markup=False)
