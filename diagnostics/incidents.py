@@ -165,7 +165,9 @@ class _Builder:
         step = e.get("step") if isinstance(e.get("step"), int) else None
         stack_dir = self.run_dir / "stacks" / f"attempt-{attempt}"  # not e["stacks"]: the run dir may have moved
         st = hangstacks.analyse(stack_dir, blamed)
-        fr = flightrec.analyse(stack_dir)
+        nproc = next((ev.get("nproc") for ev in self.events if ev.get("kind") == "launch"
+                      and ev.get("attempt") == attempt and isinstance(ev.get("nproc"), int)), None)
+        fr = flightrec.analyse(stack_dir, world=nproc)
         odd = (st or {}).get("odd")
         ev = [f"silent {_f(e.get('silent_s'))} s (budget {_f(e.get('timeout_s'))} s, {e.get('phase') or 'step'}"
               f"{', ' + str(e.get('why')) if e.get('why') else ''})"]
