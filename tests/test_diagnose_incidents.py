@@ -223,7 +223,7 @@ def test_flight_recorder_from_real_gloo_ranks(tmp_path):
     assert out["ranks"] == [0, 1] and "error" not in out, out
     assert out["mismatches"][0]["missing_ranks"] == [1] and out["mismatches"][0]["seq"] == 4
     assert out["last"]["0"]["seq"] == 4 and out["last"]["1"]["seq"] == 3
-    assert "rank(s) 1 never joined" in out["summary"][0]
+    assert "collective #4 gloo:all_reduce: rank(s) 1 never joined" in out["summary"]
 
 
 # --- baseline ------------------------------------------------------------------------------------------
