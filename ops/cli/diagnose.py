@@ -127,7 +127,8 @@ def _print_incidents(console: Any, incs: list[dict[str, Any]]) -> None:
              (f"ranks {','.join(map(str, i['ranks']))}" if i["ranks"] else "")),
             f"host {i['host']}" if i["host"] else "") if x)
         console.print(f"\n#{i['id']} [{i['severity'].upper()}] {i['kind']}: {i['title']}", markup=False)
-        console.print(f"   when {_when(i['ts'])}{('-' + _when(i['ts_end'])) if i['ts_end'] else ''}  {where}", markup=False)
+        span = _when(i["ts"]) + (f"-{_when(i['ts_end'])}" if i["ts_end"] and _when(i["ts_end"]) != _when(i["ts"]) else "")
+        console.print(f"   when {span}  {where}", markup=False)
         for line in i["evidence"][:_EVIDENCE_LINES]:
             console.print(f"   | {line}", markup=False)
         if len(i["evidence"]) > _EVIDENCE_LINES:
