@@ -7,7 +7,8 @@ an exit code (-9). What can really tell them apart, checked in this order:
 1. a ``fault_injected`` event of the same rank and attempt (ptops' own ``crash`` fault sent it);
 2. the rank's log: an ``OutOfMemoryError``/``MemoryError`` (Python-level, not a SIGKILL at all);
 3. the kernel log (``/var/log/kern.log``, ``/dev/kmsg``) naming the rank's pid as killed by the
-   OOM killer, when it is readable and the run ran on this host;
+   OOM killer, when it is readable, the pid is known and the run ran on this host (not naming it:
+   probably a person or another process);
 4. the cgroup's ``memory.events`` ``oom_kill`` counter (this host, this cgroup; cumulative, so it is
    evidence, not proof).
 
@@ -88,7 +89,9 @@ def log_evidence(log: Path) -> dict[str, Any]:
 
 
 def _kernel_oom(pids: set[int]) -> tuple[bool | None, str]:
-    """(pid named by the OOM killer?, what was read). None when no kernel log could be read."""
+    """(pid named by the OOM killer?, what was read). None when no kernel log could be read or no pid is known."""
+    if not pids:
+        return None, "kernel log not searched: the rank's pid is not recorded for that attempt"
     for src in (Path("/var/log/kern.log"), Path("/dev/kmsg")):
         try:
             if src.name == "kmsg":
@@ -102,6 +105,8 @@ def _kernel_oom(pids: set[int]) -> tuple[bool | None, str]:
                             chunks.append(os.read(fd, 8192).decode(errors="replace"))
                         except BlockingIOError:
                             break
+                        except BrokenPipeError:  # records overwritten while reading: go on
+                            continue
                 finally:
                     os.close(fd)
                 text = "".join(chunks)
@@ -158,6 +163,9 @@ def explain(run_dir: Path, crash: dict[str, Any], events: list[dict[str, Any]], 
                 cause = "the kernel OOM killer (kernel log names the rank's pid)"
             elif n:
                 cause = f"probably the OOM killer: this cgroup counts {n} OOM kill(s) (not tied to the pid)"
+            elif hit is False:
+                cause = ("probably not the OOM killer (the kernel log does not name the pid): a person, the "
+                         "scheduler or another process sent SIGKILL")
         else:
             checked.append("run directory from another host: kernel log and cgroup counters not applicable")
         if cause is None:

@@ -152,6 +152,16 @@ class _Builder:
 
     def _pids(self, attempt: int | None) -> dict[int, int]:
         out: dict[int, int] = {}
+        try:  # status.json lists the pids of the latest attempt
+            import json
+
+            st = json.loads((self.run_dir / "status.json").read_text())
+            if st.get("attempt") == attempt:
+                for r in st.get("ranks") or []:
+                    if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("pid"), int):
+                        out[r["rank"]] = r["pid"]
+        except (OSError, ValueError, AttributeError):
+            pass
         for e in self.events:
             if _attempt_of(e, self.launches) == attempt and isinstance(e.get("ranks"), list):
                 for r in e["ranks"]:

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, run_ptops
 from ptops.diagnostics import baseline, crash, flightrec, stacks
-from ptops.diagnostics.diagnose import DiagnoseError, diagnose, parse_since
+from ptops.diagnostics.diagnose import DiagnoseError, parse_since
 
 INCIDENT_KEYS = {"id", "kind", "title", "severity", "ts", "ts_end", "attempt", "step", "rank", "ranks", "host",
                  "evidence", "runbook", "action", "details"}
