@@ -121,7 +121,7 @@ def diagnose(
     attempt: Annotated[int | None, typer.Option("--attempt", help="Only attempt K's incidents, findings, timeline.")] = None,
     since: Annotated[str | None, typer.Option("--since", help="Only what happened after T: ISO time, or 10m / 2h ago.")] = None,
     baseline: Annotated[list[Path] | None, typer.Option(
-        "--baseline", help="Reference run of the same recipe: report where loss/grad-norm/reward curves diverge "
+        "--baseline", metavar="RUN_DIR", help="Reference run of the same recipe: report where loss/grad-norm/reward curves diverge "
         "beyond seed-to-seed noise (repeat for several seeds: their spread is the noise).")] = None,
 ) -> None:
     """What happened in a run: incidents first (crash, hang, numeric, straggler, RL, checkpoint), each with
@@ -137,9 +137,10 @@ def diagnose(
 
     Exit 0 with a report (incidents or not); exit 2 when RUN_DIR is not a run directory or an option is bad.
 
-    Examples:  ptops diagnose runs/demo --json
-               ptops diagnose runs/demo --attempt 2 --since 30m
-               ptops diagnose runs/new --baseline runs/reference
+    Examples:\n
+      ptops diagnose runs/demo --json\n
+      ptops diagnose runs/demo --attempt 2 --since 30m\n
+      ptops diagnose runs/new --baseline runs/reference --baseline runs/reference-seed2
     """
     from ptops.ops.cli.diagnose import diagnose_command
 

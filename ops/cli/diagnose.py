@@ -3,16 +3,17 @@
 Wiring (ops/cli/app.py)::
 
     @app.command()
-    def diagnose(run_dir: Path, json_out: bool = typer.Option(False, "--json", ...)):
+    def diagnose(run_dir: Path, json_out: bool = ..., attempt: int | None = ..., since: str | None = ...,
+                 baseline: list[Path] | None = ...):
         from ptops.ops.cli.diagnose import diagnose_command
-        raise typer.Exit(diagnose_command(run_dir, json_out))
+        raise typer.Exit(diagnose_command(run_dir, json_out, attempt, since, baseline))
 
 Exit codes: 0 = report printed (also when it lists findings: a report is not a
 verdict; read ``findings``), 2 = no such run directory / not a run directory /
 bad recipe.json ``[monitors]`` section / bad ``--attempt`` or ``--since`` / a baseline without
 metrics (one ``error: ...`` line on stderr).
 
-Also runnable without the main CLI: ``python -m ptops.ops.cli.diagnose RUN_DIR [--json]``.
+Also runnable without the main CLI: ``python -m ptops.ops.cli.diagnose RUN_DIR [--json] [...]``.
 """
 
 from __future__ import annotations
