@@ -298,3 +298,49 @@ def test_baseline_lr_change_diverges_second_seed_does_not(seed_runs):
     assert human.returncode == 0 and "DIVERGES from step" in human.stdout
     bad = run_ptops("diagnose", str(seed_runs["lr"]), "--baseline", str(seed_runs["ref"] / "nope"))
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+
+
+# --- synthetic run directories: every incident kind, one incident per episode ----------------------------
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_synthetic_kinds_and_episodes(tmp_path):
+    sys.path.insert(0, str(REPO / "tests" / "data" / "traces"))
+    import synth
+
+    T0 = 1_800_000_000.0
+    a1 = [dict(r, ts=T0 + r["step"], attempt=1) for r in synth.grpo(steps=120, seed=3, inject="entropy_collapse", at=40)]
+    for r in a1:
+        if r["step"] in (20, 21):
+            r["loss"] = "nan"
+    _write(tmp_path / "metrics.jsonl", a1)
+    _write(tmp_path / "events.jsonl", [
+        {"ts": T0, "kind": "launch", "attempt": 1, "nproc": 2},
+        {"ts": T0 + 21.5, "kind": "rollback", "from_step": 21, "to_step": 15, "reason": "nan", "lr_scale": 0.5},
+        {"ts": T0 + 60, "kind": "checkpoint_failed", "step": 60, "path": "checkpoints/step-60", "error": "ENOSPC", "final": False},
+        {"ts": T0 + 121, "kind": "fault_injected", "fault": "preempt:step=120", "rank": 0, "step": 120, "attempt": 1},
+        {"ts": T0 + 122, "kind": "stopped", "attempt": 1, "signal": 15, "step": 120, "reason": "interrupted by SIGTERM"},
+        {"ts": T0 + 130, "kind": "launch", "attempt": 2, "nproc": 2},
+        {"ts": T0 + 140, "kind": "early_exit", "attempt": 2, "step": 125},
+        {"ts": T0 + 141, "kind": "failed", "reason": "early exit"},
+    ])
+    rep = _json(tmp_path)
+    kinds = [i["kind"] for i in rep["incidents"]]
+    num = _one(rep, "numeric")  # NaN at 20 and 21: one episode
+    assert num["step"] == 20 and num["details"]["last_step"] in (20, 21) and num["action"].startswith("rolled back from step 21 to step 15")
+    rl = [i for i in rep["incidents"] if i["kind"] == "rl"]
+    assert rl and all(i["runbook"] == "EntropyCollapse" for i in rl if i["details"]["monitor"] == "entropy_collapse")
+    assert len([i for i in rl if i["details"]["monitor"] == "entropy_collapse"]) == 1
+    ck = _one(rep, "checkpoint")
+    assert ck["severity"] == "warning" and ck["runbook"] == "CheckpointSaveFailing" and ck["step"] == 60
+    pre = _one(rep, "preempt")
+    assert pre["attempt"] == 1 and "SIGTERM" in pre["evidence"][0]
+    ee = _one(rep, "crash", attempt=2)
+    assert "before the last step" in ee["title"] and ee["runbook"] == "TrainingCrashLoop"
+    assert "failed" not in kinds  # the failure ends attempt 2, already told as its early exit
+    ts = [i["ts"] for i in rep["incidents"]]
+    assert ts == sorted(ts)
+    only1 = _json(tmp_path, "--attempt", "1")
+    assert {i["attempt"] for i in only1["incidents"]} == {1}
