@@ -6,7 +6,8 @@ Where dumps come from (``stacks/attempt-K/``):
   ``_dump_fr_trace()`` (gloo: torch >= 2.8 records gloo collectives when ``TORCH_FR_BUFFER_SIZE`` is set;
   the supervisor sets it and the TorchTitan adapter passes it on as ``comm.trace_buf_size``) or
   ``_dump_nccl_trace()`` (NCCL). A rank that cannot answer (SIGSTOPped, stuck in C) leaves none;
-- ``flight_recorder_rank_R``: NCCL's own dump on a watchdog timeout (``TORCH_FR_DUMP_TEMP_FILE``).
+- ``flight_recorder_rank_R``: NCCL's own dump on a watchdog timeout (``TORCH_FR_DUMP_TEMP_FILE``); under
+  TorchTitan, which sets that variable itself, ``titan/comm_traces/rank_R`` (read when newer than the launch).
 
 Dumps are pickles of plain data; they are read with an unpickler that refuses every class, then handed to
 torch's ``build_db`` the way its loader would. torch 2.13's gloo dumps carry no group names or members
@@ -32,15 +33,21 @@ from typing import Any
 _NAMES = (re.compile(r"rank-(\d+)\.flight_recorder$"), re.compile(r"flight_recorder_rank_(\d+)$"))
 
 
-def dumps(stack_dir: Path) -> dict[int, Path]:
+def dumps(stack_dir: Path, extra_dir: Path | None = None, after_ts: float | None = None) -> dict[int, Path]:
+    """rank -> dump file: the stack folder's, else TorchTitan's dump-on-timeout folder (``titan/comm_traces/
+    rank_R``, shared by every attempt: only files written after ``after_ts``, the attempt's launch)."""
     out: dict[int, Path] = {}
-    if not stack_dir.is_dir():
-        return out
-    for p in sorted(stack_dir.iterdir()):
-        for rx in _NAMES:
-            m = rx.search(p.name)
-            if m and p.is_file() and p.stat().st_size > 0:
-                out.setdefault(int(m.group(1)), p)
+    if stack_dir.is_dir():
+        for p in sorted(stack_dir.iterdir()):
+            for rx in _NAMES:
+                m = rx.search(p.name)
+                if m and p.is_file() and p.stat().st_size > 0:
+                    out.setdefault(int(m.group(1)), p)
+    if not out and extra_dir is not None and extra_dir.is_dir():
+        for p in sorted(extra_dir.iterdir()):
+            m = re.fullmatch(r"rank_(\d+)", p.name)
+            if m and p.is_file() and p.stat().st_size > 0 and (after_ts is None or p.stat().st_mtime >= after_ts):
+                out[int(m.group(1))] = p
     return out
 
 
@@ -82,9 +89,10 @@ def _load(path: Path) -> dict[str, Any]:
     return data
 
 
-def analyse(stack_dir: Path, world: int | None = None) -> dict[str, Any] | None:
+def analyse(stack_dir: Path, world: int | None = None, extra_dir: Path | None = None,
+            after_ts: float | None = None) -> dict[str, Any] | None:
     """None without dumps; else what torch's analyser says (mismatches, missing ranks), per-rank last op."""
-    found = dumps(stack_dir)
+    found = dumps(stack_dir, extra_dir, after_ts)
     if not found:
         return None
     out: dict[str, Any] = {"ranks": sorted(found), "files": [p.name for p in found.values()],

@@ -175,9 +175,10 @@ class _Builder:
         step = e.get("step") if isinstance(e.get("step"), int) else None
         stack_dir = self.run_dir / "stacks" / f"attempt-{attempt}"  # not e["stacks"]: the run dir may have moved
         st = hangstacks.analyse(stack_dir, blamed)
-        nproc = next((ev.get("nproc") for ev in self.events if ev.get("kind") == "launch"
-                      and ev.get("attempt") == attempt and isinstance(ev.get("nproc"), int)), None)
-        fr = flightrec.analyse(stack_dir, world=nproc)
+        launch = next((ev for ev in self.events if ev.get("kind") == "launch" and ev.get("attempt") == attempt), {})
+        nproc = launch.get("nproc") if isinstance(launch.get("nproc"), int) else None
+        fr = flightrec.analyse(stack_dir, world=nproc, extra_dir=self.run_dir / "titan" / "comm_traces",
+                               after_ts=launch.get("ts") if isinstance(launch.get("ts"), (int, float)) else None)
         odd = (st or {}).get("odd")
         ev = [f"silent {_f(e.get('silent_s'))} s (budget {_f(e.get('timeout_s'))} s, {e.get('phase') or 'step'}"
               f"{', ' + str(e.get('why')) if e.get('why') else ''})"]

@@ -226,6 +226,23 @@ def test_flight_recorder_from_real_gloo_ranks(tmp_path):
     assert "collective #4 gloo:all_reduce: rank(s) 1 never joined" in out["summary"]
 
 
+def test_flight_recorder_dump_locations_and_no_code_from_pickles(tmp_path):
+    import pickle
+    import time
+
+    stacks_dir, traces = tmp_path / "stacks" / "attempt-2", tmp_path / "titan" / "comm_traces"
+    stacks_dir.mkdir(parents=True)
+    traces.mkdir(parents=True)
+    (traces / "rank_0").write_bytes(b"old")
+    os.utime(traces / "rank_0", (1000, 1000))  # written by an earlier attempt
+    (traces / "rank_1").write_bytes(b"new")
+    assert {r: p.name for r, p in flightrec.dumps(stacks_dir, traces, after_ts=time.time() - 60).items()} == {1: "rank_1"}
+    (stacks_dir / "rank-0.flight_recorder").write_bytes(pickle.dumps({"entries": [], "where": Path("/x")}))
+    assert set(flightrec.dumps(stacks_dir, traces)) == {0}  # the stack folder's dumps win
+    out = flightrec.analyse(stacks_dir, world=2)
+    assert "refused" in out["error"] and "pathlib" in out["error"]
+
+
 # --- baseline ------------------------------------------------------------------------------------------
 
 def _synth(seed: int, steps: int = 60, lr_scale: float = 1.0, ranks: int = 2) -> list[dict]:
