@@ -291,10 +291,17 @@ class _Builder:
         if ctx:
             ev.append("around it (rank 0): " + "; ".join(f"step {c['step']} loss {_f(c['loss'])} grad_norm "
                                                          f"{_f(c['grad_norm'])}" for c in ctx))
-        rb = next((e for e in self.events if e.get("kind") == "rollback" and _attempt_of(e, self.launches) == attempt
-                   and (t0 is None or not isinstance(e.get("ts"), (int, float)) or e["ts"] >= t0 - 5)), None)
-        applied = [e for e in self.events if e.get("kind") == "rollback_applied"
-                   and (rb is None or _attempt_of(e, self.launches) != attempt)]
+        def ours(e: dict[str, Any]) -> bool:  # the rollback this episode caused: same attempt, soon after, its monitor
+            ts = e.get("ts")
+            if _attempt_of(e, self.launches) != attempt or (e.get("monitor") and e["monitor"] not in monitors):
+                return False
+            return t0 is None or not isinstance(ts, (int, float)) or t0 - 5 <= ts <= (t1 or t0) + 300
+
+        rb = next((e for e in self.events if e.get("kind") == "rollback" and ours(e)), None)
+        applied = [] if rb is None else [
+            e for e in self.events if e.get("kind") == "rollback_applied"
+            and (_attempt_of(e, self.launches) or 0) > (attempt or 0)
+            and (e.get("to_step") is None or e.get("to_step") == rb.get("to_step"))]
         action = None
         if rb is not None:
             action = _action(self.events, rb["ts"]) if isinstance(rb.get("ts"), (int, float)) else None
