@@ -24,8 +24,22 @@ is stable; keys are only ever added::
                          "checkpoint_invalid": [...], "first_ts": float | null, "last_ts": float | null},
       "timeline": [ {"ts": float | null, "step": int | null, "kind": str, "what": str,
                      "runbook": str | null} ],
-      "notes": [str]
+      "notes": [str],
+      "incidents": [ {"id": int, "kind": "crash" | "hang" | "numeric" | "straggler" | "rl" | "checkpoint" |
+                      "preempt" | "stop" | "failed" | "monitor", "title": str,
+                      "severity": "critical" | "warning" | "info", "ts": float | null, "ts_end": float | null,
+                      "attempt": int | null, "step": int | null, "rank": int | null, "ranks": [int],
+                      "host": str | null, "evidence": [str], "runbook": str | null, "action": str | null,
+                      "details": {...kind-specific...}} ],          (diagnostics/incidents.py)
+      "filters": {"attempt": int | null, "since": float | null},
+      "goodput": {"ratio": float | null, "wall_s", "productive_s", "lost_s": {cause: s}}
+                 (the whole run, filters aside; ops/runrecord/goodput.py),
+      "baseline": {"run_dir", "baselines", "compared", "diverged", "first_divergent_step", "per_metric"}
+                  (only with baselines=...; diagnostics/baseline.py)
     }
+
+``attempt=K`` keeps only that attempt's incidents, findings and timeline; ``since=T`` (unix seconds,
+see :func:`parse_since`) only what happened at or after T (entries without a time are dropped).
 
 ``value`` is a number, or the string "nan"/"inf"/"-inf", or null.
 """
@@ -34,12 +48,15 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
+from ptops.diagnostics import incidents as _incidents
 from ptops.monitors import FAMILIES, Finding, MonitorsSection, build_monitors, replay
 from ptops.monitors import RUNBOOKS as MONITOR_RUNBOOKS
 from ptops.ops.runrecord.events import INCIDENT_KINDS, MONITOR_FINDING_KINDS, SPECS, EventKind, reduce, spec
+from ptops.ops.runrecord.goodput import account
 from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
 # monitor or event kind -> runbook (runbooks/<Name>.md): the monitor registry's, then the event vocabulary's
@@ -200,7 +217,43 @@ def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
     }
 
 
-def diagnose(run_dir: Path) -> dict[str, Any]:
+def parse_since(text: str, now: float | None = None) -> float:
+    """``10m`` / ``2h`` / ``30s`` / ``1d`` ago, or an ISO time (``2026-11-30T13:00``, local unless it says
+    its zone), or unix seconds -> unix seconds."""
+    import datetime as dt
+    import re
+    import time
+
+    t = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhd])", t)
+    if m:
+        mult = {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        return (time.time() if now is None else now) - float(m.group(1)) * mult
+    try:
+        v = float(t)
+        if v > 1e8:
+            return v
+    except ValueError:
+        pass
+    try:
+        return dt.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise DiagnoseError(f"--since {text!r}: expected an ISO time (2026-11-30T13:05), a relative time "
+                            "(10m, 2h, 1d) or unix seconds") from None
+
+
+def _attempt_at(ts: Any, launches: list[tuple[float, int]]) -> int | None:
+    if not isinstance(ts, (int, float)):
+        return None
+    cur = None
+    for t, a in launches:
+        if t <= ts:
+            cur = a
+    return cur
+
+
+def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = None,
+             baselines: list[Path] | None = None) -> dict[str, Any]:
     """The report for one run directory (see the module docstring for its shape)."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
@@ -222,6 +275,12 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
     if not section.enabled:
         notes.append("recipe.json has [monitors] enabled = false: nothing replayed")
     hosts = _hosts(events)
+    try:  # the live (or last) attempt's ranks: a hang event does not name hosts
+        for r in json.loads((run_dir / "status.json").read_text()).get("ranks") or []:
+            if isinstance(r, dict) and isinstance(r.get("rank"), int) and r.get("host"):
+                hosts.setdefault(r["rank"], str(r["host"]))
+    except (OSError, ValueError, AttributeError):
+        pass
 
     replayed = [_finding_row(f, hosts) for f in replay(metrics, build_monitors(section))]
     rows = list(replayed)
@@ -266,7 +325,27 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
             recipe_name = json.loads(run.recipe_json.read_text()).get("name")
         except (OSError, ValueError, AttributeError):
             recipe_name = None
-    return {
+    incidents = _incidents.build(run_dir, events, metrics, rows, hosts, RUNBOOKS)
+    launches = [(e["ts"], e["attempt"]) for e in events if e.get("kind") == EventKind.LAUNCH
+                and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("attempt"), int)]
+    if attempt is not None:
+        attempts = {a for _, a in launches} | {r.get("attempt") for r in metrics if isinstance(r.get("attempt"), int)}
+        if attempts and attempt not in attempts:
+            raise DiagnoseError(f"--attempt {attempt}: the run has attempt(s) {', '.join(map(str, sorted(attempts)))}")
+        incidents = [i for i in incidents if i["attempt"] == attempt]
+        rows = [r for r in rows if (r["attempt"] if r["attempt"] is not None else _attempt_at(r["ts"], launches)) == attempt]
+        timeline = [t for t in timeline if _attempt_at(t["ts"], launches) == attempt]
+    if since is not None:
+        late = lambda *ts: any(isinstance(x, (int, float)) and x >= since for x in ts)  # noqa: E731
+        incidents = [i for i in incidents if late(i["ts"], i["ts_end"])]
+        rows = [r for r in rows if late(r["ts"])]
+        timeline = [t for t in timeline if late(t["ts"])]
+    if attempt is not None or since is not None:
+        for n, inc in enumerate(incidents, 1):
+            inc["id"] = n
+    if events and reduce(events).end is None:
+        notes.append("no end event: the run is still going (or its supervisor died); these are the incidents so far")
+    report = {
         "run_dir": str(run_dir),
         "recipe": recipe_name,
         "config": config_src,
@@ -277,4 +356,16 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
         "events_summary": _summarize_events(events),
         "timeline": timeline,
         "notes": notes,
+        "incidents": incidents,
+        "filters": {"attempt": attempt, "since": since},
+        # the whole run's (filters do not apply): a live run's wall time runs to now
+        "goodput": account(events, metrics, now=time.time() if events and reduce(events).end is None else None),
     }
+    if baselines:
+        from ptops.diagnostics import baseline as _baseline
+
+        try:
+            report["baseline"] = _baseline.against(metrics, [Path(b) for b in baselines])
+        except _baseline.BaselineError as e:
+            raise DiagnoseError(str(e)) from None
+    return report

@@ -118,24 +118,37 @@ _register_observability(app)
 def diagnose(
     run_dir: Annotated[Path, typer.Argument(help="Run directory (also one copied from elsewhere).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    attempt: Annotated[int | None, typer.Option("--attempt", help="Only attempt K's incidents, findings, timeline.")] = None,
+    since: Annotated[str | None, typer.Option("--since", help="Only what happened after T: ISO time, or 10m / 2h ago.")] = None,
+    baseline: Annotated[list[Path] | None, typer.Option(
+        "--baseline", metavar="RUN_DIR", help="Reference run of the same recipe: report where loss/grad-norm/reward curves diverge "
+        "beyond seed-to-seed noise (repeat for several seeds: their spread is the noise).")] = None,
     html_out: Annotated[Optional[Path], typer.Option(
         "--html", help="Also write the report as one self-contained HTML page (charts, incidents on the step "
         "axis, runbook links; no network needed to open it).")] = None,
 ) -> None:
-    """What happened in a run: replay the monitors over metrics.jsonl, merge events, name the runbooks.
+    """What happened in a run: incidents first (crash, hang, numeric, straggler, RL, checkpoint), each with
+    where (attempt, step, rank, host), evidence, what the supervisor did and the runbook.
 
-    Prints the findings (what, which step, which rank, which runbook), a summary of the run's
-    events (state, attempts, restarts, last checkpoint) and a timeline; --json prints the same
-    report as one JSON object (run_dir, findings, events_summary, timeline).
+    A hang names the odd rank out from every rank's stack (stacks/attempt-K/) and the collective it
+    never joined (flight recorder); a crash says the signal or exit code in words, the exception and
+    the last log lines of the rank that died first; a numeric incident shows loss and grad norm around
+    it and the rollback taken. Below: the findings (replayed monitors + live events), a summary of the
+    run's events (events_summary: state, attempts, restarts, last checkpoint) and a timeline. --json
+    prints the same report as one JSON object (run_dir, incidents, findings, events_summary, timeline).
+    Works on a copied run directory and on a live run (incidents so far).
 
-    Exit 0 with a report (findings or not); exit 2 when RUN_DIR is not a run directory.
+    Exit 0 with a report (incidents or not); exit 2 when RUN_DIR is not a run directory or an option is bad.
 
-    Example:  ptops diagnose runs/demo --json
-              ptops diagnose runs/demo --html demo-report.html   (open it in any browser, offline)
+    Examples:\n
+      ptops diagnose runs/demo --json\n
+      ptops diagnose runs/demo --attempt 2 --since 30m\n
+      ptops diagnose runs/new --baseline runs/reference --baseline runs/reference-seed2\n
+      ptops diagnose runs/demo --html demo-report.html   (open it in any browser, offline)
     """
     from ptops.ops.cli.diagnose import diagnose_command
 
-    raise typer.Exit(diagnose_command(run_dir, json_out, html_out))
+    raise typer.Exit(diagnose_command(run_dir, json_out, attempt, since, baseline, html_out))
 
 
 from ptops.ops.cli.profile import register as _register_profile  # noqa: E402

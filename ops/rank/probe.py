@@ -78,16 +78,24 @@ def dump_stacks() -> str:
 
 
 def flight_recorder_dump() -> bytes | None:
-    """NCCL flight-recorder trace when this rank runs NCCL with a trace buffer; None otherwise."""
+    """The flight-recorder trace (pickle bytes) of this rank's collectives; None without one.
+
+    NCCL records with ``TORCH_NCCL_TRACE_BUFFER_SIZE``; gloo too (torch >= 2.8) with
+    ``TORCH_FR_BUFFER_SIZE``. The supervisor sets both; ``diagnostics/flightrec.py`` reads the dumps."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     try:
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "nccl":
+        if not (dist.is_available() and dist.is_initialized()):
             return None
-        return torch._C._distributed_c10d._dump_nccl_trace()  # type: ignore[attr-defined]
+        c10d = torch._C._distributed_c10d
+        if dist.get_backend() == "nccl" and hasattr(c10d, "_dump_nccl_trace"):
+            return c10d._dump_nccl_trace()  # type: ignore[attr-defined]
+        if hasattr(c10d, "_dump_fr_trace"):
+            return c10d._dump_fr_trace()  # type: ignore[attr-defined]
+        return None
     except Exception:
         return None
 

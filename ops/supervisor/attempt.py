@@ -47,6 +47,7 @@ class AttemptMixin:
         extra[RESUME_ENV] = (self.good or {}).get("path") or ""  # verified by the supervisor: the ranks do not again
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+            ("TORCH_FR_BUFFER_SIZE", "2000"),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
             ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
             ("TORCH_FR_DUMP_TEMP_FILE", str(stack_dir / "flight_recorder_rank_")),
         ):

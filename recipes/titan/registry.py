@@ -135,9 +135,18 @@ def trainer_config(recipe: Any, run_dir: Path) -> ProbeTrainer.Config:
         ),
         activation_checkpoint=None,  # no AC: tiny model, saves recompute time
         validator=Validator.Config(enable=False),
-        comm=CommConfig(trace_buf_size=0, train_timeout_seconds=t.train_timeout_s),
+        # the flight recorder's size: torchtitan overrides TORCH_FR_BUFFER_SIZE with it, so it passes on the
+        # supervisor's setting (hang analysis: diagnostics/flightrec.py; gloo records too)
+        comm=CommConfig(trace_buf_size=_fr_buffer_size(), train_timeout_seconds=t.train_timeout_s),
         debug=DebugConfig(seed=recipe.train.seed, deterministic=t.deterministic),
     )
+
+
+def _fr_buffer_size() -> int:
+    try:
+        return max(0, int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0))
+    except ValueError:
+        return 0
 
 
 def ptops_recipe() -> ProbeTrainer.Config:
