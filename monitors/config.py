@@ -150,8 +150,9 @@ class EntropyCollapseConfig(_Strict):
     collapse_frac: float = Field(0.3, gt=0, lt=1, description="current < collapse_frac x early level is a collapse (critical)")
     window: int = Field(20, ge=3, description="values the forecast (a line through log entropy) is fitted on")
     short_window: int = Field(
-        6, ge=3, description="values of the momentum fit: the last few steps must still fall fast enough to reach the "
-        "threshold within the horizon (a dip that has stopped falling does not)"
+        5, ge=3, description="values of the momentum fit: the last few values, all already under "
+        "project_gate_frac x early level, must still fall fast enough to reach the threshold within the horizon "
+        "(a dip that dropped and stopped has a flat bottom there; a collapse keeps falling)"
     )
     horizon: int = Field(50, ge=1, description="steps ahead the forecast looks")
     floor_frac: float = Field(0.3, gt=0, lt=1, description="forecast reaching floor_frac x early level within horizon warns")
@@ -214,7 +215,8 @@ class RewardHackingConfig(_Strict):
     )
     coupling_corr: float = Field(0.8, gt=0, le=1, description="Pearson r of reward and a coupled key that counts as coupled")
     min_growth: float = Field(0.25, ge=0, description="relative rise of a coupled key over the window (fitted)")
-    confirm: int = Field(2, ge=1, description="consecutive evaluations a rule must hold before it is reported")
+    confirm: int = Field(2, ge=1, description="consecutive evaluations a rule must hold before it is reported "
+                         "(divergence, the weaker evidence: one more)")
     clear_steps: int = Field(20, ge=1, description="all-clear after this many consecutive steps with no rule holding")
 
 

@@ -332,6 +332,7 @@ class EntropyCollapseMonitor(_RL):
         st.long = _Fit(c.window)
         st.short = _Fit(c.short_window)
         st.confirm = 0
+        st.below = 0  # consecutive values under project_gate_frac x early level
         st.cui = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum u, sum r, sum uu, sum ur (u = e^H)
         return st
 
@@ -348,6 +349,7 @@ class EntropyCollapseMonitor(_RL):
         st.long.rewind(step)
         st.short.rewind(step)
         st.confirm = 0
+        st.below = 0
         st.cui = [0, 0.0, 0.0, 0.0, 0.0]
 
     def _cui(self, st: _St) -> str:
@@ -392,9 +394,12 @@ class EntropyCollapseMonitor(_RL):
         cur = _median_small(st.smooth)
         rel = cur / base
         collapsed = rel < cfg.collapse_frac
+        # momentum is judged only on values already under the gate: a dip that dropped and stopped
+        # has a flat bottom there, a collapse keeps falling
+        st.below = st.below + 1 if x < cfg.project_gate_frac * base else 0
         eta = None
         if not collapsed and rel < cfg.project_gate_frac and len(st.long) >= cfg.window \
-                and len(st.short) >= cfg.short_window:
+                and st.below >= cfg.short_window + 2:  # the first two under the gate are the drop itself
             bl, bs = st.long.slope(), st.short.slope()
             if bl < 0 and bs < 0:
                 target = math.log(cfg.floor_frac * base)
@@ -607,7 +612,7 @@ class RewardHackingMonitor(_RL):
                 st.h_value = vc
         st.h_conf = st.h_conf + 1 if level >= 1 else 0  # consecutive evaluations at warning or worse
         st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
-        st.h_level = 2 if st.h_conf2 >= cfg.confirm else 1 if st.h_conf >= cfg.confirm else 0
+        st.h_level = 2 if st.h_conf2 >= cfg.confirm else 1 if st.h_conf >= cfg.confirm + 1 else 0
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg

@@ -203,6 +203,8 @@ class PrometheusExporter:
                     ratio = number(event.get("ratio"))
                     if ratio is not None and math.isfinite(ratio):
                         s.straggler_ratio[r] = (ratio, ts)
+            elif kind == EventKind.ANOMALY and event.get("phase") == "resolved":
+                pass  # an episode's all-clear: not a finding to count or alert on
             elif kind == EventKind.ANOMALY:
                 m = self._monitor_label(_slug(event.get("monitor")))
                 s.anomalies[m] = s.anomalies.get(m, 0) + 1
