@@ -12,7 +12,8 @@ Scenarios (TRL GRPO metric names, one rank, 200 steps), each over ``--seeds`` se
   plateau at 60 % (time constant 60), dips of 25-35 % for 2-6 steps that recover
   (1-2 per run), each at the three entropy scales, plus the recorded real tiny GRPO
   runs tests/data/traces/trl-grpo-*.jsonl (10 runs, 2 ranks);
-- reward hacking: from a random onset the training reward climbs while the held-out
+- reward hacking (300 steps, so that a score logged every 25 steps has 7-8 values after
+  the onset): from a random onset (step 80-120) the training reward climbs while the held-out
   score falls, with the held-out score dense (every step) or sparse (an ``eval/accuracy``
   record every 10 or 25 steps); and a healthy control where both rise (sparse, every 10).
 
@@ -120,13 +121,13 @@ def healthy(seed: int, kind: str, h0: float, noise: float = 0.04) -> list[dict]:
     return out
 
 
-def hacking(seed: int, every: int, hacked: bool = True) -> tuple[list[dict], int]:
+def hacking(seed: int, every: int, hacked: bool = True, steps: int = 300) -> tuple[list[dict], int]:
     """(records, onset): reward climbs while the held-out score falls; held-out every ``every`` steps
     (1: on the step's record as ``rewards_verifier_mean``; N: an ``eval/accuracy`` record of its own)."""
     rng = random.Random(seed * 15485863 + every * 31 + hacked)
     at = rng.randint(80, 120)
     out = []
-    for t in range(1, T + 1):
+    for t in range(1, steps + 1):
         d = max(0, t - at)
         reward = 0.3 + 0.1 * t / T + (0.004 * d if hacked else 0.002 * d)
         held = 0.25 + 0.08 * t / T + (-0.002 * d if hacked else 0.0015 * d) + rng.gauss(0, 0.02)
