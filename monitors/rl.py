@@ -236,8 +236,9 @@ class _RL(RankedMonitor):
         st.ep.forget()
 
     def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        """Whether a record at an already-seen step means the run went back (True) or only adds keys to
-        that step (an eval record logged after the step's training record: False)."""
+        """Whether the record carries this monitor's own training key: only such a record at an
+        already-seen step means the run went back (resume, rollback). A record without it (an eval
+        record logged before, after or between training steps) never rewinds anything."""
         return True
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
@@ -248,15 +249,13 @@ class _RL(RankedMonitor):
         state = self._ranks.get(rank)
         if state is None:
             state = self._ranks[rank] = self._new_state()
-        last = self._last_step.get(rank)
-        if last is not None and (step < last or (step == last and self._rewinds(record))):
-            self._rewind(state, step)
-            for key, r in list(self._fired.items()):
-                if r == rank and key[0] >= step:
-                    del self._fired[key]
-        if last is None or step > last:
-            self._last_step[rank] = step
-        elif step < last or self._rewinds(record):
+        if self._rewinds(record):
+            last = self._last_step.get(rank)
+            if last is not None and step <= last:
+                self._rewind(state, step)
+                for key, r in list(self._fired.items()):
+                    if r == rank and key[0] >= step:
+                        del self._fired[key]
             self._last_step[rank] = step
         return self._check(state, record, step, rank)
 

@@ -115,3 +115,25 @@ def test_rewind_starts_the_redone_timeline_without_an_open_episode():
     found = replay(recs + redo, [EntropyCollapseMonitor()])
     opens = [f for f in found if f.phase == "open"]
     assert len(opens) == 2 and opens[1].episode == 2 and opens[1].attempt == 2
+
+
+def test_eval_records_before_after_or_late_never_rewind_the_training_series():
+    base = _hacking(10, 1)
+    before, late = [], []
+    for r in base:
+        if "eval/accuracy" in r:
+            before.insert(len(before) - 1, r)  # the eval record just before its step's training record
+            late.append(dict(r, step=r["step"]))
+        else:
+            before.append(r)
+            late.append(r)
+    late = [r for r in late if "eval/accuracy" not in r]
+    for r in base:  # each eval record one training step late
+        if "eval/accuracy" in r:
+            i = next(j for j, x in enumerate(late) if x["step"] == r["step"] + 1) if r["step"] < 200 else len(late)
+            late.insert(i + 1, r)
+    want = [(f.phase, f.severity) for f in replay(base, [RewardHackingMonitor()])]
+    assert ("open", "critical") in want or ("escalate", "critical") in want
+    for variant in (before, late):
+        got = replay(variant, [RewardHackingMonitor()])
+        assert [(f.phase, f.severity) for f in got] == want, got
