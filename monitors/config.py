@@ -150,9 +150,12 @@ class EntropyCollapseConfig(_Strict):
     collapse_frac: float = Field(0.3, gt=0, lt=1, description="current < collapse_frac x early level is a collapse (critical)")
     window: int = Field(20, ge=3, description="values the forecast (a line through log entropy) is fitted on")
     short_window: int = Field(
-        5, ge=3, description="values of the momentum fit: the last few values, all already under "
-        "project_gate_frac x early level, must still fall fast enough to reach the threshold within the horizon "
-        "(a dip that dropped and stopped has a flat bottom there; a collapse keeps falling)"
+        5, ge=3, description="momentum: the values already under project_gate_frac x early level (less the first two, "
+        "the drop itself; up to `window`) must be at least this many ..."
+    )
+    momentum_t: float = Field(
+        2.5, gt=0, description="... and still fall, significantly (slope <= -momentum_t standard errors) and fast enough "
+        "to reach the threshold within the horizon: a dip that dropped and stopped has a flat bottom there"
     )
     horizon: int = Field(50, ge=1, description="steps ahead the forecast looks")
     floor_frac: float = Field(0.3, gt=0, lt=1, description="forecast reaching floor_frac x early level within horizon warns")

@@ -81,6 +81,11 @@ class _Fit:
         self.sxy = sum(x * y for x, y in self.q)
         self.syy = sum(y * y for _, y in self.q)
 
+    def clear(self) -> None:
+        self.q.clear()
+        self.sx = self.sy = self.sxx = self.sxy = self.syy = 0.0
+        self.adds = 0
+
     def rewind(self, step: float) -> None:
         q = self.q
         if q and q[-1][0] >= step:
@@ -98,6 +103,18 @@ class _Fit:
         k = len(self.q)
         b = self.slope()
         return (self.sy - b * self.sx) / k + b * x
+
+    def tstat(self) -> float:
+        """The slope over its standard error (0 with fewer than 3 points or no spread)."""
+        k = len(self.q)
+        ssxx = k * self.sxx - self.sx * self.sx
+        if k < 3 or ssxx <= 0:
+            return 0.0
+        ssxy = k * self.sxy - self.sx * self.sy
+        b = ssxy / ssxx
+        sse = max(k * self.syy - self.sy * self.sy - b * ssxy, 0.0)
+        se = math.sqrt(sse / (k - 2) / ssxx)
+        return b / se if se > 0 else math.copysign(math.inf, b) if b else 0.0
 
     def corr(self) -> float:
         k = len(self.q)
@@ -329,7 +346,7 @@ class EntropyCollapseMonitor(_RL):
         st.base = None
         st.smooth = deque(maxlen=c.smooth)
         st.long = _Fit(c.window)
-        st.short = _Fit(c.short_window)
+        st.short = _Fit(c.window)  # values under the gate, since the level went under it
         st.confirm = 0
         st.below = 0  # consecutive values under project_gate_frac x early level
         st.cui = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum u, sum r, sum uu, sum ur (u = e^H)
@@ -346,7 +363,7 @@ class EntropyCollapseMonitor(_RL):
         while st.smooth and st.smooth[-1][0] >= step:
             st.smooth.pop()
         st.long.rewind(step)
-        st.short.rewind(step)
+        st.short.clear()
         st.confirm = 0
         st.below = 0
         st.cui = [0, 0.0, 0.0, 0.0, 0.0]
@@ -371,7 +388,6 @@ class EntropyCollapseMonitor(_RL):
         st.smooth.append((step, x))
         lx = math.log(max(x, 1e-12))
         st.long.add(step, lx)
-        st.short.add(step, lx)
         r = _finite(record, cfg.reward_key)
         if r is not None and x < 50:
             u = math.exp(x)
@@ -393,12 +409,19 @@ class EntropyCollapseMonitor(_RL):
         cur = _median_small(st.smooth)
         rel = cur / base
         collapsed = rel < cfg.collapse_frac
-        # momentum is judged only on values already under the gate: a dip that dropped and stopped
-        # has a flat bottom there, a collapse keeps falling
-        st.below = st.below + 1 if x < cfg.project_gate_frac * base else 0
+        # momentum is judged only on values already under the gate (the first two there are the drop
+        # itself): a dip that dropped and stopped has a flat bottom there, a collapse keeps falling -
+        # significantly (t of the slope), so that noise on a flat bottom does not look like a decline
+        if x < cfg.project_gate_frac * base:
+            st.below += 1
+            if st.below > 2:
+                st.short.add(step, lx)
+        else:
+            st.below = 0
+            st.short.clear()
         eta = None
         if not collapsed and rel < cfg.project_gate_frac and len(st.long) >= cfg.window \
-                and st.below >= cfg.short_window + 2:  # the first two under the gate are the drop itself
+                and len(st.short) >= cfg.short_window and st.short.tstat() <= -cfg.momentum_t:
             bl, bs = st.long.slope(), st.short.slope()
             if bl < 0 and bs < 0:
                 target = math.log(cfg.floor_frac * base)
