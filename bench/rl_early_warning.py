@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                      "peers_missed": missed_by_peers, "ptops_later": ptops_later}
         summary.append(s)
         lead = (f"median {statistics.median(leads):+.0f} steps (min {min(leads):+d})" if leads else "-") \
-            + (f"; peers missed {missed_by_peers}" if missed_by_peers else "") \
+            + (f"; no peer alert at or after the onset on {missed_by_peers}" if missed_by_peers else "") \
             + (f"; ptops later on {ptops_later}" if ptops_later else "")
         print(f"| {g} | {len(rs)} | " + " | ".join(cells) + f" | {lead} |")
     print("(detection: step of the first alert minus the ground truth - the 30 % crossing for collapse, "

@@ -40,6 +40,22 @@ def _finite(record: Mapping[str, Any], key: str) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
+def _spellings(*keys: str | None) -> tuple[str, ...]:
+    """Both spellings of each key (TRL's ``a/b`` and the adapter's ``a_b``), for a cheap presence test."""
+    out: list[str] = []
+    for k in keys:
+        if k:
+            out += [k, k.replace("/", "_")]
+    return tuple(dict.fromkeys(out))
+
+
+def _has(record: Mapping[str, Any], spellings: tuple[str, ...]) -> bool:
+    for k in spellings:
+        if k in record:
+            return True
+    return False
+
+
 class _Fit:
     """Least squares of y on x over the last ``n`` points, by running sums (O(1) per point)."""
 
@@ -128,71 +144,83 @@ class _Fit:
 class _Tri:
     """Running sums of (x, a, b) over the last ``n`` points: r(x,a), r(x,b), r(a,b), slope of b on x."""
 
-    __slots__ = ("n", "q", "s")
+    __slots__ = ("n", "q", "x", "a", "b", "xx", "aa", "bb", "xa", "xb", "ab")
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.q: deque[tuple[float, float, float]] = deque()
-        self.s = [0.0] * 9  # x a b xx aa bb xa xb ab
+        self._zero()
+
+    def _zero(self) -> None:
+        self.x = self.a = self.b = self.xx = self.aa = self.bb = self.xa = self.xb = self.ab = 0.0
 
     def __len__(self) -> int:
         return len(self.q)
 
-    def _acc(self, x: float, a: float, b: float, sign: float) -> None:
-        s = self.s
-        s[0] += sign * x
-        s[1] += sign * a
-        s[2] += sign * b
-        s[3] += sign * x * x
-        s[4] += sign * a * a
-        s[5] += sign * b * b
-        s[6] += sign * x * a
-        s[7] += sign * x * b
-        s[8] += sign * a * b
+    def _sub(self, p: tuple[float, float, float]) -> None:
+        x, a, b = p
+        self.x -= x
+        self.a -= a
+        self.b -= b
+        self.xx -= x * x
+        self.aa -= a * a
+        self.bb -= b * b
+        self.xa -= x * a
+        self.xb -= x * b
+        self.ab -= a * b
 
     def add(self, x: float, a: float, b: float) -> None:
         if len(self.q) >= self.n:
-            self._acc(*self.q.popleft(), -1.0)
+            self._sub(self.q.popleft())
         self.q.append((x, a, b))
-        self._acc(x, a, b, 1.0)
+        self.x += x
+        self.a += a
+        self.b += b
+        self.xx += x * x
+        self.aa += a * a
+        self.bb += b * b
+        self.xa += x * a
+        self.xb += x * b
+        self.ab += a * b
 
     def drop_before(self, x: float) -> None:
-        while self.q and self.q[0][0] < x:
-            self._acc(*self.q.popleft(), -1.0)
+        q = self.q
+        while q and q[0][0] < x:
+            self._sub(q.popleft())
 
     def rewind(self, step: float) -> None:
         if self.q and self.q[-1][0] >= step:
             while self.q and self.q[-1][0] >= step:
                 self.q.pop()
-            self.s = [0.0] * 9
-            for p in self.q:
-                self._acc(*p, 1.0)
+            kept = list(self.q)
+            self.q.clear()
+            self._zero()
+            for p in kept:
+                self.add(*p)
 
-    def _r(self, i: int, j: int, ii: int, jj: int, ij: int) -> float:
+    def _r(self, si: float, sj: float, sii: float, sjj: float, sij: float) -> float:
         k = len(self.q)
-        s = self.s
-        vi = k * s[ii] - s[i] * s[i]
-        vj = k * s[jj] - s[j] * s[j]
-        if k < 2 or vi <= 1e-18 * max(1.0, k * s[ii]) or vj <= 1e-18 * max(1.0, k * s[jj]):
+        vi = k * sii - si * si
+        vj = k * sjj - sj * sj
+        if k < 2 or vi <= 1e-18 * max(1.0, k * sii) or vj <= 1e-18 * max(1.0, k * sjj):
             return 0.0
-        return max(-1.0, min(1.0, (k * s[ij] - s[i] * s[j]) / math.sqrt(vi * vj)))
+        return max(-1.0, min(1.0, (k * sij - si * sj) / math.sqrt(vi * vj)))
 
     def r_xa(self) -> float:
-        return self._r(0, 1, 3, 4, 6)
+        return self._r(self.x, self.a, self.xx, self.aa, self.xa)
 
     def r_xb(self) -> float:
-        return self._r(0, 2, 3, 5, 7)
+        return self._r(self.x, self.b, self.xx, self.bb, self.xb)
 
     def r_ab(self) -> float:
-        return self._r(1, 2, 4, 5, 8)
+        return self._r(self.a, self.b, self.aa, self.bb, self.ab)
 
     def b_line(self) -> tuple[float, float]:
         """(fitted b at the first x, fitted b at the last x)."""
         k = len(self.q)
-        s = self.s
-        d = k * s[3] - s[0] * s[0]
-        slope = 0.0 if d <= 0 else (k * s[7] - s[0] * s[2]) / d
-        a = (s[2] - slope * s[0]) / k
+        d = k * self.xx - self.x * self.x
+        slope = 0.0 if d <= 0 else (k * self.xb - self.x * self.b) / d
+        a = (self.b - slope * self.x) / k
         return a + slope * self.q[0][0], a + slope * self.q[-1][0]
 
 
@@ -276,12 +304,10 @@ class _RL(RankedMonitor):
             self._last_step[rank] = step
         return self._check(state, record, step, rank)
 
-    def _episode(self, out: list[Finding], st: _St, record: Mapping[str, Any], step: int, rank: int,
-                 level: int, quiet: bool, clear: int, value: float | None, detail: str, cleared: str) -> None:
-        """Advance the episode; report the step's transition, if any (once across ranks)."""
-        phase = st.ep.update(level, quiet, clear)
-        if phase is None:
-            return
+    def _report(self, out: list[Finding], st: _St, record: Mapping[str, Any], step: int, rank: int, phase: str,
+                level: int, value: float | None, detail: str, cleared: str) -> None:
+        """Report the step's episode transition (``st.ep.update`` said which), once across ranks. The
+        monitors build their texts only when there is a transition: no string work on a quiet step."""
         key = (step, f"{phase}#{st.ep.n}")
         if key in self._fired:
             return
@@ -297,7 +323,7 @@ class _RL(RankedMonitor):
 
 def _median_small(q: deque) -> float:
     """Median of a few (step, value) pairs (the smoothing window: a handful of values)."""
-    vals = sorted(v for _, v in q)
+    vals = sorted([p[1] for p in q])
     n = len(vals)
     mid = n // 2
     return vals[mid] if n % 2 else 0.5 * (vals[mid - 1] + vals[mid])
@@ -337,6 +363,7 @@ class EntropyCollapseMonitor(_RL):
 
     def __init__(self, cfg: EntropyCollapseConfig | None = None) -> None:
         self.cfg = cfg or EntropyCollapseConfig()
+        self._own = _spellings(self.cfg.key)
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -353,7 +380,7 @@ class EntropyCollapseMonitor(_RL):
         return st
 
     def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _finite(record, self.cfg.key) is not None
+        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -432,6 +459,9 @@ class EntropyCollapseMonitor(_RL):
         st.confirm = st.confirm + 1 if eta is not None else 0
         level = 2 if collapsed else 1 if st.confirm >= cfg.confirm_steps else 0
         quiet = eta is None and rel >= cfg.recover_frac
+        phase = st.ep.update(level, quiet, cfg.clear_steps)
+        if phase is None:
+            return out
         if level == 2:
             value = rel
             detail = (f"{cfg.key} {cur:.4g} is {rel:.0%} of its early level {base:.4g} "
@@ -444,8 +474,8 @@ class EntropyCollapseMonitor(_RL):
                       f"(in ~{eta:.0f} steps, horizon {cfg.horizon})" + self._cui(st))
         else:
             value, detail = rel, ""
-        self._episode(out, st, record, step, rank, level, quiet, cfg.clear_steps, value, detail,
-                      f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse forecast "
+        self._report(out, st, record, step, rank, phase, level, value, detail,
+                     f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse forecast "
                       f"for {cfg.clear_steps} steps")
         return out
 
@@ -473,6 +503,7 @@ class KLDriftMonitor(_RL):
 
     def __init__(self, cfg: KLDriftConfig | None = None) -> None:
         self.cfg = cfg or KLDriftConfig()
+        self._own = _spellings(self.cfg.key)
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -485,7 +516,7 @@ class KLDriftMonitor(_RL):
         return st
 
     def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _finite(record, self.cfg.key) is not None
+        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -525,6 +556,9 @@ class KLDriftMonitor(_RL):
             growth = (end / start - 1) if start > 0 else math.inf
             trending = b > 0 and ups >= cfg.min_up_frac and growth >= cfg.min_growth
         level = 2 if over else 1 if trending else 0
+        phase = st.ep.update(level, level == 0, cfg.clear_steps)
+        if phase is None:
+            return out
         if over:
             value, detail = cur, f"{cfg.key} {cur:.4g} over the budget {cfg.budget:g}"
         elif trending:
@@ -533,8 +567,8 @@ class KLDriftMonitor(_RL):
                       f"(+{b:.3g}/step, {st.nups / max(1, len(st.ups)):.0%} of steps up)")
         else:
             value, detail = x, ""
-        self._episode(out, st, record, step, rank, level, level == 0, cfg.clear_steps, value, detail,
-                      f"{cfg.key} {x:.4g} under budget and not growing for {cfg.clear_steps} steps")
+        self._report(out, st, record, step, rank, phase, level, value, detail,
+                     f"{cfg.key} {x:.4g} under budget and not growing for {cfg.clear_steps} steps")
         return out
 
 
@@ -572,6 +606,7 @@ class RewardHackingMonitor(_RL):
         self.cfg = cfg or RewardHackingConfig()
         keys = [k for k in (self.cfg.verifier_key, *self.cfg.heldout_keys) if k]
         self._heldout = tuple(dict.fromkeys(keys))
+        self._own = _spellings(self.cfg.reward_key)
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -595,7 +630,7 @@ class RewardHackingMonitor(_RL):
         return st
 
     def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _finite(record, self.cfg.reward_key) is not None
+        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -678,8 +713,10 @@ class RewardHackingMonitor(_RL):
                 detail = (f"{cfg.reward_key} rising ({t.q[0][1]:.3g} -> {r:.3g}) together with {k} "
                           f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps {int(t.q[0][0])}-{step}")
         out: list[Finding] = []
-        self._episode(out, st, record, step, rank, level, level == 0, cfg.clear_steps, value, detail,
-                      f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for {cfg.clear_steps} steps")
+        phase = st.ep.update(level, level == 0, cfg.clear_steps)
+        if phase is not None:
+            self._report(out, st, record, step, rank, phase, level, value, detail,
+                         f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for {cfg.clear_steps} steps")
         return out
 
 
@@ -704,6 +741,7 @@ class ModeCollapseMonitor(_RL):
 
     def __init__(self, cfg: ModeCollapseConfig | None = None) -> None:
         self.cfg = cfg or ModeCollapseConfig()
+        self._own = _spellings(self.cfg.key, self.cfg.distinct_key)
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -717,8 +755,7 @@ class ModeCollapseMonitor(_RL):
         return st
 
     def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        c = self.cfg
-        return _finite(record, c.key) is not None or bool(c.distinct_key and _finite(record, c.distinct_key) is not None)
+        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -757,6 +794,9 @@ class ModeCollapseMonitor(_RL):
             elif st.base > 0:
                 st.dlow = _median_small(st.d) < cfg.distinct_frac * st.base
         level = 2 if full else 1 if st.dlow else 0
+        phase = st.ep.update(level, level == 0, cfg.clear_steps)
+        if phase is None:
+            return out
         if full:
             value = median([v for _, v in st.z])
             detail = (f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps ({int(st.z[0][0])}-{step}): "
@@ -767,8 +807,8 @@ class ModeCollapseMonitor(_RL):
             detail = f"{cfg.distinct_key} {cur:.4g} is {value:.0%} of its early level {st.base:.4g}"
         else:
             value, detail = x, ""
-        self._episode(out, st, record, step, rank, level, level == 0, cfg.clear_steps, value, detail,
-                      f"groups get different rewards again for {cfg.clear_steps} steps")
+        self._report(out, st, record, step, rank, phase, level, value, detail,
+                     f"groups get different rewards again for {cfg.clear_steps} steps")
         return out
 
 
@@ -790,10 +830,11 @@ class StaleRolloutMonitor(_RL):
 
     def __init__(self, cfg: StaleRolloutConfig | None = None) -> None:
         self.cfg = cfg or StaleRolloutConfig()
+        self._own = _spellings(*self.cfg.keys)
         super().__init__()
 
     def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return first_number(record, self.cfg.keys)[1] is not None
+        return _has(record, self._own)
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         key, lag = first_number(record, self.cfg.keys)
@@ -801,7 +842,9 @@ class StaleRolloutMonitor(_RL):
             return []
         out: list[Finding] = []
         stale = lag > self.cfg.max_lag
-        self._episode(out, st, record, step, rank, 1 if stale else 0, not stale, self.cfg.clear_steps, lag,
-                      f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
-                      f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps")
+        phase = st.ep.update(1 if stale else 0, not stale, self.cfg.clear_steps)
+        if phase is not None:
+            self._report(out, st, record, step, rank, phase, 1 if stale else 0, lag,
+                         f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
+                         f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps")
         return out
