@@ -1,6 +1,7 @@
 """RL early warning: ptops' first alert vs rldoctor 0.2.0 and rlwatch 0.5.1 on the same traces.
 
     .venv/bin/python bench/rl_early_warning.py [--seeds 5] [--tune] [--json OUT]
+    .venv/bin/python bench/rl_early_warning.py --cost     # the RL monitors' cost per record only
 
 Scenarios (TRL GRPO metric names, one rank, 200 steps), each over ``--seeds`` seeds:
 
@@ -255,6 +256,38 @@ def scenarios(seeds: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+def cost(reps: int = 7) -> dict[str, float]:
+    """Microseconds of process CPU time per record (best of ``reps``; CPU time, so that other processes on a
+    shared machine do not count) of each RL monitor and of every default monitor together, on healthy synthetic
+    GRPO records of 8 ranks x 1000 steps (tests/data/traces/synth.py)."""
+    sys.path.insert(0, str(TRACES))
+    import synth
+    from ptops.monitors import MONITOR_CLASSES
+
+    recs = []
+    for seed in range(4):
+        for r in synth.grpo(1000, seed, ranks=2):
+            recs.append({**r, "rank": r["rank"] + 2 * seed})
+    recs.sort(key=lambda r: (r["step"], r["rank"]))
+    best: dict[str, float] = {}
+    for _ in range(reps):
+        for name in sorted(RL_MONITORS):
+            m = MONITOR_CLASSES[name]()
+            t0 = time.process_time()
+            for r in recs:
+                m.feed(r)
+            best[name] = min(best.get(name, 1e9), (time.process_time() - t0) / len(recs) * 1e6)
+        mons = build_monitors()
+        t0 = time.process_time()
+        for r in recs:
+            for m in mons:
+                m.feed(r)
+        best["all default monitors"] = min(best.get("all default monitors", 1e9),
+                                           (time.process_time() - t0) / len(recs) * 1e6)
+    best["RL monitors together"] = sum(best[n] for n in RL_MONITORS)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -262,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(REPO / "bench" / "results" / "rl_early_warning.json"))
     ap.add_argument("--only", default="", help="run only scenario groups containing this text")
     ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of ptops,rldoctor,rlwatch")
+    ap.add_argument("--cost", action="store_true", help="only measure the RL monitors' cost per record")
     args = ap.parse_args(argv)
+    if args.cost:
+        for k, v in cost().items():
+            print(f"{k:24s} {v:6.2f} us/record (process CPU time, best of 7)")
+        return 0
     logging.disable(logging.CRITICAL)
     seeds = list(range(1000, 1005)) if args.tune else list(range(args.seeds))
     rows = []
