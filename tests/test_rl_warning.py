@@ -137,3 +137,19 @@ def test_eval_records_before_after_or_late_never_rewind_the_training_series():
     for variant in (before, late):
         got = replay(variant, [RewardHackingMonitor()])
         assert [(f.phase, f.severity) for f in got] == want, got
+
+
+def test_kl_and_stale_rollout_findings_are_episodes_too():
+    from ptops.monitors import KLDriftMonitor, StaleRolloutMonitor
+
+    def kl(t):
+        return 0.02 if t < 40 else min(0.02 * 1.08 ** (t - 40), 3.0) if t < 120 else 0.02
+
+    recs = [{"step": t, "rank": r, "kl": kl(t), "policy_lag": 8 if 50 <= t < 90 else 1}
+            for t in range(1, 160) for r in (0, 1)]
+    found = replay(recs, [KLDriftMonitor(), StaleRolloutMonitor()])
+    by = {m: [(f.phase, f.severity) for f in found if f.monitor == m] for m in ("kl_drift", "stale_rollout")}
+    assert by["kl_drift"] == [("open", "warning"), ("escalate", "critical"), ("resolved", "info")], found
+    assert by["stale_rollout"] == [("open", "warning"), ("resolved", "info")], found
+    clear = [f for f in found if f.monitor == "stale_rollout"][1]
+    assert clear.step == 99  # 10 steps within the bound after step 89
