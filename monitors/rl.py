@@ -215,6 +215,24 @@ class _Tri:
     def r_ab(self) -> float:
         return self._r(self.a, self.b, self.aa, self.bb, self.ab)
 
+    def _t(self, sy: float, syy: float, sxy: float) -> float:
+        """t statistic of the slope of a column on x (0 with fewer than 3 points or no spread)."""
+        k = len(self.q)
+        ssxx = k * self.xx - self.x * self.x
+        if k < 3 or ssxx <= 0:
+            return 0.0
+        ssxy = k * sxy - self.x * sy
+        slope = ssxy / ssxx
+        sse = max(k * syy - sy * sy - slope * ssxy, 0.0)
+        se = math.sqrt(sse / (k - 2) / ssxx)
+        return slope / se if se > 0 else 0.0
+
+    def t_xa(self) -> float:
+        return self._t(self.a, self.aa, self.xa)
+
+    def t_xb(self) -> float:
+        return self._t(self.b, self.bb, self.xb)
+
     def b_line(self) -> tuple[float, float]:
         """(fitted b at the first x, fitted b at the last x)."""
         k = len(self.q)
@@ -625,6 +643,7 @@ class RewardHackingMonitor(_RL):
         st.h_level = 0  # carried between held-out values
         st.h_conf = 0
         st.h_conf2 = 0
+        st.h_quiet = True
         st.h_detail = ""
         st.h_value = None
         return st
@@ -642,6 +661,7 @@ class RewardHackingMonitor(_RL):
         st.racc, st.rn = 0.0, 0
         st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
         st.h_level = st.h_conf = st.h_conf2 = 0
+        st.h_quiet = True
 
     def _heldout_value(self, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
         return first_number(record, self._heldout)
@@ -652,13 +672,21 @@ class RewardHackingMonitor(_RL):
         span = max(cfg.window, cfg.min_points * st.h_step)
         p.drop_before(step - span + 1)
         level = 0
+        st.h_quiet = True
         if step > cfg.warmup_steps and len(p) >= cfg.min_points:
             rc, vc = p.r_xa(), p.r_xb()
+            # the all-clear needs signs of health (the reward stopped climbing, or the held-out score
+            # follows it), not only a noisy stretch where the evidence fell short of a finding
+            st.h_quiet = rc < 0.5 * cfg.trend_corr or vc > 0
             if rc >= cfg.trend_corr:
-                if vc <= -cfg.trend_corr:
+                if vc <= -cfg.trend_corr and p.t_xb() <= -cfg.few_t:
                     level = 2
-                elif vc <= cfg.flat_corr and rc >= cfg.diverge_corr:
-                    level = 1
+                elif vc <= cfg.flat_corr and rc >= cfg.diverge_corr and len(p) >= 2 * cfg.min_points:
+                    level = 1  # weaker evidence than a fall: twice the values
+            # many noisy points (a dense score): the slopes' t statistics see a trend that r (which
+            # does not grow with the number of points) needs longer for
+            if level < 2 and len(p) >= 2 * cfg.min_points and p.t_xa() >= cfg.rise_t and p.t_xb() <= -cfg.fall_t:
+                level = 2
             if level:
                 first, last = p.q[0], p.q[-1]
                 how = "falls" if level == 2 else "does not follow"
@@ -713,7 +741,7 @@ class RewardHackingMonitor(_RL):
                 detail = (f"{cfg.reward_key} rising ({t.q[0][1]:.3g} -> {r:.3g}) together with {k} "
                           f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps {int(t.q[0][0])}-{step}")
         out: list[Finding] = []
-        phase = st.ep.update(level, level == 0, cfg.clear_steps)
+        phase = st.ep.update(level, level == 0 and st.h_quiet, cfg.clear_steps)
         if phase is not None:
             self._report(out, st, record, step, rank, phase, level, value, detail,
                          f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for {cfg.clear_steps} steps")
