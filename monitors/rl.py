@@ -603,8 +603,11 @@ class RewardHackingMonitor(_RL):
       previous one; over the last pairs within ``window`` steps (at least
       ``min_points`` pairs, spanning more steps when the score is sparse) the
       reward trends up (Pearson r against the step >= ``trend_corr``) while the
-      held-out score does not (r <= ``flat_corr``: divergence, warning) or falls
-      (r <= -``trend_corr``: hacking, critical).
+      held-out score falls (r <= -``trend_corr`` and its slope <= -``few_t`` standard
+      errors: hacking, critical) or does not follow (r <= ``flat_corr`` with the reward's
+      r >= ``diverge_corr``, on at least 2 x ``min_points`` values: divergence, warning).
+      With 2 x ``min_points`` values or more (a dense score), slopes of the reward
+      >= ``rise_t`` and of the held-out score <= -``fall_t`` standard errors are hacking too.
     - Coupling (every step): the reward trends up and a coupled key trends up with
       it (r(reward, key) >= ``coupling_corr``, fitted rise >= ``min_growth``) - warning.
 
