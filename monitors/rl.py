@@ -637,6 +637,7 @@ class RewardHackingMonitor(_RL):
         st.coupled = {k: _Tri(w) for k in self.cfg.coupled_keys}
         st.cconf = {k: 0 for k in self.cfg.coupled_keys}
         st.pairs = _Tri(max(w, self.cfg.min_points))
+        st.lpairs = _Tri(2 * max(w, self.cfg.min_points))  # twice the span, for the t rule
         st.racc = 0.0
         st.rn = 0
         st.last_r = None
@@ -661,6 +662,7 @@ class RewardHackingMonitor(_RL):
             t.rewind(step)
         st.cconf = {k: 0 for k in st.cconf}
         st.pairs.rewind(step)
+        st.lpairs.rewind(step)
         st.racc, st.rn = 0.0, 0
         st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
         st.h_level = st.h_conf = st.h_conf2 = 0
@@ -674,6 +676,8 @@ class RewardHackingMonitor(_RL):
         p = st.pairs
         span = max(cfg.window, cfg.min_points * st.h_step)
         p.drop_before(step - span + 1)
+        lp = st.lpairs
+        lp.drop_before(step - 2 * span + 1)
         level = 0
         st.h_quiet = True
         if step > cfg.warmup_steps and len(p) >= cfg.min_points:
@@ -688,7 +692,7 @@ class RewardHackingMonitor(_RL):
                     level = 1  # weaker evidence than a fall: twice the values
             # many noisy points (a dense score): the slopes' t statistics see a trend that r (which
             # does not grow with the number of points) needs longer for
-            if level < 2 and len(p) >= 2 * cfg.min_points and p.t_xa() >= cfg.rise_t and p.t_xb() <= -cfg.fall_t:
+            if level < 2 and len(lp) >= 2 * cfg.min_points and lp.t_xa() >= cfg.rise_t and lp.t_xb() <= -cfg.fall_t:
                 level = 2
             if level:
                 first, last = p.q[0], p.q[-1]
@@ -719,6 +723,7 @@ class RewardHackingMonitor(_RL):
             if st.h_last is None or step > st.h_last:
                 rm = st.racc / st.rn if st.rn else st.last_r
                 st.pairs.add(step, rm, hv)
+                st.lpairs.add(step, rm, hv)
                 st.racc, st.rn = 0.0, 0
                 st.h_last = step
                 st.h_key = hk
