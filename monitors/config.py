@@ -216,8 +216,8 @@ class RewardHackingConfig(_Strict):
         0.85, gt=0, le=1, description="divergence (held-out flat) needs the reward's r against the step at least this "
         "(a stronger rise than `trend_corr`: a flat held-out score is weaker evidence than a falling one)"
     )
-    rise_t: float = Field(3.0, gt=0, description="with at least 2 x min_points held-out values: the reward's slope at "
-                          "least this many standard errors up ...")
+    rise_t: float = Field(3.0, gt=0, description="over twice the held-out span, with at least 2 x min_points values: "
+                          "the reward's slope at least this many standard errors up ...")
     fall_t: float = Field(2.5, gt=0, description="... and the held-out slope this many down is hacking (critical) too")
     few_t: float = Field(2.0, ge=0, description="the r rule's held-out fall must also be this many standard errors "
                          "(with a few sparse values, r alone is noisy: 4 values need r <= -0.82)")

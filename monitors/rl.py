@@ -606,8 +606,9 @@ class RewardHackingMonitor(_RL):
       held-out score falls (r <= -``trend_corr`` and its slope <= -``few_t`` standard
       errors: hacking, critical) or does not follow (r <= ``flat_corr`` with the reward's
       r >= ``diverge_corr``, on at least 2 x ``min_points`` values: divergence, warning).
-      With 2 x ``min_points`` values or more (a dense score), slopes of the reward
-      >= ``rise_t`` and of the held-out score <= -``fall_t`` standard errors are hacking too.
+      Over twice that span, with 2 x ``min_points`` values or more, slopes of the reward
+      >= ``rise_t`` and of the held-out score <= -``fall_t`` standard errors are hacking too
+      (t grows with the number of values where r does not: a dense noisy score is caught sooner).
     - Coupling (every step): the reward trends up and a coupled key trends up with
       it (r(reward, key) >= ``coupling_corr``, fitted rise >= ``min_growth``) - warning.
 
