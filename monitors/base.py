@@ -21,6 +21,10 @@ from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 Severity = str  # "info" | "warning" | "critical"
 SEVERITIES = ("info", "warning", "critical")
+# Where a finding stands in its episode (RL monitors report episodes, not repeats):
+# ``open`` (the first finding: warning or critical), ``escalate`` (warning -> critical),
+# ``resolved`` (the all-clear: severity ``info``; nothing to act on).
+PHASES = ("open", "escalate", "resolved")
 
 @dataclass(frozen=True)
 class Finding:
@@ -31,6 +35,11 @@ class Finding:
     NaN) and is the reporting rank otherwise; ``value`` is the score the
     threshold was compared against (a ratio, a z-score, the offending value;
     ``None`` for NaN); ``ts`` is copied from that record when it had one.
+
+    ``episode`` / ``phase`` (monitors that report episodes): the episode's number
+    in the monitor's stream and where the finding stands in it (:data:`PHASES`).
+    A ``resolved`` finding is an all-clear: severity ``info``, the policy never
+    acts on it and alerting does not fire on it. ``None`` for one-shot monitors.
     """
 
     monitor: str
@@ -42,6 +51,13 @@ class Finding:
     attempt: int | None = None
     ts: float | None = None
     family: str = field(default="")
+    episode: int | None = None
+    phase: str | None = None
+
+    @property
+    def resolved(self) -> bool:
+        """An all-clear: the episode ended, nothing to act on."""
+        return self.phase == "resolved"
 
     def __post_init__(self) -> None:
         if not self.family:
@@ -60,14 +76,20 @@ class Finding:
         """The ``events.jsonl`` fields (without ``ts``/``kind`` bookkeeping) for this finding.
 
         ``straggler {rank, ratio}`` for stragglers, ``anomaly {monitor, step, value, detail}``
-        for everything else (the design's event vocabulary), plus ``severity`` and ``rank``.
+        for everything else (the design's event vocabulary), plus ``severity`` and ``rank``,
+        and ``episode``/``phase`` for a monitor that reports episodes.
         """
         value = self.to_dict()["value"]
         if self.monitor == "straggler":
-            return {"kind": "straggler", "rank": self.rank, "ratio": value, "step": self.step,
-                    "detail": self.detail, "severity": self.severity}
-        return {"kind": "anomaly", "monitor": self.monitor, "step": self.step, "value": value,
-                "detail": self.detail, "severity": self.severity, "rank": self.rank}
+            ev = {"kind": "straggler", "rank": self.rank, "ratio": value, "step": self.step,
+                  "detail": self.detail, "severity": self.severity}
+        else:
+            ev = {"kind": "anomaly", "monitor": self.monitor, "step": self.step, "value": value,
+                  "detail": self.detail, "severity": self.severity, "rank": self.rank}
+        if self.phase is not None:
+            ev["episode"] = self.episode
+            ev["phase"] = self.phase
+        return ev
 
 
 @runtime_checkable

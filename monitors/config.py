@@ -138,21 +138,35 @@ class GradExplosionConfig(_Strict):
 
 
 class EntropyCollapseConfig(_Strict):
-    """Policy entropy against its early level (see rl.py)."""
+    """Policy entropy against its early level, with a forecast of where its trend goes (see rl.py)."""
 
     enabled: bool = True
     action: Action = "alert"
     key: str = Field("entropy", description="mean token entropy of the policy")
+    reward_key: str = Field("reward", description="training reward, for the R = -a*e^H + b fit reported with a forecast")
     warmup_steps: int = Field(0, ge=0, description="steps <= this are not part of the early level")
     baseline_steps: int = Field(10, ge=1, description="the early level is the median of this many first values")
     smooth: int = Field(5, ge=1, description="the current level is the median of this many last values")
-    collapse_frac: float = Field(0.3, gt=0, lt=1, description="current < collapse_frac x early level is a collapse")
-    window: int = Field(20, ge=3, description="values the linear projection is fitted on")
-    horizon: int = Field(50, ge=1, description="steps ahead the projection looks")
-    floor_frac: float = Field(0.3, gt=0, lt=1, description="projection reaching floor_frac x early level within horizon warns")
-    project_gate_frac: float = Field(
-        0.8, gt=0, le=1, description="the projection rule needs the current level already below this x early level"
+    collapse_frac: float = Field(0.3, gt=0, lt=1, description="current < collapse_frac x early level is a collapse (critical)")
+    window: int = Field(20, ge=3, description="values the forecast (a line through log entropy) is fitted on")
+    short_window: int = Field(
+        5, ge=3, description="momentum: the values already under project_gate_frac x early level (less the first two, "
+        "the drop itself; up to `window`) must be at least this many ..."
     )
+    momentum_t: float = Field(
+        2.5, gt=0, description="... and still fall, significantly (slope <= -momentum_t standard errors) and fast enough "
+        "to reach the threshold within the horizon: a dip that dropped and stopped has a flat bottom there"
+    )
+    horizon: int = Field(50, ge=1, description="steps ahead the forecast looks")
+    floor_frac: float = Field(0.3, gt=0, lt=1, description="forecast reaching floor_frac x early level within horizon warns")
+    project_gate_frac: float = Field(
+        0.8, gt=0, le=1, description="the forecast rule needs the current level already below this x early level"
+    )
+    confirm_steps: int = Field(2, ge=1, description="consecutive steps the forecast must hold before it warns")
+    recover_frac: float = Field(
+        0.5, gt=0, le=1, description="all-clear: the level is back above this x early level and nothing is forecast ..."
+    )
+    clear_steps: int = Field(10, ge=1, description="... for this many consecutive steps (the episode then ends)")
 
 
 class KLDriftConfig(_Strict):
@@ -168,10 +182,11 @@ class KLDriftConfig(_Strict):
     min_up_frac: float = Field(0.65, ge=0, le=1, description="fraction of step-to-step increases in the window")
     min_growth: float = Field(1.0, ge=0, description="fitted end / fitted start - 1 over the window (1.0 = doubled)")
     min_kl: float = Field(0.05, ge=0, description="the trend rule ignores KL below this (noise near zero)")
+    clear_steps: int = Field(10, ge=1, description="all-clear after this many consecutive steps under budget and not trending")
 
 
 class RewardHackingConfig(_Strict):
-    """Training reward rising while a held-out verifier falls, or with length / clipping (see rl.py)."""
+    """Training reward rising while a held-out score does not, or with length / clipping (see rl.py)."""
 
     enabled: bool = True
     action: Action = "alert"
@@ -179,15 +194,38 @@ class RewardHackingConfig(_Strict):
     verifier_key: str | None = Field(
         "rewards/verifier/mean", description="held-out / verifier reward key; \"\" (or a key the run never logs) = that rule is off"
     )
+    heldout_keys: list[str] = Field(
+        ["eval/accuracy", "eval/reward", "eval/score"],
+        description="other held-out score keys, read when `verifier_key` is absent from a record (eval records logged "
+        "every N steps, on their own or with the step's training keys)",
+    )
     coupled_keys: list[str] = Field(
         ["completions/mean_length", "clip_ratio/region_mean"],
         description="keys whose steady rise together with the reward is suspicious",
     )
     warmup_steps: int = Field(10, ge=0, description="steps <= this are not judged")
-    window: int = Field(20, ge=4, description="values the trends are computed on")
+    window: int = Field(20, ge=4, description="steps the trends are computed over (a sparse held-out score: at least "
+                        "`min_points` of its values, however many steps they span)")
+    min_points: int = Field(4, ge=3, description="held-out values needed before the held-out rules judge")
     trend_corr: float = Field(0.6, gt=0, le=1, description="|Pearson r| of a value against the step that counts as a trend")
+    flat_corr: float = Field(
+        0.0, ge=-1, le=1, description="held-out r against the step at or below this while the reward rises is "
+        "divergence (warning; judged on at least 2 x min_points values); at or below -trend_corr it is hacking (critical)"
+    )
+    diverge_corr: float = Field(
+        0.85, gt=0, le=1, description="divergence (held-out flat) needs the reward's r against the step at least this "
+        "(a stronger rise than `trend_corr`: a flat held-out score is weaker evidence than a falling one)"
+    )
+    rise_t: float = Field(3.0, gt=0, description="over twice the held-out span, with at least 2 x min_points values: "
+                          "the reward's slope at least this many standard errors up ...")
+    fall_t: float = Field(2.5, gt=0, description="... and the held-out slope this many down is hacking (critical) too")
+    few_t: float = Field(2.0, ge=0, description="the r rule's held-out fall must also be this many standard errors "
+                         "(with a few sparse values, r alone is noisy: 4 values need r <= -0.82)")
     coupling_corr: float = Field(0.8, gt=0, le=1, description="Pearson r of reward and a coupled key that counts as coupled")
     min_growth: float = Field(0.25, ge=0, description="relative rise of a coupled key over the window (fitted)")
+    confirm: int = Field(2, ge=1, description="consecutive evaluations a rule must hold before it is reported "
+                         "(divergence, the weaker evidence: one more)")
+    clear_steps: int = Field(20, ge=1, description="all-clear after this many consecutive steps with no rule holding")
 
 
 class ModeCollapseConfig(_Strict):
@@ -202,6 +240,7 @@ class ModeCollapseConfig(_Strict):
     distinct_key: str | None = Field(None, description="a diversity key (e.g. distinct completions fraction), if the engine logs one (\"\" = off)")
     distinct_frac: float = Field(0.3, gt=0, lt=1, description="diversity below this x its early level is a collapse")
     baseline_steps: int = Field(10, ge=1, description="early level of the diversity key: median of the first values")
+    clear_steps: int = Field(10, ge=1, description="all-clear after this many consecutive steps with no rule holding")
 
 
 class StaleRolloutConfig(_Strict):
@@ -211,6 +250,7 @@ class StaleRolloutConfig(_Strict):
     action: Action = "alert"
     keys: list[str] = Field(["policy_lag", "policy_version_lag", "staleness"], description="the first present key is read")
     max_lag: float = Field(4, ge=0, description="lag above this is stale")
+    clear_steps: int = Field(10, ge=1, description="all-clear after this many consecutive steps at or under max_lag")
 
 
 class MonitorsSection(_Strict):

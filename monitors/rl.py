@@ -1,4 +1,4 @@
-"""RL health for TRL GRPO / DPO style runs: one small monitor per failure mode.
+"""RL health for TRL GRPO / DPO style runs: one small monitor per failure mode, reported as episodes.
 
 The keys are TRL's (``entropy``, ``kl``, ``reward``, ``frac_reward_zero_std``,
 ``completions/mean_length``, ``clip_ratio/region_mean``); the ptops TRL adapter
@@ -6,14 +6,26 @@ writes them sanitised (``completions_mean_length``) and both spellings match.
 TRL gathers these across ranks before logging, so every rank carries the same
 value; each monitor still follows each rank and reports a step once.
 A monitor whose key never appears stays silent (SFT, pre-training).
+
+Why episodes: a condition that holds for 200 steps is one problem, not 200 (or a
+dozen re-fired) pages. Each monitor keeps one episode at a time: ``open`` (the
+first finding, warning or critical), at most one ``escalate`` (warning ->
+critical), and one ``resolved`` all-clear (severity ``info``) once nothing holds
+for ``clear_steps`` steps; only then can a new episode open. A run that rewinds
+(resume, rollback) starts its redone timeline with no episode open.
+
+Why incremental: ``feed`` runs for every record of every rank, so trends come
+from running sums over fixed windows (:class:`_Fit`, :class:`_Tri`), O(1) per
+record, no per-record window copies.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any, Mapping
 
-from .base import Finding, RankedMonitor, StepSeries, correlation, first_number, get_number, linfit, median
+from .base import Finding, RankedMonitor, first_number, get_number, median, record_attempt, record_rank, record_step, record_ts
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,
@@ -28,112 +40,461 @@ def _finite(record: Mapping[str, Any], key: str) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-class _St:
-    """Per-rank state: series by name, an early-level baseline, latches."""
+def _spellings(*keys: str | None) -> tuple[str, ...]:
+    """Both spellings of each key (TRL's ``a/b`` and the adapter's ``a_b``), for a cheap presence test."""
+    out: list[str] = []
+    for k in keys:
+        if k:
+            out += [k, k.replace("/", "_")]
+    return tuple(dict.fromkeys(out))
 
-    __slots__ = ("series", "baseline", "early", "latched")
+
+def _has(record: Mapping[str, Any], spellings: tuple[str, ...]) -> bool:
+    for k in spellings:
+        if k in record:
+            return True
+    return False
+
+
+class _Fit:
+    """Least squares of y on x over the last ``n`` points, by running sums (O(1) per point)."""
+
+    __slots__ = ("n", "q", "sx", "sy", "sxx", "sxy", "syy", "adds")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.q: deque[tuple[float, float]] = deque()
+        self.sx = self.sy = self.sxx = self.sxy = self.syy = 0.0
+        self.adds = 0
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def add(self, x: float, y: float) -> None:
+        q = self.q
+        if len(q) >= self.n:
+            ox, oy = q.popleft()
+            self.sx -= ox
+            self.sy -= oy
+            self.sxx -= ox * ox
+            self.sxy -= ox * oy
+            self.syy -= oy * oy
+        q.append((x, y))
+        self.sx += x
+        self.sy += y
+        self.sxx += x * x
+        self.sxy += x * y
+        self.syy += y * y
+        self.adds += 1
+        if self.adds >= 64 * self.n:  # bound the rounding drift of add/subtract
+            self._resum()
+
+    def _resum(self) -> None:
+        self.adds = 0
+        self.sx = sum(x for x, _ in self.q)
+        self.sy = sum(y for _, y in self.q)
+        self.sxx = sum(x * x for x, _ in self.q)
+        self.sxy = sum(x * y for x, y in self.q)
+        self.syy = sum(y * y for _, y in self.q)
+
+    def clear(self) -> None:
+        self.q.clear()
+        self.sx = self.sy = self.sxx = self.sxy = self.syy = 0.0
+        self.adds = 0
+
+    def rewind(self, step: float) -> None:
+        q = self.q
+        if q and q[-1][0] >= step:
+            while q and q[-1][0] >= step:
+                q.pop()
+            self._resum()
+
+    def slope(self) -> float:
+        k = len(self.q)
+        d = k * self.sxx - self.sx * self.sx
+        return 0.0 if k < 2 or d <= 0 else (k * self.sxy - self.sx * self.sy) / d
+
+    def at(self, x: float) -> float:
+        """The fitted y at ``x``."""
+        k = len(self.q)
+        b = self.slope()
+        return (self.sy - b * self.sx) / k + b * x
+
+    def tstat(self) -> float:
+        """The slope over its standard error (0 with fewer than 3 points or no spread)."""
+        k = len(self.q)
+        ssxx = k * self.sxx - self.sx * self.sx
+        if k < 3 or ssxx <= 0:
+            return 0.0
+        ssxy = k * self.sxy - self.sx * self.sy
+        b = ssxy / ssxx
+        sse = max(k * self.syy - self.sy * self.sy - b * ssxy, 0.0)
+        se = math.sqrt(sse / (k - 2) / ssxx)
+        return b / se if se > 0 else math.copysign(math.inf, b) if b else 0.0
+
+    def corr(self) -> float:
+        k = len(self.q)
+        vx = k * self.sxx - self.sx * self.sx
+        vy = k * self.syy - self.sy * self.sy
+        if k < 2 or vx <= 0 or vy <= 1e-18 * max(1.0, k * self.syy):
+            return 0.0
+        return (k * self.sxy - self.sx * self.sy) / math.sqrt(vx * vy)
+
+
+class _Tri:
+    """Running sums of (x, a, b) over the last ``n`` points: r(x,a), r(x,b), r(a,b), slope of b on x."""
+
+    __slots__ = ("n", "q", "x", "a", "b", "xx", "aa", "bb", "xa", "xb", "ab")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.q: deque[tuple[float, float, float]] = deque()
+        self._zero()
+
+    def _zero(self) -> None:
+        self.x = self.a = self.b = self.xx = self.aa = self.bb = self.xa = self.xb = self.ab = 0.0
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def _sub(self, p: tuple[float, float, float]) -> None:
+        x, a, b = p
+        self.x -= x
+        self.a -= a
+        self.b -= b
+        self.xx -= x * x
+        self.aa -= a * a
+        self.bb -= b * b
+        self.xa -= x * a
+        self.xb -= x * b
+        self.ab -= a * b
+
+    def add(self, x: float, a: float, b: float) -> None:
+        if len(self.q) >= self.n:
+            self._sub(self.q.popleft())
+        self.q.append((x, a, b))
+        self.x += x
+        self.a += a
+        self.b += b
+        self.xx += x * x
+        self.aa += a * a
+        self.bb += b * b
+        self.xa += x * a
+        self.xb += x * b
+        self.ab += a * b
+
+    def drop_before(self, x: float) -> None:
+        q = self.q
+        while q and q[0][0] < x:
+            self._sub(q.popleft())
+
+    def rewind(self, step: float) -> None:
+        if self.q and self.q[-1][0] >= step:
+            while self.q and self.q[-1][0] >= step:
+                self.q.pop()
+            kept = list(self.q)
+            self.q.clear()
+            self._zero()
+            for p in kept:
+                self.add(*p)
+
+    def _r(self, si: float, sj: float, sii: float, sjj: float, sij: float) -> float:
+        k = len(self.q)
+        vi = k * sii - si * si
+        vj = k * sjj - sj * sj
+        if k < 2 or vi <= 1e-18 * max(1.0, k * sii) or vj <= 1e-18 * max(1.0, k * sjj):
+            return 0.0
+        return max(-1.0, min(1.0, (k * sij - si * sj) / math.sqrt(vi * vj)))
+
+    def r_xa(self) -> float:
+        return self._r(self.x, self.a, self.xx, self.aa, self.xa)
+
+    def r_xb(self) -> float:
+        return self._r(self.x, self.b, self.xx, self.bb, self.xb)
+
+    def r_ab(self) -> float:
+        return self._r(self.a, self.b, self.aa, self.bb, self.ab)
+
+    def _t(self, sy: float, syy: float, sxy: float) -> float:
+        """t statistic of the slope of a column on x (0 with fewer than 3 points or no spread)."""
+        k = len(self.q)
+        ssxx = k * self.xx - self.x * self.x
+        if k < 3 or ssxx <= 0:
+            return 0.0
+        ssxy = k * sxy - self.x * sy
+        slope = ssxy / ssxx
+        sse = max(k * syy - sy * sy - slope * ssxy, 0.0)
+        se = math.sqrt(sse / (k - 2) / ssxx)
+        return slope / se if se > 0 else 0.0
+
+    def t_xa(self) -> float:
+        return self._t(self.a, self.aa, self.xa)
+
+    def t_xb(self) -> float:
+        return self._t(self.b, self.bb, self.xb)
+
+    def b_line(self) -> tuple[float, float]:
+        """(fitted b at the first x, fitted b at the last x)."""
+        k = len(self.q)
+        d = k * self.xx - self.x * self.x
+        slope = 0.0 if d <= 0 else (k * self.xb - self.x * self.b) / d
+        a = (self.b - slope * self.x) / k
+        return a + slope * self.q[0][0], a + slope * self.q[-1][0]
+
+
+class _Episode:
+    """One episode at a time: open -> (escalate) -> resolved after ``clear`` quiet steps."""
+
+    __slots__ = ("n", "level", "quiet")
 
     def __init__(self) -> None:
-        self.series: dict[str, StepSeries] = {}
-        self.baseline: float | None = None
-        self.early: list[tuple[int, float]] = []
-        self.latched: set[str] = set()
+        self.n = 0  # episodes opened so far (the next one's number is n + 1)
+        self.level = 0  # 0 none open, 1 warning, 2 critical
+        self.quiet = 0
 
-    def s(self, name: str, maxlen: int) -> StepSeries:
-        ser = self.series.get(name)
-        if ser is None:
-            ser = self.series[name] = StepSeries(maxlen)
-        return ser
+    def update(self, level: int, quiet: bool, clear: int) -> str | None:
+        """The phase this step starts (``open`` / ``escalate`` / ``resolved``), or None."""
+        if level > self.level:
+            phase = "open" if self.level == 0 else "escalate"
+            if self.level == 0:
+                self.n += 1
+            self.level = level
+            self.quiet = 0
+            return phase
+        if self.level and quiet:
+            self.quiet += 1
+            if self.quiet >= clear:
+                self.level = 0
+                self.quiet = 0
+                return "resolved"
+        else:
+            self.quiet = 0
+        return None
 
-    def rewind(self, step: int) -> None:
-        for ser in self.series.values():
-            ser.rewind(step)
-        self.early = [(s, v) for s, v in self.early if s < step]
-        if self.baseline is not None and len(self.early) == 0:
-            self.baseline = None
-        self.latched.clear()
+    def forget(self) -> None:
+        """The run rewound: the redone timeline starts with no episode open (numbering goes on)."""
+        self.level = 0
+        self.quiet = 0
+
+
+class _St:
+    """Per-rank state: an episode plus whatever the monitor keeps (set in its ``_new_state``)."""
+
+    def __init__(self) -> None:
+        self.ep = _Episode()
+
+
+_SEVERITY = {1: "warning", 2: "critical"}
 
 
 class _RL(RankedMonitor):
+    """Base of the RL monitors: per-rank state, episodes, and which records may rewind the state."""
+
+    keys: tuple[str, ...] = ()  # a record carrying none of these is not this monitor's
+
     def _new_state(self) -> _St:
         return _St()
 
     def _rewind(self, st: _St, step: int) -> None:
-        st.rewind(step)
+        st.ep.forget()
 
-    @staticmethod
-    def _latch(st: _St, tag: str, on: bool) -> bool:
-        """True on the rising edge of ``on``."""
-        if not on:
-            st.latched.discard(tag)
-            return False
-        if tag in st.latched:
-            return False
-        st.latched.add(tag)
+    def _rewinds(self, record: Mapping[str, Any]) -> bool:
+        """Whether the record carries this monitor's own training key: only such a record at an
+        already-seen step means the run went back (resume, rollback). A record without it (an eval
+        record logged before, after or between training steps) never rewinds anything."""
         return True
+
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+        step = record_step(record)
+        if step is None:
+            return []
+        rank = record_rank(record)
+        state = self._ranks.get(rank)
+        if state is None:
+            state = self._ranks[rank] = self._new_state()
+        if self._rewinds(record):
+            last = self._last_step.get(rank)
+            if last is not None and step <= last:
+                self._rewind(state, step)
+                for key, r in list(self._fired.items()):
+                    if r == rank and key[0] >= step:
+                        del self._fired[key]
+            self._last_step[rank] = step
+        return self._check(state, record, step, rank)
+
+    def _report(self, out: list[Finding], st: _St, record: Mapping[str, Any], step: int, rank: int, phase: str,
+                level: int, value: float | None, detail: str, cleared: str) -> None:
+        """Report the step's episode transition (``st.ep.update`` said which), once across ranks. The
+        monitors build their texts only when there is a transition: no string work on a quiet step."""
+        key = (step, f"{phase}#{st.ep.n}")
+        if key in self._fired:
+            return
+        self._fired[key] = rank
+        if phase == "resolved":
+            severity, text = "info", f"all clear (episode {st.ep.n}): {cleared}"
+        else:
+            severity = _SEVERITY[level]
+            text = detail if phase == "open" else f"escalated (episode {st.ep.n}): {detail}"
+        out.append(Finding(self.name, step, value, text, severity, rank, record_attempt(record), record_ts(record),
+                           episode=st.ep.n, phase=phase))
+
+
+def _median_small(q: deque) -> float:
+    """Median of a few (step, value) pairs (the smoothing window: a handful of values)."""
+    vals = sorted([p[1] for p in q])
+    n = len(vals)
+    mid = n // 2
+    return vals[mid] if n % 2 else 0.5 * (vals[mid - 1] + vals[mid])
 
 
 class EntropyCollapseMonitor(_RL):
-    """Policy entropy collapsing (``monitor="entropy_collapse"``).
+    """Policy entropy collapsing (``monitor="entropy_collapse"``), forecast before it happens.
 
-    Reads ``entropy``. Early level: median of the first ``baseline_steps``
-    values after ``warmup_steps`` (fixed once known; forgotten if the run
-    rewinds before it). Rules: (1) the median of the last ``smooth`` values
-    falls below ``collapse_frac`` x early level (critical); (2) a line fitted to
-    the last ``window`` values slopes down and reaches ``floor_frac`` x early
-    level within ``horizon`` steps while the current level is already below
-    ``project_gate_frac`` x early level (warning: collapse is coming).
+    Reads ``entropy``. Early level: median of the first ``baseline_steps`` values
+    after ``warmup_steps`` (fixed once known; forgotten if the run rewinds before it).
+    Current level: median of the last ``smooth`` values.
 
-    Known false positives: entropy falls as any policy learns - a run that
-    starts from a high-entropy base model and sharpens legitimately can cross
-    the projection rule (tune ``horizon``/``floor_frac``); temperature or
-    sampling changes mid-run shift entropy by design. Known misses: collapse
-    within the first ``baseline_steps`` (no early level yet).
+    - **Forecast (warning)**: entropy decays roughly exponentially as a policy
+      collapses (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs",
+      who also report reward R = -a*e^H + b, so spent entropy caps the reward), so
+      a line through log entropy over the last ``window`` values is extrapolated;
+      it warns when the line reaches ``floor_frac`` x early level within
+      ``horizon`` steps, the current level is below ``project_gate_frac`` x early
+      level, and the last ``short_window`` values still fall fast enough to get
+      there within the horizon too, for ``confirm_steps`` steps in a row. The
+      finding's value is the steps left; the detail names the forecast step and,
+      with a reward key, the fitted R = -a*e^H + b and the reward it predicts once
+      entropy is spent.
+    - **Collapse (critical)**: the current level below ``collapse_frac`` x early level.
+    - **All clear (info)**: level back above ``recover_frac`` x early level and no
+      forecast, for ``clear_steps`` steps.
+
+    A transient dip (say 30 % for a few steps, then back) does not warn: the
+    momentum fit stops forecasting as soon as the dip stops falling, and the
+    confirmation needs the decline to go on. Known false positives: a policy that
+    sharpens legitimately and fast from a high-entropy start (tune ``horizon`` /
+    ``floor_frac``); temperature or sampling changes mid-run shift entropy by design.
+    Known misses: collapse within the first ``baseline_steps`` (no early level yet).
     """
 
     name = "entropy_collapse"
 
     def __init__(self, cfg: EntropyCollapseConfig | None = None) -> None:
         self.cfg = cfg or EntropyCollapseConfig()
+        self._own = _spellings(self.cfg.key)
         super().__init__()
+
+    def _new_state(self) -> _St:
+        st = _St()
+        c = self.cfg
+        st.early = []
+        st.base = None
+        st.smooth = deque(maxlen=c.smooth)
+        st.long = _Fit(c.window)
+        st.short = _Fit(c.window)  # values under the gate, since the level went under it
+        st.confirm = 0
+        st.below = 0  # consecutive values under project_gate_frac x early level
+        st.cui = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum u, sum r, sum uu, sum ur (u = e^H)
+        return st
+
+    def _rewinds(self, record: Mapping[str, Any]) -> bool:
+        return _has(record, self._own)
+
+    def _rewind(self, st: _St, step: int) -> None:
+        st.ep.forget()
+        st.early = [(s, v) for s, v in st.early if s < step]
+        if st.base is not None and len(st.early) < self.cfg.baseline_steps:
+            st.base = None
+        while st.smooth and st.smooth[-1][0] >= step:
+            st.smooth.pop()
+        st.long.rewind(step)
+        st.short.clear()
+        st.confirm = 0
+        st.below = 0
+        st.cui = [0, 0.0, 0.0, 0.0, 0.0]
+
+    def _cui(self, st: _St) -> str:
+        n, su, sr, suu, sur = st.cui
+        d = n * suu - su * su
+        if n < 10 or d <= 0:
+            return ""
+        slope = (n * sur - su * sr) / d  # R = slope * e^H + b, slope = -a
+        b = (sr - slope * su) / n
+        if slope >= 0:
+            return ""
+        return (f"; R = -a*e^H + b fitted on {n} steps (a={-slope:.3g}, b={b:.3g}): "
+                f"reward tops out near {b + slope:.3g} once entropy is spent")
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
         x = _finite(record, cfg.key)
         if x is None or step <= cfg.warmup_steps:
             return []
-        ser = st.s("e", max(cfg.window, cfg.smooth))
-        ser.append(step, x)
-        if st.baseline is None:
+        st.smooth.append((step, x))
+        lx = math.log(max(x, 1e-12))
+        st.long.add(step, lx)
+        r = _finite(record, cfg.reward_key)
+        if r is not None and x < 50:
+            u = math.exp(x)
+            c = st.cui
+            c[0] += 1
+            c[1] += u
+            c[2] += r
+            c[3] += u * u
+            c[4] += u * r
+        if st.base is None:
             st.early.append((step, x))
             if len(st.early) >= cfg.baseline_steps:
-                st.baseline = median([v for _, v in st.early])
+                st.base = median([v for _, v in st.early])
             return []
-        base = st.baseline
+        base = st.base
         if base <= 0:
             return []
         out: list[Finding] = []
-        cur = median(ser.values[-cfg.smooth:])
-        collapsed = cur < cfg.collapse_frac * base
-        if self._latch(st, "level", collapsed):
-            self._emit(out, record, step, rank, "level", cur / base,
-                       f"{cfg.key} {cur:.4g} is {cur / base:.0%} of its early level {base:.4g} "
-                       f"(< {cfg.collapse_frac:.0%})", "critical")
-        projecting = False
-        if not collapsed and len(ser) >= cfg.window and cur < cfg.project_gate_frac * base:
-            xs = [float(s) for s in ser.steps[-cfg.window:]]
-            a, b = linfit(xs, ser.values[-cfg.window:])
-            if b < 0:
-                floor = cfg.floor_frac * base
-                steps_to_floor = (floor - (a + b * step)) / b
-                projecting = steps_to_floor <= cfg.horizon
-                if projecting and self._latch(st, "projection", True):
-                    self._emit(out, record, step, rank, "projection", max(steps_to_floor, 0.0),
-                               f"{cfg.key} {cur:.4g} ({cur / base:.0%} of early level {base:.4g}) falls "
-                               f"{-b:.3g}/step: projected to reach {floor:.4g} ({cfg.floor_frac:.0%}) in "
-                               f"~{max(steps_to_floor, 0):.0f} steps (<= {cfg.horizon})", "warning")
-        if not projecting:
-            st.latched.discard("projection")
+        cur = _median_small(st.smooth)
+        rel = cur / base
+        collapsed = rel < cfg.collapse_frac
+        # momentum is judged only on values already under the gate (the first two there are the drop
+        # itself): a dip that dropped and stopped has a flat bottom there, a collapse keeps falling -
+        # significantly (t of the slope), so that noise on a flat bottom does not look like a decline
+        if x < cfg.project_gate_frac * base:
+            st.below += 1
+            if st.below > 2:
+                st.short.add(step, lx)
+        else:
+            st.below = 0
+            st.short.clear()
+        eta = None
+        if not collapsed and rel < cfg.project_gate_frac and len(st.long) >= cfg.window \
+                and len(st.short) >= cfg.short_window and st.short.tstat() <= -cfg.momentum_t:
+            bl, bs = st.long.slope(), st.short.slope()
+            if bl < 0 and bs < 0:
+                target = math.log(cfg.floor_frac * base)
+                eta_l = (target - st.long.at(step)) / bl
+                eta_s = (target - st.short.at(step)) / bs
+                if eta_l <= cfg.horizon and eta_s <= cfg.horizon:
+                    eta = max(eta_l, 0.0)
+        st.confirm = st.confirm + 1 if eta is not None else 0
+        level = 2 if collapsed else 1 if st.confirm >= cfg.confirm_steps else 0
+        quiet = eta is None and rel >= cfg.recover_frac
+        phase = st.ep.update(level, quiet, cfg.clear_steps)
+        if phase is None:
+            return out
+        if level == 2:
+            value = rel
+            detail = (f"{cfg.key} {cur:.4g} is {rel:.0%} of its early level {base:.4g} "
+                      f"(< {cfg.collapse_frac:.0%}): collapsed")
+        elif level == 1:
+            value = eta
+            rate = 1 - math.exp(st.long.slope())
+            detail = (f"{cfg.key} {cur:.4g} ({rel:.0%} of early level {base:.4g}) falls {rate:.1%}/step: forecast "
+                      f"to reach {cfg.floor_frac * base:.4g} ({cfg.floor_frac:.0%}) at step {step + math.ceil(eta)} "
+                      f"(in ~{eta:.0f} steps, horizon {cfg.horizon})" + self._cui(st))
+        else:
+            value, detail = rel, ""
+        self._report(out, st, record, step, rank, phase, level, value, detail,
+                     f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse forecast "
+                      f"for {cfg.clear_steps} steps")
         return out
 
 
@@ -145,7 +506,9 @@ class KLDriftMonitor(_RL):
     the last ``window`` values: a positive least-squares slope, at least
     ``min_up_frac`` of the step-to-step changes positive, the fitted value grew
     by ``min_growth`` (1.0 = doubled) across the window, and the current value is
-    at least ``min_kl`` (warning).
+    at least ``min_kl`` (warning). One episode: the trend opens it (or the budget,
+    critical at once), the budget escalates it, ``clear_steps`` steps with neither
+    close it (all-clear, info).
 
     Known false positives: KL rises from 0 at the start of every run (that is
     what warm-up and ``min_kl`` are for; recorded tiny GRPO runs climb from 0 to
@@ -158,125 +521,239 @@ class KLDriftMonitor(_RL):
 
     def __init__(self, cfg: KLDriftConfig | None = None) -> None:
         self.cfg = cfg or KLDriftConfig()
+        self._own = _spellings(self.cfg.key)
         super().__init__()
+
+    def _new_state(self) -> _St:
+        st = _St()
+        st.smooth = deque(maxlen=self.cfg.smooth)
+        st.fit = _Fit(self.cfg.window)
+        st.ups = deque(maxlen=self.cfg.window - 1)  # (step, went up)
+        st.nups = 0
+        st.prev = None
+        return st
+
+    def _rewinds(self, record: Mapping[str, Any]) -> bool:
+        return _has(record, self._own)
+
+    def _rewind(self, st: _St, step: int) -> None:
+        st.ep.forget()
+        while st.smooth and st.smooth[-1][0] >= step:
+            st.smooth.pop()
+        st.fit.rewind(step)
+        while st.ups and st.ups[-1][0] >= step:
+            st.nups -= st.ups.pop()[1]
+        st.prev = st.fit.q[-1][1] if st.fit.q else None
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
         x = _finite(record, cfg.key)
         if x is None:
             return []
-        ser = st.s("kl", max(cfg.window, cfg.smooth))
-        ser.append(step, x)
+        st.smooth.append((step, x))
+        st.fit.add(step, x)
+        if st.prev is not None:
+            if len(st.ups) == st.ups.maxlen:
+                st.nups -= st.ups[0][1]
+            up = 1 if x > st.prev else 0
+            st.ups.append((step, up))
+            st.nups += up
+        st.prev = x
         out: list[Finding] = []
+        over = False
+        cur = 0.0
         if cfg.budget:
-            cur = median(ser.values[-cfg.smooth:])
-            over = len(ser) >= cfg.smooth and cur > cfg.budget
-            if self._latch(st, "budget", over):
-                self._emit(out, record, step, rank, "budget", cur,
-                           f"{cfg.key} {cur:.4g} over the budget {cfg.budget:g}", "critical")
+            cur = _median_small(st.smooth)
+            over = len(st.smooth) >= cfg.smooth and cur > cfg.budget
         trending = False
-        if step > cfg.warmup_steps and len(ser) >= cfg.window and x >= cfg.min_kl:
-            ys = ser.values[-cfg.window:]
-            xs = [float(s) for s in ser.steps[-cfg.window:]]
-            a, b = linfit(xs, ys)
-            start, end = a + b * xs[0], a + b * xs[-1]
-            ups = sum(1 for p, q in zip(ys, ys[1:]) if q > p) / (len(ys) - 1)
+        start = end = b = 0.0
+        if step > cfg.warmup_steps and len(st.fit) >= cfg.window and x >= cfg.min_kl:
+            b = st.fit.slope()
+            start, end = st.fit.at(st.fit.q[0][0]), st.fit.at(step)
+            ups = st.nups / max(1, len(st.ups))
             growth = (end / start - 1) if start > 0 else math.inf
             trending = b > 0 and ups >= cfg.min_up_frac and growth >= cfg.min_growth
-            if self._latch(st, "trend", trending):
-                self._emit(out, record, step, rank, "trend", b,
-                           f"{cfg.key} growing steadily: {start:.3g} -> {end:.3g} over steps {int(xs[0])}-{step} "
-                           f"(+{b:.3g}/step, {ups:.0%} of steps up)", "warning")
-        if not trending:
-            st.latched.discard("trend")
+        level = 2 if over else 1 if trending else 0
+        phase = st.ep.update(level, level == 0, cfg.clear_steps)
+        if phase is None:
+            return out
+        if over:
+            value, detail = cur, f"{cfg.key} {cur:.4g} over the budget {cfg.budget:g}"
+        elif trending:
+            value = b
+            detail = (f"{cfg.key} growing steadily: {start:.3g} -> {end:.3g} over steps {int(st.fit.q[0][0])}-{step} "
+                      f"(+{b:.3g}/step, {st.nups / max(1, len(st.ups)):.0%} of steps up)")
+        else:
+            value, detail = x, ""
+        self._report(out, st, record, step, rank, phase, level, value, detail,
+                     f"{cfg.key} {x:.4g} under budget and not growing for {cfg.clear_steps} steps")
         return out
 
 
 class RewardHackingMonitor(_RL):
     """Reward hacking (``monitor="reward_hacking"``).
 
-    Reads ``reward``, the held-out verifier key (``verifier_key``, e.g.
-    ``rewards/verifier/mean``; rule off when absent) and ``coupled_keys``
-    (``completions/mean_length``, ``clip_ratio/region_mean``). Over the last
-    ``window`` steps after ``warmup_steps``: (1) the reward trends up
-    (Pearson r against the step >= ``trend_corr``) while the verifier trends
-    down (r <= -``trend_corr``) - critical; (2) the reward trends up and a
-    coupled key trends up with it (r(reward, key) >= ``coupling_corr``, fitted
-    rise >= ``min_growth``) - warning.
+    Reads ``reward``, a held-out score (``verifier_key``, else the first of
+    ``heldout_keys`` such as ``eval/accuracy``; dense or logged only every N steps,
+    on the step's record or on an eval record of its own) and ``coupled_keys``
+    (``completions/mean_length``, ``clip_ratio/region_mean``).
 
-    Known false positives: rule 2 fires on healthy reasoning RL where longer
-    answers are the point (lengths grow with reward by design) - keep it an
-    alert, or drop ``completions/mean_length`` from ``coupled_keys``; a verifier
-    on a tiny held-out set is noisy (widen ``window``). Known misses: hacking
-    without a verifier key and without length/clip coupling.
+    - Held-out rules, judged at each held-out value (and carried until the next):
+      every held-out value is paired with the mean training reward since the
+      previous one; over the last pairs within ``window`` steps (at least
+      ``min_points`` pairs, spanning more steps when the score is sparse) the
+      reward trends up (Pearson r against the step >= ``trend_corr``) while the
+      held-out score falls (r <= -``trend_corr`` and its slope <= -``few_t`` standard
+      errors: hacking, critical) or does not follow (r <= ``flat_corr`` with the reward's
+      r >= ``diverge_corr``, on at least 2 x ``min_points`` values: divergence, warning).
+      Over twice that span, with 2 x ``min_points`` values or more, slopes of the reward
+      >= ``rise_t`` and of the held-out score <= -``fall_t`` standard errors are hacking too
+      (t grows with the number of values where r does not: a dense noisy score is caught sooner).
+    - Coupling (every step): the reward trends up and a coupled key trends up with
+      it (r(reward, key) >= ``coupling_corr``, fitted rise >= ``min_growth``) - warning.
+
+    A rule must hold for ``confirm`` evaluations in a row; one episode opens,
+    escalates once, and ends with an all-clear after ``clear_steps`` quiet steps.
+
+    Known false positives: coupling fires on healthy reasoning RL where longer
+    answers are the point (lengths grow with reward by design) - keep it an alert,
+    or drop ``completions/mean_length`` from ``coupled_keys``; a held-out score on a
+    tiny eval set is noisy (raise ``min_points``). Known misses: hacking without a
+    held-out score and without length/clip coupling.
     """
 
     name = "reward_hacking"
 
     def __init__(self, cfg: RewardHackingConfig | None = None) -> None:
         self.cfg = cfg or RewardHackingConfig()
+        keys = [k for k in (self.cfg.verifier_key, *self.cfg.heldout_keys) if k]
+        self._heldout = tuple(dict.fromkeys(keys))
+        self._own = _spellings(self.cfg.reward_key)
         super().__init__()
+
+    def _new_state(self) -> _St:
+        st = _St()
+        w = self.cfg.window
+        st.rfit = _Fit(w)
+        st.coupled = {k: _Tri(w) for k in self.cfg.coupled_keys}
+        st.cconf = {k: 0 for k in self.cfg.coupled_keys}
+        st.pairs = _Tri(max(w, self.cfg.min_points))
+        st.lpairs = _Tri(2 * max(w, self.cfg.min_points))  # twice the span, for the t rule
+        st.racc = 0.0
+        st.rn = 0
+        st.last_r = None
+        st.h_last = None  # step of the last held-out value
+        st.h_step = 0  # spacing of the held-out values
+        st.h_key = None
+        st.h_level = 0  # carried between held-out values
+        st.h_conf = 0
+        st.h_conf2 = 0
+        st.h_quiet = True
+        st.h_detail = ""
+        st.h_value = None
+        return st
+
+    def _rewinds(self, record: Mapping[str, Any]) -> bool:
+        return _has(record, self._own)
+
+    def _rewind(self, st: _St, step: int) -> None:
+        st.ep.forget()
+        st.rfit.rewind(step)
+        for t in st.coupled.values():
+            t.rewind(step)
+        st.cconf = {k: 0 for k in st.cconf}
+        st.pairs.rewind(step)
+        st.lpairs.rewind(step)
+        st.racc, st.rn = 0.0, 0
+        st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
+        st.h_level = st.h_conf = st.h_conf2 = 0
+        st.h_quiet = True
+
+    def _heldout_value(self, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
+        return first_number(record, self._heldout)
+
+    def _judge_heldout(self, st: _St, step: int) -> None:
+        cfg = self.cfg
+        p = st.pairs
+        span = max(cfg.window, cfg.min_points * st.h_step)
+        p.drop_before(step - span + 1)
+        lp = st.lpairs
+        lp.drop_before(step - 2 * span + 1)
+        level = 0
+        st.h_quiet = True
+        if step > cfg.warmup_steps and len(p) >= cfg.min_points:
+            rc, vc = p.r_xa(), p.r_xb()
+            # the all-clear needs signs of health (the reward stopped climbing, or the held-out score
+            # follows it), not only a noisy stretch where the evidence fell short of a finding
+            st.h_quiet = rc < 0.5 * cfg.trend_corr or vc > 0
+            if rc >= cfg.trend_corr:
+                if vc <= -cfg.trend_corr and p.t_xb() <= -cfg.few_t:
+                    level = 2
+                elif vc <= cfg.flat_corr and rc >= cfg.diverge_corr and len(p) >= 2 * cfg.min_points:
+                    level = 1  # weaker evidence than a fall: twice the values
+            # many noisy points (a dense score): the slopes' t statistics see a trend that r (which
+            # does not grow with the number of points) needs longer for
+            if level < 2 and len(lp) >= 2 * cfg.min_points and lp.t_xa() >= cfg.rise_t and lp.t_xb() <= -cfg.fall_t:
+                level = 2
+            if level:
+                first, last = p.q[0], p.q[-1]
+                how = "falls" if level == 2 else "does not follow"
+                st.h_detail = (f"{cfg.reward_key} rising ({first[1]:.3g} -> {last[1]:.3g}, r={rc:.2f}) while held-out "
+                               f"{st.h_key} {how} ({first[2]:.3g} -> {last[2]:.3g}, r={vc:.2f}) over steps "
+                               f"{int(first[0])}-{step} ({len(p)} held-out values"
+                               + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")"))
+                st.h_value = vc
+        st.h_conf = st.h_conf + 1 if level >= 1 else 0  # consecutive evaluations at warning or worse
+        st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
+        st.h_level = 2 if st.h_conf2 >= cfg.confirm else 1 if st.h_conf >= cfg.confirm + 1 else 0
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
         r = _finite(record, cfg.reward_key)
+        hk, hv = self._heldout_value(record)
+        if r is None and hv is None:
+            return []
+        if r is not None:
+            st.rfit.add(step, r)
+            st.racc += r
+            st.rn += 1
+            st.last_r = r
+        if hv is not None and (st.rn or st.last_r is not None):
+            if st.h_last is not None and step > st.h_last:
+                st.h_step = step - st.h_last
+            if st.h_last is None or step > st.h_last:
+                rm = st.racc / st.rn if st.rn else st.last_r
+                st.pairs.add(step, rm, hv)
+                st.lpairs.add(step, rm, hv)
+                st.racc, st.rn = 0.0, 0
+                st.h_last = step
+                st.h_key = hk
+                self._judge_heldout(st, step)
         if r is None:
             return []
-        w = cfg.window
-        rs = st.s("reward", w)
-        rs.append(step, r)
-        extra: dict[str, float] = {}
-        if cfg.verifier_key:
-            v = _finite(record, cfg.verifier_key)
-            if v is not None:
-                extra["verifier"] = v
-        for k in cfg.coupled_keys:
-            v = _finite(record, k)
-            if v is not None:
-                extra[k] = v
-        for k, v in extra.items():
-            st.s(k, w).append(step, v)
-        out: list[Finding] = []
-        if step <= cfg.warmup_steps or len(rs) < w:
-            return out
-        xs = [float(s) for s in rs.steps]
-        r_trend = correlation(xs, rs.values)
-        rising = r_trend >= cfg.trend_corr
-
-        def aligned(name: str) -> list[float] | None:
-            ser = st.series.get(name)
-            if ser is None or len(ser) < w or ser.steps != rs.steps:
-                return None
-            return ser.values
-
-        # (1) reward up, held-out verifier down
-        hv = aligned("verifier") if "verifier" in extra else None
-        hacked = False
-        if hv is not None:
-            v_trend = correlation(xs, hv)
-            hacked = rising and v_trend <= -cfg.trend_corr
-            if self._latch(st, "verifier", hacked):
-                self._emit(out, record, step, rank, "verifier", v_trend,
-                           f"{cfg.reward_key} rising ({rs.values[0]:.3g} -> {r:.3g}, r={r_trend:.2f}) while "
-                           f"{cfg.verifier_key} falls ({hv[0]:.3g} -> {hv[-1]:.3g}, r={v_trend:.2f}) over steps "
-                           f"{rs.steps[0]}-{step}", "critical")
-        # (2) reward up together with length / clipping
-        for k in cfg.coupled_keys:
-            ys = aligned(k) if k in extra else None
+        level = st.h_level
+        value, detail = st.h_value, st.h_detail
+        rising = step > cfg.warmup_steps and len(st.rfit) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
+        for k, t in st.coupled.items():
+            y = _finite(record, k)
+            if y is not None:
+                t.add(step, r, y)
             coupled = False
-            if ys is not None and rising:
-                a, b = linfit(xs, ys)
-                start, end = a + b * xs[0], a + b * xs[-1]
+            if rising and y is not None and len(t) >= cfg.window:
+                start, end = t.b_line()
                 growth = (end - start) / abs(start) if abs(start) > 1e-9 else (math.inf if end > start else 0.0)
-                rk = correlation(rs.values, ys)
-                coupled = correlation(xs, ys) >= cfg.trend_corr and rk >= cfg.coupling_corr and growth >= cfg.min_growth
-                if self._latch(st, "coupled:" + k, coupled):
-                    self._emit(out, record, step, rank, "coupled:" + k, rk,
-                               f"{cfg.reward_key} rising ({rs.values[0]:.3g} -> {r:.3g}) together with {k} "
-                               f"({start:.3g} -> {end:.3g} fitted, r={rk:.2f}) over steps {rs.steps[0]}-{step}",
-                               "warning")
-            if not coupled:
-                st.latched.discard("coupled:" + k)
+                rk = t.r_ab()
+                coupled = t.r_xb() >= cfg.trend_corr and rk >= cfg.coupling_corr and growth >= cfg.min_growth
+            st.cconf[k] = st.cconf[k] + 1 if coupled else 0
+            if st.cconf[k] >= cfg.confirm and level < 1:
+                level, value = 1, t.r_ab()
+                detail = (f"{cfg.reward_key} rising ({t.q[0][1]:.3g} -> {r:.3g}) together with {k} "
+                          f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps {int(t.q[0][0])}-{step}")
+        out: list[Finding] = []
+        phase = st.ep.update(level, level == 0 and st.h_quiet, cfg.clear_steps)
+        if phase is not None:
+            self._report(out, st, record, step, rank, phase, level, value, detail,
+                         f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for {cfg.clear_steps} steps")
         return out
 
 
@@ -287,7 +764,8 @@ class ModeCollapseMonitor(_RL):
     all got the same reward: no advantage, no learning signal): every value of
     the last ``window`` steps >= ``threshold`` (critical). With ``distinct_key``
     (a diversity metric, if the engine logs one): its median of the last 5 below
-    ``distinct_frac`` x its early level (warning).
+    ``distinct_frac`` x its early level (warning). One episode until neither holds
+    for ``clear_steps`` steps.
 
     Known false positives: a task too hard (all rewards 0) or too easy (all 1)
     for the model also makes every group zero-variance - not a collapse of the
@@ -300,7 +778,33 @@ class ModeCollapseMonitor(_RL):
 
     def __init__(self, cfg: ModeCollapseConfig | None = None) -> None:
         self.cfg = cfg or ModeCollapseConfig()
+        self._own = _spellings(self.cfg.key, self.cfg.distinct_key)
         super().__init__()
+
+    def _new_state(self) -> _St:
+        st = _St()
+        st.z = deque(maxlen=self.cfg.window)  # (step, value)
+        st.below = 0  # values in st.z under the threshold
+        st.d = deque(maxlen=5)
+        st.early = []
+        st.base = None
+        st.dlow = False
+        return st
+
+    def _rewinds(self, record: Mapping[str, Any]) -> bool:
+        return _has(record, self._own)
+
+    def _rewind(self, st: _St, step: int) -> None:
+        st.ep.forget()
+        while st.z and st.z[-1][0] >= step:
+            if st.z.pop()[1] < self.cfg.threshold:
+                st.below -= 1
+        while st.d and st.d[-1][0] >= step:
+            st.d.pop()
+        st.early = [(s, v) for s, v in st.early if s < step]
+        if st.base is not None and len(st.early) < self.cfg.baseline_steps:
+            st.base = None
+        st.dlow = False
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
@@ -308,30 +812,40 @@ class ModeCollapseMonitor(_RL):
         if step <= cfg.warmup_steps:
             return out
         x = _finite(record, cfg.key)
+        d = _finite(record, cfg.distinct_key) if cfg.distinct_key else None
+        if x is None and d is None:
+            return out
         if x is not None:
-            ser = st.s("z", cfg.window)
-            ser.append(step, x)
-            full = len(ser) >= cfg.window and min(ser.values) >= cfg.threshold
-            if self._latch(st, "zero_std", full):
-                self._emit(out, record, step, rank, "zero_std", median(ser.values),
-                           f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps ({ser.steps[0]}-{step}): "
-                           f"every group's completions get the same reward, no learning signal", "critical")
-        if cfg.distinct_key:
-            d = _finite(record, cfg.distinct_key)
-            if d is not None:
-                dser = st.s("d", 5)
-                dser.append(step, d)
-                if st.baseline is None:
-                    st.early.append((step, d))
-                    if len(st.early) >= cfg.baseline_steps:
-                        st.baseline = median([v for _, v in st.early])
-                elif st.baseline > 0:
-                    cur = median(dser.values)
-                    low = cur < cfg.distinct_frac * st.baseline
-                    if self._latch(st, "distinct", low):
-                        self._emit(out, record, step, rank, "distinct", cur / st.baseline,
-                                   f"{cfg.distinct_key} {cur:.4g} is {cur / st.baseline:.0%} of its early level "
-                                   f"{st.baseline:.4g}", "warning")
+            if len(st.z) == st.z.maxlen and st.z[0][1] < cfg.threshold:
+                st.below -= 1
+            st.z.append((step, x))
+            if x < cfg.threshold:
+                st.below += 1
+        full = len(st.z) >= cfg.window and st.below == 0
+        if d is not None:
+            st.d.append((step, d))
+            if st.base is None:
+                st.early.append((step, d))
+                if len(st.early) >= cfg.baseline_steps:
+                    st.base = median([v for _, v in st.early])
+            elif st.base > 0:
+                st.dlow = _median_small(st.d) < cfg.distinct_frac * st.base
+        level = 2 if full else 1 if st.dlow else 0
+        phase = st.ep.update(level, level == 0, cfg.clear_steps)
+        if phase is None:
+            return out
+        if full:
+            value = median([v for _, v in st.z])
+            detail = (f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps ({int(st.z[0][0])}-{step}): "
+                      f"every group's completions get the same reward, no learning signal")
+        elif st.dlow:
+            cur = _median_small(st.d)
+            value = cur / st.base
+            detail = f"{cfg.distinct_key} {cur:.4g} is {value:.0%} of its early level {st.base:.4g}"
+        else:
+            value, detail = x, ""
+        self._report(out, st, record, step, rank, phase, level, value, detail,
+                     f"groups get different rewards again for {cfg.clear_steps} steps")
         return out
 
 
@@ -341,7 +855,8 @@ class StaleRolloutMonitor(_RL):
     Reads the first present of ``keys`` (``policy_lag``, ``policy_version_lag``,
     ``staleness``): how many optimizer steps old the policy that generated the
     step's rollouts was (async/off-policy generation, e.g. a vLLM server that
-    syncs weights late). Lag > ``max_lag`` is reported (warning), once per episode.
+    syncs weights late). Lag > ``max_lag`` is reported (warning), once per episode;
+    the all-clear comes after ``clear_steps`` steps within the bound.
 
     Known false positives: an intended off-policy setup with a large buffer
     (raise ``max_lag``). Known misses: engines that log no lag key (TRL's
@@ -352,7 +867,11 @@ class StaleRolloutMonitor(_RL):
 
     def __init__(self, cfg: StaleRolloutConfig | None = None) -> None:
         self.cfg = cfg or StaleRolloutConfig()
+        self._own = _spellings(*self.cfg.keys)
         super().__init__()
+
+    def _rewinds(self, record: Mapping[str, Any]) -> bool:
+        return _has(record, self._own)
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         key, lag = first_number(record, self.cfg.keys)
@@ -360,8 +879,9 @@ class StaleRolloutMonitor(_RL):
             return []
         out: list[Finding] = []
         stale = lag > self.cfg.max_lag
-        if self._latch(st, "lag", stale):
-            self._emit(out, record, step, rank, "lag", lag,
-                       f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
-                       "warning")
+        phase = st.ep.update(1 if stale else 0, not stale, self.cfg.clear_steps)
+        if phase is not None:
+            self._report(out, st, record, step, rank, phase, 1 if stale else 0, lag,
+                         f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
+                         f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps")
         return out

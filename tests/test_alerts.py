@@ -103,6 +103,13 @@ CASES: dict[str, list[tuple]] = {
     "EntropyCollapse": [
         ("entropy to 5% of max", "1m", [s("ptops_rl_entropy", "1 1 1 0.05x10")], "10m", [({}, "0.05")]),
         ("entropy slowly lower", "1m", [s("ptops_rl_entropy", "1 0.9x12")], "10m", []),
+        # one finding per episode: the alert holds while the episode is open, and ends with its all-clear
+        ("episode open long after its finding", "1m",
+         [s("ptops_anomaly_last_timestamp_seconds", "0x30", 'monitor="entropy_collapse"'),
+          s("ptops_finding_episode_open", "1x30", 'monitor="entropy_collapse"')], "25m", [({}, "1")]),
+        ("episode closed by its all-clear", "1m",
+         [s("ptops_anomaly_last_timestamp_seconds", "0x30", 'monitor="entropy_collapse"'),
+          s("ptops_finding_episode_open", "1x5 0x25", 'monitor="entropy_collapse"')], "25m", []),
     ],
     "KLDrift": [
         ("kl 2", "1m", [s("ptops_rl_kl", "0.1 0.1 2x10")], "10m", [({}, "2")]),
@@ -118,6 +125,9 @@ CASES: dict[str, list[tuple]] = {
         ("healthy spread", "1m",
          [s("ptops_rl_reward", "0+0.1x30"), s("ptops_rl_kl", "0+0.01x30"), s("ptops_rl_reward_std", "0.5x30")],
          "25m", []),
+        ("reward_hacking episode open", "1m",
+         [s("ptops_anomaly_last_timestamp_seconds", "0x60", 'monitor="reward_hacking"'),
+          s("ptops_finding_episode_open", "1x60", 'monitor="reward_hacking"')], "50m", [({}, "1")]),
     ],
     "GoodputLow": [
         ("25% for 2h while running", "5m",

@@ -287,3 +287,24 @@ def test_nvml_present_path_with_a_fake_library():
     thr = {(s.labels["gpu"], s.labels["reason"]): s.value for s in fams["ptops_gpu_throttle"].samples}
     assert thr[("1", "hw_slowdown")] == 1 and thr[("0", "hw_slowdown")] == 0
     c.close()
+
+
+def test_finding_episodes_open_and_close_and_the_all_clear_is_no_finding():
+    e = PrometheusExporter("r", "t", clock=lambda: 100.0, nvml=False)
+    e.observe_event({"ts": 1, "kind": "launch", "attempt": 1})
+    e.observe_event({"ts": 10, "kind": "anomaly", "monitor": "entropy_collapse", "step": 5, "value": 30, "detail": "w",
+                     "severity": "warning", "episode": 1, "phase": "open"})
+    s = samples(e)
+    key = ("ptops_finding_episode_open", (("monitor", "entropy_collapse"),))
+    assert s[key] == 1 and s[("ptops_anomalies_total", (("monitor", "entropy_collapse"),))] == 1
+    e.observe_event({"ts": 50, "kind": "anomaly", "monitor": "entropy_collapse", "step": 40, "value": 0.9,
+                     "detail": "all clear", "severity": "info", "episode": 1, "phase": "resolved"})
+    s = samples(e)
+    assert s[key] == 0
+    assert s[("ptops_anomalies_total", (("monitor", "entropy_collapse"),))] == 1  # the all-clear is not a finding
+    assert s[("ptops_anomaly_last_timestamp_seconds", (("monitor", "entropy_collapse"),))] == 10  # nor re-fires alerts
+    e.observe_event({"ts": 60, "kind": "anomaly", "monitor": "entropy_collapse", "step": 50, "value": 30, "detail": "w",
+                     "severity": "warning", "episode": 2, "phase": "open"})
+    assert samples(e)[key] == 1
+    e.observe_event({"ts": 70, "kind": "launch", "attempt": 2})  # the monitors start the attempt with no episode open
+    assert samples(e)[key] == 0

@@ -44,7 +44,7 @@ DETECTION_BOUND = {
     "straggler_busy": 3,  # window 5: the median of the last 5 ratios crosses once 3 are slow
     "straggler_wait": 3,
     "straggler_data": 3,
-    "entropy_collapse": 8,  # exp decay with tau 10 steps: the projection rule warns first
+    "entropy_collapse": 10,  # exp decay with tau 10 steps: the forecast warns first, before the 30 % crossing (+12); it waits for the decline to go on under the gate (dips that stop are tolerated)
     "kl_drift": 12,
     "reward_hacking": 15,
     "length_hacking": 15,

@@ -84,7 +84,10 @@ def test_grpo_gameable_reward_is_flagged_as_reward_hacking(tmp_path):
     assert all("rewards_verifier_mean" in r for r in recs)  # the held-out verifier is logged
     hack = [e for e in events(run, "anomaly") if e["monitor"] == "reward_hacking"]
     assert hack, [e for e in events(run, "anomaly")]
-    assert "verifier" in hack[0]["detail"] and hack[0]["severity"] == "critical"
+    # one episode (issue 15): it may open as a warning (held-out flat, length coupled) and escalates once
+    crit = [e for e in hack if e["severity"] == "critical"]
+    assert crit and "verifier" in crit[0]["detail"], hack
+    assert len([e for e in hack if e.get("phase") in ("open", "escalate")]) <= 2, hack
     diag = run_ptops("diagnose", str(run), "--json")
     assert diag.returncode == 0, diag.stderr
     assert "reward_hacking" in diag.stdout

@@ -97,6 +97,7 @@ class _State:
         self.straggler_ratio: dict[str, tuple[float, float]] = {}  # rank -> (ratio, ts)
         self.anomalies: dict[str, int] = {m: 0 for m in KNOWN_MONITORS if m != "straggler"}
         self.anomaly_ts: dict[str, float] = {}
+        self.episode_open: dict[str, int] = {}  # monitor -> 1 while an episode is open (opened, not yet all-clear)
         self.nonfinite: dict[str, int] = {"loss": 0, "grad_norm": 0}
         self.nonfinite_seen: set[tuple] = set()
         self.last_nonfinite_ts: float | None = None
@@ -168,6 +169,9 @@ class PrometheusExporter:
             k = self._kind_label(_slug(kind))
             s.events[k] = s.events.get(k, 0) + 1
             s.event_ts[k] = max(ts, s.event_ts.get(k, ts))
+            if kind in (EventKind.LAUNCH, *END_KINDS):
+                # monitors forget open episodes when an attempt starts over; an ended run has none
+                s.episode_open = dict.fromkeys(s.episode_open, 0)
             if kind == EventKind.LAUNCH:
                 att = _int(event.get("attempt"), s.attempt + 1) or 0
                 s.attempt = max(s.attempt, att)
@@ -204,8 +208,14 @@ class PrometheusExporter:
                         s.straggler_ratio[r] = (ratio, ts)
             elif kind == EventKind.ANOMALY:
                 m = self._monitor_label(_slug(event.get("monitor")))
-                s.anomalies[m] = s.anomalies.get(m, 0) + 1
-                s.anomaly_ts[m] = max(ts, s.anomaly_ts.get(m, ts))
+                phase = event.get("phase")
+                if phase == "resolved":  # an episode's all-clear: closes it; not a finding to count or alert on
+                    s.episode_open[m] = 0
+                else:
+                    s.anomalies[m] = s.anomalies.get(m, 0) + 1
+                    s.anomaly_ts[m] = max(ts, s.anomaly_ts.get(m, ts))
+                    if phase is not None:
+                        s.episode_open[m] = 1
             elif kind == EventKind.RESTART:
                 reason = self._reason_label(_slug(event.get("reason")))
                 s.restarts[reason] = s.restarts.get(reason, 0) + 1
@@ -360,6 +370,9 @@ class PrometheusExporter:
                                 s.anomalies))
             out.append(labelled(GaugeMetricFamily, "ptops_anomaly_last_timestamp_seconds",
                                 "Unix time of the latest finding per monitor.", "monitor", s.anomaly_ts))
+            out.append(labelled(GaugeMetricFamily, "ptops_finding_episode_open",
+                                "1 while a monitor's finding episode is open (reported, no all-clear yet).", "monitor",
+                                s.episode_open))
             out.append(labelled(CounterMetricFamily, "ptops_nonfinite", "Steps whose metric was NaN/Inf.", "metric",
                                 s.nonfinite))
             out.append(gauge("ptops_last_nonfinite_timestamp_seconds", "Unix time of the latest NaN/Inf loss or "

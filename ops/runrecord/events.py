@@ -126,8 +126,11 @@ SPECS: dict[EventKind, EventSpec] = {
                       doc="ranks made no progress past their budget; stacks were collected"),
     K.STRAGGLER: EventSpec(("rank", "ratio"), ("step", "detail", "severity", "attempt"), finding=True, summary=True,
                            doc="the straggler monitor's finding"),
-    K.ANOMALY: EventSpec(("monitor", "step", "value", "detail"), ("severity", "rank", "attempt"), finding=True,
-                         summary=True, doc="a metric monitor's finding (runbook: the monitor registry's)"),
+    K.ANOMALY: EventSpec(("monitor", "step", "value", "detail"), ("severity", "rank", "attempt", "episode", "phase"),
+                         finding=True, summary=True,
+                         doc="a metric monitor's finding (runbook: the monitor registry's); episode monitors add "
+                         "episode and phase (open | escalate | resolved: the all-clear, severity info, closes "
+                         "the episode's open findings)"),
     K.MONITOR_ERROR: EventSpec(("monitor", "error"), ("step", "rank", "attempt"), severity="warning", summary=True,
                                doc="a monitor raised on a record; it is reported once and the others keep running"),
     K.RESTART: EventSpec(("attempt", "from_step", "reason"), ("prev_from_step", "delay_s"),
@@ -276,5 +279,9 @@ def reduce(events: Iterable[Mapping[str, Any]]) -> RunView:
         elif kind == EventKind.CHECKPOINT:
             v.last_checkpoint = dict(e)
         if kind in FINDING_KINDS and v.launches:
-            v.open_findings.append(dict(e))
+            if e.get("phase") == "resolved":  # an all-clear closes its episode's findings
+                v.open_findings = [f for f in v.open_findings
+                                   if not (f.get("monitor") == e.get("monitor") and f.get("episode") == e.get("episode"))]
+            else:
+                v.open_findings.append(dict(e))
     return v

@@ -197,6 +197,8 @@ class FindingPolicy:
 
     def decide(self, finding: Any) -> FindingDecision:
         action = "alert" if self.record_only else self.section.action_for(finding.monitor)
+        if getattr(finding, "phase", None) == "resolved":
+            action = "alert"  # an all-clear ends an episode: recorded, never acted on
         if action == "exclude_node" and finding.monitor != "straggler":
             action = "alert"  # only a straggler names a node; the schema allows it nowhere else
         if action not in FINDING_EFFECTS:

@@ -8,7 +8,10 @@ default runbook base URL; ``tests/test_alerts.py`` checks they agree, and
 Event-driven alerts (hang, corrupt checkpoint, NaN, monitor findings) compare
 ``time()`` with the exporter's ``*_timestamp_seconds`` gauges, which carry the
 event's own time: they fire for a fixed window after the event whatever the
-scrape timing, and survive an exporter restart.
+scrape timing, and survive an exporter restart. The RL monitors report episodes
+(one finding when a problem opens, one when it escalates, an all-clear when it
+ends), so their alerts also hold while ``ptops_finding_episode_open`` says an
+episode is open, and the all-clear neither counts as a finding nor re-fires them.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "EntropyCollapse",
         f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("EntropyCollapse")}}}) < 900\n'
+        f'or\nmax by (run, recipe) (ptops_finding_episode_open{{{_monitors("EntropyCollapse")}}}) == 1\n'
         "or\nptops_rl_entropy < 0.1 * max_over_time(ptops_rl_entropy[1h])",
         "5m", "warning",
         "Policy entropy collapsed in run {{ $labels.run }}",
@@ -132,6 +136,7 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "KLDrift",
         f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("KLDrift")}}}) < 900\n'
+        f'or\nmax by (run, recipe) (ptops_finding_episode_open{{{_monitors("KLDrift")}}}) == 1\n'
         "or\nptops_rl_kl > 1",
         "5m", "warning",
         "KL to the reference drifts in run {{ $labels.run }}",
@@ -141,6 +146,7 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "RewardHacking",
         f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("RewardHacking")}}}) < 1800\n'
+        f'or\nmax by (run, recipe) (ptops_finding_episode_open{{{_monitors("RewardHacking")}}}) == 1\n'
         "or\n(deriv(ptops_rl_reward[15m]) > 0\n and on (run, recipe) deriv(ptops_rl_kl[15m]) > 0\n"
         " and on (run, recipe) ptops_rl_reward_std < 0.05)",
         "10m", "warning",

@@ -1,0 +1,382 @@
+"""RL early warning: ptops' first alert vs rldoctor 0.2.0 and rlwatch 0.5.1 on the same traces.
+
+    .venv/bin/python bench/rl_early_warning.py [--seeds 5] [--tune] [--json OUT]
+    .venv/bin/python bench/rl_early_warning.py --cost     # the RL monitors' cost per record only
+
+Scenarios (TRL GRPO metric names, one rank, 200 steps), each over ``--seeds`` seeds:
+
+- collapse: entropy decays exponentially from a random onset to 5 % of its level,
+  speeds fast / medium / slow (time constants 8 / 25 / 60 steps), scales: early
+  entropy 0.5 / 1.5 / 5.0 and multiplicative noise 2 % / 6 %. Ground truth: the
+  step the noiseless curve falls under 30 % of its early level ("crossing");
+- healthy: flat, slowly declining (-30 % linear over the run), sharpening to a
+  plateau at 60 % (time constant 60), dips of 25-35 % for 2-6 steps that recover
+  (1-2 per run), each at the three entropy scales, plus the recorded real tiny GRPO
+  runs tests/data/traces/trl-grpo-*.jsonl (10 runs, 2 ranks);
+- reward hacking (300 steps, so that a score logged every 25 steps has 7-8 values after
+  the onset): from a random onset (step 80-120) the training reward climbs while the held-out
+  score falls, with the held-out score dense (every step) or sparse (an ``eval/accuracy``
+  record every 10 or 25 steps); and a healthy control where both rise (sparse, every 10).
+
+Tools, driven the way their docs say, on the same records:
+
+- ptops: ``replay`` of every record through ``build_monitors()`` (defaults);
+- rldoctor 0.2.0: ``rl_doctor.live.LiveMonitor`` (its live API; defaults except
+  ``check_every=5``, five times more often than its default 25, so that its detection
+  step is not quantised coarsely; the first alert step is then refined to the exact
+  step by re-diagnosing the 4 prefixes before it). Held-out score as ``eval/accuracy``
+  (its alias for the eval score), merged into the step's dict;
+- rlwatch 0.5.1: ``rlwatch.detectors.DetectorSuite(RLWatchConfig())`` fed per step
+  through ``check_step`` (what ``RLWatch.log_step`` calls, without its SQLite store),
+  with entropy, kl_divergence, reward_mean, reward_std.
+
+An alert counts for a scenario when it comes from the tool's detector for that failure
+(entropy_collapse / reward_hacking); healthy runs count every alert of every detector of
+each tool as a false positive (``fp_any``), and the matched detectors separately (``fp``).
+
+Seeds: the thresholds were tuned on seeds 1000-1004 (``--tune`` runs those); the
+default run evaluates seeds 0..N-1, which no tuning saw. The generator is this file's,
+not tests/data/traces/synth.py (the unit tests' traces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TRACES = REPO / "tests" / "data" / "traces"
+T = 200
+
+from ptops.monitors import build_monitors, replay  # noqa: E402
+
+# ---------------------------------------------------------------- traces
+
+
+def _base(rng: random.Random, t: int, h: float, noise: float, reward: float, extra: dict | None = None) -> dict:
+    rec = {"step": t, "rank": 0, "attempt": 1,
+           "entropy": round(h * (1 + rng.gauss(0, noise)), 6),
+           "reward": round(reward + rng.gauss(0, 0.03), 6),
+           "reward_std": round(0.2 + rng.gauss(0, 0.01), 6),
+           "kl": round(0.01 + 0.00005 * t + abs(rng.gauss(0, 0.001)), 6),
+           "frac_reward_zero_std": round(min(1.0, max(0.0, 0.2 + rng.gauss(0, 0.05))), 6),
+           "completions_mean_length": round(100 + rng.gauss(0, 5), 3),
+           "clip_ratio_region_mean": round(abs(rng.gauss(0.01, 0.004)), 6),
+           "loss": round(rng.gauss(0, 0.01), 6), "grad_norm": round(0.5 + abs(rng.gauss(0, 0.1)), 6)}
+    if extra:
+        rec.update(extra)
+    return rec
+
+
+def collapse(seed: int, tau: float, h0: float, noise: float) -> tuple[list[dict], int, int]:
+    """(records, onset, crossing): exponential decay to 5 % from the onset."""
+    rng = random.Random(seed * 7919 + int(tau * 10) + int(h0 * 100) + int(noise * 1000))
+    at = rng.randint(50, 90)
+    out, crossing = [], None
+    for t in range(1, T + 1):
+        g = 1.0 if t < at else 0.05 + 0.95 * math.exp(-(t - at) / tau)
+        h = h0 * (1 - 0.05 * t / T) * g
+        if crossing is None and h < 0.3 * h0:
+            crossing = t
+        r = 1.0 - 0.3 * math.exp(h / h0) * (1.0 if t < at else 1.0)  # R = -a e^H + b (Cui et al.)
+        out.append(_base(rng, t, h, noise, r))
+    return out, at, crossing or T + 1
+
+
+def healthy(seed: int, kind: str, h0: float, noise: float = 0.04) -> list[dict]:
+    rng = random.Random(seed * 104729 + {"flat": 1, "declining": 2, "plateau": 3, "dip": 4}[kind] * 101 + int(h0 * 100))
+    dips = []
+    if kind == "dip":
+        for _ in range(rng.randint(1, 2)):
+            dips.append((rng.randint(40, 170), rng.uniform(0.25, 0.35), rng.randint(1, 3), rng.randint(2, 6),
+                         rng.randint(2, 5)))
+    out = []
+    for t in range(1, T + 1):
+        if kind == "flat":
+            f = 1.0
+        elif kind == "declining":
+            f = 1 - 0.3 * t / T
+        elif kind == "plateau":
+            f = 0.6 + 0.4 * math.exp(-t / 60)
+        else:
+            f = 1.0
+            for start, depth, ramp, hold, rec in dips:
+                d = t - start
+                if 0 <= d < ramp:
+                    f = min(f, 1 - depth * (d + 1) / ramp)
+                elif ramp <= d < ramp + hold:
+                    f = min(f, 1 - depth)
+                elif ramp + hold <= d < ramp + hold + rec:
+                    f = min(f, 1 - depth * (1 - (d - ramp - hold + 1) / rec))
+        h = h0 * f
+        reward = 0.3 + 0.2 * t / T
+        out.append(_base(rng, t, h, noise, reward))
+    return out
+
+
+def hacking(seed: int, every: int, hacked: bool = True, steps: int = 300) -> tuple[list[dict], int]:
+    """(records, onset): reward climbs while the held-out score falls; held-out every ``every`` steps
+    (1: on the step's record as ``rewards_verifier_mean``; N: an ``eval/accuracy`` record of its own)."""
+    rng = random.Random(seed * 15485863 + every * 31 + hacked)
+    at = rng.randint(80, 120)
+    out = []
+    for t in range(1, steps + 1):
+        d = max(0, t - at)
+        reward = 0.3 + 0.1 * t / T + (0.004 * d if hacked else 0.002 * d)
+        held = 0.25 + 0.08 * t / T + (-0.002 * d if hacked else 0.0015 * d) + rng.gauss(0, 0.02)
+        rec = _base(rng, t, 1.2, 0.03, reward)
+        if every == 1:
+            rec["rewards_verifier_mean"] = round(held, 6)
+            out.append(rec)
+        else:
+            out.append(rec)
+            if t % every == 0:
+                out.append({"step": t, "rank": 0, "attempt": 1, "eval/accuracy": round(held, 6)})
+    return out, at
+
+
+def recorded() -> list[tuple[str, list[dict]]]:
+    out = []
+    for p in sorted(TRACES.glob("trl-grpo-*.jsonl")):
+        out.append((p.stem, [json.loads(line) for line in p.read_text().splitlines() if line.strip()]))
+    return out
+
+
+# ---------------------------------------------------------------- tools
+
+RL_MONITORS = {"entropy_collapse", "kl_drift", "reward_hacking", "mode_collapse", "stale_rollout"}
+
+
+def run_ptops(recs: list[dict]) -> list[tuple[int, str, str]]:
+    return [(f.step, f.monitor, f.severity) for f in replay(recs, build_monitors())
+            if f.phase != "resolved" and f.family == "rl"]
+
+
+def _merged(recs: list[dict]) -> list[dict]:
+    """One dict per step (rank 0), eval records merged in, held-out as ``eval/accuracy``; TRL's key spelling."""
+    by: dict[int, dict] = {}
+    for r in recs:
+        if r.get("rank", 0) != 0:
+            continue
+        d = by.setdefault(int(r["step"]), {})
+        for k, v in r.items():
+            if k in ("rank", "attempt", "ts"):
+                continue
+            k = {"rewards_verifier_mean": "eval/accuracy", "completions_mean_length": "completions/mean_length",
+                 "clip_ratio_region_mean": "clip_ratio/region_mean"}.get(k, k)
+            d[k] = v
+    return [by[s] for s in sorted(by)]
+
+
+def run_rldoctor(recs: list[dict], check_every: int = 5) -> list[tuple[int, str, str]]:
+    from rl_doctor.detectors.base import Severity
+    from rl_doctor.diagnosis import diagnose
+    from rl_doctor.ingest.base import run_from_records
+    from rl_doctor.live import LiveMonitor
+
+    steps = _merged(recs)
+    mon = LiveMonitor(check_every=check_every, on_finding=lambda f: None)
+    out: list[tuple[int, str, str]] = []
+    first: dict[str, int] = {}
+    for i, r in enumerate(steps):
+        for f in mon.log(r, step=r["step"]):
+            if f.detector not in first:  # refine: the first prefix that already shows it
+                s = r["step"]
+                for j in range(max(mon.min_steps, i + 1 - check_every + 1), i + 1):
+                    run = run_from_records(steps[:j], config=None, name="x", source="live")
+                    d = diagnose(run)
+                    if any(p.detector == f.detector and p.severity >= Severity.WARNING for p in d.problems):
+                        s = steps[j - 1]["step"]
+                        break
+                first[f.detector] = s
+                out.append((s, f.detector, f.severity.label))
+            else:
+                out.append((r["step"], f.detector, f.severity.label))
+    return out
+
+
+def run_rlwatch(recs: list[dict]) -> list[tuple[int, str, str]]:
+    from rlwatch.config import RLWatchConfig
+    from rlwatch.detectors import DetectorSuite
+
+    suite = DetectorSuite(RLWatchConfig())
+    out = []
+    for r in _merged(recs):
+        for a in suite.check_step(r["step"], entropy=r.get("entropy"), kl_divergence=r.get("kl"),
+                                  reward_mean=r.get("reward"), reward_std=r.get("reward_std"),
+                                  loss=r.get("loss"), grad_norm=r.get("grad_norm")):
+            out.append((int(r["step"]), a.detector, a.severity))
+    return out
+
+
+TOOLS = {"ptops": run_ptops, "rldoctor": run_rldoctor, "rlwatch": run_rlwatch}
+
+
+def first(alerts: list[tuple[int, str, str]], detector: str) -> int | None:
+    return min((s for s, d, _ in alerts if d == detector), default=None)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def scenarios(seeds: list[int]) -> list[dict[str, Any]]:
+    out = []
+    for speed, tau in (("fast", 8), ("medium", 25), ("slow", 60)):
+        for h0 in (0.5, 1.5, 5.0):
+            for noise in (0.02, 0.06):
+                for s in seeds:
+                    recs, at, cross = collapse(s, tau, h0, noise)
+                    out.append({"group": f"collapse {speed}", "name": f"collapse-{speed}-H{h0}-n{noise}-s{s}",
+                                "kind": "collapse", "detector": "entropy_collapse", "recs": recs, "onset": at,
+                                "truth": cross})
+    for kind in ("flat", "declining", "plateau", "dip"):
+        for h0 in (0.5, 1.5, 5.0):
+            for s in seeds:
+                out.append({"group": f"healthy {kind}", "name": f"healthy-{kind}-H{h0}-s{s}", "kind": "healthy",
+                            "recs": healthy(s, kind, h0)})
+    for name, recs in recorded():
+        out.append({"group": "healthy recorded GRPO", "name": name, "kind": "healthy", "recs": recs})
+    for every, label in ((1, "dense"), (10, "sparse/10"), (25, "sparse/25")):
+        for s in seeds:
+            recs, at = hacking(s, every)
+            out.append({"group": f"reward hacking {label}", "name": f"hack-{label}-s{s}", "kind": "hacking",
+                        "detector": "reward_hacking", "recs": recs, "onset": at, "truth": at})
+    for s in seeds:
+        recs, _ = hacking(s, 10, hacked=False)
+        out.append({"group": "healthy reward+held-out rising (sparse/10)", "name": f"healthy-heldout-s{s}",
+                    "kind": "healthy", "recs": recs})
+    return out
+
+
+def cost(reps: int = 7) -> dict[str, float]:
+    """Microseconds of process CPU time per record (best of ``reps``; CPU time, so that other processes on a
+    shared machine do not count) of each RL monitor and of every default monitor together, on healthy synthetic
+    GRPO records of 8 ranks x 1000 steps (tests/data/traces/synth.py)."""
+    sys.path.insert(0, str(TRACES))
+    import synth
+    from ptops.monitors import MONITOR_CLASSES
+
+    recs = []
+    for seed in range(4):
+        for r in synth.grpo(1000, seed, ranks=2):
+            recs.append({**r, "rank": r["rank"] + 2 * seed})
+    recs.sort(key=lambda r: (r["step"], r["rank"]))
+    best: dict[str, float] = {}
+    for _ in range(reps):
+        for name in sorted(RL_MONITORS):
+            m = MONITOR_CLASSES[name]()
+            t0 = time.process_time()
+            for r in recs:
+                m.feed(r)
+            best[name] = min(best.get(name, 1e9), (time.process_time() - t0) / len(recs) * 1e6)
+        mons = build_monitors()
+        t0 = time.process_time()
+        for r in recs:
+            for m in mons:
+                m.feed(r)
+        best["all default monitors"] = min(best.get("all default monitors", 1e9),
+                                           (time.process_time() - t0) / len(recs) * 1e6)
+    best["RL monitors together"] = sum(best[n] for n in RL_MONITORS)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--tune", action="store_true", help="run the tuning seeds (1000-1004) instead of the unseen ones")
+    ap.add_argument("--json", default=str(REPO / "bench" / "results" / "rl_early_warning.json"))
+    ap.add_argument("--only", default="", help="run only scenario groups containing this text")
+    ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of ptops,rldoctor,rlwatch")
+    ap.add_argument("--cost", action="store_true", help="only measure the RL monitors' cost per record")
+    args = ap.parse_args(argv)
+    if args.cost:
+        for k, v in cost().items():
+            print(f"{k:24s} {v:6.2f} us/record (process CPU time, best of 7)")
+        return 0
+    logging.disable(logging.CRITICAL)
+    seeds = list(range(1000, 1005)) if args.tune else list(range(args.seeds))
+    rows = []
+    t0 = time.time()
+    for sc in scenarios(seeds):
+        if args.only and args.only not in sc["group"]:
+            continue
+        row = {k: v for k, v in sc.items() if k != "recs"}
+        for tool, fn in TOOLS.items():
+            alerts = fn(sc["recs"]) if tool in args.tools.split(",") else []
+            if sc["kind"] == "healthy":
+                mine = [a for a in alerts if a[1] in ("entropy_collapse", "reward_hacking")]
+                row[tool] = {"fp": len(mine), "fp_any": len(alerts), "alerts": alerts[:10]}
+            else:
+                det = sc["detector"]
+                f = first(alerts, det)
+                row[tool] = {"first": f, "early": f is not None and f < sc["onset"], "alerts": alerts[:10]}
+        rows.append(row)
+    elapsed = time.time() - t0
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r)
+    summary = []
+    print(f"seeds {'1000-1004 (tuning)' if args.tune else f'0-{args.seeds - 1} (unseen)'}; {len(rows)} traces; {elapsed:.0f} s")
+    print("| scenario | traces | ptops | rldoctor 0.2.0 | rlwatch 0.5.1 | ptops lead over the best peer |")
+    print("|---|---|---|---|---|---|")
+    for g, rs in groups.items():
+        if rs[0]["kind"] == "healthy":
+            cells = []
+            for tool in TOOLS:
+                runs = sum(1 for r in rs if r[tool]["fp"])
+                runs_any = sum(1 for r in rs if r[tool]["fp_any"])
+                cells.append(f"FP {runs}/{len(rs)} runs (any detector {runs_any})")
+            summary.append({"group": g, "kind": "healthy", "traces": len(rs),
+                            **{t: {"fp_runs": sum(1 for r in rs if r[t]["fp"]),
+                                   "fp_any_runs": sum(1 for r in rs if r[t]["fp_any"])} for t in TOOLS}})
+            print(f"| {g} | {len(rs)} | " + " | ".join(cells) + " | - |")
+            continue
+        cells, s = [], {"group": g, "kind": rs[0]["kind"], "traces": len(rs)}
+        for tool in TOOLS:
+            delays = [r[tool]["first"] - r["truth"] for r in rs if r[tool]["first"] is not None]
+            found = len(delays)
+            early = sum(1 for r in rs if r[tool]["early"])
+            med = statistics.median(delays) if delays else None
+            s[tool] = {"detected": found, "before_onset": early, "median_vs_truth": med,
+                       "min": min(delays) if delays else None, "max": max(delays) if delays else None}
+            cells.append(f"{found}/{len(rs)}, median {med:+.0f} (min {min(delays):+d}, max {max(delays):+d})"
+                         + (f", {early} before onset" if early else "") if delays else f"0/{len(rs)}")
+        leads, missed_by_peers, ptops_later = [], 0, 0
+        for r in rs:
+            p = r["ptops"]["first"]
+            # a peer alert before the onset is a false alarm, not a detection
+            peers = [r[t]["first"] for t in ("rldoctor", "rlwatch")
+                     if r[t]["first"] is not None and r[t]["first"] >= r["onset"]]
+            if p is None:
+                continue
+            if not peers:
+                missed_by_peers += 1
+                continue
+            leads.append(min(peers) - p)
+            ptops_later += min(peers) < p
+        s["lead"] = {"median": statistics.median(leads) if leads else None, "min": min(leads) if leads else None,
+                     "peers_missed": missed_by_peers, "ptops_later": ptops_later}
+        summary.append(s)
+        lead = (f"median {statistics.median(leads):+.0f} steps (min {min(leads):+d})" if leads else "-") \
+            + (f"; no peer alert at or after the onset on {missed_by_peers}" if missed_by_peers else "") \
+            + (f"; ptops later on {ptops_later}" if ptops_later else "")
+        print(f"| {g} | {len(rs)} | " + " | ".join(cells) + f" | {lead} |")
+    print("(detection: step of the first alert minus the ground truth - the 30 % crossing for collapse, "
+          "the onset for reward hacking; negative = before it)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"seeds": seeds, "tuning": args.tune, "elapsed_s": elapsed,
+                                               "summary": summary, "traces": rows}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
