@@ -17,7 +17,7 @@ is stable; keys are only ever added::
                      "step": int | null, "rank": int | null, "host": str | null,
                      "value": float | str | null, "detail": str, "severity": str,
                      "runbook": str | null, "ts": float | null, "attempt": int | null,
-                     "live": bool} ],
+                     "live": bool, "episode": int | null, "phase": "open" | "escalate" | "resolved" | null} ],
       "events_summary": {"state": str, "attempts": int, "counts": {kind: n},
                          "crashes": [...], "hangs": [...], "rollbacks": [...], "restarts": int,
                          "checkpoints": int, "last_checkpoint_step": int | null,
@@ -169,6 +169,8 @@ def _finding_row(f: Finding, hosts: dict[int, str]) -> dict[str, Any]:
         "ts": d["ts"],
         "attempt": d["attempt"],
         "live": False,
+        "episode": d.get("episode"),
+        "phase": d.get("phase"),
     }
 
 
@@ -214,6 +216,8 @@ def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
         "ts": e.get("ts"),
         "attempt": e.get("attempt"),
         "live": kind in MONITOR_FINDING_KINDS,
+        "episode": e.get("episode"),
+        "phase": e.get("phase"),
     }
 
 

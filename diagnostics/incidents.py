@@ -266,6 +266,13 @@ class _Builder:
                    f["monitor"] if fam == "rl" else None)
             eps = groups.setdefault(key, [])
             s = f["step"] if isinstance(f["step"], int) else None
+            if f.get("episode") is not None:  # the monitor numbered its episodes (open/escalate/resolved): use them
+                same = next((ep for ep in eps if ep[0].get("episode") == f["episode"]), None)
+                if same is not None:
+                    same.append(f)
+                else:
+                    eps.append([f])
+                continue
             if eps and (s is None or eps[-1][-1]["step"] is None or s - eps[-1][-1]["step"] <= EPISODE_GAP_STEPS
                         or fam == "straggler"):
                 eps[-1].append(f)
@@ -335,14 +342,20 @@ class _Builder:
                  details={"max_ratio": max(vals, default=None), "last_step": s1, "findings": len(ep)})
 
     def _rl(self, ep, attempt) -> None:
-        s0, s1, t0, t1, sev = self._span(ep)
-        m = ep[0]["monitor"]
-        self.add("rl", f"{m} from step {s0}{f' to {s1}' if s1 != s0 else ''}: {ep[-1]['detail']}"[:200], sev,
-                 ts=t0, ts_end=t1, attempt=attempt, step=s0, rank=ep[0]["rank"],
-                 evidence=[f"step {f['step']}: {f['detail']}" for f in ep[:5]], runbook=ep[0]["runbook"],
+        # an episode's all-clear (phase "resolved") ends it; the incident is the warning/escalation before it
+        clear = next((f for f in ep if f.get("phase") == "resolved"), None)
+        body = [f for f in ep if f.get("phase") != "resolved"] or ep
+        s0, s1, t0, t1, sev = self._span(body)
+        m = body[0]["monitor"]
+        tail = f" (all clear at step {clear['step']})" if clear is not None else ""
+        self.add("rl", f"{m} from step {s0}{f' to {s1}' if s1 != s0 else ''}: {body[-1]['detail']}"[:200] + tail, sev,
+                 ts=t0, ts_end=clear["ts"] if clear is not None and clear.get("ts") is not None else t1,
+                 attempt=attempt, step=s0, rank=body[0]["rank"],
+                 evidence=[f"step {f['step']}: {f['detail']}" for f in ep[:5]], runbook=body[0]["runbook"],
                  action=_action(self.events, t0) if t0 is not None and any(
                      e.get("kind") == "rollback" for e in self.events) else None,
-                 details={"monitor": m, "last_step": s1, "findings": len(ep)})
+                 details={"monitor": m, "last_step": s1, "findings": len(body), "episode": body[0].get("episode"),
+                          "resolved_step": clear["step"] if clear is not None else None})
 
     def _other(self, ep, attempt) -> None:
         s0, s1, t0, t1, sev = self._span(ep)

@@ -153,3 +153,20 @@ def test_kl_and_stale_rollout_findings_are_episodes_too():
     assert by["stale_rollout"] == [("open", "warning"), ("resolved", "info")], found
     clear = [f for f in found if f.monitor == "stale_rollout"][1]
     assert clear.step == 99  # 10 steps within the bound after step 89
+
+
+def test_diagnose_tells_an_rl_episode_as_one_incident_ended_by_its_all_clear(tmp_path):
+    """The warning, the escalation and the all-clear of one episode are one incident, not three."""
+    from ptops.diagnostics.diagnose import diagnose
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = _ent(_collapse_then_recover)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rep = diagnose(run)
+    rl = [i for i in rep["incidents"] if i["kind"] == "rl"]
+    assert len(rl) == 1, rl
+    (inc,) = rl
+    assert inc["severity"] == "critical" and inc["details"]["episode"] == 1
+    assert 60 < inc["step"] < 110 <= inc["details"]["resolved_step"] and "all clear at step" in inc["title"]
+    assert {f["phase"] for f in rep["findings"] if f["monitor"] == "entropy_collapse"} == {"open", "escalate", "resolved"}
