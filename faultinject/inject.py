@@ -4,6 +4,7 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
 
 - ``before_step(step)`` (start of an optimizer step): crash, hang, slow, oom,
   preempt, kill-supervisor, hold
+- ``on_startup(section)`` (``probe.startup(section)``): hang with ``phase=SECTION``
 - ``should_poison(step)``: nan
 - ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc (and it
   notes the save a ``hold:until=committed`` waits for). The
@@ -153,6 +154,15 @@ class Injector:
                 self._hold(f, step, gen)
             else:
                 getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
+
+    def on_startup(self, section: str) -> None:
+        """``probe.startup(section)``: a ``hang:phase=SECTION`` fault stops the rank in that start-up section."""
+        with self._lock:
+            fired = [f for f, _ in self._pending if f.kind == "hang" and f.params.get("phase") == section]
+            self._pending = [(f, live) for f, live in self._pending if f not in fired]
+        for f in fired:
+            self.emit(f, 0)
+            self._hang(f, 0)
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)

@@ -18,9 +18,12 @@ crash          step (req), rank, attempt, code, signal,    the rank dies at the 
                                                            be committed nor resumed from); both
                                                            engine adapters honour it
 hang           step (req), rank, attempt, seconds,         the rank stops making progress at the
-               mode                                        start of ``step`` (``seconds``: default
+               mode, phase                                 start of ``step`` (``seconds``: default
                                                            forever; ``mode=sleep`` keeps its
-                                                           liveness pings, ``mode=stop`` SIGSTOPs)
+                                                           liveness pings, ``mode=stop`` SIGSTOPs);
+                                                           ``phase=import|rendezvous|build|load``
+                                                           (no step): in that start-up section
+                                                           instead
 slow           step (req), rank, attempt, seconds,         the rank sleeps ``seconds`` (default 1)
                steps                                       at the start of ``steps`` steps (default 1)
 nan            step (req), rank, attempt                   the step's loss is multiplied by NaN
@@ -84,7 +87,7 @@ _INT, _FLOAT, _STR = "int", "float", "str"
 # kind -> {key: type}; "step" is required for every kind below
 KINDS: dict[str, dict[str, str]] = {
     "crash": {"step": _INT, "rank": _INT, "attempt": _INT, "code": _INT, "signal": _STR, "phase": _STR},
-    "hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR},
+    "hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR, "phase": _STR},
     "slow": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "steps": _INT},
     "nan": {"step": _INT, "rank": _INT, "attempt": _INT},
     "oom": {"step": _INT, "rank": _INT, "attempt": _INT},
@@ -101,6 +104,8 @@ HOLD_UNTIL = ("release", "committed")
 # Kinds that only make sense in a live run (``ptops inject``), not at launch.
 LIVE_ONLY_KINDS = ("release",)
 HANG_MODES = ("sleep", "stop")
+# where a hang fires: the start of ``step`` (default), or a start-up section (no step then)
+HANG_PHASES = ("step", "import", "rendezvous", "build", "load")
 CRASH_PHASES = ("step", "save")  # where a crash fires: start of the step (default), middle of its save
 CORRUPT_MODES = ("truncate", "flip")
 # Kinds that one rank carries out for the whole job: rank 0 unless ``rank=`` says otherwise.
@@ -175,6 +180,13 @@ def parse(spec: str) -> Fault:
             values[key] = _convert(spec, key, raw, allowed[key])
     elif ":" in text:
         raise FaultSpecError(f"fault {spec!r}: nothing after ':' (expected key=value, e.g. {kind}:step=12)")
+    startup_hang = kind == "hang" and values.get("phase", "step") != "step"
+    if kind == "hang" and values.get("phase", "step") not in HANG_PHASES:
+        raise FaultSpecError(f"fault {spec!r}: key 'phase': expected one of {', '.join(HANG_PHASES)} (got {values['phase']!r})")
+    if startup_hang and "step" in values:
+        raise FaultSpecError(f"fault {spec!r}: key 'step': a start-up hang (phase={values['phase']}) has no step")
+    if startup_hang:
+        values["step"] = 1  # unused: it fires in the start-up section
     for key in REQUIRED:
         if key in allowed and key not in values:
             raise FaultSpecError(f"fault {spec!r}: key '{key}': missing (required, e.g. {kind}:step=12)")
@@ -226,7 +238,8 @@ def parse_all(specs: list[str] | tuple[str, ...]) -> list[Fault]:
 
 
 def format_spec(fault: Fault) -> str:
-    items = [f"step={fault.step}"] if "step" in KINDS.get(fault.kind, {"step": _INT}) else []
+    has_step = "step" in KINDS.get(fault.kind, {"step": _INT}) and fault.params.get("phase", "step") in ("step", "save")
+    items = [f"step={fault.step}"] if has_step else []
     if fault.rank is not None:
         items.append(f"rank={fault.rank}")
     if fault.attempt != 1:

@@ -33,6 +33,7 @@ class AttemptMixin:
         self.stop_acks = {}
         self.blame = Blame()
         self.ckpt_started = {}
+        self.misconfigured = None
         self.run.logs(attempt).mkdir(parents=True, exist_ok=True)
         stack_dir = self.run.path / "stacks" / f"attempt-{attempt}"
         extra = {
@@ -69,6 +70,7 @@ class AttemptMixin:
             self.world,
             t0,
             self.cfg.hang.model_copy(update={"total_steps": self.recipe.train.steps}),
+            learned=self.learned,  # section durations of the earlier attempts: start-up judged in seconds
         )
         self.state = RunState.STARTING
         self.proc = procs.spawn(cmd.argv, cmd.env, self.run.logs(attempt) / "torchrun.log")
@@ -80,6 +82,8 @@ class AttemptMixin:
                 if self.stop_signal is not None:
                     self.graceful_stop()
                     return Outcome("interrupted", f"signal {self.stop_signal}")
+                if self.misconfigured is not None:
+                    return self.on_misconfigured(attempt)
                 if self.findings.pending is not None:  # wins over the crash a NaN causes right after
                     return self.findings.end_attempt(attempt)
                 rc = self.proc.poll()
@@ -106,6 +110,13 @@ class AttemptMixin:
                 left = procs.run_processes(self.run.path)
                 if left:
                     procs.teardown(None, self.run.path, left, grace_s=0)
+
+    def on_misconfigured(self, attempt: int) -> Outcome:
+        ev = self.misconfigured
+        self.say(f"misconfigured: {ev['reason']}")
+        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
+        self.event(EventKind.MISCONFIGURED, **ev)
+        return Outcome("misconfigured", f"misconfigured: {ev['reason']}", ev)
 
     def _after_exit(self, rc: int, attempt: int) -> Outcome:
         self.step = max(self.step, launcher.completed_step(self.run))
