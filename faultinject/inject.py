@@ -127,7 +127,8 @@ class Injector:
 
     @staticmethod
     def _due(f: Fault, live: bool, kinds: tuple[str, ...], step: int, phase: str = "step") -> bool:
-        return (f.kind in kinds and f.params.get("phase", "step") == phase
+        where = "step" if f.kind == "hold" else f.params.get("phase", "step")  # hold's phase names its pause
+        return (f.kind in kinds and where == phase
                 and (step == f.step or (live and step >= f.step)))
 
     def _take(self, kinds: tuple[str, ...], step: int, phase: str = "step") -> list[Fault]:
@@ -206,7 +207,8 @@ class Injector:
         t0 = time.monotonic()
         deadline = t0 + seconds
         if self.on_hold:
-            self.on_hold(step)
+            phase = f.params.get("phase", "hold")
+            self.on_hold(step) if phase == "hold" else self.on_hold(step, phase)
         by = "timeout"
         with self._released:
             while True:

@@ -50,7 +50,7 @@ corrupt-ckpt   step (req), rank, attempt, mode             after the checkpoint 
                                                            cut to half) or ``mode=flip`` (invert 64
                                                            bytes in the middle, size unchanged)
 hold           step (req), rank, attempt, seconds,         every rank (or ``rank``) stops *before*
-               until                                       ``step`` (before any other fault there;
+               until, phase                                      ``step`` (before any other fault there;
                                                            outside any collective), keeps its
                                                            liveness pings, reports the declared
                                                            pause phase ``hold`` (not a hang) and waits
@@ -59,7 +59,10 @@ hold           step (req), rank, attempt, seconds,         every rank (or ``rank
                                                            the last checkpoint the rank began is
                                                            committed (an async save in flight is
                                                            durable before what follows);
-                                                           ``hold_released`` records the end
+                                                           ``hold_released`` records the end;
+                                                           ``phase=eval``: the pause is reported as
+                                                           the engine's eval pause (judged by the
+                                                           learned eval budget, not unbounded)
 release        rank, attempt (no step)                     live only (``ptops inject RUN_DIR
                                                            release``): ends the holds in effect and
                                                            cancels this attempt's pending ones
@@ -95,12 +98,13 @@ KINDS: dict[str, dict[str, str]] = {
     "kill-supervisor": {"step": _INT, "attempt": _INT},
     "enospc": {"step": _INT, "rank": _INT, "attempt": _INT},
     "corrupt-ckpt": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
-    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR},
+    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR, "phase": _STR},
     "release": {"rank": _INT, "attempt": _INT},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
 HOLD_UNTIL = ("release", "committed")
+HOLD_PHASES = ("hold", "eval")  # eval: the pause is declared as the engine's evaluation (its own hang budget)
 # Kinds that only make sense in a live run (``ptops inject``), not at launch.
 LIVE_ONLY_KINDS = ("release",)
 HANG_MODES = ("sleep", "stop")
@@ -213,6 +217,8 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(
             f"fault {spec!r}: key 'phase': expected one of {', '.join(CRASH_PHASES)} (got {values['phase']!r})"
         )
+    if kind == "hold" and values.get("phase", "hold") not in HOLD_PHASES:
+        raise FaultSpecError(f"fault {spec!r}: key 'phase': expected one of {', '.join(HOLD_PHASES)} (got {values['phase']!r})")
     if kind == "hold" and values.get("until", "release") not in HOLD_UNTIL:
         raise FaultSpecError(f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got {values['until']!r})")
     if "signal" in values:

@@ -288,10 +288,11 @@ class Probe:
             self.run.event("fault_injected", **fields)
         print(f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}", file=sys.stderr, flush=True)
 
-    def _on_hold(self, step: int) -> None:
+    def _on_hold(self, step: int, phase: str = "hold") -> None:
         # a declared pause: the pings go on, and the phase tells the hang monitor it is no hang
-        self._phase, self._step = "hold", int(step)
-        self._send({"t": "beat", "step": int(step), "phase": "hold"})
+        # (``eval``: as an engine's evaluation, judged by the learned eval budget)
+        self._phase, self._step = phase, int(step)
+        self._send({"t": "beat", "step": int(step), "phase": phase})
         print(f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject RUN_DIR release`)",
               file=sys.stderr, flush=True)
 

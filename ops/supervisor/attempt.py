@@ -78,7 +78,7 @@ class AttemptMixin:
         bad_since: float | None = None
         try:
             while True:
-                self.pump(0.2)
+                self.pump(0.1)  # the hang check's cadence: detection is at most this late
                 if self.stop_signal is not None:
                     self.graceful_stop()
                     return Outcome("interrupted", f"signal {self.stop_signal}")
