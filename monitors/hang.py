@@ -239,7 +239,7 @@ class _Rank:
     phase: str = "startup"
     section: str = "launch"
     since: float = 0.0  # when the current section began
-    pos: tuple[int, int] = (0, 0)
+    pos: tuple[int, int] = (-1, 0)  # in the launch section
     steps_done: int = 0
     exited: bool = False
 
@@ -299,10 +299,10 @@ class HangMonitor:
         elif kind == "beat":
             phase = rec.get("phase", "step")
             if phase == "startup":
-                pos = (0, _STAGE["startup"])
                 new_section = rec.get("section") or "import"
                 if new_section not in STARTUP_SECTIONS:
                     new_section = "import"
+                pos = (-1, STARTUP_SECTIONS.index(new_section))  # before any step; later sections ahead
             elif phase == "checkpoint":
                 pos, new_section = (step, _STAGE["checkpoint"]), "checkpoint"
             elif phase in PAUSES:

@@ -363,3 +363,23 @@ def test_hold_fault_declared_as_eval_reaches_the_probe_as_an_eval_pause(tmp_path
     inj = Injector([parse("hold:step=1,seconds=0.01")], 0, 1, lambda f, s: None, on_hold=lambda step: plain.append(step))
     inj.before_step(1)
     assert plain == [1]
+
+
+def test_startup_hang_found_from_the_first_attempts_durations(tmp_path, ptops):
+    """Attempt 1 crashes at step 2 (its start-up sections are now known); in attempt 2 rank 1 hangs
+    in the checkpoint-load section (``hang:phase=load``): found by the learned load budget,
+    max(startup_floor_s, 10 x what attempt 1's load took), not the 600 s start-up timeout."""
+    from ptops.ops.supervisor.procs import run_processes
+
+    run = tmp_path / "run"
+    proc = ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=4",
+                 "--set", "checkpoint.interval=2", "--set", "supervisor.restart.backoff_s=0.5", "--no-mlflow",
+                 "--fault", "crash:rank=1,step=2", "--fault", "hang:phase=load,rank=1,attempt=2", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    hangs = _events(run, "hang")
+    assert len(hangs) == 1, proc.stderr
+    h = hangs[0]
+    assert h["attempt"] == 2 and h["phase"] == "startup" and h["section"] == "load" and 1 in h["ranks"]
+    assert DEFAULTS.startup_floor_s <= h["timeout_s"] < DEFAULTS.load_s  # learned, far below 600 s
+    assert [e["attempt"] for e in _events(run, "launch")] == [1, 2, 3] and _events(run, "completed")
+    assert run_processes(run) == []
