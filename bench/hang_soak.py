@@ -174,7 +174,7 @@ def table(res: dict) -> str:
     for c in d["cases"]:
         lines.append(
             f"| {c['case']} | **{c['delay_s']} s** | {c['budget_s']} s | {c['bound_s']} s (p99 step {d['step_p99_s']} s) | "
-            f"{c['why']} in {c['phase']}, ranks {c['ranks']}; stacks took {c['stacks_s']} s more |"
+            f"{c['why']} ({c['phase']}), ranks {c['ranks']}; stacks took {c['stacks_s']} s more |"
         )
     return "\n".join(lines)
 

@@ -383,3 +383,37 @@ def test_startup_hang_found_from_the_first_attempts_durations(tmp_path, ptops):
     assert DEFAULTS.startup_floor_s <= h["timeout_s"] < DEFAULTS.load_s  # learned, far below 600 s
     assert [e["attempt"] for e in _events(run, "launch")] == [1, 2, 3] and _events(run, "completed")
     assert run_processes(run) == []
+
+
+def test_supervisor_hands_sections_and_world_reports_on(tmp_path):
+    """The channel handlers pass a beat's start-up section to the monitor, and a rank's report of
+    a world of one marks the attempt misconfigured (the attempt loop then fails the run)."""
+    import io
+
+    from ptops.ops.runrecord.rundir import RunDir
+    from ptops.ops.supervisor import Supervisor
+    from ptops.ops.supervisor.channel import Peer
+    from ptops.recipes.schema import load
+
+    class _Server:
+        def send(self, peer, msg):
+            return True
+
+        def address(self, advertise=""):
+            return "127.0.0.1:1"
+
+    rec, _ = load("titan-tiny", ["launch.nproc=2"])
+    sup = Supervisor(rec, RunDir(tmp_path / "run").create(), [], out=io.StringIO(), strategy="temporary")
+    sup.server, sup.attempt, sup.misconfigured = _Server(), 1, None
+    sup.monitor = HangMonitor(2, 0.0, rec.supervisor.hang)
+    peers = [Peer(cid=r, sock=None, hello={"role": "rank", "rank": r, "attempt": 1, "pid": 100 + r, "host": "h"})
+             for r in (0, 1)]
+    for p in peers:
+        sup.handle(p, {"t": "_hello"}, 1.0)
+        sup.handle(p, {"t": "beat", "step": 0, "phase": "startup", "section": "rendezvous"}, 2.0)
+    assert sup.monitor.ranks[1].section == "rendezvous"
+    sup.handle(peers[0], {"t": "world", "world_size": 2, "rank": 0, "host": "h"}, 3.0)
+    assert sup.misconfigured is None
+    sup.handle(peers[1], {"t": "world", "world_size": 1, "rank": 0, "host": "h"}, 3.0)
+    m = sup.misconfigured
+    assert m["rank"] == 1 and m["world_size"] == 1 and m["expected_world_size"] == 2 and "world of one" in m["reason"]

@@ -123,7 +123,8 @@ class MessagesMixin:
         rank = peer.rank
         phase = msg.get("phase", "step")
         step = int(msg.get("step", 0))
-        self.monitor.observe({"kind": "beat", "rank": rank, "step": step, "phase": phase, "stage": msg.get("stage"), "ts": ts})
+        self.monitor.observe({"kind": "beat", "rank": rank, "step": step, "phase": phase, "stage": msg.get("stage"),
+                              "section": msg.get("section"), "ts": ts})
         if rank == 0:
             self._checkpoint_beat(phase, step, ts)
 
