@@ -10,6 +10,7 @@ Used as a mixin of :class:`ptops.ops.supervisor.core.Supervisor`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -21,6 +22,9 @@ from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.supervisor import launcher, procs
 from ptops.ops.supervisor.blame import Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
+
+
+CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
 
 
 class AttemptMixin:
@@ -78,7 +82,7 @@ class AttemptMixin:
         bad_since: float | None = None
         try:
             while True:
-                self.pump(0.1)  # the hang check's cadence: detection is at most this late
+                self.pump(CHECK_S)
                 if self.stop_signal is not None:
                     self.graceful_stop()
                     return Outcome("interrupted", f"signal {self.stop_signal}")
@@ -99,8 +103,11 @@ class AttemptMixin:
                         procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=self.cfg.kill_timeout_s)
                         return self._after_exit(self.proc.returncode if self.proc.returncode is not None else -9, attempt)
                     continue
-                finding = self.monitor.check(time.monotonic())
+                # one cadence ahead: a budget that runs out before the next check is declared now, so a
+                # finding is never later than its budget (at most CHECK_S earlier)
+                finding = self.monitor.check(time.monotonic() + CHECK_S)
                 if finding is not None:
+                    finding = dataclasses.replace(finding, silent_s=max(0.0, finding.silent_s - CHECK_S))
                     return self.on_hang(finding, attempt, stack_dir)
                 self.write_status()
         finally:
