@@ -348,12 +348,14 @@ class HangMonitor:
         return latest
 
     # ------------------------------------------------------------ budgets
-    def section_timeout(self, section: str) -> float:
+    def section_timeout(self, section: str, _fallback: bool = False) -> float:
         c = self.config
-        startup = section in STARTUP_SECTIONS or section == "first_step"
+        # a start-up section is judged by earlier attempts; as a fallback (step 2 judged by the first
+        # step) this attempt's durations count too
+        startup = (section in STARTUP_SECTIONS or section == "first_step") and not _fallback
         p99 = (self.prior if startup else self.learned).p99(section)
         if p99 is None and section in _FALLBACK:  # no history yet: the slower section it follows
-            return self.section_timeout(_FALLBACK[section])
+            return self.section_timeout(_FALLBACK[section], _fallback=True)
         if section == "step" and self._recent:
             recent = max(self._recent)
             p99 = recent if p99 is None or recent > p99 else p99
