@@ -23,7 +23,9 @@ hang           step (req), rank, attempt, seconds,         the rank stops making
                                                            liveness pings, ``mode=stop`` SIGSTOPs);
                                                            ``phase=import|rendezvous|build|load``
                                                            (no step): in that start-up section
-                                                           instead
+                                                           instead (TRL has no separate
+                                                           rendezvous: transformers inits the
+                                                           process group inside its build)
 slow           step (req), rank, attempt, seconds,         the rank sleeps ``seconds`` (default 1)
                steps                                       at the start of ``steps`` steps (default 1)
 nan            step (req), rank, attempt                   the step's loss is multiplied by NaN
