@@ -4,6 +4,7 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
 
 - ``before_step(step)`` (start of an optimizer step): crash, hang, slow, oom,
   preempt, kill-supervisor, hold
+- ``on_startup(section)`` (``probe.startup(section)``): hang with ``phase=SECTION``
 - ``should_poison(step)``: nan
 - ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc (and it
   notes the save a ``hold:until=committed`` waits for). The
@@ -126,7 +127,8 @@ class Injector:
 
     @staticmethod
     def _due(f: Fault, live: bool, kinds: tuple[str, ...], step: int, phase: str = "step") -> bool:
-        return (f.kind in kinds and f.params.get("phase", "step") == phase
+        where = "step" if f.kind == "hold" else f.params.get("phase", "step")  # hold's phase names its pause
+        return (f.kind in kinds and where == phase
                 and (step == f.step or (live and step >= f.step)))
 
     def _take(self, kinds: tuple[str, ...], step: int, phase: str = "step") -> list[Fault]:
@@ -153,6 +155,15 @@ class Injector:
                 self._hold(f, step, gen)
             else:
                 getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
+
+    def on_startup(self, section: str) -> None:
+        """``probe.startup(section)``: a ``hang:phase=SECTION`` fault stops the rank in that start-up section."""
+        with self._lock:
+            fired = [f for f, _ in self._pending if f.kind == "hang" and f.params.get("phase") == section]
+            self._pending = [(f, live) for f, live in self._pending if f not in fired]
+        for f in fired:
+            self.emit(f, 0)
+            self._hang(f, 0)
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)
@@ -196,7 +207,8 @@ class Injector:
         t0 = time.monotonic()
         deadline = t0 + seconds
         if self.on_hold:
-            self.on_hold(step)
+            phase = f.params.get("phase", "hold")
+            self.on_hold(step) if phase == "hold" else self.on_hold(step, phase)
         by = "timeout"
         with self._released:
             while True:

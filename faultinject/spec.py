@@ -18,9 +18,14 @@ crash          step (req), rank, attempt, code, signal,    the rank dies at the 
                                                            be committed nor resumed from); both
                                                            engine adapters honour it
 hang           step (req), rank, attempt, seconds,         the rank stops making progress at the
-               mode                                        start of ``step`` (``seconds``: default
+               mode, phase                                 start of ``step`` (``seconds``: default
                                                            forever; ``mode=sleep`` keeps its
-                                                           liveness pings, ``mode=stop`` SIGSTOPs)
+                                                           liveness pings, ``mode=stop`` SIGSTOPs);
+                                                           ``phase=import|rendezvous|build|load``
+                                                           (no step): in that start-up section
+                                                           instead (TRL has no separate
+                                                           rendezvous: transformers inits the
+                                                           process group inside its build)
 slow           step (req), rank, attempt, seconds,         the rank sleeps ``seconds`` (default 1)
                steps                                       at the start of ``steps`` steps (default 1)
 nan            step (req), rank, attempt                   the step's loss is multiplied by NaN
@@ -47,7 +52,7 @@ corrupt-ckpt   step (req), rank, attempt, mode             after the checkpoint 
                                                            cut to half) or ``mode=flip`` (invert 64
                                                            bytes in the middle, size unchanged)
 hold           step (req), rank, attempt, seconds,         every rank (or ``rank``) stops *before*
-               until                                       ``step`` (before any other fault there;
+               until, phase                                      ``step`` (before any other fault there;
                                                            outside any collective), keeps its
                                                            liveness pings, reports the declared
                                                            pause phase ``hold`` (not a hang) and waits
@@ -56,7 +61,10 @@ hold           step (req), rank, attempt, seconds,         every rank (or ``rank
                                                            the last checkpoint the rank began is
                                                            committed (an async save in flight is
                                                            durable before what follows);
-                                                           ``hold_released`` records the end
+                                                           ``hold_released`` records the end;
+                                                           ``phase=eval``: the pause is reported as
+                                                           the engine's eval pause (judged by the
+                                                           learned eval budget, not unbounded)
 release        rank, attempt (no step)                     live only (``ptops inject RUN_DIR
                                                            release``): ends the holds in effect and
                                                            cancels this attempt's pending ones
@@ -84,7 +92,7 @@ _INT, _FLOAT, _STR = "int", "float", "str"
 # kind -> {key: type}; "step" is required for every kind below
 KINDS: dict[str, dict[str, str]] = {
     "crash": {"step": _INT, "rank": _INT, "attempt": _INT, "code": _INT, "signal": _STR, "phase": _STR},
-    "hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR},
+    "hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR, "phase": _STR},
     "slow": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "steps": _INT},
     "nan": {"step": _INT, "rank": _INT, "attempt": _INT},
     "oom": {"step": _INT, "rank": _INT, "attempt": _INT},
@@ -92,15 +100,18 @@ KINDS: dict[str, dict[str, str]] = {
     "kill-supervisor": {"step": _INT, "attempt": _INT},
     "enospc": {"step": _INT, "rank": _INT, "attempt": _INT},
     "corrupt-ckpt": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
-    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR},
+    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR, "phase": _STR},
     "release": {"rank": _INT, "attempt": _INT},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
 HOLD_UNTIL = ("release", "committed")
+HOLD_PHASES = ("hold", "eval")  # eval: the pause is declared as the engine's evaluation (its own hang budget)
 # Kinds that only make sense in a live run (``ptops inject``), not at launch.
 LIVE_ONLY_KINDS = ("release",)
 HANG_MODES = ("sleep", "stop")
+# where a hang fires: the start of ``step`` (default), or a start-up section (no step then)
+HANG_PHASES = ("step", "import", "rendezvous", "build", "load")
 CRASH_PHASES = ("step", "save")  # where a crash fires: start of the step (default), middle of its save
 CORRUPT_MODES = ("truncate", "flip")
 # Kinds that one rank carries out for the whole job: rank 0 unless ``rank=`` says otherwise.
@@ -175,6 +186,13 @@ def parse(spec: str) -> Fault:
             values[key] = _convert(spec, key, raw, allowed[key])
     elif ":" in text:
         raise FaultSpecError(f"fault {spec!r}: nothing after ':' (expected key=value, e.g. {kind}:step=12)")
+    startup_hang = kind == "hang" and values.get("phase", "step") != "step"
+    if kind == "hang" and values.get("phase", "step") not in HANG_PHASES:
+        raise FaultSpecError(f"fault {spec!r}: key 'phase': expected one of {', '.join(HANG_PHASES)} (got {values['phase']!r})")
+    if startup_hang and "step" in values:
+        raise FaultSpecError(f"fault {spec!r}: key 'step': a start-up hang (phase={values['phase']}) has no step")
+    if startup_hang:
+        values["step"] = 1  # unused: it fires in the start-up section
     for key in REQUIRED:
         if key in allowed and key not in values:
             raise FaultSpecError(f"fault {spec!r}: key '{key}': missing (required, e.g. {kind}:step=12)")
@@ -201,6 +219,8 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(
             f"fault {spec!r}: key 'phase': expected one of {', '.join(CRASH_PHASES)} (got {values['phase']!r})"
         )
+    if kind == "hold" and values.get("phase", "hold") not in HOLD_PHASES:
+        raise FaultSpecError(f"fault {spec!r}: key 'phase': expected one of {', '.join(HOLD_PHASES)} (got {values['phase']!r})")
     if kind == "hold" and values.get("until", "release") not in HOLD_UNTIL:
         raise FaultSpecError(f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got {values['until']!r})")
     if "signal" in values:
@@ -226,7 +246,8 @@ def parse_all(specs: list[str] | tuple[str, ...]) -> list[Fault]:
 
 
 def format_spec(fault: Fault) -> str:
-    items = [f"step={fault.step}"] if "step" in KINDS.get(fault.kind, {"step": _INT}) else []
+    has_step = "step" in KINDS.get(fault.kind, {"step": _INT}) and fault.params.get("phase", "step") in ("step", "save")
+    items = [f"step={fault.step}"] if has_step else []
     if fault.rank is not None:
         items.append(f"rank={fault.rank}")
     if fault.attempt != 1:

@@ -3,30 +3,44 @@
 Records are dicts with ``kind`` and ``ts`` (seconds on the observer's clock, e.g.
 the supervisor's ``time.monotonic()`` at receipt, so hosts' clocks never matter):
 
-- ``{"kind": "beat", "rank": r, "step": n, "phase": "startup"|"step"|"checkpoint"|"hold", "stage": "begin"|None}``
-  progress: the rank reached a new point (``stage="begin"``: the start of step n; ``phase="hold"``:
-  a declared pause before step n, e.g. the ``hold`` fault);
+- ``{"kind": "beat", "rank": r, "step": n, "phase": P, "stage": "begin"|None, "section": S}``
+  progress: the rank reached a new point. Phases: ``startup`` (``section``: ``import``,
+  ``rendezvous``, ``build``, ``load``; before its first beat a rank is in section ``launch``),
+  ``data`` (fetching the batch of step n), ``step`` (``stage="begin"``: the start of step n),
+  ``checkpoint``, ``eval`` (a pause the engine declares), ``hold`` (a declared pause before
+  step n, e.g. the ``hold`` fault);
 - ``{"kind": "metrics", "rank": r, "step": n, "step_s": s}``: step n finished (progress);
 - ``{"kind": "ping", "rank": r}``: liveness only (a thread of the rank is alive), no progress;
 - ``{"kind": "exit", "rank": r}``: the rank left on purpose; it is no longer watched.
 
-A rank is *stalled* when it made no progress for longer than the budget of the
-phase it is in:
+Why budgets are learned, not tuned: one fixed timeout is either too long for a 0.1 s step
+or too short for a 20-minute checkpoint load. Each *section* (a startup sub-phase, the
+first step of an attempt, a step, the data fetch, a checkpoint, an eval) has its own budget
 
-- before its first finished step of the attempt: ``startup_s`` from the attempt start;
-- during a checkpoint save, or after the final step (saving, shutting down): ``checkpoint_s``;
-- otherwise ``max(floor_s, multiplier * median(last `window` step times))``.
+    max(floor, multiplier x p99 of that section's durations observed in this run)
 
-A declared pause (phase ``hold``: the rank stopped on purpose before a step,
-outside any collective) is no hang while the paused rank keeps pinging: it has
-no progress budget, its peers waiting for it are not judged either, and the
-budgets of everyone restart when the pause ends. The pause's own bound is the
-pausing side's business (the ``hold`` fault ends by itself); a paused rank that
-stops pinging is judged by the unresponsive rule below, startup or not.
+and, before the section has any history, a bounded first-occurrence budget (config). The p99
+comes from a fixed log-scale histogram per section (:class:`Durations`: no allocation per record;
+the estimate is the smallest sample of the bucket that holds the p99, so it never exceeds the
+true p99 and ``multiplier x p99`` is an upper bound on the detection delay). Durations of earlier
+attempts carry over (the supervisor hands ``learned`` to the next attempt's monitor), so an
+attempt's start-up sub-phases are judged by what the first attempt took, in seconds rather than
+the 600 s a single start-up timeout needed.
 
-A rank that sends nothing at all (not even its liveness pings) for longer than
-that step timeout (and ``ping_stale_s``) is stalled in every phase but startup: a SIGSTOPped rank in
-the middle of a checkpoint save must not get the save's long budget.
+A rank is *stalled* when it made no progress for longer than its section's budget, counted
+from its last progress. Exceptions that keep peers blocked by someone else from being blamed:
+
+- a rank waiting in ``rendezvous`` is judged from the moment every live rank has reached it
+  (a peer still importing is judged by its own import budget);
+- a declared pause (``hold``, or ``eval``) of a live rank that keeps pinging pauses the job: its
+  peers are not judged, and everyone's budgets restart when it ends. ``hold`` has no budget of its
+  own (the holding side ends it); ``eval`` has its section budget.
+
+A rank that sends nothing at all, not even its liveness pings, for longer than
+``max(step budget, ping_stale_s)`` is stalled in every phase but the start-up (a SIGSTOPped rank
+in a save must not get the save's long budget; during start-up, imports of C extensions may hold
+the GIL, so the start-up sections judge by progress only, with ``startup_ping_stale_s`` as the
+liveness bound).
 
 When any rank is stalled the attempt hangs, and the finding names the *silent*
 ranks, the likely culprits rather than the peers blocked in a collective
@@ -37,11 +51,16 @@ the others entered step n); else every rank.
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
+import math
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
+
+STARTUP_SECTIONS = ("launch", "import", "rendezvous", "build", "load")
+SECTIONS = (*STARTUP_SECTIONS, "first_step", "step", "data", "checkpoint", "eval")
+HOLD = "hold"  # the declared-pause phase (the hold fault): no budget of its own
+EVAL = "eval"  # a pause the engine declares: a budget of its own, peers wait for it
+PAUSES = (HOLD, EVAL)
 
 
 class HangConfig(BaseModel):
@@ -49,21 +68,137 @@ class HangConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    multiplier: float = Field(10.0, gt=1, description="a step is hung after this many times the recent median step time ...")
-    floor_s: float = Field(60.0, gt=0, description="... but never sooner than this")
-    window: int = Field(20, ge=1, description="recent steps whose median sets the step timeout")
-    startup_s: float = Field(600.0, gt=0, description="budget from launch to each rank's first finished step")
-    checkpoint_s: float = Field(
-        600.0, gt=0, description="budget for one checkpoint save (and for the shutdown after the final step)"
+    multiplier: float = Field(10.0, gt=1, description="a section is hung after this many times its p99 duration in this run ...")
+    floor_s: float = Field(5.0, gt=0, description="... but never sooner than this (steps, data fetches)")
+    window: int | None = Field(
+        None, ge=1,
+        description="older recipes: the step budget is also never below multiplier x the longest of the last "
+        "`window` steps (unset: the run's p99 alone)",
     )
+    startup_s: float = Field(
+        600.0, gt=0, description="cap on each start-up section's first-occurrence budget (launch, import, ...)"
+    )
+    launch_s: float = Field(120.0, gt=0, description="first-occurrence budget: attempt start to a rank's hello")
+    import_s: float = Field(300.0, gt=0, description="first-occurrence budget: the engine's imports (torch, ...)")
+    rendezvous_s: float = Field(
+        60.0, gt=0, description="first-occurrence budget: process group init, counted once every rank reached it"
+    )
+    build_s: float = Field(300.0, gt=0, description="first-occurrence budget: model / trainer build")
+    load_s: float = Field(600.0, gt=0, description="first-occurrence budget: checkpoint load until the first step begins")
+    first_step_s: float = Field(
+        300.0, gt=0, description="first-occurrence budget: an attempt's first step (warm-up, compilation)"
+    )
+    startup_floor_s: float = Field(
+        20.0, gt=0, description="floor of the learned start-up budgets (import, rendezvous, build, load, first step)"
+    )
+    checkpoint_s: float = Field(
+        600.0, gt=0,
+        description="first-occurrence budget of a checkpoint save (and of the final save / shutdown, always)",
+    )
+    checkpoint_floor_s: float = Field(60.0, gt=0, description="floor of the learned checkpoint budget")
+    eval_s: float = Field(1800.0, gt=0, description="first-occurrence budget of a declared eval pause")
+    eval_floor_s: float = Field(60.0, gt=0, description="floor of the learned eval budget")
     ping_stale_s: float = Field(
-        10.0, gt=0,
-        description="a rank that sends nothing, not even its liveness pings, for this long is unresponsive "
-        "(named as the culprit of a hang; its stacks come from py-spy, not the channel)",
+        4.0, gt=0,
+        description="a rank that sends nothing, not even its liveness pings (every supervisor.heartbeat_s), for "
+        "max(this, the step budget) is unresponsive: named as the culprit, stacks from py-spy",
+    )
+    startup_ping_stale_s: float = Field(
+        60.0, gt=0, description="the same during start-up (imports of C extensions can hold the GIL for seconds)"
     )
     total_steps: int | None = Field(
         None, exclude=True, description="the run's train.steps, filled in by the supervisor (not a recipe key)"
     )
+
+    def first_budget(self, section: str) -> float:
+        """Budget of a section the run has no duration of yet."""
+        if section in STARTUP_SECTIONS or section == "first_step":
+            return min(getattr(self, f"{section}_s"), self.startup_s)
+        return {"checkpoint": self.checkpoint_s, "eval": self.eval_s}.get(section, self.floor_s)
+
+    def floor(self, section: str) -> float:
+        if section in STARTUP_SECTIONS or section == "first_step":
+            return self.startup_floor_s
+        return {"checkpoint": self.checkpoint_floor_s, "eval": self.eval_floor_s}.get(section, self.floor_s)
+
+
+# ---------------------------------------------------------------- durations
+_LO, _RATIO_BITS, _NB = 1e-4, 16, 540  # buckets: 1e-4 s * 2**(i/16), up to ~1.4e6 s
+
+
+class Durations:
+    """Durations of one section: a fixed log-scale histogram (no allocation per sample).
+
+    ``quantile(q)`` is the smallest sample in the bucket holding the nearest-rank q-quantile:
+    never above the true value, at most 4.4 % (one bucket) below it.
+    """
+
+    __slots__ = ("counts", "mins", "n", "_cache")
+
+    def __init__(self) -> None:
+        self.counts = [0] * _NB
+        self.mins = [math.inf] * _NB
+        self.n = 0
+        self._cache: dict[float, float] = {}
+
+    def add(self, seconds: float) -> None:
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
+        i = min(_NB - 1, max(0, int(math.log2(seconds / _LO) * _RATIO_BITS)))
+        self.counts[i] += 1
+        if seconds < self.mins[i]:
+            self.mins[i] = seconds
+        self.n += 1
+        if self._cache:
+            self._cache.clear()
+
+    def quantile(self, q: float = 0.99) -> float | None:
+        if self.n == 0:
+            return None
+        hit = self._cache.get(q)
+        if hit is not None:
+            return hit
+        need = max(1, math.ceil(q * self.n))
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= need:
+                self._cache[q] = self.mins[i]
+                return self.mins[i]
+        return None  # unreachable
+
+    def copy(self) -> "Durations":
+        d = Durations()
+        d.counts, d.mins, d.n = list(self.counts), list(self.mins), self.n
+        return d
+
+    def merge(self, other: "Durations") -> None:
+        for i, c in enumerate(other.counts):
+            if c:
+                self.counts[i] += c
+                self.mins[i] = min(self.mins[i], other.mins[i])
+        self.n += other.n
+        self._cache.clear()
+
+
+@dataclass
+class Learned:
+    """What the run has learned of each section's durations; carried from attempt to attempt."""
+
+    sections: dict[str, Durations] = field(default_factory=lambda: {s: Durations() for s in SECTIONS})
+
+    def add(self, section: str, seconds: float) -> None:
+        self.sections[section].add(seconds)
+
+    def p99(self, section: str) -> float | None:
+        return self.sections[section].quantile(0.99)
+
+    def copy(self) -> "Learned":
+        return Learned({s: d.copy() for s, d in self.sections.items()})
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """JSON-able: section -> {n, p99} for the sections seen (events, benchmarks)."""
+        return {s: {"n": d.n, "p99": round(d.quantile(0.99) or 0.0, 4)} for s, d in self.sections.items() if d.n}
 
 
 @dataclass(frozen=True)
@@ -75,6 +210,7 @@ class HangFinding:
     phase: str
     timeout_s: float
     why: str  # "unresponsive" | "behind" | "all"
+    section: str = ""  # the budget that ran out (startup section, first_step, step, checkpoint, ...)
 
     def as_event(self, attempt: int) -> dict:
         return {
@@ -83,14 +219,16 @@ class HangFinding:
             "step": self.step,
             "silent_s": round(self.silent_s, 3),
             "phase": self.phase,
+            "section": self.section,
             "timeout_s": round(self.timeout_s, 3),
             "stalled": self.stalled,
             "why": self.why,
         }
 
 
+# a section without history yet is judged like this one (the first step is slower than the rest)
+_FALLBACK = {"data": "step", "step": "first_step"}
 _STAGE = {"startup": 0, "begin": 1, "end": 2, "checkpoint": 3, "after_checkpoint": 4}
-HOLD = "hold"  # the declared-pause phase
 
 
 @dataclass
@@ -99,7 +237,9 @@ class _Rank:
     last_seen: float | None = None
     step: int = 0
     phase: str = "startup"
-    pos: tuple[int, int] = (0, 0)
+    section: str = "launch"
+    since: float = 0.0  # when the current section began
+    pos: tuple[int, int] = (-1, 0)  # in the launch section
     steps_done: int = 0
     exited: bool = False
 
@@ -109,11 +249,21 @@ class HangMonitor:
     world_size: int
     start_ts: float
     config: HangConfig = field(default_factory=HangConfig)
+    learned: Learned = field(default_factory=Learned)  # pass the previous attempt's to keep what it learned
 
     def __post_init__(self) -> None:
-        self.ranks: dict[int, _Rank] = {r: _Rank(last_progress=self.start_ts) for r in range(self.world_size)}
-        self.step_times: deque[float] = deque(maxlen=max(1, self.config.window))
+        self.ranks: dict[int, _Rank] = {r: self._new_rank() for r in range(self.world_size)}
+        # start-up sections are judged by earlier attempts only: ranks of one attempt start at their
+        # own pace (a peer 20 s slower to import on a loaded host is not hung)
+        self.prior = self.learned.copy()
+        w = self.config.window
+        self._recent = [0.0] * w if w else []  # ring of the last `window` step times (older recipes)
+        self._recent_i = 0
         self.resumed_at = self.start_ts  # the end of the last declared pause: budgets count from here
+        self._rdv_entered: dict[int, float] = {}
+
+    def _new_rank(self) -> _Rank:
+        return _Rank(last_progress=self.start_ts, since=self.start_ts)
 
     # ------------------------------------------------------------ input
     def observe(self, rec: dict) -> None:
@@ -121,72 +271,151 @@ class HangMonitor:
         rank = rec.get("rank")
         if rank is None:
             return
-        st = self.ranks.setdefault(int(rank), _Rank(last_progress=self.start_ts))
+        st = self.ranks.get(rank)
+        if st is None:
+            st = self.ranks[int(rank)] = self._new_rank()
         ts = float(rec["ts"])
-        st.last_seen = ts if st.last_seen is None else max(st.last_seen, ts)
+        st.last_seen = ts if st.last_seen is None or ts > st.last_seen else st.last_seen
         if kind == "ping":
             return
         if kind == "exit":
             st.exited = True
             return
         step = int(rec.get("step", st.step) or 0)
+        section = st.section
         if kind == "metrics":
             pos, phase = (step, _STAGE["end"]), "step"
             step_s = rec.get("step_s")
             if isinstance(step_s, (int, float)) and step_s > 0:
-                self.step_times.append(float(step_s))
+                if st.steps_done == 0:
+                    self.learned.add("first_step", float(step_s))
+                else:
+                    self.learned.add("step", float(step_s))
+                    if self._recent:
+                        self._recent[self._recent_i % len(self._recent)] = float(step_s)
+                        self._recent_i += 1
             st.steps_done += 1
+            new_section = "step"
         elif kind == "beat":
             phase = rec.get("phase", "step")
             if phase == "startup":
-                pos = (0, _STAGE["startup"])
+                new_section = rec.get("section") or "import"
+                if new_section not in STARTUP_SECTIONS:
+                    new_section = "import"
+                pos = (-1, STARTUP_SECTIONS.index(new_section))  # before any step; later sections ahead
             elif phase == "checkpoint":
-                pos = (step, _STAGE["checkpoint"])
-            elif phase == HOLD:
-                pos = (step - 1, _STAGE["end"])  # step n-1 done, step n not begun
+                pos, new_section = (step, _STAGE["checkpoint"]), "checkpoint"
+            elif phase in PAUSES:
+                pos, new_section = (step - 1, _STAGE["end"]), phase  # step n-1 done, step n not begun
+            elif phase == "data":  # the batch of step n; before the attempt's first step: part of it
+                pos, new_section = (step - 1, _STAGE["end"]), "data" if st.steps_done else "first_step"
             elif rec.get("stage") == "begin":
                 pos = (step, _STAGE["begin"])
+                new_section = "first_step" if st.steps_done == 0 else "step"
             elif st.phase == "checkpoint":
-                pos = (step, _STAGE["after_checkpoint"])
+                pos, new_section = (step, _STAGE["after_checkpoint"]), "step"
             else:
-                pos = (step, _STAGE["end"])
+                pos, new_section = (step, _STAGE["end"]), "step"
         else:
             return
-        if st.phase == HOLD and phase != HOLD:
+        # the section that ends here: learn its duration (steps learn from step_s, holds have none)
+        if new_section != section or phase != st.phase:
+            if section in ("checkpoint", "eval", "data") or (section in STARTUP_SECTIONS and section != "launch"):
+                begun = st.since
+                if section == "rendezvous":
+                    begun = max(begun, self._all_in_rendezvous() or begun)
+                self.learned.add(section, ts - max(begun, self.resumed_at if section != "eval" else begun))
+            elif section == "launch" and new_section != "launch":
+                self.learned.add("launch", ts - self.start_ts)
+            st.since = ts
+            if new_section == "rendezvous":
+                self._rdv_entered[int(rank)] = ts
+        if st.phase in PAUSES and phase not in PAUSES:
             self.resumed_at = max(self.resumed_at, ts)
-        st.step, st.phase, st.pos = step, phase, pos
+        st.step, st.phase, st.pos, st.section = step, phase, pos, new_section
         st.last_progress = ts
 
+    def _all_in_rendezvous(self) -> float | None:
+        """When the last live rank reached the rendezvous (None while one is still before it)."""
+        latest = None
+        for r, st in self.ranks.items():
+            if st.exited:
+                continue
+            t = self._rdv_entered.get(r)
+            if t is None:
+                return None
+            latest = t if latest is None or t > latest else latest
+        return latest
+
     # ------------------------------------------------------------ budgets
-    def step_timeout(self) -> float:
+    def section_timeout(self, section: str, _fallback: bool = False) -> float:
         c = self.config
-        if not self.step_times:
-            return c.floor_s
-        return max(c.floor_s, c.multiplier * statistics.median(self.step_times))
+        # a start-up section is judged by earlier attempts; as a fallback (step 2 judged by the first
+        # step) this attempt's durations count too
+        startup = (section in STARTUP_SECTIONS or section == "first_step") and not _fallback
+        p99 = (self.prior if startup else self.learned).p99(section)
+        if p99 is None and section in _FALLBACK:  # no history yet: the slower section it follows
+            return self.section_timeout(_FALLBACK[section], _fallback=True)
+        if section == "step" and self._recent:
+            recent = max(self._recent)
+            p99 = recent if p99 is None or recent > p99 else p99
+        if p99 is None:
+            return c.first_budget(section)
+        return max(c.floor(section), c.multiplier * p99)
+
+    def step_timeout(self) -> float:
+        return self.section_timeout("step")
 
     def budget(self, rank: int) -> tuple[float, float, str]:
         """(deadline, timeout, phase name) of one rank."""
+        d, t, phase, _ = self._budget(rank)
+        return d, t, phase
+
+    def _budget(self, rank: int) -> tuple[float, float, str, str]:
         c = self.config
         st = self.ranks[rank]
         if st.phase == HOLD:
-            return float("inf"), float("inf"), HOLD
-        if st.steps_done == 0:
-            return max(self.start_ts, self.resumed_at) + c.startup_s, c.startup_s, "startup"
+            return math.inf, math.inf, HOLD, HOLD
+        section = st.section
         since = max(st.last_progress, self.resumed_at)
-        if st.phase == "checkpoint":
-            return since + c.checkpoint_s, c.checkpoint_s, "checkpoint"
+        if section in STARTUP_SECTIONS or section == "first_step":
+            if section == "rendezvous":
+                everyone = self._all_in_rendezvous()
+                if everyone is None:  # a peer is still before the rendezvous: it is the one judged
+                    return math.inf, math.inf, "startup", section
+                since = max(since, everyone)
+            elif section == "launch":
+                since = max(self.start_ts, self.resumed_at)
+            t = self.section_timeout(section)
+            return since + t, t, "startup", section
+        if section == "checkpoint":
+            if c.total_steps is not None and st.step >= c.total_steps:
+                return since + c.checkpoint_s, c.checkpoint_s, "checkpoint", "checkpoint"  # the final save: never learned
+            t = self.section_timeout("checkpoint")
+            return since + t, t, "checkpoint", "checkpoint"
+        if section == EVAL:
+            t = self.section_timeout(EVAL)
+            return st.last_progress + t, t, EVAL, EVAL
         if c.total_steps is not None and st.step >= c.total_steps and st.pos[1] >= _STAGE["end"]:
-            return since + c.checkpoint_s, c.checkpoint_s, "finishing"
+            return since + c.checkpoint_s, c.checkpoint_s, "finishing", "finishing"
+        if section == "data":
+            t = self.section_timeout("data")
+            return since + t, t, "data", "data"
         t = self.step_timeout()
-        return since + t, t, "step"
+        return since + t, t, "step", "step"
+
+    def _stale_after(self, st: _Rank) -> float:
+        if st.section in STARTUP_SECTIONS or st.section == "first_step":
+            return max(self.config.startup_ping_stale_s, self.step_timeout())
+        return max(self.step_timeout(), self.config.ping_stale_s)
 
     def _unresponsive_past_step_timeout(self, rank: int, now: float) -> bool:
-        """A rank that sends nothing at all, not even pings, is judged by the step timeout in every phase
-        but startup (a stopped rank inside a checkpoint save must not get the long save budget)."""
+        """A rank that sends nothing at all, not even pings: judged by the step budget in every phase
+        but the start-up (a stopped rank inside a checkpoint save must not get the long save budget)."""
         st = self.ranks[rank]
-        if (st.steps_done == 0 and st.phase != HOLD) or st.last_seen is None:
+        if st.last_seen is None:
             return False
-        return now - st.last_seen > max(self.step_timeout(), self.config.ping_stale_s)
+        return now - st.last_seen > self._stale_after(st)
 
     # ------------------------------------------------------------ output
     def check(self, now: float) -> HangFinding | None:
@@ -198,10 +427,11 @@ class HangMonitor:
 
         live = [r for r, st in sorted(self.ranks.items()) if not st.exited]
         # a declared pause of a live rank pauses the job: its peers block on it by design
-        paused = any(self.ranks[r].phase == HOLD and not unresponsive(r) for r in live)
+        pausing = [r for r in live if self.ranks[r].phase in PAUSES and not unresponsive(r)]
         stalled = [
             r for r in live
-            if (not paused and now > self.budget(r)[0]) or self._unresponsive_past_step_timeout(r, now)
+            if ((not pausing or r in pausing) and now > self._budget(r)[0])
+            or self._unresponsive_past_step_timeout(r, now)
         ]  # fmt: skip
         if not stalled:
             return None
@@ -218,9 +448,9 @@ class HangMonitor:
                 culprits, why = live, "all"
         first = min(culprits, key=lambda r: self.ranks[r].last_progress)
         judged = next((r for r in culprits if r in stalled), stalled[0])
-        _, timeout, phase = self.budget(judged)
-        if paused or now <= self.budget(judged)[0]:  # stalled by the unresponsive rule, not its phase budget
-            timeout, phase = self.step_timeout(), f"unresponsive in {phase}"
+        deadline, timeout, phase, section = self._budget(judged)
+        if (pausing and judged not in pausing) or now <= deadline:  # stalled by the unresponsive rule
+            timeout, phase = self._stale_after(self.ranks[judged]), f"unresponsive in {phase}"
         return HangFinding(
             ranks=culprits,
             stalled=stalled,
@@ -229,4 +459,5 @@ class HangMonitor:
             phase=phase,
             timeout_s=timeout,
             why=why,
+            section=section,
         )

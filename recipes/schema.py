@@ -68,7 +68,7 @@ class SupervisorSection(_Strict):
     channel_host: str = Field("127.0.0.1", description="address the supervisor's channel listens on (0.0.0.0 for multi-node)")
     channel_port: int = Field(0, ge=0, le=65535, description="channel port; 0 picks a free one")
     channel_advertise: str = Field("", description="host name ranks connect to; empty = channel_host (its hostname for 0.0.0.0)")
-    heartbeat_s: float = Field(2.0, gt=0, description="rank liveness ping interval")
+    heartbeat_s: float = Field(1.0, gt=0, description="rank liveness ping interval (keep well below hang.ping_stale_s)")
     stack_timeout_s: float = Field(5.0, gt=0, description="wait this long for a rank to send its stacks before using py-spy / faulthandler")
     grace_s: float = Field(30.0, ge=0, description="Ctrl-C / SIGTERM: time the ranks get to checkpoint (engines that support it) before they are stopped")
     kill_timeout_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down")

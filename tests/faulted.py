@@ -10,7 +10,8 @@ Kinds (``faulted_runs.get(kind)`` -> ``Faulted(run, proc)``):
 - ``reference``: uninterrupted, 16 steps (its digest is what every recovered run must end with)
 - ``crash``:     rank 1 SIGKILLs itself at step 12 (held until the step-10 save commits); restart, completed
 - ``hang``:      attempt 1: rank 0 hangs in Python at step 8; attempt 2: rank 1 SIGSTOPped from outside
-                 (held before step 8 until then); both found, stacks taken, restarted, completed
+                 (held before step 8 until then); both found, stacks taken, restarted, completed; with
+                 the shipped hang settings (no floor / ping overrides)
 - ``nan``:       NaN loss at step 12 -> rollback to step 10 with lr x 0.5, completed
 - ``straggler``: rank 1 0.5 s slower per step from step 3 for 14 steps; ``exclude_node`` recorded
 - ``corrupt``:   (interval 4) the step-8 checkpoint is damaged, then rank 1 crashes at step 10: the restart
@@ -32,6 +33,8 @@ from conftest import PTOPS, REPO, run_ptops
 STEPS = ["--set", "train.steps=16", "--set", "checkpoint.interval=5"]
 FAST_HANG = ["--set", "supervisor.hang.floor_s=5", "--set", "supervisor.hang.ping_stale_s=4",
              "--set", "supervisor.restart.backoff_s=0.5"]
+# the hang run uses the shipped hang defaults (issue 12: detection needs no tuning); only the backoff is short
+DEFAULT_HANG = ["--set", "supervisor.restart.backoff_s=0.5"]
 HOLD_COMMITTED = "hold:step=12,until=committed,seconds=120"
 
 KINDS = ("reference", "crash", "hang", "nan", "straggler", "corrupt")
@@ -59,7 +62,7 @@ def _launch(run: Path, *args: str) -> subprocess.CompletedProcess:
 
 def _hang(run: Path) -> tuple[subprocess.CompletedProcess, dict]:
     proc = subprocess.Popen(
-        [*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, *FAST_HANG, "--no-mlflow",
+        [*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, *DEFAULT_HANG, "--no-mlflow",
          "--fault", "hang:rank=0,step=8", "--fault", "hold:step=8,attempt=2", "--json"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -115,9 +115,9 @@ def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
     p = write(tmp_path, GOOD)
     rec, path = load(p)
     prepare_run(rec, path, tmp_path / "run")
-    rec2, _ = load(p, ["supervisor.hang.floor_s=5"])
+    rec2, _ = load(p, ["supervisor.hang.floor_s=7"])
     run = prepare_run(rec2, path, tmp_path / "run")
-    assert from_json(run.recipe_json.read_text()).supervisor.hang.floor_s == 5
+    assert from_json(run.recipe_json.read_text()).supervisor.hang.floor_s == 7
     assert [e["kind"] for e in RunDir(tmp_path / "run").read_events()] == ["recipe_updated"]
 
 

@@ -327,7 +327,7 @@ def test_nested_supervisor_defaults_are_the_models_own():
 
     rec, _ = load("titan-tiny")
     assert rec.supervisor.hang == HangConfig() and rec.supervisor.restart == RestartConfig()
-    assert SupervisorSection().hang.floor_s == 60.0 and SupervisorSection().restart.max_restarts == 10
+    assert SupervisorSection().hang.floor_s == 5.0 and SupervisorSection().restart.max_restarts == 10
     for model in (HangConfig, RestartConfig):
         for name, f in model.model_fields.items():
             assert f.description, f"{model.__name__}.{name} has no description"

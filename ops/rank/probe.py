@@ -1,9 +1,15 @@
 """The rank probe: the one object an engine adapter talks to inside a training process.
 
-Adapters call ``probe.startup()``, ``probe.before_step(step)`` at the start of
+Adapters call ``probe.startup(section)`` as start-up goes on (``import`` is sent by the rank
+entry; the adapters add ``rendezvous``, ``build``, ``load``) and ``probe.world(size, rank)`` once
+the process group exists (the supervisor stops a run whose ranks formed worlds of the wrong
+size), ``probe.before_step(step)`` at the start of
 every optimizer step, ``probe.should_poison(step)`` (multiply the loss by NaN
 when True), ``probe.step(step, metrics)`` after it, and
-``probe.phase("checkpoint", step)`` / ``probe.phase("step", step)`` around saves.
+``probe.phase("checkpoint", step)`` / ``probe.phase("step", step)`` around saves,
+optionally ``probe.phase("data", step)`` before fetching a step's batch, and
+``with probe.pause("eval", step):`` around a pause the engine declares (evaluation): each
+of these has its own hang budget, learned from the run (``ptops.monitors.hang``).
 
 Where the records go is the probe's business:
 
@@ -13,7 +19,7 @@ Where the records go is the probe's business:
 - under the supervisor: over its TCP channel (:mod:`ptops.ops.rank.channel`;
   no shared filesystem assumed). Each step sends a ``begin`` beat and its
   metrics (which count as the ``end`` beat); a background thread sends a
-  liveness ``ping`` every ``PTOPS_HEARTBEAT_S`` seconds (default 2) so the
+  liveness ``ping`` every ``PTOPS_HEARTBEAT_S`` seconds (default 1) so the
   supervisor can tell a rank that is alive but stuck from one that is stopped
   or stuck in C code holding the GIL. Commands from the supervisor: ``stacks``
   (answer with every thread's Python stack), ``stop`` (a save-and-stop request,
@@ -37,6 +43,7 @@ a save on Ctrl-C / SIGTERM.
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 import os
 import signal
@@ -120,7 +127,7 @@ class Probe:
         channel: str | None = None,
         token: str | None = None,
         faults: str | None = None,
-        heartbeat_s: float = 2.0,
+        heartbeat_s: float = 1.0,
     ):
         from ptops.faultinject.inject import Injector
         from ptops.faultinject.spec import from_env
@@ -177,7 +184,7 @@ class Probe:
             channel=os.environ.get(ENV_ADDRESS) or None,
             token=os.environ.get(ENV_TOKEN),
             faults=os.environ.get("PTOPS_FAULTS"),
-            heartbeat_s=float(os.environ.get("PTOPS_HEARTBEAT_S", "2.0")),
+            heartbeat_s=float(os.environ.get("PTOPS_HEARTBEAT_S", "1.0")),
         )
 
     @property
@@ -185,11 +192,33 @@ class Probe:
         return self.client is not None
 
     # ------------------------------------------------------------ adapter API
-    def startup(self) -> None:
-        self.phase("startup", 0)
+    def startup(self, section: str = "import") -> None:
+        """Start-up progress: ``import`` (the engine's imports), ``rendezvous`` (process group),
+        ``build`` (model / trainer), ``load`` (checkpoint load until the first step): each is
+        judged by its own budget, so a rank stuck in one is found in seconds, not at a 600 s
+        start-up timeout. ``hang:phase=SECTION`` faults fire here."""
+        self._phase, self._step = "startup", 0
+        self._send({"t": "beat", "step": 0, "phase": "startup", "section": section})
+        self.injector.on_startup(section)
+
+    def world(self, world_size: int, rank: int) -> None:
+        """What the process group really is (after its init): a rank in a world of one, or of a
+        size other than the launcher asked for, is a misconfiguration the supervisor stops at once."""
+        self._send({"t": "world", "world_size": int(world_size), "rank": int(rank), "host": self.host})
+
+    @contextlib.contextmanager
+    def pause(self, phase: str = "eval", step: int | None = None):
+        """A pause the engine declares (``eval``): it has its own learned budget, and the peers
+        that wait for this rank meanwhile are not judged. Progress resumes at the exit."""
+        step = self._step if step is None else int(step)
+        self.phase(phase, step)
+        try:
+            yield
+        finally:
+            self.phase("step", step)
 
     def phase(self, phase: str, step: int) -> None:
-        """Heartbeat with a phase (startup / step / checkpoint); fault hooks of saves fire here."""
+        """Heartbeat with a phase (step / data / checkpoint / eval); fault hooks of saves fire here."""
         prev = self._phase
         self._phase, self._step = phase, int(step)
         self._send({"t": "beat", "step": int(step), "phase": phase})
@@ -294,10 +323,11 @@ class Probe:
             self.run.event("fault_injected", **fields)
         print(f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}", file=sys.stderr, flush=True)
 
-    def _on_hold(self, step: int) -> None:
+    def _on_hold(self, step: int, phase: str = "hold") -> None:
         # a declared pause: the pings go on, and the phase tells the hang monitor it is no hang
-        self._phase, self._step = "hold", int(step)
-        self._send({"t": "beat", "step": int(step), "phase": "hold"})
+        # (``eval``: as an engine's evaluation, judged by the learned eval budget)
+        self._phase, self._step = phase, int(step)
+        self._send({"t": "beat", "step": int(step), "phase": phase})
         print(f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject RUN_DIR release`)",
               file=sys.stderr, flush=True)
 

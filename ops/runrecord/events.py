@@ -28,6 +28,7 @@ class EventKind(StrEnum):
     CRASH = "crash"
     EARLY_EXIT = "early_exit"
     HANG = "hang"
+    MISCONFIGURED = "misconfigured"
     STRAGGLER = "straggler"
     ANOMALY = "anomaly"
     MONITOR_ERROR = "monitor_error"
@@ -121,9 +122,14 @@ SPECS: dict[EventKind, EventSpec] = {
     K.EARLY_EXIT: EventSpec(("attempt", "step"), severity="critical", runbook="TrainingCrashLoop",
                             doc="torchrun exited 0 before the last step"),
     K.HANG: EventSpec(("attempt", "ranks", "step", "silent_s"),
-                      ("phase", "timeout_s", "stalled", "why", "stacks", "stack_sources", "stacks_s", "teardown_s"),
+                      ("phase", "section", "timeout_s", "stalled", "why", "stacks", "stack_sources", "stacks_s",
+                       "teardown_s", "found_ts"),
                       state=RunState.HUNG, finding=True, severity="critical", summary=True, runbook="TrainingHang",
                       doc="ranks made no progress past their budget; stacks were collected"),
+    K.MISCONFIGURED: EventSpec(("attempt", "reason"), ("rank", "host", "world_size", "expected_world_size"),
+                               finding=True, severity="critical", summary=True, runbook="TrainingCrashLoop",
+                               doc="ranks formed a process group other than the launcher asked for (e.g. worlds "
+                               "of one): the run fails at once, a restart cannot fix it"),
     K.STRAGGLER: EventSpec(("rank", "ratio"), ("step", "detail", "severity", "attempt"), finding=True, summary=True,
                            doc="the straggler monitor's finding"),
     K.ANOMALY: EventSpec(("monitor", "step", "value", "detail"), ("severity", "rank", "attempt", "episode", "phase"),

@@ -10,6 +10,7 @@ Used as a mixin of :class:`ptops.ops.supervisor.core.Supervisor`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -23,6 +24,9 @@ from ptops.ops.supervisor.blame import Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
 
 
+CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
+
+
 class AttemptMixin:
     def _rank_pids(self) -> list[int]:
         return [r.pid for r in self.ranks.values()]
@@ -33,6 +37,7 @@ class AttemptMixin:
         self.stop_acks = {}
         self.blame = Blame()
         self.ckpt_started = {}
+        self.misconfigured = None
         self.run.logs(attempt).mkdir(parents=True, exist_ok=True)
         stack_dir = self.run.path / "stacks" / f"attempt-{attempt}"
         extra = {
@@ -70,6 +75,7 @@ class AttemptMixin:
             self.world,
             t0,
             self.cfg.hang.model_copy(update={"total_steps": self.recipe.train.steps}),
+            learned=self.learned,  # section durations of the earlier attempts: start-up judged in seconds
         )
         self.state = RunState.STARTING
         self.proc = procs.spawn(cmd.argv, cmd.env, self.run.logs(attempt) / "torchrun.log")
@@ -77,10 +83,12 @@ class AttemptMixin:
         bad_since: float | None = None
         try:
             while True:
-                self.pump(0.2)
+                self.pump(CHECK_S)
                 if self.stop_signal is not None:
                     self.graceful_stop()
                     return Outcome("interrupted", f"signal {self.stop_signal}")
+                if self.misconfigured is not None:
+                    return self.on_misconfigured(attempt)
                 if self.findings.pending is not None:  # wins over the crash a NaN causes right after
                     return self.findings.end_attempt(attempt)
                 rc = self.proc.poll()
@@ -96,8 +104,11 @@ class AttemptMixin:
                         procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=self.cfg.kill_timeout_s)
                         return self._after_exit(self.proc.returncode if self.proc.returncode is not None else -9, attempt)
                     continue
-                finding = self.monitor.check(time.monotonic())
+                # one cadence ahead: a budget that runs out before the next check is declared now, so a
+                # finding is never later than its budget (at most CHECK_S earlier)
+                finding = self.monitor.check(time.monotonic() + CHECK_S)
                 if finding is not None:
+                    finding = dataclasses.replace(finding, silent_s=max(0.0, finding.silent_s - CHECK_S))
                     return self.on_hang(finding, attempt, stack_dir)
                 self.write_status()
         finally:
@@ -107,6 +118,13 @@ class AttemptMixin:
                 left = procs.run_processes(self.run.path)
                 if left:
                     procs.teardown(None, self.run.path, left, grace_s=0)
+
+    def on_misconfigured(self, attempt: int) -> Outcome:
+        ev = self.misconfigured
+        self.say(f"misconfigured: {ev['reason']}")
+        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
+        self.event(EventKind.MISCONFIGURED, **ev)
+        return Outcome("misconfigured", f"misconfigured: {ev['reason']}", ev)
 
     def _after_exit(self, rc: int, attempt: int) -> Outcome:
         self.step = max(self.step, launcher.completed_step(self.run))

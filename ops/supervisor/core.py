@@ -42,7 +42,7 @@ from typing import Any
 
 from ptops.ckpt import resume_point
 from ptops.faultinject.spec import Fault
-from ptops.monitors.hang import HangMonitor
+from ptops.monitors.hang import HangMonitor, Learned
 from ptops.ops.rank.channel import write_info
 from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
 from ptops.ops.runrecord.rundir import RunDir
@@ -82,6 +82,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.server: ChannelServer | None = None
         self.proc = None
         self.monitor: HangMonitor | None = None
+        self.learned = Learned()  # hang sections' durations, kept across attempts
+        self.misconfigured: dict[str, Any] | None = None
         self.stacks_replies: dict[int, dict] = {}
         self.stop_acks: dict[int, dict] = {}
         self.blame = Blame()
@@ -225,6 +227,12 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 self.good = verdict.good
                 self.write_status(force=True)
                 continue
+            if outcome.kind == "misconfigured":  # a restart would form the same wrong world again
+                self.state = RunState.FAILED
+                self.reason = outcome.reason
+                self.event(EventKind.FAILED, reason=outcome.reason, attempt=self.attempt, exit_code=EXIT_FAILED)
+                self.say(f"giving up: {outcome.reason}")
+                return EXIT_FAILED
             if outcome.kind == "interrupted":
                 sig = self.stop_signal or signal.SIGTERM
                 self.state = RunState.STOPPED

@@ -26,11 +26,15 @@ class HangMixin:
         self.write_status(force=True)
         self.say(
             f"hang: rank(s) {finding.ranks} made no progress for {finding.silent_s:.1f} s "
-            f"(timeout {finding.timeout_s:.1f} s, {finding.phase}, step {finding.step}); collecting stacks"
+            f"(timeout {finding.timeout_s:.1f} s, {finding.phase}"
+            + (f" {finding.section}" if finding.section and finding.section not in finding.phase else "")
+            + f", step {finding.step}); collecting stacks"
         )
+        found_ts = time.time()
         t0 = time.monotonic()
         notes = self.collect_stacks(stack_dir)
         ev = finding.as_event(attempt)
+        ev["found_ts"] = round(found_ts, 3)  # when the budget ran out (the event is written after the stacks)
         ev["stacks"] = str(stack_dir)
         ev["stack_sources"] = notes
         ev["stacks_s"] = round(time.monotonic() - t0, 2)

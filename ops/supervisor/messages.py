@@ -45,6 +45,7 @@ RANK_HANDLERS = {
     "_hello": "_on_hello",
     "beat": "_on_beat",
     "ping": "_on_ping",
+    "world": "_on_world",
     "metrics": "_on_metrics",
     "fault": "_on_fault",
     "fault_armed": "_on_ignored",
@@ -185,12 +186,30 @@ class MessagesMixin:
         info = self.ranks.get(rank)
         if info is not None:
             info.step = max(info.step, step)
-        self.monitor.observe({"kind": "beat", "rank": rank, "step": step, "phase": phase, "stage": msg.get("stage"), "ts": ts})
+        self.monitor.observe({"kind": "beat", "rank": rank, "step": step, "phase": phase, "stage": msg.get("stage"),
+                              "section": msg.get("section"), "ts": ts})
         if rank == 0:
             self._checkpoint_beat(phase, step, ts)
 
     def _on_ping(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         self.monitor.observe({"kind": "ping", "rank": peer.rank, "ts": ts})
+
+    def _on_world(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        """A rank's process group as formed: a world of one, or of another size than the launcher
+        asked for (nproc x nodes), is a misconfiguration: the attempt ends at once and the run fails
+        (restarting cannot fix it)."""
+        size, rank = int(msg.get("world_size", 0)), int(msg.get("rank", -1))
+        if size == self.world and rank == peer.rank or self.misconfigured is not None:
+            return
+        host = str(msg.get("host") or peer.hello.get("host", "?"))
+        what = "a world of one" if size == 1 else f"a world of {size}"
+        self.misconfigured = {
+            "attempt": self.attempt, "rank": peer.rank, "host": host, "world_size": size,
+            "expected_world_size": self.world,
+            "reason": f"rank {peer.rank} on {host} formed {what} (as rank {rank}) but the launcher started "
+                      f"{self.world} ranks: check the rendezvous endpoint (MASTER_ADDR / --rdzv-endpoint) "
+                      f"and nproc x nodes",
+        }
 
     def _on_metrics(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         rank = peer.rank

@@ -449,10 +449,24 @@ class ProbeTrainer(Trainer):
     def __init__(self, config: Config):
         self.ptops_stopped_at: int | None = None
         super().__init__(config)
+        probe = get_probe()
+        if probe is not None:
+            probe.startup("load")  # train() loads the checkpoint first, then the first step begins
         if isinstance(self.metrics_processor, ProbeMetricsProcessor):
             self.metrics_processor.pp_has_last_stage = (
                 self.pp_has_last_stage if self.parallel_dims.pp_enabled else True
             )
+
+    def init_distributed(self):
+        """Start-up progress around the process group's init (the rendezvous), and what it formed."""
+        probe = get_probe()
+        if probe is not None:
+            probe.startup("rendezvous")
+        dims = super().init_distributed()
+        if probe is not None:
+            probe.world(_world(), _rank())
+            probe.startup("build")
+        return dims
 
     def train_step(self, data_iterator):
         global _POISON

@@ -182,6 +182,7 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             from ptops.recipes.trl import rollback  # PTOPS_ROLLBACK: drop the skipped window's batches
 
+            probe.phase("data", self.state.global_step + 1)
             with probe.mark("data"):  # `ptops profile`: a ptops/data range (a no-op otherwise)
                 rollback.skip(self, epoch_iterator, num_batches, probe)
                 return super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -447,7 +448,12 @@ def main(recipe, probe) -> None:
     run.checkpoints.mkdir(parents=True, exist_ok=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.monotonic()
+    # transformers initialises the process group lazily, inside the trainer's build
+    probe.startup("build")
     trainer = build_trainer(recipe, probe, run)
+    dist = _dist()
+    probe.world(dist.get_world_size() if dist else 1, dist.get_rank() if dist else 0)
+    probe.startup("load")
     if hasattr(probe, "accept_stop_requests"):
         probe.accept_stop_requests()
     resume = choose_resume(run, world, probe)

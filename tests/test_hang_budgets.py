@@ -1,0 +1,426 @@
+"""Hang budgets learned per section (issue 12): the pure monitor, fed exact timestamps.
+
+What is not a hang (a slow first step, a long checkpoint, a declared eval pause, a 3x straggler,
+a peer still importing while another waits in the rendezvous) and what is (a stalled step, a
+stalled start-up section, a silent rank), each within the bound the issue states:
+max(multiplier x p99 of the section, its floor). Monitors are pure, so the bounds are exact here.
+The real runs (shipped defaults, SIGSTOP and a collective-blocked rank) read ``faulted_runs``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from ptops.monitors.hang import Durations, HangConfig, HangMonitor, Learned
+
+DEFAULTS = HangConfig()
+
+
+def p99(xs):
+    s = sorted(xs)
+    return s[max(0, math.ceil(0.99 * len(s)) - 1)]
+
+
+def run_steps(m: HangMonitor, first: int, last: int, t: float, dt, ranks=None) -> float:
+    """Every rank (or ``ranks``) does steps first..last; ``dt``: seconds or rank -> seconds."""
+    for s in range(first, last + 1):
+        for r in ranks if ranks is not None else list(m.ranks):
+            d = dt(r) if callable(dt) else dt
+            m.observe({"kind": "beat", "rank": r, "step": s, "phase": "step", "stage": "begin", "ts": t})
+            m.observe({"kind": "metrics", "rank": r, "step": s, "step_s": d, "ts": t + d})
+        t += max(dt(r) for r in m.ranks) if callable(dt) else dt
+    return t
+
+
+def ping(m: HangMonitor, t0: float, t1: float, ranks=None, every: float = 1.0) -> None:
+    t = t0
+    while t <= t1:
+        for r in ranks if ranks is not None else list(m.ranks):
+            m.observe({"kind": "ping", "rank": r, "ts": t})
+        t += every
+
+
+def startup(m: HangMonitor, t: float, sections=("import", "rendezvous", "build", "load"), dt=1.0, ranks=None) -> float:
+    for sec in sections:
+        for r in ranks if ranks is not None else list(m.ranks):
+            m.observe({"kind": "beat", "rank": r, "step": 0, "phase": "startup", "section": sec, "ts": t})
+        t += dt
+    return t
+
+
+def no_hang_until(m: HangMonitor, t0: float, t1: float, step: float = 0.5) -> None:
+    t = t0
+    while t <= t1:
+        assert m.check(t) is None, (t, m.check(t))
+        t += step
+
+
+# ---------------------------------------------------------------- the estimator
+
+
+def test_p99_estimate_never_above_the_true_p99_and_close_to_it():
+    rng = random.Random(0)
+    for n in (1, 3, 50, 1000):
+        xs = [rng.lognormvariate(-2, 0.7) for _ in range(n)]
+        d = Durations()
+        for x in xs:
+            d.add(x)
+        est, true = d.quantile(0.99), p99(xs)
+        assert est <= true and est >= true / 2 ** (1 / 16) - 1e-12, (n, est, true)
+    assert Durations().quantile() is None
+
+
+def test_shipped_step_budget_is_max_of_10x_p99_and_5s():
+    for dt, want in ((0.05, 5.0), (0.3, 5.0), (0.9, 9.0), (2.0, 20.0)):
+        m = HangMonitor(2, 0.0, DEFAULTS)
+        t = run_steps(m, 1, 30, startup(m, 0.0), dt)
+        assert m.step_timeout() == pytest.approx(max(10 * dt, 5.0)), dt
+        assert m.step_timeout() <= max(10 * dt, 5.0) + 1e-9
+        assert m.check(t + want - 0.01) is None
+        f = m.check(t + want + 0.01)
+        assert f is not None and f.phase == "step" and f.section == "step"
+
+
+# ---------------------------------------------------------------- not hangs
+
+
+def test_slow_first_step_is_no_hang_and_does_not_inflate_the_step_budget():
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    t = startup(m, 0.0)
+    for r in (0, 1):
+        m.observe({"kind": "beat", "rank": r, "step": 1, "phase": "step", "stage": "begin", "ts": t})
+    ping(m, t, t + 250)
+    no_hang_until(m, t, t + 250, step=5)  # a 250 s first step (compilation): first-occurrence budget 300 s
+    for r in (0, 1):
+        m.observe({"kind": "metrics", "rank": r, "step": 1, "step_s": 250.0, "ts": t + 250})
+    t = run_steps(m, 2, 20, t + 250, 0.1)
+    assert m.step_timeout() == 5.0  # the first step is its own section
+    assert m.learned.p99("first_step") == pytest.approx(250.0, rel=0.05)
+
+
+def test_long_checkpoint_is_no_hang_and_its_budget_is_learned():
+    m = HangMonitor(2, 0.0, DEFAULTS.model_copy(update={"total_steps": 100}))
+    t = run_steps(m, 1, 10, startup(m, 0.0), 0.1)
+    for r in (0, 1):
+        m.observe({"kind": "beat", "rank": r, "step": 10, "phase": "checkpoint", "ts": t})
+    ping(m, t, t + 500)
+    no_hang_until(m, t, t + 500, step=5)  # a 500 s first save: first-occurrence budget 600 s
+    for r in (0, 1):
+        m.observe({"kind": "beat", "rank": r, "step": 10, "phase": "step", "ts": t + 500})
+    assert m.section_timeout("checkpoint") == pytest.approx(10 * 500, rel=0.05)
+    # a short save learns a short budget, with a 60 s floor
+    m2 = HangMonitor(1, 0.0, DEFAULTS.model_copy(update={"total_steps": 100}))
+    t = run_steps(m2, 1, 10, 0.0, 0.1)
+    m2.observe({"kind": "beat", "rank": 0, "step": 10, "phase": "checkpoint", "ts": t})
+    m2.observe({"kind": "beat", "rank": 0, "step": 10, "phase": "step", "ts": t + 0.5})
+    assert m2.section_timeout("checkpoint") == 60.0
+
+
+def test_declared_eval_pause_is_no_hang_for_the_pausing_rank_nor_its_waiting_peer():
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    t = run_steps(m, 1, 10, startup(m, 0.0), 0.1)
+    m.observe({"kind": "beat", "rank": 0, "step": 11, "phase": "eval", "ts": t})  # rank 0 evaluates
+    m.observe({"kind": "beat", "rank": 1, "step": 11, "phase": "step", "stage": "begin", "ts": t})  # rank 1 waits
+    ping(m, t, t + 900)
+    no_hang_until(m, t, t + 900, step=5)
+    m.observe({"kind": "beat", "rank": 0, "step": 11, "phase": "step", "ts": t + 900})  # pause over
+    assert m.learned.p99("eval") == pytest.approx(900, rel=0.05)
+    ping(m, t + 900, t + 904)
+    assert m.check(t + 904) is None  # budgets restart at the end of the pause
+    # an eval pause that never ends is judged by its own budget
+    m.observe({"kind": "beat", "rank": 0, "step": 12, "phase": "eval", "ts": t + 905})
+    ping(m, t + 905, t + 905 + 9100)
+    f = m.check(t + 905 + 9100)
+    assert f is not None and f.section == "eval" and f.timeout_s == pytest.approx(9000, rel=0.05)
+
+
+def test_a_3x_straggler_is_no_hang():
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    t = run_steps(m, 1, 10, startup(m, 0.0), 0.2)
+    t = run_steps(m, 11, 200, t, lambda r: 0.6 if r == 1 else 0.2)
+    ping(m, 0, t)
+    assert m.check(t) is None and m.step_timeout() >= 5.0
+
+
+def test_a_peer_still_importing_is_not_a_rendezvous_hang():
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    startup(m, 1.0, ("import", "rendezvous"), ranks=[0])  # rank 0 reaches the rendezvous at t=2
+    startup(m, 1.0, ("import",), ranks=[1])  # rank 1 imports for 100 s (loaded host), pinging
+    ping(m, 1, 101)
+    no_hang_until(m, 1, 101)
+    startup(m, 101.0, ("rendezvous",), ranks=[1])
+    ping(m, 101, 101 + 59)
+    no_hang_until(m, 101, 101 + 59)  # the rendezvous budget counts from the last arrival
+    f = m.check(101 + 60.5)
+    assert f is not None and f.section == "rendezvous" and f.phase == "startup"
+
+
+# ---------------------------------------------------------------- hangs
+
+
+def test_stalled_step_found_within_10x_p99_or_5s():
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    rng = random.Random(1)
+    times = [0.4 + rng.random() * 0.6 for _ in range(60)]  # p99 near 1 s: budget ~10 s
+    t = startup(m, 0.0)
+    for i, d in enumerate(times, start=1):
+        t = run_steps(m, i, i, t, d)
+    bound = max(10 * p99(times[1:]), 5.0)  # step 1 is the first-step section
+    # rank 0 stops before step 61; rank 1 began it and blocks in the collective (both keep pinging)
+    m.observe({"kind": "beat", "rank": 1, "step": 61, "phase": "step", "stage": "begin", "ts": t + 0.01})
+    ping(m, t, t + 30, every=0.5)
+    assert m.step_timeout() <= bound
+    assert m.check(t + m.step_timeout() - 0.01) is None
+    f = m.check(t + bound + 0.01)
+    assert f is not None and f.ranks == [0] and f.why == "behind" and f.section == "step"
+
+
+def test_silent_rank_found_within_5s_of_its_last_message_in_step_and_checkpoint():
+    for phase in ("step", "checkpoint"):
+        m = HangMonitor(2, 0.0, DEFAULTS)
+        t = run_steps(m, 1, 20, startup(m, 0.0), 0.1)
+        if phase == "checkpoint":
+            for r in (0, 1):
+                m.observe({"kind": "beat", "rank": r, "step": 20, "phase": "checkpoint", "ts": t})
+        ping(m, t, t + 60, ranks=[0])
+        ping(m, t, t + 2, ranks=[1])  # SIGSTOP at t + 2.x: its last ping was at t + 2
+        if phase == "checkpoint":  # the save's own budget is long: only the liveness rule can find it
+            assert m.check(t + 2 + 4.99) is None
+        f = m.check(t + 2 + 5.01)
+        assert f is not None and f.ranks == [1] and f.why == "unresponsive" and f.timeout_s == 5.0, phase
+
+
+@pytest.mark.parametrize("section", ["import", "rendezvous", "build", "load"])
+def test_stalled_startup_section_found_from_what_the_first_attempt_took(section):
+    a1 = HangMonitor(2, 0.0, DEFAULTS)
+    t = startup(a1, 0.0, dt=1.5)
+    run_steps(a1, 1, 3, t, 0.2)
+    learned = a1.learned
+    assert learned.p99(section) == pytest.approx(1.5, rel=0.05)
+    # attempt 2: rank 1 stops in `section` (alive, pinging); rank 0 goes on to the rendezvous and waits
+    a2 = HangMonitor(2, 100.0, DEFAULTS, learned=learned)
+    order = ["import", "rendezvous", "build", "load"]
+    upto = order[: order.index(section) + 1]
+    t = startup(a2, 101.0, upto, dt=1.0, ranks=[1])
+    startup(a2, 101.0, order[: max(2, order.index(section) + 1)] if section != "import" else ("import", "rendezvous"),
+            dt=1.0, ranks=[0])
+    stuck_at = t - 1.0
+    ping(a2, 101, stuck_at + 100)
+    budget = max(DEFAULTS.startup_floor_s, 10 * 1.5)  # 20 s, not 600
+    f = None
+    for k in range(0, 400):
+        now = stuck_at + k * 0.1
+        f = a2.check(now)
+        if f is not None:
+            break
+    assert f is not None and f.phase == "startup" and 1 in f.ranks
+    assert now <= stuck_at + budget + 0.11
+    assert f.section == section or (section == "import" and f.section == "import")
+
+
+def test_startup_without_history_uses_the_bounded_first_budgets():
+    c = DEFAULTS
+    assert [c.first_budget(s) for s in ("launch", "import", "rendezvous", "build", "load", "first_step")] == [
+        120.0, 300.0, 60.0, 300.0, 600.0, 300.0]
+    assert HangConfig(startup_s=30).first_budget("load") == 30  # the old key caps them all
+    m = HangMonitor(2, 0.0, c)
+    startup(m, 1.0, ("import", "rendezvous", "build"))  # both ranks stop in build at t=3
+    ping(m, 1, 400)
+    assert m.check(3 + 299) is None
+    f = m.check(3 + 300.5)
+    assert f is not None and f.section == "build"
+
+
+def test_a_rank_that_never_connects_is_found_at_the_launch_budget():
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    startup(m, 1.0, ("import",), ranks=[0])
+    ping(m, 1, 200, ranks=[0])
+    assert m.check(119.9) is None
+    f = m.check(120.1)
+    assert f is not None and f.ranks == [1] and f.section == "launch"
+
+
+def test_learned_carries_over_and_is_json_summarised():
+    a1 = HangMonitor(1, 0.0, DEFAULTS)
+    run_steps(a1, 1, 5, startup(a1, 0.0), 0.25)
+    s = a1.learned.summary()
+    assert s["step"]["n"] == 4 and s["first_step"]["n"] == 1 and "import" in s
+    json.dumps(s)
+    a2 = HangMonitor(1, 10.0, DEFAULTS, learned=a1.learned)
+    assert a2.prior.p99("import") == a1.learned.p99("import")
+    assert isinstance(Learned().copy(), Learned)
+
+
+# ---------------------------------------------------------------- the probe's eval pause, end to end
+
+
+def test_probe_eval_pause_reaches_the_monitor_as_a_declared_pause(tmp_path):
+    """``with probe.pause("eval", step)`` over a real channel: beats with phase eval, then step."""
+    from ptops.ops.rank.probe import Probe
+    from ptops.ops.supervisor.channel import ChannelServer
+
+    server = ChannelServer()
+    probe = Probe(tmp_path, 0, 1, world_size=1, channel=server.address(), token=server.token, heartbeat_s=30)
+    try:
+        probe.startup("build")
+        probe.world(1, 0)
+        with probe.pause("eval", 7):
+            pass
+        got = []
+        while len(got) < 5:
+            peer, msg, ts = server.inbox.get(timeout=10)
+            got.append(msg)
+        kinds = [(m.get("t"), m.get("phase"), m.get("section")) for m in got]
+        assert kinds[0][0] == "_hello"
+        assert ("beat", "startup", "build") in kinds and ("world", None, None) in kinds
+        assert ("beat", "eval", None) in kinds and kinds[-1] == ("beat", "step", None)
+        m = HangMonitor(1, 0.0, DEFAULTS)
+        t = 1.0
+        for msg in got[1:]:
+            if msg.get("t") == "beat":
+                m.observe({"kind": "beat", "rank": 0, "ts": t, **{k: msg.get(k) for k in ("step", "phase", "stage", "section")}})
+                t += 100.0  # each phase lasts 100 s: the eval pause too, under its own budget
+        assert m.learned.p99("eval") == pytest.approx(100.0, rel=0.05)
+    finally:
+        probe.close()
+        server.close()
+
+
+# ---------------------------------------------------------------- real runs, shipped defaults
+
+
+def _events(run, kind):
+    return [e for e in (json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip())
+            if e["kind"] == kind]
+
+
+def _step_p99(run, attempt_max=None):
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return p99([r["step_s"] for r in recs if isinstance(r.get("step_s"), (int, float)) and r["step"] > 1])
+
+
+def test_real_hangs_found_with_the_shipped_defaults(faulted_runs):
+    """The shared ``hang`` run sets no hang key: a rank stopped in Python at a step start (its peer
+    blocks in the collective) and a SIGSTOPped rank are each found by budgets within
+    max(10 x p99 step, 5 s); digests and orphans of the same run: test_supervisor_real."""
+    from ptops.recipes.schema import from_json
+
+    hang = faulted_runs.get("hang")
+    run = hang.run
+    assert hang.proc.returncode == 0, hang.proc.stderr
+    recipe = from_json((run / "recipe.json").read_text())
+    assert recipe.supervisor.hang == HangConfig(), "the hang run must use the shipped hang settings"
+    bound = max(10 * _step_p99(run), 5.0)
+    first, second = _events(run, "hang")
+    assert first["why"] == "behind" and first["ranks"] == [0] and first["section"] == "step"
+    assert first["timeout_s"] <= bound + 1e-6
+    assert second["why"] == "unresponsive" and second["ranks"] == [1]
+    assert second["timeout_s"] <= bound + 1e-6
+    for ev in (first, second):
+        assert ev["found_ts"] <= ev["ts"]  # found, then stacks, then the event
+
+
+def test_world_of_one_stops_the_run_at_once(tmp_path, ptops):
+    """A rank that inits its process group alone (test hook: its own store, world size 1) makes the
+    supervisor fail the run with one ``misconfigured`` event: no restart, no orphans."""
+    from ptops.ops.supervisor.procs import run_processes
+
+    run = tmp_path / "run"
+    proc = ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=50",
+                 "--no-mlflow", env={"PTOPS_TEST_WORLD_OF_ONE": "1"}, timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    mis = _events(run, "misconfigured")
+    assert len(mis) == 1 and mis[0]["rank"] == 1 and mis[0]["world_size"] == 1 and mis[0]["expected_world_size"] == 2
+    assert "world of one" in mis[0]["reason"]
+    assert [e["attempt"] for e in _events(run, "launch")] == [1]
+    assert not _events(run, "restart") and "world of one" in _events(run, "failed")[0]["reason"]
+    assert [line for line in proc.stderr.splitlines() if "misconfigured:" in line]
+    assert run_processes(run) == []
+
+
+def test_hold_fault_declared_as_eval_reaches_the_probe_as_an_eval_pause(tmp_path):
+    """``hold:phase=eval`` (how tests and the soak declare an engine's eval pause) fires before the
+    step like any hold, but the probe reports phase ``eval`` (judged by the eval budget)."""
+    import threading
+
+    from ptops.faultinject.inject import Injector
+    from ptops.faultinject.spec import parse
+
+    seen = []
+    inj = Injector([parse("hold:step=3,seconds=0.05,phase=eval")], 0, 1, lambda f, s: None,
+                   on_hold=lambda step, phase="hold": seen.append((step, phase)), on_release=lambda *a: seen.append("end"))
+    inj.before_step(2)
+    assert seen == []
+    t = threading.Thread(target=inj.before_step, args=(3,))
+    t.start()
+    t.join(10)
+    assert seen == [(3, "eval"), "end"]
+    plain = []
+    inj = Injector([parse("hold:step=1,seconds=0.01")], 0, 1, lambda f, s: None, on_hold=lambda step: plain.append(step))
+    inj.before_step(1)
+    assert plain == [1]
+
+
+def test_startup_hang_found_from_the_first_attempts_durations(tmp_path, ptops):
+    """Attempt 1 crashes at step 2 (its start-up sections are now known); in attempt 2 rank 1 hangs
+    in the checkpoint-load section (``hang:phase=load``): found by the learned load budget,
+    max(startup_floor_s, 10 x what attempt 1's load took), not the 600 s start-up timeout."""
+    from ptops.ops.supervisor.procs import run_processes
+
+    run = tmp_path / "run"
+    proc = ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=4",
+                 "--set", "checkpoint.interval=2", "--set", "supervisor.restart.backoff_s=0.5", "--no-mlflow",
+                 "--fault", "crash:rank=1,step=2", "--fault", "hang:phase=load,rank=1,attempt=2", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    hangs = _events(run, "hang")
+    assert len(hangs) == 1, proc.stderr
+    h = hangs[0]
+    assert h["attempt"] == 2 and h["phase"] == "startup" and h["section"] == "load" and 1 in h["ranks"]
+    assert DEFAULTS.startup_floor_s <= h["timeout_s"] < DEFAULTS.load_s  # learned, far below 600 s
+    assert [e["attempt"] for e in _events(run, "launch")] == [1, 2, 3] and _events(run, "completed")
+    assert run_processes(run) == []
+
+
+def test_supervisor_hands_sections_and_world_reports_on(tmp_path):
+    """The channel handlers pass a beat's start-up section to the monitor, and a rank's report of
+    a world of one marks the attempt misconfigured (the attempt loop then fails the run)."""
+    import io
+
+    from ptops.ops.runrecord.rundir import RunDir
+    from ptops.ops.supervisor import Supervisor
+    from ptops.ops.supervisor.channel import Peer
+    from ptops.recipes.schema import load
+
+    class _Server:
+        def send(self, peer, msg):
+            return True
+
+        def address(self, advertise=""):
+            return "127.0.0.1:1"
+
+    rec, _ = load("titan-tiny", ["launch.nproc=2"])
+    sup = Supervisor(rec, RunDir(tmp_path / "run").create(), [], out=io.StringIO(), strategy="temporary")
+    sup.server, sup.attempt, sup.misconfigured = _Server(), 1, None
+    sup.monitor = HangMonitor(2, 0.0, rec.supervisor.hang)
+    peers = [Peer(cid=r, sock=None, hello={"role": "rank", "rank": r, "attempt": 1, "pid": 100 + r, "host": "h"})
+             for r in (0, 1)]
+    for p in peers:
+        sup.handle(p, {"t": "_hello"}, 1.0)
+        sup.handle(p, {"t": "beat", "step": 0, "phase": "startup", "section": "rendezvous"}, 2.0)
+    assert sup.monitor.ranks[1].section == "rendezvous"
+    sup.handle(peers[0], {"t": "world", "world_size": 2, "rank": 0, "host": "h"}, 3.0)
+    assert sup.misconfigured is None
+    sup.handle(peers[1], {"t": "world", "world_size": 1, "rank": 0, "host": "h"}, 3.0)
+    m = sup.misconfigured
+    assert m["rank"] == 1 and m["world_size"] == 1 and m["expected_world_size"] == 2 and "world of one" in m["reason"]
+
+
+def test_second_step_of_a_fresh_run_is_judged_by_its_first_step():
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    t = run_steps(m, 1, 1, startup(m, 0.0), 3.0)  # only the first step is known
+    assert m.step_timeout() == pytest.approx(30.0, rel=0.05)  # 10 x the first step, not 300 s
+    assert m.section_timeout("data") == m.step_timeout()
