@@ -159,7 +159,7 @@ def plan(recipe: Any, gpu: str, gpus: int, nodes: int | None = None, mtbf_hours:
     g = GPUS[gpu]
     nodes = nodes or max(1, math.ceil(gpus / 8))
     if gpus % nodes:
-        raise PlanError(f"--gpus {gpus} is not a multiple of --nodes {nodes}")
+        raise PlanError(f"--gpus {gpus} cannot be spread evenly over {nodes} nodes (--nodes; default: 8 GPUs a node)")
     per_node = gpus // nodes
     t = recipe.titan
     s = shape_of(t)
@@ -214,6 +214,13 @@ def plan(recipe: Any, gpu: str, gpus: int, nodes: int | None = None, mtbf_hours:
     # ---- compute -----------------------------------------------------------------------------
     dp = rep * shard
     global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
+    if global_batch % (t.local_batch_size * dp):
+        raise PlanError(
+            f"key 'titan.global_batch_size': {global_batch} is not a multiple of local_batch_size x data-parallel "
+            f"degree = {t.local_batch_size} x {dp} on {gpus} GPUs (TorchTitan asserts it)")
+    warnings = []
+    if t.float8.enabled and not t.float8.emulate and not g.fp8_tflops:
+        warnings.append(f"float8 needs SM89+ (H100 and newer): on {gpu} set titan.float8.enabled=false")
     tokens_step = global_batch * t.seq_len
     fpt = flops_per_token(s, t.seq_len)
     model_flops = fpt * tokens_step
@@ -318,6 +325,7 @@ def plan(recipe: Any, gpu: str, gpus: int, nodes: int | None = None, mtbf_hours:
                        "Llama 3 paper: 419 interruptions / 54 days / 16,384 GPUs",
                        "young_interval_s": young, "daly_interval_s": tau, "interval_steps": interval_steps,
                        "recipe_interval_steps": recipe.checkpoint.interval},
+        "warnings": warnings,
         "rollout": "not modelled: the planner sizes TorchTitan pre-training recipes only (no RL/vLLM)",
         "assumptions": dict(ASSUMPTIONS),
     }
@@ -362,4 +370,5 @@ def render(p: dict) -> str:
         f" = every {ck['interval_steps']} steps (recipe: {ck['recipe_interval_steps']})",
         f"  rollout     {p['rollout']}",
     ]
+    lines += [f"  WARNING     {w}" for w in p["warnings"]]
     return "\n".join(lines)

@@ -123,6 +123,10 @@ from ptops.ops.cli.supervise import register as _register_supervision  # noqa: E
 
 _register_supervision(app)
 
+from ptops.ops.cli.plan import register as _register_plan  # noqa: E402
+
+_register_plan(app)
+
 from ptops.ops.cli.obs import register as _register_observability  # noqa: E402
 
 _register_observability(app)
