@@ -167,6 +167,10 @@ def check(recipe: Any) -> tuple[str, str] | None:
         return "titan.model.flavor", f"a {m.family} flavor of TorchTitan 0.3.0 ({', '.join(FLAVORS[m.family])}), got {m.flavor!r}"
     if not m.flavor and m.family != "llama3":
         return "titan.model.flavor", f"a flavor is required for family {m.family!r} (only llama3 builds from dim/n_layers)"
+    world = world_of(recipe)
+    _, problem = degrees(recipe, world)
+    if problem is not None:
+        return "titan.parallelism", problem + (f" (launch.nproc={recipe.launch.nproc} x titan.target.nodes={t.target.nodes})" if t.target else f" (launch.nproc={recipe.launch.nproc})")
     if p.ep > 1 and not is_moe(m):
         return "titan.parallelism.ep", f"expert parallel needs an MoE flavor ({', '.join(f for _, f in sorted(MOE_FLAVORS))}); {m.family} {m.flavor or 'small'} has no experts"
     if t.float8.enabled and t.float8.emulate and t.compile.enable and "model" in t.compile.components:
@@ -187,8 +191,4 @@ def check(recipe: Any) -> tuple[str, str] | None:
         return "titan.seq_len", f"divisible by tp x 2cp = {div} (sequence and context parallel split it), got {t.seq_len}"
     if p.pp > 1 and t.local_batch_size % p.pp_microbatch_size:
         return "titan.local_batch_size", f"divisible by parallelism.pp_microbatch_size={p.pp_microbatch_size}"
-    world = world_of(recipe)
-    _, problem = degrees(recipe, world)
-    if problem is not None:
-        return "titan.parallelism", problem + (f" (launch.nproc={recipe.launch.nproc} x titan.target.nodes={t.target.nodes})" if t.target else f" (launch.nproc={recipe.launch.nproc})")
     return None

@@ -2,8 +2,8 @@
 
 ``python -m ptops.recipes.titan.dryrun RECIPE_JSON WORLD`` builds the recipe's real TorchTitan
 trainer (``registry.trainer_config``) with ``comm.mode=fake_backend`` and ``NGPU=WORLD``: the
-device mesh of every parallel dimension, the model (meta, then rank 0's shard materialised on
-CPU), the float8 module swap (emulated: no SM89 here), activation checkpointing and compile
+device mesh of every parallel dimension, the model (rank 0's shard, left on the meta device
+unless ``PTOPS_DRYRUN_MATERIALIZE=1`` materialises it on CPU), the float8 module swap (emulated: no SM89 here), activation checkpointing and compile
 wrappers, the parallelisation (FSDP2 / TP / PP / CP / EP) and the optimizer. It runs no step.
 It prints one JSON line: what was checked, what was not, and rank 0's measured parameter
 bytes (the planner's memory estimate is compared with them).
@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 NOT_CHECKED = [
+    "weights stay on the meta device unless PTOPS_DRYRUN_MATERIALIZE=1 (shapes and sharding are real; values are not)",
     "no forward/backward step runs: activation memory, CP attention numerics and fp8 kernels are not exercised",
     "float8 is built in emulation (CPU has no SM89): the same Float8Linear modules and sharding, not the kernels",
     "torch.compile wrappers are applied but nothing is compiled (compilation happens at the first step)",
@@ -52,7 +53,19 @@ def run(recipe_json: str, world: int) -> dict:
     cfg.checkpoint.enable = False  # nothing to save or load
     cfg.checkpoint.initial_load_path = None
     cfg.metrics.enable_tensorboard = False if hasattr(cfg.metrics, "enable_tensorboard") else None
-    trainer = cfg.build()
+    materialize = os.environ.get("PTOPS_DRYRUN_MATERIALIZE") == "1"
+    if not materialize:
+        # TorchTitan moves the sharded model to ``utils.device_type`` and initialises it there; on
+        # meta the same sharding, shapes and optimizer are built without allocating or filling
+        # rank 0's shard (CPU-side DTensor init of a 70B shard takes many minutes)
+        from torchtitan.tools import utils as tt_utils
+
+        saved, tt_utils.device_type = tt_utils.device_type, "meta"
+    try:
+        trainer = cfg.build()
+    finally:
+        if not materialize:
+            tt_utils.device_type = saved
     pd = trainer.parallel_dims
     local = 0
     total = 0
@@ -80,6 +93,7 @@ def run(recipe_json: str, world: int) -> dict:
         "titan_peak_memory_gib": mem.max_reserved_gib,  # CPU: the process's peak RSS (compat.CpuDeviceModule)
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
         "seconds": round(time.monotonic() - t0, 1),
+        "materialized": materialize,
         "checked": ["device mesh for the declared world", "model build", "float8 swap (emulated)",
                     "activation checkpointing", "compile wrapping", "parallelize (FSDP2/TP/PP/CP/EP)",
                     "optimizer", "LR scheduler", "dataloader"],

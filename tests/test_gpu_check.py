@@ -1,0 +1,31 @@
+"""scripts/gpu_check.sh: without a GPU it says so in one line and exits 0; its recipe is valid."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_gpu_check_without_gpu_exits_0_with_one_line():
+    import torch
+
+    assert not torch.cuda.is_available(), "this test is for machines without CUDA"
+    p = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU" in lines[0]
+    assert not (REPO / "bench" / "results" / "gpu_check.json").exists() or "gpus" in (
+        REPO / "bench" / "results" / "gpu_check.json").read_text()
+
+
+def test_gpu_check_recipe_is_an_8b_shaped_float8_compiled_async_pinned_recipe():
+    from ptops.recipes.schema import load
+
+    rec, _ = load(REPO / "bench" / "gpu_check.toml")
+    t = rec.titan
+    assert (t.model.dim, t.model.n_heads) == (4096, 32)  # Llama-3 8B's layer width and heads
+    assert t.float8.enabled and not t.float8.emulate and t.compile.enable
+    assert t.async_checkpoint and t.pinned_memory_checkpoint
