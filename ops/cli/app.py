@@ -78,8 +78,12 @@ def launch(
             if rec.engine == "titan":
                 from ptops.ops.cli.dryrun import titan_dry_run
 
+                if not json_out:
+                    typer.echo(dump_json(rec))
                 report = titan_dry_run(rec, path, nodes, gpus_per_node, json_out)
                 if json_out:
+                    report["rank_command"] = cmd.argv
+                    report["resolved_recipe"] = json.loads(dump_json(rec))
                     typer.echo(json.dumps(report))
                 else:
                     typer.echo("  rank command " + " ".join(cmd.argv))
