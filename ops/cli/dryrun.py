@@ -23,6 +23,10 @@ from ptops.ops.cli.errors import fail
 TOLERANCE = 0.10  # planner parameter bytes vs the fake-backend's measured rank-0 shard (README)
 
 
+def _size(b: float) -> str:
+    return f"{b / 1024**3:.3f} GiB" if b >= 1024**3 else f"{b / 1024**2:.3f} MiB"
+
+
 def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None, json_out: bool) -> dict:
     from ptops.recipes.plan import PlanError, fit_problem, plan
     from ptops.recipes.schema import dump_json
@@ -51,7 +55,7 @@ def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None,
         typer.echo("  schema       ok")
         typer.echo("  degrees      ok: " + " ".join(f"{k}={v}" for k, v in degs.items()))
         typer.echo(f"  memory       ok: planner {p['memory']['total_gib']:.1f} of {p['memory']['gpu_gib']:.1f} GiB per GPU"
-                   " (`ptops plan` for the breakdown)")
+                   + ("" if t.target else f" (no titan.target: a {gpu} assumed)") + " (`ptops plan` for the breakdown)")
         typer.echo(f"  torchtitan   building the real parallelisation for {world} ranks on a fake backend (CPU)...")
     timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
     with tempfile.TemporaryDirectory(prefix="ptops-dryrun-") as tmp:
@@ -83,7 +87,7 @@ def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None,
         typer.echo(f"  torchtitan   ok in {res['seconds']} s: mesh " + " ".join(f"{k}={v}" for k, v in m.items())
                    + f"; {res['model']} ({res['rank0_params']:,} params), {res['float8_modules']} Float8Linear,"
                    f" {res['model_parts']} model part(s), optimizer built")
-        typer.echo(f"  param bytes  rank 0 holds {measured / 1024**3:.3f} GiB; planner {planned / 1024**3:.3f} GiB"
+        typer.echo(f"  param bytes  rank 0 holds {_size(measured)}; planner {_size(planned)}"
                    f" (x{ratio:.3f}; tolerance {TOLERANCE:.0%}{'' if res['within_tolerance'] else ': OUTSIDE'})")
         typer.echo(f"  process peak {res['peak_rss_gib']:.2f} GiB RSS (TorchTitan's memory report on CPU)")
         for item in res["not_checked"]:
