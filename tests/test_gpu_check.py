@@ -29,3 +29,16 @@ def test_gpu_check_recipe_is_an_8b_shaped_float8_compiled_async_pinned_recipe():
     assert (t.model.dim, t.model.n_heads) == (4096, 32)  # Llama-3 8B's layer width and heads
     assert t.float8.enabled and not t.float8.emulate and t.compile.enable
     assert t.async_checkpoint and t.pinned_memory_checkpoint
+
+
+def test_gpu_check_recipe_passes_the_fake_backend_dry_run():
+    """What can be checked here: TorchTitan builds the check's float8 + compile model and its parallelisation."""
+    import json
+
+    from conftest import run_ptops
+
+    proc = run_ptops("launch", str(REPO / "bench" / "gpu_check.toml"), "--dry-run", "--gpus-per-node", "8", "--json",
+                     timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tt = json.loads(proc.stdout)["torchtitan"]
+    assert tt["float8_modules"] == 20 and tt["mesh"]["dp_shard"] == 8 and tt["within_tolerance"]
