@@ -53,6 +53,7 @@ def test_cp_and_pp_are_built_by_the_fake_backend():
     assert proc.returncode == 0, proc.stderr[-3000:]
     tt = json.loads(proc.stdout)["torchtitan"]
     assert tt["mesh"]["cp"] == 2 and tt["mesh"]["pp"] == 2 and tt["mesh"]["dp_shard"] == 16
+    assert "gather" in tt["cp_rotate_method"].lower()
     assert tt["within_tolerance"] or tt["model_parts"] == 1  # rank 0 holds the first stage (embedding)
 
 
@@ -72,5 +73,23 @@ def test_cross_key_rules_are_one_line():
     _one_line(_dry("titan-tiny", "--set", "titan.float8.enabled=true", "--set", "titan.float8.emulate=true",
                    "--set", "titan.compile.enable=true"), "titan.float8.emulate", "compile")
     _one_line(_dry("llama3-8b-h100", "--set", 'titan.model.flavor="9B"'), "titan.model.flavor", "8B")
+    _one_line(_dry("llama3-8b-h100", "--set", "titan.parallelism.cp=2", "--set", 'titan.parallelism.cp_rotate_method="alltoall"'),
+              "cp_rotate_method", "FlexAttention")
     _one_line(_dry("llama3-8b-h100", "--set", 'titan.float8.filter_fqns=["auto_filter_small_kn"]'),
               "titan.float8.filter_fqns")
+
+
+def test_cp_rotate_method_reaches_torch(tmp_path):
+    """TorchTitan 0.3.0 has no field for it: building the config sets torch's own CP option."""
+    from ptops.recipes.schema import load
+    from ptops.recipes.titan import registry
+
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    rec, _ = load("titan-tiny", ["titan.parallelism.cp=2", 'titan.parallelism.cp_rotate_method="alltoall"'])
+    cfg = registry.trainer_config(rec, tmp_path)
+    assert cfg.parallelism.context_parallel_degree == 2
+    assert _cp_options.rotate_method.name == "ALL_TO_ALL"
+    rec, _ = load("titan-tiny", ["titan.parallelism.cp=2"])
+    registry.trainer_config(rec, tmp_path)
+    assert _cp_options.rotate_method.name == "ALL_GATHER"

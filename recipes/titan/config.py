@@ -48,9 +48,12 @@ class TitanParallelism(_Strict):
     pp_microbatch_size: int = Field(1, ge=1, description="parallelism.pipeline_parallel_microbatch_size")
     cp: int = Field(1, ge=1, description="context parallel degree (parallelism.context_parallel_degree)")
     cp_load_balancer: Literal["headtail", "ptrr", "none"] = Field(
-        "headtail",
-        description="CP sequence load balancer (parallelism.context_parallel_load_balancer). TorchTitan 0.3.0 has no "
-        "rotate-method key: the ring/all-gather choice is torch's own (torch.distributed.tensor.experimental)",
+        "headtail", description="CP sequence load balancer (parallelism.context_parallel_load_balancer)"
+    )
+    cp_rotate_method: Literal["allgather", "alltoall"] = Field(
+        "allgather",
+        description="how CP SDPA rotates K/V shards: TorchTitan 0.3.0 has no key for it, so the rank calls torch's own "
+        "torch.distributed.tensor.experimental._attention.set_rotate_method (FlexAttention supports only allgather)",
     )
     ep: int = Field(1, ge=1, description="expert parallel degree (MoE flavors only); borrows ranks from dp_shard*cp*tp")
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = Field("default")
@@ -171,6 +174,9 @@ def check(recipe: Any) -> tuple[str, str] | None:
     _, problem = degrees(recipe, world)
     if problem is not None:
         return "titan.parallelism", problem + (f" (launch.nproc={recipe.launch.nproc} x titan.target.nodes={t.target.nodes})" if t.target else f" (launch.nproc={recipe.launch.nproc})")
+    if p.cp > 1 and p.cp_rotate_method == "alltoall" and m.flavor:
+        return "titan.parallelism.cp_rotate_method", (
+            "\"allgather\": TorchTitan's flavors use FlexAttention, whose CP supports only allgather")
     if p.ep > 1 and not is_moe(m):
         return "titan.parallelism.ep", f"expert parallel needs an MoE flavor ({', '.join(f for _, f in sorted(MOE_FLAVORS))}); {m.family} {m.flavor or 'small'} has no experts"
     if t.float8.enabled and t.float8.emulate and t.compile.enable and "model" in t.compile.components:

@@ -78,6 +78,9 @@ def run(recipe_json: str, world: int) -> dict:
     f8 = sum(1 for part in trainer.model_parts for m in part.modules() if type(m).__name__ == "Float8Linear")
     if recipe.titan.float8.enabled and f8 == 0:
         raise ValueError("titan.float8.enabled but TorchTitan swapped no Linear to Float8Linear (check filter_fqns)")
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    rotate = str(getattr(_cp_options.rotate_method, "name", _cp_options.rotate_method)).lower()  # all_gather
     mem = trainer.metrics_processor.device_memory_monitor.get_peak_stats()
     out = {
         "ok": True,
@@ -89,6 +92,7 @@ def run(recipe_json: str, world: int) -> dict:
         "rank0_params": total,
         "rank0_param_bytes": local,
         "float8_modules": f8,
+        "cp_rotate_method": rotate,
         "optimizer_param_groups": n_opt,
         "titan_peak_memory_gib": mem.max_reserved_gib,  # CPU: the process's peak RSS (compat.CpuDeviceModule)
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,

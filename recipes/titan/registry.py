@@ -148,6 +148,10 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
     m, par = t.model, t.parallelism
     keep = recipe.checkpoint.keep
     spec = model_spec(recipe, dry_run=dry_run)
+    if par.cp > 1:  # torch's own CP option (TorchTitan 0.3.0 has no config field for it); process-global
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        set_rotate_method(par.cp_rotate_method)
     vocab = decoder_vocab_size(spec)
     on_cpu = not compat._has_accelerator()
     async_mode = "disabled"
