@@ -52,3 +52,16 @@ def test_float8_emulated_trains_and_recovers_exactly(float8_runs):
     restarts = [json.loads(x) for x in (crash_dir / "events.jsonl").read_text().splitlines()]
     assert any(e["kind"] == "restart" for e in restarts), "the crash was not restarted"
     assert _digest(crash_dir) == _digest(ref_dir)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_from_the_recipe_trains(tmp_path):
+    """[titan.activation_checkpoint] mode reaches TorchTitan (its FullAC wraps every block) and training runs."""
+    run = tmp_path / "ac"
+    proc = run_ptops("launch", "titan-tiny", "--run-dir", str(run), "--set", 'titan.activation_checkpoint.mode="full"',
+                     "--set", "train.steps=6", "--set", "checkpoint.interval=3", "--no-mlflow", "--json", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (run / "logs" / "attempt-1" / "rank-0.log").read_text(errors="replace")
+    assert "Applied FullAC activation checkpointing" in log
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]
