@@ -93,3 +93,17 @@ def test_cp_rotate_method_reaches_torch(tmp_path):
     rec, _ = load("titan-tiny", ["titan.parallelism.cp=2"])
     registry.trainer_config(rec, tmp_path)
     assert _cp_options.rotate_method.name == "ALL_GATHER"
+
+
+def test_float8_recipe_names_reach_torchao():
+    """Each [titan.float8] recipe is a recipe name torchao knows (TorchTitan passes it to from_recipe_name)."""
+    from typing import get_args
+
+    from torchao.float8 import Float8LinearConfig
+
+    from ptops.recipes.titan.config import TitanFloat8
+
+    names = get_args(TitanFloat8.model_fields["recipe"].annotation)
+    assert set(names) == {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
+    for name in names:
+        assert Float8LinearConfig.from_recipe_name(name) is not None

@@ -63,8 +63,11 @@ class TitanFloat8(_Strict):
     """Float8 linear training through ``torchtitan.components.quantization.Float8LinearConverter``."""
 
     enabled: bool = False
-    recipe: Literal["rowwise", "rowwise_with_gw_hp"] = Field(
-        "rowwise", description="torchao float8 scaling recipe (Float8LinearConverter recipe_name)"
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
+        "rowwise",
+        description="torchao float8 scaling recipe (Float8LinearConverter recipe_name, passed to torchao's "
+        "Float8LinearConfig.from_recipe_name; TorchTitan 0.3.0's type hint lists only the rowwise two, torchao "
+        "also takes tensorwise). With emulate=true TorchTitan 0.3.0 ignores it (emulation is tensorwise)",
     )
     filter_fqns: list[str] = Field(
         default_factory=lambda: ["lm_head"],
