@@ -42,3 +42,19 @@ def test_gpu_check_recipe_passes_the_fake_backend_dry_run():
     assert proc.returncode == 0, proc.stderr[-2000:]
     tt = json.loads(proc.stdout)["torchtitan"]
     assert tt["float8_modules"] == 20 and tt["mesh"]["dp_shard"] == 8 and tt["within_tolerance"]
+
+
+def test_gpu_check_driver_on_cpu_smoke(tmp_path):
+    """The driver's two runs and figures, on titan-tiny (CPU, float8 emulated): a crash then a hang found,
+    two restarts, completed; async blocking measured against sync."""
+    import json
+
+    p = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    s = res["summary"]
+    assert s["all_completed"] and s["restarts"] == 2
+    assert s["crash_detect_s"] is not None and s["hang_detect_s"] is not None
+    assert res["faulted"]["crash"]["resumed_from_step"] == 10 and res["faulted"]["hang"]["injected_at_step"] == 25
+    assert s["sync_blocking_s"] > 0 and s["async_pinned_blocking_s"] > 0 and "async" in s["async_modes"]
