@@ -81,7 +81,13 @@ def launch(run: Path, n: int, *args: str) -> dict:
         vals = [r[key] for r in r0 if isinstance(r.get(key), (int, float))]
         return statistics.median(vals) if vals else None
 
+    # pinned-memory staging runs on while training goes on; TorchTitan waits for it before the next
+    # optimizer step, so that wait shows in the step after a save, not in the save's blocking_s
+    saved = {e.get("step") for e in ck}
+    after = [r["step_s"] for r in r0 if r.get("step", 0) - 1 in saved and isinstance(r.get("step_s"), (int, float))]
+    base = med("step_s")
     return {
+        "post_save_step_extra_s": (statistics.median(after) - base) if after and base is not None else None,
         "exit": p.returncode, "wall_s": round(time.monotonic() - t0, 1),
         "step_s_median": med("step_s"), "mfu_pct_median": med("mfu"), "tokens_per_s_median": med("tokens_per_s"),
         "memory_max_reserved_gib": med("memory_max_reserved_gib"),
@@ -129,6 +135,8 @@ def main() -> int:
         "sync_blocking_s": statistics.median(sync_b) if sync_b else None,
         "async_pinned_blocking_s": statistics.median(async_b) if async_b else None,
         "async_modes": f["checkpoint_modes"],
+        "sync_post_save_step_extra_s": res["sync"]["post_save_step_extra_s"],
+        "async_post_save_step_extra_s": f["post_save_step_extra_s"],
         "crash_detect_s": f["crash"].get("detect_s"), "crash_restart_s": f["crash"].get("restart_s"),
         "hang_detect_s": f["hang"].get("detect_s"), "hang_restart_s": f["hang"].get("restart_s"),
         "restarts": f["restarts"],
