@@ -58,3 +58,16 @@ def test_the_map_names_every_folder_and_every_folder_exists():
     for folder in FOLDERS + ["runbooks"]:
         assert (REPO / folder).is_dir(), folder
         assert f"`{folder}/`" in text, f"ARCHITECTURE.md does not describe {folder}/"
+
+
+def test_the_planner_is_pure():
+    """recipes/plan.py imports nothing of ptops and no torch: ``ptops plan`` and the CLI stay light."""
+    path = REPO / "recipes" / "plan.py"
+    assert _imports(path) == set()
+    mods = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            mods.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            mods.add(node.module.split(".")[0])
+    assert mods <= {"__future__", "math", "dataclasses", "typing"}, mods

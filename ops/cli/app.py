@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -43,7 +44,9 @@ def launch(
     recipe: Annotated[str, typer.Argument(help="Recipe TOML file, or the name of a shipped recipe (titan-tiny, trl-sft-tiny, ...).")],
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory; rerunning on an existing one resumes it. Default: runs/<recipe>-<timestamp>.")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key, e.g. --set train.steps=30 (repeatable; values parse as TOML).")] = [],
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved recipe and the rank command; start nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate without GPUs and start nothing: the schema, the resolved recipe and rank command; for TorchTitan recipes also the parallel degrees against the world, the planner's memory fit and TorchTitan's fake-backend build of the real parallelisation.")] = False,
+    nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, help="--dry-run: nodes of the world to check (default: titan.target.nodes, else 1).")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", min=1, help="--dry-run: GPUs per node (default: launch.nproc).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
     supervise: Annotated[bool, typer.Option("--supervise", help="Restart a crashed or hung run from the last good checkpoint, and act on monitor findings (without it, the same watch ends the run failed). Exit 3 means do not requeue.")] = False,
     metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help="Serve Prometheus metrics on 127.0.0.1:PORT while the run lives (0 picks a free port).")] = None,
@@ -57,6 +60,7 @@ def launch(
       ptops launch titan-tiny --run-dir runs/demo\n
       ptops launch recipes/trl-grpo-tiny.toml --set train.steps=40 --set launch.nproc=2\n
       ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run\n
+      ptops launch llama3-70b-h200 --dry-run --nodes 16 --gpus-per-node 8\n
       ptops launch titan-tiny --supervise --fault crash:rank=1,step=12
     """
     from ptops.ops.cli.supervise import parse_faults
@@ -68,10 +72,23 @@ def launch(
         rec, path = load(recipe, set_)
         target = run_dir or launcher.default_run_dir(rec)
         if dry_run:
-            typer.echo(dump_json(rec))
             from ptops.ops.runrecord.rundir import RunDir
 
             cmd = launcher.rank_command(rec, RunDir(target), 1)
+            if rec.engine == "titan":
+                from ptops.ops.cli.dryrun import titan_dry_run
+
+                if not json_out:
+                    typer.echo(dump_json(rec))
+                report = titan_dry_run(rec, path, nodes, gpus_per_node, json_out)
+                if json_out:
+                    report["rank_command"] = cmd.argv
+                    report["resolved_recipe"] = json.loads(dump_json(rec))
+                    typer.echo(json.dumps(report))
+                else:
+                    typer.echo("  rank command " + " ".join(cmd.argv))
+                return
+            typer.echo(dump_json(rec))
             typer.echo(" ".join(cmd.argv))
             return
         run = launcher.prepare_run(rec, path, target)
@@ -109,6 +126,10 @@ def recipes() -> None:
 from ptops.ops.cli.supervise import register as _register_supervision  # noqa: E402
 
 _register_supervision(app)
+
+from ptops.ops.cli.plan import register as _register_plan  # noqa: E402
+
+_register_plan(app)
 
 from ptops.ops.cli.obs import register as _register_observability  # noqa: E402
 

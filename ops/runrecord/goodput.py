@@ -23,7 +23,7 @@ import math
 from typing import Any, Mapping
 
 # events that end an attempt: the failure was seen at this event's time
-ATTEMPT_ENDS = frozenset({"crash", "hang", "rollback", "early_exit", "stopped", "failed"})
+ATTEMPT_ENDS = frozenset({"crash", "hang", "rollback", "early_exit", "misconfigured", "stopped", "failed"})
 TERMINAL = frozenset({"completed", "failed", "stopped"})
 CAUSES = ("startup", "detection", "restart", "recomputed", "checkpoint_blocking", "shutdown", "other")
 

@@ -308,8 +308,9 @@ class ProbeCheckpointManager(CheckpointManager):
                 _log(f"moved leftover {path} to {txn.moved_leftover}")
             if probe is not None:
                 probe.in_save(curr_step)  # crash:phase=save fires here: the save never completes
+            pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
             use_async = (
-                self.async_mode == AsyncMode.ASYNC and not final and not self._sync_wanted(probe, curr_step)
+                (self.async_mode == AsyncMode.ASYNC or pinned) and not final and not self._sync_wanted(probe, curr_step)
             )
             rec.is_async = use_async
             try:
@@ -317,7 +318,17 @@ class ProbeCheckpointManager(CheckpointManager):
                     self._save_last_step(curr_step)  # honours last_save_model_only / last_save_in_hf
                 else:
                     states = self._flattened_model_states_sd()
-                    if use_async:
+                    if use_async and pinned:  # GPU only: stage to pinned host memory in a process, then write
+                        if self.stager is None:
+                            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                            self.stager = DefaultStager(StagingOptions(
+                                use_pinned_memory=True, use_shared_memory=True,
+                                use_async_staging=True, use_non_blocking_copy=True))
+                        result = self.dcp_save(states, checkpoint_id=str(path), async_mode=self.async_mode)
+                        self.staging_future = result.staging_completion
+                        self.save_future = result.upload_completion
+                    elif use_async:
                         self.save_future = self.dcp_save(states, checkpoint_id=str(path), async_mode=AsyncMode.ASYNC)
                     else:
                         self.dcp_save(states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED,
