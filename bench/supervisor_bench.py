@@ -128,6 +128,12 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
     run.logs(1).mkdir(parents=True, exist_ok=True)
     cmd = launcher.rank_command(rec, run, 1, {"PTOPS_FAULTS": to_env([parse(fault)])})
     argv = [a if a != "0" or cmd.argv[i - 1] != "--max-restarts" else "1" for i, a in enumerate(cmd.argv)]
+    # a user who wants torchrun to restart workers uses the c10d rendezvous: with the static one
+    # (--master-addr/--master-port) the restarted group reads the dead group's gloo addresses from the
+    # same store ("Connection refused") and never trains again (measured here on titan-tiny)
+    i = argv.index("--master-addr")
+    port = argv[i + 3]
+    argv[i:i + 4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     t0 = time.time()
     with open(run.logs(1) / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(argv, env=cmd.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
