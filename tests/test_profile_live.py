@@ -47,6 +47,12 @@ def test_profile_of_a_live_run_names_the_slow_rank(tmp_path, faulted_runs):
     try:
         _wait(lambda: len([e for e in _events(run, "fault_injected") if e["fault"].startswith("hold")]) == 2,
               "both ranks held before step 4", launch)
+        # ptops diagnose on this live run (held, so it is still going when read): incidents so far, a note
+        live = run_ptops("diagnose", str(run), "--json")
+        assert live.returncode == 0, live.stderr
+        rep = json.loads(live.stdout)
+        assert any("still going" in n for n in rep["notes"]) and rep["incidents"] == [], rep["notes"]
+        assert rep["goodput"]["wall_s"] > 0 and 1 <= rep["last_step"] <= 3  # held before step 4
         prof = subprocess.Popen([*PTOPS, "profile", str(run), "--steps", "4", "--json"], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _wait(lambda: _events(run, "profile_requested"), "the profile request", prof)
