@@ -246,16 +246,6 @@ def parse_since(text: str, now: float | None = None) -> float:
                             "(10m, 2h, 1d) or unix seconds") from None
 
 
-def _attempt_at(ts: Any, launches: list[tuple[float, int]]) -> int | None:
-    if not isinstance(ts, (int, float)):
-        return None
-    cur = None
-    for t, a in launches:
-        if t <= ts:
-            cur = a
-    return cur
-
-
 def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = None,
              baselines: list[Path] | None = None) -> dict[str, Any]:
     """The report for one run directory (see the module docstring for its shape)."""
@@ -337,8 +327,8 @@ def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = No
         if attempts and attempt not in attempts:
             raise DiagnoseError(f"--attempt {attempt}: the run has attempt(s) {', '.join(map(str, sorted(attempts)))}")
         incidents = [i for i in incidents if i["attempt"] == attempt]
-        rows = [r for r in rows if (r["attempt"] if r["attempt"] is not None else _attempt_at(r["ts"], launches)) == attempt]
-        timeline = [t for t in timeline if _attempt_at(t["ts"], launches) == attempt]
+        rows = [r for r in rows if (r["attempt"] if r["attempt"] is not None else _incidents.attempt_at(r["ts"], launches)) == attempt]
+        timeline = [t for t in timeline if _incidents.attempt_at(t["ts"], launches) == attempt]
     if since is not None:
         late = lambda *ts: any(isinstance(x, (int, float)) and x >= since for x in ts)  # noqa: E731
         incidents = [i for i in incidents if late(i["ts"], i["ts_end"])]

@@ -34,10 +34,8 @@ def _f(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def _attempt_of(e: dict[str, Any], launches: list[tuple[float, int]]) -> int | None:
-    if isinstance(e.get("attempt"), int):
-        return e["attempt"]
-    ts = e.get("ts")
+def attempt_at(ts: Any, launches: list[tuple[float, int]]) -> int | None:
+    """The attempt running at ``ts``: the latest launch at or before it."""
     if not isinstance(ts, (int, float)):
         return None
     cur = None
@@ -45,6 +43,12 @@ def _attempt_of(e: dict[str, Any], launches: list[tuple[float, int]]) -> int | N
         if t <= ts:
             cur = a
     return cur
+
+
+def _attempt_of(e: dict[str, Any], launches: list[tuple[float, int]]) -> int | None:
+    if isinstance(e.get("attempt"), int):
+        return e["attempt"]
+    return attempt_at(e.get("ts"), launches)
 
 
 def _after(events: list[dict[str, Any]], ts: Any, kinds: tuple[str, ...]) -> dict[str, Any] | None:

@@ -357,14 +357,20 @@ class RankedMonitor:
         state = self._ranks.get(rank)
         if state is None:
             state = self._ranks[rank] = self._new_state()
-        last = self._last_step.get(rank)
-        if last is not None and step <= last:
-            self._rewind(state, step)
-            for key, r in list(self._fired.items()):
-                if r == rank and key[0] >= step:
-                    del self._fired[key]
-        self._last_step[rank] = step
+        if self._rewinds(record):
+            last = self._last_step.get(rank)
+            if last is not None and step <= last:
+                self._rewind(state, step)
+                for key, r in list(self._fired.items()):
+                    if r == rank and key[0] >= step:
+                        del self._fired[key]
+            self._last_step[rank] = step
         return self._check(state, record, step, rank)
+
+    def _rewinds(self, record: Mapping[str, Any]) -> bool:
+        """Whether a record at an already-seen step means the run went back (resume, rollback). Every
+        record does here; a monitor fed side records (evals between steps) narrows it."""
+        return True
 
     def _emit(self, out: list[Finding], record: Mapping[str, Any], step: int, rank: int, kind: str,
               value: float | None, detail: str, severity: Severity) -> None:

@@ -25,7 +25,7 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import Finding, RankedMonitor, first_number, get_number, median, record_attempt, record_rank, record_step, record_ts
+from .base import Finding, RankedMonitor, first_number, get_number, median, record_attempt, record_ts
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,
@@ -298,29 +298,8 @@ class _RL(RankedMonitor):
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        """Whether the record carries this monitor's own training key: only such a record at an
-        already-seen step means the run went back (resume, rollback). A record without it (an eval
-        record logged before, after or between training steps) never rewinds anything."""
-        return True
-
-    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step = record_step(record)
-        if step is None:
-            return []
-        rank = record_rank(record)
-        state = self._ranks.get(rank)
-        if state is None:
-            state = self._ranks[rank] = self._new_state()
-        if self._rewinds(record):
-            last = self._last_step.get(rank)
-            if last is not None and step <= last:
-                self._rewind(state, step)
-                for key, r in list(self._fired.items()):
-                    if r == rank and key[0] >= step:
-                        del self._fired[key]
-            self._last_step[rank] = step
-        return self._check(state, record, step, rank)
+    # each RL monitor's ``_rewinds``: only a record with its own training key rewinds (an eval record
+    # logged before, after or between training steps never does)
 
     def _report(self, out: list[Finding], st: _St, record: Mapping[str, Any], step: int, rank: int, phase: str,
                 level: int, value: float | None, detail: str, cleared: str) -> None:
