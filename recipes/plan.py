@@ -26,6 +26,7 @@ class Gpu:
     nvlink_gbs: float  # per-GPU unidirectional NVLink bandwidth, GB/s
     ib_gbs: float  # per-GPU scale-out NIC bandwidth, GB/s
     h2d_gbs: float  # host<->device PCIe bandwidth (pinned), GB/s
+    hbm_tbs: float = 0.0  # HBM bandwidth, TB/s (decode is bound by it: recipes/plan_rl.py)
 
 
 # Sources (datasheets): NVIDIA H100 SXM5 / H200 SXM / A100 SXM4 80GB / DGX B200 product pages.
@@ -36,11 +37,12 @@ class Gpu:
 #   HDR 200 Gb/s per GPU (25 GB/s), PCIe Gen4 x16 (32 GB/s; ~25 achieved).
 # B200 (DGX B200, per GPU): 180 GB HBM3e, 2.25 PFLOPS bf16 dense, 4.5 fp8 dense, NVLink5 1.8 TB/s
 #   bidirectional (900 one way), ConnectX-7 400 Gb/s per GPU (50 GB/s), PCIe Gen5 (~50 achieved).
+# HBM bandwidth (same datasheets): H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB 2.039 TB/s, B200 8 TB/s.
 GPUS: dict[str, Gpu] = {
-    "h100": Gpu("h100", 79.6, 989.0, 1979.0, 450.0, 50.0, 50.0),
-    "h200": Gpu("h200", 139.8, 989.0, 1979.0, 450.0, 50.0, 50.0),
-    "a100": Gpu("a100", 79.2, 312.0, 0.0, 300.0, 25.0, 25.0),
-    "b200": Gpu("b200", 178.4, 2250.0, 4500.0, 900.0, 50.0, 50.0),
+    "h100": Gpu("h100", 79.6, 989.0, 1979.0, 450.0, 50.0, 50.0, hbm_tbs=3.35),
+    "h200": Gpu("h200", 139.8, 989.0, 1979.0, 450.0, 50.0, 50.0, hbm_tbs=4.8),
+    "a100": Gpu("a100", 79.2, 312.0, 0.0, 300.0, 25.0, 25.0, hbm_tbs=2.039),
+    "b200": Gpu("b200", 178.4, 2250.0, 4500.0, 900.0, 50.0, 50.0, hbm_tbs=8.0),
 }
 
 # Llama 3 paper (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days of
@@ -326,7 +328,7 @@ def plan(recipe: Any, gpu: str, gpus: int, nodes: int | None = None, mtbf_hours:
                        "young_interval_s": young, "daly_interval_s": tau, "interval_steps": interval_steps,
                        "recipe_interval_steps": recipe.checkpoint.interval},
         "warnings": warnings,
-        "rollout": "not modelled: the planner sizes TorchTitan pre-training recipes only (no RL/vLLM)",
+        "rollout": "none: a pre-training recipe (GRPO recipes: `ptops plan <trl grpo recipe>` gives rollout capacity)",
         "assumptions": dict(ASSUMPTIONS),
     }
 

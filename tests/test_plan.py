@@ -147,3 +147,57 @@ def test_checkpoint_size_against_a_real_titan_tiny_checkpoint(faulted_runs):
     written = sum(p.stat().st_size for p in ck.glob("*.distcp"))
     planned = _target_plan("titan-tiny")["checkpoint"]["size_gb"] * 1e9
     assert 1.0 <= written / planned <= 1.4, (written, planned)
+
+
+# ---------------------------------------------------------------- GRPO rollouts (recipes/plan_rl.py)
+@pytest.mark.parametrize("sets", [[], ["trl.model.hidden_size=256", "trl.model.num_layers=3", "trl.model.num_heads=8"]])
+def test_grpo_policy_parameters_equal_the_built_model(sets):
+    """The planner's count is the model ptops trains: the shipped tiny one (built for real) and a bigger
+    shape of the same family (built on the meta device)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ptops.recipes.plan_rl import plan_grpo
+    from ptops.recipes.trl.model import _config_dict, load_model, model_dir
+    from ptops.recipes.assets import tokenizer_dir
+
+    rec, _ = load("trl-grpo-tiny", sets)
+    if not sets:
+        model = load_model(model_dir(rec.trl.model, rec.trl.model.seed))
+    else:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(Qwen2Config(**_config_dict(rec.trl.model, tokenizer_dir(rec.trl.model.vocab_size))))
+    p = plan_grpo(rec, "h100", 8)
+    assert p["model"]["params"] == sum(t.numel() for t in model.parameters())
+
+
+def test_grpo_rollout_capacity_and_split():
+    from ptops.recipes.plan_rl import plan_grpo, render_grpo
+
+    big = ["trl.model.hidden_size=4096", "trl.model.num_layers=32", "trl.model.num_heads=32", "trl.model.vocab_size=8192",
+           "trl.max_length=512", "trl.max_completion_length=1024", "trl.per_device_batch_size=64"]
+    rec, _ = load("trl-grpo-tiny", big)
+    p = plan_grpo(rec, "h100", 8)
+    r, c, s = p["rollouts"], p["colocate"], p["server"]
+    assert r["completions_per_step"] == 64 * 2 and r["prompts_per_step"] == 32 and r["generated_tokens_per_step"] == 128 * 1024
+    # decode is memory bound: a faster HBM (H200) generates faster with the same compute
+    h200 = plan_grpo(rec, "h200", 8)
+    assert h200["colocate"]["generated_tokens_per_s"] > c["generated_tokens_per_s"]
+    # the split balances the two sides, and overlapping them beats doing both on every GPU in turn
+    assert s["generation_gpus"] + s["training_gpus"] == 8 and 1 <= s["generation_gpus"] <= 7
+    assert s["step_s"] < c["step_s"] and 0 < c["generation_share"] < 1
+    # long completions make generation the larger share
+    short, _ = load("trl-grpo-tiny", [*big[:-2], "trl.max_completion_length=64", "trl.per_device_batch_size=64"])
+    assert plan_grpo(short, "h100", 8)["colocate"]["generation_share"] < c["generation_share"]
+    assert "server" in render_grpo(p) and "tok/s" in render_grpo(p)
+    with pytest.raises(P.PlanError, match="GRPO"):
+        plan_grpo(load("trl-sft-tiny")[0], "h100", 8)
+
+
+def test_plan_cli_on_a_grpo_recipe(ptops):
+    out = ptops("plan", "trl-grpo-tiny", "--gpu", "h200", "--gpus", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    assert p["hardware"] == {"gpu": "h200", "gpus": 4} and p["server"]["generation_gpus"] >= 1
+    bad = ptops("plan", "trl-sft-tiny")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "GRPO" in bad.stderr

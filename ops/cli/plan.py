@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key, as for ptops launch.")] = [],
         json_out: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON object.")] = False,
     ) -> None:
-        """Size a TorchTitan recipe before it burns GPU hours.
+        """Size a TorchTitan recipe (or a TRL GRPO recipe's rollouts) before it burns GPU hours.
 
         Prints the exact parameter count, per-GPU memory (parameters, gradients and AdamW state under
         the recipe's FSDP/TP/PP/CP/EP sharding; activations under its activation checkpointing; logits),
@@ -30,11 +30,17 @@ def register(app: typer.Typer) -> None:
         time, and the checkpoint interval from Young/Daly. Every hardware figure and assumption is in
         ptops/recipes/plan.py with its source; --json includes the assumptions.
 
+        For a TRL GRPO recipe: the policy's exact parameter count, rollouts per step, vLLM generation
+        time and generated tokens/s on the stated GPUs (prefill compute bound, decode HBM bound, as many
+        sequences running as the KV cache holds), training time, and the GPU split between generation
+        and training (colocated vs a separate vLLM server) it implies.
+
         Exit 0 with a plan (also one that does not fit: memory.fits is false); exit 2 on bad input.
 
         Examples:\n
           ptops plan llama3-8b-h100\n
           ptops plan llama3-70b-h200 --gpu h100 --gpus 256 --nodes 32 --json\n
+          ptops plan trl-grpo-tiny --gpu h100 --gpus 8\n
           ptops plan llama3-8b-h100 --mtbf-hours 12 --set titan.activation_checkpoint.mode='"full"'
         """
         from ptops.recipes.plan import PlanError, plan as make_plan, render
@@ -44,8 +50,17 @@ def register(app: typer.Typer) -> None:
             rec, path = load(recipe, set_)
         except RecipeError as e:
             fail(str(e))
+        if rec.engine == "trl":  # RL recipes: rollout capacity and the generation/training split
+            from ptops.recipes.plan_rl import plan_grpo, render_grpo
+
+            try:
+                p = plan_grpo(rec, gpu or "h100", gpus or rec.launch.nproc)
+            except PlanError as e:
+                fail(f"{path}: {e}")
+            typer.echo(json.dumps(p, indent=2) if json_out else render_grpo(p))
+            return
         if rec.engine != "titan":
-            fail(f"{path}: key 'engine': ptops plan sizes TorchTitan recipes (got {rec.engine!r})")
+            fail(f"{path}: key 'engine': ptops plan sizes TorchTitan and TRL GRPO recipes (got {rec.engine!r})")
         t = rec.titan
         g = gpu or (t.target.gpu if t.target else "h100")
         n_nodes = nodes or (t.target.nodes if t.target and gpus is None else None)
