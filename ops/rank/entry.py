@@ -124,6 +124,20 @@ def main() -> None:
         probe.close(1, f"{type(e).__name__}: {e}"[:2000])
         raise
     probe.close(0)
+    _exit_done()
+
+
+def _exit_done() -> None:
+    """A finished rank leaves without the interpreter's teardown. Its work is committed and reported by
+    now; what teardown adds is C++ destructors of torch's process-group threads, which once aborted a
+    finished rank (SIGABRT, "terminate called without an active exception", fresh clone 2026-11-30):
+    torchrun then SIGTERMs its peers and a completed attempt turns into a crash and a restart."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
