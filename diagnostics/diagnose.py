@@ -337,7 +337,8 @@ def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = No
     if attempt is not None or since is not None:
         for n, inc in enumerate(incidents, 1):
             inc["id"] = n
-    if events and reduce(events).end is None:
+    live = bool(events) and reduce(events).end is None
+    if live:
         notes.append("no end event: the run is still going (or its supervisor died); these are the incidents so far")
     report = {
         "run_dir": str(run_dir),
@@ -353,7 +354,7 @@ def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = No
         "incidents": incidents,
         "filters": {"attempt": attempt, "since": since},
         # the whole run's (filters do not apply): a live run's wall time runs to now
-        "goodput": account(events, metrics, now=time.time() if events and reduce(events).end is None else None),
+        "goodput": account(events, metrics, now=time.time() if live else None),
     }
     if baselines:
         from ptops.diagnostics import baseline as _baseline
