@@ -236,6 +236,19 @@ def test_titan_kill_in_save_never_becomes_latest(titan_faulty, titan_base):
     assert digest(run) == titan_base[1]
 
 
+def _wait_held(run: Path, nranks: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until every rank has announced its hold (the pings go on, so nothing times out meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"launch ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        held = {e.get("rank") for e in events(run, "fault_injected") if str(e.get("fault", "")).startswith("hold")}
+        if len(held) >= nranks:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{run}: the ranks did not announce their hold within {timeout}s")
+
+
 def _wait_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -253,15 +266,18 @@ def _wait_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 180)
 
 def test_titan_stop_request_checkpoints_current_step_and_resumes(tmp_path):
     """Ctrl-C of the supervisor: every rank agrees at a step's end, that step is saved and
-    committed, exit 130; the rerun resumes from exactly that step."""
+    committed, exit 130; the rerun resumes from exactly that step. The ranks are held before
+    step 4 (not raced against the run's end); the stop request ends the hold."""
     run = tmp_path / "stop"
     sets = ["train.steps=30", "checkpoint.interval=1000"]
-    argv = [sys.executable, "-m", "ptops", "launch", TITAN, "--run-dir", str(run), "--supervise"]
+    argv = [sys.executable, "-m", "ptops", "launch", TITAN, "--run-dir", str(run), "--supervise",
+            "--fault", "hold:step=4"]
     for s in sets:
         argv += ["--set", s]
     proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_steps(run, 3, proc)
+        _wait_held(run, 2, proc)
         sup = json.loads((run / "status.json").read_text())["supervisor_pid"]
         os.kill(int(sup), signal.SIGINT)
         _, err = proc.communicate(timeout=120)
@@ -271,7 +287,8 @@ def test_titan_stop_request_checkpoints_current_step_and_resumes(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     stopped = events(run, "stopped")[-1]
     ck = events(run, "checkpoint")
-    assert len(ck) == 1 and ck[0]["step"] == stopped["step"] and 3 <= ck[0]["step"] < 30, (ck, stopped)
+    assert len(ck) == 1 and ck[0]["step"] == stopped["step"] == 4, (ck, stopped)
+    assert {e["by"] for e in events(run, "hold_released")} == {"release"}
     step = ck[0]["step"]
     assert latest(run) == f"step-{step}"
     assert ptops("ckpt", "verify", str(run / "checkpoints" / f"step-{step}")).returncode == 0
