@@ -224,3 +224,31 @@ def test_effects_record_only_writes_nothing_more(tmp_path):
     r.actions.on_finding(Finding("straggler", 8, 1.6, "slow", rank=1), 1, r.host_of)
     r.actions.on_finding(nan_at(12), 1, r.host_of)
     assert r.actions.pending is None and _kinds(r) == [] and r.said == []
+
+
+@pytest.mark.parametrize("error,began,fatal", [
+    ("ImportError: cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'", False, True),
+    ("ModuleNotFoundError: No module named 'torchtitan'", False, True),
+    ("SyntaxError: invalid syntax (trainer.py, line 3)", False, True),
+    ("ImportError: cannot import name 'x'", True, False),  # after a step: the no-progress rule decides
+    ("RuntimeError: CUDA error: an illegal memory access was encountered", False, False),
+    (None, False, False),
+])
+def test_fatal_startup_error(error, began, fatal):
+    from ptops.ops.supervisor.policy import fatal_startup_error
+
+    why = fatal_startup_error(error, began_step=began)
+    assert bool(why) == fatal and (not fatal or error.split(":")[0] in why)
+
+
+def test_fatal_failure_stops_without_a_restart():
+    """Seen on the first GPU lease (torch 2.11 under TorchTitan 0.3.0): the same ImportError three
+    attempts in a row. The first one stops the run, exit 1 (a requeue elsewhere may help)."""
+    from ptops.ops.supervisor.policy import EXIT_FAILED, Failure, RestartPolicy, fatal_startup_error
+
+    pol = RestartPolicy()
+    why = fatal_startup_error("ImportError: cannot import name 'X'", began_step=False)
+    d = pol.decide(Failure(ts=0.0, start_step=0, good_step=0, reason="crash: rank 0 exited 1", fatal=why))
+    assert (d.action, d.exit_code) == ("stop", EXIT_FAILED) and "restart would fail the same way" in d.reason
+    d = RestartPolicy().decide(Failure(ts=0.0, start_step=0, good_step=0, reason="crash: rank 0 exited 1"))
+    assert d.action == "restart"

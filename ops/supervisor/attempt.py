@@ -22,6 +22,7 @@ from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.supervisor import launcher, procs
 from ptops.ops.supervisor.blame import Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
+from ptops.ops.supervisor.policy import fatal_startup_error
 
 
 CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
@@ -141,7 +142,9 @@ class AttemptMixin:
         err = self.ranks[rank].error if rank in self.ranks else None
         desc = f"rank {rank} exited {code}" + (f" ({err})" if err else "") + f" at step {self.step}"
         self.say(f"crash: {desc}; logs: {self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}")
-        return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code})
+        info = self.ranks.get(rank) if rank is not None else None
+        fatal = fatal_startup_error(err, began_step=info is None or info.step > 0)
+        return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code, "fatal": fatal})
 
     def _root_cause(self, attempt: int) -> tuple[int | None, int | None, str]:
         """Which rank failed first (:func:`ptops.ops.supervisor.blame.root_cause`)."""

@@ -243,7 +243,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 self.good = self._good_checkpoint_for_restart()
             good_step = (self.good or {}).get("step", 0)
             decision = policy.decide(
-                Failure(ts=time.time(), start_step=start_step, good_step=good_step, reason=outcome.reason)
+                Failure(ts=time.time(), start_step=start_step, good_step=good_step, reason=outcome.reason,
+                        fatal=outcome.detail.get("fatal", ""))
             )
             if decision.action == "stop":
                 self.state = RunState.FAILED

@@ -57,10 +57,24 @@ class Failure:
     start_step: int  # good checkpoint step the attempt started from
     good_step: int  # good checkpoint step when it failed
     reason: str = ""
+    fatal: str = ""  # why no restart can help (an ImportError before the first step): stop at once
 
     @property
     def progressed(self) -> bool:
         return self.good_step > self.start_step
+
+
+# Errors a rank raises before its first step that the next attempt would raise again the same way:
+# the code or the environment is broken, not the run (no checkpoint, node or retry changes them).
+FATAL_STARTUP_ERRORS = ("ImportError", "ModuleNotFoundError", "SyntaxError", "IndentationError")
+
+
+def fatal_startup_error(error: str | None, began_step: bool) -> str:
+    """Why a restart cannot help, or "" (the rank's goodbye error is ``"Type: message"``)."""
+    kind = (error or "").split(":", 1)[0].strip()
+    if began_step or kind not in FATAL_STARTUP_ERRORS:
+        return ""
+    return f"{kind} before the first step: a restart would fail the same way (fix the environment or code, then rerun)"
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,8 @@ class RestartPolicy:
         if self.strategy == "temporary":
             return Decision("stop", f"{failure.reason} (plain launch: no restart; --supervise restarts)",
                             exit_code=EXIT_FAILED)
+        if failure.fatal:
+            return Decision("stop", f"{failure.reason}; {failure.fatal}", exit_code=EXIT_FAILED)
         restarts_so_far = len(self.history) - 1
         in_window = [f for f in self.history if failure.ts - f.ts <= c.storm_window_min * 60]
         if len(in_window) >= c.storm_restarts:
