@@ -58,3 +58,25 @@ def test_gpu_check_driver_on_cpu_smoke(tmp_path):
     assert s["crash_detect_s"] is not None and s["hang_detect_s"] is not None
     assert res["faulted"]["crash"]["resumed_from_step"] == 10 and res["faulted"]["hang"]["injected_at_step"] == 25
     assert s["sync_blocking_s"] > 0 and s["async_pinned_blocking_s"] > 0 and "async" in s["async_modes"]
+
+
+def test_trl_gpu_check_without_gpu_exits_0_with_one_line():
+    p = subprocess.run(["bash", "scripts/gpu_check_trl.sh"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU" in lines[0]
+
+
+def test_trl_gpu_check_driver_on_cpu_smoke(tmp_path):
+    """The TRL driver's two runs on CPU (trl-sft-tiny): the crashed run restarts once and ends on the
+    uninterrupted run's digest and losses. On the H200 all three tiny TRL recipes did
+    (bench/results/gpu_check_trl.json)."""
+    import json
+
+    p = subprocess.run([sys.executable, "bench/gpu_check_trl.py", "--cpu-smoke", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    res = json.loads((tmp_path / "gpu_check_trl.json").read_text())["trl-sft-tiny"]
+    assert res["exact"] and res["crash"]["restarts"] == 1 and len(res["base"]["losses"]) == 8
+    assert res["base"]["digest"] == res["crash"]["digest"]

@@ -310,7 +310,10 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
 
 
 def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
+    import torch
+
     sec = recipe.trl
+    cuda = torch.cuda.is_available()  # one GPU per rank (LOCAL_RANK); CPU and gloo where there is none
     return dict(
         output_dir=str(out_dir),
         max_steps=recipe.train.steps,
@@ -319,7 +322,8 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
         per_device_train_batch_size=sec.per_device_batch_size,
         gradient_accumulation_steps=sec.grad_accum,
         max_grad_norm=sec.max_grad_norm,
-        use_cpu=True,
+        use_cpu=not cuda,
+        full_determinism=cuda,  # deterministic kernels: recovery stays exact on a GPU too
         bf16=False,
         fp16=False,
         logging_steps=1,
@@ -333,7 +337,7 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
         ddp_find_unused_parameters=False,
         # TRL defaults gradient checkpointing on; a 100k-parameter model only pays the recompute
         activation_checkpointing=False,
-    ) | ({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {})
+    ) | ({"ddp_backend": "nccl" if cuda else "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {})
 
 
 def build_trainer(recipe, probe, run: RunDir):
