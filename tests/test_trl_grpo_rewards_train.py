@@ -22,7 +22,12 @@ OVERRIDES = [f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "checkpo
 KINDS = ("math", "judge", "code")
 
 
-def _digest(path: Path) -> str:
+def _digest(path: Path, cli: bool = False) -> str:
+    """``ptops ckpt digest PATH`` (the CLI once, in-process otherwise: the same function, no torch start-up)."""
+    if not cli:
+        from ptops.ckpt import digest
+
+        return digest(path)
     proc = subprocess.run([*PTOPS, "ckpt", "digest", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip().split()[-1]
@@ -66,9 +71,9 @@ def _sources(run: Path) -> list[dict]:
     return [e for e in read_jsonl(run / "events.jsonl") if e.get("kind") == "reward_source"]
 
 
-def _check(pair: Pair, reward_keys: tuple[str, ...]) -> dict:
+def _check(pair: Pair, reward_keys: tuple[str, ...], cli: bool = False) -> dict:
     # the resumed run ends where the uninterrupted one does, bit for bit
-    assert _digest(pair.resumed) == _digest(pair.reference)
+    assert _digest(pair.resumed, cli) == _digest(pair.reference, cli)
     ref, res = _by_rank(pair.reference), _by_rank(pair.resumed)
     for rank in range(NPROC):
         assert sorted(ref[rank]) == sorted(res[rank]) == list(range(1, STEPS + 1))
@@ -83,7 +88,7 @@ def _check(pair: Pair, reward_keys: tuple[str, ...]) -> dict:
 
 
 def test_grpo_math_trains_and_resumes_exactly(math_pair):
-    src = _check(math_pair, ("rewards_math_mean", "rewards_format_mean"))
+    src = _check(math_pair, ("rewards_math_mean", "rewards_format_mean"), cli=True)
     assert src["reward"] == "math" and src["funcs"] == ["math", "format"] and src["weights"] == [1.0, 0.2]
 
 
@@ -103,9 +108,13 @@ def test_grpo_judge_trains_and_resumes_exactly(judge_pair):
 
 
 def test_grpo_code_trains_and_resumes_exactly(code_pair):
-    src = _check(code_pair, ("rewards_code_mean", "rewards_code_format_mean"))
+    src = _check(code_pair, ("rewards_code_mean", "rewards_code_format_mean", "sandbox_runs", "sandbox_killed"))
     assert src["sandbox"]["network"] == "netns" and src["sandbox"]["pidns"] and src["sandbox"]["uid"] >= 200_000
     assert src["sandbox_limits"]["cpu_s"] == 2
+    # the sandbox really ran every completion of every step (and the replay ran the same: compared above)
+    ref = _by_rank(code_pair.reference)
+    assert all(ref[r][s]["sandbox_runs"] > 0 and ref[r][s]["sandbox_failed"] == 0
+               for r in range(NPROC) for s in range(1, STEPS + 1))
 
 
 def test_a_pinned_judge_digest_refuses_another_judge(judge_pair, tmp_path):

@@ -225,15 +225,18 @@ def test_sandbox_scores_fraction_of_asserts():
     assert again == [pytest.approx(2 / 3)] * 3
 
 
-def test_code_reward_parses_before_running():
+def test_code_reward_runs_every_completion():
     from ptops.recipes.trl.rewards import CodeReward
 
     rows = code_dataset(10)
     assert all(len(r["tests"]) == 3 for r in rows)
     reward = CodeReward(LIMITS)
     good = "```python\ndef add(a, b):\n    return a + b\n```"
-    got = reward([good, "the a red", "def add(a, b): return 0"], [rows[0]["tests"]] * 3)
-    assert got[0] == 1.0 and got[1] == 0.0 and [r.status for r in reward.last][:2] == ["ok", "syntax"]
+    logged = []
+    got = reward([good, "the a red", "def add(a, b): return 0"], [rows[0]["tests"]] * 3,
+                 log_metric=lambda k, v: logged.append((k, v)))
+    assert got == [1.0, 0.0, 0.0] and [r.status for r in reward.last] == ["ok", "ok", "ok"]
+    assert dict(logged) == {"sandbox/runs": 3.0, "sandbox/killed": 0.0, "sandbox/hostile": 0.0, "sandbox/failed": 0.0}
     assert extract_code(good).startswith("def add") and code_format([good, "x y"]) == [1.0, 0.0]
 
 

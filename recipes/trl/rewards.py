@@ -298,8 +298,9 @@ def code_format(completions, **_: object) -> list[float]:
 
 class CodeReward:
     """Fraction of the row's ``tests`` (assert statements) that pass when the completion's code runs
-    in :func:`ptops.recipes.trl.sandbox.run_code`; 0.0 without running anything for code that does not
-    parse. ``last`` keeps the latest results (status, isolation) for logging."""
+    in :func:`ptops.recipes.trl.sandbox.run_code`. Every completion runs, even one that does not parse
+    (it scores 0 there): one path for all, and the sandbox is exercised from the first step of a tiny
+    run. ``last`` keeps the latest results (status, isolation) for logging."""
 
     __name__ = "code"
 
@@ -309,15 +310,15 @@ class CodeReward:
         self.limits = limits or Limits()
         self.last: list = []
 
-    def __call__(self, completions, tests, **_: object) -> list[float]:
-        from ptops.recipes.trl.sandbox import Result, run_code
+    def __call__(self, completions, tests, log_metric=None, **_: object) -> list[float]:
+        from ptops.recipes.trl.sandbox import run_code
 
-        self.last = []
-        for completion, row_tests in zip(completions, tests):
-            code = extract_code(completion)
-            res = run_code(code, list(row_tests), self.limits) if _compiles(code) else Result(
-                total=len(row_tests), status="syntax")
-            self.last.append(res)
+        self.last = [run_code(extract_code(c), list(t), self.limits) for c, t in zip(completions, tests)]
+        if callable(log_metric):  # per step: how many ran, and how many ended badly (sandbox_* records)
+            log_metric("sandbox/runs", float(len(self.last)))
+            log_metric("sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last)))
+            log_metric("sandbox/hostile", float(sum(r.status == "hostile" for r in self.last)))
+            log_metric("sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last)))
         return [r.reward for r in self.last]
 
 
