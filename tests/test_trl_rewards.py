@@ -201,6 +201,59 @@ def test_sandbox_fallback_without_namespaces(name, canary, listener):
     assert res.status in ({"killed", "timeout"} if name == "fork_bomb" else {"hostile"}), res
 
 
+_AS_TRAINER = """
+import importlib.util, json, os, sys
+if os.geteuid() == 0:
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)  # a trainer that is not root
+spec = importlib.util.spec_from_file_location("sb", sys.argv[1])
+sb = importlib.util.module_from_spec(spec); sys.modules["sb"] = sb; spec.loader.exec_module(sb)
+lim = sb.Limits(cpu_s=1, wall_s=5, memory_mb=256, max_procs=8)
+out = {}
+for name, code in json.loads(sys.argv[2]).items():
+    for ns in (True, False):
+        r = sb.run_code(code, ["assert True"], lim, namespaces=ns)
+        out[f"{name}-{ns}"] = [r.status, r.reward, r.isolation]
+print(json.dumps(out))
+"""
+
+
+def test_sandbox_for_a_trainer_that_is_not_root(listener):
+    """Not root: a user namespace still takes the network and the process tree away (``userns``);
+    without one, the audit hook and RLIMIT_NPROC over the trainer's own tasks. Run by a stdlib
+    interpreter as ``nobody`` (sandbox.py imports nothing of ptops)."""
+    import json
+    import subprocess
+
+    import ptops.recipes.trl.sandbox as sb
+
+    python = sb.sandbox_python(root=True)
+    port = listener.getsockname()[1]
+    codes = {"ok": "x = 1", "fork_bomb": HOSTILE["fork_bomb"], "socket": HOSTILE["socket"].format(port=port),
+             "loop": HOSTILE["infinite_loop"]}
+    proc = subprocess.run([python, "-I", "-c", _AS_TRAINER, sb.__file__, json.dumps(codes)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["ok-True"][:2] == ["ok", 1.0] and out["ok-False"][:2] == ["ok", 1.0]
+    assert out["ok-True"][2]["userns"] and out["ok-True"][2]["network"] == "netns" and out["ok-True"][2]["uid"] is None
+    assert out["ok-False"][2]["network"] == "audit-hook"
+    for name in ("fork_bomb", "socket", "loop"):
+        for ns in (True, False):
+            assert out[f"{name}-{ns}"][1] == 0.0, (name, ns, out[f"{name}-{ns}"])
+    assert out["socket-True"][0] == out["socket-False"][0] == "hostile"
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    assert [p for p in _sandbox_pids()] == []
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _uid_of(pid) == 65534]
+
+
+def _uid_of(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def test_sandbox_kernel_layer_holds_when_the_audit_hook_is_bypassed(canary):
     """ctypes goes around the audit hook (reward-wise a known limit); the uid still cannot touch the canary."""
     code = (f"import ctypes\nlibc = ctypes.CDLL(None)\nr1 = libc.unlink(b'{canary}/keep.txt')\n"

@@ -23,6 +23,10 @@ signals to the trainer the parent is outside the pid namespace (``getppid()`` is
                        of another uid (EPERM)
 =====================  =============================================================
 
+Not root: no uid of its own (files are the trainer's: only the audit hook guards them), but an
+unprivileged user namespace still gives the network and pid namespaces (``userns``); RLIMIT_NPROC
+is then the trainer's own task count + ``max_procs``.
+
 Which isolation was used is reported in every result (``isolation``) and by the
 trainer's ``reward_source`` event. The launcher (this file run as a script, standard
 library only) is a separate process because the training rank is multi-threaded: namespaces
@@ -48,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 # clone(2) flags and mount(2) flags (linux/sched.h, linux/mount.h)
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -207,7 +212,7 @@ def _launch(cfg: dict) -> dict:
     import resource
 
     work, limits, token = cfg["work"], cfg["limits"], cfg["token"]
-    iso = {"uid": None, "netns": False, "pidns": False, "mountns": False, "network": "none"}
+    iso = {"uid": None, "userns": False, "netns": False, "pidns": False, "mountns": False, "network": "none"}
     root = os.geteuid() == 0
     libc = _libc() if sys.platform.startswith("linux") else None
     uid = UID_BASE + os.getpid() if root else os.getuid()
@@ -226,6 +231,12 @@ def _launch(cfg: dict) -> dict:
                 if os.path.isdir(d):
                     opts = f"size={limits['file_mb'] * 2}m,mode=1777".encode()
                     _try(libc, "mount", b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+    elif libc is not None and cfg.get("namespaces", True):
+        # not root: an unprivileged user namespace still gives no network and a pid namespace
+        # (files stay the trainer's own uid's: only the audit hook guards them)
+        if _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID):
+            iso["userns"] = iso["netns"] = iso["pidns"] = True
+    nproc = int(limits["max_procs"]) if root else _tasks_of(uid) + int(limits["max_procs"])
     os.makedirs(work, mode=0o700, exist_ok=True)  # under the fresh tmpfs /tmp when mountns
     if root:
         os.chown(work, uid, uid)
@@ -268,8 +279,9 @@ def _launch(cfg: dict) -> dict:
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
-                # counted per uid: this uid is the sandbox's own, so the count is the sandbox's
-                resource.setrlimit(resource.RLIMIT_NPROC, (int(limits["max_procs"]), int(limits["max_procs"])))
+            # counted per uid: as root the uid is the sandbox's own, so the count is the sandbox's; else
+            # the trainer's tasks are counted too, and the sandbox gets max_procs on top of them
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
             if libc is not None:
                 libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher dies -> so does the harness
             os.umask(0o077)
@@ -293,6 +305,8 @@ def _launch(cfg: dict) -> dict:
         timed_out = True
         _kill(pid)
         status_code = _reap(pid, time.monotonic() + 5.0)
+    if not iso["pidns"]:  # what is left of its session: children that outlived the harness (a member keeps the id)
+        _kill(pid, group_only=True)
     if root:
         _kill_uid(uid)
     return {"out": out.decode("utf-8", "replace"), "timed_out": timed_out, "wait_status": status_code,
@@ -339,8 +353,8 @@ def _reap(pid: int, deadline: float) -> int | None:
         time.sleep(0.01)
 
 
-def _kill(pid: int) -> None:
-    for target in (-pid, pid):  # its session's group, then itself (pid 1 of its namespace: all of it)
+def _kill(pid: int, group_only: bool = False) -> None:
+    for target in (-pid,) if group_only else (-pid, pid):  # its group, then itself (pid 1 of its namespace: all of it)
         try:
             os.kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -365,6 +379,17 @@ def _kill_uid(uid: int) -> None:
                 os._exit(0)
         os.waitpid(pid, 0)
         time.sleep(0.01)
+
+
+def _tasks_of(uid: int) -> int:
+    """Threads of ``uid`` (RLIMIT_NPROC counts threads)."""
+    n = 0
+    for pid in _pids_of(uid):
+        try:
+            n += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            pass
+    return n
 
 
 def _pids_of(uid: int) -> list[int]:
