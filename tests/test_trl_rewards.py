@@ -56,6 +56,8 @@ MATH_CASES = [
     ("What is 1 times 7?", "7", 0.0),
     ("What is 1 times 7? Put the final answer in \\boxed{}.", "7", 0.0),
     ("What is 1 times 7? It is 7", "7", 1.0),
+    ("What is 1 times 7? Put the final answer in \\boxed{}. So \\boxed{7}", "7", 1.0),  # echoed empty box
+    (r"Put it in \boxed{} like this: \boxed{7}", "7", 1.0),
     # adversarial: what reaches sympy is whitelisted (never evaluated as Python), no exponent bombs
     (r"\boxed{__import__('os').system('touch /tmp/ptops-pwned')}", "0", 0.0),
     (r"\boxed{9^9^9^9}", "1", 0.0),
@@ -366,6 +368,17 @@ def test_reward_recipes_validate(kind):
     assert prod.launch.nproc == 8 and prod.trl.model.hidden_size == 3584 and prod.trl.model.num_layers == 28
     with pytest.raises(RecipeError, match="key 'trl.reward'"):
         load(f"trl-grpo-{kind}-tiny", ["trl.reward=vibes"])
+
+
+def test_production_siblings_pass_dry_run():
+    """``ptops launch RECIPE --dry-run`` (what it checks for TRL recipes beyond the schema comes with the
+    trainers' part of issue 14)."""
+    from conftest import run_ptops
+
+    for kind in ("math", "judge", "code"):
+        proc = run_ptops("launch", f"trl-grpo-{kind}-7b-h100", "--dry-run", timeout=300)
+        assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-2000:]
+        assert "--nproc-per-node 8" in proc.stdout
 
 
 def test_reward_recipes_are_listed_in_the_readme():

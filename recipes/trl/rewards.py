@@ -125,17 +125,16 @@ def extract_answer(completion, prompt=None) -> tuple[str | None, str]:
     r"""(final answer text, how it was found) of a completion.
 
     Order: ``\boxed{}`` (several boxes with different answers are a hedge: ``(None, "ambiguous")``),
-    then the last "answer is N" / "answer: N", then the last number; the latter two ignore
-    text echoed from the prompt. ``how`` is ``boxed``, ``answer``, ``last_number``, ``ambiguous``
+    then the last "answer is N" / "answer: N", then the last number; all of it ignoring text
+    echoed from the prompt (an empty ``\boxed{}`` is no answer). ``how`` is ``boxed``, ``answer``, ``last_number``, ``ambiguous``
     or ``none``.
     """
-    text = _text(completion)
-    boxes = boxed_answers(text)
+    rest = strip_prompt_echo(_text(completion), prompt)
+    boxes = [b for b in boxed_answers(rest) if b]
     if boxes:
         if any(not answers_equal(b, boxes[-1]) for b in boxes[:-1]):
             return None, "ambiguous"
         return boxes[-1], "boxed"
-    rest = strip_prompt_echo(text, prompt)
     found = _ANSWER_IS.findall(rest)
     if found:
         return found[-1].rstrip(".,"), "answer"
