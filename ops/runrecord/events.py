@@ -43,6 +43,7 @@ class EventKind(StrEnum):
     PROFILE_REQUESTED = "profile_requested"
     PROFILE_CAPTURED = "profile_captured"
     PROFILE_FAILED = "profile_failed"
+    REWARD_SOURCE = "reward_source"
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -167,6 +168,10 @@ SPECS: dict[EventKind, EventSpec] = {
                                       "partial: the rank left before the last step; pause_s: what stopping and writing the trace held the rank)"),
     K.PROFILE_FAILED: EventSpec(("id", "rank", "attempt", "error"), ("first_step",),
                                 doc="a rank could not take its part of a profile (training went on)"),
+    K.REWARD_SOURCE: EventSpec(("reward",), ("funcs", "weights", "judge_path", "judge_kind", "judge_digest",
+                                              "judge_params", "sandbox", "sandbox_limits", *_RANK),
+                               doc="what a GRPO run's reward is: its functions and weights, the judge's identity "
+                                   "(path, sha256 of its weights) or the code sandbox's isolation"),
     K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
     K.FAILED: EventSpec(("reason",), ("attempt", "exit_code"), state=RunState.FAILED, severity="critical",
                         summary=True, doc="the run gave up (reason names the cause)"),
@@ -180,7 +185,7 @@ END_KINDS = frozenset({EventKind.COMPLETED, EventKind.FAILED, EventKind.STOPPED}
 # Kinds a rank may report itself over the channel (the supervisor records only these).
 RANK_KINDS = frozenset({EventKind.CHECKPOINT, EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_INVALID,
                         EventKind.ROLLBACK_APPLIED, EventKind.HOLD_RELEASED, EventKind.PROFILE_CAPTURED,
-                        EventKind.PROFILE_FAILED})
+                        EventKind.PROFILE_FAILED, EventKind.REWARD_SOURCE})
 # Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).
 MONITOR_FINDING_KINDS = frozenset({EventKind.STRAGGLER, EventKind.ANOMALY})
 FINDING_KINDS = frozenset(k for k, s in SPECS.items() if s.finding)

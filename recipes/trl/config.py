@@ -25,6 +25,27 @@ class TrlModel(_Strict):
         return self
 
 
+class TrlJudge(_Strict):
+    """``[trl.judge]``: the LLM judge of ``reward = "judge"`` (recipes/trl/judge.py)."""
+
+    path: str = Field("", description="a model directory (config.json, weights, tokenizer), e.g. a reward-model "
+                      "stage's checkpoint; empty: a tiny judge built locally from `model` (tests, demos)")
+    model: TrlModel = Field(TrlModel(seed=1234), description="shape and seed of the locally built tiny judge")
+    expect_digest: str = Field("", description="refuse to start unless the judge's weights have this sha256 "
+                               "(the digest is logged in the `reward_source` event)")
+    max_chars: int = Field(2000, ge=16, description="longest completion text the judge reads (the rest is cut)")
+
+
+class TrlSandbox(_Strict):
+    """``[trl.sandbox]``: limits of one completion's run for ``reward = "code"`` (recipes/trl/sandbox.py)."""
+
+    cpu_s: int = Field(2, ge=1, description="CPU seconds (RLIMIT_CPU); then SIGKILL")
+    wall_s: float = Field(10.0, gt=0, description="wall-clock seconds before the whole sandbox is killed")
+    memory_mb: int = Field(512, ge=64, description="address space (RLIMIT_AS)")
+    max_procs: int = Field(16, ge=1, description="processes of the sandbox's own uid (RLIMIT_NPROC)")
+    file_mb: int = Field(8, ge=1, description="largest file it may write (RLIMIT_FSIZE)")
+
+
 class TrlSection(_Strict):
     trainer: Literal["sft", "dpo", "grpo"]
     model: TrlModel = TrlModel()
@@ -40,11 +61,15 @@ class TrlSection(_Strict):
     num_generations: int = Field(4, ge=2, description="completions per prompt; must divide the global batch")
     max_completion_length: int = Field(16, ge=1)
     temperature: float = Field(1.0, gt=0)
-    reward: Literal["correct", "length"] = Field(
+    reward: Literal["correct", "length", "math", "judge", "code"] = Field(
         "correct",
-        description="GRPO training reward: `correct` (answer checked, + 0.2 x format) or `length` "
-        "(deliberately gameable: pays for characters; the held-out `verifier` is logged at weight 0)",
+        description="GRPO training reward: `correct` (answer checked, + 0.2 x format), `length` "
+        "(deliberately gameable: pays for characters; the held-out `verifier` is logged at weight 0), "
+        "`math` (final answer verified: boxed / 'answer:' / last number, fractions, sympy), `judge` "
+        "(an LLM judge's score, [trl.judge]), `code` (fraction of test asserts passed in a sandbox, [trl.sandbox])",
     )
+    judge: TrlJudge = TrlJudge()
+    sandbox: TrlSandbox = TrlSandbox()
     verifier: bool = Field(
         False, description="also log the held-out graded-correctness `verifier` reward (weight 0) as "
         "rewards/verifier/mean (always on with reward = \"length\")",

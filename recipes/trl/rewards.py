@@ -14,6 +14,13 @@ as ``rewards/verifier/mean`` with weight 0, so it never trains the policy. The
 ``reward_hacking`` monitor reads ``reward`` against ``rewards/verifier/mean``
 (and ``completions/mean_length``). The verifier is graded, not exact, so that an
 untrained tiny model starts above zero and a fall is visible.
+
+GRPO rewards beyond arithmetic (``[trl] reward``): ``math`` (:func:`math_verifier`: the
+final answer parsed and compared exactly, as fractions, or symbolically with sympy when it is
+installed), ``judge`` (an LLM judge, :mod:`ptops.recipes.trl.judge`), ``code`` (the completion
+run against test asserts in :mod:`ptops.recipes.trl.sandbox`). Every reward is a pure function
+of the completion text and the row's columns, so a resumed run computes the same rewards (the
+sandbox is the one that runs something; its outcome is still decided by the code alone).
 """
 
 from __future__ import annotations
@@ -61,23 +68,328 @@ def verifier(completions, answer, **_: object) -> list[float]:
     return out
 
 
+# ---------------------------------------------------------------- math verifier
+
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_IS = re.compile(
+    r"(?:final\s+answer|answer)\s*(?:is|:|=)\s*\$?\s*([-+\u2212]?[\d.,]+(?:\s*/\s*\d+)?|\\d?frac\{[^{}]*\}\{[^{}]*\})",
+    re.IGNORECASE,
+)
+_LAST_NUMBER = re.compile(r"[-+\u2212]?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
+_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_SQRT = re.compile(r"\\sqrt\s*\{([^{}]*)\}")
+_TEXT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}")
+# what sympy may see: numbers, single-letter symbols, sqrt, pi, + - * / ^ ( ); nothing that reaches Python
+_SAFE_EXPR = re.compile(r"^[0-9a-z+\-*/^(). ]{1,64}$")
+_NAMES = re.compile(r"[a-z]+")
+_ALLOWED_NAMES = {"sqrt", "pi"}
+
+
+def boxed_answers(text: str) -> list[str]:
+    r"""The contents of every ``\boxed{...}`` (braces balanced), in order."""
+    out = []
+    for m in _BOXED.finditer(text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            out.append(text[m.end(): i - 1].strip())
+    return out
+
+
+def _prompt_text(prompt) -> str:
+    if prompt is None:
+        return ""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(m.get("content", "") or "") for m in prompt if isinstance(m, dict))
+
+
+def strip_prompt_echo(text: str, prompt) -> str:
+    """The completion without what it copied from the prompt (the whole prompt, or any line of it
+    or sentence of it of 6+ characters): an echoed question must not supply the "last number"."""
+    ptext = _prompt_text(prompt).strip()
+    if not ptext:
+        return text
+    parts = re.split(r"\n|(?<=[.?!])\s+", ptext)
+    pieces = [ptext] + [x.strip() for x in parts if len(x.strip()) >= 6]
+    for piece in sorted(set(pieces), key=len, reverse=True):
+        text = text.replace(piece, " ")
+    return text
+
+
+def extract_answer(completion, prompt=None) -> tuple[str | None, str]:
+    r"""(final answer text, how it was found) of a completion.
+
+    Order: ``\boxed{}`` (several boxes with different answers are a hedge: ``(None, "ambiguous")``),
+    then the last "answer is N" / "answer: N", then the last number; all of it ignoring text
+    echoed from the prompt (an empty ``\boxed{}`` is no answer). ``how`` is ``boxed``, ``answer``, ``last_number``, ``ambiguous``
+    or ``none``.
+    """
+    rest = strip_prompt_echo(_text(completion), prompt)
+    boxes = [b for b in boxed_answers(rest) if b]
+    if boxes:
+        if any(not answers_equal(b, boxes[-1]) for b in boxes[:-1]):
+            return None, "ambiguous"
+        return boxes[-1], "boxed"
+    found = _ANSWER_IS.findall(rest)
+    if found:
+        return found[-1].rstrip(".,"), "answer"
+    found = _LAST_NUMBER.findall(rest)
+    if found:
+        return found[-1].rstrip(".,"), "last_number"
+    return None, "none"
+
+
+def normalise_answer(s: str) -> str:
+    r"""A canonical spelling: no ``$``/spaces/``\left``, ``\frac{a}{b}`` -> ``(a)/(b)``, thousands
+    separators dropped, unicode minus, ``x = 3`` -> ``3``."""
+    s = str(s).strip().replace("\u2212", "-").replace("$", "")
+    s = _TEXT.sub(r"\1", s)
+    for tok in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\ ", "\\displaystyle"):
+        s = s.replace(tok, "")
+    s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\pi", "pi")
+    for _ in range(4):  # nested fractions, innermost first
+        s = _FRAC.sub(r"(\1)/(\2)", s)
+        s = _SQRT.sub(r"sqrt(\1)", s)
+    if "=" in s:  # "x = 3" -> "3"
+        s = s.rsplit("=", 1)[1]
+    s = s.strip().rstrip(".").strip()
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
+    return re.sub(r"\s+", "", s).lower()
+
+
+def _as_fraction(s: str):
+    from fractions import Fraction
+
+    t = s.replace("(", "").replace(")", "") if re.fullmatch(r"\(?[-+]?\d+\)?/\(?\d+\)?", s) else s
+    try:
+        return Fraction(t)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _sympy_expr(s: str):
+    """A sympy expression of a whitelisted answer, or None. Never evaluates anything else: only
+    numbers, single-letter symbols, sqrt, pi and arithmetic pass, with one small exponent at most."""
+    if not _SAFE_EXPR.match(s) or re.search(r"[a-z)]\.", s) or re.search(r"\d{13,}", s):
+        return None
+    if any(len(n) > 1 and n not in _ALLOWED_NAMES for n in _NAMES.findall(s)):
+        return None
+    powers = re.findall(r"(?:\^|\*\*)\s*\(?\s*([^\s()]+)", s)
+    if len(powers) > 1 or any(not re.fullmatch(r"-?\d{1,2}|[a-z]", p) for p in powers):
+        return None
+    try:
+        import sympy
+        from sympy.parsing.sympy_parser import (
+            convert_xor,
+            implicit_multiplication_application,
+            parse_expr,
+            standard_transformations,
+        )
+    except ImportError:
+        return None
+    names = {chr(c): sympy.Symbol(chr(c)) for c in range(ord("a"), ord("z") + 1)}
+    names.update(sqrt=sympy.sqrt, pi=sympy.pi)
+    transforms = standard_transformations + (implicit_multiplication_application, convert_xor)
+    try:
+        return parse_expr(s, local_dict=names, transformations=transforms, evaluate=True)
+    except Exception:  # noqa: BLE001 - anything sympy rejects is "not an answer"
+        return None
+
+
+def answers_equal(got: str, want: str) -> bool:
+    """Exact equality of two final answers: as fractions (``0.5`` == ``1/2`` == ``\\frac{1}{2}``), else
+    symbolically with sympy when it is installed (``2x+1`` == ``1+2*x``), else as normalised text."""
+    a, b = normalise_answer(got), normalise_answer(want)
+    if a == b and a:
+        return True
+    fa, fb = _as_fraction(a), _as_fraction(b)
+    if fa is not None and fb is not None:
+        return fa == fb
+    ea, eb = _sympy_expr(a), _sympy_expr(b)
+    if ea is not None and eb is not None:
+        try:
+            import sympy
+
+            return bool(sympy.simplify(ea - eb) == 0)
+        except Exception:  # noqa: BLE001
+            return False
+    return False
+
+
+def math_verifier(completions, answer, prompts=None, **_: object) -> list[float]:
+    """1.0 when the completion's final answer (:func:`extract_answer`) equals the row's ``answer``, else 0.0."""
+    prompts = prompts if prompts is not None else [None] * len(completions)
+    out = []
+    for completion, expected, prompt in zip(completions, answer, prompts):
+        got, _how = extract_answer(completion, prompt)
+        out.append(1.0 if got is not None and answers_equal(got, str(expected)) else 0.0)
+    return out
+
+
+math_verifier.__name__ = "math"
+
+
+def math_dataset(n: int = 256, seed: int = 5) -> list[dict]:
+    """GRPO rows ``{"prompt", "answer"}``: fraction and decimal arithmetic whose answers need the
+    verifier's normalisation (``3/4`` vs ``0.75`` vs ``\\frac{3}{4}``)."""
+    import random
+    from fractions import Fraction
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            a, b = Fraction(rng.randint(1, 9), rng.randint(2, 9)), Fraction(rng.randint(1, 9), rng.randint(2, 9))
+            q, ans = f"What is {a} + {b}?", a + b
+        elif kind == 1:
+            a, b = rng.randint(1, 40) / 4, rng.randint(1, 40) / 4
+            q, ans = f"What is {a} plus {b}?", Fraction(a) + Fraction(b)
+        else:
+            a, b = rng.randint(2, 12), rng.randint(2, 12)
+            q, ans = f"What is {a * b} divided by {b}?", Fraction(a)
+        rows.append({"prompt": [{"role": "user", "content": q + " Put the final answer in \\boxed{}."}],
+                     "answer": str(ans)})
+    return rows
+
+
+
+# ---------------------------------------------------------------- code reward
+
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+CODE_TASKS = (
+    ("add(a, b)", "returns a plus b", "add", lambda a, b: a + b),
+    ("sub(a, b)", "returns a minus b", "sub", lambda a, b: a - b),
+    ("mul(a, b)", "returns a times b", "mul", lambda a, b: a * b),
+    ("biggest(a, b)", "returns the larger of a and b", "biggest", max),
+    ("smallest(a, b)", "returns the smaller of a and b", "smallest", min),
+)
+
+
+def extract_code(completion) -> str:
+    """The completion's last fenced Python block, or the whole text when it has none."""
+    text = _text(completion)
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+def _compiles(code: str) -> bool:
+    import ast
+
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    return bool(code.strip())
+
+
+def code_format(completions, **_: object) -> list[float]:
+    """Shaped: 1.0 when the completion's code parses as Python (parsed, never run)."""
+    return [1.0 if _compiles(extract_code(c)) else 0.0 for c in completions]
+
+
+class CodeReward:
+    """Fraction of the row's ``tests`` (assert statements) that pass when the completion's code runs
+    in :func:`ptops.recipes.trl.sandbox.run_code`. Every completion runs, even one that does not parse
+    (it scores 0 there): one path for all, and the sandbox is exercised from the first step of a tiny
+    run. ``last`` keeps the latest results (status, isolation) for logging."""
+
+    __name__ = "code"
+
+    def __init__(self, limits=None) -> None:
+        from ptops.recipes.trl.sandbox import Limits
+
+        self.limits = limits or Limits()
+        self.last: list = []
+
+    def __call__(self, completions, tests, log_metric=None, **_: object) -> list[float]:
+        from ptops.recipes.trl.sandbox import run_code
+
+        self.last = [run_code(extract_code(c), list(t), self.limits) for c, t in zip(completions, tests)]
+        if callable(log_metric):  # per step: how many ran, and how many ended badly (sandbox_* records)
+            log_metric("sandbox/runs", float(len(self.last)))
+            log_metric("sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last)))
+            log_metric("sandbox/hostile", float(sum(r.status == "hostile" for r in self.last)))
+            log_metric("sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last)))
+        return [r.reward for r in self.last]
+
+
+def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
+    """GRPO rows ``{"prompt", "tests"}``: write a two-argument function; three asserts check it."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        sig, does, name, fn = CODE_TASKS[i % len(CODE_TASKS)]
+        args = [(rng.randint(-9, 9), rng.randint(-9, 9)) for _ in range(3)]
+        tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in args]
+        rows.append({"prompt": [{"role": "user", "content": f"Write a Python function {sig} that {does}."}],
+                     "tests": tests})
+    return rows
+
+
+def reward_dataset(section, n: int | None = None) -> list[dict]:
+    """The GRPO rows the recipe's reward reads: arithmetic (correct, length, judge), math or code."""
+    from ptops.recipes import assets
+
+    n = n if n is not None else section.dataset_size
+    if section.reward == "math":
+        return math_dataset(n)
+    if section.reward == "code":
+        return code_dataset(n)
+    return assets.prompt_dataset(n)
+
+
 REWARD_FUNCS = [correct, format]
 REWARD_WEIGHTS = [1.0, 0.2]
 
 
-def reward_setup(reward: str = "correct", with_verifier: bool = False) -> tuple[list, list[float]]:
+def reward_setup(reward: str = "correct", with_verifier: bool = False, section=None, probe=None) -> tuple[list, list[float]]:
     """(reward functions, weights) for ``[trl] reward`` / ``[trl] verifier``.
 
     ``correct``: correctness + 0.2 x format (the default). ``length``: the gameable length
     reward, with the held-out ``verifier`` always logged at weight 0. ``with_verifier`` adds
     the weight-0 verifier to ``correct`` too (logged only; the training reward is unchanged).
+    ``math``: the math verifier + 0.2 x format. ``judge``: the ``[trl.judge]`` judge's score (loaded
+    here, before training: see judge.py). ``code``: the sandboxed test pass rate + 0.2 x
+    code_format. Rank 0 of ``probe`` reports a ``reward_source`` event: which reward, and the
+    judge's identity or the sandbox's isolation, so that a run scored by the wrong judge, or
+    by a sandbox without its namespaces, is visible in the run directory.
     """
+    source: dict = {"reward": reward}
     if reward == "length":
-        return [length, verifier], [1.0, 0.0]
-    if reward != "correct":
-        raise ValueError(f"[trl].reward: unknown reward {reward!r} (expected 'correct' or 'length')")
-    funcs, weights = list(REWARD_FUNCS), list(REWARD_WEIGHTS)
-    if with_verifier:
-        funcs.append(verifier)
-        weights.append(0.0)
+        funcs, weights = [length, verifier], [1.0, 0.0]
+    elif reward == "correct":
+        funcs, weights = list(REWARD_FUNCS), list(REWARD_WEIGHTS)
+        if with_verifier:
+            funcs.append(verifier)
+            weights.append(0.0)
+    elif reward == "math":
+        funcs, weights = [math_verifier, format], [1.0, 0.2]
+    elif reward == "judge":
+        from ptops.recipes.trl.judge import JudgeReward, load_judge
+
+        judge = load_judge(section.judge)
+        funcs, weights = [JudgeReward(judge)], [1.0]
+        source.update(judge.identity())
+    elif reward == "code":
+        from ptops.recipes.trl.sandbox import Limits, isolation_available
+
+        limits = Limits(**section.sandbox.model_dump()) if section is not None else Limits()
+        funcs, weights = [CodeReward(limits), code_format], [1.0, 0.2]
+        source["sandbox"] = isolation_available()
+        source["sandbox_limits"] = section.sandbox.model_dump() if section is not None else {}
+    else:
+        raise ValueError(f"[trl].reward: unknown reward {reward!r} (expected correct, length, math, judge or code)")
+    if probe is not None and getattr(probe, "rank", 0) == 0:
+        probe.event("reward_source", **source, weights=weights,
+                    funcs=[getattr(f, "__name__", type(f).__name__) for f in funcs])
     return funcs, weights

@@ -385,9 +385,10 @@ def build_trainer(recipe, probe, run: RunDir):
     if sec.trainer == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        from ptops.recipes.trl.rewards import reward_setup
+        from ptops.recipes.trl.rewards import reward_dataset, reward_setup
 
-        reward_funcs, reward_weights = reward_setup(sec.reward, sec.verifier)
+        # [trl] reward picks the functions and the rows they read (rewards.py); rank 0 reports reward_source
+        reward_funcs, reward_weights = reward_setup(sec.reward, sec.verifier, section=sec, probe=probe)
 
         config = GRPOConfig(
             **args,
@@ -399,7 +400,7 @@ def build_trainer(recipe, probe, run: RunDir):
             reward_weights=reward_weights,
             log_completions=False,
         )
-        data = Dataset.from_list(assets.prompt_dataset(sec.dataset_size))
+        data = Dataset.from_list(reward_dataset(sec))
         cls = _make_trainer_class(GRPOTrainer, probe, tally, saves)
         return cls(
             model=model,
