@@ -356,6 +356,8 @@ class Probe:
         elif cmd == "stop":
             self._stop_requested.set()
             self._send({"t": "stop_ack", "supported": self._accepts_stop, "step": self._step})
+            if msg.get("release_holds"):  # a preemption: a held rank goes on to the step boundary and saves
+                self.injector.release()
         elif cmd == "fault":
             from ptops.faultinject.spec import Fault
 
