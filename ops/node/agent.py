@@ -39,6 +39,7 @@ from ptops.ops.rank.channel import (
     ENV_ADDRESS,
     ENV_TOKEN,
     KEEPALIVE,
+    KEEPALIVE_S,
     MAX_LINE,
     RELAY,
     RELAY_GONE,
@@ -227,7 +228,11 @@ class Agent:
         threading.Thread(target=self.relay_loop, name="ptops-node-relay", daemon=True).start()
         self.start_ranks()
         rc: int | None = None
+        next_ka = 0.0
         while not self.done.is_set():
+            if time.monotonic() >= next_ka:  # the supervisor tells a cut link from a quiet node by these
+                next_ka = time.monotonic() + KEEPALIVE_S
+                self.up.send({"t": KEEPALIVE})
             rc = self.proc.poll()
             if rc is not None:
                 self.stop(f"torchrun exited {rc}")

@@ -34,6 +34,7 @@ class Peer:
     via: "Peer | None" = None  # a relayed rank: the node agent's connection it arrives on
     sub: int = 0  # a relayed rank: the agent's number for it
     subs: dict = field(default_factory=dict)  # a node agent: sub -> its virtual peers
+    last_rx: float = 0.0  # monotonic time of the last bytes from this connection (a node's keepalives)
 
     @property
     def role(self) -> str:
@@ -141,6 +142,7 @@ class ChannelServer:
             self._drop(peer)
             return
         peer.buf += data
+        peer.last_rx = time.monotonic()
         if len(peer.buf) > MAX_LINE:
             self._drop(peer)
             return
@@ -168,8 +170,9 @@ class ChannelServer:
                 peer.authed = True
                 self.inbox.put((peer, {**msg, "t": "_hello"}, now))
                 continue
-            if peer.role == ROLE_NODE and msg.get("t") in (RELAY, RELAY_GONE):
-                self._relayed(peer, msg, now)
+            if peer.role == ROLE_NODE and msg.get("t") in (RELAY, RELAY_GONE, KEEPALIVE):
+                if msg["t"] != KEEPALIVE:
+                    self._relayed(peer, msg, now)
                 continue
             self.inbox.put((peer, msg, now))
 

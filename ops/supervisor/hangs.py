@@ -116,9 +116,15 @@ class HangMixin:
             by_node.setdefault(node, {})[str(info.rank)] = info.pid
             peers[node] = info.peer.via
         out: dict[int, str] = {}
+        now = time.monotonic()
         for node, pids in by_node.items():
-            self.server.send(peers[node], {"cmd": "pystacks", "id": self.attempt, "pids": pids})
             out.update({int(r): node for r in pids})
+            if now - peers[node].last_rx > self.cfg.hang.ping_stale_s:  # no keepalive: a cut link, do not wait
+                for r in pids:
+                    self.node_stacks[int(r)] = {"text": None, "node": node,
+                                                "note": f"node unreachable (silent {now - peers[node].last_rx:.0f} s)"}
+                continue
+            self.server.send(peers[node], {"cmd": "pystacks", "id": self.attempt, "pids": pids})
         deadline = time.monotonic() + self.cfg.stack_timeout_s + 20.0  # py-spy's own timeout is 20 s
         while out and time.monotonic() < deadline and not all(r in self.node_stacks for r in out):
             if any(p.hello.get("gone_ts") for p in peers.values() if p is not None) and \
