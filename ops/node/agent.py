@@ -105,7 +105,7 @@ class Agent:
         env = dict(self.env)
         env[ENV_ADDRESS] = f"127.0.0.1:{self._listen.getsockname()[1]}"
         env[ENV_TOKEN] = self.local_token
-        env["PTOPS_SUPERVISOR_PID"] = str(os.getpid())  # the agent runs py-spy here (PR_SET_PTRACER)
+        env["PTOPS_PTRACER_PID"] = str(os.getpid())  # the agent runs py-spy here (PR_SET_PTRACER)
         env["PTOPS_NODE"] = self.node
         log_dir = self.env.get("PTOPS_NODE_LOG_DIR")
         path = os.path.join(log_dir, f"torchrun-{self.node}.log") if log_dir else os.devnull

@@ -72,6 +72,7 @@ class SlurmSupervisor(Supervisor):
         self.spares = usable[self.n_nodes:]
         self.preempting = False
         self.stop_extra: dict = {}
+        self.findings.exclude_node = self._exclude_straggler
 
     # ------------------------------------------------------------ the attempt as an srun step
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
@@ -116,6 +117,35 @@ class SlurmSupervisor(Supervisor):
             return self._blame_node(outcome)
         return None
 
+    def _exclude_straggler(self, node: str, reason: str) -> str | None:
+        """A straggler monitor's ``exclude_node``: a strike; at the limit a spare takes the node's place
+        from the next attempt (training goes on meanwhile; no restart just for this)."""
+        if node not in self.active:
+            return None
+        before = list(self.active)
+        self._strike(node, [r.rank for r in self.ranks.values() if r.host == node], f"straggler: {reason}")
+        if self.active != before:
+            return f"strike {self.strikes[node]}; replaced by spare {self.active[before.index(node)]} from the next attempt"
+        return f"strike {self.strikes[node]} of {self.slurm.node_strikes} against {node}"
+
+    def _strike(self, node: str, ranks: list, reason: str) -> bool:
+        """One strike; at the limit the node is swapped for a spare. True when the limit is reached
+        and no spare is left (the caller resubmits without it)."""
+        self.strikes[node] = self.strikes.get(node, 0) + 1
+        limit = self.slurm.node_strikes
+        self.event(EventKind.NODE_BLAMED, attempt=self.attempt, node=node, strikes=self.strikes[node],
+                   reason=reason, ranks=sorted(r for r in ranks if r is not None), limit=limit)
+        self.say(f"node {node}: strike {self.strikes[node]} of {limit} ({reason[:80]})")
+        if self.strikes[node] < limit:
+            return False
+        if self.spares:
+            spare = self.spares.pop(0)
+            self.active[self.active.index(node)] = spare
+            self.event(EventKind.NODE_REPLACED, attempt=self.attempt, node=node, by=spare, spares_left=len(self.spares))
+            self.say(f"node {node} replaced by spare {spare} from the next attempt ({len(self.spares)} spare(s) left)")
+            return False
+        return True
+
     def _blame_node(self, outcome: Outcome) -> int | None:
         ranks = outcome.detail.get("ranks") if outcome.kind == "hang" else [outcome.detail.get("rank")]
         hosts = {self.rank_host(r) for r in (ranks or []) if r is not None}
@@ -125,18 +155,7 @@ class SlurmSupervisor(Supervisor):
         node = hosts.pop()
         if node not in self.active:
             return None
-        self.strikes[node] = self.strikes.get(node, 0) + 1
-        limit = self.slurm.node_strikes
-        self.event(EventKind.NODE_BLAMED, attempt=self.attempt, node=node, strikes=self.strikes[node],
-                   reason=outcome.reason, ranks=sorted(r for r in ranks if r is not None), limit=limit)
-        self.say(f"node {node}: strike {self.strikes[node]} of {limit} ({outcome.kind})")
-        if self.strikes[node] < limit:
-            return None
-        if self.spares:
-            spare = self.spares.pop(0)
-            self.active[self.active.index(node)] = spare
-            self.event(EventKind.NODE_REPLACED, attempt=self.attempt, node=node, by=spare, spares_left=len(self.spares))
-            self.say(f"node {node} replaced by spare {spare} from the next attempt ({len(self.spares)} spare(s) left)")
+        if not self._strike(node, list(ranks or []), outcome.reason):
             return None
         return self._resubmit_without(node)
 
