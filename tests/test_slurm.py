@@ -177,7 +177,9 @@ def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(slurm_c
     Attempt 2: n2's node agent SIGKILLed -> its rank dies with it, the attempt restarts. Attempt 3 completes
     digest-equal."""
     run = tmp_path / "run"
-    job = submit(slurm_cluster, run, "--set", "slurm.node_strikes=5",
+    # kill_timeout_s=10: the supervisor's own teardown (which would kill every rank of the run) waits that
+    # long after the agent's connection drops, so a rank gone before then went with its agent
+    job = submit(slurm_cluster, run, "--set", "slurm.node_strikes=5", "--set", "supervisor.kill_timeout_s=10",
                  "--fault", "hold:step=8", "--fault", "hold:step=8,attempt=2")
     wait_for(slurm_cluster, run, job, lambda evs: held(evs, 1), "attempt 1 held")
     victim = next(r for r in status(run)["ranks"] if r["rank"] == 1)
@@ -196,11 +198,13 @@ def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(slurm_c
     agent = agent_pid(run, 2, "n2")
     os.kill(agent, signal.SIGKILL)
     assert gone(ranks[1]["pid"]), "rank 1 outlived its node agent"
+    rank1_gone = time.time()
     wait_job_gone(slurm_cluster, job)
     evs = events(run)
     assert evs[-1]["kind"] == "completed", job_output(run)[-3000:]
     crash = [e for e in events(run, "crash") if e["attempt"] == 2]
     assert crash and crash[0]["rank"] == 1, events(run, "crash")
+    assert rank1_gone < crash[0]["ts"] - 5, "rank 1 died in the supervisor's teardown, not with its agent"
     assert [e["attempt"] for e in events(run, "launch")] == [1, 2, 3]
     assert digest(run) == reference_digest
     assert run_pids(run) == []
