@@ -76,6 +76,24 @@ class SupervisorSection(_Strict):
     hang: HangConfig = Field(HangConfig(), description="hang budgets (monitors/hang.py)")
 
 
+class SlurmSection(_Strict):
+    """``[slurm]``: how ``ptops launch --supervise --slurm`` asks Slurm for nodes (CLI flags override)."""
+
+    nodes: int = Field(1, ge=1, le=4096, description="nodes the ranks run on (launch.nproc ranks per node)")
+    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs per node (--gpus-per-node; sets launch.nproc); 0: no GPU request")
+    spare_nodes: int = Field(0, ge=0, le=64, description="extra nodes held in the allocation to replace blamed nodes without requeueing")
+    partition: str = Field("", description="--partition; empty: the cluster's default")
+    time: str = Field("", description="--time (e.g. 04:00:00); empty: the partition's default")
+    account: str = Field("", description="--account")
+    qos: str = Field("", description="--qos")
+    signal_s: int = Field(120, ge=10, description="--signal=B:USR1@S: seconds before the time limit the supervisor is warned (save, then requeue)")
+    exclude: list[str] = Field(default_factory=list, description="nodes never to use (--exclude)")
+    node_strikes: int = Field(2, ge=1, description="failed attempts blamed on one node before it is replaced by a spare (or the job requeued without it)")
+    preempt_grace_s: float = Field(60.0, gt=0, description="on the warning signal: how long the ranks get to save before the requeue")
+    upstream_timeout_s: float = Field(10.0, gt=0, description="a node agent kills its ranks when it hears nothing from the supervisor this long (a cut link)")
+    sbatch_args: list[str] = Field(default_factory=list, description="extra #SBATCH options, e.g. [\"--mem=0\"]")
+
+
 # Flat ``[supervisor]`` keys of earlier versions -> where they live now (one clear line, exit 2).
 MOVED_KEYS = {
     "supervisor.hang_multiplier": "supervisor.hang.multiplier",
@@ -97,6 +115,7 @@ class RecipeBase(_Strict):
     checkpoint: CheckpointSection = CheckpointSection()
     supervisor: SupervisorSection = SupervisorSection()
     monitors: MonitorsSection = MonitorsSection()
+    slurm: SlurmSection = SlurmSection()
 
     def engine_section(self) -> Any:
         section = getattr(self, self.engine)

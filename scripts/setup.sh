@@ -31,11 +31,16 @@ apt_tools() {
   local missing=()
   command -v jq >/dev/null 2>&1 || missing+=(jq)
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  # the Slurm tests start a real multi-node Slurm on this machine (scripts/slurm_cluster.sh)
+  command -v slurmctld >/dev/null 2>&1 || missing+=(slurmctld)
+  command -v slurmd >/dev/null 2>&1 || missing+=(slurmd)
+  command -v sbatch >/dev/null 2>&1 || missing+=(slurm-client)
+  command -v munged >/dev/null 2>&1 || missing+=(munge)
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=""
   if [ "$(id -u)" != 0 ]; then
     command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && sudo="sudo" || {
-      echo "setup: note: install ${missing[*]} (apt-get install ${missing[*]}): runbooks need jq, the HTML report test chromium" >&2
+      echo "setup: note: install ${missing[*]} (apt-get install ${missing[*]}): runbooks need jq, the HTML report test chromium, the Slurm tests slurmctld slurmd slurm-client munge" >&2
       return 0; }
   fi
   command -v apt-get >/dev/null 2>&1 || { echo "setup: note: install ${missing[*]} yourself (no apt-get)" >&2; return 0; }

@@ -50,3 +50,15 @@ def faulted_runs(tmp_path_factory):
     from faulted import FaultedRuns
 
     return FaultedRuns(tmp_path_factory.mktemp("faulted"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """One real 3-node Slurm (scripts/slurm_cluster.sh) shared by every Slurm test; removed at the end."""
+    from slurm_cluster import Cluster
+
+    cluster = Cluster.start(nodes=3)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -17,6 +17,8 @@ ALLOWED: dict[str, set[str]] = {
     "recipes": {"ops/runrecord", "ckpt", "monitors"},
     "ops/supervisor": {"ops/runrecord", "ops/rank", "monitors", "ckpt", "faultinject", "recipes"},
     "ops/obs": {"ops/runrecord", "monitors"},
+    "ops/node": {"ops/rank", "ops/supervisor"},  # the wire format; procs and py-spy helpers
+    "ops/slurm": {"ops/runrecord", "ops/rank", "ops/supervisor", "faultinject", "recipes"},
     "diagnostics": {"ops/runrecord", "monitors", "ckpt"},
 }
 CHAOS_ONLY = {"ops/runrecord", "ops/supervisor", "recipes"}

@@ -53,6 +53,12 @@ def launch(
     mlflow_uri: Annotated[Optional[str], typer.Option("--mlflow-uri", help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs root>/mlflow.db beside the run directories.")] = None,
     mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="Log params, per-step metrics, events and an incident summary to MLflow.")] = True,
     fault: Annotated[list[str], typer.Option("--fault", help="Inject a fault, e.g. crash:rank=1,step=12 (repeatable; first attempt only unless attempt=N).")] = [],
+    slurm: Annotated[bool, typer.Option("--slurm", help="With --supervise: submit to Slurm (sbatch). The supervisor runs in the batch step, each attempt is an srun step of one node agent per node; --dry-run prints the sbatch script. Recipe section [slurm] holds the same keys.")] = False,
+    spare_nodes: Annotated[Optional[int], typer.Option("--spare-nodes", min=0, help="--slurm: extra nodes held to replace a blamed node without requeueing.")] = None,
+    partition: Annotated[Optional[str], typer.Option("--partition", help="--slurm: partition.")] = None,
+    time_limit: Annotated[Optional[str], typer.Option("--time", help="--slurm: time limit (e.g. 04:00:00); the supervisor saves and requeues on the warning signal before it.")] = None,
+    account: Annotated[Optional[str], typer.Option("--account", help="--slurm: account.")] = None,
+    qos: Annotated[Optional[str], typer.Option("--qos", help="--slurm: quality of service.")] = None,
 ) -> None:
     """Run a recipe's ranks with torchrun, checkpoint as the recipe says, resume on rerun.
 
@@ -61,16 +67,29 @@ def launch(
       ptops launch recipes/trl-grpo-tiny.toml --set train.steps=40 --set launch.nproc=2\n
       ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run\n
       ptops launch llama3-70b-h200 --dry-run --nodes 16 --gpus-per-node 8\n
-      ptops launch titan-tiny --supervise --fault crash:rank=1,step=12
+      ptops launch titan-tiny --supervise --fault crash:rank=1,step=12\n
+      ptops launch titan-tiny --supervise --slurm --nodes 2 --spare-nodes 1 --time 04:00:00
     """
     from ptops.ops.cli.supervise import parse_faults
     from ptops.ops.supervisor import launcher
     from ptops.recipes.schema import RecipeError, dump_json, load
 
     faults = parse_faults(fault)
+    if slurm and not supervise:
+        fail("--slurm: add --supervise (a Slurm job always runs under the supervisor)")
     try:
+        if slurm:
+            from ptops.ops.cli import slurm as slurm_cli
+            from ptops.ops.slurm.commands import SlurmError
+
+            set_ = [*set_, *slurm_cli.overrides(nodes, gpus_per_node, spare_nodes, partition, time_limit, account, qos)]
         rec, path = load(recipe, set_)
         target = run_dir or launcher.default_run_dir(rec)
+        if slurm:
+            try:
+                raise typer.Exit(slurm_cli.run(rec, path, target, fault, dry_run, json_out))
+            except SlurmError as e:
+                fail(f"slurm: {e}")
         if dry_run:
             from ptops.ops.runrecord.rundir import RunDir
 

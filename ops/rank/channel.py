@@ -15,6 +15,31 @@ ranks send ``beat`` / ``ping`` / ``metrics`` / ``fault`` / ``stacks`` / ``exit``
 messages, and the supervisor sends commands (``{"cmd": "stacks", "id": 1}``,
 ``{"cmd": "stop", ...}``, ``{"cmd": "fault", ...}``). ``role: "control"``
 connections (``ptops inject``) send one request and read one answer.
+
+Node relay (multi-node runs, ``ops/node/agent.py``): the ranks of a node connect to their
+node agent on loopback exactly as above (the agent's own address and token), and the agent
+carries all of them over ONE connection to the supervisor, opened with::
+
+    {"t": "hello", "token": "...", "role": "node", "node": "n2", "node_rank": 1, "pid": 77, "host": "n2", "attempt": 1}
+
+Frames on that connection (one JSON object per line, as everywhere):
+
+- agent -> supervisor ``{"t": "r", "c": 3, "m": {...}}``: message ``m`` of the agent's local rank
+  connection ``c`` (the agent's own number). The first ``m`` of a ``c`` is that rank's hello with
+  the token removed (the agent checked it); the supervisor then sees a virtual peer per ``c`` and
+  every later ``m`` exactly as if the rank were connected directly (same handlers, same records).
+- agent -> supervisor ``{"t": "g", "c": 3}``: connection ``c`` closed (the supervisor's ``_eof``).
+- supervisor -> agent ``{"t": "r", "c": 3, "m": {"cmd": ...}}``: a command for rank ``c``.
+- supervisor -> agent ``{"t": "ka"}`` every ``KEEPALIVE_S``: the agent kills its ranks when the
+  supervisor's connection closes or stays silent for ``PTOPS_NODE_UPSTREAM_TIMEOUT_S``
+  (a network cut gives no EOF).
+- supervisor -> agent ``{"cmd": "pystacks", "id": N, "pids": {"RANK": PID}}`` -> agent replies
+  ``{"t": "node_stacks", "id": N, "stacks": {"RANK": {"text": "...", "note": "..."}}}`` (py-spy on
+  its node: the supervisor cannot ptrace a process on another host); ``{"cmd": "kill"}``.
+- agent -> supervisor ``{"t": "node_exit", "code": RC}`` when its torchrun ended.
+
+The agent forwards a rank's line without re-encoding it (``relay_frame``), so a relay costs one
+JSON parse on the supervisor, as a direct connection does.
 """
 
 from __future__ import annotations
@@ -31,6 +56,18 @@ from typing import Any, Callable
 MAX_LINE = 16 * 1024 * 1024
 ENV_ADDRESS = "PTOPS_CHANNEL"
 ENV_TOKEN = "PTOPS_CHANNEL_TOKEN"
+
+
+ROLE_NODE = "node"
+RELAY = "r"  # a relayed rank message
+RELAY_GONE = "g"  # a relayed rank connection closed
+KEEPALIVE = "ka"
+KEEPALIVE_S = 2.0
+
+
+def relay_frame(cid: int, raw: bytes) -> bytes:
+    """One relayed rank line (``raw``: a JSON object without its newline), as sent upstream."""
+    return b'{"t":"r","c":%d,"m":%s}\n' % (cid, raw)
 
 
 def new_token() -> str:
@@ -90,6 +127,18 @@ class ChannelClient:
         try:
             with self._lock:
                 self.sock.sendall(encode(obj))
+            return True
+        except OSError:
+            self.broken = True
+            return False
+
+    def send_raw(self, data: bytes) -> bool:
+        """An already encoded line (the node agent's relay)."""
+        if self.broken:
+            return False
+        try:
+            with self._lock:
+                self.sock.sendall(data)
             return True
         except OSError:
             self.broken = True

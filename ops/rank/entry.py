@@ -94,9 +94,10 @@ def _test_world_of_one(rank: int) -> None:
 
 def main() -> None:
     die_with_parent()
-    supervisor = int(os.environ.get("PTOPS_SUPERVISOR_PID") or 0)
-    if supervisor:
-        _prctl(PR_SET_PTRACER, supervisor)  # Yama: let the supervisor (py-spy) read our stacks
+    # Yama: let the supervisor (py-spy) read our stacks; on a node of a multi-node run, the node agent
+    tracer = int(os.environ.get("PTOPS_PTRACER_PID") or os.environ.get("PTOPS_SUPERVISOR_PID") or 0)
+    if tracer:
+        _prctl(PR_SET_PTRACER, tracer)
 
     from ptops.ops.rank.probe import Probe, attempt_from_env
     from ptops.recipes.schema import from_json

@@ -356,9 +356,10 @@ class Probe:
         elif cmd == "stop":
             self._stop_requested.set()
             self._send({"t": "stop_ack", "supported": self._accepts_stop, "step": self._step})
-            if self._accepts_stop:
+            if self._accepts_stop or msg.get("release_holds"):
                 # a held rank cannot reach the step end where the ranks agree to save: an operator's
-                # stop outranks a declared pause (the flag is set first, so the released step sees it)
+                # stop (or a preemption) outranks a declared pause (the flag is set first, so the
+                # released step sees it)
                 self.injector.release()
         elif cmd == "fault":
             from ptops.faultinject.spec import Fault

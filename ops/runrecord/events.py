@@ -44,6 +44,12 @@ class EventKind(StrEnum):
     PROFILE_CAPTURED = "profile_captured"
     PROFILE_FAILED = "profile_failed"
     REWARD_SOURCE = "reward_source"
+    SLURM_SUBMITTED = "slurm_submitted"
+    SLURM_ALLOCATION = "slurm_allocation"
+    NODE_BLAMED = "node_blamed"
+    NODE_REPLACED = "node_replaced"
+    PREEMPTED = "preempted"
+    SLURM_REQUEUE = "slurm_requeue"
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -172,6 +178,21 @@ SPECS: dict[EventKind, EventSpec] = {
                                               "judge_params", "sandbox", "sandbox_limits", *_RANK),
                                doc="what a GRPO run's reward is: its functions and weights, the judge's identity "
                                    "(path, sha256 of its weights) or the code sandbox's isolation"),
+    K.SLURM_SUBMITTED: EventSpec(("job_id", "script"), ("nodes", "spare_nodes", "exclude"),
+                                 doc="`ptops launch --slurm` submitted the run (sbatch --parsable)"),
+    K.SLURM_ALLOCATION: EventSpec(("job_id", "nodes"), ("restart_count", "batch_host", "active", "spares"),
+                                  doc="the batch step's supervisor started in its allocation (nodes: all of them; "
+                                      "restart_count: SLURM_RESTART_COUNT, 1 after the first requeue)"),
+    K.NODE_BLAMED: EventSpec(("attempt", "node", "strikes", "reason"), ("ranks", "limit"),
+                             doc="a failed attempt's ranks were all on one node: a strike against it"),
+    K.NODE_REPLACED: EventSpec(("attempt", "node", "by"), ("spares_left",),
+                               doc="a node with strikes >= the limit is swapped for a spare node of the allocation "
+                                   "(from attempt: the next one)"),
+    K.PREEMPTED: EventSpec(("attempt", "signal"), ("step", "saved_step"),
+                           doc="Slurm's warning signal (--signal=B:USR1@S): the ranks saved at a step boundary"),
+    K.SLURM_REQUEUE: EventSpec(("job_id", "reason"), ("exclude", "new_job_id", "how"),
+                               doc="the job goes back to the queue (how: requeue = scontrol requeue; resubmit = "
+                                   "sbatch --exclude of the blamed nodes)"),
     K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
     K.FAILED: EventSpec(("reason",), ("attempt", "exit_code"), state=RunState.FAILED, severity="critical",
                         summary=True, doc="the run gave up (reason names the cause)"),

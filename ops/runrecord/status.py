@@ -43,6 +43,28 @@ def read_status_file(run: RunDir) -> dict[str, Any]:
         return {}
 
 
+def slurm_view(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The Slurm job of a ``--slurm`` run, from its events: job id, allocated nodes, the nodes the
+    latest attempt ran on, spares, requeues. None for a local run."""
+    out: dict[str, Any] = {}
+    for e in events:
+        kind = e.get("kind")
+        if kind == "slurm_submitted":
+            out.update(job_id=e.get("job_id"), state="submitted")
+        elif kind == "slurm_allocation":
+            out.update(job_id=e.get("job_id"), nodes=e.get("nodes"), restart_count=e.get("restart_count"),
+                       batch_host=e.get("batch_host"), spares=e.get("spares"), state="allocated")
+        elif kind == "launch" and "nodes" in e:
+            out.update(active=e.get("nodes"), spares=e.get("spares"))
+        elif kind == "node_replaced":
+            out.setdefault("replaced", []).append({"node": e.get("node"), "by": e.get("by")})
+        elif kind == "slurm_requeue":
+            out.update(state="requeued" if e.get("how") == "requeue" else "resubmitted")
+            if e.get("new_job_id"):
+                out["job_id"] = e.get("new_job_id")
+    return out or None
+
+
 def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything ``ptops status`` reports, as one dict. The caller names the last good checkpoint
     (``ptops.ckpt.latest_good``): which checkpoint is good is the checkpoint layer's call, not the record's."""
@@ -89,6 +111,9 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
         # a live run's wall time runs to now; an ended (or dead) one's to its last event or record
         "goodput": account(events, records, now=time.time() if state in LIVE_STATES else None),
     }
+    slurm = slurm_view(events)
+    if slurm:
+        out["slurm"] = slurm
     if state == RunState.DEAD:
         out["hint"] = f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch --supervise <recipe> --run-dir {run.path}"
     return out

@@ -16,9 +16,10 @@ effects is ``policy.FINDING_EFFECTS``):
   through ``PTOPS_ROLLBACK`` to skip ``rollback.skip_batches`` batches and to scale the learning
   rate by ``rollback.lr_scale`` (contract: :mod:`ptops.recipes.rollback`). The
   ``rollback.max_rollbacks + 1``-th rollback of a run becomes ``failed``, exit 3.
-- ``exclude_node`` (straggler): recorded only - the ``straggler`` event plus ``exclude_node
-  {rank, host, acted: false}``. Training goes on: the launcher that would restart without that
-  node (Slurm ``--exclude``) does not exist yet.
+- ``exclude_node`` (straggler): the ``straggler`` event plus ``exclude_node {rank, host, acted}``.
+  Training goes on. A local launch records it only (``acted: false``); a ``--slurm`` launch sets
+  :attr:`FindingActions.exclude_node` (``ops/slurm/inside.py``): a strike against the node, which
+  is replaced by a spare from the next attempt once it has ``[slurm] node_strikes``.
 
 A plain ``ptops launch`` builds :class:`FindingActions` with ``record_only``: findings are
 events, nothing more.
@@ -59,16 +60,20 @@ class FindingActions:
         self.say = say
         self.policy = FindingPolicy.from_events(section, run.read_events(), record_only)
         self.pending: FindingDecision | None = None  # the halting decision of the live attempt
+        # (host, reason) -> what was done, or None: the launch backend's way to exclude a node (Slurm)
+        self.exclude_node: Callable[[str, str], str | None] | None = None
 
     def on_finding(self, finding: Any, attempt: int, host_of: Callable[[int], str | None]) -> None:
         """After the finding's own event: act on it. The first halting decision of an attempt wins."""
         d = self.policy.decide(finding)
         if d.effect.record == "exclude_node":
             host = host_of(finding.rank) if finding.rank is not None else None
+            note = self.exclude_node(host, d.reason) if self.exclude_node is not None and host else None
             self.run.event(EventKind.EXCLUDE_NODE, attempt=attempt, rank=finding.rank, host=host, step=d.step,
-                           reason=d.reason, acted=False,
-                           note="recorded only: no launcher can exclude a node yet (the Slurm launcher would pass --exclude)")
-            self.say(f"straggler rank {finding.rank} on {host}: exclude_node recorded (not acted on: no Slurm launcher yet)")
+                           reason=d.reason, acted=note is not None,
+                           note=note or "recorded only: a local launch cannot exclude a node (a --slurm launch acts on it)")
+            self.say(f"straggler rank {finding.rank} on {host}: exclude_node "
+                     + (f"acted on: {note}" if note else "recorded (a local launch cannot exclude a node)"))
         if d.effect.halts and self.pending is None:
             self.pending = d
             self.say(f"{d.monitor} finding at step {d.step} -> {d.action}")

@@ -59,7 +59,7 @@ class AttemptMixin:
         ):
             if key not in os.environ:
                 extra[key] = value
-        cmd = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
+        cmd = self.attempt_command(attempt, extra)
         from_step = (self.good or {}).get("step", 0)
         self.step = from_step  # the engine resumes there; steps after it are redone
         self.event(
@@ -70,6 +70,7 @@ class AttemptMixin:
             from_step=from_step,
             supervisor_pid=os.getpid(),
             faults=[str(f) for f in self.faults if f.attempt in (0, attempt)],
+            **self.launch_fields(attempt),
         )
         t0 = time.monotonic()
         self.monitor = HangMonitor(
@@ -113,12 +114,25 @@ class AttemptMixin:
                     return self.on_hang(finding, attempt, stack_dir)
                 self.write_status()
         finally:
+            self.attempt_cleanup(attempt)
             if self.proc is not None and self.proc.poll() is None:
                 procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
             else:
                 left = procs.run_processes(self.run.path)
                 if left:
                     procs.teardown(None, self.run.path, left, grace_s=0)
+
+    # ------------------------------------------------------------ launch backend hooks (ops/slurm overrides them)
+    def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
+        """The process that runs one attempt's ranks: local torchrun here; ``srun`` + node agents in Slurm."""
+        return launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
+
+    def launch_fields(self, attempt: int) -> dict:
+        """Extra fields of the ``launch`` event (Slurm: the attempt's nodes)."""
+        return {}
+
+    def attempt_cleanup(self, attempt: int) -> None:
+        """Before the attempt's processes are torn down (Slurm: tell every node agent to kill its ranks)."""
 
     def on_misconfigured(self, attempt: int) -> Outcome:
         ev = self.misconfigured

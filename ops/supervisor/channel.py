@@ -1,6 +1,9 @@
 """The supervisor's side of the channel: accepts ranks and control clients, queues their messages.
 
 The wire format, token and address handling are in :mod:`ptops.ops.rank.channel` (the rank side).
+A node agent's connection (``role: "node"``) carries many ranks: each relayed rank becomes a
+virtual :class:`Peer` (``via`` the node's peer), so the handlers see the same per-rank messages
+as from a rank connected directly, and ``send`` to it is wrapped for the agent.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptops.ops.rank.channel import MAX_LINE, encode, new_token
+from ptops.ops.rank.channel import KEEPALIVE, KEEPALIVE_S, MAX_LINE, RELAY, RELAY_GONE, ROLE_NODE, encode, new_token
 
 
 @dataclass
@@ -28,6 +31,10 @@ class Peer:
     buf: bytearray = field(default_factory=bytearray)
     lock: threading.Lock = field(default_factory=threading.Lock)
     authed: bool = False
+    via: "Peer | None" = None  # a relayed rank: the node agent's connection it arrives on
+    sub: int = 0  # a relayed rank: the agent's number for it
+    subs: dict = field(default_factory=dict)  # a node agent: sub -> its virtual peers
+    last_rx: float = 0.0  # monotonic time of the last bytes from this connection (a node's keepalives)
 
     @property
     def role(self) -> str:
@@ -74,7 +81,11 @@ class ChannelServer:
 
     # ------------------------------------------------------------ thread side
     def _loop(self) -> None:
+        next_ka = time.monotonic() + KEEPALIVE_S
         while not self._stop.is_set():
+            if time.monotonic() >= next_ka:
+                next_ka = time.monotonic() + KEEPALIVE_S
+                self._keepalive()
             for key, _ in self._sel.select(timeout=0.5):
                 if key.data == "wake":
                     try:
@@ -91,12 +102,18 @@ class ChannelServer:
             sock, _ = self._listen.accept()
         except OSError:
             return
-        sock.setblocking(True)
+        sock.settimeout(10.0)  # a send to a peer behind a cut link fails instead of blocking forever
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._next += 1
         peer = Peer(self._next, sock)
         self._peers[peer.cid] = peer
         self._sel.register(sock, selectors.EVENT_READ, peer)
+
+    def _keepalive(self) -> None:
+        """Node agents kill their ranks when the supervisor goes silent (a network cut gives no EOF)."""
+        for peer in list(self._peers.values()):
+            if peer.authed and peer.role == ROLE_NODE:
+                self.send(peer, {"t": KEEPALIVE})
 
     def _drop(self, peer: Peer) -> None:
         try:
@@ -109,7 +126,12 @@ class ChannelServer:
             pass
         self._peers.pop(peer.cid, None)
         if peer.authed:
-            self.inbox.put((peer, {"t": "_eof"}, time.monotonic()))
+            now = time.monotonic()
+            for sub in list(peer.subs.values()):  # the node's ranks are gone with it
+                if sub.authed:
+                    self.inbox.put((sub, {"t": "_eof"}, now))
+            peer.subs.clear()
+            self.inbox.put((peer, {"t": "_eof"}, now))
 
     def _read(self, peer: Peer) -> None:
         try:
@@ -120,6 +142,7 @@ class ChannelServer:
             self._drop(peer)
             return
         peer.buf += data
+        peer.last_rx = time.monotonic()
         if len(peer.buf) > MAX_LINE:
             self._drop(peer)
             return
@@ -147,10 +170,43 @@ class ChannelServer:
                 peer.authed = True
                 self.inbox.put((peer, {**msg, "t": "_hello"}, now))
                 continue
+            if peer.role == ROLE_NODE and msg.get("t") in (RELAY, RELAY_GONE, KEEPALIVE):
+                if msg["t"] != KEEPALIVE:
+                    self._relayed(peer, msg, now)
+                continue
             self.inbox.put((peer, msg, now))
+
+    def _relayed(self, node: Peer, frame: dict[str, Any], now: float) -> None:
+        try:
+            sub = int(frame.get("c"))
+        except (TypeError, ValueError):
+            return
+        vp = node.subs.get(sub)
+        if frame["t"] == RELAY_GONE:
+            if vp is not None:
+                node.subs.pop(sub, None)
+                if vp.authed:
+                    self.inbox.put((vp, {"t": "_eof"}, now))
+            return
+        msg = frame.get("m")
+        if not isinstance(msg, dict):
+            return
+        if vp is None:
+            if msg.get("t") != "hello":  # the agent checked the rank's token; the first line is its hello
+                return
+            self._next += 1
+            hello = {k: v for k, v in msg.items() if k != "token"}
+            hello.setdefault("node", node.hello.get("node"))
+            vp = Peer(self._next, node.sock, hello=hello, authed=True, via=node, sub=sub)
+            node.subs[sub] = vp
+            self.inbox.put((vp, {**hello, "t": "_hello"}, now))
+            return
+        self.inbox.put((vp, msg, now))
 
     # ------------------------------------------------------------ caller side
     def send(self, peer: Peer, obj: dict[str, Any]) -> bool:
+        if peer.via is not None:
+            peer, obj = peer.via, {"t": RELAY, "c": peer.sub, "m": obj}
         try:
             with peer.lock:
                 peer.sock.sendall(encode(obj))
@@ -160,6 +216,10 @@ class ChannelServer:
 
     def peers(self, role: str | None = None) -> list[Peer]:
         return [p for p in list(self._peers.values()) if p.authed and (role is None or p.role == role)]
+
+    def nodes(self) -> list[Peer]:
+        """The connected node agents."""
+        return self.peers(ROLE_NODE)
 
     def close(self) -> None:
         self._stop.set()

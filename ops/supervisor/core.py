@@ -85,6 +85,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.learned = Learned()  # hang sections' durations, kept across attempts
         self.misconfigured: dict[str, Any] | None = None
         self.stacks_replies: dict[int, dict] = {}
+        self.node_peers: dict[str, Any] = {}  # node name -> its agent's channel peer (multi-node attempts)
+        self.node_stacks: dict[int, dict] = {}  # rank -> stacks its node agent took (py-spy on that node)
         self.stop_acks: dict[int, dict] = {}
         self.blame = Blame()
         self.unknown_messages: dict[str, int] = {}  # "role:type" -> count of messages no handler takes
@@ -215,6 +217,9 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             self.attempt += 1
             start_step = (self.good or {}).get("step", 0)
             outcome = self.run_attempt(self.attempt)
+            early = self.after_outcome(outcome)
+            if early is not None:  # the launch backend ends this supervisor (Slurm: requeued, resubmitted)
+                return early
             if outcome.kind == "completed":
                 self.state = RunState.COMPLETED
                 self.event(EventKind.COMPLETED, step=self.step, attempt=self.attempt)
@@ -276,6 +281,11 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                     self.event(EventKind.STOPPED, attempt=self.attempt, signal=int(sig), step=self.step, reason="interrupted during restart backoff")
                     return 128 + int(sig)
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def after_outcome(self, outcome: Outcome) -> int | None:
+        """The launch backend's say after each attempt (Slurm: node strikes, spares, preemption);
+        an exit code ends the run loop here. Local runs: nothing."""
+        return None
 
     def _good_checkpoint_for_restart(self) -> dict[str, Any] | None:
         """Where the next attempt resumes: ``ptops.ckpt.resume_point`` (deep check; newer bad ones

@@ -61,6 +61,7 @@ class HangMixin:
         deadline = time.monotonic() + self.cfg.stack_timeout_s
         while time.monotonic() < deadline and not all(r in self.stacks_replies for r in asked):
             self.pump(0.1)
+        remote = self._ask_node_agents(asked)
         notes: dict[str, str] = {}
         for rank in range(self.world):
             path = stack_dir / f"rank-{rank}.txt"
@@ -73,6 +74,16 @@ class HangMixin:
                     stacks.write_private(stack_dir / f"rank-{rank}.flight_recorder", base64.b64decode(fr))
                 continue
             info = self.ranks.get(rank)
+            if rank in remote:
+                got = self.node_stacks.get(rank)
+                if got is not None and got.get("text"):
+                    note = f"node agent {got.get('node')}: {got.get('note')}"
+                    stacks.write_private(path, f"# source: {note}\n{got['text']}")
+                else:
+                    note = f"node agent {remote[rank]}: " + ((got or {}).get("note") or "no answer (node unreachable?)")
+                    stacks.write_private(path, f"# no stack: {note}\n")
+                notes[str(rank)] = note
+                continue
             if info is None:
                 stacks.write_private(path, "# no stack: this rank never connected to the supervisor\n")
                 notes[str(rank)] = "never connected"
@@ -91,3 +102,33 @@ class HangMixin:
         for fr in stack_dir.parent.glob(f"attempt-{self.attempt}/flight_recorder_rank_*"):
             notes.setdefault("flight_recorder", str(fr))
         return notes
+
+    def _ask_node_agents(self, answered: list[int]) -> dict[int, str]:
+        """Ranks on other nodes that did not answer over the channel: their node agent runs py-spy
+        where they live. Returns rank -> node for every rank asked that way (answers in ``node_stacks``)."""
+        self.node_stacks = {}
+        by_node: dict[str, dict[str, int]] = {}
+        peers = {}
+        for info in self.ranks.values():
+            if info.rank in self.stacks_replies or info.peer is None or info.peer.via is None:
+                continue
+            node = str(info.peer.via.hello.get("node") or info.host)
+            by_node.setdefault(node, {})[str(info.rank)] = info.pid
+            peers[node] = info.peer.via
+        out: dict[int, str] = {}
+        now = time.monotonic()
+        for node, pids in by_node.items():
+            out.update({int(r): node for r in pids})
+            if now - peers[node].last_rx > self.cfg.hang.ping_stale_s:  # no keepalive: a cut link, do not wait
+                for r in pids:
+                    self.node_stacks[int(r)] = {"text": None, "node": node,
+                                                "note": f"node unreachable (silent {now - peers[node].last_rx:.0f} s)"}
+                continue
+            self.server.send(peers[node], {"cmd": "pystacks", "id": self.attempt, "pids": pids})
+        deadline = time.monotonic() + self.cfg.stack_timeout_s + 20.0  # py-spy's own timeout is 20 s
+        while out and time.monotonic() < deadline and not all(r in self.node_stacks for r in out):
+            if any(p.hello.get("gone_ts") for p in peers.values() if p is not None) and \
+                    all(r in self.node_stacks or peers[out[r]].hello.get("gone_ts") for r in out):
+                break
+            self.pump(0.1)
+        return out

@@ -21,7 +21,7 @@ from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
 
 
 # Sections that change how a run is watched, not what it computes: a resume may retune them.
-OPERATIONAL_SECTIONS = {"supervisor", "monitors"}
+OPERATIONAL_SECTIONS = {"supervisor", "monitors", "slurm"}
 
 
 def default_run_dir(recipe: Recipe) -> Path:

@@ -55,6 +55,13 @@ RANK_HANDLERS = {
     "exit": "_on_exit",
     "_eof": "_on_eof",
 }
+# a node agent's own messages (multi-node runs; its ranks' messages arrive as virtual rank peers)
+NODE_HANDLERS = {
+    "_hello": "_on_node_hello",
+    "node_stacks": "_on_node_stacks",
+    "node_exit": "_on_node_exit",
+    "_eof": "_on_node_eof",
+}
 CONTROL_HANDLERS = {
     "inject": "_on_inject",
     "status": "_on_status",
@@ -96,6 +103,10 @@ class MessagesMixin:
         t = str(msg.get("t"))
         if peer.role == "control":
             name = CONTROL_HANDLERS.get(t)
+        elif peer.role == "node":
+            if int(peer.hello.get("attempt", -1)) != self.attempt:
+                return
+            name = NODE_HANDLERS.get(t)
         else:
             if int(peer.hello.get("attempt", -1)) != self.attempt or peer.rank is None:
                 return  # a straggler from an earlier attempt
@@ -272,6 +283,20 @@ class MessagesMixin:
             if info.exit_code is None:
                 self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts})
                 self.blame.note(rank, None, NO_GOODBYE, ts)
+
+    # ------------------------------------------------------------ node agents (ops/node/agent.py)
+    def _on_node_hello(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        self.node_peers[str(peer.hello.get("node") or peer.hello.get("host"))] = peer
+
+    def _on_node_stacks(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        for rank, reply in (msg.get("stacks") or {}).items():
+            self.node_stacks[int(rank)] = {**reply, "node": peer.hello.get("node")}
+
+    def _on_node_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        peer.hello["exit_code"] = msg.get("code")
+
+    def _on_node_eof(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        peer.hello["gone_ts"] = ts
 
     def _checkpoint_beat(self, phase: str, step: int, ts: float) -> None:
         """State only (``checkpointing`` while rank 0 is in a save's blocking part). The

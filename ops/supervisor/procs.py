@@ -34,6 +34,36 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec: keep
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def die_with_parent() -> None:
+    """This process gets SIGKILL when its parent dies (the node agent under slurmstepd)."""
+    _die_with_parent()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children by /proc's PPid), so a whole tree can be killed."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start torchrun in its own session; the kernel SIGKILLs it when this process dies."""
     with open(log, "ab") as out:

@@ -28,7 +28,7 @@ class StopMixin:
         name = signal.Signals(self.stop_signal).name
         live = [i for i in self.ranks.values() if i.peer is not None and i.gone_ts is None]
         for info in live:
-            self.server.send(info.peer, {"cmd": "stop", "reason": name})
+            self.server.send(info.peer, {"cmd": "stop", "reason": name, **getattr(self, "stop_extra", {})})
         deadline = time.monotonic() + min(2.0, self.cfg.grace_s)
         while time.monotonic() < deadline and len(self.stop_acks) < len(live) and self._signals < 2:
             self.pump(0.1, drain=True)

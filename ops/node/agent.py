@@ -1,0 +1,267 @@
+"""The node agent: one per node and attempt (``srun --ntasks-per-node=1 python -m ptops.ops.node.agent``).
+
+Why it exists: the supervisor runs on one node; the ranks of the other nodes must still reach it,
+be stopped with it, and have their stacks read where they live. The agent, per node:
+
+1. connects ONE token-authenticated connection to the supervisor (``role: "node"``, wire format
+   in :mod:`ptops.ops.rank.channel`);
+2. listens on loopback with its own token and starts this node's ranks with torchrun
+   (``--nnodes N --node-rank I``, static rendezvous at the attempt's first node: the rank -> node
+   mapping is fixed, so "rank 1" is always on the second node and blame by rank names a node;
+   torchrun also gives the ranks the environment the engines already expect);
+3. relays every rank line upstream unchanged (``relay_frame``) and every command downstream;
+4. runs py-spy on its ranks on request (``pystacks``): ptrace does not cross hosts;
+5. kills its ranks when the supervisor goes away: EOF, or no keepalive for
+   ``PTOPS_NODE_UPSTREAM_TIMEOUT_S`` (a cut link gives no EOF), or ``{"cmd": "kill"}``;
+   and when the agent itself dies, the kernel kills torchrun (``PR_SET_PDEATHSIG``), whose
+   ranks die with it the same way (``ops/rank/entry.py``). No orphan on any node.
+
+Environment (set by the supervisor's Slurm attempt, ``ops/slurm/inside.py``): ``PTOPS_CHANNEL``,
+``PTOPS_CHANNEL_TOKEN`` (upstream), ``PTOPS_NODE_NPROC``, ``PTOPS_NODE_MASTER``,
+``PTOPS_NODE_PORT``, ``PTOPS_NODE_NNODES``; node rank from ``SLURM_NODEID`` (one task per node).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ptops.ops.rank.channel import (
+    ENV_ADDRESS,
+    ENV_TOKEN,
+    KEEPALIVE,
+    KEEPALIVE_S,
+    MAX_LINE,
+    RELAY,
+    RELAY_GONE,
+    ROLE_NODE,
+    ChannelClient,
+    encode,
+    new_token,
+    relay_frame,
+)
+from ptops.ops.supervisor import procs, stacks
+
+UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[ptops.node {socket.gethostname()}] {msg}\n")
+    sys.stderr.flush()
+
+
+class Agent:
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.node = socket.gethostname()
+        self.node_rank = int(env.get("SLURM_NODEID") or env.get("PTOPS_NODE_RANK") or 0)
+        self.nnodes = int(env.get("PTOPS_NODE_NNODES") or env.get("SLURM_NNODES") or 1)
+        self.attempt = int(env.get("PTOPS_ATTEMPT") or 0)
+        self.upstream_timeout = float(env.get(UPSTREAM_TIMEOUT_ENV) or 10.0)
+        self.local_token = new_token()
+        self.proc: subprocess.Popen | None = None
+        self.last_upstream = time.monotonic()
+        self.done = threading.Event()
+        self.why = ""
+        self._conns: dict[int, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+        # local listener first: its address goes into the ranks' environment
+        self._listen = socket.socket()
+        self._listen.bind(("127.0.0.1", 0))
+        self._listen.listen(256)
+        self._listen.setblocking(False)
+        self.up = ChannelClient(
+            env[ENV_ADDRESS], env[ENV_TOKEN],
+            {"role": ROLE_NODE, "node": self.node, "node_rank": self.node_rank, "pid": os.getpid(),
+             "host": self.node, "attempt": self.attempt},
+            on_message=self._from_supervisor, on_eof=lambda: self.stop("the supervisor's connection closed"),
+            connect_timeout=30.0,
+        )
+
+    # ------------------------------------------------------------ ranks
+    def start_ranks(self) -> None:
+        nproc = self.env.get("PTOPS_NODE_NPROC", "1")
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(self.nnodes),
+            "--node-rank", str(self.node_rank),
+            "--nproc-per-node", nproc,
+            "--master-addr", self.env["PTOPS_NODE_MASTER"],
+            "--master-port", self.env["PTOPS_NODE_PORT"],
+            "--max-restarts", "0",
+            "--monitor-interval", "0.5",
+            "-m", "ptops.ops.rank.entry",
+        ]  # fmt: skip
+        env = dict(self.env)
+        env[ENV_ADDRESS] = f"127.0.0.1:{self._listen.getsockname()[1]}"
+        env[ENV_TOKEN] = self.local_token
+        env["PTOPS_PTRACER_PID"] = str(os.getpid())  # the agent runs py-spy here (PR_SET_PTRACER)
+        env["PTOPS_NODE"] = self.node
+        log_dir = self.env.get("PTOPS_NODE_LOG_DIR")
+        path = os.path.join(log_dir, f"torchrun-{self.node}.log") if log_dir else os.devnull
+        from pathlib import Path
+
+        self.proc = procs.spawn(argv, env, Path(path))
+        log(f"node rank {self.node_rank}/{self.nnodes}: torchrun pid {self.proc.pid} ({nproc} rank(s)), "
+            f"rendezvous {self.env['PTOPS_NODE_MASTER']}:{self.env['PTOPS_NODE_PORT']}")
+
+    def kill_ranks(self) -> None:
+        if self.proc is None:
+            return
+        pids = procs.descendants(self.proc.pid)
+        procs.killpg(self.proc.pid, signal.SIGKILL)
+        procs.signal_all(pids, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, why: str) -> None:
+        if not self.done.is_set():
+            self.why = why
+            self.done.set()
+
+    # ------------------------------------------------------------ upstream
+    def _from_supervisor(self, msg: dict[str, Any]) -> None:
+        self.last_upstream = time.monotonic()
+        t, cmd = msg.get("t"), msg.get("cmd")
+        if t == RELAY:
+            conn = self._conns.get(int(msg.get("c", -1)))
+            if conn is not None and isinstance(msg.get("m"), dict):
+                try:
+                    with self._lock:
+                        conn.sendall(encode(msg["m"]))
+                except OSError:
+                    pass
+        elif t == KEEPALIVE:
+            pass
+        elif cmd == "pystacks":
+            threading.Thread(target=self._pystacks, args=(msg,), daemon=True).start()
+        elif cmd == "kill":
+            self.stop("the supervisor asked")
+
+    def _pystacks(self, msg: dict[str, Any]) -> None:
+        out = {}
+        for rank, pid in (msg.get("pids") or {}).items():
+            text, note = stacks.with_py_spy(int(pid))
+            out[str(rank)] = {"text": text, "note": note, "pid": pid}
+        self.up.send({"t": "node_stacks", "id": msg.get("id"), "stacks": out})
+
+    # ------------------------------------------------------------ local relay (thread)
+    def relay_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listen, selectors.EVENT_READ, None)
+        bufs: dict[int, bytearray] = {}
+        authed: set[int] = set()
+
+        def drop(cid: int, conn: socket.socket) -> None:
+            try:
+                sel.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+            conn.close()
+            self._conns.pop(cid, None)
+            bufs.pop(cid, None)
+            if cid in authed:
+                authed.discard(cid)
+                self.up.send({"t": RELAY_GONE, "c": cid})
+
+        while not self.done.is_set():
+            for key, _ in sel.select(timeout=0.5):
+                if key.data is None:
+                    try:
+                        conn, _ = self._listen.accept()
+                    except OSError:
+                        continue
+                    conn.setblocking(True)
+                    self._next += 1
+                    bufs[self._next] = bytearray()
+                    sel.register(conn, selectors.EVENT_READ, (self._next, conn))
+                    continue
+                cid, conn = key.data
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    data = b""
+                if not data or len(bufs[cid]) > MAX_LINE:
+                    drop(cid, conn)
+                    continue
+                buf = bufs[cid]
+                buf += data
+                while True:
+                    i = buf.find(b"\n")
+                    if i < 0:
+                        break
+                    raw = bytes(buf[:i])
+                    del buf[: i + 1]
+                    if cid in authed:
+                        if not self.up.send_raw(relay_frame(cid, raw)):
+                            self.stop("the supervisor's connection broke")
+                        continue
+                    try:
+                        hello = json.loads(raw)
+                    except json.JSONDecodeError:
+                        hello = None
+                    tok = str((hello or {}).get("token", "")) if isinstance(hello, dict) else ""
+                    if not isinstance(hello, dict) or hello.get("t") != "hello" or \
+                            not hmac.compare_digest(tok.encode(), self.local_token.encode()):
+                        drop(cid, conn)
+                        break
+                    hello.pop("token", None)
+                    hello["node"] = self.node
+                    authed.add(cid)
+                    self._conns[cid] = conn
+                    self.up.send({"t": RELAY, "c": cid, "m": hello})
+
+    # ------------------------------------------------------------ main
+    def run(self) -> int:
+        threading.Thread(target=self.relay_loop, name="ptops-node-relay", daemon=True).start()
+        self.start_ranks()
+        rc: int | None = None
+        next_ka = 0.0
+        while not self.done.is_set():
+            if time.monotonic() >= next_ka:  # the supervisor tells a cut link from a quiet node by these
+                next_ka = time.monotonic() + KEEPALIVE_S
+                self.up.send({"t": KEEPALIVE})
+            rc = self.proc.poll()
+            if rc is not None:
+                self.stop(f"torchrun exited {rc}")
+                break
+            if time.monotonic() - self.last_upstream > self.upstream_timeout:
+                self.stop(f"no word from the supervisor for {self.upstream_timeout:g} s")
+                break
+            self.done.wait(0.2)
+        if rc is None:
+            log(f"killing this node's ranks: {self.why}")
+            self.kill_ranks()
+            rc = self.proc.returncode if self.proc.returncode is not None else 137
+        else:
+            time.sleep(0.3)  # the relay thread forwards the ranks' goodbyes first
+        self.up.send({"t": "node_exit", "code": rc})
+        self.up.close()
+        log(f"done ({self.why})")
+        return 0 if rc == 0 else 1
+
+
+def main() -> None:
+    procs.die_with_parent()  # srun's task (slurmstepd) gone -> this agent gone -> torchrun gone
+    try:
+        agent = Agent(dict(os.environ))
+    except ConnectionError as e:
+        log(str(e))
+        sys.exit(1)
+    sys.exit(agent.run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""The supervisor of a Slurm job's batch step: ``python -m ptops.ops.slurm.inside RUN_DIR [--fault SPEC]...``.
+
+It is the ordinary :class:`~ptops.ops.supervisor.core.Supervisor` (same records, monitors, hang
+detection, restart policy) with the launch hooks filled in for Slurm:
+
+- an attempt is one ``srun`` step over the attempt's nodes starting one node agent per node
+  (``ops/node/agent.py``); the agents relay the ranks over one connection each, so the
+  supervisor's channel listens on all addresses and advertises this node's address;
+- a crash or hang whose ranks were all on one node is a strike against that node
+  (``node_blamed``); at ``[slurm] node_strikes`` it is replaced by a spare node of the allocation
+  (``node_replaced``), and with no spare left the job is resubmitted with ``--exclude`` of every
+  blamed node (``slurm_requeue {how: resubmit}``) and this one ends with exit 3 (do not requeue);
+- Slurm's warning signal (``--signal=B:USR1@S``) asks every rank to save at the next step boundary
+  (the same all-agree stop request as Ctrl-C: ``ops/supervisor/stop.py``; held ranks are released),
+  waits at most ``[slurm] preempt_grace_s``, then ``scontrol requeue`` (``preempted``,
+  ``slurm_requeue {how: requeue}``); the requeued job adopts the run directory and resumes from
+  that save. Attempt numbers continue from the run's events (``SLURM_RESTART_COUNT`` is recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ptops.faultinject.spec import FaultSpecError
+from ptops.faultinject.spec import parse as parse_fault
+from ptops.ops.runrecord.events import EventKind, RunState
+from ptops.ops.runrecord.lock import LockedError, acquire
+from ptops.ops.runrecord.rundir import RunDir
+from ptops.ops.slurm import commands
+from ptops.ops.slurm.sbatch import SCRIPT_NAME, world
+from ptops.ops.supervisor import launcher
+from ptops.ops.supervisor.core import Supervisor
+from ptops.ops.supervisor.outcome import Outcome
+from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE
+from ptops.recipes.schema import from_json
+
+
+def _address_of_this_node() -> str:
+    """What the other nodes dial: this node's address (its name may not resolve everywhere)."""
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+class SlurmSupervisor(Supervisor):
+    def __init__(self, recipe, run: RunDir, faults, allocation: list[str], job_id: str, **kw):
+        super().__init__(recipe, run, faults, strategy="permanent", **kw)
+        self.slurm = recipe.slurm
+        self.job_id = job_id
+        self.n_nodes, self.per_node, _ = world(recipe)
+        self.world = self.n_nodes * self.per_node
+        # the agents of other nodes must reach the channel: listen on all addresses (token-authenticated)
+        self.cfg = self.cfg.model_copy(update={"channel_host": "0.0.0.0",
+                                               "channel_advertise": self.cfg.channel_advertise or _address_of_this_node()})
+        self.strikes: dict[str, int] = {}
+        for e in run.read_events():  # strikes survive a requeue: a bad node stays bad
+            if e.get("kind") == EventKind.NODE_BLAMED:
+                self.strikes[str(e["node"])] = int(e.get("strikes", 1))
+        bad = {n for n, k in self.strikes.items() if k >= self.slurm.node_strikes}
+        usable = [n for n in allocation if n not in bad]
+        self.allocation = allocation
+        self.active = usable[: self.n_nodes]
+        self.spares = usable[self.n_nodes:]
+        self.preempting = False
+        self.stop_extra: dict = {}
+        self.findings.exclude_node = self._exclude_straggler
+
+    # ------------------------------------------------------------ the attempt as an srun step
+    def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
+        base = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
+        n = len(self.active)
+        port = self.recipe.launch.master_port or random.randint(20000, 39999)
+        base.env.update({
+            "PTOPS_NODE_NPROC": str(self.per_node),
+            "PTOPS_NODE_NNODES": str(n),
+            "PTOPS_NODE_MASTER": self.active[0],
+            "PTOPS_NODE_PORT": str(port),
+            "PTOPS_NODE_LOG_DIR": str(self.run.logs(attempt).resolve()),
+            "PTOPS_NODE_UPSTREAM_TIMEOUT_S": str(self.slurm.upstream_timeout_s),
+        })
+        argv = [
+            "srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(self.active)}", f"--job-name=ptops-attempt-{attempt}",
+            "--kill-on-bad-exit=0", "--export=ALL", "--mem=0",
+            sys.executable, "-m", "ptops.ops.node.agent",
+        ]  # fmt: skip
+        return launcher.RankCommand(argv, base.env)
+
+    def launch_fields(self, attempt: int) -> dict:
+        return {"nodes": list(self.active), "spares": list(self.spares), "job_id": self.job_id}
+
+    def attempt_cleanup(self, attempt: int) -> None:
+        """Every node agent of the attempt kills its ranks (those behind a cut link do so on their own
+        once the supervisor's keepalives stop reaching them)."""
+        agents = [p for p in self.node_peers.values() if int(p.hello.get("attempt", -1)) == attempt]
+        for p in agents:
+            if not p.hello.get("gone_ts"):
+                self.server.send(p, {"cmd": "kill"})
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and any(not p.hello.get("gone_ts") for p in agents):
+            self.pump(0.1, drain=True)
+
+    # ------------------------------------------------------------ between attempts
+    def after_outcome(self, outcome: Outcome) -> int | None:
+        if outcome.kind == "interrupted" and self.preempting:
+            return self._requeue_after_preemption()
+        if outcome.kind in ("crash", "hang") and self.supervised:
+            return self._blame_node(outcome)
+        return None
+
+    def _exclude_straggler(self, node: str, reason: str) -> str | None:
+        """A straggler monitor's ``exclude_node``: a strike; at the limit a spare takes the node's place
+        from the next attempt (training goes on meanwhile; no restart just for this)."""
+        if node not in self.active:
+            return None
+        before = list(self.active)
+        self._strike(node, [r.rank for r in self.ranks.values() if r.host == node], f"straggler: {reason}")
+        if self.active != before:
+            return f"strike {self.strikes[node]}; replaced by spare {self.active[before.index(node)]} from the next attempt"
+        return f"strike {self.strikes[node]} of {self.slurm.node_strikes} against {node}"
+
+    def _strike(self, node: str, ranks: list, reason: str) -> bool:
+        """One strike; at the limit the node is swapped for a spare. True when the limit is reached
+        and no spare is left (the caller resubmits without it)."""
+        self.strikes[node] = self.strikes.get(node, 0) + 1
+        limit = self.slurm.node_strikes
+        self.event(EventKind.NODE_BLAMED, attempt=self.attempt, node=node, strikes=self.strikes[node],
+                   reason=reason, ranks=sorted(r for r in ranks if r is not None), limit=limit)
+        self.say(f"node {node}: strike {self.strikes[node]} of {limit} ({reason[:80]})")
+        if self.strikes[node] < limit:
+            return False
+        if self.spares:
+            spare = self.spares.pop(0)
+            self.active[self.active.index(node)] = spare
+            self.event(EventKind.NODE_REPLACED, attempt=self.attempt, node=node, by=spare, spares_left=len(self.spares))
+            self.say(f"node {node} replaced by spare {spare} from the next attempt ({len(self.spares)} spare(s) left)")
+            return False
+        return True
+
+    def _blame_node(self, outcome: Outcome) -> int | None:
+        ranks = outcome.detail.get("ranks") if outcome.kind == "hang" else [outcome.detail.get("rank")]
+        hosts = {self.rank_host(r) for r in (ranks or []) if r is not None}
+        hosts.discard(None)
+        if len(hosts) != 1:
+            return None  # no rank, or ranks on several nodes: not a node's fault as far as we can tell
+        node = hosts.pop()
+        if node not in self.active:
+            return None
+        if not self._strike(node, list(ranks or []), outcome.reason):
+            return None
+        return self._resubmit_without(node)
+
+    def _resubmit_without(self, node: str) -> int | None:
+        bad = sorted({n for n, k in self.strikes.items() if k >= self.slurm.node_strikes} | set(self.slurm.exclude))
+        script = self.run.path / "slurm" / SCRIPT_NAME
+        try:
+            new = commands.submit(str(script), [f"--exclude={','.join(bad)}"])
+        except commands.SlurmError as e:
+            self.say(f"node {node} is blamed and no spare is left, but resubmitting failed: {e}; restarting in place")
+            return None
+        self.event(EventKind.SLURM_REQUEUE, job_id=self.job_id, new_job_id=new, how="resubmit", exclude=bad,
+                   reason=f"node {node} blamed {self.strikes[node]} time(s) and no spare node left")
+        self.say(f"no spare node left: resubmitted as job {new} without {','.join(bad)}; this job ends (exit 3)")
+        self.state = RunState.RESTARTING
+        self.reason = f"resubmitted as Slurm job {new} without {','.join(bad)}"
+        self.write_status(force=True)
+        return EXIT_NO_REQUEUE
+
+    def _requeue_after_preemption(self) -> int | None:
+        saved = (self.good or {}).get("step")
+        self.good = self._good_checkpoint_for_restart()
+        self.event(EventKind.PREEMPTED, attempt=self.attempt, signal="USR1", step=self.step,
+                   saved_step=(self.good or {}).get("step"))
+        try:
+            commands.requeue(self.job_id)
+        except commands.SlurmError as e:
+            self.say(f"preempted, but scontrol requeue failed: {e}")
+            return None  # the run ends stopped; rerunning the launch resumes it
+        self.event(EventKind.SLURM_REQUEUE, job_id=self.job_id, how="requeue",
+                   reason=f"warning signal: saved at step {(self.good or {}).get('step', saved)}")
+        self.say(f"preempted: saved at step {(self.good or {}).get('step')}, job {self.job_id} requeued")
+        self.state = RunState.RESTARTING
+        self.reason = "requeued after the Slurm warning signal"
+        self.write_status(force=True)
+        return 0
+
+    # ------------------------------------------------------------ signals
+    def _on_usr1(self, signum, _frame) -> None:
+        """Slurm's warning: save at the next step boundary (all ranks agree), then requeue."""
+        self.preempting = True
+        self.stop_extra = {"release_holds": True, "why": "preempt"}
+        self.cfg = self.cfg.model_copy(update={"grace_s": self.slurm.preempt_grace_s})
+        if self.stop_signal is None:
+            self.stop_signal = signal.SIGUSR1
+
+    def run_all(self, lock_fd: int | None = None) -> int:
+        old = signal.signal(signal.SIGUSR1, self._on_usr1)
+        try:
+            self.event(EventKind.SLURM_ALLOCATION, job_id=self.job_id, nodes=self.allocation,
+                       restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+                       batch_host=socket.gethostname(), active=self.active, spares=self.spares)
+            if len(self.active) < self.n_nodes:
+                self.say(f"only {len(self.active)} usable node(s) in the allocation {self.allocation}, "
+                         f"{self.n_nodes} needed")
+                code = self._resubmit_without(sorted(self.strikes)[0]) if self.strikes else None
+                if code is not None:
+                    return code
+            return super().run_all(lock_fd)
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m ptops.ops.slurm.inside",
+                                 description="The supervisor of a ptops Slurm job (run by its sbatch script).")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--fault", action="append", default=[])
+    args = ap.parse_args(argv)
+    run = RunDir(args.run_dir)
+    try:
+        recipe = from_json(run.recipe_json.read_text())
+        faults = [parse_fault(f) for f in args.fault]
+    except (OSError, ValueError, FaultSpecError) as e:
+        print(f"error: {run.recipe_json}: {e}", file=sys.stderr)
+        sys.exit(2)
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    allocation = commands.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [socket.gethostname()]
+    try:
+        lock_fd = acquire(run.path)
+    except LockedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sup = SlurmSupervisor(recipe, run, faults, allocation, job_id)
+    code = sup.run_all(lock_fd)
+    print(f"ptops: supervisor of job {job_id} exits {code} ({sup.state}: {sup.reason or 'ok'})", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
