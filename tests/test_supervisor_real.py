@@ -118,9 +118,12 @@ def test_titan_hang_fault_and_sigstopped_rank(faulted_runs, titan_reference):
     injected = events(run, "fault_injected")[0]
     assert injected["fault"] == "hang:rank=0,step=8"
     assert first["attempt"] == 1 and first["ranks"] == [0] and first["step"] == 7 and first["why"] == "behind"
-    assert first["ts"] - injected["ts"] < 5 + 3  # detected within the 5 s floor (+ stack collection)
+    # found when the silence outran the budget the monitor had learned (the 5 s floor, or more where the
+    # steps ran slow on a loaded machine): judged against that recorded budget, not the wall clock
+    assert first["timeout_s"] >= 5 and first["silent_s"] >= first["timeout_s"]
+    assert first["found_ts"] - injected["ts"] < first["timeout_s"] + 3  # + the monitor's poll and one step
     assert second["attempt"] == 2 and second["ranks"] == [1] and second["why"] == "unresponsive"
-    assert second["ts"] - stopped_at < 5 + 3 + 10  # floor + ping staleness + py-spy
+    assert second["found_ts"] - stopped_at < second["timeout_s"] + 3 + 10  # budget + poll + ping staleness
     for k, (rank, source) in ((1, (0, "channel")), (2, (1, "py-spy"))):
         text = (run / "stacks" / f"attempt-{k}" / f"rank-{rank}.txt").read_text()
         assert source in text.splitlines()[0]
