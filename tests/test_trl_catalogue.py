@@ -201,11 +201,14 @@ def test_teacher_resolution_and_pinning(teacher_run, tmp_path):
     assert first["pinned"] is False and first["step"] == 2
     again = pin_teacher(str(src), run)
     assert again["pinned"] is True and again["digest"] == first["digest"]
-    opt = src / "optimizer.pt"
-    raw = bytearray(opt.read_bytes())
-    raw[-100] ^= 0xFF
-    opt.write_bytes(bytes(raw))
+    weights = src / "model.safetensors"  # one weight's last byte changed: still readable, other weights
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0x01
+    weights.write_bytes(bytes(raw))
     with pytest.raises(TeacherError, match="changed"):
+        pin_teacher(str(src), run)
+    (src / "optimizer.pt").write_bytes(b"not a torch file")
+    with pytest.raises(TeacherError, match="cannot be read"):
         pin_teacher(str(src), run)
 
 

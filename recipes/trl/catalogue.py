@@ -74,7 +74,10 @@ def pin_teacher(spec: str, run_dir: Path) -> dict[str, Any]:
         path = Path(pin["path"])
         if not path.exists():
             raise TeacherError(f"[trl].teacher: the pinned teacher {path} is gone (teacher.json)")
-        now = teacher_digest(path)
+        try:
+            now = teacher_digest(path)
+        except Exception as e:  # noqa: BLE001 - a damaged file: torch/safetensors errors of any type
+            raise TeacherError(f"[trl].teacher: the pinned teacher {path} cannot be read: {type(e).__name__}: {e}")
         if now != pin["digest"]:
             raise TeacherError(f"[trl].teacher: the pinned teacher {path} changed (digest {now[:12]}, "
                                f"pinned {pin['digest'][:12]}); refusing to resume against other weights")
@@ -119,6 +122,8 @@ def _teacher(recipe, probe, run_dir: Path):
     from ptops.recipes.trl.run import _dist
 
     dist = _dist()
+    if dist is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("GKD teacher: the process group must exist before the teacher is pinned")
     rank0 = dist is None or dist.get_rank() == 0
     box: list[Any] = [None]
     if rank0:
@@ -228,10 +233,12 @@ def build(recipe, probe, run, args: dict[str, Any], tokenizer, policy: str, make
     if sec.trainer == "gkd":
         from trl.experimental.gkd import GKDTrainer
 
+        config = trl_config(recipe, args)
+        _ = config.device  # transformers starts the process group here: rank 0 alone pins the teacher
         teacher, _pin = _teacher(recipe, probe, Path(run.path))
         data = Dataset.from_list(assets.chat_dataset(sec.dataset_size))
         return make_cls(GKDTrainer)(
-            model=load_model(policy), teacher_model=teacher, args=trl_config(recipe, args), train_dataset=data,
+            model=load_model(policy), teacher_model=teacher, args=config, train_dataset=data,
             processing_class=tokenizer, callbacks=callbacks,
         )
     raise ValueError(f"[trl].trainer: {sec.trainer!r} is not a catalogue trainer")

@@ -107,6 +107,8 @@ class TrlSection(_Strict):
     vllm: TrlVllm | None = None
     bf16: bool = Field(False, description="bf16 mixed precision (GPU only; ignored on CPU)")
     activation_checkpointing: bool = False
+    fsdp: bool = Field(False, description="shard the model, gradients and optimizer over the ranks (transformers' "
+                       "FSDP full_shard, one unit per decoder layer); GPU only, ignored on CPU")
     target: TrlTarget | None = None
     verifier: bool = Field(
         False, description="also log the held-out graded-correctness `verifier` reward (weight 0) as "

@@ -334,7 +334,16 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
         ddp_find_unused_parameters=False,
         # TRL defaults gradient checkpointing on; a 100k-parameter model only pays the recompute
         activation_checkpointing=sec.activation_checkpointing,
-    ) | ({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {})
+    ) | ({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda() else {}) \
+      | fsdp_args(sec, _cuda())
+
+
+def fsdp_args(sec, on_gpu: bool) -> dict[str, Any]:
+    """``[trl] fsdp = true``: transformers' FSDP full shard, wrapped per decoder layer (GPU only)."""
+    if not (sec.fsdp and on_gpu):
+        return {}
+    layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}[sec.model.arch]
+    return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"transformer_layer_cls_to_wrap": [layer]}}
 
 
 def _cuda() -> bool:

@@ -65,13 +65,17 @@ def config_kwargs(sec, probe=None) -> dict[str, Any]:
     return kw
 
 
-def server_argv(sec) -> list[str]:
-    """``trl vllm-serve`` for the recipe's policy (the venv's ``trl`` script)."""
-    from ptops.recipes.trl.model import policy_dir
-
+def server_argv(sec, resolve: bool = True) -> list[str]:
+    """``trl vllm-serve`` for the recipe's policy (the venv's ``trl`` script). ``resolve=False``
+    (``--dry-run``) names the tiny model instead of building it."""
     v = sec.vllm
+    model = sec.model.pretrained
+    if model is None:
+        from ptops.recipes.trl.model import policy_dir
+
+        model = policy_dir(sec.model) if resolve else "<the tiny model folder>"
     trl_bin = Path(sys.executable).parent / "trl"
-    argv = [str(trl_bin) if trl_bin.exists() else "trl", "vllm-serve", "--model", policy_dir(sec.model),
+    argv = [str(trl_bin) if trl_bin.exists() else "trl", "vllm-serve", "--model", model,
             "--host", v.host, "--port", str(v.port), "--tensor-parallel-size", str(v.tensor_parallel_size),
             "--gpu-memory-utilization", str(v.gpu_memory_utilization)]
     if v.max_model_length:
@@ -79,7 +83,7 @@ def server_argv(sec) -> list[str]:
     return argv
 
 
-def sidecar_specs(recipe, check_available: bool = True) -> list[dict[str, Any]]:
+def sidecar_specs(recipe, check_available: bool = True, resolve: bool = True) -> list[dict[str, Any]]:
     """The run's sidecar processes (plain dicts, read by ``ptops.ops.supervisor.sidecar``)."""
     sec = recipe.trl
     if sec is None or sec.vllm is None or sec.vllm.mode != "server":
@@ -88,7 +92,7 @@ def sidecar_specs(recipe, check_available: bool = True) -> list[dict[str, Any]]:
         return []  # the ranks fall back (and say so); nothing to serve
     v = sec.vllm
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, v.server_gpus))} if v.server_gpus else {}
-    return [{"name": "vllm", "argv": server_argv(sec), "env": env,
+    return [{"name": "vllm", "argv": server_argv(sec, resolve), "env": env,
              "health_url": f"http://{v.host}:{v.port}/health", "health_timeout_s": v.health_timeout_s,
              "max_restarts": v.max_restarts}]
 
