@@ -117,12 +117,14 @@ def recipes() -> None:
     """List the shipped recipes."""
     from ptops.recipes.schema import RecipeError, load, shipped_names
 
-    for name in shipped_names():
+    names = shipped_names()
+    width = max((len(n) for n in names), default=18)
+    for name in names:
         try:
             rec, _ = load(name)
-            typer.echo(f"{name:18s} {rec.engine:6s} {rec.description}")
+            typer.echo(f"{name:{width}s} {rec.engine:6s} {rec.description}")
         except RecipeError as e:
-            typer.echo(f"{name:18s} INVALID {e}")
+            typer.echo(f"{name:{width}s} INVALID {e}")
 
 
 from ptops.ops.cli.supervise import register as _register_supervision  # noqa: E402
