@@ -182,3 +182,34 @@ def test_launch_side_specs_come_from_the_engine():
     assert sidecar_specs(load("trl-grpo-tiny")[0]) == []
     assert sidecar_specs(load("trl-grpo-tiny", ['trl.vllm.mode="server"'])[0]) == []  # this CPU machine
     assert sidecar_specs(load("titan-tiny")[0]) == []
+
+
+def test_launch_keeps_sidecars_for_the_whole_launch(tmp_path, monkeypatch):
+    """``ptops launch``'s path (ops/cli/launch.py): the engine's sidecars are healthy while the attempts
+    run and gone after; one that never answers fails the launch with a ``failed`` event and exit 1."""
+    import ptops.recipes.engines as engines
+    from ptops.ops.cli.launch import _with_sidecars
+    from ptops.recipes.schema import load
+
+    fake = Fake(tmp_path)
+    monkeypatch.setattr(engines, "sidecar_specs", lambda rec: [vars(fake.spec)])
+    rec, _ = load("trl-grpo-tiny")
+    seen = {}
+
+    def body():
+        seen["healthy"] = healthy(fake.spec.health_url)
+        seen["pids"] = fake.pids()
+        return 0
+
+    fd = os.open(tmp_path / "lockfile", os.O_CREAT | os.O_RDWR)
+    assert _with_sidecars(rec, fake.run, fd, body) == 0
+    assert seen["healthy"] is True and len(seen["pids"]) == 1
+    for pid in seen["pids"][0]:
+        assert not alive(pid)
+    (fake.state / "never").touch()
+    fake.spec.health_timeout_s = 1.0
+    assert _with_sidecars(rec, fake.run, fd, lambda: pytest.fail("the attempts must not start")) == 1
+    (failed,) = fake.events("failed")
+    assert failed["reason"].startswith("sidecar vllm: no answer") and missing_fields(failed) == []
+    for server, worker in fake.pids():
+        assert not alive(server) and not alive(worker)
