@@ -58,3 +58,15 @@ def test_dry_run_mistakes_are_one_line():
     assert_one_clear_line(proc, "trl-lora-sft-tiny.toml", "key 'trl'", "nope_proj")
     proc = run_ptops("launch", "trl-rloo-llama3-8b", "--set", "trl.fsdp=false", "--dry-run", timeout=600)
     assert_one_clear_line(proc, "trl-rloo-llama3-8b.toml", "does not fit", "GiB per GPU")
+
+
+def test_plan_sizes_rloo_rollouts_with_the_stated_llama_architecture():
+    """``ptops plan`` on the RLOO sibling: the planner's Llama count equals the meta-device build above."""
+    from ptops.recipes.plan_rl import plan_grpo
+    from ptops.recipes.schema import load
+
+    rec, _ = load("trl-rloo-llama3-8b")
+    p = plan_grpo(rec, "h100", 8)
+    assert p["model"]["family"] == "llama" and p["model"]["params"] == LLAMA3_8B and p["trainer"] == "rloo"
+    # grouped-query attention: 8 KV heads of 128 x 32 layers x (K, V) x bf16
+    assert p["model"]["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2

@@ -98,16 +98,23 @@ def pin_teacher(spec: str, run_dir: Path) -> dict[str, Any]:
     return {**pin, "pinned": False}
 
 
-def load_teacher(path: Path):
+def frozen_dtype(sec) -> str:
+    """Weights that never train (LoRA's base, the teacher): bf16 on GPUs with ``trl.bf16``, else fp32."""
+    from ptops.recipes.trl.run import _cuda
+
+    return "bfloat16" if sec.bf16 and _cuda() else "float32"
+
+
+def load_teacher(path: Path, dtype: str = "float32"):
     """A full checkpoint or model folder; a LoRA checkpoint (adapters only) merged into its base."""
     from transformers import AutoModelForCausalLM
 
     if (path / "adapter_config.json").is_file() and not any(path.glob("model*.safetensors")):
         from peft import AutoPeftModelForCausalLM
 
-        return AutoPeftModelForCausalLM.from_pretrained(str(path), dtype="float32",
+        return AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                         local_files_only=True).merge_and_unload()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype="float32", local_files_only=True)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
 
 
 def _teacher(recipe, probe, run_dir: Path):
@@ -118,7 +125,7 @@ def _teacher(recipe, probe, run_dir: Path):
     if sec.teacher is None:
         dims = sec.teacher_model or sec.model
         path = model_dir(dims, seed=dims.seed + 1)
-        return load_model(path), {"path": str(path), "digest": None, "step": None, "builtin": True}
+        return load_model(path, frozen_dtype(sec)), {"path": str(path), "digest": None, "step": None, "builtin": True}
     from ptops.recipes.trl.run import _dist
 
     dist = _dist()
@@ -141,7 +148,7 @@ def _teacher(recipe, probe, run_dir: Path):
               + (", pinned by an earlier attempt)" if pin.get("pinned") else ")"), flush=True)
         probe.event("teacher", path=pin["path"], digest=pin["digest"], step=pin["step"], spec=pin["spec"],
                     pinned=bool(pin.get("pinned")))
-    return load_teacher(Path(pin["path"])), pin
+    return load_teacher(Path(pin["path"]), frozen_dtype(sec)), pin
 
 
 # ---------------------------------------------------------------- configs
@@ -202,7 +209,7 @@ def build(recipe, probe, run, args: dict[str, Any], tokenizer, policy: str, make
     if sec.trainer == "lora_sft":
         from trl import SFTTrainer
 
-        model = load_model(policy)
+        model = load_model(policy, frozen_dtype(sec))
         torch.manual_seed(recipe.train.seed)  # the adapters' initial A matrices
         data = Dataset.from_list(assets.chat_dataset(sec.dataset_size))
         return make_cls(SFTTrainer)(

@@ -67,10 +67,10 @@ def model_dir(dims: TrlModel, seed: int = 0) -> Path:
     return _build_once(name, lambda out: _build(dims, seed, out))
 
 
-def load_model(path: Path):
+def load_model(path: Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype="float32", local_files_only=True)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
 
 
 def load_tokenizer(path: Path):
