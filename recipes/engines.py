@@ -24,6 +24,8 @@ class Engine:
     entry: str  # "package.module:function" called as function(recipe, probe) inside every rank
     check: CrossCheck | None = None
     description: str = ""
+    # "module:function" -> (recipe) -> [sidecar dicts] (ops/supervisor/sidecar.py); imported in the CLI: keep it light
+    sidecars: str | None = None
 
 
 _ENGINES: dict[str, Engine] = {}
@@ -58,6 +60,15 @@ def get(name: str) -> Engine:
     if found is None:
         raise KeyError(name)
     return found
+
+
+def sidecar_specs(recipe: Any) -> list[dict[str, Any]]:
+    """The sidecar processes (e.g. a vLLM server) the recipe's engine asks the launcher to keep."""
+    hook = get(recipe.engine).sidecars
+    if not hook:
+        return []
+    module, _, func = hook.partition(":")
+    return list(getattr(importlib.import_module(module), func)(recipe))
 
 
 def entry_point(name: str) -> Callable[[Any, Any], None]:

@@ -33,6 +33,14 @@ def qwen2_params(hidden: int, layers: int, heads: int, kv_heads: int, intermedia
     return vocab * hidden + layers * (attn + mlp + 2 * hidden) + hidden
 
 
+def llama_params(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+                 tied: bool) -> int:
+    """Exact parameters of a LlamaForCausalLM (no biases, RMSNorm; lm_head unless tied)."""
+    hd = hidden // heads
+    attn = 2 * hidden * hidden + 2 * hidden * kv_heads * hd
+    return vocab * hidden * (1 if tied else 2) + layers * (attn + 3 * hidden * intermediate + 2 * hidden) + hidden
+
+
 def _gen_seconds(n: int, kv_per_token: float, seqs: int, prompt: int, completion: int, gpus: int, g) -> dict:
     """Prefill + decode time of ``seqs`` sequences on ``gpus`` data-parallel vLLM engines."""
     per_engine = math.ceil(seqs / gpus)
@@ -60,12 +68,18 @@ def plan_grpo(recipe: Any, gpu: str, gpus: int) -> dict:
         raise PlanError(f"--gpu: one of {', '.join(GPUS)} (got {gpu!r})")
     g = GPUS[gpu]
     t = recipe.trl
-    if t.trainer != "grpo":
-        raise PlanError(f"ptops plan sizes rollouts of GRPO recipes (trl.trainer = {t.trainer!r})")
+    if t.trainer not in ("grpo", "rloo"):
+        raise PlanError(f"ptops plan sizes rollouts of GRPO and RLOO recipes (trl.trainer = {t.trainer!r})")
     m = t.model
-    n = qwen2_params(m.hidden_size, m.num_layers, m.num_heads, m.num_heads, 2 * m.hidden_size, m.vocab_size)
+    kv_heads = getattr(m, "num_kv_heads", None) or m.num_heads
+    inter = getattr(m, "intermediate_size", None) or 2 * m.hidden_size
+    if getattr(m, "arch", "qwen2") == "llama":
+        n = llama_params(m.hidden_size, m.num_layers, m.num_heads, kv_heads, inter, m.vocab_size,
+                         m.tie_word_embeddings)
+    else:
+        n = qwen2_params(m.hidden_size, m.num_layers, m.num_heads, kv_heads, inter, m.vocab_size)
     hd = m.hidden_size // m.num_heads
-    kv_per_token = 2 * m.num_layers * m.num_heads * hd * RL_ASSUMPTIONS["bytes_per_kv"]
+    kv_per_token = 2 * m.num_layers * kv_heads * hd * RL_ASSUMPTIONS["bytes_per_kv"]
     completions = t.per_device_batch_size * recipe.launch.nproc * t.grad_accum
     prompts = completions // t.num_generations
     lp, lc = t.max_length, t.max_completion_length
@@ -86,7 +100,8 @@ def plan_grpo(recipe: Any, gpu: str, gpus: int) -> dict:
                  "training_s": train_s(gpus - best), "step_s": max(gen["seconds"], train_s(gpus - best))}
     return {
         "recipe": getattr(recipe, "name", ""),
-        "model": {"family": "qwen2", "params": n, "kv_bytes_per_token": kv_per_token},
+        "model": {"family": getattr(m, "arch", "qwen2"), "params": n, "kv_bytes_per_token": kv_per_token},
+        "trainer": t.trainer,
         "hardware": {"gpu": gpu, "gpus": gpus},
         "rollouts": {"prompts_per_step": prompts, "completions_per_step": completions,
                      "num_generations": t.num_generations, "prompt_tokens": lp, "completion_tokens": lc,
@@ -102,8 +117,8 @@ def plan_grpo(recipe: Any, gpu: str, gpus: int) -> dict:
 def render_grpo(p: dict) -> str:
     r, c, s, mo = p["rollouts"], p["colocate"], p["server"], p["model"]
     lines = [
-        f"{p['recipe']}: GRPO rollouts on {p['hardware']['gpus']} x {p['hardware']['gpu']}",
-        f"  model       qwen2, {mo['params']:,} parameters, KV {mo['kv_bytes_per_token']:,} bytes/token",
+        f"{p['recipe']}: {p.get('trainer', 'grpo').upper()} rollouts on {p['hardware']['gpus']} x {p['hardware']['gpu']}",
+        f"  model       {mo['family']}, {mo['params']:,} parameters, KV {mo['kv_bytes_per_token']:,} bytes/token",
         f"  per step    {r['prompts_per_step']} prompts x {r['num_generations']} = {r['completions_per_step']} completions, "
         f"{r['generated_tokens_per_step']:,} generated tokens (prompt {r['prompt_tokens']}, completion {r['completion_tokens']})",
         f"  colocate    generate {c['generation']['seconds']:.3g} s ({c['generated_tokens_per_s']:,.0f} tok/s; "

@@ -44,8 +44,8 @@ def launch(
     recipe: Annotated[str, typer.Argument(help="Recipe TOML file, or the name of a shipped recipe (titan-tiny, trl-sft-tiny, ...).")],
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory; rerunning on an existing one resumes it. Default: runs/<recipe>-<timestamp>.")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key, e.g. --set train.steps=30 (repeatable; values parse as TOML).")] = [],
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate without GPUs and start nothing: the schema, the resolved recipe and rank command; for TorchTitan recipes also the parallel degrees against the world, the planner's memory fit and TorchTitan's fake-backend build of the real parallelisation.")] = False,
-    nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, help="--dry-run: nodes of the world to check (default: titan.target.nodes, else 1).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate without GPUs and start nothing: the schema, the resolved recipe and rank command; for TorchTitan recipes also the parallel degrees against the world, the planner's memory fit and TorchTitan's fake-backend build of the real parallelisation; for TRL recipes the model on the meta device, LoRA targets, the TRL config and a per-GPU memory estimate.")] = False,
+    nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, help="--dry-run: nodes of the world to check (default: titan.target.nodes / trl.target.nodes, else 1).")] = None,
     gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", min=1, help="--dry-run: GPUs per node (default: launch.nproc).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
     supervise: Annotated[bool, typer.Option("--supervise", help="Restart a crashed or hung run from the last good checkpoint, and act on monitor findings (without it, the same watch ends the run failed). Exit 3 means do not requeue.")] = False,
@@ -94,12 +94,14 @@ def launch(
             from ptops.ops.runrecord.rundir import RunDir
 
             cmd = launcher.rank_command(rec, RunDir(target), 1)
-            if rec.engine == "titan":
+            if rec.engine in ("titan", "trl"):
                 from ptops.ops.cli.dryrun import titan_dry_run
+                from ptops.ops.cli.dryrun_trl import trl_dry_run
 
                 if not json_out:
                     typer.echo(dump_json(rec))
-                report = titan_dry_run(rec, path, nodes, gpus_per_node, json_out)
+                check = titan_dry_run if rec.engine == "titan" else trl_dry_run
+                report = check(rec, path, nodes, gpus_per_node, json_out)
                 if json_out:
                     report["rank_command"] = cmd.argv
                     report["resolved_recipe"] = json.loads(dump_json(rec))
@@ -134,12 +136,14 @@ def recipes() -> None:
     """List the shipped recipes."""
     from ptops.recipes.schema import RecipeError, load, shipped_names
 
-    for name in shipped_names():
+    names = shipped_names()
+    width = max((len(n) for n in names), default=18)
+    for name in names:
         try:
             rec, _ = load(name)
-            typer.echo(f"{name:18s} {rec.engine:6s} {rec.description}")
+            typer.echo(f"{name:{width}s} {rec.engine:6s} {rec.description}")
         except RecipeError as e:
-            typer.echo(f"{name:18s} INVALID {e}")
+            typer.echo(f"{name:{width}s} INVALID {e}")
 
 
 from ptops.ops.cli.supervise import register as _register_supervision  # noqa: E402

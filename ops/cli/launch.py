@@ -31,7 +31,7 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
     t0 = time.monotonic()
     progress = Progress(rec.train.steps)
     sup = Supervisor(rec, run, faults, progress=progress, strategy="permanent" if supervise else "temporary")
-    code = sup.run_all(lock_fd=lock_fd)
+    code = _with_sidecars(rec, run, lock_fd, lambda: sup.run_all(lock_fd=lock_fd))
     progress.close()
     summary = summarize(run, time.monotonic() - t0, code)
     if json_out:
@@ -39,6 +39,28 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
     else:
         print_summary(summary)
     return code
+
+
+def _with_sidecars(rec, run, lock_fd: int, body) -> int:
+    """The engine's sidecars (e.g. ``trl vllm-serve``) live for the whole launch, across attempts."""
+    from ptops.recipes.engines import sidecar_specs
+
+    specs = sidecar_specs(rec)
+    if not specs:
+        return body()
+    from ptops.ops.runrecord.events import EventKind
+    from ptops.ops.supervisor.sidecar import run_sidecars
+
+    try:
+        with run_sidecars(specs, run.path, run.event):
+            return body()
+    except RuntimeError as e:
+        if not str(e).startswith("sidecar "):
+            raise
+        typer.echo(f"error: {e}", err=True)
+        run.event(EventKind.FAILED, reason=str(e))
+        os.close(lock_fd)
+        return 1
 
 
 def summarize(run, wall_s: float, code: int) -> dict:

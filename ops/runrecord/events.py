@@ -50,6 +50,11 @@ class EventKind(StrEnum):
     NODE_REPLACED = "node_replaced"
     PREEMPTED = "preempted"
     SLURM_REQUEUE = "slurm_requeue"
+    SIDECAR_STARTED = "sidecar_started"
+    SIDECAR_DIED = "sidecar_died"
+    SIDECAR_RESTARTED = "sidecar_restarted"
+    TEACHER = "teacher"
+    VLLM_FALLBACK = "vllm_fallback"
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -193,6 +198,17 @@ SPECS: dict[EventKind, EventSpec] = {
     K.SLURM_REQUEUE: EventSpec(("job_id", "reason"), ("exclude", "new_job_id", "how"),
                                doc="the job goes back to the queue (how: requeue = scontrol requeue; resubmit = "
                                    "sbatch --exclude of the blamed nodes)"),
+    K.SIDECAR_STARTED: EventSpec(("name", "pid"), ("restarts", "argv"),
+                                 doc="a sidecar process of the run (e.g. the vLLM server) answered its health check"),
+    K.SIDECAR_DIED: EventSpec(("name", "exit_code"), ("reason", "restarts", "gave_up"), severity="critical",
+                              summary=True, doc="a sidecar exited or stopped answering its health check (gave_up: "
+                              "its restarts are spent, it stays down)"),
+    K.SIDECAR_RESTARTED: EventSpec(("name", "pid", "restarts"), summary=True,
+                                   doc="a dead sidecar was started again and is healthy"),
+    K.TEACHER: EventSpec(("path", "digest", "step"), ("spec", "pinned", *_RANK),
+                         doc="the distillation teacher checkpoint a run reads (pinned by its first attempt)"),
+    K.VLLM_FALLBACK: EventSpec(("mode", "reason"), _RANK,
+                               doc="[trl.vllm] asked for vLLM but it cannot run here: TRL's generate path instead"),
     K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
     K.FAILED: EventSpec(("reason",), ("attempt", "exit_code"), state=RunState.FAILED, severity="critical",
                         summary=True, doc="the run gave up (reason names the cause)"),
@@ -206,7 +222,8 @@ END_KINDS = frozenset({EventKind.COMPLETED, EventKind.FAILED, EventKind.STOPPED}
 # Kinds a rank may report itself over the channel (the supervisor records only these).
 RANK_KINDS = frozenset({EventKind.CHECKPOINT, EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_INVALID,
                         EventKind.ROLLBACK_APPLIED, EventKind.HOLD_RELEASED, EventKind.PROFILE_CAPTURED,
-                        EventKind.PROFILE_FAILED, EventKind.REWARD_SOURCE})
+                        EventKind.PROFILE_FAILED, EventKind.REWARD_SOURCE,
+                        EventKind.TEACHER, EventKind.VLLM_FALLBACK})
 # Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).
 MONITOR_FINDING_KINDS = frozenset({EventKind.STRAGGLER, EventKind.ANOMALY})
 FINDING_KINDS = frozenset(k for k, s in SPECS.items() if s.finding)

@@ -67,13 +67,56 @@ def model_dir(dims: TrlModel, seed: int = 0) -> Path:
     return _build_once(name, lambda out: _build(dims, seed, out))
 
 
-def load_model(path: Path):
+def load_model(path: Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype="float32", local_files_only=True)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
 
 
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def hf_config(dims: TrlModel, num_labels: int | None = None):
+    """The transformers config of a recipe's stated architecture, built without any download
+    (production recipes and ``--dry-run``; the tiny recipes use :func:`model_dir`)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[dims.arch]
+    kw = dict(
+        vocab_size=dims.vocab_size,
+        hidden_size=dims.hidden_size,
+        intermediate_size=dims.intermediate_size or 2 * dims.hidden_size,
+        num_hidden_layers=dims.num_layers,
+        num_attention_heads=dims.num_heads,
+        num_key_value_heads=dims.num_kv_heads or dims.num_heads,
+        max_position_embeddings=dims.max_position_embeddings,
+        tie_word_embeddings=dims.tie_word_embeddings,
+    )
+    if num_labels is not None:
+        kw["num_labels"] = num_labels
+    config = cls(**kw)
+    try:
+        config.rope_parameters = {"rope_type": "default", "rope_theta": dims.rope_theta}
+    except (AttributeError, TypeError, ValueError):
+        config.rope_theta = dims.rope_theta
+    return config
+
+
+def policy_dir(dims: TrlModel) -> str:
+    """What ``from_pretrained`` loads: the production weights when the recipe names them, else the tiny model."""
+    return dims.pretrained if dims.pretrained else str(model_dir(dims, seed=dims.seed))
+
+
+def load_reward_model(path, seed: int):
+    """A sequence-classification (one score) head on the causal LM's body; the head is initialised
+    from ``seed`` so that two fresh runs start bit-identical."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_pretrained(
+        str(path), num_labels=1, dtype="float32", local_files_only=True
+    )

@@ -1,4 +1,5 @@
-"""TRL engine adapter: SFT, DPO and GRPO on a tiny local model, one call per torchrun rank.
+"""TRL engine adapter: SFT, DPO and GRPO on a tiny local model, one call per torchrun rank
+(LoRA SFT, reward model, RLOO and GKD: ``catalogue.py``, built through the same trainer class).
 
 ``main(recipe, probe)`` runs inside every rank (torchrun sets RANK, WORLD_SIZE,
 LOCAL_RANK; the launcher sets PTOPS_RUN_DIR and PTOPS_ATTEMPT). transformers'
@@ -310,10 +311,7 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
 
 
 def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
-    import torch
-
-    sec = recipe.trl
-    cuda = torch.cuda.is_available()  # one GPU per rank (LOCAL_RANK); CPU and gloo where there is none
+    sec = recipe.trl  # on a GPU: one per rank (LOCAL_RANK), NCCL; without one: CPU and gloo
     return dict(
         output_dir=str(out_dir),
         max_steps=recipe.train.steps,
@@ -322,9 +320,9 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
         per_device_train_batch_size=sec.per_device_batch_size,
         gradient_accumulation_steps=sec.grad_accum,
         max_grad_norm=sec.max_grad_norm,
-        use_cpu=not cuda,
-        full_determinism=cuda,  # deterministic kernels: recovery stays exact on a GPU too
-        bf16=False,
+        use_cpu=not _cuda(),
+        full_determinism=_cuda(),  # deterministic kernels: recovery stays exact on a GPU too
+        bf16=bool(sec.bf16 and _cuda()),
         fp16=False,
         logging_steps=1,
         logging_nan_inf_filter=False,  # a NaN loss must reach the monitors, not be averaged away
@@ -336,8 +334,23 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
         # TRL defaults gradient checkpointing on; a 100k-parameter model only pays the recompute
-        activation_checkpointing=False,
-    ) | ({"ddp_backend": "nccl" if cuda else "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {})
+        activation_checkpointing=sec.activation_checkpointing,
+    ) | ({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda() else {}) \
+      | fsdp_args(sec, _cuda())
+
+
+def fsdp_args(sec, on_gpu: bool) -> dict[str, Any]:
+    """``[trl] fsdp = true``: transformers' FSDP full shard, wrapped per decoder layer (GPU only)."""
+    if not (sec.fsdp and on_gpu):
+        return {}
+    layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}[sec.model.arch]
+    return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"transformer_layer_cls_to_wrap": [layer]}}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def build_trainer(recipe, probe, run: RunDir):
@@ -347,9 +360,8 @@ def build_trainer(recipe, probe, run: RunDir):
     from ptops.recipes.trl.model import load_model, load_tokenizer, model_dir
 
     sec = recipe.trl
-    mdir = model_dir(sec.model, seed=sec.model.seed)
+    mdir = model_dir(sec.model, seed=sec.model.seed) if not sec.model.pretrained else Path(sec.model.pretrained)
     tokenizer = load_tokenizer(mdir)
-    model = load_model(mdir)
     args = _common_args(recipe, run.checkpoints)
     tally = _StepTally()
     saves = _SaveState(recipe.checkpoint.keep)
@@ -357,6 +369,12 @@ def build_trainer(recipe, probe, run: RunDir):
     from ptops.recipes.trl import rollback
 
     callbacks += rollback.callbacks(probe)  # PTOPS_ROLLBACK: lr factor after a rollback
+    from ptops.recipes.trl import catalogue
+
+    if sec.trainer in catalogue.TRAINERS:  # LoRA SFT, reward model, RLOO, GKD
+        return catalogue.build(recipe, probe, run, args, tokenizer, str(mdir),
+                               lambda base: _make_trainer_class(base, probe, tally, saves), callbacks)
+    model = load_model(mdir)
 
     if sec.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
@@ -385,6 +403,7 @@ def build_trainer(recipe, probe, run: RunDir):
     if sec.trainer == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
+        from ptops.recipes.trl import vllm
         from ptops.recipes.trl.rewards import reward_dataset, reward_setup
 
         # [trl] reward picks the functions and the rows they read (rewards.py); rank 0 reports reward_source
@@ -396,8 +415,8 @@ def build_trainer(recipe, probe, run: RunDir):
             max_completion_length=sec.max_completion_length,
             beta=sec.beta,
             temperature=sec.temperature,
-            use_vllm=False,
             reward_weights=reward_weights,
+            **vllm.config_kwargs(sec, probe),  # [trl.vllm]; falls back to generate (one line) without a GPU
             log_completions=False,
         )
         data = Dataset.from_list(reward_dataset(sec))

@@ -1,0 +1,77 @@
+"""``ptops launch TRL-RECIPE --dry-run``: the schema, then the model on the meta device, LoRA targets,
+the TRL config object and a per-GPU memory estimate (``ptops.recipes.trl.dryrun`` in a subprocess:
+torch and trl stay out of the CLI); errors are one ``error:`` line (exit 2). Nothing is downloaded:
+the architecture is the recipe's ``[trl.model]``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import typer
+
+from ptops.ops.cli.errors import fail
+
+
+def trl_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None, json_out: bool) -> dict:
+    from ptops.recipes.plan import GPUS
+    from ptops.recipes.schema import dump_json
+    from ptops.recipes.trl.vllm import sidecar_specs
+
+    sec = rec.trl
+    n_nodes = nodes if nodes is not None else (sec.target.nodes if sec.target else 1)
+    per_node = gpus_per_node if gpus_per_node is not None else rec.launch.nproc
+    world = n_nodes * per_node
+    gpu = sec.target.gpu if sec.target else "h100"
+    if gpu not in GPUS:
+        fail(f"{path}: key 'trl.target.gpu': one of {', '.join(GPUS)} (got {gpu!r})")
+    gpu_gib = GPUS[gpu].memory_gib
+    report: dict = {"recipe": rec.name, "trainer": sec.trainer, "world": world, "nodes": n_nodes, "gpu": gpu,
+                    "schema": "ok", "sidecars": sidecar_specs(rec, check_available=False, resolve=False)}
+    if not json_out:
+        typer.echo(f"dry run: {rec.name} ({sec.trainer}) for {world} ranks ({n_nodes} nodes x {per_node} {gpu})")
+        typer.echo("  schema       ok")
+        typer.echo("  model        building on the meta device (no weights, no download)...")
+    timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
+    with tempfile.TemporaryDirectory(prefix="ptops-dryrun-") as tmp:
+        rj = Path(tmp) / "recipe.json"
+        rj.write_text(dump_json(rec))
+        env = dict(os.environ, PTOPS_RUN_DIR=tmp, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            proc = subprocess.run([sys.executable, "-m", "ptops.recipes.trl.dryrun", str(rj), str(world), str(gpu_gib)],
+                                  capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            fail(f"{path}: TRL dry run did not finish in {timeout:.0f} s (PTOPS_DRYRUN_TIMEOUT_S)")
+    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("PTOPS_DRYRUN ")), None)
+    if line is None:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        fail(f"{path}: TRL dry run died (exit {proc.returncode}): {tail}")
+    res = json.loads(line.removeprefix("PTOPS_DRYRUN "))
+    if not res.get("ok"):
+        fail(f"{path}: key 'trl': TRL dry run failed: {res.get('error')}")
+    if not res["fits"]:
+        fail(f"{path}: key 'trl': does not fit: {res['memory_total_gib']:.1f} GiB per GPU estimated "
+             f"({', '.join(f'{k} {v}' for k, v in res['memory_gib'].items())}) > {gpu_gib:.1f} GiB ({gpu})")
+    report["trl"] = res
+    if not json_out:
+        typer.echo(f"  model        ok in {res['seconds']} s: {res['model']} {res['params']:,} params, "
+                   f"{res['trainable_params']:,} trainable" + (f" (LoRA on {', '.join(res['lora_modules'])})"
+                                                                 if res.get("lora_modules") else ""))
+        if "teacher_model" in res:
+            typer.echo(f"  teacher      ok: {res['teacher_model']} {res['teacher_params']:,} params, same vocabulary")
+        typer.echo(f"  trl config   ok: {res['trl_config']}" + (" (vLLM rollouts)" if res["use_vllm"] else ""))
+        typer.echo(f"  memory       ok: ~{res['memory_total_gib']:.1f} of {gpu_gib:.1f} GiB per GPU ("
+                   + ", ".join(f"{k.removesuffix('_gib')} {v}" for k, v in res["memory_gib"].items() if v)
+                   + (", FSDP over the world" if sec.fsdp else "") + ")")
+        for sc in report["sidecars"]:
+            typer.echo(f"  sidecar      {sc['name']}: " + " ".join(sc["argv"])
+                       + (f" (CUDA_VISIBLE_DEVICES={sc['env']['CUDA_VISIBLE_DEVICES']})" if sc["env"] else "")
+                       + f"; health {sc['health_url']}")
+        for item in res["not_checked"]:
+            typer.echo(f"  not checked  {item}")
+    return report
