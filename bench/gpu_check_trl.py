@@ -18,7 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "gpu_check_trl.json"
-RECIPES = ("trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny")
+RECIPES = ("trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny", "trl-lora-sft-tiny", "trl-reward-tiny", "trl-rloo-tiny",
+           "trl-gkd-tiny", "trl-grpo-math-tiny", "trl-grpo-judge-tiny", "trl-grpo-code-tiny")
 STEPS, INTERVAL, KILL = 8, 4, 6
 
 
@@ -50,6 +51,10 @@ def main() -> int:
     smoke = "--cpu-smoke" in argv
     argv = [a for a in argv if a != "--cpu-smoke"]
     recipes = RECIPES[:1] if smoke else RECIPES
+    if "--recipes" in argv:  # --recipes a,b: a subset (a lease's minutes are few)
+        i = argv.index("--recipes")
+        recipes = tuple(argv[i + 1].split(","))
+        del argv[i:i + 2]
     if not smoke:
         import torch
 
@@ -61,6 +66,8 @@ def main() -> int:
         OUT = root / "gpu_check_trl.json"
     root.mkdir(parents=True, exist_ok=True)
     res: dict = {"when": time.strftime("%Y%m%d-%H%M%S"), "steps": STEPS, "interval": INTERVAL, "kill_at": KILL}
+    if OUT.exists() and not smoke:  # a later lease adds recipes to the earlier results
+        res = {**json.loads(OUT.read_text()), **res}
     for name in recipes:
         base = launch(name, root / f"{name}-base")
         hit = launch(name, root / f"{name}-crash", "--fault", f"crash:rank=0,step={KILL}")
@@ -68,9 +75,9 @@ def main() -> int:
                      "exact": base["exit"] == 0 and hit["exit"] == 0 and hit["restarts"] == 1
                      and base["digest"] is not None and base["digest"] == hit["digest"] and base["losses"] == hit["losses"]}
         print(f"{name}: exact={res[name]['exact']} base {base['wall_s']} s, crash {hit['wall_s']} s", flush=True)
-    res["all_exact"] = all(res[n]["exact"] for n in recipes)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(res, indent=2) + "\n")
+        res["all_exact"] = all(res[n]["exact"] for n in res if isinstance(res[n], dict) and "exact" in res[n])
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(res, indent=2) + "\n")  # after each recipe: a lease may end mid-list
     return 0 if res["all_exact"] else 1
 
 
