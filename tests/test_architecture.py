@@ -18,6 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "ops/supervisor": {"ops/runrecord", "ops/rank", "monitors", "ckpt", "faultinject", "recipes"},
     "ops/obs": {"ops/runrecord", "monitors"},
     "diagnostics": {"ops/runrecord", "monitors", "ckpt"},
+    "ops/pipeline": {"ops/runrecord", "ckpt", "recipes", "faultinject", "ops/obs"},  # stages run as `ptops launch` subprocesses
 }
 CHAOS_ONLY = {"ops/runrecord", "ops/supervisor", "recipes"}
 FOLDERS = [*ALLOWED, "ops/cli"]

@@ -204,7 +204,7 @@ class PipelineRunner:
                 self._event("stage_skipped", stage=s.name, index=i, digest=digests[s.name])
                 self.say(f"ptops pipeline: {tag}: completed earlier (digest {_short(digests[s.name])}), skipped")
             else:
-                code, reason = self._launch_stage(i, s, rec, sdir, done, digests)
+                code, reason, ev_in = self._launch_stage(i, s, rec, sdir, done, digests)
                 if code != 0:
                     msg = (f"pipeline stopped: {tag} failed (exit {code}{': ' + reason if reason else ''}); "
                            f"rerun the same command to resume it from its last good checkpoint"
@@ -221,6 +221,7 @@ class PipelineRunner:
                 done[s.name] = ev
                 if self.lineage is not None:
                     self.lineage.stage_done(s.name, sdir, {"state": "completed", "output_digest": digests[s.name],
+                                                           "input_stage": s.input, "input_digest": ev_in.get("input_digest"),
                                                            "output_checkpoint": str(ck), "final_step": rec.train.steps})
                 self.say(f"ptops pipeline: {tag}: completed, final checkpoint {ck.name} digest {_short(digests[s.name])}")
             if s.gate is not None:
@@ -239,7 +240,7 @@ class PipelineRunner:
         self._event("pipeline_completed", stages=n)
         return Outcome(0, f"pipeline {self.pipe.model.name} completed: {n} stages")
 
-    def _launch_stage(self, i: int, s, rec, sdir: Path, done: dict, digests: dict) -> tuple[int, str | None]:
+    def _launch_stage(self, i: int, s, rec, sdir: Path, done: dict, digests: dict) -> tuple[int, str | None, dict]:
         n = len(self.pipe.stages)
         inp_ck = inp_digest = None
         if s.input is not None:
@@ -287,4 +288,4 @@ class PipelineRunner:
             reason = json.loads(out[out.index("{"):]).get("reason") if "{" in (out or "") else None
         except ValueError:
             reason = None
-        return code, reason
+        return code, reason, fields
