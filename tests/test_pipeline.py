@@ -1,0 +1,282 @@
+"""``ptops pipeline`` for real: TRL SFT -> DPO -> GRPO on the tiny model, each stage a supervised launch.
+
+Two shared pipelines (module fixtures, ~90 s of CPU together):
+
+- ``main``: 3 stages; stage 2 (DPO) crashes at step 3 with restarts off, so the first
+  ``ptops pipeline`` stops there (exit 1); the same command again skips stage 1 (by its recorded
+  digest), resumes stage 2 from its checkpoint at step 2 and runs stage 3. SFT and GRPO run a
+  held-out eval (``eval/heldout``); SFT is gated on it (a gate that passes). MLflow is real (SQLite).
+- ``gated``: SFT gated on ``eval/heldout >= 0.5``, which the tiny model never reaches: the pipeline
+  stops with the gate's message; stage 2 never starts; then the stage's final checkpoint is damaged
+  and a rerun refuses to build on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ptops.ops.runrecord.rundir import read_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+ENV.pop("PTOPS_RANK_LOGS", None)
+
+MAIN = """
+name = "pipe-test"
+
+[[stage]]
+name = "sft"
+recipe = "trl-sft-tiny"
+set = ["train.steps=4", "checkpoint.interval=2", "eval.interval=2", "eval.size=8"]
+gate = { metric = "eval/heldout", op = ">=", value = 0.0 }
+
+[[stage]]
+name = "dpo"
+recipe = "trl-dpo-tiny"
+input = "sft"
+set = ["train.steps=4", "checkpoint.interval=2", "supervisor.restart.max_restarts=0"]
+faults = ["crash:rank=1,step=3"]
+
+[[stage]]
+name = "grpo"
+recipe = "trl-grpo-tiny"
+input = "dpo"
+set = ["train.steps=4", "checkpoint.interval=2", "eval.interval=2", "eval.size=8", "trl.verifier=true"]
+"""
+
+GATED = """
+name = "pipe-gated"
+
+[[stage]]
+name = "sft"
+recipe = "trl-sft-tiny"
+set = ["train.steps=2", "checkpoint.interval=2", "eval.interval=2", "eval.size=8"]
+gate = { metric = "eval/heldout", op = ">=", value = 0.5 }
+
+[[stage]]
+name = "dpo"
+recipe = "trl-dpo-tiny"
+input = "sft"
+set = ["train.steps=2"]
+"""
+
+
+def pipeline(file: Path, pipe_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "ptops", "pipeline", str(file), "--run-dir", str(pipe_dir), "--json", *extra]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+
+
+def ptops(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ptops", *args], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+def events(path: Path) -> list[dict]:
+    return list(read_jsonl(path / "events.jsonl"))
+
+
+def tree_state(d: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``d`` with its mtime (ns) and size: 'untouched' means equal."""
+    return {str(p.relative_to(d)): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def main(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    file = root / "pipe.toml"
+    file.write_text(MAIN)
+    pipe = root / "pipe"
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    first = pipeline(file, pipe, "--mlflow-uri", uri)
+    stage1 = pipe / "stages" / "01-sft"
+    before = {"tree": tree_state(stage1), "events": len(events(stage1))} if stage1.is_dir() else None
+    dpo_ckpts = sorted(p.name for p in (pipe / "stages" / "02-dpo" / "checkpoints").glob("checkpoint-*"))
+    second = pipeline(file, pipe, "--mlflow-uri", uri)
+    return {"root": root, "file": file, "pipe": pipe, "uri": uri, "first": first, "second": second,
+            "stage1_before": before, "dpo_ckpts_after_crash": dpo_ckpts}
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gated")
+    file = root / "gated.toml"
+    file.write_text(GATED)
+    pipe = root / "pipe"
+    return {"file": file, "pipe": pipe, "first": pipeline(file, pipe, "--no-mlflow")}
+
+
+def _out(proc) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+
+
+def test_crash_in_stage_2_stops_the_pipeline_and_the_rerun_resumes_stage_2_not_stage_1(main):
+    first, second, pipe = main["first"], main["second"], main["pipe"]
+    assert first.returncode == 1, _out(first)
+    assert "error: pipeline stopped: stage 2/3 dpo failed (exit 1" in first.stderr, _out(first)
+    assert "rerun the same command to resume" in first.stderr
+    assert main["dpo_ckpts_after_crash"] == ["checkpoint-2"], "the crash at step 3 leaves step 2 as last good"
+    assert second.returncode == 0, _out(second)
+    # stage 1's run directory is untouched by the rerun: same files, mtimes, sizes, events
+    stage1 = pipe / "stages" / "01-sft"
+    assert main["stage1_before"] is not None
+    assert tree_state(stage1) == main["stage1_before"]["tree"]
+    assert len(events(stage1)) == main["stage1_before"]["events"]
+    ev = events(pipe)
+    starts = [i for i, e in enumerate(ev) if e["kind"] == "pipeline_started"]
+    assert len(starts) == 2
+    rerun = ev[starts[1]:]
+    assert [e["stage"] for e in rerun if e["kind"] == "stage_skipped"] == ["sft"]
+    assert not [e for e in rerun if e["kind"] == "stage_started" and e["stage"] == "sft"]
+    dpo_starts = [e for e in ev if e["kind"] == "stage_started" and e["stage"] == "dpo"]
+    assert [e["resumed"] for e in dpo_starts] == [False, True]
+    # stage 2 resumed from its own checkpoint at step 2 (attempt 2), not from scratch
+    dpo = pipe / "stages" / "02-dpo"
+    assert [e["attempt"] for e in events(dpo) if e["kind"] == "launch"] == [1, 2]
+    log = "".join((dpo / "logs" / "attempt-2" / f"rank-{r}.log").read_text() for r in (0, 1))
+    assert "resuming from" in log and "checkpoint-2" in log, log[-2000:]
+    steps2 = sorted({r["step"] for r in read_jsonl(dpo / "metrics.jsonl") if r.get("attempt") == 2})
+    assert steps2 == [3, 4]
+
+
+def test_each_stage_starts_from_the_previous_stages_verified_final_checkpoint(main):
+    from ptops.ckpt import digest
+
+    assert main["second"].returncode == 0, _out(main["second"])
+    pipe = main["pipe"]
+    ev = events(pipe)
+    completed = {e["stage"]: e for e in ev if e["kind"] == "stage_completed"}
+    assert set(completed) == {"sft", "dpo", "grpo"}
+    for stage, inp in (("dpo", "sft"), ("grpo", "dpo")):
+        started = [e for e in ev if e["kind"] == "stage_started" and e["stage"] == stage]
+        assert started and all(e["input_stage"] == inp for e in started)
+        assert all(e["input_digest"] == completed[inp]["digest"] for e in started)
+        assert all(e["input_checkpoint"] == completed[inp]["checkpoint"] for e in started)
+        assert completed[inp]["checkpoint"].endswith("checkpoint-4")
+        # the recorded digest is the checkpoint's real one (`ptops ckpt digest`)
+        assert digest(completed[inp]["checkpoint"]) == completed[inp]["digest"]
+        sdir = Path(started[0]["run_dir"])
+        # the stage's own record names its input, and its ranks loaded exactly that checkpoint
+        own = [e for e in events(sdir) if e["kind"] == "stage_input"]
+        assert own and all(e["input_digest"] == completed[inp]["digest"] for e in own)
+        log = (sdir / "logs" / "attempt-1" / "rank-0.log").read_text()
+        assert f"[ptops.init_from] weights from {completed[inp]['checkpoint']} (verified)" in log
+    out = json.loads(main["second"].stdout)
+    assert out["state"] == "completed" and out["exit_code"] == 0
+    assert [s["digest"] for s in out["stages"]] == [completed[n]["digest"] for n in ("sft", "dpo", "grpo")]
+    gate = [e for e in ev if e["kind"] == "gate"]
+    assert gate and all(g["stage"] == "sft" and g["passed"] and g["metric"] == "eval/heldout" for g in gate)
+
+
+def test_status_on_a_pipeline_directory_shows_every_stage(main):
+    pipe = main["pipe"]
+    st = ptops("status", str(pipe), "--json")
+    assert st.returncode == 0, st.stderr
+    s = json.loads(st.stdout)
+    assert s["state"] == "completed" and s["name"] == "pipe-test"
+    rows = {r["name"]: r for r in s["stages"]}
+    assert [r["name"] for r in s["stages"]] == ["sft", "dpo", "grpo"]
+    assert all(r["state"] == "completed" and r["step"] == 4 and r["total_steps"] == 4 for r in rows.values())
+    assert rows["dpo"]["input_digest"] == rows["sft"]["digest"] and rows["grpo"]["input_digest"] == rows["dpo"]["digest"]
+    assert rows["sft"]["gate"]["passed"] is True and rows["sft"]["gate"]["threshold"] == 0.0
+    text = ptops("status", str(pipe))
+    assert text.returncode == 0
+    for r in rows.values():
+        assert r["name"] in text.stdout and r["digest"][:12] in text.stdout
+    assert "gate eval/heldout >= 0: passed" in text.stdout
+
+
+def test_mlflow_has_a_parent_run_and_one_nested_child_per_stage_with_digests(main):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(main["uri"])
+    exp = client.get_experiment_by_name("pipe-test")
+    runs = client.search_runs([exp.experiment_id])
+    parent_id = json.loads((main["pipe"] / "mlflow.json").read_text())["run_id"]
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["ptops.state"] == "completed"
+    children = {r.data.tags["ptops.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id}
+    assert set(children) == {"sft", "dpo", "grpo"}
+    completed = {e["stage"]: e for e in events(main["pipe"]) if e["kind"] == "stage_completed"}
+    for stage, inp in (("sft", None), ("dpo", "sft"), ("grpo", "dpo")):
+        c = children[stage]
+        assert c.data.tags["ptops.output_digest"] == completed[stage]["digest"]
+        assert parent.data.tags[f"ptops.stage.{stage}.output_digest"] == completed[stage]["digest"]
+        assert c.data.params["ptops.input_digest"] == (completed[inp]["digest"] if inp else "")
+        assert c.info.status == "FINISHED"
+        assert "loss" in c.data.metrics, "the stage's own exporter logged into the child run"
+    assert "eval/heldout" in children["grpo"].data.metrics
+
+
+def test_eval_records_reach_metrics_and_the_reward_hacking_monitor_reads_them(main):
+    from ptops.monitors.rl import RewardHackingMonitor
+
+    grpo = main["pipe"] / "stages" / "03-grpo"
+    recs = list(read_jsonl(grpo / "metrics.jsonl"))
+    with_eval = sorted((r["rank"], r["step"]) for r in recs if "eval/heldout" in r)
+    assert with_eval == [(0, 2), (0, 4), (1, 2), (1, 4)]
+    for r in recs:
+        if "eval/heldout" in r:
+            assert 0.0 <= r["eval/heldout"] <= 1.0 and 0.0 <= r["eval/heldout_exact"] <= 1.0
+    assert all("rewards_verifier_mean" in r for r in recs), "the proxy is logged too (trl.verifier=true)"
+    mon = RewardHackingMonitor()
+    for r in recs:
+        mon.feed(r)
+    assert mon.heldout_source(0) == ("eval", "eval/heldout")
+    assert mon.heldout_source(1) == ("eval", "eval/heldout")
+
+
+def test_a_failing_gate_stops_the_pipeline_with_one_clear_message(gated):
+    first, pipe = gated["first"], gated["pipe"]
+    assert first.returncode == 1, _out(first)
+    errors = [line for line in first.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, first.stderr
+    assert errors[0] == ("error: pipeline stopped at stage 1/2 sft: gate failed: eval/heldout = 0 at step 2, "
+                         "needs >= 0.5"), errors[0]
+    assert not (pipe / "stages" / "02-dpo").exists(), "the stage after a failed gate never starts"
+    s = json.loads(ptops("status", str(pipe), "--json").stdout)
+    assert s["state"] == "failed" and [r["state"] for r in s["stages"]] == ["gate_failed", "pending"]
+    assert s["stages"][0]["gate"] == {"metric": "eval/heldout", "op": ">=", "threshold": 0.5, "value": 0.0, "step": 2,
+                                      "passed": False}
+    # the same command again: stage 1 is not retrained (skipped by digest), the gate still says no
+    again = pipeline(gated["file"], pipe, "--no-mlflow")
+    assert again.returncode == 1 and "gate failed: eval/heldout = 0 at step 2" in again.stderr
+    ev = events(pipe)
+    assert [e["kind"] for e in ev].count("stage_started") == 1 and [e["stage"] for e in ev if e["kind"] == "stage_skipped"] == ["sft"]
+    # a stage's final checkpoint damaged after it completed: the pipeline refuses to build on it
+    ck = Path(next(e for e in ev if e["kind"] == "stage_completed")["checkpoint"])
+    weights = ck / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    damaged = pipeline(gated["file"], pipe, "--no-mlflow")
+    assert damaged.returncode == 1, _out(damaged)
+    assert f"stage sft: its final checkpoint {ck} is no longer valid" in damaged.stderr, damaged.stderr
+
+
+def test_bad_pipeline_files_get_one_line_and_exit_2(tmp_path):
+    cases = {
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ninput = "b"\n':
+            "key 'stage.0.input': 'b' is not an earlier stage",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ngate = { metric = "eval/heldout", value = 0.5 }\n':
+            "key 'stage.0.gate.metric': eval/heldout needs a held-out eval",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "titan-tiny"\n[[stage]]\nname = "b"\nrecipe = "titan-tiny"\ninput = "a"\n':
+            "key 'train.init_from': not supported by engine \"titan\"",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.stepz=3"]\n':
+            "key 'train.stepz': unknown key",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nfaults = ["explode:step=1"]\n':
+            "key 'stage.0.faults'",
+    }
+    for i, (text, expected) in enumerate(cases.items()):
+        f = tmp_path / f"bad{i}.toml"
+        f.write_text(text)
+        p = ptops("pipeline", str(f), "--run-dir", str(tmp_path / f"run{i}"), "--no-mlflow")
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (expected, p.stderr)
+        assert not (tmp_path / f"run{i}").exists()
