@@ -81,3 +81,35 @@ def test_heldout_set_is_held_out():
     trained = {q for seed in (1, 2, 3) for q, _ in assets.arithmetic_pairs(rec.trl.dataset_size, seed)}
     asked = [r["prompt"][0]["content"] for r in rows]
     assert not set(asked) & trained and len(set(asked)) == len(asked)
+
+
+def test_eval_in_the_loop_leaves_training_and_exact_resume_unchanged(tmp_path):
+    """Real SFT runs (4 steps): with a held-out eval every 2 steps, and with it plus a crash at step 3
+    (supervised restart from step 2), the final checkpoint has the digest of a run without eval."""
+    import os
+    import subprocess
+    import sys
+
+    from ptops.ckpt import digest
+    from ptops.ops.runrecord.rundir import read_jsonl
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    base = ["train.steps=4", "checkpoint.interval=2"]
+
+    def launch(name, extra, *flags):
+        cmd = [sys.executable, "-m", "ptops", "launch", "trl-sft-tiny", "--run-dir", str(tmp_path / name), "--no-mlflow"]
+        for o in base + extra:
+            cmd += ["--set", o]
+        p = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return tmp_path / name
+
+    plain = launch("plain", [])
+    evald = launch("eval", ["eval.interval=2"])
+    crashed = launch("crash", ["eval.interval=2"], "--supervise", "--fault", "crash:rank=0,step=3")
+    recs = [r for r in read_jsonl(evald / "metrics.jsonl") if r["rank"] == 0]
+    assert [r["step"] for r in recs if "eval/heldout" in r] == [2, 4]
+    assert not any("eval/heldout" in r for r in read_jsonl(plain / "metrics.jsonl"))
+    assert [e["kind"] for e in read_jsonl(crashed / "events.jsonl")].count("restart") == 1
+    assert digest(evald) == digest(plain)
+    assert digest(crashed) == digest(plain)
