@@ -39,7 +39,7 @@ class TrainSection(_Strict):
     init_from: str = Field(
         "", description="start from these weights (a checkpoint folder, or a run directory meaning its latest good "
         "checkpoint; verified first): weights only, before step 0 - a fresh optimizer, schedule and step count "
-        "(TRL recipes; a pipeline stage's input). A resumed run continues from its own checkpoint instead",
+        "(TRL and TorchTitan recipes; a pipeline stage's input). A resumed run continues from its own checkpoint instead",
     )
 
 
@@ -256,7 +256,7 @@ def build_monitors_of(section: MonitorsSection, origin: str) -> list:
 
 
 # keys only some engines implement: engine -> keys (a recipe that sets one elsewhere is bad input, not silence)
-ENGINE_ONLY = {"train.init_from": ("trl",), "eval.interval": ("trl",)}
+ENGINE_ONLY = {"train.init_from": ("trl", "titan"), "eval.interval": ("trl",)}
 
 
 def _check_cross_keys(recipe: Recipe, origin: str) -> None:

@@ -65,8 +65,9 @@ def test_eval_section_schema():
     assert load("trl-sft-tiny")[0].eval.interval == 0  # off unless asked for
     with pytest.raises(RecipeError, match=r"key 'eval.interval': not supported by engine \"titan\""):
         load("titan-tiny", ["eval.interval=5"])
-    with pytest.raises(RecipeError, match=r"key 'train.init_from': not supported by engine \"titan\""):
-        load("titan-tiny", ["train.init_from=/x"])
+    assert load("titan-tiny", ["train.init_from=/x"])[0].train.init_from == "/x"
+    with pytest.raises(RecipeError, match=r"key 'train.init_from': not together with titan.initial_load_path"):
+        load("titan-tiny", ["train.init_from=/x", "titan.initial_load_path=/y"])
     with pytest.raises(RecipeError, match=r"eval.name"):
         load("trl-sft-tiny", ["eval.name=bad/name"])
 

@@ -265,8 +265,8 @@ def test_bad_pipeline_files_get_one_line_and_exit_2(tmp_path):
             "key 'stage.0.input': 'b' is not an earlier stage",
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ngate = { metric = "eval/heldout", value = 0.5 }\n':
             "key 'stage.0.gate.metric': eval/heldout needs a held-out eval",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "titan-tiny"\n[[stage]]\nname = "b"\nrecipe = "titan-tiny"\ninput = "a"\n':
-            "key 'train.init_from': not supported by engine \"titan\"",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "titan-tiny"\nset = ["eval.interval=5"]\n':
+            "key 'eval.interval': not supported by engine \"titan\"",
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.stepz=3"]\n':
             "key 'train.stepz': unknown key",
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nfaults = ["explode:step=1"]\n':
@@ -280,3 +280,39 @@ def test_bad_pipeline_files_get_one_line_and_exit_2(tmp_path):
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (expected, p.stderr)
         assert not (tmp_path / f"run{i}").exists()
+
+
+TITAN = """
+name = "pipe-titan"
+
+[[stage]]
+name = "pretrain"
+recipe = "titan-tiny"
+set = ["train.steps=4", "checkpoint.interval=4"]
+
+[[stage]]
+name = "continue"
+recipe = "titan-tiny"
+input = "pretrain"
+set = ["train.steps=2", "checkpoint.interval=2"]
+"""
+
+
+def test_a_titan_stage_starts_from_the_previous_stages_dcp_checkpoint(tmp_path):
+    """TorchTitan's model-only initial load from the verified ``step-N``: stage 2's first loss is the
+    trained model's, not a fresh init's (same seed, same first batch)."""
+    file = tmp_path / "titan.toml"
+    file.write_text(TITAN)
+    pipe = tmp_path / "pipe"
+    p = pipeline(file, pipe, "--no-mlflow")
+    assert p.returncode == 0, _out(p)
+    ev = events(pipe)
+    done = {e["stage"]: e for e in ev if e["kind"] == "stage_completed"}
+    started = next(e for e in ev if e["kind"] == "stage_started" and e["stage"] == "continue")
+    assert started["input_digest"] == done["pretrain"]["digest"] and done["pretrain"]["checkpoint"].endswith("step-4")
+    s1, s2 = (pipe / "stages" / d for d in ("01-pretrain", "02-continue"))
+    log = (s2 / "logs" / "attempt-1" / "rank-0.log").read_text()
+    assert f"[ptops.init_from] weights from {done['pretrain']['checkpoint']} (verified)" in log
+    first = {d: next(r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["rank"] == 0 and r["step"] == 1)
+             for d in (s1, s2)}
+    assert first[s2] < first[s1] - 0.1, first
