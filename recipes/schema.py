@@ -36,6 +36,10 @@ class _Strict(BaseModel):
 class TrainSection(_Strict):
     steps: int = Field(20, ge=1, description="optimizer steps in the whole run")
     seed: int = Field(42, description="seed for model init, data order and dropout")
+    data_file: str = Field(
+        "", description="SFT: train on these chat rows (JSONL of {\"messages\": [...]}) instead of the built-in set "
+        "(a rejection-sampling pipeline stage writes it)",
+    )
     init_from: str = Field(
         "", description="start from these weights (a checkpoint folder, or a run directory meaning its latest good "
         "checkpoint; verified first): weights only, before step 0 - a fresh optimizer, schedule and step count "
@@ -256,7 +260,7 @@ def build_monitors_of(section: MonitorsSection, origin: str) -> list:
 
 
 # keys only some engines implement: engine -> keys (a recipe that sets one elsewhere is bad input, not silence)
-ENGINE_ONLY = {"train.init_from": ("trl", "titan"), "eval.interval": ("trl",)}
+ENGINE_ONLY = {"train.init_from": ("trl", "titan"), "eval.interval": ("trl",), "train.data_file": ("trl",)}
 
 
 def _check_cross_keys(recipe: Recipe, origin: str) -> None:

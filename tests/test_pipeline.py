@@ -2,9 +2,9 @@
 
 Two shared pipelines (module fixtures, ~90 s of CPU together):
 
-- ``main``: 3 stages; stage 2 (DPO) crashes at step 3 with restarts off, so the first
+- ``main``: 4 stages (the last a rejection-sampling SFT on GRPO's samples); stage 2 (DPO) crashes at step 3 with restarts off, so the first
   ``ptops pipeline`` stops there (exit 1); the same command again skips stage 1 (by its recorded
-  digest), resumes stage 2 from its checkpoint at step 2 and runs stage 3. SFT and GRPO run a
+  digest), resumes stage 2 from its checkpoint at step 2 and runs stages 3 and 4. SFT and GRPO run a
   held-out eval (``eval/heldout``); SFT is gated on it (a gate that passes). MLflow is real (SQLite).
 - ``gated``: SFT gated on ``eval/heldout >= 0.5``, which the tiny model never reaches: the pipeline
   stops with the gate's message; stage 2 never starts; then the stage's final checkpoint is damaged
@@ -48,6 +48,14 @@ name = "grpo"
 recipe = "trl-grpo-tiny"
 input = "dpo"
 set = ["train.steps=4", "checkpoint.interval=2", "eval.interval=2", "eval.size=8", "trl.verifier=true"]
+
+[[stage]]
+name = "rs"
+kind = "rejection-sampling"
+recipe = "trl-sft-tiny"
+input = "grpo"
+sampling = { n = 4, prompts = 12 }
+set = ["train.steps=2", "checkpoint.interval=2", "trl.per_device_batch_size=2"]
 """
 
 GATED = """
@@ -118,7 +126,7 @@ def _out(proc) -> str:
 def test_crash_in_stage_2_stops_the_pipeline_and_the_rerun_resumes_stage_2_not_stage_1(main):
     first, second, pipe = main["first"], main["second"], main["pipe"]
     assert first.returncode == 1, _out(first)
-    assert "error: pipeline stopped: stage 2/3 dpo failed (exit 1" in first.stderr, _out(first)
+    assert "error: pipeline stopped: stage 2/4 dpo failed (exit 1" in first.stderr, _out(first)
     assert "rerun the same command to resume" in first.stderr
     assert main["dpo_ckpts_after_crash"] == ["checkpoint-2"], "the crash at step 3 leaves step 2 as last good"
     assert second.returncode == 0, _out(second)
@@ -151,13 +159,14 @@ def test_each_stage_starts_from_the_previous_stages_verified_final_checkpoint(ma
     pipe = main["pipe"]
     ev = events(pipe)
     completed = {e["stage"]: e for e in ev if e["kind"] == "stage_completed"}
-    assert set(completed) == {"sft", "dpo", "grpo"}
-    for stage, inp in (("dpo", "sft"), ("grpo", "dpo")):
+    assert set(completed) == {"sft", "dpo", "grpo", "rs"}
+    for stage, inp in (("dpo", "sft"), ("grpo", "dpo"), ("rs", "grpo")):
         started = [e for e in ev if e["kind"] == "stage_started" and e["stage"] == stage]
         assert started and all(e["input_stage"] == inp for e in started)
         assert all(e["input_digest"] == completed[inp]["digest"] for e in started)
         assert all(e["input_checkpoint"] == completed[inp]["checkpoint"] for e in started)
         assert completed[inp]["checkpoint"].endswith("checkpoint-4")
+        assert completed[stage]["checkpoint"].endswith(f"checkpoint-{2 if stage == 'rs' else 4}")
         # the recorded digest is the checkpoint's real one (`ptops ckpt digest`)
         assert digest(completed[inp]["checkpoint"]) == completed[inp]["digest"]
         sdir = Path(started[0]["run_dir"])
@@ -168,7 +177,7 @@ def test_each_stage_starts_from_the_previous_stages_verified_final_checkpoint(ma
         assert f"[ptops.init_from] weights from {completed[inp]['checkpoint']} (verified)" in log
     out = json.loads(main["second"].stdout)
     assert out["state"] == "completed" and out["exit_code"] == 0
-    assert [s["digest"] for s in out["stages"]] == [completed[n]["digest"] for n in ("sft", "dpo", "grpo")]
+    assert [s["digest"] for s in out["stages"]] == [completed[n]["digest"] for n in ("sft", "dpo", "grpo", "rs")]
     gate = [e for e in ev if e["kind"] == "gate"]
     assert gate and all(g["stage"] == "sft" and g["passed"] and g["metric"] == "eval/heldout" for g in gate)
 
@@ -180,8 +189,9 @@ def test_status_on_a_pipeline_directory_shows_every_stage(main):
     s = json.loads(st.stdout)
     assert s["state"] == "completed" and s["name"] == "pipe-test"
     rows = {r["name"]: r for r in s["stages"]}
-    assert [r["name"] for r in s["stages"]] == ["sft", "dpo", "grpo"]
-    assert all(r["state"] == "completed" and r["step"] == 4 and r["total_steps"] == 4 for r in rows.values())
+    assert [r["name"] for r in s["stages"]] == ["sft", "dpo", "grpo", "rs"]
+    assert all(r["state"] == "completed" and r["step"] == r["total_steps"] == (2 if r["name"] == "rs" else 4)
+               for r in rows.values())
     assert rows["dpo"]["input_digest"] == rows["sft"]["digest"] and rows["grpo"]["input_digest"] == rows["dpo"]["digest"]
     assert rows["sft"]["gate"]["passed"] is True and rows["sft"]["gate"]["threshold"] == 0.0
     text = ptops("status", str(pipe))
@@ -201,9 +211,9 @@ def test_mlflow_has_a_parent_run_and_one_nested_child_per_stage_with_digests(mai
     parent = client.get_run(parent_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["ptops.state"] == "completed"
     children = {r.data.tags["ptops.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id}
-    assert set(children) == {"sft", "dpo", "grpo"}
+    assert set(children) == {"sft", "dpo", "grpo", "rs"}
     completed = {e["stage"]: e for e in events(main["pipe"]) if e["kind"] == "stage_completed"}
-    for stage, inp in (("sft", None), ("dpo", "sft"), ("grpo", "dpo")):
+    for stage, inp in (("sft", None), ("dpo", "sft"), ("grpo", "dpo"), ("rs", "grpo")):
         c = children[stage]
         assert c.data.tags["ptops.output_digest"] == completed[stage]["digest"]
         assert parent.data.tags[f"ptops.stage.{stage}.output_digest"] == completed[stage]["digest"]
@@ -229,6 +239,27 @@ def test_eval_records_reach_metrics_and_the_reward_hacking_monitor_reads_them(ma
         mon.feed(r)
     assert mon.heldout_source(0) == ("eval", "eval/heldout")
     assert mon.heldout_source(1) == ("eval", "eval/heldout")
+
+
+def test_rejection_sampling_stage_keeps_the_verifiers_best_of_n_and_fine_tunes_on_them(main):
+    from ptops.recipes.trl.rejection import sha256
+
+    assert main["second"].returncode == 0, _out(main["second"])
+    ev = events(main["pipe"])
+    rs = [e for e in ev if e["kind"] == "rejection_sampled"]
+    assert len(rs) == 1 and rs[0]["stage"] == "rs" and rs[0]["n"] == 4 and rs[0]["prompts"] == 12
+    grpo = next(e for e in ev if e["kind"] == "stage_completed" and e["stage"] == "grpo")
+    assert rs[0]["source"] == grpo["checkpoint"], "sampled from the input stage's verified final checkpoint"
+    data = Path(rs[0]["data"])
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(rows) == rs[0]["kept"] >= 1 and sha256(data) == rs[0]["sha256"]
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+    # selection: the best of 4 scores at least the mean of all samples
+    assert rs[0]["mean_best"] >= rs[0]["mean_sampled"]
+    # the SFT stage trained on exactly that file, starting from GRPO's weights
+    sdir = main["pipe"] / "stages" / "04-rs"
+    assert json.loads((sdir / "recipe.json").read_text())["train"]["data_file"] == str(data)
+    assert json.loads((sdir / "recipe.json").read_text())["train"]["init_from"] == grpo["checkpoint"]
 
 
 def test_a_failing_gate_stops_the_pipeline_with_one_clear_message(gated):
@@ -271,6 +302,11 @@ def test_bad_pipeline_files_get_one_line_and_exit_2(tmp_path):
             "key 'train.stepz': unknown key",
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nfaults = ["explode:step=1"]\n':
             "key 'stage.0.faults'",
+        'name = "x"\n[[stage]]\nname = "a"\nkind = "rejection-sampling"\nrecipe = "trl-sft-tiny"\n':
+            "key 'stage.0.input': a rejection-sampling stage samples from an earlier stage's checkpoint",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\n[[stage]]\nname = "b"\nkind = "rejection-sampling"\n'
+        'recipe = "trl-dpo-tiny"\ninput = "a"\n':
+            "key 'stage.1.recipe': a rejection-sampling stage fine-tunes with an SFT recipe",
     }
     for i, (text, expected) in enumerate(cases.items()):
         f = tmp_path / f"bad{i}.toml"

@@ -264,13 +264,57 @@ class PipelineRunner:
         self.say(f"ptops pipeline: stage {i + 1}/{n} {s.name}"
                  + (f" <- {s.input} ({Path(inp_ck).name}, digest {_short(inp_digest)})" if s.input else "")
                  + (" (resuming its run directory)" if resumed else "") + f" -> {sdir}")
+        extra: list[str] = []
+        if s.kind == "rejection-sampling":
+            data, err = self._rejection_sample(s, sdir, inp_ck)
+            if err:
+                return 1, err, fields
+            extra.append(f"train.data_file={data}")
         cmd = [sys.executable, "-m", "ptops", "launch", str(self.pipe.recipe_paths[s.name]), "--supervise",
                "--run-dir", str(sdir), "--json"]
-        for o in [*s.set, *([f"train.init_from={inp_ck}"] if inp_ck else [])]:
+        for o in [*s.set, *([f"train.init_from={inp_ck}"] if inp_ck else []), *extra]:
             cmd += ["--set", o]
         for f in s.faults:
             cmd += ["--fault", f]
         cmd += ["--mlflow-uri", self.mlflow_uri] if self.mlflow and self.mlflow_uri else ["--no-mlflow"]
+        code, out = self._run_child(cmd, rec)
+        reason = None
+        try:
+            reason = json.loads(out[out.index("{"):]).get("reason") if "{" in (out or "") else None
+        except ValueError:
+            reason = None
+        return code, reason, fields
+
+    def _rejection_sample(self, s, sdir: Path, inp_ck: str) -> tuple[Path, str | None]:
+        """Generate the stage's SFT rows once (kept across reruns while the file matches its recorded sha256)."""
+        from ptops.recipes.trl.rejection import sha256
+
+        data = sdir / "rejection-sampling.jsonl"
+        stats_path = data.with_suffix(".json")
+        try:
+            stats = json.loads(stats_path.read_text())
+            if stats.get("source") == inp_ck and data.is_file() and sha256(data) == stats.get("sha256"):
+                self.say(f"ptops pipeline: {s.name}: rejection-sampled rows kept from before ({stats['kept']} rows)")
+                return data, None
+        except (OSError, ValueError):
+            pass
+        self.say(f"ptops pipeline: {s.name}: rejection sampling {s.sampling.n} answers x {s.sampling.prompts} prompts "
+                 f"from {Path(inp_ck).name}")
+        cmd = [sys.executable, "-m", "ptops.recipes.trl.rejection", "--from", inp_ck, "--out", str(data),
+               *s.sampling.argv()]
+        code, out = self._run_child(cmd, self.pipe.recipes[s.name])
+        if code != 0:
+            return data, f"rejection sampling failed (exit {code})"
+        stats = json.loads(out.strip().splitlines()[-1])
+        self._event("rejection_sampled", stage=s.name, **{k: stats[k] for k in (
+            "data", "sha256", "source", "n", "prompts", "kept", "mean_best", "mean_sampled")})
+        self.say(f"ptops pipeline: {s.name}: kept {stats['kept']}/{stats['prompts']} prompts' best answers "
+                 f"(verifier: best {stats['mean_best']:.3f}, sampled {stats['mean_sampled']:.3f})")
+        if not stats["kept"]:
+            return data, "rejection sampling kept no rows (lower sampling.min_score or raise sampling.n)"
+        return data, None
+
+    def _run_child(self, cmd: list[str], rec) -> tuple[int, str]:
         self._child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         try:
             out, _ = self._child.communicate()
@@ -282,10 +326,4 @@ class PipelineRunner:
                 self._child.kill()
                 self._child.communicate()
             raise
-        code = self._child.returncode
-        reason = None
-        try:
-            reason = json.loads(out[out.index("{"):]).get("reason") if "{" in (out or "") else None
-        except ValueError:
-            reason = None
-        return code, reason, fields
+        return self._child.returncode, out or ""

@@ -366,7 +366,9 @@ def build_trainer(recipe, probe, run: RunDir):
         from trl import SFTConfig, SFTTrainer
 
         config = SFTConfig(**args, max_length=sec.max_length, packing=False, assistant_only_loss=True)
-        data = Dataset.from_list(assets.chat_dataset(sec.dataset_size))
+        from ptops.recipes.trl import rejection  # train.data_file: a rejection-sampling stage's kept rows
+
+        data = Dataset.from_list(rejection.rows(recipe) or assets.chat_dataset(sec.dataset_size))
         cls = _make_trainer_class(SFTTrainer, probe, tally, saves)
         return cls(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
 
