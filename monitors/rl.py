@@ -611,6 +611,8 @@ class RewardHackingMonitor(_RL):
         self._proxy = (self.cfg.verifier_key,) if self.cfg.verifier_key else ()
         self._evals = tuple(k for k in self._heldout if k not in self._proxy)
         self._prefix = self.cfg.heldout_prefix
+        self._plain: set = set()  # record keys seen that are no held-out eval (neither prefixed nor listed)
+        self._eval_spellings = frozenset(_spellings(*self._evals))
         self._own = _spellings(self.cfg.reward_key)
         super().__init__()
 
@@ -657,15 +659,11 @@ class RewardHackingMonitor(_RL):
         """A held-out eval score (``heldout_keys``, else the record's first ``heldout_prefix`` key) when
         the record has one, else the verifier proxy - until a rank's first eval, which switches that
         rank to evals for good (the proxy's pairs are dropped: a different score on a different scale)."""
-        k, v = first_number(record, self._evals)
-        if v is None and self._prefix:
-            for key in record:
-                if key.startswith(self._prefix):
-                    v = get_number(record, key)
-                    if v is not None and math.isfinite(v):
-                        k = key
-                        break
-                    v = None
+        k = v = None
+        if not record.keys() <= self._plain:  # a key not known to be plain: maybe an eval (one C set test)
+            k, v = first_number(record, self._evals)
+            if v is None and self._prefix:
+                k, v = self._prefixed(record)
         if v is not None:
             if st.h_src != "eval":
                 if st.h_src == "proxy":
@@ -678,6 +676,24 @@ class RewardHackingMonitor(_RL):
         if v is not None:
             st.h_src = "proxy"
         return k, v
+
+    def _prefixed(self, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
+        """The record's first ``heldout_prefix`` key with a finite value. Keys found to be neither an eval
+        spelling nor prefixed join ``_plain``, so a record without an eval is ruled out by one subset test
+        in C (``_heldout_value``), not a Python loop over its keys."""
+        plain, prefix, evals = self._plain, self._prefix, self._eval_spellings
+        found: tuple[str | None, float | None] = (None, None)
+        for key in record:
+            if key in plain:
+                continue
+            if isinstance(key, str) and prefix and key.startswith(prefix):
+                if found[1] is None:
+                    v = get_number(record, key)
+                    if v is not None and math.isfinite(v):
+                        found = (key, v)
+            elif key not in evals and len(plain) < 4096:  # bounded: record keys are a small vocabulary
+                plain.add(key)
+        return found
 
     def heldout_source(self, rank: int = 0) -> tuple[str | None, str | None]:
         """("eval" | "proxy" | None, the key last read) for a rank: what the held-out rules compare against."""
