@@ -114,3 +114,16 @@ def test_eval_in_the_loop_leaves_training_and_exact_resume_unchanged(tmp_path):
     assert [e["kind"] for e in read_jsonl(crashed / "events.jsonl")].count("restart") == 1
     assert digest(evald) == digest(plain)
     assert digest(crashed) == digest(plain)
+
+
+def test_eval_records_become_a_prometheus_gauge():
+    from ptops.ops.obs.prometheus import PrometheusExporter
+
+    e = PrometheusExporter("r", "t", nvml=False)
+    e.observe_metric({"step": 1, "rank": 0, "loss": 1.0, "ts": 1.0})
+    assert "ptops_eval_score" not in e.text()  # no eval, no family
+    e.observe_metric({"step": 2, "rank": 0, "loss": 1.0, "eval/heldout": 0.25, "eval/heldout_exact": 0.0, "ts": 2.0})
+    e.observe_metric({"step": 2, "rank": 1, "loss": 1.0, "eval/heldout": 0.9, "ts": 2.0})  # rank 0's counts
+    text = e.text()
+    assert 'ptops_eval_score{name="heldout",recipe="t",run="r"} 0.25' in text, text
+    assert 'ptops_eval_score{name="heldout_exact",recipe="t",run="r"} 0.0' in text
