@@ -352,3 +352,48 @@ def test_a_titan_stage_starts_from_the_previous_stages_dcp_checkpoint(tmp_path):
     first = {d: next(r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["rank"] == 0 and r["step"] == 1)
              for d in (s1, s2)}
     assert first[s2] < first[s1] - 0.1, first
+
+
+def test_ctrl_c_stops_the_running_stage_cleanly_and_a_rerun_resumes_it(tmp_path):
+    """SIGINT to ``ptops pipeline`` (Ctrl-C) while stage 1 is held before step 3: the stage's supervisor
+    is told to stop, the pipeline records ``pipeline_stopped`` and exits 130, no process of the stage is
+    left; the same command then finishes the stage from its own checkpoint."""
+    import signal
+    import time
+
+    file = tmp_path / "p.toml"
+    file.write_text('name = "pipe-int"\n[[stage]]\nname = "sft"\nrecipe = "trl-sft-tiny"\n'
+                    'set = ["train.steps=4", "checkpoint.interval=2", "supervisor.grace_s=5"]\n'
+                    'faults = ["hold:step=3"]\n')
+    pipe = tmp_path / "pipe"
+    cmd = [sys.executable, "-m", "ptops", "pipeline", str(file), "--run-dir", str(pipe), "--no-mlflow"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stage = pipe / "stages" / "01-sft"
+    try:
+        deadline = time.monotonic() + 300
+        while not any(e.get("kind") == "fault_injected" for e in (events(stage) if stage.is_dir() else [])):
+            assert proc.poll() is None and time.monotonic() < deadline, "the stage never reached its hold"
+            time.sleep(0.5)
+        status = json.loads((stage / "status.json").read_text())
+        pids = [status.get("supervisor_pid"), *(r["pid"] for r in status.get("ranks", []))]
+        assert pids[0] and len(pids) == 3, status  # the stage's supervisor and its 2 ranks
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "error: pipeline stopped (interrupted)" in err
+    assert [e["kind"] for e in events(pipe)][-1] == "pipeline_stopped"
+    for pid in filter(None, pids):
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        assert not alive, f"pid {pid} of the stage survived the pipeline's Ctrl-C"
+    again = pipeline(file, pipe, "--no-mlflow")
+    assert again.returncode == 0, _out(again)
+    assert [e["resumed"] for e in events(pipe) if e["kind"] == "stage_started"] == [False, True]
+    assert max(r["step"] for r in read_jsonl(stage / "metrics.jsonl")) == 4
