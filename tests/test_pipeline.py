@@ -398,3 +398,23 @@ def test_ctrl_c_stops_the_running_stage_cleanly_and_a_rerun_resumes_it(tmp_path)
     assert again.returncode == 0, _out(again)
     assert [e["resumed"] for e in events(pipe) if e["kind"] == "stage_started"] == [False, True]
     assert max(r["step"] for r in read_jsonl(stage / "metrics.jsonl")) == 4
+
+
+def test_checkpoint_references_in_set_name_earlier_stages_only(tmp_path):
+    """``{checkpoint:NAME}`` in a stage's `set` (a distillation teacher, a reward model): validated against
+    the earlier stages at load, expanded to the verified checkpoint path at run time."""
+    from ptops.ops.pipeline.spec import PipelineError, expand, load, refs
+
+    assert refs("trl.teacher={checkpoint:sft}") == ["sft"]
+    assert expand("trl.teacher={checkpoint:sft}", {"sft": "/p/stages/01-sft/checkpoints/checkpoint-6"}) == \
+        "trl.teacher=/p/stages/01-sft/checkpoints/checkpoint-6"
+    ok = tmp_path / "ok.toml"
+    ok.write_text('name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\n[[stage]]\nname = "b"\n'
+                  'recipe = "trl-sft-tiny"\nset = ["train.data_file={checkpoint:a}"]\n')
+    pipe = load(ok)
+    assert pipe.snapshot()["stages"][1]["set"] == ["train.data_file={checkpoint:a}"]  # reruns compare the file's text
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.data_file={checkpoint:b}"]\n'
+                   '[[stage]]\nname = "b"\nrecipe = "trl-sft-tiny"\n')
+    with pytest.raises(PipelineError, match=r"key 'stage.0.set': \{checkpoint:b\} does not name an earlier stage"):
+        load(bad)

@@ -248,16 +248,26 @@ class PipelineRunner:
             inp_digest = digests.get(s.input) or self._still_good(s.input, done[s.input])
             if inp_digest != done[s.input]["digest"]:  # belt and braces: _still_good raised already
                 raise PipelineError(f"stage {s.name}: input {s.input} digest mismatch")
+        # {checkpoint:NAME} in `set`: other earlier stages' final checkpoints, verified and digested like the input
+        from ptops.ops.pipeline.spec import expand, refs
+
+        extra_refs = {}
+        for name in dict.fromkeys(r for o in s.set for r in refs(o)):
+            extra_refs[name] = {"checkpoint": done[name]["checkpoint"],
+                                "digest": digests.get(name) or self._still_good(name, done[name])}
+        overrides = [expand(o, {n: r["checkpoint"] for n, r in extra_refs.items()}) for o in s.set]
         resumed = (sdir / "recipe.json").exists()
         sdir.mkdir(parents=True, exist_ok=True)
         os.chmod(sdir, 0o700)
         if self.lineage is not None:
-            rdict = json.loads(rec.model_dump_json(exclude_none=True))
+            rdict = json.loads(rec.model_dump_json(exclude_none=True))  # {checkpoint:X} values show as "/(X)"
             if inp_ck:
                 rdict["train"]["init_from"] = inp_ck
             self.lineage.child(s.name, i, sdir, rdict, s.input, inp_digest)
+            if extra_refs:
+                self.lineage.stage_done(s.name, sdir, {f"ref.{n}.digest": r["digest"] for n, r in extra_refs.items()})
         fields = dict(stage=s.name, index=i, run_dir=str(sdir), input_stage=s.input, input_checkpoint=inp_ck,
-                      input_digest=inp_digest, resumed=resumed)
+                      input_digest=inp_digest, resumed=resumed, **({"refs": extra_refs} if extra_refs else {}))
         self._event("stage_started", **fields)
         # the stage's own record names its input too (ptops status / diagnose of the stage alone)
         RunDir(sdir).event("stage_input", pipeline=self.pipe.model.name, **fields)
@@ -272,7 +282,7 @@ class PipelineRunner:
             extra.append(f"train.data_file={data}")
         cmd = [sys.executable, "-m", "ptops", "launch", str(self.pipe.recipe_paths[s.name]), "--supervise",
                "--run-dir", str(sdir), "--json"]
-        for o in [*s.set, *([f"train.init_from={inp_ck}"] if inp_ck else []), *extra]:
+        for o in [*overrides, *([f"train.init_from={inp_ck}"] if inp_ck else []), *extra]:
             cmd += ["--set", o]
         for f in s.faults:
             cmd += ["--fault", f]

@@ -14,6 +14,12 @@ name = "dpo"
 recipe = "trl-dpo-tiny"
 input = "sft"                      # starts from sft's verified final checkpoint (train.init_from)
 faults = ["crash:rank=1,step=4"]   # drills: --fault specs of this stage's launch
+
+[[stage]]
+name = "distill"
+recipe = "trl-gkd-tiny"
+input = "sft"
+set = ["trl.teacher={checkpoint:dpo}"]   # any earlier stage's verified final checkpoint as a value
 ```
 
 Errors are one line naming the file, the key and what was expected (the CLI exits 2).
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -119,6 +126,28 @@ class Resolved:
         }
 
 
+_REF = re.compile(r"\{checkpoint:([^{}]*)\}")
+
+
+def refs(override: str) -> list[str]:
+    """Stage names an override refers to as ``{checkpoint:NAME}``."""
+    return _REF.findall(override)
+
+
+def expand(override: str, checkpoints: dict[str, str], where: str = "set") -> str:
+    """``trl.teacher={checkpoint:sft}`` -> ``trl.teacher=/.../checkpoint-40``: another earlier stage's verified
+    final checkpoint as a recipe value (a distillation teacher, a reward model), besides ``input``."""
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in checkpoints:
+            raise PipelineError(f"{where}: {{checkpoint:{name}}} does not name an earlier stage (expected one of: "
+                                f"{', '.join(sorted(checkpoints)) or 'none'})")
+        return checkpoints[name]
+
+    return _REF.sub(sub, override)
+
+
 def _explain(e: ValidationError, origin: str) -> PipelineError:
     err = e.errors()[0]
     key = ".".join(str(p) for p in err["loc"]) or "(top level)"
@@ -155,7 +184,7 @@ def load(path: str | Path) -> Resolved:
         local = (p.parent / s.recipe)
         try:
             rpath = local.resolve() if local.is_file() else resolve_path(s.recipe).resolve()
-            overrides = list(s.set)
+            overrides = [expand(o, {n: f"/({n})" for n in seen}, f"{where}.set'") for o in s.set]
             if s.input is not None:  # the real path is set at run time; checks the engine supports it
                 if any(o.split("=", 1)[0].strip() == "train.init_from" for o in overrides):
                     raise PipelineError(f"{where}.set': train.init_from is set by `input` (remove it)")

@@ -158,7 +158,7 @@ SPECS: dict[EventKind, EventSpec] = {
     K.ORPHANS_KILLED: EventSpec(("pids",), doc="leftover processes of the run were killed before a launch"),
     K.RECIPE_UPDATED: EventSpec(("first_change",), doc="a relaunch runs a changed recipe"),
     K.STAGE_INPUT: EventSpec(("pipeline", "stage", "input_stage", "input_checkpoint", "input_digest"),
-                             ("index", "run_dir", "resumed"),
+                             ("index", "run_dir", "resumed", "refs"),
                              doc="a `ptops pipeline` stage: the verified checkpoint (and digest) it starts from"),
     K.HOLD_RELEASED: EventSpec(("rank", "attempt", "step", "held_s", "by"),
                                doc="a rank held by a `hold` fault went on (by: release | committed | timeout)"),
