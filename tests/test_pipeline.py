@@ -418,3 +418,11 @@ def test_checkpoint_references_in_set_name_earlier_stages_only(tmp_path):
                    '[[stage]]\nname = "b"\nrecipe = "trl-sft-tiny"\n')
     with pytest.raises(PipelineError, match=r"key 'stage.0.set': \{checkpoint:b\} does not name an earlier stage"):
         load(bad)
+
+
+def test_the_shipped_pipeline_file_is_valid():
+    from ptops.ops.pipeline.spec import load
+
+    pipe = load(REPO / "recipes" / "pipelines" / "post-train-tiny.toml")
+    assert [s.name for s in pipe.stages] == ["sft", "dpo", "grpo"]
+    assert [s.input for s in pipe.stages] == [None, "sft", "dpo"]
