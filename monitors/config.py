@@ -199,6 +199,11 @@ class RewardHackingConfig(_Strict):
         description="other held-out score keys, read when `verifier_key` is absent from a record (eval records logged "
         "every N steps, on their own or with the step's training keys)",
     )
+    heldout_prefix: str = Field(
+        "eval/", description="keys with this prefix are held-out eval scores (``[eval]`` writes eval/<name>, main "
+        "score first); once a rank's records carry one, it replaces `verifier_key` (an in-training proxy) for the "
+        "held-out rules; \"\" = off",
+    )
     coupled_keys: list[str] = Field(
         ["completions/mean_length", "clip_ratio/region_mean"],
         description="keys whose steady rise together with the reward is suspicious",

@@ -607,6 +607,12 @@ class RewardHackingMonitor(_RL):
         self.cfg = cfg or RewardHackingConfig()
         keys = [k for k in (self.cfg.verifier_key, *self.cfg.heldout_keys) if k]
         self._heldout = tuple(dict.fromkeys(keys))
+        # held-out evals (``[eval]`` records) outrank the in-training verifier proxy
+        self._proxy = (self.cfg.verifier_key,) if self.cfg.verifier_key else ()
+        self._evals = tuple(k for k in self._heldout if k not in self._proxy)
+        self._prefix = self.cfg.heldout_prefix
+        self._plain: set = set()  # record keys seen that are no held-out eval (neither prefixed nor listed)
+        self._eval_spellings = frozenset(_spellings(*self._evals))
         self._own = _spellings(self.cfg.reward_key)
         super().__init__()
 
@@ -630,6 +636,7 @@ class RewardHackingMonitor(_RL):
         st.h_quiet = True
         st.h_detail = ""
         st.h_value = None
+        st.h_src = None  # "proxy" (verifier_key) or "eval" (a held-out eval; once seen, the only source)
         return st
 
     def _rewinds(self, record: Mapping[str, Any]) -> bool:
@@ -648,8 +655,57 @@ class RewardHackingMonitor(_RL):
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
-    def _heldout_value(self, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
-        return first_number(record, self._heldout)
+    def _heldout_value(self, st: _St, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
+        """A held-out eval score (``heldout_keys``, else the record's first ``heldout_prefix`` key) when
+        the record has one, else the verifier proxy - until a rank's first eval, which switches that
+        rank to evals for good (the proxy's pairs are dropped: a different score on a different scale)."""
+        k = v = None
+        if not record.keys() <= self._plain:  # a key not known to be plain: maybe an eval (one C set test)
+            k, v = first_number(record, self._evals)
+            if v is None and self._prefix:
+                k, v = self._prefixed(record)
+        if v is not None:
+            if st.h_src != "eval":
+                if st.h_src == "proxy":
+                    self._forget_heldout(st)
+                st.h_src = "eval"
+            return k, v
+        if st.h_src == "eval" or not self._proxy:
+            return None, None
+        k, v = first_number(record, self._proxy)
+        if v is not None:
+            st.h_src = "proxy"
+        return k, v
+
+    def _prefixed(self, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
+        """The record's first ``heldout_prefix`` key with a finite value. Keys found to be neither an eval
+        spelling nor prefixed join ``_plain``, so a record without an eval is ruled out by one subset test
+        in C (``_heldout_value``), not a Python loop over its keys."""
+        plain, prefix, evals = self._plain, self._prefix, self._eval_spellings
+        found: tuple[str | None, float | None] = (None, None)
+        for key in record:
+            if key in plain:
+                continue
+            if isinstance(key, str) and prefix and key.startswith(prefix):
+                if found[1] is None:
+                    v = get_number(record, key)
+                    if v is not None and math.isfinite(v):
+                        found = (key, v)
+            elif key not in evals and len(plain) < 4096:  # bounded: record keys are a small vocabulary
+                plain.add(key)
+        return found
+
+    def heldout_source(self, rank: int = 0) -> tuple[str | None, str | None]:
+        """("eval" | "proxy" | None, the key last read) for a rank: what the held-out rules compare against."""
+        st = self._ranks.get(rank)
+        return (st.h_src, st.h_key) if st is not None else (None, None)
+
+    def _forget_heldout(self, st: _St) -> None:
+        w = max(self.cfg.window, self.cfg.min_points)
+        st.pairs, st.lpairs = _Tri(w), _Tri(2 * w)
+        st.h_last, st.h_step, st.h_key = None, 0, None
+        st.h_level = st.h_conf = st.h_conf2 = 0
+        st.h_quiet, st.h_detail, st.h_value = True, "", None
 
     def _judge_heldout(self, st: _St, step: int) -> None:
         cfg = self.cfg
@@ -689,7 +745,7 @@ class RewardHackingMonitor(_RL):
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
         r = _finite(record, cfg.reward_key)
-        hk, hv = self._heldout_value(record)
+        hk, hv = self._heldout_value(st, record)
         if r is None and hv is None:
             return []
         if r is not None:

@@ -13,7 +13,7 @@ import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -36,6 +36,15 @@ class _Strict(BaseModel):
 class TrainSection(_Strict):
     steps: int = Field(20, ge=1, description="optimizer steps in the whole run")
     seed: int = Field(42, description="seed for model init, data order and dropout")
+    data_file: str = Field(
+        "", description="SFT: train on these chat rows (JSONL of {\"messages\": [...]}) instead of the built-in set "
+        "(a rejection-sampling pipeline stage writes it)",
+    )
+    init_from: str = Field(
+        "", description="start from these weights (a checkpoint folder, or a run directory meaning its latest good "
+        "checkpoint; verified first): weights only, before step 0 - a fresh optimizer, schedule and step count "
+        "(TRL and TorchTitan recipes; a pipeline stage's input). A resumed run continues from its own checkpoint instead",
+    )
 
 
 class LaunchSection(_Strict):
@@ -47,6 +56,20 @@ class LaunchSection(_Strict):
 class CheckpointSection(_Strict):
     interval: int = Field(10, ge=1, description="save every N steps (and always at the final step)")
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
+
+
+class EvalSection(_Strict):
+    """``[eval]``: a held-out evaluation in the training loop; results are ``eval/<name>`` keys on the
+    step's metrics record (monitors, alerts, exporters and pipeline gates read them)."""
+
+    set: Literal["arithmetic"] = Field(
+        "arithmetic", description="the held-out set: `arithmetic` (questions none of the recipe's training sets "
+        "holds, greedy answers graded by the verifier)",
+    )
+    name: str = Field("heldout", pattern=r"^[A-Za-z0-9_]+$", description="the record key is eval/<name>")
+    interval: int = Field(0, ge=0, description="evaluate every N steps and at the final step; 0 = off")
+    size: int = Field(16, ge=1, le=1024, description="held-out examples per evaluation")
+    max_new_tokens: int = Field(8, ge=1, description="greedy tokens generated per example")
 
 
 class RestartConfig(_Strict):
@@ -116,6 +139,7 @@ class RecipeBase(_Strict):
     supervisor: SupervisorSection = SupervisorSection()
     monitors: MonitorsSection = MonitorsSection()
     slurm: SlurmSection = SlurmSection()
+    eval: EvalSection = EvalSection()
 
     def engine_section(self) -> Any:
         section = getattr(self, self.engine)
@@ -254,8 +278,16 @@ def build_monitors_of(section: MonitorsSection, origin: str) -> list:
         raise RecipeError(f"{origin}: key 'monitors.{e.monitor}': the monitor cannot be built with these settings ({e})") from None
 
 
+# keys only some engines implement: engine -> keys (a recipe that sets one elsewhere is bad input, not silence)
+ENGINE_ONLY = {"train.init_from": ("trl", "titan"), "eval.interval": ("trl",), "train.data_file": ("trl",)}
+
+
 def _check_cross_keys(recipe: Recipe, origin: str) -> None:
     """The engine's rules that span sections, caught here rather than as a traceback inside every rank."""
+    for key, engines in ENGINE_ONLY.items():
+        section, _, field = key.partition(".")
+        if getattr(getattr(recipe, section), field) and recipe.engine not in engines:
+            raise RecipeError(f"{origin}: key '{key}': not supported by engine \"{recipe.engine}\" (only {', '.join(engines)})")
     check = _engines.get(recipe.engine).check
     problem = check(recipe) if check is not None else None
     if problem is not None:

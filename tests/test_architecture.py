@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "ops/node": {"ops/rank", "ops/supervisor"},  # the wire format; procs and py-spy helpers
     "ops/slurm": {"ops/runrecord", "ops/rank", "ops/supervisor", "faultinject", "recipes"},
     "diagnostics": {"ops/runrecord", "monitors", "ckpt"},
+    "ops/pipeline": {"ops/runrecord", "ckpt", "recipes", "faultinject", "ops/obs"},  # stages run as `ptops launch` subprocesses
 }
 CHAOS_ONLY = {"ops/runrecord", "ops/supervisor", "recipes"}
 FOLDERS = [*ALLOWED, "ops/cli"]

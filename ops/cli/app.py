@@ -207,6 +207,10 @@ from ptops.ops.cli.chaos import register as _register_chaos  # noqa: E402
 
 _register_chaos(app)
 
+from ptops.ops.cli.pipeline import register as _register_pipeline  # noqa: E402
+
+_register_pipeline(app)
+
 
 def main() -> None:
     try:

@@ -33,9 +33,17 @@ def status_cmd(
 ) -> None:
     """State, step, attempt, last good checkpoint, open findings, supervisor pid and live ranks of a run.
 
-    Works on a live run (reads the supervisor's status.json) and after the fact.\n
+    Works on a live run (reads the supervisor's status.json) and after the fact. On a pipeline
+    directory (`ptops pipeline`): the pipeline's state and every stage's state, steps, input and
+    output digests and gate result.\n
     Example:  ptops status runs/demo --json
     """
+    if (Path(run_dir) / "pipeline.json").is_file():  # a `ptops pipeline` directory
+        from ptops.ops.pipeline.status import collect as pipeline_status, render as render_pipeline
+
+        p = pipeline_status(run_dir)
+        typer.echo(json.dumps(p, indent=2, default=str) if json_out else render_pipeline(p))
+        return
     from ptops.ckpt import latest_good
     from ptops.ops.cli.status_view import render
     from ptops.ops.runrecord.rundir import RunDir

@@ -107,6 +107,7 @@ class _State:
         self.first_launch_ts: float | None = None
         self.end_ts: float | None = None
         self.last_progress_ts: float | None = None
+        self.evals: dict[str, float] = {}  # [eval] eval/<name> -> latest held-out score (rank 0)
 
 
 class PrometheusExporter:
@@ -274,6 +275,11 @@ class PrometheusExporter:
                 v = number(record.get(key))
                 if v is not None:
                     s.scalars[name] = v
+            for key, value in record.items():  # held-out evals ([eval]): eval/<name>, on the steps that ran one
+                if key[:5] == "eval/":
+                    v = number(value)
+                    if v is not None and math.isfinite(v) and (key[5:] in s.evals or len(s.evals) < MAX_LABEL_VALUES):
+                        s.evals[key[5:]] = v
             if step_s is not None and math.isfinite(step_s) and step_s >= 0:
                 i = 0
                 while i < len(STEP_BUCKETS) and step_s > STEP_BUCKETS[i]:
@@ -350,6 +356,8 @@ class PrometheusExporter:
                                 "Latest step wall time per rank (capped ranks).", "rank", s.rank_step_s))
             for key, name in RL_KEYS.items():
                 out.append(gauge(name, f"RL: latest {key} (rank 0).", s.scalars.get(name)))
+            out.append(labelled(GaugeMetricFamily, "ptops_eval_score", "Latest held-out eval score eval/<name> "
+                                "(rank 0; recipes with [eval]).", "name", s.evals))
 
             restarts = CounterMetricFamily("ptops_restarts", "Restarts by the supervisor, by reason.",
                                            labels=[*base_names, "reason"])

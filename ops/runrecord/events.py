@@ -39,6 +39,7 @@ class EventKind(StrEnum):
     ADOPT = "adopt"
     ORPHANS_KILLED = "orphans_killed"
     RECIPE_UPDATED = "recipe_updated"
+    STAGE_INPUT = "stage_input"
     HOLD_RELEASED = "hold_released"
     PROFILE_REQUESTED = "profile_requested"
     PROFILE_CAPTURED = "profile_captured"
@@ -168,6 +169,9 @@ SPECS: dict[EventKind, EventSpec] = {
                        doc="a new supervisor took over a run whose supervisor died"),
     K.ORPHANS_KILLED: EventSpec(("pids",), doc="leftover processes of the run were killed before a launch"),
     K.RECIPE_UPDATED: EventSpec(("first_change",), doc="a relaunch runs a changed recipe"),
+    K.STAGE_INPUT: EventSpec(("pipeline", "stage", "input_stage", "input_checkpoint", "input_digest"),
+                             ("index", "run_dir", "resumed", "refs"),
+                             doc="a `ptops pipeline` stage: the verified checkpoint (and digest) it starts from"),
     K.HOLD_RELEASED: EventSpec(("rank", "attempt", "step", "held_s", "by"),
                                doc="a rank held by a `hold` fault went on (by: release | committed | timeout)"),
     K.PROFILE_REQUESTED: EventSpec(("id", "attempt", "start_step", "steps", "ranks"), ("dir",),

@@ -189,6 +189,8 @@ def check(recipe: Any) -> tuple[str, str] | None:
             "no 'auto_filter_small_kn': with TorchTitan 0.3.0's config-based converter torchao's auto filter "
             "swaps no Linear at all (it checks for nn.Linear modules); list the FQNs to keep in bf16 instead")
     ilp = t.initial_load_path
+    if ilp and recipe.train.init_from:
+        return "train.init_from", "not together with titan.initial_load_path (both name the initial weights)"
     if ilp and not (ilp.startswith("/") or "://" in ilp):
         return "titan.initial_load_path", f"an absolute path or a remote URI (TorchTitan refuses relative ones), got {ilp!r}"
     if t.float8.moe_experts and not is_moe(m):

@@ -147,6 +147,13 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
     t = recipe.titan
     m, par = t.model, t.parallelism
     keep = recipe.checkpoint.keep
+    # train.init_from (a pipeline stage's input): a verified DCP checkpoint, loaded model-only by
+    # TorchTitan's initial load when the run has no checkpoint of its own (recipes/init_from.py)
+    init_dir = None
+    if recipe.train.init_from and not dry_run:
+        from ptops.recipes.init_from import weights_dir
+
+        init_dir = str(weights_dir(recipe))
     spec = model_spec(recipe, dry_run=dry_run)
     if par.cp > 1:  # torch's own CP option (TorchTitan 0.3.0 has no config field for it); process-global
         from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -203,8 +210,8 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
             keep=keep,
             async_mode=async_mode,
             last_save_model_only=False,
-            initial_load_path=(not dry_run and t.initial_load_path) or None,
-            initial_load_in_hf=t.initial_load_in_hf,
+            initial_load_path=init_dir or (not dry_run and t.initial_load_path) or None,
+            initial_load_in_hf=False if init_dir else t.initial_load_in_hf,
         ),
         activation_checkpoint=activation_checkpoint(recipe),
         compile=CompileConfig(enable=t.compile.enable, components=list(t.compile.components)),

@@ -211,7 +211,7 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
+def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldout=None):
     from transformers import TrainerCallback
 
     class ProbeCallback(TrainerCallback):
@@ -271,6 +271,8 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState):
             metrics["tokens"] = tally.tokens
             metrics["tokens_per_s"] = tally.tokens / step_s if step_s and step_s > 0 else None
             metrics["rank_loss"] = tally.rank_loss()
+            if heldout is not None:  # [eval]: eval/<name> keys on this step's record (recipes/trl/evalloop.py)
+                metrics.update(heldout(kwargs.get("model"), step))
             probe.step(step, metrics)
 
         def on_save(self, args, state, control, **kwargs):
@@ -362,25 +364,33 @@ def build_trainer(recipe, probe, run: RunDir):
     sec = recipe.trl
     mdir = model_dir(sec.model, seed=sec.model.seed) if not sec.model.pretrained else Path(sec.model.pretrained)
     tokenizer = load_tokenizer(mdir)
+    # train.init_from (a pipeline stage's input): its verified weights replace the initial ones
+    from ptops.recipes import init_from
+    from ptops.recipes.trl import evalloop
+
+    wdir = init_from.weights_dir(recipe) or mdir
     args = _common_args(recipe, run.checkpoints)
     tally = _StepTally()
     saves = _SaveState(recipe.checkpoint.keep)
-    callbacks = [_make_callback(probe, tally, recipe.checkpoint.keep, saves)]
+    heldout = evalloop.make(recipe, tokenizer, probe)
+    callbacks = [_make_callback(probe, tally, recipe.checkpoint.keep, saves, heldout)]
     from ptops.recipes.trl import rollback
 
     callbacks += rollback.callbacks(probe)  # PTOPS_ROLLBACK: lr factor after a rollback
     from ptops.recipes.trl import catalogue
 
     if sec.trainer in catalogue.TRAINERS:  # LoRA SFT, reward model, RLOO, GKD
-        return catalogue.build(recipe, probe, run, args, tokenizer, str(mdir),
+        return catalogue.build(recipe, probe, run, args, tokenizer, str(wdir),
                                lambda base: _make_trainer_class(base, probe, tally, saves), callbacks)
-    model = load_model(mdir)
+    model = load_model(wdir)
 
     if sec.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
         config = SFTConfig(**args, max_length=sec.max_length, packing=False, assistant_only_loss=True)
-        data = Dataset.from_list(assets.chat_dataset(sec.dataset_size))
+        from ptops.recipes.trl import rejection  # train.data_file: a rejection-sampling stage's kept rows
+
+        data = Dataset.from_list(rejection.rows(recipe) or assets.chat_dataset(sec.dataset_size))
         cls = _make_trainer_class(SFTTrainer, probe, tally, saves)
         return cls(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
 
@@ -389,7 +399,7 @@ def build_trainer(recipe, probe, run: RunDir):
 
         config = DPOConfig(**args, max_length=sec.max_length, beta=sec.beta, precompute_ref_log_probs=False)
         data = Dataset.from_list(assets.preference_dataset(sec.dataset_size))
-        ref_model = load_model(mdir)
+        ref_model = load_model(wdir)  # the reference is the policy's starting point
         cls = _make_trainer_class(DPOTrainer, probe, tally, saves)
         return cls(
             model=model,

@@ -1,0 +1,1 @@
+"""``ptops pipeline``: supervised training stages with verified hand-offs (spec, runner, status, lineage)."""
