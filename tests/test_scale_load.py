@@ -1,0 +1,53 @@
+"""The scale load generator against the real supervisor, at a small size (issue 11, point 5).
+
+``bench/scale_load.py`` runs the real :class:`Supervisor` (channel server, node relay, handlers,
+hang and metric monitors, run directory) with the attempt's process replaced by simulated node
+agents. Here: 64 ranks on 8 simulated nodes, 4 steps each, then every rank waits (pinging, as in a
+collective) except one that goes silent. No timing in the assertions: the run ends by itself when
+the supervisor declares the hang; the subprocess timeout only guards against a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RANKS, PER_NODE, STEPS, VICTIM = 64, 8, 4, 37
+
+
+def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    p = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "scale_load.py"), "--ranks", str(RANKS), "--per-node", str(PER_NODE),
+         "--step-s", "0.5", "--steps", str(STEPS), "--victim", str(VICTIM), "--victim-step", str(STEPS),
+         "--peers", "block", "--work", str(tmp_path), "--json", str(out), "--timeout", "240"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    run = tmp_path / "run"
+
+    # one connection per simulated node, every rank seen through the relay
+    assert res["node_agents"] == RANKS // PER_NODE
+    assert res["connections"] == RANKS // PER_NODE
+
+    # every simulated rank's every step reached metrics.jsonl, once
+    steps: dict[int, list[int]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        steps.setdefault(rec["rank"], []).append(rec["step"])
+    assert sorted(steps) == list(range(RANKS))
+    assert all(sorted(s) == list(range(1, STEPS + 1)) for s in steps.values()), steps
+
+    # the silent rank is the hang's culprit; its stacks came from its node agent, the others' over the channel
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    hang = next(e for e in events if e["kind"] == "hang")
+    assert hang["ranks"] == [VICTIM] and hang["why"] == "unresponsive"
+    assert hang["stack_sources"][str(VICTIM)].startswith("node agent sim")
+    assert sum(1 for r, how in hang["stack_sources"].items() if how == "channel") == RANKS - 1
+    assert "simulated py-spy" in (run / "stacks" / "attempt-1" / f"rank-{VICTIM}.txt").read_text()
+    assert res["hang"]["found_ranks"] == [VICTIM]
+    assert events[-1]["kind"] == "failed"  # a plain (temporary) launch ends on the hang
