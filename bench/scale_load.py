@@ -17,8 +17,8 @@ simulated node agents, each node ONE token-authenticated ``role: "node"`` connec
 ranks in relay frames (``ops/rank/channel.py::relay_frame``), byte for byte what ``ops/node/agent.py``
 sends. Each simulated rank sends its hello, the start-up beats (import, rendezvous, build, load) and
 ``world``, then per step a ``begin`` beat and a ``metrics`` record (the keys of a real titan record),
-1 step/s in lockstep (data-parallel ranks finish a step together), and a liveness ``ping`` every
-``heartbeat_s`` (the probe's default 1 s) half a step out of phase; each node sends its keepalive every
+``--step-s`` (1 s) a step in lockstep (data-parallel ranks finish a step together), and a liveness
+``ping`` every ``--ping-s`` (the probe's default heartbeat, 1 s) half a second out of phase with the steps; each node sends its keepalive every
 2 s and answers ``stacks`` / ``pystacks``. After ``--victim-step`` one rank goes silent (no steps, no
 pings: SIGSTOPped); the others go on stepping (``--peers continue``, the load stays on while the hang
 is detected) or stop stepping and keep pinging (``--peers block``, as ranks waiting in a collective).
@@ -156,38 +156,37 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
     t0 = time.time() + 0.5
     t0 -= t0 % 1.0  # every process ticks on the same wall-clock grid: the ranks step in lockstep
     t0 += 1.0
-    half = args.step_s / 2
-    tick = 0  # even ticks: step boundaries; odd ticks: pings
+    tick_s = 0.5  # the grid: step boundaries every step_s (a multiple of 0.5 s), pings every ping_s
+    per_step = max(1, round(args.step_s / tick_s))
+    per_ping = max(1, round(args.ping_s / tick_s))
+    tick = 0
     next_ka = time.monotonic()
     next_counters = time.monotonic()
     victim_silent = False
     while True:
-        due = t0 + tick * half
+        due = t0 + tick * tick_s
         delay = due - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
         now = time.time()
         counters["late_max_s"] = max(counters["late_max_s"], now - due) if tick > 2 else 0.0
-        k = tick // 2 + 1  # step k begins at even tick 2(k-1)
-        boundary = tick % 2 == 0
+        k = tick // per_step + 1  # step k begins at tick per_step * (k - 1)
+        boundary = tick % per_step == 0
+        ping = tick % per_ping == per_ping // 2  # half a heartbeat out of phase with the steps
         for node in nodes:
             parts = []
             for c, rank in enumerate(node.ranks, 1):
                 if rank == args.victim and victim_silent:
                     continue
-                stepping = args.steps == 0 or k - 1 <= args.steps
-                if args.peers == "block" and victim_silent:
-                    stepping = False
+                stepping = (args.steps == 0 or k - 1 <= args.steps) and not (args.peers == "block" and victim_silent)
                 if boundary and stepping:
                     if k > 1:
                         parts.append(_metrics_frame(c, rank, attempt, k - 1, args.step_s, now))
                         counters["sent_metrics"] += 1
-                    if args.steps == 0 or k <= args.steps:
-                        if rank == args.victim and k - 1 >= args.victim_step:
-                            continue
+                    if (args.steps == 0 or k <= args.steps) and not (rank == args.victim and k - 1 >= args.victim_step):
                         parts.append(b'{"t":"r","c":%d,"m":{"t":"beat","step":%d,"phase":"step","stage":"begin","ts":%r}}\n'
                                      % (c, k, now))
-                elif not boundary:
+                if ping:
                     parts.append(b'{"t":"r","c":%d,"m":{"t":"ping","step":%d,"phase":"step","ts":%r}}\n' % (c, k, now))
             if parts:
                 node.writer.write(b"".join(parts))
@@ -282,7 +281,7 @@ def run_one(args: argparse.Namespace) -> dict:
     counters_dir = work / "gen"
     counters_dir.mkdir(exist_ok=True)
     stop_file = work / "victim.json"
-    rec, path = load(args.recipe, [f"train.steps={args.total_steps}", f"supervisor.heartbeat_s={args.step_s}"])
+    rec, path = load(args.recipe, [f"train.steps={args.total_steps}", f"supervisor.heartbeat_s={args.ping_s}"])
     run = launcher.prepare_run(rec, path, work / "run")
     handled = [0]
     lat = array.array("d")
@@ -293,7 +292,8 @@ def run_one(args: argparse.Namespace) -> dict:
         def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
             env = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra).env
             argv = [sys.executable, __file__, "generate", "--nodes", str(args.nodes), "--per-node", str(args.per_node),
-                    "--gen-procs", str(args.gen_procs), "--step-s", str(args.step_s), "--steps", str(args.steps),
+                    "--gen-procs", str(args.gen_procs), "--step-s", str(args.step_s), "--ping-s", str(args.ping_s),
+                    "--steps", str(args.steps),
                     "--victim", str(args.victim), "--victim-step", str(args.victim_step), "--peers", args.peers,
                     "--stop-file", str(stop_file), "--counters-dir", str(counters_dir)]
             return launcher.RankCommand(argv, env)
@@ -413,7 +413,8 @@ def main() -> None:
     for p in (ap, g):
         p.add_argument("--per-node", type=int, default=8)
         p.add_argument("--gen-procs", type=int, default=1, help="load generator processes")
-        p.add_argument("--step-s", type=float, default=1.0)
+        p.add_argument("--step-s", type=float, default=1.0, help="seconds a step (a multiple of 0.5)")
+        p.add_argument("--ping-s", type=float, default=1.0, help="liveness ping interval (the probe's PTOPS_HEARTBEAT_S)")
         p.add_argument("--steps", type=int, default=0, help="steps each rank runs, then it waits pinging (0: no end)")
         p.add_argument("--victim", type=int, default=-1, help="the rank that goes silent (-1: the last rank)")
         p.add_argument("--victim-step", type=int, default=30, help="... after sending this step's record")
@@ -431,6 +432,8 @@ def main() -> None:
     ap.add_argument("--work", default="", help="folder for the run directory (default: a new temporary one)")
     ap.add_argument("--profile", default="", help="cProfile the supervisor's main thread into this file")
     ap.add_argument("--json", default="", help="write this size's result here")
+    ap.add_argument("--label", default="default", help="key of this set of sizes in --out (other keys are kept)")
+    ap.add_argument("--note", default="", help="a line stored with the results (e.g. which code ran)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale_load.json")
     a = ap.parse_args()
     if a.mode == "generate":
@@ -443,7 +446,7 @@ def main() -> None:
         if a.victim < 0:
             a.victim = a.nodes * a.per_node - 1
         if a.steps == 0:
-            a.victim_step = a.steady + 3  # the first steps are the ramp
+            a.victim_step = int(a.steady / a.step_s) + 3  # the first steps are the ramp
         res = run_one(a)
         print(json.dumps(res, indent=2))
         if a.json:
@@ -453,7 +456,8 @@ def main() -> None:
     for size in [int(s) for s in a.sizes.split(",") if s]:
         with tempfile.TemporaryDirectory(prefix=f"ptops-scale-{size}-") as d:
             argv = [sys.executable, __file__, "--ranks", str(size), "--per-node", str(a.per_node),
-                    "--gen-procs", str(a.gen_procs), "--step-s", str(a.step_s), "--steady", str(a.steady),
+                    "--gen-procs", str(a.gen_procs), "--step-s", str(a.step_s), "--ping-s", str(a.ping_s),
+                    "--steady", str(a.steady),
                     "--peers", a.peers, "--timeout", str(a.timeout), "--work", d, "--json", f"{d}/r.json"]
             print(f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), load {os.getloadavg()}", flush=True)
             subprocess.run(argv, check=False, stdout=sys.stderr)
@@ -465,8 +469,13 @@ def main() -> None:
             results.append(res)
             print(json.dumps(res), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"command": "bench/scale_load.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "cpus": os.cpu_count(), "results": results}
+    try:
+        doc = json.loads(a.out.read_text())
+    except (OSError, ValueError):
+        doc = {}
+    doc.setdefault("runs", {})[a.label] = {
+        "command": "bench/scale_load.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(), "note": a.note, "results": results}
     a.out.write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -51,3 +51,36 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
     assert "simulated py-spy" in (run / "stacks" / "attempt-1" / f"rank-{VICTIM}.txt").read_text()
     assert res["hang"]["found_ranks"] == [VICTIM]
     assert events[-1]["kind"] == "failed"  # a plain (temporary) launch ends on the hang
+
+
+def test_rendezvous_memo_follows_every_change() -> None:
+    """The hang monitor remembers when every live rank reached the rendezvous (it was O(ranks) per
+    question, O(ranks^2) per start-up); the memo must change whenever a rank enters, exits or appears."""
+    from ptops.monitors.hang import HangConfig, HangMonitor
+
+    def truth(m: HangMonitor) -> float | None:
+        return m._all_in_rendezvous_now()
+
+    m = HangMonitor(50, 0.0, HangConfig())
+    seen = []
+    for r in range(50):
+        m.observe({"kind": "beat", "rank": r, "step": 0, "phase": "startup", "section": "import", "ts": 1.0})
+    for r in range(50):
+        m.observe({"kind": "beat", "rank": r, "step": 0, "phase": "startup", "section": "rendezvous", "ts": 2.0 + r})
+        seen.append(m._all_in_rendezvous())
+        assert seen[-1] == truth(m)
+    assert seen[:49] == [None] * 49 and seen[49] == 51.0
+    m.observe({"kind": "beat", "rank": 50, "step": 0, "phase": "startup", "section": "import", "ts": 60.0})  # a rank appears
+    assert m._all_in_rendezvous() is None and truth(m) is None
+    m.observe({"kind": "exit", "rank": 50, "ts": 61.0})  # ... and leaves
+    assert m._all_in_rendezvous() == truth(m) == 51.0
+    m.observe({"kind": "exit", "rank": 49, "ts": 62.0})  # the last to arrive leaves: the latest is now rank 48's
+    assert m._all_in_rendezvous() == truth(m) == 50.0
+    # the per-check budget memo gives the same finding as computing every budget per rank
+    for r in range(49):
+        m.observe({"kind": "beat", "rank": r, "step": 1, "phase": "step", "stage": "begin", "ts": 70.0})
+        m.observe({"kind": "metrics", "rank": r, "step": 1, "step_s": 1.0, "ts": 71.0})
+    m.observe({"kind": "beat", "rank": 3, "step": 2, "phase": "step", "stage": "begin", "ts": 72.0})
+    for now in (72.0, 200.0, 400.0, 800.0):
+        assert m.check(now) == m._check(now)
+    assert m.check(800.0) is not None
