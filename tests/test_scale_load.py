@@ -84,3 +84,33 @@ def test_rendezvous_memo_follows_every_change() -> None:
     for now in (72.0, 200.0, 400.0, 800.0):
         assert m.check(now) == m._check(now)
     assert m.check(800.0) is not None
+
+
+def test_straggler_bookkeeping_matches_a_full_recount() -> None:
+    """The straggler monitor keeps the newest step and the expected ranks as records come (they were
+    recomputed over every rank for every record); after any stream, restarts and resets included,
+    they equal a full recount."""
+    import random
+
+    from ptops.monitors.config import StragglerConfig
+    from ptops.monitors.straggler import StragglerMonitor
+
+    for seed in range(50):
+        rnd = random.Random(seed)
+        m = StragglerMonitor(StragglerConfig(window=3, lag_steps=2))
+        n, step = rnd.choice([2, 5, 9]), 1
+        for _ in range(300):
+            if rnd.random() < 0.03:
+                step = max(1, step - rnd.randrange(4))  # a restart redoes steps
+            elif rnd.random() < 0.3:
+                step += 1
+            rec = {"step": step, "rank": rnd.randrange(n + 1), "step_s": rnd.choice([1.0, 1.2, 0.3]), "attempt": 1}
+            if rnd.random() < 0.1:
+                rec["world_size"] = n
+            m.feed(rec)
+            if rnd.random() < 0.005:
+                m.reset()
+            if m._last:
+                assert m._newest == max(m._last.values())
+            want = (set(range(m._world)) | m._known) if m._world is not None else m._known
+            assert m._expected() == want
