@@ -261,6 +261,9 @@ class HangMonitor:
         self._recent_i = 0
         self.resumed_at = self.start_ts  # the end of the last declared pause: budgets count from here
         self._rdv_entered: dict[int, float] = {}
+        self._rdv_version = 0  # bumped when a rank enters the rendezvous, exits or appears
+        self._rdv_memo: tuple[int, float | None] = (-1, None)  # (version, _all_in_rendezvous()): O(1), not O(ranks)
+        self._check_memo: dict | None = None  # section budgets during one check()
 
     def _new_rank(self) -> _Rank:
         return _Rank(last_progress=self.start_ts, since=self.start_ts)
@@ -274,12 +277,14 @@ class HangMonitor:
         st = self.ranks.get(rank)
         if st is None:
             st = self.ranks[int(rank)] = self._new_rank()
+            self._rdv_version += 1
         ts = float(rec["ts"])
         st.last_seen = ts if st.last_seen is None or ts > st.last_seen else st.last_seen
         if kind == "ping":
             return
         if kind == "exit":
             st.exited = True
+            self._rdv_version += 1
             return
         step = int(rec.get("step", st.step) or 0)
         section = st.section
@@ -330,13 +335,24 @@ class HangMonitor:
             st.since = ts
             if new_section == "rendezvous":
                 self._rdv_entered[int(rank)] = ts
+                self._rdv_version += 1
         if st.phase in PAUSES and phase not in PAUSES:
             self.resumed_at = max(self.resumed_at, ts)
         st.step, st.phase, st.pos, st.section = step, phase, pos, new_section
         st.last_progress = ts
 
     def _all_in_rendezvous(self) -> float | None:
-        """When the last live rank reached the rendezvous (None while one is still before it)."""
+        """When the last live rank reached the rendezvous (None while one is still before it).
+        Remembered until a rank enters, exits or appears: every rank leaving the rendezvous and every
+        check asks, which made start-up O(ranks^2) (8,192 ranks: ~50 s per check, bench/scale_load.py)."""
+        version, value = self._rdv_memo
+        if version == self._rdv_version:
+            return value
+        value = self._all_in_rendezvous_now()
+        self._rdv_memo = (self._rdv_version, value)
+        return value
+
+    def _all_in_rendezvous_now(self) -> float | None:
         latest = None
         for r, st in self.ranks.items():
             if st.exited:
@@ -349,6 +365,16 @@ class HangMonitor:
 
     # ------------------------------------------------------------ budgets
     def section_timeout(self, section: str, _fallback: bool = False) -> float:
+        memo = self._check_memo
+        if memo is not None:  # inside check(): nothing it depends on changes, so once per section, not per rank
+            key = (section, _fallback)
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = self._section_timeout(section, _fallback)
+            return hit
+        return self._section_timeout(section, _fallback)
+
+    def _section_timeout(self, section: str, _fallback: bool = False) -> float:
         c = self.config
         # a start-up section is judged by earlier attempts; as a fallback (step 2 judged by the first
         # step) this attempt's durations count too
@@ -419,6 +445,13 @@ class HangMonitor:
 
     # ------------------------------------------------------------ output
     def check(self, now: float) -> HangFinding | None:
+        self._check_memo = {}
+        try:
+            return self._check(now)
+        finally:
+            self._check_memo = None
+
+    def _check(self, now: float) -> HangFinding | None:
         c = self.config
 
         def unresponsive(r: int) -> bool:

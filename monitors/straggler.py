@@ -76,6 +76,8 @@ class StragglerMonitor:
         self._pending: dict[int, dict[int, tuple[dict[str, float], Mapping[str, Any]]]] = {}
         self._hist: dict[tuple[int, str], deque] = {}
         self._latched: set[tuple[int, str]] = set()
+        self._newest = -(1 << 62)  # max(self._last.values()), kept as _last changes (was O(ranks) a record)
+        self._expected_memo: tuple[tuple, set[int]] | None = None
 
     # ------------------------------------------------------------ signals
 
@@ -111,6 +113,8 @@ class StragglerMonitor:
         if last is not None and step <= last:
             self._restart(step)
         self._last[rank] = step
+        if step > self._newest:
+            self._newest = step
         self._known.add(rank)
         if step <= self._floor:
             return []
@@ -134,21 +138,29 @@ class StragglerMonitor:
         self._floor = min(self._floor, step - 1)
         for r in self._last:
             self._last[r] = min(self._last[r], step - 1)
+        self._newest = max(self._last.values(), default=-(1 << 62))
 
     def _expected(self) -> set[int]:
         if self._world is not None:
-            return set(range(self._world)) | self._known
+            # _known only grows between resets: (world, its size) names the set; built once, not per record
+            key = (self._world, len(self._known))
+            memo = self._expected_memo
+            if memo is None or memo[0] != key:
+                memo = self._expected_memo = (key, set(range(self._world)) | self._known)
+            return memo[1]
         return self._known
 
     def _score_ready(self) -> list[Finding]:
         out: list[Finding] = []
         if not self._pending:
             return out
-        newest = max(self._last.values())
+        newest = self._newest
         expected = self._expected()
         for s in sorted(self._pending):
             ranks = self._pending[s]
-            complete = expected.issubset(ranks) and (newest > s or self._world is not None)
+            # the length first: issubset of a dict builds a set of it (O(ranks) for every record of a step)
+            complete = len(ranks) >= len(expected) and expected.issubset(ranks) and \
+                (newest > s or self._world is not None)
             if complete or newest >= s + self.cfg.lag_steps or len(self._pending) > _MAX_PENDING:
                 out.extend(self._score(s))
             else:

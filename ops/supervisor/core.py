@@ -45,6 +45,7 @@ from ptops.faultinject.spec import Fault
 from ptops.monitors.hang import HangMonitor, Learned
 from ptops.ops.rank.channel import write_info
 from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
+from ptops.ops.runrecord.jsonl import JsonlAppender
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
 from ptops.ops.supervisor import launcher, monitorfeed, procs
@@ -100,6 +101,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.t_start = time.monotonic()
         # a monitor config that cannot be built is a RecipeError here (the CLI exits 2 before anything starts)
         self.feed = monitorfeed.MonitorFeed(monitorfeed.build(recipe.monitors, str(run.recipe_toml)))
+        self.metrics_out = JsonlAppender(run.metrics)  # held open: metrics.jsonl takes a line per rank per step
         self.findings = FindingActions(recipe.monitors, run, self.say, record_only=not self.supervised)
 
     @property
@@ -184,6 +186,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             finally:
                 if self.server is not None:
                     self.server.close()
+                self.metrics_out.close()
                 self.write_status(force=True)
                 for s, h in old.items():
                     signal.signal(s, h)

@@ -22,7 +22,6 @@ from typing import Any
 from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
 from ptops.faultinject.spec import parse as parse_fault
 from ptops.ops.runrecord.events import RANK_KINDS, EventKind, RunState
-from ptops.ops.runrecord.rundir import append_jsonl
 from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
 from ptops.ops.supervisor.channel import Peer
 
@@ -225,7 +224,7 @@ class MessagesMixin:
     def _on_metrics(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         rank = peer.rank
         rec = msg.get("rec") or {}
-        append_jsonl(self.run.metrics, rec)
+        self.metrics_out.append(rec)
         info = self.ranks.get(rank)
         if info is not None:
             info.step = max(info.step, int(rec.get("step") or 0))
