@@ -50,6 +50,8 @@ class AttemptMixin:
             extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
         extra.update(self.findings.attempt_env())  # PTOPS_ROLLBACK after a rollback
         extra[RESUME_ENV] = (self.good or {}).get("path") or ""  # verified by the supervisor: the ranks do not again
+        if self.warm is not None:
+            extra.update(self.warm.env())
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
             ("TORCH_FR_BUFFER_SIZE", "2000"),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
@@ -84,6 +86,8 @@ class AttemptMixin:
         try:
             while True:
                 self.pump(CHECK_S)
+                if self.warm is not None and not self.warm.started and self.step > from_step:
+                    self.warm.start()  # the first attempt trains: warm the spares for a restart
                 if self.stop_signal is not None:
                     self.graceful_stop()
                     return Outcome("interrupted", f"signal {self.stop_signal}")
