@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 
 from ptops.ckpt import RESUME_ENV
@@ -24,6 +25,7 @@ from ptops.ops.supervisor.blame import Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
 
 
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
 
 
@@ -104,6 +106,15 @@ class AttemptMixin:
                 if self.blame.first is not None:
                     # torchrun notices within its monitor interval and stops the others; give it a moment
                     bad_since = bad_since or time.monotonic()
+                    code = self._torchrun_exit_code(attempt, self.blame.first.rank)
+                    if code is not None:
+                        # torchrun has logged the first bad rank's exit code, all the crash event needs; its
+                        # own shutdown (stopping the others, its summary, interpreter exit) takes seconds more
+                        if self.blame.first.exit_code is None:
+                            self.blame.first = dataclasses.replace(self.blame.first, exit_code=code)
+                        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
+                        rc = self.proc.returncode
+                        return self._after_exit(rc if rc not in (None, 0) else 1, attempt)
                     if time.monotonic() - bad_since > self.cfg.kill_timeout_s:
                         procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=self.cfg.kill_timeout_s)
                         return self._after_exit(self.proc.returncode if self.proc.returncode is not None else -9, attempt)
@@ -146,6 +157,18 @@ class AttemptMixin:
         desc = f"rank {rank} exited {code}" + (f" ({err})" if err else "") + f" at step {self.step}"
         self.say(f"crash: {desc}; logs: {self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}")
         return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code})
+
+    def _torchrun_exit_code(self, attempt: int, rank: int) -> int | None:
+        """The exit code torchrun logged for ``rank`` as soon as it saw it fail (``failed (exitcode: N)
+        local_rank: R``; one node per torchrun here, so the local rank is the rank), else None."""
+        try:
+            text = (self.run.logs(attempt) / "torchrun.log").read_text(errors="replace")
+        except OSError:
+            return None
+        for m in _WORKER_FAILED.finditer(text):
+            if int(m.group(2)) == rank:
+                return int(m.group(1))
+        return None
 
     def _root_cause(self, attempt: int) -> tuple[int | None, int | None, str]:
         """Which rank failed first (:func:`ptops.ops.supervisor.blame.root_cause`)."""
