@@ -1,6 +1,7 @@
 """Monitor cost, false-positive rate and detection delay.
 
-    .venv/bin/python bench/monitors_bench.py [--seeds 20] [--ranks 8] [--steps 2000] [--json]
+    .venv/bin/python bench/monitors_bench.py [--seeds 20] [--ranks 8] [--steps 2000] [--reps 3] [--json]
+    .venv/bin/python bench/monitors_bench.py --against f13977c   # cost now vs a git ref, same run
 
 1. cost: microseconds per record for each monitor alone and for the default
    set together, feeding synthetic healthy records (pre-training and GRPO keys)
@@ -34,7 +35,36 @@ import synth  # noqa: E402
 from ptops.monitors import MONITOR_CLASSES, build_monitors, replay  # noqa: E402
 
 
-def cost(ranks: int, steps: int) -> dict[str, float]:
+def cost(ranks: int, steps: int, reps: int = 3, pkg=None) -> dict[str, float]:
+    """Median over ``reps`` passes of each figure (the box is shared: one pass is noisy). ``pkg``: another
+    copy of the monitors package to measure (``--against``), else ptops.monitors."""
+    runs = [_cost_once(ranks, steps, pkg) for _ in range(reps)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def monitors_at(ref: str):
+    """The monitors package as it was at git ``ref``, imported under another name (pure: no ptops imports)."""
+    import importlib
+    import subprocess
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="ptops-monitors-"))
+    dest = root / "monitors_at_ref"
+    dest.mkdir()
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{ref}:monitors"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for n in names:
+        if n.endswith(".py"):
+            text = subprocess.run(["git", "show", f"{ref}:monitors/{n}"], cwd=REPO, check=True, capture_output=True,
+                                  text=True).stdout
+            (dest / n).write_text(text)
+    sys.path.insert(0, str(root))
+    return importlib.import_module("monitors_at_ref")
+
+
+def _cost_once(ranks: int, steps: int, pkg=None) -> dict[str, float]:
+    classes = pkg.MONITOR_CLASSES if pkg is not None else MONITOR_CLASSES
+    build = pkg.build_monitors if pkg is not None else build_monitors
     recs = []
     for kind in ("pretrain", "grpo"):
         for seed in range(ranks // 2):
@@ -47,18 +77,18 @@ def cost(ranks: int, steps: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for kind in ("pretrain", "grpo"):
         stream = [r for s, rk, k, r in sorted(recs, key=lambda x: (x[0], x[1])) if k == kind]
-        for name, cls in MONITOR_CLASSES.items():
+        for name, cls in classes.items():
             m = cls()
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             for r in stream:
                 m.feed(r)
-            out[f"{kind}/{name}"] = (time.perf_counter() - t0) / len(stream) * 1e6
-        mons = build_monitors()
-        t0 = time.perf_counter()
+            out[f"{kind}/{name}"] = (time.process_time() - t0) / len(stream) * 1e6
+        mons = build()
+        t0 = time.process_time()
         for r in stream:
             for m in mons:
                 m.feed(r)
-        out[f"{kind}/ALL"] = (time.perf_counter() - t0) / len(stream) * 1e6
+        out[f"{kind}/ALL"] = (time.process_time() - t0) / len(stream) * 1e6
     return out
 
 
@@ -116,14 +146,38 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=3, help="passes per cost figure; the median is reported")
+    ap.add_argument("--against", metavar="GIT_REF", help="also measure the monitors as they were at this git ref, "
+                    "in the same run (interleaved passes), and print new/old ratios")
+    ap.add_argument("--cost-only", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    res = {"cost_us_per_record": cost(a.ranks, a.steps), "false_positives": false_positives(a.seeds),
-           "detection": detection(a.seeds)}
+    if a.against:
+        old_pkg = monitors_at(a.against)
+        new_runs, old_runs = [], []
+        for _ in range(a.reps):  # interleaved: both see the same load
+            new_runs.append(_cost_once(a.ranks, a.steps))
+            old_runs.append(_cost_once(a.ranks, a.steps, old_pkg))
+        new = {k: statistics.median(r[k] for r in new_runs) for k in new_runs[0]}
+        old = {k: statistics.median(r[k] for r in old_runs) for k in old_runs[0]}
+        res_c = {"now": new, a.against: old, "ratio_now_over_old": {k: round(new[k] / old[k], 3) for k in new}}
+        if a.json:
+            print(json.dumps(res_c, indent=2))
+        else:
+            print(f"cost (us per record, {a.ranks} ranks x {a.steps} steps, median of {a.reps} interleaved passes, "
+                  f"process CPU time): now vs {a.against}")
+            for k in new:
+                print(f"  {k:32s} {new[k]:8.2f} {old[k]:8.2f}  x{new[k] / old[k]:.2f}")
+        return
+    res = {"cost_us_per_record": cost(a.ranks, a.steps, a.reps)}
+    if a.cost_only:
+        print(json.dumps(res, indent=2))
+        return
+    res.update({"false_positives": false_positives(a.seeds), "detection": detection(a.seeds)})
     if a.json:
         print(json.dumps(res, indent=2))
         return
-    print(f"cost (us per record, {a.ranks} ranks x {a.steps} steps, one pass, time.perf_counter):")
+    print(f"cost (us per record, {a.ranks} ranks x {a.steps} steps, median of {a.reps} passes, time.process_time, CPU time of this process):")
     for k, v in res["cost_us_per_record"].items():
         print(f"  {k:32s} {v:8.2f}")
     for src, d in res["false_positives"].items():

@@ -7,6 +7,7 @@ modules (`_util`, `_dcpmeta`): what others need is exported here.
 """
 
 from ._util import MANIFEST_NAME, detect_kind
+from .background import BackgroundVerifier
 from .catalog import Entry, checkpoints_dir, latest_good, list_checkpoints, quarantine
 from .digest import DigestError, digest
 from .lifecycle import (
@@ -30,7 +31,7 @@ from .retention import PruneReport, prune
 from .verify import Result, verify
 
 __all__ = [
-    "RESUME_ENV", "SaveTransaction", "checkpoint_path", "is_writing", "resume_point", "shard_files",
+    "BackgroundVerifier", "RESUME_ENV", "SaveTransaction", "checkpoint_path", "is_writing", "resume_point", "shard_files",
     "Entry", "checkpoints_dir", "latest_good", "list_checkpoints", "quarantine",
     "DigestError", "digest", "MANIFEST_NAME", "detect_kind",
     "ManifestError", "clear_writing", "commit", "mark_writing", "read_latest", "read_manifest", "write_manifest",

@@ -240,11 +240,20 @@ class _Builder:
         short = path[path.find("checkpoints/"):] if "checkpoints/" in path else path
         if e["kind"] == "checkpoint_invalid":
             title = f"checkpoint {short} invalid: {e.get('reason')}"
-            ev = [f"reason: {e.get('reason')}", f"set aside to {e['moved_to']}" if e.get("moved_to") else ""]
+            ev = [f"reason: {e.get('reason')}", f"set aside to {e['moved_to']}" if e.get("moved_to") else "",
+                  "found by rank 0's background read-back of the commit" if e.get("found_by") == "background_verify"
+                  else ""]
             nxt = _after(self.events, e.get("ts"), ("restart", "launch"))
             action = (f"restart resumed from step {nxt.get('from_step')}" if nxt and nxt.get("from_step") is not None
                       else _action(self.events, e.get("ts")))
             sev, rb = "critical", self.runbooks.get("checkpoint_invalid")
+            # one damaged checkpoint is one incident: found in the background first, set aside at the restart
+            same = next((i for i in self.out if i["kind"] == "checkpoint" and i["details"].get("path") == short
+                         and i["details"].get("event") == "checkpoint_invalid"), None)
+            if same is not None:
+                same["evidence"] += [x for x in ev if x and x not in same["evidence"]]
+                same["action"] = action or same["action"]
+                return
         else:
             title = f"checkpoint save at step {e.get('step')} failed: {str(e.get('error'))[:120]}"
             ev, action = [f"error: {e.get('error')}", "final save" if e.get("final") else ""], None

@@ -11,7 +11,19 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from .base import Finding, RankedMonitor, StepSeries, lookup, median, number, quantile
+from .base import (
+    _MISSING,
+    Finding,
+    RankedMonitor,
+    SortedSeries,
+    finite_of,
+    median,
+    median_sorted,
+    number,
+    quantile_sorted,
+    raw_of,
+    spelled,
+)
 from .config import GradExplosionConfig, LossSpikeConfig, NanConfig
 
 
@@ -53,6 +65,7 @@ class NaNMonitor(RankedMonitor):
 
     def __init__(self, cfg: NanConfig | None = None) -> None:
         self.cfg = cfg or NanConfig()
+        self._keys = tuple((k, spelled(k)) for k in self.cfg.keys)
         super().__init__()
 
     def _new_state(self) -> _NaNState:
@@ -63,12 +76,12 @@ class NaNMonitor(RankedMonitor):
 
     def _check(self, st: _NaNState, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         out: list[Finding] = []
-        for key in self.cfg.keys:
-            present, raw = lookup(record, key)
-            if not present:
+        for key, sp in self._keys:
+            raw = raw_of(record, sp)
+            if raw is _MISSING:
                 continue
             v = number(raw)
-            if v is not None and math.isfinite(v):
+            if v is not None and v - v == 0.0:  # finite
                 st.numeric.add(key)
                 st.bad.discard(key)
                 continue
@@ -111,10 +124,11 @@ class LossSpikeMonitor(RankedMonitor):
 
     def __init__(self, cfg: LossSpikeConfig | None = None) -> None:
         self.cfg = cfg or LossSpikeConfig()
+        self._key = spelled(self.cfg.key)
         super().__init__()
 
     def _new_state(self) -> list[Any]:
-        return [StepSeries(self.cfg.window), False]  # series, in-spike latch
+        return [SortedSeries(self.cfg.window), False]  # series, in-spike latch
 
     def _rewind(self, st: list[Any], step: int) -> None:
         st[0].rewind(step)
@@ -124,17 +138,15 @@ class LossSpikeMonitor(RankedMonitor):
         cfg = self.cfg
         if cfg.skip_rl and "reward" in record:
             return []
-        present, raw = lookup(record, cfg.key)
-        x = number(raw) if present else None
-        if x is None or not math.isfinite(x):
+        x = finite_of(record, self._key)
+        if x is None:
             return []
-        series: StepSeries = st[0]
+        series: SortedSeries = st[0]
         out: list[Finding] = []
         if step > cfg.warmup_steps and len(series) >= cfg.min_history:
             ref = series.values
             level = median(ref[-cfg.level_window:])
-            diffs = [abs(b - a) for a, b in zip(ref, ref[1:])]
-            noise = median(diffs) / math.sqrt(2)  # MAD-like noise of one value; blind to slow trends
+            noise = median_sorted(series.diffs) / math.sqrt(2)  # MAD-like noise of one value; blind to slow trends
             scale = 1.4826 * max(noise, 1e-3 * abs(level), 1e-12)
             z = (x - level) / scale
             spike = z >= cfg.z_threshold and (x - level) >= cfg.min_rel_jump * abs(level)
@@ -168,10 +180,11 @@ class GradExplosionMonitor(RankedMonitor):
 
     def __init__(self, cfg: GradExplosionConfig | None = None) -> None:
         self.cfg = cfg or GradExplosionConfig()
+        self._key = spelled(self.cfg.key)
         super().__init__()
 
     def _new_state(self) -> list[Any]:
-        return [StepSeries(self.cfg.window), False]
+        return [SortedSeries(self.cfg.window), False]
 
     def _rewind(self, st: list[Any], step: int) -> None:
         st[0].rewind(step)
@@ -179,11 +192,10 @@ class GradExplosionMonitor(RankedMonitor):
 
     def _check(self, st: list[Any], record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        present, raw = lookup(record, cfg.key)
-        x = number(raw) if present else None
-        if x is None or not math.isfinite(x):
+        x = finite_of(record, self._key)
+        if x is None:
             return []
-        series: StepSeries = st[0]
+        series: SortedSeries = st[0]
         out: list[Finding] = []
         detail = None
         value = None
@@ -191,7 +203,7 @@ class GradExplosionMonitor(RankedMonitor):
             detail = f"{cfg.key} {_fmt(x)} >= absolute cap {cfg.abs_max:g}"
             value = x
         elif step > cfg.warmup_steps and len(series) >= cfg.min_history:
-            ref = quantile(series.values, cfg.reference_quantile)
+            ref = quantile_sorted(series.sorted, cfg.reference_quantile)
             if ref > 0 and x >= cfg.ratio * ref:
                 value = x / ref
                 detail = (f"{cfg.key} {_fmt(x)} is {value:.1f}x the trailing p{round(cfg.reference_quantile * 100)} "

@@ -25,7 +25,7 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import Finding, RankedMonitor, first_number, get_number, median, record_attempt, record_ts
+from .base import Finding, RankedMonitor, finite_of, first_finite, median, record_attempt, record_ts, spelled
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,
@@ -36,8 +36,8 @@ from .config import (
 
 
 def _finite(record: Mapping[str, Any], key: str) -> float | None:
-    v = get_number(record, key)
-    return v if v is not None and math.isfinite(v) else None
+    """The finite number under ``key`` (either spelling), else None (slow path: keys spelled per call)."""
+    return finite_of(record, spelled(key))
 
 
 def _spellings(*keys: str | None) -> tuple[str, ...]:
@@ -72,19 +72,20 @@ class _Fit:
 
     def add(self, x: float, y: float) -> None:
         q = self.q
+        sx, sy, sxx, sxy, syy = self.sx, self.sy, self.sxx, self.sxy, self.syy
         if len(q) >= self.n:
             ox, oy = q.popleft()
-            self.sx -= ox
-            self.sy -= oy
-            self.sxx -= ox * ox
-            self.sxy -= ox * oy
-            self.syy -= oy * oy
+            sx -= ox
+            sy -= oy
+            sxx -= ox * ox
+            sxy -= ox * oy
+            syy -= oy * oy
         q.append((x, y))
-        self.sx += x
-        self.sy += y
-        self.sxx += x * x
-        self.sxy += x * y
-        self.syy += y * y
+        self.sx = sx + x
+        self.sy = sy + y
+        self.sxx = sxx + x * x
+        self.sxy = sxy + x * y
+        self.syy = syy + y * y
         self.adds += 1
         if self.adds >= 64 * self.n:  # bound the rounding drift of add/subtract
             self._resum()
@@ -170,18 +171,31 @@ class _Tri:
         self.ab -= a * b
 
     def add(self, x: float, a: float, b: float) -> None:
-        if len(self.q) >= self.n:
-            self._sub(self.q.popleft())
-        self.q.append((x, a, b))
-        self.x += x
-        self.a += a
-        self.b += b
-        self.xx += x * x
-        self.aa += a * a
-        self.bb += b * b
-        self.xa += x * a
-        self.xb += x * b
-        self.ab += a * b
+        # one method with locals (no _sub call): this runs several times per record; each sum sees the
+        # same operations in the same order as subtract-then-add, so the sums are bit-identical
+        q = self.q
+        sx, sa, sb, sxx, saa, sbb, sxa, sxb, sab = self.x, self.a, self.b, self.xx, self.aa, self.bb, self.xa, self.xb, self.ab
+        if len(q) >= self.n:
+            ox, oa, ob = q.popleft()
+            sx -= ox
+            sa -= oa
+            sb -= ob
+            sxx -= ox * ox
+            saa -= oa * oa
+            sbb -= ob * ob
+            sxa -= ox * oa
+            sxb -= ox * ob
+            sab -= oa * ob
+        q.append((x, a, b))
+        self.x = sx + x
+        self.a = sa + a
+        self.b = sb + b
+        self.xx = sxx + x * x
+        self.aa = saa + a * a
+        self.bb = sbb + b * b
+        self.xa = sxa + x * a
+        self.xb = sxb + x * b
+        self.ab = sab + a * b
 
     def drop_before(self, x: float) -> None:
         q = self.q
@@ -361,6 +375,7 @@ class EntropyCollapseMonitor(_RL):
     def __init__(self, cfg: EntropyCollapseConfig | None = None) -> None:
         self.cfg = cfg or EntropyCollapseConfig()
         self._own = _spellings(self.cfg.key)
+        self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -406,13 +421,13 @@ class EntropyCollapseMonitor(_RL):
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        x = _finite(record, cfg.key)
+        x = finite_of(record, self._key)
         if x is None or step <= cfg.warmup_steps:
             return []
         st.smooth.append((step, x))
         lx = math.log(max(x, 1e-12))
         st.long.add(step, lx)
-        r = _finite(record, cfg.reward_key)
+        r = finite_of(record, self._reward)
         if r is not None and x < 50:
             u = math.exp(x)
             c = st.cui
@@ -501,6 +516,7 @@ class KLDriftMonitor(_RL):
     def __init__(self, cfg: KLDriftConfig | None = None) -> None:
         self.cfg = cfg or KLDriftConfig()
         self._own = _spellings(self.cfg.key)
+        self._key = spelled(self.cfg.key)
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -526,7 +542,7 @@ class KLDriftMonitor(_RL):
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        x = _finite(record, cfg.key)
+        x = finite_of(record, self._key)
         if x is None:
             return []
         st.smooth.append((step, x))
@@ -614,6 +630,8 @@ class RewardHackingMonitor(_RL):
         self._plain: set = set()  # record keys seen that are no held-out eval (neither prefixed nor listed)
         self._eval_spellings = frozenset(_spellings(*self._evals))
         self._own = _spellings(self.cfg.reward_key)
+        self._reward = spelled(self.cfg.reward_key)
+        self._coupled = tuple((k, spelled(k)) for k in self.cfg.coupled_keys)
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -744,7 +762,7 @@ class RewardHackingMonitor(_RL):
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        r = _finite(record, cfg.reward_key)
+        r = finite_of(record, self._reward)
         hk, hv = self._heldout_value(st, record)
         if r is None and hv is None:
             return []
@@ -769,8 +787,10 @@ class RewardHackingMonitor(_RL):
         level = st.h_level
         value, detail = st.h_value, st.h_detail
         rising = step > cfg.warmup_steps and len(st.rfit) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
-        for k, t in st.coupled.items():
-            y = _finite(record, k)
+        coupled_of = st.coupled
+        for k, sp in self._coupled:
+            t = coupled_of[k]
+            y = finite_of(record, sp)
             if y is not None:
                 t.add(step, r, y)
             coupled = False
@@ -814,6 +834,8 @@ class ModeCollapseMonitor(_RL):
     def __init__(self, cfg: ModeCollapseConfig | None = None) -> None:
         self.cfg = cfg or ModeCollapseConfig()
         self._own = _spellings(self.cfg.key, self.cfg.distinct_key)
+        self._key = spelled(self.cfg.key)
+        self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -846,8 +868,8 @@ class ModeCollapseMonitor(_RL):
         out: list[Finding] = []
         if step <= cfg.warmup_steps:
             return out
-        x = _finite(record, cfg.key)
-        d = _finite(record, cfg.distinct_key) if cfg.distinct_key else None
+        x = finite_of(record, self._key)
+        d = finite_of(record, self._distinct) if self._distinct else None
         if x is None and d is None:
             return out
         if x is not None:
@@ -903,13 +925,14 @@ class StaleRolloutMonitor(_RL):
     def __init__(self, cfg: StaleRolloutConfig | None = None) -> None:
         self.cfg = cfg or StaleRolloutConfig()
         self._own = _spellings(*self.cfg.keys)
+        self._keys = tuple(spelled(k) for k in self.cfg.keys)
         super().__init__()
 
     def _rewinds(self, record: Mapping[str, Any]) -> bool:
         return _has(record, self._own)
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        key, lag = first_number(record, self.cfg.keys)
+        key, lag = first_finite(record, self._keys)
         if lag is None:
             return []
         out: list[Finding] = []

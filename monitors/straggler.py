@@ -52,13 +52,26 @@ rank's step goes back (restart, rollback) the monitor starts over from that step
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections import deque
 from typing import Any, Mapping
 
-from .base import Finding, first_number, median, number, record_attempt, record_rank, record_step, record_ts
+from .base import (
+    Finding,
+    first_finite,
+    median,
+    number,
+    record_attempt,
+    record_rank,
+    record_step,
+    record_ts,
+    spelled,
+)
 from .config import StragglerConfig
 
 _MAX_PENDING = 256
+_INF = float("inf")
 
 
 class StragglerMonitor:
@@ -66,6 +79,11 @@ class StragglerMonitor:
 
     def __init__(self, cfg: StragglerConfig | None = None) -> None:
         self.cfg = cfg or StragglerConfig()
+        c = self.cfg
+        self._busy = tuple(spelled(k) for k in c.busy_keys)
+        self._wait = tuple(spelled(k) for k in c.wait_keys)
+        self._data = tuple(spelled(k) for k in c.data_keys)
+        self._step_name = c.step_key + ("~wait" if c.step_s_mode == "wait_inferred" else "")
         self.reset()
 
     def reset(self) -> None:
@@ -84,17 +102,17 @@ class StragglerMonitor:
     def _signals(self, record: Mapping[str, Any]) -> dict[str, float]:
         cfg = self.cfg
         sig: dict[str, float] = {}
-        key, busy = first_number(record, cfg.busy_keys)
-        step_s = number(record.get(cfg.step_key))
+        key, busy = first_finite(record, self._busy)
         if busy is not None:
             sig[key or "busy"] = busy
         else:
-            wkey, wait = first_number(record, cfg.wait_keys)
+            step_s = number(record.get(cfg.step_key))
+            wkey, wait = first_finite(record, self._wait)
             if wait is not None and step_s is not None and step_s == step_s:
                 sig[f"{cfg.step_key}-{wkey}"] = max(step_s - wait, 0.0)
-            elif step_s is not None and step_s == step_s and step_s != float("inf") and cfg.step_s_mode != "off":
-                sig[cfg.step_key + ("~wait" if cfg.step_s_mode == "wait_inferred" else "")] = step_s
-        dkey, data = first_number(record, cfg.data_keys)
+            elif step_s is not None and step_s == step_s and step_s != _INF and cfg.step_s_mode != "off":
+                sig[self._step_name] = step_s
+        dkey, data = first_finite(record, self._data)
         if data is not None:
             sig[dkey or "data"] = data
         return sig
@@ -102,10 +120,14 @@ class StragglerMonitor:
     # ------------------------------------------------------------ feeding
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step = record_step(record)
-        if step is None:
-            return []
-        rank = record_rank(record)
+        step = record.get("step")
+        if type(step) is not int:
+            step = record_step(record)
+            if step is None:
+                return []
+        rank = record.get("rank", 0)
+        if type(rank) is not int:
+            rank = record_rank(record)
         ws = record.get("world_size")
         if isinstance(ws, int) and ws > 0:
             self._world = ws
@@ -118,7 +140,10 @@ class StragglerMonitor:
         self._known.add(rank)
         if step <= self._floor:
             return []
-        self._pending.setdefault(step, {})[rank] = (self._signals(record), record)
+        pend = self._pending.get(step)
+        if pend is None:
+            pend = self._pending[step] = {}
+        pend[rank] = (self._signals(record), record)
         return self._score_ready()
 
     def flush(self) -> list[Finding]:
@@ -184,8 +209,9 @@ class StragglerMonitor:
             if len(vals) < 2:
                 continue
             inferred = name.endswith("~wait")
+            srt = sorted(vals.values())
             for r, v in vals.items():
-                others = median([x for q, x in vals.items() if q != r])
+                others = _median_without(srt, v)
                 if inferred:  # the others waited for r: their step is longer than r's
                     ratio = others / v if v > 0 else (float("inf") if others > 0 else 1.0)
                     excess = others - v
@@ -202,8 +228,8 @@ class StragglerMonitor:
                 if len(h) < cfg.window:
                     continue
                 med_ratio = median([x[1] for x in h])
-                med_excess = median([x[2] for x in h])
-                slow = med_ratio >= 1 + cfg.margin and med_excess >= cfg.min_excess_s
+                # the excess is needed only when the ratio passes (most steps of a healthy run it does not)
+                slow = med_ratio >= 1 + cfg.margin and median([x[2] for x in h]) >= cfg.min_excess_s
                 key = (r, name)
                 if not slow:
                     self._latched.discard(key)
@@ -211,6 +237,7 @@ class StragglerMonitor:
                 if key in self._latched:
                     continue
                 self._latched.add(key)
+                med_excess = median([x[2] for x in h])
                 rec = ranks[r][1]
                 first = h[0][0]
                 if inferred:
@@ -225,3 +252,25 @@ class StragglerMonitor:
                 out.append(Finding("straggler", s, med_ratio, f"{detail} [signal {signal}]", "warning", r,
                                    record_attempt(rec), record_ts(rec)))
         return out
+
+
+def _median_without(srt: list[float], v: float) -> float:
+    """The median of sorted ``srt`` with one ``v`` taken out, without building that list (any
+    occurrence of an equal value leaves the same multiset, so the result is bit-identical)."""
+    i = bisect_left(srt, v)
+    if i == len(srt) or srt[i] != v:  # v is a NaN (no match): fall back to the plain way
+        rest = list(srt)
+        for j, x in enumerate(rest):
+            if x is v or (x != x and v != v):
+                del rest[j]
+                break
+        return median(rest)
+    m = len(srt) - 1
+    if m == 0:
+        return math.nan
+    mid = m // 2
+
+    def at(j: int) -> float:
+        return srt[j] if j < i else srt[j + 1]
+
+    return at(mid) if m % 2 else 0.5 * (at(mid - 1) + at(mid))

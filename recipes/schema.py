@@ -83,6 +83,11 @@ class RestartConfig(_Strict):
     no_progress_attempts: int = Field(
         3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint"
     )
+    warm_spare: bool = Field(
+        False, description="keep a warm pool (one process per node that has imported the engine) from the first "
+        "attempt's first step on; the ranks of a restart are forked from it instead of importing torch and the "
+        "engine again (ops/rank/warm.py); TorchTitan imports everything ahead, other engines torch only",
+    )
 
 
 class SupervisorSection(_Strict):

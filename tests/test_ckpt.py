@@ -266,6 +266,30 @@ def test_flipped_bytes_with_manifest(dcp_run, made):
     assert verify(ck, deep=False).ok
 
 
+def test_background_verifier_reports_good_and_damaged_commits(dcp_run):
+    """What the saving rank runs after each commit: verdicts arrive from a background thread, a damaged
+    checkpoint names its file, a pruned one is not reported, and close() lets the last one finish."""
+    from ptops.ckpt import BackgroundVerifier
+
+    root = dcp_run / "checkpoints"
+    good, bad = root / "step-1", root / "step-3"
+    write_manifest(good, 1, 1, {})
+    write_manifest(bad, 3, 1, {})
+    _flip_mid(bad / "__0_0.distcp")
+    heard: list = []
+    v = BackgroundVerifier(lambda step, path, ok, reason, s: heard.append((step, path.name, ok, reason)))
+    v.submit(1, good)
+    assert v.wait_idle(60)
+    v.submit(3, bad)
+    assert v.wait_idle(60)
+    v.submit(7, root / "step-7")  # pruned before it was read
+    v.close(60)
+    assert [h[:3] for h in heard] == [(1, "step-1", True), (3, "step-3", False)], heard
+    assert "__0_0.distcp" in heard[1][3] and "hash mismatch" in heard[1][3]
+    v.submit(1, good)  # after close: ignored, no thread left behind
+    assert len(heard) == 2 and not v._thread.is_alive()
+
+
 def test_flipped_tensor_bytes_without_manifest_crc(dcp_run):
     """No manifest: the deep check recomputes the zip CRC32 of each DCP record."""
     from ptops.ckpt._dcpmeta import read_metadata

@@ -144,6 +144,24 @@ def test_titan_commit_protocol_and_one_event_per_save(titan_base):
         assert (d / "ptops-manifest.json").is_file() and not (d / ".writing").exists()
         assert ptops("ckpt", "verify", str(d)).returncode == 0
     assert not events(run, "checkpoint_failed") and not events(run, "checkpoint_invalid")
+    # each committed checkpoint was read back and verified by rank 0 in the background
+    assert sorted(e["step"] for e in events(run, "checkpoint_verified")) == [4, 8]
+    assert not events(run, "checkpoint_skipped")
+
+
+def test_titan_save_while_the_previous_is_writing_is_skipped_and_recorded(titan_base, tmp_path):
+    """The step-2 async save is held "still writing" (a test hook delays its commit until a skip is
+    seen): the step-4 save is skipped on both ranks (``checkpoint_skipped``), never queued behind it,
+    then step 6 and the final step 8 save; training is the same (digest equal to the uninterrupted run)."""
+    _, want = titan_base
+    run = tmp_path / "skip"
+    launch(run, TITAN, [f"train.steps={STEPS}", "checkpoint.interval=2"], env={"PTOPS_TEST_HOLD_FIRST_COMMIT": "1"})
+    sk = events(run, "checkpoint_skipped")
+    assert [(e["step"], e["writing_step"], e["rank"]) for e in sk] == [(4, 2, 0)], sk
+    assert [e["step"] for e in events(run, "checkpoint")] == [2, 6, 8]
+    assert not (run / "checkpoints" / "step-4").exists()
+    assert sorted(e["step"] for e in events(run, "checkpoint_verified")) == [2, 6, 8]
+    assert digest(run / "checkpoints" / f"step-{STEPS}") == want
 
 
 @pytest.mark.parametrize("how", ["truncate", "flip", "delete_metadata"])

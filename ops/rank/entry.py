@@ -94,6 +94,14 @@ def _test_world_of_one(rank: int) -> None:
 
 def main() -> None:
     die_with_parent()
+    from ptops.ops.rank import warm
+
+    warm.handoff()  # a warm pool (engine already imported) runs this rank and we mirror it; else cold
+    run_rank()
+
+
+def run_rank() -> None:
+    """This rank's life, in this process (cold) or in a warm pool's child (``ops/rank/warm.py``)."""
     # Yama: let the supervisor (py-spy) read our stacks; on a node of a multi-node run, the node agent
     tracer = int(os.environ.get("PTOPS_PTRACER_PID") or os.environ.get("PTOPS_SUPERVISOR_PID") or 0)
     if tracer:
@@ -109,6 +117,10 @@ def main() -> None:
     if os.environ.get("PTOPS_RANK_LOGS", "1") == "1":
         _redirect_output(run.rank_log(attempt, rank))
     _stack_file(run.logs(attempt) / f"rank-{rank}.stacks")
+    from ptops.ops.rank.warm import ENV_CHILD, WARM_LINE
+
+    if os.environ.get(ENV_CHILD):
+        print(WARM_LINE.format(pool=os.environ[ENV_CHILD]), file=sys.stderr, flush=True)
     recipe = from_json(run.recipe_json.read_text())
     probe = Probe.from_env()
     try:

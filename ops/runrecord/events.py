@@ -23,6 +23,8 @@ class EventKind(StrEnum):
     CHECKPOINT = "checkpoint"
     CHECKPOINT_INVALID = "checkpoint_invalid"
     CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    CHECKPOINT_VERIFIED = "checkpoint_verified"
     FAULT_INJECTED = "fault_injected"
     INJECT = "inject"
     CRASH = "crash"
@@ -121,7 +123,12 @@ SPECS: dict[EventKind, EventSpec] = {
                         state=RunState.RUNNING, doc="an attempt's ranks were started"),
     K.CHECKPOINT: EventSpec(("step", "path", "blocking_s", "total_s"), ("mode", *_RANK),
                             doc="a checkpoint was committed (sent by rank 0 after its commit)"),
-    K.CHECKPOINT_INVALID: EventSpec(("path", "reason"), ("moved_to", "step", *_RANK), finding=True,
+    K.CHECKPOINT_SKIPPED: EventSpec(("step",), ("writing_step", "writing_s", *_RANK),
+                                    doc="an interval save was skipped: the previous async save was still being "
+                                    "written (one writer; never queued)"),
+    K.CHECKPOINT_VERIFIED: EventSpec(("step", "path"), ("verify_s", *_RANK),
+                                     doc="rank 0 read a committed checkpoint back in the background and it verified"),
+    K.CHECKPOINT_INVALID: EventSpec(("path", "reason"), ("moved_to", "step", "found_by", *_RANK), finding=True,
                                     severity="critical", summary=True, runbook="CheckpointCorrupt",
                                     doc="a checkpoint failed verification and was set aside"),
     K.CHECKPOINT_FAILED: EventSpec(("step", "path", "error", "final"), _RANK, severity="warning", summary=True,
@@ -225,6 +232,7 @@ del K
 END_KINDS = frozenset({EventKind.COMPLETED, EventKind.FAILED, EventKind.STOPPED})
 # Kinds a rank may report itself over the channel (the supervisor records only these).
 RANK_KINDS = frozenset({EventKind.CHECKPOINT, EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_INVALID,
+                        EventKind.CHECKPOINT_SKIPPED, EventKind.CHECKPOINT_VERIFIED,
                         EventKind.ROLLBACK_APPLIED, EventKind.HOLD_RELEASED, EventKind.PROFILE_CAPTURED,
                         EventKind.PROFILE_FAILED, EventKind.REWARD_SOURCE,
                         EventKind.TEACHER, EventKind.VLLM_FALLBACK})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 
 from ptops.ckpt import RESUME_ENV
@@ -25,6 +26,7 @@ from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import fatal_startup_error
 
 
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
 # the hang check walks every rank (8,192 ranks: 30-70 ms); it may take at most this share of the loop,
 # else the handlers fall behind, and a backlog older than the budget reads as a hang of every rank
@@ -55,6 +57,8 @@ class AttemptMixin:
             extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
         extra.update(self.findings.attempt_env())  # PTOPS_ROLLBACK after a rollback
         extra[RESUME_ENV] = (self.good or {}).get("path") or ""  # verified by the supervisor: the ranks do not again
+        if self.warm is not None:
+            extra.update(self.warm.env())
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
             ("TORCH_FR_BUFFER_SIZE", "2000"),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
@@ -91,6 +95,8 @@ class AttemptMixin:
         try:
             while True:
                 self.pump(CHECK_S)
+                if self.warm is not None and not self.warm.started and self.step > from_step:
+                    self.warm.start()  # the first attempt trains: warm the spares for a restart
                 if self.stop_signal is not None:
                     self.graceful_stop()
                     return Outcome("interrupted", f"signal {self.stop_signal}")
@@ -107,6 +113,15 @@ class AttemptMixin:
                 if self.blame.first is not None:
                     # torchrun notices within its monitor interval and stops the others; give it a moment
                     bad_since = bad_since or time.monotonic()
+                    code = self._torchrun_exit_code(attempt, self.blame.first.rank)
+                    if code is not None:
+                        # torchrun has logged the first bad rank's exit code, all the crash event needs; its
+                        # own shutdown (stopping the others, its summary, interpreter exit) takes seconds more
+                        if self.blame.first.exit_code is None:
+                            self.blame.first = dataclasses.replace(self.blame.first, exit_code=code)
+                        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
+                        rc = self.proc.returncode
+                        return self._after_exit(rc if rc not in (None, 0) else 1, attempt)
                     if time.monotonic() - bad_since > self.cfg.kill_timeout_s:
                         procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=self.cfg.kill_timeout_s)
                         return self._after_exit(self.proc.returncode if self.proc.returncode is not None else -9, attempt)
@@ -170,6 +185,18 @@ class AttemptMixin:
         info = self.ranks.get(rank) if rank is not None else None
         fatal = fatal_startup_error(err, began_step=info is None or info.step > 0)
         return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code, "fatal": fatal})
+
+    def _torchrun_exit_code(self, attempt: int, rank: int) -> int | None:
+        """The exit code torchrun logged for ``rank`` as soon as it saw it fail (``failed (exitcode: N)
+        local_rank: R``; one node per torchrun here, so the local rank is the rank), else None."""
+        try:
+            text = (self.run.logs(attempt) / "torchrun.log").read_text(errors="replace")
+        except OSError:
+            return None
+        for m in _WORKER_FAILED.finditer(text):
+            if int(m.group(2)) == rank:
+                return int(m.group(1))
+        return None
 
     def _root_cause(self, attempt: int) -> tuple[int | None, int | None, str]:
         """Which rank failed first (:func:`ptops.ops.supervisor.blame.root_cause`)."""

@@ -59,6 +59,7 @@ from ptops.ops.supervisor.messages import MessagesMixin, RankInfo
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import EXIT_DONE, EXIT_FAILED, HALTING, Failure, RestartPolicy, Strategy
 from ptops.ops.supervisor.stop import StopMixin
+from ptops.ops.supervisor.warmpool import WarmPool
 from ptops.recipes.schema import Recipe
 
 __all__ = ["Outcome", "RankInfo", "Supervisor"]
@@ -103,6 +104,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.feed = monitorfeed.MonitorFeed(monitorfeed.build(recipe.monitors, str(run.recipe_toml)))
         self.metrics_out = JsonlAppender(run.metrics)  # held open: metrics.jsonl takes a line per rank per step
         self.findings = FindingActions(recipe.monitors, run, self.say, record_only=not self.supervised)
+        # warm spare ranks for restarts (a plain launch never restarts: no pool)
+        self.warm = WarmPool(recipe, run) if self.cfg.restart.warm_spare and self.supervised else None
 
     @property
     def supervised(self) -> bool:
@@ -178,6 +181,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 return EXIT_FAILED
         finally:
             try:
+                if self.warm is not None:
+                    self.warm.stop()
                 if self.proc is not None and self.proc.poll() is None:
                     procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
                 left = procs.run_processes(self.run.path)

@@ -86,10 +86,15 @@ def _environ(pid: int) -> bytes:
         return b""
 
 
+# Processes of this supervisor that carry the run's PTOPS_RUN_DIR but outlive an attempt (the warm pool,
+# ops/supervisor/warmpool.py): sweeps between attempts leave them; the supervisor stops them at its end.
+KEEP: set[int] = set()
+
+
 def run_processes(run_dir: Path, exclude: set[int] | None = None) -> list[int]:
     """Pids of live processes whose environment has ``PTOPS_RUN_DIR`` = this run (same user or root)."""
     want = b"PTOPS_RUN_DIR=" + str(Path(run_dir).resolve()).encode()
-    skip = {os.getpid()} | (exclude or set())
+    skip = {os.getpid()} | KEEP | (exclude or set())
     out = []
     try:
         names = os.listdir("/proc")

@@ -32,6 +32,17 @@ def titan_argv() -> list[str]:
     return ["--module", REGISTRY, "--config", CONFIG, *shlex.split(os.environ.get("PTOPS_TITAN_ARGS", ""))]
 
 
+def preload() -> None:
+    """What a warm spare rank imports ahead of its attempt (``ops/rank/warm.py``): the rest of ``main``
+    then finds torch, torchtitan and the adapter already imported."""
+    from ptops.recipes.titan import compat
+
+    compat.apply()
+    from ptops.recipes.titan import registry, trainer  # noqa: F401
+
+    import torchtitan.train  # noqa: F401
+
+
 def main(recipe: Any, probe: Any) -> None:
     from ptops.recipes.titan import compat
 

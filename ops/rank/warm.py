@@ -1,0 +1,219 @@
+"""Warm spare ranks: one process per node that has already imported the engine forks each rank of a restart.
+
+Why: after a crash, most of the time back to training is start-up: every new rank imports torch and the
+engine (TorchTitan: 10-20 s on an idle 2-core box, 30+ s when busy). The supervisor starts this *warm pool*
+once per run (``[supervisor.restart] warm_spare = true``), after the first attempt is training; it imports
+the engine and waits. A rank that torchrun starts (``ops/rank/entry.py``) hands itself over: it sends its
+environment, argv, working directory and stdin/stdout/stderr to the pool, the pool forks a child that
+already has the engine imported and runs the rank there, and the thin rank that torchrun watches mirrors
+that child: signals it receives are forwarded, and it exits with the child's status (a SIGKILLed child
+makes it SIGKILL itself, so torchrun and the supervisor see what they would have seen).
+
+No orphans: the pool dies with the supervisor (``PR_SET_PDEATHSIG``, and the supervisor kills it at the
+end); each child dies with the pool (``PR_SET_PDEATHSIG``) and with its thin rank (a pidfd watch); the
+children carry the run's ``PTOPS_RUN_DIR`` like every rank, so the supervisor's sweeps find them. When the
+pool is not listening yet (still importing) or is gone, the rank starts cold as before.
+
+Protocol (an abstract Unix socket ``\\0<PTOPS_WARM_SOCKET>``): the rank sends an 8-byte length with its
+three fds (SCM_RIGHTS), then that many bytes of JSON ``{env, argv, cwd, pid}``; the pool answers one JSON
+line ``{"pid": child}`` and, when the child ends, one line ``{"status": waitstatus}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+from typing import Any
+
+ENV_SOCKET = "PTOPS_WARM_SOCKET"
+ENV_CHILD = "PTOPS_WARM_POOL"  # set in a warm child: its pool's pid
+WARM_LINE = "[ptops.entry] warm rank: forked from pool {pool} with the engine imported"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+
+
+# ----------------------------------------------------------------------------- the rank's side (thin)
+def handoff() -> None:
+    """In a rank torchrun started: run this rank in a warm child and exit with its status (never returns),
+    or return at once when no pool answers (the rank then starts cold)."""
+    name = os.environ.get(ENV_SOCKET)
+    if not name:
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect("\0" + name)
+        body = json.dumps({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(),
+                           "pid": os.getpid()}).encode()
+        socket.send_fds(s, [struct.pack("!Q", len(body))], [0, 1, 2])
+        s.sendall(body)
+        f = s.makefile("rb")
+        first = f.readline()
+        child = int(json.loads(first)["pid"]) if first else 0
+    except (OSError, ValueError, KeyError):
+        s.close()
+        return  # no pool (not warm yet, or gone): start cold
+    if not child:
+        s.close()
+        return
+
+    def forward(signum: int, _frame: Any) -> None:
+        try:
+            os.kill(child, signum)
+        except OSError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        line = f.readline()
+        status = int(json.loads(line)["status"]) if line else None
+    except (OSError, ValueError, KeyError):
+        status = None
+    if status is None:  # the pool died under us: take the child with us
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+        os._exit(1)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught: nothing to reset
+            signal.signal(sig, signal.SIG_DFL)
+        sys.stdout.flush()
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+# ----------------------------------------------------------------------------- the pool
+def preload(engine: str) -> None:
+    """Import what every rank of ``engine`` imports (torch, the engine and its ptops adapter)."""
+    import importlib
+
+    import torch  # noqa: F401
+
+    from ptops.recipes.engines import get
+
+    module = get(engine).entry.split(":")[0]
+    mod = importlib.import_module(module)
+    pre = getattr(mod, "preload", None)
+    if pre is not None:
+        pre()
+
+
+def serve(name: str, engine: str, target: Any = None) -> None:
+    """The pool's main loop: single-threaded (it forks), reaping children and reporting their status.
+    ``target`` (tests): what a child runs instead of the rank (``entry.run_rank``)."""
+    from ptops.ops.rank.entry import die_with_parent
+
+    die_with_parent()  # the supervisor
+    if target is None:
+        preload(engine)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind("\0" + name)
+    srv.listen(64)
+    print(f"[ptops.warm] pool {os.getpid()} ready ({engine})", flush=True)
+    waiting: dict[int, socket.socket] = {}  # child pid -> its thin rank's connection
+    while True:
+        ready, _, _ = select.select([srv], [], [], 0.2)
+        if ready:
+            conn, _ = srv.accept()
+            try:
+                child = _start(srv, conn, target)
+            except Exception as e:  # noqa: BLE001 - a bad request must not end the pool
+                print(f"[ptops.warm] request failed: {type(e).__name__}: {e}", flush=True)
+                conn.close()
+            else:
+                waiting[child] = conn
+        while waiting:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                except OSError:
+                    pass
+                conn.close()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = conn.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("rank hung up")
+        out += chunk
+    return out
+
+
+def _start(srv: socket.socket, conn: socket.socket, target: Any = None) -> int:
+    head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    if len(head) != 8 or len(fds) != 3:
+        raise ValueError("bad handoff header")
+    req = json.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]))
+    pid = os.fork()
+    if pid == 0:  # the warm rank
+        try:
+            srv.close()
+            conn.close()
+            _become(req, fds, target)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            os._exit(code)
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    return pid
+
+
+def _become(req: dict, fds: list[int], target: Any = None) -> None:
+    for i, fd in enumerate(fds):
+        os.dup2(fd, i)
+        os.close(fd)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.environ[ENV_CHILD] = str(os.getppid())  # the pool: the rank's log says it started warm
+    sys.argv = list(req["argv"])
+    from ptops.ops.rank import entry
+
+    entry._prctl(entry.PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the pool
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _die_with(int(req["pid"]))
+    (target or entry.run_rank)()
+
+
+def _die_with(pid: int) -> None:
+    """SIGKILL this process when ``pid`` (the thin rank torchrun watches) is gone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ptops-thin-rank-watchdog", daemon=True).start()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2])

@@ -1,0 +1,159 @@
+"""Warm spare ranks (ops/rank/warm.py): a rank handed to the pool behaves, to torchrun and the supervisor,
+like the rank itself: same stdout/env/argv/cwd, same exit status (a signal death included), signals
+forwarded, and the warm child dies with the thin rank. No torch here: the pool's child runs a stub."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+POOL = textwrap.dedent("""
+    import os, signal, sys, time
+    from ptops.ops.rank import warm
+
+    def stub():
+        how = os.environ["STUB"]
+        print("child", os.getpid(), os.environ.get("MARK"), sys.argv[1:], os.getcwd(), flush=True)
+        if how == "exit":
+            os._exit(int(os.environ["CODE"]))
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "term":
+            signal.signal(signal.SIGTERM, lambda *a: (print("child got SIGTERM", flush=True), os._exit(7)))
+        with open(os.environ["PIDFILE"], "w") as f:
+            f.write(str(os.getpid()))
+        while True:
+            time.sleep(0.1)
+
+    warm.serve(sys.argv[1], "stub", target=stub)
+""")
+
+THIN = textwrap.dedent("""
+    import sys
+    from ptops.ops.rank import warm
+    warm.handoff()
+    print("cold", flush=True)
+""")
+
+
+@pytest.fixture
+def pool(tmp_path):
+    name = f"ptops-warm-test-{secrets.token_hex(6)}"
+    proc = subprocess.Popen([sys.executable, "-c", POOL, name], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("[ptops.warm] pool"), "the pool did not come up"
+    yield name
+    proc.kill()
+    proc.wait()
+
+
+def thin(name: str | None, tmp_path: Path, stub: str, **env: str) -> subprocess.Popen:
+    e = dict(os.environ, STUB=stub, MARK="m1", PIDFILE=str(tmp_path / "pid"), **env)
+    if name:
+        e["PTOPS_WARM_SOCKET"] = name
+    return subprocess.Popen([sys.executable, "-c", THIN, "a", "b"], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_file(p: Path, proc: subprocess.Popen) -> int:
+    for _ in range(600):
+        if p.exists() and p.read_text():
+            return int(p.read_text())
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise AssertionError("the warm child never started")
+
+
+def test_no_pool_means_cold_start(tmp_path):
+    p = thin(f"ptops-warm-none-{secrets.token_hex(4)}", tmp_path, "exit", CODE="0")
+    assert p.communicate(timeout=60)[0].strip() == "cold" and p.returncode == 0
+
+
+def test_exit_code_stdout_env_argv_cwd_are_the_childs(pool, tmp_path):
+    p = thin(pool, tmp_path, "exit", CODE="3")
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 3, out
+    words = out.split()
+    assert words[0] == "child" and int(words[1]) != p.pid and "m1" in out and "['a', 'b']" in out
+    assert str(tmp_path) in out and "cold" not in out
+
+
+def test_a_child_killed_by_a_signal_kills_the_thin_rank_the_same_way(pool, tmp_path):
+    p = thin(pool, tmp_path, "kill")
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+
+
+def test_signals_are_forwarded_to_the_child(pool, tmp_path):
+    p = thin(pool, tmp_path, "term")
+    _wait_file(tmp_path / "pid", p)
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=60)[0]
+    assert "child got SIGTERM" in out and p.returncode == 7, (out, p.returncode)
+
+
+def test_the_child_dies_with_the_thin_rank(pool, tmp_path):
+    p = thin(pool, tmp_path, "sleep")
+    child = _wait_file(tmp_path / "pid", p)
+    p.kill()
+    p.wait()
+    for _ in range(600):  # the child's pidfd watchdog SIGKILLs it; the pool reaps it
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"warm child {child} outlived its thin rank")
+
+
+@pytest.mark.slow
+def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs, tmp_path):
+    """A real supervised titan-tiny run with ``warm_spare``: held before step 12 until the pool says it is
+    ready, then rank 1 crashes; the restart's ranks come from the pool (their logs have no engine import),
+    the run completes with the reference digest, and no process of the run is left."""
+    from conftest import PTOPS, run_ptops
+
+    from ptops.ckpt import digest
+    from ptops.ops.supervisor.procs import run_processes
+
+    ref = faulted_runs.get("reference")
+    assert ref.proc.returncode == 0
+    run = tmp_path / "warm"
+    argv = [*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=16",
+            "--set", "checkpoint.interval=5", "--set", "supervisor.restart.warm_spare=true",
+            "--fault", "crash:rank=1,step=12", "--fault", "hold:step=12,seconds=600", "--json"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log = run / "supervisor" / "warm.log"
+        while not (log.exists() and "ready" in log.read_text(errors="replace")):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        rel = run_ptops("inject", str(run), "release")
+        assert rel.returncode == 0, rel.stderr
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    import json
+
+    ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    assert [e["exit_code"] for e in ev if e["kind"] == "crash"] == [-9]
+    assert [e["from_step"] for e in ev if e["kind"] == "restart"] == [10]
+    for r in (0, 1):  # attempt 1 started cold (no pool yet), the restart's ranks were forked warm
+        cold = (run / "logs" / "attempt-1" / f"rank-{r}.log").read_text(errors="replace")
+        warm = (run / "logs" / "attempt-2" / f"rank-{r}.log").read_text(errors="replace")
+        assert "warm rank: forked from pool" not in cold and "warm rank: forked from pool" in warm, warm[:2000]
+    assert digest(run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
+    assert run_processes(run) == []
