@@ -25,7 +25,8 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import Finding, RankedMonitor, finite_of, first_finite, median, record_attempt, record_ts, spelled
+from .base import (Finding, RankedMonitor, finite_of, first_finite, first_number, get_number, median, record_attempt,
+                   record_ts, spelled)
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,
