@@ -251,23 +251,12 @@ def record_attempt(record: Mapping[str, Any]) -> int | None:
 
 
 def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    if n == 0:
-        return math.nan
-    mid = n // 2
-    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+    return median_sorted(sorted(xs))
 
 
 def quantile(xs: list[float], q: float) -> float:
     """Linear-interpolated quantile (numpy's default method)."""
-    s = sorted(xs)
-    if not s:
-        return math.nan
-    pos = (len(s) - 1) * q
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return quantile_sorted(sorted(xs), q)
 
 
 def linfit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -377,7 +366,7 @@ class SortedSeries(StepSeries):
 
 
 def median_sorted(s: list[float]) -> float:
-    """:func:`median` of an already sorted list."""
+    """:func:`median` of an already sorted list (the windows kept sorted skip the sort)."""
     n = len(s)
     if n == 0:
         return math.nan
