@@ -176,7 +176,8 @@ def test_sandbox_hostile_completion_costs_zero_and_nothing_more(name, canary, li
     res = _hostile(code, canary, listener)
     iso = res.isolation
     assert iso["network"] == "netns" and iso["pidns"] and iso["mountns"] and iso["uid"] >= UID_BASE
-    expected = {"fork_bomb": {"timeout"}, "infinite_loop": {"killed", "timeout"}, "memory_bomb": {"ok"},
+    # a fork bomb ends on the wall clock, or (its parent given enough CPU: a quiet machine) on RLIMIT_CPU's SIGKILL
+    expected = {"fork_bomb": {"killed", "timeout"}, "infinite_loop": {"killed", "timeout"}, "memory_bomb": {"ok"},
                 "exit_early": {"no_result"}}.get(name, {"hostile"})
     assert res.status in expected, res
 
