@@ -237,6 +237,18 @@ def record_rank(record: Mapping[str, Any]) -> int:
         return 0
 
 
+def step_and_rank(record: Mapping[str, Any]) -> tuple[int | None, int]:
+    """(step, rank) of a record; step None when it has none. The probe writes ints: they skip the
+    careful parse (every monitor's hot path)."""
+    step = record.get("step")
+    if type(step) is not int:
+        step = record_step(record)
+    rank = record.get("rank", 0)
+    if type(rank) is not int:
+        rank = record_rank(record)
+    return step, rank
+
+
 def record_ts(record: Mapping[str, Any]) -> float | None:
     v = number(record.get("ts"))
     return v if v is not None and math.isfinite(v) else None
@@ -448,14 +460,9 @@ class RankedMonitor:
         raise NotImplementedError
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step = record.get("step")
-        if type(step) is not int:  # the probe writes ints; anything else takes the careful path
-            step = record_step(record)
-            if step is None:
-                return []
-        rank = record.get("rank", 0)
-        if type(rank) is not int:
-            rank = record_rank(record)
+        step, rank = step_and_rank(record)
+        if step is None:
+            return []
         state = self._ranks.get(rank)
         if state is None:
             state = self._ranks[rank] = self._new_state()

@@ -63,10 +63,9 @@ from .base import (
     median,
     number,
     record_attempt,
-    record_rank,
-    record_step,
     record_ts,
     spelled,
+    step_and_rank,
 )
 from .config import StragglerConfig
 
@@ -120,14 +119,9 @@ class StragglerMonitor:
     # ------------------------------------------------------------ feeding
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step = record.get("step")
-        if type(step) is not int:
-            step = record_step(record)
-            if step is None:
-                return []
-        rank = record.get("rank", 0)
-        if type(rank) is not int:
-            rank = record_rank(record)
+        step, rank = step_and_rank(record)
+        if step is None:
+            return []
         ws = record.get("world_size")
         if isinstance(ws, int) and ws > 0:
             self._world = ws
