@@ -48,6 +48,7 @@ from ptops.ops.rank.channel import (
     encode,
     new_token,
     relay_frame,
+    take_lines,
 )
 from ptops.ops.supervisor import procs, stacks
 
@@ -198,12 +199,7 @@ class Agent:
                     continue
                 buf = bufs[cid]
                 buf += data
-                while True:
-                    i = buf.find(b"\n")
-                    if i < 0:
-                        break
-                    raw = bytes(buf[:i])
-                    del buf[: i + 1]
+                for raw in take_lines(buf):
                     if cid in authed:
                         if not self.up.send_raw(relay_frame(cid, raw)):
                             self.stop("the supervisor's connection broke")

@@ -51,7 +51,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 MAX_LINE = 16 * 1024 * 1024
 ENV_ADDRESS = "PTOPS_CHANNEL"
@@ -68,6 +68,18 @@ KEEPALIVE_S = 2.0
 def relay_frame(cid: int, raw: bytes) -> bytes:
     """One relayed rank line (``raw``: a JSON object without its newline), as sent upstream."""
     return b'{"t":"r","c":%d,"m":%s}\n' % (cid, raw)
+
+
+def take_lines(buf: bytearray) -> Iterator[bytes]:
+    """The complete lines in ``buf``, each removed before it is yielded (a partial line stays for the
+    next ``recv``). Every end of the channel reads its stream this way: rank, node agent, supervisor."""
+    while True:
+        i = buf.find(b"\n")
+        if i < 0:
+            return
+        raw = bytes(buf[:i])
+        del buf[: i + 1]
+        yield raw
 
 
 def new_token() -> str:
@@ -154,12 +166,7 @@ class ChannelClient:
             if not data:
                 return
             buf += data
-            while True:
-                i = buf.find(b"\n")
-                if i < 0:
-                    break
-                raw = bytes(buf[:i])
-                del buf[: i + 1]
+            for raw in take_lines(buf):
                 try:
                     msg = json.loads(raw)
                 except json.JSONDecodeError:

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptops.ops.rank.channel import KEEPALIVE, KEEPALIVE_S, MAX_LINE, RELAY, RELAY_GONE, ROLE_NODE, encode, new_token
+from ptops.ops.rank.channel import (KEEPALIVE, KEEPALIVE_S, MAX_LINE, RELAY, RELAY_GONE, ROLE_NODE, encode,
+                                    new_token, take_lines)
 
 
 @dataclass
@@ -147,12 +148,7 @@ class ChannelServer:
             self._drop(peer)
             return
         now = time.monotonic()
-        while True:
-            i = peer.buf.find(b"\n")
-            if i < 0:
-                break
-            raw = bytes(peer.buf[:i])
-            del peer.buf[: i + 1]
+        for raw in take_lines(peer.buf):
             try:
                 msg = json.loads(raw)
             except json.JSONDecodeError:
