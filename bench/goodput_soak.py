@@ -43,6 +43,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+from supervisor_bench import torchrun_peer_argv  # noqa: E402  (bench/ is on sys.path)
+
 PTOPS = [sys.executable, "-m", "ptops"]
 SETS = ["train.steps=100000", "checkpoint.interval=20", "checkpoint.keep=2"]
 
@@ -147,10 +149,7 @@ def torchrun_soak(tmp: Path, minutes: float, every: float, step_s: float, rng: r
         step += max(1, int(every * rng.uniform(0.67, 1.33) / max(step_s, 1e-3)))
         faults.append(parse(draw_fault(rng, step, ("crash", "hang")) + f",attempt={attempt}"))
     cmd = launcher.rank_command(rec, run, 1, {"PTOPS_FAULTS": to_env(faults)})
-    argv = [a if a != "0" or cmd.argv[i - 1] != "--max-restarts" else "100" for i, a in enumerate(cmd.argv)]
-    i = argv.index("--master-addr")
-    port = argv[i + 3]
-    argv[i:i + 4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    argv = torchrun_peer_argv(cmd.argv, max_restarts=100)
     t0 = time.time()
     with open(run.logs(1) / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(argv, env=cmd.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -25,6 +25,18 @@ REPO = Path(__file__).resolve().parent.parent
 PTOPS = [sys.executable, "-m", "ptops"]
 
 
+def torchrun_peer_argv(argv: list[str], max_restarts: int) -> list[str]:
+    """The ranks' own torchrun command (``launcher.rank_command``) as a plain-torchrun user would run it:
+    ``--max-restarts`` workers restarts, with the c10d rendezvous. With the static one
+    (--master-addr/--master-port) the restarted group reads the dead group's gloo addresses from the
+    same store ("Connection refused") and never trains again (measured here on titan-tiny)."""
+    out = [a if a != "0" or argv[i - 1] != "--max-restarts" else str(max_restarts) for i, a in enumerate(argv)]
+    i = out.index("--master-addr")
+    port = out[i + 3]
+    out[i:i + 4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    return out
+
+
 def read(path: Path) -> list[dict]:
     try:
         return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -127,13 +139,7 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
     run = launcher.prepare_run(rec, path, tmp / f"torchrun-{name}")
     run.logs(1).mkdir(parents=True, exist_ok=True)
     cmd = launcher.rank_command(rec, run, 1, {"PTOPS_FAULTS": to_env([parse(fault)])})
-    argv = [a if a != "0" or cmd.argv[i - 1] != "--max-restarts" else "1" for i, a in enumerate(cmd.argv)]
-    # a user who wants torchrun to restart workers uses the c10d rendezvous: with the static one
-    # (--master-addr/--master-port) the restarted group reads the dead group's gloo addresses from the
-    # same store ("Connection refused") and never trains again (measured here on titan-tiny)
-    i = argv.index("--master-addr")
-    port = argv[i + 3]
-    argv[i:i + 4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    argv = torchrun_peer_argv(cmd.argv, max_restarts=1)
     t0 = time.time()
     with open(run.logs(1) / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(argv, env=cmd.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
