@@ -27,9 +27,31 @@ def _size(b: float) -> str:
     return f"{b / 1024**3:.3f} GiB" if b >= 1024**3 else f"{b / 1024**2:.3f} MiB"
 
 
+def engine_dry_run(module: str, rec, args: list[str], path: Path, what: str, env: dict | None = None) -> dict:
+    """Run an engine's dry-run ``module`` on the recipe in a subprocess (torch and the engine stay out of
+    the CLI process) and return its ``PTOPS_DRYRUN`` result; a timeout or a death is one error line."""
+    from ptops.recipes.schema import dump_json
+
+    timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
+    with tempfile.TemporaryDirectory(prefix="ptops-dryrun-") as tmp:
+        rj = Path(tmp) / "recipe.json"
+        rj.write_text(dump_json(rec))
+        penv = dict(os.environ, PTOPS_RUN_DIR=tmp, **(env or {}))
+        penv.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            proc = subprocess.run([sys.executable, "-m", module, str(rj), *args],
+                                  capture_output=True, text=True, timeout=timeout, env=penv)
+        except subprocess.TimeoutExpired:
+            fail(f"{path}: {what} did not finish in {timeout:.0f} s (PTOPS_DRYRUN_TIMEOUT_S)")
+    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("PTOPS_DRYRUN ")), None)
+    if line is None:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        fail(f"{path}: {what} died (exit {proc.returncode}): {tail}")
+    return json.loads(line.removeprefix("PTOPS_DRYRUN "))
+
+
 def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None, json_out: bool) -> dict:
     from ptops.recipes.plan import PlanError, fit_problem, plan
-    from ptops.recipes.schema import dump_json
     from ptops.recipes.titan.config import degrees, world_of
 
     t = rec.titan
@@ -57,25 +79,10 @@ def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None,
         typer.echo(f"  memory       ok: planner {p['memory']['total_gib']:.1f} of {p['memory']['gpu_gib']:.1f} GiB per GPU"
                    + ("" if t.target else f" (no titan.target: a {gpu} assumed)") + " (`ptops plan` for the breakdown)")
         typer.echo(f"  torchtitan   building the real parallelisation for {world} ranks on a fake backend (CPU)...")
-    timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
-    with tempfile.TemporaryDirectory(prefix="ptops-dryrun-") as tmp:
-        rj = Path(tmp) / "recipe.json"
-        rj.write_text(dump_json(rec))
-        env = dict(os.environ, PTOPS_RUN_DIR=tmp)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        try:
-            proc = subprocess.run([sys.executable, "-m", "ptops.recipes.titan.dryrun", str(rj), str(world)],
-                                  capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            fail(f"{path}: TorchTitan fake-backend dry run for {world} ranks did not finish in {timeout:.0f} s "
-                 "(PTOPS_DRYRUN_TIMEOUT_S)")
-    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("PTOPS_DRYRUN ")), None)
-    if line is None:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        fail(f"{path}: TorchTitan fake-backend dry run for {world} ranks died (exit {proc.returncode}): {tail}")
-    res = json.loads(line.removeprefix("PTOPS_DRYRUN "))
+    what = f"TorchTitan fake-backend dry run for {world} ranks"
+    res = engine_dry_run("ptops.recipes.titan.dryrun", rec, [str(world)], path, what)
     if not res.get("ok"):
-        fail(f"{path}: TorchTitan fake-backend dry run for {world} ranks failed: {res.get('error')}")
+        fail(f"{path}: {what} failed: {res.get('error')}")
     measured = res["rank0_param_bytes"]
     planned = report["plan_param_bytes_per_gpu"]
     ratio = planned / measured if measured else float("inf")

@@ -5,11 +5,6 @@ the architecture is the recipe's ``[trl.model]``."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import typer
@@ -18,8 +13,8 @@ from ptops.ops.cli.errors import fail
 
 
 def trl_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None, json_out: bool) -> dict:
+    from ptops.ops.cli.dryrun import engine_dry_run
     from ptops.recipes.plan import GPUS
-    from ptops.recipes.schema import dump_json
     from ptops.recipes.trl.vllm import sidecar_specs
 
     sec = rec.trl
@@ -36,22 +31,8 @@ def trl_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None, j
         typer.echo(f"dry run: {rec.name} ({sec.trainer}) for {world} ranks ({n_nodes} nodes x {per_node} {gpu})")
         typer.echo("  schema       ok")
         typer.echo("  model        building on the meta device (no weights, no download)...")
-    timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
-    with tempfile.TemporaryDirectory(prefix="ptops-dryrun-") as tmp:
-        rj = Path(tmp) / "recipe.json"
-        rj.write_text(dump_json(rec))
-        env = dict(os.environ, PTOPS_RUN_DIR=tmp, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        try:
-            proc = subprocess.run([sys.executable, "-m", "ptops.recipes.trl.dryrun", str(rj), str(world), str(gpu_gib)],
-                                  capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            fail(f"{path}: TRL dry run did not finish in {timeout:.0f} s (PTOPS_DRYRUN_TIMEOUT_S)")
-    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("PTOPS_DRYRUN ")), None)
-    if line is None:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        fail(f"{path}: TRL dry run died (exit {proc.returncode}): {tail}")
-    res = json.loads(line.removeprefix("PTOPS_DRYRUN "))
+    res = engine_dry_run("ptops.recipes.trl.dryrun", rec, [str(world), str(gpu_gib)], path, "TRL dry run",
+                         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     if not res.get("ok"):
         fail(f"{path}: key 'trl': TRL dry run failed: {res.get('error')}")
     if not res["fits"]:
