@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from supervisor_bench import torchrun_peer_argv  # noqa: E402  (bench/ is on sys.path)
+from supervisor_bench import torchrun_peer_argv, torchrun_peer_env  # noqa: E402  (bench/ is on sys.path)
 
 PTOPS = [sys.executable, "-m", "ptops"]
 SETS = ["train.steps=100000", "checkpoint.interval=20", "checkpoint.keep=2"]
@@ -152,7 +152,7 @@ def torchrun_soak(tmp: Path, minutes: float, every: float, step_s: float, rng: r
     argv = torchrun_peer_argv(cmd.argv, max_restarts=100)
     t0 = time.time()
     with open(run.logs(1) / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(argv, env=cmd.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, env=torchrun_peer_env(cmd.env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         while time.time() - t0 < minutes * 60 and proc.poll() is None:
             time.sleep(1.0)

@@ -27,14 +27,24 @@ PTOPS = [sys.executable, "-m", "ptops"]
 
 def torchrun_peer_argv(argv: list[str], max_restarts: int) -> list[str]:
     """The ranks' own torchrun command (``launcher.rank_command``) as a plain-torchrun user would run it:
-    ``--max-restarts`` workers restarts, with the c10d rendezvous. With the static one
-    (--master-addr/--master-port) the restarted group reads the dead group's gloo addresses from the
-    same store ("Connection refused") and never trains again (measured here on titan-tiny)."""
+    ``--max-restarts`` worker restarts, with the c10d rendezvous (run it with ``torchrun_peer_env``)."""
     out = [a if a != "0" or argv[i - 1] != "--max-restarts" else str(max_restarts) for i, a in enumerate(argv)]
     i = out.index("--master-addr")
     port = out[i + 3]
     out[i:i + 4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     return out
+
+
+def torchrun_peer_env(env: dict[str, str]) -> dict[str, str]:
+    """The peer's environment, with torch's own opt-out of the shared rendezvous store.
+
+    Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` a restarted worker group connects to the agent's
+    store, which still holds the dead group's gloo addresses: its ``connectFullMesh`` gets
+    "Connection refused" and it never trains (measured here on titan-tiny; pytorch/pytorch#167288).
+    With it, each round's rank 0 hosts a fresh store (torch/distributed/elastic/rendezvous/
+    dynamic_rendezvous.py) and torchrun's restart trains again: that is the peer a user would run.
+    """
+    return {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def read(path: Path) -> list[dict]:
@@ -142,7 +152,7 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
     argv = torchrun_peer_argv(cmd.argv, max_restarts=1)
     t0 = time.time()
     with open(run.logs(1) / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(argv, env=cmd.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, env=torchrun_peer_env(cmd.env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     result = {"detect_s": None, "fault_to_first_productive_step_s": None}
     try:
         while time.time() - t0 < give_up_s and proc.poll() is None:
