@@ -8,15 +8,17 @@ SIGKILLs itself at step 12), side by side:
 - ``ptops_cold``: ``ptops launch --supervise`` as shipped (a new torchrun per attempt; every rank
   imports torch and torchtitan again);
 - ``ptops_warm``: the same with ``supervisor.restart.warm_spare=true`` (the ranks of the restart are
-  forked from a pool that imported the engine during the first attempt: ops/rank/warm.py);
-- ``torchrun``: plain ``torchrun --max-restarts=1 --rdzv-backend c10d`` (bench/supervisor_bench.py's
-  peer), once per bench run.
+  forked from a pool that imported the engine during the first attempt, without a new torchrun:
+  ops/rank/warm.py, ops/rank/warmlaunch.py);
+- ``torchrun``: plain ``torchrun --max-restarts=1 --rdzv-backend c10d`` with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (bench/supervisor_bench.py's peer), in every round.
 
 Every run is held 45 s before step 12 (a ``hold`` fault, in all three) so that the crash comes once
 the pool is warm, as it would hours into a real run (the pool starts after the first step and takes
 20-45 s to import on this shared box). The figure: from the crash's ``fault_injected`` to rank 0's
-first metrics record of the restarted worker group; ``repeat`` rounds of (cold, warm), medians and the
-per-round ratio warm/cold. Final digests must equal an uninterrupted run's (exact recovery).
+first metrics record of the restarted worker group; ``repeat`` rounds of (torchrun, cold, warm), medians
+and the per-round ratios warm/torchrun, cold/torchrun and warm/cold (the box is shared: only ratios
+within a round compare like with like). Final digests must equal an uninterrupted run's (exact recovery).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def ptops_run(run: Path, warm: bool, faults: bool = True) -> dict:
     return out
 
 
+def _ratio(a: dict, b: dict) -> float | None:
+    x, y = a.get("fault_to_first_productive_step_s"), b.get("fault_to_first_productive_step_s")
+    return round(x / y, 3) if x is not None and y else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
@@ -85,20 +92,27 @@ def main() -> None:
         res["reference"] = ptops_run(tmp / "ref", warm=False, faults=False)
         print("reference", json.dumps(res["reference"]), flush=True)
         for i in range(a.repeat):
-            rnd = {"cold": ptops_run(tmp / f"cold-{i}", warm=False), "warm": ptops_run(tmp / f"warm-{i}", warm=True)}
-            rnd["ratio_warm_over_cold"] = round(rnd["warm"]["fault_to_first_productive_step_s"]
-                                                / rnd["cold"]["fault_to_first_productive_step_s"], 3)
+            rnd: dict = {}
+            if not a.no_torchrun:
+                import supervisor_bench as sb
+
+                rnd["torchrun"] = sb.torchrun_fault("titan-tiny", tmp, f"crash-{i}", CRASH, give_up_s=150)
+            rnd["cold"] = ptops_run(tmp / f"cold-{i}", warm=False)
+            rnd["warm"] = ptops_run(tmp / f"warm-{i}", warm=True)
+            rnd["ratio_warm_over_cold"] = _ratio(rnd["warm"], rnd["cold"])
+            if "torchrun" in rnd:
+                rnd["ratio_warm_over_torchrun"] = _ratio(rnd["warm"], rnd["torchrun"])
+                rnd["ratio_cold_over_torchrun"] = _ratio(rnd["cold"], rnd["torchrun"])
             res["rounds"].append(rnd)
             print(f"round {i + 1}", json.dumps(rnd), flush=True)
-        if not a.no_torchrun:
-            import supervisor_bench as sb
-
-            res["torchrun"] = sb.torchrun_fault("titan-tiny", tmp, "crash", CRASH, give_up_s=150)
-            print("torchrun", json.dumps(res["torchrun"]), flush=True)
-    for k in ("cold", "warm"):
-        xs = [r[k]["fault_to_first_productive_step_s"] for r in res["rounds"]]
-        res[f"median_{k}_s"] = statistics.median(xs)
-    res["median_ratio_warm_over_cold"] = statistics.median(r["ratio_warm_over_cold"] for r in res["rounds"])
+    for k in ("torchrun", "cold", "warm"):
+        xs = [r[k]["fault_to_first_productive_step_s"] for r in res["rounds"] if k in r]
+        if xs and None not in xs:
+            res[f"median_{k}_s"] = round(statistics.median(xs), 2)
+    for k in ("warm_over_cold", "warm_over_torchrun", "cold_over_torchrun"):
+        xs = [r[f"ratio_{k}"] for r in res["rounds"] if r.get(f"ratio_{k}") is not None]
+        if xs:
+            res[f"median_ratio_{k}"] = statistics.median(xs)
     ref = res["reference"]["digest"]
     res["digests_equal_reference"] = all(r[k]["digest"] == ref for r in res["rounds"] for k in ("cold", "warm"))
     a.out.write_text(json.dumps(res, indent=1) + "\n")

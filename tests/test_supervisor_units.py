@@ -559,3 +559,27 @@ def test_a_group_restarted_by_plain_torchrun_is_a_new_attempt(monkeypatch):
     monkeypatch.setenv("PTOPS_ATTEMPT", "1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert attempt_from_env() == 2
+
+
+def test_exit_code_of_an_unreaped_rank_is_read_from_the_kernel():
+    """A dead rank's status before torchrun reaps it (what the supervisor reads instead of waiting for
+    torchrun's 0.5 s monitor interval): a signal death as minus the signal, an exit as its code; a live
+    or reaped process gives None."""
+    from ptops.ops.supervisor.procs import zombie_exit_code
+
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        assert zombie_exit_code(killed.pid) is None  # alive
+        killed.send_signal(signal.SIGKILL)
+        for _ in range(200):  # neither is reaped (no wait() yet): both stay zombies
+            if zombie_exit_code(killed.pid) is not None and zombie_exit_code(exited.pid) is not None:
+                break
+            time.sleep(0.05)
+        assert zombie_exit_code(killed.pid) == -signal.SIGKILL
+        assert zombie_exit_code(exited.pid) == 3
+    finally:
+        killed.kill()
+        killed.wait()
+        exited.wait()
+    assert zombie_exit_code(exited.pid) is None  # reaped

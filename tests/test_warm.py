@@ -29,6 +29,19 @@ POOL = textwrap.dedent("""
             os._exit(int(os.environ["CODE"]))
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "rank":  # warmlaunch: rank 1 fails with CODE, the others wait to be stopped
+            if os.environ["RANK"] == "1":  # once the others are up (no race with their start)
+                others = [os.environ["PIDFILE"] + r for r in ("0", "2")]
+                while not all(os.path.exists(f) for f in others):
+                    time.sleep(0.05)
+                os._exit(int(os.environ["CODE"]))
+            signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+            mine = os.environ["PIDFILE"] + os.environ["RANK"]
+            with open(mine + ".tmp", "w") as f:
+                f.write(os.environ["WORLD_SIZE"] + " " + os.environ["MASTER_PORT"])
+            os.rename(mine + ".tmp", mine)
+            while True:
+                time.sleep(0.1)
         if how == "term":
             signal.signal(signal.SIGTERM, lambda *a: (print("child got SIGTERM", flush=True), os._exit(7)))
         with open(os.environ["PIDFILE"], "w") as f:
@@ -117,6 +130,40 @@ def test_the_child_dies_with_the_thin_rank(pool, tmp_path):
         raise AssertionError(f"warm child {child} outlived its thin rank")
 
 
+def launcher(name: str, tmp_path: Path, stub: str, nproc: int = 3, **env: str) -> subprocess.Popen:
+    """``ops/rank/warmlaunch.py`` with the stub pool; its fallback (no pool) prints FALLBACK."""
+    e = dict(os.environ, STUB=stub, PIDFILE=str(tmp_path / "pid"), PTOPS_WARM_SOCKET=name, **env)
+    argv = [sys.executable, "-m", "ptops.ops.rank.warmlaunch", "--nproc", str(nproc), "--port", "29999", "--",
+            sys.executable, "-c", "print('FALLBACK')"]
+    return subprocess.Popen(argv, cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_warm_launch_all_ranks_exit_zero(pool, tmp_path):
+    p = launcher(pool, tmp_path, "exit", CODE="0")
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 0 and out.count("child ") == 3 and "3 ranks forked from the warm pool" in out, out
+
+
+def test_warm_launch_reports_the_failed_rank_as_torchrun_does_and_stops_the_others(pool, tmp_path):
+    """The supervisor reads the failed rank from torchrun's own line (ops/supervisor/attempt.py); the
+    others get the rank environment torchrun gives them and are stopped (SIGTERM) after the failure."""
+    from ptops.ops.supervisor.attempt import _WORKER_FAILED
+
+    p = launcher(pool, tmp_path, "rank", CODE="5")
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 1, out
+    m = _WORKER_FAILED.search(out)
+    assert m and (m.group(1), m.group(2)) == ("5", "1"), out
+    for r in (0, 2):
+        assert (tmp_path / f"pid{r}").read_text() == "3 29999"
+
+
+def test_warm_launch_without_a_pool_becomes_its_torchrun_fallback(tmp_path):
+    p = launcher(f"ptops-warm-none-{secrets.token_hex(4)}", tmp_path, "exit", CODE="0")
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 0 and "did not answer" in out and out.strip().endswith("FALLBACK"), out
+
+
 @pytest.mark.slow
 def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs, tmp_path):
     """A real supervised titan-tiny run with ``warm_spare``: held before step 12 until the pool says it is
@@ -155,5 +202,7 @@ def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs
         cold = (run / "logs" / "attempt-1" / f"rank-{r}.log").read_text(errors="replace")
         warm = (run / "logs" / "attempt-2" / f"rank-{r}.log").read_text(errors="replace")
         assert "warm rank: forked from pool" not in cold and "warm rank: forked from pool" in warm, warm[:2000]
+    launched = (run / "logs" / "attempt-2" / "torchrun.log").read_text(errors="replace")
+    assert "2 ranks forked from the warm pool" in launched, launched[:2000]  # no torchrun for the restart
     assert digest(run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
     assert run_processes(run) == []

@@ -118,10 +118,11 @@ def serve(name: str, engine: str, target: Any = None) -> None:
     srv.bind("\0" + name)
     srv.listen(64)
     print(f"[ptops.warm] pool {os.getpid()} ready ({engine})", flush=True)
-    waiting: dict[int, socket.socket] = {}  # child pid -> its thin rank's connection
+    waiting: dict[int, socket.socket] = {}  # child pid -> its requester's connection
+    exits: dict[int, int] = {}  # pidfd -> child pid: a child's exit is reported the moment it happens
     while True:
-        ready, _, _ = select.select([srv], [], [], 0.2)
-        if ready:
+        ready, _, _ = select.select([srv, *exits], [], [], 1.0)
+        if srv in ready:
             conn, _ = srv.accept()
             try:
                 child = _start(srv, conn, target)
@@ -130,6 +131,13 @@ def serve(name: str, engine: str, target: Any = None) -> None:
                 conn.close()
             else:
                 waiting[child] = conn
+                try:
+                    exits[os.pidfd_open(child)] = child
+                except OSError:
+                    pass  # reaped by the periodic waitpid below
+        for fd in [fd for fd in ready if fd in exits]:
+            os.close(fd)
+            del exits[fd]
         while waiting:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)

@@ -95,6 +95,9 @@ class SlurmSupervisor(Supervisor):
         ]  # fmt: skip
         return launcher.RankCommand(argv, base.env)
 
+    def unreaped_exit_code(self, rank: int) -> int | None:
+        return None  # the rank's pid is on its node, not here: wait for torchrun's line in the srun output
+
     def launch_fields(self, attempt: int) -> dict:
         return {"nodes": list(self.active), "spares": list(self.spares), "job_id": self.job_id}
 

@@ -114,9 +114,11 @@ class AttemptMixin:
                     # torchrun notices within its monitor interval and stops the others; give it a moment
                     bad_since = bad_since or time.monotonic()
                     code = self._torchrun_exit_code(attempt, self.blame.first.rank)
+                    if code is None:
+                        code = self.unreaped_exit_code(self.blame.first.rank)
                     if code is not None:
-                        # torchrun has logged the first bad rank's exit code, all the crash event needs; its
-                        # own shutdown (stopping the others, its summary, interpreter exit) takes seconds more
+                        # torchrun has logged (or the kernel holds) the first bad rank's exit code, all the crash
+                        # event needs; torchrun's own shutdown (stopping the others, its summary) takes seconds more
                         if self.blame.first.exit_code is None:
                             self.blame.first = dataclasses.replace(self.blame.first, exit_code=code)
                         procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
@@ -150,8 +152,18 @@ class AttemptMixin:
 
     # ------------------------------------------------------------ launch backend hooks (ops/slurm overrides them)
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
-        """The process that runs one attempt's ranks: local torchrun here; ``srun`` + node agents in Slurm."""
-        return launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
+        """The process that runs one attempt's ranks: local torchrun here, or the warm pool's launcher once the
+        pool is up (a restart); ``srun`` + node agents in Slurm."""
+        cmd = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
+        if self.warm is not None and self.warm.started:
+            return self.warm.launch_command(cmd, self.recipe.launch.nproc)
+        return cmd
+
+    def unreaped_exit_code(self, rank: int) -> int | None:
+        """A dead rank's exit code before torchrun reaps it (``procs.zombie_exit_code``): the rank is a
+        child of this machine's torchrun. Slurm: ranks live on other nodes, their pids mean nothing here."""
+        info = self.ranks.get(rank)
+        return procs.zombie_exit_code(info.pid) if info is not None and info.pid > 0 else None
 
     def launch_fields(self, attempt: int) -> dict:
         """Extra fields of the ``launch`` event (Slurm: the attempt's nodes)."""

@@ -120,6 +120,22 @@ def is_zombie(pid: int) -> bool:
         return True
 
 
+def zombie_exit_code(pid: int) -> int | None:
+    """The exit code of ``pid`` if it has exited and its parent has not reaped it yet, as torchrun reports it
+    (minus the signal for a signal death), else None. Why: torchrun reaps a dead rank only at its monitor
+    interval (0.5 s); the kernel has the status in ``/proc/PID/stat`` (field 52, Linux >= 3.5) until then."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if fields[0] not in (b"Z", b"X") or len(fields) < 50:
+            return None
+        status = int(fields[49])
+    except (OSError, ValueError, IndexError):
+        return None
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

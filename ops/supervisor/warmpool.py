@@ -3,7 +3,7 @@
 Why: a restart's ranks otherwise import torch and the engine again (most of the time from a crash to the
 next productive step). The pool (``ops/rank/warm.py``) imports them once, in the background, after the
 first attempt is training (not before: on a small box it would slow the first start-up); the ranks of
-every later attempt are forked from it. It carries the run's ``PTOPS_RUN_DIR`` (so its children are found
+every later attempt are forked from it, without a new torchrun (``launch_command``). It carries the run's ``PTOPS_RUN_DIR`` (so its children are found
 by the supervisor's sweeps) but is kept out of the sweeps between attempts (``procs.KEEP``); it dies with
 the supervisor (``PR_SET_PDEATHSIG``) and is stopped at the supervisor's end.
 """
@@ -32,6 +32,13 @@ class WarmPool:
     @property
     def started(self) -> bool:
         return self.proc is not None
+
+    def launch_command(self, cmd: launcher.RankCommand, nproc: int) -> launcher.RankCommand:
+        """An attempt's ranks forked straight from the pool (``ops/rank/warmlaunch.py``) instead of a new
+        torchrun; the torchrun command stays its fallback when the pool does not answer."""
+        port = cmd.argv[cmd.argv.index("--master-port") + 1]
+        argv = [sys.executable, "-m", "ptops.ops.rank.warmlaunch", "--nproc", str(nproc), "--port", port, "--", *cmd.argv]
+        return launcher.RankCommand(argv, cmd.env)
 
     def start(self) -> None:
         env = launcher.rank_command(self.recipe, self.run, 0).env
