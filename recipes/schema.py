@@ -83,11 +83,19 @@ class RestartConfig(_Strict):
     no_progress_attempts: int = Field(
         3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint"
     )
-    warm_spare: bool = Field(
-        False, description="keep a warm pool (one process per node that has imported the engine) from the first "
-        "attempt's first step on; the ranks of a restart are forked from it instead of importing torch and the "
-        "engine again (ops/rank/warm.py); TorchTitan imports everything ahead, other engines torch only",
+    warm_spare: bool | Literal["auto"] = Field(
+        "auto", description="keep a warm pool (one process that has imported the engine) from the first attempt's "
+        "first step on; a restart's ranks are forked from it, without a new torchrun, instead of importing torch "
+        "and the engine again (ops/rank/warm.py, warmlaunch.py); TorchTitan imports everything ahead, other "
+        "engines torch only. `auto`: on when the machine has the cores for it (at least 2 x launch.nproc + 2: "
+        "the pool's import then does not slow the first attempt), off on small boxes and under Slurm",
     )
+
+    def warm_pool_wanted(self, nproc: int, cpus: int | None) -> bool:
+        """``warm_spare`` resolved for a machine with ``cpus`` cores running ``nproc`` ranks."""
+        if self.warm_spare == "auto":
+            return (cpus or 1) >= 2 * nproc + 2
+        return bool(self.warm_spare)
 
 
 class SupervisorSection(_Strict):
@@ -213,8 +221,21 @@ def _apply(data: dict, key: str, value: Any, origin: str) -> None:
     node[parts[-1]] = value
 
 
+_UNION_TAGS = {"bool", "int", "float", "str"}
+
+
+def _union_tag(part: Any) -> bool:
+    """A loc element pydantic adds for the member of a union (``bool``, ``literal['auto']``), not a key."""
+    return str(part) in _UNION_TAGS or str(part).startswith(("literal[", "function-"))
+
+
 def _explain(exc: ValidationError, origin: str) -> RecipeError:
-    err = exc.errors()[0]
+    errors = exc.errors()
+    err = errors[0]
+    if len(errors) > 1 and all(e["loc"][:-1] == err["loc"][:-1] and _union_tag(e["loc"][-1]) for e in errors):
+        # a value of a union (`bool | "auto"`): one line, every accepted form
+        wants = [e["msg"].lower().removeprefix("input should be ").split(", ")[0] for e in errors]
+        err = {**err, "loc": err["loc"][:-1], "msg": "input should be " + " or ".join(wants)}
     key = ".".join(str(p) for p in err["loc"]) or "(top level)"
     kind = err["type"]
     if kind == "extra_forbidden":

@@ -188,3 +188,20 @@ def test_run_directory_of_the_flat_spelling_still_resumes(tmp_path):
     assert back.supervisor.hang.floor_s == 5 and back.supervisor.restart.max_restarts == 2
     assert back.supervisor.hang.ping_stale_s == 3
     prepare_run(rec, path, tmp_path / "run")  # same recipe apart from the watchdogs: resumes
+
+
+def test_a_union_value_is_one_line_naming_every_accepted_form(ptops, tmp_path):
+    p = write(tmp_path, GOOD)
+    proc = ptops("launch", str(p), "--dry-run", "--set", "supervisor.restart.warm_spare=maybe")
+    assert_one_clear_line(proc, str(p), "key 'supervisor.restart.warm_spare':", "a valid boolean or 'auto'", '"maybe"')
+
+
+def test_warm_spare_auto_wants_the_cores_for_the_pool(tmp_path):
+    """``auto`` (the default): a pool only where its import does not compete with the ranks."""
+    rec, _ = load(write(tmp_path, GOOD))
+    restart = rec.supervisor.restart
+    assert restart.warm_spare == "auto"
+    assert not restart.warm_pool_wanted(2, 2) and not restart.warm_pool_wanted(8, 16)
+    assert restart.warm_pool_wanted(2, 6) and restart.warm_pool_wanted(8, 96)
+    forced, _ = load(write(tmp_path, GOOD), ["supervisor.restart.warm_spare=true"])
+    assert forced.supervisor.restart.warm_pool_wanted(8, 2)

@@ -105,7 +105,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.metrics_out = JsonlAppender(run.metrics)  # held open: metrics.jsonl takes a line per rank per step
         self.findings = FindingActions(recipe.monitors, run, self.say, record_only=not self.supervised)
         # warm spare ranks for restarts (a plain launch never restarts: no pool)
-        self.warm = WarmPool(recipe, run) if self.cfg.restart.warm_spare and self.supervised else None
+        wanted = self.cfg.restart.warm_pool_wanted(recipe.launch.nproc, os.cpu_count())
+        self.warm = WarmPool(recipe, run) if wanted and self.supervised else None
 
     @property
     def supervised(self) -> bool:
