@@ -10,17 +10,18 @@ wall time in its own run directory, on its own free ports. By default the peers 
 (started together, so they share the machine's load; ``--sequential``: one after the other). Every peer
 faces the same fault sequence: one list drawn from ``--seed`` of (gap, kind, rank), gaps uniform in
 0.67-1.33x ``--fault-every`` seconds, kinds from a shuffled bag (every kind once per round) of crash,
-hang (a Python hang), hang by SIGSTOP, slow (rank 1 +0.5 s for 20 steps) and nan:
+hang (a Python hang), hang by SIGSTOP, slow (rank 1 +0.5 s for 20 steps) and nan. A gap is turned into
+steps of progress (``--step-s`` seconds per step), so every peer meets the same fault at the same step:
 
 - ptops (``--supervise``, ``supervisor.restart.warm_spare=true``): each fault is armed live with
-  ``ptops inject RUN <kind>:...,step=<next step>`` when its time comes; at the end the supervisor is
-  asked to stop (SIGINT). ``preempt`` is left out: a preempted ptops run stops (exit 143) for its
+  ``ptops inject RUN <kind>:...,step=<its step>`` shortly before training reaches that step; at the end
+  the supervisor is asked to stop (SIGINT). ``preempt`` is left out: a preempted ptops run stops (exit 143) for its
   scheduler to requeue, which this single-machine soak has no scheduler for;
 - torchrun (``--max-restarts=1000 --rdzv-backend c10d``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the
   peer of bench/supervisor_bench.py) and ft_launcher (the same flags plus ``--ft-*`` heartbeat timeouts,
   ranks run through bench/ft_worker.py, which sends one heartbeat per step): no supervisor to arm a fault
-  live, so the faults are given up front in ``PTOPS_FAULTS`` at the steps the same gaps put them
-  (``--step-s`` seconds per step), each keyed to the worker group it falls in (a crash or a hang ends a
+  live, so the faults are given up front in ``PTOPS_FAULTS`` at the same steps, each keyed to the
+  worker group it falls in (a crash or a hang ends a
   group; the next fault is for the restarted one: torchrun's restart count is the probe's attempt).
 
 Goodput, the same formula for every peer: the step time of each step's last execution on rank 0 (steps
@@ -62,6 +63,7 @@ FT_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
 FT_INITIAL_TIMEOUT_S = 60.0
 FT_TIMEOUT_S = 10.0
 PEERS = ("ptops", "torchrun", "ft")
+ARM_AHEAD = 30  # ptops: a planned fault is injected live this many steps before its step (polled every 1 s)
 
 
 def read(path: Path) -> list[dict]:
@@ -133,7 +135,7 @@ def stop_group(proc: subprocess.Popen, sig: int, grace: float) -> None:
     proc.wait()
 
 
-def ptops_soak(tmp: Path, minutes: float, plan: list) -> dict:
+def ptops_soak(tmp: Path, minutes: float, plan: list, step_s: float) -> dict:
     run = tmp / "ptops"
     argv = [*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run),
             "--set", "supervisor.restart.warm_spare=true", "--set", "supervisor.restart.max_restarts=1000",
@@ -143,17 +145,21 @@ def ptops_soak(tmp: Path, minutes: float, plan: list) -> dict:
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     injected: list[dict] = []
-    todo = list(plan)
-    next_fault = t0 + todo[0][0]
+    refused = 0
+    todo = plan_steps(plan, step_s)
     try:
         while time.time() - t0 < minutes * 60 and proc.poll() is None:
             time.sleep(1.0)
-            if todo and time.time() >= next_fault and current_step(run) > 0:
-                _, kind, rank = todo.pop(0)
-                s = spec(kind, rank, current_step(run) + 2)
+            cur = current_step(run)
+            if todo and cur > 0 and cur >= todo[0][0] - ARM_AHEAD:
+                step, kind, rank, _ = todo[0]
+                s = spec(kind, rank, max(step, cur + 2))  # the plan's step, or the next one if training passed it
                 r = subprocess.run([*PTOPS, "inject", str(run), s], cwd=REPO, capture_output=True, text=True)
-                injected.append({"t": round(time.time() - t0, 1), "spec": s, "ok": r.returncode == 0})
-                next_fault = time.time() + (todo[0][0] if todo else 1e9)
+                if r.returncode == 0:
+                    injected.append({"t": round(time.time() - t0, 1), "spec": s})
+                    todo.pop(0)
+                else:  # refused (between attempts): armed again on the next poll
+                    refused += 1
     finally:
         wall = time.time() - t0
         stop_group(proc, signal.SIGINT, 120)  # the supervisor stops the ranks (checkpoint) and exits 130
@@ -169,6 +175,7 @@ def ptops_soak(tmp: Path, minutes: float, plan: list) -> dict:
     ev = read(run / "events.jsonl")
     out["exit"] = proc.returncode
     out["faults"] = injected
+    out["inject_refused"] = refused
     out["fired"] = fired(ev, t0)
     out["restarts"] = sum(e["kind"] == "restart" for e in ev)
     out["findings"] = {k: sum(e["kind"] == k for e in ev) for k in ("crash", "hang", "rollback", "straggler")}
@@ -184,16 +191,24 @@ def fired(events: list[dict], t0: float) -> list[dict]:
     return out
 
 
-def up_front(plan: list, step_s: float) -> list:
-    """The plan as faults given at launch: step from the gaps, attempt = the worker group it falls in."""
-    from ptops.faultinject.spec import parse
+def plan_steps(plan: list, step_s: float) -> list[tuple[int, str, int, int]]:
+    """The plan in steps, the same for every peer: (step, kind, rank, worker group under torchrun/ft).
 
-    faults, step, attempt = [], 0, 1
+    A gap of ``g`` seconds is ``g / step_s`` steps of progress; a crash or a hang ends a torchrun/ft
+    worker group, so the next fault is keyed to the restarted one."""
+    out, step, attempt = [], 0, 1
     for gap, kind, rank in plan:
         step += max(1, round(gap / max(step_s, 1e-3)))
-        faults.append(parse(spec(kind, rank, step) + f",attempt={attempt}"))
+        out.append((step, kind, rank, attempt))
         attempt += kind in ENDS_GROUP
-    return faults
+    return out
+
+
+def up_front(plan: list, step_s: float) -> list:
+    """The plan as faults given at launch (``PTOPS_FAULTS``)."""
+    from ptops.faultinject.spec import parse
+
+    return [parse(spec(kind, rank, step) + f",attempt={attempt}") for step, kind, rank, attempt in plan_steps(plan, step_s)]
 
 
 def ft_missing() -> str | None:
@@ -338,7 +353,7 @@ def main() -> None:
     def one(peer: str, tmp: Path) -> None:
         try:
             if peer == "ptops":
-                res[peer] = ptops_soak(tmp, a.minutes, plan)
+                res[peer] = ptops_soak(tmp, a.minutes, plan, a.step_s)
             else:
                 res[peer] = elastic_soak(peer, tmp, a.minutes, plan, a.step_s)
         except Exception as e:  # a peer's harness failing must not lose the other peers' results
