@@ -375,7 +375,7 @@ def main() -> None:
         done.set()
         time.sleep(2.0)
         res["orphans"] = orphans(tmp)
-    res["loadavg"] = ({"min": min(loads), "median": round(statistics.median(loads), 1), "max": max(loads), "n": len(loads)}
+    res["loadavg"] = ({"min": round(min(loads), 1), "median": round(statistics.median(loads), 1), "max": round(max(loads), 1), "n": len(loads)}
                       if loads else None)
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print(table(res))
