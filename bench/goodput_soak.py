@@ -89,9 +89,29 @@ def goodput(run: Path, wall_s: float) -> dict:
             "median_step_s": round(statistics.median(good), 3) if good else None}
 
 
-def current_step(run: Path) -> int:
-    steps = [int(r["step"]) for r in read(run / "metrics.jsonl") if r.get("rank") == 0]
-    return max(steps, default=0)
+class StepTail:
+    """The highest step rank 0 recorded, read incrementally (the soak polls it every second for 30 min)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.step, self.rest = path, 0, 0, b""
+
+    def __call__(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return self.step
+        self.offset += len(chunk)
+        *lines, self.rest = (self.rest + chunk).split(b"\n")
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if r.get("rank") == 0 and isinstance(r.get("step"), int):
+                self.step = max(self.step, r["step"])
+        return self.step
 
 
 def fault_plan(seed: int, every: float, minutes: float) -> list[tuple[float, str, int]]:
@@ -147,10 +167,11 @@ def ptops_soak(tmp: Path, minutes: float, plan: list, step_s: float) -> dict:
     injected: list[dict] = []
     refused = 0
     todo = plan_steps(plan, step_s)
+    current_step = StepTail(run / "metrics.jsonl")
     try:
         while time.time() - t0 < minutes * 60 and proc.poll() is None:
             time.sleep(1.0)
-            cur = current_step(run)
+            cur = current_step()
             if todo and cur > 0 and cur >= todo[0][0] - ARM_AHEAD:
                 step, kind, rank, _ = todo[0]
                 s = spec(kind, rank, max(step, cur + 2))  # the plan's step, or the next one if training passed it
@@ -214,7 +235,7 @@ def up_front(plan: list, step_s: float) -> list:
 def ft_missing() -> str | None:
     """Why the ft peer cannot run here, or None."""
     if not (NVRX / "nvidia_resiliency_ext").is_dir():
-        return f"nvidia-resiliency-ext is not installed in {NVRX.relative_to(REPO)} (install command: bench/README.md)"
+        return f"nvidia-resiliency-ext is not installed in {NVRX} (install command: bench/README.md)"
     r = subprocess.run([sys.executable, "-c", f"import {FT_LAUNCHER}"], env={**os.environ, "PYTHONPATH": str(NVRX)},
                        capture_output=True, text=True)
     if r.returncode != 0:

@@ -69,3 +69,22 @@ def test_fired_counts_a_fault_of_every_rank_once_per_worker_group():
     ev = [{"kind": "fault_injected", "fault": "nan:step=5", "attempt": 1, "rank": r, "ts": 3.0} for r in (0, 1)]
     ev.append({"kind": "fault_injected", "fault": "nan:step=5", "attempt": 2, "rank": 0, "ts": 9.0})
     assert g.fired(ev, 1.0) == [{"t": 2.0, "fault": "nan:step=5"}, {"t": 8.0, "fault": "nan:step=5"}]
+
+
+def test_step_tail_reads_only_new_lines_and_waits_for_a_whole_line(tmp_path):
+    g = _soak()
+    path = tmp_path / "metrics.jsonl"
+    tail = g.StepTail(path)
+    assert tail() == 0  # no file yet
+    path.write_text('{"rank": 0, "step": 4}\n{"rank": 1, "step": 9}\n{"rank": 0, "st')
+    assert tail() == 4
+    with open(path, "a") as f:
+        f.write('ep": 7}\n{"rank": 0, "step": 5}\n')
+    assert tail() == 7  # the highest step, a later lower one (a restarted group) does not lower it
+
+
+def test_ft_peer_is_skipped_with_a_reason_when_nvrx_is_not_installed(tmp_path):
+    g = _soak()
+    g.NVRX = tmp_path / "no-nvrx"
+    why = g.ft_missing()
+    assert why is not None and "not installed" in why and "bench/README.md" in why
