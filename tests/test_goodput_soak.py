@@ -36,15 +36,16 @@ def test_up_front_faults_match_the_plan_steps_and_follow_the_worker_groups():
     plan = [(10.0, "slow", 0), (10.0, "crash", 1), (10.0, "nan", 0), (10.0, "hang_stop", 1), (10.0, "hang", 0)]
     steps = g.plan_steps(plan, 0.1)
     assert [s for s, _, _, _ in steps] == [100, 200, 300, 400, 500]
-    # a crash or a hang ends a torchrun/ft worker group: the faults after it belong to the next one
-    assert [a for _, _, _, a in steps] == [1, 1, 2, 2, 3]
+    # a crash, a NaN (torchtitan's finite-loss check kills the rank) or a hang ends a torchrun/ft worker
+    # group: the faults after it belong to the next one
+    assert [a for _, _, _, a in steps] == [1, 1, 2, 3, 4]
     faults = g.up_front(plan, 0.1)
     assert [str(f) for f in faults] == [
         "slow:rank=1,step=100,seconds=0.5,steps=20,attempt=1",
         "crash:rank=1,step=200,attempt=1",
         "nan:step=300,attempt=2",
-        "hang:rank=1,step=400,mode=stop,attempt=2",
-        "hang:rank=0,step=500,attempt=3",
+        "hang:rank=1,step=400,mode=stop,attempt=3",
+        "hang:rank=0,step=500,attempt=4",
     ]
     assert all(str(parse(str(f))) == str(f) for f in faults)
 
