@@ -140,11 +140,11 @@ def spec(kind: str, rank: int, step: int) -> str:
     }[kind]
 
 
-def stop_group(proc: subprocess.Popen, sig: int, grace: float) -> None:
-    """Signal the peer's process group; SIGKILL the group if it is not gone within ``grace``."""
+def stop_group(proc: subprocess.Popen, sig: int, grace: float, leader_only: bool = False) -> None:
+    """Signal the peer's process group (or its leader only); after ``grace``, SIGKILL what is left of it."""
     if proc.poll() is None:
         try:
-            os.killpg(proc.pid, sig)
+            os.kill(proc.pid, sig) if leader_only else os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
         try:
@@ -186,7 +186,7 @@ def ptops_soak(tmp: Path, minutes: float, plan: list, step_s: float) -> dict:
                     refused += 1
     finally:
         wall = time.time() - t0
-        stop_group(proc, signal.SIGINT, 120)  # the supervisor stops the ranks (checkpoint) and exits 130
+        stop_group(proc, signal.SIGINT, 120, leader_only=True)  # the supervisor stops the ranks (checkpoint), exits 130
         from ptops.ops.supervisor.procs import run_processes, signal_all
 
         signal_all(run_processes(run), signal.SIGKILL)
