@@ -1,6 +1,6 @@
 """Goodput under random faults: ptops --supervise vs plain torchrun vs NVIDIA's ft_launcher, side by side.
 
-    .venv/bin/python bench/goodput_soak.py --minutes 30                          # the soak of issue 12 (~32 min)
+    .venv/bin/python bench/goodput_soak.py --minutes 30                          # the soak of issue 12 (~31 min)
     .venv/bin/python bench/goodput_soak.py --minutes 3 --fault-every 40 \\
         --out bench/results/goodput_soak_smoke.json                              # the smoke in bench/README.md
     .venv/bin/python bench/goodput_soak.py --table bench/results/goodput_soak.json   # its README table
