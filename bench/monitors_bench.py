@@ -62,17 +62,21 @@ def monitors_at(ref: str):
     return importlib.import_module("monitors_at_ref")
 
 
-def _cost_once(ranks: int, steps: int, pkg=None) -> dict[str, float]:
+def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1) -> dict[str, float]:
+    """``runs`` runs of ``ranks // runs`` ranks each, ranks numbered on, records ordered by (step, rank). One
+    run (default) is what the supervisor sees: the global values (loss, reward, ...) agree across its ranks;
+    ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30 (four 2-rank runs as one 8-rank job)."""
     classes = pkg.MONITOR_CLASSES if pkg is not None else MONITOR_CLASSES
     build = pkg.build_monitors if pkg is not None else build_monitors
+    per = ranks // runs
     recs = []
     for kind in ("pretrain", "grpo"):
-        for seed in range(ranks // 2):
-            gen = synth.pretrain(steps, seed, ranks=2, with_busy=True, with_data=True) if kind == "pretrain" \
-                else synth.grpo(steps, seed, ranks=2)
+        for seed in range(runs):
+            gen = synth.pretrain(steps, seed, ranks=per, with_busy=True, with_data=True) if kind == "pretrain" \
+                else synth.grpo(steps, seed, ranks=per)
             for r in gen:
                 r = dict(r)
-                r["rank"] = r["rank"] + 2 * seed
+                r["rank"] = r["rank"] + per * seed
                 recs.append((r["step"], r["rank"], kind, r))
     out: dict[str, float] = {}
     for kind in ("pretrain", "grpo"):

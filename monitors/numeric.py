@@ -15,6 +15,7 @@ from .base import (
     _MISSING,
     Finding,
     RankedMonitor,
+    SharedRankedMonitor,
     SortedSeries,
     finite_of,
     median,
@@ -98,7 +99,10 @@ class NaNMonitor(RankedMonitor):
         return out
 
 
-class LossSpikeMonitor(RankedMonitor):
+_NO_VALUE = (None,)  # inputs of a record the monitor does not judge
+
+
+class LossSpikeMonitor(SharedRankedMonitor):
     """Loss spike: robust z-score against a trailing window (``monitor="loss_spike"``).
 
     Reads ``cfg.key`` (``loss``). Per rank, over the last ``window`` finite
@@ -134,13 +138,16 @@ class LossSpikeMonitor(RankedMonitor):
         st[0].rewind(step)
         st[1] = False
 
-    def _check(self, st: list[Any], record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        cfg = self.cfg
-        if cfg.skip_rl and "reward" in record:
-            return []
-        x = finite_of(record, self._key)
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        if self.cfg.skip_rl and "reward" in record:
+            return _NO_VALUE
+        return (finite_of(record, self._key),)
+
+    def _apply(self, st: list[Any], inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        x = inputs[0]
         if x is None:
             return []
+        cfg = self.cfg
         series: SortedSeries = st[0]
         out: list[Finding] = []
         if step > cfg.warmup_steps and len(series) >= cfg.min_history:
@@ -159,7 +166,7 @@ class LossSpikeMonitor(RankedMonitor):
         return out
 
 
-class GradExplosionMonitor(RankedMonitor):
+class GradExplosionMonitor(SharedRankedMonitor):
     """Grad-norm explosion (``monitor="grad_explosion"``).
 
     Reads ``cfg.key`` (``grad_norm``; the adapters log the norm before clipping).
@@ -190,11 +197,14 @@ class GradExplosionMonitor(RankedMonitor):
         st[0].rewind(step)
         st[1] = False
 
-    def _check(self, st: list[Any], record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        cfg = self.cfg
-        x = finite_of(record, self._key)
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        return (finite_of(record, self._key),)
+
+    def _apply(self, st: list[Any], inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        x = inputs[0]
         if x is None:
             return []
+        cfg = self.cfg
         series: SortedSeries = st[0]
         out: list[Finding] = []
         detail = None
