@@ -602,7 +602,7 @@ class SharedRankedMonitor(RankedMonitor):
                 return self._follow(m, node, e, record, rank)
             if pos:
                 self._fork(m)
-                return self._plain(m[0].state, inputs, record, step, rank, rew)
+                return self._solo(m[0].state, inputs, record, step, rank, rew)
             self._place(m, (step, inputs, rew))  # differs from its first record on: another group
             node = m[0]
             if node.pos:  # a group whose first transition is this one
@@ -613,7 +613,7 @@ class SharedRankedMonitor(RankedMonitor):
         if node.log is not None and node.n == 1 and node.pos0 == 0 and node.pos >= _JOIN_WINDOW:
             self._stop_logging(node)  # nobody joined
         if node.log is None:
-            return self._plain(node.state, inputs, record, step, rank, rew)
+            return self._solo(node.state, inputs, record, step, rank, rew)
         st = node.state
         self._tried = tried = []
         try:
@@ -639,7 +639,7 @@ class SharedRankedMonitor(RankedMonitor):
             self._replay(out, e[4], record, rank)
         return out
 
-    def _plain(self, st: Any, inputs: tuple, record: Mapping[str, Any], step: int, rank: int, rew: bool) -> list[Finding]:
+    def _solo(self, st: Any, inputs: tuple, record: Mapping[str, Any], step: int, rank: int, rew: bool) -> list[Finding]:
         if rew:
             self._rewind(st, step)
         return self._apply(st, inputs, record, step, rank)

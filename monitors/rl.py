@@ -25,8 +25,8 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import (Finding, RankedMonitor, finite_of, first_finite, first_number, get_number, median, record_attempt,
-                   record_ts, spelled)
+from .base import (Finding, RankedMonitor, SharedRankedMonitor, finite_of, first_finite, first_number, get_number, median,
+                   record_attempt, record_ts, spelled)
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,
@@ -306,6 +306,14 @@ class _RL(RankedMonitor):
     """Base of the RL monitors: per-rank state, episodes, and which records may rewind the state."""
 
     keys: tuple[str, ...] = ()  # a record carrying none of these is not this monitor's
+    _own: tuple[str, ...] = ()
+
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+        # a record with none of the monitor's keys (pre-training, SFT, an eval) changes nothing: no
+        # rewind (``_rewinds`` needs one of them), no value to read; one C-level test instead of a feed
+        if record.keys().isdisjoint(self._own):
+            return []
+        return super().feed(record)
 
     def _new_state(self) -> _St:
         return _St()
@@ -320,17 +328,31 @@ class _RL(RankedMonitor):
                 level: int, value: float | None, detail: str, cleared: str) -> None:
         """Report the step's episode transition (``st.ep.update`` said which), once across ranks. The
         monitors build their texts only when there is a transition: no string work on a quiet step."""
-        key = (step, f"{phase}#{st.ep.n}")
-        if key in self._fired:
+        if self._silent:
             return
-        self._fired[key] = rank
+        key = (step, f"{phase}#{st.ep.n}")
+        tried = self._tried
+        if tried is None and key in self._fired:
+            return
         if phase == "resolved":
             severity, text = "info", f"all clear (episode {st.ep.n}): {cleared}"
         else:
             severity = _SEVERITY[level]
             text = detail if phase == "open" else f"escalated (episode {st.ep.n}): {detail}"
+        if tried is not None:  # a shared state's transition: the ranks that follow it replay this
+            tried.append((key, step, value, text, severity, st.ep.n, phase))
+            if key in self._fired:
+                return
+        self._fired[key] = rank
         out.append(Finding(self.name, step, value, text, severity, rank, record_attempt(record), record_ts(record),
                            episode=st.ep.n, phase=phase))
+
+
+class _SharedRL(_RL, SharedRankedMonitor):
+    """An RL monitor whose ranks share one state while their inputs agree (TRL logs gathered values)."""
+
+
+_NO_VALUE = (None,)
 
 
 def _median_small(q: deque) -> float:
@@ -341,7 +363,7 @@ def _median_small(q: deque) -> float:
     return vals[mid] if n % 2 else 0.5 * (vals[mid - 1] + vals[mid])
 
 
-class EntropyCollapseMonitor(_RL):
+class EntropyCollapseMonitor(_SharedRL):
     """Policy entropy collapsing (``monitor="entropy_collapse"``), forecast before it happens.
 
     Reads ``entropy``. Early level: median of the first ``baseline_steps`` values
@@ -420,15 +442,19 @@ class EntropyCollapseMonitor(_RL):
         return (f"; R = -a*e^H + b fitted on {n} steps (a={-slope:.3g}, b={b:.3g}): "
                 f"reward tops out near {b + slope:.3g} once entropy is spent")
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        cfg = self.cfg
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
         x = finite_of(record, self._key)
+        return _NO_VALUE if x is None else (x, finite_of(record, self._reward))
+
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        cfg = self.cfg
+        x = inputs[0]
         if x is None or step <= cfg.warmup_steps:
             return []
         st.smooth.append((step, x))
         lx = math.log(max(x, 1e-12))
         st.long.add(step, lx)
-        r = finite_of(record, self._reward)
+        r = inputs[1]
         if r is not None and x < 50:
             u = math.exp(x)
             c = st.cui
@@ -493,7 +519,7 @@ class EntropyCollapseMonitor(_RL):
         return out
 
 
-class KLDriftMonitor(_RL):
+class KLDriftMonitor(_SharedRL):
     """KL to the reference policy drifting (``monitor="kl_drift"``).
 
     Reads ``kl``. Rules: (1) budget - the median of the last ``smooth`` values
@@ -541,9 +567,12 @@ class KLDriftMonitor(_RL):
             st.nups -= st.ups.pop()[1]
         st.prev = st.fit.q[-1][1] if st.fit.q else None
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        return (finite_of(record, self._key),)
+
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        x = finite_of(record, self._key)
+        x = inputs[0]
         if x is None:
             return []
         st.smooth.append((step, x))
@@ -586,7 +615,7 @@ class KLDriftMonitor(_RL):
         return out
 
 
-class RewardHackingMonitor(_RL):
+class RewardHackingMonitor(_SharedRL):
     """Reward hacking (``monitor="reward_hacking"``).
 
     Reads ``reward``, a held-out score (``verifier_key``, else the first of
@@ -633,6 +662,7 @@ class RewardHackingMonitor(_RL):
         self._own = _spellings(self.cfg.reward_key)
         self._reward = spelled(self.cfg.reward_key)
         self._coupled = tuple((k, spelled(k)) for k in self.cfg.coupled_keys)
+        self._quick = _spellings(self.cfg.reward_key, *self._proxy)
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -674,24 +704,42 @@ class RewardHackingMonitor(_RL):
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
-    def _heldout_value(self, st: _St, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
-        """A held-out eval score (``heldout_keys``, else the record's first ``heldout_prefix`` key) when
-        the record has one, else the verifier proxy - until a rank's first eval, which switches that
-        rank to evals for good (the proxy's pairs are dropped: a different score on a different scale)."""
-        k = v = None
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+        # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see _RL.feed)
+        if record.keys() <= self._plain and record.keys().isdisjoint(self._quick):
+            return []
+        return SharedRankedMonitor.feed(self, record)
+
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply`` reads.
+        The eval score is a held-out eval (``heldout_keys``, else the record's first ``heldout_prefix``
+        key); the proxy is read only without one."""
+        r = finite_of(record, self._reward)
+        ek = ev = pk = pv = None
         if not record.keys() <= self._plain:  # a key not known to be plain: maybe an eval (one C set test)
-            k, v = first_number(record, self._evals)
-            if v is None and self._prefix:
-                k, v = self._prefixed(record)
+            ek, ev = first_number(record, self._evals)
+            if ev is None and self._prefix:
+                ek, ev = self._prefixed(record)
+        if ev is None and self._proxy:
+            pk, pv = first_number(record, self._proxy)
+        if r is None:
+            return (r, ek, ev, pk, pv)
+        return (r, ek, ev, pk, pv, *[finite_of(record, sp) for _, sp in self._coupled])
+
+    def _heldout_value(self, st: _St, inputs: tuple) -> tuple[str | None, float | None]:
+        """The held-out eval score when the record has one, else the verifier proxy - until a rank's first
+        eval, which switches that rank to evals for good (the proxy's pairs are dropped: a different score
+        on a different scale)."""
+        v = inputs[2]
         if v is not None:
             if st.h_src != "eval":
                 if st.h_src == "proxy":
                     self._forget_heldout(st)
                 st.h_src = "eval"
-            return k, v
+            return inputs[1], v
         if st.h_src == "eval" or not self._proxy:
             return None, None
-        k, v = first_number(record, self._proxy)
+        k, v = inputs[3], inputs[4]
         if v is not None:
             st.h_src = "proxy"
         return k, v
@@ -716,7 +764,7 @@ class RewardHackingMonitor(_RL):
 
     def heldout_source(self, rank: int = 0) -> tuple[str | None, str | None]:
         """("eval" | "proxy" | None, the key last read) for a rank: what the held-out rules compare against."""
-        st = self._ranks.get(rank)
+        st = self._state_of(rank)
         return (st.h_src, st.h_key) if st is not None else (None, None)
 
     def _forget_heldout(self, st: _St) -> None:
@@ -761,10 +809,10 @@ class RewardHackingMonitor(_RL):
         st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
         st.h_level = 2 if st.h_conf2 >= cfg.confirm else 1 if st.h_conf >= cfg.confirm + 1 else 0
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        r = finite_of(record, self._reward)
-        hk, hv = self._heldout_value(st, record)
+        r = inputs[0]
+        hk, hv = self._heldout_value(st, inputs)
         if r is None and hv is None:
             return []
         if r is not None:
@@ -789,9 +837,9 @@ class RewardHackingMonitor(_RL):
         value, detail = st.h_value, st.h_detail
         rising = step > cfg.warmup_steps and len(st.rfit) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
         coupled_of = st.coupled
-        for k, sp in self._coupled:
+        for i, (k, sp) in enumerate(self._coupled, 5):
             t = coupled_of[k]
-            y = finite_of(record, sp)
+            y = inputs[i]
             if y is not None:
                 t.add(step, r, y)
             coupled = False
