@@ -462,10 +462,20 @@ class RankedMonitor:
     def _check(self, state: Any, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:  # pragma: no cover
         raise NotImplementedError
 
+    _gate: frozenset | tuple | None = None  # a record with none of these keys changes nothing: return at once
+
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step, rank = step_and_rank(record)
-        if step is None:
+        gate = self._gate
+        if gate is not None and record.keys().isdisjoint(gate):
             return []
+        step = record.get("step")  # step_and_rank, inlined (every record of every monitor)
+        if type(step) is not int:
+            step = record_step(record)
+            if step is None:
+                return []
+        rank = record.get("rank", 0)
+        if type(rank) is not int:
+            rank = record_rank(record)
         state = self._ranks.get(rank)
         if state is None:
             state = self._ranks[rank] = self._new_state()
@@ -571,9 +581,17 @@ class SharedRankedMonitor(RankedMonitor):
         return m[0].state
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step, rank = step_and_rank(record)
-        if step is None:
+        gate = self._gate
+        if gate is not None and record.keys().isdisjoint(gate):
             return []
+        step = record.get("step")  # step_and_rank, inlined (every record of every monitor)
+        if type(step) is not int:
+            step = record_step(record)
+            if step is None:
+                return []
+        rank = record.get("rank", 0)
+        if type(rank) is not int:
+            rank = record_rank(record)
         rew = False
         if self._rewinds(record):
             last = self._last_step.get(rank)
@@ -598,8 +616,16 @@ class SharedRankedMonitor(RankedMonitor):
         pos = m[1]
         if pos < node.pos:  # behind the shared state: follow it if the inputs agree
             e = node.log[pos - node.pos0]
-            if e[0] == step and e[3] is rew and _same_sig(e[1], inputs):
-                return self._follow(m, node, e, record, rank)
+            if e[0] == step and e[3] is rew and e[1] == inputs and (0.0 not in inputs or _same_sig(e[1], inputs)):
+                pos += 1  # _follow, inlined
+                m[1] = pos
+                if pos == node.pos:
+                    node.head += 1
+                if e[4]:
+                    out: list[Finding] = []
+                    self._replay(out, e[4], record, rank)
+                    return out
+                return []
             if pos:
                 self._fork(m)
                 return self._solo(m[0].state, inputs, record, step, rank, rew)

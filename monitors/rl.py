@@ -308,12 +308,12 @@ class _RL(RankedMonitor):
     keys: tuple[str, ...] = ()  # a record carrying none of these is not this monitor's
     _own: tuple[str, ...] = ()
 
-    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        # a record with none of the monitor's keys (pre-training, SFT, an eval) changes nothing: no
-        # rewind (``_rewinds`` needs one of them), no value to read; one C-level test instead of a feed
-        if record.keys().isdisjoint(self._own):
-            return []
-        return super().feed(record)
+    # ``_gate``: ``_own`` (set in each monitor's __init__). A record with none of the monitor's keys
+    # (pre-training, SFT, an eval) changes nothing: no rewind (``_rewinds`` needs one of them), no value
+    # to read; one C-level test instead of a feed.
+
+    def _rewinds(self, record: Mapping[str, Any]) -> bool:
+        return not record.keys().isdisjoint(self._own)
 
     def _new_state(self) -> _St:
         return _St()
@@ -399,6 +399,7 @@ class EntropyCollapseMonitor(_SharedRL):
         self.cfg = cfg or EntropyCollapseConfig()
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
+        self._gate = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -414,8 +415,6 @@ class EntropyCollapseMonitor(_SharedRL):
         st.cui = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum u, sum r, sum uu, sum ur (u = e^H)
         return st
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -544,6 +543,7 @@ class KLDriftMonitor(_SharedRL):
         self.cfg = cfg or KLDriftConfig()
         self._own = _spellings(self.cfg.key)
         self._key = spelled(self.cfg.key)
+        self._gate = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -555,8 +555,6 @@ class KLDriftMonitor(_SharedRL):
         st.prev = None
         return st
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -663,6 +661,7 @@ class RewardHackingMonitor(_SharedRL):
         self._reward = spelled(self.cfg.reward_key)
         self._coupled = tuple((k, spelled(k)) for k in self.cfg.coupled_keys)
         self._quick = _spellings(self.cfg.reward_key, *self._proxy)
+        self._proxy_sp = spelled(self._proxy[0]) if self._proxy else None
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -688,8 +687,6 @@ class RewardHackingMonitor(_SharedRL):
         st.h_src = None  # "proxy" (verifier_key) or "eval" (a held-out eval; once seen, the only source)
         return st
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -720,8 +717,10 @@ class RewardHackingMonitor(_SharedRL):
             ek, ev = first_number(record, self._evals)
             if ev is None and self._prefix:
                 ek, ev = self._prefixed(record)
-        if ev is None and self._proxy:
-            pk, pv = first_number(record, self._proxy)
+        if ev is None and self._proxy:  # first_number over the one proxy key, its spellings computed once
+            pv = finite_of(record, self._proxy_sp)
+            if pv is not None:
+                pk = self._proxy[0]
         if r is None:
             return (r, ek, ev, pk, pv)
         return (r, ek, ev, pk, pv, *[finite_of(record, sp) for _, sp in self._coupled])
@@ -885,6 +884,7 @@ class ModeCollapseMonitor(_RL):
         self._own = _spellings(self.cfg.key, self.cfg.distinct_key)
         self._key = spelled(self.cfg.key)
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
+        self._gate = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -897,8 +897,6 @@ class ModeCollapseMonitor(_RL):
         st.dlow = False
         return st
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -975,10 +973,9 @@ class StaleRolloutMonitor(_RL):
         self.cfg = cfg or StaleRolloutConfig()
         self._own = _spellings(*self.cfg.keys)
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
+        self._gate = self._own
         super().__init__()
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         key, lag = first_finite(record, self._keys)
