@@ -35,10 +35,10 @@ import synth  # noqa: E402
 from ptops.monitors import MONITOR_CLASSES, build_monitors, replay  # noqa: E402
 
 
-def cost(ranks: int, steps: int, reps: int = 3, pkg=None) -> dict[str, float]:
+def cost(ranks: int, steps: int, reps: int = 3, pkg=None, runs_in_stream: int = 1) -> dict[str, float]:
     """Median over ``reps`` passes of each figure (the box is shared: one pass is noisy). ``pkg``: another
     copy of the monitors package to measure (``--against``), else ptops.monitors."""
-    runs = [_cost_once(ranks, steps, pkg) for _ in range(reps)]
+    runs = [_cost_once(ranks, steps, pkg, runs_in_stream) for _ in range(reps)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
@@ -151,6 +151,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=3, help="passes per cost figure; the median is reported")
+    ap.add_argument("--runs", type=int, default=1, help="cost: the ranks' records come from this many runs (1: one "
+                    "run, whose ranks report the same global values, as the supervisor sees; ranks/2: the stream "
+                    "measured before 2026-11-30, four 2-rank runs fed as one)")
     ap.add_argument("--against", metavar="GIT_REF", help="also measure the monitors as they were at this git ref, "
                     "in the same run (interleaved passes), and print new/old ratios")
     ap.add_argument("--cost-only", action="store_true")
@@ -160,20 +163,20 @@ def main() -> None:
         old_pkg = monitors_at(a.against)
         new_runs, old_runs = [], []
         for _ in range(a.reps):  # interleaved: both see the same load
-            new_runs.append(_cost_once(a.ranks, a.steps))
-            old_runs.append(_cost_once(a.ranks, a.steps, old_pkg))
+            new_runs.append(_cost_once(a.ranks, a.steps, runs=a.runs))
+            old_runs.append(_cost_once(a.ranks, a.steps, old_pkg, runs=a.runs))
         new = {k: statistics.median(r[k] for r in new_runs) for k in new_runs[0]}
         old = {k: statistics.median(r[k] for r in old_runs) for k in old_runs[0]}
         res_c = {"now": new, a.against: old, "ratio_now_over_old": {k: round(new[k] / old[k], 3) for k in new}}
         if a.json:
             print(json.dumps(res_c, indent=2))
         else:
-            print(f"cost (us per record, {a.ranks} ranks x {a.steps} steps, median of {a.reps} interleaved passes, "
-                  f"process CPU time): now vs {a.against}")
+            print(f"cost (us per record, {a.ranks} ranks of {a.runs} run(s) x {a.steps} steps, median of {a.reps} "
+                  f"interleaved passes, process CPU time): now vs {a.against}")
             for k in new:
                 print(f"  {k:32s} {new[k]:8.2f} {old[k]:8.2f}  x{new[k] / old[k]:.2f}")
         return
-    res = {"cost_us_per_record": cost(a.ranks, a.steps, a.reps)}
+    res = {"cost_us_per_record": cost(a.ranks, a.steps, a.reps, runs_in_stream=a.runs)}
     if a.cost_only:
         print(json.dumps(res, indent=2))
         return

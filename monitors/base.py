@@ -177,6 +177,19 @@ def raw_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> Any:
     return v
 
 
+def finite_floats(record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]) -> tuple:
+    """:func:`finite_of` of each spelled key, as a tuple (a shared monitor's inputs); a float under the
+    first spelling is taken without a call (the common case)."""
+    out = []
+    for sp in spellings:
+        v = record.get(sp[0])
+        if type(v) is float and v - v == 0.0:
+            out.append(v)
+        else:
+            out.append(finite_of(record, sp))
+    return tuple(out)
+
+
 def finite_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> float | None:
     """The finite number under a :func:`spelled` key, else None."""
     v = record.get(spelling[0], _MISSING)
@@ -479,7 +492,8 @@ class RankedMonitor:
         state = self._ranks.get(rank)
         if state is None:
             state = self._ranks[rank] = self._new_state()
-        if self._rewinds(record):
+        rk = self._rewind_keys
+        if rk is None or not record.keys().isdisjoint(rk):
             last = self._last_step.get(rank)
             if last is not None and step <= last:
                 self._rewind(state, step)
@@ -490,10 +504,9 @@ class RankedMonitor:
             self._last_step[rank] = step
         return self._check(state, record, step, rank)
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        """Whether a record at an already-seen step means the run went back (resume, rollback). Every
-        record does here; a monitor fed side records (evals between steps) narrows it."""
-        return True
+    # Whether a record at an already-seen step means the run went back (resume, rollback): every record
+    # (None), or only one with any of these keys (a monitor fed side records, evals between steps, narrows it)
+    _rewind_keys: frozenset | tuple | None = None
 
     def _emit(self, out: list[Finding], record: Mapping[str, Any], step: int, rank: int, kind: str,
               value: float | None, detail: str, severity: Severity) -> None:
@@ -593,7 +606,8 @@ class SharedRankedMonitor(RankedMonitor):
         if type(rank) is not int:
             rank = record_rank(record)
         rew = False
-        if self._rewinds(record):
+        rk = self._rewind_keys
+        if rk is None or not record.keys().isdisjoint(rk):
             last = self._last_step.get(rank)
             if last is not None and step <= last:
                 rew = True

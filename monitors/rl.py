@@ -25,7 +25,7 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import (Finding, RankedMonitor, SharedRankedMonitor, finite_of, first_finite, first_number, get_number, median,
+from .base import (Finding, RankedMonitor, SharedRankedMonitor, finite_floats, finite_of, first_finite, first_number, get_number, median,
                    record_attempt, record_ts, spelled)
 from .config import (
     EntropyCollapseConfig,
@@ -308,12 +308,10 @@ class _RL(RankedMonitor):
     keys: tuple[str, ...] = ()  # a record carrying none of these is not this monitor's
     _own: tuple[str, ...] = ()
 
-    # ``_gate``: ``_own`` (set in each monitor's __init__). A record with none of the monitor's keys
+    # ``_gate`` and ``_rewind_keys``: ``_own`` (set in each monitor's __init__). A record with none of the monitor's keys
     # (pre-training, SFT, an eval) changes nothing: no rewind (``_rewinds`` needs one of them), no value
     # to read; one C-level test instead of a feed.
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return not record.keys().isdisjoint(self._own)
 
     def _new_state(self) -> _St:
         return _St()
@@ -399,7 +397,8 @@ class EntropyCollapseMonitor(_SharedRL):
         self.cfg = cfg or EntropyCollapseConfig()
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
-        self._gate = self._own
+        self._both = (self._key, self._reward)
+        self._gate = self._rewind_keys = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -442,8 +441,8 @@ class EntropyCollapseMonitor(_SharedRL):
                 f"reward tops out near {b + slope:.3g} once entropy is spent")
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        x = finite_of(record, self._key)
-        return _NO_VALUE if x is None else (x, finite_of(record, self._reward))
+        v = finite_floats(record, self._both)
+        return _NO_VALUE if v[0] is None else v
 
     def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
@@ -543,7 +542,7 @@ class KLDriftMonitor(_SharedRL):
         self.cfg = cfg or KLDriftConfig()
         self._own = _spellings(self.cfg.key)
         self._key = spelled(self.cfg.key)
-        self._gate = self._own
+        self._gate = self._rewind_keys = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -660,8 +659,10 @@ class RewardHackingMonitor(_SharedRL):
         self._own = _spellings(self.cfg.reward_key)
         self._reward = spelled(self.cfg.reward_key)
         self._coupled = tuple((k, spelled(k)) for k in self.cfg.coupled_keys)
+        self._coupled_sp = tuple(sp for _, sp in self._coupled)
         self._quick = _spellings(self.cfg.reward_key, *self._proxy)
         self._proxy_sp = spelled(self._proxy[0]) if self._proxy else None
+        self._rewind_keys = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -723,7 +724,7 @@ class RewardHackingMonitor(_SharedRL):
                 pk = self._proxy[0]
         if r is None:
             return (r, ek, ev, pk, pv)
-        return (r, ek, ev, pk, pv, *[finite_of(record, sp) for _, sp in self._coupled])
+        return (r, ek, ev, pk, pv) + finite_floats(record, self._coupled_sp)
 
     def _heldout_value(self, st: _St, inputs: tuple) -> tuple[str | None, float | None]:
         """The held-out eval score when the record has one, else the verifier proxy - until a rank's first
@@ -884,7 +885,7 @@ class ModeCollapseMonitor(_RL):
         self._own = _spellings(self.cfg.key, self.cfg.distinct_key)
         self._key = spelled(self.cfg.key)
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
-        self._gate = self._own
+        self._gate = self._rewind_keys = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -973,7 +974,7 @@ class StaleRolloutMonitor(_RL):
         self.cfg = cfg or StaleRolloutConfig()
         self._own = _spellings(*self.cfg.keys)
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
-        self._gate = self._own
+        self._gate = self._rewind_keys = self._own
         super().__init__()
 
 
