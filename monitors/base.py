@@ -524,13 +524,21 @@ _JOIN_WINDOW = 4  # transitions during which a new rank may join the first rank'
 
 
 def _same_sig(a: tuple, b: tuple) -> bool:
-    """Equal inputs, -0.0 told from 0.0 (equal floats, but not always the same findings' texts)."""
+    """The same inputs: equal, and equal as what a monitor makes of them - 1, 1.0 and True are equal but
+    parse differently (True is no number), and -0.0 == 0.0 but may print differently."""
     if a != b:
         return False
-    if 0.0 not in b:
+    if 0 not in b and 1 not in b:
         return True
-    return all(type(x) is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, y)
+    return _strict_same(a, b)
+
+
+def _strict_same(a: tuple, b: tuple) -> bool:
+    return all(type(x) is type(y) and (type(x) is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, y))
                for x, y in zip(a, b))
+
+
+_RAW_MISSING = float("nan")
 
 
 class _Node:
@@ -567,6 +575,24 @@ class SharedRankedMonitor(RankedMonitor):
     ``_inputs(record)`` (a tuple of everything ``_apply`` reads from the record) and ``_apply(state,
     inputs, record, step, rank)``, which reads ``record`` only for the findings' ``attempt``/``ts``.
     """
+
+    # Optional (``_set_raw_keys``): every key (all spellings) whose value ``_inputs`` reads or whose
+    # presence it tests; records with the same raw values there (missing told apart) give the same inputs,
+    # so a follower compares those instead of parsing. ``_raw_valid(record)``, when set, says whether that
+    # holds for a record (e.g. only without held-out eval keys). Worth it only when ``_inputs`` costs more
+    # than a map over the keys.
+    _raw_keys: tuple[str, ...] | None = None
+    _raw_valid = None
+
+    def _set_raw_keys(self, *keys: str | None) -> None:
+        out: list[str] = []
+        for k in keys:
+            if k:
+                out += [k, k.replace("/", "_")]
+        self._raw_keys = tuple(dict.fromkeys(out))
+        # missing: a private NaN object (equal to itself only by identity, which tuple equality checks
+        # first; compared with numbers at float speed, unlike an object())
+        self._raw_missing = (_RAW_MISSING,) * len(self._raw_keys)
 
     def reset(self) -> None:
         super().reset()
@@ -626,20 +652,32 @@ class SharedRankedMonitor(RankedMonitor):
             if rew:
                 self._rewind(st, step)
             return self._apply(st, self._inputs(record), record, step, rank)
-        inputs = self._inputs(record)
         pos = m[1]
+        inputs = None
         if pos < node.pos:  # behind the shared state: follow it if the inputs agree
             e = node.log[pos - node.pos0]
-            if e[0] == step and e[3] is rew and e[1] == inputs and (0.0 not in inputs or _same_sig(e[1], inputs)):
-                pos += 1  # _follow, inlined
-                m[1] = pos
-                if pos == node.pos:
-                    node.head += 1
-                if e[4]:
-                    out: list[Finding] = []
-                    self._replay(out, e[4], record, rank)
-                    return out
-                return []
+            if e[0] == step and e[3] is rew:
+                # with _raw_keys, first the raw values the inputs come from: equal raw values, equal inputs,
+                # without parsing them (one C-level map; for monitors whose inputs cost more than that)
+                rk = self._raw_keys
+                if rk is not None and e[5] is not None:
+                    raw = tuple(map(record.get, rk, self._raw_missing))
+                    same = e[5] == raw and (0 not in raw and 1 not in raw or _strict_same(e[5], raw)) \
+                        and (self._raw_valid is None or self._raw_valid(record))
+                else:
+                    same = False
+                if same or _same_sig(e[1], inputs := self._inputs(record)):
+                    pos += 1
+                    m[1] = pos
+                    if pos == node.pos:
+                        node.head += 1
+                    if e[4]:
+                        out: list[Finding] = []
+                        self._replay(out, e[4], record, rank)
+                        return out
+                    return []
+            if inputs is None:
+                inputs = self._inputs(record)
             if pos:
                 self._fork(m)
                 return self._solo(m[0].state, inputs, record, step, rank, rew)
@@ -647,11 +685,14 @@ class SharedRankedMonitor(RankedMonitor):
             node = m[0]
             if node.pos:  # a group whose first transition is this one
                 return self._follow(m, node, node.log[0], record, rank)
+        elif node.n == 1 and node.pos0 == 0 and node.pos >= _JOIN_WINDOW:
+            self._stop_logging(node)  # nobody joined
+            return self._solo(node.state, self._inputs(record), record, step, rank, rew)
+        if inputs is None:
+            inputs = self._inputs(record)
         # at the head: advance the shared state, logging the transition
         if len(node.log) >= _LOG_MAX:
             self._checkpoint(node)
-        if node.log is not None and node.n == 1 and node.pos0 == 0 and node.pos >= _JOIN_WINDOW:
-            self._stop_logging(node)  # nobody joined
         if node.log is None:
             return self._solo(node.state, inputs, record, step, rank, rew)
         st = node.state
@@ -662,7 +703,11 @@ class SharedRankedMonitor(RankedMonitor):
             out = self._apply(st, inputs, record, step, rank)
         finally:
             self._tried = None
-        node.log.append((step, inputs, record, rew, tuple(tried)))
+        rk = self._raw_keys
+        raw = None
+        if rk is not None and (self._raw_valid is None or self._raw_valid(record)):
+            raw = tuple(map(record.get, rk, self._raw_missing))
+        node.log.append((step, inputs, record, rew, tuple(tried), raw))
         node.pos += 1
         m[1] = node.pos
         node.head = 1

@@ -663,6 +663,8 @@ class RewardHackingMonitor(_SharedRL):
         self._quick = _spellings(self.cfg.reward_key, *self._proxy)
         self._proxy_sp = spelled(self._proxy[0]) if self._proxy else None
         self._rewind_keys = self._own
+        self._set_raw_keys(self.cfg.reward_key, *self._proxy, *self.cfg.coupled_keys)
+        self._raw_valid = self._no_eval
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -707,6 +709,10 @@ class RewardHackingMonitor(_SharedRL):
         if record.keys() <= self._plain and record.keys().isdisjoint(self._quick):
             return []
         return SharedRankedMonitor.feed(self, record)
+
+    def _no_eval(self, record: Mapping[str, Any]) -> bool:
+        """No key that may be a held-out eval (then the raw values of ``_raw_keys`` decide the inputs)."""
+        return record.keys() <= self._plain
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply`` reads.
