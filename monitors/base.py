@@ -581,8 +581,11 @@ class SharedRankedMonitor(RankedMonitor):
     # so a follower compares those instead of parsing. ``_raw_valid(record)``, when set, says whether that
     # holds for a record (e.g. only without held-out eval keys). Worth it only when ``_inputs`` costs more
     # than a map over the keys.
+    share = True  # False: every rank keeps its own state (the reference the tests compare sharing with)
     _raw_keys: tuple[str, ...] | None = None
     _raw_valid = None
+    # a monitor whose inputs are ``(finite_of(record, _one_key),)``: read inline, without a call
+    _one_key: tuple[str, str | None] | None = None
 
     def _set_raw_keys(self, *keys: str | None) -> None:
         out: list[str] = []
@@ -631,27 +634,33 @@ class SharedRankedMonitor(RankedMonitor):
         rank = record.get("rank", 0)
         if type(rank) is not int:
             rank = record_rank(record)
+        m = self._members.get(rank)  # [node, position, last step]
+        if m is None:
+            m = self._members[rank] = [None, 0, None]
+            self._place(m, None)
         rew = False
         rk = self._rewind_keys
         if rk is None or not record.keys().isdisjoint(rk):
-            last = self._last_step.get(rank)
+            last = m[2]
             if last is not None and step <= last:
                 rew = True
                 if self._fired:
                     for key, r in list(self._fired.items()):
                         if r == rank and key[0] >= step:
                             del self._fired[key]
-            self._last_step[rank] = step
-        m = self._members.get(rank)
-        if m is None:
-            m = self._members[rank] = [None, 0]
-            self._place(m, None)
+            m[2] = step
         node = m[0]
         if node.log is None:  # alone for good: the plain path
             st = node.state
             if rew:
                 self._rewind(st, step)
-            return self._apply(st, self._inputs(record), record, step, rank)
+            one = self._one_key
+            if one is not None:
+                v = record.get(one[0])
+                inputs = (v,) if type(v) is float and v - v == 0.0 else (finite_of(record, one),)
+            else:
+                inputs = self._inputs(record)
+            return self._apply(st, inputs, record, step, rank)
         pos = m[1]
         inputs = None
         if pos < node.pos:  # behind the shared state: follow it if the inputs agree
@@ -666,7 +675,14 @@ class SharedRankedMonitor(RankedMonitor):
                         and (self._raw_valid is None or self._raw_valid(record))
                 else:
                     same = False
-                if same or _same_sig(e[1], inputs := self._inputs(record)):
+                if not same:
+                    one = self._one_key
+                    if one is not None:  # one finite float under the key's first spelling: the common case
+                        v = record.get(one[0])
+                        inputs = (v,) if type(v) is float and v - v == 0.0 else (finite_of(record, one),)
+                    else:
+                        inputs = self._inputs(record)
+                if same or _same_sig(e[1], inputs):
                     pos += 1
                     m[1] = pos
                     if pos == node.pos:
@@ -733,6 +749,9 @@ class SharedRankedMonitor(RankedMonitor):
         """Put a rank at position 0 of a fresh group whose first transition is ``first`` (or that has none
         yet), else of a new fresh group that logs; leaves its old group (if any)."""
         old = m[0]
+        if not self.share:
+            m[0] = _Node(self._new_state(), 0, None)
+            return
         target = None
         for node in self._fresh:
             if node is old or node.log is None or node.pos0 != 0:
@@ -788,7 +807,7 @@ class SharedRankedMonitor(RankedMonitor):
 
     def _fork(self, m: list) -> None:
         """Give a member behind the shared state a state of its own, at its position."""
-        node, pos = m
+        node, pos = m[0], m[1]
         st = self._new_state() if node.base is None else copy.deepcopy(node.base)
         self._silent = True
         try:

@@ -44,7 +44,7 @@ class _NaNState:
         self.bad: set[str] = set()
 
 
-class NaNMonitor(RankedMonitor):
+class NaNMonitor(SharedRankedMonitor):
     """NaN / Inf in the loss or the grad norm (``monitor="nan"``, severity critical).
 
     Reads ``cfg.keys`` (default ``loss``, ``grad_norm``). A value is bad when it
@@ -75,10 +75,12 @@ class NaNMonitor(RankedMonitor):
     def _rewind(self, state: _NaNState, step: int) -> None:
         state.bad.clear()
 
-    def _check(self, st: _NaNState, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        return tuple([raw_of(record, sp) for _, sp in self._keys])
+
+    def _apply(self, st: _NaNState, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         out: list[Finding] = []
-        for key, sp in self._keys:
-            raw = raw_of(record, sp)
+        for (key, sp), raw in zip(self._keys, inputs):
             if raw is _MISSING:
                 continue
             v = number(raw)
@@ -188,6 +190,7 @@ class GradExplosionMonitor(SharedRankedMonitor):
     def __init__(self, cfg: GradExplosionConfig | None = None) -> None:
         self.cfg = cfg or GradExplosionConfig()
         self._key = spelled(self.cfg.key)
+        self._one_key = self._key
         super().__init__()
 
     def _new_state(self) -> list[Any]:

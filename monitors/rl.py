@@ -542,6 +542,7 @@ class KLDriftMonitor(_SharedRL):
         self.cfg = cfg or KLDriftConfig()
         self._own = _spellings(self.cfg.key)
         self._key = spelled(self.cfg.key)
+        self._one_key = self._key
         self._gate = self._rewind_keys = self._own
         super().__init__()
 
@@ -867,7 +868,7 @@ class RewardHackingMonitor(_SharedRL):
         return out
 
 
-class ModeCollapseMonitor(_RL):
+class ModeCollapseMonitor(_SharedRL):
     """Mode collapse (``monitor="mode_collapse"``).
 
     Reads ``frac_reward_zero_std`` (fraction of GRPO groups whose completions
@@ -917,13 +918,15 @@ class ModeCollapseMonitor(_RL):
             st.base = None
         st.dlow = False
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        return (finite_of(record, self._key), finite_of(record, self._distinct) if self._distinct else None)
+
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
         out: list[Finding] = []
         if step <= cfg.warmup_steps:
             return out
-        x = finite_of(record, self._key)
-        d = finite_of(record, self._distinct) if self._distinct else None
+        x, d = inputs
         if x is None and d is None:
             return out
         if x is not None:
@@ -960,7 +963,7 @@ class ModeCollapseMonitor(_RL):
         return out
 
 
-class StaleRolloutMonitor(_RL):
+class StaleRolloutMonitor(_SharedRL):
     """Stale rollouts (``monitor="stale_rollout"``): policy-version lag past a bound.
 
     Reads the first present of ``keys`` (``policy_lag``, ``policy_version_lag``,
@@ -984,8 +987,11 @@ class StaleRolloutMonitor(_RL):
         super().__init__()
 
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        key, lag = first_finite(record, self._keys)
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        return first_finite(record, self._keys)
+
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        key, lag = inputs
         if lag is None:
             return []
         out: list[Finding] = []

@@ -93,3 +93,92 @@ def test_findings_equal_the_stored_ones():
     assert sum(len(v) for v in want.values()) > 300  # the corpus does find things: equality is not vacuous
     for name in want:
         assert got[name] == want[name], name
+
+
+# ---------------------------------------------------------------- ranks that share one state
+
+def _shuffled(recs: list[dict], rng: random.Random) -> list[dict]:
+    """The same records with one rank's stream delayed by a few steps (a live supervisor reads the ranks'
+    streams as they come): followers fall several transitions behind the shared state."""
+    late = max(r["rank"] for r in recs if isinstance(r.get("rank"), int))
+    lag = rng.randint(2, 9)
+    out, held = [], []
+    for r in recs:
+        (held if r.get("rank") == late else out).append(r)
+        if held and isinstance(r.get("step"), int) and isinstance(held[0].get("step"), int) \
+                and r["step"] - held[0]["step"] >= lag:
+            out.append(held.pop(0))
+    return out + held
+
+
+def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
+    """One rank's values drift from a random step on (a rank-local loss, a per-rank reward): its state must
+    split from the shared one exactly where it diverges."""
+    rank = rng.choice(sorted({r["rank"] for r in recs if isinstance(r.get("rank"), int)}))
+    at = rng.randint(1, max(r["step"] for r in recs if isinstance(r.get("step"), int)))
+    keys = ["loss", "grad_norm", "entropy", "kl", "reward", "completions_mean_length", "frac_reward_zero_std",
+            "policy_lag", "rewards_verifier_mean"]
+    out = []
+    for r in recs:
+        if r.get("rank") == rank and isinstance(r.get("step"), int) and r["step"] >= at:
+            r = dict(r)
+            k = rng.choice(keys)
+            if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool):
+                r[k] = r[k] * (1 + rng.choice([0.0, 1e-9, 0.5, 3.0]))
+        out.append(r)
+    return out
+
+
+def _sharing_corpus() -> dict[str, list[dict]]:
+    rng = random.Random(11)
+    out: dict[str, list[dict]] = {}
+    for seed in range(2):
+        bases = [synth.pretrain(400, seed, ranks=4, with_busy=True, with_data=True),
+                 synth.pretrain(400, seed, ranks=4, inject="loss_spike", at=300),
+                 synth.grpo(400, seed, ranks=4), synth.grpo(400, seed, ranks=4, inject="entropy_collapse", at=250),
+                 synth.grpo(400, seed, ranks=4, inject="reward_hacking", at=200),
+                 synth.grpo(400, seed, ranks=4, inject="kl_drift", at=220),
+                 synth.grpo(400, seed, ranks=4, inject="mode_collapse", at=180),
+                 synth.grpo(400, seed, ranks=4, inject="stale_rollout", at=150)]
+        for i, base in enumerate(bases):
+            a, b = sorted(rng.sample(range(len(base)), 2))
+            rewound = base[:b] + [dict(r, attempt=2) for r in base[a:]]
+            for name, recs in (("plain", base), ("rewound", rewound), ("late", _shuffled(base, rng)),
+                               ("diverged", _diverged(base, rng)), ("diverged-late", _shuffled(_diverged(rewound, rng), rng))):
+                out[f"{seed}-{i}-{name}"] = recs
+    for name, recs in corpus().items():
+        if name.startswith(("odd-", "rewind-", "grpo8-", "pre8-", "obs-", "trl-grpo")):
+            out[name] = recs
+    return out
+
+
+def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
+    """Ranks whose inputs agree share one state (monitors/base.py SharedRankedMonitor): the findings, texts
+    and ranks included, equal those of the same monitors with a state per rank, on streams where ranks
+    arrive late, diverge at a random step, rewind, carry garbage; with checkpoints every few transitions
+    (the shipped interval is 1,024, longer than these streams) so that forks rebuild from them."""
+    import ptops.monitors.base as base
+
+    from ptops.monitors import SharedRankedMonitor as Shared
+
+    shared_kinds = [m for m in build_monitors() if isinstance(m, Shared)]
+    assert len(shared_kinds) >= 7  # every per-rank monitor shares
+    for log_max in (1024, 7):
+        monkeypatch.setattr(base, "_LOG_MAX", log_max)
+        forks = 0
+        for name, recs in _sharing_corpus().items():
+            mons = build_monitors()
+            got = [f.to_dict() for f in replay(recs, mons)]
+            alone = build_monitors()
+            for m in alone:
+                if isinstance(m, Shared):
+                    m.share = False
+            want = [f.to_dict() for f in replay(recs, alone)]
+            assert json.loads(json.dumps(got)) == json.loads(json.dumps(want)), (log_max, name)
+            for m in mons:
+                if isinstance(m, Shared):
+                    forks += sum(1 for mm in m._members.values() if mm[0].log is None)
+                    for rank in list(m._members):  # every rank's own state, rebuilt: what its own would be
+                        if getattr(m, "heldout_source", None):
+                            assert m.heldout_source(rank) == next(a for a in alone if a.name == m.name).heldout_source(rank)
+        assert forks > 0  # the corpus does split states (and rebuild them), not only share them
