@@ -578,12 +578,15 @@ class SharedRankedMonitor(RankedMonitor):
 
     # Optional (``_set_raw_keys``): every key (all spellings) whose value ``_inputs`` reads or whose
     # presence it tests; records with the same raw values there (missing told apart) give the same inputs,
-    # so a follower compares those instead of parsing. ``_raw_valid(record)``, when set, says whether that
-    # holds for a record (e.g. only without held-out eval keys). Worth it only when ``_inputs`` costs more
-    # than a map over the keys.
+    # so a follower compares those instead of parsing. ``_raw_ok``, set by the monitor before each feed,
+    # says whether that holds for the record (e.g. only without held-out eval keys). Worth it only when
+    # ``_inputs`` costs more than a map over the keys.
     share = True  # False: every rank keeps its own state (the reference the tests compare sharing with)
     _raw_keys: tuple[str, ...] | None = None
-    _raw_valid = None
+    _raw_ok = True
+    # inputs with which ``_apply`` changes nothing and finds nothing (no value to read): such a record
+    # is no transition at all (unless it rewinds), for the first rank and the followers alike
+    _noop: tuple = (None,)
     # a monitor whose inputs are ``(finite_of(record, _one_key),)``: read inline, without a call
     _one_key: tuple[str, str | None] | None = None
 
@@ -650,31 +653,18 @@ class SharedRankedMonitor(RankedMonitor):
                             del self._fired[key]
             m[2] = step
         node = m[0]
-        if node.log is None:  # alone for good: the plain path
-            st = node.state
-            if rew:
-                self._rewind(st, step)
-            one = self._one_key
-            if one is not None:
-                v = record.get(one[0])
-                inputs = (v,) if type(v) is float and v - v == 0.0 else (finite_of(record, one),)
-            else:
-                inputs = self._inputs(record)
-            return self._apply(st, inputs, record, step, rank)
         pos = m[1]
         inputs = None
-        if pos < node.pos:  # behind the shared state: follow it if the inputs agree
+        if node.log is not None and pos < node.pos:  # behind the shared state: follow it if the inputs agree
             e = node.log[pos - node.pos0]
             if e[0] == step and e[3] is rew:
                 # with _raw_keys, first the raw values the inputs come from: equal raw values, equal inputs,
                 # without parsing them (one C-level map; for monitors whose inputs cost more than that)
+                same = False
                 rk = self._raw_keys
-                if rk is not None and e[5] is not None:
+                if rk is not None and e[5] is not None and self._raw_ok:
                     raw = tuple(map(record.get, rk, self._raw_missing))
-                    same = e[5] == raw and (0 not in raw and 1 not in raw or _strict_same(e[5], raw)) \
-                        and (self._raw_valid is None or self._raw_valid(record))
-                else:
-                    same = False
+                    same = e[5] == raw and (0 not in raw and 1 not in raw or _strict_same(e[5], raw))
                 if not same:
                     one = self._one_key
                     if one is not None:  # one finite float under the key's first spelling: the common case
@@ -682,7 +672,11 @@ class SharedRankedMonitor(RankedMonitor):
                         inputs = (v,) if type(v) is float and v - v == 0.0 else (finite_of(record, one),)
                     else:
                         inputs = self._inputs(record)
-                if same or _same_sig(e[1], inputs):
+                    if not rew and inputs == self._noop:
+                        return []  # changes nothing: not a transition (the leader logged none either)
+                    ei = e[1]  # _same_sig, inlined
+                    same = ei == inputs and (0 not in inputs and 1 not in inputs or _strict_same(ei, inputs))
+                if same:
                     pos += 1
                     m[1] = pos
                     if pos == node.pos:
@@ -694,6 +688,8 @@ class SharedRankedMonitor(RankedMonitor):
                     return []
             if inputs is None:
                 inputs = self._inputs(record)
+                if not rew and inputs == self._noop:
+                    return []
             if pos:
                 self._fork(m)
                 return self._solo(m[0].state, inputs, record, step, rank, rew)
@@ -701,11 +697,23 @@ class SharedRankedMonitor(RankedMonitor):
             node = m[0]
             if node.pos:  # a group whose first transition is this one
                 return self._follow(m, node, node.log[0], record, rank)
-        elif node.n == 1 and node.pos0 == 0 and node.pos >= _JOIN_WINDOW:
-            self._stop_logging(node)  # nobody joined
-            return self._solo(node.state, self._inputs(record), record, step, rank, rew)
         if inputs is None:
-            inputs = self._inputs(record)
+            one = self._one_key
+            if one is not None:
+                v = record.get(one[0])
+                inputs = (v,) if type(v) is float and v - v == 0.0 else (finite_of(record, one),)
+            else:
+                inputs = self._inputs(record)
+            if not rew and inputs == self._noop:
+                return []  # changes nothing: not a transition
+        if node.log is None:  # alone for good: the plain path
+            st = node.state
+            if rew:
+                self._rewind(st, step)
+            return self._apply(st, inputs, record, step, rank)
+        if node.n == 1 and node.pos0 == 0 and node.pos >= _JOIN_WINDOW:
+            self._stop_logging(node)  # nobody joined
+            return self._solo(node.state, inputs, record, step, rank, rew)
         # at the head: advance the shared state, logging the transition
         if len(node.log) >= _LOG_MAX:
             self._checkpoint(node)
@@ -721,7 +729,7 @@ class SharedRankedMonitor(RankedMonitor):
             self._tried = None
         rk = self._raw_keys
         raw = None
-        if rk is not None and (self._raw_valid is None or self._raw_valid(record)):
+        if rk is not None and self._raw_ok:
             raw = tuple(map(record.get, rk, self._raw_missing))
         node.log.append((step, inputs, record, rew, tuple(tried), raw))
         node.pos += 1

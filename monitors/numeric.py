@@ -67,6 +67,7 @@ class NaNMonitor(SharedRankedMonitor):
     def __init__(self, cfg: NanConfig | None = None) -> None:
         self.cfg = cfg or NanConfig()
         self._keys = tuple((k, spelled(k)) for k in self.cfg.keys)
+        self._noop = (_MISSING,) * len(self._keys)
         super().__init__()
 
     def _new_state(self) -> _NaNState:

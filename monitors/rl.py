@@ -665,7 +665,7 @@ class RewardHackingMonitor(_SharedRL):
         self._proxy_sp = spelled(self._proxy[0]) if self._proxy else None
         self._rewind_keys = self._own
         self._set_raw_keys(self.cfg.reward_key, *self._proxy, *self.cfg.coupled_keys)
-        self._raw_valid = self._no_eval
+        self._noop = (None,) * 5
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -707,13 +707,12 @@ class RewardHackingMonitor(_SharedRL):
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
         # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see _RL.feed)
-        if record.keys() <= self._plain and record.keys().isdisjoint(self._quick):
+        keys = record.keys()
+        noeval = keys <= self._plain
+        if noeval and keys.isdisjoint(self._quick):
             return []
+        self._raw_ok = noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
         return SharedRankedMonitor.feed(self, record)
-
-    def _no_eval(self, record: Mapping[str, Any]) -> bool:
-        """No key that may be a held-out eval (then the raw values of ``_raw_keys`` decide the inputs)."""
-        return record.keys() <= self._plain
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply`` reads.
@@ -892,6 +891,7 @@ class ModeCollapseMonitor(_SharedRL):
         self._own = _spellings(self.cfg.key, self.cfg.distinct_key)
         self._key = spelled(self.cfg.key)
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
+        self._noop = (None, None)
         self._gate = self._rewind_keys = self._own
         super().__init__()
 
@@ -983,6 +983,7 @@ class StaleRolloutMonitor(_SharedRL):
         self.cfg = cfg or StaleRolloutConfig()
         self._own = _spellings(*self.cfg.keys)
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
+        self._noop = (None, None)
         self._gate = self._rewind_keys = self._own
         super().__init__()
 
