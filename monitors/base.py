@@ -524,13 +524,10 @@ _JOIN_WINDOW = 4  # transitions during which a new rank may join the first rank'
 
 
 def _same_sig(a: tuple, b: tuple) -> bool:
-    """The same inputs: equal, and equal as what a monitor makes of them - 1, 1.0 and True are equal but
-    parse differently (True is no number), and -0.0 == 0.0 but may print differently."""
-    if a != b:
-        return False
-    if 0 not in b and 1 not in b:
-        return True
-    return _strict_same(a, b)
+    """The same inputs: equal, and equal as what a monitor makes of them. Inputs are parsed (floats, None,
+    strings), where -0.0 == 0.0 (but may print differently) is the one trap; raw values (``_raw_keys``) are
+    checked for 1, 1.0 and True too (equal, but True is no number)."""
+    return a == b and (0.0 not in b or _strict_same(a, b))
 
 
 def _strict_same(a: tuple, b: tuple) -> bool:
@@ -674,8 +671,8 @@ class SharedRankedMonitor(RankedMonitor):
                         inputs = self._inputs(record)
                     if not rew and inputs == self._noop:
                         return []  # changes nothing: not a transition (the leader logged none either)
-                    ei = e[1]  # _same_sig, inlined
-                    same = ei == inputs and (0 not in inputs and 1 not in inputs or _strict_same(ei, inputs))
+                    ei = e[1]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
+                    same = ei == inputs and (0.0 not in inputs or _strict_same(ei, inputs))
                 if same:
                     pos += 1
                     m[1] = pos

@@ -36,6 +36,10 @@ def _fmt(x: float | None) -> str:
     return f"{x:.4g}"
 
 
+_ABSENT = "absent"  # the NaN monitor's inputs: a key absent or junk (neither a number nor None)
+_FINITE = "finite"
+
+
 class _NaNState:
     __slots__ = ("numeric", "bad")
 
@@ -67,7 +71,7 @@ class NaNMonitor(SharedRankedMonitor):
     def __init__(self, cfg: NanConfig | None = None) -> None:
         self.cfg = cfg or NanConfig()
         self._keys = tuple((k, spelled(k)) for k in self.cfg.keys)
-        self._noop = (_MISSING,) * len(self._keys)
+        self._noop = (_ABSENT,) * len(self._keys)
         super().__init__()
 
     def _new_state(self) -> _NaNState:
@@ -77,20 +81,35 @@ class NaNMonitor(SharedRankedMonitor):
         state.bad.clear()
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        return tuple([raw_of(record, sp) for _, sp in self._keys])
+        """Per key what the check makes of it: absent (or junk, the same to it), finite, None, or the
+        non-finite value (one NaN object for every NaN: its text and value are the same)."""
+        out = []
+        for _, sp in self._keys:
+            raw = raw_of(record, sp)
+            if type(raw) is float and raw - raw == 0.0:
+                out.append(_FINITE)
+                continue
+            if raw is _MISSING:
+                out.append(_ABSENT)
+                continue
+            if raw is None:
+                out.append(None)
+                continue
+            v = number(raw)
+            out.append(_ABSENT if v is None else _FINITE if v - v == 0.0 else math.nan if v != v else v)
+        return tuple(out)
 
     def _apply(self, st: _NaNState, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         out: list[Finding] = []
-        for (key, sp), raw in zip(self._keys, inputs):
-            if raw is _MISSING:
+        for (key, sp), v in zip(self._keys, inputs):
+            if v is _ABSENT:
                 continue
-            v = number(raw)
-            if v is not None and v - v == 0.0:  # finite
+            if v is _FINITE:
                 st.numeric.add(key)
                 st.bad.discard(key)
                 continue
             if v is None:
-                if raw is not None or not (self.cfg.none_after_numeric and key in st.numeric):
+                if not (self.cfg.none_after_numeric and key in st.numeric):
                     continue
                 detail = f"{key} is None after numeric values (all values NaN at this step)"
             else:
