@@ -640,7 +640,7 @@ class SharedRankedMonitor(RankedMonitor):
             self._place(m, None)
         rew = False
         rk = self._rewind_keys
-        if rk is None or not record.keys().isdisjoint(rk):
+        if rk is None or rk is gate or not record.keys().isdisjoint(rk):  # (a record past the gate has one)
             last = m[2]
             if last is not None and step <= last:
                 rew = True

@@ -63,9 +63,10 @@ from .base import (
     median,
     number,
     record_attempt,
+    record_rank,
+    record_step,
     record_ts,
     spelled,
-    step_and_rank,
 )
 from .config import StragglerConfig
 
@@ -127,19 +128,25 @@ class StragglerMonitor:
     # ------------------------------------------------------------ feeding
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step, rank = step_and_rank(record)
-        if step is None:
-            return []
+        step = record.get("step")  # step_and_rank, inlined
+        if type(step) is not int:
+            step = record_step(record)
+            if step is None:
+                return []
+        rank = record.get("rank", 0)
+        if type(rank) is not int:
+            rank = record_rank(record)
         ws = record.get("world_size")
-        if isinstance(ws, int) and ws > 0:
+        if ws is not None and isinstance(ws, int) and ws > 0:
             self._world = ws
         last = self._last.get(rank)
-        if last is not None and step <= last:
+        if last is None:
+            self._known.add(rank)  # the ranks of _last (no other way in or out but reset)
+        elif step <= last:
             self._restart(step)
         self._last[rank] = step
         if step > self._newest:
             self._newest = step
-        self._known.add(rank)
         if step <= self._floor:
             return []
         pend = self._pending.get(step)
