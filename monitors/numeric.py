@@ -36,10 +36,6 @@ def _fmt(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-_ABSENT = "absent"  # the NaN monitor's inputs: a key absent or junk (neither a number nor None)
-_FINITE = "finite"
-
-
 class _NaNState:
     __slots__ = ("numeric", "bad")
 
@@ -48,7 +44,7 @@ class _NaNState:
         self.bad: set[str] = set()
 
 
-class NaNMonitor(SharedRankedMonitor):
+class NaNMonitor(RankedMonitor):
     """NaN / Inf in the loss or the grad norm (``monitor="nan"``, severity critical).
 
     Reads ``cfg.keys`` (default ``loss``, ``grad_norm``). A value is bad when it
@@ -71,7 +67,6 @@ class NaNMonitor(SharedRankedMonitor):
     def __init__(self, cfg: NanConfig | None = None) -> None:
         self.cfg = cfg or NanConfig()
         self._keys = tuple((k, spelled(k)) for k in self.cfg.keys)
-        self._noop = (_ABSENT,) * len(self._keys)
         super().__init__()
 
     def _new_state(self) -> _NaNState:
@@ -80,36 +75,19 @@ class NaNMonitor(SharedRankedMonitor):
     def _rewind(self, state: _NaNState, step: int) -> None:
         state.bad.clear()
 
-    def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        """Per key what the check makes of it: absent (or junk, the same to it), finite, None, or the
-        non-finite value (one NaN object for every NaN: its text and value are the same)."""
-        out = []
-        for _, sp in self._keys:
+    def _check(self, st: _NaNState, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        out: list[Finding] = []
+        for key, sp in self._keys:
             raw = raw_of(record, sp)
-            if type(raw) is float and raw - raw == 0.0:
-                out.append(_FINITE)
-                continue
             if raw is _MISSING:
-                out.append(_ABSENT)
-                continue
-            if raw is None:
-                out.append(None)
                 continue
             v = number(raw)
-            out.append(_ABSENT if v is None else _FINITE if v - v == 0.0 else math.nan if v != v else v)
-        return tuple(out)
-
-    def _apply(self, st: _NaNState, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        out: list[Finding] = []
-        for (key, sp), v in zip(self._keys, inputs):
-            if v is _ABSENT:
-                continue
-            if v is _FINITE:
+            if v is not None and v - v == 0.0:  # finite
                 st.numeric.add(key)
                 st.bad.discard(key)
                 continue
             if v is None:
-                if not (self.cfg.none_after_numeric and key in st.numeric):
+                if raw is not None or not (self.cfg.none_after_numeric and key in st.numeric):
                     continue
                 detail = f"{key} is None after numeric values (all values NaN at this step)"
             else:

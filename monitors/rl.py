@@ -963,7 +963,7 @@ class ModeCollapseMonitor(_SharedRL):
         return out
 
 
-class StaleRolloutMonitor(_SharedRL):
+class StaleRolloutMonitor(_RL):
     """Stale rollouts (``monitor="stale_rollout"``): policy-version lag past a bound.
 
     Reads the first present of ``keys`` (``policy_lag``, ``policy_version_lag``,
@@ -983,16 +983,13 @@ class StaleRolloutMonitor(_SharedRL):
         self.cfg = cfg or StaleRolloutConfig()
         self._own = _spellings(*self.cfg.keys)
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
-        self._noop = (None, None)
         self._gate = self._rewind_keys = self._own
         super().__init__()
 
 
-    def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        return first_finite(record, self._keys)
-
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        key, lag = inputs
+    # not shared: its check costs less than following a shared state
+    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        key, lag = first_finite(record, self._keys)
         if lag is None:
             return []
         out: list[Finding] = []

@@ -184,7 +184,9 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
     from ptops.monitors import SharedRankedMonitor as Shared
 
     shared_kinds = [m for m in build_monitors() if isinstance(m, Shared)]
-    assert len(shared_kinds) >= 7  # every per-rank monitor shares
+    # nan and stale_rollout keep a state per rank: their check costs less than following a shared state
+    assert {m.name for m in shared_kinds} == {"loss_spike", "grad_explosion", "entropy_collapse", "kl_drift",
+                                              "reward_hacking", "mode_collapse"}
     for log_max in (1024, 16):
         monkeypatch.setattr(base, "_LOG_MAX", log_max)
         forks = 0
