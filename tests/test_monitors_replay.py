@@ -168,6 +168,13 @@ def _sharing_corpus() -> dict[str, list[dict]]:
                                ("rewound-late", _shuffled(rewound, rng)),
                                ("diverged", _diverged(base, rng)), ("diverged-late", _shuffled(_diverged(rewound, rng), rng))):
                 out[f"{seed}-{i}-{name}"] = recs
+    for every, ranks_with in ((10, (0, 1)), (25, (0,))):  # held-out evals on the step's record (TRL's [eval])
+        recs = []
+        for r in synth.grpo(250, 3, ranks=2, inject="reward_hacking", at=120):
+            if r["step"] % every == 0 and r["rank"] in ranks_with:
+                r = dict(r, **{"eval/heldout": round(0.6 - 0.001 * r["step"], 6)})
+            recs.append(r)
+        out[f"eval-every-{every}-ranks-{len(ranks_with)}"] = recs
     for name, recs in corpus().items():
         if name.startswith(("odd-", "rewind-", "obs-", "trl-grpo-tiny-100")):
             out[name] = recs
