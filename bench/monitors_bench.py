@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/monitors_bench.py [--seeds 20] [--ranks 8] [--steps 2000] [--reps 3] [--json]
     .venv/bin/python bench/monitors_bench.py --against f13977c   # cost now vs a git ref, same run
+    .venv/bin/python bench/monitors_bench.py --against f13977c --runs 4   # the same, the pre-2026-11-30 stream
 
 1. cost: microseconds per record for each monitor alone and for the default
    set together, feeding synthetic healthy records (pre-training and GRPO keys)
    of ``--ranks`` ranks for ``--steps`` steps (the supervisor pays this per
-   record per rank);
+   record per rank); the ranks belong to one run (``--runs 1``: they report the
+   same global loss, reward, ..., as a real run's ranks do) or to several;
 2. false positives: findings on healthy traces - synthetic (``--seeds`` seeds
    x 3 kinds x 200 steps x 2 ranks) and the traces recorded from real tiny runs
    in tests/data/traces/ (``*-s<seed>.jsonl``);
@@ -157,6 +159,8 @@ def main() -> None:
     ap.add_argument("--against", metavar="GIT_REF", help="also measure the monitors as they were at this git ref, "
                     "in the same run (interleaved passes), and print new/old ratios")
     ap.add_argument("--cost-only", action="store_true")
+    ap.add_argument("--out", metavar="FILE", help="--against: also write the figures, with the date, the load average "
+                    "and the command, to this JSON file (bench/results/monitors_bench.json)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.against:
@@ -168,6 +172,18 @@ def main() -> None:
         new = {k: statistics.median(r[k] for r in new_runs) for k in new_runs[0]}
         old = {k: statistics.median(r[k] for r in old_runs) for k in old_runs[0]}
         res_c = {"now": new, a.against: old, "ratio_now_over_old": {k: round(new[k] / old[k], 3) for k in new}}
+        if a.out:
+            import os
+
+            meta = {"command": "bench/monitors_bench.py " + " ".join(sys.argv[1:]),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                    "ranks": a.ranks, "runs": a.runs, "steps": a.steps, "reps": a.reps,
+                    "unit": "us per record, process CPU time, median of interleaved passes"}
+            path = Path(a.out)
+            runs_all = json.loads(path.read_text()) if path.exists() else {}
+            runs_all[f"runs={a.runs}"] = {"meta": meta, **res_c}
+            path.write_text(json.dumps(runs_all, indent=2) + "\n")
         if a.json:
             print(json.dumps(res_c, indent=2))
         else:

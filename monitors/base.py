@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 from bisect import bisect_left, insort
+from operator import itemgetter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
@@ -535,9 +536,6 @@ def _strict_same(a: tuple, b: tuple) -> bool:
                for x, y in zip(a, b))
 
 
-_RAW_MISSING = float("nan")
-
-
 class _Node:
     """The state that ranks with the same inputs so far share, and how to get any member's state back.
 
@@ -593,9 +591,7 @@ class SharedRankedMonitor(RankedMonitor):
             if k:
                 out += [k, k.replace("/", "_")]
         self._raw_keys = tuple(dict.fromkeys(out))
-        # missing: a private NaN object (equal to itself only by identity, which tuple equality checks
-        # first; compared with numbers at float speed, unlike an object())
-        self._raw_missing = (_RAW_MISSING,) * len(self._raw_keys)
+        self._getters: dict[tuple, Any] = {}
 
     def reset(self) -> None:
         super().reset()
@@ -658,21 +654,31 @@ class SharedRankedMonitor(RankedMonitor):
                 # with _raw_keys, first the raw values the inputs come from: equal raw values, equal inputs,
                 # without parsing them (one C-level map; for monitors whose inputs cost more than that)
                 same = False
-                rk = self._raw_keys
-                if rk is not None and e[5] is not None and self._raw_ok:
-                    raw = tuple(map(record.get, rk, self._raw_missing))
-                    same = e[5] == raw and (0 not in raw and 1 not in raw or _strict_same(e[5], raw))
+                raw = e[5]
+                if raw is not None and self._raw_ok:
+                    # (the keys present in the first rank's record, as one itemgetter; their values; the absent)
+                    try:
+                        vals = raw[0](record)
+                    except KeyError:
+                        vals = None
+                    same = vals == raw[1] and record.keys().isdisjoint(raw[2]) and \
+                        (0 not in vals and 1 not in vals or _strict_same(raw[1], vals))
                 if not same:
+                    ei = e[1]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
                     one = self._one_key
                     if one is not None:  # one finite float under the key's first spelling: the common case
                         v = record.get(one[0])
-                        inputs = (v,) if type(v) is float and v - v == 0.0 else (finite_of(record, one),)
+                        if type(v) is not float or v - v != 0.0:
+                            v = finite_of(record, one)
+                            if v is None and not rew:
+                                return []  # changes nothing: not a transition (the leader logged none either)
+                        inputs = (v,)
+                        same = ei[0] == v and (v or _strict_same(ei, inputs))
                     else:
                         inputs = self._inputs(record)
-                    if not rew and inputs == self._noop:
-                        return []  # changes nothing: not a transition (the leader logged none either)
-                    ei = e[1]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
-                    same = ei == inputs and (0.0 not in inputs or _strict_same(ei, inputs))
+                        if not rew and inputs == self._noop:
+                            return []  # changes nothing: not a transition (the leader logged none either)
+                        same = ei == inputs and (0.0 not in inputs or _strict_same(ei, inputs))
                 if same:
                     pos += 1
                     m[1] = pos
@@ -727,7 +733,11 @@ class SharedRankedMonitor(RankedMonitor):
         rk = self._raw_keys
         raw = None
         if rk is not None and self._raw_ok:
-            raw = tuple(map(record.get, rk, self._raw_missing))
+            present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
+            getter = self._getters.get(present)
+            if getter is None:
+                getter = self._getters[present] = itemgetter(*present)
+            raw = (getter, getter(record), tuple([k for k in rk if k not in present]))
         node.log.append((step, inputs, record, rew, tuple(tried), raw))
         node.pos += 1
         m[1] = node.pos
