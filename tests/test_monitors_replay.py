@@ -181,6 +181,24 @@ def _sharing_corpus() -> dict[str, list[dict]]:
     return out
 
 
+def _dump(x):
+    """A monitor state as plain data (floats by repr: NaN equals NaN), to compare two states."""
+    if isinstance(x, float):
+        return repr(x)
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    if isinstance(x, dict):
+        return {repr(k): _dump(v) for k, v in x.items()}
+    if isinstance(x, (set, frozenset)):
+        return sorted(repr(v) for v in x)
+    if isinstance(x, (list, tuple)) or type(x).__name__ == "deque":
+        return [_dump(v) for v in x]
+    slots = [a for c in type(x).__mro__ for a in getattr(c, "__slots__", ())]
+    attrs = {a: getattr(x, a) for a in slots if hasattr(x, a)}
+    attrs.update(getattr(x, "__dict__", {}))
+    return {type(x).__name__: {k: _dump(v) for k, v in sorted(attrs.items())}}
+
+
 def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
     """Ranks whose inputs agree share one state (monitors/base.py SharedRankedMonitor): the findings, texts
     and ranks included, equal those of the same monitors with a state per rank, on streams where ranks
@@ -209,7 +227,9 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
             for m in mons:
                 if isinstance(m, Shared):
                     forks += sum(1 for mm in m._members.values() if mm[0].log is None)
-                    for rank in list(m._members):  # every rank's own state, rebuilt: what its own would be
+                    own = next(a for a in alone if a.name == m.name)
+                    for rank in list(m._members):  # every rank's state (rebuilt when behind) is what its own is
+                        assert _dump(m._state_of(rank)) == _dump(own._state_of(rank)), (log_max, name, m.name, rank)
                         if getattr(m, "heldout_source", None):
-                            assert m.heldout_source(rank) == next(a for a in alone if a.name == m.name).heldout_source(rank)
+                            assert m.heldout_source(rank) == own.heldout_source(rank)
         assert forks > 0  # the corpus does split states (and rebuild them), not only share them
