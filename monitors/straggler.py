@@ -149,10 +149,13 @@ class StragglerMonitor:
             self._newest = step
         if step <= self._floor:
             return []
-        pend = self._pending.get(step)
+        pending = self._pending
+        pend = pending.get(step)
         if pend is None:
-            pend = self._pending[step] = {}
+            pend = pending[step] = {}
         pend[rank] = (self._signals(record), record)
+        if len(pending) == 1 and step == self._newest and self._world is None:
+            return []  # only this step pending, nothing past it yet: not complete, not lagging (most records)
         return self._score_ready()
 
     def flush(self) -> list[Finding]:
@@ -254,8 +257,21 @@ class StragglerMonitor:
                 h = hist.get(r)
                 if h is None:
                     h = hist[r] = _Hist(window, thr)
-                h.add(s, ratio, excess)
-                if len(h.q) < window:
+                q = h.q  # h.add, inlined
+                if q and q[-1][0] >= s:
+                    h.rewind(s)
+                if len(q) == window:
+                    old = q[0][1]
+                    if old >= thr:
+                        h.nge -= 1
+                    elif old != old:
+                        h.nnan -= 1
+                q.append((s, ratio, excess))
+                if ratio >= thr:
+                    h.nge += 1
+                elif ratio != ratio:
+                    h.nnan += 1
+                if len(q) < window:
                     continue
                 # most steps of a healthy run: too few ratios past thr for the median to be (a NaN ratio
                 # sorts anywhere: then the median decides)
