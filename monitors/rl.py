@@ -397,7 +397,6 @@ class EntropyCollapseMonitor(_SharedRL):
         self.cfg = cfg or EntropyCollapseConfig()
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
-        self._both = (self._key, self._reward)
         self._gate = self._rewind_keys = self._own
         super().__init__()
 
@@ -441,8 +440,15 @@ class EntropyCollapseMonitor(_SharedRL):
                 f"reward tops out near {b + slope:.3g} once entropy is spent")
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        v = finite_floats(record, self._both)
-        return _NO_VALUE if v[0] is None else v
+        x = record.get(self._key[0])  # finite_of, its common case (a finite float) inlined
+        if type(x) is not float or x - x != 0.0:
+            x = finite_of(record, self._key)
+            if x is None:
+                return _NO_VALUE
+        r = record.get(self._reward[0])
+        if type(r) is not float or r - r != 0.0:
+            r = finite_of(record, self._reward)
+        return (x, r)
 
     def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
@@ -919,7 +925,10 @@ class ModeCollapseMonitor(_SharedRL):
         st.dlow = False
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        return (finite_of(record, self._key), finite_of(record, self._distinct) if self._distinct else None)
+        x = record.get(self._key[0])  # finite_of, its common case (a finite float) inlined
+        if type(x) is not float or x - x != 0.0:
+            x = finite_of(record, self._key)
+        return (x, finite_of(record, self._distinct) if self._distinct else None)
 
     def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
