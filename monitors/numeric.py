@@ -78,13 +78,19 @@ class NaNMonitor(RankedMonitor):
     def _check(self, st: _NaNState, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         out: list[Finding] = []
         for key, sp in self._keys:
-            raw = raw_of(record, sp)
+            raw = record.get(sp[0], _MISSING)  # raw_of, inlined
             if raw is _MISSING:
-                continue
-            v = number(raw)
+                if sp[1] is None:
+                    continue
+                raw = record.get(sp[1], _MISSING)
+                if raw is _MISSING:
+                    continue
+            v = raw if type(raw) is float else number(raw)
             if v is not None and v - v == 0.0:  # finite
-                st.numeric.add(key)
-                st.bad.discard(key)
+                if key not in st.numeric:
+                    st.numeric.add(key)
+                if st.bad:
+                    st.bad.discard(key)
                 continue
             if v is None:
                 if raw is not None or not (self.cfg.none_after_numeric and key in st.numeric):
