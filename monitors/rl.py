@@ -998,7 +998,15 @@ class StaleRolloutMonitor(_RL):
 
     # not shared: its check costs less than following a shared state
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        key, lag = first_finite(record, self._keys)
+        sp = self._keys[0] if self._keys else (None, None)
+        v = record.get(sp[0])
+        t = type(v)
+        if t is float and v - v == 0.0:  # first_finite's common case: the first key holds a number
+            key, lag = sp[0], v
+        elif t is int:
+            key, lag = sp[0], float(v)
+        else:
+            key, lag = first_finite(record, self._keys)
         if lag is None:
             return []
         out: list[Finding] = []
