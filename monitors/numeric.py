@@ -1,9 +1,11 @@
 """Numeric anomalies: NaN/Inf, loss spikes, grad-norm explosions.
 
-All three follow each rank's series separately and report a step once across
-ranks (``loss`` and ``grad_norm`` are global values in both adapters: TRL logs
-the rank-averaged loss and the clipped-before norm of the whole model,
-TorchTitan the global loss and norm).
+All three follow each rank's series and report a step once across ranks
+(``loss`` and ``grad_norm`` are global values in both adapters: TRL logs the
+rank-averaged loss and the clipped-before norm of the whole model, TorchTitan
+the global loss and norm); the loss-spike and grad-norm monitors keep one state
+for the ranks whose values agree (``SharedRankedMonitor``), the NaN check one per
+rank (it costs less than following a shared state).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ The keys are TRL's (``entropy``, ``kl``, ``reward``, ``frac_reward_zero_std``,
 ``completions/mean_length``, ``clip_ratio/region_mean``); the ptops TRL adapter
 writes them sanitised (``completions_mean_length``) and both spellings match.
 TRL gathers these across ranks before logging, so every rank carries the same
-value; each monitor still follows each rank and reports a step once.
+value; each monitor follows each rank and reports a step once, the ranks whose
+values agree sharing one state (``SharedRankedMonitor``; stale_rollout keeps one
+per rank: its check costs less than following).
 A monitor whose key never appears stays silent (SFT, pre-training).
 
 Why episodes: a condition that holds for 200 steps is one problem, not 200 (or a
