@@ -492,8 +492,8 @@ class EntropyCollapseMonitor(_SharedRL):
             st.below = 0
             st.short.clear()
         eta = None
-        if not collapsed and rel < cfg.project_gate_frac and len(st.long) >= cfg.window \
-                and len(st.short) >= cfg.short_window and st.short.tstat() <= -cfg.momentum_t:
+        if not collapsed and rel < cfg.project_gate_frac and len(st.long.q) >= cfg.window \
+                and len(st.short.q) >= cfg.short_window and st.short.tstat() <= -cfg.momentum_t:
             bl, bs = st.long.slope(), st.short.slope()
             if bl < 0 and bs < 0:
                 target = math.log(cfg.floor_frac * base)
@@ -598,7 +598,7 @@ class KLDriftMonitor(_SharedRL):
             over = len(st.smooth) >= cfg.smooth and cur > cfg.budget
         trending = False
         start = end = b = 0.0
-        if step > cfg.warmup_steps and len(st.fit) >= cfg.window and x >= cfg.min_kl:
+        if step > cfg.warmup_steps and len(st.fit.q) >= cfg.window and x >= cfg.min_kl:
             b = st.fit.slope()
             start, end = st.fit.at(st.fit.q[0][0]), st.fit.at(step)
             ups = st.nups / max(1, len(st.ups))
@@ -797,7 +797,7 @@ class RewardHackingMonitor(_SharedRL):
         lp.drop_before(step - 2 * span + 1)
         level = 0
         st.h_quiet = True
-        if step > cfg.warmup_steps and len(p) >= cfg.min_points:
+        if step > cfg.warmup_steps and len(p.q) >= cfg.min_points:
             rc, vc = p.r_xa(), p.r_xb()
             # the all-clear needs signs of health (the reward stopped climbing, or the held-out score
             # follows it), not only a noisy stretch where the evidence fell short of a finding
@@ -805,11 +805,11 @@ class RewardHackingMonitor(_SharedRL):
             if rc >= cfg.trend_corr:
                 if vc <= -cfg.trend_corr and p.t_xb() <= -cfg.few_t:
                     level = 2
-                elif vc <= cfg.flat_corr and rc >= cfg.diverge_corr and len(p) >= 2 * cfg.min_points:
+                elif vc <= cfg.flat_corr and rc >= cfg.diverge_corr and len(p.q) >= 2 * cfg.min_points:
                     level = 1  # weaker evidence than a fall: twice the values
             # many noisy points (a dense score): the slopes' t statistics see a trend that r (which
             # does not grow with the number of points) needs longer for
-            if level < 2 and len(lp) >= 2 * cfg.min_points and lp.t_xa() >= cfg.rise_t and lp.t_xb() <= -cfg.fall_t:
+            if level < 2 and len(lp.q) >= 2 * cfg.min_points and lp.t_xa() >= cfg.rise_t and lp.t_xb() <= -cfg.fall_t:
                 level = 2
             if level:
                 first, last = p.q[0], p.q[-1]
@@ -849,7 +849,7 @@ class RewardHackingMonitor(_SharedRL):
             return []
         level = st.h_level
         value, detail = st.h_value, st.h_detail
-        rising = step > cfg.warmup_steps and len(st.rfit) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
+        rising = step > cfg.warmup_steps and len(st.rfit.q) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
         coupled_of = st.coupled
         for i, (k, sp) in enumerate(self._coupled, 5):
             t = coupled_of[k]
@@ -857,7 +857,7 @@ class RewardHackingMonitor(_SharedRL):
             if y is not None:
                 t.add(step, r, y)
             coupled = False
-            if rising and y is not None and len(t) >= cfg.window:
+            if rising and y is not None and len(t.q) >= cfg.window:
                 start, end = t.b_line()
                 growth = (end - start) / abs(start) if abs(start) > 1e-9 else (math.inf if end > start else 0.0)
                 rk = t.r_ab()
