@@ -591,7 +591,7 @@ class SharedRankedMonitor(RankedMonitor):
             if k:
                 out += [k, k.replace("/", "_")]
         self._raw_keys = tuple(dict.fromkeys(out))
-        self._getters: dict[tuple, Any] = {}
+        self._layout: tuple | None = None
 
     def reset(self) -> None:
         super().reset()
@@ -733,11 +733,18 @@ class SharedRankedMonitor(RankedMonitor):
         rk = self._raw_keys
         raw = None
         if rk is not None and self._raw_ok:
-            present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
-            getter = self._getters.get(present)
-            if getter is None:
-                getter = self._getters[present] = itemgetter(*present)
-            raw = (getter, getter(record), tuple([k for k in rk if k not in present]))
+            lay = self._layout  # (getter of the present keys, the absent keys): the last record's, mostly the same
+            vals = None
+            if lay is not None and record.keys().isdisjoint(lay[1]):
+                try:
+                    vals = lay[0](record)
+                except KeyError:
+                    vals = None
+            if vals is None:
+                present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
+                lay = self._layout = (itemgetter(*present), tuple([k for k in rk if k not in present]))
+                vals = lay[0](record)
+            raw = (lay[0], vals, lay[1])
         node.log.append((step, inputs, record, rew, tuple(tried), raw))
         node.pos += 1
         m[1] = node.pos
