@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -98,6 +99,30 @@ def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1) -> dict[str, flo
     return out
 
 
+def per_state(ranks: int, steps: int, reps: int = 5) -> dict[str, dict[str, float]]:
+    """Each monitor alone on one run of ``ranks`` ranks vs on rank 0's records only (the full work of one
+    state per step): what a further rank pays to follow the state the ranks share, best of ``reps``."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("pretrain", "grpo"):
+        recs = synth.pretrain(steps, 0, ranks=ranks, with_busy=True, with_data=True) if kind == "pretrain" \
+            else synth.grpo(steps, 0, ranks=ranks)
+        one = [r for r in recs if r["rank"] == 0]
+        for name, cls in MONITOR_CLASSES.items():
+            def t(stream: list) -> float:
+                best = math.inf
+                for _ in range(reps):
+                    m = cls()
+                    t0 = time.process_time()
+                    for r in stream:
+                        m.feed(r)
+                    best = min(best, (time.process_time() - t0) / len(stream) * 1e6)
+                return best
+            a, b = t(one), t(recs)
+            out[f"{kind}/{name}"] = {"one_state": round(a, 3), "all_ranks": round(b, 3),
+                                     "each_further_rank": round((b * ranks - a) / (ranks - 1), 3)}
+    return out
+
+
 def false_positives(seeds: int) -> dict[str, object]:
     synthetic = {"runs": 0, "steps": 0, "findings": 0, "runs_with_findings": 0, "by_monitor": {}}
     for seed in range(seeds):
@@ -159,10 +184,28 @@ def main() -> None:
     ap.add_argument("--against", metavar="GIT_REF", help="also measure the monitors as they were at this git ref, "
                     "in the same run (interleaved passes), and print new/old ratios")
     ap.add_argument("--cost-only", action="store_true")
+    ap.add_argument("--per-state", action="store_true", help="each monitor on one run vs on rank 0's records only: "
+                    "one state's work per step and what each further rank pays to follow it (with --out: added)")
     ap.add_argument("--out", metavar="FILE", help="--against: also write the figures, with the date, the load average "
                     "and the command, to this JSON file (bench/results/monitors_bench.json)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.per_state:
+        res_p = per_state(a.ranks, a.steps if a.steps != 2000 else 600)
+        print(f"us per record, one run of {a.ranks} ranks: one state (rank 0 only) / all ranks / each further rank")
+        for k, v in res_p.items():
+            print(f"  {k:32s} {v['one_state']:7.2f} {v['all_ranks']:7.2f} {v['each_further_rank']:7.2f}")
+        if a.out:
+            import os
+
+            path = Path(a.out)
+            runs_all = json.loads(path.read_text()) if path.exists() else {}
+            runs_all["per_state"] = {"meta": {"command": "bench/monitors_bench.py " + " ".join(sys.argv[1:]),
+                                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                              "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]},
+                                     **res_p}
+            path.write_text(json.dumps(runs_all, indent=2) + "\n")
+        return
     if a.against:
         old_pkg = monitors_at(a.against)
         new_runs, old_runs = [], []
