@@ -521,7 +521,7 @@ class RankedMonitor:
 # ---------------------------------------------------------------- one state for the ranks that agree
 
 _LOG_MAX = 1024  # transitions kept before a checkpoint (a copy of the shared state) replaces them
-_JOIN_WINDOW = 4  # transitions during which a new rank may join the first rank's state
+_JOIN_WINDOW = 4  # transitions a fresh group with one member keeps logging for other ranks to join
 
 
 def _same_sig(a: tuple, b: tuple) -> bool:
@@ -541,7 +541,7 @@ class _Node:
 
     ``state`` is the state after ``pos`` transitions; ``base`` a copy of the state after ``pos0``
     (None: the fresh state, pos0 == 0); ``log[i]`` the transition ``pos0 + i``: (step, inputs, record,
-    rewound, emissions tried). A member at an earlier position catches up by checking that its inputs are
+    rewound, emissions tried, the raw values' fingerprint or None). A member at an earlier position catches up by checking that its inputs are
     the logged ones and replaying the emissions tried (deduplicated as its own ``_check`` would be);
     a member whose inputs differ gets its own state: the base, replayed up to its position."""
 

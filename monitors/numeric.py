@@ -24,7 +24,6 @@ from .base import (
     median_sorted,
     number,
     quantile_sorted,
-    raw_of,
     spelled,
 )
 from .config import GradExplosionConfig, LossSpikeConfig, NanConfig
