@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/monitors_bench.py [--seeds 20] [--ranks 8] [--steps 2000] [--reps 3] [--json]
     .venv/bin/python bench/monitors_bench.py --against f13977c   # cost now vs a git ref, same run
+    .venv/bin/python bench/monitors_bench.py --against f13977c --runs 4   # the same, the pre-2026-11-30 stream
 
 1. cost: microseconds per record for each monitor alone and for the default
    set together, feeding synthetic healthy records (pre-training and GRPO keys)
    of ``--ranks`` ranks for ``--steps`` steps (the supervisor pays this per
-   record per rank);
+   record per rank); the ranks belong to one run (``--runs 1``: they report the
+   same global loss, reward, ..., as a real run's ranks do) or to several;
 2. false positives: findings on healthy traces - synthetic (``--seeds`` seeds
    x 3 kinds x 200 steps x 2 ranks) and the traces recorded from real tiny runs
    in tests/data/traces/ (``*-s<seed>.jsonl``);
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -35,10 +38,10 @@ import synth  # noqa: E402
 from ptops.monitors import MONITOR_CLASSES, build_monitors, replay  # noqa: E402
 
 
-def cost(ranks: int, steps: int, reps: int = 3, pkg=None) -> dict[str, float]:
+def cost(ranks: int, steps: int, reps: int = 3, pkg=None, runs_in_stream: int = 1) -> dict[str, float]:
     """Median over ``reps`` passes of each figure (the box is shared: one pass is noisy). ``pkg``: another
     copy of the monitors package to measure (``--against``), else ptops.monitors."""
-    runs = [_cost_once(ranks, steps, pkg) for _ in range(reps)]
+    runs = [_cost_once(ranks, steps, pkg, runs_in_stream) for _ in range(reps)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
@@ -62,17 +65,21 @@ def monitors_at(ref: str):
     return importlib.import_module("monitors_at_ref")
 
 
-def _cost_once(ranks: int, steps: int, pkg=None) -> dict[str, float]:
+def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1) -> dict[str, float]:
+    """``runs`` runs of ``ranks // runs`` ranks each, ranks numbered on, records ordered by (step, rank). One
+    run (default) is what the supervisor sees: the global values (loss, reward, ...) agree across its ranks;
+    ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30 (four 2-rank runs as one 8-rank job)."""
     classes = pkg.MONITOR_CLASSES if pkg is not None else MONITOR_CLASSES
     build = pkg.build_monitors if pkg is not None else build_monitors
+    per = ranks // runs
     recs = []
     for kind in ("pretrain", "grpo"):
-        for seed in range(ranks // 2):
-            gen = synth.pretrain(steps, seed, ranks=2, with_busy=True, with_data=True) if kind == "pretrain" \
-                else synth.grpo(steps, seed, ranks=2)
+        for seed in range(runs):
+            gen = synth.pretrain(steps, seed, ranks=per, with_busy=True, with_data=True) if kind == "pretrain" \
+                else synth.grpo(steps, seed, ranks=per)
             for r in gen:
                 r = dict(r)
-                r["rank"] = r["rank"] + 2 * seed
+                r["rank"] = r["rank"] + per * seed
                 recs.append((r["step"], r["rank"], kind, r))
     out: dict[str, float] = {}
     for kind in ("pretrain", "grpo"):
@@ -89,6 +96,30 @@ def _cost_once(ranks: int, steps: int, pkg=None) -> dict[str, float]:
             for m in mons:
                 m.feed(r)
         out[f"{kind}/ALL"] = (time.process_time() - t0) / len(stream) * 1e6
+    return out
+
+
+def per_state(ranks: int, steps: int, reps: int = 5) -> dict[str, dict[str, float]]:
+    """Each monitor alone on one run of ``ranks`` ranks vs on rank 0's records only (the full work of one
+    state per step): what a further rank pays to follow the state the ranks share, best of ``reps``."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("pretrain", "grpo"):
+        recs = synth.pretrain(steps, 0, ranks=ranks, with_busy=True, with_data=True) if kind == "pretrain" \
+            else synth.grpo(steps, 0, ranks=ranks)
+        one = [r for r in recs if r["rank"] == 0]
+        for name, cls in MONITOR_CLASSES.items():
+            def t(stream: list) -> float:
+                best = math.inf
+                for _ in range(reps):
+                    m = cls()
+                    t0 = time.process_time()
+                    for r in stream:
+                        m.feed(r)
+                    best = min(best, (time.process_time() - t0) / len(stream) * 1e6)
+                return best
+            a, b = t(one), t(recs)
+            out[f"{kind}/{name}"] = {"one_state": round(a, 3), "all_ranks": round(b, 3),
+                                     "each_further_rank": round((b * ranks - a) / (ranks - 1), 3)}
     return out
 
 
@@ -147,29 +178,64 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=3, help="passes per cost figure; the median is reported")
+    ap.add_argument("--runs", type=int, default=1, help="cost: the ranks' records come from this many runs (1: one "
+                    "run, whose ranks report the same global values, as the supervisor sees; ranks/2: the stream "
+                    "measured before 2026-11-30, four 2-rank runs fed as one)")
     ap.add_argument("--against", metavar="GIT_REF", help="also measure the monitors as they were at this git ref, "
                     "in the same run (interleaved passes), and print new/old ratios")
     ap.add_argument("--cost-only", action="store_true")
+    ap.add_argument("--per-state", action="store_true", help="each monitor on one run vs on rank 0's records only: "
+                    "one state's work per step and what each further rank pays to follow it (with --out: added)")
+    ap.add_argument("--out", metavar="FILE", help="--against: also write the figures, with the date, the load average "
+                    "and the command, to this JSON file (bench/results/monitors_bench.json)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.per_state:
+        res_p = per_state(a.ranks, a.steps if a.steps != 2000 else 600)
+        print(f"us per record, one run of {a.ranks} ranks: one state (rank 0 only) / all ranks / each further rank")
+        for k, v in res_p.items():
+            print(f"  {k:32s} {v['one_state']:7.2f} {v['all_ranks']:7.2f} {v['each_further_rank']:7.2f}")
+        if a.out:
+            import os
+
+            path = Path(a.out)
+            runs_all = json.loads(path.read_text()) if path.exists() else {}
+            runs_all["per_state"] = {"meta": {"command": "bench/monitors_bench.py " + " ".join(sys.argv[1:]),
+                                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                              "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]},
+                                     **res_p}
+            path.write_text(json.dumps(runs_all, indent=2) + "\n")
+        return
     if a.against:
         old_pkg = monitors_at(a.against)
         new_runs, old_runs = [], []
         for _ in range(a.reps):  # interleaved: both see the same load
-            new_runs.append(_cost_once(a.ranks, a.steps))
-            old_runs.append(_cost_once(a.ranks, a.steps, old_pkg))
+            new_runs.append(_cost_once(a.ranks, a.steps, runs=a.runs))
+            old_runs.append(_cost_once(a.ranks, a.steps, old_pkg, runs=a.runs))
         new = {k: statistics.median(r[k] for r in new_runs) for k in new_runs[0]}
         old = {k: statistics.median(r[k] for r in old_runs) for k in old_runs[0]}
         res_c = {"now": new, a.against: old, "ratio_now_over_old": {k: round(new[k] / old[k], 3) for k in new}}
+        if a.out:
+            import os
+
+            meta = {"command": "bench/monitors_bench.py " + " ".join(sys.argv[1:]),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                    "ranks": a.ranks, "runs": a.runs, "steps": a.steps, "reps": a.reps,
+                    "unit": "us per record, process CPU time, median of interleaved passes"}
+            path = Path(a.out)
+            runs_all = json.loads(path.read_text()) if path.exists() else {}
+            runs_all[f"runs={a.runs}"] = {"meta": meta, **res_c}
+            path.write_text(json.dumps(runs_all, indent=2) + "\n")
         if a.json:
             print(json.dumps(res_c, indent=2))
         else:
-            print(f"cost (us per record, {a.ranks} ranks x {a.steps} steps, median of {a.reps} interleaved passes, "
-                  f"process CPU time): now vs {a.against}")
+            print(f"cost (us per record, {a.ranks} ranks of {a.runs} run(s) x {a.steps} steps, median of {a.reps} "
+                  f"interleaved passes, process CPU time): now vs {a.against}")
             for k in new:
                 print(f"  {k:32s} {new[k]:8.2f} {old[k]:8.2f}  x{new[k] / old[k]:.2f}")
         return
-    res = {"cost_us_per_record": cost(a.ranks, a.steps, a.reps)}
+    res = {"cost_us_per_record": cost(a.ranks, a.steps, a.reps, runs_in_stream=a.runs)}
     if a.cost_only:
         print(json.dumps(res, indent=2))
         return

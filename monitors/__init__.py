@@ -9,7 +9,7 @@ offline over a run's ``metrics.jsonl`` (``ptops diagnose``).
 
 from __future__ import annotations
 
-from .base import Finding, Monitor, RankedMonitor, number, replay
+from .base import Finding, Monitor, RankedMonitor, SharedRankedMonitor, number, replay
 from .config import (
     ACTIONS,
     EntropyCollapseConfig,
@@ -63,7 +63,7 @@ class MonitorConfigError(ValueError):
 __all__ = [
     "ACTIONS", "FAMILIES", "MONITOR_CLASSES", "MONITOR_NAMES", "MONITORS", "RUNBOOKS", "MonitorInfo",
     "monitors_for_runbook",
-    "Finding", "Monitor", "MonitorConfigError", "RankedMonitor", "build_monitors", "number", "replay",
+    "Finding", "Monitor", "MonitorConfigError", "RankedMonitor", "SharedRankedMonitor", "build_monitors", "number", "replay",
     "MonitorsSection", "RollbackPolicy", "StragglerConfig", "NanConfig", "LossSpikeConfig",
     "GradExplosionConfig", "EntropyCollapseConfig", "KLDriftConfig", "RewardHackingConfig",
     "ModeCollapseConfig", "StaleRolloutConfig",

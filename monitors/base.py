@@ -15,8 +15,10 @@ them.
 
 from __future__ import annotations
 
+import copy
 import math
 from bisect import bisect_left, insort
+from operator import itemgetter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
@@ -174,6 +176,19 @@ def raw_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> Any:
     if v is _MISSING and spelling[1] is not None:
         return record.get(spelling[1], _MISSING)
     return v
+
+
+def finite_floats(record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]) -> tuple:
+    """:func:`finite_of` of each spelled key, as a tuple (a shared monitor's inputs); a float under the
+    first spelling is taken without a call (the common case)."""
+    out = []
+    for sp in spellings:
+        v = record.get(sp[0])
+        if type(v) is float and v - v == 0.0:
+            out.append(v)
+        else:
+            out.append(finite_of(record, sp))
+    return tuple(out)
 
 
 def finite_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> float | None:
@@ -441,6 +456,8 @@ class RankedMonitor:
     """
 
     name = ""
+    _silent = False  # SharedRankedMonitor: rebuilding a state, no findings
+    _tried: list | None = None  # SharedRankedMonitor: the emissions a logged transition tried
 
     def __init__(self) -> None:
         self.reset()
@@ -459,14 +476,25 @@ class RankedMonitor:
     def _check(self, state: Any, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:  # pragma: no cover
         raise NotImplementedError
 
+    _gate: frozenset | tuple | None = None  # a record with none of these keys changes nothing: return at once
+
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step, rank = step_and_rank(record)
-        if step is None:
+        gate = self._gate
+        if gate is not None and record.keys().isdisjoint(gate):
             return []
+        step = record.get("step")  # step_and_rank, inlined (every record of every monitor)
+        if type(step) is not int:
+            step = record_step(record)
+            if step is None:
+                return []
+        rank = record.get("rank", 0)
+        if type(rank) is not int:
+            rank = record_rank(record)
         state = self._ranks.get(rank)
         if state is None:
             state = self._ranks[rank] = self._new_state()
-        if self._rewinds(record):
+        rk = self._rewind_keys
+        if rk is None or not record.keys().isdisjoint(rk):
             last = self._last_step.get(rank)
             if last is not None and step <= last:
                 self._rewind(state, step)
@@ -477,10 +505,9 @@ class RankedMonitor:
             self._last_step[rank] = step
         return self._check(state, record, step, rank)
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        """Whether a record at an already-seen step means the run went back (resume, rollback). Every
-        record does here; a monitor fed side records (evals between steps) narrows it."""
-        return True
+    # Whether a record at an already-seen step means the run went back (resume, rollback): every record
+    # (None), or only one with any of these keys (a monitor fed side records, evals between steps, narrows it)
+    _rewind_keys: frozenset | tuple | None = None
 
     def _emit(self, out: list[Finding], record: Mapping[str, Any], step: int, rank: int, kind: str,
               value: float | None, detail: str, severity: Severity) -> None:
@@ -489,3 +516,346 @@ class RankedMonitor:
             return
         self._fired[key] = rank
         out.append(Finding(self.name, step, value, detail, severity, rank, record_attempt(record), record_ts(record)))
+
+
+# ---------------------------------------------------------------- one state for the ranks that agree
+
+_LOG_MAX = 1024  # transitions kept before a checkpoint (a copy of the shared state) replaces them
+_JOIN_WINDOW = 4  # transitions a fresh group with one member keeps logging for other ranks to join
+
+
+def _same_sig(a: tuple, b: tuple) -> bool:
+    """The same inputs: equal, and equal as what a monitor makes of them. Inputs are parsed (floats, None,
+    strings), where -0.0 == 0.0 (but may print differently) is the one trap; raw values (``_raw_keys``) are
+    checked for 1, 1.0 and True too (equal, but True is no number)."""
+    return a == b and (0.0 not in b or _strict_same(a, b))
+
+
+def _strict_same(a: tuple, b: tuple) -> bool:
+    return all(type(x) is type(y) and (type(x) is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, y))
+               for x, y in zip(a, b))
+
+
+class _Node:
+    """The state that ranks with the same inputs so far share, and how to get any member's state back.
+
+    ``state`` is the state after ``pos`` transitions; ``base`` a copy of the state after ``pos0``
+    (None: the fresh state, pos0 == 0); ``log[i]`` the transition ``pos0 + i``: (step, inputs, record,
+    rewound, emissions tried, the raw values' fingerprint or None). A member at an earlier position catches up by checking that its inputs are
+    the logged ones and replaying the emissions tried (deduplicated as its own ``_check`` would be);
+    a member whose inputs differ gets its own state: the base, replayed up to its position."""
+
+    __slots__ = ("state", "pos", "pos0", "base", "log", "n", "head")
+
+    def __init__(self, state: Any, pos: int, log: list | None) -> None:
+        self.state = state
+        self.pos = pos
+        self.pos0 = pos
+        self.base: Any = None
+        self.log = log
+        self.n = 1  # members
+        self.head = 1  # members at ``pos``
+
+
+class SharedRankedMonitor(RankedMonitor):
+    """A :class:`RankedMonitor` whose ranks share one state while their inputs agree.
+
+    Why: the keys these monitors read are global (TRL gathers them across ranks, TorchTitan logs the
+    global loss and norm), so N ranks would compute the same thing N times. Exact: a rank follows the
+    shared state only while every (step, inputs, rewind) it feeds equals what the state was advanced
+    with, and gets the same findings its own state would have given (the emissions the first rank
+    tried are replayed for it, against the same once-per-(step, kind) table); a rank that diverges gets
+    a state of its own, rebuilt from the last checkpoint. Ranks that differ from their first record on
+    (several runs' worth of ranks in one stream) group by their first transition. Subclasses implement
+    ``_inputs(record)`` (a tuple of everything ``_apply`` reads from the record) and ``_apply(state,
+    inputs, record, step, rank)``, which reads ``record`` only for the findings' ``attempt``/``ts``.
+    """
+
+    # Optional (``_set_raw_keys``): every key (all spellings) whose value ``_inputs`` reads or whose
+    # presence it tests; records with the same raw values there (missing told apart) give the same inputs,
+    # so a follower compares those instead of parsing. ``_raw_ok``, set by the monitor before each feed,
+    # says whether that holds for the record (e.g. only without held-out eval keys). Worth it only when
+    # ``_inputs`` costs more than a map over the keys.
+    share = True  # False: every rank keeps its own state (the reference the tests compare sharing with)
+    _raw_keys: tuple[str, ...] | None = None
+    _raw_ok = True
+    # inputs with which ``_apply`` changes nothing and finds nothing (no value to read): such a record
+    # is no transition at all (unless it rewinds), for the first rank and the followers alike
+    _noop: tuple = (None,)
+    # a monitor whose inputs are ``(finite_of(record, _one_key),)``: read inline, without a call
+    _one_key: tuple[str, str | None] | None = None
+
+    def _set_raw_keys(self, *keys: str | None) -> None:
+        out: list[str] = []
+        for k in keys:
+            if k:
+                out += [k, k.replace("/", "_")]
+        self._raw_keys = tuple(dict.fromkeys(out))
+        self._layout: tuple | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self._members: dict[int, list] = {}  # rank -> [node, position]
+        self._fresh: list[_Node] = []  # logging nodes that started from the fresh state (new ranks join one)
+        self._tried = None
+        self._silent = False
+
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _apply(self, state: Any, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _check(self, state: Any, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        return self._apply(state, self._inputs(record), record, step, rank)
+
+    def _state_of(self, rank: int) -> Any:
+        """The rank's own state (rebuilt when it is behind the state it shares), or None."""
+        m = self._members.get(rank)
+        if m is None:
+            return None
+        if m[1] < m[0].pos:
+            self._fork(m)
+        return m[0].state
+
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+        gate = self._gate
+        if gate is not None and record.keys().isdisjoint(gate):
+            return []
+        step = record.get("step")  # step_and_rank, inlined (every record of every monitor)
+        if type(step) is not int:
+            step = record_step(record)
+            if step is None:
+                return []
+        rank = record.get("rank", 0)
+        if type(rank) is not int:
+            rank = record_rank(record)
+        m = self._members.get(rank)  # [node, position, last step]
+        if m is None:
+            m = self._members[rank] = [None, 0, None]
+            self._place(m, None)
+        rew = False
+        rk = self._rewind_keys
+        if rk is None or rk is gate or not record.keys().isdisjoint(rk):  # (a record past the gate has one)
+            last = m[2]
+            if last is not None and step <= last:
+                rew = True
+                if self._fired:
+                    for key, r in list(self._fired.items()):
+                        if r == rank and key[0] >= step:
+                            del self._fired[key]
+            m[2] = step
+        node = m[0]
+        pos = m[1]
+        inputs = None
+        if node.log is not None and pos < node.pos:  # behind the shared state: follow it if the inputs agree
+            e = node.log[pos - node.pos0]
+            if e[0] == step and e[3] is rew:
+                # with _raw_keys, first the raw values the inputs come from: equal raw values, equal inputs,
+                # without parsing them (one C-level map; for monitors whose inputs cost more than that)
+                same = False
+                raw = e[5]
+                if raw is not None and self._raw_ok:
+                    # (the keys present in the first rank's record, as one itemgetter; their values; the absent)
+                    try:
+                        vals = raw[0](record)
+                    except KeyError:
+                        vals = None
+                    same = vals == raw[1] and record.keys().isdisjoint(raw[2]) and \
+                        (0 not in vals and 1 not in vals or _strict_same(raw[1], vals))
+                if not same:
+                    ei = e[1]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
+                    one = self._one_key
+                    if one is not None:  # one finite float under the key's first spelling: the common case
+                        v = record.get(one[0])
+                        if type(v) is not float or v - v != 0.0:
+                            v = finite_of(record, one)
+                            if v is None and not rew:
+                                return []  # changes nothing: not a transition (the leader logged none either)
+                        inputs = (v,)
+                        same = ei[0] == v and (v or _strict_same(ei, inputs))
+                    else:
+                        inputs = self._inputs(record)
+                        if not rew and inputs == self._noop:
+                            return []  # changes nothing: not a transition (the leader logged none either)
+                        same = ei == inputs and (0.0 not in inputs or _strict_same(ei, inputs))
+                if same:
+                    pos += 1
+                    m[1] = pos
+                    if pos == node.pos:
+                        node.head += 1
+                    if e[4]:
+                        out: list[Finding] = []
+                        self._replay(out, e[4], record, rank)
+                        return out
+                    return []
+            if inputs is None:
+                inputs = self._inputs(record)
+                if not rew and inputs == self._noop:
+                    return []
+            if pos:
+                self._fork(m)
+                return self._solo(m[0].state, inputs, record, step, rank, rew)
+            self._place(m, (step, inputs, rew))  # differs from its first record on: another group
+            node = m[0]
+            if node.pos:  # a group whose first transition is this one
+                return self._follow(m, node, node.log[0], record, rank)
+        if inputs is None:
+            one = self._one_key
+            if one is not None:
+                v = record.get(one[0])
+                inputs = (v,) if type(v) is float and v - v == 0.0 else (finite_of(record, one),)
+            else:
+                inputs = self._inputs(record)
+            if not rew and inputs == self._noop:
+                return []  # changes nothing: not a transition
+        if node.log is None:  # alone for good: the plain path
+            st = node.state
+            if rew:
+                self._rewind(st, step)
+            return self._apply(st, inputs, record, step, rank)
+        if node.n == 1 and node.pos0 == 0 and node.pos >= _JOIN_WINDOW:
+            self._stop_logging(node)  # nobody joined
+            return self._solo(node.state, inputs, record, step, rank, rew)
+        # at the head: advance the shared state, logging the transition
+        if len(node.log) >= _LOG_MAX:
+            self._checkpoint(node)
+        if node.log is None:
+            return self._solo(node.state, inputs, record, step, rank, rew)
+        st = node.state
+        self._tried = tried = []
+        try:
+            if rew:
+                self._rewind(st, step)
+            out = self._apply(st, inputs, record, step, rank)
+        finally:
+            self._tried = None
+        rk = self._raw_keys
+        raw = None
+        if rk is not None and self._raw_ok:
+            lay = self._layout  # (getter of the present keys, the absent keys): the last record's, mostly the same
+            vals = None
+            if lay is not None and record.keys().isdisjoint(lay[1]):
+                try:
+                    vals = lay[0](record)
+                except KeyError:
+                    vals = None
+            if vals is None:
+                present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
+                lay = self._layout = (itemgetter(*present), tuple([k for k in rk if k not in present]))
+                vals = lay[0](record)
+            raw = (lay[0], vals, lay[1])
+        node.log.append((step, inputs, record, rew, tuple(tried), raw))
+        node.pos += 1
+        m[1] = node.pos
+        node.head = 1
+        return out
+
+    def _follow(self, m: list, node: _Node, e: tuple, record: Mapping[str, Any], rank: int) -> list[Finding]:
+        """Catch up with the logged transition ``e`` (the same inputs): the findings it tried, no work."""
+        pos = m[1] + 1
+        m[1] = pos
+        if pos == node.pos:
+            node.head += 1
+        out: list[Finding] = []
+        if e[4]:
+            self._replay(out, e[4], record, rank)
+        return out
+
+    def _solo(self, st: Any, inputs: tuple, record: Mapping[str, Any], step: int, rank: int, rew: bool) -> list[Finding]:
+        if rew:
+            self._rewind(st, step)
+        return self._apply(st, inputs, record, step, rank)
+
+    def _place(self, m: list, first: tuple | None) -> None:
+        """Put a rank at position 0 of a fresh group whose first transition is ``first`` (or that has none
+        yet), else of a new fresh group that logs; leaves its old group (if any)."""
+        old = m[0]
+        if not self.share:
+            m[0] = _Node(self._new_state(), 0, None)
+            return
+        target = None
+        for node in self._fresh:
+            if node is old or node.log is None or node.pos0 != 0:
+                continue
+            if node.pos == 0 or first is None:
+                target = node
+                break
+            e = node.log[0]
+            if e[0] == first[0] and e[3] is first[2] and _same_sig(e[1], first[1]):
+                target = node
+                break
+        if old is not None:
+            self._leave(old)
+        if target is None:
+            target = _Node(self._new_state(), 0, [])
+            target.n = 0
+            target.head = 0
+            self._fresh.append(target)
+        target.n += 1
+        if target.pos == 0:
+            target.head += 1
+        m[0] = target
+        m[1] = 0
+
+    def _leave(self, node: _Node) -> None:
+        """A member behind the head left ``node``."""
+        node.n -= 1
+        if node.n == 1 and node.head == 1:  # the one left is at the head: nobody to log for
+            self._stop_logging(node)
+
+    def _stop_logging(self, node: _Node) -> None:
+        node.log = None
+        node.base = None
+        if node in self._fresh:
+            self._fresh.remove(node)
+
+    def _checkpoint(self, node: _Node) -> None:
+        """Replace the log by a copy of the state; members behind get their own state first."""
+        if node.head < node.n:
+            for m in list(self._members.values()):
+                if m[0] is node and m[1] < node.pos:
+                    self._fork(m)
+        if node.log is None:
+            return
+        if node.n <= 1:
+            self._stop_logging(node)
+            return
+        node.base = copy.deepcopy(node.state)
+        node.pos0 = node.pos
+        node.log = []
+        if node in self._fresh:
+            self._fresh.remove(node)  # no fresh base any more: new ranks start elsewhere
+
+    def _fork(self, m: list) -> None:
+        """Give a member behind the shared state a state of its own, at its position."""
+        node, pos = m[0], m[1]
+        st = self._new_state() if node.base is None else copy.deepcopy(node.base)
+        self._silent = True
+        try:
+            for e in node.log[: pos - node.pos0]:
+                if e[3]:
+                    self._rewind(st, e[0])
+                self._apply(st, e[1], e[2], e[0], -1)
+        finally:
+            self._silent = False
+        self._leave(node)
+        m[0] = _Node(st, pos, None)
+        m[1] = pos
+
+    def _replay(self, out: list[Finding], tried: tuple, record: Mapping[str, Any], rank: int) -> None:
+        fired = self._fired
+        for key, step, value, text, severity, episode, phase in tried:
+            if key in fired:
+                continue
+            fired[key] = rank
+            out.append(Finding(self.name, step, value, text, severity, rank, record_attempt(record), record_ts(record),
+                               episode=episode, phase=phase))
+
+    def _emit(self, out: list[Finding], record: Mapping[str, Any], step: int, rank: int, kind: str,
+              value: float | None, detail: str, severity: Severity) -> None:
+        if self._silent:
+            return
+        if self._tried is not None:
+            self._tried.append(((step, kind), step, value, detail, severity, None, None))
+        super()._emit(out, record, step, rank, kind, value, detail, severity)

@@ -1,9 +1,11 @@
 """Numeric anomalies: NaN/Inf, loss spikes, grad-norm explosions.
 
-All three follow each rank's series separately and report a step once across
-ranks (``loss`` and ``grad_norm`` are global values in both adapters: TRL logs
-the rank-averaged loss and the clipped-before norm of the whole model,
-TorchTitan the global loss and norm).
+All three follow each rank's series and report a step once across ranks
+(``loss`` and ``grad_norm`` are global values in both adapters: TRL logs the
+rank-averaged loss and the clipped-before norm of the whole model, TorchTitan
+the global loss and norm); the loss-spike and grad-norm monitors keep one state
+for the ranks whose values agree (``SharedRankedMonitor``), the NaN check one per
+rank (it costs less than following a shared state).
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from .base import (
     _MISSING,
     Finding,
     RankedMonitor,
+    SharedRankedMonitor,
     SortedSeries,
     finite_of,
     median,
     median_sorted,
     number,
     quantile_sorted,
-    raw_of,
     spelled,
 )
 from .config import GradExplosionConfig, LossSpikeConfig, NanConfig
@@ -77,13 +79,19 @@ class NaNMonitor(RankedMonitor):
     def _check(self, st: _NaNState, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         out: list[Finding] = []
         for key, sp in self._keys:
-            raw = raw_of(record, sp)
+            raw = record.get(sp[0], _MISSING)  # raw_of, inlined
             if raw is _MISSING:
-                continue
-            v = number(raw)
+                if sp[1] is None:
+                    continue
+                raw = record.get(sp[1], _MISSING)
+                if raw is _MISSING:
+                    continue
+            v = raw if type(raw) is float else number(raw)
             if v is not None and v - v == 0.0:  # finite
-                st.numeric.add(key)
-                st.bad.discard(key)
+                if key not in st.numeric:
+                    st.numeric.add(key)
+                if st.bad:
+                    st.bad.discard(key)
                 continue
             if v is None:
                 if raw is not None or not (self.cfg.none_after_numeric and key in st.numeric):
@@ -98,7 +106,10 @@ class NaNMonitor(RankedMonitor):
         return out
 
 
-class LossSpikeMonitor(RankedMonitor):
+_NO_VALUE = (None,)  # inputs of a record the monitor does not judge
+
+
+class LossSpikeMonitor(SharedRankedMonitor):
     """Loss spike: robust z-score against a trailing window (``monitor="loss_spike"``).
 
     Reads ``cfg.key`` (``loss``). Per rank, over the last ``window`` finite
@@ -134,13 +145,16 @@ class LossSpikeMonitor(RankedMonitor):
         st[0].rewind(step)
         st[1] = False
 
-    def _check(self, st: list[Any], record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        cfg = self.cfg
-        if cfg.skip_rl and "reward" in record:
-            return []
-        x = finite_of(record, self._key)
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        if self.cfg.skip_rl and "reward" in record:
+            return _NO_VALUE
+        return (finite_of(record, self._key),)
+
+    def _apply(self, st: list[Any], inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        x = inputs[0]
         if x is None:
             return []
+        cfg = self.cfg
         series: SortedSeries = st[0]
         out: list[Finding] = []
         if step > cfg.warmup_steps and len(series) >= cfg.min_history:
@@ -159,7 +173,7 @@ class LossSpikeMonitor(RankedMonitor):
         return out
 
 
-class GradExplosionMonitor(RankedMonitor):
+class GradExplosionMonitor(SharedRankedMonitor):
     """Grad-norm explosion (``monitor="grad_explosion"``).
 
     Reads ``cfg.key`` (``grad_norm``; the adapters log the norm before clipping).
@@ -181,6 +195,7 @@ class GradExplosionMonitor(RankedMonitor):
     def __init__(self, cfg: GradExplosionConfig | None = None) -> None:
         self.cfg = cfg or GradExplosionConfig()
         self._key = spelled(self.cfg.key)
+        self._one_key = self._key
         super().__init__()
 
     def _new_state(self) -> list[Any]:
@@ -190,11 +205,14 @@ class GradExplosionMonitor(RankedMonitor):
         st[0].rewind(step)
         st[1] = False
 
-    def _check(self, st: list[Any], record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        cfg = self.cfg
-        x = finite_of(record, self._key)
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        return (finite_of(record, self._key),)
+
+    def _apply(self, st: list[Any], inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        x = inputs[0]
         if x is None:
             return []
+        cfg = self.cfg
         series: SortedSeries = st[0]
         out: list[Finding] = []
         detail = None

@@ -4,7 +4,9 @@ The keys are TRL's (``entropy``, ``kl``, ``reward``, ``frac_reward_zero_std``,
 ``completions/mean_length``, ``clip_ratio/region_mean``); the ptops TRL adapter
 writes them sanitised (``completions_mean_length``) and both spellings match.
 TRL gathers these across ranks before logging, so every rank carries the same
-value; each monitor still follows each rank and reports a step once.
+value; each monitor follows each rank and reports a step once, the ranks whose
+values agree sharing one state (``SharedRankedMonitor``; stale_rollout keeps one
+per rank: its check costs less than following).
 A monitor whose key never appears stays silent (SFT, pre-training).
 
 Why episodes: a condition that holds for 200 steps is one problem, not 200 (or a
@@ -25,8 +27,8 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import (Finding, RankedMonitor, finite_of, first_finite, first_number, get_number, median, record_attempt,
-                   record_ts, spelled)
+from .base import (Finding, RankedMonitor, SharedRankedMonitor, finite_floats, finite_of, first_finite, first_number, get_number, median,
+                   record_attempt, record_ts, spelled)
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,
@@ -306,6 +308,12 @@ class _RL(RankedMonitor):
     """Base of the RL monitors: per-rank state, episodes, and which records may rewind the state."""
 
     keys: tuple[str, ...] = ()  # a record carrying none of these is not this monitor's
+    _own: tuple[str, ...] = ()
+
+    # ``_gate`` and ``_rewind_keys``: ``_own`` (set in each monitor's __init__). A record with none of the monitor's keys
+    # (pre-training, SFT, an eval) changes nothing: no rewind (``_rewinds`` needs one of them), no value
+    # to read; one C-level test instead of a feed.
+
 
     def _new_state(self) -> _St:
         return _St()
@@ -320,17 +328,31 @@ class _RL(RankedMonitor):
                 level: int, value: float | None, detail: str, cleared: str) -> None:
         """Report the step's episode transition (``st.ep.update`` said which), once across ranks. The
         monitors build their texts only when there is a transition: no string work on a quiet step."""
-        key = (step, f"{phase}#{st.ep.n}")
-        if key in self._fired:
+        if self._silent:
             return
-        self._fired[key] = rank
+        key = (step, f"{phase}#{st.ep.n}")
+        tried = self._tried
+        if tried is None and key in self._fired:
+            return
         if phase == "resolved":
             severity, text = "info", f"all clear (episode {st.ep.n}): {cleared}"
         else:
             severity = _SEVERITY[level]
             text = detail if phase == "open" else f"escalated (episode {st.ep.n}): {detail}"
+        if tried is not None:  # a shared state's transition: the ranks that follow it replay this
+            tried.append((key, step, value, text, severity, st.ep.n, phase))
+            if key in self._fired:
+                return
+        self._fired[key] = rank
         out.append(Finding(self.name, step, value, text, severity, rank, record_attempt(record), record_ts(record),
                            episode=st.ep.n, phase=phase))
+
+
+class _SharedRL(_RL, SharedRankedMonitor):
+    """An RL monitor whose ranks share one state while their inputs agree (TRL logs gathered values)."""
+
+
+_NO_VALUE = (None,)
 
 
 def _median_small(q: deque) -> float:
@@ -341,7 +363,7 @@ def _median_small(q: deque) -> float:
     return vals[mid] if n % 2 else 0.5 * (vals[mid - 1] + vals[mid])
 
 
-class EntropyCollapseMonitor(_RL):
+class EntropyCollapseMonitor(_SharedRL):
     """Policy entropy collapsing (``monitor="entropy_collapse"``), forecast before it happens.
 
     Reads ``entropy``. Early level: median of the first ``baseline_steps`` values
@@ -377,6 +399,7 @@ class EntropyCollapseMonitor(_RL):
         self.cfg = cfg or EntropyCollapseConfig()
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
+        self._gate = self._rewind_keys = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -392,8 +415,6 @@ class EntropyCollapseMonitor(_RL):
         st.cui = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum u, sum r, sum uu, sum ur (u = e^H)
         return st
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -420,15 +441,26 @@ class EntropyCollapseMonitor(_RL):
         return (f"; R = -a*e^H + b fitted on {n} steps (a={-slope:.3g}, b={b:.3g}): "
                 f"reward tops out near {b + slope:.3g} once entropy is spent")
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        x = record.get(self._key[0])  # finite_of, its common case (a finite float) inlined
+        if type(x) is not float or x - x != 0.0:
+            x = finite_of(record, self._key)
+            if x is None:
+                return _NO_VALUE
+        r = record.get(self._reward[0])
+        if type(r) is not float or r - r != 0.0:
+            r = finite_of(record, self._reward)
+        return (x, r)
+
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        x = finite_of(record, self._key)
+        x = inputs[0]
         if x is None or step <= cfg.warmup_steps:
             return []
         st.smooth.append((step, x))
         lx = math.log(max(x, 1e-12))
         st.long.add(step, lx)
-        r = finite_of(record, self._reward)
+        r = inputs[1]
         if r is not None and x < 50:
             u = math.exp(x)
             c = st.cui
@@ -460,8 +492,8 @@ class EntropyCollapseMonitor(_RL):
             st.below = 0
             st.short.clear()
         eta = None
-        if not collapsed and rel < cfg.project_gate_frac and len(st.long) >= cfg.window \
-                and len(st.short) >= cfg.short_window and st.short.tstat() <= -cfg.momentum_t:
+        if not collapsed and rel < cfg.project_gate_frac and len(st.long.q) >= cfg.window \
+                and len(st.short.q) >= cfg.short_window and st.short.tstat() <= -cfg.momentum_t:
             bl, bs = st.long.slope(), st.short.slope()
             if bl < 0 and bs < 0:
                 target = math.log(cfg.floor_frac * base)
@@ -493,7 +525,7 @@ class EntropyCollapseMonitor(_RL):
         return out
 
 
-class KLDriftMonitor(_RL):
+class KLDriftMonitor(_SharedRL):
     """KL to the reference policy drifting (``monitor="kl_drift"``).
 
     Reads ``kl``. Rules: (1) budget - the median of the last ``smooth`` values
@@ -518,6 +550,8 @@ class KLDriftMonitor(_RL):
         self.cfg = cfg or KLDriftConfig()
         self._own = _spellings(self.cfg.key)
         self._key = spelled(self.cfg.key)
+        self._one_key = self._key
+        self._gate = self._rewind_keys = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -529,8 +563,6 @@ class KLDriftMonitor(_RL):
         st.prev = None
         return st
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -541,9 +573,12 @@ class KLDriftMonitor(_RL):
             st.nups -= st.ups.pop()[1]
         st.prev = st.fit.q[-1][1] if st.fit.q else None
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        return (finite_of(record, self._key),)
+
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        x = finite_of(record, self._key)
+        x = inputs[0]
         if x is None:
             return []
         st.smooth.append((step, x))
@@ -563,7 +598,7 @@ class KLDriftMonitor(_RL):
             over = len(st.smooth) >= cfg.smooth and cur > cfg.budget
         trending = False
         start = end = b = 0.0
-        if step > cfg.warmup_steps and len(st.fit) >= cfg.window and x >= cfg.min_kl:
+        if step > cfg.warmup_steps and len(st.fit.q) >= cfg.window and x >= cfg.min_kl:
             b = st.fit.slope()
             start, end = st.fit.at(st.fit.q[0][0]), st.fit.at(step)
             ups = st.nups / max(1, len(st.ups))
@@ -586,7 +621,7 @@ class KLDriftMonitor(_RL):
         return out
 
 
-class RewardHackingMonitor(_RL):
+class RewardHackingMonitor(_SharedRL):
     """Reward hacking (``monitor="reward_hacking"``).
 
     Reads ``reward``, a held-out score (``verifier_key``, else the first of
@@ -633,6 +668,12 @@ class RewardHackingMonitor(_RL):
         self._own = _spellings(self.cfg.reward_key)
         self._reward = spelled(self.cfg.reward_key)
         self._coupled = tuple((k, spelled(k)) for k in self.cfg.coupled_keys)
+        self._coupled_sp = tuple(sp for _, sp in self._coupled)
+        self._quick = _spellings(self.cfg.reward_key, *self._proxy)
+        self._proxy_sp = spelled(self._proxy[0]) if self._proxy else None
+        self._rewind_keys = self._own
+        self._set_raw_keys(self.cfg.reward_key, *self._proxy, *self.cfg.coupled_keys)
+        self._noop = (None,) * 5
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -658,8 +699,6 @@ class RewardHackingMonitor(_RL):
         st.h_src = None  # "proxy" (verifier_key) or "eval" (a held-out eval; once seen, the only source)
         return st
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -674,24 +713,47 @@ class RewardHackingMonitor(_RL):
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
-    def _heldout_value(self, st: _St, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
-        """A held-out eval score (``heldout_keys``, else the record's first ``heldout_prefix`` key) when
-        the record has one, else the verifier proxy - until a rank's first eval, which switches that
-        rank to evals for good (the proxy's pairs are dropped: a different score on a different scale)."""
-        k = v = None
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+        # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see _RL.feed)
+        keys = record.keys()
+        noeval = keys <= self._plain
+        if noeval and keys.isdisjoint(self._quick):
+            return []
+        self._raw_ok = noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
+        return SharedRankedMonitor.feed(self, record)
+
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply`` reads.
+        The eval score is a held-out eval (``heldout_keys``, else the record's first ``heldout_prefix``
+        key); the proxy is read only without one."""
+        r = finite_of(record, self._reward)
+        ek = ev = pk = pv = None
         if not record.keys() <= self._plain:  # a key not known to be plain: maybe an eval (one C set test)
-            k, v = first_number(record, self._evals)
-            if v is None and self._prefix:
-                k, v = self._prefixed(record)
+            ek, ev = first_number(record, self._evals)
+            if ev is None and self._prefix:
+                ek, ev = self._prefixed(record)
+        if ev is None and self._proxy:  # first_number over the one proxy key, its spellings computed once
+            pv = finite_of(record, self._proxy_sp)
+            if pv is not None:
+                pk = self._proxy[0]
+        if r is None:
+            return (r, ek, ev, pk, pv)
+        return (r, ek, ev, pk, pv) + finite_floats(record, self._coupled_sp)
+
+    def _heldout_value(self, st: _St, inputs: tuple) -> tuple[str | None, float | None]:
+        """The held-out eval score when the record has one, else the verifier proxy - until a rank's first
+        eval, which switches that rank to evals for good (the proxy's pairs are dropped: a different score
+        on a different scale)."""
+        v = inputs[2]
         if v is not None:
             if st.h_src != "eval":
                 if st.h_src == "proxy":
                     self._forget_heldout(st)
                 st.h_src = "eval"
-            return k, v
+            return inputs[1], v
         if st.h_src == "eval" or not self._proxy:
             return None, None
-        k, v = first_number(record, self._proxy)
+        k, v = inputs[3], inputs[4]
         if v is not None:
             st.h_src = "proxy"
         return k, v
@@ -716,7 +778,7 @@ class RewardHackingMonitor(_RL):
 
     def heldout_source(self, rank: int = 0) -> tuple[str | None, str | None]:
         """("eval" | "proxy" | None, the key last read) for a rank: what the held-out rules compare against."""
-        st = self._ranks.get(rank)
+        st = self._state_of(rank)
         return (st.h_src, st.h_key) if st is not None else (None, None)
 
     def _forget_heldout(self, st: _St) -> None:
@@ -735,7 +797,7 @@ class RewardHackingMonitor(_RL):
         lp.drop_before(step - 2 * span + 1)
         level = 0
         st.h_quiet = True
-        if step > cfg.warmup_steps and len(p) >= cfg.min_points:
+        if step > cfg.warmup_steps and len(p.q) >= cfg.min_points:
             rc, vc = p.r_xa(), p.r_xb()
             # the all-clear needs signs of health (the reward stopped climbing, or the held-out score
             # follows it), not only a noisy stretch where the evidence fell short of a finding
@@ -743,11 +805,11 @@ class RewardHackingMonitor(_RL):
             if rc >= cfg.trend_corr:
                 if vc <= -cfg.trend_corr and p.t_xb() <= -cfg.few_t:
                     level = 2
-                elif vc <= cfg.flat_corr and rc >= cfg.diverge_corr and len(p) >= 2 * cfg.min_points:
+                elif vc <= cfg.flat_corr and rc >= cfg.diverge_corr and len(p.q) >= 2 * cfg.min_points:
                     level = 1  # weaker evidence than a fall: twice the values
             # many noisy points (a dense score): the slopes' t statistics see a trend that r (which
             # does not grow with the number of points) needs longer for
-            if level < 2 and len(lp) >= 2 * cfg.min_points and lp.t_xa() >= cfg.rise_t and lp.t_xb() <= -cfg.fall_t:
+            if level < 2 and len(lp.q) >= 2 * cfg.min_points and lp.t_xa() >= cfg.rise_t and lp.t_xb() <= -cfg.fall_t:
                 level = 2
             if level:
                 first, last = p.q[0], p.q[-1]
@@ -761,10 +823,10 @@ class RewardHackingMonitor(_RL):
         st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
         st.h_level = 2 if st.h_conf2 >= cfg.confirm else 1 if st.h_conf >= cfg.confirm + 1 else 0
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
-        r = finite_of(record, self._reward)
-        hk, hv = self._heldout_value(st, record)
+        r = inputs[0]
+        hk, hv = self._heldout_value(st, inputs)
         if r is None and hv is None:
             return []
         if r is not None:
@@ -787,15 +849,15 @@ class RewardHackingMonitor(_RL):
             return []
         level = st.h_level
         value, detail = st.h_value, st.h_detail
-        rising = step > cfg.warmup_steps and len(st.rfit) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
+        rising = step > cfg.warmup_steps and len(st.rfit.q) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
         coupled_of = st.coupled
-        for k, sp in self._coupled:
+        for i, (k, sp) in enumerate(self._coupled, 5):
             t = coupled_of[k]
-            y = finite_of(record, sp)
+            y = inputs[i]
             if y is not None:
                 t.add(step, r, y)
             coupled = False
-            if rising and y is not None and len(t) >= cfg.window:
+            if rising and y is not None and len(t.q) >= cfg.window:
                 start, end = t.b_line()
                 growth = (end - start) / abs(start) if abs(start) > 1e-9 else (math.inf if end > start else 0.0)
                 rk = t.r_ab()
@@ -813,7 +875,7 @@ class RewardHackingMonitor(_RL):
         return out
 
 
-class ModeCollapseMonitor(_RL):
+class ModeCollapseMonitor(_SharedRL):
     """Mode collapse (``monitor="mode_collapse"``).
 
     Reads ``frac_reward_zero_std`` (fraction of GRPO groups whose completions
@@ -837,6 +899,8 @@ class ModeCollapseMonitor(_RL):
         self._own = _spellings(self.cfg.key, self.cfg.distinct_key)
         self._key = spelled(self.cfg.key)
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
+        self._noop = (None, None)
+        self._gate = self._rewind_keys = self._own
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -849,8 +913,6 @@ class ModeCollapseMonitor(_RL):
         st.dlow = False
         return st
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -864,13 +926,18 @@ class ModeCollapseMonitor(_RL):
             st.base = None
         st.dlow = False
 
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        x = record.get(self._key[0])  # finite_of, its common case (a finite float) inlined
+        if type(x) is not float or x - x != 0.0:
+            x = finite_of(record, self._key)
+        return (x, finite_of(record, self._distinct) if self._distinct else None)
+
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
         out: list[Finding] = []
         if step <= cfg.warmup_steps:
             return out
-        x = finite_of(record, self._key)
-        d = finite_of(record, self._distinct) if self._distinct else None
+        x, d = inputs
         if x is None and d is None:
             return out
         if x is not None:
@@ -927,13 +994,21 @@ class StaleRolloutMonitor(_RL):
         self.cfg = cfg or StaleRolloutConfig()
         self._own = _spellings(*self.cfg.keys)
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
+        self._gate = self._rewind_keys = self._own
         super().__init__()
 
-    def _rewinds(self, record: Mapping[str, Any]) -> bool:
-        return _has(record, self._own)
 
+    # not shared: its check costs less than following a shared state
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        key, lag = first_finite(record, self._keys)
+        sp = self._keys[0] if self._keys else (None, None)
+        v = record.get(sp[0])
+        t = type(v)
+        if t is float and v - v == 0.0:  # first_finite's common case: the first key holds a number
+            key, lag = sp[0], v
+        elif t is int:
+            key, lag = sp[0], float(v)
+        else:
+            key, lag = first_finite(record, self._keys)
         if lag is None:
             return []
         out: list[Finding] = []

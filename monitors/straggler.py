@@ -63,9 +63,10 @@ from .base import (
     median,
     number,
     record_attempt,
+    record_rank,
+    record_step,
     record_ts,
     spelled,
-    step_and_rank,
 )
 from .config import StragglerConfig
 
@@ -83,6 +84,11 @@ class StragglerMonitor:
         self._wait = tuple(spelled(k) for k in c.wait_keys)
         self._data = tuple(spelled(k) for k in c.data_keys)
         self._step_name = c.step_key + ("~wait" if c.step_s_mode == "wait_inferred" else "")
+        # every spelling of each key group: a record with none of a group skips its lookups (one C test)
+        self._busy_any = frozenset(k for sp in self._busy for k in sp if k)
+        self._wait_any = frozenset(k for sp in self._wait for k in sp if k)
+        self._data_any = frozenset(k for sp in self._data for k in sp if k)
+        self._thr = 1 + c.margin
         self.reset()
 
     def reset(self) -> None:
@@ -91,7 +97,7 @@ class StragglerMonitor:
         self._last: dict[int, int] = {}
         self._floor = -(1 << 62)  # steps <= floor are scored (or given up)
         self._pending: dict[int, dict[int, tuple[dict[str, float], Mapping[str, Any]]]] = {}
-        self._hist: dict[tuple[int, str], deque] = {}
+        self._hist: dict[str, dict[int, _Hist]] = {}  # signal -> rank -> its last ``window`` scored steps
         self._latched: set[tuple[int, str]] = set()
         self._newest = -(1 << 62)  # max(self._last.values()), kept as _last changes (was O(ranks) a record)
         self._expected_memo: tuple[tuple, set[int]] | None = None
@@ -101,16 +107,19 @@ class StragglerMonitor:
     def _signals(self, record: Mapping[str, Any]) -> dict[str, float]:
         cfg = self.cfg
         sig: dict[str, float] = {}
-        key, busy = first_finite(record, self._busy)
+        keys = record.keys()
+        key, busy = (None, None) if keys.isdisjoint(self._busy_any) else first_finite(record, self._busy)
         if busy is not None:
             sig[key or "busy"] = busy
         else:
             step_s = number(record.get(cfg.step_key))
-            wkey, wait = first_finite(record, self._wait)
+            wkey, wait = (None, None) if keys.isdisjoint(self._wait_any) else first_finite(record, self._wait)
             if wait is not None and step_s is not None and step_s == step_s:
                 sig[f"{cfg.step_key}-{wkey}"] = max(step_s - wait, 0.0)
             elif step_s is not None and step_s == step_s and step_s != _INF and cfg.step_s_mode != "off":
                 sig[self._step_name] = step_s
+        if keys.isdisjoint(self._data_any):
+            return sig
         dkey, data = first_finite(record, self._data)
         if data is not None:
             sig[dkey or "data"] = data
@@ -119,25 +128,34 @@ class StragglerMonitor:
     # ------------------------------------------------------------ feeding
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step, rank = step_and_rank(record)
-        if step is None:
-            return []
+        step = record.get("step")  # step_and_rank, inlined
+        if type(step) is not int:
+            step = record_step(record)
+            if step is None:
+                return []
+        rank = record.get("rank", 0)
+        if type(rank) is not int:
+            rank = record_rank(record)
         ws = record.get("world_size")
-        if isinstance(ws, int) and ws > 0:
+        if ws is not None and isinstance(ws, int) and ws > 0:
             self._world = ws
         last = self._last.get(rank)
-        if last is not None and step <= last:
+        if last is None:
+            self._known.add(rank)  # the ranks of _last (no other way in or out but reset)
+        elif step <= last:
             self._restart(step)
         self._last[rank] = step
         if step > self._newest:
             self._newest = step
-        self._known.add(rank)
         if step <= self._floor:
             return []
-        pend = self._pending.get(step)
+        pending = self._pending
+        pend = pending.get(step)
         if pend is None:
-            pend = self._pending[step] = {}
+            pend = pending[step] = {}
         pend[rank] = (self._signals(record), record)
+        if len(pending) == 1 and step == self._newest and self._world is None:
+            return []  # only this step pending, nothing past it yet: not complete, not lagging (most records)
         return self._score_ready()
 
     def flush(self) -> list[Finding]:
@@ -150,9 +168,9 @@ class StragglerMonitor:
     def _restart(self, step: int) -> None:
         """The run redoes ``step``: every rank will, so start over from there."""
         self._pending = {s: v for s, v in self._pending.items() if s < step}
-        for k, h in self._hist.items():
-            while h and h[-1][0] >= step:
-                h.pop()
+        for by_rank in self._hist.values():
+            for h in by_rank.values():
+                h.rewind(step)
         self._latched.clear()
         self._floor = min(self._floor, step - 1)
         for r in self._last:
@@ -171,10 +189,17 @@ class StragglerMonitor:
 
     def _score_ready(self) -> list[Finding]:
         out: list[Finding] = []
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             return out
         newest = self._newest
         expected = self._expected()
+        # the oldest pending step first, alone: most records complete nothing (the loop below would stop there)
+        s = min(pending)
+        if newest < s + self.cfg.lag_steps and len(pending) <= _MAX_PENDING and \
+                not ((newest > s or self._world is not None) and len(pending[s]) >= len(expected)
+                     and expected.issubset(pending[s])):
+            return out
         for s in sorted(self._pending):
             ranks = self._pending[s]
             # the length first: issubset of a dict builds a set of it (O(ranks) for every record of a step)
@@ -195,6 +220,10 @@ class StragglerMonitor:
         if not ranks or len(ranks) < 2:
             return out
         cfg = self.cfg
+        window = cfg.window
+        thr = self._thr
+        need = window - window // 2  # a median over the window reaches thr only if this many values do
+        latched = self._latched
         names: set[str] = set()
         for sig, _ in ranks.values():
             names.update(sig)
@@ -204,36 +233,65 @@ class StragglerMonitor:
                 continue
             inferred = name.endswith("~wait")
             srt = sorted(vals.values())
+            n = len(srt)
+            mid = (n - 1) // 2
+            odd = (n - 1) % 2
+            hist = self._hist.get(name)
+            if hist is None:
+                hist = self._hist[name] = {}
             for r, v in vals.items():
-                others = _median_without(srt, v)
+                # the median of the others: srt without one v (_median_without, inlined for the common case)
+                i = bisect_left(srt, v)
+                if i == n or srt[i] != v:
+                    others = _median_without(srt, v)
+                elif odd:
+                    others = srt[mid] if mid < i else srt[mid + 1]
+                else:
+                    others = 0.5 * ((srt[mid - 1] if mid - 1 < i else srt[mid]) + (srt[mid] if mid < i else srt[mid + 1]))
                 if inferred:  # the others waited for r: their step is longer than r's
-                    ratio = others / v if v > 0 else (float("inf") if others > 0 else 1.0)
+                    ratio = others / v if v > 0 else (_INF if others > 0 else 1.0)
                     excess = others - v
                 else:
-                    ratio = v / others if others > 0 else (float("inf") if v > 0 else 1.0)
+                    ratio = v / others if others > 0 else (_INF if v > 0 else 1.0)
                     excess = v - others
-                h = self._hist.get((r, name))
+                h = hist.get(r)
                 if h is None:
-                    h = self._hist[(r, name)] = deque(maxlen=cfg.window)
-                if h and h[-1][0] >= s:
-                    while h and h[-1][0] >= s:
-                        h.pop()
-                h.append((s, ratio, excess))
-                if len(h) < cfg.window:
+                    h = hist[r] = _Hist(window, thr)
+                q = h.q  # h.add, inlined
+                if q and q[-1][0] >= s:
+                    h.rewind(s)
+                if len(q) == window:
+                    old = q[0][1]
+                    if old >= thr:
+                        h.nge -= 1
+                    elif old != old:
+                        h.nnan -= 1
+                q.append((s, ratio, excess))
+                if ratio >= thr:
+                    h.nge += 1
+                elif ratio != ratio:
+                    h.nnan += 1
+                if len(q) < window:
                     continue
-                med_ratio = median([x[1] for x in h])
-                # the excess is needed only when the ratio passes (most steps of a healthy run it does not)
-                slow = med_ratio >= 1 + cfg.margin and median([x[2] for x in h]) >= cfg.min_excess_s
-                key = (r, name)
+                # most steps of a healthy run: too few ratios past thr for the median to be (a NaN ratio
+                # sorts anywhere: then the median decides)
+                if h.nge < need and not h.nnan:
+                    slow = False
+                else:
+                    med_ratio = median([x[1] for x in h.q])
+                    # the excess is needed only when the ratio passes (most steps of a healthy run it does not)
+                    slow = med_ratio >= thr and median([x[2] for x in h.q]) >= cfg.min_excess_s
                 if not slow:
-                    self._latched.discard(key)
+                    if latched:
+                        latched.discard((r, name))
                     continue
-                if key in self._latched:
+                key = (r, name)
+                if key in latched:
                     continue
-                self._latched.add(key)
-                med_excess = median([x[2] for x in h])
+                latched.add(key)
+                med_excess = median([x[2] for x in h.q])
                 rec = ranks[r][1]
-                first = h[0][0]
+                first = h.q[0][0]
                 if inferred:
                     detail = (f"rank {r}: the other ranks' {cfg.step_key} is {med_ratio:.2f}x its own "
                               f"(+{med_excess:.3f} s, median over steps {first}-{s}): they wait for rank {r} in the "
@@ -246,6 +304,42 @@ class StragglerMonitor:
                 out.append(Finding("straggler", s, med_ratio, f"{detail} [signal {signal}]", "warning", r,
                                    record_attempt(rec), record_ts(rec)))
         return out
+
+
+class _Hist:
+    """One rank's last ``window`` scored steps of one signal, (step, ratio, excess), with how many ratios
+    reach ``thr`` (and how many are NaN), kept as values enter and leave."""
+
+    __slots__ = ("q", "thr", "nge", "nnan")
+
+    def __init__(self, window: int, thr: float) -> None:
+        self.q: deque = deque(maxlen=window)
+        self.thr = thr
+        self.nge = 0
+        self.nnan = 0
+
+    def _drop(self, ratio: float) -> None:
+        if ratio >= self.thr:
+            self.nge -= 1
+        elif ratio != ratio:
+            self.nnan -= 1
+
+    def rewind(self, step: int) -> None:
+        q = self.q
+        while q and q[-1][0] >= step:
+            self._drop(q.pop()[1])
+
+    def add(self, s: int, ratio: float, excess: float) -> None:
+        q = self.q
+        if q and q[-1][0] >= s:
+            self.rewind(s)
+        if len(q) == q.maxlen:
+            self._drop(q[0][1])
+        q.append((s, ratio, excess))
+        if ratio >= self.thr:
+            self.nge += 1
+        elif ratio != ratio:
+            self.nnan += 1
 
 
 def _median_without(srt: list[float], v: float) -> float:

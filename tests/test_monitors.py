@@ -289,7 +289,8 @@ def test_config_defaults_policy_and_strictness():
 PKG = Path(__file__).parent.parent
 MONITOR_FILES = sorted(p.name for p in (PKG / "monitors").glob("*.py"))
 ALLOWED_IMPORTS = {"__future__", "math", "statistics", "dataclasses", "typing", "collections", "pydantic",
-                   "bisect"}  # bisect: sorted windows (pure, stdlib)
+                   "bisect", "copy", "operator"}  # bisect: sorted windows; copy: a shared state's checkpoint; operator:
+# itemgetter (pure, stdlib)
 CKPT_FILES = sorted(str(p.relative_to(PKG)) for p in (PKG / "ckpt").rglob("*.py"))
 CKPT_THIRD_PARTY = {"torch", "numpy"}
 
