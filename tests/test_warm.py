@@ -164,22 +164,16 @@ def test_warm_launch_without_a_pool_becomes_its_torchrun_fallback(tmp_path):
     assert p.returncode == 0 and "did not answer" in out and out.strip().endswith("FALLBACK"), out
 
 
-@pytest.mark.slow
-def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs, tmp_path):
-    """A real supervised titan-tiny run with ``warm_spare``: held before step 12 until the pool says it is
-    ready, then rank 1 crashes; the restart's ranks come from the pool (their logs have no engine import),
-    the run completes with the reference digest, and no process of the run is left."""
+def _warm_restart(run: Path, recipe: str, sets: list[str], crash_step: int) -> list[dict]:
+    """A supervised run with ``warm_spare``, held before ``crash_step`` until the pool is ready, then a
+    crash of rank 1 there; returns its events (the run must complete)."""
+    import json
+
     from conftest import PTOPS, run_ptops
 
-    from ptops.ckpt import digest
-    from ptops.ops.supervisor.procs import run_processes
-
-    ref = faulted_runs.get("reference")
-    assert ref.proc.returncode == 0
-    run = tmp_path / "warm"
-    argv = [*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=16",
-            "--set", "checkpoint.interval=5", "--set", "supervisor.restart.warm_spare=true",
-            "--fault", "crash:rank=1,step=12", "--fault", "hold:step=12,seconds=600", "--json"]
+    argv = [*PTOPS, "launch", recipe, "--supervise", "--run-dir", str(run), *sets, "--set",
+            "supervisor.restart.warm_spare=true", "--fault", f"crash:rank=1,step={crash_step}",
+            "--fault", f"hold:step={crash_step},seconds=600", "--json", "--no-mlflow"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log = run / "supervisor" / "warm.log"
@@ -193,16 +187,53 @@ def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    import json
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
 
-    ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
-    assert [e["exit_code"] for e in ev if e["kind"] == "crash"] == [-9]
-    assert [e["from_step"] for e in ev if e["kind"] == "restart"] == [10]
+
+def _assert_warm_attempt_2(run: Path) -> None:
     for r in (0, 1):  # attempt 1 started cold (no pool yet), the restart's ranks were forked warm
         cold = (run / "logs" / "attempt-1" / f"rank-{r}.log").read_text(errors="replace")
         warm = (run / "logs" / "attempt-2" / f"rank-{r}.log").read_text(errors="replace")
         assert "warm rank: forked from pool" not in cold and "warm rank: forked from pool" in warm, warm[:2000]
     launched = (run / "logs" / "attempt-2" / "torchrun.log").read_text(errors="replace")
     assert "2 ranks forked from the warm pool" in launched, launched[:2000]  # no torchrun for the restart
+
+
+@pytest.mark.slow
+def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
+    """The same for a TRL trainer (accelerate reads torchrun's environment, which the launcher sets): the
+    restart's ranks are forked from the pool and the final weights equal an uninterrupted run's."""
+    from conftest import run_ptops
+
+    from ptops.ckpt import digest
+    from ptops.ops.supervisor.procs import run_processes
+
+    ref = tmp_path / "ref"
+    p = run_ptops("launch", "trl-sft-tiny", "--supervise", "--run-dir", str(ref), "--no-mlflow")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "warm"
+    ev = _warm_restart(run, "trl-sft-tiny", [], crash_step=12)
+    assert [e["exit_code"] for e in ev if e["kind"] == "crash"] == [-9]
+    _assert_warm_attempt_2(run)
+    last = "checkpoint-20"
+    assert digest(run / "checkpoints" / last) == digest(ref / "checkpoints" / last)
+    assert run_processes(run) == []
+
+
+@pytest.mark.slow
+def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs, tmp_path):
+    """A real supervised titan-tiny run with ``warm_spare``: held before step 12 until the pool says it is
+    ready, then rank 1 crashes; the restart's ranks come from the pool (their logs have no engine import),
+    the run completes with the reference digest, and no process of the run is left."""
+    from ptops.ckpt import digest
+    from ptops.ops.supervisor.procs import run_processes
+
+    ref = faulted_runs.get("reference")
+    assert ref.proc.returncode == 0
+    run = tmp_path / "warm"
+    ev = _warm_restart(run, "titan-tiny", ["--set", "train.steps=16", "--set", "checkpoint.interval=5"], crash_step=12)
+    assert [e["exit_code"] for e in ev if e["kind"] == "crash"] == [-9]
+    assert [e["from_step"] for e in ev if e["kind"] == "restart"] == [10]
+    _assert_warm_attempt_2(run)
     assert digest(run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
     assert run_processes(run) == []
