@@ -26,6 +26,8 @@ POOL = textwrap.dedent("""
         how = os.environ["STUB"]
         print("child", os.getpid(), os.environ.get("MARK"), sys.argv[1:], os.getcwd(), flush=True)
         if how == "exit":
+            if "RANK" in os.environ:  # warmlaunch: one file per rank (their stdout lines may interleave)
+                open(os.environ["PIDFILE"] + "-exit-" + os.environ["RANK"], "w").close()
             os._exit(int(os.environ["CODE"]))
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -141,7 +143,8 @@ def launcher(name: str, tmp_path: Path, stub: str, nproc: int = 3, **env: str) -
 def test_warm_launch_all_ranks_exit_zero(pool, tmp_path):
     p = launcher(pool, tmp_path, "exit", CODE="0")
     out = p.communicate(timeout=60)[0]
-    assert p.returncode == 0 and out.count("child ") == 3 and "3 ranks forked from the warm pool" in out, out
+    assert p.returncode == 0 and "3 ranks forked from the warm pool" in out, out
+    assert sorted(f.name for f in tmp_path.glob("pid-exit-*")) == ["pid-exit-0", "pid-exit-1", "pid-exit-2"]
 
 
 def test_warm_launch_reports_the_failed_rank_as_torchrun_does_and_stops_the_others(pool, tmp_path):
