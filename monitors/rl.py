@@ -713,14 +713,13 @@ class RewardHackingMonitor(_SharedRL):
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
-    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+    def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see _RL.feed)
-        keys = record.keys()
         noeval = keys <= self._plain
         if noeval and keys.isdisjoint(self._quick):
             return []
         self._raw_ok = noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
-        return SharedRankedMonitor.feed(self, record)
+        return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply`` reads.
