@@ -400,6 +400,7 @@ class EntropyCollapseMonitor(_SharedRL):
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
         self._gate = self._rewind_keys = self._own
+        self._set_raw_keys(self.cfg.key, self.cfg.reward_key)  # a follower compares two raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -900,6 +901,7 @@ class ModeCollapseMonitor(_SharedRL):
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
         self._noop = (None, None)
         self._gate = self._rewind_keys = self._own
+        self._set_raw_keys(self.cfg.key, self.cfg.distinct_key)  # a follower compares raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
