@@ -591,7 +591,8 @@ class _Node:
 
     ``state`` is the state after ``pos`` transitions; ``base`` a copy of the state after ``pos0``
     (None: the fresh state, pos0 == 0); ``log[i]`` the transition ``pos0 + i``: (step, inputs, record,
-    rewound, emissions tried, the raw values' fingerprint or None). A member at an earlier position catches up by checking that its inputs are
+    rewound, emissions tried, the raw values' fingerprint (getter, values, absent keys, whether a value
+    equals 0 or 1) or None). A member at an earlier position catches up by checking that its inputs are
     the logged ones and replaying the emissions tried (deduplicated as its own ``_check`` would be);
     a member whose inputs differ gets its own state: the base, replayed up to its position."""
 
@@ -703,8 +704,8 @@ class SharedRankedMonitor(RankedMonitor):
                         vals = raw[0](record)
                     except KeyError:
                         vals = None
-                    same = vals == raw[1] and keys.isdisjoint(raw[2]) and \
-                        (0 not in vals and 1 not in vals or _strict_same(raw[1], vals))
+                    # (values equal to the leader's hold a 0 or a 1 only where its do: raw[3], tested once)
+                    same = vals == raw[1] and keys.isdisjoint(raw[2]) and (not raw[3] or _strict_same(raw[1], vals))
                 if not same:
                     ei = e[1]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
                     one = self._one_key
@@ -786,7 +787,7 @@ class SharedRankedMonitor(RankedMonitor):
                 present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
                 lay = self._layout = (itemgetter(*present), tuple([k for k in rk if k not in present]))
                 vals = lay[0](record)
-            raw = (lay[0], vals, lay[1])
+            raw = (lay[0], vals, lay[1], 0 in vals or 1 in vals)  # the last: -0.0/0/False, 1/True need the strict test
         node.log.append((step, inputs, record, rew, tuple(tried), raw))
         node.pos += 1
         m[1] = node.pos
