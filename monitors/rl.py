@@ -995,13 +995,14 @@ class StaleRolloutMonitor(_RL):
         self.cfg = cfg or StaleRolloutConfig()
         self._own = _spellings(*self.cfg.keys)
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
+        self._sp0 = self._keys[0] if self._keys else (None, None)
         self._gate = self._rewind_keys = self._own
         super().__init__()
 
 
     # not shared: its check costs less than following a shared state
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        sp = self._keys[0] if self._keys else (None, None)
+        sp = self._sp0
         v = record.get(sp[0])
         t = type(v)
         if t is float and v - v == 0.0:  # first_finite's common case: the first key holds a number
@@ -1012,8 +1013,10 @@ class StaleRolloutMonitor(_RL):
             key, lag = first_finite(record, self._keys)
         if lag is None:
             return []
-        out: list[Finding] = []
         stale = lag > self.cfg.max_lag
+        if not stale and not st.ep.level:
+            return []  # within the bound, no episode open: update() would change nothing (quiet is 0 then)
+        out: list[Finding] = []
         phase = st.ep.update(1 if stale else 0, not stale, self.cfg.clear_steps)
         if phase is not None:
             self._report(out, st, record, step, rank, phase, 1 if stale else 0, lag,
