@@ -111,7 +111,9 @@ class StragglerMonitor:
         if busy is not None:
             sig[key or "busy"] = busy
         else:
-            step_s = number(record.get(cfg.step_key))
+            step_s = record.get(cfg.step_key)
+            if type(step_s) is not float:  # number()'s common case inline
+                step_s = number(step_s)
             wkey, wait = (None, None) if keys.isdisjoint(self._wait_any) else first_finite(record, self._wait)
             if wait is not None and step_s is not None and step_s == step_s:
                 sig[f"{cfg.step_key}-{wkey}"] = max(step_s - wait, 0.0)
