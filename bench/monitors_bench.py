@@ -248,7 +248,8 @@ def main() -> None:
                     "unit": "us per record, process CPU time, median of interleaved passes"}
             path = Path(a.out)
             runs_all = json.loads(path.read_text()) if path.exists() else {}
-            runs_all[f"runs={a.runs}"] = {"meta": meta, **res_c}
+            key = f"runs={a.runs}" if a.against == "f13977c" else f"runs={a.runs},against={a.against}"
+            runs_all[key] = {"meta": meta, **res_c}
             path.write_text(json.dumps(runs_all, indent=2) + "\n")
         if a.json:
             print(json.dumps(res_c, indent=2))
