@@ -107,14 +107,18 @@ class StragglerMonitor:
     def _signals(self, record: Mapping[str, Any], keys: Any) -> dict[str, float]:
         cfg = self.cfg
         sig: dict[str, float] = {}
-        key, busy = (None, None) if keys.isdisjoint(self._busy_any) else first_finite(record, self._busy)
+        busy = None
+        if not keys.isdisjoint(self._busy_any):
+            key, busy = first_finite(record, self._busy)
         if busy is not None:
             sig[key or "busy"] = busy
         else:
             step_s = record.get(cfg.step_key)
             if type(step_s) is not float:  # number()'s common case inline
                 step_s = number(step_s)
-            wkey, wait = (None, None) if keys.isdisjoint(self._wait_any) else first_finite(record, self._wait)
+            wait = None
+            if not keys.isdisjoint(self._wait_any):
+                wkey, wait = first_finite(record, self._wait)
             if wait is not None and step_s is not None and step_s == step_s:
                 sig[f"{cfg.step_key}-{wkey}"] = max(step_s - wait, 0.0)
             elif step_s is not None and step_s == step_s and step_s != _INF and cfg.step_s_mode != "off":
