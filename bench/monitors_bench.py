@@ -5,7 +5,9 @@
     .venv/bin/python bench/monitors_bench.py --against f13977c --runs 4   # the same, the pre-2026-11-30 stream
 
 1. cost: microseconds per record for each monitor alone and for the default
-   set together, feeding synthetic healthy records (pre-training and GRPO keys)
+   set together, through the supervisor's live path (``MonitorFeed.feed``, error
+   handling included; ``--against REF``: that ref's monitors through that ref's
+   ``MonitorFeed``), feeding synthetic healthy records (pre-training and GRPO keys)
    of ``--ranks`` ranks for ``--steps`` steps (the supervisor pays this per
    record per rank); the ranks belong to one run (``--runs 1``: they report the
    same global loss, reward, ..., as a real run's ranks do) or to several;
@@ -36,6 +38,7 @@ sys.path.insert(0, str(TRACES))
 import synth  # noqa: E402
 
 from ptops.monitors import MONITOR_CLASSES, build_monitors, replay  # noqa: E402
+from ptops.ops.supervisor.monitorfeed import MonitorFeed  # noqa: E402 - the live path, what the bench measures
 
 
 def cost(ranks: int, steps: int, reps: int = 3, pkg=None, runs_in_stream: int = 1) -> dict[str, float]:
@@ -65,12 +68,30 @@ def monitors_at(ref: str):
     return importlib.import_module("monitors_at_ref")
 
 
-def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1) -> dict[str, float]:
+def live_feed_at(ref: str, pkg):
+    """The supervisor's ``MonitorFeed`` class as it was at git ``ref``, fed ``pkg`` (that ref's monitors): the
+    loop the supervisor ran then (its error handling; at f13977c one ``m.feed(rec)`` per monitor)."""
+    import subprocess
+    import types
+
+    text = subprocess.run(["git", "show", f"{ref}:ops/supervisor/monitorfeed.py"], cwd=REPO, check=True,
+                          capture_output=True, text=True).stdout
+    mod = types.ModuleType(f"monitorfeed_at_{ref}")
+    sys.modules[mod.__name__] = mod  # (dataclasses looks its module up)
+    exec(compile(text.replace("ptops.monitors", pkg.__name__), f"{ref}:ops/supervisor/monitorfeed.py", "exec"),
+         mod.__dict__)
+    return mod.MonitorFeed
+
+
+def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None) -> dict[str, float]:
     """``runs`` runs of ``ranks // runs`` ranks each, ranks numbered on, records ordered by (step, rank). One
     run (default) is what the supervisor sees: the global values (loss, reward, ...) agree across its ranks;
-    ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30 (four 2-rank runs as one 8-rank job)."""
+    ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30 (four 2-rank runs as one 8-rank job).
+    Every figure is the live path: ``MonitorFeed(monitors).feed(record)`` (``feed_cls``: another ref's), with
+    one monitor (each alone) or all of them (``ALL``)."""
     classes = pkg.MONITOR_CLASSES if pkg is not None else MONITOR_CLASSES
     build = pkg.build_monitors if pkg is not None else build_monitors
+    feed_cls = feed_cls or MonitorFeed
     per = ranks // runs
     recs = []
     for kind in ("pretrain", "grpo"):
@@ -85,17 +106,18 @@ def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1) -> dict[str, flo
     for kind in ("pretrain", "grpo"):
         stream = [r for s, rk, k, r in sorted(recs, key=lambda x: (x[0], x[1])) if k == kind]
         for name, cls in classes.items():
-            m = cls()
+            feed = feed_cls([cls()]).feed
             t0 = time.process_time()
             for r in stream:
-                m.feed(r)
+                feed(r)
             out[f"{kind}/{name}"] = (time.process_time() - t0) / len(stream) * 1e6
-        mons = build()
+        live = feed_cls(build())
+        feed = live.feed
         t0 = time.process_time()
         for r in stream:
-            for m in mons:
-                m.feed(r)
+            feed(r)
         out[f"{kind}/ALL"] = (time.process_time() - t0) / len(stream) * 1e6
+        assert not live.errors, live.errors  # a monitor that raised would make the figure meaningless
     return out
 
 
@@ -208,10 +230,11 @@ def main() -> None:
         return
     if a.against:
         old_pkg = monitors_at(a.against)
+        old_feed = live_feed_at(a.against, old_pkg)
         new_runs, old_runs = [], []
         for _ in range(a.reps):  # interleaved: both see the same load
             new_runs.append(_cost_once(a.ranks, a.steps, runs=a.runs))
-            old_runs.append(_cost_once(a.ranks, a.steps, old_pkg, runs=a.runs))
+            old_runs.append(_cost_once(a.ranks, a.steps, old_pkg, runs=a.runs, feed_cls=old_feed))
         new = {k: statistics.median(r[k] for r in new_runs) for k in new_runs[0]}
         old = {k: statistics.median(r[k] for r in old_runs) for k in old_runs[0]}
         res_c = {"now": new, a.against: old, "ratio_now_over_old": {k: round(new[k] / old[k], 3) for k in new}}
@@ -225,7 +248,8 @@ def main() -> None:
                     "unit": "us per record, process CPU time, median of interleaved passes"}
             path = Path(a.out)
             runs_all = json.loads(path.read_text()) if path.exists() else {}
-            runs_all[f"runs={a.runs}"] = {"meta": meta, **res_c}
+            key = f"runs={a.runs}" if a.against == "f13977c" else f"runs={a.runs},against={a.against}"
+            runs_all[key] = {"meta": meta, **res_c}
             path.write_text(json.dumps(runs_all, indent=2) + "\n")
         if a.json:
             print(json.dumps(res_c, indent=2))

@@ -3,13 +3,14 @@
     from ptops.monitors import MonitorsSection, build_monitors, replay
     findings = replay(records, build_monitors(MonitorsSection()))
 
-The same objects run live in the supervisor (``m.feed(record)`` per record) and
-offline over a run's ``metrics.jsonl`` (``ptops diagnose``).
+The same objects run live in the supervisor and offline over a run's ``metrics.jsonl``
+(``ptops diagnose``): ``m.feed(record)`` per record, or, where every monitor gets the record,
+``feed_at(record, keys, step, rank)`` with the record parsed once for all (``fast_entries``).
 """
 
 from __future__ import annotations
 
-from .base import Finding, Monitor, RankedMonitor, SharedRankedMonitor, number, replay
+from .base import Finding, Monitor, RankedMonitor, SharedRankedMonitor, fast_entries, number, replay
 from .config import (
     ACTIONS,
     EntropyCollapseConfig,
@@ -63,7 +64,7 @@ class MonitorConfigError(ValueError):
 __all__ = [
     "ACTIONS", "FAMILIES", "MONITOR_CLASSES", "MONITOR_NAMES", "MONITORS", "RUNBOOKS", "MonitorInfo",
     "monitors_for_runbook",
-    "Finding", "Monitor", "MonitorConfigError", "RankedMonitor", "SharedRankedMonitor", "build_monitors", "number", "replay",
+    "Finding", "Monitor", "MonitorConfigError", "RankedMonitor", "SharedRankedMonitor", "build_monitors", "fast_entries", "number", "replay",
     "MonitorsSection", "RollbackPolicy", "StragglerConfig", "NanConfig", "LossSpikeConfig",
     "GradExplosionConfig", "EntropyCollapseConfig", "KLDriftConfig", "RewardHackingConfig",
     "ModeCollapseConfig", "StaleRolloutConfig",

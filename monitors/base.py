@@ -102,7 +102,8 @@ class Monitor(Protocol):
     ``feed`` must be cheap (it runs for every record of every rank), must not
     raise on odd records (missing keys, strings, None) and must be
     deterministic: the same records in the same order give the same findings.
-    ``reset`` forgets everything (a new run).
+    ``reset`` forgets everything (a new run). Optional: ``feed_at(record, keys, step, rank)``, the same
+    findings from a record already parsed (see :func:`fast_entries`).
     """
 
     name: str
@@ -121,16 +122,59 @@ def replay(records: Iterable[Mapping[str, Any]], monitors: Iterable[Monitor], fl
     what they still hold at the end of the stream, as a finished run would.
     """
     mons = list(monitors)
+    calls = fast_entries(mons)
     out: list[Finding] = []
     for record in records:
-        for m in mons:
-            out.extend(m.feed(record))
+        step = record.get("step")  # step_and_rank, once for every monitor
+        if type(step) is not int:
+            step = record_step(record)
+            if step is None:
+                for m in mons:
+                    out.extend(m.feed(record))
+                continue
+        rank = record.get("rank", 0)
+        if type(rank) is not int:
+            rank = record_rank(record)
+        keys = record.keys()
+        for f in calls:
+            found = f(record, keys, step, rank)
+            if found:
+                out.extend(found)
     if flush:
         for m in mons:
             f = getattr(m, "flush", None)
             if f is not None:
                 out.extend(f())
     return out
+
+
+def fast_entries(monitors: Iterable[Monitor]) -> list:
+    """Each monitor's ``feed_at(record, keys, step, rank)`` (the record parsed once for all of them: its
+    ``keys()`` and :func:`step_and_rank`, step not None), or an adapter to ``feed(record)`` for a monitor
+    without one. ``replay`` and the supervisor's ``MonitorFeed`` call these; a record without a step goes
+    to ``feed`` (every monitor here ignores it)."""
+    out = []
+    for m in monitors:
+        f = getattr(m, "feed_at", None)
+        if f is None or _feed_overridden(m):
+            f = _plain_entry(m.feed)
+        out.append(f)
+    return out
+
+
+def _feed_overridden(m: Any) -> bool:
+    """Whether ``feed`` was redefined below the class that defines ``feed_at`` (or on the object): then
+    ``feed`` is what the monitor means, and the fast entry would skip it."""
+    if "feed" in getattr(m, "__dict__", ()):
+        return True
+    mro = type(m).__mro__
+    i = next((n for n, c in enumerate(mro) if "feed" in c.__dict__), len(mro))
+    j = next((n for n, c in enumerate(mro) if "feed_at" in c.__dict__), len(mro))
+    return i < j
+
+
+def _plain_entry(feed: Any) -> Any:
+    return lambda record, keys, step, rank: feed(record)
 
 
 # ---------------------------------------------------------------- helpers shared by the monitors
@@ -479,10 +523,7 @@ class RankedMonitor:
     _gate: frozenset | tuple | None = None  # a record with none of these keys changes nothing: return at once
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        gate = self._gate
-        if gate is not None and record.keys().isdisjoint(gate):
-            return []
-        step = record.get("step")  # step_and_rank, inlined (every record of every monitor)
+        step = record.get("step")  # step_and_rank, inlined
         if type(step) is not int:
             step = record_step(record)
             if step is None:
@@ -490,11 +531,20 @@ class RankedMonitor:
         rank = record.get("rank", 0)
         if type(rank) is not int:
             rank = record_rank(record)
+        return self.feed_at(record, record.keys(), step, rank)
+
+    def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
+        """``feed`` with what every monitor would parse given once: ``keys`` is ``record.keys()``, ``step``
+        and ``rank`` are :func:`step_and_rank`'s (``step`` not None). Why: the supervisor feeds each record
+        to every monitor; parsing it once for all (``feed_all``, ``MonitorFeed``) saves ~0.3 µs a monitor."""
+        gate = self._gate
+        if gate is not None and keys.isdisjoint(gate):
+            return []
         state = self._ranks.get(rank)
         if state is None:
             state = self._ranks[rank] = self._new_state()
         rk = self._rewind_keys
-        if rk is None or not record.keys().isdisjoint(rk):
+        if rk is None or not keys.isdisjoint(rk):
             last = self._last_step.get(rank)
             if last is not None and step <= last:
                 self._rewind(state, step)
@@ -541,7 +591,8 @@ class _Node:
 
     ``state`` is the state after ``pos`` transitions; ``base`` a copy of the state after ``pos0``
     (None: the fresh state, pos0 == 0); ``log[i]`` the transition ``pos0 + i``: (step, inputs, record,
-    rewound, emissions tried, the raw values' fingerprint or None). A member at an earlier position catches up by checking that its inputs are
+    rewound, emissions tried, the raw values' fingerprint (getter, values, absent keys, whether a value
+    equals 0 or 1) or None). A member at an earlier position catches up by checking that its inputs are
     the logged ones and replaying the emissions tried (deduplicated as its own ``_check`` would be);
     a member whose inputs differ gets its own state: the base, replayed up to its position."""
 
@@ -618,25 +669,17 @@ class SharedRankedMonitor(RankedMonitor):
             self._fork(m)
         return m[0].state
 
-    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+    def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         gate = self._gate
-        if gate is not None and record.keys().isdisjoint(gate):
+        if gate is not None and keys.isdisjoint(gate):
             return []
-        step = record.get("step")  # step_and_rank, inlined (every record of every monitor)
-        if type(step) is not int:
-            step = record_step(record)
-            if step is None:
-                return []
-        rank = record.get("rank", 0)
-        if type(rank) is not int:
-            rank = record_rank(record)
         m = self._members.get(rank)  # [node, position, last step]
         if m is None:
             m = self._members[rank] = [None, 0, None]
             self._place(m, None)
         rew = False
         rk = self._rewind_keys
-        if rk is None or rk is gate or not record.keys().isdisjoint(rk):  # (a record past the gate has one)
+        if rk is None or rk is gate or not keys.isdisjoint(rk):  # (a record past the gate has one)
             last = m[2]
             if last is not None and step <= last:
                 rew = True
@@ -661,8 +704,8 @@ class SharedRankedMonitor(RankedMonitor):
                         vals = raw[0](record)
                     except KeyError:
                         vals = None
-                    same = vals == raw[1] and record.keys().isdisjoint(raw[2]) and \
-                        (0 not in vals and 1 not in vals or _strict_same(raw[1], vals))
+                    # (values equal to the leader's hold a 0 or a 1 only where its do: raw[3], tested once)
+                    same = vals == raw[1] and keys.isdisjoint(raw[2]) and (not raw[3] or _strict_same(raw[1], vals))
                 if not same:
                     ei = e[1]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
                     one = self._one_key
@@ -735,7 +778,7 @@ class SharedRankedMonitor(RankedMonitor):
         if rk is not None and self._raw_ok:
             lay = self._layout  # (getter of the present keys, the absent keys): the last record's, mostly the same
             vals = None
-            if lay is not None and record.keys().isdisjoint(lay[1]):
+            if lay is not None and keys.isdisjoint(lay[1]):
                 try:
                     vals = lay[0](record)
                 except KeyError:
@@ -744,7 +787,7 @@ class SharedRankedMonitor(RankedMonitor):
                 present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
                 lay = self._layout = (itemgetter(*present), tuple([k for k in rk if k not in present]))
                 vals = lay[0](record)
-            raw = (lay[0], vals, lay[1])
+            raw = (lay[0], vals, lay[1], 0 in vals or 1 in vals)  # the last: -0.0/0/False, 1/True need the strict test
         node.log.append((step, inputs, record, rew, tuple(tried), raw))
         node.pos += 1
         m[1] = node.pos

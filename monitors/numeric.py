@@ -68,6 +68,8 @@ class NaNMonitor(RankedMonitor):
     def __init__(self, cfg: NanConfig | None = None) -> None:
         self.cfg = cfg or NanConfig()
         self._keys = tuple((k, spelled(k)) for k in self.cfg.keys)
+        self._firsts = tuple(sp[0] for _, sp in self._keys)
+        self._nkeys = len(set(self.cfg.keys))
         super().__init__()
 
     def _new_state(self) -> _NaNState:
@@ -77,6 +79,15 @@ class NaNMonitor(RankedMonitor):
         state.bad.clear()
 
     def _check(self, st: _NaNState, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        if not st.bad and len(st.numeric) == self._nkeys:
+            # the common case: every key seen numeric, none bad, each a finite float under its first
+            # spelling now (the loop below would change nothing): one pass, no set work
+            for k in self._firsts:
+                v = record.get(k)
+                if type(v) is not float or v - v != 0.0:
+                    break
+            else:
+                return []
         out: list[Finding] = []
         for key, sp in self._keys:
             raw = record.get(sp[0], _MISSING)  # raw_of, inlined
@@ -144,6 +155,16 @@ class LossSpikeMonitor(SharedRankedMonitor):
     def _rewind(self, st: list[Any], step: int) -> None:
         st[0].rewind(step)
         st[1] = False
+
+    def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
+        if "reward" in keys and self.cfg.skip_rl:  # an RL record: no value to read (see _inputs)
+            m = self._members.get(rank)
+            if m is not None:
+                last = m[2]
+                if last is None or step > last:  # and no rewind: no transition, nothing but the last step
+                    m[2] = step
+                    return []
+        return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         if self.cfg.skip_rl and "reward" in record:

@@ -400,6 +400,7 @@ class EntropyCollapseMonitor(_SharedRL):
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
         self._gate = self._rewind_keys = self._own
+        self._set_raw_keys(self.cfg.key, self.cfg.reward_key)  # a follower compares two raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -713,14 +714,13 @@ class RewardHackingMonitor(_SharedRL):
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
-    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+    def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see _RL.feed)
-        keys = record.keys()
         noeval = keys <= self._plain
         if noeval and keys.isdisjoint(self._quick):
             return []
         self._raw_ok = noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
-        return SharedRankedMonitor.feed(self, record)
+        return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply`` reads.
@@ -901,6 +901,7 @@ class ModeCollapseMonitor(_SharedRL):
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
         self._noop = (None, None)
         self._gate = self._rewind_keys = self._own
+        self._set_raw_keys(self.cfg.key, self.cfg.distinct_key)  # a follower compares raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -994,13 +995,14 @@ class StaleRolloutMonitor(_RL):
         self.cfg = cfg or StaleRolloutConfig()
         self._own = _spellings(*self.cfg.keys)
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
+        self._sp0 = self._keys[0] if self._keys else (None, None)
         self._gate = self._rewind_keys = self._own
         super().__init__()
 
 
     # not shared: its check costs less than following a shared state
     def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        sp = self._keys[0] if self._keys else (None, None)
+        sp = self._sp0
         v = record.get(sp[0])
         t = type(v)
         if t is float and v - v == 0.0:  # first_finite's common case: the first key holds a number
@@ -1011,8 +1013,10 @@ class StaleRolloutMonitor(_RL):
             key, lag = first_finite(record, self._keys)
         if lag is None:
             return []
-        out: list[Finding] = []
         stale = lag > self.cfg.max_lag
+        if not stale and not st.ep.level:
+            return []  # within the bound, no episode open: update() would change nothing (quiet is 0 then)
+        out: list[Finding] = []
         phase = st.ep.update(1 if stale else 0, not stale, self.cfg.clear_steps)
         if phase is not None:
             self._report(out, st, record, step, rank, phase, 1 if stale else 0, lag,

@@ -104,16 +104,21 @@ class StragglerMonitor:
 
     # ------------------------------------------------------------ signals
 
-    def _signals(self, record: Mapping[str, Any]) -> dict[str, float]:
+    def _signals(self, record: Mapping[str, Any], keys: Any) -> dict[str, float]:
         cfg = self.cfg
         sig: dict[str, float] = {}
-        keys = record.keys()
-        key, busy = (None, None) if keys.isdisjoint(self._busy_any) else first_finite(record, self._busy)
+        busy = None
+        if not keys.isdisjoint(self._busy_any):
+            key, busy = first_finite(record, self._busy)
         if busy is not None:
             sig[key or "busy"] = busy
         else:
-            step_s = number(record.get(cfg.step_key))
-            wkey, wait = (None, None) if keys.isdisjoint(self._wait_any) else first_finite(record, self._wait)
+            step_s = record.get(cfg.step_key)
+            if type(step_s) is not float:  # number()'s common case inline
+                step_s = number(step_s)
+            wait = None
+            if not keys.isdisjoint(self._wait_any):
+                wkey, wait = first_finite(record, self._wait)
             if wait is not None and step_s is not None and step_s == step_s:
                 sig[f"{cfg.step_key}-{wkey}"] = max(step_s - wait, 0.0)
             elif step_s is not None and step_s == step_s and step_s != _INF and cfg.step_s_mode != "off":
@@ -136,6 +141,10 @@ class StragglerMonitor:
         rank = record.get("rank", 0)
         if type(rank) is not int:
             rank = record_rank(record)
+        return self.feed_at(record, record.keys(), step, rank)
+
+    def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
+        """``feed`` of a record already parsed (``keys()``, step, rank: see ``fast_entries``)."""
         ws = record.get("world_size")
         if ws is not None and isinstance(ws, int) and ws > 0:
             self._world = ws
@@ -153,7 +162,7 @@ class StragglerMonitor:
         pend = pending.get(step)
         if pend is None:
             pend = pending[step] = {}
-        pend[rank] = (self._signals(record), record)
+        pend[rank] = (self._signals(record, keys), record)
         if len(pending) == 1 and step == self._newest and self._world is None:
             return []  # only this step pending, nothing past it yet: not complete, not lagging (most records)
         return self._score_ready()
