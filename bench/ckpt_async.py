@@ -43,6 +43,8 @@ def main() -> None:
                     help="only the persistent stager vs sync / memcpy / dd (and the per-save stager), no manifest/verify/digest")
     ap.add_argument("--overlap-batch", type=int, default=16,
                     help="batch of the forward/backward run while staging (the adapter's overlap); 0: no overlap figure")
+    ap.add_argument("--writer-threads", type=int, default=0,
+                    help="also 2 steady saves with FileSystemWriter(thread_count=N) (the adapter uses 1); 0: not")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -81,11 +83,18 @@ def main() -> None:
 
     out: dict = {"param_mb": round(layers * dim * dim * 4 / 2**20, 1)}
     if args.stager_only:
+        import datetime
+        import os
+
+        out["date_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        out["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
         out["disk_dd_mb_per_s_before"] = dd_bandwidth(root, args.dd_mb)
-        out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch)
+        out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch,
+                                                     writer_threads=args.writer_threads)
         out["staging_options"] = staging_options(state, reps=3)
         out["disk_dd_mb_per_s_after"] = dd_bandwidth(root, args.dd_mb)
         out["per_save_stager"] = sync_vs_async(state, root, args.repeat)
+        out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         out["summary"] = _summary(out)
         result = json.dumps(out, indent=1)
         print(result)
@@ -300,7 +309,30 @@ def _dir_mb(d: Path) -> float:
     return sum(f.stat().st_size for f in d.iterdir()) / 2**20
 
 
-def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, memcpy=None) -> dict:
+def serialize_only(state) -> float:
+    """MB/s of torch.save (what DCP's writer runs per tensor: pickling, zip records, CRC32) of every
+    tensor of the state into a sink that drops the bytes: the writer's CPU ceiling, no disk."""
+    import io
+
+    import torch
+
+    class Sink(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            return len(memoryview(b))
+
+    ts = [t for t in state(0).values() if isinstance(t, torch.Tensor)]
+    ts += [t for t in state(0)["optimizer"].values() if isinstance(t, torch.Tensor)]
+    t0 = time.perf_counter()
+    for t in ts:
+        torch.save(t, Sink())
+    return sum(t.nbytes for t in ts) / 2**20 / (time.perf_counter() - t0)
+
+
+def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, memcpy=None,
+                      writer_threads: int = 0) -> dict:
     """The titan adapter's async save on the synthetic state: ONE DefaultStager for every save
     (its CPU buffers are allocated and faulted in by the first save and reused after), passed to
     ``dcp.async_save(..., async_stager=...)``. Per save:
@@ -337,8 +369,9 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
         model(x).sum().backward()
         return time.perf_counter() - t0
 
-    def one(step: int, overlap: bool) -> dict:
+    def one(step: int, overlap: bool, threads: int = 1) -> dict:
         d = root / f"stager-{step}"
+        writer = None if threads == 1 else dcp.FileSystemWriter(str(d), thread_count=threads)
         marks: dict = {}
         ev = {"staged": threading.Event(), "written": threading.Event()}
 
@@ -346,7 +379,8 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
             return lambda f: (marks.setdefault(name, time.perf_counter()), ev[name].set())
 
         t0 = time.perf_counter()
-        res = dcp.async_save(state(step), checkpoint_id=str(d), no_dist=True, async_stager=stager)
+        res = dcp.async_save(state(step), checkpoint_id=None if writer else str(d), storage_writer=writer,
+                             no_dist=True, async_stager=stager)
         call = time.perf_counter() - t0
         res.staging_completion.add_done_callback(mark("staged"))
         res.upload_completion.add_done_callback(mark("written"))
@@ -388,6 +422,8 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
                 o["fwd_bwd_alone_s"] = alone
                 o["fwd_bwd_slowdown_s"] = o["fwd_bwd_during_s"] - alone
                 overlap_rows.append(o)
+        threads_rows = [one(500 + i, overlap=False, threads=writer_threads) for i in range(2 if writer_threads else 0)]
+        ser = serialize_only(state)
     finally:
         stager.close()
 
@@ -410,7 +446,12 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
         "memcpy_gb_per_s": round(nbytes / 2**30 / med["memcpy_s"], 2),
         "stage_gb_per_s": round(nbytes / 2**30 / med["stage_s"], 2),
         "write_mb_per_s": round(med["write_mb_per_s"], 1),
+        "serialize_only_mb_per_s": round(ser, 1),
     }
+    if threads_rows:
+        out[f"writer_threads_{writer_threads}"] = {
+            "saves": [r3(r) for r in threads_rows],
+            "write_mb_per_s": round(_med([r["write_mb_per_s"] for r in threads_rows]), 1)}
     if overlap_rows:
         omed = {k: _med([o[k] for o in overlap_rows]) for k in overlap_rows[0]}
         out["overlap"] = {
