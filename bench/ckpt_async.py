@@ -7,8 +7,13 @@ time, async vs sync, on a debug-size llama3.
     .venv/bin/python bench/ckpt_async.py [--mb 64] [--dir /tmp/ptops-ckpt-bench] [--titan]
     .venv/bin/python bench/ckpt_async.py --mb 340 --titan --out bench/results/ckpt_async.json  # ~1 GB state
     .venv/bin/python bench/ckpt_async.py --titan-only --titan-repeat 3 --out bench/results/ckpt_staging.json
+    .venv/bin/python bench/ckpt_async.py --mb 340 --stager-only --saves 4 --out bench/results/ckpt_synthetic.json
 
 `--mb` is the size of the model parameters; AdamW state triples the checkpoint.
+Every synthetic run also measures the titan adapter's way of saving on the same state
+(``persistent_stager``: one DefaultStager for all saves, against sync saves, a plain memcpy
+and dd in the same run); ``--stager-only`` measures only that (and the old per-save stager
+for comparison), skipping the manifest / verify / digest figures.
 Prints one JSON object.
 """
 
@@ -32,6 +37,14 @@ def main() -> None:
     ap.add_argument("--titan-steps", type=int, default=12)
     ap.add_argument("--titan-only", action="store_true", help="only the titan adapter (skip the synthetic state and dd)")
     ap.add_argument("--titan-repeat", type=int, default=1, help="async/sync launch pairs; the median ratio is reported")
+    ap.add_argument("--saves", type=int, default=4,
+                    help="persistent-stager saves: the first (cold, allocating) is reported apart, the median of the rest")
+    ap.add_argument("--stager-only", action="store_true",
+                    help="only the persistent stager vs sync / memcpy / dd (and the per-save stager), no manifest/verify/digest")
+    ap.add_argument("--overlap-batch", type=int, default=16,
+                    help="batch of the forward/backward run while staging (the adapter's overlap); 0: no overlap figure")
+    ap.add_argument("--writer-threads", type=int, default=0,
+                    help="also 2 steady saves with FileSystemWriter(thread_count=N) (the adapter uses 1); 0: not")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -69,6 +82,28 @@ def main() -> None:
         return sd
 
     out: dict = {"param_mb": round(layers * dim * dim * 4 / 2**20, 1)}
+    if args.stager_only:
+        import datetime
+        import os
+
+        out["date_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        out["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+        out["disk_dd_mb_per_s_before"] = [dd_bandwidth(root, args.dd_mb) for _ in range(3)]
+        out["raw_write_fsync_mb_per_s_before"] = raw_write(root, args.dd_mb)
+        out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch,
+                                                     writer_threads=args.writer_threads)
+        out["staging_options"] = staging_options(state, reps=3)
+        out["disk_dd_mb_per_s_after"] = [dd_bandwidth(root, args.dd_mb) for _ in range(3)]
+        out["raw_write_fsync_mb_per_s_after"] = raw_write(root, args.dd_mb)
+        out["per_save_stager"] = sync_vs_async(state, root, args.repeat)
+        out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        out["summary"] = _summary(out)
+        result = json.dumps(out, indent=1)
+        print(result)
+        if args.out:
+            Path(args.out).write_text(result + "\n")
+        shutil.rmtree(root, ignore_errors=True)
+        return
     t = time.perf_counter()
     dcp.save(state(1), checkpoint_id=str(root / "step-1"), no_dist=True)
     out["sync_save_s"] = round(time.perf_counter() - t, 3)
@@ -117,6 +152,7 @@ def main() -> None:
     # ---- sync vs async blocking of the same state, and write throughput vs the disk (dd)
     out["disk_dd_mb_per_s"] = dd_bandwidth(root, args.dd_mb)
     out["sync_vs_async"] = sync_vs_async(state, root, args.repeat)
+    out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch)
     del model, opt
     if args.titan:
         out["titan_engine"] = titan_engine(args.titan_steps, args.titan_repeat)
@@ -139,6 +175,26 @@ def dd_bandwidth(root: Path, mb: int) -> float:
     size = f.stat().st_size
     f.unlink()
     return round(size / 2**20 / dt, 1)
+
+
+def raw_write(root: Path, mb: int) -> float:
+    """Python writes of ``mb`` MiB of random bytes already in memory (8 MiB per write, as dd), then
+    fsync: what the filesystem takes with no serialisation (MB/s)."""
+    import os
+
+    import torch
+
+    mv = memoryview(torch.randn(mb << 18).numpy()).cast("B")
+    f = root / "raw.bin"
+    t = time.perf_counter()
+    with open(f, "wb") as fh:
+        for o in range(0, len(mv), 8 << 20):
+            fh.write(mv[o:o + (8 << 20)])
+        fh.flush()
+        os.fsync(fh.fileno())
+    dt = time.perf_counter() - t
+    f.unlink()
+    return round(mb / dt, 1)
 
 
 def async_save(state_dict, root: Path, step: int, keep: int) -> dict:
@@ -219,6 +275,281 @@ def sync_vs_async(state, root: Path, repeat: int) -> dict:
         "sync_write_mb_per_s": round(mb / med["sync_s"], 1),
         "manifest_and_commit_mb_per_s": round(mb / med["async_commit_s"], 1),
     }
+
+
+def _med(xs: list) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
+
+
+def make_memcpy(state) -> tuple:
+    """The physical limit of staging: ``dst.copy_(src)`` of every tensor of the state (storages
+    deduplicated, as the stager does) into buffers allocated and touched once. Returns
+    (copy function returning its seconds, bytes)."""
+    import torch
+
+    srcs, seen = [], set()
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.untyped_storage().data_ptr() not in seen:
+                seen.add(x.untyped_storage().data_ptr())
+                srcs.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(state(0))
+    dsts = [torch.empty_like(t) for t in srcs]
+    for d, t in zip(dsts, srcs):
+        d.copy_(t)  # fault the pages in once: the timed copies find them mapped
+
+    @torch.no_grad()
+    def memcpy() -> float:
+        t0 = time.perf_counter()
+        for d, t in zip(dsts, srcs):
+            d.copy_(t)
+        return time.perf_counter() - t0
+
+    return memcpy, sum(t.untyped_storage().nbytes() for t in srcs)
+
+
+def _stager(shared: bool = False, threaded: bool = True):
+    """What the titan adapter builds (``ProbeCheckpointManager._stager``): pinned memory and
+    non-blocking copies only with a GPU; no shared memory (one writer thread, no process)."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=shared,
+                                        use_async_staging=threaded, use_non_blocking_copy=gpu and threaded))
+
+
+def _dir_mb(d: Path) -> float:
+    return sum(f.stat().st_size for f in d.iterdir()) / 2**20
+
+
+def serialize_only(state) -> float:
+    """MB/s of torch.save (what DCP's writer runs per tensor: pickling, zip records, CRC32) of every
+    tensor of the state into a sink that drops the bytes: the writer's CPU ceiling, no disk."""
+    import io
+
+    import torch
+
+    class Sink(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            return len(memoryview(b))
+
+    ts = [t for t in state(0).values() if isinstance(t, torch.Tensor)]
+    ts += [t for t in state(0)["optimizer"].values() if isinstance(t, torch.Tensor)]
+    t0 = time.perf_counter()
+    for t in ts:
+        torch.save(t, Sink())
+    return sum(t.nbytes for t in ts) / 2**20 / (time.perf_counter() - t0)
+
+
+def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, memcpy=None,
+                      writer_threads: int = 0) -> dict:
+    """The titan adapter's async save on the synthetic state: ONE DefaultStager for every save
+    (its CPU buffers are allocated and faulted in by the first save and reused after), passed to
+    ``dcp.async_save(..., async_stager=...)``. Per save:
+
+    - ``call_s``: time inside the async_save call (the stager copies in its own thread);
+    - ``stage_s``: call start -> staging complete. A training loop must not modify the state (the
+      optimizer step) before that, so with no overlap this is what it is blocked: the headline;
+    - ``write_s``: staging complete -> upload complete (plan, serialise, write, fsync as DCP does),
+      the caller idle meanwhile; MB/s against dd in the same folder;
+    - ``memcpy_s``: ``make_memcpy`` of the same bytes, just before the save;
+    - ``sync_s``: ``dcp.save`` of the same state, just before.
+
+    Save 1 is cold (the stager allocates); saves 2..N are steady state (median). With
+    ``overlap_batch``, each steady save is followed by one more async save during which the
+    caller runs one forward/backward of the model (no optimizer step) and only then waits for
+    staging, as the adapter does: its blocking is call + the residual wait, and the
+    forward/backward's slowdown against one run alone just before is the cost the overlap hides
+    in compute (two cores shared by the copy, the writer and the model)."""
+    import threading
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if memcpy is None:
+        memcpy, nbytes = make_memcpy(state)
+    else:
+        memcpy, nbytes = memcpy
+    stager = _stager()
+    dim = model[0].in_features
+    x = torch.randn(max(1, overlap_batch), dim)
+
+    def fwd_bwd() -> float:
+        t0 = time.perf_counter()
+        model(x).sum().backward()
+        return time.perf_counter() - t0
+
+    def one(step: int, overlap: bool, threads: int = 1) -> dict:
+        d = root / f"stager-{step}"
+        writer = None if threads == 1 else dcp.FileSystemWriter(str(d), thread_count=threads)
+        marks: dict = {}
+        ev = {"staged": threading.Event(), "written": threading.Event()}
+
+        def mark(name: str):  # runs in the stager / writer thread the moment its future completes
+            return lambda f: (marks.setdefault(name, time.perf_counter()), ev[name].set())
+
+        ts = time.perf_counter()
+        sd = state(step)
+        t0 = time.perf_counter()
+        res = dcp.async_save(sd, checkpoint_id=None if writer else str(d), storage_writer=writer,
+                             no_dist=True, async_stager=stager)
+        call = time.perf_counter() - ts
+        res.staging_completion.add_done_callback(mark("staged"))
+        res.upload_completion.add_done_callback(mark("written"))
+        r: dict = {"state_dict_s": t0 - ts, "call_s": call}
+        if overlap:
+            r["fwd_bwd_during_s"] = fwd_bwd()
+            t1 = time.perf_counter()
+            res.staging_completion.result()
+            r["wait_after_fwd_bwd_s"] = time.perf_counter() - t1
+            r["overlap_blocking_s"] = call + r["wait_after_fwd_bwd_s"]
+        res.staging_completion.result()
+        res.upload_completion.result()
+        ev["staged"].wait()
+        ev["written"].wait()
+        r["stage_s"] = marks["staged"] - ts  # get_state_dict included, as in sync_s
+        r["stager_copy_s"] = marks["staged"] - t0  # from the async_save call on
+        r["write_s"] = marks["written"] - marks["staged"]
+        r["mb"] = _dir_mb(d)
+        r["write_mb_per_s"] = r["mb"] / r["write_s"]
+        shutil.rmtree(d)
+        return r
+
+    def sync(step: int) -> float:
+        d = root / f"sync-{step}"
+        t0 = time.perf_counter()
+        dcp.save(state(step), checkpoint_id=str(d), no_dist=True)
+        dt = time.perf_counter() - t0
+        shutil.rmtree(d)
+        return dt
+
+    rows, overlap_rows = [], []
+    try:
+        for i in range(saves):
+            row = {"memcpy_s": memcpy(), "sync_s": sync(100 + i)}
+            row.update(one(200 + i, overlap=False))
+            rows.append(row)
+            if overlap_batch > 0 and i > 0:
+                alone = fwd_bwd()
+                o = one(300 + i, overlap=True)
+                o["fwd_bwd_alone_s"] = alone
+                o["fwd_bwd_slowdown_s"] = o["fwd_bwd_during_s"] - alone
+                overlap_rows.append(o)
+        threads_rows = [one(500 + i, overlap=False, threads=writer_threads) for i in range(2 if writer_threads else 0)]
+        ser = serialize_only(state)
+    finally:
+        stager.close()
+
+    def r3(d: dict) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
+
+    steady = rows[1:] or rows
+    med = {k: _med([r[k] for r in steady]) for k in rows[0]}
+    out: dict = {
+        "what": "one DefaultStager for all saves (the titan adapter's); save 1 cold, median of saves 2..N",
+        "stager_options": {"pinned": torch.cuda.is_available(), "shared_memory": False, "async_staging": True},
+        "state_bytes": nbytes, "ckpt_mb": round(rows[0]["mb"], 1),
+        "saves": [r3(r) for r in rows],
+        "first": r3(rows[0]),
+        "steady_median": r3(med),
+        "steady_ratio_stage_over_sync": round(med["stage_s"] / med["sync_s"], 4),
+        "steady_ratio_call_over_sync": round(med["call_s"] / med["sync_s"], 4),
+        "steady_stage_over_memcpy": round(_med([r["stage_s"] / r["memcpy_s"] for r in steady]), 3),
+        "steady_stager_copy_over_memcpy": round(_med([r["stager_copy_s"] / r["memcpy_s"] for r in steady]), 3),
+        "first_stage_over_memcpy": round(rows[0]["stage_s"] / rows[0]["memcpy_s"], 3),
+        "memcpy_gb_per_s": round(nbytes / 2**30 / med["memcpy_s"], 2),
+        "stage_gb_per_s": round(nbytes / 2**30 / med["stage_s"], 2),
+        "write_mb_per_s": round(med["write_mb_per_s"], 1),
+        "serialize_only_mb_per_s": round(ser, 1),
+    }
+    if threads_rows:
+        out[f"writer_threads_{writer_threads}"] = {
+            "saves": [r3(r) for r in threads_rows],
+            "write_mb_per_s": round(_med([r["write_mb_per_s"] for r in threads_rows]), 1)}
+    if overlap_rows:
+        omed = {k: _med([o[k] for o in overlap_rows]) for k in overlap_rows[0]}
+        out["overlap"] = {
+            "what": f"one forward/backward (batch {overlap_batch}) between the save call and the wait for staging",
+            "saves": [r3(o) for o in overlap_rows], "median": r3(omed),
+            "ratio_blocking_over_sync": round(omed["overlap_blocking_s"] / med["sync_s"], 4),
+            "ratio_blocking_plus_slowdown_over_sync": round(
+                (omed["overlap_blocking_s"] + max(0.0, omed["fwd_bwd_slowdown_s"])) / med["sync_s"], 4),
+        }
+    return out
+
+
+def staging_options(state, reps: int = 3) -> dict:
+    """Staging alone (no write) of the same state with each StagingOptions that can run on a CPU,
+    a fresh stager each: cold (allocating) then ``reps`` reuses; a plain memcpy just before each."""
+    import gc
+
+    memcpy, nbytes = make_memcpy(state)
+    out: dict = {}
+    for name, kw in (("thread, private memory (adapter)", {}), ("thread, shared memory", {"shared": True}),
+                     ("caller's thread, private memory", {"threaded": False})):
+        st = _stager(**kw)
+        times, mc = [], []
+        try:
+            for i in range(1 + reps):
+                mc.append(memcpy())
+                sd = state(400 + i)
+                t0 = time.perf_counter()
+                staged = st.stage(sd)
+                if hasattr(staged, "result"):
+                    staged = staged.result()
+                times.append(time.perf_counter() - t0)
+                del staged
+        finally:
+            st.close()
+            gc.collect()
+        out[name] = {"cold_s": round(times[0], 4), "steady_s": [round(t, 4) for t in times[1:]],
+                     "memcpy_s": [round(t, 4) for t in mc],
+                     "steady_over_memcpy": round(_med([t / m for t, m in zip(times[1:], mc[1:])]), 3)}
+    del memcpy
+    gc.collect()
+    return out
+
+
+def _summary(out: dict) -> dict:
+    """Issue 12's three checkpoint targets from one run."""
+    ps = out["persistent_stager"]
+    dds = out.get("disk_dd_mb_per_s_before", []) + out.get("disk_dd_mb_per_s_after", [])
+    dd = max(dds) if dds else 0.0
+    s = {
+        "ckpt_mb": ps["ckpt_mb"],
+        "sync_s": ps["steady_median"]["sync_s"],
+        "async_call_s": ps["steady_median"]["call_s"],
+        "async_stage_complete_s": ps["steady_median"]["stage_s"],
+        "ratio_stage_complete_over_sync": ps["steady_ratio_stage_over_sync"],
+        "target_blocking_le_0.10": ps["steady_ratio_stage_over_sync"] <= 0.10,
+        "stage_over_memcpy": ps["steady_stage_over_memcpy"],
+        "target_staging_le_2x_memcpy": ps["steady_stage_over_memcpy"] <= 2.0,
+        "write_mb_per_s": ps["write_mb_per_s"],
+        "dd_mb_per_s_max_of_6": dd,
+        "dd_mb_per_s_median_of_6": _med(dds),
+        "write_over_dd": round(ps["write_mb_per_s"] / dd, 3) if dd else None,
+        "write_over_dd_median": round(ps["write_mb_per_s"] / _med(dds), 3) if dds else None,
+        "steady_stager_copy_over_memcpy": ps["steady_stager_copy_over_memcpy"],
+        "target_write_ge_0.70_dd": bool(dd) and ps["write_mb_per_s"] / dd >= 0.70,
+        "first_save": {k: ps["first"][k] for k in ("call_s", "stage_s", "memcpy_s", "sync_s", "write_mb_per_s")},
+        "per_save_stager_ratio": out.get("per_save_stager", {}).get("blocking_ratio_async_over_sync"),
+    }
+    if "overlap" in ps:
+        s["overlap_ratio_blocking_over_sync"] = ps["overlap"]["ratio_blocking_over_sync"]
+        s["overlap_ratio_blocking_plus_slowdown_over_sync"] = ps["overlap"]["ratio_blocking_plus_slowdown_over_sync"]
+    return s
 
 
 def titan_engine(steps: int, repeat: int = 1) -> dict:
