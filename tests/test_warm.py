@@ -240,3 +240,16 @@ def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs
     _assert_warm_attempt_2(run)
     assert digest(run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
     assert run_processes(run) == []
+
+
+def test_the_pool_checks_that_a_forked_child_can_run_and_finds_no_gpu_problem_on_cpu():
+    """The pool's fork check (a GPU pool whose children could not use CUDA serves nothing): a child's
+    failure is seen, and on this CPU-only machine there is no CUDA problem to report."""
+    from ptops.ops.rank.warm import cuda_fork_problem, forked_child_status
+
+    def fails() -> None:
+        raise RuntimeError("CUDA error: initialization error")
+
+    assert forked_child_status(lambda: None) == 0
+    assert forked_child_status(fails) != 0
+    assert cuda_fork_problem() == ""

@@ -106,6 +106,41 @@ def preload(engine: str) -> None:
         pre()
 
 
+def forked_child_status(fn: Any) -> int:
+    """Run ``fn`` in a child forked from this process; its wait status (0: it returned)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+        os._exit(0)
+    return os.waitpid(pid, 0)[1]
+
+
+def cuda_fork_problem() -> str:
+    """Why the ranks forked from this pool could not use the GPUs, or "" (no GPU, or they can).
+
+    Checked once, with a real forked child, because the pool has imported torch and the engine, and
+    anything in them that initialised CUDA here would make every warm rank fail at its first CUDA call
+    (a restart loop, not a fast restart). A pool that fails the check serves nothing: the launcher then
+    starts torchrun (``ops/rank/warmlaunch.py``)."""
+    import torch
+
+    try:
+        if torch.cuda.device_count() == 0:
+            return ""
+    except Exception:  # noqa: BLE001 - no usable driver: the ranks will say so themselves
+        return ""
+
+    def touch() -> None:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+
+    status = forked_child_status(touch)
+    return "" if status == 0 else f"a child forked from it cannot use CUDA (wait status {status})"
+
+
 def serve(name: str, engine: str, target: Any = None) -> None:
     """The pool's main loop: single-threaded (it forks), reaping children and reporting their status.
     ``target`` (tests): what a child runs instead of the rank (``entry.run_rank``)."""
@@ -113,7 +148,14 @@ def serve(name: str, engine: str, target: Any = None) -> None:
 
     die_with_parent()  # the supervisor
     if target is None:
+        # torch.cuda.is_available() (TorchTitan calls it at import) would otherwise initialise the CUDA
+        # driver here, and a child forked after that cannot use CUDA; NVML answers the same question
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         preload(engine)
+        why = cuda_fork_problem()
+        if why:
+            print(f"[ptops.warm] no warm pool: {why}; restarts start through torchrun", flush=True)
+            return
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind("\0" + name)
     srv.listen(64)
