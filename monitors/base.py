@@ -523,15 +523,8 @@ class RankedMonitor:
     _gate: frozenset | tuple | None = None  # a record with none of these keys changes nothing: return at once
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step = record.get("step")  # step_and_rank, inlined
-        if type(step) is not int:
-            step = record_step(record)
-            if step is None:
-                return []
-        rank = record.get("rank", 0)
-        if type(rank) is not int:
-            rank = record_rank(record)
-        return self.feed_at(record, record.keys(), step, rank)
+        step, rank = step_and_rank(record)  # the live path parses once for every monitor: feed_at
+        return [] if step is None else self.feed_at(record, record.keys(), step, rank)
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         """``feed`` with what every monitor would parse given once: ``keys`` is ``record.keys()``, ``step``

@@ -63,10 +63,9 @@ from .base import (
     median,
     number,
     record_attempt,
-    record_rank,
-    record_step,
     record_ts,
     spelled,
+    step_and_rank,
 )
 from .config import StragglerConfig
 
@@ -133,15 +132,8 @@ class StragglerMonitor:
     # ------------------------------------------------------------ feeding
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
-        step = record.get("step")  # step_and_rank, inlined
-        if type(step) is not int:
-            step = record_step(record)
-            if step is None:
-                return []
-        rank = record.get("rank", 0)
-        if type(rank) is not int:
-            rank = record_rank(record)
-        return self.feed_at(record, record.keys(), step, rank)
+        step, rank = step_and_rank(record)  # the live path parses once for every monitor: feed_at
+        return [] if step is None else self.feed_at(record, record.keys(), step, rank)
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         """``feed`` of a record already parsed (``keys()``, step, rank: see ``fast_entries``)."""
