@@ -45,6 +45,9 @@ def main() -> None:
                     help="batch of the forward/backward run while staging (the adapter's overlap); 0: no overlap figure")
     ap.add_argument("--writer-threads", type=int, default=0,
                     help="also 2 steady saves with FileSystemWriter(thread_count=N) (the adapter uses 1); 0: not")
+    ap.add_argument("--stager", choices=("flat", "default"), default="flat",
+                    help="the persistent stager measured: flat = the adapter's FlatStager (recipes/titan/staging.py, "
+                         "one batched copy into reused buffers), default = DCP's DefaultStager (the adapter's before)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -91,7 +94,7 @@ def main() -> None:
         out["disk_dd_mb_per_s_before"] = [dd_bandwidth(root, args.dd_mb) for _ in range(3)]
         out["raw_write_fsync_mb_per_s_before"] = raw_write(root, args.dd_mb)
         out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch,
-                                                     writer_threads=args.writer_threads)
+                                                     writer_threads=args.writer_threads, kind=args.stager)
         out["staging_options"] = staging_options(state, reps=3)
         out["disk_dd_mb_per_s_after"] = [dd_bandwidth(root, args.dd_mb) for _ in range(3)]
         out["raw_write_fsync_mb_per_s_after"] = raw_write(root, args.dd_mb)
@@ -152,7 +155,8 @@ def main() -> None:
     # ---- sync vs async blocking of the same state, and write throughput vs the disk (dd)
     out["disk_dd_mb_per_s"] = dd_bandwidth(root, args.dd_mb)
     out["sync_vs_async"] = sync_vs_async(state, root, args.repeat)
-    out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch)
+    out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch,
+                                                 kind=args.stager)
     del model, opt
     if args.titan:
         out["titan_engine"] = titan_engine(args.titan_steps, args.titan_repeat)
@@ -316,10 +320,17 @@ def make_memcpy(state) -> tuple:
     return memcpy, sum(t.untyped_storage().nbytes() for t in srcs)
 
 
-def _stager(shared: bool = False, threaded: bool = True):
-    """What the titan adapter builds (``ProbeCheckpointManager._stager``): pinned memory and
+def _stager(shared: bool = False, threaded: bool = True, kind: str = "default"):
+    """``kind="flat"``: what the titan adapter builds on a CPU (``ProbeCheckpointManager._stager``):
+    ``FlatStager``, one ``torch._foreach_copy_`` per save into persistent buffers. ``"default"``: DCP's
+    DefaultStager as the adapter built it before (and still does with a GPU): pinned memory and
     non-blocking copies only with a GPU; no shared memory (one writer thread, no process)."""
     import torch
+
+    if kind == "flat":
+        from ptops.recipes.titan.staging import FlatStager
+
+        return FlatStager(threaded=threaded)
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     gpu = torch.cuda.is_available()
@@ -354,8 +365,8 @@ def serialize_only(state) -> float:
 
 
 def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, memcpy=None,
-                      writer_threads: int = 0) -> dict:
-    """The titan adapter's async save on the synthetic state: ONE DefaultStager for every save
+                      writer_threads: int = 0, kind: str = "flat") -> dict:
+    """The titan adapter's async save on the synthetic state: ONE stager (``kind``, see ``_stager``) for every save
     (its CPU buffers are allocated and faulted in by the first save and reused after), passed to
     ``dcp.async_save(..., async_stager=...)``. Per save:
 
@@ -382,7 +393,7 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
         memcpy, nbytes = make_memcpy(state)
     else:
         memcpy, nbytes = memcpy
-    stager = _stager()
+    stager = _stager(kind=kind)
     dim = model[0].in_features
     x = torch.randn(max(1, overlap_batch), dim)
 
@@ -458,7 +469,8 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
     steady = rows[1:] or rows
     med = {k: _med([r[k] for r in steady]) for k in rows[0]}
     out: dict = {
-        "what": "one DefaultStager for all saves (the titan adapter's); save 1 cold, median of saves 2..N",
+        "what": f"one {'FlatStager' if kind == 'flat' else 'DefaultStager'} for all saves; save 1 cold, median of saves 2..N",
+        "stager": kind,
         "stager_options": {"pinned": torch.cuda.is_available(), "shared_memory": False, "async_staging": True},
         "state_bytes": nbytes, "ckpt_mb": round(rows[0]["mb"], 1),
         "saves": [r3(r) for r in rows],
@@ -497,8 +509,11 @@ def staging_options(state, reps: int = 3) -> dict:
 
     memcpy, nbytes = make_memcpy(state)
     out: dict = {}
-    for name, kw in (("thread, private memory (adapter)", {}), ("thread, shared memory", {"shared": True}),
-                     ("caller's thread, private memory", {"threaded": False})):
+    for name, kw in (("FlatStager, thread (adapter)", {"kind": "flat"}),
+                     ("DefaultStager, thread, private memory (adapter before)", {}),
+                     ("FlatStager, thread (adapter), again", {"kind": "flat"}),
+                     ("DefaultStager, thread, shared memory", {"shared": True}),
+                     ("DefaultStager, caller's thread, private memory", {"threaded": False})):
         st = _stager(**kw)
         times, mc = [], []
         try:
