@@ -164,6 +164,17 @@ def test_titan_save_while_the_previous_is_writing_is_skipped_and_recorded(titan_
     assert digest(run / "checkpoints" / f"step-{STEPS}") == want
 
 
+def test_titan_async_checkpoint_equals_a_sync_one(titan_base, tmp_path):
+    """The async save of step 4 (staged by the adapter's persistent stager, ``FlatStager`` on a CPU) holds
+    the same model and optimizer tensors as a synchronous save of the same step, and so does the end."""
+    base, want = titan_base
+    run = tmp_path / "sync"
+    launch(run, TITAN, [*TITAN_SETS, "titan.async_checkpoint=false"])
+    assert [e["mode"] for e in events(run, "checkpoint")] == ["sync", "sync"]
+    assert digest(run / "checkpoints" / "step-4") == digest(base / "checkpoints" / "step-4")
+    assert digest(run / "checkpoints" / f"step-{STEPS}") == want
+
+
 @pytest.mark.parametrize("how", ["truncate", "flip", "delete_metadata"])
 def test_titan_verify_names_the_corrupted_file(titan_base, tmp_path, how):
     run, _ = titan_base

@@ -476,6 +476,7 @@ class ProbeCheckpointManager(CheckpointManager):
                 from ptops.recipes.titan.staging import FlatStager
 
                 self._cpu_stager = FlatStager()
+            _log(f"async checkpoint staging: {type(self._cpu_stager).__name__}, buffers kept across saves")
         return self._cpu_stager
 
     def _skip_busy(self, probe: Any, step: int) -> bool:
