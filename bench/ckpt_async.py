@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--stager", choices=("flat", "default"), default="flat",
                     help="the persistent stager measured: flat = the adapter's FlatStager (recipes/titan/staging.py, "
                          "one batched copy into reused buffers), default = DCP's DefaultStager (the adapter's before)")
+    ap.add_argument("--head-to-head", type=int, default=0, metavar="ROUNDS",
+                    help="only: FlatStager vs DefaultStager vs memcpy, interleaved ROUNDS times (staging alone, no write)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -85,6 +87,19 @@ def main() -> None:
         return sd
 
     out: dict = {"param_mb": round(layers * dim * dim * 4 / 2**20, 1)}
+    if args.head_to_head:
+        import datetime
+        import os
+
+        out["date_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        out["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+        out["head_to_head"] = head_to_head(state, args.head_to_head)
+        out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        result = json.dumps(out, indent=1)
+        print(result)
+        if args.out:
+            Path(args.out).write_text(result + "\n")
+        return
     if args.stager_only:
         import datetime
         import os
@@ -534,6 +549,42 @@ def staging_options(state, reps: int = 3) -> dict:
                      "steady_over_memcpy": round(_med([t / m for t, m in zip(times[1:], mc[1:])]), 3)}
     del memcpy
     gc.collect()
+    return out
+
+
+def head_to_head(state, rounds: int) -> dict:
+    """Staging alone (no write), the adapter's FlatStager against DCP's DefaultStager (both persistent,
+    threaded, private memory; warmed by one cold stage each) and a plain memcpy, interleaved round by
+    round so that the shared machine's noise hits all three alike. Min and median of the rounds."""
+    memcpy, nbytes = make_memcpy(state)
+    st = {"flat": _stager(kind="flat"), "default": _stager()}
+    times: dict = {"memcpy": [], "flat": [], "default": []}
+
+    def stage(s) -> float:
+        sd = state(600)
+        t0 = time.perf_counter()
+        r = s.stage(sd)
+        r = r.result() if hasattr(r, "result") else r
+        dt = time.perf_counter() - t0
+        del r
+        return dt
+
+    try:
+        for s in st.values():
+            stage(s)  # cold: allocate and fault in
+        for i in range(rounds):
+            order = ["memcpy", "flat", "default"] if i % 2 == 0 else ["default", "flat", "memcpy"]
+            for k in order:
+                times[k].append(memcpy() if k == "memcpy" else stage(st[k]))
+    finally:
+        for s in st.values():
+            s.close()
+    out = {k: {"min_s": round(min(v), 4), "median_s": round(_med(v), 4), "all_s": [round(x, 4) for x in v]}
+           for k, v in times.items()}
+    out["bytes"] = nbytes
+    for k in ("flat", "default"):
+        out[f"{k}_over_memcpy_min"] = round(out[k]["min_s"] / out["memcpy"]["min_s"], 3)
+        out[f"{k}_over_memcpy_median"] = round(out[k]["median_s"] / out["memcpy"]["median_s"], 3)
     return out
 
 
