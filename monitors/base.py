@@ -949,17 +949,15 @@ class Lockstep:
             return None
         if vals != self._vals or (self._strict and not _strict_same(self._vals, vals)):
             return None
-        ms = []
-        for mon, node, pos, sets_last in adv:
+        for i, (mon, node, pos, sets_last) in enumerate(adv):
             m = mon._members.get(rank)
-            if m is None or m[0] is not node or m[1] != pos - 1 or node.pos != pos or node.log is None:
-                return None
-            if sets_last:
-                last = m[2]
-                if last is not None and step <= last:
-                    return None  # a rewind for this rank: its own path
-            ms.append(m)
-        for (mon, node, pos, sets_last), m in zip(adv, ms):
+            if m is None or m[0] is not node or m[1] != pos - 1 or node.pos != pos or node.log is None or \
+                    (sets_last and m[2] is not None and step <= m[2]):  # (the last: a rewind for this rank)
+                if not i:
+                    return None
+                # the monitors before it moved the rank on: the others take the record their own way
+                done = {id(a[0]) for a in adv[:i]}
+                return [c for c in self._calls if id(c[0]) not in done]
             m[1] = pos
             node.head += 1
             if sets_last:
