@@ -995,6 +995,8 @@ class Lockstep:
                 continue
             rk = mon._rewind_keys
             adv.append((mon, node, node.pos, rk is None or rk is mon._gate or not keys.isdisjoint(rk)))
+        if len(adv) < 2:  # one state to follow: its own follower path costs less than the comparison here
+            adv = []
         self._adv = adv
         if not adv:  # follow() stops at once; _rest and _get stay built for _who
             return
