@@ -927,9 +927,10 @@ class Lockstep:
         self._calls = list(calls)
         # a monitor qualifies when its fast entry is SharedRankedMonitor's follower path, possibly behind a
         # wrapper that its class declares to change nothing for such a record (``_lockstep``)
-        self._mons = [m for m, f in self._calls
+        self.monitors = [m for m, f in self._calls
                       if isinstance(m, SharedRankedMonitor) and m.share and getattr(f, "__self__", None) is m
                       and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))]
+        # (``monitors``: the shared monitors it can move a rank on in)
         self._step: int | None = None
         self._adv: list = []  # (monitor, node, position after the leader, whether the leader set its last step)
         self._rest: list = self._calls
@@ -972,7 +973,7 @@ class Lockstep:
         self._step = step
         adv: list = []
         read: list = []
-        for mon in self._mons:
+        for mon in self.monitors:
             m = mon._members.get(rank)
             if m is None:
                 continue

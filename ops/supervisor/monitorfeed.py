@@ -55,6 +55,8 @@ class MonitorFeed:
             self._of = list(self.monitors)
             self._calls = list(zip(self._of, fast_entries(self._of)))
             self._lock = Lockstep(self._calls)
+            if len(self._lock.monitors) < 2:  # nothing to follow at once: no cost on every record
+                self._lock = None
         calls = self._calls
         lock = self._lock
         if step is None:  # no step: each monitor's plain feed (the monitors here ignore such a record)
