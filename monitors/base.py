@@ -913,8 +913,8 @@ class Lockstep:
 
     Why: in one run the ranks log the same global values, so 7 of 8 records only follow the shared states
     (``SharedRankedMonitor``), and each shared monitor checking that on its own (its gate, the rank's place,
-    the rewind, the raw values) cost ~1 µs a record. Here a record is compared once with the step's leader (the
-    last record that advanced the shared states: the same keys, the same values under every key the shared
+    the rewind, the raw values) cost ~1 µs a record. Here a record is compared once with the step's leader (its
+    first record, when that advanced at least two shared states: the same keys, the same values under every key the shared
     monitors read, none of them rewinding or trying a finding), and the rank is moved on in each state the
     leader advanced, where it stood just behind it. Exact: that is what each monitor's ``feed_at`` would
     conclude and do for such a record (its follower path, return ``[]``); anything else goes to the monitors.
@@ -928,8 +928,8 @@ class Lockstep:
         # a monitor qualifies when its fast entry is SharedRankedMonitor's follower path, possibly behind a
         # wrapper that its class declares to change nothing for such a record (``_lockstep``)
         self.monitors = [m for m, f in self._calls
-                      if isinstance(m, SharedRankedMonitor) and m.share and getattr(f, "__self__", None) is m
-                      and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))]
+                         if isinstance(m, SharedRankedMonitor) and m.share and getattr(f, "__self__", None) is m
+                         and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))]
         # (``monitors``: the shared monitors it can move a rank on in)
         self._step: int | None = None
         self._adv: list = []  # (monitor, node, position after the leader, whether the leader set its last step)
