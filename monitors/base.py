@@ -621,6 +621,12 @@ class SharedRankedMonitor(RankedMonitor):
     # says whether that holds for the record (e.g. only without held-out eval keys). Worth it only when
     # ``_inputs`` costs more than a map over the keys.
     share = True  # False: every rank keeps its own state (the reference the tests compare sharing with)
+    # on the class that defines ``feed_at``: it is this follower path, or a wrapper that, for a record with the
+    # keys and the read values of the record that just advanced the rank's state, does nothing else (``Lockstep``)
+    _lockstep = True
+    # for a monitor with neither ``_raw_keys`` nor ``_one_key``: keys whose values, with the record's key set,
+    # decide its inputs (``Lockstep`` compares them), or None (it never follows there)
+    _lockstep_keys: tuple[str, ...] | None = None
     _raw_keys: tuple[str, ...] | None = None
     _raw_ok = True
     # inputs with which ``_apply`` changes nothing and finds nothing (no value to read): such a record
@@ -690,15 +696,17 @@ class SharedRankedMonitor(RankedMonitor):
                 # with _raw_keys, first the raw values the inputs come from: equal raw values, equal inputs,
                 # without parsing them (one C-level map; for monitors whose inputs cost more than that)
                 same = False
-                raw = e[5]
-                if raw is not None and self._raw_ok:
-                    # (the keys present in the first rank's record, as one itemgetter; their values; the absent)
+                get = e[5]
+                if get is not None and self._raw_ok:
+                    # (the keys present in the first rank's record, as one itemgetter; their values; the absent
+                    # keys, None when none)
                     try:
-                        vals = raw[0](record)
+                        vals = get(record)
                     except KeyError:
                         vals = None
-                    # (values equal to the leader's hold a 0 or a 1 only where its do: raw[3], tested once)
-                    same = vals == raw[1] and keys.isdisjoint(raw[2]) and (not raw[3] or _strict_same(raw[1], vals))
+                    # (values equal to the leader's hold a 0 or a 1 only where its do: e[8], tested once)
+                    same = vals == e[6] and (e[7] is None or keys.isdisjoint(e[7])) and \
+                        (not e[8] or _strict_same(e[6], vals))
                 if not same:
                     ei = e[1]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
                     one = self._one_key
@@ -767,21 +775,24 @@ class SharedRankedMonitor(RankedMonitor):
         finally:
             self._tried = None
         rk = self._raw_keys
-        raw = None
         if rk is not None and self._raw_ok:
             lay = self._layout  # (getter of the present keys, the absent keys): the last record's, mostly the same
             vals = None
-            if lay is not None and keys.isdisjoint(lay[1]):
+            if lay is not None and (lay[1] is None or keys.isdisjoint(lay[1])):
                 try:
                     vals = lay[0](record)
                 except KeyError:
                     vals = None
             if vals is None:
                 present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
-                lay = self._layout = (itemgetter(*present), tuple([k for k in rk if k not in present]))
+                absent = tuple([k for k in rk if k not in present])
+                lay = self._layout = (itemgetter(*present), absent or None)
                 vals = lay[0](record)
-            raw = (lay[0], vals, lay[1], 0 in vals or 1 in vals)  # the last: -0.0/0/False, 1/True need the strict test
-        node.log.append((step, inputs, record, rew, tuple(tried), raw))
+            # (step, inputs, record, rewound, tried, then the raw values' fingerprint: getter, values, absent
+            # keys or None, whether a value equals 0 or 1: -0.0/0/False, 1/True need the strict test)
+            node.log.append((step, inputs, record, rew, tuple(tried), lay[0], vals, lay[1], 0 in vals or 1 in vals))
+        else:
+            node.log.append((step, inputs, record, rew, tuple(tried), None))
         node.pos += 1
         m[1] = node.pos
         node.head = 1
@@ -895,3 +906,117 @@ class SharedRankedMonitor(RankedMonitor):
         if self._tried is not None:
             self._tried.append(((step, kind), step, value, detail, severity, None, None))
         super()._emit(out, record, step, rank, kind, value, detail, severity)
+
+
+class Lockstep:
+    """Followers of the step's first rank, in every shared monitor at once: the live feed's fast path.
+
+    Why: in one run the ranks log the same global values, so 7 of 8 records only follow the shared states
+    (``SharedRankedMonitor``), and each shared monitor checking that on its own (its gate, the rank's place,
+    the rewind, the raw values) cost ~1 µs a record. Here a record is compared once with the step's leader (its
+    first record, when that advanced at least two shared states: the same keys, the same values under every key the shared
+    monitors read, none of them rewinding or trying a finding), and the rank is moved on in each state the
+    leader advanced, where it stood just behind it. Exact: that is what each monitor's ``feed_at`` would
+    conclude and do for such a record (its follower path, return ``[]``); anything else goes to the monitors.
+
+    ``calls``: (monitor, fast entry) pairs as ``MonitorFeed`` runs them. ``follow`` returns the pairs still
+    to run for the record (the monitors it did not advance), or None (run them all, then ``lead``).
+    """
+
+    def __init__(self, calls: list) -> None:
+        self._calls = list(calls)
+        # a monitor qualifies when its fast entry is SharedRankedMonitor's follower path, possibly behind a
+        # wrapper that its class declares to change nothing for such a record (``_lockstep``)
+        self.monitors = [m for m, f in self._calls
+                         if isinstance(m, SharedRankedMonitor) and m.share and getattr(f, "__self__", None) is m
+                         and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))]
+        # (``monitors``: the shared monitors it can move a rank on in)
+        self._step: int | None = None
+        self._adv: list = []  # (monitor, node, position after the leader, whether the leader set its last step)
+        self._rest: list = self._calls
+        self._keys: Any = None
+        self._get: Any = None
+        self._vals: Any = None
+        self._strict = False
+        self._who: list = []  # the monitors of ``_adv`` when ``_rest`` and ``_get`` were built
+
+    def follow(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list | None:
+        adv = self._adv
+        if step != self._step or not adv or keys != self._keys:
+            return None
+        try:
+            vals = self._get(record)
+        except KeyError:
+            return None
+        if vals != self._vals or (self._strict and not _strict_same(self._vals, vals)):
+            return None
+        for i, (mon, node, pos, sets_last) in enumerate(adv):
+            m = mon._members.get(rank)
+            if m is None or m[0] is not node or m[1] != pos - 1 or node.pos != pos or node.log is None or \
+                    (sets_last and m[2] is not None and step <= m[2]):  # (the last: a rewind for this rank)
+                if not i:
+                    return None
+                # the monitors before it moved the rank on: the others take the record their own way
+                done = {id(a[0]) for a in adv[:i]}
+                return [c for c in self._calls if id(c[0]) not in done]
+            m[1] = pos
+            node.head += 1
+            if sets_last:
+                m[2] = step
+        return self._rest
+
+    def lead(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> None:
+        """After the monitors took ``record`` (not a follower): it leads its step if it advanced shared states
+        (the first such record of a step does)."""
+        if step == self._step:  # one leader a step (a record after it that did not follow: its own way)
+            return
+        self._step = step
+        adv: list = []
+        read: list = []
+        for mon in self.monitors:
+            m = mon._members.get(rank)
+            if m is None:
+                continue
+            node = m[0]
+            log = node.log
+            if not log or m[1] != node.pos:
+                continue
+            e = log[-1]
+            if e[2] is not record or e[0] != step or e[3] or e[4]:
+                continue
+            if mon._raw_keys is not None:
+                if e[5] is None:  # the raw values did not decide its inputs for this record
+                    continue
+                read.extend(mon._raw_keys)
+            elif mon._one_key is not None:
+                read.extend([k for k in mon._one_key if k])
+            elif mon._lockstep_keys is not None:
+                read.extend(mon._lockstep_keys)
+            else:
+                continue
+            rk = mon._rewind_keys
+            adv.append((mon, node, node.pos, rk is None or rk is mon._gate or not keys.isdisjoint(rk)))
+        if len(adv) < 2:  # one state to follow: its own follower path costs less than the comparison here
+            adv = []
+        self._adv = adv
+        if not adv:  # follow() stops at once; _rest and _get stay built for _who
+            return
+        # the calls left and the getter depend on which monitors it advanced and on its keys: mostly the last ones
+        who = [a[0] for a in adv]
+        if who != self._who or keys != self._keys:
+            self._who = who
+            done = {id(m) for m in who}
+            self._rest = [c for c in self._calls if id(c[0]) not in done]
+            present = ("step",) + tuple([k for k in dict.fromkeys(read) if k in record])  # "step": a tuple back
+            self._get = itemgetter(*present)
+            self._keys = set(keys)
+        self._vals = vals = self._get(record)
+        self._strict = 0 in vals or 1 in vals  # -0.0/0/False, 1/True: equal values, maybe other inputs
+
+
+def _lockstep_of(cls: type) -> bool:
+    """Whether the class that defines ``cls.feed_at`` declares it a plain wrapper for ``Lockstep``."""
+    for c in cls.__mro__:
+        if "feed_at" in c.__dict__:
+            return bool(c.__dict__.get("_lockstep"))
+    return False

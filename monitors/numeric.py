@@ -147,6 +147,7 @@ class LossSpikeMonitor(SharedRankedMonitor):
     def __init__(self, cfg: LossSpikeConfig | None = None) -> None:
         self.cfg = cfg or LossSpikeConfig()
         self._key = spelled(self.cfg.key)
+        self._lockstep_keys = tuple([k for k in self._key if k])  # _inputs: these values and whether "reward" is a key
         super().__init__()
 
     def _new_state(self) -> list[Any]:
@@ -155,6 +156,10 @@ class LossSpikeMonitor(SharedRankedMonitor):
     def _rewind(self, st: list[Any], step: int) -> None:
         st[0].rewind(step)
         st[1] = False
+
+    # feed_at below: an RL record advances no state (its inputs are no value) unless it rewinds, which a
+    # record Lockstep moves on never does; otherwise the follower path
+    _lockstep = True
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         if "reward" in keys and self.cfg.skip_rl:  # an RL record: no value to read (see _inputs)

@@ -714,6 +714,8 @@ class RewardHackingMonitor(_SharedRL):
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
+    _lockstep = True  # feed_at below: a function of the keys, then the follower path
+
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see _RL.feed)
         noeval = keys <= self._plain

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ptops.monitors import build_monitors, replay
+from ptops.ops.supervisor.monitorfeed import MonitorFeed
 
 DATA = Path(__file__).parent / "data"
 TRACES = DATA / "traces"
@@ -129,6 +130,54 @@ def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
     return out
 
 
+def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
+    """Followers equal to the step's first rank but for what only a strict look tells apart (for the live
+    path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1 or True for
+    1.0, an extra key (a held-out eval, an unknown key), a key missing, the other spelling of a key, the same
+    step twice from one rank (a rewind)."""
+    keys = ["loss", "grad_norm", "entropy", "kl", "reward", "completions_mean_length", "frac_reward_zero_std",
+            "rewards_verifier_mean", "clip_ratio_region_mean"]
+    out = []
+    for r in recs:
+        r = dict(r)
+        if r["rank"] == 0 and r["step"] % 7 == 0:  # the leader's values 0.0 or 1.0 at these steps
+            for k in keys:
+                if k in r:
+                    r[k] = rng.choice([0.0, 1.0])
+        out.append(r)
+    lead = {r["step"]: r for r in out if r["rank"] == 0}
+    traps = []
+    for r in out:
+        if r["rank"] != 0:
+            r.update({k: v for k, v in lead[r["step"]].items() if k not in ("rank", "step_s", "ts")})
+            if r["step"] % 7 == 0 and rng.random() < 0.5:  # equal to the leader's 0.0 / 1.0, not the same
+                k = rng.choice([k for k in keys if k in r])
+                r[k] = -0.0 if r[k] == 0.0 else rng.choice([1, True])
+            elif rng.random() < 0.15:
+                k = rng.choice([k for k in keys if k in r])
+                v = r[k]
+                trap = rng.choice(["neg0", "int", "bool", "extra", "eval", "missing", "spelling"])
+                if trap == "neg0" and v == 0.0:
+                    r[k] = -0.0
+                elif trap == "int" and v == 1.0:
+                    r[k] = 1
+                elif trap == "bool" and v == 1.0:
+                    r[k] = True
+                elif trap == "extra":
+                    r["mystery"] = 1.0
+                elif trap == "eval":
+                    r["eval/heldout"] = 0.5
+                elif trap == "missing":
+                    del r[k]
+                elif trap == "spelling" and "/" not in k:
+                    r.pop(k)
+                    r["train/" + k] = v
+        traps.append(r)
+        if r["rank"] == 1 and r["step"] % 41 == 0:
+            traps.append(dict(r))  # the same step again from one rank: a rewind
+    return traps
+
+
 def _restart_after_finding(recs: list[dict]) -> list[dict] | None:
     """A restart just after the stream's first finding, with the last rank's records a few steps late: the
     rank that fired rewinds (its once-per-step entry goes) before the late rank feeds the step that fired,
@@ -175,6 +224,8 @@ def _sharing_corpus() -> dict[str, list[dict]]:
                 r = dict(r, **{"eval/heldout": round(0.6 - 0.001 * r["step"], 6)})
             recs.append(r)
         out[f"eval-every-{every}-ranks-{len(ranks_with)}"] = recs
+    out["lockstep-traps"] = _lockstep_traps(synth.grpo(250, 5, ranks=4), rng)
+    out["lockstep-traps-pretrain"] = _lockstep_traps(synth.pretrain(250, 5, ranks=4), rng)
     for name, recs in corpus().items():
         if name.startswith(("odd-", "rewind-", "obs-", "trl-grpo-tiny-100")):
             out[name] = recs
@@ -224,7 +275,18 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
                     m.share = False
             want = [f.to_dict() for f in replay(recs, alone)]
             assert json.loads(json.dumps(got)) == json.loads(json.dumps(want)), (log_max, name)
-            for m in mons:
+            # the live path: MonitorFeed moves a rank that repeats the step's leader on in every shared state at
+            # once (monitors/base.py Lockstep); the same findings and states
+            live = build_monitors()
+            feed = MonitorFeed(live)
+            got_live = [f for r in recs for f in feed.feed(r)[0]]
+            for m in live:
+                if getattr(m, "flush", None) is not None:
+                    got_live.extend(m.flush())
+            assert not feed.errors, (name, feed.errors)
+            got_live = [f.to_dict() for f in got_live]
+            assert json.loads(json.dumps(got_live)) == json.loads(json.dumps(want)), (log_max, name, "live")
+            for m in mons + live:
                 if isinstance(m, Shared):
                     forks += sum(1 for mm in m._members.values() if mm[0].log is None)
                     own = next(a for a in alone if a.name == m.name)
