@@ -78,10 +78,14 @@ def _marked(run_dir: Path) -> list[int]:
     return [p for p in out if alive(p)]
 
 
-def kill_leftovers(run_dir: Path) -> list[int]:
-    """Sidecars of ``run_dir`` that outlived their owner: SIGKILLed, their pids returned."""
+def kill_leftovers(run_dir: Path, wait_s: float = 5.0) -> list[int]:
+    """Processes of ``run_dir``'s sidecars still alive (a worker its server left, or sidecars that outlived
+    their owner): SIGKILLed, waited for (a signalled process is not gone yet), their pids returned."""
     pids = _marked(run_dir)
     signal_all(pids, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
     return pids
 
 
@@ -138,6 +142,7 @@ class Sidecar:
         why = self._launch()
         if why is not None:
             self._kill()
+            kill_leftovers(self.run_dir)  # its workers too, before the caller hears that it failed
             self.emit("sidecar_died", name=self.spec.name, exit_code=self._code(), reason=why, restarts=0,
                       gave_up=True)
             raise RuntimeError(f"sidecar {self.spec.name}: {why} (log: {self.log})")
