@@ -37,6 +37,30 @@ WARM_LINE = "[ptops.entry] warm rank: forked from pool {pool} with the engine im
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 
 
+# ----------------------------------------------------------------------------- the requester's side
+def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.socket, Any, int]:
+    """Ask the pool ``name`` for one child running ``argv`` with ``env`` (and this process' cwd and stdio);
+    the child dies with this process. Returns the connection, an unbuffered reader of it (the child's
+    status line comes on it later; unbuffered, so nothing of it hides in a buffer from a ``select`` on the
+    socket) and the child's pid. Raises ``OSError`` / ``ValueError`` / ``KeyError`` when no pool answers, or it
+    starts no child."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect("\0" + name)
+        body = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}).encode()
+        socket.send_fds(s, [struct.pack("!Q", len(body))], [0, 1, 2])
+        s.sendall(body)
+        f = s.makefile("rb", buffering=0)
+        first = f.readline()
+        child = int(json.loads(first)["pid"]) if first else 0
+        if not child:
+            raise ConnectionError("the pool started no child")
+    except BaseException:
+        s.close()
+        raise
+    return s, f, child
+
+
 # ----------------------------------------------------------------------------- the rank's side (thin)
 def handoff() -> None:
     """In a rank torchrun started: run this rank in a warm child and exit with its status (never returns),
@@ -44,22 +68,10 @@ def handoff() -> None:
     name = os.environ.get(ENV_SOCKET)
     if not name:
         return
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect("\0" + name)
-        body = json.dumps({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(),
-                           "pid": os.getpid()}).encode()
-        socket.send_fds(s, [struct.pack("!Q", len(body))], [0, 1, 2])
-        s.sendall(body)
-        f = s.makefile("rb")
-        first = f.readline()
-        child = int(json.loads(first)["pid"]) if first else 0
+        s, f, child = request(name, dict(os.environ), sys.argv)
     except (OSError, ValueError, KeyError):
-        s.close()
         return  # no pool (not warm yet, or gone): start cold
-    if not child:
-        s.close()
-        return
 
     def forward(signum: int, _frame: Any) -> None:
         try:

@@ -25,11 +25,11 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 import time
+from typing import Any
 
-from ptops.ops.rank.warm import ENV_SOCKET
+from ptops.ops.rank.warm import ENV_SOCKET, request
 
 STOP_GRACE_S = 5.0  # torchrun's: SIGTERM to the others, then SIGKILL
 
@@ -49,26 +49,6 @@ def rank_env(base: dict[str, str], rank: int, nproc: int, port: int) -> dict[str
     return env
 
 
-def _request(name: str, env: dict[str, str]) -> tuple[socket.socket, int]:
-    """One rank from the pool (the handoff protocol of ``ops/rank/warm.py``): its connection and pid."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect("\0" + name)
-        argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py")]
-        body = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}).encode()
-        socket.send_fds(s, [struct.pack("!Q", len(body))], [0, 1, 2])
-        s.sendall(body)
-        line = s.makefile("rb").readline()
-        child = int(json.loads(line)["pid"]) if line else 0
-    except BaseException:
-        s.close()
-        raise
-    if not child:
-        s.close()
-        raise ConnectionError("the pool started no child")
-    return s, child
-
-
 def _kill(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -84,16 +64,17 @@ def _code(status: int) -> int:
 
 def launch(nproc: int, port: int, fallback: list[str]) -> int:
     name = os.environ.get(ENV_SOCKET, "")
-    started: list[tuple[socket.socket, int]] = []
+    entry = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py")]
+    started: list[tuple[socket.socket, Any, int]] = []
     try:
         for rank in range(nproc):
-            started.append(_request(name, rank_env(dict(os.environ), rank, nproc, port)))
+            started.append(request(name, rank_env(dict(os.environ), rank, nproc, port), entry))
     except (OSError, ValueError, KeyError) as e:
-        _kill([pid for _, pid in started], signal.SIGKILL)
+        _kill([pid for _, _, pid in started], signal.SIGKILL)
         print(f"[ptops.warmlaunch] the warm pool did not answer ({type(e).__name__}: {e}); starting torchrun",
               flush=True)
         os.execv(fallback[0], fallback)
-    pids = [pid for _, pid in started]
+    pids = [pid for _, _, pid in started]
     print(f"[ptops.warmlaunch] {nproc} ranks forked from the warm pool: pids {pids}", flush=True)
 
     def forward(signum: int, _frame: object) -> None:
@@ -101,8 +82,8 @@ def launch(nproc: int, port: int, fallback: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    live = {s.fileno(): (rank, s) for rank, (s, _) in enumerate(started)}
-    files = {fd: s.makefile("rb") for fd, (_, s) in live.items()}
+    live = {s.fileno(): (rank, s) for rank, (s, _, _) in enumerate(started)}
+    files = {s.fileno(): f for s, f, _ in started}
     failed: tuple[int, int] | None = None
     while live:
         try:
