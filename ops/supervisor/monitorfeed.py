@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ptops.monitors import fast_entries
-from ptops.monitors.base import Lockstep, record_rank, record_step
+from ptops.monitors.base import Lockstep, step_and_rank
 from ptops.monitors.config import MonitorsSection
 from ptops.recipes.schema import build_monitors_of
 
@@ -44,12 +44,7 @@ class MonitorFeed:
         monitor that raised on this record for the first time in the run."""
         findings: list = []
         first_errors: list[tuple[str, Exception]] = []
-        step = rec.get("step")  # step_and_rank, once for every monitor
-        if type(step) is not int:
-            step = record_step(rec)
-        rank = rec.get("rank", 0)
-        if type(rank) is not int:
-            rank = record_rank(rec)
+        step, rank = step_and_rank(rec)  # once for every monitor
         keys = rec.keys()
         if self._of != self.monitors:  # identity first, in C: ~0.1 µs
             self._of = list(self.monitors)
