@@ -10,7 +10,8 @@ The same objects run live in the supervisor and offline over a run's ``metrics.j
 
 from __future__ import annotations
 
-from .base import Finding, Monitor, RankedMonitor, SharedRankedMonitor, fast_entries, number, replay
+from .base import Finding, Monitor, RankedMonitor, fast_entries, number, replay
+from .shared import SharedRankedMonitor
 from .config import (
     ACTIONS,
     EntropyCollapseConfig,

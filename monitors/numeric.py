@@ -17,7 +17,6 @@ from .base import (
     _MISSING,
     Finding,
     RankedMonitor,
-    SharedRankedMonitor,
     SortedSeries,
     finite_of,
     median,
@@ -27,6 +26,7 @@ from .base import (
     spelled,
 )
 from .config import GradExplosionConfig, LossSpikeConfig, NanConfig
+from .shared import SharedRankedMonitor
 
 
 def _fmt(x: float | None) -> str:

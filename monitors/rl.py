@@ -27,8 +27,9 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import (Finding, RankedMonitor, SharedRankedMonitor, finite_floats, finite_of, first_finite, first_number, get_number, median,
+from .base import (Finding, RankedMonitor, finite_floats, finite_of, first_finite, first_number, get_number, median,
                    record_attempt, record_ts, spelled)
+from .shared import SharedRankedMonitor
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,

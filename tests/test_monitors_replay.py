@@ -251,11 +251,11 @@ def _dump(x):
 
 
 def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
-    """Ranks whose inputs agree share one state (monitors/base.py SharedRankedMonitor): the findings, texts
+    """Ranks whose inputs agree share one state (monitors/shared.py SharedRankedMonitor): the findings, texts
     and ranks included, equal those of the same monitors with a state per rank, on streams where ranks
     arrive late, diverge at a random step, rewind, carry garbage; with checkpoints every few transitions
     (the shipped interval is 1,024, longer than these streams) so that forks rebuild from them."""
-    import ptops.monitors.base as base
+    import ptops.monitors.shared as shared
 
     from ptops.monitors import SharedRankedMonitor as Shared
 
@@ -264,7 +264,7 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
     assert {m.name for m in shared_kinds} == {"loss_spike", "grad_explosion", "entropy_collapse", "kl_drift",
                                               "reward_hacking", "mode_collapse"}
     for log_max in (1024, 16):
-        monkeypatch.setattr(base, "_LOG_MAX", log_max)
+        monkeypatch.setattr(shared, "_LOG_MAX", log_max)
         forks = 0
         for name, recs in _sharing_corpus().items():
             mons = build_monitors()
@@ -276,7 +276,7 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
             want = [f.to_dict() for f in replay(recs, alone)]
             assert json.loads(json.dumps(got)) == json.loads(json.dumps(want)), (log_max, name)
             # the live path: MonitorFeed moves a rank that repeats the step's leader on in every shared state at
-            # once (monitors/base.py Lockstep); the same findings and states
+            # once (monitors/shared.py Lockstep); the same findings and states
             live = build_monitors()
             feed = MonitorFeed(live)
             got_live = [f for r in recs for f in feed.feed(r)[0]]

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ptops.monitors import fast_entries
-from ptops.monitors.base import Lockstep, step_and_rank
+from ptops.monitors.base import step_and_rank
+from ptops.monitors.shared import Lockstep
 from ptops.monitors.config import MonitorsSection
 from ptops.recipes.schema import build_monitors_of
 
