@@ -3,9 +3,9 @@
 All three follow each rank's series and report a step once across ranks
 (``loss`` and ``grad_norm`` are global values in both adapters: TRL logs the
 rank-averaged loss and the clipped-before norm of the whole model, TorchTitan
-the global loss and norm); the loss-spike and grad-norm monitors keep one state
-for the ranks whose values agree (``SharedRankedMonitor``), the NaN check one per
-rank (it costs less than following a shared state).
+the global loss and norm); all three keep one state for the ranks whose values
+agree (``SharedRankedMonitor``): the live feed then moves a rank that repeats its
+step's first rank on in every such state at once (``Lockstep``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any, Mapping
 from .base import (
     _MISSING,
     Finding,
-    RankedMonitor,
     SortedSeries,
     finite_of,
     median,
@@ -45,7 +44,7 @@ class _NaNState:
         self.bad: set[str] = set()
 
 
-class NaNMonitor(RankedMonitor):
+class NaNMonitor(SharedRankedMonitor):
     """NaN / Inf in the loss or the grad norm (``monitor="nan"``, severity critical).
 
     Reads ``cfg.keys`` (default ``loss``, ``grad_norm``). A value is bad when it
@@ -68,8 +67,11 @@ class NaNMonitor(RankedMonitor):
     def __init__(self, cfg: NanConfig | None = None) -> None:
         self.cfg = cfg or NanConfig()
         self._keys = tuple((k, spelled(k)) for k in self.cfg.keys)
-        self._firsts = tuple(sp[0] for _, sp in self._keys)
         self._nkeys = len(set(self.cfg.keys))
+        self._all_finite = (True,) * len(self._keys)
+        # Lockstep compares these values (and the key set): equal raw values give equal inputs
+        self._lockstep_keys = tuple(dict.fromkeys(s for _, sp in self._keys for s in sp if s))
+        self._noop = (_MISSING,) * len(self._keys)  # no key present: nothing read, nothing changed
         super().__init__()
 
     def _new_state(self) -> _NaNState:
@@ -78,37 +80,42 @@ class NaNMonitor(RankedMonitor):
     def _rewind(self, state: _NaNState, step: int) -> None:
         state.bad.clear()
 
-    def _check(self, st: _NaNState, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
-        if not st.bad and len(st.numeric) == self._nkeys:
-            # the common case: every key seen numeric, none bad, each a finite float under its first
-            # spelling now (the loop below would change nothing): one pass, no set work
-            for k in self._firsts:
-                v = record.get(k)
-                if type(v) is not float or v - v != 0.0:
-                    break
-            else:
-                return []
-        out: list[Finding] = []
-        for key, sp in self._keys:
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        """Per key what ``_apply`` reads: True (a finite number), None (a None), the text of a non-finite
+        value ("nan", "inf", "-inf"), or ``_MISSING`` (absent, or no number: skipped alike). A text, not the
+        float, so that a NaN equals a NaN: ranks that log the same bad value keep sharing one state."""
+        out = []
+        for _, sp in self._keys:
             raw = record.get(sp[0], _MISSING)  # raw_of, inlined
-            if raw is _MISSING:
-                if sp[1] is None:
-                    continue
+            if raw is _MISSING and sp[1] is not None:
                 raw = record.get(sp[1], _MISSING)
-                if raw is _MISSING:
-                    continue
+            if raw is None or raw is _MISSING:
+                out.append(raw)
+                continue
             v = raw if type(raw) is float else number(raw)
-            if v is not None and v - v == 0.0:  # finite
+            out.append(_MISSING if v is None else True if v - v == 0.0 else repr(v))
+        return tuple(out)
+
+    def _apply(self, st: _NaNState, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        if inputs == self._all_finite and not st.bad and len(st.numeric) == self._nkeys:
+            return []  # the common case: every key seen numeric, none bad, all finite now (nothing changes)
+        out: list[Finding] = []
+        for (key, _), x in zip(self._keys, inputs):
+            if x is True:  # finite
                 if key not in st.numeric:
                     st.numeric.add(key)
                 if st.bad:
                     st.bad.discard(key)
                 continue
-            if v is None:
-                if raw is not None or not (self.cfg.none_after_numeric and key in st.numeric):
+            if x is _MISSING:
+                continue
+            if x is None:
+                if not (self.cfg.none_after_numeric and key in st.numeric):
                     continue
+                v = None
                 detail = f"{key} is None after numeric values (all values NaN at this step)"
             else:
+                v = float(x)
                 detail = f"{key} is {v} at step {step}"
             if key in st.bad:
                 continue

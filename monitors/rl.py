@@ -978,7 +978,7 @@ class ModeCollapseMonitor(_SharedRL):
         return out
 
 
-class StaleRolloutMonitor(_RL):
+class StaleRolloutMonitor(_SharedRL):
     """Stale rollouts (``monitor="stale_rollout"``): policy-version lag past a bound.
 
     Reads the first present of ``keys`` (``policy_lag``, ``policy_version_lag``,
@@ -1000,20 +1000,23 @@ class StaleRolloutMonitor(_RL):
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
         self._sp0 = self._keys[0] if self._keys else (None, None)
         self._gate = self._rewind_keys = self._own
+        self._lockstep_keys = tuple(s for sp in self._keys for s in sp if s)  # (Lockstep compares their values)
+        self._noop = (None, None)
         super().__init__()
 
-
-    # not shared: its check costs less than following a shared state
-    def _check(self, st: _St, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        """(key, lag): the first of ``keys`` holding a finite number, or (None, None)."""
         sp = self._sp0
         v = record.get(sp[0])
         t = type(v)
         if t is float and v - v == 0.0:  # first_finite's common case: the first key holds a number
-            key, lag = sp[0], v
-        elif t is int:
-            key, lag = sp[0], float(v)
-        else:
-            key, lag = first_finite(record, self._keys)
+            return sp[0], v
+        if t is int:
+            return sp[0], float(v)
+        return first_finite(record, self._keys)
+
+    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+        key, lag = inputs
         if lag is None:
             return []
         stale = lag > self.cfg.max_lag

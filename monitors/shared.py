@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from .base import Finding, RankedMonitor, Severity, finite_of, record_attempt, record_ts
 
 _LOG_MAX = 1024  # transitions kept before a checkpoint (a copy of the shared state) replaces them
+_LAZY = object()  # a logged transition's raw-value fingerprint, not taken yet (``_fingerprint``)
 _JOIN_WINDOW = 4  # transitions a fresh group with one member keeps logging for other ranks to join
 
 
@@ -150,6 +151,9 @@ class SharedRankedMonitor(RankedMonitor):
                 # without parsing them (one C-level map; for monitors whose inputs cost more than that)
                 same = False
                 get = e[5]
+                if get is _LAZY:  # the first follower of this transition: the leader's raw values, once
+                    e = node.log[pos - node.pos0] = self._fingerprint(e)
+                    get = e[5]
                 if get is not None and self._raw_ok:
                     # (the keys present in the first rank's record, as one itemgetter; their values; the absent
                     # keys, None when none)
@@ -227,29 +231,34 @@ class SharedRankedMonitor(RankedMonitor):
             out = self._apply(st, inputs, record, step, rank)
         finally:
             self._tried = None
-        rk = self._raw_keys
-        if rk is not None and self._raw_ok:
-            lay = self._layout  # (getter of the present keys, the absent keys): the last record's, mostly the same
-            vals = None
-            if lay is not None and (lay[1] is None or keys.isdisjoint(lay[1])):
-                try:
-                    vals = lay[0](record)
-                except KeyError:
-                    vals = None
-            if vals is None:
-                present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
-                absent = tuple([k for k in rk if k not in present])
-                lay = self._layout = (itemgetter(*present), absent or None)
-                vals = lay[0](record)
-            # (step, inputs, record, rewound, tried, then the raw values' fingerprint: getter, values, absent
-            # keys or None, whether a value equals 0 or 1: -0.0/0/False, 1/True need the strict test)
-            node.log.append((step, inputs, record, rew, tuple(tried), lay[0], vals, lay[1], 0 in vals or 1 in vals))
-        else:
-            node.log.append((step, inputs, record, rew, tuple(tried), None))
+        # (step, inputs, record, rewound, tried, then _LAZY: the raw values decide the inputs, their fingerprint
+        # is taken from the record by the first follower that needs it (``_fingerprint``; a follower that Lockstep
+        # moves on never does), else None)
+        node.log.append((step, inputs, record, rew, tuple(tried) if tried else (),
+                         _LAZY if self._raw_keys is not None and self._raw_ok else None))
         node.pos += 1
         m[1] = node.pos
         node.head = 1
         return out
+
+    def _fingerprint(self, e: tuple) -> tuple:
+        """The logged transition ``e`` with the raw values of its record: (..., getter, values, absent keys or
+        None, whether a value equals 0 or 1: -0.0/0/False, 1/True need the strict test)."""
+        record = e[2]
+        rk = self._raw_keys
+        lay = self._layout  # (getter of the present keys, the absent keys): the last record's, mostly the same
+        vals = None
+        if lay is not None and (lay[1] is None or record.keys().isdisjoint(lay[1])):
+            try:
+                vals = lay[0](record)
+            except KeyError:
+                vals = None
+        if vals is None:
+            present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
+            absent = tuple([k for k in rk if k not in present])
+            lay = self._layout = (itemgetter(*present), absent or None)
+            vals = lay[0](record)
+        return e[:5] + (lay[0], vals, lay[1], 0 in vals or 1 in vals)
 
     def _follow(self, m: list, node: _Node, e: tuple, record: Mapping[str, Any], rank: int) -> list[Finding]:
         """Catch up with the logged transition ``e`` (the same inputs): the findings it tried, no work."""
@@ -383,15 +392,24 @@ class Lockstep:
         self.monitors = [m for m, f in self._calls
                          if isinstance(m, SharedRankedMonitor) and m.share and getattr(f, "__self__", None) is m
                          and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))]
-        # (``monitors``: the shared monitors it can move a rank on in)
+        self.monitors = [m for m in self.monitors if _read_keys(m) is not None]
+        # (``monitors``: the shared monitors it can move a rank on in.) ``_reads``: each one, whether its raw values
+        # decide its inputs (then only a logged transition that says so can lead), and the keys that make a
+        # record rewind it (None: every record; its gate is, as a record past the gate has one)
+        self._reads = [(m, m._raw_keys is not None, None if m._rewind_keys is m._gate else m._rewind_keys)
+                       for m in self.monitors]
         self._step: int | None = None
         self._adv: list = []  # (monitor, node, position after the leader, whether the leader set its last step)
         self._rest: list = self._calls
         self._keys: Any = None
         self._get: Any = None
         self._vals: Any = None
-        self._strict = False
+        self._strict: tuple = ()  # (index, the leader's value) of the leader's values equal to 0 or 1
         self._who: list = []  # the monitors of ``_adv`` when ``_rest`` and ``_get`` were built
+        # rank -> its member entry ([node, position, last step]) in each monitor of ``_who``: a monitor keeps a
+        # rank's entry (a list changed in place) until reset, which makes ``_members`` a new dict
+        self._ms: dict[int, list] = {}
+        self._mdicts: list = []
 
     def follow(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list | None:
         adv = self._adv
@@ -401,11 +419,21 @@ class Lockstep:
             vals = self._get(record)
         except KeyError:
             return None
-        if vals != self._vals or (self._strict and not _strict_same(self._vals, vals)):
+        if vals != self._vals:
             return None
-        for i, (mon, node, pos, sets_last) in enumerate(adv):
-            m = mon._members.get(rank)
-            if m is None or m[0] is not node or m[1] != pos - 1 or node.pos != pos or node.log is None or \
+        for i, v in self._strict:  # equal to a 0 or a 1: the same type (True is no number), the same zero's sign
+            w = vals[i]
+            if type(w) is not type(v) or (type(v) is float and math.copysign(1.0, v) != math.copysign(1.0, w)):
+                return None
+        ms = self._ms.get(rank)
+        if ms is None:
+            ms = [a[0]._members.get(rank) for a in adv]
+            if any(m is None for m in ms):
+                return None  # a rank new to the first of them (else the loop below stops at the first new one)
+            self._ms[rank] = ms
+        for i, m in enumerate(ms):
+            mon, node, pos, sets_last = adv[i]
+            if m[0] is not node or m[1] != pos - 1 or node.pos != pos or node.log is None or \
                     (sets_last and m[2] is not None and step <= m[2]):  # (the last: a rewind for this rank)
                 if not i:
                     return None
@@ -425,8 +453,7 @@ class Lockstep:
             return
         self._step = step
         adv: list = []
-        read: list = []
-        for mon in self.monitors:
+        for mon, raw, rk in self._reads:
             m = mon._members.get(rank)
             if m is None:
                 continue
@@ -437,18 +464,9 @@ class Lockstep:
             e = log[-1]
             if e[2] is not record or e[0] != step or e[3] or e[4]:
                 continue
-            if mon._raw_keys is not None:
-                if e[5] is None:  # the raw values did not decide its inputs for this record
-                    continue
-                read.extend(mon._raw_keys)
-            elif mon._one_key is not None:
-                read.extend([k for k in mon._one_key if k])
-            elif mon._lockstep_keys is not None:
-                read.extend(mon._lockstep_keys)
-            else:
+            if raw and e[5] is None:  # the raw values did not decide its inputs for this record
                 continue
-            rk = mon._rewind_keys
-            adv.append((mon, node, node.pos, rk is None or rk is mon._gate or not keys.isdisjoint(rk)))
+            adv.append((mon, node, node.pos, rk is None or not keys.isdisjoint(rk)))
         if len(adv) < 2:  # one state to follow: its own follower path costs less than the comparison here
             adv = []
         self._adv = adv
@@ -456,15 +474,30 @@ class Lockstep:
             return
         # the calls left and the getter depend on which monitors it advanced and on its keys: mostly the last ones
         who = [a[0] for a in adv]
-        if who != self._who or keys != self._keys:
+        if who != self._who or keys != self._keys or any(m._members is not d for m, d in zip(who, self._mdicts)):
             self._who = who
+            self._ms = {}
+            self._mdicts = [m._members for m in who]
             done = {id(m) for m in who}
             self._rest = [c for c in self._calls if id(c[0]) not in done]
+            read = [k for m in who for k in _read_keys(m)]
             present = ("step",) + tuple([k for k in dict.fromkeys(read) if k in record])  # "step": a tuple back
             self._get = itemgetter(*present)
             self._keys = set(keys)
         self._vals = vals = self._get(record)
-        self._strict = 0 in vals or 1 in vals  # -0.0/0/False, 1/True: equal values, maybe other inputs
+        # -0.0/0/False, 1/True: equal values, maybe other inputs. Only these positions: elsewhere equal values
+        # of two types (2 and 2.0) parse alike, as they do when no value is 0 or 1 (where nothing is checked)
+        self._strict = tuple([(i, v) for i, v in enumerate(vals) if v == 0 or v == 1])
+
+
+def _read_keys(mon: SharedRankedMonitor) -> tuple | list | None:
+    """The record keys whose values decide the monitor's inputs (with the record's key set), or None: it never
+    follows in lockstep."""
+    if mon._raw_keys is not None:
+        return mon._raw_keys
+    if mon._one_key is not None:
+        return [k for k in mon._one_key if k]
+    return mon._lockstep_keys
 
 
 def _lockstep_of(cls: type) -> bool:

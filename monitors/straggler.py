@@ -83,6 +83,8 @@ class StragglerMonitor:
         self._wait = tuple(spelled(k) for k in c.wait_keys)
         self._data = tuple(spelled(k) for k in c.data_keys)
         self._step_name = c.step_key + ("~wait" if c.step_s_mode == "wait_inferred" else "")
+        self._step_key = c.step_key
+        self._step_on = c.step_s_mode != "off"
         # every spelling of each key group: a record with none of a group skips its lookups (one C test)
         self._busy_any = frozenset(k for sp in self._busy for k in sp if k)
         self._wait_any = frozenset(k for sp in self._wait for k in sp if k)
@@ -104,7 +106,6 @@ class StragglerMonitor:
     # ------------------------------------------------------------ signals
 
     def _signals(self, record: Mapping[str, Any], keys: Any) -> dict[str, float]:
-        cfg = self.cfg
         sig: dict[str, float] = {}
         busy = None
         if not keys.isdisjoint(self._busy_any):
@@ -112,15 +113,15 @@ class StragglerMonitor:
         if busy is not None:
             sig[key or "busy"] = busy
         else:
-            step_s = record.get(cfg.step_key)
+            step_s = record.get(self._step_key)
             if type(step_s) is not float:  # number()'s common case inline
                 step_s = number(step_s)
             wait = None
             if not keys.isdisjoint(self._wait_any):
                 wkey, wait = first_finite(record, self._wait)
             if wait is not None and step_s is not None and step_s == step_s:
-                sig[f"{cfg.step_key}-{wkey}"] = max(step_s - wait, 0.0)
-            elif step_s is not None and step_s == step_s and step_s != _INF and cfg.step_s_mode != "off":
+                sig[f"{self._step_key}-{wkey}"] = max(step_s - wait, 0.0)
+            elif step_s is not None and step_s == step_s and step_s != _INF and self._step_on:
                 sig[self._step_name] = step_s
         if keys.isdisjoint(self._data_any):
             return sig
@@ -240,15 +241,24 @@ class StragglerMonitor:
             hist = self._hist.get(name)
             if hist is None:
                 hist = self._hist[name] = {}
+            # the median of the others (srt without one v) takes two values (three for an odd count), picked by
+            # where v sorts (bisect_left(srt, v) > mid  <=>  srt[mid] < v); computed once here. With a NaN the
+            # order means nothing: then _median_without for each rank
+            plain = all(x == x for x in srt)
+            if plain:
+                sm = srt[mid]
+                if odd:
+                    above, below = sm, srt[mid + 1]
+                elif n > 1:
+                    sl = srt[mid - 1]
+                    above, at, below = 0.5 * (sl + sm), 0.5 * (sl + srt[mid + 1]), 0.5 * (sm + srt[mid + 1])
             for r, v in vals.items():
-                # the median of the others: srt without one v (_median_without, inlined for the common case)
-                i = bisect_left(srt, v)
-                if i == n or srt[i] != v:
+                if not plain:
                     others = _median_without(srt, v)
                 elif odd:
-                    others = srt[mid] if mid < i else srt[mid + 1]
-                else:
-                    others = 0.5 * ((srt[mid - 1] if mid - 1 < i else srt[mid]) + (srt[mid] if mid < i else srt[mid + 1]))
+                    others = above if sm < v else below
+                else:  # (i > mid: above; i == mid: at; i < mid: below, as the inlined bisect had it)
+                    others = above if sm < v else at if sl < v else below
                 if inferred:  # the others waited for r: their step is longer than r's
                     ratio = others / v if v > 0 else (_INF if others > 0 else 1.0)
                     excess = others - v
