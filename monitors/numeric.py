@@ -155,6 +155,7 @@ class LossSpikeMonitor(SharedRankedMonitor):
         self.cfg = cfg or LossSpikeConfig()
         self._key = spelled(self.cfg.key)
         self._lockstep_keys = tuple([k for k in self._key if k])  # _inputs: these values and whether "reward" is a key
+        self._idle_key = "reward" if self.cfg.skip_rl else None  # feed_at's RL path: what Lockstep repeats
         super().__init__()
 
     def _new_state(self) -> list[Any]:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from .base import Finding, RankedMonitor, Severity, finite_of, record_attempt, record_ts
 
 _LOG_MAX = 1024  # transitions kept before a checkpoint (a copy of the shared state) replaces them
+_RESETS = [0]  # SharedRankedMonitor.reset calls so far (any monitor): Lockstep drops its cached member entries
 _LAZY = object()  # a logged transition's raw-value fingerprint, not taken yet (``_fingerprint``)
 _JOIN_WINDOW = 4  # transitions a fresh group with one member keeps logging for other ranks to join
 
@@ -83,6 +84,9 @@ class SharedRankedMonitor(RankedMonitor):
     _lockstep_keys: tuple[str, ...] | None = None
     _raw_keys: tuple[str, ...] | None = None
     _raw_ok = True
+    # a key that makes a record idle for the monitor: it only sets the rank's last step (``m[2]``) unless it rewinds,
+    # as the monitor's ``feed_at`` does itself (Lockstep does that for a follower of a step whose records have it)
+    _idle_key: str | None = None
     # inputs with which ``_apply`` changes nothing and finds nothing (no value to read): such a record
     # is no transition at all (unless it rewinds), for the first rank and the followers alike
     _noop: tuple = (None,)
@@ -99,10 +103,12 @@ class SharedRankedMonitor(RankedMonitor):
 
     def reset(self) -> None:
         super().reset()
+        _RESETS[0] += 1  # (Lockstep's cached member entries of every monitor are void)
         self._members: dict[int, list] = {}  # rank -> [node, position]
         self._fresh: list[_Node] = []  # logging nodes that started from the fresh state (new ranks join one)
         self._tried = None
         self._silent = False
+        self._led: tuple | None = None  # (record, node, position after it): the last transition Lockstep may lead
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -234,11 +240,14 @@ class SharedRankedMonitor(RankedMonitor):
         # (step, inputs, record, rewound, tried, then _LAZY: the raw values decide the inputs, their fingerprint
         # is taken from the record by the first follower that needs it (``_fingerprint``; a follower that Lockstep
         # moves on never does), else None)
-        node.log.append((step, inputs, record, rew, tuple(tried) if tried else (),
-                         _LAZY if self._raw_keys is not None and self._raw_ok else None))
-        node.pos += 1
-        m[1] = node.pos
+        raw = self._raw_keys is not None and self._raw_ok
+        node.log.append((step, inputs, record, rew, tuple(tried) if tried else (), _LAZY if raw else None))
+        pos = node.pos = node.pos + 1
+        m[1] = pos
         node.head = 1
+        # a transition that other ranks repeating this record can follow in Lockstep: no rewind, no finding
+        # tried, its inputs decided by the values Lockstep compares (for _raw_keys: only when they decide them)
+        self._led = (record, node, pos) if not rew and not tried and (raw or self._raw_keys is None) else None
         return out
 
     def _fingerprint(self, e: tuple) -> tuple:
@@ -393,13 +402,13 @@ class Lockstep:
                          if isinstance(m, SharedRankedMonitor) and m.share and getattr(f, "__self__", None) is m
                          and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))]
         self.monitors = [m for m in self.monitors if _read_keys(m) is not None]
-        # (``monitors``: the shared monitors it can move a rank on in.) ``_reads``: each one, whether its raw values
-        # decide its inputs (then only a logged transition that says so can lead), and the keys that make a
-        # record rewind it (None: every record; its gate is, as a record past the gate has one)
-        self._reads = [(m, m._raw_keys is not None, None if m._rewind_keys is m._gate else m._rewind_keys)
-                       for m in self.monitors]
+        # (``monitors``: the shared monitors it can move a rank on in.) ``_reads``: each one and the keys that make
+        # a record rewind it (None: every record; its gate is, as a record past the gate has one)
+        self._reads = [(m, None if m._rewind_keys is m._gate else m._rewind_keys) for m in self.monitors]
+        self._idlers = [m for m in self.monitors if m._idle_key]
         self._step: int | None = None
-        self._adv: list = []  # (monitor, node, position after the leader, whether the leader set its last step)
+        # (monitor, node, position after the leader, whether the leader set its last step, the position before it)
+        self._adv: list = []
         self._rest: list = self._calls
         self._keys: Any = None
         self._get: Any = None
@@ -407,9 +416,9 @@ class Lockstep:
         self._strict: tuple = ()  # (index, the leader's value) of the leader's values equal to 0 or 1
         self._who: list = []  # the monitors of ``_adv`` when ``_rest`` and ``_get`` were built
         # rank -> its member entry ([node, position, last step]) in each monitor of ``_who``: a monitor keeps a
-        # rank's entry (a list changed in place) until reset, which makes ``_members`` a new dict
+        # rank's entry (a list changed in place) until reset, which makes ``_members`` a new dict (and counts)
         self._ms: dict[int, list] = {}
-        self._mdicts: list = []
+        self._resets = _RESETS[0]
 
     def follow(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list | None:
         adv = self._adv
@@ -427,23 +436,29 @@ class Lockstep:
                 return None
         ms = self._ms.get(rank)
         if ms is None:
-            ms = [a[0]._members.get(rank) for a in adv]
+            ms = [m._members.get(rank) for m in self._who]
             if any(m is None for m in ms):
-                return None  # a rank new to the first of them (else the loop below stops at the first new one)
+                return None  # a rank new to one of them: all take the record their own way
             self._ms[rank] = ms
+        n = len(adv)
         for i, m in enumerate(ms):
-            mon, node, pos, sets_last = adv[i]
-            if m[0] is not node or m[1] != pos - 1 or node.pos != pos or node.log is None or \
-                    (sets_last and m[2] is not None and step <= m[2]):  # (the last: a rewind for this rank)
-                if not i:
-                    return None
-                # the monitors before it moved the rank on: the others take the record their own way
-                done = {id(a[0]) for a in adv[:i]}
-                return [c for c in self._calls if id(c[0]) not in done]
-            m[1] = pos
-            node.head += 1
-            if sets_last:
+            if i < n:
+                _, node, pos, sets_last, prev = adv[i]
+                if m[0] is node and m[1] == prev and node.pos == pos and node.log is not None and \
+                        not (sets_last and m[2] is not None and step <= m[2]):  # (the last: a rewind for this rank)
+                    m[1] = pos
+                    node.head += 1
+                    if sets_last:
+                        m[2] = step
+                    continue
+            elif m[2] is None or step > m[2]:  # idle: no rewind, so its last step is all that changes
                 m[2] = step
+                continue
+            if not i:
+                return None
+            # the monitors before it moved the rank on: the others take the record their own way
+            done = {id(mon) for mon in self._who[:i]}
+            return [c for c in self._calls if id(c[0]) not in done]
         return self._rest
 
     def lead(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> None:
@@ -453,41 +468,35 @@ class Lockstep:
             return
         self._step = step
         adv: list = []
-        for mon, raw, rk in self._reads:
-            m = mon._members.get(rank)
-            if m is None:
+        for mon, rk in self._reads:
+            led = mon._led  # set by the transition this record made, if it made one Lockstep can follow
+            if led is None or led[0] is not record:
                 continue
-            node = m[0]
-            log = node.log
-            if not log or m[1] != node.pos:
-                continue
-            e = log[-1]
-            if e[2] is not record or e[0] != step or e[3] or e[4]:
-                continue
-            if raw and e[5] is None:  # the raw values did not decide its inputs for this record
-                continue
-            adv.append((mon, node, node.pos, rk is None or not keys.isdisjoint(rk)))
+            _, node, pos = led
+            adv.append((mon, node, pos, rk is None or not keys.isdisjoint(rk), pos - 1))
         if len(adv) < 2:  # one state to follow: its own follower path costs less than the comparison here
             adv = []
         self._adv = adv
         if not adv:  # follow() stops at once; _rest and _get stay built for _who
             return
-        # the calls left and the getter depend on which monitors it advanced and on its keys: mostly the last ones
+        # the calls left and the getter depend on which monitors it advanced and on its keys: mostly the last ones.
+        # After them the idle ones: a record with their ``_idle_key`` changes nothing in them but the rank's last step
         who = [a[0] for a in adv]
-        if who != self._who or keys != self._keys or any(m._members is not d for m, d in zip(who, self._mdicts)):
+        who += [m for m in self._idlers if m._idle_key in keys and m not in who]
+        if who != self._who or keys != self._keys or _RESETS[0] != self._resets:
             self._who = who
             self._ms = {}
-            self._mdicts = [m._members for m in who]
+            self._resets = _RESETS[0]
             done = {id(m) for m in who}
             self._rest = [c for c in self._calls if id(c[0]) not in done]
-            read = [k for m in who for k in _read_keys(m)]
+            read = [k for m in who[:len(adv)] for k in _read_keys(m)]
             present = ("step",) + tuple([k for k in dict.fromkeys(read) if k in record])  # "step": a tuple back
             self._get = itemgetter(*present)
             self._keys = set(keys)
         self._vals = vals = self._get(record)
         # -0.0/0/False, 1/True: equal values, maybe other inputs. Only these positions: elsewhere equal values
         # of two types (2 and 2.0) parse alike, as they do when no value is 0 or 1 (where nothing is checked)
-        self._strict = tuple([(i, v) for i, v in enumerate(vals) if v == 0 or v == 1])
+        self._strict = tuple([(i, v) for i, v in enumerate(vals) if v == 0 or v == 1]) if 0 in vals or 1 in vals else ()
 
 
 def _read_keys(mon: SharedRankedMonitor) -> tuple | list | None:

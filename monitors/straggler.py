@@ -89,6 +89,7 @@ class StragglerMonitor:
         self._busy_any = frozenset(k for sp in self._busy for k in sp if k)
         self._wait_any = frozenset(k for sp in self._wait for k in sp if k)
         self._data_any = frozenset(k for sp in self._data for k in sp if k)
+        self._special = self._busy_any | self._wait_any | self._data_any
         self._thr = 1 + c.margin
         self.reset()
 
@@ -155,7 +156,15 @@ class StragglerMonitor:
         pend = pending.get(step)
         if pend is None:
             pend = pending[step] = {}
-        pend[rank] = (self._signals(record, keys), record)
+        if keys.isdisjoint(self._special):  # step_s alone (most records): _signals' last branch, inlined
+            step_s = record.get(self._step_key)
+            if type(step_s) is not float:
+                step_s = number(step_s)
+            sig = {self._step_name: step_s} if step_s is not None and step_s == step_s and step_s != _INF and \
+                self._step_on else {}
+        else:
+            sig = self._signals(record, keys)
+        pend[rank] = (sig, record)
         if len(pending) == 1 and step == self._newest and self._world is None:
             return []  # only this step pending, nothing past it yet: not complete, not lagging (most records)
         return self._score_ready()
