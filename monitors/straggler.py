@@ -205,18 +205,14 @@ class StragglerMonitor:
             return out
         newest = self._newest
         expected = self._expected()
-        # the oldest pending step first, alone: most records complete nothing (the loop below would stop there)
-        s = min(pending)
-        if newest < s + self.cfg.lag_steps and len(pending) <= _MAX_PENDING and \
-                not ((newest > s or self._world is not None) and len(pending[s]) >= len(expected)
-                     and expected.issubset(pending[s])):
-            return out
-        for s in sorted(self._pending):
-            ranks = self._pending[s]
-            # the length first: issubset of a dict builds a set of it (O(ranks) for every record of a step)
-            complete = len(ranks) >= len(expected) and expected.issubset(ranks) and \
-                (newest > s or self._world is not None)
-            if complete or newest >= s + self.cfg.lag_steps or len(self._pending) > _MAX_PENDING:
+        lag = self.cfg.lag_steps
+        world = self._world
+        for s in sorted(pending):
+            ranks = pending[s]
+            # the length first; then ``keys() >=`` tests expected's members in the dict (issubset of a dict would
+            # build a set of it)
+            complete = len(ranks) >= len(expected) and ranks.keys() >= expected and (newest > s or world is not None)
+            if complete or newest >= s + lag or len(pending) > _MAX_PENDING:
                 out.extend(self._score(s))
             else:
                 break
