@@ -422,7 +422,7 @@ class Lockstep:
 
     def follow(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list | None:
         adv = self._adv
-        if step != self._step or not adv or keys != self._keys:
+        if step != self._step or not adv or keys != self._keys or _RESETS[0] != self._resets:
             return None
         try:
             vals = self._get(record)
