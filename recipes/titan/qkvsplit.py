@@ -192,6 +192,8 @@ class QkvSplit:
                      w[:, e.hpk].reshape(-1, *e.tail).contiguous(),
                      w[:, e.hpk + 1].reshape(-1, *e.tail).contiguous())
             for key, t, spec in zip(e.outs, parts, e.specs):
+                if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                    t = t.clone()  # a view into the gathered buffer (n_kv == 1): own storage, as staged before
                 split[key] = DTensor(t, spec, requires_grad=False)
         model = set(self.order) | self._fused
         final = {k: v for k, v in staged.items() if k not in model}

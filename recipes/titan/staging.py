@@ -15,8 +15,8 @@ CPU only: the adapter keeps DefaultStager (pinned memory, a CUDA stream) when CU
 The buffers are reused: a staged dict is valid until the next ``stage`` call. The adapter never stages
 while the previous save is still writing (``ProbeCheckpointManager._skip_busy``).
 
-``StageThen`` (one per save) is the same copy followed, on the same background thread, by a function of the
-staged dict (the fused-QKV split, ``qkvsplit.py``): DCP waits for both, training only for the copy (``copied``).
+``stage_then`` is the same copy followed, on the same background thread, by a function of the staged dict
+(the fused-QKV split, ``qkvsplit.py``): the writer waits for both, training only for the copy (``copied``).
 """
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ class FlatStager:
         self._future = self._exec.submit(self._stage, state_dict)
         return self._future
 
-    def stage_then(self, state_dict: dict, then: Any) -> tuple[Future, Future]:
-        """(copied, done): the copy, then ``then(staged)`` on the stager's thread; ``done`` holds its result."""
+    def stage_then(self, state_dict: dict, then: Any = None) -> tuple[Future, Future]:
+        """(copied, done): the copy, then ``then(staged)`` on the stager's thread; ``done`` holds its result
+        (the staged dict itself without ``then``)."""
         copied: Future = Future()
         done: Future = Future()
 
@@ -60,7 +61,7 @@ class FlatStager:
                 return
             copied.set_result(None)
             try:
-                done.set_result(then(staged))
+                done.set_result(then(staged) if then is not None else staged)
             except BaseException as e:  # noqa: BLE001
                 done.set_exception(e)
 
@@ -137,25 +138,3 @@ class FlatStager:
             self._fallback = StateDictStager(pin_memory=False, share_memory=False)
         return self._fallback
 
-
-class StageThen:
-    """The ``AsyncStager`` DCP gets for one save: ``stager``'s copy, then ``then(staged)``; ``stage`` returns
-    the Future of ``then``'s result (what DCP writes), ``copied`` the copy's (what training waits for)."""
-
-    should_synchronize_after_execute = False
-
-    def __init__(self, stager: FlatStager, then: Any) -> None:
-        self._stager, self._then = stager, then
-        self.copied: Future | None = None
-        self._done: Future | None = None
-
-    def stage(self, state_dict: dict, **_: Any) -> Future:
-        self.copied, self._done = self._stager.stage_then(state_dict, self._then)
-        return self._done
-
-    def synchronize_staging(self) -> None:
-        if self._done is not None:
-            self._done.result()
-
-    def close(self) -> None:  # the stager is the adapter's, kept for the next save
-        pass
