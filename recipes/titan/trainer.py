@@ -585,8 +585,8 @@ class ProbeCheckpointManager(CheckpointManager):
         self._closed = True
         self._wait_inflight(timeout=120.0)
         self._verifier.close(timeout=120.0)
-        if self._write_exec is not None:
-            self._write_exec.shutdown(wait=True)
+        if self._write_exec is not None:  # idle after _wait_inflight; never wait here on a stuck write
+            self._write_exec.shutdown(wait=False)
             self._write_exec = None
         if self._cpu_stager is not None:
             self._cpu_stager.close()
