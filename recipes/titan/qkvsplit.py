@@ -143,7 +143,8 @@ class QkvSplit:
                     if not all(isinstance(p, Replicate) for p in c.placements) or len(c.placements) != 1:
                         return None, f"{out}: cached placement {c.placements} is not Replicate"
                     meta = c._spec.tensor_meta
-                    if tuple(c.shape) != shp or meta is None or tuple(meta.stride) != torch.empty(shp, device="meta").stride():
+                    contiguous = torch.empty(shp, device="meta").stride()
+                    if tuple(c.shape) != shp or meta is None or tuple(meta.stride) != contiguous:
                         return None, f"{out}: cached shape {tuple(c.shape)} is not the split's {shp} (contiguous)"
                     specs.append(c._spec)
                 dtypes.add(v.dtype)
@@ -158,12 +159,12 @@ class QkvSplit:
             return None, "the muted state dict's keys are not the cached keys with wq/wk/wv as wqkv"
         return cls(wrapper, pg, world, hooks, entries, list(cached), prefixes), ""
 
-    def states(self, states: dict, model_key: str) -> dict:
+    def states(self, states: dict, model_key: str) -> dict | None:
         """The save's state dict (``_flattened_model_states_sd``'s layout) with ``wqkv`` unsplit; None if
         the model no longer matches the plan (then save the old way)."""
         raw, seen = self._muted_state_dict(list(self.wrapper.model), self._hooks)
         if [p for _, p in seen] != self._prefixes or len(raw) != len(self.order) - len(self._outs) + len(self._fused):
-            return None  # type: ignore[return-value]
+            return None
         sd = {k: v for k, v in states.items() if k != model_key}
         sd.update(raw)
         return sd
