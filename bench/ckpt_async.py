@@ -668,6 +668,10 @@ def _titan_pair(steps: int) -> dict:
         out[mode] = {"saves": len(ck), "ckpt_mb": round(mb, 1), "blocking_s": [e["blocking_s"] for e in ck],
                      "total_s": [e["total_s"] for e in ck], "median_blocking_s": bl[len(bl) // 2],
                      "median_total_s": tot[len(tot) // 2],
+                     # where the blocking went (rank 0's checkpoint events): medians of each part
+                     "median_parts_s": {k: sorted(e[k] for e in ck)[len(ck) // 2] for k in
+                                        ("prep_s", "state_dict_s", "call_s", "wait_s") if all(k in e for e in ck)},
+                     "qkv_split": sorted({e.get("qkv_split") or "-" for e in ck}),
                      "skipped": [e["step"] for e in evs if e["kind"] == "checkpoint_skipped"],
                      "verified": [e["step"] for e in evs if e["kind"] == "checkpoint_verified"]}
         shutil.rmtree(run, ignore_errors=True)

@@ -168,11 +168,40 @@ def test_titan_async_checkpoint_equals_a_sync_one(titan_base, tmp_path):
     """The async save of step 4 (staged by the adapter's persistent stager, ``FlatStager`` on a CPU) holds
     the same model and optimizer tensors as a synchronous save of the same step, and so does the end."""
     base, want = titan_base
+    # the base run's async save split the fused QKV after the staging copy, off the training thread
+    assert [e.get("qkv_split") for e in events(base, "checkpoint")] == ["background", None]
     run = tmp_path / "sync"
     launch(run, TITAN, [*TITAN_SETS, "titan.async_checkpoint=false"])
     assert [e["mode"] for e in events(run, "checkpoint")] == ["sync", "sync"]
     assert digest(run / "checkpoints" / "step-4") == digest(base / "checkpoints" / "step-4")
     assert digest(run / "checkpoints" / f"step-{STEPS}") == want
+
+
+def test_titan_async_qkv_split_off_the_training_thread_writes_the_same_files(titan_base, tmp_path):
+    """The async save with the fused-QKV split after the staging copy (``recipes/titan/qkvsplit.py``) writes
+    the files torchtitan's own hook writes (``PTOPS_CKPT_QKV_SPLIT=inline``): shard files byte for byte, the
+    same ``.metadata`` entries in the same order; the event says where blocking went."""
+    import pickle
+
+    base, _ = titan_base
+    run = tmp_path / "inline"
+    launch(run, TITAN, TITAN_SETS, env={"PTOPS_CKPT_QKV_SPLIT": "inline"})
+    ck = events(run, "checkpoint")
+    assert [(e["mode"], e.get("qkv_split")) for e in ck] == [("async", "inline"), ("sync", None)], ck
+    bg = events(base, "checkpoint")[0]
+    for e in (ck[0], bg):
+        parts = [e[k] for k in ("prep_s", "state_dict_s", "call_s", "wait_s")]
+        assert all(p >= 0 for p in parts) and sum(parts) <= e["blocking_s"] + 1e-3, e
+    a, b = base / "checkpoints" / "step-4", run / "checkpoints" / "step-4"
+    shards = sorted(p.name for p in a.glob("*.distcp"))
+    assert shards == sorted(p.name for p in b.glob("*.distcp")) and len(shards) == 2
+    for name in shards:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    ma, mb = (pickle.loads((d / ".metadata").read_bytes()) for d in (a, b))
+    assert list(ma.state_dict_metadata.items()) == list(mb.state_dict_metadata.items())
+    assert ma.storage_data == mb.storage_data
+    assert "layers.0.attention.qkv_linear.wk.weight" in ma.state_dict_metadata
+    assert digest(a) == digest(b)
 
 
 @pytest.mark.parametrize("how", ["truncate", "flip", "delete_metadata"])

@@ -119,3 +119,41 @@ def test_dtensor_local_shard_staged_with_the_same_spec():
         st.close()
         if own:
             dist.destroy_process_group()
+
+
+def test_qkv_split_after_staging_writes_what_the_hook_writes(tmp_path):
+    """2 real gloo ranks, FSDP2, a tiny torchtitan llama3 with fused QKV (tests/qkvsplit_worker.py): the async
+    path's split after the staging copy (``QkvSplit.finish``) gives torchtitan's hook's keys, order, DTensor
+    specs and values (the hook's cached outputs being stale), and DCP writes the same files from both (the
+    ``.metadata`` differs only in its save id and path). A model without fused QKV gets no plan."""
+    import json
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("qkvsplit_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    for r in (0, 1):
+        rep = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rep["plan"], rep["why"]
+        assert rep["unsplit_keys"] == ["layers.0.attention.qkv_linear.wqkv.weight",
+                                       "layers.1.attention.qkv_linear.wqkv.weight"], rep
+        assert rep["same_order"] and rep["mismatched"] == [] and rep["checked"] > 6, rep
+        assert rep["plain_model"] == "no fused qkv", rep
+    new, old = tmp_path / "new", tmp_path / "old"
+    names = sorted(p.name for p in new.iterdir())
+    assert names == sorted(p.name for p in old.iterdir()) and "__0_0.distcp" in names
+    for name in names:
+        if name != ".metadata":
+            assert (new / name).read_bytes() == (old / name).read_bytes(), name
+    a, b = (pickle.loads((d / ".metadata").read_bytes()) for d in (new, old))
+    assert list(a.state_dict_metadata.items()) == list(b.state_dict_metadata.items())
+    assert a.storage_data == b.storage_data and a.planner_data == b.planner_data
+    assert {"layers.0.attention.qkv_linear.wq.weight", "layers.1.attention.qkv_linear.wv.weight"} <= set(
+        a.state_dict_metadata)

@@ -121,7 +121,8 @@ _RANK = ("rank", "attempt")  # the probe stamps every rank-side event with these
 SPECS: dict[EventKind, EventSpec] = {
     K.LAUNCH: EventSpec(("attempt",), ("supervised", "nproc", "from_step", "supervisor_pid", "faults"),
                         state=RunState.RUNNING, doc="an attempt's ranks were started"),
-    K.CHECKPOINT: EventSpec(("step", "path", "blocking_s", "total_s"), ("mode", *_RANK),
+    K.CHECKPOINT: EventSpec(("step", "path", "blocking_s", "total_s"),
+                            ("mode", "prep_s", "state_dict_s", "call_s", "wait_s", "qkv_split", *_RANK),
                             doc="a checkpoint was committed (sent by rank 0 after its commit)"),
     K.CHECKPOINT_SKIPPED: EventSpec(("step",), ("writing_step", "writing_s", *_RANK),
                                     doc="an interval save was skipped: the previous async save was still being "

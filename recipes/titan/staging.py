@@ -14,6 +14,9 @@ CPU only: the adapter keeps DefaultStager (pinned memory, a CUDA stream) when CU
 
 The buffers are reused: a staged dict is valid until the next ``stage`` call. The adapter never stages
 while the previous save is still writing (``ProbeCheckpointManager._skip_busy``).
+
+``stage_then`` is the same copy followed, on the same background thread, by a function of the staged dict
+(the fused-QKV split, ``qkvsplit.py``): the writer waits for both, training only for the copy (``copied``).
 """
 from __future__ import annotations
 
@@ -42,6 +45,32 @@ class FlatStager:
             return self._stage(state_dict)
         self._future = self._exec.submit(self._stage, state_dict)
         return self._future
+
+    def stage_then(self, state_dict: dict, then: Any = None) -> tuple[Future, Future]:
+        """(copied, done): the copy, then ``then(staged)`` on the stager's thread; ``done`` holds its result
+        (the staged dict itself without ``then``)."""
+        copied: Future = Future()
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                staged = self._stage(state_dict)
+            except BaseException as e:  # noqa: BLE001 - both futures carry it (DCP then fails the save)
+                copied.set_exception(e)
+                done.set_exception(e)
+                return
+            copied.set_result(None)
+            try:
+                done.set_result(then(staged) if then is not None else staged)
+            except BaseException as e:  # noqa: BLE001
+                done.set_exception(e)
+
+        if self._exec is None:
+            run()
+        else:
+            self._exec.submit(run)
+        self._future = done
+        return copied, done
 
     def synchronize_staging(self) -> None:
         if self._future is not None:
@@ -108,3 +137,4 @@ class FlatStager:
 
             self._fallback = StateDictStager(pin_memory=False, share_memory=False)
         return self._fallback
+

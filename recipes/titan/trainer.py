@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.trainer import Trainer
@@ -182,6 +183,13 @@ class _Save:
     txn: Any = None  # ptops.ckpt.SaveTransaction
     staged: Any = None  # threading.Event, set once blocking_s is final (the background staging copy is done)
     waiting: bool = False  # training is waiting for the staging copy right now
+    # where blocking_s went (the checkpoint event's breakdown): agreement + transaction begin, the state
+    # dict, the save call, the wait for the staging copy before the optimizer step
+    prep_s: float | None = None
+    state_dict_s: float | None = None
+    call_s: float | None = None
+    wait_s: float = 0.0
+    qkv_split: str | None = None  # "background" (qkvsplit.py) or "inline" (torchtitan's hook, training thread)
 
 
 class ProbeCheckpointManager(CheckpointManager):
@@ -229,6 +237,8 @@ class ProbeCheckpointManager(CheckpointManager):
         self._agree_pg: Any = None
         self._closed = False
         self._cpu_stager: Any = None  # one stager for every async save (_stager): its staging buffers persist
+        self._split_plan: Any = None  # _qkv_split: None = not decided yet, False = not for this model
+        self._write_exec: Any = None  # _writer: the async saves' write thread
         self.skipped: list[int] = []  # interval saves skipped because the previous one was still writing
         self._verifier = _verifier()
         self._stage_lock = threading.Lock()
@@ -314,6 +324,7 @@ class ProbeCheckpointManager(CheckpointManager):
         rec = _Save(step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event(), txn=txn)
         self.records.append(rec)
         err: BaseException | None = None
+        t_call: float | None = None
         try:
             try:
                 if probe is not None:
@@ -335,7 +346,16 @@ class ProbeCheckpointManager(CheckpointManager):
                 if last_step and not forced:
                     self._save_last_step(curr_step)  # honours last_save_model_only / last_save_in_hf
                 else:
-                    states = self._flattened_model_states_sd()
+                    rec.prep_s = time.monotonic() - t0
+                    t_sd = time.monotonic()
+                    split = self._qkv_split() if use_async and not pinned else None
+                    states = split.states(self.states, MODEL) if split is not None else None
+                    if states is None:
+                        split = None
+                        states = self._flattened_model_states_sd()
+                    rec.qkv_split = ("background" if split is not None else "inline") if use_async else None
+                    t_call = time.monotonic()
+                    rec.state_dict_s = t_call - t_sd
                     if use_async and pinned:  # GPU only: stage to pinned host memory in a process, then write
                         if self.stager is None:
                             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -353,11 +373,20 @@ class ProbeCheckpointManager(CheckpointManager):
                         # (_maybe_wait_for_staging), and that wait is counted in blocking_s
                         import torch.distributed.checkpoint as dcp
 
-                        result = dcp.async_save(states, checkpoint_id=str(path), process_group=self.pg,
-                                                async_stager=self._stager())
+                        from ptops.recipes.titan.staging import FlatStager
+
+                        stager = self._stager()
                         rec.staged = threading.Event()
-                        self.staging_future = result.staging_completion
-                        self.save_future = result.upload_completion
+                        if isinstance(stager, FlatStager):
+                            copied, staged = stager.stage_then(_stateful_to_state_dict(states),
+                                                               split.finish if split is not None else None)
+                            self.staging_future = copied
+                            self.save_future = self._writer().submit(_save_staged, staged, str(path), self.pg)
+                        else:
+                            result = dcp.async_save(states, checkpoint_id=str(path), process_group=self.pg,
+                                                    async_stager=stager)
+                            self.staging_future = result.staging_completion
+                            self.save_future = result.upload_completion
                         self.staging_future.add_done_callback(lambda f, rec=rec: self._staging_done(rec))
                     else:
                         self.dcp_save(states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED,
@@ -365,6 +394,8 @@ class ProbeCheckpointManager(CheckpointManager):
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
                 err = e
             rec.blocking_s = time.monotonic() - t0
+            if t_call is not None:
+                rec.call_s = time.monotonic() - t_call
             if use_async and err is None:
                 self._inflight = rec
                 fut = self.save_future
@@ -410,8 +441,12 @@ class ProbeCheckpointManager(CheckpointManager):
             _log(f"retention failed: {rec.txn.prune_error}")
         probe = get_probe()
         if probe is not None:
+            extra = {k: round(v, 4) for k, v in (("prep_s", rec.prep_s), ("state_dict_s", rec.state_dict_s),
+                                                  ("call_s", rec.call_s), ("wait_s", rec.wait_s)) if v is not None}
+            if rec.qkv_split is not None:
+                extra["qkv_split"] = rec.qkv_split
             probe.event("checkpoint", step=rec.step, path=str(rec.path), blocking_s=round(rec.blocking_s, 4),
-                        total_s=round(rec.total_s, 4), mode="async" if rec.is_async else "sync")
+                        total_s=round(rec.total_s, 4), mode="async" if rec.is_async else "sync", **extra)
         _log(f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total {rec.total_s:.3f}s)")
         self._verifier.submit(rec.step, rec.path)
 
@@ -450,7 +485,8 @@ class ProbeCheckpointManager(CheckpointManager):
             pass
         with self._stage_lock:
             if rec is not None and rec.staged is not None and not rec.staged.is_set():
-                rec.blocking_s += time.monotonic() - t
+                rec.wait_s = time.monotonic() - t
+                rec.blocking_s += rec.wait_s
                 rec.staged.set()
 
     def _staging_done(self, rec: _Save) -> None:
@@ -460,6 +496,36 @@ class ProbeCheckpointManager(CheckpointManager):
         with self._stage_lock:
             if not rec.waiting:
                 rec.staged.set()
+
+    def _qkv_split(self) -> Any:
+        """The fused-QKV split plan for the CPU async path (``qkvsplit.QkvSplit``), or None: built at the first
+        async save and agreed by every rank (its gathers are collectives), then kept for the run."""
+        if self._split_plan is None:
+            plan, why = None, "CUDA: DefaultStager path"
+            if os.environ.get("PTOPS_CKPT_QKV_SPLIT") == "inline":  # A/B and an escape hatch: torchtitan's hook
+                why = "PTOPS_CKPT_QKV_SPLIT=inline"
+            elif not torch.cuda.is_available():
+                from ptops.recipes.titan.qkvsplit import QkvSplit
+
+                try:
+                    plan, why = QkvSplit.build(self.states.get(MODEL), self.pg)
+                except Exception as e:  # noqa: BLE001 - never fail a save over an optimisation
+                    plan, why = None, _err_text(e)
+            (anyone_not,) = self._agree_flags(plan is None)
+            if anyone_not and plan is not None:
+                plan, why = None, "another rank cannot split in the background"
+            self._split_plan = plan if plan is not None else False
+            _log("async checkpoint: fused-qkv split " + ("after the staging copy, off the training thread"
+                                                         if plan is not None else f"in the state dict ({why})"))
+        return self._split_plan or None
+
+    def _writer(self) -> Any:
+        """The thread that writes async saves (one save in flight): ``dcp.async_save`` starts a new one per save."""
+        if self._write_exec is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._write_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptops-ckpt-write")
+        return self._write_exec
 
     def _stager(self) -> Any:
         """One stager for the whole run (its buffers persist). On a CPU ``FlatStager``: one batched copy
@@ -519,10 +585,31 @@ class ProbeCheckpointManager(CheckpointManager):
         self._closed = True
         self._wait_inflight(timeout=120.0)
         self._verifier.close(timeout=120.0)
+        if self._write_exec is not None:  # idle after _wait_inflight; never wait here on a stuck write
+            self._write_exec.shutdown(wait=False)
+            self._write_exec = None
         if self._cpu_stager is not None:
             self._cpu_stager.close()
             self._cpu_stager = None
         super()._close()
+
+
+def _stateful_to_state_dict(states: dict) -> dict:
+    """What ``dcp.async_save`` does first on the caller's thread (``Stateful`` values -> their state dicts),
+    without its logging wrapper around every entry (~0.1 ms each: a message dict built for a NullHandler)."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    # a tensor is never Stateful; the Protocol check (getattr_static) is the slow part for the ~50 entries
+    return {k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
+            for k, v in states.items()}
+
+
+def _save_staged(staged: Any, checkpoint_id: str, pg: Any) -> Any:
+    """The write thread: what ``dcp.async_save``'s thread runs (its ``save_wrapper``): wait for the staged
+    dict, then ``dcp.save`` of it on the checkpoint's process group."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.save(staged.result(), checkpoint_id=checkpoint_id, process_group=pg)
 
 
 def _verifier() -> Any:
