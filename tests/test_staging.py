@@ -157,3 +157,27 @@ def test_qkv_split_after_staging_writes_what_the_hook_writes(tmp_path):
     assert a.storage_data == b.storage_data and a.planner_data == b.planner_data
     assert {"layers.0.attention.qkv_linear.wq.weight", "layers.1.attention.qkv_linear.wv.weight"} <= set(
         a.state_dict_metadata)
+
+
+def test_a_fault_that_fires_in_a_save_keeps_that_save_from_being_skipped():
+    """An interval save is skipped while the previous async save still writes, unless a pending fault needs
+    it: committed (corrupt-ckpt, hold until committed) or begun (enospc, crash:phase=save). Otherwise, on a
+    slow box, the fault would silently never fire (a chaos scenario or a test waiting for it would fail)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from ptops.faultinject.spec import Fault
+    importlib.import_module("ptops.recipes.titan.registry")  # applies the CPU compatibility layer first
+    from ptops.recipes.titan.trainer import _fault_waits_for_save
+
+    def waits(fault: Fault, step: int) -> bool:
+        return _fault_waits_for_save(SimpleNamespace(injector=SimpleNamespace(pending=[fault])), step)
+
+    assert waits(Fault("crash", 6, rank=1, params={"phase": "save"}), 6)
+    assert waits(Fault("enospc", 8), 8)
+    assert waits(Fault("corrupt-ckpt", 10), 4)
+    assert waits(Fault("hold", 9, params={"until": "committed"}), 2)
+    assert not waits(Fault("crash", 6, rank=1, params={"phase": "save"}), 4)  # not due yet: 4 may be skipped
+    assert not waits(Fault("crash", 6, rank=1), 6)  # a crash before the step: not inside the save
+    assert not waits(Fault("enospc", 8), 6)
+    assert not _fault_waits_for_save(None, 6)
