@@ -400,8 +400,8 @@ class Lockstep:
         # wrapper that its class declares to change nothing for such a record (``_lockstep``)
         self.monitors = [m for m, f in self._calls
                          if isinstance(m, SharedRankedMonitor) and m.share and getattr(f, "__self__", None) is m
-                         and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))]
-        self.monitors = [m for m in self.monitors if _read_keys(m) is not None]
+                         and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))
+                         and _read_keys(m) is not None]
         # (``monitors``: the shared monitors it can move a rank on in.) ``_reads``: each one and the keys that make
         # a record rewind it (None: every record; its gate is, as a record past the gate has one)
         self._reads = [(m, None if m._rewind_keys is m._gate else m._rewind_keys) for m in self.monitors]

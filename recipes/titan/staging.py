@@ -137,4 +137,3 @@ class FlatStager:
 
             self._fallback = StateDictStager(pin_memory=False, share_memory=False)
         return self._fallback
-
