@@ -43,7 +43,7 @@ class Engine:
 
 @dataclass(frozen=True)
 class NotLoaded:
-    """A plugin entry point that gave no engine: refused (its name is taken or invalid) or broken (it raised)."""
+    """A plugin entry point that gave no engine: refused (name taken or invalid) or broken (it raised)."""
 
     name: str  # the entry point's name
     provider: str  # "distribution version"
@@ -121,8 +121,8 @@ def builtin_names() -> list[str]:
 
 
 def installed() -> list[tuple[str, str]]:
-    """(engine name, "distribution version") of ptops' own engines and every plugin entry point that does
-    not take a built-in name, read from the installed metadata without importing any plugin: for ``--help``."""
+    """(engine name, "distribution version") of ptops' own engines and every plugin entry point that does not
+    take a built-in name, read from the installed metadata without importing any plugin: for ``--help``."""
     own = builtin_names()
     found = [(name, _ptops_provider()) for name in own]
     for ep in metadata.entry_points(group=GROUP):
@@ -133,7 +133,10 @@ def installed() -> list[tuple[str, str]]:
 
 def _load_plugins() -> None:
     global _loading
-    eps = sorted(metadata.entry_points(group=GROUP), key=lambda ep: (ep.name, ep.dist.name if ep.dist else ""))
+    eps = sorted(
+        metadata.entry_points(group=GROUP),
+        key=lambda ep: (ep.name, ep.dist.name if ep.dist else ""),
+    )
     for ep in eps:
         provider = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
         problem = _name_problem(ep.name)
@@ -166,22 +169,27 @@ def discover() -> None:
     global _discovered
     if _discovered:
         return
-    _discovered = True
+    _discovered = True  # first: a plugin that asks for the registry while it loads gets what is there so far
     import ptops.recipes as pkg
 
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.ispkg:
-            importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    try:
+        for mod in pkgutil.iter_modules(pkg.__path__):
+            if mod.ispkg:
+                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    except BaseException:
+        _discovered = False  # ptops' own engine failed to import: a real error, raised on every call
+        raise
     _load_plugins()
 
 
 def reserve(names: set[str] | frozenset[str] | Any) -> None:
-    """Names no plugin engine may take (the schema's own sections); a plugin that already took one is dropped."""
+    """Names no plugin engine may take (the schema's own sections); a plugin that took one is dropped."""
     _RESERVED.update(names)
     for name in [n for n in _ENGINES if n in _RESERVED and _PROVIDERS.get(n) != _ptops_provider()]:
         del _ENGINES[name]
         provider = _PROVIDERS.pop(name, "?")
-        _NOT_LOADED.append(NotLoaded(name, provider, "refused", f"engine name {name!r} is a recipe section of ptops itself"))
+        why = f"engine name {name!r} is a recipe section of ptops itself"
+        _NOT_LOADED.append(NotLoaded(name, provider, "refused", why))
 
 
 def engines() -> dict[str, Engine]:

@@ -194,7 +194,7 @@ def resolve(recipe: str | Path) -> RecipeRef:
 
 
 def shipped_recipes() -> dict[str, Path]:
-    """Recipe name -> file: ptops' own, then each engine's ``recipes_dir`` (a name already taken keeps its file)."""
+    """Recipe name -> file: ptops' own, then each engine's ``recipes_dir`` (a name taken keeps its first file)."""
     found: dict[str, Path] = {}
     for folder in (RECIPES_DIR, *_engines.recipe_dirs()):
         for p in sorted(folder.glob("*.toml")):

@@ -1,12 +1,11 @@
-"""Engines from other distributions: the test builds and installs three small ones (``pip install --target``)
+"""Engines from other distributions: the test builds and installs two small ones (``pip install --target``)
 and runs the real ``ptops`` with them on ``PYTHONPATH``.
 
 * ``ptops-toy-engine``: engine ``toy`` (entry point ``toy = "ptops_toy_engine:ENGINE"``), a 2-layer MLP
   on 2 gloo ranks that reports through the probe and saves with ``ptops.ckpt.SaveTransaction`` + DCP,
   and ships ``toy-tiny`` (and a ``titan-tiny`` that must lose to ptops' own);
-* ``ptops-shadow``: entry points ``trl`` (refused before its code runs) and ``sneaky`` (an Engine named
-  ``titan``: refused after);
-* ``ptops-broken``: entry point ``boom`` whose import raises.
+* ``ptops-bad-plugins``: entry points ``trl`` and ``train`` (a name of ptops' own: refused before its code
+  runs), ``sneaky`` (an Engine named ``titan``: refused after) and ``boom`` (its import raises).
 """
 
 from __future__ import annotations
@@ -110,7 +109,8 @@ def main(recipe, probe):
     probe.startup("build")
     torch.manual_seed(recipe.train.seed)
     cfg = recipe.toy
-    model = torch.nn.Sequential(torch.nn.Linear(4, cfg.hidden), torch.nn.Tanh(), torch.nn.Linear(cfg.hidden, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(4, cfg.hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(cfg.hidden, 1))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     probe.startup("load")
     root = Path(os.environ["PTOPS_RUN_DIR"]) / "checkpoints"
@@ -190,6 +190,7 @@ BROKEN_INIT = 'raise RuntimeError("boom: this plugin fails at import on purpose"
 
 def _dist(root: Path, name: str, package: str, files: dict[str, str], entry_points: dict[str, str]) -> Path:
     d = root / name
+    packages = sorted({rel.split("/")[0] for rel in files if rel.endswith("/__init__.py")})
     eps = "\n".join(f'{k} = "{v}"' for k, v in entry_points.items())
     files = {
         "pyproject.toml": f"""
@@ -205,7 +206,7 @@ def _dist(root: Path, name: str, package: str, files: dict[str, str], entry_poin
             {eps}
 
             [tool.setuptools]
-            packages = ["{package}"]
+            packages = {json.dumps(packages)}
 
             [tool.setuptools.package-data]
             "{package}" = ["recipes/*.toml"]
@@ -221,7 +222,7 @@ def _dist(root: Path, name: str, package: str, files: dict[str, str], entry_poin
 
 @pytest.fixture(scope="module")
 def plugins(tmp_path_factory):
-    """The three distributions, built and installed once into one ``--target`` folder."""
+    """The two distributions, built and installed once into one ``--target`` folder."""
     root = tmp_path_factory.mktemp("engine-plugins")
     toy = _dist(root / "src", "ptops-toy-engine", "ptops_toy_engine", {
         "ptops_toy_engine/__init__.py": TOY_INIT,
@@ -229,14 +230,14 @@ def plugins(tmp_path_factory):
         "ptops_toy_engine/recipes/toy-tiny.toml": TOY_TINY,
         "ptops_toy_engine/recipes/titan-tiny.toml": TOY_TITAN_TINY,
     }, {"toy": "ptops_toy_engine:ENGINE"})
-    shadow = _dist(root / "src", "ptops-shadow", "ptops_shadow", {"ptops_shadow/__init__.py": SHADOW_INIT},
-                   {"trl": "ptops_shadow:TRL", "sneaky": "ptops_shadow:TITAN"})
-    broken = _dist(root / "src", "ptops-broken", "ptops_broken", {"ptops_broken/__init__.py": BROKEN_INIT},
-                   {"boom": "ptops_broken"})
+    bad = _dist(root / "src", "ptops-bad-plugins", "ptops_shadow", {
+        "ptops_shadow/__init__.py": SHADOW_INIT, "ptops_broken/__init__.py": BROKEN_INIT,
+    }, {"trl": "ptops_shadow:TRL", "sneaky": "ptops_shadow:TITAN", "boom": "ptops_broken",
+        "train": "ptops_shadow:TRL"})
     site = root / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index", "--no-deps",
-         "--no-build-isolation", "--target", str(site), str(toy), str(shadow), str(broken)],
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index",
+         "--no-deps", "--no-build-isolation", "--target", str(site), str(toy), str(bad)],
         check=True, capture_output=True, text=True, timeout=300,
     )
     assert (site / "ptops_toy_engine" / "recipes" / "toy-tiny.toml").is_file()
@@ -273,11 +274,13 @@ def test_recipes_lists_plugin_engines_their_recipes_and_what_did_not_load(plugin
     assert recipes["toy-tiny"] == "toy"
     assert recipes["titan-tiny"] == "titan" and "SHADOW" not in proc.stdout  # ptops' own recipe won the name
     skipped = _section(proc.stdout, "engine plugins not loaded")
-    assert len(skipped) == 3, skipped
+    assert len(skipped) == 4, skipped
     by_name = {line.split()[0]: line for line in skipped}
-    assert by_name["trl"] == f"trl (ptops-shadow {VERSION}): refused: engine 'trl' is already provided by ptops {VERSION}"
-    assert by_name["sneaky"].startswith(f"sneaky (ptops-shadow {VERSION}): refused: engine 'titan' is already provided")
-    assert by_name["boom"] == (f"boom (ptops-broken {VERSION}): broken: "
+    bad = f"(ptops-bad-plugins {VERSION}): refused:"
+    assert by_name["trl"] == f"trl {bad} engine 'trl' is already provided by ptops {VERSION}"
+    assert by_name["sneaky"] == f"sneaky {bad} engine 'titan' is already provided by ptops {VERSION}"
+    assert by_name["train"] == f"train {bad} engine name 'train' is a recipe section of ptops itself"
+    assert by_name["boom"] == (f"boom (ptops-bad-plugins {VERSION}): broken: "
                                "RuntimeError: boom: this plugin fails at import on purpose")
 
 
@@ -289,20 +292,42 @@ def test_help_names_installed_engines_without_importing_them(plugins):
         text = " ".join(proc.stdout.split())  # help text is wrapped to the terminal
         assert "titan, trl (ptops)" in text, proc.stdout
         assert f"toy (ptops-toy-engine {VERSION})" in text, proc.stdout
-        assert f"boom (ptops-broken {VERSION})" in text  # listed as installed; `ptops recipes` says it is broken
+        # listed as installed (metadata only); `ptops recipes` says which of them did not load
+        assert f"boom, sneaky, train (ptops-bad-plugins {VERSION})" in text, proc.stdout
     assert not mark.exists(), "--help imported an engine plugin"
     run_ptops("recipes", env=_env(plugins, TOY_IMPORT_MARK=str(mark)), timeout=120, check=True)
     assert mark.read_text().count("\n") == 1  # `ptops recipes` does import it, once
 
 
+CHECKS = """
+import json
+from ptops.recipes.schema import RecipeError, Recipe, load, resolve
+out = {"titan-tiny": str(resolve("titan-tiny").path), "fields": sorted(Recipe.model_fields)}
+for sets in (["toy.batch=3"], ['trl.trainer="sft"'], ["toy.hidden=12"]):
+    try:
+        rec, _ = load("toy-tiny", sets)
+        out[sets[0]] = rec.toy.hidden
+    except RecipeError as e:
+        out[sets[0]] = str(e)
+print(json.dumps(out))
+"""
+
+
 def test_plugin_section_and_cross_check_validate_like_the_builtins(plugins):
-    bad = run_ptops("launch", "toy-tiny", "--dry-run", "--set", "toy.hidden=0", env=_env(plugins), timeout=120)
+    bad = run_ptops("launch", "toy-tiny", "--dry-run", "--set", "toy.hidden=0", env=_env(plugins),
+                    timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "key 'toy.hidden': input should be greater than or equal to 1 (got 0)" in bad.stderr
-    odd = run_ptops("launch", "toy-tiny", "--dry-run", "--set", "toy.batch=3", env=_env(plugins), timeout=120)
-    assert odd.returncode == 2 and "key 'toy.batch': must be even (got 3)" in odd.stderr, odd.stderr
-    other = run_ptops("launch", "toy-tiny", "--dry-run", "--set", "trl.trainer=\"sft\"", env=_env(plugins), timeout=120)
-    assert other.returncode == 2 and "key 'trl': section does not apply to engine \"toy\"" in other.stderr, other.stderr
+    proc = subprocess.run([sys.executable, "-c", CHECKS], env={**os.environ, **_env(plugins)}, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["titan-tiny"] == str(REPO / "recipes" / "titan-tiny.toml")  # ptops' own file, not the plugin's
+    assert {"titan", "trl", "toy"} <= set(out["fields"]) and not {"sneaky", "boom"} & set(out["fields"])
+    # the plugin's own cross-key check
+    assert out["toy.batch=3"].endswith("toy-tiny.toml: key 'toy.batch': must be even (got 3)")
+    assert out['trl.trainer="sft"'].endswith("key 'trl': section does not apply to engine \"toy\"")
+    assert out["toy.hidden=12"] == 12
     # without the plugin on the path the same name is simply unknown
     gone = run_ptops("launch", "toy-tiny", "--dry-run", timeout=120)
     assert gone.returncode == 2 and "toy-tiny: recipe file not found" in gone.stderr, gone.stderr
@@ -310,10 +335,11 @@ def test_plugin_section_and_cross_check_validate_like_the_builtins(plugins):
 
 @pytest.fixture(scope="module")
 def toy_run(plugins):
-    """One supervised run of the plugin's recipe: rank 1 crashes at step 3, the supervisor resumes from step 2."""
+    """One supervised run of the plugin's recipe: rank 1 crashes at step 3, the supervisor resumes at 2."""
     run = plugins["root"] / "toy-run"
     proc = run_ptops("launch", "toy-tiny", "--supervise", "--run-dir", str(run), "--no-mlflow", "--json",
-                     "--set", "train.steps=4", "--fault", "crash:rank=1,step=3", env=_env(plugins), timeout=300)
+                     "--set", "train.steps=4", "--fault", "crash:rank=1,step=3", env=_env(plugins),
+                     timeout=300)
     return proc, run
 
 

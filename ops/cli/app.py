@@ -21,7 +21,7 @@ def engines_installed() -> str:
     by: dict[str, list[str]] = {}
     for name, provider in installed():
         by.setdefault("ptops" if provider.startswith("ptops ") else provider, []).append(name)
-    return "; ".join(f"{', '.join(names)} ({provider})" for provider, names in by.items())
+    return "; ".join(f"{', '.join(sorted(names))} ({provider})" for provider, names in by.items())
 
 
 class _NamesEngines:
@@ -161,8 +161,8 @@ def launch(
     raise typer.Exit(code)
 
 
-@app.command(cls=_EnginesCommand, help="List the engines (ptops' own and those other packages install: entry point group "
-                  "ptops.engines), the recipes they ship, and any engine plugin that did not load.")
+@app.command(cls=_EnginesCommand, help="List the engines (ptops' own and those other packages install: "
+                  "entry point group ptops.engines), the recipes they ship, and any engine plugin that did not load.")
 def recipes() -> None:
     from ptops.recipes import engines
     from ptops.recipes.schema import RecipeError, load, shipped_names
