@@ -169,9 +169,10 @@ def recipes() -> None:
 
     found = engines.engines()
     width = max((len(n) for n in found), default=6)
+    pwidth = max((len(engines.provider(n)) for n in found), default=12)
     typer.echo("engines:")
     for name, eng in found.items():
-        typer.echo(f"  {name:{width}s}  {engines.provider(name):20s} {eng.description}")
+        typer.echo(f"  {name:{width}s}  {engines.provider(name):{pwidth}s}  {eng.description}")
     names = shipped_names()
     width = max((len(n) for n in names), default=18)
     typer.echo("recipes:")
