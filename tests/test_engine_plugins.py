@@ -282,6 +282,14 @@ def test_recipes_lists_plugin_engines_their_recipes_and_what_did_not_load(plugin
     assert by_name["train"] == f"train {bad} engine name 'train' is a recipe section of ptops itself"
     assert by_name["boom"] == (f"boom (ptops-bad-plugins {VERSION}): broken: "
                                "RuntimeError: boom: this plugin fails at import on purpose")
+    as_json = json.loads(run_ptops("recipes", "--json", env=_env(plugins), timeout=120, check=True).stdout)
+    assert {"name": "toy", "provider": f"ptops-toy-engine {VERSION}",
+            "description": "a 2-layer MLP regression on gloo ranks"} in as_json["engines"]
+    toy = next(r for r in as_json["recipes"] if r["name"] == "toy-tiny")
+    assert toy["engine"] == "toy"
+    assert toy["path"] == str(plugins["site"] / "ptops_toy_engine" / "recipes" / "toy-tiny.toml")
+    assert sorted((p["name"], p["why"]) for p in as_json["not_loaded"]) == [
+        ("boom", "broken"), ("sneaky", "refused"), ("train", "refused"), ("trl", "refused")]
 
 
 def test_help_names_installed_engines_without_importing_them(plugins):

@@ -163,26 +163,44 @@ def launch(
 
 @app.command(cls=_EnginesCommand, help="List the engines (ptops' own and those other packages install: "
                   "entry point group ptops.engines), the recipes they ship, and any engine plugin that did not load.")
-def recipes() -> None:
+def recipes(
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Engines, recipes and plugins not loaded, as JSON.")] = False,
+) -> None:
     from ptops.recipes import engines
-    from ptops.recipes.schema import RecipeError, load, shipped_names
+    from ptops.recipes.schema import RecipeError, load, shipped_recipes
 
     found = engines.engines()
+    shipped = []
+    for name, path in shipped_recipes().items():
+        try:
+            rec, _ = load(name)
+            shipped.append({"name": name, "engine": rec.engine, "description": rec.description,
+                            "path": str(path)})
+        except RecipeError as e:
+            shipped.append({"name": name, "engine": None, "error": str(e), "path": str(path)})
+    skipped = engines.not_loaded()
+    if json_out:
+        typer.echo(json.dumps({
+            "engines": [{"name": n, "provider": engines.provider(n), "description": e.description}
+                        for n, e in found.items()],
+            "recipes": sorted(shipped, key=lambda r: r["name"]),
+            "not_loaded": [{"name": p.name, "provider": p.provider, "why": p.why, "error": p.error}
+                           for p in skipped],
+        }, indent=1))
+        return
     width = max((len(n) for n in found), default=6)
     pwidth = max((len(engines.provider(n)) for n in found), default=12)
     typer.echo("engines:")
     for name, eng in found.items():
         typer.echo(f"  {name:{width}s}  {engines.provider(name):{pwidth}s}  {eng.description}")
-    names = shipped_names()
-    width = max((len(n) for n in names), default=18)
+    width = max((len(r["name"]) for r in shipped), default=18)
     typer.echo("recipes:")
-    for name in names:
-        try:
-            rec, _ = load(name)
-            typer.echo(f"  {name:{width}s} {rec.engine:6s} {rec.description}")
-        except RecipeError as e:
-            typer.echo(f"  {name:{width}s} INVALID {e}")
-    skipped = engines.not_loaded()
+    for r in sorted(shipped, key=lambda r: r["name"]):
+        if r["engine"] is None:
+            typer.echo(f"  {r['name']:{width}s} INVALID {r['error']}")
+        else:
+            typer.echo(f"  {r['name']:{width}s} {r['engine']:6s} {r['description']}")
     if skipped:
         typer.echo("engine plugins not loaded:")
     for p in skipped:
