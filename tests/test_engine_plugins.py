@@ -10,6 +10,7 @@ and runs the real ``ptops`` with them on ``PYTHONPATH``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -235,9 +236,11 @@ def plugins(tmp_path_factory):
     }, {"trl": "ptops_shadow:TRL", "sneaky": "ptops_shadow:TITAN", "boom": "ptops_broken",
         "train": "ptops_shadow:TRL"})
     site = root / "site"
+    # offline, with this environment's setuptools (a Python 3.11 venv has it); else pip fetches one
+    local = ["--no-index", "--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index",
-         "--no-deps", "--no-build-isolation", "--target", str(site), str(toy), str(bad)],
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *local,
+         "--no-deps", "--target", str(site), str(toy), str(bad)],
         check=True, capture_output=True, text=True, timeout=300,
     )
     assert (site / "ptops_toy_engine" / "recipes" / "toy-tiny.toml").is_file()
