@@ -8,13 +8,43 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from ptops.ops.cli.errors import fail
 
 from ptops import __version__
 
+def engines_installed() -> str:
+    """The engines installed, from package metadata: ``--help`` names them without importing a plugin."""
+    from ptops.recipes.engines import installed
+
+    by: dict[str, list[str]] = {}
+    for name, provider in installed():
+        by.setdefault("ptops" if provider.startswith("ptops ") else provider, []).append(name)
+    return "; ".join(f"{', '.join(sorted(names))} ({provider})" for provider, names in by.items())
+
+
+class _NamesEngines:
+    """``--help`` ends with the engines installed (ptops' own and plugins of the ``ptops.engines`` group)."""
+
+    def format_help(self, ctx, formatter) -> None:  # type: ignore[no-untyped-def]
+        super().format_help(ctx, formatter)  # type: ignore[misc]
+        formatter.write_paragraph()
+        formatter.write_text(f"Engines installed: {engines_installed()}. Recipes, and plugins that did not "
+                             "load: `ptops recipes`.")
+
+
+class _RootGroup(_NamesEngines, TyperGroup):
+    pass
+
+
+class _EnginesCommand(_NamesEngines, TyperCommand):
+    pass
+
+
 app = typer.Typer(
     name="ptops",
+    cls=_RootGroup,
     help=(
         "Operations and reliability for TorchTitan and TRL training runs.\n\n"
         "Start with:  ptops launch titan-tiny   (a shipped recipe; see `ptops recipes`)."
@@ -131,19 +161,50 @@ def launch(
     raise typer.Exit(code)
 
 
-@app.command()
-def recipes() -> None:
-    """List the shipped recipes."""
-    from ptops.recipes.schema import RecipeError, load, shipped_names
+@app.command(cls=_EnginesCommand, help="List the engines (ptops' own and those other packages install: "
+                  "entry point group ptops.engines), the recipes they ship, and any engine plugin that did not load.")
+def recipes(
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Engines, recipes and plugins not loaded, as JSON.")] = False,
+) -> None:
+    from ptops.recipes import engines
+    from ptops.recipes.schema import RecipeError, load, shipped_recipes
 
-    names = shipped_names()
-    width = max((len(n) for n in names), default=18)
-    for name in names:
+    found = engines.engines()
+    shipped = []
+    for name, path in shipped_recipes().items():
         try:
             rec, _ = load(name)
-            typer.echo(f"{name:{width}s} {rec.engine:6s} {rec.description}")
+            shipped.append({"name": name, "engine": rec.engine, "description": rec.description,
+                            "path": str(path)})
         except RecipeError as e:
-            typer.echo(f"{name:{width}s} INVALID {e}")
+            shipped.append({"name": name, "engine": None, "error": str(e), "path": str(path)})
+    skipped = engines.not_loaded()
+    if json_out:
+        typer.echo(json.dumps({
+            "engines": [{"name": n, "provider": engines.provider(n), "description": e.description}
+                        for n, e in found.items()],
+            "recipes": sorted(shipped, key=lambda r: r["name"]),
+            "not_loaded": [{"name": p.name, "provider": p.provider, "why": p.why, "error": p.error}
+                           for p in skipped],
+        }, indent=1))
+        return
+    width = max((len(n) for n in found), default=6)
+    pwidth = max((len(engines.provider(n)) for n in found), default=12)
+    typer.echo("engines:")
+    for name, eng in found.items():
+        typer.echo(f"  {name:{width}s}  {engines.provider(name):{pwidth}s}  {eng.description}")
+    width = max((len(r["name"]) for r in shipped), default=18)
+    typer.echo("recipes:")
+    for r in sorted(shipped, key=lambda r: r["name"]):
+        if r["engine"] is None:
+            typer.echo(f"  {r['name']:{width}s} INVALID {r['error']}")
+        else:
+            typer.echo(f"  {r['name']:{width}s} {r['engine']:6s} {r['description']}")
+    if skipped:
+        typer.echo("engine plugins not loaded:")
+    for p in skipped:
+        typer.echo(f"  {p.name} ({p.provider}): {p.why}: {p.error}")
 
 
 from ptops.ops.cli.supervise import register as _register_supervision  # noqa: E402
