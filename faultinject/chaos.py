@@ -102,8 +102,9 @@ DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES
 def default_recipes_help() -> str:
     """What ``--recipe``'s default covers, in words, from the same table ``select`` uses."""
     names = list(DEFAULT_MATRIX)
-    return (f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: {', '.join(names)} "
-            "(not every shipped tiny recipe: run any other, e.g. one `ptops recipes` lists, with --recipe NAME).")
+    return (f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: "
+            f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops recipes` "
+            "lists, with --recipe NAME).")
 TRL_KINDS = ALL_KINDS
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)
 RECIPE_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {

@@ -288,8 +288,9 @@ class Injector:
               f"({'a later save was skipped' if on_skip and any(s > step for s in self._skips) else 'time'})")
 
     def _misrendezvous(self, f: Fault, step: int) -> None:
-        """A rank whose rendezvous endpoint fell back to localhost: its own store on a free port, world size 1.
-        The probe keeps the launcher's world size, so the supervisor sees the mismatch (``misconfigured``)."""
+        """A rank whose rendezvous endpoint fell back to localhost: its own store on a free port, world
+        size 1. The probe keeps the launcher's world size, so the supervisor sees the mismatch
+        (``misconfigured``)."""
         import socket
 
         with socket.socket() as s:

@@ -247,7 +247,8 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got {values['until']!r})")
     if kind == "slow-save" and "until" in values and values["until"] not in SLOW_SAVE_UNTIL:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'until': expected one of {', '.join(SLOW_SAVE_UNTIL)} (got {values['until']!r})"
+            f"fault {spec!r}: key 'until': expected one of {', '.join(SLOW_SAVE_UNTIL)} "
+            f"(got {values['until']!r})"
         )
     if "signal" in values:
         name = values["signal"].upper()
@@ -276,7 +277,8 @@ def parse_live(spec: str) -> Fault:
     fault = parse(spec)
     if fault.kind in LAUNCH_ONLY_KINDS:
         raise FaultSpecError(
-            f"fault {spec!r}: {fault.kind} acts before the first step, at launch only (ptops launch --fault {fault.text})"
+            f"fault {spec!r}: {fault.kind} acts before the first step, at launch only "
+            f"(ptops launch --fault {fault.text})"
         )
     return fault
 

@@ -110,4 +110,4 @@ def test_no_test_hooks_in_production_folders(tmp_path):
     planted.write_text(f'X = "{TEST_HOOK}SOMETHING"\n')
     assert len(_hook_names([planted.parent])) == 1
     hits = _hook_names(folders)
-    assert not hits, "test hooks in production code (use a fault kind, or keep it in tests/):\n" + "\n".join(hits)
+    assert not hits, "test hooks in production code (a fault kind, or keep it in tests/):\n" + "\n".join(hits)

@@ -157,7 +157,8 @@ def test_titan_save_while_the_previous_is_writing_is_skipped_and_recorded(titan_
     on a loaded machine: both are right, and each save is either skipped or committed, never both."""
     _, want = titan_base
     run = tmp_path / "skip"
-    launch(run, TITAN, [f"train.steps={STEPS}", "checkpoint.interval=2"], faults=("slow-save:step=2,until=skipped",))
+    launch(run, TITAN, [f"train.steps={STEPS}", "checkpoint.interval=2"],
+           faults=("slow-save:step=2,until=skipped",))
     fired = events(run, "fault_injected")
     assert sorted((e["rank"], e["step"]) for e in fired) == [(0, 2), (1, 2)], fired
     sk = [(e["step"], e["writing_step"], e["rank"]) for e in events(run, "checkpoint_skipped")]

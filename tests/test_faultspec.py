@@ -100,7 +100,7 @@ def test_slow_save_and_misrendezvous_parse_and_round_trip():
 
 
 def test_misrendezvous_is_launch_only():
-    """It acts before the first step: injected into a live run it could never fire, so ``ptops inject`` refuses it."""
+    """It acts before the first step: injected live it could never fire, so ``ptops inject`` refuses it."""
     from ptops.faultinject.spec import parse_all, parse_live
 
     assert parse_all(["misrendezvous:rank=1"])[0].kind == "misrendezvous"
@@ -114,8 +114,9 @@ def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
 
     from ptops.faultinject.inject import Injector
 
-    for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    for k, v in env.items():
         monkeypatch.setenv(k, v)
     fired = []
     other = Injector([parse("misrendezvous:rank=1")], 0, 1, lambda f, s: fired.append(f.kind))
@@ -126,7 +127,8 @@ def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
     assert os.environ["WORLD_SIZE"] == "2" and fired == []  # it acts before the engine's import only
     inj.on_startup("import")
     assert fired == ["misrendezvous"]
-    assert [os.environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")] == ["1", "0", "0", "127.0.0.1"]
+    got = [os.environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")]
+    assert got == ["1", "0", "0", "127.0.0.1"]
     assert os.environ["MASTER_PORT"] != "29500" and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
     assert inj.pending == []
 

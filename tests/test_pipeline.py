@@ -371,7 +371,7 @@ def _stage_pids_when_held(proc, stage: Path, step: int) -> list[int]:
     deadline = time.monotonic() + 300
     while not any(e.get("kind") == "fault_injected" and e.get("step") == step
                   for e in (events(stage) if (stage / "events.jsonl").is_file() else [])):
-        assert proc.poll() is None and time.monotonic() < deadline, f"the stage never reached its hold at {step}"
+        assert proc.poll() is None and time.monotonic() < deadline, f"the stage never held at step {step}"
         time.sleep(0.5)
     deadline = time.monotonic() + 60
     while True:

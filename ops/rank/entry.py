@@ -103,7 +103,7 @@ def run_rank() -> None:
     recipe = from_json(run.recipe_json.read_text())
     probe = Probe.from_env()
     try:
-        # what follows is the engine's import (torch, torchtitan, transformers); a misrendezvous fault acts here
+        # what follows is the engine's import (torch, torchtitan, transformers); misrendezvous acts here
         probe.startup("import")
         from ptops.recipes.engines import entry_point
 
