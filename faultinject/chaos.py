@@ -91,10 +91,20 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # transient (attempt 1 only): replaying the same data is the comparison that can be bit-identical.
 KIND_SETS: dict[str, tuple[str, ...]] = {"nan": ("monitors.rollback.skip_batches=0",)}
 ALL_KINDS = tuple(KIND_SCENARIOS)
-# every fault kind on every shipped tiny recipe (each kind applies to both engines: the faults act
-# through the probe and the checkpoint layer, which both adapters share)
+# The default matrix: every fault kind on these tiny recipes (TorchTitan and TRL's SFT, DPO and GRPO
+# trainers; each kind applies to both engines: the faults act through the probe and the checkpoint layer,
+# which both adapters share). Not every shipped tiny recipe: the others run with ``--recipe NAME``.
+# ``ptops chaos --help`` names these from this tuple (tests/test_chaos.py checks it).
 TINY_RECIPES = ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny")
 DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES}
+
+
+def default_recipes_help() -> str:
+    """What ``--recipe``'s default covers, in words, from the same table ``select`` uses."""
+    names = list(DEFAULT_MATRIX)
+    return (f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: "
+            f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops recipes` "
+            "lists, with --recipe NAME).")
 TRL_KINDS = ALL_KINDS
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)
 RECIPE_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
