@@ -153,8 +153,10 @@ def run_end(end: str, log_dir: Path) -> dict:
         step(f"pytest: {len(tests)} modules" + ("" if titan_imports else " (TorchTitan does not install/import here)"))
         junit = log_dir / f"matrix-{end}-junit.xml"
         t1 = time.monotonic()
+        # the one test that reads this script's results cannot pass before they are written
+        own = ["--deselect", "tests/test_packaging.py::test_declared_bounds_are_the_ones_the_matrix_ran"]
         rc = sh([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "900", "--junitxml",
-                 str(junit), *tests], log, cwd=REPO, env={**env, "PTOPS_MATRIX_END": end}).returncode
+                 str(junit), *own, *tests], log, cwd=REPO, env=env).returncode
         result["pytest_s"] = round(time.monotonic() - t1, 1)
         result["pytest_rc"] = rc
         result["tests"] = tests
