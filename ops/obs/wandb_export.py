@@ -315,12 +315,12 @@ class WandbExporter:
     def _checkpoint(self, run, ev: dict) -> None:
         import wandb
 
-        rel = str(ev.get("path") or "")
-        path = (self.run_dir / rel).resolve() if rel else None
-        if path is None or not path.exists():
-            return  # retention already removed it (an export long after the run): nothing to point at
-        meta = {k: ev.get(k) for k in ("step", "path", "attempt", "blocking_s", "total_s", "mode")
-                if ev.get(k) is not None}
+        path = self._checkpoint_path(ev.get("path"))
+        if path is None:
+            log.info("checkpoint %s is no longer on disk: no artifact", ev.get("path"))
+            return  # retention removed it before this export: nothing to point at
+        meta = {k: ev.get(k) for k in ("step", "attempt", "blocking_s", "total_s", "mode") if ev.get(k) is not None}
+        meta["path"] = str(path)
         manifest = path / "ptops-manifest.json"
         if manifest.is_file():
             meta["ptops_manifest_sha256"] = hashlib.sha256(manifest.read_bytes()).hexdigest()
@@ -328,6 +328,18 @@ class WandbExporter:
         art.add_reference(path.as_uri(), name=path.name, checksum=False)
         aliases = ["latest"] + ([f"step-{ev['step']}"] if ev.get("step") is not None else [])
         run.log_artifact(art, aliases=aliases)
+
+    def _checkpoint_path(self, recorded: Any) -> Path | None:
+        """Where the checkpoint is now: the rank records absolute paths, and a run directory that was moved
+        or copied since holds it under its own ``checkpoints/``."""
+        if not recorded:
+            return None
+        p = Path(str(recorded))
+        here = self.run_dir / "checkpoints" / p.name
+        for cand in ([here, p] if p.is_absolute() else [self.run_dir / p, here]):
+            if cand.exists():
+                return cand.resolve()
+        return None
 
     def _finalize(self, terminal: bool) -> None:
         events = list(read_jsonl(self.run_dir / "events.jsonl"))
