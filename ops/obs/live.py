@@ -15,7 +15,8 @@ from ptops.ops.runrecord.follow import follow
 
 class LiveExporters:
     def __init__(self, run_dir: Path, metrics_port: int | None, mlflow_uri: str | None, mlflow: bool,
-                 out=None, wandb: bool = False, wandb_project: str | None = None, wandb_entity: str | None = None):
+                 out=None, wandb: bool = False, wandb_project: str | None = None,
+                 wandb_entity: str | None = None):
         self.out = out or sys.stderr
         self.followers = []
         self.prom = None

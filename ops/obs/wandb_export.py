@@ -319,7 +319,8 @@ class WandbExporter:
         if path is None:
             log.info("checkpoint %s is no longer on disk: no artifact", ev.get("path"))
             return  # retention removed it before this export: nothing to point at
-        meta = {k: ev.get(k) for k in ("step", "attempt", "blocking_s", "total_s", "mode") if ev.get(k) is not None}
+        keys = ("step", "attempt", "blocking_s", "total_s", "mode")
+        meta = {k: ev.get(k) for k in keys if ev.get(k) is not None}
         meta["path"] = str(path)
         manifest = path / "ptops-manifest.json"
         if manifest.is_file():
