@@ -11,6 +11,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from ptops.ops.cli.errors import fail
+from ptops.ops.cli.obs import WANDB_HELP
 
 from ptops import __version__
 
@@ -82,6 +83,9 @@ def launch(
     metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help="Serve Prometheus metrics on 127.0.0.1:PORT while the run lives (0 picks a free port).")] = None,
     mlflow_uri: Annotated[Optional[str], typer.Option("--mlflow-uri", help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs root>/mlflow.db beside the run directories.")] = None,
     mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="Log params, per-step metrics, events and an incident summary to MLflow.")] = True,
+    wandb: Annotated[bool, typer.Option("--wandb", help=WANDB_HELP)] = False,
+    wandb_project: Annotated[Optional[str], typer.Option("--wandb-project", help="With --wandb: W&B project (online; default: the recipe's name).")] = None,
+    wandb_entity: Annotated[Optional[str], typer.Option("--wandb-entity", help="With --wandb: W&B entity (team or user; online).")] = None,
     fault: Annotated[list[str], typer.Option("--fault", help="Inject a fault, e.g. crash:rank=1,step=12 (repeatable; first attempt only unless attempt=N).")] = [],
     slurm: Annotated[bool, typer.Option("--slurm", help="With --supervise: submit to Slurm (sbatch). The supervisor runs in the batch step, each attempt is an srun step of one node agent per node; --dry-run prints the sbatch script. Recipe section [slurm] holds the same keys.")] = False,
     spare_nodes: Annotated[Optional[int], typer.Option("--spare-nodes", min=0, help="--slurm: extra nodes held to replace a blamed node without requeueing.")] = None,
@@ -98,6 +102,7 @@ def launch(
       ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run\n
       ptops launch llama3-70b-h200 --dry-run --nodes 16 --gpus-per-node 8\n
       ptops launch titan-tiny --supervise --fault crash:rank=1,step=12\n
+      ptops launch titan-tiny --supervise --wandb   (W&B offline files in RUN_DIR/wandb; `wandb sync` uploads)\n
       ptops launch titan-tiny --supervise --slurm --nodes 2 --spare-nodes 1 --time 04:00:00
     """
     from ptops.ops.cli.supervise import parse_faults
@@ -153,7 +158,9 @@ def launch(
         lock_fd = acquire(run.path)  # one launcher per run directory, supervised or not
     except LockedError as e:
         fail(str(e))
-    exporters = LiveExporters(run.path, metrics_port, mlflow_uri, mlflow)
+    exporters = LiveExporters(run.path, metrics_port, mlflow_uri, mlflow,
+                              wandb=wandb or bool(wandb_project or wandb_entity),
+                              wandb_project=wandb_project, wandb_entity=wandb_entity)
     try:  # the supervisor owns the lock from here and releases it
         code = run_launch(rec, run, faults, json_out, lock_fd, supervise)
     finally:
