@@ -41,10 +41,10 @@ def image(tmp_path_factory):
     root = tmp_path_factory.mktemp("image")
     subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True)
     py = root / "venv" / "bin" / "python"
-    got = _pip(py, "install", "-q", f"torch=={NEWER_TORCH}")
+    got = _pip(py, "install", "-q", "--no-compile", f"torch=={NEWER_TORCH}")  # no .pyc: minutes on 2 cores
     assert got.returncode == 0, got.stdout + got.stderr
     before = _torch_identity(py)
-    got = _pip(py, "install", "-q", f"{REPO}[trl]")
+    got = _pip(py, "install", "-q", "--no-compile", f"{REPO}[trl]")
     assert got.returncode == 0, got.stdout + got.stderr
     return py, before
 
