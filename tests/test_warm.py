@@ -66,7 +66,8 @@ THIN = textwrap.dedent("""
 def pool(tmp_path):
     name = f"ptops-warm-test-{secrets.token_hex(6)}"
     proc = subprocess.Popen([sys.executable, "-c", POOL, name], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().startswith("[ptops.warm] pool"), "the pool did not come up"
+    line = proc.stdout.readline()
+    assert line.startswith("[ptops.warm] ") and " ready " in line, f"the pool did not come up: {line!r}"
     yield name
     proc.kill()
     proc.wait()
