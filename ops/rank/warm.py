@@ -2,7 +2,7 @@
 
 Why: after a crash, most of the time back to training is start-up: every new rank imports torch and the
 engine (TorchTitan: 10-20 s on an idle 2-core box, 30+ s when busy). The supervisor starts this *warm pool*
-once per run (``[supervisor.restart] warm_spare = true``), after the first attempt is training; it imports
+once per run (``[supervisor.restart] warm_spare = true``), alongside the first attempt's ranks; it imports
 the engine and waits. A rank that torchrun starts (``ops/rank/entry.py``) hands itself over: it sends its
 environment, argv, working directory and stdin/stdout/stderr to the pool, the pool forks a child that
 already has the engine imported and runs the rank there, and the thin rank that torchrun watches mirrors

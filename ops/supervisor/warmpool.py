@@ -119,6 +119,7 @@ class WarmPool:
         if self.proc is None:
             return
         procs.killpg(self.proc.pid, 9)
+        procs.signal_all([self.proc.pid], 9)  # also when it is not a group leader
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
