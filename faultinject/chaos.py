@@ -99,7 +99,7 @@ KIND_SETS: dict[str, tuple[str, ...]] = {
 }
 # why a launch of a run that keeps a warm pool may still start cold (the launch event's cold_why); any other
 # reason (the pool exited, or never became ready) is a failed fast restart
-COLD_OK = ("warm_spare_off", "pool_not_started", "pool_declined", "stopping")
+COLD_OK = ("no_pool", "pool_not_started", "pool_declined", "stopping")
 ALL_KINDS = tuple(KIND_SCENARIOS)
 # every fault kind on every shipped tiny recipe (each kind applies to both engines: the faults act
 # through the probe and the checkpoint layer, which both adapters share)

@@ -301,7 +301,7 @@ def test_a_cold_restart_of_a_run_with_a_warm_pool_is_a_chaos_problem():
     a = chaos.analyze([cold1, gone], [], 8, ("crash",))
     assert a["ranks_from"] == ["cold", "cold"] and len(a["cold_restarts"]) == 1
     assert "attempt 2" in a["cold_restarts"][0] and "pool_exited" in a["cold_restarts"][0]
-    off = [dict(e, warm_pool=False, ranks_from="cold", cold_why="warm_spare_off") for e in (cold1, warm2)]
+    off = [dict(e, warm_pool=False, ranks_from="cold", cold_why="no_pool") for e in (cold1, warm2)]
     assert chaos.analyze(off, [], 8, ("crash",))["cold_restarts"] == []
 
 

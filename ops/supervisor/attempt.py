@@ -67,7 +67,8 @@ class AttemptMixin:
         ):
             if key not in os.environ:
                 extra[key] = value
-        self.ranks_from = {"ranks_from": "cold", "cold_why": "warm_spare_off"}  # attempt_command may say warm
+        # attempt_command may say warm
+        self.ranks_from = {"ranks_from": "cold", "cold_why": "no_pool", "cold_detail": self.no_warm_why}
         cmd = self.attempt_command(attempt, extra)
         from_step = (self.good or {}).get("step", 0)
         self.step = from_step  # the engine resumes there; steps after it are redone
@@ -159,7 +160,6 @@ class AttemptMixin:
         pool is up (a restart); ``srun`` + node agents in Slurm."""
         cmd = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
         if self.warm is None:
-            self.ranks_from = {"ranks_from": "cold", "cold_why": "warm_spare_off"}
             return cmd
         # a pool still importing is waited for: a cold start would compete with it for the same cores
         self.ranks_from = self.warm.source(self.cfg.hang.import_s, lambda: self.stop_signal is not None)
