@@ -84,11 +84,12 @@ class RestartConfig(_Strict):
         3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint"
     )
     warm_spare: bool | Literal["auto"] = Field(
-        "auto", description="keep a warm pool (one process that has imported the engine) from the first attempt's "
-        "first step on; a restart's ranks are forked from it, without a new torchrun, instead of importing torch "
-        "and the engine again (ops/rank/warm.py, warmlaunch.py); TorchTitan imports everything ahead, other "
-        "engines torch only. `auto`: on when the machine has the cores for it (at least 2 x launch.nproc + 2: "
-        "the pool's import then does not slow the first attempt), off on small boxes and under Slurm",
+        "auto", description="keep a warm pool (one process that imports the engine alongside the first attempt's "
+        "ranks); a restart's ranks are forked from it, without a new torchrun, instead of importing torch "
+        "and the engine again (a restart that finds it still importing waits for it; the launch event says "
+        "ranks_from warm or cold, and why) (ops/rank/warm.py, warmlaunch.py); TorchTitan imports everything "
+        "ahead, other engines torch only. `auto`: on when the machine has the cores for it (at least 2 x "
+        "launch.nproc + 2: the pool's import then does not slow the first attempt), off on small boxes and under Slurm",
     )
 
     def warm_pool_wanted(self, nproc: int, cpus: int | None) -> bool:
