@@ -139,6 +139,7 @@ class AssetError(RuntimeError):
 
 MARKER = ".complete"
 QUARANTINE = ".quarantine"
+LEGACY = f"{MARKER} is not a manifest (marked complete without a check)"
 
 
 def _sha256(path: Path) -> str:
@@ -167,7 +168,7 @@ def untrusted(path: Path) -> str | None:
     except FileNotFoundError:
         return f"no {MARKER} marker (an unfinished build)"
     except (ValueError, KeyError, TypeError):
-        return f"{MARKER} is not a manifest (marked complete without a check)"
+        return LEGACY
     if not files:
         return f"{MARKER} names no files"
     for rel, want in files.items():
@@ -212,7 +213,8 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
     """The cache entry ``name``: used when it matches its manifest, else built by one process while the
     others wait. ``builder(tmp)`` writes into a temporary folder, ``check(tmp)`` must load it (raise on
     anything missing), then the manifest marks it complete and one rename publishes it. An entry that
-    does not match its manifest is quarantined and rebuilt, never trusted."""
+    does not match its manifest is quarantined and rebuilt, never trusted; one of an older ptops (a bare
+    marker) is kept only if it passes the check."""
     root = cache_root() / f"v{ASSETS_VERSION}"
     final = root / name
     if untrusted(final) is None:
@@ -222,6 +224,8 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
         reason = untrusted(final)
         if reason is None:
             return final  # built by the holder we waited for
+        if reason == LEGACY and _adopted(final, check):
+            return final
         if final.exists():
             quarantine(final, reason)
         for stale in root.glob(f".{name}-*"):  # temp folders of builders that died (we hold the lock)
@@ -234,9 +238,7 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
             except Exception as e:  # noqa: BLE001 - any load error means incomplete
                 raise AssetError(f"asset {name}: the fresh build fails its check, not cached: "
                                  f"{type(e).__name__}: {e}") from e
-            marker = tmp / (MARKER + ".tmp")
-            marker.write_text(json.dumps(_manifest(tmp), indent=1))
-            os.rename(marker, tmp / MARKER)
+            _mark_complete(tmp)
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -246,6 +248,23 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _adopted(path: Path, check: Callable[[Path], None]) -> bool:
+    """An entry of an older ptops (bare marker) is kept when it passes today's check (a poisoned one does not)."""
+    try:
+        check(path)
+    except Exception:  # noqa: BLE001 - any load error: not adopted (quarantined by the caller)
+        return False
+    _mark_complete(path)
+    print(f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept", file=sys.stderr, flush=True)
+    return True
+
+
+def _mark_complete(path: Path) -> None:
+    marker = path / (MARKER + ".tmp")
+    marker.write_text(json.dumps(_manifest(path), indent=1))
+    os.rename(marker, path / MARKER)
 
 
 def _check_tokenizer(path: Path) -> None:

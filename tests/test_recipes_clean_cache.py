@@ -123,6 +123,18 @@ def test_poisoned_entry_is_quarantined_and_rebuilt(cache):
     assert "not a manifest" in (quarantined / "QUARANTINED").read_text()
 
 
+def test_entry_of_an_older_ptops_is_kept_only_if_it_loads(cache):
+    """A bare marker (older ptops) over a good entry: checked by loading, kept in place with a manifest."""
+    from ptops.recipes.assets import untrusted
+    from ptops.recipes.trl.model import model_dir
+
+    entry = model_dir(_tiny(), seed=9)
+    (entry / ".complete").write_text("ok\n")
+    inode = (entry / "model.safetensors").stat().st_ino
+    assert model_dir(_tiny(), seed=9) == entry and untrusted(entry) is None
+    assert (entry / "model.safetensors").stat().st_ino == inode and not (cache / ".quarantine").exists()
+
+
 def test_entry_changed_after_its_check_is_not_trusted(cache):
     """A manifest-marked entry that lost a file, or whose weights changed, is rebuilt; a good one is reused."""
     from ptops.recipes.assets import tokenizer_dir, untrusted
