@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -27,6 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TINY = [n for n in shipped_names() if n.endswith("-tiny")]
 STEPS = 2
+
+
+def _children_cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
 
 
 def _entries(cache: Path) -> list[Path]:
@@ -46,11 +52,11 @@ def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     env = {**os.environ, "PTOPS_CACHE": str(cache), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("PTOPS_RANK_LOGS", None)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), _children_cpu()
     proc = subprocess.run([str(BIN / "ptops"), "launch", recipe, "--run-dir", str(run_dir),
                            "--set", f"train.steps={STEPS}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
-    took = time.monotonic() - t0
+    took, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}"
                      for p in sorted((run_dir / "logs" / "attempt-1").glob("rank-*.log")))
     assert proc.returncode == 0, f"{recipe}: exit {proc.returncode} after {took:.0f} s\n{proc.stderr[-2000:]}\n{logs}"
@@ -62,7 +68,7 @@ def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
     assert entries, f"{recipe}: nothing was built into the empty cache {cache}"
     assert {p.name: untrusted(p) for p in entries} == {p.name: None for p in entries}
     assert not (cache / "v1" / ".quarantine").exists(), "a fresh cache's own build was quarantined"
-    print(f"{recipe}: clean-cache launch {took:.1f} s", file=sys.stderr)
+    print(f"{recipe}: clean-cache launch {took:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr)
 
 
 def test_asset_built_under_a_process_group_is_complete(tmp_path):
