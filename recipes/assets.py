@@ -228,8 +228,8 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
             return final
         if final.exists():
             quarantine(final, reason)
-        for stale in root.glob(f".{name}-*"):  # temp folders of builders that died (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.glob(f".{name}-{'?' * 8}"):  # mkdtemp folders of builders that died (we hold
+            shutil.rmtree(stale, ignore_errors=True)     # the lock: nobody else builds this name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
             builder(tmp)

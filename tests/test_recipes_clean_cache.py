@@ -7,6 +7,10 @@ with tokenizer files alone, marked complete, for every later run. Here: each rec
 ``PTOPS_CACHE`` and a plain 2-rank ``ptops launch`` (2 steps); two gloo ranks build one asset (a non-main
 rank alone, then both at once); a poisoned entry (marked complete, no config.json) is quarantined and
 rebuilt; a build that fails its own check is never marked complete.
+
+The default run launches one tiny recipe per set of cached assets (BUILDS); the other tiny recipes
+(FULL, the same entries as trl-sft-tiny) launch on their own clean caches with
+    .venv/bin/python -m pytest -m clean_cache_full tests/test_recipes_clean_cache.py
 """
 
 from __future__ import annotations
@@ -28,6 +32,16 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TINY = [n for n in shipped_names() if n.endswith("-tiny")]
 STEPS = 2
+# The default run launches one tiny recipe per set of cached assets it builds (what an empty cache
+# tests); the others build the same entries as trl-gkd-tiny minus its teacher and run under
+# `-m clean_cache_full` (all 11 took 23 min on a shared 2-core machine at load 10).
+BUILDS = {
+    "titan-tiny": {"tokenizer-512"},
+    "trl-gkd-tiny": {"tokenizer-512", "trl-qwen2-h64-l2-a4-v512-s0", "trl-qwen2-h64-l2-a4-v512-s1"},
+    "trl-grpo-judge-tiny": {"tokenizer-512", "trl-qwen2-h64-l2-a4-v512-s0", "trl-qwen2-h64-l2-a4-v512-s1234"},
+}
+FULL = {"trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny", "trl-grpo-math-tiny", "trl-grpo-code-tiny",
+        "trl-lora-sft-tiny", "trl-reward-tiny", "trl-rloo-tiny"}  # tokenizer-512 and the s0 policy
 
 
 def _children_cpu() -> float:
@@ -45,9 +59,11 @@ def test_the_tiny_list_is_what_ptops_recipes_lists():
     assert out.returncode == 0, out.stderr
     listed = [line.split()[0] for line in out.stdout.splitlines() if line.split() and "-tiny" in line.split()[0]]
     assert listed == TINY and "trl-gkd-tiny" in TINY and "titan-tiny" in TINY, (listed, TINY)
+    assert sorted(TINY) == sorted([*BUILDS, *FULL]), "a new tiny recipe: put it in BUILDS or FULL"
 
 
-@pytest.mark.parametrize("recipe", TINY)
+@pytest.mark.parametrize("recipe", [r if r in BUILDS else pytest.param(r, marks=pytest.mark.clean_cache_full)
+                                    for r in TINY])
 def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     env = {**os.environ, "PTOPS_CACHE": str(cache), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -67,6 +83,8 @@ def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
     entries = _entries(cache)
     assert entries, f"{recipe}: nothing was built into the empty cache {cache}"
     assert {p.name: untrusted(p) for p in entries} == {p.name: None for p in entries}
+    want = BUILDS.get(recipe, {"tokenizer-512", "trl-qwen2-h64-l2-a4-v512-s0"})
+    assert {p.name for p in entries} == want
     assert not (cache / "v1" / ".quarantine").exists(), "a fresh cache's own build was quarantined"
     print(f"{recipe}: clean-cache launch {took:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr)
 
@@ -175,3 +193,12 @@ def test_a_build_that_fails_its_check_is_never_marked_complete(cache):
     with pytest.raises(AssetError, match="fresh build fails its check, not cached"):
         build_once("half-model", half, _check)
     assert not (cache / "half-model").exists() and not list(cache.glob(".half-model-*"))
+
+
+def test_a_dead_builders_temporary_folder_is_swept(cache):
+    from ptops.recipes.assets import tokenizer_dir, untrusted
+
+    stale = cache / ".tokenizer-512-deadbeef"  # mkdtemp's shape: a builder SIGKILLed mid-build
+    stale.mkdir(parents=True)
+    (stale / "tokenizer.json").write_text("{}")
+    assert untrusted(tokenizer_dir()) is None and not stale.exists()
