@@ -133,9 +133,15 @@ def _poison_like_issue_27(entry: Path) -> None:
 
 
 def test_poisoned_entry_is_quarantined_and_rebuilt(cache):
+    import torch
+
     from ptops.recipes.trl.model import load_model, model_dir
 
+    torch.manual_seed(0)
+    draw = torch.rand(3)
+    torch.manual_seed(0)
     entry = model_dir(_tiny(), seed=7)
+    assert torch.equal(torch.rand(3), draw), "building on an empty cache moved the caller's RNG"
     want = {k: v.clone() for k, v in load_model(entry).state_dict().items()}
     _poison_like_issue_27(entry)
     assert model_dir(_tiny(), seed=7) == entry  # rebuilt in place of the poisoned one
