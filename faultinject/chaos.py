@@ -27,7 +27,9 @@ the fault being *detected*. For each scenario the runner:
      baseline's (bit-identical model and optimizer state);
    - **no_lost_data**: every step 1..N has a final rank-0 metrics record with a
      finite loss, and the final checkpoint (step N) verifies (deep);
-   - **no_orphans**: no process of the run is left.
+   - **no_orphans**: no process of the run is left;
+   - **ranks_from**: each launch's ``warm`` / ``cold`` (the ``launch`` event). Crash scenarios run with
+     ``warm_spare=true``; a restart that went cold although the run kept a warm pool is a problem.
 
    A scenario passes when its fault fired, the last launch exited 0 with the run
    ``completed``, it was detected (where detection is expected), there is no lost
@@ -89,12 +91,30 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # A NaN rollback skips the poisoned step's batch by default (monitors.rollback.skip_batches=1): a
 # deliberate change of the data order, so the result cannot equal the baseline. The injected NaN is
 # transient (attempt 1 only): replaying the same data is the comparison that can be bit-identical.
-KIND_SETS: dict[str, tuple[str, ...]] = {"nan": ("monitors.rollback.skip_batches=0",)}
+KIND_SETS: dict[str, tuple[str, ...]] = {
+    "nan": ("monitors.rollback.skip_batches=0",),
+    # a crash's restart should be a fast one: its ranks forked from the warm pool, which `auto` leaves off on
+    # small boxes; a restart that went cold although the pool was on is a problem (``cold_restarts``)
+    "crash": ("supervisor.restart.warm_spare=true",),
+}
+# why a launch of a run that keeps a warm pool may still start cold (the launch event's cold_why); any other
+# reason (the pool exited, or never became ready) is a failed fast restart
+COLD_OK = ("no_pool", "pool_not_started", "pool_declined", "stopping")
 ALL_KINDS = tuple(KIND_SCENARIOS)
-# every fault kind on every shipped tiny recipe (each kind applies to both engines: the faults act
-# through the probe and the checkpoint layer, which both adapters share)
+# The default matrix: every fault kind on these tiny recipes (TorchTitan and TRL's SFT, DPO and GRPO
+# trainers; each kind applies to both engines: the faults act through the probe and the checkpoint layer,
+# which both adapters share). Not every shipped tiny recipe: the others run with ``--recipe NAME``.
+# ``ptops chaos --help`` names these from this tuple (tests/test_chaos.py checks it).
 TINY_RECIPES = ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny")
 DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES}
+
+
+def default_recipes_help() -> str:
+    """What ``--recipe``'s default covers, in words, from the same table ``select`` uses."""
+    names = list(DEFAULT_MATRIX)
+    return (f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: "
+            f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops recipes` "
+            "lists, with --recipe NAME).")
 TRL_KINDS = ALL_KINDS
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)
 RECIPE_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
@@ -151,6 +171,7 @@ class Result:
     recover_s: float | None = None
     steps_recomputed: int | None = None
     restarts: int = 0
+    ranks_from: list[str] = field(default_factory=list)  # each attempt's launch: "warm" or "cold"
     launches: int = 0
     exit_codes: list[int] = field(default_factory=list)
     state: str | None = None
@@ -279,6 +300,13 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
     faults = [e for e in events if e.get("kind") == EventKind.FAULT_INJECTED and not str(e.get("fault", "")).startswith("hold")]
     out["fired"] = bool(faults)
     out["restarts"] = view.restarts
+    launches = [e for e in events if e.get("kind") == EventKind.LAUNCH]
+    out["ranks_from"] = [str(e.get("ranks_from") or "cold") for e in launches]
+    out["cold_restarts"] = [
+        f"attempt {e.get('attempt')} started cold although the run keeps a warm pool ({e.get('cold_why')}: "
+        f"{e.get('cold_detail', '')})"
+        for e in launches if e.get("warm_pool") and e.get("ranks_from") == "cold" and e.get("cold_why") not in COLD_OK
+    ]
     out["state"] = view.end["kind"] if view.end else None
     r0 = [m for m in metrics if m.get("rank") == 0 and isinstance(m.get("step"), int)]
     final: dict[int, dict] = {}
@@ -447,8 +475,10 @@ class Runner:
         events = _read_jsonl(run_dir / "events.jsonl")
         metrics = _read_jsonl(run_dir / "metrics.jsonl")
         a = analyze(events, metrics, steps, sc.detect)
-        for k in ("fired", "detected_by", "detect_s", "recover_s", "steps_recomputed", "restarts", "state", "final_step", "final_loss"):
+        for k in ("fired", "detected_by", "detect_s", "recover_s", "steps_recomputed", "restarts", "state", "final_step",
+                  "final_loss", "ranks_from"):
             setattr(res, k, a[k])
+        res.problems += a["cold_restarts"]
         if not res.fired:
             res.problems.append("the fault never fired (no fault_injected event)")
         if rc != 0:

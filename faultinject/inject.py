@@ -18,6 +18,12 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
   leave a complete (adoptable) checkpoint instead of a half-written one
 - ``after_checkpoint(step)`` (first ``probe.phase("step", step)`` after it, i.e.
   once the save is complete and committed): corrupt-ckpt
+- ``before_commit(step)`` (``probe.before_commit``: the save's files are written, its
+  commit is next; an async save calls it on its commit thread): slow-save, which waits
+  there; ``on_skip(step)`` (``probe.save_skipped``: a save skipped because the previous
+  one is still writing) ends a ``slow-save:until=skipped``
+- ``on_startup("import")`` also: misrendezvous (the rank's rendezvous env is rewritten
+  before the engine is imported, so its process group is a world of one)
 
 preempt, kill-supervisor and corrupt-ckpt are carried out by one rank for the
 whole job (rank 0 unless the spec says ``rank=``).
@@ -46,7 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 from ptops.ckpt import checkpoint_path, is_writing, shard_files
-from ptops.faultinject.spec import HOLD_DEFAULT_S, ONE_RANK_KINDS, Fault
+from ptops.faultinject.spec import HOLD_DEFAULT_S, ONE_RANK_KINDS, SLOW_SAVE_DEFAULT_S, Fault
 
 BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor", "hold")
 FLIP_BYTES = 64
@@ -86,6 +92,8 @@ class Injector:
         self._released = threading.Condition()
         self._release_gen = 0
         self._last_save: int | None = None  # the step of the last save this rank began
+        self._skipped = threading.Condition()
+        self._skips: list[int] = []  # steps whose save was skipped (another one still writing)
 
     def _for_rank(self, f: Fault) -> bool:
         if f.kind in ONE_RANK_KINDS and f.rank is None:
@@ -157,13 +165,30 @@ class Injector:
                 getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
 
     def on_startup(self, section: str) -> None:
-        """``probe.startup(section)``: a ``hang:phase=SECTION`` fault stops the rank in that start-up section."""
+        """``probe.startup(section)``: a ``hang:phase=SECTION`` fault stops the rank in that start-up section;
+        ``misrendezvous`` acts at ``import`` (before the engine and its process group)."""
+        def due(f: Fault) -> bool:
+            return ((f.kind == "hang" and f.params.get("phase") == section)
+                    or (f.kind == "misrendezvous" and section == "import"))
+
         with self._lock:
-            fired = [f for f, _ in self._pending if f.kind == "hang" and f.params.get("phase") == section]
+            fired = [f for f, _ in self._pending if due(f)]
             self._pending = [(f, live) for f, live in self._pending if f not in fired]
         for f in fired:
             self.emit(f, 0)
-            self._hang(f, 0)
+            getattr(self, "_" + f.kind)(f, 0)
+
+    def before_commit(self, step: int) -> None:
+        """The save of ``step`` is written, its commit comes next: ``slow-save`` waits here."""
+        for f in self._take(("slow-save",), step):
+            self.emit(f, step)
+            self._slow_save(f, step)
+
+    def on_skip(self, step: int) -> None:
+        """A save of ``step`` was skipped because the previous one was still writing."""
+        with self._skipped:
+            self._skips.append(int(step))
+            self._skipped.notify_all()
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)
@@ -248,6 +273,33 @@ class Injector:
         deadline = None if seconds is None else time.monotonic() + float(seconds)
         while deadline is None or time.monotonic() < deadline:
             time.sleep(0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def _slow_save(self, f: Fault, step: int) -> None:
+        on_skip = f.params.get("until") == "skipped"
+        seconds = float(f.params.get("seconds", HOLD_DEFAULT_S if on_skip else SLOW_SAVE_DEFAULT_S))
+        deadline = time.monotonic() + seconds
+        with self._skipped:
+            while not (on_skip and any(s > step for s in self._skips)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._skipped.wait(left)
+        _warn(f"fault {f}: the commit of step {step} goes on "
+              f"({'a later save was skipped' if on_skip and any(s > step for s in self._skips) else 'time'})")
+
+    def _misrendezvous(self, f: Fault, step: int) -> None:
+        """A rank whose rendezvous endpoint fell back to localhost: its own store on a free port, world
+        size 1. The probe keeps the launcher's world size, so the supervisor sees the mismatch
+        (``misconfigured``)."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        _warn(f"fault {f}: rank {self.rank} forms a world of one (its own store on 127.0.0.1:{port})")
 
     def _slow(self, f: Fault, step: int) -> None:
         seconds = float(f.params.get("seconds", 1.0))

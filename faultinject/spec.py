@@ -68,6 +68,22 @@ hold           step (req), rank, attempt, seconds,         every rank (or ``rank
 release        rank, attempt (no step)                     live only (``ptops inject RUN_DIR
                                                            release``): ends the holds in effect and
                                                            cancels this attempt's pending ones
+slow-save      step (req), rank, attempt, seconds, until   slow storage: the commit of the save of
+                                                           ``step`` waits ``seconds`` (default 10;
+                                                           ``probe.before_commit``, both adapters): an
+                                                           async save stays "writing" while training
+                                                           goes on, a sync one blocks;
+                                                           ``until=skipped``: ends as soon as a later
+                                                           save was skipped because this one was
+                                                           still writing (at most ``seconds``,
+                                                           default 600 then; async saves only)
+misrendezvous  rank, attempt (no step)                     launch only: before the engine is imported
+                                                           (so before its process group init) the
+                                                           rank points its rendezvous at a store of
+                                                           its own on localhost, world size 1, as a
+                                                           rank whose endpoint fell back to localhost
+                                                           does; the supervisor stops the attempt
+                                                           (``misconfigured``), no restart
 =============  ==========================================  =========================================
 
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
@@ -102,6 +118,8 @@ KINDS: dict[str, dict[str, str]] = {
     "corrupt-ckpt": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
     "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR, "phase": _STR},
     "release": {"rank": _INT, "attempt": _INT},
+    "slow-save": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR},
+    "misrendezvous": {"rank": _INT, "attempt": _INT},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
@@ -109,6 +127,10 @@ HOLD_UNTIL = ("release", "committed")
 HOLD_PHASES = ("hold", "eval")  # eval: the pause is declared as the engine's evaluation (its own hang budget)
 # Kinds that only make sense in a live run (``ptops inject``), not at launch.
 LIVE_ONLY_KINDS = ("release",)
+# Kinds that act before the first step (start-up), so only at launch: injected live they could never fire.
+LAUNCH_ONLY_KINDS = ("misrendezvous",)
+SLOW_SAVE_DEFAULT_S = 10.0  # slow-save without until
+SLOW_SAVE_UNTIL = ("skipped",)
 HANG_MODES = ("sleep", "stop")
 # where a hang fires: the start of ``step`` (default), or a start-up section (no step then)
 HANG_PHASES = ("step", "import", "rendezvous", "build", "load")
@@ -223,6 +245,11 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(f"fault {spec!r}: key 'phase': expected one of {', '.join(HOLD_PHASES)} (got {values['phase']!r})")
     if kind == "hold" and values.get("until", "release") not in HOLD_UNTIL:
         raise FaultSpecError(f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got {values['until']!r})")
+    if kind == "slow-save" and "until" in values and values["until"] not in SLOW_SAVE_UNTIL:
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'until': expected one of {', '.join(SLOW_SAVE_UNTIL)} "
+            f"(got {values['until']!r})"
+        )
     if "signal" in values:
         name = values["signal"].upper()
         name = name if name.startswith("SIG") else "SIG" + name
@@ -243,6 +270,17 @@ def parse_all(specs: list[str] | tuple[str, ...]) -> list[Fault]:
                 f"fault {f.text!r}: {f.kind} acts on a live run only (ptops inject RUN_DIR {f.kind}), not at launch"
             )
     return faults
+
+
+def parse_live(spec: str) -> Fault:
+    """A fault for a live run (``ptops inject``): a launch-only kind is an error here."""
+    fault = parse(spec)
+    if fault.kind in LAUNCH_ONLY_KINDS:
+        raise FaultSpecError(
+            f"fault {spec!r}: {fault.kind} acts before the first step, at launch only "
+            f"(ptops launch --fault {fault.text})"
+        )
+    return fault
 
 
 def format_spec(fault: Fault) -> str:

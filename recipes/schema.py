@@ -84,11 +84,12 @@ class RestartConfig(_Strict):
         3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint"
     )
     warm_spare: bool | Literal["auto"] = Field(
-        "auto", description="keep a warm pool (one process that has imported the engine) from the first attempt's "
-        "first step on; a restart's ranks are forked from it, without a new torchrun, instead of importing torch "
-        "and the engine again (ops/rank/warm.py, warmlaunch.py); TorchTitan imports everything ahead, other "
-        "engines torch only. `auto`: on when the machine has the cores for it (at least 2 x launch.nproc + 2: "
-        "the pool's import then does not slow the first attempt), off on small boxes and under Slurm",
+        "auto", description="keep a warm pool (one process that imports the engine alongside the first attempt's "
+        "ranks); a restart's ranks are forked from it, without a new torchrun, instead of importing torch "
+        "and the engine again (a restart that finds it still importing waits for it; the launch event says "
+        "ranks_from warm or cold, and why) (ops/rank/warm.py, warmlaunch.py); TorchTitan imports everything "
+        "ahead, other engines torch only. `auto`: on when the machine has the cores for it (at least 2 x "
+        "launch.nproc + 2: the pool's import then does not slow the first attempt), off on small boxes and under Slurm",
     )
 
     def warm_pool_wanted(self, nproc: int, cpus: int | None) -> bool:
@@ -160,7 +161,8 @@ class RecipeBase(_Strict):
         return section
 
 
-# One optional section per registered engine: [titan], [trl], ...
+# One optional section per registered engine: [titan], [trl], ... (a plugin cannot take a name of the base's)
+_engines.reserve({n for n in dir(RecipeBase) if not n.startswith("_")} | set(RecipeBase.model_fields))
 Recipe = create_model(
     "Recipe",
     __base__=RecipeBase,
@@ -169,12 +171,12 @@ Recipe = create_model(
 
 
 def resolve_path(recipe: str | Path) -> Path:
-    """A path, or the bare name of a shipped recipe (``titan-tiny``)."""
+    """A path, or the bare name of a shipped recipe (``titan-tiny``, or one an engine plugin ships)."""
     p = Path(recipe)
     if p.is_file():
         return p
-    shipped = RECIPES_DIR / f"{recipe}.toml"
-    if not p.suffix and shipped.exists():
+    shipped = shipped_recipes().get(str(recipe)) if not p.suffix and len(p.parts) == 1 else None
+    if shipped is not None:
         return shipped
     raise RecipeError(f"{recipe}: recipe file not found (expected a TOML file or one of: {', '.join(shipped_names())})")
 
@@ -192,8 +194,17 @@ def resolve(recipe: str | Path) -> RecipeRef:
     return RecipeRef(path.stem, path)
 
 
+def shipped_recipes() -> dict[str, Path]:
+    """Recipe name -> file: ptops' own, then each engine's ``recipes_dir`` (a name taken keeps its first file)."""
+    found: dict[str, Path] = {}
+    for folder in (RECIPES_DIR, *_engines.recipe_dirs()):
+        for p in sorted(folder.glob("*.toml")):
+            found.setdefault(p.stem, p)
+    return found
+
+
 def shipped_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+    return sorted(shipped_recipes())
 
 
 def parse_override(text: str) -> tuple[str, Any]:

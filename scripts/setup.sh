@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up ptops in ./.venv (idempotent, fast when nothing changed).
 # --servers also installs the real servers the tests start (Debian packages, needs root).
-# Installs the CPU build of torch first so pip never pulls a multi-GB CUDA build.
+# The versions come from constraints.txt (the lock of the project's own environment; pyproject.toml declares
+# ranges for users). torch goes first, alone: the CPU build on this disk, never a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,12 +17,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.ptops-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages (first time ~2 min)" >&2
   quiet() { grep -vE "is ignored: it is neither|^\s*$" || true; }
-  .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | quiet
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | quiet
+  pipi() { .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt "$@" 2>&1 | quiet; }
+  pipi torch
+  pipi -e ".[titan,trl,dev]"
   echo "$want" > "$stamp"
 fi
 

@@ -8,7 +8,8 @@ until what its readers look for is in the run directory (no race with the machin
 Kinds (``faulted_runs.get(kind)`` -> ``Faulted(run, proc)``):
 
 - ``reference``: uninterrupted, 16 steps (its digest is what every recovered run must end with)
-- ``crash``:     rank 1 SIGKILLs itself at step 12 (held until the step-10 save commits); restart, completed
+- ``crash``:     rank 1 SIGKILLs itself at step 12 (held until the step-10 save commits); restart, completed;
+                 with ``warm_spare=true``: the restart's ranks are forked from the warm pool
 - ``hang``:      attempt 1: rank 0 hangs in Python at step 8; attempt 2: rank 1 SIGSTOPped from outside
                  (held before step 8 until then); both found, stacks taken, restarted, completed; with
                  the shipped hang settings (no floor / ping overrides)
@@ -94,7 +95,8 @@ def make(kind: str, run: Path) -> Faulted:
         proc = run_ptops("launch", "titan-tiny", "--run-dir", str(run), *STEPS, "--no-mlflow", "--json", timeout=900)
         return Faulted(run, proc, {})
     if kind == "crash":
-        return Faulted(run, _launch(run, "--fault", "crash:rank=1,step=12", "--fault", HOLD_COMMITTED), {})
+        return Faulted(run, _launch(run, "--set", "supervisor.restart.warm_spare=true", "--fault", "crash:rank=1,step=12",
+                                    "--fault", HOLD_COMMITTED), {})
     if kind == "hang":
         proc, extra = _hang(run)
         return Faulted(run, proc, extra)

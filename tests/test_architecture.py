@@ -74,3 +74,40 @@ def test_the_planner_is_pure():
         elif isinstance(node, ast.ImportFrom) and node.module:
             mods.add(node.module.split(".")[0])
     assert mods <= {"__future__", "math", "dataclasses", "typing"}, mods
+
+
+TEST_HOOK = "PTOPS_" + "TEST_"  # spelled in two parts so that this file never matches its own scan
+
+
+def _production_folders() -> list[Path]:
+    """Every folder shipped in the package (``[tool.setuptools] package-dir``) plus ``scripts/``."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return sorted({REPO / d for d in setuptools["package-dir"].values()} | {REPO / "scripts"})
+
+
+def _hook_names(folders: list[Path]) -> list[str]:
+    hits = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and TEST_HOOK.encode() in path.read_bytes():
+                lines = path.read_text(errors="replace").splitlines()
+                hits += [f"{path.relative_to(folder.parent)}:{i}: {ln.strip()}"
+                         for i, ln in enumerate(lines, 1) if TEST_HOOK in ln]
+    return hits
+
+
+def test_no_test_hooks_in_production_folders(tmp_path):
+    """Test-only switches (``PTOPS_TEST_*`` environment names) stay out of what ships: a test holds a run
+    with a fault kind a user could use too (``faultinject/spec.py``), or does its trick in the test."""
+    folders = _production_folders()
+    names = {p.relative_to(REPO).as_posix() for p in folders}
+    assert {"ops", "recipes", "faultinject", "ptops", "scripts"} <= names, names
+    assert all(p.is_dir() for p in folders), folders
+    planted = tmp_path / "pkg" / "mod.py"  # the scan finds what it looks for
+    planted.parent.mkdir()
+    planted.write_text(f'X = "{TEST_HOOK}SOMETHING"\n')
+    assert len(_hook_names([planted.parent])) == 1
+    hits = _hook_names(folders)
+    assert not hits, "test hooks in production code (a fault kind, or keep it in tests/):\n" + "\n".join(hits)

@@ -288,6 +288,23 @@ def test_analyze_timings_and_data_checks():
     assert not chaos.analyze([], [], 8, ("crash",))["fired"]
 
 
+def test_a_cold_restart_of_a_run_with_a_warm_pool_is_a_chaos_problem():
+    """Issue 27: the crash scenarios run with ``warm_spare=true`` and fail when a restart went cold because the
+    pool was gone or never ready; a first launch (or a relaunched supervisor's) is cold by design."""
+    assert "supervisor.restart.warm_spare=true" in chaos.select([], ["titan-tiny/crash"])[0].launch_argv(chaos.Path("/r"))
+    cold1 = {"ts": 1.0, "kind": "launch", "attempt": 1, "warm_pool": True, "ranks_from": "cold",
+             "cold_why": "pool_not_started"}
+    warm2 = {"ts": 2.0, "kind": "launch", "attempt": 2, "warm_pool": True, "ranks_from": "warm", "warm_wait_s": 0.0}
+    a = chaos.analyze([cold1, warm2], [], 8, ("crash",))
+    assert a["ranks_from"] == ["cold", "warm"] and a["cold_restarts"] == []
+    gone = dict(warm2, ranks_from="cold", cold_why="pool_exited", cold_detail="the pool exited with code -9: ...")
+    a = chaos.analyze([cold1, gone], [], 8, ("crash",))
+    assert a["ranks_from"] == ["cold", "cold"] and len(a["cold_restarts"]) == 1
+    assert "attempt 2" in a["cold_restarts"][0] and "pool_exited" in a["cold_restarts"][0]
+    off = [dict(e, warm_pool=False, ranks_from="cold", cold_why="no_pool") for e in (cold1, warm2)]
+    assert chaos.analyze(off, [], 8, ("crash",))["cold_restarts"] == []
+
+
 def test_fault_spec_error_names_the_spec_in_chaos_cli(ptops):
     proc = ptops("chaos", "--scenario", "titan-tiny/crash:step=zero", "--list")
     assert proc.returncode == 2, proc.stderr

@@ -68,6 +68,9 @@ def test_roundtrip_env_and_format():
         ("hang:step=3,phase=build", ["key 'step'", "start-up hang (phase=build) has no step"]),
         ("slow:step=3,seconds=-1", ["key 'seconds'", ">= 0"]),
         ("preempt:step=3,rank=1", ["key 'rank'", "unknown key for preempt"]),
+        ("slow-save:step=2,until=later", ["key 'until'", "skipped", "'later'"]),
+        ("slow-save:until=skipped", ["key 'step'", "missing"]),
+        ("misrendezvous:rank=1,step=3", ["key 'step'", "unknown key for misrendezvous"]),
     ],
 )
 def test_bad_specs_give_one_clear_line(spec, words):
@@ -85,3 +88,86 @@ def test_cli_rejects_bad_fault_with_exit_2(ptops):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--fault" in lines[0] and "key 'step'" in lines[0]
+
+
+def test_slow_save_and_misrendezvous_parse_and_round_trip():
+    f = parse("slow-save:step=2,until=skipped")
+    assert (f.kind, f.step, f.rank, f.params) == ("slow-save", 2, None, {"until": "skipped"})
+    assert parse(format_spec(f)) == f
+    m = parse("misrendezvous:rank=1")
+    assert (m.kind, m.rank, m.attempt, m.params) == ("misrendezvous", 1, 1, {})
+    assert format_spec(m) == "misrendezvous:rank=1" and from_env(to_env([m])) == [m]
+
+
+def test_misrendezvous_is_launch_only():
+    """It acts before the first step: injected live it could never fire, so ``ptops inject`` refuses it."""
+    from ptops.faultinject.spec import parse_all, parse_live
+
+    assert parse_all(["misrendezvous:rank=1"])[0].kind == "misrendezvous"
+    with pytest.raises(FaultSpecError, match="at launch only"):
+        parse_live("misrendezvous:rank=1")
+    assert parse_live("slow-save:step=4").kind == "slow-save"
+
+
+def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
+    import os
+
+    from ptops.faultinject.inject import Injector
+
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    fired = []
+    other = Injector([parse("misrendezvous:rank=1")], 0, 1, lambda f, s: fired.append(f.kind))
+    other.on_startup("import")
+    assert os.environ["WORLD_SIZE"] == "2" and fired == []  # rank 0 is not named
+    inj = Injector([parse("misrendezvous:rank=1")], 1, 1, lambda f, s: fired.append(f.kind))
+    inj.on_startup("build")
+    assert os.environ["WORLD_SIZE"] == "2" and fired == []  # it acts before the engine's import only
+    inj.on_startup("import")
+    assert fired == ["misrendezvous"]
+    got = [os.environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")]
+    assert got == ["1", "0", "0", "127.0.0.1"]
+    assert os.environ["MASTER_PORT"] != "29500" and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    assert inj.pending == []
+
+
+def test_slow_save_until_skipped_waits_for_a_later_skip():
+    """The commit of the save of step 2 waits until a later save is skipped (also one skipped before the
+    wait began); a skip of an earlier step does not end it; without ``until`` it waits its seconds."""
+    import threading
+    import time
+
+    from ptops.faultinject.inject import Injector
+
+    fired = []
+    inj = Injector([parse("slow-save:step=2,until=skipped,seconds=30")], 0, 1, lambda f, s: fired.append(s))
+    inj.before_commit(1)
+    assert fired == []  # not its step
+    t = threading.Thread(target=inj.before_commit, args=(2,))
+    t.start()
+    inj.on_skip(1)
+    t.join(0.5)
+    assert t.is_alive() and fired == [2]
+    inj.on_skip(4)
+    t.join(10)
+    assert not t.is_alive()
+    early = Injector([parse("slow-save:step=2,until=skipped,seconds=30")], 0, 1, lambda f, s: None)
+    early.on_skip(4)  # the skip came first (the commit thread was late): the wait ends at once
+    t0 = time.monotonic()
+    early.before_commit(2)
+    assert time.monotonic() - t0 < 5
+    timed = Injector([parse("slow-save:step=3,seconds=0.3")], 0, 1, lambda f, s: None)
+    t0 = time.monotonic()
+    timed.before_commit(3)
+    assert 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_readme_fault_table_names_every_kind():
+    from conftest import REPO
+    from ptops.faultinject.spec import KINDS
+
+    text = (REPO / "README.md").read_text()
+    missing = [k for k in KINDS if f"| `{k}` |" not in text]
+    assert not missing, f"README fault table lacks {missing}"

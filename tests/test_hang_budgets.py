@@ -325,14 +325,15 @@ def test_real_hangs_found_with_the_shipped_defaults(faulted_runs):
 
 
 def test_world_of_one_stops_the_run_at_once(tmp_path, ptops):
-    """A rank that inits its process group alone (test hook: its own store, world size 1) makes the
-    supervisor fail the run with one ``misconfigured`` event: no restart, no orphans."""
+    """A rank that inits its process group alone (``misrendezvous:rank=1``: its own store, world size 1)
+    makes the supervisor fail the run with one ``misconfigured`` event: no restart, no orphans."""
     from ptops.ops.supervisor.procs import run_processes
 
     run = tmp_path / "run"
     proc = ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=50",
-                 "--no-mlflow", env={"PTOPS_TEST_WORLD_OF_ONE": "1"}, timeout=600)
+                 "--no-mlflow", "--fault", "misrendezvous:rank=1", timeout=600)
     assert proc.returncode == 1, proc.stderr
+    assert [(e["rank"], e["fault"]) for e in _events(run, "fault_injected")] == [(1, "misrendezvous:rank=1")]
     mis = _events(run, "misconfigured")
     assert len(mis) == 1 and mis[0]["rank"] == 1 and mis[0]["world_size"] == 1 and mis[0]["expected_world_size"] == 2
     assert "world of one" in mis[0]["reason"]

@@ -354,50 +354,132 @@ def test_a_titan_stage_starts_from_the_previous_stages_dcp_checkpoint(tmp_path):
     assert first[s2] < first[s1] - 0.1, first
 
 
-def test_ctrl_c_stops_the_running_stage_cleanly_and_a_rerun_resumes_it(tmp_path):
-    """SIGINT to ``ptops pipeline`` (Ctrl-C) while stage 1 is held before step 3: the stage's supervisor
-    is told to stop, the pipeline records ``pipeline_stopped`` and exits 130, no process of the stage is
-    left; the same command then finishes the stage from its own checkpoint."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not reaped yet) is gone for our purpose
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _stage_pids_when_held(proc, stage: Path, step: int) -> list[int]:
+    """Wait until the stage's hold before ``step`` fired (deterministic: the stage waits there), then its
+    supervisor, torchrun and rank pids from ``status.json``."""
+    import time
+
+    deadline = time.monotonic() + 300
+    while not any(e.get("kind") == "fault_injected" and e.get("step") == step
+                  for e in (events(stage) if (stage / "events.jsonl").is_file() else [])):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the stage never held at step {step}"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while True:
+        status = json.loads((stage / "status.json").read_text())
+        ranks = [r["pid"] for r in status.get("ranks", [])]
+        if status.get("supervisor_pid") and len(ranks) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert status.get("supervisor_pid") and len(ranks) == 2, status
+    return [p for p in (status["supervisor_pid"], status.get("torchrun_pid"), *ranks) if p]
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory):
+    """One stage (SFT, 6 steps), three runs of the same pipeline command:
+
+    1. started with SIGINT *ignored* (inherited, as ``nohup`` or a script's background job start it), held
+       before step 3, then SIGINT to the pipeline's pid only;
+    2. the same command again: the stage resumes (attempt 2) and is held before step 4; then the pipeline
+       is SIGKILLed (it cannot forward anything);
+    3. the same command again: it finishes the stage.
+    """
     import signal
     import time
 
-    file = tmp_path / "p.toml"
-    file.write_text('name = "pipe-int"\n[[stage]]\nname = "sft"\nrecipe = "trl-sft-tiny"\n'
-                    'set = ["train.steps=4", "checkpoint.interval=2", "supervisor.grace_s=5"]\n'
-                    'faults = ["hold:step=3"]\n')
-    pipe = tmp_path / "pipe"
-    cmd = [sys.executable, "-m", "ptops", "pipeline", str(file), "--run-dir", str(pipe), "--no-mlflow"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tmp = tmp_path_factory.mktemp("signals")
+    file = tmp / "p.toml"
+    file.write_text('name = "pipe-sig"\n[[stage]]\nname = "sft"\nrecipe = "trl-sft-tiny"\n'
+                    'set = ["train.steps=6", "checkpoint.interval=2", "supervisor.grace_s=5"]\n'
+                    'faults = ["hold:step=3", "hold:step=4,attempt=2"]\n')
+    pipe = tmp / "pipe"
     stage = pipe / "stages" / "01-sft"
+    cmd = [sys.executable, "-m", "ptops", "pipeline", str(file), "--run-dir", str(pipe), "--no-mlflow"]
+    out: dict = {"pipe": pipe, "stage": stage}
+
+    def start(n: int, **kw) -> subprocess.Popen:
+        # files, not pipes: after a SIGKILL nobody would drain a pipe, and the stage's prints would block
+        logs = [open(tmp / f"run{n}.{x}", "w") for x in ("out", "err")]
+        return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=logs[0], stderr=logs[1], text=True, **kw)
+
+    def gone(pids: list[int], within: float) -> list[int]:
+        deadline = time.monotonic() + within
+        while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return [p for p in pids if _alive(p)]
+
+    ignored = start(1, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        deadline = time.monotonic() + 300
-        while not any(e.get("kind") == "fault_injected" for e in (events(stage) if stage.is_dir() else [])):
-            assert proc.poll() is None and time.monotonic() < deadline, "the stage never reached its hold"
-            time.sleep(0.5)
-        status = json.loads((stage / "status.json").read_text())
-        ranks = [r["pid"] for r in status.get("ranks", [])]
-        assert status.get("supervisor_pid") and len(ranks) == 2, status
-        pids = [status["supervisor_pid"], status.get("torchrun_pid"), *ranks]
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=180)
+        pids = _stage_pids_when_held(ignored, stage, 3)
+        ignored.send_signal(signal.SIGINT)
+        ignored.wait(timeout=180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, err[-3000:]
-    assert "error: pipeline stopped (interrupted)" in err
-    assert [e["kind"] for e in events(pipe)][-1] == "pipeline_stopped"
-    for pid in filter(None, pids):
-        try:
-            os.kill(pid, 0)
-            alive = True
-        except ProcessLookupError:
-            alive = False
-        assert not alive, f"pid {pid} of the stage survived the pipeline's Ctrl-C"
-    again = pipeline(file, pipe, "--no-mlflow")
+        if ignored.poll() is None:
+            ignored.kill()
+            ignored.wait()
+    out["int"] = {"code": ignored.returncode, "err": (tmp / "run1.err").read_text(), "left": gone(pids, 10),
+                  "pipe_events": events(pipe), "stage_events": events(stage)}
+
+    killed = start(2)
+    try:
+        pids = _stage_pids_when_held(killed, stage, 4)
+        killed.kill()
+        killed.wait(timeout=30)
+        left = gone(pids, 120)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    out["kill"] = {"left": left, "pids": pids, "stage_events": events(stage), "pipe_events": events(pipe)}
+    out["again"] = pipeline(file, pipe, "--no-mlflow")
+    return out
+
+
+def test_sigint_stops_a_pipeline_started_with_sigint_ignored(signalled):
+    """The pipeline handles SIGINT itself even when it inherited SIGINT ignored: it forwards it to the
+    running stage (which checkpoints and stops), records ``pipeline_stopped``, exits 130, and no process
+    of the stage is left."""
+    r = signalled["int"]
+    assert r["code"] == 130, r["err"][-3000:]
+    assert "error: pipeline stopped (interrupted)" in r["err"]
+    assert [e["kind"] for e in r["pipe_events"]][-1] == "pipeline_stopped"
+    stopped = [e for e in r["stage_events"] if e["kind"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["signal"] == signal_number("SIGINT"), stopped
+    assert r["left"] == [], f"pids {r['left']} of the stage survived the pipeline's SIGINT"
+
+
+def test_a_killed_pipeline_stops_its_stage_and_the_rerun_resumes_it(signalled):
+    """SIGKILL of the pipeline while its stage is held: the kernel sends the stage's supervisor SIGTERM
+    (``PR_SET_PDEATHSIG``), so the stage saves, records ``stopped`` and ends with its torchrun and ranks;
+    the same command then resumes it from its own checkpoint and completes it."""
+    r = signalled["kill"]
+    assert r["left"] == [], f"pids {r['left']} of the stage ran on after their pipeline was killed"
+    stopped = [e for e in r["stage_events"] if e["kind"] == "stopped"]
+    assert [e["signal"] for e in stopped] == [signal_number("SIGINT"), signal_number("SIGTERM")], stopped
+    assert [e["kind"] for e in r["pipe_events"]][-1] == "stage_started"  # killed: it recorded nothing more
+    again = signalled["again"]
     assert again.returncode == 0, _out(again)
-    assert [e["resumed"] for e in events(pipe) if e["kind"] == "stage_started"] == [False, True]
-    assert max(r["step"] for r in read_jsonl(stage / "metrics.jsonl")) == 4
+    pipe, stage = signalled["pipe"], signalled["stage"]
+    assert [e["resumed"] for e in events(pipe) if e["kind"] == "stage_started"] == [False, True, True]
+    launches = [e for e in events(stage) if e["kind"] == "launch"]
+    assert [e["attempt"] for e in launches] == [1, 2, 3] and launches[2]["from_step"] >= 4, launches
+    assert max(r["step"] for r in read_jsonl(stage / "metrics.jsonl")) == 6
+
+
+def signal_number(name: str) -> int:
+    import signal
+
+    return int(getattr(signal, name))
 
 
 def test_checkpoint_references_in_set_name_earlier_stages_only(tmp_path):

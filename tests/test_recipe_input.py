@@ -86,6 +86,7 @@ def test_section_of_other_engine_rejected(tmp_path):
         load(p)
 
 
+@pytest.mark.titan  # the titan dry run builds TorchTitan's model
 def test_dry_run_prints_resolved_recipe(ptops, tmp_path):
     p = write(tmp_path, GOOD)
     proc = ptops("launch", str(p), "--dry-run", "--set", "launch.nproc=3")

@@ -62,8 +62,12 @@ def test_the_tiny_list_is_what_ptops_recipes_lists():
     assert sorted(TINY) == sorted([*BUILDS, *FULL]), "a new tiny recipe: put it in BUILDS or FULL"
 
 
-@pytest.mark.parametrize("recipe", [r if r in BUILDS else pytest.param(r, marks=pytest.mark.clean_cache_full)
-                                    for r in TINY])
+def _marks(recipe: str) -> list:
+    return ([] if recipe in BUILDS else [pytest.mark.clean_cache_full]) + (
+        [pytest.mark.titan] if recipe.startswith("titan") else [])
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=_marks(r)) for r in TINY])
 def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     env = {**os.environ, "PTOPS_CACHE": str(cache), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

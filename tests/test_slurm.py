@@ -265,7 +265,7 @@ def test_world_of_one_is_caught_at_startup_and_scancel_leaves_nothing(slurm_clus
     """A rank that formed a world of one (rendezvous fell back to localhost) stops the attempt with one
     line; then a held job scancelled leaves no process of its run on any node."""
     run = tmp_path / "one"
-    job = submit(slurm_cluster, run, env={"PTOPS_TEST_WORLD_OF_ONE": "1"})
+    job = submit(slurm_cluster, run, "--fault", "misrendezvous:rank=1")
     wait_job_gone(slurm_cluster, job)
     mis = events(run, "misconfigured")
     assert len(mis) == 1 and mis[0]["world_size"] == 1 and mis[0]["expected_world_size"] == 2, mis

@@ -96,6 +96,10 @@ def test_titan_crash_restarts_from_checkpoint(faulted_runs, titan_reference):
     restart = events(run, "restart")[0]
     assert restart["attempt"] == 2 and restart["from_step"] == 10
     assert events(run, "completed")[0]["step"] == 16
+    # warm_spare=true (issue 27): the pool imports alongside attempt 1; the restart's ranks are forked from it
+    launches = events(run, "launch")
+    assert [(e["attempt"], e["warm_pool"], e["ranks_from"]) for e in launches] == [(1, True, "cold"), (2, True, "warm")]
+    assert launches[0]["cold_why"] == "pool_not_started" and launches[1]["warm_wait_s"] >= 0, launches
     st = run_ptops("status", str(run), "--json")
     good = json.loads(st.stdout)["goodput"]
     assert 0 < good["ratio"] < 1 and good["lost_s"]["restart"] > 0 and good["lost_s"]["detection"] > 0

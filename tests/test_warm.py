@@ -4,6 +4,7 @@ forwarded, and the warm child dies with the thin rank. No torch here: the pool's
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -66,7 +67,8 @@ THIN = textwrap.dedent("""
 def pool(tmp_path):
     name = f"ptops-warm-test-{secrets.token_hex(6)}"
     proc = subprocess.Popen([sys.executable, "-c", POOL, name], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().startswith("[ptops.warm] pool"), "the pool did not come up"
+    line = proc.stdout.readline()
+    assert line.startswith("[ptops.warm] ") and " ready " in line, f"the pool did not come up: {line!r}"
     yield name
     proc.kill()
     proc.wait()
@@ -168,28 +170,14 @@ def test_warm_launch_without_a_pool_becomes_its_torchrun_fallback(tmp_path):
 
 
 def _warm_restart(run: Path, recipe: str, sets: list[str], crash_step: int) -> list[dict]:
-    """A supervised run with ``warm_spare``, held before ``crash_step`` until the pool is ready, then a
-    crash of rank 1 there; returns its events (the run must complete)."""
-    import json
+    """A supervised run with ``warm_spare`` and a crash of rank 1 at ``crash_step``; returns its events (the run
+    must complete). No hold until the pool is ready: a restart that finds it still importing waits for it."""
+    from conftest import run_ptops
 
-    from conftest import PTOPS, run_ptops
-
-    argv = [*PTOPS, "launch", recipe, "--supervise", "--run-dir", str(run), *sets, "--set",
-            "supervisor.restart.warm_spare=true", "--fault", f"crash:rank=1,step={crash_step}",
-            "--fault", f"hold:step={crash_step},seconds=600", "--json", "--no-mlflow"]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        log = run / "supervisor" / "warm.log"
-        while not (log.exists() and "ready" in log.read_text(errors="replace")):
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.5)
-        rel = run_ptops("inject", str(run), "release")
-        assert rel.returncode == 0, rel.stderr
-        out, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
+    p = run_ptops("launch", recipe, "--supervise", "--run-dir", str(run), *sets, "--set",
+                  "supervisor.restart.warm_spare=true", "--fault", f"crash:rank=1,step={crash_step}", "--json",
+                  "--no-mlflow", timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
     return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
 
 
@@ -200,6 +188,8 @@ def _assert_warm_attempt_2(run: Path) -> None:
         assert "warm rank: forked from pool" not in cold and "warm rank: forked from pool" in warm, warm[:2000]
     launched = (run / "logs" / "attempt-2" / "torchrun.log").read_text(errors="replace")
     assert "2 ranks forked from the warm pool" in launched, launched[:2000]  # no torchrun for the restart
+    ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    assert [e["ranks_from"] for e in ev if e["kind"] == "launch"] == ["cold", "warm"]
 
 
 @pytest.mark.slow
@@ -223,23 +213,19 @@ def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
     assert run_processes(run) == []
 
 
-@pytest.mark.slow
-def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs, tmp_path):
-    """A real supervised titan-tiny run with ``warm_spare``: held before step 12 until the pool says it is
-    ready, then rank 1 crashes; the restart's ranks come from the pool (their logs have no engine import),
-    the run completes with the reference digest, and no process of the run is left."""
+def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs):
+    """The shared faulted crash run (tests/faulted.py: titan-tiny, ``warm_spare=true``, rank 1 crashes at step
+    12): the restart's ranks come from the pool (their logs have no engine import, no torchrun started them),
+    the run completes with the reference digest, and no process of the run is left. The pool is not waited
+    for before the crash: it imports alongside attempt 1, and a restart that still finds it importing waits."""
     from ptops.ckpt import digest
     from ptops.ops.supervisor.procs import run_processes
 
-    ref = faulted_runs.get("reference")
-    assert ref.proc.returncode == 0
-    run = tmp_path / "warm"
-    ev = _warm_restart(run, "titan-tiny", ["--set", "train.steps=16", "--set", "checkpoint.interval=5"], crash_step=12)
-    assert [e["exit_code"] for e in ev if e["kind"] == "crash"] == [-9]
-    assert [e["from_step"] for e in ev if e["kind"] == "restart"] == [10]
-    _assert_warm_attempt_2(run)
-    assert digest(run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
-    assert run_processes(run) == []
+    ref, crash = faulted_runs.get("reference"), faulted_runs.get("crash")
+    assert ref.proc.returncode == 0 and crash.proc.returncode == 0, crash.proc.stderr[-3000:]
+    _assert_warm_attempt_2(crash.run)
+    assert digest(crash.run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
+    assert run_processes(crash.run) == []
 
 
 def test_the_pool_checks_that_a_forked_child_can_run_and_finds_no_gpu_problem_on_cpu():
@@ -253,3 +239,86 @@ def test_the_pool_checks_that_a_forked_child_can_run_and_finds_no_gpu_problem_on
     assert forked_child_status(lambda: None) == 0
     assert forked_child_status(fails) != 0
     assert cuda_fork_problem() == ""
+
+
+# ---------------------------------------------------------------- the supervisor's side: where a restart's ranks come from
+# A pool that is still importing (issue 27): it binds its socket only once GO exists, then serves like the real one.
+SLOW_POOL = textwrap.dedent("""
+    import os, sys, time
+    from ptops.ops.rank import warm
+
+    print("importing", flush=True)
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.05)
+    if sys.argv[3] == "decline":
+        warm.say("no warm pool: a child forked from it cannot use CUDA (test)")
+        sys.exit(0)
+    warm.serve(sys.argv[1], "stub", target=lambda: None)
+""")
+
+
+def _slow_pool(tmp_path: Path, how: str = "serve"):
+    from types import SimpleNamespace
+
+    from ptops.ops.supervisor.warmpool import WarmPool
+
+    (tmp_path / "supervisor").mkdir(parents=True, exist_ok=True)
+    pool = WarmPool(None, SimpleNamespace(path=tmp_path))
+    go = tmp_path / "go"
+    with open(pool.log, "ab") as log:
+        pool.proc = subprocess.Popen([sys.executable, "-c", SLOW_POOL, pool.name, str(go), how], cwd=REPO,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pool.started_at = time.monotonic()
+    while "importing" not in pool.log.read_text():
+        assert pool.proc.poll() is None, pool.log.read_text()
+        time.sleep(0.05)
+    return pool, go
+
+
+def test_a_restart_waits_for_a_pool_that_is_still_importing_and_comes_warm(tmp_path):
+    """The pool is started (importing) but not listening: the restart waits for it instead of going cold
+    next to it, and is told warm once it answers (the readiness probe does not disturb the pool)."""
+    import threading
+
+    pool, go = _slow_pool(tmp_path)
+    got: list[dict] = []
+    t = threading.Thread(target=lambda: got.append(pool.source(300, lambda: False)))
+    try:
+        t.start()
+        t.join(1.0)
+        assert t.is_alive() and not got, got  # still waiting: the pool has not bound its socket yet
+        go.touch()
+        t.join(60)
+        assert got and got[0]["ranks_from"] == "warm" and got[0]["warm_wait_s"] >= 1.0, got
+        assert pool.source(300, lambda: False)["ranks_from"] == "warm"  # the probes left it serving
+        assert "request failed" not in pool.log.read_text()
+    finally:
+        go.touch()
+        pool.stop()
+
+
+def test_a_pool_that_exited_or_hangs_or_declined_means_cold_with_why(tmp_path):
+    pool, go = _slow_pool(tmp_path / "hung")
+    pid = pool.proc.pid
+    cold = pool.source(0, lambda: False)  # still importing past its budget: stopped, cold
+    assert cold["ranks_from"] == "cold" and cold["cold_why"] == "pool_not_ready", cold
+    assert pool.proc is None and pool.wanted and not os.path.exists(f"/proc/{pid}/cmdline")
+    assert pool.source(300, lambda: False)["cold_why"] == "pool_not_started"
+
+    pool, go = _slow_pool(tmp_path / "stop")
+    cold = pool.source(300, lambda: True)  # Ctrl-C while waiting
+    assert cold["cold_why"] == "stopping", cold
+    pool.stop()
+
+    pool, go = _slow_pool(tmp_path / "dead")
+    pool.proc.kill()
+    pool.proc.wait()
+    cold = pool.source(300, lambda: False)
+    assert cold["cold_why"] == "pool_exited" and "-9" in cold["cold_detail"] and pool.wanted, cold  # replaced later
+
+    pool, go = _slow_pool(tmp_path / "gpu", "decline")
+    go.touch()
+    pool.proc.wait(timeout=60)
+    cold = pool.source(300, lambda: False)
+    assert cold["cold_why"] == "pool_exited" and "cannot use CUDA" in cold["cold_detail"], cold
+    assert not pool.wanted and pool.source(300, lambda: False)["cold_why"] == "pool_declined"

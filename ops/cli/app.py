@@ -8,13 +8,44 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from ptops.ops.cli.errors import fail
+from ptops.ops.cli.obs import WANDB_HELP
 
 from ptops import __version__
 
+def engines_installed() -> str:
+    """The engines installed, from package metadata: ``--help`` names them without importing a plugin."""
+    from ptops.recipes.engines import installed
+
+    by: dict[str, list[str]] = {}
+    for name, provider in installed():
+        by.setdefault("ptops" if provider.startswith("ptops ") else provider, []).append(name)
+    return "; ".join(f"{', '.join(sorted(names))} ({provider})" for provider, names in by.items())
+
+
+class _NamesEngines:
+    """``--help`` ends with the engines installed (ptops' own and plugins of the ``ptops.engines`` group)."""
+
+    def format_help(self, ctx, formatter) -> None:  # type: ignore[no-untyped-def]
+        super().format_help(ctx, formatter)  # type: ignore[misc]
+        formatter.write_paragraph()
+        formatter.write_text(f"Engines installed: {engines_installed()}. Recipes, and plugins that did not "
+                             "load: `ptops recipes`.")
+
+
+class _RootGroup(_NamesEngines, TyperGroup):
+    pass
+
+
+class _EnginesCommand(_NamesEngines, TyperCommand):
+    pass
+
+
 app = typer.Typer(
     name="ptops",
+    cls=_RootGroup,
     help=(
         "Operations and reliability for TorchTitan and TRL training runs.\n\n"
         "Start with:  ptops launch titan-tiny   (a shipped recipe; see `ptops recipes`)."
@@ -52,6 +83,9 @@ def launch(
     metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help="Serve Prometheus metrics on 127.0.0.1:PORT while the run lives (0 picks a free port).")] = None,
     mlflow_uri: Annotated[Optional[str], typer.Option("--mlflow-uri", help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs root>/mlflow.db beside the run directories.")] = None,
     mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="Log params, per-step metrics, events and an incident summary to MLflow.")] = True,
+    wandb: Annotated[bool, typer.Option("--wandb", help=WANDB_HELP)] = False,
+    wandb_project: Annotated[Optional[str], typer.Option("--wandb-project", help="With --wandb: W&B project (online; default: the recipe's name).")] = None,
+    wandb_entity: Annotated[Optional[str], typer.Option("--wandb-entity", help="With --wandb: W&B entity (team or user; online).")] = None,
     fault: Annotated[list[str], typer.Option("--fault", help="Inject a fault, e.g. crash:rank=1,step=12 (repeatable; first attempt only unless attempt=N).")] = [],
     slurm: Annotated[bool, typer.Option("--slurm", help="With --supervise: submit to Slurm (sbatch). The supervisor runs in the batch step, each attempt is an srun step of one node agent per node; --dry-run prints the sbatch script. Recipe section [slurm] holds the same keys.")] = False,
     spare_nodes: Annotated[Optional[int], typer.Option("--spare-nodes", min=0, help="--slurm: extra nodes held to replace a blamed node without requeueing.")] = None,
@@ -68,6 +102,7 @@ def launch(
       ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run\n
       ptops launch llama3-70b-h200 --dry-run --nodes 16 --gpus-per-node 8\n
       ptops launch titan-tiny --supervise --fault crash:rank=1,step=12\n
+      ptops launch titan-tiny --supervise --wandb   (W&B offline files in RUN_DIR/wandb; `wandb sync` uploads)\n
       ptops launch titan-tiny --supervise --slurm --nodes 2 --spare-nodes 1 --time 04:00:00
     """
     from ptops.ops.cli.supervise import parse_faults
@@ -123,7 +158,9 @@ def launch(
         lock_fd = acquire(run.path)  # one launcher per run directory, supervised or not
     except LockedError as e:
         fail(str(e))
-    exporters = LiveExporters(run.path, metrics_port, mlflow_uri, mlflow)
+    exporters = LiveExporters(run.path, metrics_port, mlflow_uri, mlflow,
+                              wandb=wandb or bool(wandb_project or wandb_entity),
+                              wandb_project=wandb_project, wandb_entity=wandb_entity)
     try:  # the supervisor owns the lock from here and releases it
         code = run_launch(rec, run, faults, json_out, lock_fd, supervise)
     finally:
@@ -131,19 +168,50 @@ def launch(
     raise typer.Exit(code)
 
 
-@app.command()
-def recipes() -> None:
-    """List the shipped recipes."""
-    from ptops.recipes.schema import RecipeError, load, shipped_names
+@app.command(cls=_EnginesCommand, help="List the engines (ptops' own and those other packages install: "
+                  "entry point group ptops.engines), the recipes they ship, and any engine plugin that did not load.")
+def recipes(
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Engines, recipes and plugins not loaded, as JSON.")] = False,
+) -> None:
+    from ptops.recipes import engines
+    from ptops.recipes.schema import RecipeError, load, shipped_recipes
 
-    names = shipped_names()
-    width = max((len(n) for n in names), default=18)
-    for name in names:
+    found = engines.engines()
+    shipped = []
+    for name, path in shipped_recipes().items():
         try:
             rec, _ = load(name)
-            typer.echo(f"{name:{width}s} {rec.engine:6s} {rec.description}")
+            shipped.append({"name": name, "engine": rec.engine, "description": rec.description,
+                            "path": str(path)})
         except RecipeError as e:
-            typer.echo(f"{name:{width}s} INVALID {e}")
+            shipped.append({"name": name, "engine": None, "error": str(e), "path": str(path)})
+    skipped = engines.not_loaded()
+    if json_out:
+        typer.echo(json.dumps({
+            "engines": [{"name": n, "provider": engines.provider(n), "description": e.description}
+                        for n, e in found.items()],
+            "recipes": sorted(shipped, key=lambda r: r["name"]),
+            "not_loaded": [{"name": p.name, "provider": p.provider, "why": p.why, "error": p.error}
+                           for p in skipped],
+        }, indent=1))
+        return
+    width = max((len(n) for n in found), default=6)
+    pwidth = max((len(engines.provider(n)) for n in found), default=12)
+    typer.echo("engines:")
+    for name, eng in found.items():
+        typer.echo(f"  {name:{width}s}  {engines.provider(name):{pwidth}s}  {eng.description}")
+    width = max((len(r["name"]) for r in shipped), default=18)
+    typer.echo("recipes:")
+    for r in sorted(shipped, key=lambda r: r["name"]):
+        if r["engine"] is None:
+            typer.echo(f"  {r['name']:{width}s} INVALID {r['error']}")
+        else:
+            typer.echo(f"  {r['name']:{width}s} {r['engine']:6s} {r['description']}")
+    if skipped:
+        typer.echo("engine plugins not loaded:")
+    for p in skipped:
+        typer.echo(f"  {p.name} ({p.provider}): {p.why}: {p.error}")
 
 
 from ptops.ops.cli.supervise import register as _register_supervision  # noqa: E402

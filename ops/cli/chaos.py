@@ -14,11 +14,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from ptops.faultinject.chaos import default_recipes_help
 from ptops.ops.cli.errors import fail
 
 
 def chaos_cmd(
-    recipe: Annotated[list[str], typer.Option("--recipe", help="Recipe to run scenarios on (repeatable). Default: every shipped tiny recipe (titan-tiny, trl-sft-tiny, trl-dpo-tiny, trl-grpo-tiny).")] = [],
+    recipe: Annotated[list[str], typer.Option("--recipe", help="Recipe to run scenarios on (repeatable). " + default_recipes_help())] = [],
     scenario: Annotated[list[str], typer.Option("--scenario", help="RECIPE/KIND (titan-tiny/crash), KIND (every selected recipe) or a fault spec, e.g. titan-tiny/hang:rank=1,step=5 (repeatable). Default: the recipe's default matrix.")] = [],
     work_dir: Annotated[Optional[Path], typer.Option("--work-dir", help="Where the run directories go. Default: runs/chaos-<timestamp>.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout (progress still goes to stderr).")] = False,

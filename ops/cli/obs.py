@@ -56,6 +56,11 @@ def _first_line(text: str) -> str:
 
 # ---------------------------------------------------------------------- commands
 
+WANDB_HELP = ("Also export to Weights & Biases: per-step metrics, incidents (alerts and a table), checkpoints as "
+              "artifact references, every attempt in one W&B run. Offline by default: the files land in "
+              "RUN_DIR/wandb and `wandb sync RUN_DIR/wandb/offline-run-*` uploads them later; --wandb-project / "
+              "--wandb-entity log online (needs `wandb login` or WANDB_API_KEY; never prompts).")
+
 
 def cmd_alerts(
     runbook_base_url: Annotated[Optional[str], typer.Option("--runbook-base-url", help="Base URL of the runbooks in runbook_url annotations (default: $PTOPS_RUNBOOK_BASE_URL or a placeholder).")] = None,
@@ -144,11 +149,16 @@ def cmd_export(
     addr: Annotated[str, typer.Option("--addr", help="Address to bind (default loopback only).")] = "127.0.0.1",
     mlflow_uri: Annotated[Optional[str], typer.Option("--mlflow-uri", help="Also export to MLflow (default store: sqlite:///<runs root>/mlflow.db with --mlflow).")] = None,
     mlflow: Annotated[bool, typer.Option("--mlflow", help="Also export to MLflow at the default store.")] = False,
+    wandb: Annotated[bool, typer.Option("--wandb", help=WANDB_HELP)] = False,
+    wandb_project: Annotated[Optional[str], typer.Option("--wandb-project", help="W&B project (online; default project: the recipe's name).")] = None,
+    wandb_entity: Annotated[Optional[str], typer.Option("--wandb-entity", help="W&B entity (team or user; online).")] = None,
     once: Annotated[bool, typer.Option("--once", help="Read the run directory once, print the metrics and exit.")] = False,
 ) -> None:
-    """Export a run directory (live or finished) to Prometheus, and optionally MLflow, until Ctrl-C.
+    """Export a run directory (live or finished) to Prometheus, and optionally MLflow and W&B, until Ctrl-C.
 
-    Example:  ptops export runs/titan-tiny-20261130-101500 --port 9464
+    Examples:\n
+      ptops export runs/titan-tiny-20261130-101500 --port 9464\n
+      ptops export runs/titan-tiny-20261130-101500 --once --wandb   (offline; then: wandb sync RUN_DIR/wandb/offline-run-*)
     """
     from ptops.ops.obs.prometheus import PrometheusExporter
     from ptops.ops.runrecord.follow import follow, replay
@@ -163,11 +173,19 @@ def cmd_export(
 
         ml = MlflowExporter(run_dir, tracking_uri=mlflow_uri)
         sinks.append(ml)
+    wb = None
+    if wandb or wandb_project or wandb_entity:
+        from ptops.ops.obs.wandb_export import WandbExporter, mode_for
+
+        wb = WandbExporter(run_dir, wandb_project, wandb_entity, mode=mode_for(wandb_project, wandb_entity))
+        sinks.append(wb)
     if once:
         replay(run_dir, *sinks)
         typer.echo(exporter.text(), nl=False)
         if ml:
             ml.close(30)
+        if wb:
+            _close_wandb(wb, 60)
         return
     try:
         bound = exporter.serve(port, addr)
@@ -184,7 +202,19 @@ def cmd_export(
     follower.stop()
     if ml:
         ml.close(10)
+    if wb:
+        _close_wandb(wb, 30)
     exporter.close()
+
+
+def _close_wandb(wb, timeout: float) -> None:
+    ok = wb.close(timeout)
+    where = wb.run_dir / "wandb"
+    if ok:
+        typer.echo(f"ptops export: W&B run {wb.run_id} ({wb.mode}; files in {where})", err=True)
+    else:
+        typer.echo(f"ptops export: W&B export incomplete ({wb.dropped} records dropped, last error: "
+                   f"{wb.last_error})", err=True)
 
 
 def register(app: typer.Typer) -> None:

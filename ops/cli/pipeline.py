@@ -33,6 +33,11 @@ def pipeline_cmd(
     final checkpoints must still have the recorded digests), the stage that was running resumes from
     its own last good checkpoint.
 
+    Ctrl-C / SIGINT / SIGTERM (handled even when started with SIGINT ignored, e.g. under nohup): the
+    running stage is told once (it checkpoints and stops; a second signal stops it now), then exit 130.
+    If the pipeline is killed outright (SIGKILL), the kernel sends its running stage SIGTERM
+    (PR_SET_PDEATHSIG): the stage saves and stops, and a rerun resumes it.
+
     Exit 0: all stages completed; 1: a stage failed or a gate stopped it; 3: a stage said do not
     requeue (look first); 2: bad input; 130: interrupted.
 

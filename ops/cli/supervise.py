@@ -65,11 +65,11 @@ def inject_cmd(
 
     Example:  ptops inject runs/demo crash:rank=1,step=40
     """
-    from ptops.faultinject.spec import FaultSpecError, parse
+    from ptops.faultinject.spec import FaultSpecError, parse_live
     from ptops.ops.rank.channel import ChannelClient, read_info
 
     try:
-        parse(spec)
+        parse_live(spec)
     except FaultSpecError as e:
         fail(str(e))
     info_path = Path(run_dir) / "supervisor" / "channel.json"

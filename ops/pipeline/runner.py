@@ -10,6 +10,15 @@ same directory skips every stage whose recorded final checkpoint still has its r
 relaunches the stage that was running on its own run directory, which resumes from its last good
 checkpoint. A stage's input is re-verified (every file against its manifest) and re-digested right
 before it is used: a checkpoint that changed since its stage completed stops the pipeline.
+
+Signals: the pipeline handles SIGINT and SIGTERM itself, whatever it inherited (``nohup`` or a script's
+background job start it with SIGINT ignored). The stage runs in its own session, so a terminal's Ctrl-C
+reaches the pipeline only, which forwards each signal it gets to the stage's supervisor once (the first
+asks the ranks to save and stop; a second stops at once), waits for it, records ``pipeline_stopped`` and
+exits 130. A pipeline killed outright (SIGKILL, OOM killer) cannot forward: each stage process is started
+with ``PR_SET_PDEATHSIG=SIGTERM``, so the kernel sends the stage's supervisor the SIGTERM a scheduler
+would (save on request, ``stopped``, exit 143; its torchrun and ranks go with it); no stage runs on
+unseen, and rerunning the pipeline resumes that stage from its checkpoint.
 """
 
 from __future__ import annotations
@@ -88,6 +97,28 @@ def final_checkpoint(stage_dir: Path, steps: int) -> Path:
     return Path(good.path)
 
 
+PR_SET_PDEATHSIG = 1
+STAGE_DEATH_SIGNAL = signal.SIGTERM  # what a stage's supervisor gets when its pipeline dies unseen
+
+
+def _stop_with_parent(parent: int) -> Callable[[], None]:
+    """For ``preexec_fn`` (between fork and exec; tiny): the stage gets SIGTERM when the pipeline dies."""
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: a killed pipeline leaves its stage to the rerun's adoption
+        prctl = None
+
+    def setup() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(STAGE_DEATH_SIGNAL), 0, 0, 0)
+        if os.getppid() != parent:  # the pipeline died before prctl took effect
+            os.kill(os.getpid(), STAGE_DEATH_SIGNAL)
+
+    return setup
+
+
 def _short(d: str | None) -> str:
     return (d or "")[:12]
 
@@ -103,6 +134,7 @@ class PipelineRunner:
         self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
         self.lineage: Any = None
         self._child: subprocess.Popen | None = None
+        self._signals = 0  # SIGINT/SIGTERM received (each forwarded to the running stage)
 
     # ------------------------------------------------------------------ records
 
@@ -160,7 +192,7 @@ class PipelineRunner:
             lock = acquire(self.dir)
         except LockedError as e:
             raise PipelineError(str(e)) from None
-        old_term = signal.signal(signal.SIGTERM, self._on_term)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             attempt = 1 + sum(1 for e in self.record.read_events() if e.get("kind") == "pipeline_started")
             self._event("pipeline_started", attempt=attempt, pipeline=self.pipe.model.name, pid=os.getpid())
@@ -184,10 +216,26 @@ class PipelineRunner:
                 self.lineage.finish(state, None if outcome.code == 0 else outcome.message)
             return outcome
         finally:
-            signal.signal(signal.SIGTERM, old_term)
+            for s, h in old.items():
+                signal.signal(s, h)
             release(lock)
 
-    def _on_term(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        """SIGINT / SIGTERM, installed whatever the pipeline inherited (SIGINT may come in ignored). A
+        running stage gets the signal forwarded and is waited for (``_run_child``); else stop here."""
+        self._signals += 1
+        child = self._child
+        if child is not None and child.poll() is None:
+            try:
+                self.say(f"ptops pipeline: {signal.Signals(signum).name}: stopping the running stage"
+                         + (" now" if self._signals > 1 else " (it checkpoints first; again to stop now)"))
+            except RuntimeError:  # reentrant write: the signal came in the middle of another line
+                pass
+            try:
+                child.send_signal(signum)
+            except ProcessLookupError:
+                pass
+            return
         raise KeyboardInterrupt
 
     def _stages(self) -> Outcome:
@@ -325,15 +373,33 @@ class PipelineRunner:
         return data, None
 
     def _run_child(self, cmd: list[str], rec) -> tuple[int, str]:
-        self._child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        """A stage (or rejection sampling) in its own session, stopped by the kernel if the pipeline dies;
+        signals reach it through ``_on_signal``. Returns its exit code and stdout; a stop signal during it
+        raises KeyboardInterrupt once it has ended."""
+        seen = self._signals
+        child = self._child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                               preexec_fn=_stop_with_parent(os.getpid()))
+        bound = rec.supervisor.grace_s + rec.supervisor.kill_timeout_s + 30  # after a stop signal
+        chunks: list[str] = []
+        stop_at: float | None = None
         try:
-            out, _ = self._child.communicate()
-        except KeyboardInterrupt:
-            self._child.send_signal(signal.SIGINT)  # the supervisor checkpoints and stops its ranks
-            try:
-                self._child.communicate(timeout=rec.supervisor.grace_s + rec.supervisor.kill_timeout_s + 30)
-            except subprocess.TimeoutExpired:
-                self._child.kill()
-                self._child.communicate()
-            raise
-        return self._child.returncode, out or ""
+            while True:
+                try:
+                    out, _ = child.communicate(timeout=0.5)
+                    chunks.append(out or "")
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if self._signals > seen and stop_at is None:
+                    stop_at = time.monotonic() + bound
+                if stop_at is not None and time.monotonic() > stop_at:
+                    self.say(f"ptops pipeline: the stage did not stop within {bound:g} s; killing it")
+                    child.kill()
+        finally:
+            if child.poll() is None:  # an error here: never leave the stage behind
+                child.kill()
+                child.wait()
+            self._child = None
+        if self._signals > seen:
+            raise KeyboardInterrupt
+        return child.returncode, "".join(chunks)

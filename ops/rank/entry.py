@@ -71,27 +71,6 @@ def _stack_file(path: Path) -> None:
     _stack_file.keep = f  # type: ignore[attr-defined]  # keep the file open for the process' life
 
 
-TEST_WORLD_OF_ONE = "PTOPS_TEST_WORLD_OF_ONE"
-
-
-def _test_world_of_one(rank: int) -> None:
-    """Test hook: ``PTOPS_TEST_WORLD_OF_ONE=R`` makes rank R init its process group alone (its own
-    store on a free port, world size 1), as a rank whose rendezvous endpoint fell back to localhost
-    does. The supervisor must stop such an attempt (``misconfigured``) instead of training twice."""
-    want = os.environ.get(TEST_WORLD_OF_ONE)
-    if want is None or want == "" or int(want) != rank:
-        return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    print(f"[ptops.entry] test hook {TEST_WORLD_OF_ONE}: rank {rank} forms a world of one", file=sys.stderr, flush=True)
-
-
 def main() -> None:
     die_with_parent()
     from ptops.ops.rank import warm
@@ -124,8 +103,8 @@ def run_rank() -> None:
     recipe = from_json(run.recipe_json.read_text())
     probe = Probe.from_env()
     try:
-        probe.startup("import")  # what follows is the engine's import (torch, torchtitan, transformers)
-        _test_world_of_one(rank)
+        # what follows is the engine's import (torch, torchtitan, transformers); misrendezvous acts here
+        probe.startup("import")
         from ptops.recipes.engines import entry_point
 
         entry_point(recipe.engine)(recipe, probe)

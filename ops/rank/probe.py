@@ -233,6 +233,16 @@ class Probe:
         committed (``crash:phase=save`` fires here: the save can then never complete)."""
         self.injector.in_save(int(step))
 
+    def before_commit(self, step: int) -> None:
+        """Called by the adapter when this rank's files of the save of ``step`` are written and its
+        commit comes next (an async save: on its commit thread). ``slow-save`` waits here."""
+        self.injector.before_commit(int(step))
+
+    def save_skipped(self, step: int) -> None:
+        """The adapter skipped the save of ``step`` because the previous one was still writing
+        (every rank alike); it ends a ``slow-save:until=skipped``."""
+        self.injector.on_skip(int(step))
+
     def step(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Record one finished optimizer step. Missing required keys are filled with None."""
         now = time.monotonic()

@@ -2,12 +2,17 @@
 
 Why: after a crash, most of the time back to training is start-up: every new rank imports torch and the
 engine (TorchTitan: 10-20 s on an idle 2-core box, 30+ s when busy). The supervisor starts this *warm pool*
-once per run (``[supervisor.restart] warm_spare = true``), after the first attempt is training; it imports
+once per run (``[supervisor.restart] warm_spare = true``), alongside the first attempt's ranks; it imports
 the engine and waits. A rank that torchrun starts (``ops/rank/entry.py``) hands itself over: it sends its
 environment, argv, working directory and stdin/stdout/stderr to the pool, the pool forks a child that
 already has the engine imported and runs the rank there, and the thin rank that torchrun watches mirrors
 that child: signals it receives are forwarded, and it exits with the child's status (a SIGKILLed child
 makes it SIGKILL itself, so torchrun and the supervisor see what they would have seen).
+
+A restart that comes while the pool is still importing waits for it (``ops/supervisor/warmpool.py``) rather
+than starting cold: a cold start would import the same modules from nothing while competing with the pool for
+the same cores (issue 27: on 2 busy cores the pool needed ~30 s after the first step; a crash 8 s in went cold
+and was no faster than the first start). A connection that sends nothing is the supervisor's readiness probe.
 
 No orphans: the pool dies with the supervisor (``PR_SET_PDEATHSIG``, and the supervisor kills it at the
 end); each child dies with the pool (``PR_SET_PDEATHSIG``) and with its thin rank (a pidfd watch); the
@@ -29,6 +34,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import Any
 
 ENV_SOCKET = "PTOPS_WARM_SOCKET"
@@ -103,6 +109,11 @@ def handoff() -> None:
 
 
 # ----------------------------------------------------------------------------- the pool
+def say(msg: str) -> None:
+    """One line of ``supervisor/warm.log``, stamped: its order against the run's events must be readable."""
+    print(f"[ptops.warm] {time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
 def preload(engine: str) -> None:
     """Import what every rank of ``engine`` imports (torch, the engine and its ptops adapter)."""
     import importlib
@@ -158,6 +169,7 @@ def serve(name: str, engine: str, target: Any = None) -> None:
     ``target`` (tests): what a child runs instead of the rank (``entry.run_rank``)."""
     from ptops.ops.rank.entry import die_with_parent
 
+    t0 = time.monotonic()
     die_with_parent()  # the supervisor
     if target is None:
         # torch.cuda.is_available() (TorchTitan calls it at import) would otherwise initialise the CUDA
@@ -166,12 +178,12 @@ def serve(name: str, engine: str, target: Any = None) -> None:
         preload(engine)
         why = cuda_fork_problem()
         if why:
-            print(f"[ptops.warm] no warm pool: {why}; restarts start through torchrun", flush=True)
+            say(f"no warm pool: {why}; restarts start through torchrun")
             return
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind("\0" + name)
     srv.listen(64)
-    print(f"[ptops.warm] pool {os.getpid()} ready ({engine})", flush=True)
+    say(f"pool {os.getpid()} ready ({engine}) after {time.monotonic() - t0:.1f} s")
     waiting: dict[int, socket.socket] = {}  # child pid -> its requester's connection
     exits: dict[int, int] = {}  # pidfd -> child pid: a child's exit is reported the moment it happens
     while True:
@@ -181,9 +193,12 @@ def serve(name: str, engine: str, target: Any = None) -> None:
             try:
                 child = _start(srv, conn, target)
             except Exception as e:  # noqa: BLE001 - a bad request must not end the pool
-                print(f"[ptops.warm] request failed: {type(e).__name__}: {e}", flush=True)
+                say(f"request failed: {type(e).__name__}: {e}")
                 conn.close()
             else:
+                if child is None:  # a readiness probe
+                    conn.close()
+                    continue
                 waiting[child] = conn
                 try:
                     exits[os.pidfd_open(child)] = child
@@ -218,8 +233,11 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return out
 
 
-def _start(srv: socket.socket, conn: socket.socket, target: Any = None) -> int:
+def _start(srv: socket.socket, conn: socket.socket, target: Any = None) -> int | None:
+    """Fork the child a request asks for; None for a readiness probe (a connection closed unsaid)."""
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    if not head and not fds:
+        return None
     if len(head) != 8 or len(fds) != 3:
         raise ValueError("bad handoff header")
     req = json.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]))

@@ -119,8 +119,12 @@ K = EventKind
 _RANK = ("rank", "attempt")  # the probe stamps every rank-side event with these
 
 SPECS: dict[EventKind, EventSpec] = {
-    K.LAUNCH: EventSpec(("attempt",), ("supervised", "nproc", "from_step", "supervisor_pid", "faults"),
-                        state=RunState.RUNNING, doc="an attempt's ranks were started"),
+    K.LAUNCH: EventSpec(("attempt",), ("supervised", "nproc", "from_step", "supervisor_pid", "faults",
+                                       "ranks_from", "warm_pool", "warm_wait_s", "cold_why", "cold_detail"),
+                        state=RunState.RUNNING,
+                        doc="an attempt's ranks were started; ranks_from: \"warm\" (forked from the run's warm "
+                        "pool, after warm_wait_s waiting for its import) or \"cold\" (torchrun; cold_why: "
+                        "no_pool, pool_not_started, pool_exited, pool_not_ready, pool_declined, stopping)"),
     K.CHECKPOINT: EventSpec(("step", "path", "blocking_s", "total_s"),
                             ("mode", "prep_s", "state_dict_s", "call_s", "wait_s", "qkv_split", *_RANK),
                             doc="a checkpoint was committed (sent by rank 0 after its commit)"),

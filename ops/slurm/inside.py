@@ -74,6 +74,7 @@ class SlurmSupervisor(Supervisor):
         self.stop_extra: dict = {}
         self.findings.exclude_node = self._exclude_straggler
         self.warm = None  # the ranks run on other nodes, started by their node agents (no warm pool there yet)
+        self.no_warm_why = "no warm pool under Slurm: each node agent starts its ranks through torchrun"
 
     # ------------------------------------------------------------ the attempt as an srun step
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:

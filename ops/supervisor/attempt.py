@@ -67,6 +67,8 @@ class AttemptMixin:
         ):
             if key not in os.environ:
                 extra[key] = value
+        # attempt_command may say warm
+        self.ranks_from = {"ranks_from": "cold", "cold_why": "no_pool", "cold_detail": self.no_warm_why}
         cmd = self.attempt_command(attempt, extra)
         from_step = (self.good or {}).get("step", 0)
         self.step = from_step  # the engine resumes there; steps after it are redone
@@ -78,6 +80,8 @@ class AttemptMixin:
             from_step=from_step,
             supervisor_pid=os.getpid(),
             faults=[str(f) for f in self.faults if f.attempt in (0, attempt)],
+            warm_pool=self.warm is not None,
+            **self.ranks_from,
             **self.launch_fields(attempt),
         )
         t0 = time.monotonic()
@@ -89,14 +93,14 @@ class AttemptMixin:
         )
         self.state = RunState.STARTING
         self.proc = procs.spawn(cmd.argv, cmd.env, self.run.logs(attempt) / "torchrun.log")
+        if self.warm is not None and self.warm.wanted:
+            self.warm.start()  # imports alongside this attempt's ranks: ready for a crash soon after they train
         self.write_status(force=True)
         bad_since: float | None = None
         next_check = 0.0
         try:
             while True:
                 self.pump(CHECK_S)
-                if self.warm is not None and not self.warm.started and self.step > from_step:
-                    self.warm.start()  # the first attempt trains: warm the spares for a restart
                 if self.stop_signal is not None:
                     self.graceful_stop()
                     return Outcome("interrupted", f"signal {self.stop_signal}")
@@ -155,7 +159,11 @@ class AttemptMixin:
         """The process that runs one attempt's ranks: local torchrun here, or the warm pool's launcher once the
         pool is up (a restart); ``srun`` + node agents in Slurm."""
         cmd = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
-        if self.warm is not None and self.warm.started:
+        if self.warm is None:
+            return cmd
+        # a pool still importing is waited for: a cold start would compete with it for the same cores
+        self.ranks_from = self.warm.source(self.cfg.hang.import_s, lambda: self.stop_signal is not None)
+        if self.ranks_from["ranks_from"] == "warm":
             return self.warm.launch_command(cmd, self.recipe.launch.nproc)
         return cmd
 

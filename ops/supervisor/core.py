@@ -107,6 +107,10 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         # warm spare ranks for restarts (a plain launch never restarts: no pool)
         wanted = self.cfg.restart.warm_pool_wanted(recipe.launch.nproc, os.cpu_count())
         self.warm = WarmPool(recipe, run) if wanted and self.supervised else None
+        self.no_warm_why = (  # the launch event's cold_detail when there is no pool
+            "" if self.warm is not None else "a plain launch never restarts" if not self.supervised
+            else f"warm_spare={self.cfg.restart.warm_spare!r} ({os.cpu_count()} cores, launch.nproc "
+            f"{recipe.launch.nproc}; auto wants 2 x nproc + 2)")
 
     @property
     def supervised(self) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
-from ptops.faultinject.spec import parse as parse_fault
+from ptops.faultinject.spec import parse_live as parse_fault
 from ptops.ops.runrecord.events import RANK_KINDS, EventKind, RunState
 from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
 from ptops.ops.supervisor.channel import Peer

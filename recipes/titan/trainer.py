@@ -242,7 +242,6 @@ class ProbeCheckpointManager(CheckpointManager):
         self.skipped: list[int] = []  # interval saves skipped because the previous one was still writing
         self._verifier = _verifier()
         self._stage_lock = threading.Lock()
-        self._skip_seen = threading.Event()
         super().__init__(config, **kwargs)
         if self.enable and _dist_on():
             # our own small gloo group: agreement all-reduces never interleave with
@@ -401,6 +400,8 @@ class ProbeCheckpointManager(CheckpointManager):
                 fut = self.save_future
                 fut.add_done_callback(lambda f, rec=rec: self._async_done(rec, f))
                 return True
+            if probe is not None and err is None:
+                probe.before_commit(curr_step)  # slow-save: a sync save blocks for it
             if not txn.commit(err):
                 return self._failed(rec, txn.error)
             self._committed(rec)
@@ -415,8 +416,12 @@ class ProbeCheckpointManager(CheckpointManager):
         def finish() -> None:
             if rec.staged is not None:  # blocking_s is final once the staging copy is done
                 rec.staged.wait(60.0)
-            if _test_hold_first_commit() and rec is next((r for r in self.records if r.is_async), None):
-                self._skip_seen.wait(120.0)  # test hook: the first async save is "still writing" until a skip
+            probe = get_probe()
+            if probe is not None and exc is None:
+                try:
+                    probe.before_commit(rec.step)  # slow-save: this save stays "writing" meanwhile
+                except Exception as e:  # noqa: BLE001 - a fault hook never costs the commit
+                    _log(f"before_commit hook failed: {_err_text(e)}")
             try:
                 if rec.txn.commit(exc, collective=False):
                     self._committed(rec)
@@ -556,7 +561,8 @@ class ProbeCheckpointManager(CheckpointManager):
         if not any_busy or any_waits:
             return False
         self.skipped.append(int(step))
-        self._skip_seen.set()
+        if probe is not None:
+            probe.save_skipped(int(step))  # ends a slow-save:until=skipped of the save still writing
         _log(f"checkpoint step-{step} skipped: step-{rec.step if rec else '?'} is still being written")
         if probe is not None and _rank() == 0:
             probe.event("checkpoint_skipped", step=int(step), writing_step=rec.step if rec else None,
@@ -628,12 +634,6 @@ def _verifier() -> Any:
             probe.event("checkpoint_invalid", path=str(path), reason=reason, step=step, found_by="background_verify")
 
     return BackgroundVerifier(report)
-
-
-# tests only: the first async save's commit waits until a later interval save was skipped (a save that is
-# deterministically "still writing" when the next interval comes; see tests/test_ckpt_e2e.py)
-def _test_hold_first_commit() -> bool:
-    return bool(os.environ.get("PTOPS_TEST_HOLD_FIRST_COMMIT"))  # read late: a warm rank's env is set after import
 
 
 def _fault_waits_for_save(probe: Any, step: int) -> bool:

@@ -178,6 +178,8 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
             except Exception as e:  # noqa: BLE001 - OSError, torch.save's RuntimeError, safetensors errors
                 err = e
                 _log(f"checkpoint-{step}: save failed on this rank: {type(e).__name__}: {e}")
+            if err is None:
+                probe.before_commit(step)  # slow-save: the commit waits (a sync save blocks training)
             txn.commit(err)
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
