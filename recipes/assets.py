@@ -251,13 +251,15 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
 
 
 def _adopted(path: Path, check: Callable[[Path], None]) -> bool:
-    """An entry of an older ptops (bare marker) is kept when it passes today's check (a poisoned one does not)."""
+    """An entry of an older ptops (bare marker) is kept when it passes today's check (a poisoned one
+    does not)."""
     try:
         check(path)
     except Exception:  # noqa: BLE001 - any load error: not adopted (quarantined by the caller)
         return False
     _mark_complete(path)
-    print(f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept", file=sys.stderr, flush=True)
+    print(f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept", file=sys.stderr,
+          flush=True)
     return True
 
 
@@ -284,7 +286,8 @@ def _check_tokenizer(path: Path) -> None:
 
 def tokenizer_dir(vocab_size: int = 512) -> Path:
     """A folder with ``tokenizer.json`` (+ HF config and chat template) for ``vocab_size``."""
-    return build_once(f"tokenizer-{vocab_size}", lambda out: _train_tokenizer(vocab_size, out), _check_tokenizer)
+    return build_once(f"tokenizer-{vocab_size}", lambda out: _train_tokenizer(vocab_size, out),
+                      _check_tokenizer)
 
 
 def digest_dir(path: Path) -> str:

@@ -55,9 +55,11 @@ def _entries(cache: Path) -> list[Path]:
 
 
 def test_the_tiny_list_is_what_ptops_recipes_lists():
-    out = subprocess.run([str(BIN / "ptops"), "recipes"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run([str(BIN / "ptops"), "recipes"], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
     assert out.returncode == 0, out.stderr
-    listed = [line.split()[0] for line in out.stdout.splitlines() if line.split() and "-tiny" in line.split()[0]]
+    names = [line.split()[0] for line in out.stdout.splitlines() if line.split()]
+    listed = [n for n in names if "-tiny" in n]
     assert listed == TINY and "trl-gkd-tiny" in TINY and "titan-tiny" in TINY, (listed, TINY)
     assert sorted(TINY) == sorted([*BUILDS, *FULL]), "a new tiny recipe: put it in BUILDS or FULL"
 
@@ -74,12 +76,13 @@ def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
     env.pop("PTOPS_RANK_LOGS", None)
     t0, cpu0 = time.monotonic(), _children_cpu()
     proc = subprocess.run([str(BIN / "ptops"), "launch", recipe, "--run-dir", str(run_dir),
-                           "--set", f"train.steps={STEPS}"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "--set", f"train.steps={STEPS}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
     took, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}"
                      for p in sorted((run_dir / "logs" / "attempt-1").glob("rank-*.log")))
-    assert proc.returncode == 0, f"{recipe}: exit {proc.returncode} after {took:.0f} s\n{proc.stderr[-2000:]}\n{logs}"
+    assert proc.returncode == 0, (f"{recipe}: exit {proc.returncode} after {took:.0f} s\n"
+                                  f"{proc.stderr[-2000:]}\n{logs}")
     done = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "completed"]
     assert [e.get("step") for e in done] == [STEPS], done
     from ptops.recipes.assets import untrusted
@@ -170,7 +173,8 @@ def test_entry_of_an_older_ptops_is_kept_only_if_it_loads(cache):
 
 
 def test_entry_changed_after_its_check_is_not_trusted(cache):
-    """A manifest-marked entry that lost a file, or whose weights changed, is rebuilt; a good one is reused."""
+    """A manifest-marked entry that lost a file, or whose weights changed, is rebuilt; a good one is
+    reused."""
     from ptops.recipes.assets import tokenizer_dir, untrusted
     from ptops.recipes.trl.model import model_dir
 
