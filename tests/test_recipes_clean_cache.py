@@ -216,3 +216,25 @@ def test_a_dead_builders_temporary_folder_is_swept(cache):
     stale.mkdir(parents=True)
     (stale / "tokenizer.json").write_text("{}")
     assert untrusted(tokenizer_dir()) is None and not stale.exists()
+
+
+def test_the_model_check_refuses_a_missing_weight(cache, tmp_path):
+    """Loading is the check: a weight file short of one tensor loads with transformers' fresh init, and
+    the check refuses it (a half-written model is not complete)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ptops.recipes.assets import AssetError
+    from ptops.recipes.trl.model import _check, model_dir
+
+    entry = model_dir(_tiny(), seed=3)
+    copy = tmp_path / "copy"
+    shutil.copytree(entry, copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    gone = next(k for k in sorted(tensors) if "mlp.up_proj" in k)
+    del tensors[gone]
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(AssetError, match=f"missing \\['{gone}'\\]"):
+        _check(copy)
+    _check(entry)

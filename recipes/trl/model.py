@@ -92,8 +92,7 @@ def _check(path: Path) -> None:
 
 
 def _tied(model) -> set[str]:
-    keys = getattr(model, "_tied_weights_keys", None) or {}
-    return set(keys) if not isinstance(keys, dict) else set(keys)
+    return set(getattr(model, "_tied_weights_keys", None) or ())  # a list, or a dict keyed by the tied name
 
 
 def _load(path: Path, dtype: str, **kw):
