@@ -1,20 +1,29 @@
 """Tiny local assets: a BPE tokenizer and text / chat / preference / prompt data sets.
 
 Nothing is downloaded: everything is generated from a seed and cached under
-``$PTOPS_CACHE`` (default ``~/.cache/ptops``), built in a temporary folder and
-renamed into place so that ranks building at the same moment never see half a
-tokenizer. The arithmetic prompts double as GRPO's verifiable reward source.
+``$PTOPS_CACHE`` (default ``~/.cache/ptops``). Every cached asset goes through
+:func:`build_once`: one process builds (a file lock that the other ranks and runs wait
+on), into a temporary folder; the asset must pass its own check (it loads) before a
+manifest marks it complete and a rename publishes it; an entry that does not match its
+manifest is quarantined and rebuilt. The arithmetic prompts double as GRPO's
+verifiable reward source.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 import tempfile
+import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 ASSETS_VERSION = 1
 WORDS = (
@@ -124,31 +133,161 @@ def _train_tokenizer(vocab_size: int, out: Path) -> None:
     )
 
 
-def _build_once(name: str, builder) -> Path:
-    """Build ``name`` under the cache once; concurrent callers race safely via rename."""
+class AssetError(RuntimeError):
+    """An asset that fails its own check: a fresh build (never marked complete) or a cache entry."""
+
+
+MARKER = ".complete"
+QUARANTINE = ".quarantine"
+LEGACY = f"{MARKER} is not a manifest (marked complete without a check)"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(path: Path) -> dict:
+    files = {str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(path.rglob("*")) if p.is_file() and p.name != MARKER}
+    return {"assets_version": ASSETS_VERSION, "files": files}
+
+
+def untrusted(path: Path) -> str | None:
+    """Why the entry at ``path`` cannot be used as is (None: usable). The marker is a manifest written
+    only after the asset passed its check, so bytes that match it are the bytes that loaded; a bare
+    marker (written before assets checked themselves, e.g. by a rank that saved no weights) is not."""
+    if not path.exists():
+        return "missing"
+    try:
+        manifest = json.loads((path / MARKER).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return f"no {MARKER} marker (an unfinished build)"
+    except (ValueError, KeyError, TypeError):
+        return LEGACY
+    if not files:
+        return f"{MARKER} names no files"
+    for rel, want in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != want["size"] or _sha256(f) != want["sha256"]:
+            return f"{rel} differs from its manifest"
+    return None
+
+
+def quarantine(path: Path, reason: str) -> Path:
+    """Move a bad entry aside (kept for a look, never loaded) so that it is rebuilt."""
+    qdir = path.parent / QUARANTINE
+    qdir.mkdir(parents=True, exist_ok=True)
+    dest = qdir / f"{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    os.rename(path, dest)
+    (dest / "QUARANTINED").write_text(reason + "\n")
+    print(f"[ptops.assets] quarantined {path} -> {dest}: {reason}; rebuilding", file=sys.stderr, flush=True)
+    return dest
+
+
+@contextmanager
+def _build_lock(root: Path, name: str):
+    """One builder per asset and cache: an exclusive ``flock`` that others (ranks, runs) wait on; the
+    kernel drops it when its holder dies. Where the file system has no locks, the check before the
+    rename still keeps incomplete entries out."""
+    locks = root / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # e.g. ENOLCK on some network file systems
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path], None]) -> Path:
+    """The cache entry ``name``: used when it matches its manifest, else built by one process while the
+    others wait. ``builder(tmp)`` writes into a temporary folder, ``check(tmp)`` must load it (raise on
+    anything missing), then the manifest marks it complete and one rename publishes it. An entry that
+    does not match its manifest is quarantined and rebuilt, never trusted; one of an older ptops (a bare
+    marker) is kept only if it passes the check."""
     root = cache_root() / f"v{ASSETS_VERSION}"
     final = root / name
-    if (final / ".complete").exists():
+    if untrusted(final) is None:
         return final
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    try:
-        builder(tmp)
-        (tmp / ".complete").write_text("ok\n")
+    with _build_lock(root, name):
+        reason = untrusted(final)
+        if reason is None:
+            return final  # built by the holder we waited for
+        if reason == LEGACY and _adopted(final, check):
+            return final
+        if final.exists():
+            quarantine(final, reason)
+        for stale in root.glob(f".{name}-{'?' * 8}"):  # mkdtemp folders of builders that died (we hold
+            shutil.rmtree(stale, ignore_errors=True)     # the lock: nobody else builds this name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / ".complete").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            builder(tmp)
+            try:
+                check(tmp)
+            except Exception as e:  # noqa: BLE001 - any load error means incomplete
+                raise AssetError(f"asset {name}: the fresh build fails its check, not cached: "
+                                 f"{type(e).__name__}: {e}") from e
+            _mark_complete(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if untrusted(final) is not None:  # only without a working lock can another have won
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _adopted(path: Path, check: Callable[[Path], None]) -> bool:
+    """An entry of an older ptops (bare marker) is kept when it passes today's check (a poisoned one
+    does not)."""
+    try:
+        check(path)
+    except Exception:  # noqa: BLE001 - any load error: not adopted (quarantined by the caller)
+        return False
+    _mark_complete(path)
+    print(f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept", file=sys.stderr,
+          flush=True)
+    return True
+
+
+def _mark_complete(path: Path) -> None:
+    marker = path / (MARKER + ".tmp")
+    marker.write_text(json.dumps(_manifest(path), indent=1))
+    os.rename(marker, path / MARKER)
+
+
+def _check_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        raise AssetError(f"special tokens {missing} are not in the vocabulary")
+    if tok.decode(tok.encode("one plus two is 3.").ids) != "one plus two is 3.":
+        raise AssetError("the tokenizer does not round-trip a sentence")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    if config.get("chat_template") != CHAT_TEMPLATE:
+        raise AssetError("tokenizer_config.json has no (or another) chat template")
+    json.loads((path / "special_tokens_map.json").read_text())
 
 
 def tokenizer_dir(vocab_size: int = 512) -> Path:
     """A folder with ``tokenizer.json`` (+ HF config and chat template) for ``vocab_size``."""
-    return _build_once(f"tokenizer-{vocab_size}", lambda out: _train_tokenizer(vocab_size, out))
+    return build_once(f"tokenizer-{vocab_size}", lambda out: _train_tokenizer(vocab_size, out),
+                      _check_tokenizer)
 
 
 def digest_dir(path: Path) -> str:

@@ -1,9 +1,9 @@
 """The tiny Qwen2-style causal LM that TRL recipes train on CPU.
 
 Built deterministically from a seed and the local tokenizer, saved with
-``save_pretrained`` into the ptops asset cache (build-once, atomic rename, so
-ranks that race never see half a model) and loaded with ``from_pretrained``
-offline. The same folder serves as DPO's reference model.
+``save_pretrained`` into the ptops asset cache (``assets.build_once``: one builder,
+checked by loading it before it is marked complete) and loaded with
+``from_pretrained`` offline. The same folder serves as DPO's reference model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ptops.recipes.assets import _build_once, tokenizer_dir
+from ptops.recipes.assets import AssetError, build_once, tokenizer_dir
 from ptops.recipes.trl.config import TrlModel
 
 
@@ -51,7 +51,11 @@ def _build(dims: TrlModel, seed: int, out: Path) -> None:
     model.generation_config = GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
     )
-    model.save_pretrained(str(out), safe_serialization=True)
+    # Once a process group exists, transformers writes weights and config.json on global rank 0 only;
+    # this process holds the asset's build lock (rank 1, or local rank 0 of another node, may be the
+    # builder), so it is the process that saves.
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    model.save_pretrained(str(out), safe_serialization=True, is_main_process=True)
     AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
     # keep the chat template exactly as the tokenizer asset has it
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -64,13 +68,41 @@ def _build(dims: TrlModel, seed: int, out: Path) -> None:
 def model_dir(dims: TrlModel, seed: int = 0) -> Path:
     """Folder with a ``from_pretrained``-loadable tiny Qwen2 model and its tokenizer."""
     name = f"trl-qwen2-h{dims.hidden_size}-l{dims.num_layers}-a{dims.num_heads}-v{dims.vocab_size}-s{seed}"
-    return _build_once(name, lambda out: _build(dims, seed, out))
+    return build_once(name, lambda out: _rng_kept(_build, dims, seed, out),
+                      lambda out: _rng_kept(_check, out))
+
+
+def _rng_kept(fn, *args) -> None:
+    """Building seeds torch: the caller's RNG must not depend on whether the cache was empty (a judge
+    built on a fresh cache moved the training RNG; a warm cache did not)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        fn(*args)
+
+
+def _check(path: Path) -> None:
+    """Complete means it loads: config (with its model_type), every weight, the tokenizer."""
+    model, info = _load(path, "float32", output_loading_info=True)
+    missing = [k for k in info.get("missing_keys") or () if k not in _tied(model)]
+    if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
+        raise AssetError(f"{path}: weights do not match the model (missing {missing[:3]}, "
+                         f"unexpected {list(info.get('unexpected_keys') or ())[:3]})")
+    load_tokenizer(path)
+
+
+def _tied(model) -> set[str]:
+    return set(getattr(model, "_tied_weights_keys", None) or ())  # a list, or a dict keyed by the tied name
+
+
+def _load(path: Path, dtype: str, **kw):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, **kw)
 
 
 def load_model(path: Path, dtype: str = "float32"):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    return _load(path, dtype)
 
 
 def load_tokenizer(path: Path):
