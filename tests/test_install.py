@@ -35,16 +35,28 @@ def _torch_identity(py: Path) -> dict:
     return json.loads(subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
+def _source(dest: Path) -> Path:
+    """This checkout's files as a user's source tree: pip builds a local directory in place (``build/``), which
+    must not land in the repository the other tests scan."""
+    import shutil
+
+    skip = {".git", "build", "runs", "__pycache__"}
+    shutil.copytree(REPO, dest, ignore=lambda d, names: [n for n in names if n in skip or n.startswith(".venv")
+                                                         or n.endswith(".egg-info")])
+    return dest
+
+
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
     """A venv that already holds torch 2.14.1, then ptops[trl] installed into it."""
     root = tmp_path_factory.mktemp("image")
+    src = _source(root / "ptops-src")
     subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True)
     py = root / "venv" / "bin" / "python"
     got = _pip(py, "install", "-q", "--no-compile", f"torch=={NEWER_TORCH}")  # no .pyc: minutes on 2 cores
     assert got.returncode == 0, got.stdout + got.stderr
     before = _torch_identity(py)
-    got = _pip(py, "install", "-q", "--no-compile", f"{REPO}[trl]")
+    got = _pip(py, "install", "-q", "--no-compile", f"{src}[trl]")
     assert got.returncode == 0, got.stdout + got.stderr
     return py, before
 
@@ -83,7 +95,8 @@ def test_resolver_keeps_an_older_torch_for_the_trl_extra(tmp_path):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
     (info / "INSTALLER").write_text("pip\n")
     (info / "RECORD").write_text("")
-    got = _pip(py, "install", "--dry-run", "--quiet", "--report", "-", f"{REPO}[trl]")
+    src = _source(tmp_path / "ptops-src")
+    got = _pip(py, "install", "--dry-run", "--quiet", "--report", "-", f"{src}[trl]")
     assert got.returncode == 0, got.stderr[-3000:]
     wanted = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(got.stdout)["install"]}
     assert "trl" in wanted and "transformers" in wanted  # the extra did resolve
