@@ -211,9 +211,11 @@ def main() -> int:
         return 0
     log_dir = REPO / "build" / "matrix"  # logs and junit files (not committed)
     log_dir.mkdir(parents=True, exist_ok=True)
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for end in ends:
-        results[end] = run_end(end, log_dir)
+        result = run_end(end, log_dir)
+        (log_dir / f"matrix-{end}.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # the other end may have run meanwhile
+        results[end] = result
         results["declared_lower_bounds"] = lower_bounds()
         RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(table(results))
