@@ -34,7 +34,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from ptops.ops.runrecord.events import END_KINDS, SUMMARY_KINDS, EventKind, reduce, spec
+from ptops.ops.obs.queued import FINALIZE as _FINALIZE
+from ptops.ops.obs.queued import STOP as _STOP
+from ptops.ops.obs.queued import QueuedExporter
+from ptops.ops.runrecord.events import SUMMARY_KINDS, EventKind, reduce, spec
 from ptops.ops.runrecord.jsonl import read_jsonl
 
 log = logging.getLogger("ptops.exporters.mlflow")
@@ -43,8 +46,6 @@ log = logging.getLogger("ptops.exporters.mlflow")
 TERMINAL = {EventKind.COMPLETED: "FINISHED", EventKind.FAILED: "FAILED", EventKind.STOPPED: "KILLED"}
 SKIP_METRIC_KEYS = {"step", "rank", "attempt", "ts"}
 MAX_BATCH_METRICS = 1000  # MLflow log_batch limit
-_STOP = object()
-_FINALIZE = object()
 
 
 def _quiet_third_party_loggers() -> None:
@@ -88,7 +89,7 @@ def _metric_key(k: str) -> str:
     return "".join(c if (c.isalnum() or c in "_-./ ") else "_" for c in str(k))[:250]
 
 
-class MlflowExporter:
+class MlflowExporter(QueuedExporter):
     def __init__(
         self,
         run_dir: str | Path,
@@ -102,60 +103,12 @@ class MlflowExporter:
         self.tracking_uri = tracking_uri or default_tracking_uri(self.run_dir)
         self.experiment = experiment
         self.flush_interval_s = flush_interval_s
-        self.dropped = 0
         self.logged_metrics = 0
-        self.errors = 0
-        self.last_error: str | None = None
         self.run_id: str | None = None
-        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._closed = False
         self._event_counts: dict[str, int] = {}
         self._finalized = False
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="ptops-mlflow", daemon=True)
-        self._thread.start()
-
-    # ------------------------------------------------------------------ caller side (never blocks)
-
-    def _put(self, item: Any) -> bool:
-        try:
-            self._q.put_nowait(item)
-            return True
-        except queue.Full:
-            self.dropped += 1
-            return False
-
-    def observe_metric(self, record: Mapping[str, Any]) -> None:
-        if self._closed:
-            return
-        try:
-            if int(record.get("rank", 0) or 0) != 0:
-                return
-        except (TypeError, ValueError):
-            return
-        self._put(("metric", dict(record)))
-
-    def observe_event(self, event: Mapping[str, Any]) -> None:
-        if self._closed:
-            return
-        self._put(("event", dict(event)))
-        if event.get("kind") in END_KINDS:
-            self._put(_FINALIZE)
-
-    def close(self, timeout: float = 10.0) -> bool:
-        """Flush and stop within ``timeout`` seconds; True when everything queued was written."""
-        if not self._closed:
-            self._closed = True
-            deadline = time.monotonic() + timeout
-            while True:  # the stop marker must get in even if the queue is full
-                try:
-                    self._q.put(_STOP, timeout=0.05)
-                    break
-                except queue.Full:
-                    if time.monotonic() > deadline:
-                        break
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        return not self._thread.is_alive() and self.errors == 0
+        super().__init__(queue_size, "ptops-mlflow")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """True once the MLflow run exists (the background thread connected)."""

@@ -33,21 +33,20 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import re
-import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ptops.ops.obs.mlflow_export import SKIP_METRIC_KEYS, _num, incident_summary
-from ptops.ops.runrecord.events import END_KINDS, EventKind, spec
+from ptops.ops.obs.queued import FINALIZE as _FINALIZE
+from ptops.ops.obs.queued import STOP as _STOP
+from ptops.ops.obs.queued import QueuedExporter
+from ptops.ops.runrecord.events import EventKind, spec
 from ptops.ops.runrecord.jsonl import read_jsonl
 
 log = logging.getLogger("ptops.exporters.wandb")
 
-_STOP = object()
-_FINALIZE = object()
 # kinds that raise an alert besides incidents and findings (EventSpec.severity / .finding)
 ALERT_KINDS = {EventKind.RESTART, EventKind.ROLLBACK}
 INCIDENT_COLUMNS = ["time_utc", "ts", "attempt", "kind", "step", "rank", "severity", "detail"]
@@ -75,7 +74,9 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-class WandbExporter:
+class WandbExporter(QueuedExporter):
+    close_timeout_s = 30.0
+
     def __init__(
         self,
         run_dir: str | Path,
@@ -93,58 +94,10 @@ class WandbExporter:
         self.entity = entity
         self.mode = mode
         self.dest = "offline" if mode == "offline" else f"online:{entity or ''}/{self.project}"
-        self.dropped = 0
         self.logged_rows = 0
-        self.errors = 0
-        self.last_error: str | None = None
         self.run_id: str | None = None
         self._run = None
-        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._closed = False
-        self._thread = threading.Thread(target=self._main, name="ptops-wandb", daemon=True)
-        self._thread.start()
-
-    # ------------------------------------------------------------------ caller side (never blocks)
-
-    def _put(self, item: Any) -> bool:
-        try:
-            self._q.put_nowait(item)
-            return True
-        except queue.Full:
-            self.dropped += 1
-            return False
-
-    def observe_metric(self, record: Mapping[str, Any]) -> None:
-        if self._closed:
-            return
-        try:
-            if int(record.get("rank", 0) or 0) != 0:
-                return
-        except (TypeError, ValueError):
-            return
-        self._put(("metric", dict(record)))
-
-    def observe_event(self, event: Mapping[str, Any]) -> None:
-        if self._closed:
-            return
-        self._put(("event", dict(event)))
-        if event.get("kind") in END_KINDS:
-            self._put(_FINALIZE)
-
-    def close(self, timeout: float = 30.0) -> bool:
-        """Flush, finish the W&B run, stop within ``timeout`` s; True when everything queued was written."""
-        if not self._closed:
-            self._closed = True
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    self._q.put(_STOP, timeout=0.05)
-                    break
-                except queue.Full:
-                    if time.monotonic() > deadline:
-                        break
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        return not self._thread.is_alive() and self.errors == 0
+        super().__init__(queue_size, "ptops-wandb")
 
     # ------------------------------------------------------------------ state (RUN_DIR/wandb.json)
 
