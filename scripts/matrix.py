@@ -4,6 +4,7 @@
     python3 scripts/matrix.py                 # both ends (~30 min on 2 cores); the table -> bench/README.md
     python3 scripts/matrix.py --end oldest    # one end
     python3 scripts/matrix.py --list          # what each end would install, then exit
+    python3 scripts/matrix.py --table         # the last run's table
 
 Each end is a venv, ``.venv-matrix-END``, set up as a user's image is: first a torch of the end's version, the
 registry's own build (a CUDA build even on this CPU box), then this checkout's ``ptops[trl,dev]`` (plus
@@ -190,7 +191,7 @@ def table(results: dict) -> str:
             continue
         v = r.get("versions", {})
         torch = f"{r.get('torch_before', {}).get('version')} ({'same build' if r.get('torch_untouched') else 'CHANGED'})"
-        titan = v.get("torchtitan") if r.get("titan_imports") else "does not import"
+        titan = v.get("torchtitan") if r.get("titan_imports") else "not run: [titan]'s torch range excludes this torch"
         c = r.get("counts", {})
         tests = f"{c.get('passed', '?')} passed, {c.get('failed', '?')} failed ({r.get('pytest_s', '?')} s)"
         rows.append(f"| {end} | {torch} | {v.get('trl')} | {v.get('transformers')} | {v.get('peft')} | "
@@ -203,11 +204,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--end", choices=["oldest", "newest", "all"], default="all")
     ap.add_argument("--list", action="store_true", help="print what each end installs and exit")
+    ap.add_argument("--table", action="store_true", help="print the last run's table (bench/results/matrix.json)")
     args = ap.parse_args()
     ends = ["oldest", "newest"] if args.end == "all" else [args.end]
     if args.list:
         for end in ends:
             print(end, json.dumps(plan(end)))
+        return 0
+    if args.table:
+        print(table(json.loads(RESULTS.read_text())))
         return 0
     log_dir = REPO / "build" / "matrix"  # logs and junit files (not committed)
     log_dir.mkdir(parents=True, exist_ok=True)
