@@ -57,8 +57,6 @@ class AttemptMixin:
             extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
         extra.update(self.findings.attempt_env())  # PTOPS_ROLLBACK after a rollback
         extra[RESUME_ENV] = (self.good or {}).get("path") or ""  # verified by the supervisor: the ranks do not again
-        if self.warm is not None:
-            extra.update(self.warm.env())
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
             ("TORCH_FR_BUFFER_SIZE", "2000"),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
@@ -164,7 +162,10 @@ class AttemptMixin:
         # a pool still importing is waited for: a cold start would compete with it for the same cores
         self.ranks_from = self.warm.source(self.cfg.hang.import_s, lambda: self.stop_signal is not None)
         if self.ranks_from["ranks_from"] == "warm":
-            return self.warm.launch_command(cmd, self.recipe.launch.nproc)
+            # only a warm attempt names the pool: a cold attempt's ranks (torchrun) must not hand off to a pool
+            # that became ready meanwhile, or the launch event would say cold for ranks forked warm
+            warm_cmd = launcher.RankCommand(cmd.argv, {**cmd.env, **self.warm.env()})
+            return self.warm.launch_command(warm_cmd, self.recipe.launch.nproc)
         return cmd
 
     def unreaped_exit_code(self, rank: int) -> int | None:

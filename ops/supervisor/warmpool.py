@@ -40,7 +40,7 @@ class WarmPool:
         self.log = Path(run.path) / "supervisor" / "warm.log"
 
     def env(self) -> dict[str, str]:
-        """What a rank needs to find the pool (it starts cold while the pool is not listening yet)."""
+        """What a warm attempt's launcher needs to find the pool (a cold attempt's ranks are not told of it)."""
         return {ENV_SOCKET: self.name}
 
     @property
