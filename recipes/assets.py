@@ -142,7 +142,8 @@ QUARANTINE = ".quarantine"
 LEGACY = f"{MARKER} is not a manifest (marked complete without a check)"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """A file's sha256, read in 1 MiB chunks (asset manifests; rejection sampling's SFT rows)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -151,7 +152,7 @@ def _sha256(path: Path) -> str:
 
 
 def _manifest(path: Path) -> dict:
-    files = {str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files = {str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(path.rglob("*")) if p.is_file() and p.name != MARKER}
     return {"assets_version": ASSETS_VERSION, "files": files}
 
@@ -175,7 +176,7 @@ def untrusted(path: Path) -> str | None:
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
-        if f.stat().st_size != want["size"] or _sha256(f) != want["sha256"]:
+        if f.stat().st_size != want["size"] or sha256_file(f) != want["sha256"]:
             return f"{rel} differs from its manifest"
     return None
 

@@ -13,11 +13,12 @@ file through ``train.data_file`` (:func:`rows`).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 from pathlib import Path
+
+from ptops.recipes.assets import sha256_file as sha256  # noqa: F401 - the pipeline imports it from here
 
 PROMPT_SEED = 11  # a question set of its own (the training sets use 1, 2, 3; the held-out eval 7)
 
@@ -33,12 +34,6 @@ def rows(recipe) -> list[dict] | None:
     return out
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def sample(ckpt: Path, out: Path, *, n: int, prompts: int, seed: int, min_score: float, max_new_tokens: int,
