@@ -231,12 +231,6 @@ class MlflowExporter(QueuedExporter):
                 client.log_batch(self.run_id, params=items[i:i + 100])
         return client
 
-    def _recipe(self) -> dict:
-        try:
-            return json.loads((self.run_dir / "recipe.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
     def _metrics_of(self, rec: Mapping[str, Any]) -> list:
         from mlflow.entities import Metric
 

@@ -8,9 +8,11 @@ only enqueues (``observe_metric`` / ``observe_event``): a full queue drops the r
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 from ptops.ops.runrecord.events import END_KINDS
@@ -21,6 +23,7 @@ FINALIZE = object()
 
 class QueuedExporter:
     close_timeout_s = 10.0
+    run_dir: Path  # set by the subclass before ``__init__``
 
     def __init__(self, queue_size: int, thread_name: str) -> None:
         """Call last in the subclass's ``__init__``: it starts ``_main``."""
@@ -34,6 +37,13 @@ class QueuedExporter:
 
     def _main(self) -> None:
         raise NotImplementedError
+
+    def _recipe(self) -> dict:
+        """The run's recipe as recorded (``recipe.json``), or {} when it is missing or unreadable."""
+        try:
+            return json.loads((self.run_dir / "recipe.json").read_text())
+        except (OSError, ValueError):
+            return {}
 
     def _put(self, item: Any) -> bool:
         try:

@@ -156,12 +156,6 @@ class WandbExporter(QueuedExporter):
             log.warning("W&B export of %s: %s", self.run_dir, self.last_error)
             return False
 
-    def _recipe(self) -> dict:
-        try:
-            return json.loads((self.run_dir / "recipe.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
     def _ensure_run(self):
         if self._run is not None:
             return self._run
