@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up ptops and runs its test suite (real TorchTitan and TRL training on CPU).
-# Extra arguments go to pytest, e.g. scripts/test.sh -k titan
+# Extra arguments go to pytest, e.g. scripts/test.sh -k titan (or -n 0: one process, no workers).
+# Two pytest-xdist workers: a run's imports and waits leave much of a 2-core machine idle; tests/conftest.py
+# keeps each module (and each shared cluster or sandbox) on one worker and hands out the longest first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --servers
-exec .venv/bin/python -m pytest -ra --durations=15 --timeout 900 "$@"
+exec .venv/bin/python -m pytest -ra --durations=30 --timeout 900 -n 2 --dist loadgroup --no-loadscope-reorder "$@"

@@ -46,9 +46,12 @@ def have(request):
 
 @pytest.fixture(scope="session")
 def faulted_runs(tmp_path_factory):
-    """Real faulted titan-tiny runs shared by every test that reads one (tests/faulted.py)."""
+    """Real faulted titan-tiny runs shared by every test that reads one (tests/faulted.py); under
+    pytest-xdist, by every worker: they live in the workers' common temp folder."""
     from faulted import FaultedRuns
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return FaultedRuns(tmp_path_factory.getbasetemp().parent / "faulted")
     return FaultedRuns(tmp_path_factory.mktemp("faulted"))
 
 
@@ -62,3 +65,32 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+# ---------------------------------------------------------------- two workers (scripts/test.sh: -n 2)
+# pytest-xdist runs each group on one worker: a module's tests stay together (its module fixtures, real
+# runs, are made once), and modules that share a machine-wide thing form one group: the Slurm cluster,
+# and the code sandbox's uids (test_trl_rewards asserts that no sandbox process is left anywhere).
+# Faulted runs are shared across workers through a file lock instead (tests/faulted.py).
+SHARED_GROUPS = {
+    "test_slurm": "slurm",
+    "test_trl_rewards": "sandbox",
+    "test_trl_grpo_rewards_train": "sandbox",
+    "test_code_forgery": "sandbox",
+}
+# groups handed out first, longest first (a fresh clone's --durations): a long one last would leave the
+# other worker idle at the end; the rest follow in collection order
+LONGEST_FIRST = [
+    "slurm", "test_ckpt_e2e", "test_diagnose_incidents", "test_trl_catalogue", "test_pipeline", "test_chaos",
+    "test_install", "sandbox", "test_gpu_check", "test_supervisor_real", "test_titan_train", "test_hang_budgets",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    group_of = {}
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid.split("::")[0]
+        group_of[item.nodeid] = SHARED_GROUPS.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(group_of[item.nodeid]))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(group_of[it.nodeid], len(rank)))  # stable: order within a group kept

@@ -118,7 +118,11 @@ def make(kind: str, run: Path) -> Faulted:
 
 
 class FaultedRuns:
-    """Lazily made, cached for the session: ``get(kind)``."""
+    """Lazily made, cached for the session: ``get(kind)``.
+
+    Under pytest-xdist the workers share ``root`` (the session's common temp folder): the first worker
+    that asks for a kind makes it under a file lock and writes ``made.json``; the others wait on the
+    lock and read that, so each faulted run is made once per session, not once per worker."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -126,7 +130,27 @@ class FaultedRuns:
 
     def get(self, kind: str) -> Faulted:
         if kind not in self._runs:
-            run = self.root / kind / "run"
-            run.parent.mkdir(parents=True, exist_ok=True)
-            self._runs[kind] = make(kind, run)
+            self._runs[kind] = self._made_once(kind)
         return self._runs[kind]
+
+    def _made_once(self, kind: str) -> Faulted:
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f"{kind}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            made = self.root / kind / "made.json"
+            if made.exists():
+                m = json.loads(made.read_text())
+                proc = subprocess.CompletedProcess(m["args"], m["returncode"], m["stdout"], m["stderr"])
+                return Faulted(Path(m["run"]), proc, m["extra"])
+            run = self.root / kind / "run"
+            if run.parent.exists():  # an earlier worker's attempt failed: never resume its half-made run
+                run.parent.rename(self.root / f"{kind}.failed-{os.getpid()}-{time.monotonic_ns()}")
+            run.parent.mkdir(parents=True)
+            f = make(kind, run)
+            args = f.proc.args if isinstance(f.proc.args, str) else [str(a) for a in f.proc.args]
+            made.write_text(json.dumps({"run": str(f.run), "args": args,
+                                        "returncode": f.proc.returncode, "stdout": f.proc.stdout,
+                                        "stderr": f.proc.stderr, "extra": f.extra}))
+            return f
