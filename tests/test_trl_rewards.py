@@ -273,8 +273,9 @@ def test_sandbox_scores_fraction_of_asserts():
     res = run_code(code, tests, LIMITS)
     assert (res.status, res.passed, res.total) == ("ok", 2, 3) and res.reward == pytest.approx(2 / 3)
     # writing in its own work dir (cwd = HOME) is fine
-    res = run_code("import os\nopen('a.txt', 'w').write('x')\nos.mkdir('d')\nok = os.listdir('.')\n",
-                   ["assert 'a.txt' in ok and os.environ['HOME'] == os.getcwd()"], LIMITS)
+    res = run_code("import os\nopen('a.txt', 'w').write('x')\nos.mkdir('d')\n"
+                   "ok = 'a.txt' in os.listdir('.') and os.environ['HOME'] == os.getcwd()\n",
+                   ["assert ok is True"], LIMITS)
     assert res.status == "ok" and res.reward == 1.0, res
     # deterministic in outcome: the same code scores the same
     again = [run_code(code, tests, LIMITS).reward for _ in range(3)]

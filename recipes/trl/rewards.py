@@ -297,22 +297,37 @@ def code_format(completions, **_: object) -> list[float]:
 
 class CodeReward:
     """Fraction of the row's ``tests`` (assert statements) that pass when the completion's code runs
-    in :func:`ptops.recipes.trl.sandbox.run_code`. Every completion runs, even one that does not parse
-    (it scores 0 there): one path for all, and the sandbox is exercised from the first step of a tiny
-    run. ``last`` keeps the latest results (status, isolation) for logging."""
+    in :func:`ptops.recipes.trl.sandbox.run_code`: each assert is split, its call runs inside, its
+    expected value stays here and the comparison is made here on strictly decoded plain data (the
+    threat model: ``docs/rewards.md``). Every completion runs, even one that does not parse (it scores
+    0 there): one path for all, and the sandbox is exercised from the first step of a tiny run.
+    ``workers`` sandboxes run at once (as root: each has a uid of its own; otherwise one at a time,
+    since RLIMIT_NPROC would count the others). ``last`` keeps the latest results for logging."""
 
     __name__ = "code"
 
-    def __init__(self, limits=None) -> None:
+    def __init__(self, limits=None, workers: int | None = None) -> None:
+        import os
+
         from ptops.recipes.trl.sandbox import Limits
 
         self.limits = limits or Limits()
+        self.workers = workers or (min(8, os.cpu_count() or 1) if os.geteuid() == 0 else 1)
         self.last: list = []
 
     def __call__(self, completions, tests, log_metric=None, **_: object) -> list[float]:
-        from ptops.recipes.trl.sandbox import run_code
+        from ptops.recipes.trl.sandbox import run_code, split_tests
 
-        self.last = [run_code(extract_code(c), list(t), self.limits) for c, t in zip(completions, tests)]
+        jobs = [(extract_code(c), list(t)) for c, t in zip(completions, tests)]
+        for _code, t in jobs:
+            split_tests(t)  # an assert that cannot be split raises here, before anything runs
+        if self.workers > 1 and len(jobs) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(self.workers, len(jobs))) as pool:
+                self.last = list(pool.map(lambda j: run_code(j[0], j[1], self.limits), jobs))
+        else:
+            self.last = [run_code(code, t, self.limits) for code, t in jobs]
         if callable(log_metric):  # per step: how many ran, and how many ended badly (sandbox_* records)
             log_metric("sandbox/runs", float(len(self.last)))
             log_metric("sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last)))
@@ -321,18 +336,60 @@ class CodeReward:
         return [r.reward for r in self.last]
 
 
+def _example_args(rng, n_shown: int, n_hidden: int) -> tuple[list, list]:
+    """Distinct argument pairs: the first ``n_shown`` go in the prompt, the rest are the hidden tests."""
+    seen: list = []
+    while len(seen) < n_shown + n_hidden:
+        a = (rng.randint(-9, 9), rng.randint(-9, 9))
+        if a not in seen:
+            seen.append(a)
+    return seen[:n_shown], seen[n_shown:]
+
+
 def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
-    """GRPO rows ``{"prompt", "tests"}``: write a two-argument function; three asserts check it."""
+    """GRPO rows ``{"prompt", "examples", "tests"}``: write a two-argument function. The prompt shows
+    two ``examples`` (asserts, for reference); the reward runs the three hidden ``tests`` on other
+    inputs, so a completion that special-cases the shown inputs scores low."""
     import random
 
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         sig, does, name, fn = CODE_TASKS[i % len(CODE_TASKS)]
-        args = [(rng.randint(-9, 9), rng.randint(-9, 9)) for _ in range(3)]
-        tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in args]
-        rows.append({"prompt": [{"role": "user", "content": f"Write a Python function {sig} that {does}."}],
-                     "tests": tests})
+        shown, hidden = _example_args(rng, 2, 3)
+        examples = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in shown]
+        tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in hidden]
+        eg = "; ".join(f"{name}({a}, {b}) == {fn(a, b)}" for a, b in shown)
+        rows.append({"prompt": [{"role": "user", "content": f"Write a Python function {sig} that {does}. "
+                                                        f"For example: {eg}."}],
+                     "examples": examples, "tests": tests})
+    return check_code_rows(rows)
+
+
+def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
+    """The rows, once every test assert splits into a call and an expected value (see
+    :func:`ptops.recipes.trl.sandbox.split_assert`) and no graded call is shown in the prompt or among
+    the row's ``examples``; else ValueError with one line naming the row and the assert."""
+    from ptops.recipes.trl.sandbox import AssertRefused, split_assert
+
+    def probes(asserts, i: int) -> set[str]:
+        out = set()
+        for t in asserts:
+            try:
+                out.update(c.probe for c in split_assert(t))
+            except AssertRefused as e:
+                raise ValueError(f"{source} row {i}: {e}") from None
+        return out
+
+    for i, row in enumerate(rows):
+        if not row.get("tests"):
+            raise ValueError(f"{source} row {i}: no tests")
+        hidden = probes(row["tests"], i)
+        shown = probes(row.get("examples") or [], i)
+        prompt = re.sub(r"\s+", "", _prompt_text(row.get("prompt")))
+        for p in sorted(hidden):
+            if "(" in p and (p in shown or re.sub(r"\s+", "", p) in prompt):
+                raise ValueError(f"{source} row {i}: the graded call {p} is shown in the prompt (tests must be hidden)")
     return rows
 
 
