@@ -102,6 +102,40 @@ def test_math_dataset_answers_verify_in_every_spelling():
         assert math_verifier([latex], [a], prompts=[r["prompt"]]) == [1.0], (latex, a)
 
 
+def _fuzz_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "math_verifier_fuzz.py"
+    spec = importlib.util.spec_from_file_location("math_verifier_fuzz", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_math_verifier_fuzz():
+    """Adversarial answers (hedges, spam, huge numbers and expressions, unicode digits, LaTeX tricks,
+    prompt echo, near misses; bench/math_verifier_fuzz.py): never a wrong pass, honest spellings pass,
+    bounded CPU time per call (a hang or a quadratic scan would blow it)."""
+    res = _fuzz_module().run(640, seed=23)
+    assert res["wrong_passes"] == 0, res["wrong_examples"]
+    assert res["honest_passed"] == res["honest_cases"] == 40
+    assert res["cpu_ms_max"] < 500, res
+
+
+@pytest.mark.parametrize("completion,answer", [
+    ("\\boxed{" * 50_000 + "7", "7"),  # quadratic before: every open box scanned to the end
+    ("\\boxed{1e999999999}", "1"),  # Fraction would build the number
+    ("\\boxed{\u0667}", "7"),  # an Arabic-Indic 7: digits are ASCII only
+    ("\\boxed{2\u2077}", "27"),  # 2 to the 7th, which NFKC would read as 27
+    ("\\boxed{8}" + " " * 40_000 + "\\boxed{7}", "7"),  # a hedge padded past a window: too long
+    ("\\boxed{8 \\boxed{7}", "7"),  # a box left open
+])
+def test_math_verifier_adversarial_answers(completion, answer):
+    t0 = time.process_time()
+    assert math_verifier([completion], [answer]) == [0.0]
+    assert time.process_time() - t0 < 2.0
+
+
 # ---------------------------------------------------------------- code sandbox
 
 LIMITS = Limits(cpu_s=1, wall_s=6.0, memory_mb=256, max_procs=8)

@@ -87,16 +87,28 @@ _NAMES = re.compile(r"[a-z]+")
 _ALLOWED_NAMES = {"sqrt", "pi"}
 
 
+# adversarial bounds (issue 23): a longer completion is not graded, more distinct boxed answers than
+# this are a hedge, a longer answer is compared as text only; every step is then linear and bounded
+MAX_MATH_CHARS = 32_000
+MAX_BOXES = 8
+MAX_ANSWER_CHARS = 160
+
+
 def boxed_answers(text: str) -> list[str]:
-    r"""The contents of every ``\boxed{...}`` (braces balanced), in order."""
+    r"""The contents of every ``\boxed{...}`` (braces balanced), in order. One pass over the text
+    (the partner of every brace first), so thousands of unclosed boxes cost no more than one."""
+    close: dict[int, int] = {}
+    stack: list[int] = []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            close[stack.pop()] = i
     out = []
     for m in _BOXED.finditer(text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            out.append(text[m.end(): i - 1].strip())
+        end = close.get(m.end() - 1)
+        if end is not None:
+            out.append(text[m.end(): end].strip())
     return out
 
 
@@ -124,15 +136,23 @@ def strip_prompt_echo(text: str, prompt) -> str:
 def extract_answer(completion, prompt=None) -> tuple[str | None, str]:
     r"""(final answer text, how it was found) of a completion.
 
-    Order: ``\boxed{}`` (several boxes with different answers are a hedge: ``(None, "ambiguous")``),
+    Order: ``\boxed{}`` (several boxes with different answers, or one left open, are a hedge:
+    ``(None, "ambiguous")``),
     then the last "answer is N" / "answer: N", then the last number; all of it ignoring text
-    echoed from the prompt (an empty ``\boxed{}`` is no answer). ``how`` is ``boxed``, ``answer``, ``last_number``, ``ambiguous``
-    or ``none``.
+    echoed from the prompt (an empty ``\boxed{}`` is no answer). ``how`` is ``boxed``, ``answer``,
+    ``last_number``, ``ambiguous``, ``too_long`` (over ``MAX_MATH_CHARS``: not graded) or ``none``.
     """
-    rest = strip_prompt_echo(_text(completion), prompt)
-    boxes = [b for b in boxed_answers(rest) if b]
+    text = _text(completion)
+    if len(text) > MAX_MATH_CHARS:
+        return None, "too_long"
+    rest = strip_prompt_echo(text, prompt)
+    every = boxed_answers(rest)
+    if len(every) != len(_BOXED.findall(rest)):  # a box left open hides what it holds: no answer
+        return None, "ambiguous"
+    boxes = [b for b in every if b]
     if boxes:
-        if any(not answers_equal(b, boxes[-1]) for b in boxes[:-1]):
+        distinct = list(dict.fromkeys(normalise_answer(b) for b in boxes))
+        if len(distinct) > MAX_BOXES or any(not answers_equal(b, distinct[-1]) for b in distinct[:-1]):
             return None, "ambiguous"
         return boxes[-1], "boxed"
     found = _ANSWER_IS.findall(rest)
@@ -166,6 +186,11 @@ def normalise_answer(s: str) -> str:
 def _as_fraction(s: str):
     from fractions import Fraction
 
+    # ASCII digits only (int() reads any script's digits), no exponent (Fraction("1e99999999") would
+    # build that number), bounded length
+    if len(s) > MAX_ANSWER_CHARS or not s.isascii() or "e" in s or "_" in s:
+        return None
+
     t = s.replace("(", "").replace(")", "") if re.fullmatch(r"\(?[-+]?\d+\)?/\(?\d+\)?", s) else s
     try:
         return Fraction(t)
@@ -178,10 +203,14 @@ def _sympy_expr(s: str):
     numbers, single-letter symbols, sqrt, pi and arithmetic pass, with one small exponent at most."""
     if not _SAFE_EXPR.match(s) or re.search(r"[a-z)]\.", s) or re.search(r"\d{13,}", s):
         return None
+    # Python number syntax the tokenizer would read: 1e999999 (a float sympy then expands for minutes),
+    # 0x1f, 0b1, 0o7, 1j
+    if re.search(r"[0-9.][ej]|(?<![0-9])0[xob]", s):
+        return None
     if any(len(n) > 1 and n not in _ALLOWED_NAMES for n in _NAMES.findall(s)):
         return None
     powers = re.findall(r"(?:\^|\*\*)\s*\(?\s*([^\s()]+)", s)
-    if len(powers) > 1 or any(not re.fullmatch(r"-?\d{1,2}|[a-z]", p) for p in powers):
+    if len(powers) > 1 or any(not re.fullmatch(r"-?[0-9]|[a-z]", p) for p in powers):
         return None
     try:
         import sympy
@@ -208,6 +237,8 @@ def answers_equal(got: str, want: str) -> bool:
     a, b = normalise_answer(got), normalise_answer(want)
     if a == b and a:
         return True
+    if len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
+        return False
     fa, fb = _as_fraction(a), _as_fraction(b)
     if fa is not None and fb is not None:
         return fa == fb
@@ -216,7 +247,11 @@ def answers_equal(got: str, want: str) -> bool:
         try:
             import sympy
 
-            return bool(sympy.simplify(ea - eb) == 0)
+            diff = ea - eb
+            if diff == 0 or sympy.expand(diff) == 0:
+                return True
+            # simplify only what is small: its cost grows fast with the expression (bounded time per call)
+            return sympy.count_ops(diff) <= 12 and bool(sympy.simplify(diff) == 0)
         except Exception:  # noqa: BLE001
             return False
     return False
