@@ -210,6 +210,7 @@ def test_sandbox_hostile_completion_costs_zero_and_nothing_more(name, canary, li
     res = _hostile(code, canary, listener)
     iso = res.isolation
     assert iso["network"] == "netns" and iso["pidns"] and iso["mountns"] and iso["uid"] >= UID_BASE
+    assert iso["fs"] == "private"
     # a fork bomb ends on the wall clock, or (its parent given enough CPU: a quiet machine) on RLIMIT_CPU's SIGKILL
     expected = {"fork_bomb": {"killed", "timeout"}, "infinite_loop": {"killed", "timeout"}, "memory_bomb": {"ok"},
                 "exit_early": {"no_result"}}.get(name, {"hostile"})
@@ -274,6 +275,8 @@ def test_sandbox_for_a_trainer_that_is_not_root(listener):
     assert out["ok-True"][:2] == ["ok", 1.0] and out["ok-False"][:2] == ["ok", 1.0]
     assert out["ok-True"][2]["userns"] and out["ok-True"][2]["network"] == "netns" and out["ok-True"][2]["uid"] is None
     assert out["ok-False"][2]["network"] == "audit-hook"
+    # a root of its own in the user namespace too (no capability left after exec to leave it)
+    assert out["ok-True"][2]["fs"] == "private" and out["ok-False"][2]["fs"] == "host"
     for name in ("fork_bomb", "socket", "loop"):
         for ns in (True, False):
             assert out[f"{name}-{ns}"][1] == 0.0, (name, ns, out[f"{name}-{ns}"])

@@ -32,16 +32,17 @@ signals to itself
 reading the expected values (frames, the    they never enter the sandbox (not in its program, argv,
 heap, files, ``/proc``, parent memory)      env or stdin); as root it gets a root of its own
                                             (``isolation.fs == "private"``: no repository, cache,
-                                            data set or run directory), a pid namespace and a uid
+                                            data set or run directory; not root: the same
+                                            root in a user namespace), a pid namespace and a uid
 hard-coding the prompt's examples           graded tests are hidden (``check_code_rows`` in
                                             rewards.py refuses a row that shows one)
 an assert that would compare inside         refused when the data loads (``(f(x) == 1) == True``,
                                             ``bool(..)``, ``f(x) + 1 == 2``, ``!=``, orders, lambdas)
 =========================================  ===================================================
 
-Known limits: without a mount namespace (not root, or unshare refused: ``isolation.fs == "host"``)
-the completion can read whatever the trainer's uid can, so expected values in a readable data file
-could be looked up; a bare ``assert f(x)`` or ``f(x) in (..)`` pays for any truthy value or member,
+Known limits: without a mount namespace (no user namespaces, or unshare refused:
+``isolation.fs == "host"``) the completion can read whatever the trainer's uid can, so expected values
+in a readable data file could be looked up; a bare ``assert f(x)`` or ``f(x) in (..)`` pays for any truthy value or member,
 as weak as the data makes it.
 
 What a completion can do to the host, and what stops it:
@@ -65,9 +66,11 @@ signals to the trainer the parent is outside the pid namespace (``getppid()`` is
                        of another uid (EPERM)
 =====================  =============================================================
 
-Not root: no uid of its own (files are the trainer's: only the audit hook guards them), but an
-unprivileged user namespace still gives the network and pid namespaces (``userns``); RLIMIT_NPROC
-is then the trainer's own task count + ``max_procs``.
+Not root: no uid of its own, but an unprivileged user namespace still gives the network, pid and
+mount namespaces (``userns``) and the same root of its own (the trainer's uid maps to itself, so the
+harness has no capability left after exec to leave it); without user namespaces the files are the
+trainer's and only the audit hook guards them. RLIMIT_NPROC is then the trainer's own task count +
+``max_procs``.
 
 Which isolation was used is reported in every result (``isolation``) and by the
 trainer's ``reward_source`` event. The launcher (this file run as a script, standard
@@ -93,7 +96,8 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 0x4000, 1 << 18
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 32, 4096, 0x4000, 1 << 18, 1 << 21
+ST_NOATIME, ST_NODIRATIME, ST_RELATIME = 1024, 2048, 4096  # statvfs f_flag bits (the MS_ values but relatime)
 PR_SET_PDEATHSIG = 1
 UID_BASE = 200_000  # sandbox uid = UID_BASE + the launcher's pid: unique among live sandboxes
 OUTPUT_CAP = 1024 * 1024  # the harness's result records; beyond it the run is void
@@ -601,9 +605,23 @@ def _launch(cfg: dict) -> dict:
                     opts = f"size={limits['file_mb'] * 2}m,mode=1777".encode()
                     _try(libc, "mount", b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
     elif libc is not None and cfg.get("namespaces", True):
-        # not root: an unprivileged user namespace still gives no network and a pid namespace
-        # (files stay the trainer's own uid's: only the audit hook guards them)
-        if _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID):
+        # not root: an unprivileged user namespace still gives no network, a pid namespace and a mount
+        # namespace for a root of its own; the trainer's uid maps to itself, so the harness (not uid 0
+        # in the namespace) loses every capability at exec and cannot leave that root
+        if _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS):
+            iso["userns"] = iso["netns"] = iso["pidns"] = True
+            gid = os.getgid()
+            try:
+                for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+                    with open(f"/proc/self/{name}", "w") as f:
+                        f.write(text)
+                if _try(libc, "mount", None, b"/", None, MS_REC | MS_PRIVATE, None) and _try(
+                        libc, "mount", b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV,
+                        f"size={limits['file_mb'] * 2}m,mode=1777".encode()):
+                    iso["mountns"] = True
+            except OSError:
+                pass
+        elif _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID):
             iso["userns"] = iso["netns"] = iso["pidns"] = True
     nproc = int(limits["max_procs"]) if root else _tasks_of(uid) + int(limits["max_procs"])
     view, inside = None, work
@@ -705,10 +723,17 @@ def _private_root(libc, work: str, python: str) -> tuple[str, str]:
         else:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             open(dst, "a").close()
-        flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (0 if dev else MS_RDONLY | MS_NODEV)
-        if not (_try(libc, "mount", src.encode(), dst.encode(), None, MS_BIND | MS_REC, None)
-                and _try(libc, "mount", None, dst.encode(), None, flags, None)):
+        if not _try(libc, "mount", src.encode(), dst.encode(), None, MS_BIND | MS_REC, None):
             raise OSError(f"bind {src}")
+        if dev:  # the device's own mount flags
+            return
+        # read-only, nosuid, nodev on top of the source's flags (a user namespace may not drop them)
+        have = os.statvfs(src).f_flag
+        keep = (have & (MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC | ST_NOATIME | ST_NODIRATIME)
+                | (MS_RELATIME if have & ST_RELATIME else 0))
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep
+        if not _try(libc, "mount", None, dst.encode(), None, flags, None):
+            raise OSError(f"read-only {src}")
 
     for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
