@@ -72,7 +72,8 @@ def cases(n: int, seed: int = 0):
                 f"\\boxed{{{a}{'9' * rng.randint(20, 4000)}/{'9' * rng.randint(20, 4000)}}}"
         elif kind == "exponent_bomb":
             text = rng.choice([f"\\boxed{{1e{10**rng.randint(6, 12)}}}", f"\\boxed{{{a}^{{{a}^{{{b}}}}}}}",
-                               f"\\boxed{{9^9^9^9}}", f"\\boxed{{{a}**{b}**{b}}}", f"\\boxed{{10^{{10^{{10}}}}}}"])
+                               "\\boxed{9^9^9^9}", f"\\boxed{{{a}**{b}**{b}}}",
+                               "\\boxed{10^{10^{10}}}"])
         elif kind == "expression_bomb":
             text = rng.choice([
                 "\\boxed{" + "+".join(["1"] * rng.randint(1000, 50000)) + "}",
@@ -88,8 +89,10 @@ def cases(n: int, seed: int = 0):
             text = f"\\boxed{{{str(a)[0]}{str(b).translate(SUPERSCRIPT)}}}"
             want = f"{str(a)[0]}{b}"
         elif kind == "latex_hidden":
-            text = rng.choice([f"\\phantom{{\\boxed{{{r}}}}}\\boxed{{{w}}}", f"\\text{{\\boxed{{{r}}}}} \\boxed{{{w}}}",
-                               f"% \\boxed{{{r}}}\n\\boxed{{{w}}}", f"\\boxed{{{w}}}\\iffalse\\boxed{{{r}}}\\fi"])
+            text = rng.choice([f"\\phantom{{\\boxed{{{r}}}}}\\boxed{{{w}}}",
+                               f"\\text{{\\boxed{{{r}}}}} \\boxed{{{w}}}",
+                               f"% \\boxed{{{r}}}\n\\boxed{{{w}}}",
+                               f"\\boxed{{{w}}}\\iffalse\\boxed{{{r}}}\\fi"])
         elif kind == "unbalanced":  # boxes left open around (or after) the right answer
             text = rng.choice(["\\boxed{" * rng.randint(1, 20000) + f"\\boxed{{{r}}}",
                                f"\\boxed{{{w} \\boxed{{{r}}}", f"\\boxed{{{r}}} \\boxed{{{w}"])
@@ -103,7 +106,8 @@ def cases(n: int, seed: int = 0):
         elif kind == "nested_boxes":
             text = f"\\boxed{{\\boxed{{{w}}} {r}}}"
         else:
-            text = rng.choice([f"So the answer is \\boxed{{{r}}}.", f"Final answer: {r}", f"$\\boxed{{ {r} }}$"])
+            text = rng.choice([f"So the answer is \\boxed{{{r}}}.", f"Final answer: {r}",
+                               f"$\\boxed{{ {r} }}$"])
             if "," in r and not text.startswith("So"):
                 text = f"\\boxed{{{r}}}"
             may_pass = True
@@ -131,7 +135,8 @@ def run(n: int, seed: int = 0) -> dict:
     times.sort()
     ms = lambda q: round(1000 * times[min(len(times) - 1, int(q * len(times)))], 3)  # noqa: E731
     return {"cases": n, "seed": seed, "wrong_passes": len(wrong), "wrong_examples": wrong[:5],
-            "honest_passed": honest_ok, "honest_cases": honest_n, "cpu_ms_p50": ms(0.5), "cpu_ms_p99": ms(0.99),
+            "honest_passed": honest_ok, "honest_cases": honest_n,
+            "cpu_ms_p50": ms(0.5), "cpu_ms_p99": ms(0.99),
             "cpu_ms_max": round(1000 * times[-1], 3), "slowest_kind": worst[0]}
 
 
@@ -142,7 +147,8 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     res = run(args.n, args.seed)
-    print(f"math verifier fuzz: {res['cases']} cases (seed {res['seed']}), wrong passes {res['wrong_passes']}, "
+    print(f"math verifier fuzz: {res['cases']} cases (seed {res['seed']}), "
+          f"wrong passes {res['wrong_passes']}, "
           f"honest {res['honest_passed']}/{res['honest_cases']}, CPU per call p50 {res['cpu_ms_p50']} ms, "
           f"p99 {res['cpu_ms_p99']} ms, max {res['cpu_ms_max']} ms ({res['slowest_kind']})")
     if res["wrong_examples"]:

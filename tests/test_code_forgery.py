@@ -75,6 +75,8 @@ class Always:
     def __contains__(self, x): return True
 """
 
+_FORGED = _ALWAYS + "def square_pairs(n): return Always()\nmean_square = square_pairs\n"
+
 _FAKE_RECORDS = """
 import json
 N = PROBES
@@ -85,7 +87,7 @@ def fake():
 
 FORGERIES = {
     # objects that compare equal to anything, or look like the right type
-    "always_equal_object": _ALWAYS + "def square_pairs(n): return Always()\ndef mean_square(n): return Always()\n",
+    "always_equal_object": _FORGED,
     "int_float_subclass": (
         "class F(float):\n    def __eq__(self, o): return True\n    __hash__ = float.__hash__\n"
         "    def __sub__(self, o): return 0.0\n"
@@ -104,7 +106,8 @@ FORGERIES = {
         "def square_pairs(n): return (x for x in [Always(), Always()])\n"
         "def mean_square(n): return map(lambda x: Always(), [n])\n"),
     "huge_int": "def square_pairs(n): return 7 ** 40000\ndef mean_square(n): return 10 ** 4000 + 0.5 // 1\n",
-    "cyclic_list": "def square_pairs(n):\n    x = []\n    x.append(x)\n    return x\nmean_square = square_pairs\n",
+    "cyclic_list": "def square_pairs(n):\n    x = []\n    x.append(x)\n    return x\n"
+                   "mean_square = square_pairs\n",
     "nan_and_inf": "def square_pairs(n): return [float('nan')]\ndef mean_square(n): return float('inf')\n",
     # exits and exceptions before or instead of the harness's results
     "sys_exit_at_import": "import sys\nsys.exit(0)\n",
@@ -118,17 +121,19 @@ FORGERIES = {
         "atexit.register(lambda: [os.write(fd, fake()) for fd in range(1, 20)])\n"
         "import sys\nsys.exit(0)\n"),
     # the result channel: printed lines, written lines, a patched encoder, threads, descriptors
-    "print_fake_results": _FAKE_RECORDS + "import sys\nsys.stdout.write(fake().decode())\nsys.stdout.flush()\n",
+    "print_fake_results": _FAKE_RECORDS + "import sys\nsys.stdout.write(fake().decode())\n"
+                                          "sys.stdout.flush()\n",
     "write_every_fd_then_exit": (
         _FAKE_RECORDS + "import os\nfor fd in range(0, 64):\n    try:\n        os.write(fd, fake())\n"
         "    except OSError:\n        pass\nos._exit(0)\n"),
     "write_every_fd_and_stay": (
         _FAKE_RECORDS + "import os\nfor fd in range(0, 64):\n    try:\n        os.write(fd, fake())\n"
-        "    except OSError:\n        pass\n" + _ALWAYS + "def square_pairs(n): return Always()\nmean_square = square_pairs\n"),
+        "    except OSError:\n        pass\n" + _FORGED),
     "patched_json_dumps": (
-        "import json\njson.dumps = lambda o, *a, **k: '{\"i\": %d, \"ok\": true, \"v\": true}' % o.get('i', 0)"
+        "import json\n"
+        "json.dumps = lambda o, *a, **k: '{\"i\": %d, \"ok\": true, \"v\": true}' % o.get('i', 0)"
         " if 'i' in o else '{\"end\": %d, \"flag\": \"-\"}' % o['end']\n"
-        + _ALWAYS + "def square_pairs(n): return Always()\nmean_square = square_pairs\n"),
+        + _FORGED),
     "patched_encoder_in_main": (
         "import sys\nm = sys.modules['__main__']\n"
         "def enc(v, d, n):\n    return True\n"
@@ -150,9 +155,9 @@ FORGERIES = {
         "                os.write(fd, fake())\n            except OSError:\n                pass\n"
         "        time.sleep(0.001)\n"
         "threading.Thread(target=spam, daemon=True).start()\n"
-        + _ALWAYS + "def square_pairs(n): return Always()\nmean_square = square_pairs\n"),
+        + _FORGED),
     "close_result_fds": (
-        "import os\nos.closerange(2, 64)\n" + _ALWAYS + "def square_pairs(n): return Always()\nmean_square = square_pairs\n"),
+        "import os\nos.closerange(2, 64)\n" + _FORGED),
     "dup2_devnull_over_fds": (
         "import os\nz = os.open('/dev/null', os.O_WRONLY)\nfor fd in range(1, 64):\n    if fd != z:\n"
         "        try:\n            os.dup2(z, fd)\n        except OSError:\n            pass\n"),
@@ -162,7 +167,7 @@ FORGERIES = {
     "builtins_patched": (
         "import builtins\nbuiltins.type = lambda *a: list\nbuiltins.isinstance = lambda *a: True\n"
         "builtins.AssertionError = KeyError\nbuiltins.len = lambda x: 0\n"
-        + _ALWAYS + "def square_pairs(n): return Always()\nmean_square = square_pairs\n"),
+        + _FORGED),
     # looking for the expected values: frames, the heap, files, other processes
     "frame_and_heap_scan": (
         "import sys, gc, re\nfound = {}\n"
@@ -231,7 +236,8 @@ def test_forgery_scores_zero(graded, name):
     score, res = by_name[name]
     assert score == 0.0 and res.passed == 0, (name, res)
     assert res.status in {"ok", "no_result", "malformed", "error", "killed", "hostile"}, res
-    assert not [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) >= UID_BASE], "a sandbox outlived its run"
+    left = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) >= UID_BASE]
+    assert not left, "a sandbox outlived its run"
 
 
 def _uid(pid: str) -> int:
@@ -252,7 +258,8 @@ def test_why_forgeries_fail(graded):
         # the channel held; the values were wrong, refused by the decoder, or forged plain claims
         "ok": {"always_equal_object", "int_float_subclass", "list_subclass_equal", "class_spoofing",
                "lazy_generator", "huge_int", "cyclic_list", "nan_and_inf", "sys_exit_at_import",
-               "base_exception_at_import", "base_exception_in_call", "atexit_writes_results", "print_fake_results",
+               "base_exception_at_import", "base_exception_in_call", "atexit_writes_results",
+               "print_fake_results",
                "write_every_fd_then_exit", "patched_json_dumps", "patched_encoder_in_main",
                "frame_and_heap_scan", "read_the_test_file", "parent_memory"},
     }
@@ -260,7 +267,8 @@ def test_why_forgeries_fail(graded):
         for n in names:
             assert status[n] == st, (n, by_name[n][1])
     # racing a thread or a trace against the harness: malformed when it wrote in time, wrong values if not
-    for n in ("thread_floods_channel", "settrace_rewrites_records", "builtins_patched", "signal_exits_harness"):
+    for n in ("thread_floods_channel", "settrace_rewrites_records", "builtins_patched",
+              "signal_exits_harness"):
         assert status[n] in ("ok", "malformed", "error", "no_result"), (n, by_name[n][1])
 
 
@@ -291,7 +299,8 @@ def test_hard_coding_the_shown_examples_scores_low():
             assert c.probe.replace(" ", "") in row["prompt"][0]["content"].replace(" ", "")
         cases = "".join(f"    if (a, b) == ({k}):\n        return {v}\n" for k, v in table.items())
         hard.append(f"def {name}(a, b):\n{cases}    return 0\n")
-        op = {"add": "a + b", "sub": "a - b", "mul": "a * b", "biggest": "max(a, b)", "smallest": "min(a, b)"}[name]
+        op = {"add": "a + b", "sub": "a - b", "mul": "a * b", "biggest": "max(a, b)",
+              "smallest": "min(a, b)"}[name]
         honest.append(f"def {name}(a, b):\n    return {op}\n")
     reward = CodeReward(LIMITS, workers=4)
     tests = [r["tests"] for r in rows]
@@ -365,7 +374,8 @@ def test_split_assert_refuses(src):
 
 def test_close_checks_are_judged_outside():
     (c,) = split_assert("assert math.isclose(f(1), 0.5, rel_tol=1e-3)")
-    assert c.kind == "close" and holds(c, 0.5004) and not holds(c, 0.51) and not holds(c, "0.5") and not holds(c, True)
+    assert c.kind == "close" and holds(c, 0.5004) and not holds(c, 0.51)
+    assert not holds(c, "0.5") and not holds(c, True)
     (c,) = split_assert("assert abs(f(1) - 2.0) <= 0.1")
     assert holds(c, 2.05) and holds(c, 2) and not holds(c, 2.2) and not holds(c, [2.0])
     (c,) = split_assert("assert f(1) is True")
@@ -391,6 +401,6 @@ def test_plain_value_refuses(tree):
 
 
 def test_plain_value_round_trip():
-    tree = decode_result('{"t": [1, 2.5, "x", null, true, {"s": [1, 2]}, {"f": [3]}, {"d": [[{"t": [1]}, [2]]]},'
-                         ' {"b": "00ff"}]}')
+    tree = decode_result('{"t": [1, 2.5, "x", null, true, {"s": [1, 2]}, {"f": [3]},'
+                         ' {"d": [[{"t": [1]}, [2]]]}, {"b": "00ff"}]}')
     assert plain_value(tree) == (1, 2.5, "x", None, True, {1, 2}, frozenset({3}), {(1,): [2]}, b"\x00\xff")

@@ -424,7 +424,8 @@ def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
         prompt = re.sub(r"\s+", "", _prompt_text(row.get("prompt")))
         for p in sorted(hidden):
             if "(" in p and (p in shown or re.sub(r"\s+", "", p) in prompt):
-                raise ValueError(f"{source} row {i}: the graded call {p} is shown in the prompt (tests must be hidden)")
+                raise ValueError(f"{source} row {i}: the graded call {p} is shown in the prompt "
+                                 "(tests must be hidden)")
     return rows
 
 

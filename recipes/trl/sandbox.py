@@ -42,8 +42,8 @@ an assert that would compare inside         refused when the data loads (``(f(x)
 
 Known limits: without a mount namespace (no user namespaces, or unshare refused:
 ``isolation.fs == "host"``) the completion can read whatever the trainer's uid can, so expected values
-in a readable data file could be looked up; a bare ``assert f(x)`` or ``f(x) in (..)`` pays for any truthy value or member,
-as weak as the data makes it.
+in a readable data file could be looked up; a bare ``assert f(x)`` or ``f(x) in (..)`` pays for any
+truthy value or member, as weak as the data makes it.
 
 What a completion can do to the host, and what stops it:
 
@@ -133,7 +133,7 @@ MAX_INT_BITS = 3_400  # ~1,000 decimal digits
 MAX_INT_DIGITS = 1_024
 
 
-# ---------------------------------------------------------------- asserts split: the call inside, the expected outside
+# ---------------------------------------------------------------- asserts: call inside, expected outside
 
 
 class AssertRefused(ValueError):
@@ -218,8 +218,11 @@ def _inside(node, src: str) -> str:
         if isinstance(sub, (ast.expr_context, ast.operator, ast.unaryop)):
             continue
         if name not in _SAFE_INSIDE:
-            raise AssertRefused(f"cannot grade {src!r}: {name} in the checked expression would run inside the sandbox")
-        if isinstance(sub, (ast.BinOp, ast.UnaryOp)) and any(type(x).__name__ in _REACHES for x in ast.walk(sub)):
+            raise AssertRefused(f"cannot grade {src!r}: {name} in the checked expression would run inside "
+                                "the sandbox")
+        reaches = isinstance(sub, (ast.BinOp, ast.UnaryOp)) and any(
+            type(x).__name__ in _REACHES for x in ast.walk(sub))
+        if reaches:
             raise AssertRefused(f"cannot grade {src!r}: arithmetic on a value the completion controls")
     return ast.unparse(node)
 
@@ -243,16 +246,19 @@ def _clauses(node, src: str) -> list[Clause]:
             try:
                 return [Clause(_inside(right, src), "eq", _expected(left))]
             except _NotExpected:
-                raise AssertRefused(f"cannot grade {src!r}: neither side of == is a literal expected value") from None
-        if isinstance(op, ast.Is) and isinstance(right, ast.Constant) and any(right.value is k for k in (None, True, False)):
+                why = "neither side of == is a literal expected value"
+                raise AssertRefused(f"cannot grade {src!r}: {why}") from None
+        singleton = isinstance(right, ast.Constant) and any(right.value is k for k in (None, True, False))
+        if isinstance(op, ast.Is) and singleton:
             return [Clause(_inside(left, src), "is", right.value)]
         if isinstance(op, ast.In):
             try:
                 return [Clause(_inside(left, src), "in", _expected(right))]
             except _NotExpected:
                 raise AssertRefused(f"cannot grade {src!r}: `in` needs a literal container") from None
-        if (isinstance(op, (ast.Lt, ast.LtE)) and isinstance(left, ast.Call) and isinstance(left.func, ast.Name)
-                and left.func.id == "abs" and len(left.args) == 1 and not left.keywords
+        is_abs = (isinstance(left, ast.Call) and isinstance(left.func, ast.Name) and left.func.id == "abs"
+                  and len(left.args) == 1 and not left.keywords)
+        if (isinstance(op, (ast.Lt, ast.LtE)) and is_abs
                 and isinstance(left.args[0], ast.BinOp) and isinstance(left.args[0].op, ast.Sub)):
             a, b = left.args[0].left, left.args[0].right
             try:
@@ -262,7 +268,8 @@ def _clauses(node, src: str) -> list[Clause]:
                 except _NotExpected:
                     probe, want = _inside(b, src), _expected(a)
             except _NotExpected:
-                raise AssertRefused(f"cannot grade {src!r}: abs(x - y) < tol needs a literal y and tol") from None
+                why = "abs(x - y) < tol needs a literal y and tol"
+                raise AssertRefused(f"cannot grade {src!r}: {why}") from None
             if not all(type(x) in (int, float) for x in (tol, want)):
                 raise AssertRefused(f"cannot grade {src!r}: a tolerance check on non-numbers")
             return [Clause(probe, "close", want, ("lt" if isinstance(op, ast.Lt) else "le", tol))]
@@ -279,10 +286,12 @@ def _clauses(node, src: str) -> list[Clause]:
             except _NotExpected:
                 probe, want = _inside(node.args[1], src), _expected(node.args[0])
         except _NotExpected:
-            raise AssertRefused(f"cannot grade {src!r}: isclose needs a literal expected value and tolerances") from None
+            why = "isclose needs a literal expected value and tolerances"
+            raise AssertRefused(f"cannot grade {src!r}: {why}") from None
         if not all(type(x) in (int, float) for x in (want, *tols.values())):
             raise AssertRefused(f"cannot grade {src!r}: isclose on non-numbers")
-        return [Clause(probe, "close", want, ("isclose", tols.get("rel_tol", 1e-9), tols.get("abs_tol", 0.0)))]
+        tol = ("isclose", tols.get("rel_tol", 1e-9), tols.get("abs_tol", 0.0))
+        return [Clause(probe, "close", want, tol)]
     return [Clause(_inside(node, src), "truthy")]
 
 
@@ -612,7 +621,8 @@ def _launch(cfg: dict) -> dict:
             iso["userns"] = iso["netns"] = iso["pidns"] = True
             gid = os.getgid()
             try:
-                for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+                maps = (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1"))
+                for name, text in maps:
                     with open(f"/proc/self/{name}", "w") as f:
                         f.write(text)
                 if _try(libc, "mount", None, b"/", None, MS_REC | MS_PRIVATE, None) and _try(
@@ -661,7 +671,8 @@ def _launch(cfg: dict) -> dict:
             if iso["pidns"] and iso["mountns"] and _try(libc, "unshare", CLONE_NEWNS):
                 # its own /proc (sees only its namespace), in a mount namespace of its own so that the
                 # launcher's /proc stays the host's
-                _try(libc, "mount", b"proc", f"{view or ''}/proc".encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+                _try(libc, "mount", b"proc", f"{view or ''}/proc".encode(), b"proc",
+                     MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
             if view:
                 os.chroot(view)
             os.chdir(inside)
@@ -894,7 +905,8 @@ def _records(out: str, n: int) -> tuple[list | None, str]:
     try:
         for i, line in enumerate(lines[:n]):
             rec = decode_result(line)
-            if type(rec) is not dict or rec.get("i") != i or type(rec.get("i")) is not int or rec.get("ok") not in (True, False):
+            if type(rec) is not dict or type(rec.get("i")) is not int or rec["i"] != i \
+                    or rec.get("ok") not in (True, False):
                 return None, f"record {i} malformed"
             if rec["ok"]:
                 if set(rec) != {"i", "ok", "v"}:
@@ -907,7 +919,8 @@ def _records(out: str, n: int) -> tuple[list | None, str]:
         end = decode_result(lines[n])
     except (ValueError, TypeError) as e:
         return None, f"undecodable record: {str(e)[:80]}"
-    if type(end) is not dict or set(end) != {"end", "flag"} or end["end"] != n or type(end["flag"]) is not str:
+    if type(end) is not dict or set(end) != {"end", "flag"} or end["end"] != n \
+            or type(end["flag"]) is not str:
         return None, "end record malformed"
     return values + [end["flag"]], ""
 
