@@ -596,6 +596,7 @@ def _launch(cfg: dict) -> dict:
     work, limits = cfg["work"], cfg["limits"]
     iso = {"uid": None, "userns": False, "netns": False, "pidns": False, "mountns": False, "network": "none"}
     root = os.geteuid() == 0
+    tmp_private = False  # a fresh tmpfs on /tmp: where the private root is built
     libc = _libc() if sys.platform.startswith("linux") else None
     uid = UID_BASE + os.getpid() if root else os.getuid()
     if cfg["python"] is None:
@@ -612,7 +613,8 @@ def _launch(cfg: dict) -> dict:
             for d in ("/tmp", "/var/tmp", "/dev/shm"):
                 if os.path.isdir(d):
                     opts = f"size={limits['file_mb'] * 2}m,mode=1777".encode()
-                    _try(libc, "mount", b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+                    ok = _try(libc, "mount", b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+                    tmp_private = tmp_private or (ok and d == "/tmp")
     elif libc is not None and cfg.get("namespaces", True):
         # not root: an unprivileged user namespace still gives no network, a pid namespace and a mount
         # namespace for a root of its own; the trainer's uid maps to itself, so the harness (not uid 0
@@ -628,14 +630,14 @@ def _launch(cfg: dict) -> dict:
                 if _try(libc, "mount", None, b"/", None, MS_REC | MS_PRIVATE, None) and _try(
                         libc, "mount", b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV,
                         f"size={limits['file_mb'] * 2}m,mode=1777".encode()):
-                    iso["mountns"] = True
+                    iso["mountns"] = tmp_private = True
             except OSError:
                 pass
         elif _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID):
             iso["userns"] = iso["netns"] = iso["pidns"] = True
     nproc = int(limits["max_procs"]) if root else _tasks_of(uid) + int(limits["max_procs"])
     view, inside = None, work
-    if iso["mountns"]:
+    if iso["mountns"] and tmp_private:
         try:
             view, inside = _private_root(libc, work, cfg["python"])
         except OSError:
