@@ -109,6 +109,8 @@ FORGERIES = {
     "cyclic_list": "def square_pairs(n):\n    x = []\n    x.append(x)\n    return x\n"
                    "mean_square = square_pairs\n",
     "nan_and_inf": "def square_pairs(n): return [float('nan')]\ndef mean_square(n): return float('inf')\n",
+    "deep_nesting_value": "def square_pairs(n):\n    x = []\n    for _ in range(100000):\n        x = [x]\n"
+                          "    return x\nmean_square = square_pairs\n",
     # exits and exceptions before or instead of the harness's results
     "sys_exit_at_import": "import sys\nsys.exit(0)\n",
     "os_exit_at_import": "import os\nos._exit(0)\n",
@@ -197,6 +199,22 @@ FORGERIES = {
         "    try:\n        with open('/proc/%s/mem' % pid, 'rb') as f:\n            raw += f.read(1 << 20)\n"
         "    except (OSError, ValueError):\n        pass\n"
         "def square_pairs(n): return raw or None\nmean_square = square_pairs\n"),
+    "argv_env_stdin_scan": (
+        "import sys, os, re\nsrc = ' '.join(sys.argv) + repr(dict(os.environ)) + sys.stdin.read()\n"
+        "for fd in range(3, 16):\n    try:\n        src += os.read(fd, 1 << 16).decode('utf-8', 'replace')\n"
+        "    except OSError:\n        pass\n"
+        "def square_pairs(n):\n    m = re.search(r'square_pairs\\(%d\\) == (\\[.*?\\])' % n, src)\n"
+        "    return eval(m.group(1)) if m else None\nmean_square = square_pairs\n"),
+    # another program in its place, a child that writes after the harness
+    "exec_fake_harness": (
+        _FAKE_RECORDS + "import os, sys\n"
+        "prog = 'import os, sys; os.write(3, ' + repr(fake()) + ')'\n"
+        "os.execv(sys.executable, [sys.executable, '-c', prog])\n"),
+    "fork_child_writes_late": (
+        _FAKE_RECORDS + "import os, time\n"
+        "if os.fork() == 0:\n    time.sleep(0.3)\n    for fd in range(3, 16):\n        try:\n"
+        "            os.write(fd, fake())\n        except OSError:\n            pass\n    os._exit(0)\n"
+        + _FORGED),
     "signal_exits_harness": (
         "import signal, sys\n"
         "def stop(*_):\n    raise SystemExit(0)\n"
@@ -254,6 +272,7 @@ def test_why_forgeries_fail(graded):
     want = {
         "no_result": {"os_exit_at_import", "dup2_devnull_over_fds", "deeply_nested_record"},
         "malformed": {"write_every_fd_and_stay"},
+        "hostile": {"exec_fake_harness"},  # the audit hook refuses the exec, and the run scores 0
         "error": {"close_result_fds"},  # the harness could not write its results
         # the channel held; the values were wrong, refused by the decoder, or forged plain claims
         "ok": {"always_equal_object", "int_float_subclass", "list_subclass_equal", "class_spoofing",
@@ -261,14 +280,16 @@ def test_why_forgeries_fail(graded):
                "base_exception_at_import", "base_exception_in_call", "atexit_writes_results",
                "print_fake_results",
                "write_every_fd_then_exit", "patched_json_dumps", "patched_encoder_in_main",
-               "frame_and_heap_scan", "read_the_test_file", "parent_memory"},
+               "frame_and_heap_scan", "read_the_test_file", "parent_memory", "deep_nesting_value",
+               "argv_env_stdin_scan"},
     }
     for st, names in want.items():
         for n in names:
             assert status[n] == st, (n, by_name[n][1])
     # racing a thread or a trace against the harness: malformed when it wrote in time, wrong values if not
+    # (the late child dies with the harness, pid 1 of its namespace, unless a loaded machine lets it write first)
     for n in ("thread_floods_channel", "settrace_rewrites_records", "builtins_patched",
-              "signal_exits_harness"):
+              "signal_exits_harness", "fork_child_writes_late"):
         assert status[n] in ("ok", "malformed", "error", "no_result"), (n, by_name[n][1])
 
 
