@@ -8,37 +8,44 @@ it with a strict whitelist and compares it here. A crash, an exit, a kill, a lim
 processes, wall clock) or a broken result channel score 0, so the outcome depends on the code only and
 not on timing (a program near its CPU limit is the exception).
 
-Forgeries (a policy optimises what the grader pays for; tests: ``tests/test_code_forgery.py``; the same
-table with the test names in ``docs/rewards.md``):
+Forgeries (a policy optimises what the grader pays for). Tests are in ``tests/test_code_forgery.py``
+(forgery names of ``FORGERIES`` unless a ``test_`` is named); ``docs/rewards.md`` has the same table:
 
-=========================================  ===================================================
-an object equal to anything (``__eq__``),   the comparison runs here on decoded data; the encoder
-a subclass of int/str/list/tuple,           inside and the decoder here take exact types only
-``__class__`` spoofing                      (``type(v) is int``, never isinstance)
-a lazy, huge, cyclic or non-finite value    bounded: depth 16, 10,000 nodes, ~1,000 digits, 10,000
-                                            characters, finite floats; beyond them the check fails
-an early exit (``sys.exit``, ``os._exit``,  missing results are no pass; the harness ends with
-BaseException subclasses, ``atexit``)       ``os._exit`` (no atexit); a module that raises fails all
-fake result lines (printed, written to      stdout/stderr go to /dev/null; the channel must hold one
-any descriptor, from threads, at exit)      record per call, in order, and an end record, nothing
-                                            else (else the run is void); a record is only a claimed
-                                            value, and passes only if it equals the expected one
-patching the harness (json, the encoder,    the harness's own references are bound before the
-builtins, ``settrace``, frames)             completion runs; a patch that reaches them changes what
-                                            is claimed, and a claim must still equal a value it
-                                            never saw
-closing or ``dup2`` over descriptors,       the results do not arrive: no pass
-signals to itself
-reading the expected values (frames, the    they never enter the sandbox (not in its program, argv,
-heap, files, ``/proc``, parent memory)      env or stdin); as root it gets a root of its own
-                                            (``isolation.fs == "private"``: no repository, cache,
-                                            data set or run directory; not root: the same
-                                            root in a user namespace), a pid namespace and a uid
-hard-coding the prompt's examples           graded tests are hidden (``check_code_rows`` in
-                                            rewards.py refuses a row that shows one)
-an assert that would compare inside         refused when the data loads (``(f(x) == 1) == True``,
-                                            ``bool(..)``, ``f(x) + 1 == 2``, ``!=``, orders, lambdas)
-=========================================  ===================================================
+==========================  ========================================  =================================
+forgery                     what stops it                             test
+==========================  ========================================  =================================
+an object equal to          the comparison runs here on decoded       always_equal_object,
+anything; a subclass of     data; the encoder inside and the          int_float_subclass,
+int/str/list/tuple;         decoder here take exact types only        list_subclass_equal,
+``__class__`` spoofing      (``type(v) is int``, never isinstance)    class_spoofing
+a lazy, huge, cyclic,       bounded: depth 16, 10,000 nodes, ~1,000   lazy_generator, huge_int,
+deep or non-finite value    digits, 10,000 characters, finite         cyclic_list, deep_nesting_value,
+                            floats; beyond them the check fails       nan_and_inf, test_decoder_refuses
+an early exit (sys.exit,    missing results are no pass; the          os_exit_at_import,
+os._exit, BaseException     harness ends with os._exit (no atexit);   sys_exit_at_import,
+subclasses, atexit)         a module that raises fails all checks     base_exception_*, atexit_*
+fake result lines           stdout/stderr go to /dev/null; one        print_fake_results,
+(printed, on any fd, from   record per call, in order, and an end     write_every_fd_*,
+threads, a forked child,    record, nothing else (else void); a       thread_floods_channel,
+an exec'd program)          record is a claim that must equal the     fork_child_writes_late,
+                            expected value; exec is refused           exec_fake_harness
+patching the harness        its references are bound before the       patched_json_dumps,
+(json, the encoder,         completion runs; a patch that reaches     patched_encoder_in_main,
+builtins, settrace)         them only changes what is claimed         builtins_patched, settrace_*
+closing or dup2 over fds,   the results do not arrive: no pass        close_result_fds,
+a signal handler exiting                                              dup2_devnull_over_fds,
+                                                                      signal_exits_harness
+reading the expected        never in the sandbox (program, argv,      frame_and_heap_scan,
+values (frames, heap,       env, stdin); a root of its own            argv_env_stdin_scan,
+argv/env, files, /proc,     (``isolation.fs == "private"``: no        read_the_test_file,
+parent memory)              repository, cache or data), pid ns, uid   parent_memory
+hard-coding the prompt's    graded tests are hidden:                  test_hard_coding_the_shown_*,
+examples                    ``check_code_rows`` refuses a shown one   test_code_rows_refuse_*
+an assert that would        refused when the data loads               test_split_assert_refuses
+compare inside (``==
+True``, ``bool()``,
+arithmetic, !=, orders)
+==========================  ========================================  =================================
 
 Known limits: without a mount namespace (no user namespaces, or unshare refused:
 ``isolation.fs == "host"``) the completion can read whatever the trainer's uid can, so expected values
