@@ -226,22 +226,32 @@ FORGERIES = {
 
 @pytest.fixture(scope="module")
 def graded():
-    """Every completion of the corpus graded once, in parallel: {name: (reward, Result)}."""
+    """Every completion of the corpus graded once, in parallel: ({name: (reward, Result)}, seconds,
+    the step metrics logged)."""
     names = ["honest", *FORGERIES]
     comps = [HONEST, *FORGERIES.values()]
     reward = CodeReward(LIMITS, workers=4)
     t0 = time.monotonic()
-    scores = reward(comps, [TESTS] * len(comps))
+    logged = {}
+    scores = reward(comps, [TESTS] * len(comps), log_metric=logged.__setitem__)
     elapsed = time.monotonic() - t0
-    return {n: (s, r) for n, s, r in zip(names, scores, reward.last)}, elapsed
+    return {n: (s, r) for n, s, r in zip(names, scores, reward.last)}, elapsed, logged
 
 
 def test_the_honest_solution_scores_one(graded):
-    by_name, elapsed = graded
+    by_name, elapsed, _ = graded
     score, res = by_name["honest"]
     assert (score, res.status, res.passed, res.total) == (1.0, "ok", len(TESTS), len(TESTS)), res
     assert res.isolation["fs"] == "private" and res.isolation["network"] == "netns", res.isolation
     assert elapsed < 60, f"the corpus took {elapsed:.1f} s"
+
+
+def test_forging_is_visible_in_the_step_metrics(graded):
+    """``sandbox/forged`` counts tampered result channels (no honest solution tampers with them)."""
+    by_name, _, logged = graded
+    forged = sum(r.status in ("malformed", "no_result") for _s, r in by_name.values())
+    assert forged >= 4 and logged["sandbox/forged"] == float(forged)
+    assert logged["sandbox/runs"] == float(len(by_name)) and logged["sandbox/hostile"] >= 1
 
 
 def test_the_corpus_is_large_enough():
@@ -250,7 +260,7 @@ def test_the_corpus_is_large_enough():
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))
 def test_forgery_scores_zero(graded, name):
-    by_name, _ = graded
+    by_name, _, logged = graded
     score, res = by_name[name]
     assert score == 0.0 and res.passed == 0, (name, res)
     assert res.status in {"ok", "no_result", "malformed", "error", "killed", "hostile"}, res
@@ -267,7 +277,7 @@ def _uid(pid: str) -> int:
 
 def test_why_forgeries_fail(graded):
     """Not only zero, but for the reason the threat model gives (a weaker reason would be luck)."""
-    by_name, _ = graded
+    by_name, _, logged = graded
     status = {n: r.status for n, (_s, r) in by_name.items()}
     want = {
         "no_result": {"os_exit_at_import", "dup2_devnull_over_fds", "deeply_nested_record"},

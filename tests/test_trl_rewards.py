@@ -330,7 +330,8 @@ def test_code_reward_runs_every_completion():
     got = reward([good, "the a red", "def add(a, b): return 0"], [rows[0]["tests"]] * 3,
                  log_metric=lambda k, v: logged.append((k, v)))
     assert got == [1.0, 0.0, 0.0] and [r.status for r in reward.last] == ["ok", "ok", "ok"]
-    assert dict(logged) == {"sandbox/runs": 3.0, "sandbox/killed": 0.0, "sandbox/hostile": 0.0, "sandbox/failed": 0.0}
+    assert dict(logged) == {"sandbox/runs": 3.0, "sandbox/killed": 0.0, "sandbox/hostile": 0.0,
+                            "sandbox/failed": 0.0, "sandbox/forged": 0.0}
     assert extract_code(good).startswith("def add") and code_format([good, "x y"]) == [1.0, 0.0]
 
 

@@ -368,6 +368,10 @@ class CodeReward:
             log_metric("sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last)))
             log_metric("sandbox/hostile", float(sum(r.status == "hostile" for r in self.last)))
             log_metric("sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last)))
+            # a result channel tampered with (extra or malformed records, or none after an exit 0): no honest
+            # solution does that, so a policy learning to forge shows here before anywhere else
+            forged = sum(r.status in ("malformed", "no_result") for r in self.last)
+            log_metric("sandbox/forged", float(forged))
         return [r.reward for r in self.last]
 
 
