@@ -102,6 +102,40 @@ def test_math_dataset_answers_verify_in_every_spelling():
         assert math_verifier([latex], [a], prompts=[r["prompt"]]) == [1.0], (latex, a)
 
 
+def _fuzz_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "math_verifier_fuzz.py"
+    spec = importlib.util.spec_from_file_location("math_verifier_fuzz", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_math_verifier_fuzz():
+    """Adversarial answers (hedges, spam, huge numbers and expressions, unicode digits, LaTeX tricks,
+    prompt echo, near misses; bench/math_verifier_fuzz.py): never a wrong pass, honest spellings pass,
+    bounded CPU time per call (a hang or a quadratic scan would blow it)."""
+    res = _fuzz_module().run(640, seed=23)
+    assert res["wrong_passes"] == 0, res["wrong_examples"]
+    assert res["honest_passed"] == res["honest_cases"] == 40
+    assert res["cpu_ms_max"] < 500, res
+
+
+@pytest.mark.parametrize("completion,answer", [
+    ("\\boxed{" * 50_000 + "7", "7"),  # quadratic before: every open box scanned to the end
+    ("\\boxed{1e999999999}", "1"),  # Fraction would build the number
+    ("\\boxed{\u0667}", "7"),  # an Arabic-Indic 7: digits are ASCII only
+    ("\\boxed{2\u2077}", "27"),  # 2 to the 7th, which NFKC would read as 27
+    ("\\boxed{8}" + " " * 40_000 + "\\boxed{7}", "7"),  # a hedge padded past a window: too long
+    ("\\boxed{8 \\boxed{7}", "7"),  # a box left open
+])
+def test_math_verifier_adversarial_answers(completion, answer):
+    t0 = time.process_time()
+    assert math_verifier([completion], [answer]) == [0.0]
+    assert time.process_time() - t0 < 2.0
+
+
 # ---------------------------------------------------------------- code sandbox
 
 LIMITS = Limits(cpu_s=1, wall_s=6.0, memory_mb=256, max_procs=8)
@@ -176,6 +210,7 @@ def test_sandbox_hostile_completion_costs_zero_and_nothing_more(name, canary, li
     res = _hostile(code, canary, listener)
     iso = res.isolation
     assert iso["network"] == "netns" and iso["pidns"] and iso["mountns"] and iso["uid"] >= UID_BASE
+    assert iso["fs"] == "private"
     # a fork bomb ends on the wall clock, or (its parent given enough CPU: a quiet machine) on RLIMIT_CPU's SIGKILL
     expected = {"fork_bomb": {"killed", "timeout"}, "infinite_loop": {"killed", "timeout"}, "memory_bomb": {"ok"},
                 "exit_early": {"no_result"}}.get(name, {"hostile"})
@@ -240,6 +275,8 @@ def test_sandbox_for_a_trainer_that_is_not_root(listener):
     assert out["ok-True"][:2] == ["ok", 1.0] and out["ok-False"][:2] == ["ok", 1.0]
     assert out["ok-True"][2]["userns"] and out["ok-True"][2]["network"] == "netns" and out["ok-True"][2]["uid"] is None
     assert out["ok-False"][2]["network"] == "audit-hook"
+    # a root of its own in the user namespace too (no capability left after exec to leave it)
+    assert out["ok-True"][2]["fs"] == "private" and out["ok-False"][2]["fs"] == "host"
     for name in ("fork_bomb", "socket", "loop"):
         for ns in (True, False):
             assert out[f"{name}-{ns}"][1] == 0.0, (name, ns, out[f"{name}-{ns}"])
@@ -273,8 +310,9 @@ def test_sandbox_scores_fraction_of_asserts():
     res = run_code(code, tests, LIMITS)
     assert (res.status, res.passed, res.total) == ("ok", 2, 3) and res.reward == pytest.approx(2 / 3)
     # writing in its own work dir (cwd = HOME) is fine
-    res = run_code("import os\nopen('a.txt', 'w').write('x')\nos.mkdir('d')\nok = os.listdir('.')\n",
-                   ["assert 'a.txt' in ok and os.environ['HOME'] == os.getcwd()"], LIMITS)
+    res = run_code("import os\nopen('a.txt', 'w').write('x')\nos.mkdir('d')\n"
+                   "ok = 'a.txt' in os.listdir('.') and os.environ['HOME'] == os.getcwd()\n",
+                   ["assert ok is True"], LIMITS)
     assert res.status == "ok" and res.reward == 1.0, res
     # deterministic in outcome: the same code scores the same
     again = [run_code(code, tests, LIMITS).reward for _ in range(3)]
@@ -292,7 +330,8 @@ def test_code_reward_runs_every_completion():
     got = reward([good, "the a red", "def add(a, b): return 0"], [rows[0]["tests"]] * 3,
                  log_metric=lambda k, v: logged.append((k, v)))
     assert got == [1.0, 0.0, 0.0] and [r.status for r in reward.last] == ["ok", "ok", "ok"]
-    assert dict(logged) == {"sandbox/runs": 3.0, "sandbox/killed": 0.0, "sandbox/hostile": 0.0, "sandbox/failed": 0.0}
+    assert dict(logged) == {"sandbox/runs": 3.0, "sandbox/killed": 0.0, "sandbox/hostile": 0.0,
+                            "sandbox/failed": 0.0, "sandbox/forged": 0.0}
     assert extract_code(good).startswith("def add") and code_format([good, "x y"]) == [1.0, 0.0]
 
 

@@ -87,16 +87,28 @@ _NAMES = re.compile(r"[a-z]+")
 _ALLOWED_NAMES = {"sqrt", "pi"}
 
 
+# adversarial bounds (issue 23): a longer completion is not graded, more distinct boxed answers than
+# this are a hedge, a longer answer is compared as text only; every step is then linear and bounded
+MAX_MATH_CHARS = 32_000
+MAX_BOXES = 8
+MAX_ANSWER_CHARS = 160
+
+
 def boxed_answers(text: str) -> list[str]:
-    r"""The contents of every ``\boxed{...}`` (braces balanced), in order."""
+    r"""The contents of every ``\boxed{...}`` (braces balanced), in order. One pass over the text
+    (the partner of every brace first), so thousands of unclosed boxes cost no more than one."""
+    close: dict[int, int] = {}
+    stack: list[int] = []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            close[stack.pop()] = i
     out = []
     for m in _BOXED.finditer(text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            out.append(text[m.end(): i - 1].strip())
+        end = close.get(m.end() - 1)
+        if end is not None:
+            out.append(text[m.end(): end].strip())
     return out
 
 
@@ -124,15 +136,23 @@ def strip_prompt_echo(text: str, prompt) -> str:
 def extract_answer(completion, prompt=None) -> tuple[str | None, str]:
     r"""(final answer text, how it was found) of a completion.
 
-    Order: ``\boxed{}`` (several boxes with different answers are a hedge: ``(None, "ambiguous")``),
+    Order: ``\boxed{}`` (several boxes with different answers, or one left open, are a hedge:
+    ``(None, "ambiguous")``),
     then the last "answer is N" / "answer: N", then the last number; all of it ignoring text
-    echoed from the prompt (an empty ``\boxed{}`` is no answer). ``how`` is ``boxed``, ``answer``, ``last_number``, ``ambiguous``
-    or ``none``.
+    echoed from the prompt (an empty ``\boxed{}`` is no answer). ``how`` is ``boxed``, ``answer``,
+    ``last_number``, ``ambiguous``, ``too_long`` (over ``MAX_MATH_CHARS``: not graded) or ``none``.
     """
-    rest = strip_prompt_echo(_text(completion), prompt)
-    boxes = [b for b in boxed_answers(rest) if b]
+    text = _text(completion)
+    if len(text) > MAX_MATH_CHARS:
+        return None, "too_long"
+    rest = strip_prompt_echo(text, prompt)
+    every = boxed_answers(rest)
+    if len(every) != len(_BOXED.findall(rest)):  # a box left open hides what it holds: no answer
+        return None, "ambiguous"
+    boxes = [b for b in every if b]
     if boxes:
-        if any(not answers_equal(b, boxes[-1]) for b in boxes[:-1]):
+        distinct = list(dict.fromkeys(normalise_answer(b) for b in boxes))
+        if len(distinct) > MAX_BOXES or any(not answers_equal(b, distinct[-1]) for b in distinct[:-1]):
             return None, "ambiguous"
         return boxes[-1], "boxed"
     found = _ANSWER_IS.findall(rest)
@@ -166,6 +186,11 @@ def normalise_answer(s: str) -> str:
 def _as_fraction(s: str):
     from fractions import Fraction
 
+    # ASCII digits only (int() reads any script's digits), no exponent (Fraction("1e99999999") would
+    # build that number), bounded length
+    if len(s) > MAX_ANSWER_CHARS or not s.isascii() or "e" in s or "_" in s:
+        return None
+
     t = s.replace("(", "").replace(")", "") if re.fullmatch(r"\(?[-+]?\d+\)?/\(?\d+\)?", s) else s
     try:
         return Fraction(t)
@@ -178,10 +203,14 @@ def _sympy_expr(s: str):
     numbers, single-letter symbols, sqrt, pi and arithmetic pass, with one small exponent at most."""
     if not _SAFE_EXPR.match(s) or re.search(r"[a-z)]\.", s) or re.search(r"\d{13,}", s):
         return None
+    # Python number syntax the tokenizer would read: 1e999999 (a float sympy then expands for minutes),
+    # 0x1f, 0b1, 0o7, 1j
+    if re.search(r"[0-9.][ej]|(?<![0-9])0[xob]", s):
+        return None
     if any(len(n) > 1 and n not in _ALLOWED_NAMES for n in _NAMES.findall(s)):
         return None
     powers = re.findall(r"(?:\^|\*\*)\s*\(?\s*([^\s()]+)", s)
-    if len(powers) > 1 or any(not re.fullmatch(r"-?\d{1,2}|[a-z]", p) for p in powers):
+    if len(powers) > 1 or any(not re.fullmatch(r"-?[0-9]|[a-z]", p) for p in powers):
         return None
     try:
         import sympy
@@ -208,6 +237,8 @@ def answers_equal(got: str, want: str) -> bool:
     a, b = normalise_answer(got), normalise_answer(want)
     if a == b and a:
         return True
+    if len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
+        return False
     fa, fb = _as_fraction(a), _as_fraction(b)
     if fa is not None and fb is not None:
         return fa == fb
@@ -216,7 +247,11 @@ def answers_equal(got: str, want: str) -> bool:
         try:
             import sympy
 
-            return bool(sympy.simplify(ea - eb) == 0)
+            diff = ea - eb
+            if diff == 0 or sympy.expand(diff) == 0:
+                return True
+            # simplify only what is small: its cost grows fast with the expression (bounded time per call)
+            return sympy.count_ops(diff) <= 12 and bool(sympy.simplify(diff) == 0)
         except Exception:  # noqa: BLE001
             return False
     return False
@@ -297,42 +332,104 @@ def code_format(completions, **_: object) -> list[float]:
 
 class CodeReward:
     """Fraction of the row's ``tests`` (assert statements) that pass when the completion's code runs
-    in :func:`ptops.recipes.trl.sandbox.run_code`. Every completion runs, even one that does not parse
-    (it scores 0 there): one path for all, and the sandbox is exercised from the first step of a tiny
-    run. ``last`` keeps the latest results (status, isolation) for logging."""
+    in :func:`ptops.recipes.trl.sandbox.run_code`: each assert is split, its call runs inside, its
+    expected value stays here and the comparison is made here on strictly decoded plain data (the
+    threat model: ``docs/rewards.md``). Every completion runs, even one that does not parse (it scores
+    0 there): one path for all, and the sandbox is exercised from the first step of a tiny run.
+    ``workers`` sandboxes run at once (as root: each has a uid of its own; otherwise one at a time,
+    since RLIMIT_NPROC would count the others). ``last`` keeps the latest results for logging."""
 
     __name__ = "code"
 
-    def __init__(self, limits=None) -> None:
+    def __init__(self, limits=None, workers: int | None = None) -> None:
+        import os
+
         from ptops.recipes.trl.sandbox import Limits
 
         self.limits = limits or Limits()
+        self.workers = workers or (min(8, os.cpu_count() or 1) if os.geteuid() == 0 else 1)
         self.last: list = []
 
     def __call__(self, completions, tests, log_metric=None, **_: object) -> list[float]:
-        from ptops.recipes.trl.sandbox import run_code
+        from ptops.recipes.trl.sandbox import run_code, split_tests
 
-        self.last = [run_code(extract_code(c), list(t), self.limits) for c, t in zip(completions, tests)]
+        jobs = [(extract_code(c), list(t)) for c, t in zip(completions, tests)]
+        for _code, t in jobs:
+            split_tests(t)  # an assert that cannot be split raises here, before anything runs
+        if self.workers > 1 and len(jobs) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(self.workers, len(jobs))) as pool:
+                self.last = list(pool.map(lambda j: run_code(j[0], j[1], self.limits), jobs))
+        else:
+            self.last = [run_code(code, t, self.limits) for code, t in jobs]
         if callable(log_metric):  # per step: how many ran, and how many ended badly (sandbox_* records)
             log_metric("sandbox/runs", float(len(self.last)))
             log_metric("sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last)))
             log_metric("sandbox/hostile", float(sum(r.status == "hostile" for r in self.last)))
             log_metric("sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last)))
+            # a result channel tampered with (extra or malformed records, or none after an exit 0): no honest
+            # solution does that, so a policy learning to forge shows here before anywhere else
+            forged = sum(r.status in ("malformed", "no_result") for r in self.last)
+            log_metric("sandbox/forged", float(forged))
         return [r.reward for r in self.last]
 
 
+def _example_args(rng, n_shown: int, n_hidden: int) -> tuple[list, list]:
+    """Distinct argument pairs: the first ``n_shown`` go in the prompt, the rest are the hidden tests."""
+    seen: list = []
+    while len(seen) < n_shown + n_hidden:
+        a = (rng.randint(-9, 9), rng.randint(-9, 9))
+        if a not in seen:
+            seen.append(a)
+    return seen[:n_shown], seen[n_shown:]
+
+
 def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
-    """GRPO rows ``{"prompt", "tests"}``: write a two-argument function; three asserts check it."""
+    """GRPO rows ``{"prompt", "examples", "tests"}``: write a two-argument function. The prompt shows
+    two ``examples`` (asserts, for reference); the reward runs the three hidden ``tests`` on other
+    inputs, so a completion that special-cases the shown inputs scores low."""
     import random
 
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         sig, does, name, fn = CODE_TASKS[i % len(CODE_TASKS)]
-        args = [(rng.randint(-9, 9), rng.randint(-9, 9)) for _ in range(3)]
-        tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in args]
-        rows.append({"prompt": [{"role": "user", "content": f"Write a Python function {sig} that {does}."}],
-                     "tests": tests})
+        shown, hidden = _example_args(rng, 2, 3)
+        examples = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in shown]
+        tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in hidden]
+        eg = "; ".join(f"{name}({a}, {b}) == {fn(a, b)}" for a, b in shown)
+        rows.append({"prompt": [{"role": "user", "content": f"Write a Python function {sig} that {does}. "
+                                                        f"For example: {eg}."}],
+                     "examples": examples, "tests": tests})
+    return check_code_rows(rows)
+
+
+def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
+    """The rows, once every test assert splits into a call and an expected value (see
+    :func:`ptops.recipes.trl.sandbox.split_assert`) and no graded call is shown in the prompt or among
+    the row's ``examples``; else ValueError with one line naming the row and the assert."""
+    from ptops.recipes.trl.sandbox import AssertRefused, split_assert
+
+    def probes(asserts, i: int) -> set[str]:
+        out = set()
+        for t in asserts:
+            try:
+                out.update(c.probe for c in split_assert(t))
+            except AssertRefused as e:
+                raise ValueError(f"{source} row {i}: {e}") from None
+        return out
+
+    for i, row in enumerate(rows):
+        if not row.get("tests"):
+            raise ValueError(f"{source} row {i}: no tests")
+        hidden = probes(row["tests"], i)
+        shown = probes(row.get("examples") or [], i)
+        prompt = re.sub(r"\s+", "", _prompt_text(row.get("prompt")))
+        for p in sorted(hidden):
+            if "(" in p and (p in shown or re.sub(r"\s+", "", p) in prompt):
+                raise ValueError(f"{source} row {i}: the graded call {p} is shown in the prompt "
+                                 "(tests must be hidden)")
     return rows
 
 
