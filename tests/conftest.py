@@ -86,6 +86,7 @@ LONGEST_FIRST = [
 ]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     group_of = {}
     for item in items:
