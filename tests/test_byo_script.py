@@ -22,6 +22,7 @@ import re
 import shlex
 import subprocess
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,8 @@ import pytest
 from conftest import PTOPS, REPO, run_ptops
 
 FAST = ["--no-mlflow", "--set", "supervisor.restart.backoff_s=0.2"]  # hang settings stay the shipped ones
-CHAOS = ["--set", "checkpoint.interval=4", "--fault", "crash:rank=1,step=6",
+WARM = ["--set", "supervisor.restart.warm_spare=true"]  # restarts fork ranks with torch imported (2-core box)
+CHAOS = [*WARM, "--set", "checkpoint.interval=4", "--fault", "crash:rank=1,step=6",
          "--fault", "hang:rank=0,step=10,mode=stop,attempt=2"]
 
 
@@ -41,14 +43,20 @@ def _kinds(run: Path, kind: str) -> list[dict]:
     return [e for e in _events(run) if e["kind"] == kind]
 
 
-def _launch(run: Path, *args: str, command: list[str]) -> subprocess.CompletedProcess:
-    return run_ptops("launch", "--supervise", "--run-dir", str(run), *FAST, *args, "--", *command, timeout=600)
+def _launch_argv(run: Path, *args: str, command: list[str]) -> list[str]:
+    return [*PTOPS, "launch", "--supervise", "--run-dir", str(run), *FAST, *args, "--", *command]
 
 
 def _digest(path: Path) -> str:
-    p = run_ptops("ckpt", "digest", str(path), timeout=120)
-    assert p.returncode == 0, p.stderr
-    return p.stdout.strip().split()[-1]
+    from ptops.ckpt import digest
+
+    key = str(Path(path).resolve())
+    if key not in _DIGESTS:
+        _DIGESTS[key] = digest(path)
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[str, str] = {}
 
 
 def readme_first_launch() -> list[str]:
@@ -62,15 +70,9 @@ def readme_first_launch() -> list[str]:
     raise AssertionError("examples/README.md has no `ptops launch` command")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return tmp_path_factory.mktemp("byo")
-
-
-@pytest.fixture(scope="module")
-def fsdp2_ref(runs):
-    """The README's first command, run as written from the repository root (its run directory moved to
-    the test's folder, MLflow off)."""
+def _readme_argv(run: Path) -> list[str]:
+    """The README's first command, as written, from the repository root; only its run directory moves to
+    the test's folder, and MLflow is off."""
     argv = readme_first_launch()
     assert argv[:2] == ["ptops", "launch"] and "--" in argv
     cut = argv.index("--")
@@ -78,94 +80,11 @@ def fsdp2_ref(runs):
     if "--run-dir" in opts:
         i = opts.index("--run-dir")
         del opts[i:i + 2]
-    run = runs / "fsdp2-ref"
-    p = subprocess.run([*PTOPS, "launch", *opts, "--run-dir", str(run), "--no-mlflow", *command],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return run
-
-
-def _faulted(run: Path, example: list[str]) -> Path:
-    p = _launch(run, *CHAOS, command=example)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return run
+    return [*PTOPS, "launch", *opts, "--run-dir", str(run), "--no-mlflow", *command]
 
 
 FSDP2 = ["python", "examples/fsdp2/train.py", "--steps", "12"]
 ACCEL = ["python", "examples/accelerate/train.py", "--cpu", "--steps", "12"]
-
-
-@pytest.fixture(scope="module")
-def fsdp2_faulted(runs):
-    return _faulted(runs / "fsdp2-faulted", FSDP2)
-
-
-@pytest.fixture(scope="module")
-def accel_ref(runs):
-    run = runs / "accel-ref"
-    p = _launch(run, command=ACCEL)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return run
-
-
-@pytest.fixture(scope="module")
-def accel_faulted(runs):
-    return _faulted(runs / "accel-faulted", ACCEL)
-
-
-def _check_recovered(run: Path, ref: Path) -> None:
-    crashes, hangs = _kinds(run, "crash"), _kinds(run, "hang")
-    assert [c["attempt"] for c in crashes] == [1] and crashes[0]["rank"] == 1, crashes
-    assert [h["attempt"] for h in hangs] == [2] and 0 in hangs[0]["ranks"], hangs
-    restarts = _kinds(run, "restart")
-    assert [r["from_step"] for r in restarts] == [4, 8], restarts
-    assert _kinds(run, "completed")
-    st = json.loads(run_ptops("status", str(run), "--json").stdout)
-    assert st["state"] == "completed" and st["attempt"] == 3, st
-    # exact resume: the same model and optimizer as the uninterrupted run
-    assert (run / "checkpoints" / "step-12").is_dir()
-    assert _digest(run) == _digest(ref)
-
-
-def test_readme_first_command_runs_and_checkpoints_digestibly(fsdp2_ref):
-    st = json.loads(run_ptops("status", str(fsdp2_ref), "--json").stdout)
-    assert st["state"] == "completed" and st["attempt"] == 1, st
-    recipe = json.loads((fsdp2_ref / "recipe.json").read_text())
-    assert recipe["engine"] == "script" and recipe["script"]["command"][:2] == ["python", "examples/fsdp2/train.py"]
-    assert (fsdp2_ref / "recipe.toml").is_file()
-    # the API's step records reached the monitors' stream; default interval 10 plus the last step
-    recs = [json.loads(x) for x in (fsdp2_ref / "metrics.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in recs}) == list(range(1, 13))
-    assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in recs)
-    assert [e["step"] for e in _kinds(fsdp2_ref, "checkpoint")] == [10, 12]
-    v = run_ptops("ckpt", "verify", str(fsdp2_ref / "checkpoints" / "step-12"))
-    assert v.returncode == 0, v.stdout + v.stderr
-    assert re.fullmatch(r"[0-9a-f]{64}", _digest(fsdp2_ref))
-
-
-def test_fsdp2_recovers_crash_and_sigstop_to_the_reference_digest(fsdp2_faulted, fsdp2_ref):
-    _check_recovered(fsdp2_faulted, fsdp2_ref)
-
-
-def test_accelerate_recovers_crash_and_sigstop_to_the_reference_digest(accel_faulted, accel_ref):
-    _check_recovered(accel_faulted, accel_ref)
-
-
-def test_nan_rolls_back(runs):
-    run = runs / "fsdp2-nan"
-    p = _launch(run, "--set", "checkpoint.interval=2", "--set", "monitors.rollback.lr_scale=0.5",
-                "--fault", "nan:step=5", command=["python", "examples/fsdp2/train.py", "--steps", "6"])
-    assert p.returncode == 0, p.stderr[-4000:]
-    rb = _kinds(run, "rollback")
-    assert len(rb) == 1 and rb[0]["from_step"] == 5 and rb[0]["to_step"] == 4, rb
-    applied = {e["what"]: e for e in _kinds(run, "rollback_applied")}
-    assert applied["lr"]["lr_factor"] == 0.5 and applied["skip"]["step"] == 5, applied
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any(r["step"] == 5 and r["loss"] == "nan" for r in recs)
-    last = [r for r in recs if r["step"] == 6 and r.get("attempt") == 2]
-    assert last and all(isinstance(r["loss"], float) for r in last), last
-    assert abs(last[0]["lr"] - 1.5e-3) < 1e-9  # the example's 3e-3 x 0.5
-
 
 NO_API = '''
 """A training script that knows nothing of ptops."""
@@ -189,18 +108,93 @@ dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def no_api(runs):
-    script = runs / "plain_train.py"
+def runs(tmp_path_factory):
+    """Every run of this file, three at a time (most of a run is start-up and waiting for a fault's
+    detection; the 2-core box has room for three). Each is held only by its own faults."""
+    root = tmp_path_factory.mktemp("byo")
+    script = root / "plain_train.py"
     script.write_text(textwrap.dedent(NO_API))
-    run = runs / "no-api"
-    p = _launch(run, "--fault", "crash:rank=1,step=3", "--fault", "hang:rank=0,step=4,attempt=2",
-                command=["python", str(script), "6"])
-    return run, p
+    plan = {  # the longest first
+        "fsdp2-faulted": _launch_argv(root / "fsdp2-faulted", *CHAOS, command=FSDP2),
+        "accel-faulted": _launch_argv(root / "accel-faulted", *CHAOS, command=ACCEL),
+        "no-api": _launch_argv(root / "no-api", *WARM, "--fault", "crash:rank=1,step=3",
+                               "--fault", "hang:rank=0,step=4,attempt=2", command=["python", str(script), "6"]),
+        "fsdp2-nan": _launch_argv(root / "fsdp2-nan", *WARM, "--set", "checkpoint.interval=2",
+                                  "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=5",
+                                  command=["python", "examples/fsdp2/train.py", "--steps", "6"]),
+        "fsdp2-ref": _readme_argv(root / "fsdp2-ref"),
+        "accel-ref": _launch_argv(root / "accel-ref", command=ACCEL),
+    }
+
+    def one(argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        done = dict(zip(plan, pool.map(one, plan.values())))
+    return {name: (root / name, proc) for name, proc in done.items()}
 
 
-def test_a_script_without_the_api_is_restarted_and_its_hang_diagnosed_with_stacks(no_api):
-    run, p = no_api
-    assert p.returncode == 0, p.stderr[-4000:]
+def _ok(runs: dict, name: str) -> Path:
+    run, proc = runs[name]
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return run
+
+
+def _check_recovered(run: Path, ref: Path) -> None:
+    crashes, hangs = _kinds(run, "crash"), _kinds(run, "hang")
+    assert [c["attempt"] for c in crashes] == [1] and crashes[0]["rank"] == 1, crashes
+    assert [h["attempt"] for h in hangs] == [2] and 0 in hangs[0]["ranks"], hangs
+    restarts = _kinds(run, "restart")
+    assert [r["from_step"] for r in restarts] == [4, 8], restarts
+    assert _kinds(run, "completed")
+    st = json.loads((run / "status.json").read_text())
+    assert st["state"] == "completed" and st["attempt"] == 3, st
+    # exact resume: the same model and optimizer as the uninterrupted run
+    assert (run / "checkpoints" / "step-12").is_dir()
+    assert _digest(run) == _digest(ref)
+
+
+def test_readme_first_command_runs_and_checkpoints_digestibly(runs):
+    ref = _ok(runs, "fsdp2-ref")
+    st = json.loads(run_ptops("status", str(ref), "--json").stdout)
+    assert st["state"] == "completed" and st["attempt"] == 1, st
+    recipe = json.loads((ref / "recipe.json").read_text())
+    assert recipe["engine"] == "script" and recipe["script"]["command"][:2] == ["python", "examples/fsdp2/train.py"]
+    assert (ref / "recipe.toml").is_file()
+    # the API's step records reached the monitors' stream; default interval 10 plus the last step
+    recs = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in recs}) == list(range(1, 13))
+    assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in recs)
+    assert [e["step"] for e in _kinds(ref, "checkpoint")] == [10, 12]
+    v = run_ptops("ckpt", "verify", str(ref / "checkpoints" / "step-12"))
+    assert v.returncode == 0, v.stdout + v.stderr
+    d = run_ptops("ckpt", "digest", str(ref))  # the CLI reads the API's checkpoints
+    assert d.returncode == 0 and d.stdout.split()[-1] == _digest(ref), d.stderr
+
+
+def test_fsdp2_recovers_crash_and_sigstop_to_the_reference_digest(runs):
+    _check_recovered(_ok(runs, "fsdp2-faulted"), _ok(runs, "fsdp2-ref"))
+
+
+def test_accelerate_recovers_crash_and_sigstop_to_the_reference_digest(runs):
+    _check_recovered(_ok(runs, "accel-faulted"), _ok(runs, "accel-ref"))
+
+
+def test_nan_rolls_back(runs):
+    run = _ok(runs, "fsdp2-nan")
+    rb = _kinds(run, "rollback")
+    assert len(rb) == 1 and rb[0]["from_step"] == 5 and rb[0]["to_step"] == 4, rb
+    applied = {e["what"]: e for e in _kinds(run, "rollback_applied")}
+    assert applied["lr"]["lr_factor"] == 0.5 and applied["skip"]["step"] == 5, applied
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["step"] == 5 and r["loss"] == "nan" for r in recs)
+    last = [r for r in recs if r["step"] == 6 and r.get("attempt") == 2]
+    assert last and all(isinstance(r["loss"], float) for r in last), last
+    assert abs(last[0]["lr"] - 1.5e-3) < 1e-9  # the example's 3e-3 x 0.5
+
+
+def test_a_script_without_the_api_is_restarted_and_its_hang_diagnosed_with_stacks(runs):
+    run = _ok(runs, "no-api")
     assert [c["attempt"] for c in _kinds(run, "crash")] == [1]
     assert [h["attempt"] for h in _kinds(run, "hang")] == [2]
     assert len(_kinds(run, "restart")) == 2 and _kinds(run, "completed")
