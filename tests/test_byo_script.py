@@ -122,7 +122,8 @@ def runs(tmp_path_factory):
         "fsdp2-faulted": _launch_argv(root / "fsdp2-faulted", *CHAOS, command=FSDP2),
         "accel-faulted": _launch_argv(root / "accel-faulted", *CHAOS, command=ACCEL),
         "no-api": _launch_argv(root / "no-api", *WARM, "--fault", "crash:rank=1,step=3",
-                               "--fault", "hang:rank=0,step=4,attempt=2", command=["python", str(script), "6"]),
+                               "--fault", "hang:rank=0,step=4,attempt=2",
+                               command=["python", str(script), "6"]),
         "fsdp2-nan": _launch_argv(root / "fsdp2-nan", *WARM, "--set", "checkpoint.interval=2",
                                   "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=5",
                                   command=["python", "examples/fsdp2/train.py", "--steps", "6"]),
@@ -170,7 +171,8 @@ def test_readme_first_command_runs_and_checkpoints_digestibly(runs):
     st = json.loads((ref / "status.json").read_text())
     assert st["state"] == "completed" and st["attempt"] == 1, st
     recipe = json.loads((ref / "recipe.json").read_text())
-    assert recipe["engine"] == "script" and recipe["script"]["command"][:2] == ["python", "examples/fsdp2/train.py"]
+    assert recipe["engine"] == "script"
+    assert recipe["script"]["command"][:2] == ["python", "examples/fsdp2/train.py"]
     assert (ref / "recipe.toml").is_file()
     # the API's step records reached the monitors' stream; default interval 10 plus the last step
     recs = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
@@ -218,7 +220,8 @@ def test_a_script_without_the_api_is_restarted_and_its_hang_diagnosed_with_stack
     # the stuck rank's stack: the script's own line (its optimizer.step, where ptops counts the step), then
     # the fault; the other rank waits in the script's all_reduce
     assert any("plain_train.py" in f for f in frames["0"]) and frames["0"][-1].startswith("_hang"), frames
-    assert any("plain_train.py" in f for f in frames["1"]) and frames["1"][-1].startswith("all_reduce"), frames
+    assert any("plain_train.py" in f for f in frames["1"]), frames
+    assert frames["1"][-1].startswith("all_reduce"), frames
 
 
 def test_cli_help_and_errors():
@@ -233,11 +236,13 @@ def test_cli_help_and_errors():
     assert both.exit_code == 2 and "not both" in both.output
     none = cli.invoke(app, ["launch"])
     assert none.exit_code == 2 and "-- python train.py" in none.output
-    dry = cli.invoke(app, ["launch", "--dry-run", "--set", "launch.nproc=3", "--", "python", "-u", "my_train.py", "--x"])
+    dry = cli.invoke(app, ["launch", "--dry-run", "--set", "launch.nproc=3",
+                           "--", "python", "-u", "my_train.py", "--x"])
     assert dry.exit_code == 0, dry.output
     rec = json.loads(dry.output[:dry.output.rindex("}") + 1])
     assert rec["engine"] == "script" and rec["script"]["command"] == ["python", "-u", "my_train.py", "--x"]
-    assert rec["launch"]["nproc"] == 3 and rec["name"] == "my_train" and rec["script"]["cwd"] == str(Path.cwd())
+    assert rec["launch"]["nproc"] == 3 and rec["name"] == "my_train"
+    assert rec["script"]["cwd"] == str(Path.cwd())
 
 
 def test_python_target_parsing():

@@ -45,7 +45,7 @@ def python_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
             i += 2
             continue
         if a.startswith("-") and a != "-":
-            i += 1  # -u, -O, -B, -X... one-word flags: what they change is the interpreter's, already set here
+            i += 1  # -u, -O, -B...: one-word flags of the interpreter, which is already running
             continue
         return "path", a, argv[i + 1:]
     return None
