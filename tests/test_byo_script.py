@@ -6,7 +6,7 @@ Real runs, 2 gloo ranks on CPU, made once for the module, three at a time (6 run
 - examples/fsdp2 with a crash (rank 1, step 6) and, in attempt 2, a SIGSTOP (rank 0, step 10), shipped hang
   settings: restarted twice, final digest = the reference's;
 - examples/accelerate: its reference (plain torchrun, no ptops: the script runs on its own) and the same
-  faulted run;
+  faulted run plus a preemption in attempt 3 (saved on request, exit 143, relaunched: resumed exactly);
 - examples/fsdp2 with a NaN loss at step 5: rolled back to step 4, lr x 0.5, completed;
 - a script with no ptops API at all: a crash in attempt 1 and a Python hang in attempt 2 (at optimizer
   steps, which ptops counts without the API); restarted, the hang diagnosed with the script's stack.
@@ -120,7 +120,9 @@ def runs(tmp_path_factory):
     script.write_text(textwrap.dedent(NO_API))
     plan = {  # the longest first
         "fsdp2-faulted": _launch_argv(root / "fsdp2-faulted", *CHAOS, command=FSDP2),
-        "accel-faulted": _launch_argv(root / "accel-faulted", *CHAOS, command=ACCEL),
+        # ... and a preemption in attempt 3: every rank saves step 11, the launch exits 143, relaunching resumes
+        "accel-faulted": _launch_argv(root / "accel-faulted", *CHAOS, "--fault", "preempt:step=11,attempt=3",
+                                      command=ACCEL),
         "no-api": _launch_argv(root / "no-api", *WARM, "--fault", "crash:rank=1,step=3",
                                "--fault", "hang:rank=0,step=4,attempt=2",
                                command=["python", str(script), "6"]),
@@ -138,8 +140,14 @@ def runs(tmp_path_factory):
 
     def one(name: str) -> subprocess.CompletedProcess:
         cwd = root / name if name == "accel-ref" else REPO
-        return subprocess.run(plan[name], cwd=cwd, capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        run = lambda: subprocess.run(plan[name], cwd=cwd, capture_output=True, text=True, timeout=900,  # noqa: E731
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = run()
+        if name == "accel-faulted":  # preempted: the same command again resumes the run
+            first = proc
+            assert first.returncode == 143, f"accel-faulted: exit {first.returncode}\n{first.stderr[-4000:]}"
+            proc = run()
+        return proc
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         done = dict(zip(plan, pool.map(one, plan)))
@@ -152,7 +160,7 @@ def _ok(runs: dict, name: str) -> Path:
     return run
 
 
-def _check_recovered(run: Path, ref: Path) -> None:
+def _check_recovered(run: Path, ref: Path, attempts: int = 3) -> None:
     crashes, hangs = _kinds(run, "crash"), _kinds(run, "hang")
     assert [c["attempt"] for c in crashes] == [1] and crashes[0]["rank"] == 1, crashes
     assert [h["attempt"] for h in hangs] == [2] and 0 in hangs[0]["ranks"], hangs
@@ -160,7 +168,7 @@ def _check_recovered(run: Path, ref: Path) -> None:
     assert [r["from_step"] for r in restarts] == [4, 8], restarts
     assert _kinds(run, "completed")
     st = json.loads((run / "status.json").read_text())
-    assert st["state"] == "completed" and st["attempt"] == 3, st
+    assert st["state"] == "completed" and st["attempt"] == attempts, st
     # exact resume: the same model and optimizer as the uninterrupted run
     assert (run / "checkpoints" / "step-12").is_dir()
     assert _digest(run) == _digest(ref)
@@ -190,7 +198,12 @@ def test_fsdp2_recovers_crash_and_sigstop_to_the_reference_digest(runs):
 def test_accelerate_recovers_crash_and_sigstop_to_the_reference_digest(runs):
     plain = _ok(runs, "accel-ref")
     assert sorted(p.name for p in (plain / "checkpoints").glob("step-*")) == ["step-10", "step-12"]
-    _check_recovered(_ok(runs, "accel-faulted"), plain / "checkpoints")
+    run = _ok(runs, "accel-faulted")
+    # the preemption: a save of step 11 on request (not an interval step), then a stop; the relaunch resumed it
+    assert [e["step"] for e in _kinds(run, "stopped")] == [11], _kinds(run, "stopped")
+    assert 11 in [e["step"] for e in _kinds(run, "checkpoint") if e.get("attempt") == 3]
+    assert [e["from_step"] for e in _kinds(run, "launch") if e["attempt"] == 4] == [11]
+    _check_recovered(run, plain / "checkpoints", attempts=4)
 
 
 def test_nan_rolls_back(runs):
@@ -260,3 +273,48 @@ def test_public_rank_api_imports_only_ckpt_and_the_rollback_contract():
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert {m for m in mods if m.startswith("ptops")} == {"ptops.ckpt", "ptops.recipes.rollback"}
+
+
+def test_one_save_path_runs_the_probe_hooks_in_order_and_aborts_a_failed_save(tmp_path):
+    """``SaveTransaction.run`` (ckpt/lifecycle.py): what every engine's save does around its writer."""
+    from ptops.ckpt import SaveTransaction, latest_good
+
+    calls: list[str] = []
+
+    class Probe:
+        def __init__(self, fail_phase: bool = False) -> None:
+            self.fail_phase = fail_phase
+
+        def phase(self, name: str, step: int) -> None:
+            calls.append(f"phase:{name}:{step}")
+            if self.fail_phase:
+                raise OSError(28, "No space left on device")
+
+        def in_save(self, step: int) -> None:
+            calls.append(f"in_save:{step}")
+
+        def before_commit(self, step: int) -> None:
+            calls.append(f"before_commit:{step}")
+
+    def write(path: Path) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        calls.append("write")
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(path))
+
+    ok = SaveTransaction(tmp_path, 2, name="step-2")
+    assert ok.run(write, probe=Probe()), ok.error
+    assert calls == ["phase:checkpoint:2", "in_save:2", "write", "before_commit:2"]
+    assert latest_good(tmp_path, deep=True).step == 2
+    calls.clear()
+    full = SaveTransaction(tmp_path, 4, name="step-4")
+    assert not full.run(write, probe=Probe(fail_phase=True)) and "No space left" in full.error
+    assert calls == ["phase:checkpoint:4"]  # nothing written, nothing committed
+
+    def broken(path: Path) -> None:
+        raise RuntimeError("writer failed")
+
+    bad = SaveTransaction(tmp_path, 6, name="step-6")
+    assert not bad.run(broken) and "writer failed" in bad.error
+    assert latest_good(tmp_path, deep=True).step == 2  # LATEST still names the last good save
