@@ -287,6 +287,30 @@ class SaveTransaction:
                 self.prune_error = _err_text(e)
         return True
 
+    def run(self, write: Callable[[Path], Any], probe: Any = None) -> bool:
+        """The whole save around an engine's ``write(self.path)``, with the probe's save hooks where every
+        engine has them (issue 25: one save path): ``probe.phase("checkpoint")`` (an ``enospc`` fault
+        raises OSError there), :meth:`begin`, ``probe.in_save`` (``crash:phase=save``), the write,
+        ``probe.before_commit`` (``slow-save``), :meth:`commit`. The caller reports the outcome and
+        moves the probe back to ``phase("step")``. Returns :attr:`ok`."""
+        err: Any = None
+        try:
+            if probe is not None:
+                probe.phase("checkpoint", self.step)
+        except OSError as e:
+            err = e
+        if not self.begin(err):
+            return False
+        if probe is not None:
+            probe.in_save(self.step)
+        try:
+            write(self.path)
+        except Exception as e:  # noqa: BLE001 - OSError, the engine's own errors: a failed save, not a crash
+            err = e
+        if err is None and probe is not None:
+            probe.before_commit(self.step)
+        return self.commit(err)
+
     def _fail(self, error: Any) -> bool:
         self.abort(error)
         return False

@@ -39,6 +39,9 @@ class Engine:
     sidecars: str | None = None
     # a folder of <name>.toml recipes this engine ships (`ptops launch NAME`); ptops' own names win a clash
     recipes_dir: str | os.PathLike | None = None
+    # the run is complete when every rank exits 0, whatever step it reached (a user's script decides its
+    # own length; the recipe's train.steps then only sizes progress and the hang monitor's last step)
+    complete_on_exit: bool = False
 
 
 @dataclass(frozen=True)

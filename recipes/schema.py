@@ -275,6 +275,24 @@ def load(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tup
     return validate(data, str(path)), path
 
 
+def command_recipe_toml(command: list[str], cwd: str | Path) -> str:
+    """The recipe ``ptops launch [options] -- COMMAND...`` runs (engine ``script``), as TOML text: the run
+    directory keeps it as ``recipe.toml``, so ``ptops launch RUN/recipe.toml`` runs it again."""
+    if not command or not command[0].strip():
+        raise RecipeError("ptops launch -- COMMAND: the command after -- is empty (e.g. -- python train.py)")
+    py = next((a for a in command if a.endswith(".py")), None)
+    stem = Path(py).stem if py else Path(command[0]).name
+    if py and Path(py).parent.name not in ("", "."):
+        stem = f"{Path(py).parent.name}-{stem}"  # examples/fsdp2/train.py -> fsdp2-train
+    if "-m" in command[:-1]:
+        stem = command[command.index("-m") + 1].rsplit(".", 1)[-1]
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem).strip("-.") or "script"
+    words = ", ".join(json.dumps(a) for a in command)
+    about = json.dumps("ptops launch -- " + " ".join(command))
+    return (f'name = {json.dumps(name)}\nengine = "script"\ndescription = {about}\n\n'
+            f"[script]\ncommand = [{words}]\ncwd = {json.dumps(str(Path(cwd).resolve()))}\n")
+
+
 def _check_moved(data: dict, origin: str) -> None:
     """An old flat key fails with the key it moved to (instead of a bare "unknown key")."""
     for old, new in MOVED_KEYS.items():

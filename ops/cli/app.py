@@ -70,9 +70,21 @@ def _root(
     pass
 
 
-@app.command()
+class _LaunchCommand(_EnginesCommand):
+    """Everything after ``--`` is the user's command (``ptops launch --supervise -- python train.py ARGS``)."""
+
+    def parse_args(self, ctx, args):  # type: ignore[no-untyped-def]
+        if "--" in args:
+            i = args.index("--")
+            ctx.meta["ptops.command"] = list(args[i + 1:])
+            args = list(args[:i])
+        return super().parse_args(ctx, args)
+
+
+@app.command(cls=_LaunchCommand)
 def launch(
-    recipe: Annotated[str, typer.Argument(help="Recipe TOML file, or the name of a shipped recipe (titan-tiny, trl-sft-tiny, ...).")],
+    ctx: typer.Context,
+    recipe: Annotated[Optional[str], typer.Argument(help="Recipe TOML file, or the name of a shipped recipe (titan-tiny, trl-sft-tiny, ...). Or none, and your own command after --.")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory; rerunning on an existing one resumes it. Default: runs/<recipe>-<timestamp>.")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key, e.g. --set train.steps=30 (repeatable; values parse as TOML).")] = [],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate without GPUs and start nothing: the schema, the resolved recipe and rank command; for TorchTitan recipes also the parallel degrees against the world, the planner's memory fit and TorchTitan's fake-backend build of the real parallelisation; for TRL recipes the model on the meta device, LoRA targets, the TRL config and a per-GPU memory estimate.")] = False,
@@ -96,7 +108,16 @@ def launch(
 ) -> None:
     """Run a recipe's ranks with torchrun, checkpoint as the recipe says, resume on rerun.
 
+    Your own training script: put its command after --. Each of launch.nproc ranks runs it (torchrun's
+    RANK, WORLD_SIZE, MASTER_ADDR set); a Python script runs inside the rank, so without any change it
+    gets crash and hang detection with every rank's stacks, restarts, goodput and `ptops diagnose`;
+    with `import ptops.rank` (step records, checkpoint/resume, rollback) also monitors, numeric
+    rollback, a save on preemption and exact resume. The run is complete when the script exits 0 on
+    every rank. See examples/README.md.
+
     Examples:\n
+      ptops launch --supervise -- python examples/fsdp2/train.py --steps 12\n
+      ptops launch --supervise --set launch.nproc=4 --fault crash:rank=1,step=6 -- python train.py --lr 3e-4\n
       ptops launch titan-tiny --run-dir runs/demo\n
       ptops launch recipes/trl-grpo-tiny.toml --set train.steps=40 --set launch.nproc=2\n
       ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run\n
@@ -110,6 +131,11 @@ def launch(
     from ptops.recipes.schema import RecipeError, dump_json, load
 
     faults = parse_faults(fault)
+    command = ctx.meta.get("ptops.command")
+    if command is not None and recipe is not None:
+        fail(f"give a recipe ({recipe}) or a command after --, not both")
+    if command is None and recipe is None:
+        fail("missing a recipe, or your own command after -- (e.g. ptops launch --supervise -- python train.py)")
     if slurm and not supervise:
         fail("--slurm: add --supervise (a Slurm job always runs under the supervisor)")
     try:
@@ -118,6 +144,8 @@ def launch(
             from ptops.ops.slurm.commands import SlurmError
 
             set_ = [*set_, *slurm_cli.overrides(nodes, gpus_per_node, spare_nodes, partition, time_limit, account, qos)]
+        if command is not None:
+            recipe = _command_recipe(command)
         rec, path = load(recipe, set_)
         target = run_dir or launcher.default_run_dir(rec)
         if slurm:
@@ -166,6 +194,21 @@ def launch(
     finally:
         exporters.close()
     raise typer.Exit(code)
+
+
+def _command_recipe(command: list[str]) -> str:
+    """``-- COMMAND...`` as a recipe file of engine ``script`` (removed when this process ends)."""
+    import atexit
+    import os
+    import tempfile
+
+    from ptops.recipes.schema import command_recipe_toml
+
+    fd, tmp = tempfile.mkstemp(prefix="ptops-script-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write(command_recipe_toml(command, Path.cwd()))
+    atexit.register(lambda: Path(tmp).unlink(missing_ok=True))
+    return tmp
 
 
 @app.command(cls=_EnginesCommand, help="List the engines (ptops' own and those other packages install: "

@@ -190,7 +190,7 @@ class AttemptMixin:
 
     def _after_exit(self, rc: int, attempt: int) -> Outcome:
         self.step = max(self.step, launcher.completed_step(self.run))
-        if rc == 0 and self.step >= self.recipe.train.steps:
+        if rc == 0 and (self.step >= self.recipe.train.steps or completes_on_exit(self.recipe)):
             return Outcome("completed")
         if rc == 0:
             reason = f"torchrun exited 0 at step {self.step} of {self.recipe.train.steps}"
@@ -226,3 +226,10 @@ class AttemptMixin:
         except OSError:
             text = ""
         return root_cause(self.blame.first, text, self.proc.returncode if self.proc else None)
+
+
+def completes_on_exit(recipe) -> bool:
+    """An engine whose ranks decide the run's length (a user's script): exit 0 everywhere is completion."""
+    from ptops.recipes.engines import get
+
+    return get(recipe.engine).complete_on_exit

@@ -50,7 +50,7 @@ from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
 from ptops.ops.supervisor import launcher, monitorfeed, procs
 from ptops.ops.supervisor.actions import FindingActions
-from ptops.ops.supervisor.attempt import AttemptMixin
+from ptops.ops.supervisor.attempt import AttemptMixin, completes_on_exit
 from ptops.ops.supervisor.blame import Blame
 from ptops.ops.supervisor.channel import ChannelServer
 from ptops.ops.supervisor.hangs import HangMixin
@@ -217,6 +217,11 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         # went bad must redo its last steps); the ranks get the choice (PTOPS_RESUME_FROM)
         self.good = self._good_checkpoint_for_restart()
         done = launcher.completed_step(self.run)
+        if prev.get("state") == RunState.COMPLETED and completes_on_exit(self.recipe):
+            self.state = RunState.COMPLETED
+            self.step = done
+            self.say("already complete (its script exited 0 on every rank); nothing to do")
+            return EXIT_DONE
         if done >= self.recipe.train.steps and self.good and self.good["step"] >= self.recipe.train.steps:
             self.state = RunState.COMPLETED
             self.step = done
