@@ -8,24 +8,40 @@
 # (bench/gpu_check.py) where it imports. Results: bench/results/gpu_check*.json (copied to $OUT when
 # the device tool sets it, with the stages' log). Without a CUDA GPU it prints one line and exits 0.
 #   bash scripts/gpu_check.sh [RUNS_DIR] [--stages script,trl,titan] [--budget S] [--trl-recipes a,b]
+#   bash scripts/gpu_check.sh --install-only   (GPU or not: install, print the environment line, run nothing)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+INSTALL_ONLY=0
+[ "${1:-}" = "--install-only" ] && { INSTALL_ONLY=1; shift; }
+cuda='import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'
+if [ $INSTALL_ONLY = 0 ] && ! "$PY" -c "$cuda" >/dev/null 2>&1; then
   echo "gpu_check: no CUDA GPU here (torch.cuda.is_available() is false): nothing run"
   exit 0
 fi
 if compgen -G ".whl/*.whl" >/dev/null; then
+  # the carried wheels, then ptops from this checkout (what travelled, not a wheel built earlier); the
+  # carried ptops wheel only where the image cannot build it
   SITE=${GPU_CHECK_SITE:-/tmp/ptops-site}
   t0=$SECONDS
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-    || { echo "gpu_check: installing the carried wheels (.whl/) failed" >&2; exit 2; }
+  pipt() {
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"
+  }
+  mapfile -t deps < <(ls .whl/*.whl | grep -v '/ptops-')
+  pipt "${deps[@]}" || { echo "gpu_check: installing the carried wheels (.whl/) failed" >&2; exit 2; }
+  if ! pipt --no-build-isolation . >/dev/null 2>&1; then
+    echo "gpu_check: could not build ptops from this checkout here; using the carried .whl/ptops-*.whl" >&2
+    pipt .whl/ptops-*.whl || { echo "gpu_check: no ptops to install" >&2; exit 2; }
+  fi
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
-  echo "gpu_check: carried wheels installed into $SITE in $((SECONDS - t0)) s"
+  echo "gpu_check: carried wheels and ptops installed into $SITE in $((SECONDS - t0)) s"
 fi
 "$PY" -c 'import ptops' 2>/dev/null \
   || { echo "gpu_check: ptops does not import: carry .whl (bash scripts/gpu_wheels.sh)" >&2; exit 2; }
+if [ $INSTALL_ONLY = 1 ]; then  # to run one driver by hand after it: eval the printed line
+  echo "export PYTHONPATH=${PYTHONPATH:-} PATH=$PATH"; exit 0
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 LOG=$(mktemp /tmp/gpu_check.XXXX.log)
 "$PY" bench/gpu_check_all.py --log "$LOG" "$@"

@@ -6,8 +6,7 @@ import os
 import subprocess
 import sys
 import time
-
-import pytest
+from pathlib import Path
 
 from conftest import REPO
 
@@ -128,8 +127,11 @@ def test_a_stage_over_its_budget_is_cut_with_its_process_group():
     assert r["status"] == "cut" and r["wall_s"] < 30
     pid = int(next(ln for ln in r["tail"] if ln.startswith("child")).split()[1])
     time.sleep(0.5)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    try:  # gone, or a zombie that no one has reaped yet (killed all the same)
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z", "X"), state
     assert run_stage("quick", [sys.executable, "-c", "print('fine')"], budget=30)["status"] == "ok"
 
 
