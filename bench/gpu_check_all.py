@@ -71,8 +71,12 @@ def titan_why_not(py: str = sys.executable) -> str | None:
     """None when TorchTitan's trainer imports with this torch, else why the stage is skipped."""
     code = ("import torch, sys\nprint(torch.__version__)\n"
             "try:\n    import torchtitan.train\nexcept Exception as e:\n"
-            "    print(type(e).__name__ + ': ' + str(e).splitlines()[0] if str(e) else type(e).__name__); sys.exit(3)\n")
-    p = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=180, cwd=REPO)
+            "    print(type(e).__name__ + (': ' + str(e).splitlines()[0] if str(e) else ''))\n"
+            "    sys.exit(3)\n")
+    try:
+        p = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=180, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return "importing torchtitan.train took over 180 s"
     lines = p.stdout.strip().splitlines()
     if p.returncode == 0:
         return None
@@ -80,23 +84,25 @@ def titan_why_not(py: str = sys.executable) -> str | None:
     err = lines[-1] if len(lines) > 1 else (p.stderr.strip().splitlines() or ["?"])[-1]
     if "No module named 'torchtitan'" in err:
         return (f"torchtitan is not installed (torch {torch}); TorchTitan 0.3 needs torch >= 2.13 "
-                "(on torch 2.11 it does not import: DataParallelMeshDims), and a torch CUDA wheel cannot be carried")
+                "(on torch 2.11 it does not import: DataParallelMeshDims), and a torch CUDA wheel cannot be "
+                "carried")
     return f"torchtitan does not import on torch {torch}: {err}"
 
 
 def versions(py: str = sys.executable) -> dict:
     code = ("import json, importlib.metadata as md, platform\nout = {'python': platform.python_version()}\n"
-            "for n in ('torch', 'transformers', 'trl', 'datasets', 'accelerate', 'peft', 'tokenizers', 'ptops',"
+            "for n in ('torch', 'transformers', 'trl', 'datasets', 'accelerate', 'peft', 'tokenizers',"
+            " 'ptops',"
             " 'nvidia-ml-py', 'pydantic', 'py-spy'):\n"
             "    try: out[n] = md.version(n)\n    except Exception: out[n] = None\n"
             "import torch\nout['cuda'] = torch.version.cuda\n"
             "out['gpu'] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None\n"
             "print(json.dumps(out))\n")
-    p = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=180)
     try:
+        p = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=180)
         return json.loads(p.stdout)
-    except ValueError:
-        return {"error": p.stderr.strip()[-300:]}
+    except (ValueError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)[-300:]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     log = Path(a.log) if a.log else None
     out = RESULTS / "gpu_check_summary.json"
-    res: dict = {"when": time.strftime("%Y%m%d-%H%M%S"), "versions": versions(), "budget_s": a.budget, "stages": {}}
+    res: dict = {"when": time.strftime("%Y%m%d-%H%M%S"), "versions": versions(), "budget_s": a.budget,
+                 "stages": {}}
 
     def write() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
     py = sys.executable
     plan = {
-        "script": ([py, "bench/gpu_check_script.py", str(runs / "script")], "bench/results/gpu_check_script.json"),
+        "script": ([py, "bench/gpu_check_script.py", str(runs / "script")],
+                   "bench/results/gpu_check_script.json"),
         "trl": ([py, "bench/gpu_check_trl.py", str(runs / "trl"), "--recipes", a.trl_recipes],
                 "bench/results/gpu_check_trl.json"),
         "titan": ([py, "bench/gpu_check.py", str(runs / "titan")], "bench/results/gpu_check.json"),
@@ -131,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         if name == "titan" and (why := titan_why_not(py)) is not None:
             res["stages"][name] = {"status": "skipped", "reason": why}
         elif left < 20:
-            res["stages"][name] = {"status": "cut", "reason": f"no time left ({left:.0f} s of {a.budget:.0f})"}
+            res["stages"][name] = {"status": "cut",
+                                   "reason": f"no time left ({left:.0f} s of {a.budget:.0f})"}
         else:
             res["stages"][name] = {**run_stage(name, argv_, min(BUDGETS[name], left), log), "result": result}
-        print(f"gpu_check: {name}: {res['stages'][name]['status']}"
-              f" {res['stages'][name].get('wall_s', '')}{' s' if 'wall_s' in res['stages'][name] else ''}"
-              f"{' (' + res['stages'][name]['reason'] + ')' if 'reason' in res['stages'][name] else ''}", flush=True)
+        st = res["stages"][name]
+        took = f" {st['wall_s']} s" if "wall_s" in st else ""
+        why = f" ({st['reason']})" if "reason" in st else ""
+        print(f"gpu_check: {name}: {st['status']}{took}{why}", flush=True)
         write()
     res["ok"] = all(s["status"] in ("ok", "skipped") for s in res["stages"].values())
     write()
