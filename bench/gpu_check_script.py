@@ -61,9 +61,11 @@ def _free_port() -> int:
 
 
 def scrape_then_release(run: Path, port: int, gpu: bool, deadline: float, out: dict) -> None:
-    """Scrape /metrics while the run is held before step HOLD, until a step record is exported (and on a
-    GPU the ``ptops_gpu_*`` series too), then release the hold. Records the families that had samples."""
+    """Scrape /metrics while the run is held before step HOLD until a step record is exported (on a GPU:
+    and the ``ptops_gpu_*`` series, or 3 more scrapes without), then release the hold. Records the
+    families that had samples."""
     fams: set[str] = set()
+    seen = 0
     while time.monotonic() < deadline:
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -72,8 +74,10 @@ def scrape_then_release(run: Path, port: int, gpu: bool, deadline: float, out: d
             continue
         fams = {m.group(1) for m in re.finditer(r"^(ptops_\w+?)(?:_total)?(?:\{| )", text, re.M)}
         out["scrapes"] = out.get("scrapes", 0) + 1
-        if "ptops_loss" in fams and (not gpu or any(f.startswith("ptops_gpu_") for f in fams)):
-            break
+        if "ptops_loss" in fams:  # a step exported; NVML is read at each scrape: a few more, no longer
+            seen += 1
+            if not gpu or seen > 3 or any(f.startswith("ptops_gpu_") for f in fams):
+                break
         time.sleep(0.5)
     out["families"] = sorted(fams)
     out["nvml_families"] = sorted(f for f in fams if f.startswith("ptops_gpu_"))
