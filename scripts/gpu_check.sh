@@ -28,19 +28,21 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   pipt() {
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"
   }
+  # one pip call: a second one into the same target replaces its bin/ (py-spy's binary would go)
   mapfile -t deps < <(ls .whl/*.whl | grep -v '/ptops-')
-  pipt "${deps[@]}" || { echo "gpu_check: installing the carried wheels (.whl/) failed" >&2; exit 2; }
-  if ! pipt --no-build-isolation . >/dev/null 2>&1; then
+  if ! pipt --no-build-isolation "${deps[@]}" . >/dev/null 2>&1; then
     echo "gpu_check: could not build ptops from this checkout here; using the carried .whl/ptops-*.whl" >&2
-    pipt .whl/ptops-*.whl || { echo "gpu_check: no ptops to install" >&2; exit 2; }
+    pipt .whl/*.whl || { echo "gpu_check: installing the carried wheels (.whl/) failed" >&2; exit 2; }
   fi
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+  # PYTHONSAFEPATH: `python -m ptops` in the repository root must not import its source folder ptops/
+  # (the installed package maps ops/, recipes/, ... into it; the folder alone does not)
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH" PYTHONSAFEPATH=1
   echo "gpu_check: carried wheels and ptops installed into $SITE in $((SECONDS - t0)) s"
 fi
 "$PY" -c 'import ptops' 2>/dev/null \
   || { echo "gpu_check: ptops does not import: carry .whl (bash scripts/gpu_wheels.sh)" >&2; exit 2; }
 if [ $INSTALL_ONLY = 1 ]; then  # to run one driver by hand after it: eval the printed line
-  echo "export PYTHONPATH=${PYTHONPATH:-} PATH=$PATH"; exit 0
+  echo "export PYTHONPATH=${PYTHONPATH:-} PATH=$PATH PYTHONSAFEPATH=${PYTHONSAFEPATH:-}"; exit 0
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 LOG=$(mktemp /tmp/gpu_check.XXXX.log)
