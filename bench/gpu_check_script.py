@@ -212,7 +212,7 @@ def main() -> int:
         scrape: dict = {}
         res["async"] = launch(a, [*sargs, "--async-ckpt", "--ckpt-dir", str(a / "checkpoints")],
                               "--metrics-port", str(_free_port()), "--fault", f"hold:step={HOLD},seconds=120",
-                              scrape=scrape, gpu=gpu)
+                              scrape=scrape, gpu=gpu, timeout=120)
         res["async"]["exporter"] = scrape
         write()
 

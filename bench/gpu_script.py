@@ -127,8 +127,10 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     d = args.dim
-    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-                            for _ in range(args.layers)]).to(device)
+    def block() -> nn.Module:
+        return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    model = nn.Sequential(*[block() for _ in range(args.layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     params = sum(p.numel() for p in model.parameters())
     saver = AsyncSaver(Path(args.ckpt_dir), args.keep, pinned=cuda) if args.async_ckpt else None

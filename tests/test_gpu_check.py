@@ -87,18 +87,23 @@ def test_trl_gpu_check_driver_on_cpu_smoke(tmp_path):
 
 # ---- the one-call GPU check: wheelhouse, stage budgets, the own-script stage (issue 22 point 6)
 
+def _wheels(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/gpu_wheels.sh", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
 def test_gpu_wheels_dry_run_pins_what_the_image_lacks_from_the_lock():
     """Every carried wheel is pinned by constraints.txt, and the [trl] extra's floors are met (the image's
     transformers 5.17 / tokenizers 0.23.2 are older than the extra allows, so they travel)."""
-    p = subprocess.run(["bash", "scripts/gpu_wheels.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+    p = _wheels("--dry-run")
     assert p.returncode == 0, p.stderr
     pins = dict(ln.split("==") for ln in p.stdout.splitlines() if "==" in ln)
-    lock = {ln.split("==")[0].lower().replace("_", "-"): ln.split("==")[1].strip()
-            for ln in (REPO / "constraints.txt").read_text().splitlines() if "==" in ln and not ln.startswith("#")}
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    norm = lambda n: n.lower().replace("_", "-")  # noqa: E731
+    lock = {norm(ln.split("==")[0]): ln.split("==")[1].strip() for ln in lines if "==" in ln}
     assert {"trl", "datasets", "transformers", "tokenizers", "pydantic", "py-spy", "typer"} <= set(pins)
     for name, version in pins.items():
-        assert lock[name.lower().replace("_", "-")] == version, name
+        assert lock[norm(name)] == version, name
     assert tuple(map(int, pins["transformers"].split(".")[:2])) >= (5, 24)
     assert "torch" not in pins and "ptops" in p.stdout
 
@@ -106,12 +111,10 @@ def test_gpu_wheels_dry_run_pins_what_the_image_lacks_from_the_lock():
 def test_gpu_wheels_size_check_refuses_an_oversized_wheelhouse(tmp_path):
     (tmp_path / "big.whl").write_bytes(b"")
     os.truncate(tmp_path / "big.whl", 41 * 1048576)  # sparse: its apparent size counts, as on the wire
-    p = subprocess.run(["bash", "scripts/gpu_wheels.sh", "--check", str(tmp_path)], cwd=REPO, capture_output=True,
-                       text=True, timeout=60)
+    p = _wheels("--check", str(tmp_path))
     assert p.returncode == 1 and "over the 40 MiB cap" in p.stderr
     os.truncate(tmp_path / "big.whl", 39 * 1048576)
-    p = subprocess.run(["bash", "scripts/gpu_wheels.sh", "--check", str(tmp_path)], cwd=REPO, capture_output=True,
-                       text=True, timeout=60)
+    p = _wheels("--check", str(tmp_path))
     assert p.returncode == 0 and "39 MiB" in p.stdout
 
 
@@ -136,8 +139,8 @@ def test_a_stage_over_its_budget_is_cut_with_its_process_group():
 
 
 def test_titan_stage_is_skipped_with_the_import_error(tmp_path, monkeypatch):
-    """Where TorchTitan does not import (the H200 image's torch 2.11), the stage records why instead of failing.
-    The real error cannot happen on this machine's torch, so a package of that name raises it."""
+    """Where TorchTitan does not import (the H200 image's torch 2.11), the stage records why, not a failure.
+    That error cannot happen with this machine's torch, so a package of that name raises it."""
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_check_all import titan_why_not
 
@@ -152,9 +155,9 @@ def test_titan_stage_is_skipped_with_the_import_error(tmp_path, monkeypatch):
 
 
 def test_script_stage_driver_on_cpu_smoke(tmp_path):
-    """The own-script stage's three launches on CPU (gloo, one rank, a tiny MLP): a declared world of one
-    runs; async saves; the exporter scraped while the run is held, then released; a crash restarted from
-    the warm pool, a hang with stacks named by diagnose; an OOM classified by diagnose."""
+    """The own-script stage's two launches on CPU (gloo, one rank, a tiny MLP), side by side: a declared world
+    of one runs; async saves commit; the exporter is scraped while the run is held, then released; a crash
+    restarts from the warm pool, a hang leaves stacks and diagnose names it, an OOM is classified."""
     import json
 
     p = subprocess.run([sys.executable, "bench/gpu_check_script.py", "--cpu-smoke", str(tmp_path)], cwd=REPO,
@@ -163,7 +166,8 @@ def test_script_stage_driver_on_cpu_smoke(tmp_path):
     assert p.returncode == 0, json.dumps(res.get("summary"), indent=1) + p.stderr[-2000:] + p.stdout[-2000:]
     s = res["summary"]
     assert s["ok"] and s["world_of_one_accepted"] and s["warm_restart"] and s["hang_stacks"]
-    assert s["diagnose_names_hang"] and s["oom_classified"] and s["resumed_from_step"] == 4
+    assert s["diagnose_names_hang"] and s["oom_classified"] and s["crash_resumed_from"] == 4
     assert s["sync_blocking_s_median"] > 0 and s["async_blocking_s_median"] > 0
     assert "ptops_loss" in res["async"]["exporter"]["families"] and res["async"]["exporter"]["released"]
-    assert res["sync"]["restarts"] == 2 and res["async"]["steps_recorded"][-1] == 10
+    assert res["sync"]["restarts"] == 3 and res["async"]["steps_recorded"][-1] == 10
+    assert [la["ranks_from"] for la in res["sync"]["launches"][1:]] == ["warm"] * 3
