@@ -127,6 +127,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     d = args.dim
+
     def block() -> nn.Module:
         return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
