@@ -279,7 +279,8 @@ def save(step: int, model: Any, optimizer: Any, *, extra: dict | None = None,
     txn = SaveTransaction(root, step, name=f"step-{int(step)}", leader=rank() == 0, agree=_any_rank,
                           world_size=world_size(), keep=keep)
     t0 = time.monotonic()
-    txn.run(lambda path: dcp.save(_state_dict(model, optimizer, extra), checkpoint_id=str(path)), probe=_probe)
+    txn.run(lambda path: dcp.save(_state_dict(model, optimizer, extra), checkpoint_id=str(path)),
+            probe=_probe)
     total = round(time.monotonic() - t0, 4)
     if txn.ok:
         _event("checkpoint", step=int(step), path=str(txn.path), blocking_s=total, total_s=total, mode="sync")

@@ -40,7 +40,7 @@ class Engine:
     # a folder of <name>.toml recipes this engine ships (`ptops launch NAME`); ptops' own names win a clash
     recipes_dir: str | os.PathLike | None = None
     # the run is complete when every rank exits 0, whatever step it reached (a user's script decides its
-    # own length; the recipe's train.steps then only sizes progress and the hang monitor's last step)
+    # own length; the recipe's train.steps then only sizes the progress line)
     complete_on_exit: bool = False
 
 

@@ -1,11 +1,12 @@
 """Your own training script under ptops (issue 22, point 3): ``ptops launch --supervise -- python train.py``.
 
-Real runs, 2 gloo ranks on CPU, shared through module-scoped fixtures (6 launches in all):
+Real runs, 2 gloo ranks on CPU, made once for the module, three at a time (6 runs in all):
 
 - the README's first command (examples/fsdp2, 12 steps, uninterrupted): the FSDP2 reference digest;
 - examples/fsdp2 with a crash (rank 1, step 6) and, in attempt 2, a SIGSTOP (rank 0, step 10), shipped hang
   settings: restarted twice, final digest = the reference's;
-- examples/accelerate: its reference and the same faulted run;
+- examples/accelerate: its reference (plain torchrun, no ptops: the script runs on its own) and the same
+  faulted run plus a preemption in attempt 3 (saved on request, exit 143, relaunched: resumed exactly);
 - examples/fsdp2 with a NaN loss at step 5: rolled back to step 4, lr x 0.5, completed;
 - a script with no ptops API at all: a crash in attempt 1 and a Python hang in attempt 2 (at optimizer
   steps, which ptops counts without the API); restarted, the hang diagnosed with the script's stack.
@@ -19,8 +20,10 @@ from __future__ import annotations
 import ast
 import json
 import re
+import os
 import shlex
 import subprocess
+import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PTOPS, REPO, run_ptops
+from ptops.ops.supervisor.launcher import free_port
 
 FAST = ["--no-mlflow", "--set", "supervisor.restart.backoff_s=0.2"]  # hang settings stay the shipped ones
 WARM = ["--set", "supervisor.restart.warm_spare=true"]  # restarts fork ranks with torch imported (2-core box)
@@ -116,21 +120,39 @@ def runs(tmp_path_factory):
     script.write_text(textwrap.dedent(NO_API))
     plan = {  # the longest first
         "fsdp2-faulted": _launch_argv(root / "fsdp2-faulted", *CHAOS, command=FSDP2),
-        "accel-faulted": _launch_argv(root / "accel-faulted", *CHAOS, command=ACCEL),
+        # ... and a preemption in attempt 3 (SIGTERM at step 9; the ranks are held before step 10 until the
+        # stop request reaches them): every rank saves step 9 or 10 on request, the launch exits 143, the
+        # same command again resumes
+        "accel-faulted": _launch_argv(root / "accel-faulted", *CHAOS, "--fault", "preempt:step=9,attempt=3",
+                                      "--fault", "hold:step=10,attempt=3", command=ACCEL),
         "no-api": _launch_argv(root / "no-api", *WARM, "--fault", "crash:rank=1,step=3",
-                               "--fault", "hang:rank=0,step=4,attempt=2", command=["python", str(script), "6"]),
+                               "--fault", "hang:rank=0,step=4,attempt=2",
+                               command=["python", str(script), "6"]),
         "fsdp2-nan": _launch_argv(root / "fsdp2-nan", *WARM, "--set", "checkpoint.interval=2",
                                   "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=5",
                                   command=["python", "examples/fsdp2/train.py", "--steps", "6"]),
         "fsdp2-ref": _readme_argv(root / "fsdp2-ref"),
-        "accel-ref": _launch_argv(root / "accel-ref", command=ACCEL),
+        # the Accelerate reference runs without ptops at all (plain torchrun, in its own folder): the script
+        # stays runnable on its own, its checkpoints land in ./checkpoints with the same layout
+        "accel-ref": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                      "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                      str(REPO / "examples" / "accelerate" / "train.py"), *ACCEL[2:]],
     }
+    (root / "accel-ref").mkdir()
 
-    def one(argv: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
+    def one(name: str) -> subprocess.CompletedProcess:
+        cwd = root / name if name == "accel-ref" else REPO
+        run = lambda: subprocess.run(plan[name], cwd=cwd, capture_output=True, text=True, timeout=900,  # noqa: E731
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = run()
+        if name == "accel-faulted":  # preempted: the same command again resumes the run
+            first = proc
+            assert first.returncode == 143, f"accel-faulted: exit {first.returncode}\n{first.stderr[-4000:]}"
+            proc = run()
+        return proc
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        done = dict(zip(plan, pool.map(one, plan.values())))
+        done = dict(zip(plan, pool.map(one, plan)))
     return {name: (root / name, proc) for name, proc in done.items()}
 
 
@@ -140,7 +162,7 @@ def _ok(runs: dict, name: str) -> Path:
     return run
 
 
-def _check_recovered(run: Path, ref: Path) -> None:
+def _check_recovered(run: Path, ref: Path, attempts: int = 3) -> None:
     crashes, hangs = _kinds(run, "crash"), _kinds(run, "hang")
     assert [c["attempt"] for c in crashes] == [1] and crashes[0]["rank"] == 1, crashes
     assert [h["attempt"] for h in hangs] == [2] and 0 in hangs[0]["ranks"], hangs
@@ -148,7 +170,7 @@ def _check_recovered(run: Path, ref: Path) -> None:
     assert [r["from_step"] for r in restarts] == [4, 8], restarts
     assert _kinds(run, "completed")
     st = json.loads((run / "status.json").read_text())
-    assert st["state"] == "completed" and st["attempt"] == 3, st
+    assert st["state"] == "completed" and st["attempt"] == attempts, st
     # exact resume: the same model and optimizer as the uninterrupted run
     assert (run / "checkpoints" / "step-12").is_dir()
     assert _digest(run) == _digest(ref)
@@ -156,19 +178,18 @@ def _check_recovered(run: Path, ref: Path) -> None:
 
 def test_readme_first_command_runs_and_checkpoints_digestibly(runs):
     ref = _ok(runs, "fsdp2-ref")
-    st = json.loads(run_ptops("status", str(ref), "--json").stdout)
+    st = json.loads((ref / "status.json").read_text())
     assert st["state"] == "completed" and st["attempt"] == 1, st
     recipe = json.loads((ref / "recipe.json").read_text())
-    assert recipe["engine"] == "script" and recipe["script"]["command"][:2] == ["python", "examples/fsdp2/train.py"]
+    assert recipe["engine"] == "script"
+    assert recipe["script"]["command"][:2] == ["python", "examples/fsdp2/train.py"]
     assert (ref / "recipe.toml").is_file()
     # the API's step records reached the monitors' stream; default interval 10 plus the last step
     recs = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in recs}) == list(range(1, 13))
     assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in recs)
     assert [e["step"] for e in _kinds(ref, "checkpoint")] == [10, 12]
-    v = run_ptops("ckpt", "verify", str(ref / "checkpoints" / "step-12"))
-    assert v.returncode == 0, v.stdout + v.stderr
-    d = run_ptops("ckpt", "digest", str(ref))  # the CLI reads the API's checkpoints
+    d = run_ptops("ckpt", "digest", str(ref))  # the CLI reads (and verifies) the API's checkpoints
     assert d.returncode == 0 and d.stdout.split()[-1] == _digest(ref), d.stderr
 
 
@@ -177,7 +198,15 @@ def test_fsdp2_recovers_crash_and_sigstop_to_the_reference_digest(runs):
 
 
 def test_accelerate_recovers_crash_and_sigstop_to_the_reference_digest(runs):
-    _check_recovered(_ok(runs, "accel-faulted"), _ok(runs, "accel-ref"))
+    plain = _ok(runs, "accel-ref")
+    assert sorted(p.name for p in (plain / "checkpoints").glob("step-*")) == ["step-10", "step-12"]
+    run = _ok(runs, "accel-faulted")
+    # the preemption: a save on request (step 9 or 10, neither an interval step), a stop, a resume from it
+    stopped = [e["step"] for e in _kinds(run, "stopped")]
+    assert len(stopped) == 1 and stopped[0] in (9, 10), _kinds(run, "stopped")
+    assert stopped[0] in [e["step"] for e in _kinds(run, "checkpoint") if e.get("attempt") == 3]
+    assert [e["from_step"] for e in _kinds(run, "launch") if e["attempt"] == 4] == stopped
+    _check_recovered(run, plain / "checkpoints", attempts=4)
 
 
 def test_nan_rolls_back(runs):
@@ -203,24 +232,33 @@ def test_a_script_without_the_api_is_restarted_and_its_hang_diagnosed_with_stack
     rep = json.loads(d.stdout)
     hang = [i for i in rep["incidents"] if i["kind"] == "hang"]
     assert len(hang) == 1 and hang[0]["rank"] == 0 and hang[0]["runbook"] == "TrainingHang", hang
-    stacks = json.dumps(hang[0]["details"]["stacks"])
-    assert "plain_train.py" in stacks and "_hang" in stacks  # the script's own frame, under the fault
-    human = run_ptops("diagnose", str(run)).stdout
-    assert "hang" in human.lower() and "plain_train.py" in human
+    frames = hang[0]["details"]["stacks"]["frames"]
+    # the stuck rank's stack: the script's own line (its optimizer.step, where ptops counts the step), then
+    # the fault; the other rank waits in the script's all_reduce
+    assert any("plain_train.py" in f for f in frames["0"]) and frames["0"][-1].startswith("_hang"), frames
+    assert any("plain_train.py" in f for f in frames["1"]), frames
+    assert frames["1"][-1].startswith("all_reduce"), frames
 
 
 def test_cli_help_and_errors():
-    h = run_ptops("launch", "--help")
-    assert h.returncode == 0 and "-- python examples/fsdp2/train.py" in h.stdout
-    both = run_ptops("launch", "titan-tiny", "--", "python", "x.py")
-    assert both.returncode == 2 and "not both" in both.stderr
-    none = run_ptops("launch")
-    assert none.returncode == 2 and "-- python train.py" in none.stderr
-    dry = run_ptops("launch", "--dry-run", "--set", "launch.nproc=3", "--", "python", "-u", "my_train.py", "--x")
-    assert dry.returncode == 0, dry.stderr
-    rec = json.loads(dry.stdout[:dry.stdout.rindex("}") + 1])
+    from typer.testing import CliRunner
+
+    from ptops.ops.cli.app import app
+
+    cli = CliRunner()
+    h = cli.invoke(app, ["launch", "--help"])
+    assert h.exit_code == 0 and "-- python examples/fsdp2/train.py" in h.output
+    both = cli.invoke(app, ["launch", "titan-tiny", "--", "python", "x.py"])
+    assert both.exit_code == 2 and "not both" in both.output
+    none = cli.invoke(app, ["launch"])
+    assert none.exit_code == 2 and "-- python train.py" in none.output
+    dry = cli.invoke(app, ["launch", "--dry-run", "--set", "launch.nproc=3",
+                           "--", "python", "-u", "my_train.py", "--x"])
+    assert dry.exit_code == 0, dry.output
+    rec = json.loads(dry.output[:dry.output.rindex("}") + 1])
     assert rec["engine"] == "script" and rec["script"]["command"] == ["python", "-u", "my_train.py", "--x"]
     assert rec["launch"]["nproc"] == 3 and rec["name"] == "my_train"
+    assert rec["script"]["cwd"] == str(Path.cwd())
 
 
 def test_python_target_parsing():
@@ -238,3 +276,48 @@ def test_public_rank_api_imports_only_ckpt_and_the_rollback_contract():
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert {m for m in mods if m.startswith("ptops")} == {"ptops.ckpt", "ptops.recipes.rollback"}
+
+
+def test_one_save_path_runs_the_probe_hooks_in_order_and_aborts_a_failed_save(tmp_path):
+    """``SaveTransaction.run`` (ckpt/lifecycle.py): what every engine's save does around its writer."""
+    from ptops.ckpt import SaveTransaction, latest_good
+
+    calls: list[str] = []
+
+    class Probe:
+        def __init__(self, fail_phase: bool = False) -> None:
+            self.fail_phase = fail_phase
+
+        def phase(self, name: str, step: int) -> None:
+            calls.append(f"phase:{name}:{step}")
+            if self.fail_phase:
+                raise OSError(28, "No space left on device")
+
+        def in_save(self, step: int) -> None:
+            calls.append(f"in_save:{step}")
+
+        def before_commit(self, step: int) -> None:
+            calls.append(f"before_commit:{step}")
+
+    def write(path: Path) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        calls.append("write")
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(path))
+
+    ok = SaveTransaction(tmp_path, 2, name="step-2")
+    assert ok.run(write, probe=Probe()), ok.error
+    assert calls == ["phase:checkpoint:2", "in_save:2", "write", "before_commit:2"]
+    assert latest_good(tmp_path, deep=True).step == 2
+    calls.clear()
+    full = SaveTransaction(tmp_path, 4, name="step-4")
+    assert not full.run(write, probe=Probe(fail_phase=True)) and "No space left" in full.error
+    assert calls == ["phase:checkpoint:4"]  # nothing written, nothing committed
+
+    def broken(path: Path) -> None:
+        raise RuntimeError("writer failed")
+
+    bad = SaveTransaction(tmp_path, 6, name="step-6")
+    assert not bad.run(broken) and "writer failed" in bad.error
+    assert latest_good(tmp_path, deep=True).step == 2  # LATEST still names the last good save

@@ -268,7 +268,7 @@ def test_recipes_lists_plugin_engines_their_recipes_and_what_did_not_load(plugin
     proc = run_ptops("recipes", env=_env(plugins), timeout=120)
     assert proc.returncode == 0, proc.stderr
     engines = {line.split()[0]: line for line in _section(proc.stdout, "engines")}
-    assert sorted(engines) == ["titan", "toy", "trl"]
+    assert sorted(engines) == ["script", "titan", "toy", "trl"]
     assert engines["toy"].split()[1:3] == ["ptops-toy-engine", VERSION]
     assert "a 2-layer MLP regression" in engines["toy"]
     for name in ("titan", "trl"):  # the shadows did not replace ptops' own

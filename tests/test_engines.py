@@ -17,7 +17,7 @@ from ptops.recipes.schema import Recipe, RecipeError, load, resolve
 def test_every_engine_folder_registers_a_section_and_an_entry_point():
     found = engines.engines()
     folders = sorted(p.name for p in (REPO / "recipes").iterdir() if (p / "__init__.py").is_file())
-    assert sorted(found) == folders == ["titan", "trl"]
+    assert sorted(found) == folders == ["script", "titan", "trl"]
     for name, eng in found.items():
         assert name in Recipe.model_fields, f"Recipe has no [{name}] section"
         module, _, func = eng.entry.partition(":")

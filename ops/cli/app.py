@@ -71,7 +71,7 @@ def _root(
 
 
 class _LaunchCommand(_EnginesCommand):
-    """Everything after ``--`` is the user's command (``ptops launch --supervise -- python train.py ARGS``)."""
+    """Everything after ``--`` is the user's command (``ptops launch --supervise -- python train.py``)."""
 
     def parse_args(self, ctx, args):  # type: ignore[no-untyped-def]
         if "--" in args:
@@ -84,7 +84,9 @@ class _LaunchCommand(_EnginesCommand):
 @app.command(cls=_LaunchCommand)
 def launch(
     ctx: typer.Context,
-    recipe: Annotated[Optional[str], typer.Argument(help="Recipe TOML file, or the name of a shipped recipe (titan-tiny, trl-sft-tiny, ...). Or none, and your own command after --.")] = None,
+    recipe: Annotated[Optional[str], typer.Argument(
+        help="Recipe TOML file, or the name of a shipped recipe (titan-tiny, trl-sft-tiny, ...). "
+        "Or none, and your own command after --.")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory; rerunning on an existing one resumes it. Default: runs/<recipe>-<timestamp>.")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key, e.g. --set train.steps=30 (repeatable; values parse as TOML).")] = [],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate without GPUs and start nothing: the schema, the resolved recipe and rank command; for TorchTitan recipes also the parallel degrees against the world, the planner's memory fit and TorchTitan's fake-backend build of the real parallelisation; for TRL recipes the model on the meta device, LoRA targets, the TRL config and a per-GPU memory estimate.")] = False,
@@ -135,7 +137,8 @@ def launch(
     if command is not None and recipe is not None:
         fail(f"give a recipe ({recipe}) or a command after --, not both")
     if command is None and recipe is None:
-        fail("missing a recipe, or your own command after -- (e.g. ptops launch --supervise -- python train.py)")
+        fail("missing a recipe, or your own command after -- "
+             "(e.g. ptops launch --supervise -- python train.py)")
     if slurm and not supervise:
         fail("--slurm: add --supervise (a Slurm job always runs under the supervisor)")
     try:

@@ -86,7 +86,9 @@ class AttemptMixin:
         self.monitor = HangMonitor(
             self.world,
             t0,
-            self.cfg.hang.model_copy(update={"total_steps": self.recipe.train.steps}),
+            # a script decides its own length: no step is "the last" (its final save is judged as any save)
+            self.cfg.hang.model_copy(update={"total_steps": None if completes_on_exit(self.recipe)
+                                             else self.recipe.train.steps}),
             learned=self.learned,  # section durations of the earlier attempts: start-up judged in seconds
         )
         self.state = RunState.STARTING

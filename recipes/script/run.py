@@ -8,7 +8,8 @@ on request and faulthandler's SIGUSR1 file, py-spy, the flight recorder, the per
 Without any change to the script, each optimizer step is a step: global ``torch.optim`` hooks send
 ``probe.before_step`` / ``probe.step`` around the first optimizer's ``step()`` (faults such as
 ``crash:step=S`` and ``hang:step=S`` fire there, goodput and the hang monitor see steps). Steps count
-from 1 in each attempt: a script that does not resume restarts from scratch. A script that uses
+from 1 in each attempt: a script that does not resume restarts from scratch. Until the first step, the
+script's own set-up is judged as the rank's ``import`` start-up section. A script that uses
 :mod:`ptops.rank` reports its own steps (the hooks then stand aside) and resumes exactly.
 
 Any other program runs as a child process (in its own process group, killed with the rank):
@@ -45,7 +46,7 @@ def python_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
             i += 2
             continue
         if a.startswith("-") and a != "-":
-            i += 1  # -u, -O, -B, -X... one-word flags: what they change is the interpreter's, already set here
+            i += 1  # -u, -O, -B...: one-word flags of the interpreter, which is already running
             continue
         return "path", a, argv[i + 1:]
     return None
