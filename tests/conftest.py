@@ -81,8 +81,9 @@ SHARED_GROUPS = {
 # groups handed out first, longest first (a fresh clone's --durations): a long one last would leave the
 # other worker idle at the end; the rest follow in collection order
 LONGEST_FIRST = [
-    "slurm", "test_ckpt_e2e", "test_diagnose_incidents", "test_trl_catalogue", "test_pipeline", "test_byo_script", "test_chaos",
-    "test_install", "sandbox", "test_gpu_check", "test_supervisor_real", "test_titan_train", "test_hang_budgets",
+    "test_ckpt_e2e", "slurm", "test_diagnose_incidents", "test_trl_catalogue", "test_gpu_check", "test_pipeline",
+    "sandbox", "test_install", "test_chaos", "test_byo_script", "test_supervisor_real", "test_titan_train",
+    "test_hang_budgets",
 ]
 
 
