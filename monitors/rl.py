@@ -726,6 +726,7 @@ class RewardHackingMonitor(_SharedRL):
         st.h_last = None  # step of the last held-out value
         st.h_step = 0  # spacing of the held-out values
         st.noise_h = _Noise()  # of the held-out values
+        st.h_min = 0  # the closest spacing of held-out values seen
         st.h_key = None
         st.h_level = 0  # carried between held-out values
         st.h_conf = 0
@@ -824,7 +825,7 @@ class RewardHackingMonitor(_SharedRL):
         w = max(self.cfg.window, self.cfg.min_points)
         st.pairs, st.lpairs = _Tri(w), _Tri(2 * w)
         st.h_last, st.h_step, st.h_key = None, 0, None
-        st.noise_h = _Noise()
+        st.noise_h, st.h_min = _Noise(), 0
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet, st.h_detail, st.h_value = True, "", None
 
@@ -872,7 +873,8 @@ class RewardHackingMonitor(_SharedRL):
         st.h_conf = st.h_conf + 1 if level >= 1 else 0  # consecutive evaluations at warning or worse
         st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
         # confirmation costs at most ``confirm_steps`` steps: a sparse score's next value is far away
-        need = max(1, min(cfg.confirm, 1 + cfg.confirm_steps // max(1, st.h_step)))
+        # (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does not make it sparse)
+        need = max(1, min(cfg.confirm, 1 + cfg.confirm_steps // max(1, st.h_min)))
         st.h_level = 2 if st.h_conf2 >= need else 1 if st.h_conf >= need + 1 else 0
 
     def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
@@ -889,6 +891,7 @@ class RewardHackingMonitor(_SharedRL):
         if hv is not None and (st.rn or st.last_r is not None):
             if st.h_last is not None and step > st.h_last:
                 st.h_step = step - st.h_last
+                st.h_min = min(st.h_min, st.h_step) if st.h_min else st.h_step
             if st.h_last is None or step > st.h_last:
                 rm = st.racc / st.rn if st.rn else st.last_r
                 st.pairs.add(step, rm, hv)
