@@ -233,7 +233,7 @@ class RewardHackingConfig(_Strict):
     confirm: int = Field(2, ge=1, description="consecutive evaluations a rule must hold before it is reported "
                          "(divergence, the weaker evidence: one more) ...")
     confirm_steps: int = Field(10, ge=0, description="... but no more than this many steps of waiting: a held-out "
-                               "score every 10 steps confirms once, every 25 steps not at all")
+                               "score every 10 steps needs two values in a row, every 25 steps one")
     clear_steps: int = Field(20, ge=1, description="all-clear after this many consecutive steps with no rule holding")
 
 

@@ -669,17 +669,19 @@ class RewardHackingMonitor(_SharedRL):
       every held-out value is paired with the mean training reward since the
       previous one; over the last pairs within ``window`` steps (at least
       ``min_points`` pairs, spanning more steps when the score is sparse) the
-      reward trends up (Pearson r against the step >= ``trend_corr``) while the
-      held-out score falls (r <= -``trend_corr`` and its slope <= -``few_t`` standard
-      errors: hacking, critical) or does not follow (r <= ``flat_corr`` with the reward's
-      r >= ``diverge_corr``, on at least 2 x ``min_points`` values: divergence, warning).
-      Over twice that span, with 2 x ``min_points`` values or more, slopes of the reward
-      >= ``rise_t`` and of the held-out score <= -``fall_t`` standard errors are hacking too
-      (t grows with the number of values where r does not: a dense noisy score is caught sooner).
+      reward climbs (Pearson r against the step >= ``trend_corr``, and its slope over
+      the last ``window`` steps >= ``rise_t`` standard errors) while the held-out slope
+      is <= -``fall_z`` standard errors (hacking, critical; over that span or twice it).
+      The held-out noise comes from its second differences (``_Noise``: a steady trend
+      cancels), so 3 sparse values can already be confident; the bar is raised to the
+      t quantile while that estimate rests on few differences. Or the held-out score
+      does not follow (r <= ``flat_corr`` with the reward's r >= ``diverge_corr``, on
+      at least 2 x ``min_points`` values: divergence, warning).
     - Coupling (every step): the reward trends up and a coupled key trends up with
       it (r(reward, key) >= ``coupling_corr``, fitted rise >= ``min_growth``) - warning.
 
-    A rule must hold for ``confirm`` evaluations in a row; one episode opens,
+    A rule must hold for ``confirm`` evaluations in a row, waiting at most ``confirm_steps``
+    steps for them (a sparse score's next value is far away); one episode opens,
     escalates once, and ends with an all-clear after ``clear_steps`` quiet steps.
 
     Known false positives: coupling fires on healthy reasoning RL where longer
@@ -719,7 +721,7 @@ class RewardHackingMonitor(_SharedRL):
         st.coupled = {k: _Tri(w) for k in self.cfg.coupled_keys}
         st.cconf = {k: 0 for k in self.cfg.coupled_keys}
         st.pairs = _Tri(max(w, self.cfg.min_points))
-        st.lpairs = _Tri(2 * max(w, self.cfg.min_points))  # twice the span, for the t rule
+        st.lpairs = _Tri(2 * max(w, self.cfg.min_points))  # twice the span, for a slower fall
         st.racc = 0.0
         st.rn = 0
         st.last_r = None
