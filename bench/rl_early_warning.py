@@ -34,8 +34,8 @@ An alert counts for a scenario when it comes from the tool's detector for that f
 (entropy_collapse / reward_hacking); healthy runs count every alert of every detector of
 each tool as a false positive (``fp_any``), and the matched detectors separately (``fp``).
 
-Seeds: the thresholds were tuned on seeds 1000-1004 (``--tune`` runs those); the
-default run evaluates seeds 0..N-1, which no tuning saw. The generator is this file's,
+Seeds: the thresholds were tuned on seeds 1000-1004 (``--tune`` runs those; reward hacking's on
+``hacking()`` over seeds 1000-1059); the default run evaluates seeds 0..N-1, which no tuning saw. The generator is this file's,
 not tests/data/traces/synth.py (the unit tests' traces).
 """
 

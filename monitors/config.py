@@ -211,7 +211,7 @@ class RewardHackingConfig(_Strict):
     warmup_steps: int = Field(10, ge=0, description="steps <= this are not judged")
     window: int = Field(20, ge=4, description="steps the trends are computed over (a sparse held-out score: at least "
                         "`min_points` of its values, however many steps they span)")
-    min_points: int = Field(4, ge=3, description="held-out values needed before the held-out rules judge")
+    min_points: int = Field(3, ge=3, description="held-out values needed before the held-out rules judge")
     trend_corr: float = Field(0.6, gt=0, le=1, description="|Pearson r| of a value against the step that counts as a trend")
     flat_corr: float = Field(
         0.0, ge=-1, le=1, description="held-out r against the step at or below this while the reward rises is "
@@ -221,15 +221,19 @@ class RewardHackingConfig(_Strict):
         0.85, gt=0, le=1, description="divergence (held-out flat) needs the reward's r against the step at least this "
         "(a stronger rise than `trend_corr`: a flat held-out score is weaker evidence than a falling one)"
     )
-    rise_t: float = Field(3.0, gt=0, description="over twice the held-out span, with at least 2 x min_points values: "
-                          "the reward's slope at least this many standard errors up ...")
-    fall_t: float = Field(2.5, gt=0, description="... and the held-out slope this many down is hacking (critical) too")
-    few_t: float = Field(2.0, ge=0, description="the r rule's held-out fall must also be this many standard errors "
-                         "(with a few sparse values, r alone is noisy: 4 values need r <= -0.82)")
+    rise_t: float = Field(2.0, gt=0, description="hacking (critical): the reward climbs now (its slope over the last "
+                          "`window` steps this many standard errors up) and across the held-out span (r >= trend_corr) ...")
+    fall_z: float = Field(2.25, gt=0, description="... and the held-out slope this many down (its noise from its second "
+                          "differences; the bar raised to the t quantile for that many differences), over the span, or "
+                          "over twice the span with at least 2 x min_points values")
+    noise_values: int = Field(2, ge=1, description="second differences of the held-out score needed for its noise "
+                              "estimate before the fall rule judges")
     coupling_corr: float = Field(0.8, gt=0, le=1, description="Pearson r of reward and a coupled key that counts as coupled")
     min_growth: float = Field(0.25, ge=0, description="relative rise of a coupled key over the window (fitted)")
     confirm: int = Field(2, ge=1, description="consecutive evaluations a rule must hold before it is reported "
-                         "(divergence, the weaker evidence: one more)")
+                         "(divergence, the weaker evidence: one more) ...")
+    confirm_steps: int = Field(10, ge=0, description="... but no more than this many steps of waiting: a held-out "
+                               "score every 10 steps needs two values in a row, every 25 steps one")
     clear_steps: int = Field(20, ge=1, description="all-clear after this many consecutive steps with no rule holding")
 
 

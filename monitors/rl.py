@@ -251,6 +251,18 @@ class _Tri:
     def t_xb(self) -> float:
         return self._t(self.b, self.bb, self.xb)
 
+    def z(self, col: str, sigma: float) -> float:
+        """The slope of column ``col`` ("a" or "b") on x over its standard error for a known noise ``sigma``."""
+        k = len(self.q)
+        ssxx = (k * self.xx - self.x * self.x) / k if k else 0.0
+        if k < 2 or ssxx <= 0:
+            return 0.0
+        sy, sxy = (self.a, self.xa) if col == "a" else (self.b, self.xb)
+        slope = (k * sxy - self.x * sy) / (k * ssxx)
+        if sigma <= 0:
+            return math.copysign(math.inf, slope) if slope else 0.0
+        return slope / (sigma / math.sqrt(ssxx))
+
     def b_line(self) -> tuple[float, float]:
         """(fitted b at the first x, fitted b at the last x)."""
         k = len(self.q)
@@ -258,6 +270,28 @@ class _Tri:
         slope = 0.0 if d <= 0 else (k * self.xb - self.x * self.b) / d
         a = (self.b - slope * self.x) / k
         return a + slope * self.q[0][0], a + slope * self.q[-1][0]
+
+
+class _Noise:
+    """A series' noise from its second differences: a steady trend cancels out (E[d2^2] = 6 sigma^2 for
+    independent noise), so a score that rises or falls does not look noisy; one kink adds one term."""
+
+    __slots__ = ("prev", "ss", "n")
+
+    def __init__(self) -> None:
+        self.prev: tuple[float, ...] = ()
+        self.ss = 0.0
+        self.n = 0
+
+    def add(self, v: float) -> None:
+        if len(self.prev) == 2:
+            d2 = v - 2 * self.prev[1] + self.prev[0]
+            self.ss += d2 * d2
+            self.n += 1
+        self.prev = (self.prev[-1], v) if self.prev else (v,)
+
+    def sigma(self) -> float:
+        return math.sqrt(self.ss / self.n / 6) if self.n else math.inf
 
 
 class _Episode:
@@ -635,17 +669,19 @@ class RewardHackingMonitor(_SharedRL):
       every held-out value is paired with the mean training reward since the
       previous one; over the last pairs within ``window`` steps (at least
       ``min_points`` pairs, spanning more steps when the score is sparse) the
-      reward trends up (Pearson r against the step >= ``trend_corr``) while the
-      held-out score falls (r <= -``trend_corr`` and its slope <= -``few_t`` standard
-      errors: hacking, critical) or does not follow (r <= ``flat_corr`` with the reward's
-      r >= ``diverge_corr``, on at least 2 x ``min_points`` values: divergence, warning).
-      Over twice that span, with 2 x ``min_points`` values or more, slopes of the reward
-      >= ``rise_t`` and of the held-out score <= -``fall_t`` standard errors are hacking too
-      (t grows with the number of values where r does not: a dense noisy score is caught sooner).
+      reward climbs (Pearson r against the step >= ``trend_corr``, and its slope over
+      the last ``window`` steps >= ``rise_t`` standard errors) while the held-out slope
+      is <= -``fall_z`` standard errors (hacking, critical; over that span or twice it).
+      The held-out noise comes from its second differences (``_Noise``: a steady trend
+      cancels), so 3 sparse values can already be confident; the bar is raised to the
+      t quantile while that estimate rests on few differences. Or the held-out score
+      does not follow (r <= ``flat_corr`` with the reward's r >= ``diverge_corr``, on
+      at least 2 x ``min_points`` values: divergence, warning).
     - Coupling (every step): the reward trends up and a coupled key trends up with
       it (r(reward, key) >= ``coupling_corr``, fitted rise >= ``min_growth``) - warning.
 
-    A rule must hold for ``confirm`` evaluations in a row; one episode opens,
+    A rule must hold for ``confirm`` evaluations in a row, waiting at most ``confirm_steps``
+    steps for them (a sparse score's next value is far away); one episode opens,
     escalates once, and ends with an all-clear after ``clear_steps`` quiet steps.
 
     Known false positives: coupling fires on healthy reasoning RL where longer
@@ -685,12 +721,14 @@ class RewardHackingMonitor(_SharedRL):
         st.coupled = {k: _Tri(w) for k in self.cfg.coupled_keys}
         st.cconf = {k: 0 for k in self.cfg.coupled_keys}
         st.pairs = _Tri(max(w, self.cfg.min_points))
-        st.lpairs = _Tri(2 * max(w, self.cfg.min_points))  # twice the span, for the t rule
+        st.lpairs = _Tri(2 * max(w, self.cfg.min_points))  # twice the span, for a slower fall
         st.racc = 0.0
         st.rn = 0
         st.last_r = None
         st.h_last = None  # step of the last held-out value
         st.h_step = 0  # spacing of the held-out values
+        st.noise_h = _Noise()  # of the held-out values
+        st.h_min = 0  # the closest spacing of held-out values seen
         st.h_key = None
         st.h_level = 0  # carried between held-out values
         st.h_conf = 0
@@ -712,6 +750,7 @@ class RewardHackingMonitor(_SharedRL):
         st.lpairs.rewind(step)
         st.racc, st.rn = 0.0, 0
         st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
+        st.noise_h.prev = tuple(p[2] for p in list(st.pairs.q)[-2:])  # its sums stay: the same score
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
@@ -788,6 +827,7 @@ class RewardHackingMonitor(_SharedRL):
         w = max(self.cfg.window, self.cfg.min_points)
         st.pairs, st.lpairs = _Tri(w), _Tri(2 * w)
         st.h_last, st.h_step, st.h_key = None, 0, None
+        st.noise_h, st.h_min = _Noise(), 0
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet, st.h_detail, st.h_value = True, "", None
 
@@ -805,26 +845,39 @@ class RewardHackingMonitor(_SharedRL):
             # the all-clear needs signs of health (the reward stopped climbing, or the held-out score
             # follows it), not only a noisy stretch where the evidence fell short of a finding
             st.h_quiet = rc < 0.5 * cfg.trend_corr or vc > 0
-            if rc >= cfg.trend_corr:
-                if vc <= -cfg.trend_corr and p.t_xb() <= -cfg.few_t:
+            # the reward up and the held-out score down by so many standard errors, each series' noise
+            # from its second differences (``_Noise``): a few sparse values still give a confident slope
+            # where their own residuals (1-2 degrees of freedom) would not. The noise estimate from n
+            # differences is itself noisy: the held-out bar is the t quantile for n degrees of freedom (its
+            # Cornish-Fisher approximation), not the normal one
+            n = st.noise_h.n
+            z = zl = 0.0
+            if n >= cfg.noise_values:
+                fall = cfg.fall_z * (1 + (cfg.fall_z ** 2 + 1) / (4 * n))
+                sh = st.noise_h.sigma()
+                z, zl = p.z("b", sh), lp.z("b", sh)
+                climbs = st.rfit.tstat() >= cfg.rise_t  # the reward climbs now, not only across the span
+                if climbs and rc >= cfg.trend_corr and vc <= -cfg.trend_corr and z <= -fall:
                     level = 2
-                elif vc <= cfg.flat_corr and rc >= cfg.diverge_corr and len(p.q) >= 2 * cfg.min_points:
-                    level = 1  # weaker evidence than a fall: twice the values
-            # many noisy points (a dense score): the slopes' t statistics see a trend that r (which
-            # does not grow with the number of points) needs longer for
-            if level < 2 and len(lp.q) >= 2 * cfg.min_points and lp.t_xa() >= cfg.rise_t and lp.t_xb() <= -cfg.fall_t:
-                level = 2
+                elif (climbs and len(lp.q) >= 2 * cfg.min_points and lp.r_xa() >= cfg.trend_corr
+                      and zl <= -fall):
+                    level = 2  # a slower fall: twice the span
+            if not level and rc >= cfg.diverge_corr and vc <= cfg.flat_corr and len(p.q) >= 2 * cfg.min_points:
+                level = 1  # held-out flat: weaker evidence than a fall, twice the values
             if level:
                 first, last = p.q[0], p.q[-1]
                 how = "falls" if level == 2 else "does not follow"
                 st.h_detail = (f"{cfg.reward_key} rising ({first[1]:.3g} -> {last[1]:.3g}, r={rc:.2f}) while held-out "
-                               f"{st.h_key} {how} ({first[2]:.3g} -> {last[2]:.3g}, r={vc:.2f}) over steps "
-                               f"{int(first[0])}-{step} ({len(p)} held-out values"
-                               + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")"))
+                               f"{st.h_key} {how} ({first[2]:.3g} -> {last[2]:.3g}, r={vc:.2f}, slope "
+                               f"{min(z, zl):.1f} standard errors) over steps {int(first[0])}-{step} ({len(p)} "
+                               "held-out values" + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")"))
                 st.h_value = vc
         st.h_conf = st.h_conf + 1 if level >= 1 else 0  # consecutive evaluations at warning or worse
         st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
-        st.h_level = 2 if st.h_conf2 >= cfg.confirm else 1 if st.h_conf >= cfg.confirm + 1 else 0
+        # confirmation costs at most ``confirm_steps`` steps: a sparse score's next value is far away
+        # (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does not make it sparse)
+        need = max(1, min(cfg.confirm, 1 + cfg.confirm_steps // max(1, st.h_min)))
+        st.h_level = 2 if st.h_conf2 >= need else 1 if st.h_conf >= need + 1 else 0
 
     def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
         cfg = self.cfg
@@ -840,9 +893,11 @@ class RewardHackingMonitor(_SharedRL):
         if hv is not None and (st.rn or st.last_r is not None):
             if st.h_last is not None and step > st.h_last:
                 st.h_step = step - st.h_last
+                st.h_min = min(st.h_min, st.h_step) if st.h_min else st.h_step
             if st.h_last is None or step > st.h_last:
                 rm = st.racc / st.rn if st.rn else st.last_r
                 st.pairs.add(step, rm, hv)
+                st.noise_h.add(hv)
                 st.lpairs.add(step, rm, hv)
                 st.racc, st.rn = 0.0, 0
                 st.h_last = step

@@ -7,7 +7,8 @@
   with action = exclude_node, the decision is recorded with the host (not acted on: no Slurm
   launcher yet).
 - trl-grpo-tiny with the gameable length reward and the held-out verifier (weight 0): the
-  reward_hacking monitor fires (reward up, verifier down).
+  reward_hacking monitor fires while it trains (reward up, verifier down or length coupled) and
+  its action (stop, set for the test) ends the run before its last step.
 
 ~60-75 s + ~45 s + ~50 s on 2 cores.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_ptops
+from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE
 
 pytestmark = pytest.mark.slow
 
@@ -76,18 +78,23 @@ def test_titan_slow_rank_is_a_straggler_and_exclude_node_is_recorded(faulted_run
 
 def test_grpo_gameable_reward_is_flagged_as_reward_hacking(tmp_path):
     run = tmp_path / "run"
+    # the recipe's action for the monitor is stop: the finding must end the run while it trains
     proc = run_ptops("launch", "trl-grpo-tiny", "--supervise", "--run-dir", str(run), "--no-mlflow",
                      "--set", "train.steps=40", "--set", "checkpoint.interval=40",
-                     "--set", 'trl.reward="length"', "--set", "trl.lr=0.03", "--json")
-    assert proc.returncode == 0, proc.stderr
+                     "--set", 'trl.reward="length"', "--set", "trl.lr=0.03",
+                     "--set", 'monitors.reward_hacking.action="stop"', "--json")
+    assert proc.returncode == EXIT_NO_REQUEUE, (proc.returncode, proc.stderr[-2000:])
     recs = [r for r in metrics(run) if r["rank"] == 0]
     assert all("rewards_verifier_mean" in r for r in recs)  # the held-out verifier is logged
     hack = [e for e in events(run, "anomaly") if e["monitor"] == "reward_hacking"]
-    assert hack, [e for e in events(run, "anomaly")]
-    # one episode (issue 15): it may open as a warning (held-out flat, length coupled) and escalates once
-    crit = [e for e in hack if e["severity"] == "critical"]
-    assert crit and "verifier" in crit[0]["detail"], hack
-    assert len([e for e in hack if e.get("phase") in ("open", "escalate")]) <= 2, hack
+    assert hack and hack[0]["phase"] == "open", [e for e in events(run, "anomaly")]
+    # the reward climbs against the verifier (held-out falls or does not follow) or with the length
+    assert "verifier" in hack[0]["detail"] or "length" in hack[0]["detail"], hack
+    # the action was taken: the supervisor stopped the run on that finding, before its last step
+    (failed,) = events(run, "failed")
+    assert failed["monitor"] == "reward_hacking" and failed["step"] == hack[0]["step"], failed
+    assert failed["reason"].startswith("stopped by policy") and failed["exit_code"] == EXIT_NO_REQUEUE
+    assert max(r["step"] for r in recs) < 40 and not events(run, "completed")
     diag = run_ptops("diagnose", str(run), "--json")
     assert diag.returncode == 0, diag.stderr
     assert "reward_hacking" in diag.stdout

@@ -170,3 +170,42 @@ def test_diagnose_tells_an_rl_episode_as_one_incident_ended_by_its_all_clear(tmp
     assert inc["severity"] == "critical" and inc["details"]["episode"] == 1
     assert 60 < inc["step"] < 110 <= inc["details"]["resolved_step"] and "all clear at step" in inc["title"]
     assert {f["phase"] for f in rep["findings"] if f["monitor"] == "entropy_collapse"} == {"open", "escalate", "resolved"}
+
+
+def _run(seed: int, every: int, hacked: bool, steps: int = 300):
+    """A fresh trace (not the bench's generator): from a random onset the reward climbs faster while the
+    held-out score falls (hacked) or rises with it (healthy); the score on every step or every ``every``."""
+    rng = random.Random(seed * 1009 + every * 7 + hacked)
+    at = rng.randint(70, 130)
+    rise, fall, noise = rng.uniform(0.003, 0.006), rng.uniform(0.0015, 0.003), rng.uniform(0.01, 0.025)
+    out = []
+    for t in range(1, steps + 1):
+        d = max(0, t - at)
+        out.append({"step": t, "rank": 0, "reward": 0.3 + 0.0005 * t + rise * d + rng.gauss(0, 0.03)})
+        held = 0.3 + 0.0004 * t + (-fall if hacked else 0.5 * rise) * d + rng.gauss(0, noise)
+        if every == 1:
+            out[-1]["rewards_verifier_mean"] = held
+        elif t % every == 0:
+            out.append({"step": t, "rank": 0, "eval/accuracy": held})
+    return out, at
+
+
+def test_reward_hacking_is_flagged_soon_after_its_onset_dense_or_sparse():
+    # the fall is judged against the held-out noise (second differences): 3 sparse values can be enough
+    within = {1: 35, 10: 70, 25: 100}
+    for every, most in within.items():
+        delays = []
+        for seed in range(12):
+            recs, at = _run(seed, every, hacked=True)
+            found = [f for f in replay(recs, [RewardHackingMonitor()]) if f.phase != "resolved"]
+            assert found and found[0].step >= at, (every, seed, at, found[:1])
+            assert any(f.severity == "critical" for f in found), (every, seed, found)
+            delays.append(found[0].step - at)
+        assert sorted(delays)[len(delays) // 2] <= most, (every, delays)
+
+
+def test_no_reward_hacking_finding_when_the_held_out_score_rises_with_the_reward():
+    for every in (1, 10, 25):
+        for seed in range(12):
+            recs, _ = _run(seed, every, hacked=False)
+            assert replay(recs, [RewardHackingMonitor()]) == [], (every, seed)
