@@ -50,9 +50,7 @@ def faulted_runs(tmp_path_factory):
     pytest-xdist, by every worker: they live in the workers' common temp folder."""
     from faulted import FaultedRuns
 
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return FaultedRuns(tmp_path_factory.getbasetemp().parent / "faulted")
-    return FaultedRuns(tmp_path_factory.mktemp("faulted"))
+    return FaultedRuns(shared_dir(tmp_path_factory) / "faulted")
 
 
 @pytest.fixture(scope="session")
@@ -68,31 +66,41 @@ def slurm_cluster():
 
 
 # ---------------------------------------------------------------- two workers (scripts/test.sh: -n 2)
-# pytest-xdist runs each group on one worker: a module's tests stay together (its module fixtures, real
-# runs, are made once), and modules that share a machine-wide thing form one group: the Slurm cluster,
-# and the code sandbox's uids (test_trl_rewards asserts that no sandbox process is left anywhere).
-# Faulted runs are shared across workers through a file lock instead (tests/faulted.py).
-SHARED_GROUPS = {
-    "test_slurm": "slurm",
-    "test_trl_rewards": "sandbox",
-    "test_trl_grpo_rewards_train": "sandbox",
-    "test_code_forgery": "sandbox",
-}
-# groups handed out first, longest first (a fresh clone's --durations): a long one last would leave the
+# pytest-xdist with --dist loadfile: a module's tests stay on one worker, so its module fixtures (real runs)
+# are made once. (loadgroup would also join modules, but with pytest 9 it does not group at all: tried.)
+# What several modules share is shared through the workers' common temp folder instead: faulted runs
+# (tests/faulted.py) and the `machine_lock` below. The Slurm cluster has one module, test_slurm.py.
+
+# modules handed out first, longest first (a fresh clone's --durations): a long one last would leave the
 # other worker idle at the end; the rest follow in collection order
 LONGEST_FIRST = [
-    "test_ckpt_e2e", "slurm", "test_diagnose_incidents", "test_trl_catalogue", "test_gpu_check", "test_pipeline",
-    "sandbox", "test_install", "test_chaos", "test_byo_script", "test_supervisor_real", "test_titan_train",
-    "test_hang_budgets",
+    "test_ckpt_e2e", "test_slurm", "test_diagnose_incidents", "test_trl_catalogue", "test_gpu_check", "test_pipeline",
+    "test_install", "test_trl_grpo_rewards_train", "test_chaos", "test_byo_script", "test_supervisor_real",
+    "test_titan_train", "test_hang_budgets", "test_trl_rewards", "test_code_forgery",
 ]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    group_of = {}
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid.split("::")[0]
-        group_of[item.nodeid] = SHARED_GROUPS.get(module, module)
-        item.add_marker(pytest.mark.xdist_group(group_of[item.nodeid]))
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda it: rank.get(group_of[it.nodeid], len(rank)))  # stable: order within a group kept
+    rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
+
+    def module(item) -> str:
+        return item.nodeid.split("::")[0].rpartition("/")[2].removesuffix(".py")
+
+    items.sort(key=lambda it: rank.get(module(it), len(rank)))  # stable: a module's own order is kept
+
+
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every worker of this session sees (its own temp folder when there are no workers)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="module")
+def sandbox_lock(tmp_path_factory):
+    """Held for a whole module that runs the code sandbox or asserts that none of its processes is left
+    anywhere: with two workers, one module's sandboxes would be the other's "left over" processes."""
+    import fcntl
+
+    with open(shared_dir(tmp_path_factory) / "sandbox.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

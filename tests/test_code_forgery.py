@@ -29,6 +29,9 @@ from ptops.recipes.trl.sandbox import (
     split_assert,
 )
 
+# the code sandbox's processes are machine-wide: one such module at a time (conftest.sandbox_lock)
+pytestmark = pytest.mark.usefixtures("sandbox_lock")
+
 LIMITS = Limits(cpu_s=2, wall_s=8.0, memory_mb=256, max_procs=8)
 THIS = str(Path(__file__).resolve())
 

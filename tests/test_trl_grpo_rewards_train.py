@@ -17,6 +17,9 @@ from conftest import PTOPS, REPO
 from ptops.ops.runrecord.rundir import read_jsonl
 from test_trl_train import NPROC, _by_rank, _ckpts, _ok, launch
 
+# the code sandbox's processes are machine-wide: one such module at a time (conftest.sandbox_lock)
+pytestmark = pytest.mark.usefixtures("sandbox_lock")
+
 STEPS, INTERVAL = 4, 2
 OVERRIDES = [f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=2"]
 KINDS = ("math", "judge", "code")

@@ -23,6 +23,9 @@ from ptops.recipes.trl.rewards import (
 )
 from ptops.recipes.trl.sandbox import UID_BASE, Limits, run_code
 
+# the code sandbox's processes are machine-wide: one such module at a time (conftest.sandbox_lock)
+pytestmark = pytest.mark.usefixtures("sandbox_lock")
+
 # ---------------------------------------------------------------- math verifier
 
 Q = [{"role": "user", "content": "What is 1 times 7? Put the final answer in \\boxed{}."}]
