@@ -142,8 +142,12 @@ class Durations:
         self._cache: dict[float, float] = {}
 
     def add(self, seconds: float) -> None:
-        if not seconds > 0 or not math.isfinite(seconds):
+        # 0 s is a real observation: arrival stamps are per socket read, so a short section's end
+        # that arrives in the same read as its start measures 0 (dropping it left the next attempt
+        # with no budget for that section but the 600 s first-occurrence one)
+        if not seconds >= 0 or not math.isfinite(seconds):
             return
+        seconds = max(seconds, _LO)
         i = min(_NB - 1, max(0, int(math.log2(seconds / _LO) * _RATIO_BITS)))
         self.counts[i] += 1
         if seconds < self.mins[i]:

@@ -255,6 +255,22 @@ def test_learned_carries_over_and_is_json_summarised():
     assert isinstance(Learned().copy(), Learned)
 
 
+def test_a_section_that_ended_in_the_same_read_is_learned_as_short():
+    """Arrival stamps are per socket read: under a saturated CPU a quick load (a fresh start has no
+    checkpoint) and the first step's beat arrive together, 0 s apart. That is a short section, so
+    the next attempt judges its load by the floor, not by the 600 s first-occurrence budget."""
+    a1 = HangMonitor(2, 0.0, DEFAULTS)
+    t = startup(a1, 0.0, ("import", "rendezvous", "build", "load"), dt=1.0)
+    t = run_steps(a1, 1, 1, t - 1.0, 0.3)  # the first step's beat arrives with the load beat: load 0 s
+    assert a1.learned.p99("load") is not None
+    a2 = HangMonitor(2, 100.0, DEFAULTS, learned=a1.learned)
+    assert a2.section_timeout("load") == DEFAULTS.startup_floor_s
+    d = Durations()
+    for bad in (-1.0, math.nan, math.inf):
+        d.add(bad)
+    assert d.quantile() is None
+
+
 # ---------------------------------------------------------------- the probe's eval pause, end to end
 
 
