@@ -531,10 +531,13 @@ def _steps(sc: Scenario) -> int:
 
 
 def _why(rc: int) -> str:
-    return {
-        0: "ok", 1: "failed", 2: "bad input", 3: "do not requeue", 124: "chaos launch timeout",
-        130: "SIGINT", 143: "SIGTERM: preempted", 137: "SIGKILL", -9: "SIGKILL", -15: "SIGTERM",
-    }.get(rc, "error")  # fmt: skip
+    """A launch's exit code in words: ptops' own from its one table, then what else ends a child."""
+    from ptops.ops.supervisor import exitcodes
+
+    row = exitcodes.describe(rc)
+    if row is not None:
+        return row.name
+    return {124: "chaos launch timeout", 137: "SIGKILL", -9: "SIGKILL", -15: "SIGTERM"}.get(rc, "error")
 
 
 def _ranges(steps: list[int]) -> str:

@@ -348,7 +348,7 @@ def test_world_of_one_stops_the_run_at_once(tmp_path, ptops):
     run = tmp_path / "run"
     proc = ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=50",
                  "--no-mlflow", "--fault", "misrendezvous:rank=1", timeout=600)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 4, proc.stderr  # misconfigured: do not requeue (docs/exit-codes.md)
     assert [(e["rank"], e["fault"]) for e in _events(run, "fault_injected")] == [(1, "misrendezvous:rank=1")]
     mis = _events(run, "misconfigured")
     assert len(mis) == 1 and mis[0]["rank"] == 1 and mis[0]["world_size"] == 1 and mis[0]["expected_world_size"] == 2

@@ -243,12 +243,13 @@ def test_fatal_startup_error(error, began, fatal):
 
 def test_fatal_failure_stops_without_a_restart():
     """Seen on the first GPU lease (torch 2.11 under TorchTitan 0.3.0): the same ImportError three
-    attempts in a row. The first one stops the run, exit 1 (a requeue elsewhere may help)."""
-    from ptops.ops.supervisor.policy import EXIT_FAILED, Failure, RestartPolicy, fatal_startup_error
+    attempts in a row. The first one stops the run, exit 4 (misconfigured: the same image fails the
+    same way on any node; do not requeue)."""
+    from ptops.ops.supervisor.policy import EXIT_MISCONFIGURED, Failure, RestartPolicy, fatal_startup_error
 
     pol = RestartPolicy()
     why = fatal_startup_error("ImportError: cannot import name 'X'", began_step=False)
     d = pol.decide(Failure(ts=0.0, start_step=0, good_step=0, reason="crash: rank 0 exited 1", fatal=why))
-    assert (d.action, d.exit_code) == ("stop", EXIT_FAILED) and "restart would fail the same way" in d.reason
+    assert (d.action, d.exit_code) == ("stop", EXIT_MISCONFIGURED) and "restart would fail the same way" in d.reason
     d = RestartPolicy().decide(Failure(ts=0.0, start_step=0, good_step=0, reason="crash: rank 0 exited 1"))
     assert d.action == "restart"

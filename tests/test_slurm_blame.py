@@ -56,7 +56,7 @@ def test_strikes_then_a_spare_replaces_the_node(tmp_path):
     assert _kinds(sup.run).count("node_blamed") == 2
 
 
-def test_no_spare_left_resubmits_without_the_node_and_exits_do_not_requeue(tmp_path, monkeypatch):
+def test_no_spare_left_resubmits_without_the_node_and_exits_resubmitted(tmp_path, monkeypatch):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     log = tmp_path / "sbatch.args"
@@ -66,7 +66,7 @@ def test_no_spare_left_resubmits_without_the_node_and_exits_do_not_requeue(tmp_p
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     sup = _sup(tmp_path, ["n1", "n2"], "slurm.node_strikes=1")
     code = sup.after_outcome(Outcome("crash", "crash: rank 1 exited 1", {"rank": 1, "exit_code": 1}))
-    assert code == 3
+    assert code == 5  # resubmitted: do not requeue this job (docs/exit-codes.md)
     args = log.read_text().split()
     assert args[:2] == ["--parsable", "--exclude=n2"] and args[-1].endswith("slurm/job.sbatch")
     rq = [e for e in sup.run.read_events() if e["kind"] == "slurm_requeue"][0]

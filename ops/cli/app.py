@@ -93,7 +93,7 @@ def launch(
     nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, help="--dry-run: nodes of the world to check (default: titan.target.nodes / trl.target.nodes, else 1).")] = None,
     gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", min=1, help="--dry-run: GPUs per node (default: launch.nproc).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as JSON on stdout.")] = False,
-    supervise: Annotated[bool, typer.Option("--supervise", help="Restart a crashed or hung run from the last good checkpoint, and act on monitor findings (without it, the same watch ends the run failed). Exit 3 means do not requeue.")] = False,
+    supervise: Annotated[bool, typer.Option("--supervise", help="Restart a crashed or hung run from the last good checkpoint, and act on monitor findings (without it, the same watch ends the run failed). Exit 1: a requeue may help; 3 no progress, 4 misconfigured, 5 resubmitted (Slurm): do not requeue (docs/exit-codes.md).")] = False,
     metrics_port: Annotated[Optional[int], typer.Option("--metrics-port", help="Serve Prometheus metrics on 127.0.0.1:PORT while the run lives (0 picks a free port).")] = None,
     mlflow_uri: Annotated[Optional[str], typer.Option("--mlflow-uri", help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs root>/mlflow.db beside the run directories.")] = None,
     mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="Log params, per-step metrics, events and an incident summary to MLflow.")] = True,

@@ -110,5 +110,10 @@ def print_summary(s: dict) -> None:
     e(f"  checkpoints: {', '.join(s['checkpoints']) or 'none'}")
     for p in s["stacks"]:
         e(f"  stacks: {p}")
-    if s["exit_code"] == 3:
-        e("  do not requeue: a person must look (ptops status / ptops diagnose)")
+    from ptops.ops.supervisor import exitcodes
+
+    row = exitcodes.describe(s["exit_code"]) if s["exit_code"] else None
+    if row is not None:  # the table's word for a scheduler and a person (docs/exit-codes.md)
+        look = row.code in (exitcodes.NO_PROGRESS, exitcodes.MISCONFIGURED)
+        e(f"  exit {row.code} ({row.name}): requeue: {row.requeue}"
+          + ("; a person must look (ptops status / ptops diagnose)" if look else ""))

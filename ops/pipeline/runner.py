@@ -256,7 +256,7 @@ class PipelineRunner:
                 if code != 0:
                     msg = (f"pipeline stopped: {tag} failed (exit {code}{': ' + reason if reason else ''}); "
                            f"rerun the same command to resume it from its last good checkpoint"
-                           + (" (exit 3: look first, see `ptops diagnose " + str(sdir) + "`)" if code == 3 else ""))
+                           + (f" (exit {code}: look first, see `ptops diagnose {sdir}`)" if code in (3, 4) else ""))
                     self._event("stage_failed", stage=s.name, index=i, exit_code=code, reason=reason)
                     self._event("pipeline_failed", stage=s.name, reason=msg)
                     if self.lineage is not None:

@@ -9,7 +9,8 @@ detection, restart policy) with the launch hooks filled in for Slurm:
 - a crash or hang whose ranks were all on one node is a strike against that node
   (``node_blamed``); at ``[slurm] node_strikes`` it is replaced by a spare node of the allocation
   (``node_replaced``), and with no spare left the job is resubmitted with ``--exclude`` of every
-  blamed node (``slurm_requeue {how: resubmit}``) and this one ends with exit 3 (do not requeue);
+  blamed node (``slurm_requeue {how: resubmit}``) and this one ends with exit 5 (resubmitted: do
+  not requeue this one);
 - Slurm's warning signal (``--signal=B:USR1@S``) asks every rank to save at the next step boundary
   (the same all-agree stop request as Ctrl-C: ``ops/supervisor/stop.py``; held ranks are released),
   waits at most ``[slurm] preempt_grace_s``, then ``scontrol requeue`` (``preempted``,
@@ -38,7 +39,7 @@ from ptops.ops.slurm.sbatch import SCRIPT_NAME, world
 from ptops.ops.supervisor import launcher
 from ptops.ops.supervisor.core import Supervisor
 from ptops.ops.supervisor.outcome import Outcome
-from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE
+from ptops.ops.supervisor.policy import EXIT_DONE, EXIT_RESUBMITTED
 from ptops.recipes.schema import from_json
 
 
@@ -174,11 +175,11 @@ class SlurmSupervisor(Supervisor):
             return None
         self.event(EventKind.SLURM_REQUEUE, job_id=self.job_id, new_job_id=new, how="resubmit", exclude=bad,
                    reason=f"node {node} blamed {self.strikes[node]} time(s) and no spare node left")
-        self.say(f"no spare node left: resubmitted as job {new} without {','.join(bad)}; this job ends (exit 3)")
+        self.say(f"no spare node left: resubmitted as job {new} without {','.join(bad)}; this job ends (exit 5)")
         self.state = RunState.RESTARTING
         self.reason = f"resubmitted as Slurm job {new} without {','.join(bad)}"
         self.write_status(force=True)
-        return EXIT_NO_REQUEUE
+        return EXIT_RESUBMITTED
 
     def _requeue_after_preemption(self) -> int | None:
         saved = (self.good or {}).get("step")
@@ -196,7 +197,7 @@ class SlurmSupervisor(Supervisor):
         self.state = RunState.RESTARTING
         self.reason = "requeued after the Slurm warning signal"
         self.write_status(force=True)
-        return 0
+        return EXIT_DONE  # nothing for the scheduler to do: the job is already requeued
 
     # ------------------------------------------------------------ signals
     def _on_usr1(self, signum, _frame) -> None:

@@ -48,7 +48,7 @@ from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
 from ptops.ops.runrecord.jsonl import JsonlAppender
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
-from ptops.ops.supervisor import launcher, monitorfeed, procs
+from ptops.ops.supervisor import exitcodes, launcher, monitorfeed, procs
 from ptops.ops.supervisor.actions import FindingActions
 from ptops.ops.supervisor.attempt import AttemptMixin, completes_on_exit
 from ptops.ops.supervisor.blame import Blame
@@ -57,7 +57,7 @@ from ptops.ops.supervisor.hangs import HangMixin
 from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.supervisor.messages import MessagesMixin, RankInfo
 from ptops.ops.supervisor.outcome import Outcome
-from ptops.ops.supervisor.policy import EXIT_DONE, EXIT_FAILED, HALTING, Failure, RestartPolicy, Strategy
+from ptops.ops.supervisor.policy import EXIT_DONE, EXIT_FAILED, EXIT_MISCONFIGURED, HALTING, Failure, RestartPolicy, Strategy
 from ptops.ops.supervisor.stop import StopMixin
 from ptops.ops.supervisor.warmpool import WarmPool
 from ptops.recipes.schema import Recipe
@@ -253,15 +253,16 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             if outcome.kind == "misconfigured":  # a restart would form the same wrong world again
                 self.state = RunState.FAILED
                 self.reason = outcome.reason
-                self.event(EventKind.FAILED, reason=outcome.reason, attempt=self.attempt, exit_code=EXIT_FAILED)
+                self.event(EventKind.FAILED, reason=outcome.reason, attempt=self.attempt,
+                           exit_code=EXIT_MISCONFIGURED)
                 self.say(f"giving up: {outcome.reason}")
-                return EXIT_FAILED
+                return EXIT_MISCONFIGURED
             if outcome.kind == "interrupted":
                 sig = self.stop_signal or signal.SIGTERM
                 self.state = RunState.STOPPED
                 self.reason = f"interrupted by {signal.Signals(sig).name}"
                 self.event(EventKind.STOPPED, attempt=self.attempt, signal=int(sig), step=self.step, reason=self.reason)
-                return 128 + int(sig)
+                return exitcodes.stopped(int(sig))
             if self.supervised:  # a plain launch never restarts: its checkpoints stay as they are for the next launch
                 self.good = self._good_checkpoint_for_restart()
             good_step = (self.good or {}).get("step", 0)
@@ -297,7 +298,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                     sig = self.stop_signal
                     self.state = RunState.STOPPED
                     self.event(EventKind.STOPPED, attempt=self.attempt, signal=int(sig), step=self.step, reason="interrupted during restart backoff")
-                    return 128 + int(sig)
+                    return exitcodes.stopped(int(sig))
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def after_outcome(self, outcome: Outcome) -> int | None:

@@ -17,20 +17,7 @@ restarted supervisor rebuilds their history from ``events.jsonl``:
   failure for the restart policy: it neither counts toward ``max_restarts`` nor the
   storm / no-progress rules (``monitors.rollback.max_rollbacks`` bounds it).
 
-Exit codes of a supervised ``ptops launch`` (also what schedulers should act on):
-
-====  =====================================================================
-0     done: every step trained, final checkpoint written
-1     failed: gave up (``max_restarts`` exhausted, or an unrecoverable error);
-      a requeue may help (e.g. on other nodes)
-2     bad input (recipe, ``--set``, ``--fault``, run directory locked by another supervisor)
-3     do not requeue: restart storm, or restarts stopped making progress;
-      a monitor finding whose ``[monitors]`` action is ``stop``; a rollback
-      refused because ``monitors.rollback.max_rollbacks`` were spent;
-      rerunning the same thing will fail the same way, a person must look
-130   interrupted by SIGINT (Ctrl-C)
-143   interrupted by SIGTERM (e.g. preemption)
-====  =====================================================================
+Exit codes: one table, ``ptops.ops.supervisor.exitcodes`` (documented in ``docs/exit-codes.md``).
 """
 
 from __future__ import annotations
@@ -39,16 +26,20 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from ptops.monitors.config import MonitorsSection
+from ptops.ops.supervisor import exitcodes
 from ptops.ops.runrecord.events import EventKind
 from ptops.recipes.rollback import RollbackInfo, skip_start
 from ptops.recipes.schema import RestartConfig
 
-EXIT_DONE = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_NO_REQUEUE = 3
-EXIT_SIGINT = 130
-EXIT_SIGTERM = 143
+# names kept for callers; the values and their meaning live in ``exitcodes.TABLE``
+EXIT_DONE = exitcodes.COMPLETED
+EXIT_FAILED = exitcodes.FAILED_MAY_REQUEUE
+EXIT_BAD_INPUT = exitcodes.BAD_INPUT
+EXIT_NO_REQUEUE = exitcodes.NO_PROGRESS
+EXIT_MISCONFIGURED = exitcodes.MISCONFIGURED
+EXIT_RESUBMITTED = exitcodes.RESUBMITTED
+EXIT_SIGINT = exitcodes.STOPPED_SIGINT
+EXIT_SIGTERM = exitcodes.STOPPED_SIGTERM
 
 
 @dataclass(frozen=True)
@@ -110,7 +101,7 @@ class RestartPolicy:
             return Decision("stop", f"{failure.reason} (plain launch: no restart; --supervise restarts)",
                             exit_code=EXIT_FAILED)
         if failure.fatal:
-            return Decision("stop", f"{failure.reason}; {failure.fatal}", exit_code=EXIT_FAILED)
+            return Decision("stop", f"{failure.reason}; {failure.fatal}", exit_code=EXIT_MISCONFIGURED)
         restarts_so_far = len(self.history) - 1
         in_window = [f for f in self.history if failure.ts - f.ts <= c.storm_window_min * 60]
         if len(in_window) >= c.storm_restarts:
