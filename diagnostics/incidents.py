@@ -18,6 +18,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from ptops.diagnostics.memcurve import about_memory, curve_lines, memory_curve
 from ptops.diagnostics import crash as crashes
 from ptops.diagnostics import flightrec
 from ptops.diagnostics import stacks as hangstacks
@@ -141,6 +142,10 @@ class _Builder:
             ev.append(f"cause: {info['cause']}")
         if exc:
             ev.append(f"exception: {exc['type']}: {exc['message']}"[:300])
+        curve = memory_curve(self.metrics, attempt, rank) if about_memory(info) else []
+        if curve:  # an OOM: how the rank's memory got there (the memory monitor's input); all in details
+            ev.append(f"memory of rank {rank}, last steps of attempt {attempt}:")
+            ev += ["  " + line for line in curve_lines(curve[-8:])]
         ev += [f"log: {p}" for p in info["patterns"]]
         ev += [f"checked: {c}" for c in info["checked"]]
         if info["last_lines"]:
@@ -152,7 +157,7 @@ class _Builder:
                  evidence=ev, runbook=self.runbooks.get("crash"), action=_action(self.events, e.get("ts")),
                  details={"exit_code": e.get("exit_code"), "signal": info["signal"], "cause": info["cause"],
                           "exception": exc, "patterns": info["patterns"], "last_lines": info["last_lines"],
-                          "injected": info["injected"], "how": e.get("how")})
+                          "injected": info["injected"], "how": e.get("how"), "memory_curve": curve})
 
     def _pids(self, attempt: int | None) -> dict[int, int]:
         out: dict[int, int] = {}

@@ -54,7 +54,7 @@ from typing import Callable
 from ptops.ckpt import checkpoint_path, is_writing, shard_files
 from ptops.faultinject.spec import HOLD_DEFAULT_S, ONE_RANK_KINDS, SLOW_SAVE_DEFAULT_S, Fault
 
-BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor", "hold")
+BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor", "hold", "leak")
 FLIP_BYTES = 64
 COMMIT_WAIT_S = 60.0
 
@@ -86,6 +86,8 @@ class Injector:
             if f.kind in ONE_RANK_KINDS and not self._for_rank(f) and (f.attempt == 0 or f.attempt == attempt)
         ]  # fmt: skip
         self._slow_left: dict[int, tuple[float, int]] = {}
+        self._leak_mb = 0.0  # leak: MB more kept at every step's start, from its step on
+        self._leaked: list[bytes] = []
         self._ckpt_steps: set[int] = set()
         self.on_hold = on_hold  # (step): the rank stops before ``step``
         self.on_release = on_release  # (step, held_s, "release" | "timeout"): it goes on
@@ -148,6 +150,8 @@ class Injector:
 
     # ------------------------------------------------------------ hooks
     def before_step(self, step: int) -> None:
+        if self._leak_mb:
+            self._leak_more()
         for key in list(self._slow_left):
             seconds, left = self._slow_left[key]
             time.sleep(seconds)
@@ -307,6 +311,14 @@ class Injector:
         time.sleep(seconds)
         if steps > 1:
             self._slow_left[id(f)] = (seconds, steps - 1)
+
+    def _leak(self, f: Fault, step: int) -> None:
+        self._leak_mb += float(f.params.get("mb", 64.0))
+        self._leak_more(float(f.params.get("mb", 64.0)))
+
+    def _leak_more(self, mb: float | None = None) -> None:
+        """Keep ``mb`` (default: every leak's) MB more: bytes written, so the pages are resident."""
+        self._leaked.append(b"\x5a" * int((self._leak_mb if mb is None else mb) * (1 << 20)))
 
     def _oom(self, f: Fault, step: int) -> None:
         msg = f"CUDA out of memory. Tried to allocate 20.00 GiB (injected fault {f})"

@@ -84,6 +84,12 @@ misrendezvous  rank, attempt (no step)                     launch only: before t
                                                            rank whose endpoint fell back to localhost
                                                            does; the supervisor stops the attempt
                                                            (``misconfigured``), no restart
+leak           rank, attempt, step, mb                     from ``step`` (default 1) on, the rank
+                                                           allocates ``mb`` MB (default 64) of host
+                                                           memory at the start of every step and
+                                                           keeps it (written, so resident): its RSS
+                                                           climbs linearly towards the limit, as a
+                                                           leak does (the memory monitor's forecast)
 =============  ==========================================  =========================================
 
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
@@ -120,6 +126,7 @@ KINDS: dict[str, dict[str, str]] = {
     "release": {"rank": _INT, "attempt": _INT},
     "slow-save": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR},
     "misrendezvous": {"rank": _INT, "attempt": _INT},
+    "leak": {"step": _INT, "rank": _INT, "attempt": _INT, "mb": _FLOAT},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
@@ -130,6 +137,7 @@ LIVE_ONLY_KINDS = ("release",)
 # Kinds that act before the first step (start-up), so only at launch: injected live they could never fire.
 LAUNCH_ONLY_KINDS = ("misrendezvous",)
 SLOW_SAVE_DEFAULT_S = 10.0  # slow-save without until
+LEAK_DEFAULT_MB = 64.0  # leak without mb: MB kept per step
 SLOW_SAVE_UNTIL = ("skipped",)
 HANG_MODES = ("sleep", "stop")
 # where a hang fires: the start of ``step`` (default), or a start-up section (no step then)
@@ -215,6 +223,10 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(f"fault {spec!r}: key 'step': a start-up hang (phase={values['phase']}) has no step")
     if startup_hang:
         values["step"] = 1  # unused: it fires in the start-up section
+    if kind == "leak":
+        values.setdefault("step", 1)  # a leak runs from the start unless told
+        if values.setdefault("mb", LEAK_DEFAULT_MB) <= 0:
+            raise FaultSpecError(f"fault {spec!r}: key 'mb': must be > 0 (got {values['mb']})")
     for key in REQUIRED:
         if key in allowed and key not in values:
             raise FaultSpecError(f"fault {spec!r}: key '{key}': missing (required, e.g. {kind}:step=12)")

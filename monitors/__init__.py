@@ -18,6 +18,7 @@ from .config import (
     GradExplosionConfig,
     KLDriftConfig,
     LossSpikeConfig,
+    MemoryConfig,
     ModeCollapseConfig,
     MonitorsSection,
     NanConfig,
@@ -26,6 +27,7 @@ from .config import (
     StaleRolloutConfig,
     StragglerConfig,
 )
+from .memory import MemoryMonitor
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
 from .rl import (
     EntropyCollapseMonitor,
@@ -68,8 +70,8 @@ __all__ = [
     "Finding", "Monitor", "MonitorConfigError", "RankedMonitor", "SharedRankedMonitor", "build_monitors", "fast_entries", "number", "replay",
     "MonitorsSection", "RollbackPolicy", "StragglerConfig", "NanConfig", "LossSpikeConfig",
     "GradExplosionConfig", "EntropyCollapseConfig", "KLDriftConfig", "RewardHackingConfig",
-    "ModeCollapseConfig", "StaleRolloutConfig",
+    "ModeCollapseConfig", "StaleRolloutConfig", "MemoryConfig",
     "StragglerMonitor", "NaNMonitor", "LossSpikeMonitor", "GradExplosionMonitor",
     "EntropyCollapseMonitor", "KLDriftMonitor", "RewardHackingMonitor", "ModeCollapseMonitor",
-    "StaleRolloutMonitor",
+    "StaleRolloutMonitor", "MemoryMonitor",
 ]

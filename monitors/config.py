@@ -262,6 +262,28 @@ class StaleRolloutConfig(_Strict):
     clear_steps: int = Field(10, ge=1, description="all-clear after this many consecutive steps at or under max_lag")
 
 
+class MemoryConfig(_Strict):
+    """A rank's memory trend against its limit (see memory.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    horizon_steps: int = Field(
+        50, ge=1, description="warn when the trend reaches the limit within this many steps"
+    )
+    window: int = Field(10, ge=2, description="steps of each rank's series the line is fitted to")
+    min_points: int = Field(5, ge=2, description="points needed before a forecast")
+    warmup_steps: int = Field(
+        3, ge=0, description="first records of each attempt skipped (allocators grow there)"
+    )
+    min_slope_mb: float = Field(1.0, ge=0, description="MB/step below which memory is flat (noise floor)")
+    limit_mb: float | None = Field(
+        None, gt=0, description="host limit in MB instead of the one each rank reports (cgroup, else RAM)"
+    )
+    device_limit_mb: float | None = Field(
+        None, gt=0, description="GPU limit in MB instead of the device's total memory"
+    )
+
+
 class MonitorsSection(_Strict):
     """``[monitors]``: which monitors run, their thresholds, and what the supervisor does on a finding."""
 
@@ -276,6 +298,7 @@ class MonitorsSection(_Strict):
     reward_hacking: RewardHackingConfig = RewardHackingConfig()
     mode_collapse: ModeCollapseConfig = ModeCollapseConfig()
     stale_rollout: StaleRolloutConfig = StaleRolloutConfig()
+    memory: MemoryConfig = MemoryConfig()
 
     def action_for(self, monitor: str) -> str:
         """The policy action for a finding of ``monitor`` (``alert`` for monitors this section does not know)."""

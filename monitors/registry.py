@@ -16,12 +16,14 @@ from .config import (
     GradExplosionConfig,
     KLDriftConfig,
     LossSpikeConfig,
+    MemoryConfig,
     ModeCollapseConfig,
     NanConfig,
     RewardHackingConfig,
     StaleRolloutConfig,
     StragglerConfig,
 )
+from .memory import MemoryMonitor
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
 from .rl import EntropyCollapseMonitor, KLDriftMonitor, ModeCollapseMonitor, RewardHackingMonitor, StaleRolloutMonitor
 from .straggler import StragglerMonitor
@@ -32,7 +34,7 @@ class MonitorInfo:
     name: str  # the ``[monitors]`` key, ``Finding.monitor`` and the ``monitor`` label
     monitor: type
     config: type
-    family: str  # straggler | numeric | rl
+    family: str  # straggler | numeric | rl | memory
     runbook: str  # runbooks/<runbook>.md
 
 
@@ -51,6 +53,7 @@ MONITORS: dict[str, MonitorInfo] = {m.name: m for m in (
     _info(RewardHackingMonitor, RewardHackingConfig, "rl", "RewardHacking"),
     _info(ModeCollapseMonitor, ModeCollapseConfig, "rl", "EntropyCollapse"),
     _info(StaleRolloutMonitor, StaleRolloutConfig, "rl", "StaleRollouts"),
+    _info(MemoryMonitor, MemoryConfig, "memory", "MemoryForecast"),
 )}
 
 MONITOR_NAMES: tuple[str, ...] = tuple(MONITORS)

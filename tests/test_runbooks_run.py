@@ -42,6 +42,7 @@ MAPPING = {
     "GPUErrors": "straggler",               # no GPU here; a slow rank is what a throttled GPU looks like
     "GoodputLow": "crash",                  # restarts and redone steps
     "LossSpike": "nan",
+    "MemoryForecast": "crash",              # any run: every rank records its memory each step
     "StragglerRank": "straggler",
     "TrainingCrashLoop": "crash",
     "TrainingHang": "hang",

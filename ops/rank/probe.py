@@ -55,6 +55,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ptops.ops.rank.memory import sample as memory_sample
 from ptops.ops.runrecord.rundir import RunDir, append_jsonl
 
 REQUIRED_KEYS = ("loss", "grad_norm", "lr", "step_s", "tokens_per_s")
@@ -251,6 +252,7 @@ class Probe:
             record[key] = None
         if metrics.get("step_s") is None:
             record["step_s"] = now - self._last_step_end
+        record.update(memory_sample())  # RSS, its limit, CUDA where initialised (an engine's own keys win)
         for key, value in metrics.items():
             record[key] = _clean(value)
         record["ts"] = time.time()
