@@ -99,6 +99,23 @@ class RestartConfig(_Strict):
         return bool(self.warm_spare)
 
 
+class HealthConfig(_Strict):
+    """``[supervisor.health]``: checks before attempt 1 and each restart (ops/supervisor/health.py)."""
+
+    enabled: bool = Field(True, description="false = no checks before attempts")
+    min_free_mb: float = Field(
+        1024.0, ge=0,
+        description="free space the checkpoint directory needs (and at least twice the newest checkpoint)",
+    )
+    # the names of ops/supervisor/health.py's CHECKS (tests/test_health.py keeps the two equal)
+    skip: list[Literal["checkpoint_space", "checkpoint_writable", "rendezvous", "gpus"]] = Field(
+        default_factory=list, description="names of checks not to run"
+    )
+    rendezvous_timeout_s: float = Field(
+        2.0, gt=0, description="how long resolving a rendezvous address may take"
+    )
+
+
 class SupervisorSection(_Strict):
     """``[supervisor]``: how ``ptops launch`` watches (and, with ``--supervise``, restarts) a run (all optional)."""
 
@@ -111,6 +128,7 @@ class SupervisorSection(_Strict):
     kill_timeout_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down")
     restart: RestartConfig = Field(RestartConfig(), description="restart policy (``ptops launch --supervise`` only)")
     hang: HangConfig = Field(HangConfig(), description="hang budgets (monitors/hang.py)")
+    health: HealthConfig = Field(HealthConfig(), description="health checks before each attempt")
 
 
 class SlurmSection(_Strict):

@@ -31,6 +31,7 @@ class EventKind(StrEnum):
     EARLY_EXIT = "early_exit"
     HANG = "hang"
     MISCONFIGURED = "misconfigured"
+    HEALTH_CHECK = "health_check"
     STRAGGLER = "straggler"
     ANOMALY = "anomaly"
     MONITOR_ERROR = "monitor_error"
@@ -226,6 +227,10 @@ SPECS: dict[EventKind, EventSpec] = {
     K.VLLM_FALLBACK: EventSpec(("mode", "reason"), _RANK,
                                doc="[trl.vllm] asked for vLLM but it cannot run here: TRL's generate path instead"),
     K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
+    K.HEALTH_CHECK: EventSpec(("attempt", "ok", "checks"), ("failed",),
+                              doc="the checks before an attempt (ops/supervisor/health.py): checks "
+                              "[{name, ok, detail}] (ok null: does not apply here), failed: the names "
+                              "that failed; a failure ends the run (failed, exit 1) before any rank starts"),
     K.FAILED: EventSpec(("reason",), ("attempt", "exit_code"), state=RunState.FAILED, severity="critical",
                         summary=True, doc="the run gave up (reason names the cause)"),
     K.STOPPED: EventSpec((), ("attempt", "signal", "step", "reason"), state=RunState.STOPPED,

@@ -101,6 +101,10 @@ class SlurmSupervisor(Supervisor):
     def unreaped_exit_code(self, rank: int) -> int | None:
         return None  # the rank's pid is on its node, not here: wait for torchrun's line in the srun output
 
+    def rendezvous_addresses(self) -> list[tuple[str, int]]:
+        """The attempt's first node: every node's torchrun dials it (static rendezvous)."""
+        return [(self.active[0], self.recipe.launch.master_port or 29500)] if self.active else []
+
     def launch_fields(self, attempt: int) -> dict:
         return {"nodes": list(self.active), "spares": list(self.spares), "job_id": self.job_id}
 

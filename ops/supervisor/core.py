@@ -38,6 +38,7 @@ import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from ptops.ckpt import resume_point
@@ -48,7 +49,7 @@ from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
 from ptops.ops.runrecord.jsonl import JsonlAppender
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
-from ptops.ops.supervisor import exitcodes, launcher, monitorfeed, procs
+from ptops.ops.supervisor import exitcodes, health, launcher, monitorfeed, procs
 from ptops.ops.supervisor.actions import FindingActions
 from ptops.ops.supervisor.attempt import AttemptMixin, completes_on_exit
 from ptops.ops.supervisor.blame import Blame
@@ -57,7 +58,8 @@ from ptops.ops.supervisor.hangs import HangMixin
 from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.supervisor.messages import MessagesMixin, RankInfo
 from ptops.ops.supervisor.outcome import Outcome
-from ptops.ops.supervisor.policy import EXIT_DONE, EXIT_FAILED, EXIT_MISCONFIGURED, HALTING, Failure, RestartPolicy, Strategy
+from ptops.ops.supervisor.policy import (EXIT_DONE, EXIT_FAILED, EXIT_MISCONFIGURED, HALTING, Failure,
+                                         RestartPolicy, Strategy)
 from ptops.ops.supervisor.stop import StopMixin
 from ptops.ops.supervisor.warmpool import WarmPool
 from ptops.recipes.schema import Recipe
@@ -234,6 +236,9 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         while True:
             self.attempt += 1
             start_step = (self.good or {}).get("step", 0)
+            unhealthy = self.health_gate(self.attempt)
+            if unhealthy is not None:
+                return unhealthy
             outcome = self.run_attempt(self.attempt)
             early = self.after_outcome(outcome)
             if early is not None:  # the launch backend ends this supervisor (Slurm: requeued, resubmitted)
@@ -300,6 +305,34 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                     self.event(EventKind.STOPPED, attempt=self.attempt, signal=int(sig), step=self.step, reason="interrupted during restart backoff")
                     return exitcodes.stopped(int(sig))
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def rendezvous_addresses(self) -> list[tuple[str, int]]:
+        """What the attempt's ranks will dial for their rendezvous (local: torchrun on this host)."""
+        return [("127.0.0.1", self.recipe.launch.master_port or 29500)]
+
+    def health_gate(self, attempt: int) -> int | None:
+        """The checks before an attempt (``ops/supervisor/health.py``): one ``health_check`` event; a
+        failed check ends the run before any rank starts (exit 1: the node is at fault, not the job)."""
+        cfg = self.cfg.health
+        if not cfg.enabled:
+            return None
+        ctx = health.Context(
+            ckpt_dir=self.run.checkpoints, min_free_mb=cfg.min_free_mb,
+            newest_ckpt=Path(self.good["path"]) if self.good and self.good.get("path") else None,
+            rendezvous=self.rendezvous_addresses(), timeout_s=cfg.rendezvous_timeout_s,
+            expected_gpus=self.recipe.slurm.gpus_per_node or None, nproc=self.recipe.launch.nproc)
+        results = health.run_checks(ctx, cfg.skip)
+        failed = [r for r in results if r.ok is False]
+        self.event(EventKind.HEALTH_CHECK, attempt=attempt, ok=not failed,
+                   checks=[r.to_dict() for r in results], failed=[r.name for r in failed])
+        if not failed:
+            return None
+        self.state = RunState.FAILED
+        self.reason = "health check failed before attempt {}: {}".format(
+            attempt, "; ".join(f"{r.name}: {r.detail}" for r in failed))
+        self.event(EventKind.FAILED, reason=self.reason, attempt=attempt, exit_code=EXIT_FAILED)
+        self.say(f"giving up: {self.reason}")
+        return EXIT_FAILED
 
     def after_outcome(self, outcome: Outcome) -> int | None:
         """The launch backend's say after each attempt (Slurm: node strikes, spares, preemption);
