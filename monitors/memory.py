@@ -36,11 +36,49 @@ SERIES = (
 
 
 class _Series:
-    __slots__ = ("points", "episode_open")
+    """The last ``window`` (step, MB) points with running sums: the fit is O(1) per record (steps
+    are taken from ``origin``, the first step after a rewind, so the sums stay small and exact)."""
+
+    __slots__ = ("points", "episode_open", "origin", "sx", "sy", "sxx", "sxy")
 
     def __init__(self, window: int) -> None:
         self.points: deque[tuple[int, float]] = deque(maxlen=window)
         self.episode_open = False
+        self.clear()
+
+    def clear(self) -> None:
+        self.points.clear()
+        self.origin: int | None = None
+        self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, step: int, value: float) -> None:
+        if self.origin is None:
+            self.origin = step
+        if len(self.points) == self.points.maxlen:
+            x0, y0 = self.points[0]
+            x0 -= self.origin
+            self.sx -= x0
+            self.sy -= y0
+            self.sxx -= x0 * x0
+            self.sxy -= x0 * y0
+        self.points.append((step, value))
+        x = step - self.origin
+        self.sx += x
+        self.sy += value
+        self.sxx += x * x
+        self.sxy += x * value
+
+    def fit(self) -> tuple[float, float] | None:
+        """(slope, intercept) in steps, as :func:`fit` of the points gives."""
+        n = len(self.points)
+        if n < 2:
+            return None
+        var = self.sxx - self.sx * self.sx / n
+        if var <= 0:
+            return None
+        slope = (self.sxy - self.sx * self.sy / n) / var
+        icept_rel = (self.sy - slope * self.sx) / n
+        return slope, icept_rel - slope * self.origin
 
 
 class _RankState:
@@ -86,7 +124,7 @@ class MemoryMonitor(RankedMonitor):
 
     def _rewind(self, state: _RankState, step: int) -> None:
         for s in state.series.values():
-            s.points.clear()
+            s.clear()
             s.episode_open = False
         state.seen = 0
 
@@ -116,7 +154,7 @@ class MemoryMonitor(RankedMonitor):
             if limit is None or not math.isfinite(limit) or limit <= 0:
                 continue
             s = state.series[name]
-            s.points.append((step, used))
+            s.add(step, used)
             f = self._judge(s, name, used, limit, source, step, rank, record)
             if f is not None:
                 out.append(f)
@@ -136,7 +174,7 @@ class MemoryMonitor(RankedMonitor):
         cfg = self.cfg
         if len(s.points) < cfg.min_points:
             return None
-        line = fit(s.points)
+        line = s.fit()
         if line is None:
             return None
         slope, icept = line

@@ -212,3 +212,19 @@ def test_memory_curve_is_only_for_memory_crashes():
     assert about_memory({"words": "SIGKILL", "cause": "probably the OOM killer"})
     assert about_memory({"exception": {"type": "torch.OutOfMemoryError", "message": "x"}})
     assert not about_memory({"words": "exit code 1", "exception": {"type": "ValueError"}})
+
+
+def test_the_running_fit_equals_the_direct_least_squares():
+    import random
+
+    from ptops.monitors.memory import _Series, fit
+
+    rng = random.Random(7)
+    s, pts = _Series(10), []
+    for step in range(100_000, 100_040):
+        v = rng.uniform(0, 80_000)
+        s.add(step, v)
+        pts.append((step, v))
+        if len(pts) >= 2:
+            (a, b), (c, d) = s.fit(), fit(pts[-10:])
+            assert abs(a - c) < 1e-6 * max(1, abs(c)) and abs(b - d) < 1e-6 * max(1, abs(d))
