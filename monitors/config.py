@@ -276,6 +276,10 @@ class MemoryConfig(_Strict):
         3, ge=0, description="first records of each attempt skipped (allocators grow there)"
     )
     min_slope_mb: float = Field(1.0, ge=0, description="MB/step below which memory is flat (noise floor)")
+    max_jump_share: float = Field(
+        0.5, gt=0, le=1, description="a rise whose largest single step is more than this share of it is a "
+        "jump (an allocation, e.g. the first checkpoint's buffers), not a trend"
+    )
     limit_mb: float | None = Field(
         None, gt=0, description="host limit in MB instead of the one each rank reports (cgroup, else RAM)"
     )

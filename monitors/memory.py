@@ -15,8 +15,10 @@ processes) starts the series over.
 ``[monitors.memory] limit_mb`` / ``device_limit_mb`` override the limits the ranks report (a
 site's own margin below the cgroup limit, or a small box standing in for a big one).
 
-Known misses: a sudden jump (one huge allocation) is not a trend; the first ``warmup_steps`` of
-each attempt are skipped (allocators and optimizer state grow there on every healthy run).
+Known misses: a sudden jump (one huge allocation, the first checkpoint's staging buffers) is not a
+trend: a rise whose largest single step is more than ``max_jump_share`` of it waits until the
+window shows steady growth; the first ``warmup_steps`` of each attempt are skipped (allocators and
+optimizer state grow there on every healthy run).
 """
 
 from __future__ import annotations
@@ -104,11 +106,22 @@ def fit(points: Any) -> tuple[float, float] | None:
     return slope, my - slope * mx
 
 
+def _jump(points: Any) -> float:
+    """The share of the window's rise that its largest single step makes (1.0: all of it)."""
+    rise = points[-1][1] - points[0][1]
+    if rise <= 0:
+        return 1.0
+    prev, top = points[0][1], 0.0
+    for _, v in points:
+        top, prev = max(top, v - prev), v
+    return top / rise
+
+
 class MemoryMonitor(RankedMonitor):
     """The memory trend of each rank against its limit (``monitor="memory"``)."""
 
     name = "memory"
-    _gate = frozenset(k for _, used, _, _ in SERIES for k in (used,))
+    _gate = frozenset(used for _, used, _, _ in SERIES)  # a record without memory keys: nothing
     _episodes = 0
 
     def __init__(self, cfg: MemoryConfig | None = None) -> None:
@@ -133,9 +146,8 @@ class MemoryMonitor(RankedMonitor):
     ) -> list[Finding]:
         cfg = self.cfg
         attempt = record_attempt(record)
-        if (
-            attempt != state.attempt
-        ):  # a new attempt (new processes): its own warm-up, series, episode
+        # a new attempt (new processes): its own warm-up, series, episode
+        if attempt != state.attempt:
             state.attempt = attempt
             self._rewind(state, step)
         state.seen += 1
@@ -182,6 +194,8 @@ class MemoryMonitor(RankedMonitor):
         # the first step at which the fitted line reaches the limit (now, when it is already there)
         at = step if used >= limit else (math.ceil((limit - icept) / slope) if rising else None)
         soon = at is not None and at - step <= cfg.horizon_steps
+        if soon and not s.episode_open and _jump(s.points) > cfg.max_jump_share:
+            return None  # a rise that came mostly from one step is an allocation, not a trend (yet)
         if soon and not s.episode_open:
             s.episode_open = True
             self._episodes += 1

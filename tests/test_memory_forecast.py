@@ -74,6 +74,15 @@ def test_flat_noisy_memory_is_not_a_trend_and_a_stopped_leak_resolves():
     assert found[0].episode == found[1].episode == 1
 
 
+def test_a_jump_is_not_a_trend_but_steady_growth_after_it_is():
+    # the first checkpoint's buffers: +36 MB at one step, flat around it (seen on titan-tiny rank 0)
+    jump = [540.0] * 5 + [577.0] * 10
+    assert replay(_recs(0, jump, limit=1000.0), [MemoryMonitor()]) == []
+    leak = jump + [577.0 + 20 * s for s in range(1, 12)]
+    found = replay(_recs(0, leak, limit=1000.0), [MemoryMonitor()])
+    assert [f.phase for f in found] == ["open"] and found[0].step > 15
+
+
 def test_the_limit_override_and_a_rewind():
     recs = _recs(0, [100.0 + 5 * s for s in range(1, 30)], limit=100_000.0)
     assert replay(recs, [MemoryMonitor()]) == []  # 100 GB away: nothing soon
