@@ -66,7 +66,9 @@ FT_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
 FT_INITIAL_TIMEOUT_S = 60.0
 FT_TIMEOUT_S = 10.0
 PEERS = ("ptops", "torchrun", "ft")
-ARM_AHEAD = 30  # ptops: a planned fault is injected live this many steps before its step (polled every 1 s)
+ARM_AHEAD = (
+    30  # ptops: a planned fault is injected live this many steps before its step (polled every 1 s)
+)
 
 
 def read(path: Path) -> list[dict]:
@@ -82,14 +84,20 @@ def goodput(run: Path, wall_s: float) -> dict:
         if r.get("rank") == 0 and isinstance(r.get("step_s"), (int, float)):
             loss = r.get("loss")
             bad = isinstance(loss, str) or (isinstance(loss, float) and not math.isfinite(loss))
-            last[int(r["step"])] = 0.0 if bad else float(r["step_s"])  # a redone step: its last execution counts
+            last[int(r["step"])] = (
+                0.0 if bad else float(r["step_s"])
+            )  # a redone step: its last execution counts
     productive = sum(last.values())
     good = [v for v in last.values() if v > 0]
-    return {"steps": max(last, default=0), "productive_s": round(productive, 1), "wall_s": round(wall_s, 1),
-            "steps_per_min": round(60 * len(good) / wall_s, 1) if wall_s > 0 else 0.0,
-            "nan_steps": len(last) - len(good),
-            "goodput": round(productive / wall_s, 3) if wall_s > 0 else 0.0,
-            "median_step_s": round(statistics.median(good), 3) if good else None}
+    return {
+        "steps": max(last, default=0),
+        "productive_s": round(productive, 1),
+        "wall_s": round(wall_s, 1),
+        "steps_per_min": round(60 * len(good) / wall_s, 1) if wall_s > 0 else 0.0,
+        "nan_steps": len(last) - len(good),
+        "goodput": round(productive / wall_s, 3) if wall_s > 0 else 0.0,
+        "median_step_s": round(statistics.median(good), 3) if good else None,
+    }
 
 
 class StepTail:
@@ -160,13 +168,26 @@ def stop_group(proc: subprocess.Popen, sig: int, grace: float, leader_only: bool
 
 def ptops_soak(tmp: Path, minutes: float, plan: list, step_s: float) -> dict:
     run = tmp / "ptops"
-    argv = [*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run),
-            "--set", "supervisor.restart.warm_spare=true", "--set", "supervisor.restart.max_restarts=1000",
-            "--set", "supervisor.restart.storm_restarts=1000"]
+    argv = [
+        *PTOPS,
+        "launch",
+        "titan-tiny",
+        "--supervise",
+        "--run-dir",
+        str(run),
+        "--set",
+        "supervisor.restart.warm_spare=true",
+        "--set",
+        "supervisor.restart.max_restarts=1000",
+        "--set",
+        "supervisor.restart.storm_restarts=1000",
+    ]
     for s in SETS:
         argv += ["--set", s]
     t0 = time.time()
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     injected: list[dict] = []
     refused = 0
     todo = plan_steps(plan, step_s)
@@ -177,8 +198,12 @@ def ptops_soak(tmp: Path, minutes: float, plan: list, step_s: float) -> dict:
             cur = current_step()
             if todo and cur > 0 and cur >= todo[0][0] - ARM_AHEAD:
                 step, kind, rank, _ = todo[0]
-                s = spec(kind, rank, max(step, cur + 2))  # the plan's step, or the next one if training passed it
-                r = subprocess.run([*PTOPS, "inject", str(run), s], cwd=REPO, capture_output=True, text=True)
+                s = spec(
+                    kind, rank, max(step, cur + 2)
+                )  # the plan's step, or the next one if training passed it
+                r = subprocess.run(
+                    [*PTOPS, "inject", str(run), s], cwd=REPO, capture_output=True, text=True
+                )
                 if r.returncode == 0:
                     injected.append({"t": round(time.time() - t0, 1), "spec": s})
                     todo.pop(0)
@@ -186,12 +211,16 @@ def ptops_soak(tmp: Path, minutes: float, plan: list, step_s: float) -> dict:
                     refused += 1
     finally:
         wall = time.time() - t0
-        stop_group(proc, signal.SIGINT, 120, leader_only=True)  # the supervisor stops the ranks (checkpoint), exits 130
+        stop_group(
+            proc, signal.SIGINT, 120, leader_only=True
+        )  # the supervisor stops the ranks (checkpoint), exits 130
         from ptops.ops.supervisor.procs import run_processes, signal_all
 
         signal_all(run_processes(run), signal.SIGKILL)
     out = goodput(run, wall)
-    st = subprocess.run([*PTOPS, "status", str(run), "--json"], cwd=REPO, capture_output=True, text=True)
+    st = subprocess.run(
+        [*PTOPS, "status", str(run), "--json"], cwd=REPO, capture_output=True, text=True
+    )
     try:
         out["ptops_account"] = json.loads(st.stdout).get("goodput")
     except ValueError:
@@ -202,13 +231,17 @@ def ptops_soak(tmp: Path, minutes: float, plan: list, step_s: float) -> dict:
     out["inject_refused"] = refused
     out["fired"] = fired(ev, t0)
     out["restarts"] = sum(e["kind"] == "restart" for e in ev)
-    out["findings"] = {k: sum(e["kind"] == k for e in ev) for k in ("crash", "hang", "rollback", "straggler")}
+    out["findings"] = {
+        k: sum(e["kind"] == k for e in ev) for k in ("crash", "hang", "rollback", "straggler")
+    }
     return out
 
 
 def fired(events: list[dict], t0: float) -> list[dict]:
     out, seen = [], set()
-    for e in events:  # a fault of every rank (nan) is recorded by each: once per fault and worker group
+    for (
+        e
+    ) in events:  # a fault of every rank (nan) is recorded by each: once per fault and worker group
         if e.get("kind") == "fault_injected" and (e.get("fault"), e.get("attempt")) not in seen:
             seen.add((e.get("fault"), e.get("attempt")))
             out.append({"t": round(float(e.get("ts", t0)) - t0, 1), "fault": e.get("fault")})
@@ -232,15 +265,24 @@ def up_front(plan: list, step_s: float) -> list:
     """The plan as faults given at launch (``PTOPS_FAULTS``)."""
     from ptops.faultinject.spec import parse
 
-    return [parse(spec(kind, rank, step) + f",attempt={attempt}") for step, kind, rank, attempt in plan_steps(plan, step_s)]
+    return [
+        parse(spec(kind, rank, step) + f",attempt={attempt}")
+        for step, kind, rank, attempt in plan_steps(plan, step_s)
+    ]
 
 
 def ft_missing() -> str | None:
     """Why the ft peer cannot run here, or None."""
     if not (NVRX / "nvidia_resiliency_ext").is_dir():
-        return f"nvidia-resiliency-ext is not installed in {NVRX} (install command: bench/README.md)"
-    r = subprocess.run([sys.executable, "-c", f"import {FT_LAUNCHER}"], env={**os.environ, "PYTHONPATH": str(NVRX)},
-                       capture_output=True, text=True)
+        return (
+            f"nvidia-resiliency-ext is not installed in {NVRX} (install command: bench/README.md)"
+        )
+    r = subprocess.run(
+        [sys.executable, "-c", f"import {FT_LAUNCHER}"],
+        env={**os.environ, "PYTHONPATH": str(NVRX)},
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         return f"{FT_LAUNCHER} does not import: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
     return None
@@ -266,14 +308,22 @@ def elastic_soak(peer: str, tmp: Path, minutes: float, plan: list, step_s: float
         i = argv.index("torch.distributed.run")
         argv[i] = FT_LAUNCHER
         j = argv.index("ptops.ops.rank.entry")
-        argv[j - 1:j + 1] = [f"--ft-initial-rank-heartbeat-timeout={FT_INITIAL_TIMEOUT_S}",
-                             f"--ft-rank-heartbeat-timeout={FT_TIMEOUT_S}", str(REPO / "bench" / "ft_worker.py")]
+        argv[j - 1 : j + 1] = [
+            f"--ft-initial-rank-heartbeat-timeout={FT_INITIAL_TIMEOUT_S}",
+            f"--ft-rank-heartbeat-timeout={FT_TIMEOUT_S}",
+            str(REPO / "bench" / "ft_worker.py"),
+        ]
         (tmp / "ft-tmp").mkdir(exist_ok=True)
-        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(NVRX), env.get("PYTHONPATH")])),
-               "TMPDIR": str(tmp / "ft-tmp")}  # its IPC sockets go there, not into /tmp
+        env = {
+            **env,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(NVRX), env.get("PYTHONPATH")])),
+            "TMPDIR": str(tmp / "ft-tmp"),
+        }  # its IPC sockets go there, not into /tmp
     t0 = time.time()
     with open(run.logs(1) / f"{peer}.log", "wb") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         while time.time() - t0 < minutes * 60 and proc.poll() is None:
             time.sleep(1.0)
@@ -287,7 +337,9 @@ def elastic_soak(peer: str, tmp: Path, minutes: float, plan: list, step_s: float
     out["argv"] = argv[2:]
     out["faults_planned"] = [str(f) for f in faults if 0 < f.step <= out["steps"] + 200][:40]
     out["fired"] = fired(read(run.events), t0)
-    out["groups"] = max((int(r.get("attempt") or 1) for r in m0), default=0)  # worker groups that trained
+    out["groups"] = max(
+        (int(r.get("attempt") or 1) for r in m0), default=0
+    )  # worker groups that trained
     out["restarts"] = out["groups"] - 1 if out["groups"] else 0
     return out
 
@@ -312,8 +364,10 @@ def orphans(tmp: Path) -> list[str]:
 
 def table(res: dict) -> str:
     """The bench/README.md table of one result file."""
-    rows = ["| | goodput | distinct steps per wall minute | median step s | faults that fired | restarts |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| | goodput | distinct steps per wall minute | median step s | faults that fired | restarts |",
+        "|---|---|---|---|---|---|",
+    ]
     for peer in PEERS:
         v = res.get(peer)
         if not isinstance(v, dict):
@@ -324,18 +378,25 @@ def table(res: dict) -> str:
         acc = v.get("ptops_account") or {}
         own = f" (its own account: {acc.get('ratio', acc.get('goodput'))})" if acc else ""
         fr = "; ".join(f"{f['fault']} at {f['t']:.0f} s" for f in v.get("fired", [])) or "none"
-        rows.append(f"| {peer} | {v['goodput']}{own} | {v['steps_per_min']} | {v.get('median_step_s')} | {fr} | "
-                    f"{v.get('restarts')} |")
+        rows.append(
+            f"| {peer} | {v['goodput']}{own} | {v['steps_per_min']} | {v.get('median_step_s')} | {fr} | "
+            f"{v.get('restarts')} |"
+        )
     la = res.get("loadavg") or {}
     lost = ((res.get("ptops") or {}).get("ptops_account") or {}).get("lost_s") or {}
     if lost:
         rows.append("")
-        rows.append("Where ptops' wall time went (its account): " + ", ".join(f"{k} {v:.1f} s" for k, v in lost.items()))
+        rows.append(
+            "Where ptops' wall time went (its account): "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in lost.items())
+        )
     rows.append("")
-    rows.append(f"{res.get('mode')}, {res.get('minutes')} min per peer, a fault every ~{res.get('fault_every_s')} s, "
-                f"seed {res.get('seed')}, step_s for up-front faults {res.get('step_s')}; load average (1 min) "
-                f"min {la.get('min')} / median {la.get('median')} / max {la.get('max')}; orphans after: "
-                f"{len(res.get('orphans') or [])}")
+    rows.append(
+        f"{res.get('mode')}, {res.get('minutes')} min per peer, a fault every ~{res.get('fault_every_s')} s, "
+        f"seed {res.get('seed')}, step_s for up-front faults {res.get('step_s')}; load average (1 min) "
+        f"min {la.get('min')} / median {la.get('median')} / max {la.get('max')}; orphans after: "
+        f"{len(res.get('orphans') or [])}"
+    )
     return "\n".join(rows)
 
 
@@ -344,11 +405,19 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=30.0, help="wall time of each peer's run")
     ap.add_argument("--fault-every", type=float, default=90.0, help="mean seconds between faults")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--step-s", type=float, default=0.1,
-                    help="seconds per step the up-front faults of torchrun/ft assume (titan-tiny, 3 peers "
-                         "concurrently: median 0.07-0.10 s measured in the smoke)")
-    ap.add_argument("--sequential", action="store_true", help="one peer after the other (default: concurrently)")
-    ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of ptops,torchrun,ft")
+    ap.add_argument(
+        "--step-s",
+        type=float,
+        default=0.1,
+        help="seconds per step the up-front faults of torchrun/ft assume (titan-tiny, 3 peers "
+        "concurrently: median 0.07-0.10 s measured in the smoke)",
+    )
+    ap.add_argument(
+        "--sequential", action="store_true", help="one peer after the other (default: concurrently)"
+    )
+    ap.add_argument(
+        "--peers", default=",".join(PEERS), help="comma-separated subset of ptops,torchrun,ft"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput_soak.json")
     ap.add_argument("--table", type=Path, help="print the README table of a result file and exit")
     a = ap.parse_args()
@@ -357,10 +426,15 @@ def main() -> None:
         return
     peers = [p for p in a.peers.split(",") if p]
     plan = fault_plan(a.seed, a.fault_every, a.minutes)
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "minutes": a.minutes,
-                 "fault_every_s": a.fault_every, "seed": a.seed, "step_s": a.step_s,
-                 "mode": "sequential" if a.sequential else "concurrent",
-                 "plan": [{"gap_s": round(g, 1), "kind": k, "rank": r} for g, k, r in plan[:60]]}
+    res: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "minutes": a.minutes,
+        "fault_every_s": a.fault_every,
+        "seed": a.seed,
+        "step_s": a.step_s,
+        "mode": "sequential" if a.sequential else "concurrent",
+        "plan": [{"gap_s": round(g, 1), "kind": k, "rank": r} for g, k, r in plan[:60]],
+    }
     if "ft" in peers:
         why = ft_missing()
         if why:
@@ -399,8 +473,16 @@ def main() -> None:
         done.set()
         time.sleep(2.0)
         res["orphans"] = orphans(tmp)
-    res["loadavg"] = ({"min": round(min(loads), 1), "median": round(statistics.median(loads), 1), "max": round(max(loads), 1), "n": len(loads)}
-                      if loads else None)
+    res["loadavg"] = (
+        {
+            "min": round(min(loads), 1),
+            "median": round(statistics.median(loads), 1),
+            "max": round(max(loads), 1),
+            "n": len(loads),
+        }
+        if loads
+        else None
+    )
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print(table(res))
 

@@ -41,7 +41,9 @@ def main() -> int:
 
     server = ChannelServer()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-c", CODE, tmp, server.address(), server.token], cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CODE, tmp, server.address(), server.token], cwd=REPO
+        )
         last, gaps, phase = None, {}, "start"
         while True:
             peer, msg, ts = server.inbox.get(timeout=300)

@@ -40,7 +40,9 @@ class BackgroundVerifier:
                 return
             self._next = (int(step), Path(path))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ptops-ckpt-verify", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="ptops-ckpt-verify", daemon=True
+                )
                 self._thread.start()
             self._cv.notify_all()
 

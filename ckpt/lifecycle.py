@@ -74,7 +74,9 @@ def shard_files(path: str | os.PathLike, rank: int | None = None) -> list[Path]:
     p = Path(path)
     files = [p / f for f in walk_files(p)]
     if rank is not None:
-        files = [f for f in files if f.name.startswith(f"__{int(rank)}_") and f.name.endswith(".distcp")]
+        files = [
+            f for f in files if f.name.startswith(f"__{int(rank)}_") and f.name.endswith(".distcp")
+        ]
     return sorted(files, key=lambda f: (f.stat().st_size, str(f)), reverse=True)
 
 
@@ -83,19 +85,28 @@ def _aborted(path: Path) -> str | None:
         text = (path / WRITING_MARKER).read_text()
     except OSError:
         return None
-    return text[len(ABORTED):].strip() or "save aborted" if text.startswith(ABORTED) else None
+    return text[len(ABORTED) :].strip() or "save aborted" if text.startswith(ABORTED) else None
 
 
 def _rng_missing(path: Path, world_size: int) -> list[str]:
     """TRL/HF: each rank writes its own ``rng_state_R.pth``; without a manifest nobody agreed
     that every rank finished, so the files say it."""
-    names = ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
+    names = (
+        ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
+    )
     return [n for n in names if not (path / n).is_file()]
 
 
 def _entry(path: Path, *, has_manifest: bool, reason: str = "") -> Entry:
-    return Entry(step=step_from_name(path.name) or 0, path=str(path), kind=detect_kind(path), ok=True,
-                 reason=reason, has_manifest=has_manifest, mtime=_mtime(path))
+    return Entry(
+        step=step_from_name(path.name) or 0,
+        path=str(path),
+        kind=detect_kind(path),
+        ok=True,
+        reason=reason,
+        has_manifest=has_manifest,
+        mtime=_mtime(path),
+    )
 
 
 # ---------------------------------------------------------------- resume
@@ -134,7 +145,9 @@ def resume_point(
             return None
         p = Path(chosen)
         if p.is_dir() and p.parent.resolve() == root.resolve():
-            return _entry(p, has_manifest=(p / MANIFEST_NAME).exists(), reason="chosen by the supervisor")
+            return _entry(
+                p, has_manifest=(p / MANIFEST_NAME).exists(), reason="chosen by the supervisor"
+            )
         # gone since (or another folder): decide here
     if not root.is_dir():
         return None
@@ -151,10 +164,17 @@ def resume_point(
                 continue  # gone since it was listed
             reason = res.reason
             if res.ok:
-                missing = [] if res.has_manifest or res.kind != "trl" or not world_size else _rng_missing(p, world_size)
+                missing = (
+                    []
+                    if res.has_manifest or res.kind != "trl" or not world_size
+                    else _rng_missing(p, world_size)
+                )
                 if missing:
-                    fallback = fallback or _entry(p, has_manifest=False,
-                                                  reason=f"misses {', '.join(missing)}: RNG state of some ranks")
+                    fallback = fallback or _entry(
+                        p,
+                        has_manifest=False,
+                        reason=f"misses {', '.join(missing)}: RNG state of some ranks",
+                    )
                     continue
                 entry = _entry(p, has_manifest=res.has_manifest)
                 if adopt:
@@ -164,7 +184,9 @@ def resume_point(
     return fallback
 
 
-def _adopt(root: Path, p: Path, entry: Entry, world_size: int, versions: dict[str, str] | None) -> None:
+def _adopt(
+    root: Path, p: Path, entry: Entry, world_size: int, versions: dict[str, str] | None
+) -> None:
     """Commit a complete save killed before its commit; LATEST is advisory for the resume itself."""
     try:
         if not entry.has_manifest:
@@ -184,7 +206,12 @@ def _quarantine_and_report(p: Path, reason: str, on_invalid: Callable[..., Any] 
     except OSError:
         dest = None
     if on_invalid is not None:
-        on_invalid(path=str(p), reason=reason, moved_to=str(dest) if dest else None, step=step_from_name(p.name))
+        on_invalid(
+            path=str(p),
+            reason=reason,
+            moved_to=str(dest) if dest else None,
+            step=step_from_name(p.name),
+        )
 
 
 # ---------------------------------------------------------------- save
@@ -252,7 +279,9 @@ class SaveTransaction:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if self.replace_leftover and self.path.exists():
-                    self.moved_leftover = quarantine(self.path, "leftover folder replaced by a new save of the same step")
+                    self.moved_leftover = quarantine(
+                        self.path, "leftover folder replaced by a new save of the same step"
+                    )
                 mark_writing(self.path)
             except OSError as e:
                 error = e
@@ -330,4 +359,12 @@ class SaveTransaction:
         return self.error
 
 
-__all__ = ["RESUME_ENV", "Agree", "SaveTransaction", "checkpoint_path", "is_writing", "resume_point", "shard_files"]
+__all__ = [
+    "RESUME_ENV",
+    "Agree",
+    "SaveTransaction",
+    "checkpoint_path",
+    "is_writing",
+    "resume_point",
+    "shard_files",
+]

@@ -80,7 +80,10 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "oom": (("oom:rank=0,step=6",), ("crash",)),
     # a corrupt checkpoint only matters when a restart needs it: crash after it so the restart
     # must notice the damage, quarantine it and fall back to the previous good checkpoint
-    "corrupt-ckpt": (("corrupt-ckpt:step=8,mode=flip", "crash:rank=1,step=10"), ("checkpoint_invalid",)),
+    "corrupt-ckpt": (
+        ("corrupt-ckpt:step=8,mode=flip", "crash:rank=1,step=10"),
+        ("checkpoint_invalid",),
+    ),
     "enospc": (("enospc:step=8",), ("checkpoint_failed", "crash")),
     # a rank killed in the middle of a save: the half-written step-8 is never committed; the
     # restart quarantines it (or, TRL, passes over it) and resumes from step 4
@@ -112,13 +115,19 @@ DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES
 def default_recipes_help() -> str:
     """What ``--recipe``'s default covers, in words, from the same table ``select`` uses."""
     names = list(DEFAULT_MATRIX)
-    return (f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: "
-            f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops recipes` "
-            "lists, with --recipe NAME).")
+    return (
+        f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: "
+        f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops recipes` "
+        "lists, with --recipe NAME)."
+    )
+
+
 TRL_KINDS = ALL_KINDS
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)
 RECIPE_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
-    (r, "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10") for r in TINY_RECIPES if r.startswith("trl")
+    (r, "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10")
+    for r in TINY_RECIPES
+    if r.startswith("trl")
 }
 DETECT_KINDS_ANY = (
     "crash", "hang", "straggler", "anomaly", "checkpoint_failed", "checkpoint_invalid", "stopped", "adopt", "rollback",
@@ -190,18 +199,29 @@ class Result:
 
 
 # ---------------------------------------------------------------- selection
-def scenario_for(recipe: str, kind: str, faults: tuple[str, ...] | None = None, recipe_path: str = "") -> Scenario:
+def scenario_for(
+    recipe: str, kind: str, faults: tuple[str, ...] | None = None, recipe_path: str = ""
+) -> Scenario:
     if faults is None:
         if kind not in KIND_SCENARIOS:
-            raise ScenarioError(f"unknown scenario kind {kind!r} (expected one of: {', '.join(ALL_KINDS)}, or a fault spec)")
+            raise ScenarioError(
+                f"unknown scenario kind {kind!r} (expected one of: {', '.join(ALL_KINDS)}, or a fault spec)"
+            )
         faults = RECIPE_OVERRIDES.get((recipe, kind), KIND_SCENARIOS[kind][0])
         detect = KIND_SCENARIOS[kind][1]
         name = f"{recipe}/{kind}"
     else:
         detect = KIND_SCENARIOS.get(kind, ((), DETECT_KINDS_ANY))[1]
         name = f"{recipe}/{','.join(faults)}" if len(faults) > 1 else f"{recipe}/{faults[0]}"
-    return Scenario(name=name, recipe=recipe, kind=kind, faults=tuple(faults), detect=tuple(detect),
-                    extra_sets=KIND_SETS.get(kind, ()), recipe_path=recipe_path)
+    return Scenario(
+        name=name,
+        recipe=recipe,
+        kind=kind,
+        faults=tuple(faults),
+        detect=tuple(detect),
+        extra_sets=KIND_SETS.get(kind, ()),
+        recipe_path=recipe_path,
+    )
 
 
 def _resolve(recipe: str) -> tuple[str, str]:
@@ -248,9 +268,15 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
             targets = [rec]
         else:
             what = text
-            targets = recipes or [r for r in DEFAULT_MATRIX if what in DEFAULT_MATRIX[r]] or list(DEFAULT_MATRIX)
+            targets = (
+                recipes
+                or [r for r in DEFAULT_MATRIX if what in DEFAULT_MATRIX[r]]
+                or list(DEFAULT_MATRIX)
+            )
         if not what:
-            raise ScenarioError(f"--scenario {s!r}: expected RECIPE/KIND, KIND or a fault spec (e.g. titan-tiny/crash)")
+            raise ScenarioError(
+                f"--scenario {s!r}: expected RECIPE/KIND, KIND or a fault spec (e.g. titan-tiny/crash)"
+            )
         for rec in targets:
             if ":" in what:
                 specs = tuple(x.strip() for x in what.split(";") if x.strip())
@@ -292,12 +318,19 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[str, ...]) -> dict[str, Any]:
+def analyze(
+    events: list[dict], metrics: list[dict], steps: int, detect: tuple[str, ...]
+) -> dict[str, Any]:
     """Pure: timings and data checks from a run's records (see the module docstring)."""
     out: dict[str, Any] = {}
     view = reduce(events)
     # a hold is a pause some scenarios take before their fault, not the fault: timings start at the fault
-    faults = [e for e in events if e.get("kind") == EventKind.FAULT_INJECTED and not str(e.get("fault", "")).startswith("hold")]
+    faults = [
+        e
+        for e in events
+        if e.get("kind") == EventKind.FAULT_INJECTED
+        and not str(e.get("fault", "")).startswith("hold")
+    ]
     out["fired"] = bool(faults)
     out["restarts"] = view.restarts
     launches = [e for e in events if e.get("kind") == EventKind.LAUNCH]
@@ -305,7 +338,8 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
     out["cold_restarts"] = [
         f"attempt {e.get('attempt')} started cold although the run keeps a warm pool ({e.get('cold_why')}: "
         f"{e.get('cold_detail', '')})"
-        for e in launches if e.get("warm_pool") and e.get("ranks_from") == "cold" and e.get("cold_why") not in COLD_OK
+        for e in launches
+        if e.get("warm_pool") and e.get("ranks_from") == "cold" and e.get("cold_why") not in COLD_OK
     ]
     out["state"] = view.end["kind"] if view.end else None
     r0 = [m for m in metrics if m.get("rank") == 0 and isinstance(m.get("step"), int)]
@@ -319,7 +353,11 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
     bad_loss = [s for s in range(1, steps + 1) if s in final and not _finite(final[s].get("loss"))]
     out["missing_steps"] = missing
     out["nonfinite_steps"] = bad_loss
-    out["steps_recomputed"] = max(0, len([m for m in r0 if 1 <= m["step"] <= steps]) - len([s for s in final if 1 <= s <= steps]))
+    out["steps_recomputed"] = max(
+        0,
+        len([m for m in r0 if 1 <= m["step"] <= steps])
+        - len([s for s in final if 1 <= s <= steps]),
+    )
     out["detected_by"] = out["detect_s"] = out["recover_s"] = None
     if not faults:
         return out
@@ -330,7 +368,9 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
             out["detected_by"] = e["kind"]
             out["detect_s"] = round(float(e["ts"]) - t0, 2)
             break
-    later = [m for m in r0 if int(m.get("attempt") or 1) > fault_attempt and float(m.get("ts", 0)) >= t0]
+    later = [
+        m for m in r0 if int(m.get("attempt") or 1) > fault_attempt and float(m.get("ts", 0)) >= t0
+    ]
     if later:
         out["recover_s"] = round(min(float(m["ts"]) for m in later) - t0, 2)
     return out
@@ -405,13 +445,17 @@ class Runner:
                     f"step {st.get('step', 0)}/{st.get('total_steps', '?')}"
                 )
 
-    def _launch(self, argv: list[str], log: Path, run_dir: Path | None = None, label: str = "") -> int:
+    def _launch(
+        self, argv: list[str], log: Path, run_dir: Path | None = None, label: str = ""
+    ) -> int:
         env = dict(os.environ)
         env.update(self.env or {})
         with open(log, "ab") as out:
             out.write(f"\n$ {' '.join(argv)}\n".encode())
             out.flush()
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
             try:
                 if run_dir is None:
                     return proc.wait(timeout=self.launch_timeout_s)
@@ -419,7 +463,9 @@ class Runner:
             except subprocess.TimeoutExpired:
                 _stop(proc)
                 return 124
-            except KeyboardInterrupt:  # Ctrl-C on chaos: the launch runs in its own session; stop it too
+            except (
+                KeyboardInterrupt
+            ):  # Ctrl-C on chaos: the launch runs in its own session; stop it too
                 _stop(proc)
                 raise
 
@@ -431,16 +477,26 @@ class Runner:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.progress(f"{sc.recipe}/baseline: fault-free run -> {run_dir}")
         t0 = time.monotonic()
-        rc = self._launch(sc.launch_argv(run_dir, faults=False), run_dir.parent / "baseline.log", run_dir, f"{sc.recipe}/baseline")
+        rc = self._launch(
+            sc.launch_argv(run_dir, faults=False),
+            run_dir.parent / "baseline.log",
+            run_dir,
+            f"{sc.recipe}/baseline",
+        )
         wall = time.monotonic() - t0
         steps = _steps(sc)
-        dig, problem = digest_of(run_dir, steps) if rc == 0 else (None, f"baseline launch exited {rc}")
+        dig, problem = (
+            digest_of(run_dir, steps) if rc == 0 else (None, f"baseline launch exited {rc}")
+        )
         metrics = _read_jsonl(run_dir / "metrics.jsonl")
-        step_s = [m.get("step_s") for m in metrics if m.get("rank") == 0 and _finite(m.get("step_s"))]
+        step_s = [
+            m.get("step_s") for m in metrics if m.get("rank") == 0 and _finite(m.get("step_s"))
+        ]
         b = {"run_dir": str(run_dir), "exit_code": rc, "digest": dig, "problem": problem, "wall_s": round(wall, 1),
              "median_step_s": round(sorted(step_s)[len(step_s) // 2], 4) if step_s else None}  # fmt: skip
         self.progress(
-            f"{sc.recipe}/baseline: " + (f"digest {dig[:12]} in {wall:.0f} s" if dig else f"FAILED ({problem})")
+            f"{sc.recipe}/baseline: "
+            + (f"digest {dig[:12]} in {wall:.0f} s" if dig else f"FAILED ({problem})")
         )
         self.baselines[key] = b
         return b
@@ -451,9 +507,17 @@ class Runner:
         slug = sc.name.split("/", 1)[1].replace(":", "_").replace(",", "_").replace("=", "")
         run_dir = self.work_dir / sc.recipe / slug
         log = self.work_dir / sc.recipe / f"{slug}.log"
-        res = Result(scenario=sc.name, recipe=sc.recipe, kind=sc.kind, faults=list(sc.faults), run_dir=str(run_dir))
+        res = Result(
+            scenario=sc.name,
+            recipe=sc.recipe,
+            kind=sc.kind,
+            faults=list(sc.faults),
+            run_dir=str(run_dir),
+        )
         res.baseline_digest = base.get("digest")
-        self.progress(f"{sc.name}: launching with {' '.join('--fault ' + f for f in sc.faults)} -> {run_dir}")
+        self.progress(
+            f"{sc.name}: launching with {' '.join('--fault ' + f for f in sc.faults)} -> {run_dir}"
+        )
         t0 = time.monotonic()
         argv = sc.launch_argv(run_dir)
         while True:
@@ -461,7 +525,9 @@ class Runner:
             res.launches += 1
             res.exit_codes.append(rc)
             if rc in RELAUNCH_CODES and res.launches <= MAX_RELAUNCHES:
-                self.progress(f"{sc.name}: launch exited {rc} ({_why(rc)}); relaunching the same command to resume")
+                self.progress(
+                    f"{sc.name}: launch exited {rc} ({_why(rc)}); relaunching the same command to resume"
+                )
                 continue
             break
         res.wall_s = round(time.monotonic() - t0, 1)
@@ -475,8 +541,18 @@ class Runner:
         events = _read_jsonl(run_dir / "events.jsonl")
         metrics = _read_jsonl(run_dir / "metrics.jsonl")
         a = analyze(events, metrics, steps, sc.detect)
-        for k in ("fired", "detected_by", "detect_s", "recover_s", "steps_recomputed", "restarts", "state", "final_step",
-                  "final_loss", "ranks_from"):
+        for k in (
+            "fired",
+            "detected_by",
+            "detect_s",
+            "recover_s",
+            "steps_recomputed",
+            "restarts",
+            "state",
+            "final_step",
+            "final_loss",
+            "ranks_from",
+        ):
             setattr(res, k, a[k])
         res.problems += a["cold_restarts"]
         if not res.fired:
@@ -566,7 +642,9 @@ def summary_line(r: Result) -> str:
     return line
 
 
-def run_all(scenarios: list[Scenario], work_dir: Path, progress: Callable[[str], None] | None = None, **kw) -> dict[str, Any]:
+def run_all(
+    scenarios: list[Scenario], work_dir: Path, progress: Callable[[str], None] | None = None, **kw
+) -> dict[str, Any]:
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(work_dir, 0o700)

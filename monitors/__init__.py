@@ -34,7 +34,15 @@ from .rl import (
     RewardHackingMonitor,
     StaleRolloutMonitor,
 )
-from .registry import FAMILIES, MONITOR_CLASSES, MONITOR_NAMES, MONITORS, RUNBOOKS, MonitorInfo, monitors_for_runbook
+from .registry import (
+    FAMILIES,
+    MONITOR_CLASSES,
+    MONITOR_NAMES,
+    MONITORS,
+    RUNBOOKS,
+    MonitorInfo,
+    monitors_for_runbook,
+)
 from .straggler import StragglerMonitor
 
 
@@ -63,13 +71,41 @@ class MonitorConfigError(ValueError):
 
 
 __all__ = [
-    "ACTIONS", "FAMILIES", "MONITOR_CLASSES", "MONITOR_NAMES", "MONITORS", "RUNBOOKS", "MonitorInfo",
+    "ACTIONS",
+    "FAMILIES",
+    "MONITOR_CLASSES",
+    "MONITOR_NAMES",
+    "MONITORS",
+    "RUNBOOKS",
+    "MonitorInfo",
     "monitors_for_runbook",
-    "Finding", "Monitor", "MonitorConfigError", "RankedMonitor", "SharedRankedMonitor", "build_monitors", "fast_entries", "number", "replay",
-    "MonitorsSection", "RollbackPolicy", "StragglerConfig", "NanConfig", "LossSpikeConfig",
-    "GradExplosionConfig", "EntropyCollapseConfig", "KLDriftConfig", "RewardHackingConfig",
-    "ModeCollapseConfig", "StaleRolloutConfig",
-    "StragglerMonitor", "NaNMonitor", "LossSpikeMonitor", "GradExplosionMonitor",
-    "EntropyCollapseMonitor", "KLDriftMonitor", "RewardHackingMonitor", "ModeCollapseMonitor",
+    "Finding",
+    "Monitor",
+    "MonitorConfigError",
+    "RankedMonitor",
+    "SharedRankedMonitor",
+    "build_monitors",
+    "fast_entries",
+    "number",
+    "replay",
+    "MonitorsSection",
+    "RollbackPolicy",
+    "StragglerConfig",
+    "NanConfig",
+    "LossSpikeConfig",
+    "GradExplosionConfig",
+    "EntropyCollapseConfig",
+    "KLDriftConfig",
+    "RewardHackingConfig",
+    "ModeCollapseConfig",
+    "StaleRolloutConfig",
+    "StragglerMonitor",
+    "NaNMonitor",
+    "LossSpikeMonitor",
+    "GradExplosionMonitor",
+    "EntropyCollapseMonitor",
+    "KLDriftMonitor",
+    "RewardHackingMonitor",
+    "ModeCollapseMonitor",
     "StaleRolloutMonitor",
 ]

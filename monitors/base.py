@@ -27,6 +27,7 @@ SEVERITIES = ("info", "warning", "critical")
 # ``resolved`` (the all-clear: severity ``info``; nothing to act on).
 PHASES = ("open", "escalate", "resolved")
 
+
 @dataclass(frozen=True)
 class Finding:
     """One thing a monitor saw.
@@ -62,7 +63,9 @@ class Finding:
 
     def __post_init__(self) -> None:
         if not self.family:
-            from .registry import FAMILIES  # the registry imports the monitors, which import this module
+            from .registry import (
+                FAMILIES,
+            )  # the registry imports the monitors, which import this module
 
             object.__setattr__(self, "family", FAMILIES.get(self.monitor, self.monitor))
 
@@ -82,11 +85,24 @@ class Finding:
         """
         value = self.to_dict()["value"]
         if self.monitor == "straggler":
-            ev = {"kind": "straggler", "rank": self.rank, "ratio": value, "step": self.step,
-                  "detail": self.detail, "severity": self.severity}
+            ev = {
+                "kind": "straggler",
+                "rank": self.rank,
+                "ratio": value,
+                "step": self.step,
+                "detail": self.detail,
+                "severity": self.severity,
+            }
         else:
-            ev = {"kind": "anomaly", "monitor": self.monitor, "step": self.step, "value": value,
-                  "detail": self.detail, "severity": self.severity, "rank": self.rank}
+            ev = {
+                "kind": "anomaly",
+                "monitor": self.monitor,
+                "step": self.step,
+                "value": value,
+                "detail": self.detail,
+                "severity": self.severity,
+                "rank": self.rank,
+            }
         if self.phase is not None:
             ev["episode"] = self.episode
             ev["phase"] = self.phase
@@ -113,7 +129,9 @@ class Monitor(Protocol):
     # optional: ``flush() -> list[Finding]`` scores anything buffered (end of a stream)
 
 
-def replay(records: Iterable[Mapping[str, Any]], monitors: Iterable[Monitor], flush: bool = True) -> list[Finding]:
+def replay(
+    records: Iterable[Mapping[str, Any]], monitors: Iterable[Monitor], flush: bool = True
+) -> list[Finding]:
     """Feed every record to every monitor, in order; all findings in the order they fired.
 
     With ``flush`` (default) monitors that buffer across ranks (straggler) score
@@ -177,8 +195,17 @@ def _plain_entry(feed: Any) -> Any:
 
 # ---------------------------------------------------------------- helpers shared by the monitors
 
-_NONFINITE = {"nan": math.nan, "+nan": math.nan, "-nan": math.nan, "inf": math.inf, "+inf": math.inf,
-              "infinity": math.inf, "+infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
+_NONFINITE = {
+    "nan": math.nan,
+    "+nan": math.nan,
+    "-nan": math.nan,
+    "inf": math.inf,
+    "+inf": math.inf,
+    "infinity": math.inf,
+    "+infinity": math.inf,
+    "-inf": -math.inf,
+    "-infinity": -math.inf,
+}
 
 
 def number(value: Any) -> float | None:
@@ -220,7 +247,9 @@ def raw_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> Any:
     return v
 
 
-def finite_floats(record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]) -> tuple:
+def finite_floats(
+    record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]
+) -> tuple:
     """:func:`finite_of` of each spelled key, as a tuple (a shared monitor's inputs); a float under the
     first spelling is taken without a call (the common case)."""
     out = []
@@ -248,7 +277,9 @@ def finite_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> fl
     return v if v is not None and math.isfinite(v) else None
 
 
-def first_finite(record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]) -> tuple[str | None, float | None]:
+def first_finite(
+    record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]
+) -> tuple[str | None, float | None]:
     """:func:`first_number` over :func:`spelled` keys."""
     for sp in spellings:
         v = finite_of(record, sp)
@@ -515,10 +546,14 @@ class RankedMonitor:
     def _rewind(self, state: Any, step: int) -> None:
         """Forget everything at or after ``step`` (the run is redoing it)."""
 
-    def _check(self, state: Any, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:  # pragma: no cover
+    def _check(
+        self, state: Any, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:  # pragma: no cover
         raise NotImplementedError
 
-    _gate: frozenset | tuple | None = None  # a record with none of these keys changes nothing: return at once
+    _gate: frozenset | tuple | None = (
+        None  # a record with none of these keys changes nothing: return at once
+    )
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
         step, rank = step_and_rank(record)  # the live path parses once for every monitor: feed_at
@@ -550,13 +585,33 @@ class RankedMonitor:
     # (None), or only one with any of these keys (a monitor fed side records, evals between steps, narrows it)
     _rewind_keys: frozenset | tuple | None = None
 
-    def _emit(self, out: list[Finding], record: Mapping[str, Any], step: int, rank: int, kind: str,
-              value: float | None, detail: str, severity: Severity) -> None:
+    def _emit(
+        self,
+        out: list[Finding],
+        record: Mapping[str, Any],
+        step: int,
+        rank: int,
+        kind: str,
+        value: float | None,
+        detail: str,
+        severity: Severity,
+    ) -> None:
         key = (step, kind)
         if key in self._fired:
             return
         self._fired[key] = rank
-        out.append(Finding(self.name, step, value, detail, severity, rank, record_attempt(record), record_ts(record)))
+        out.append(
+            Finding(
+                self.name,
+                step,
+                value,
+                detail,
+                severity,
+                rank,
+                record_attempt(record),
+                record_ts(record),
+            )
+        )
 
 
 # ---------------------------------------------------------------- one state for the ranks that agree

@@ -23,7 +23,13 @@ from .config import (
     StragglerConfig,
 )
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
-from .rl import EntropyCollapseMonitor, KLDriftMonitor, ModeCollapseMonitor, RewardHackingMonitor, StaleRolloutMonitor
+from .rl import (
+    EntropyCollapseMonitor,
+    KLDriftMonitor,
+    ModeCollapseMonitor,
+    RewardHackingMonitor,
+    StaleRolloutMonitor,
+)
 from .straggler import StragglerMonitor
 
 
@@ -41,17 +47,20 @@ def _info(monitor: type, config: type, family: str, runbook: str) -> MonitorInfo
 
 
 # In the order they run (and are listed).
-MONITORS: dict[str, MonitorInfo] = {m.name: m for m in (
-    _info(StragglerMonitor, StragglerConfig, "straggler", "StragglerRank"),
-    _info(NaNMonitor, NanConfig, "numeric", "TrainingNaN"),
-    _info(LossSpikeMonitor, LossSpikeConfig, "numeric", "LossSpike"),
-    _info(GradExplosionMonitor, GradExplosionConfig, "numeric", "LossSpike"),
-    _info(EntropyCollapseMonitor, EntropyCollapseConfig, "rl", "EntropyCollapse"),
-    _info(KLDriftMonitor, KLDriftConfig, "rl", "KLDrift"),
-    _info(RewardHackingMonitor, RewardHackingConfig, "rl", "RewardHacking"),
-    _info(ModeCollapseMonitor, ModeCollapseConfig, "rl", "EntropyCollapse"),
-    _info(StaleRolloutMonitor, StaleRolloutConfig, "rl", "StaleRollouts"),
-)}
+MONITORS: dict[str, MonitorInfo] = {
+    m.name: m
+    for m in (
+        _info(StragglerMonitor, StragglerConfig, "straggler", "StragglerRank"),
+        _info(NaNMonitor, NanConfig, "numeric", "TrainingNaN"),
+        _info(LossSpikeMonitor, LossSpikeConfig, "numeric", "LossSpike"),
+        _info(GradExplosionMonitor, GradExplosionConfig, "numeric", "LossSpike"),
+        _info(EntropyCollapseMonitor, EntropyCollapseConfig, "rl", "EntropyCollapse"),
+        _info(KLDriftMonitor, KLDriftConfig, "rl", "KLDrift"),
+        _info(RewardHackingMonitor, RewardHackingConfig, "rl", "RewardHacking"),
+        _info(ModeCollapseMonitor, ModeCollapseConfig, "rl", "EntropyCollapse"),
+        _info(StaleRolloutMonitor, StaleRolloutConfig, "rl", "StaleRollouts"),
+    )
+}
 
 MONITOR_NAMES: tuple[str, ...] = tuple(MONITORS)
 MONITOR_CLASSES: dict[str, type] = {n: m.monitor for n, m in MONITORS.items()}

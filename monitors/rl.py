@@ -27,8 +27,19 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import (Finding, RankedMonitor, finite_floats, finite_of, first_finite, first_number, get_number, median,
-                   record_attempt, record_ts, spelled)
+from .base import (
+    Finding,
+    RankedMonitor,
+    finite_floats,
+    finite_of,
+    first_finite,
+    first_number,
+    get_number,
+    median,
+    record_attempt,
+    record_ts,
+    spelled,
+)
 from .shared import SharedRankedMonitor
 from .config import (
     EntropyCollapseConfig,
@@ -178,7 +189,17 @@ class _Tri:
         # one method with locals (no _sub call): this runs several times per record; each sum sees the
         # same operations in the same order as subtract-then-add, so the sums are bit-identical
         q = self.q
-        sx, sa, sb, sxx, saa, sbb, sxa, sxb, sab = self.x, self.a, self.b, self.xx, self.aa, self.bb, self.xa, self.xb, self.ab
+        sx, sa, sb, sxx, saa, sbb, sxa, sxb, sab = (
+            self.x,
+            self.a,
+            self.b,
+            self.xx,
+            self.aa,
+            self.bb,
+            self.xa,
+            self.xb,
+            self.ab,
+        )
         if len(q) >= self.n:
             ox, oa, ob = q.popleft()
             sx -= ox
@@ -349,7 +370,6 @@ class _RL(RankedMonitor):
     # (pre-training, SFT, an eval) changes nothing: no rewind (``_rewinds`` needs one of them), no value
     # to read; one C-level test instead of a feed.
 
-
     def _new_state(self) -> _St:
         return _St()
 
@@ -359,8 +379,19 @@ class _RL(RankedMonitor):
     # each RL monitor's ``_rewinds``: only a record with its own training key rewinds (an eval record
     # logged before, after or between training steps never does)
 
-    def _report(self, out: list[Finding], st: _St, record: Mapping[str, Any], step: int, rank: int, phase: str,
-                level: int, value: float | None, detail: str, cleared: str) -> None:
+    def _report(
+        self,
+        out: list[Finding],
+        st: _St,
+        record: Mapping[str, Any],
+        step: int,
+        rank: int,
+        phase: str,
+        level: int,
+        value: float | None,
+        detail: str,
+        cleared: str,
+    ) -> None:
         """Report the step's episode transition (``st.ep.update`` said which), once across ranks. The
         monitors build their texts only when there is a transition: no string work on a quiet step."""
         if self._silent:
@@ -379,8 +410,20 @@ class _RL(RankedMonitor):
             if key in self._fired:
                 return
         self._fired[key] = rank
-        out.append(Finding(self.name, step, value, text, severity, rank, record_attempt(record), record_ts(record),
-                           episode=st.ep.n, phase=phase))
+        out.append(
+            Finding(
+                self.name,
+                step,
+                value,
+                text,
+                severity,
+                rank,
+                record_attempt(record),
+                record_ts(record),
+                episode=st.ep.n,
+                phase=phase,
+            )
+        )
 
 
 class _SharedRL(_RL, SharedRankedMonitor):
@@ -435,7 +478,9 @@ class EntropyCollapseMonitor(_SharedRL):
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
         self._gate = self._rewind_keys = self._own
-        self._set_raw_keys(self.cfg.key, self.cfg.reward_key)  # a follower compares two raw values, no _inputs call
+        self._set_raw_keys(
+            self.cfg.key, self.cfg.reward_key
+        )  # a follower compares two raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -450,7 +495,6 @@ class EntropyCollapseMonitor(_SharedRL):
         st.below = 0  # consecutive values under project_gate_frac x early level
         st.cui = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum u, sum r, sum uu, sum ur (u = e^H)
         return st
-
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -474,8 +518,10 @@ class EntropyCollapseMonitor(_SharedRL):
         b = (sr - slope * su) / n
         if slope >= 0:
             return ""
-        return (f"; R = -a*e^H + b fitted on {n} steps (a={-slope:.3g}, b={b:.3g}): "
-                f"reward tops out near {b + slope:.3g} once entropy is spent")
+        return (
+            f"; R = -a*e^H + b fitted on {n} steps (a={-slope:.3g}, b={b:.3g}): "
+            f"reward tops out near {b + slope:.3g} once entropy is spent"
+        )
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         x = record.get(self._key[0])  # finite_of, its common case (a finite float) inlined
@@ -488,7 +534,9 @@ class EntropyCollapseMonitor(_SharedRL):
             r = finite_of(record, self._reward)
         return (x, r)
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         cfg = self.cfg
         x = inputs[0]
         if x is None or step <= cfg.warmup_steps:
@@ -528,8 +576,13 @@ class EntropyCollapseMonitor(_SharedRL):
             st.below = 0
             st.short.clear()
         eta = None
-        if not collapsed and rel < cfg.project_gate_frac and len(st.long.q) >= cfg.window \
-                and len(st.short.q) >= cfg.short_window and st.short.tstat() <= -cfg.momentum_t:
+        if (
+            not collapsed
+            and rel < cfg.project_gate_frac
+            and len(st.long.q) >= cfg.window
+            and len(st.short.q) >= cfg.short_window
+            and st.short.tstat() <= -cfg.momentum_t
+        ):
             bl, bs = st.long.slope(), st.short.slope()
             if bl < 0 and bs < 0:
                 target = math.log(cfg.floor_frac * base)
@@ -545,19 +598,33 @@ class EntropyCollapseMonitor(_SharedRL):
             return out
         if level == 2:
             value = rel
-            detail = (f"{cfg.key} {cur:.4g} is {rel:.0%} of its early level {base:.4g} "
-                      f"(< {cfg.collapse_frac:.0%}): collapsed")
+            detail = (
+                f"{cfg.key} {cur:.4g} is {rel:.0%} of its early level {base:.4g} "
+                f"(< {cfg.collapse_frac:.0%}): collapsed"
+            )
         elif level == 1:
             value = eta
             rate = 1 - math.exp(st.long.slope())
-            detail = (f"{cfg.key} {cur:.4g} ({rel:.0%} of early level {base:.4g}) falls {rate:.1%}/step: forecast "
-                      f"to reach {cfg.floor_frac * base:.4g} ({cfg.floor_frac:.0%}) at step {step + math.ceil(eta)} "
-                      f"(in ~{eta:.0f} steps, horizon {cfg.horizon})" + self._cui(st))
+            detail = (
+                f"{cfg.key} {cur:.4g} ({rel:.0%} of early level {base:.4g}) falls {rate:.1%}/step: forecast "
+                f"to reach {cfg.floor_frac * base:.4g} ({cfg.floor_frac:.0%}) at step {step + math.ceil(eta)} "
+                f"(in ~{eta:.0f} steps, horizon {cfg.horizon})" + self._cui(st)
+            )
         else:
             value, detail = rel, ""
-        self._report(out, st, record, step, rank, phase, level, value, detail,
-                     f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse forecast "
-                      f"for {cfg.clear_steps} steps")
+        self._report(
+            out,
+            st,
+            record,
+            step,
+            rank,
+            phase,
+            level,
+            value,
+            detail,
+            f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse forecast "
+            f"for {cfg.clear_steps} steps",
+        )
         return out
 
 
@@ -599,7 +666,6 @@ class KLDriftMonitor(_SharedRL):
         st.prev = None
         return st
 
-
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
         while st.smooth and st.smooth[-1][0] >= step:
@@ -612,7 +678,9 @@ class KLDriftMonitor(_SharedRL):
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         return (finite_of(record, self._key),)
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         cfg = self.cfg
         x = inputs[0]
         if x is None:
@@ -648,12 +716,24 @@ class KLDriftMonitor(_SharedRL):
             value, detail = cur, f"{cfg.key} {cur:.4g} over the budget {cfg.budget:g}"
         elif trending:
             value = b
-            detail = (f"{cfg.key} growing steadily: {start:.3g} -> {end:.3g} over steps {int(st.fit.q[0][0])}-{step} "
-                      f"(+{b:.3g}/step, {st.nups / max(1, len(st.ups)):.0%} of steps up)")
+            detail = (
+                f"{cfg.key} growing steadily: {start:.3g} -> {end:.3g} over steps {int(st.fit.q[0][0])}-{step} "
+                f"(+{b:.3g}/step, {st.nups / max(1, len(st.ups)):.0%} of steps up)"
+            )
         else:
             value, detail = x, ""
-        self._report(out, st, record, step, rank, phase, level, value, detail,
-                     f"{cfg.key} {x:.4g} under budget and not growing for {cfg.clear_steps} steps")
+        self._report(
+            out,
+            st,
+            record,
+            step,
+            rank,
+            phase,
+            level,
+            value,
+            detail,
+            f"{cfg.key} {x:.4g} under budget and not growing for {cfg.clear_steps} steps",
+        )
         return out
 
 
@@ -701,7 +781,9 @@ class RewardHackingMonitor(_SharedRL):
         self._proxy = (self.cfg.verifier_key,) if self.cfg.verifier_key else ()
         self._evals = tuple(k for k in self._heldout if k not in self._proxy)
         self._prefix = self.cfg.heldout_prefix
-        self._plain: set = set()  # record keys seen that are no held-out eval (neither prefixed nor listed)
+        self._plain: set = (
+            set()
+        )  # record keys seen that are no held-out eval (neither prefixed nor listed)
         self._eval_spellings = frozenset(_spellings(*self._evals))
         self._own = _spellings(self.cfg.reward_key)
         self._reward = spelled(self.cfg.reward_key)
@@ -736,9 +818,10 @@ class RewardHackingMonitor(_SharedRL):
         st.h_quiet = True
         st.h_detail = ""
         st.h_value = None
-        st.h_src = None  # "proxy" (verifier_key) or "eval" (a held-out eval; once seen, the only source)
+        st.h_src = (
+            None  # "proxy" (verifier_key) or "eval" (a held-out eval; once seen, the only source)
+        )
         return st
-
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -750,7 +833,9 @@ class RewardHackingMonitor(_SharedRL):
         st.lpairs.rewind(step)
         st.racc, st.rn = 0.0, 0
         st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
-        st.noise_h.prev = tuple(p[2] for p in list(st.pairs.q)[-2:])  # its sums stay: the same score
+        st.noise_h.prev = tuple(
+            p[2] for p in list(st.pairs.q)[-2:]
+        )  # its sums stay: the same score
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
@@ -761,7 +846,9 @@ class RewardHackingMonitor(_SharedRL):
         noeval = keys <= self._plain
         if noeval and keys.isdisjoint(self._quick):
             return []
-        self._raw_ok = noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
+        self._raw_ok = (
+            noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
+        )
         return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
@@ -770,11 +857,15 @@ class RewardHackingMonitor(_SharedRL):
         key); the proxy is read only without one."""
         r = finite_of(record, self._reward)
         ek = ev = pk = pv = None
-        if not record.keys() <= self._plain:  # a key not known to be plain: maybe an eval (one C set test)
+        if (
+            not record.keys() <= self._plain
+        ):  # a key not known to be plain: maybe an eval (one C set test)
             ek, ev = first_number(record, self._evals)
             if ev is None and self._prefix:
                 ek, ev = self._prefixed(record)
-        if ev is None and self._proxy:  # first_number over the one proxy key, its spellings computed once
+        if (
+            ev is None and self._proxy
+        ):  # first_number over the one proxy key, its spellings computed once
             pv = finite_of(record, self._proxy_sp)
             if pv is not None:
                 pk = self._proxy[0]
@@ -814,7 +905,9 @@ class RewardHackingMonitor(_SharedRL):
                     v = get_number(record, key)
                     if v is not None and math.isfinite(v):
                         found = (key, v)
-            elif key not in evals and len(plain) < 4096:  # bounded: record keys are a small vocabulary
+            elif (
+                key not in evals and len(plain) < 4096
+            ):  # bounded: record keys are a small vocabulary
                 plain.add(key)
         return found
 
@@ -853,33 +946,51 @@ class RewardHackingMonitor(_SharedRL):
             n = st.noise_h.n
             z = zl = 0.0
             if n >= cfg.noise_values:
-                fall = cfg.fall_z * (1 + (cfg.fall_z ** 2 + 1) / (4 * n))
+                fall = cfg.fall_z * (1 + (cfg.fall_z**2 + 1) / (4 * n))
                 sh = st.noise_h.sigma()
                 z, zl = p.z("b", sh), lp.z("b", sh)
-                climbs = st.rfit.tstat() >= cfg.rise_t  # the reward climbs now, not only across the span
+                climbs = (
+                    st.rfit.tstat() >= cfg.rise_t
+                )  # the reward climbs now, not only across the span
                 if climbs and rc >= cfg.trend_corr and vc <= -cfg.trend_corr and z <= -fall:
                     level = 2
-                elif (climbs and len(lp.q) >= 2 * cfg.min_points and lp.r_xa() >= cfg.trend_corr
-                      and zl <= -fall):
+                elif (
+                    climbs
+                    and len(lp.q) >= 2 * cfg.min_points
+                    and lp.r_xa() >= cfg.trend_corr
+                    and zl <= -fall
+                ):
                     level = 2  # a slower fall: twice the span
-            if not level and rc >= cfg.diverge_corr and vc <= cfg.flat_corr and len(p.q) >= 2 * cfg.min_points:
+            if (
+                not level
+                and rc >= cfg.diverge_corr
+                and vc <= cfg.flat_corr
+                and len(p.q) >= 2 * cfg.min_points
+            ):
                 level = 1  # held-out flat: weaker evidence than a fall, twice the values
             if level:
                 first, last = p.q[0], p.q[-1]
                 how = "falls" if level == 2 else "does not follow"
-                st.h_detail = (f"{cfg.reward_key} rising ({first[1]:.3g} -> {last[1]:.3g}, r={rc:.2f}) while held-out "
-                               f"{st.h_key} {how} ({first[2]:.3g} -> {last[2]:.3g}, r={vc:.2f}, slope "
-                               f"{min(z, zl):.1f} standard errors) over steps {int(first[0])}-{step} ({len(p)} "
-                               "held-out values" + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")"))
+                st.h_detail = (
+                    f"{cfg.reward_key} rising ({first[1]:.3g} -> {last[1]:.3g}, r={rc:.2f}) while held-out "
+                    f"{st.h_key} {how} ({first[2]:.3g} -> {last[2]:.3g}, r={vc:.2f}, slope "
+                    f"{min(z, zl):.1f} standard errors) over steps {int(first[0])}-{step} ({len(p)} "
+                    "held-out values"
+                    + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")")
+                )
                 st.h_value = vc
-        st.h_conf = st.h_conf + 1 if level >= 1 else 0  # consecutive evaluations at warning or worse
+        st.h_conf = (
+            st.h_conf + 1 if level >= 1 else 0
+        )  # consecutive evaluations at warning or worse
         st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
         # confirmation costs at most ``confirm_steps`` steps: a sparse score's next value is far away
         # (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does not make it sparse)
         need = max(1, min(cfg.confirm, 1 + cfg.confirm_steps // max(1, st.h_min)))
         st.h_level = 2 if st.h_conf2 >= need else 1 if st.h_conf >= need + 1 else 0
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         cfg = self.cfg
         r = inputs[0]
         hk, hv = self._heldout_value(st, inputs)
@@ -907,7 +1018,11 @@ class RewardHackingMonitor(_SharedRL):
             return []
         level = st.h_level
         value, detail = st.h_value, st.h_detail
-        rising = step > cfg.warmup_steps and len(st.rfit.q) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
+        rising = (
+            step > cfg.warmup_steps
+            and len(st.rfit.q) >= cfg.window
+            and st.rfit.corr() >= cfg.trend_corr
+        )
         coupled_of = st.coupled
         for i, (k, sp) in enumerate(self._coupled, 5):
             t = coupled_of[k]
@@ -917,19 +1032,39 @@ class RewardHackingMonitor(_SharedRL):
             coupled = False
             if rising and y is not None and len(t.q) >= cfg.window:
                 start, end = t.b_line()
-                growth = (end - start) / abs(start) if abs(start) > 1e-9 else (math.inf if end > start else 0.0)
+                growth = (
+                    (end - start) / abs(start)
+                    if abs(start) > 1e-9
+                    else (math.inf if end > start else 0.0)
+                )
                 rk = t.r_ab()
-                coupled = t.r_xb() >= cfg.trend_corr and rk >= cfg.coupling_corr and growth >= cfg.min_growth
+                coupled = (
+                    t.r_xb() >= cfg.trend_corr
+                    and rk >= cfg.coupling_corr
+                    and growth >= cfg.min_growth
+                )
             st.cconf[k] = st.cconf[k] + 1 if coupled else 0
             if st.cconf[k] >= cfg.confirm and level < 1:
                 level, value = 1, t.r_ab()
-                detail = (f"{cfg.reward_key} rising ({t.q[0][1]:.3g} -> {r:.3g}) together with {k} "
-                          f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps {int(t.q[0][0])}-{step}")
+                detail = (
+                    f"{cfg.reward_key} rising ({t.q[0][1]:.3g} -> {r:.3g}) together with {k} "
+                    f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps {int(t.q[0][0])}-{step}"
+                )
         out: list[Finding] = []
         phase = st.ep.update(level, level == 0 and st.h_quiet, cfg.clear_steps)
         if phase is not None:
-            self._report(out, st, record, step, rank, phase, level, value, detail,
-                         f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for {cfg.clear_steps} steps")
+            self._report(
+                out,
+                st,
+                record,
+                step,
+                rank,
+                phase,
+                level,
+                value,
+                detail,
+                f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for {cfg.clear_steps} steps",
+            )
         return out
 
 
@@ -959,7 +1094,9 @@ class ModeCollapseMonitor(_SharedRL):
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
         self._noop = (None, None)
         self._gate = self._rewind_keys = self._own
-        self._set_raw_keys(self.cfg.key, self.cfg.distinct_key)  # a follower compares raw values, no _inputs call
+        self._set_raw_keys(
+            self.cfg.key, self.cfg.distinct_key
+        )  # a follower compares raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -971,7 +1108,6 @@ class ModeCollapseMonitor(_SharedRL):
         st.base = None
         st.dlow = False
         return st
-
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -991,7 +1127,9 @@ class ModeCollapseMonitor(_SharedRL):
             x = finite_of(record, self._key)
         return (x, finite_of(record, self._distinct) if self._distinct else None)
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         cfg = self.cfg
         out: list[Finding] = []
         if step <= cfg.warmup_steps:
@@ -1020,16 +1158,28 @@ class ModeCollapseMonitor(_SharedRL):
             return out
         if full:
             value = median([v for _, v in st.z])
-            detail = (f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps ({int(st.z[0][0])}-{step}): "
-                      f"every group's completions get the same reward, no learning signal")
+            detail = (
+                f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps ({int(st.z[0][0])}-{step}): "
+                f"every group's completions get the same reward, no learning signal"
+            )
         elif st.dlow:
             cur = _median_small(st.d)
             value = cur / st.base
             detail = f"{cfg.distinct_key} {cur:.4g} is {value:.0%} of its early level {st.base:.4g}"
         else:
             value, detail = x, ""
-        self._report(out, st, record, step, rank, phase, level, value, detail,
-                     f"groups get different rewards again for {cfg.clear_steps} steps")
+        self._report(
+            out,
+            st,
+            record,
+            step,
+            rank,
+            phase,
+            level,
+            value,
+            detail,
+            f"groups get different rewards again for {cfg.clear_steps} steps",
+        )
         return out
 
 
@@ -1055,7 +1205,9 @@ class StaleRolloutMonitor(_SharedRL):
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
         self._sp0 = self._keys[0] if self._keys else (None, None)
         self._gate = self._rewind_keys = self._own
-        self._lockstep_keys = tuple(s for sp in self._keys for s in sp if s)  # (Lockstep compares their values)
+        self._lockstep_keys = tuple(
+            s for sp in self._keys for s in sp if s
+        )  # (Lockstep compares their values)
         self._noop = (None, None)
         super().__init__()
 
@@ -1070,7 +1222,9 @@ class StaleRolloutMonitor(_SharedRL):
             return sp[0], float(v)
         return first_finite(record, self._keys)
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         key, lag = inputs
         if lag is None:
             return []
@@ -1080,7 +1234,16 @@ class StaleRolloutMonitor(_SharedRL):
         out: list[Finding] = []
         phase = st.ep.update(1 if stale else 0, not stale, self.cfg.clear_steps)
         if phase is not None:
-            self._report(out, st, record, step, rank, phase, 1 if stale else 0, lag,
-                         f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
-                         f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps")
+            self._report(
+                out,
+                st,
+                record,
+                step,
+                rank,
+                phase,
+                1 if stale else 0,
+                lag,
+                f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
+                f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps",
+            )
         return out

@@ -17,7 +17,9 @@ from typing import Any, Mapping
 from .base import Finding, RankedMonitor, Severity, finite_of, record_attempt, record_ts
 
 _LOG_MAX = 1024  # transitions kept before a checkpoint (a copy of the shared state) replaces them
-_RESETS = [0]  # SharedRankedMonitor.reset calls so far (any monitor): Lockstep drops its cached member entries
+_RESETS = [
+    0
+]  # SharedRankedMonitor.reset calls so far (any monitor): Lockstep drops its cached member entries
 _LAZY = object()  # a logged transition's raw-value fingerprint, not taken yet (``_fingerprint``)
 _JOIN_WINDOW = 4  # transitions a fresh group with one member keeps logging for other ranks to join
 
@@ -30,8 +32,11 @@ def _same_sig(a: tuple, b: tuple) -> bool:
 
 
 def _strict_same(a: tuple, b: tuple) -> bool:
-    return all(type(x) is type(y) and (type(x) is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, y))
-               for x, y in zip(a, b))
+    return all(
+        type(x) is type(y)
+        and (type(x) is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, y))
+        for x, y in zip(a, b)
+    )
 
 
 class _Node:
@@ -75,7 +80,9 @@ class SharedRankedMonitor(RankedMonitor):
     # so a follower compares those instead of parsing. ``_raw_ok``, set by the monitor before each feed,
     # says whether that holds for the record (e.g. only without held-out eval keys). Worth it only when
     # ``_inputs`` costs more than a map over the keys.
-    share = True  # False: every rank keeps its own state (the reference the tests compare sharing with)
+    share = (
+        True  # False: every rank keeps its own state (the reference the tests compare sharing with)
+    )
     # on the class that defines ``feed_at``: it is this follower path, or a wrapper that, for a record with the
     # keys and the read values of the record that just advanced the rank's state, does nothing else (``Lockstep``)
     _lockstep = True
@@ -105,15 +112,21 @@ class SharedRankedMonitor(RankedMonitor):
         super().reset()
         _RESETS[0] += 1  # (Lockstep's cached member entries of every monitor are void)
         self._members: dict[int, list] = {}  # rank -> [node, position]
-        self._fresh: list[_Node] = []  # logging nodes that started from the fresh state (new ranks join one)
+        self._fresh: list[
+            _Node
+        ] = []  # logging nodes that started from the fresh state (new ranks join one)
         self._tried = None
         self._silent = False
-        self._led: tuple | None = None  # (record, node, position after it): the last transition Lockstep may lead
+        self._led: tuple | None = (
+            None  # (record, node, position after it): the last transition Lockstep may lead
+        )
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _apply(self, state: Any, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, state: Any, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         raise NotImplementedError  # pragma: no cover - abstract
 
     def _check(self, state: Any, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
@@ -150,14 +163,18 @@ class SharedRankedMonitor(RankedMonitor):
         node = m[0]
         pos = m[1]
         inputs = None
-        if node.log is not None and pos < node.pos:  # behind the shared state: follow it if the inputs agree
+        if (
+            node.log is not None and pos < node.pos
+        ):  # behind the shared state: follow it if the inputs agree
             e = node.log[pos - node.pos0]
             if e[0] == step and e[3] is rew:
                 # with _raw_keys, first the raw values the inputs come from: equal raw values, equal inputs,
                 # without parsing them (one C-level map; for monitors whose inputs cost more than that)
                 same = False
                 get = e[5]
-                if get is _LAZY:  # the first follower of this transition: the leader's raw values, once
+                if (
+                    get is _LAZY
+                ):  # the first follower of this transition: the leader's raw values, once
                     e = node.log[pos - node.pos0] = self._fingerprint(e)
                     get = e[5]
                 if get is not None and self._raw_ok:
@@ -168,12 +185,19 @@ class SharedRankedMonitor(RankedMonitor):
                     except KeyError:
                         vals = None
                     # (values equal to the leader's hold a 0 or a 1 only where its do: e[8], tested once)
-                    same = vals == e[6] and (e[7] is None or keys.isdisjoint(e[7])) and \
-                        (not e[8] or _strict_same(e[6], vals))
+                    same = (
+                        vals == e[6]
+                        and (e[7] is None or keys.isdisjoint(e[7]))
+                        and (not e[8] or _strict_same(e[6], vals))
+                    )
                 if not same:
-                    ei = e[1]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
+                    ei = e[
+                        1
+                    ]  # _same_sig, inlined (inputs are parsed: floats, None, strings; -0.0 == 0.0 the one trap)
                     one = self._one_key
-                    if one is not None:  # one finite float under the key's first spelling: the common case
+                    if (
+                        one is not None
+                    ):  # one finite float under the key's first spelling: the common case
                         v = record.get(one[0])
                         if type(v) is not float or v - v != 0.0:
                             v = finite_of(record, one)
@@ -241,13 +265,19 @@ class SharedRankedMonitor(RankedMonitor):
         # is taken from the record by the first follower that needs it (``_fingerprint``; a follower that Lockstep
         # moves on never does), else None)
         raw = self._raw_keys is not None and self._raw_ok
-        node.log.append((step, inputs, record, rew, tuple(tried) if tried else (), _LAZY if raw else None))
+        node.log.append(
+            (step, inputs, record, rew, tuple(tried) if tried else (), _LAZY if raw else None)
+        )
         pos = node.pos = node.pos + 1
         m[1] = pos
         node.head = 1
         # a transition that other ranks repeating this record can follow in Lockstep: no rewind, no finding
         # tried, its inputs decided by the values Lockstep compares (for _raw_keys: only when they decide them)
-        self._led = (record, node, pos) if not rew and not tried and (raw or self._raw_keys is None) else None
+        self._led = (
+            (record, node, pos)
+            if not rew and not tried and (raw or self._raw_keys is None)
+            else None
+        )
         return out
 
     def _fingerprint(self, e: tuple) -> tuple:
@@ -255,7 +285,9 @@ class SharedRankedMonitor(RankedMonitor):
         None, whether a value equals 0 or 1: -0.0/0/False, 1/True need the strict test)."""
         record = e[2]
         rk = self._raw_keys
-        lay = self._layout  # (getter of the present keys, the absent keys): the last record's, mostly the same
+        lay = (
+            self._layout
+        )  # (getter of the present keys, the absent keys): the last record's, mostly the same
         vals = None
         if lay is not None and (lay[1] is None or record.keys().isdisjoint(lay[1])):
             try:
@@ -263,13 +295,17 @@ class SharedRankedMonitor(RankedMonitor):
             except KeyError:
                 vals = None
         if vals is None:
-            present = ("step",) + tuple([k for k in rk if k in record])  # "step": the getter returns a tuple
+            present = ("step",) + tuple(
+                [k for k in rk if k in record]
+            )  # "step": the getter returns a tuple
             absent = tuple([k for k in rk if k not in present])
             lay = self._layout = (itemgetter(*present), absent or None)
             vals = lay[0](record)
         return e[:5] + (lay[0], vals, lay[1], 0 in vals or 1 in vals)
 
-    def _follow(self, m: list, node: _Node, e: tuple, record: Mapping[str, Any], rank: int) -> list[Finding]:
+    def _follow(
+        self, m: list, node: _Node, e: tuple, record: Mapping[str, Any], rank: int
+    ) -> list[Finding]:
         """Catch up with the logged transition ``e`` (the same inputs): the findings it tried, no work."""
         pos = m[1] + 1
         m[1] = pos
@@ -280,7 +316,9 @@ class SharedRankedMonitor(RankedMonitor):
             self._replay(out, e[4], record, rank)
         return out
 
-    def _solo(self, st: Any, inputs: tuple, record: Mapping[str, Any], step: int, rank: int, rew: bool) -> list[Finding]:
+    def _solo(
+        self, st: Any, inputs: tuple, record: Mapping[str, Any], step: int, rank: int, rew: bool
+    ) -> list[Finding]:
         if rew:
             self._rewind(st, step)
         return self._apply(st, inputs, record, step, rank)
@@ -361,17 +399,40 @@ class SharedRankedMonitor(RankedMonitor):
         m[0] = _Node(st, pos, None)
         m[1] = pos
 
-    def _replay(self, out: list[Finding], tried: tuple, record: Mapping[str, Any], rank: int) -> None:
+    def _replay(
+        self, out: list[Finding], tried: tuple, record: Mapping[str, Any], rank: int
+    ) -> None:
         fired = self._fired
         for key, step, value, text, severity, episode, phase in tried:
             if key in fired:
                 continue
             fired[key] = rank
-            out.append(Finding(self.name, step, value, text, severity, rank, record_attempt(record), record_ts(record),
-                               episode=episode, phase=phase))
+            out.append(
+                Finding(
+                    self.name,
+                    step,
+                    value,
+                    text,
+                    severity,
+                    rank,
+                    record_attempt(record),
+                    record_ts(record),
+                    episode=episode,
+                    phase=phase,
+                )
+            )
 
-    def _emit(self, out: list[Finding], record: Mapping[str, Any], step: int, rank: int, kind: str,
-              value: float | None, detail: str, severity: Severity) -> None:
+    def _emit(
+        self,
+        out: list[Finding],
+        record: Mapping[str, Any],
+        step: int,
+        rank: int,
+        kind: str,
+        value: float | None,
+        detail: str,
+        severity: Severity,
+    ) -> None:
         if self._silent:
             return
         if self._tried is not None:
@@ -398,13 +459,21 @@ class Lockstep:
         self._calls = list(calls)
         # a monitor qualifies when its fast entry is SharedRankedMonitor's follower path, possibly behind a
         # wrapper that its class declares to change nothing for such a record (``_lockstep``)
-        self.monitors = [m for m, f in self._calls
-                         if isinstance(m, SharedRankedMonitor) and m.share and getattr(f, "__self__", None) is m
-                         and getattr(f, "__func__", None) is type(m).feed_at and _lockstep_of(type(m))
-                         and _read_keys(m) is not None]
+        self.monitors = [
+            m
+            for m, f in self._calls
+            if isinstance(m, SharedRankedMonitor)
+            and m.share
+            and getattr(f, "__self__", None) is m
+            and getattr(f, "__func__", None) is type(m).feed_at
+            and _lockstep_of(type(m))
+            and _read_keys(m) is not None
+        ]
         # (``monitors``: the shared monitors it can move a rank on in.) ``_reads``: each one and the keys that make
         # a record rewind it (None: every record; its gate is, as a record past the gate has one)
-        self._reads = [(m, None if m._rewind_keys is m._gate else m._rewind_keys) for m in self.monitors]
+        self._reads = [
+            (m, None if m._rewind_keys is m._gate else m._rewind_keys) for m in self.monitors
+        ]
         self._idlers = [m for m in self.monitors if m._idle_key]
         self._step: int | None = None
         # (monitor, node, position after the leader, whether the leader set its last step, the position before it)
@@ -430,9 +499,16 @@ class Lockstep:
             return None
         if vals != self._vals:
             return None
-        for i, v in self._strict:  # equal to a 0 or a 1: the same type (True is no number), the same zero's sign
+        for (
+            i,
+            v,
+        ) in (
+            self._strict
+        ):  # equal to a 0 or a 1: the same type (True is no number), the same zero's sign
             w = vals[i]
-            if type(w) is not type(v) or (type(v) is float and math.copysign(1.0, v) != math.copysign(1.0, w)):
+            if type(w) is not type(v) or (
+                type(v) is float and math.copysign(1.0, v) != math.copysign(1.0, w)
+            ):
                 return None
         ms = self._ms.get(rank)
         if ms is None:
@@ -444,14 +520,21 @@ class Lockstep:
         for i, m in enumerate(ms):
             if i < n:
                 _, node, pos, sets_last, prev = adv[i]
-                if m[0] is node and m[1] == prev and node.pos == pos and node.log is not None and \
-                        not (sets_last and m[2] is not None and step <= m[2]):  # (the last: a rewind for this rank)
+                if (
+                    m[0] is node
+                    and m[1] == prev
+                    and node.pos == pos
+                    and node.log is not None
+                    and not (sets_last and m[2] is not None and step <= m[2])
+                ):  # (the last: a rewind for this rank)
                     m[1] = pos
                     node.head += 1
                     if sets_last:
                         m[2] = step
                     continue
-            elif m[2] is None or step > m[2]:  # idle: no rewind, so its last step is all that changes
+            elif (
+                m[2] is None or step > m[2]
+            ):  # idle: no rewind, so its last step is all that changes
                 m[2] = step
                 continue
             if not i:
@@ -464,17 +547,23 @@ class Lockstep:
     def lead(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> None:
         """After the monitors took ``record`` (not a follower): it leads its step if it advanced shared states
         (the first such record of a step does)."""
-        if step == self._step:  # one leader a step (a record after it that did not follow: its own way)
+        if (
+            step == self._step
+        ):  # one leader a step (a record after it that did not follow: its own way)
             return
         self._step = step
         adv: list = []
         for mon, rk in self._reads:
-            led = mon._led  # set by the transition this record made, if it made one Lockstep can follow
+            led = (
+                mon._led
+            )  # set by the transition this record made, if it made one Lockstep can follow
             if led is None or led[0] is not record:
                 continue
             _, node, pos = led
             adv.append((mon, node, pos, rk is None or not keys.isdisjoint(rk), pos - 1))
-        if len(adv) < 2:  # one state to follow: its own follower path costs less than the comparison here
+        if (
+            len(adv) < 2
+        ):  # one state to follow: its own follower path costs less than the comparison here
             adv = []
         self._adv = adv
         if not adv:  # follow() stops at once; _rest and _get stay built for _who
@@ -489,14 +578,20 @@ class Lockstep:
             self._resets = _RESETS[0]
             done = {id(m) for m in who}
             self._rest = [c for c in self._calls if id(c[0]) not in done]
-            read = [k for m in who[:len(adv)] for k in _read_keys(m)]
-            present = ("step",) + tuple([k for k in dict.fromkeys(read) if k in record])  # "step": a tuple back
+            read = [k for m in who[: len(adv)] for k in _read_keys(m)]
+            present = ("step",) + tuple(
+                [k for k in dict.fromkeys(read) if k in record]
+            )  # "step": a tuple back
             self._get = itemgetter(*present)
             self._keys = set(keys)
         self._vals = vals = self._get(record)
         # -0.0/0/False, 1/True: equal values, maybe other inputs. Only these positions: elsewhere equal values
         # of two types (2 and 2.0) parse alike, as they do when no value is 0 or 1 (where nothing is checked)
-        self._strict = tuple([(i, v) for i, v in enumerate(vals) if v == 0 or v == 1]) if 0 in vals or 1 in vals else ()
+        self._strict = (
+            tuple([(i, v) for i, v in enumerate(vals) if v == 0 or v == 1])
+            if 0 in vals or 1 in vals
+            else ()
+        )
 
 
 def _read_keys(mon: SharedRankedMonitor) -> tuple | list | None:

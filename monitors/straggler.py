@@ -99,9 +99,13 @@ class StragglerMonitor:
         self._last: dict[int, int] = {}
         self._floor = -(1 << 62)  # steps <= floor are scored (or given up)
         self._pending: dict[int, dict[int, tuple[dict[str, float], Mapping[str, Any]]]] = {}
-        self._hist: dict[str, dict[int, _Hist]] = {}  # signal -> rank -> its last ``window`` scored steps
+        self._hist: dict[
+            str, dict[int, _Hist]
+        ] = {}  # signal -> rank -> its last ``window`` scored steps
         self._latched: set[tuple[int, str]] = set()
-        self._newest = -(1 << 62)  # max(self._last.values()), kept as _last changes (was O(ranks) a record)
+        self._newest = -(
+            1 << 62
+        )  # max(self._last.values()), kept as _last changes (was O(ranks) a record)
         self._expected_memo: tuple[tuple, set[int]] | None = None
 
     # ------------------------------------------------------------ signals
@@ -156,12 +160,17 @@ class StragglerMonitor:
         pend = pending.get(step)
         if pend is None:
             pend = pending[step] = {}
-        if keys.isdisjoint(self._special):  # step_s alone (most records): _signals' last branch, inlined
+        if keys.isdisjoint(
+            self._special
+        ):  # step_s alone (most records): _signals' last branch, inlined
             step_s = record.get(self._step_key)
             if type(step_s) is not float:
                 step_s = number(step_s)
-            sig = {self._step_name: step_s} if step_s is not None and step_s == step_s and step_s != _INF and \
-                self._step_on else {}
+            sig = (
+                {self._step_name: step_s}
+                if step_s is not None and step_s == step_s and step_s != _INF and self._step_on
+                else {}
+            )
         else:
             sig = self._signals(record, keys)
         pend[rank] = (sig, record)
@@ -211,7 +220,11 @@ class StragglerMonitor:
             ranks = pending[s]
             # the length first; then ``keys() >=`` tests expected's members in the dict (issubset of a dict would
             # build a set of it)
-            complete = len(ranks) >= len(expected) and ranks.keys() >= expected and (newest > s or world is not None)
+            complete = (
+                len(ranks) >= len(expected)
+                and ranks.keys() >= expected
+                and (newest > s or world is not None)
+            )
             if complete or newest >= s + lag or len(pending) > _MAX_PENDING:
                 out.extend(self._score(s))
             else:
@@ -229,7 +242,9 @@ class StragglerMonitor:
         cfg = self.cfg
         window = cfg.window
         thr = self._thr
-        need = window - window // 2  # a median over the window reaches thr only if this many values do
+        need = (
+            window - window // 2
+        )  # a median over the window reaches thr only if this many values do
         latched = self._latched
         names: set[str] = set()
         for sig, _ in ranks.values():
@@ -256,7 +271,11 @@ class StragglerMonitor:
                     above, below = sm, srt[mid + 1]
                 elif n > 1:
                     sl = srt[mid - 1]
-                    above, at, below = 0.5 * (sl + sm), 0.5 * (sl + srt[mid + 1]), 0.5 * (sm + srt[mid + 1])
+                    above, at, below = (
+                        0.5 * (sl + sm),
+                        0.5 * (sl + srt[mid + 1]),
+                        0.5 * (sm + srt[mid + 1]),
+                    )
             for r, v in vals.items():
                 if not plain:
                     others = _median_without(srt, v)
@@ -309,16 +328,30 @@ class StragglerMonitor:
                 rec = ranks[r][1]
                 first = h.q[0][0]
                 if inferred:
-                    detail = (f"rank {r}: the other ranks' {cfg.step_key} is {med_ratio:.2f}x its own "
-                              f"(+{med_excess:.3f} s, median over steps {first}-{s}): they wait for rank {r} in the "
-                              f"collectives; its slowness lies outside its measured step (data loading, host stall)")
+                    detail = (
+                        f"rank {r}: the other ranks' {cfg.step_key} is {med_ratio:.2f}x its own "
+                        f"(+{med_excess:.3f} s, median over steps {first}-{s}): they wait for rank {r} in the "
+                        f"collectives; its slowness lies outside its measured step (data loading, host stall)"
+                    )
                     signal = cfg.step_key
                 else:
-                    detail = (f"rank {r}: {name} is {med_ratio:.2f}x the other ranks' median "
-                              f"(+{med_excess:.3f} s, median over steps {first}-{s})")
+                    detail = (
+                        f"rank {r}: {name} is {med_ratio:.2f}x the other ranks' median "
+                        f"(+{med_excess:.3f} s, median over steps {first}-{s})"
+                    )
                     signal = name
-                out.append(Finding("straggler", s, med_ratio, f"{detail} [signal {signal}]", "warning", r,
-                                   record_attempt(rec), record_ts(rec)))
+                out.append(
+                    Finding(
+                        "straggler",
+                        s,
+                        med_ratio,
+                        f"{detail} [signal {signal}]",
+                        "warning",
+                        r,
+                        record_attempt(rec),
+                        record_ts(rec),
+                    )
+                )
         return out
 
 

@@ -75,7 +75,12 @@ def arithmetic_pairs(n: int, seed: int) -> list[tuple[str, str]]:
 def chat_dataset(n: int = 256, seed: int = 1) -> list[dict]:
     """SFT conversations: ``{"messages": [...]}`` rows."""
     return [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"The answer is {a}."}]}
+        {
+            "messages": [
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": f"The answer is {a}."},
+            ]
+        }
         for q, a in arithmetic_pairs(n, seed)
     ]
 
@@ -98,7 +103,10 @@ def preference_dataset(n: int = 256, seed: int = 2) -> list[dict]:
 
 def prompt_dataset(n: int = 256, seed: int = 3) -> list[dict]:
     """GRPO rows: ``{"prompt", "answer"}``; the reward checks the answer (verifiable)."""
-    return [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in arithmetic_pairs(n, seed)]
+    return [
+        {"prompt": [{"role": "user", "content": q}], "answer": a}
+        for q, a in arithmetic_pairs(n, seed)
+    ]
 
 
 def _train_tokenizer(vocab_size: int, out: Path) -> None:
@@ -152,8 +160,11 @@ def sha256_file(path: Path) -> str:
 
 
 def _manifest(path: Path) -> dict:
-    files = {str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(path.rglob("*")) if p.is_file() and p.name != MARKER}
+    files = {
+        str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
     return {"assets_version": ASSETS_VERSION, "files": files}
 
 
@@ -185,10 +196,16 @@ def quarantine(path: Path, reason: str) -> Path:
     """Move a bad entry aside (kept for a look, never loaded) so that it is rebuilt."""
     qdir = path.parent / QUARANTINE
     qdir.mkdir(parents=True, exist_ok=True)
-    dest = qdir / f"{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    dest = (
+        qdir / f"{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    )
     os.rename(path, dest)
     (dest / "QUARANTINED").write_text(reason + "\n")
-    print(f"[ptops.assets] quarantined {path} -> {dest}: {reason}; rebuilding", file=sys.stderr, flush=True)
+    print(
+        f"[ptops.assets] quarantined {path} -> {dest}: {reason}; rebuilding",
+        file=sys.stderr,
+        flush=True,
+    )
     return dest
 
 
@@ -229,16 +246,20 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
             return final
         if final.exists():
             quarantine(final, reason)
-        for stale in root.glob(f".{name}-{'?' * 8}"):  # mkdtemp folders of builders that died (we hold
-            shutil.rmtree(stale, ignore_errors=True)     # the lock: nobody else builds this name)
+        for stale in root.glob(
+            f".{name}-{'?' * 8}"
+        ):  # mkdtemp folders of builders that died (we hold
+            shutil.rmtree(stale, ignore_errors=True)  # the lock: nobody else builds this name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
             builder(tmp)
             try:
                 check(tmp)
             except Exception as e:  # noqa: BLE001 - any load error means incomplete
-                raise AssetError(f"asset {name}: the fresh build fails its check, not cached: "
-                                 f"{type(e).__name__}: {e}") from e
+                raise AssetError(
+                    f"asset {name}: the fresh build fails its check, not cached: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             _mark_complete(tmp)
             try:
                 os.rename(tmp, final)
@@ -259,8 +280,11 @@ def _adopted(path: Path, check: Callable[[Path], None]) -> bool:
     except Exception:  # noqa: BLE001 - any load error: not adopted (quarantined by the caller)
         return False
     _mark_complete(path)
-    print(f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept", file=sys.stderr,
-          flush=True)
+    print(
+        f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept",
+        file=sys.stderr,
+        flush=True,
+    )
     return True
 
 
@@ -287,8 +311,9 @@ def _check_tokenizer(path: Path) -> None:
 
 def tokenizer_dir(vocab_size: int = 512) -> Path:
     """A folder with ``tokenizer.json`` (+ HF config and chat template) for ``vocab_size``."""
-    return build_once(f"tokenizer-{vocab_size}", lambda out: _train_tokenizer(vocab_size, out),
-                      _check_tokenizer)
+    return build_once(
+        f"tokenizer-{vocab_size}", lambda out: _train_tokenizer(vocab_size, out), _check_tokenizer
+    )
 
 
 def digest_dir(path: Path) -> str:

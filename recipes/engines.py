@@ -57,7 +57,9 @@ class NotLoaded:
 _ENGINES: dict[str, Engine] = {}
 _PROVIDERS: dict[str, str] = {}  # engine name -> "distribution version"
 _NOT_LOADED: list[NotLoaded] = []
-_RESERVED: set[str] = set()  # names an engine cannot take (the recipe's own sections: train, launch, ...)
+_RESERVED: set[str] = (
+    set()
+)  # names an engine cannot take (the recipe's own sections: train, launch, ...)
 _discovered = False
 _loading: str | None = None  # provider of the plugin being loaded now
 
@@ -73,7 +75,12 @@ def _ptops_provider() -> str:
 
 
 def _name_problem(name: Any) -> str | None:
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_") or name != name.lower():
+    if (
+        not isinstance(name, str)
+        or not name.isidentifier()
+        or name.startswith("_")
+        or name != name.lower()
+    ):
         return f"engine name {name!r} is not a lowercase identifier (it is the recipe's [section])"
     if name in _RESERVED:
         return f"engine name {name!r} is a recipe section of ptops itself"
@@ -130,7 +137,9 @@ def installed() -> list[tuple[str, str]]:
     found = [(name, _ptops_provider()) for name in own]
     for ep in metadata.entry_points(group=GROUP):
         if ep.name not in own:
-            found.append((ep.name, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"))
+            found.append(
+                (ep.name, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?")
+            )
     return found
 
 
@@ -154,8 +163,10 @@ def _load_plugins() -> None:
                 register(obj)
             added = set(_ENGINES) - before
             if ep.name not in added:
-                raise _Refused(f"entry point {ep.name!r} registered no engine of that name "
-                               f"(registered: {', '.join(sorted(added)) or 'none'})")
+                raise _Refused(
+                    f"entry point {ep.name!r} registered no engine of that name "
+                    f"(registered: {', '.join(sorted(added)) or 'none'})"
+                )
         except (Exception, SystemExit) as e:  # noqa: BLE001 - a plugin must never break ptops
             for name in set(_ENGINES) - before:
                 del _ENGINES[name]
@@ -172,7 +183,9 @@ def discover() -> None:
     global _discovered
     if _discovered:
         return
-    _discovered = True  # first: a plugin that asks for the registry while it loads gets what is there so far
+    _discovered = (
+        True  # first: a plugin that asks for the registry while it loads gets what is there so far
+    )
     import ptops.recipes as pkg
 
     try:
@@ -180,7 +193,9 @@ def discover() -> None:
             if mod.ispkg:
                 importlib.import_module(f"{pkg.__name__}.{mod.name}")
     except BaseException:
-        _discovered = False  # ptops' own engine failed to import: a real error, raised on every call
+        _discovered = (
+            False  # ptops' own engine failed to import: a real error, raised on every call
+        )
         raise
     _load_plugins()
 

@@ -25,7 +25,9 @@ RL_ASSUMPTIONS = {
 }
 
 
-def qwen2_params(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> int:
+def qwen2_params(
+    hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int
+) -> int:
     """Exact parameters of a Qwen2ForCausalLM with tied embeddings (q/k/v biases, no o bias, RMSNorm)."""
     hd = hidden // heads
     attn = hidden * hidden + hidden + 2 * (hidden * kv_heads * hd + kv_heads * hd) + hidden * hidden
@@ -33,21 +35,30 @@ def qwen2_params(hidden: int, layers: int, heads: int, kv_heads: int, intermedia
     return vocab * hidden + layers * (attn + mlp + 2 * hidden) + hidden
 
 
-def llama_params(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
-                 tied: bool) -> int:
+def llama_params(
+    hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tied: bool
+) -> int:
     """Exact parameters of a LlamaForCausalLM (no biases, RMSNorm; lm_head unless tied)."""
     hd = hidden // heads
     attn = 2 * hidden * hidden + 2 * hidden * kv_heads * hd
-    return vocab * hidden * (1 if tied else 2) + layers * (attn + 3 * hidden * intermediate + 2 * hidden) + hidden
+    return (
+        vocab * hidden * (1 if tied else 2)
+        + layers * (attn + 3 * hidden * intermediate + 2 * hidden)
+        + hidden
+    )
 
 
-def _gen_seconds(n: int, kv_per_token: float, seqs: int, prompt: int, completion: int, gpus: int, g) -> dict:
+def _gen_seconds(
+    n: int, kv_per_token: float, seqs: int, prompt: int, completion: int, gpus: int, g
+) -> dict:
     """Prefill + decode time of ``seqs`` sequences on ``gpus`` data-parallel vLLM engines."""
     per_engine = math.ceil(seqs / gpus)
     weights = RL_ASSUMPTIONS["bytes_per_param"] * n
     kv_room = g.memory_gib * 1024**3 * RL_ASSUMPTIONS["kv_cache_share"] - weights
     if kv_room <= 0:
-        raise PlanError(f"the policy's bf16 weights ({weights / 1024**3:.1f} GiB) do not fit one {g.name} for vLLM")
+        raise PlanError(
+            f"the policy's bf16 weights ({weights / 1024**3:.1f} GiB) do not fit one {g.name} for vLLM"
+        )
     max_running = max(1, int(kv_room // (kv_per_token * (prompt + completion))))
     running = min(per_engine, max_running)
     waves = math.ceil(per_engine / running)
@@ -58,8 +69,14 @@ def _gen_seconds(n: int, kv_per_token: float, seqs: int, prompt: int, completion
     step_s = max(step_bytes / bw, running * 2 * n / peak)
     decode_s = waves * completion * step_s
     prefill_s = per_engine * prompt * 2 * n / peak
-    return {"seconds": prefill_s + decode_s, "prefill_s": prefill_s, "decode_s": decode_s,
-            "running_per_gpu": running, "max_running_per_gpu": max_running, "waves": waves}
+    return {
+        "seconds": prefill_s + decode_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "running_per_gpu": running,
+        "max_running_per_gpu": max_running,
+        "waves": waves,
+    }
 
 
 def plan_grpo(recipe: Any, gpu: str, gpus: int) -> dict:
@@ -69,13 +86,22 @@ def plan_grpo(recipe: Any, gpu: str, gpus: int) -> dict:
     g = GPUS[gpu]
     t = recipe.trl
     if t.trainer not in ("grpo", "rloo"):
-        raise PlanError(f"ptops plan sizes rollouts of GRPO and RLOO recipes (trl.trainer = {t.trainer!r})")
+        raise PlanError(
+            f"ptops plan sizes rollouts of GRPO and RLOO recipes (trl.trainer = {t.trainer!r})"
+        )
     m = t.model
     kv_heads = getattr(m, "num_kv_heads", None) or m.num_heads
     inter = getattr(m, "intermediate_size", None) or 2 * m.hidden_size
     if getattr(m, "arch", "qwen2") == "llama":
-        n = llama_params(m.hidden_size, m.num_layers, m.num_heads, kv_heads, inter, m.vocab_size,
-                         m.tie_word_embeddings)
+        n = llama_params(
+            m.hidden_size,
+            m.num_layers,
+            m.num_heads,
+            kv_heads,
+            inter,
+            m.vocab_size,
+            m.tie_word_embeddings,
+        )
     else:
         n = qwen2_params(m.hidden_size, m.num_layers, m.num_heads, kv_heads, inter, m.vocab_size)
     hd = m.hidden_size // m.num_heads
@@ -92,23 +118,48 @@ def plan_grpo(recipe: Any, gpu: str, gpus: int) -> dict:
     colocated = _gen_seconds(n, kv_per_token, completions, lp, lc, gpus, g)
     colo_step = colocated["seconds"] + train_s(gpus)
     split = None
-    if gpus >= 2:  # server mode: generation on some GPUs, training on the rest, overlapped (one step stale)
-        best = min(range(1, gpus), key=lambda k: max(_gen_seconds(n, kv_per_token, completions, lp, lc, k, g)["seconds"],
-                                                   train_s(gpus - k)))
+    if (
+        gpus >= 2
+    ):  # server mode: generation on some GPUs, training on the rest, overlapped (one step stale)
+        best = min(
+            range(1, gpus),
+            key=lambda k: max(
+                _gen_seconds(n, kv_per_token, completions, lp, lc, k, g)["seconds"],
+                train_s(gpus - k),
+            ),
+        )
         gen = _gen_seconds(n, kv_per_token, completions, lp, lc, best, g)
-        split = {"generation_gpus": best, "training_gpus": gpus - best, "generation_s": gen["seconds"],
-                 "training_s": train_s(gpus - best), "step_s": max(gen["seconds"], train_s(gpus - best))}
+        split = {
+            "generation_gpus": best,
+            "training_gpus": gpus - best,
+            "generation_s": gen["seconds"],
+            "training_s": train_s(gpus - best),
+            "step_s": max(gen["seconds"], train_s(gpus - best)),
+        }
     return {
         "recipe": getattr(recipe, "name", ""),
-        "model": {"family": getattr(m, "arch", "qwen2"), "params": n, "kv_bytes_per_token": kv_per_token},
+        "model": {
+            "family": getattr(m, "arch", "qwen2"),
+            "params": n,
+            "kv_bytes_per_token": kv_per_token,
+        },
         "trainer": t.trainer,
         "hardware": {"gpu": gpu, "gpus": gpus},
-        "rollouts": {"prompts_per_step": prompts, "completions_per_step": completions,
-                     "num_generations": t.num_generations, "prompt_tokens": lp, "completion_tokens": lc,
-                     "generated_tokens_per_step": completions * lc},
-        "colocate": {"generation": colocated, "training_s": train_s(gpus), "step_s": colo_step,
-                     "generated_tokens_per_s": completions * lc / colocated["seconds"],
-                     "generation_share": colocated["seconds"] / colo_step},
+        "rollouts": {
+            "prompts_per_step": prompts,
+            "completions_per_step": completions,
+            "num_generations": t.num_generations,
+            "prompt_tokens": lp,
+            "completion_tokens": lc,
+            "generated_tokens_per_step": completions * lc,
+        },
+        "colocate": {
+            "generation": colocated,
+            "training_s": train_s(gpus),
+            "step_s": colo_step,
+            "generated_tokens_per_s": completions * lc / colocated["seconds"],
+            "generation_share": colocated["seconds"] / colo_step,
+        },
         "server": split,
         "assumptions": {**{k: ASSUMPTIONS[k] for k in ("matmul_efficiency",)}, **RL_ASSUMPTIONS},
     }
@@ -126,6 +177,8 @@ def render_grpo(p: dict) -> str:
         f"train {c['training_s']:.3g} s = {c['step_s']:.3g} s/step; generation is {c['generation_share']:.0%} of the step",
     ]
     if s:
-        lines.append(f"  server      {s['generation_gpus']} GPU(s) generate ({s['generation_s']:.3g} s), "
-                     f"{s['training_gpus']} train ({s['training_s']:.3g} s), overlapped: {s['step_s']:.3g} s/step")
+        lines.append(
+            f"  server      {s['generation_gpus']} GPU(s) generate ({s['generation_s']:.3g} s), "
+            f"{s['training_gpus']} train ({s['training_s']:.3g} s), overlapped: {s['step_s']:.3g} s/step"
+        )
     return "\n".join(lines)

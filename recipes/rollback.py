@@ -91,7 +91,9 @@ class RollbackInfo:
             print(f"[ptops] ignoring malformed {ENV}={raw!r}: {e}", file=sys.stderr, flush=True)
             return None
 
-    def batches_to_skip(self, step: int, first_step: int, position_in_checkpoint: bool = True) -> int:
+    def batches_to_skip(
+        self, step: int, first_step: int, position_in_checkpoint: bool = True
+    ) -> int:
         """Optimizer steps' worth of batches to discard before training ``step`` in an attempt
         whose first trained step is ``first_step``.
 

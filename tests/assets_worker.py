@@ -9,6 +9,7 @@ Each rank writes OUT/rankR.json: the folders it got and a digest of the weights 
 
     python tests/assets_worker.py RANK OUT
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -10,13 +10,19 @@ REPO = Path(__file__).resolve().parent.parent
 PTOPS = [sys.executable, "-m", "ptops"]
 
 
-def run_ptops(*args: str, timeout: float = 600, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
+def run_ptops(
+    *args: str, timeout: float = 600, env: dict | None = None, check: bool = False
+) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.run([*PTOPS, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    proc = subprocess.run(
+        [*PTOPS, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"ptops {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        raise AssertionError(
+            f"ptops {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
     return proc
 
 
@@ -74,9 +80,21 @@ def slurm_cluster():
 # modules handed out first, longest first (a fresh clone's --durations): a long one last would leave the
 # other worker idle at the end; the rest follow in collection order
 LONGEST_FIRST = [
-    "test_ckpt_e2e", "test_slurm", "test_diagnose_incidents", "test_trl_catalogue", "test_gpu_check", "test_pipeline",
-    "test_install", "test_trl_grpo_rewards_train", "test_chaos", "test_byo_script", "test_supervisor_real",
-    "test_titan_train", "test_hang_budgets", "test_trl_rewards", "test_code_forgery",
+    "test_ckpt_e2e",
+    "test_slurm",
+    "test_diagnose_incidents",
+    "test_trl_catalogue",
+    "test_gpu_check",
+    "test_pipeline",
+    "test_install",
+    "test_trl_grpo_rewards_train",
+    "test_chaos",
+    "test_byo_script",
+    "test_supervisor_real",
+    "test_titan_train",
+    "test_hang_budgets",
+    "test_trl_rewards",
+    "test_code_forgery",
 ]
 
 
@@ -86,7 +104,9 @@ def pytest_collection_modifyitems(config, items):
     def module(item) -> str:
         return item.nodeid.split("::")[0].rpartition("/")[2].removesuffix(".py")
 
-    items.sort(key=lambda it: rank.get(module(it), len(rank)))  # stable: a module's own order is kept
+    items.sort(
+        key=lambda it: rank.get(module(it), len(rank))
+    )  # stable: a module's own order is kept
 
 
 def shared_dir(tmp_path_factory) -> Path:

@@ -32,8 +32,14 @@ from pathlib import Path
 from conftest import PTOPS, REPO, run_ptops
 
 STEPS = ["--set", "train.steps=16", "--set", "checkpoint.interval=5"]
-FAST_HANG = ["--set", "supervisor.hang.floor_s=5", "--set", "supervisor.hang.ping_stale_s=4",
-             "--set", "supervisor.restart.backoff_s=0.5"]
+FAST_HANG = [
+    "--set",
+    "supervisor.hang.floor_s=5",
+    "--set",
+    "supervisor.hang.ping_stale_s=4",
+    "--set",
+    "supervisor.restart.backoff_s=0.5",
+]
 # the hang run uses the shipped hang defaults (issue 12: detection needs no tuning); only the backoff is short
 DEFAULT_HANG = ["--set", "supervisor.restart.backoff_s=0.5"]
 HOLD_COMMITTED = "hold:step=12,until=committed,seconds=120"
@@ -57,20 +63,50 @@ def _events(run: Path, kind: str) -> list[dict]:
 
 
 def _launch(run: Path, *args: str) -> subprocess.CompletedProcess:
-    return run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--no-mlflow",
-                     *args, "--json", timeout=900)
+    return run_ptops(
+        "launch",
+        "titan-tiny",
+        "--supervise",
+        "--run-dir",
+        str(run),
+        *STEPS,
+        "--no-mlflow",
+        *args,
+        "--json",
+        timeout=900,
+    )
 
 
 def _hang(run: Path) -> tuple[subprocess.CompletedProcess, dict]:
     proc = subprocess.Popen(
-        [*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, *DEFAULT_HANG, "--no-mlflow",
-         "--fault", "hang:rank=0,step=8", "--fault", "hold:step=8,attempt=2", "--json"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            *PTOPS,
+            "launch",
+            "titan-tiny",
+            "--supervise",
+            "--run-dir",
+            str(run),
+            *STEPS,
+            *DEFAULT_HANG,
+            "--no-mlflow",
+            "--fault",
+            "hang:rank=0,step=8",
+            "--fault",
+            "hold:step=8,attempt=2",
+            "--json",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while len([e for e in _events(run, "fault_injected") if e["fault"].startswith("hold")]) < 2:
             if proc.poll() is not None:
-                raise AssertionError(f"supervisor exited {proc.returncode} before attempt 2 was held:\n{proc.stderr.read()}")
+                raise AssertionError(
+                    f"supervisor exited {proc.returncode} before attempt 2 was held:\n{proc.stderr.read()}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError("timed out waiting for both ranks to be held in attempt 2")
             time.sleep(0.1)
@@ -92,28 +128,80 @@ def _hang(run: Path) -> tuple[subprocess.CompletedProcess, dict]:
 
 def make(kind: str, run: Path) -> Faulted:
     if kind == "reference":
-        proc = run_ptops("launch", "titan-tiny", "--run-dir", str(run), *STEPS, "--no-mlflow", "--json", timeout=900)
+        proc = run_ptops(
+            "launch",
+            "titan-tiny",
+            "--run-dir",
+            str(run),
+            *STEPS,
+            "--no-mlflow",
+            "--json",
+            timeout=900,
+        )
         return Faulted(run, proc, {})
     if kind == "crash":
-        return Faulted(run, _launch(run, "--set", "supervisor.restart.warm_spare=true", "--fault", "crash:rank=1,step=12",
-                                    "--fault", HOLD_COMMITTED), {})
+        return Faulted(
+            run,
+            _launch(
+                run,
+                "--set",
+                "supervisor.restart.warm_spare=true",
+                "--fault",
+                "crash:rank=1,step=12",
+                "--fault",
+                HOLD_COMMITTED,
+            ),
+            {},
+        )
     if kind == "hang":
         proc, extra = _hang(run)
         return Faulted(run, proc, extra)
     if kind == "nan":
         # held before step 12 until the async save of step 10 is committed: else the rollback target
         # is 10 or 5 depending on whether that save was still in flight
-        return Faulted(run, _launch(run, "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=12",
-                                    "--fault", HOLD_COMMITTED), {})
+        return Faulted(
+            run,
+            _launch(
+                run,
+                "--set",
+                "monitors.rollback.lr_scale=0.5",
+                "--fault",
+                "nan:step=12",
+                "--fault",
+                HOLD_COMMITTED,
+            ),
+            {},
+        )
     if kind == "straggler":
-        return Faulted(run, _launch(run, "--set", 'monitors.straggler.action="exclude_node"',
-                                    "--fault", "slow:rank=1,step=3,seconds=0.5,steps=14"), {})
+        return Faulted(
+            run,
+            _launch(
+                run,
+                "--set",
+                'monitors.straggler.action="exclude_node"',
+                "--fault",
+                "slow:rank=1,step=3,seconds=0.5,steps=14",
+            ),
+            {},
+        )
     if kind == "corrupt":
         # saves at 4, 8, 12, 16; corrupt-ckpt makes the step-8 save synchronous and damages it once
         # committed; rank 1 is held before step 10 until then, so the restart must skip step 8 for 4
-        return Faulted(run, _launch(run, "--set", "checkpoint.interval=4", "--fault", "corrupt-ckpt:step=8,mode=flip",
-                                    "--fault", "crash:rank=1,step=10", "--fault", "hold:step=10,until=committed,seconds=120"),
-                       {})
+        return Faulted(
+            run,
+            _launch(
+                run,
+                "--set",
+                "checkpoint.interval=4",
+                "--fault",
+                "corrupt-ckpt:step=8,mode=flip",
+                "--fault",
+                "crash:rank=1,step=10",
+                "--fault",
+                "hold:step=10,until=committed,seconds=120",
+            ),
+            {},
+        )
     raise KeyError(f"unknown faulted run kind {kind!r} (expected one of {KINDS})")
 
 
@@ -142,15 +230,28 @@ class FaultedRuns:
             made = self.root / kind / "made.json"
             if made.exists():
                 m = json.loads(made.read_text())
-                proc = subprocess.CompletedProcess(m["args"], m["returncode"], m["stdout"], m["stderr"])
+                proc = subprocess.CompletedProcess(
+                    m["args"], m["returncode"], m["stdout"], m["stderr"]
+                )
                 return Faulted(Path(m["run"]), proc, m["extra"])
             run = self.root / kind / "run"
-            if run.parent.exists():  # an earlier worker's attempt failed: never resume its half-made run
+            if (
+                run.parent.exists()
+            ):  # an earlier worker's attempt failed: never resume its half-made run
                 run.parent.rename(self.root / f"{kind}.failed-{os.getpid()}-{time.monotonic_ns()}")
             run.parent.mkdir(parents=True)
             f = make(kind, run)
             args = f.proc.args if isinstance(f.proc.args, str) else [str(a) for a in f.proc.args]
-            made.write_text(json.dumps({"run": str(f.run), "args": args,
-                                        "returncode": f.proc.returncode, "stdout": f.proc.stdout,
-                                        "stderr": f.proc.stderr, "extra": f.extra}))
+            made.write_text(
+                json.dumps(
+                    {
+                        "run": str(f.run),
+                        "args": args,
+                        "returncode": f.proc.returncode,
+                        "stdout": f.proc.stdout,
+                        "stderr": f.proc.stderr,
+                        "extra": f.extra,
+                    }
+                )
+            )
             return f

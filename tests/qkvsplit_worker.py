@@ -5,6 +5,7 @@ saved with DCP into OUT/new and OUT/old for the test to compare file by file.
 
     python tests/qkvsplit_worker.py RANK OUT
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,9 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     wrapper = ModelWrapper(model)
     pg = dist.new_group(backend="gloo")
-    with torch.no_grad():  # training moved on: the hook outputs in ModelWrapper's cache are stale now
+    with (
+        torch.no_grad()
+    ):  # training moved on: the hook outputs in ModelWrapper's cache are stale now
         for p in model.parameters():
             p.mul_(1.5).add_(0.25)
 
@@ -60,7 +63,11 @@ def main() -> None:
         for k, v in old.items():
             n = new[k]
             if isinstance(v, DTensor):
-                if type(n) is not DTensor or n._spec != v._spec or not torch.equal(n._local_tensor, v._local_tensor):
+                if (
+                    type(n) is not DTensor
+                    or n._spec != v._spec
+                    or not torch.equal(n._local_tensor, v._local_tensor)
+                ):
                     bad.append(k)
         report["mismatched"] = bad
         report["checked"] = sum(isinstance(v, DTensor) for v in old.values())

@@ -33,10 +33,24 @@ import pytest
 from conftest import PTOPS, REPO, run_ptops
 from ptops.ops.supervisor.launcher import free_port
 
-FAST = ["--no-mlflow", "--set", "supervisor.restart.backoff_s=0.2"]  # hang settings stay the shipped ones
-WARM = ["--set", "supervisor.restart.warm_spare=true"]  # restarts fork ranks with torch imported (2-core box)
-CHAOS = [*WARM, "--set", "checkpoint.interval=4", "--fault", "crash:rank=1,step=6",
-         "--fault", "hang:rank=0,step=10,mode=stop,attempt=2"]
+FAST = [
+    "--no-mlflow",
+    "--set",
+    "supervisor.restart.backoff_s=0.2",
+]  # hang settings stay the shipped ones
+WARM = [
+    "--set",
+    "supervisor.restart.warm_spare=true",
+]  # restarts fork ranks with torch imported (2-core box)
+CHAOS = [
+    *WARM,
+    "--set",
+    "checkpoint.interval=4",
+    "--fault",
+    "crash:rank=1,step=6",
+    "--fault",
+    "hang:rank=0,step=10,mode=stop,attempt=2",
+]
 
 
 def _events(run: Path) -> list[dict]:
@@ -83,7 +97,7 @@ def _readme_argv(run: Path) -> list[str]:
     opts, command = argv[2:cut], argv[cut:]
     if "--run-dir" in opts:
         i = opts.index("--run-dir")
-        del opts[i:i + 2]
+        del opts[i : i + 2]
     return [*PTOPS, "launch", *opts, "--run-dir", str(run), "--no-mlflow", *command]
 
 
@@ -123,31 +137,70 @@ def runs(tmp_path_factory):
         # ... and a preemption in attempt 3 (SIGTERM at step 9; the ranks are held before step 10 until the
         # stop request reaches them): every rank saves step 9 or 10 on request, the launch exits 143, the
         # same command again resumes
-        "accel-faulted": _launch_argv(root / "accel-faulted", *CHAOS, "--fault", "preempt:step=9,attempt=3",
-                                      "--fault", "hold:step=10,attempt=3", command=ACCEL),
-        "no-api": _launch_argv(root / "no-api", *WARM, "--fault", "crash:rank=1,step=3",
-                               "--fault", "hang:rank=0,step=4,attempt=2",
-                               command=["python", str(script), "6"]),
-        "fsdp2-nan": _launch_argv(root / "fsdp2-nan", *WARM, "--set", "checkpoint.interval=2",
-                                  "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=5",
-                                  command=["python", "examples/fsdp2/train.py", "--steps", "6"]),
+        "accel-faulted": _launch_argv(
+            root / "accel-faulted",
+            *CHAOS,
+            "--fault",
+            "preempt:step=9,attempt=3",
+            "--fault",
+            "hold:step=10,attempt=3",
+            command=ACCEL,
+        ),
+        "no-api": _launch_argv(
+            root / "no-api",
+            *WARM,
+            "--fault",
+            "crash:rank=1,step=3",
+            "--fault",
+            "hang:rank=0,step=4,attempt=2",
+            command=["python", str(script), "6"],
+        ),
+        "fsdp2-nan": _launch_argv(
+            root / "fsdp2-nan",
+            *WARM,
+            "--set",
+            "checkpoint.interval=2",
+            "--set",
+            "monitors.rollback.lr_scale=0.5",
+            "--fault",
+            "nan:step=5",
+            command=["python", "examples/fsdp2/train.py", "--steps", "6"],
+        ),
         "fsdp2-ref": _readme_argv(root / "fsdp2-ref"),
         # the Accelerate reference runs without ptops at all (plain torchrun, in its own folder): the script
         # stays runnable on its own, its checkpoints land in ./checkpoints with the same layout
-        "accel-ref": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                      "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                      str(REPO / "examples" / "accelerate" / "train.py"), *ACCEL[2:]],
+        "accel-ref": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(REPO / "examples" / "accelerate" / "train.py"),
+            *ACCEL[2:],
+        ],
     }
     (root / "accel-ref").mkdir()
 
     def one(name: str) -> subprocess.CompletedProcess:
         cwd = root / name if name == "accel-ref" else REPO
-        run = lambda: subprocess.run(plan[name], cwd=cwd, capture_output=True, text=True, timeout=900,  # noqa: E731
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        run = lambda: subprocess.run(
+            plan[name],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=900,  # noqa: E731
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         proc = run()
         if name == "accel-faulted":  # preempted: the same command again resumes the run
             first = proc
-            assert first.returncode == 143, f"accel-faulted: exit {first.returncode}\n{first.stderr[-4000:]}"
+            assert first.returncode == 143, (
+                f"accel-faulted: exit {first.returncode}\n{first.stderr[-4000:]}"
+            )
             proc = run()
         return proc
 
@@ -235,7 +288,9 @@ def test_a_script_without_the_api_is_restarted_and_its_hang_diagnosed_with_stack
     frames = hang[0]["details"]["stacks"]["frames"]
     # the stuck rank's stack: the script's own line (its optimizer.step, where ptops counts the step), then
     # the fault; the other rank waits in the script's all_reduce
-    assert any("plain_train.py" in f for f in frames["0"]) and frames["0"][-1].startswith("_hang"), frames
+    assert any("plain_train.py" in f for f in frames["0"]) and frames["0"][-1].startswith(
+        "_hang"
+    ), frames
     assert any("plain_train.py" in f for f in frames["1"]), frames
     assert frames["1"][-1].startswith("all_reduce"), frames
 
@@ -252,11 +307,28 @@ def test_cli_help_and_errors():
     assert both.exit_code == 2 and "not both" in both.output
     none = cli.invoke(app, ["launch"])
     assert none.exit_code == 2 and "-- python train.py" in none.output
-    dry = cli.invoke(app, ["launch", "--dry-run", "--set", "launch.nproc=3",
-                           "--", "python", "-u", "my_train.py", "--x"])
+    dry = cli.invoke(
+        app,
+        [
+            "launch",
+            "--dry-run",
+            "--set",
+            "launch.nproc=3",
+            "--",
+            "python",
+            "-u",
+            "my_train.py",
+            "--x",
+        ],
+    )
     assert dry.exit_code == 0, dry.output
-    rec = json.loads(dry.output[:dry.output.rindex("}") + 1])
-    assert rec["engine"] == "script" and rec["script"]["command"] == ["python", "-u", "my_train.py", "--x"]
+    rec = json.loads(dry.output[: dry.output.rindex("}") + 1])
+    assert rec["engine"] == "script" and rec["script"]["command"] == [
+        "python",
+        "-u",
+        "my_train.py",
+        "--x",
+    ]
     assert rec["launch"]["nproc"] == 3 and rec["name"] == "my_train"
     assert rec["script"]["cwd"] == str(Path.cwd())
 
@@ -264,8 +336,16 @@ def test_cli_help_and_errors():
 def test_python_target_parsing():
     from ptops.recipes.script.run import python_target
 
-    assert python_target(["python", "-u", "train.py", "--lr", "1"]) == ("path", "train.py", ["--lr", "1"])
-    assert python_target(["python3", "-X", "dev", "-m", "pkg.train", "a"]) == ("module", "pkg.train", ["a"])
+    assert python_target(["python", "-u", "train.py", "--lr", "1"]) == (
+        "path",
+        "train.py",
+        ["--lr", "1"],
+    )
+    assert python_target(["python3", "-X", "dev", "-m", "pkg.train", "a"]) == (
+        "module",
+        "pkg.train",
+        ["a"],
+    )
     assert python_target(["python", "-c", "print(1)"]) == ("code", "print(1)", [])
     assert python_target(["bash", "run.sh"]) is None
 

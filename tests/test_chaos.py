@@ -35,7 +35,9 @@ def events(run: str | Path, kind: str) -> list[dict]:
 
 
 def chaos(tmp_path: Path, *args: str, timeout: float = 1800) -> tuple[dict, str]:
-    proc = run_ptops("chaos", "--work-dir", str(tmp_path / "chaos"), "--json", *args, timeout=timeout)
+    proc = run_ptops(
+        "chaos", "--work-dir", str(tmp_path / "chaos"), "--json", *args, timeout=timeout
+    )
     assert proc.stdout.strip(), proc.stderr
     report = json.loads(proc.stdout)
     failed = {r["scenario"]: r["problems"] for r in report["scenarios"] if not r["passed"]}
@@ -55,7 +57,9 @@ def test_chaos_ci_subset(tmp_path):
     from junitparser import JUnitXml
 
     (suite,) = list(JUnitXml.fromfile(str(tmp_path / "chaos-junit.xml")))
-    assert [c.name for c in suite] == CI_NAMES and suite.failures == sum(not r["passed"] for r in res.values())
+    assert [c.name for c in suite] == CI_NAMES and suite.failures == sum(
+        not r["passed"] for r in res.values()
+    )
     assert list(res) == CI_NAMES
     failed = {n: r["problems"] for n, r in res.items() if not r["passed"]}
     assert not failed, f"{failed}\n{err}"
@@ -73,14 +77,18 @@ def test_chaos_ci_subset(tmp_path):
     # both ranks held before step 6 until step 4's save was committed (by "committed", not the bound);
     # then rank 1 crashed: the restart resumes from that committed step-4 checkpoint and redoes step 5
     released = events(crash["run_dir"], "hold_released")
-    assert sorted(e["rank"] for e in released) == [0, 1] and {e["by"] for e in released} == {"committed"}
+    assert sorted(e["rank"] for e in released) == [0, 1] and {e["by"] for e in released} == {
+        "committed"
+    }
     ckpt4 = [e for e in events(crash["run_dir"], "checkpoint") if e["step"] == 4]
     assert len(ckpt4) == 1 and ckpt4[0]["mode"] == "async"
     restart = events(crash["run_dir"], "restart")[0]
     assert restart["from_step"] == 4 and crash["steps_recomputed"] == 1, (restart, crash)
     # crash scenarios keep a warm pool (chaos.KIND_SETS): the restart's ranks were forked from it (issue 27)
     assert crash["ranks_from"] == ["cold", "warm"], crash
-    assert all(set(r["ranks_from"]) == {"cold"} for n, r in res.items() if n != CRASH_NAME), res  # auto: off here
+    assert all(set(r["ranks_from"]) == {"cold"} for n, r in res.items() if n != CRASH_NAME), (
+        res
+    )  # auto: off here
 
     corrupt = res["titan-tiny/corrupt-ckpt"]
     invalid = events(corrupt["run_dir"], "checkpoint_invalid")
@@ -117,13 +125,15 @@ def test_chaos_help_names_exactly_the_recipes_of_the_default_matrix():
     assert default <= tiny
     proc = run_ptops("chaos", "--help", timeout=60)
     assert proc.returncode == 0, proc.stderr
-    options = proc.stdout[proc.stdout.index("Options"):]  # the option's own help, not the examples
-    recipe_help = options[options.index("--recipe"):options.index("--scenario")]
+    options = proc.stdout[proc.stdout.index("Options") :]  # the option's own help, not the examples
+    recipe_help = options[options.index("--recipe") : options.index("--scenario")]
     text = " ".join(re.sub(r"-\n\s*", "-", recipe_help).split())  # the help wraps at hyphens too
     named = set(re.findall(r"[a-z0-9-]+-tiny\b", text))
     assert named == default, (named, default)
     assert f"these {len(default)} tiny recipes" in text
-    assert ("not every shipped tiny recipe" in text) == (default != tiny)  # never "every" when it is not
+    assert ("not every shipped tiny recipe" in text) == (
+        default != tiny
+    )  # never "every" when it is not
     listed = run_ptops("chaos", "--list", timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert {line.split("/")[0] for line in listed.stdout.splitlines() if line.strip()} == default

@@ -35,9 +35,15 @@ def test_attempt_rules():
 
 
 def test_roundtrip_env_and_format():
-    faults = [parse("crash:rank=1,step=12"), parse("slow:step=2,seconds=0.25,steps=3"), parse("crash:step=2,signal=term")]
+    faults = [
+        parse("crash:rank=1,step=12"),
+        parse("slow:step=2,seconds=0.25,steps=3"),
+        parse("crash:step=2,signal=term"),
+    ]
     assert from_env(to_env(faults)) == faults
-    assert parse(format_spec(faults[1])) == Fault("slow", 2, None, 1, {"seconds": 0.25, "steps": 3}, format_spec(faults[1]))
+    assert parse(format_spec(faults[1])) == Fault(
+        "slow", 2, None, 1, {"seconds": 0.25, "steps": 3}, format_spec(faults[1])
+    )
     assert faults[2].params["signal"] == "SIGTERM"
     assert from_env("") == [] and from_env(None) == []
 
@@ -64,7 +70,10 @@ def test_roundtrip_env_and_format():
         ("crash:step=3,signal=BOGUS", ["key 'signal'", "unknown signal"]),
         ("crash:step=3,code=2,signal=TERM", ["give one, not both"]),
         ("crash:step=3,phase=load", ["key 'phase'", "step, save", "'load'"]),
-        ("hang:step=3,phase=save", ["key 'phase'", "expected one of step, import, rendezvous, build, load"]),
+        (
+            "hang:step=3,phase=save",
+            ["key 'phase'", "expected one of step, import, rendezvous, build, load"],
+        ),
         ("hang:step=3,phase=build", ["key 'step'", "start-up hang (phase=build) has no step"]),
         ("slow:step=3,seconds=-1", ["key 'seconds'", ">= 0"]),
         ("preempt:step=3,rank=1", ["key 'rank'", "unknown key for preempt"]),
@@ -114,8 +123,15 @@ def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
 
     from ptops.faultinject.inject import Injector
 
-    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    env = {
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     fired = []
@@ -124,7 +140,9 @@ def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
     assert os.environ["WORLD_SIZE"] == "2" and fired == []  # rank 0 is not named
     inj = Injector([parse("misrendezvous:rank=1")], 1, 1, lambda f, s: fired.append(f.kind))
     inj.on_startup("build")
-    assert os.environ["WORLD_SIZE"] == "2" and fired == []  # it acts before the engine's import only
+    assert (
+        os.environ["WORLD_SIZE"] == "2" and fired == []
+    )  # it acts before the engine's import only
     inj.on_startup("import")
     assert fired == ["misrendezvous"]
     got = [os.environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")]
@@ -142,7 +160,9 @@ def test_slow_save_until_skipped_waits_for_a_later_skip():
     from ptops.faultinject.inject import Injector
 
     fired = []
-    inj = Injector([parse("slow-save:step=2,until=skipped,seconds=30")], 0, 1, lambda f, s: fired.append(s))
+    inj = Injector(
+        [parse("slow-save:step=2,until=skipped,seconds=30")], 0, 1, lambda f, s: fired.append(s)
+    )
     inj.before_commit(1)
     assert fired == []  # not its step
     t = threading.Thread(target=inj.before_commit, args=(2,))

@@ -72,4 +72,6 @@ def test_a_redefined_feed_and_a_record_without_step_go_to_feed():
     feed.feed({"rank": 0, "step_s": 1.0})  # no step: plain feed, which ignores it
     assert m.fed == 3 and feed.errors == {}
     plain = StragglerMonitor()
-    assert fast_entries([plain])[0] == plain.feed_at  # the fast entry itself when feed is not redefined
+    assert (
+        fast_entries([plain])[0] == plain.feed_at
+    )  # the fast entry itself when feed is not redefined

@@ -57,8 +57,21 @@ def test_recorded_run_with_injected_nan_is_caught(path):
 @pytest.mark.slow
 def test_real_tiny_run_diagnoses_clean(tmp_path, ptops):
     run = tmp_path / "run"
-    ptops("launch", "trl-sft-tiny", "--run-dir", str(run), "--set", "train.steps=15", check=True, timeout=600)
+    ptops(
+        "launch",
+        "trl-sft-tiny",
+        "--run-dir",
+        str(run),
+        "--set",
+        "train.steps=15",
+        check=True,
+        timeout=600,
+    )
     from ptops.diagnostics.diagnose import diagnose
 
     rep = diagnose(run)
-    assert rep["last_step"] == 15 and rep["findings"] == [] and rep["events_summary"]["state"] == "completed"
+    assert (
+        rep["last_step"] == 15
+        and rep["findings"] == []
+        and rep["events_summary"]["state"] == "completed"
+    )

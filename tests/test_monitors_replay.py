@@ -45,10 +45,14 @@ def corpus() -> dict[str, list[dict]]:
         out[f"grpo8-{seed}"] = synth.grpo(300, seed, ranks=8)
     rng = random.Random(7)
     for seed in range(3):
-        for base in (synth.generate("loss_spike", seed=seed), synth.grpo(200, seed, ranks=2, inject="entropy_collapse"),
-                     synth.pretrain(200, seed, ranks=3, inject="straggler_wait"),
-                     synth.grpo(200, seed, ranks=2, inject="reward_hacking"),
-                     synth.grpo(200, seed, ranks=2, inject="kl_drift"), synth.grpo(200, seed, ranks=2, inject="mode_collapse")):
+        for base in (
+            synth.generate("loss_spike", seed=seed),
+            synth.grpo(200, seed, ranks=2, inject="entropy_collapse"),
+            synth.pretrain(200, seed, ranks=3, inject="straggler_wait"),
+            synth.grpo(200, seed, ranks=2, inject="reward_hacking"),
+            synth.grpo(200, seed, ranks=2, inject="kl_drift"),
+            synth.grpo(200, seed, ranks=2, inject="mode_collapse"),
+        ):
             a, b = sorted(rng.sample(range(len(base)), 2))
             rewound = base[:b] + [dict(r, attempt=2) for r in base[a:]]  # a restart redoes steps
             out[f"rewind-{seed}-{len(out)}"] = rewound
@@ -78,7 +82,9 @@ def corpus() -> dict[str, list[dict]]:
 
 
 def findings(recs: list[dict], flush: bool) -> list[dict]:
-    return json.loads(json.dumps([f.to_dict() for f in replay(recs, build_monitors(), flush=flush)]))
+    return json.loads(
+        json.dumps([f.to_dict() for f in replay(recs, build_monitors(), flush=flush)])
+    )
 
 
 def test_findings_equal_the_stored_ones():
@@ -91,12 +97,15 @@ def test_findings_equal_the_stored_ones():
         pytest.fail("golden written; rerun without PTOPS_WRITE_GOLDEN")
     want = json.loads(GOLDEN.read_text())
     assert sorted(got) == sorted(want)
-    assert sum(len(v) for v in want.values()) > 300  # the corpus does find things: equality is not vacuous
+    assert (
+        sum(len(v) for v in want.values()) > 300
+    )  # the corpus does find things: equality is not vacuous
     for name in want:
         assert got[name] == want[name], name
 
 
 # ---------------------------------------------------------------- ranks that share one state
+
 
 def _shuffled(recs: list[dict], rng: random.Random) -> list[dict]:
     """The same records with one rank's stream delayed by a few steps (a live supervisor reads the ranks'
@@ -106,8 +115,12 @@ def _shuffled(recs: list[dict], rng: random.Random) -> list[dict]:
     out, held = [], []
     for r in recs:
         (held if r.get("rank") == late else out).append(r)
-        if held and isinstance(r.get("step"), int) and isinstance(held[0].get("step"), int) \
-                and r["step"] - held[0]["step"] >= lag:
+        if (
+            held
+            and isinstance(r.get("step"), int)
+            and isinstance(held[0].get("step"), int)
+            and r["step"] - held[0]["step"] >= lag
+        ):
             out.append(held.pop(0))
     return out + held
 
@@ -117,8 +130,17 @@ def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
     split from the shared one exactly where it diverges."""
     rank = rng.choice(sorted({r["rank"] for r in recs if isinstance(r.get("rank"), int)}))
     at = rng.randint(1, max(r["step"] for r in recs if isinstance(r.get("step"), int)))
-    keys = ["loss", "grad_norm", "entropy", "kl", "reward", "completions_mean_length", "frac_reward_zero_std",
-            "policy_lag", "rewards_verifier_mean"]
+    keys = [
+        "loss",
+        "grad_norm",
+        "entropy",
+        "kl",
+        "reward",
+        "completions_mean_length",
+        "frac_reward_zero_std",
+        "policy_lag",
+        "rewards_verifier_mean",
+    ]
     out = []
     for r in recs:
         if r.get("rank") == rank and isinstance(r.get("step"), int) and r["step"] >= at:
@@ -135,8 +157,17 @@ def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
     path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1 or True for
     1.0, an extra key (a held-out eval, an unknown key), a key missing, the other spelling of a key, the same
     step twice from one rank (a rewind)."""
-    keys = ["loss", "grad_norm", "entropy", "kl", "reward", "completions_mean_length", "frac_reward_zero_std",
-            "rewards_verifier_mean", "clip_ratio_region_mean"]
+    keys = [
+        "loss",
+        "grad_norm",
+        "entropy",
+        "kl",
+        "reward",
+        "completions_mean_length",
+        "frac_reward_zero_std",
+        "rewards_verifier_mean",
+        "clip_ratio_region_mean",
+    ]
     out = []
     for r in recs:
         r = dict(r)
@@ -149,8 +180,12 @@ def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
     traps = []
     for r in out:
         if r["rank"] != 0:
-            r.update({k: v for k, v in lead[r["step"]].items() if k not in ("rank", "step_s", "ts")})
-            if r["step"] % 7 == 0 and rng.random() < 0.5:  # equal to the leader's 0.0 / 1.0, not the same
+            r.update(
+                {k: v for k, v in lead[r["step"]].items() if k not in ("rank", "step_s", "ts")}
+            )
+            if (
+                r["step"] % 7 == 0 and rng.random() < 0.5
+            ):  # equal to the leader's 0.0 / 1.0, not the same
                 k = rng.choice([k for k in keys if k in r])
                 r[k] = -0.0 if r[k] == 0.0 else rng.choice([1, True])
             elif rng.random() < 0.15:
@@ -186,7 +221,9 @@ def _restart_after_finding(recs: list[dict]) -> list[dict] | None:
     if not f:
         return None
     s0 = f[0].step
-    out = [r for r in recs if r["step"] <= s0 + 1] + [dict(r, attempt=2) for r in recs if r["step"] >= s0 - 3]
+    out = [r for r in recs if r["step"] <= s0 + 1] + [
+        dict(r, attempt=2) for r in recs if r["step"] >= s0 - 3
+    ]
     late = max(r["rank"] for r in recs)
     held, res = [], []
     for r in out:
@@ -200,26 +237,37 @@ def _sharing_corpus() -> dict[str, list[dict]]:
     rng = random.Random(11)
     out: dict[str, list[dict]] = {}
     for seed in range(1):
-        bases = [synth.pretrain(250, seed, ranks=4, with_busy=True, with_data=True),
-                 synth.pretrain(250, seed, ranks=4, inject="loss_spike", at=180),
-                 synth.pretrain(250, seed, ranks=4, inject="nan", at=120),
-                 synth.pretrain(250, seed, ranks=4, inject="none_nan", at=140),
-                 synth.grpo(250, seed, ranks=4), synth.grpo(250, seed, ranks=4, inject="entropy_collapse", at=150),
-                 synth.grpo(250, seed, ranks=4, inject="reward_hacking", at=200),
-                 synth.grpo(250, seed, ranks=4, inject="kl_drift", at=220),
-                 synth.grpo(250, seed, ranks=4, inject="mode_collapse", at=180),
-                 synth.grpo(250, seed, ranks=4, inject="stale_rollout", at=150)]
+        bases = [
+            synth.pretrain(250, seed, ranks=4, with_busy=True, with_data=True),
+            synth.pretrain(250, seed, ranks=4, inject="loss_spike", at=180),
+            synth.pretrain(250, seed, ranks=4, inject="nan", at=120),
+            synth.pretrain(250, seed, ranks=4, inject="none_nan", at=140),
+            synth.grpo(250, seed, ranks=4),
+            synth.grpo(250, seed, ranks=4, inject="entropy_collapse", at=150),
+            synth.grpo(250, seed, ranks=4, inject="reward_hacking", at=200),
+            synth.grpo(250, seed, ranks=4, inject="kl_drift", at=220),
+            synth.grpo(250, seed, ranks=4, inject="mode_collapse", at=180),
+            synth.grpo(250, seed, ranks=4, inject="stale_rollout", at=150),
+        ]
         for i, base in enumerate(bases):
             a, b = sorted(rng.sample(range(len(base)), 2))
             rewound = base[:b] + [dict(r, attempt=2) for r in base[a:]]
             again = _restart_after_finding(base)
             if again is not None:
                 out[f"{seed}-{i}-restart-after-finding"] = again
-            for name, recs in (("plain", base), ("rewound", rewound), ("late", _shuffled(base, rng)),
-                               ("rewound-late", _shuffled(rewound, rng)),
-                               ("diverged", _diverged(base, rng)), ("diverged-late", _shuffled(_diverged(rewound, rng), rng))):
+            for name, recs in (
+                ("plain", base),
+                ("rewound", rewound),
+                ("late", _shuffled(base, rng)),
+                ("rewound-late", _shuffled(rewound, rng)),
+                ("diverged", _diverged(base, rng)),
+                ("diverged-late", _shuffled(_diverged(rewound, rng), rng)),
+            ):
                 out[f"{seed}-{i}-{name}"] = recs
-    for every, ranks_with in ((10, (0, 1)), (25, (0,))):  # held-out evals on the step's record (TRL's [eval])
+    for every, ranks_with in (
+        (10, (0, 1)),
+        (25, (0,)),
+    ):  # held-out evals on the step's record (TRL's [eval])
         recs = []
         for r in synth.grpo(250, 3, ranks=2, inject="reward_hacking", at=120):
             if r["step"] % every == 0 and r["rank"] in ranks_with:
@@ -263,8 +311,16 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
 
     shared_kinds = [m for m in build_monitors() if isinstance(m, Shared)]
     # straggler alone keeps a state per rank (its signals differ by rank by nature)
-    assert {m.name for m in shared_kinds} == {"nan", "loss_spike", "grad_explosion", "entropy_collapse", "kl_drift",
-                                              "reward_hacking", "mode_collapse", "stale_rollout"}
+    assert {m.name for m in shared_kinds} == {
+        "nan",
+        "loss_spike",
+        "grad_explosion",
+        "entropy_collapse",
+        "kl_drift",
+        "reward_hacking",
+        "mode_collapse",
+        "stale_rollout",
+    }
     for log_max in (1024, 16):
         monkeypatch.setattr(shared, "_LOG_MAX", log_max)
         forks = 0
@@ -287,13 +343,24 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
                     got_live.extend(m.flush())
             assert not feed.errors, (name, feed.errors)
             got_live = [f.to_dict() for f in got_live]
-            assert json.loads(json.dumps(got_live)) == json.loads(json.dumps(want)), (log_max, name, "live")
+            assert json.loads(json.dumps(got_live)) == json.loads(json.dumps(want)), (
+                log_max,
+                name,
+                "live",
+            )
             for m in mons + live:
                 if isinstance(m, Shared):
                     forks += sum(1 for mm in m._members.values() if mm[0].log is None)
                     own = next(a for a in alone if a.name == m.name)
-                    for rank in list(m._members):  # every rank's state (rebuilt when behind) is what its own is
-                        assert _dump(m._state_of(rank)) == _dump(own._state_of(rank)), (log_max, name, m.name, rank)
+                    for rank in list(
+                        m._members
+                    ):  # every rank's state (rebuilt when behind) is what its own is
+                        assert _dump(m._state_of(rank)) == _dump(own._state_of(rank)), (
+                            log_max,
+                            name,
+                            m.name,
+                            rank,
+                        )
                         if getattr(m, "heldout_source", None):
                             assert m.heldout_source(rank) == own.heldout_source(rank)
         assert forks > 0  # the corpus does split states (and rebuild them), not only share them

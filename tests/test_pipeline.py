@@ -76,13 +76,29 @@ set = ["train.steps=2"]
 
 
 def pipeline(file: Path, pipe_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ptops", "pipeline", str(file), "--run-dir", str(pipe_dir), "--json", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ptops",
+        "pipeline",
+        str(file),
+        "--run-dir",
+        str(pipe_dir),
+        "--json",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
 
 
 def ptops(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ptops", *args], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ptops", *args],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def events(path: Path) -> list[dict]:
@@ -91,7 +107,11 @@ def events(path: Path) -> list[dict]:
 
 def tree_state(d: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``d`` with its mtime (ns) and size: 'untouched' means equal."""
-    return {str(p.relative_to(d)): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): (p.stat().st_mtime_ns, p.stat().st_size)
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +123,23 @@ def main(tmp_path_factory):
     uri = f"sqlite:///{root / 'mlflow.db'}"
     first = pipeline(file, pipe, "--mlflow-uri", uri)
     stage1 = pipe / "stages" / "01-sft"
-    before = {"tree": tree_state(stage1), "events": len(events(stage1))} if stage1.is_dir() else None
-    dpo_ckpts = sorted(p.name for p in (pipe / "stages" / "02-dpo" / "checkpoints").glob("checkpoint-*"))
+    before = (
+        {"tree": tree_state(stage1), "events": len(events(stage1))} if stage1.is_dir() else None
+    )
+    dpo_ckpts = sorted(
+        p.name for p in (pipe / "stages" / "02-dpo" / "checkpoints").glob("checkpoint-*")
+    )
     second = pipeline(file, pipe, "--mlflow-uri", uri)
-    return {"root": root, "file": file, "pipe": pipe, "uri": uri, "first": first, "second": second,
-            "stage1_before": before, "dpo_ckpts_after_crash": dpo_ckpts}
+    return {
+        "root": root,
+        "file": file,
+        "pipe": pipe,
+        "uri": uri,
+        "first": first,
+        "second": second,
+        "stage1_before": before,
+        "dpo_ckpts_after_crash": dpo_ckpts,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +160,9 @@ def test_crash_in_stage_2_stops_the_pipeline_and_the_rerun_resumes_stage_2_not_s
     assert first.returncode == 1, _out(first)
     assert "error: pipeline stopped: stage 2/4 dpo failed (exit 1" in first.stderr, _out(first)
     assert "rerun the same command to resume" in first.stderr
-    assert main["dpo_ckpts_after_crash"] == ["checkpoint-2"], "the crash at step 3 leaves step 2 as last good"
+    assert main["dpo_ckpts_after_crash"] == ["checkpoint-2"], (
+        "the crash at step 3 leaves step 2 as last good"
+    )
     assert second.returncode == 0, _out(second)
     # stage 1's run directory is untouched by the rerun: same files, mtimes, sizes, events
     stage1 = pipe / "stages" / "01-sft"
@@ -138,7 +172,7 @@ def test_crash_in_stage_2_stops_the_pipeline_and_the_rerun_resumes_stage_2_not_s
     ev = events(pipe)
     starts = [i for i, e in enumerate(ev) if e["kind"] == "pipeline_started"]
     assert len(starts) == 2
-    rerun = ev[starts[1]:]
+    rerun = ev[starts[1] :]
     assert [e["stage"] for e in rerun if e["kind"] == "stage_skipped"] == ["sft"]
     assert not [e for e in rerun if e["kind"] == "stage_started" and e["stage"] == "sft"]
     dpo_starts = [e for e in ev if e["kind"] == "stage_started" and e["stage"] == "dpo"]
@@ -177,9 +211,13 @@ def test_each_stage_starts_from_the_previous_stages_verified_final_checkpoint(ma
         assert f"[ptops.init_from] weights from {completed[inp]['checkpoint']} (verified)" in log
     out = json.loads(main["second"].stdout)
     assert out["state"] == "completed" and out["exit_code"] == 0
-    assert [s["digest"] for s in out["stages"]] == [completed[n]["digest"] for n in ("sft", "dpo", "grpo", "rs")]
+    assert [s["digest"] for s in out["stages"]] == [
+        completed[n]["digest"] for n in ("sft", "dpo", "grpo", "rs")
+    ]
     gate = [e for e in ev if e["kind"] == "gate"]
-    assert gate and all(g["stage"] == "sft" and g["passed"] and g["metric"] == "eval/heldout" for g in gate)
+    assert gate and all(
+        g["stage"] == "sft" and g["passed"] and g["metric"] == "eval/heldout" for g in gate
+    )
 
 
 def test_status_on_a_pipeline_directory_shows_every_stage(main):
@@ -190,9 +228,15 @@ def test_status_on_a_pipeline_directory_shows_every_stage(main):
     assert s["state"] == "completed" and s["name"] == "pipe-test"
     rows = {r["name"]: r for r in s["stages"]}
     assert [r["name"] for r in s["stages"]] == ["sft", "dpo", "grpo", "rs"]
-    assert all(r["state"] == "completed" and r["step"] == r["total_steps"] == (2 if r["name"] == "rs" else 4)
-               for r in rows.values())
-    assert rows["dpo"]["input_digest"] == rows["sft"]["digest"] and rows["grpo"]["input_digest"] == rows["dpo"]["digest"]
+    assert all(
+        r["state"] == "completed"
+        and r["step"] == r["total_steps"] == (2 if r["name"] == "rs" else 4)
+        for r in rows.values()
+    )
+    assert (
+        rows["dpo"]["input_digest"] == rows["sft"]["digest"]
+        and rows["grpo"]["input_digest"] == rows["dpo"]["digest"]
+    )
     assert rows["sft"]["gate"]["passed"] is True and rows["sft"]["gate"]["threshold"] == 0.0
     text = ptops("status", str(pipe))
     assert text.returncode == 0
@@ -210,7 +254,11 @@ def test_mlflow_has_a_parent_run_and_one_nested_child_per_stage_with_digests(mai
     parent_id = json.loads((main["pipe"] / "mlflow.json").read_text())["run_id"]
     parent = client.get_run(parent_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["ptops.state"] == "completed"
-    children = {r.data.tags["ptops.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id}
+    children = {
+        r.data.tags["ptops.stage"]: r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent_id
+    }
     assert set(children) == {"sft", "dpo", "grpo", "rs"}
     completed = {e["stage"]: e for e in events(main["pipe"]) if e["kind"] == "stage_completed"}
     for stage, inp in (("sft", None), ("dpo", "sft"), ("grpo", "dpo"), ("rs", "grpo")):
@@ -233,7 +281,9 @@ def test_eval_records_reach_metrics_and_the_reward_hacking_monitor_reads_them(ma
     for r in recs:
         if "eval/heldout" in r:
             assert 0.0 <= r["eval/heldout"] <= 1.0 and 0.0 <= r["eval/heldout_exact"] <= 1.0
-    assert all("rewards_verifier_mean" in r for r in recs), "the proxy is logged too (trl.verifier=true)"
+    assert all("rewards_verifier_mean" in r for r in recs), (
+        "the proxy is logged too (trl.verifier=true)"
+    )
     mon = RewardHackingMonitor()
     for r in recs:
         mon.feed(r)
@@ -249,7 +299,9 @@ def test_rejection_sampling_stage_keeps_the_verifiers_best_of_n_and_fine_tunes_o
     rs = [e for e in ev if e["kind"] == "rejection_sampled"]
     assert len(rs) == 1 and rs[0]["stage"] == "rs" and rs[0]["n"] == 4 and rs[0]["prompts"] == 12
     grpo = next(e for e in ev if e["kind"] == "stage_completed" and e["stage"] == "grpo")
-    assert rs[0]["source"] == grpo["checkpoint"], "sampled from the input stage's verified final checkpoint"
+    assert rs[0]["source"] == grpo["checkpoint"], (
+        "sampled from the input stage's verified final checkpoint"
+    )
     data = Path(rs[0]["data"])
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     assert len(rows) == rs[0]["kept"] >= 1 and sha256(data) == rs[0]["sha256"]
@@ -259,7 +311,9 @@ def test_rejection_sampling_stage_keeps_the_verifiers_best_of_n_and_fine_tunes_o
     # the SFT stage trained on exactly that file, starting from GRPO's weights
     sdir = main["pipe"] / "stages" / "04-rs"
     assert json.loads((sdir / "recipe.json").read_text())["train"]["data_file"] == str(data)
-    assert json.loads((sdir / "recipe.json").read_text())["train"]["init_from"] == grpo["checkpoint"]
+    assert (
+        json.loads((sdir / "recipe.json").read_text())["train"]["init_from"] == grpo["checkpoint"]
+    )
 
 
 def test_a_failing_gate_stops_the_pipeline_with_one_clear_message(gated):
@@ -267,18 +321,31 @@ def test_a_failing_gate_stops_the_pipeline_with_one_clear_message(gated):
     assert first.returncode == 1, _out(first)
     errors = [line for line in first.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, first.stderr
-    assert errors[0] == ("error: pipeline stopped at stage 1/2 sft: gate failed: eval/heldout = 0 at step 2, "
-                         "needs >= 0.5"), errors[0]
+    assert errors[0] == (
+        "error: pipeline stopped at stage 1/2 sft: gate failed: eval/heldout = 0 at step 2, "
+        "needs >= 0.5"
+    ), errors[0]
     assert not (pipe / "stages" / "02-dpo").exists(), "the stage after a failed gate never starts"
     s = json.loads(ptops("status", str(pipe), "--json").stdout)
-    assert s["state"] == "failed" and [r["state"] for r in s["stages"]] == ["gate_failed", "pending"]
-    assert s["stages"][0]["gate"] == {"metric": "eval/heldout", "op": ">=", "threshold": 0.5, "value": 0.0, "step": 2,
-                                      "passed": False}
+    assert s["state"] == "failed" and [r["state"] for r in s["stages"]] == [
+        "gate_failed",
+        "pending",
+    ]
+    assert s["stages"][0]["gate"] == {
+        "metric": "eval/heldout",
+        "op": ">=",
+        "threshold": 0.5,
+        "value": 0.0,
+        "step": 2,
+        "passed": False,
+    }
     # the same command again: stage 1 is not retrained (skipped by digest), the gate still says no
     again = pipeline(gated["file"], pipe, "--no-mlflow")
     assert again.returncode == 1 and "gate failed: eval/heldout = 0 at step 2" in again.stderr
     ev = events(pipe)
-    assert [e["kind"] for e in ev].count("stage_started") == 1 and [e["stage"] for e in ev if e["kind"] == "stage_skipped"] == ["sft"]
+    assert [e["kind"] for e in ev].count("stage_started") == 1 and [
+        e["stage"] for e in ev if e["kind"] == "stage_skipped"
+    ] == ["sft"]
     # a stage's final checkpoint damaged after it completed: the pipeline refuses to build on it
     ck = Path(next(e for e in ev if e["kind"] == "stage_completed")["checkpoint"])
     weights = ck / "model.safetensors"
@@ -287,26 +354,21 @@ def test_a_failing_gate_stops_the_pipeline_with_one_clear_message(gated):
     weights.write_bytes(bytes(data))
     damaged = pipeline(gated["file"], pipe, "--no-mlflow")
     assert damaged.returncode == 1, _out(damaged)
-    assert f"stage sft: its final checkpoint {ck} is no longer valid" in damaged.stderr, damaged.stderr
+    assert f"stage sft: its final checkpoint {ck} is no longer valid" in damaged.stderr, (
+        damaged.stderr
+    )
 
 
 def test_bad_pipeline_files_get_one_line_and_exit_2(tmp_path):
     cases = {
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ninput = "b"\n':
-            "key 'stage.0.input': 'b' is not an earlier stage",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ngate = { metric = "eval/heldout", value = 0.5 }\n':
-            "key 'stage.0.gate.metric': eval/heldout needs a held-out eval",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "titan-tiny"\nset = ["eval.interval=5"]\n':
-            "key 'eval.interval': not supported by engine \"titan\"",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.stepz=3"]\n':
-            "key 'train.stepz': unknown key",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nfaults = ["explode:step=1"]\n':
-            "key 'stage.0.faults'",
-        'name = "x"\n[[stage]]\nname = "a"\nkind = "rejection-sampling"\nrecipe = "trl-sft-tiny"\n':
-            "key 'stage.0.input': a rejection-sampling stage samples from an earlier stage's checkpoint",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ninput = "b"\n': "key 'stage.0.input': 'b' is not an earlier stage",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ngate = { metric = "eval/heldout", value = 0.5 }\n': "key 'stage.0.gate.metric': eval/heldout needs a held-out eval",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "titan-tiny"\nset = ["eval.interval=5"]\n': "key 'eval.interval': not supported by engine \"titan\"",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.stepz=3"]\n': "key 'train.stepz': unknown key",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nfaults = ["explode:step=1"]\n': "key 'stage.0.faults'",
+        'name = "x"\n[[stage]]\nname = "a"\nkind = "rejection-sampling"\nrecipe = "trl-sft-tiny"\n': "key 'stage.0.input': a rejection-sampling stage samples from an earlier stage's checkpoint",
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\n[[stage]]\nname = "b"\nkind = "rejection-sampling"\n'
-        'recipe = "trl-dpo-tiny"\ninput = "a"\n':
-            "key 'stage.1.recipe': a rejection-sampling stage fine-tunes with an SFT recipe",
+        'recipe = "trl-dpo-tiny"\ninput = "a"\n': "key 'stage.1.recipe': a rejection-sampling stage fine-tunes with an SFT recipe",
     }
     for i, (text, expected) in enumerate(cases.items()):
         f = tmp_path / f"bad{i}.toml"
@@ -314,7 +376,10 @@ def test_bad_pipeline_files_get_one_line_and_exit_2(tmp_path):
         p = ptops("pipeline", str(f), "--run-dir", str(tmp_path / f"run{i}"), "--no-mlflow")
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (expected, p.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (
+            expected,
+            p.stderr,
+        )
         assert not (tmp_path / f"run{i}").exists()
 
 
@@ -345,12 +410,18 @@ def test_a_titan_stage_starts_from_the_previous_stages_dcp_checkpoint(tmp_path):
     ev = events(pipe)
     done = {e["stage"]: e for e in ev if e["kind"] == "stage_completed"}
     started = next(e for e in ev if e["kind"] == "stage_started" and e["stage"] == "continue")
-    assert started["input_digest"] == done["pretrain"]["digest"] and done["pretrain"]["checkpoint"].endswith("step-4")
+    assert started["input_digest"] == done["pretrain"]["digest"] and done["pretrain"][
+        "checkpoint"
+    ].endswith("step-4")
     s1, s2 = (pipe / "stages" / d for d in ("01-pretrain", "02-continue"))
     log = (s2 / "logs" / "attempt-1" / "rank-0.log").read_text()
     assert f"[ptops.init_from] weights from {done['pretrain']['checkpoint']} (verified)" in log
-    first = {d: next(r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["rank"] == 0 and r["step"] == 1)
-             for d in (s1, s2)}
+    first = {
+        d: next(
+            r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["rank"] == 0 and r["step"] == 1
+        )
+        for d in (s1, s2)
+    }
     assert first[s2] < first[s1] - 0.1, first
 
 
@@ -359,7 +430,9 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not reaped yet) is gone for our purpose
+    with open(
+        f"/proc/{pid}/stat"
+    ) as f:  # a zombie (exited, not reaped yet) is gone for our purpose
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
@@ -369,9 +442,13 @@ def _stage_pids_when_held(proc, stage: Path, step: int) -> list[int]:
     import time
 
     deadline = time.monotonic() + 300
-    while not any(e.get("kind") == "fault_injected" and e.get("step") == step
-                  for e in (events(stage) if (stage / "events.jsonl").is_file() else [])):
-        assert proc.poll() is None and time.monotonic() < deadline, f"the stage never held at step {step}"
+    while not any(
+        e.get("kind") == "fault_injected" and e.get("step") == step
+        for e in (events(stage) if (stage / "events.jsonl").is_file() else [])
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            f"the stage never held at step {step}"
+        )
         time.sleep(0.5)
     deadline = time.monotonic() + 60
     while True:
@@ -399,18 +476,31 @@ def signalled(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("signals")
     file = tmp / "p.toml"
-    file.write_text('name = "pipe-sig"\n[[stage]]\nname = "sft"\nrecipe = "trl-sft-tiny"\n'
-                    'set = ["train.steps=6", "checkpoint.interval=2", "supervisor.grace_s=5"]\n'
-                    'faults = ["hold:step=3", "hold:step=4,attempt=2"]\n')
+    file.write_text(
+        'name = "pipe-sig"\n[[stage]]\nname = "sft"\nrecipe = "trl-sft-tiny"\n'
+        'set = ["train.steps=6", "checkpoint.interval=2", "supervisor.grace_s=5"]\n'
+        'faults = ["hold:step=3", "hold:step=4,attempt=2"]\n'
+    )
     pipe = tmp / "pipe"
     stage = pipe / "stages" / "01-sft"
-    cmd = [sys.executable, "-m", "ptops", "pipeline", str(file), "--run-dir", str(pipe), "--no-mlflow"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ptops",
+        "pipeline",
+        str(file),
+        "--run-dir",
+        str(pipe),
+        "--no-mlflow",
+    ]
     out: dict = {"pipe": pipe, "stage": stage}
 
     def start(n: int, **kw) -> subprocess.Popen:
         # files, not pipes: after a SIGKILL nobody would drain a pipe, and the stage's prints would block
         logs = [open(tmp / f"run{n}.{x}", "w") for x in ("out", "err")]
-        return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=logs[0], stderr=logs[1], text=True, **kw)
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=ENV, stdout=logs[0], stderr=logs[1], text=True, **kw
+        )
 
     def gone(pids: list[int], within: float) -> list[int]:
         deadline = time.monotonic() + within
@@ -427,8 +517,13 @@ def signalled(tmp_path_factory):
         if ignored.poll() is None:
             ignored.kill()
             ignored.wait()
-    out["int"] = {"code": ignored.returncode, "err": (tmp / "run1.err").read_text(), "left": gone(pids, 10),
-                  "pipe_events": events(pipe), "stage_events": events(stage)}
+    out["int"] = {
+        "code": ignored.returncode,
+        "err": (tmp / "run1.err").read_text(),
+        "left": gone(pids, 10),
+        "pipe_events": events(pipe),
+        "stage_events": events(stage),
+    }
 
     killed = start(2)
     try:
@@ -440,7 +535,12 @@ def signalled(tmp_path_factory):
         if killed.poll() is None:
             killed.kill()
             killed.wait()
-    out["kill"] = {"left": left, "pids": pids, "stage_events": events(stage), "pipe_events": events(pipe)}
+    out["kill"] = {
+        "left": left,
+        "pids": pids,
+        "stage_events": events(stage),
+        "pipe_events": events(pipe),
+    }
     out["again"] = pipeline(file, pipe, "--no-mlflow")
     return out
 
@@ -465,12 +565,20 @@ def test_a_killed_pipeline_stops_its_stage_and_the_rerun_resumes_it(signalled):
     r = signalled["kill"]
     assert r["left"] == [], f"pids {r['left']} of the stage ran on after their pipeline was killed"
     stopped = [e for e in r["stage_events"] if e["kind"] == "stopped"]
-    assert [e["signal"] for e in stopped] == [signal_number("SIGINT"), signal_number("SIGTERM")], stopped
-    assert [e["kind"] for e in r["pipe_events"]][-1] == "stage_started"  # killed: it recorded nothing more
+    assert [e["signal"] for e in stopped] == [signal_number("SIGINT"), signal_number("SIGTERM")], (
+        stopped
+    )
+    assert [e["kind"] for e in r["pipe_events"]][
+        -1
+    ] == "stage_started"  # killed: it recorded nothing more
     again = signalled["again"]
     assert again.returncode == 0, _out(again)
     pipe, stage = signalled["pipe"], signalled["stage"]
-    assert [e["resumed"] for e in events(pipe) if e["kind"] == "stage_started"] == [False, True, True]
+    assert [e["resumed"] for e in events(pipe) if e["kind"] == "stage_started"] == [
+        False,
+        True,
+        True,
+    ]
     launches = [e for e in events(stage) if e["kind"] == "launch"]
     assert [e["attempt"] for e in launches] == [1, 2, 3] and launches[2]["from_step"] >= 4, launches
     assert max(r["step"] for r in read_jsonl(stage / "metrics.jsonl")) == 6
@@ -488,17 +596,27 @@ def test_checkpoint_references_in_set_name_earlier_stages_only(tmp_path):
     from ptops.ops.pipeline.spec import PipelineError, expand, load, refs
 
     assert refs("trl.teacher={checkpoint:sft}") == ["sft"]
-    assert expand("trl.teacher={checkpoint:sft}", {"sft": "/p/stages/01-sft/checkpoints/checkpoint-6"}) == \
-        "trl.teacher=/p/stages/01-sft/checkpoints/checkpoint-6"
+    assert (
+        expand("trl.teacher={checkpoint:sft}", {"sft": "/p/stages/01-sft/checkpoints/checkpoint-6"})
+        == "trl.teacher=/p/stages/01-sft/checkpoints/checkpoint-6"
+    )
     ok = tmp_path / "ok.toml"
-    ok.write_text('name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\n[[stage]]\nname = "b"\n'
-                  'recipe = "trl-sft-tiny"\nset = ["train.data_file={checkpoint:a}"]\n')
+    ok.write_text(
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\n[[stage]]\nname = "b"\n'
+        'recipe = "trl-sft-tiny"\nset = ["train.data_file={checkpoint:a}"]\n'
+    )
     pipe = load(ok)
-    assert pipe.snapshot()["stages"][1]["set"] == ["train.data_file={checkpoint:a}"]  # reruns compare the file's text
+    assert pipe.snapshot()["stages"][1]["set"] == [
+        "train.data_file={checkpoint:a}"
+    ]  # reruns compare the file's text
     bad = tmp_path / "bad.toml"
-    bad.write_text('name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.data_file={checkpoint:b}"]\n'
-                   '[[stage]]\nname = "b"\nrecipe = "trl-sft-tiny"\n')
-    with pytest.raises(PipelineError, match=r"key 'stage.0.set': \{checkpoint:b\} does not name an earlier stage"):
+    bad.write_text(
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.data_file={checkpoint:b}"]\n'
+        '[[stage]]\nname = "b"\nrecipe = "trl-sft-tiny"\n'
+    )
+    with pytest.raises(
+        PipelineError, match=r"key 'stage.0.set': \{checkpoint:b\} does not name an earlier stage"
+    ):
         load(bad)
 
 

@@ -31,7 +31,9 @@ def _digest(path: Path, cli: bool = False) -> str:
         from ptops.ckpt import digest
 
         return digest(path)
-    proc = subprocess.run([*PTOPS, "ckpt", "digest", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*PTOPS, "ckpt", "digest", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip().split()[-1]
 
@@ -92,7 +94,11 @@ def _check(pair: Pair, reward_keys: tuple[str, ...], cli: bool = False) -> dict:
 
 def test_grpo_math_trains_and_resumes_exactly(math_pair):
     src = _check(math_pair, ("rewards_math_mean", "rewards_format_mean"), cli=True)
-    assert src["reward"] == "math" and src["funcs"] == ["math", "format"] and src["weights"] == [1.0, 0.2]
+    assert (
+        src["reward"] == "math"
+        and src["funcs"] == ["math", "format"]
+        and src["weights"] == [1.0, 0.2]
+    )
 
 
 def test_grpo_judge_trains_and_resumes_exactly(judge_pair):
@@ -111,10 +117,20 @@ def test_grpo_judge_trains_and_resumes_exactly(judge_pair):
 
 
 def test_grpo_code_trains_and_resumes_exactly(code_pair):
-    src = _check(code_pair, ("rewards_code_mean", "rewards_code_format_mean", "sandbox_runs", "sandbox_killed"))
-    assert src["sandbox"]["network"] == "netns" and src["sandbox"]["pidns"] and src["sandbox"]["uid"] >= 200_000
+    src = _check(
+        code_pair,
+        ("rewards_code_mean", "rewards_code_format_mean", "sandbox_runs", "sandbox_killed"),
+    )
+    assert (
+        src["sandbox"]["network"] == "netns"
+        and src["sandbox"]["pidns"]
+        and src["sandbox"]["uid"] >= 200_000
+    )
     assert src["sandbox_limits"]["cpu_s"] == 2
     # the sandbox really ran every completion of every step (and the replay ran the same: compared above)
     ref = _by_rank(code_pair.reference)
-    assert all(ref[r][s]["sandbox_runs"] > 0 and ref[r][s]["sandbox_failed"] == 0
-               for r in range(NPROC) for s in range(1, STEPS + 1))
+    assert all(
+        ref[r][s]["sandbox_runs"] > 0 and ref[r][s]["sandbox_failed"] == 0
+        for r in range(NPROC)
+        for s in range(1, STEPS + 1)
+    )

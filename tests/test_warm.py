@@ -66,9 +66,13 @@ THIN = textwrap.dedent("""
 @pytest.fixture
 def pool(tmp_path):
     name = f"ptops-warm-test-{secrets.token_hex(6)}"
-    proc = subprocess.Popen([sys.executable, "-c", POOL, name], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", POOL, name], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     line = proc.stdout.readline()
-    assert line.startswith("[ptops.warm] ") and " ready " in line, f"the pool did not come up: {line!r}"
+    assert line.startswith("[ptops.warm] ") and " ready " in line, (
+        f"the pool did not come up: {line!r}"
+    )
     yield name
     proc.kill()
     proc.wait()
@@ -78,8 +82,13 @@ def thin(name: str | None, tmp_path: Path, stub: str, **env: str) -> subprocess.
     e = dict(os.environ, STUB=stub, MARK="m1", PIDFILE=str(tmp_path / "pid"), **env)
     if name:
         e["PTOPS_WARM_SOCKET"] = name
-    return subprocess.Popen([sys.executable, "-c", THIN, "a", "b"], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", THIN, "a", "b"],
+        cwd=tmp_path,
+        env=e,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_file(p: Path, proc: subprocess.Popen) -> int:
@@ -137,16 +146,33 @@ def test_the_child_dies_with_the_thin_rank(pool, tmp_path):
 def launcher(name: str, tmp_path: Path, stub: str, nproc: int = 3, **env: str) -> subprocess.Popen:
     """``ops/rank/warmlaunch.py`` with the stub pool; its fallback (no pool) prints FALLBACK."""
     e = dict(os.environ, STUB=stub, PIDFILE=str(tmp_path / "pid"), PTOPS_WARM_SOCKET=name, **env)
-    argv = [sys.executable, "-m", "ptops.ops.rank.warmlaunch", "--nproc", str(nproc), "--port", "29999", "--",
-            sys.executable, "-c", "print('FALLBACK')"]
-    return subprocess.Popen(argv, cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "ptops.ops.rank.warmlaunch",
+        "--nproc",
+        str(nproc),
+        "--port",
+        "29999",
+        "--",
+        sys.executable,
+        "-c",
+        "print('FALLBACK')",
+    ]
+    return subprocess.Popen(
+        argv, cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def test_warm_launch_all_ranks_exit_zero(pool, tmp_path):
     p = launcher(pool, tmp_path, "exit", CODE="0")
     out = p.communicate(timeout=60)[0]
     assert p.returncode == 0 and "3 ranks forked from the warm pool" in out, out
-    assert sorted(f.name for f in tmp_path.glob("pid-exit-*")) == ["pid-exit-0", "pid-exit-1", "pid-exit-2"]
+    assert sorted(f.name for f in tmp_path.glob("pid-exit-*")) == [
+        "pid-exit-0",
+        "pid-exit-1",
+        "pid-exit-2",
+    ]
 
 
 def test_warm_launch_reports_the_failed_rank_as_torchrun_does_and_stops_the_others(pool, tmp_path):
@@ -174,9 +200,21 @@ def _warm_restart(run: Path, recipe: str, sets: list[str], crash_step: int) -> l
     must complete). No hold until the pool is ready: a restart that finds it still importing waits for it."""
     from conftest import run_ptops
 
-    p = run_ptops("launch", recipe, "--supervise", "--run-dir", str(run), *sets, "--set",
-                  "supervisor.restart.warm_spare=true", "--fault", f"crash:rank=1,step={crash_step}", "--json",
-                  "--no-mlflow", timeout=900)
+    p = run_ptops(
+        "launch",
+        recipe,
+        "--supervise",
+        "--run-dir",
+        str(run),
+        *sets,
+        "--set",
+        "supervisor.restart.warm_spare=true",
+        "--fault",
+        f"crash:rank=1,step={crash_step}",
+        "--json",
+        "--no-mlflow",
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
 
@@ -185,9 +223,13 @@ def _assert_warm_attempt_2(run: Path) -> None:
     for r in (0, 1):  # attempt 1 started cold (no pool yet), the restart's ranks were forked warm
         cold = (run / "logs" / "attempt-1" / f"rank-{r}.log").read_text(errors="replace")
         warm = (run / "logs" / "attempt-2" / f"rank-{r}.log").read_text(errors="replace")
-        assert "warm rank: forked from pool" not in cold and "warm rank: forked from pool" in warm, warm[:2000]
+        assert (
+            "warm rank: forked from pool" not in cold and "warm rank: forked from pool" in warm
+        ), warm[:2000]
     launched = (run / "logs" / "attempt-2" / "torchrun.log").read_text(errors="replace")
-    assert "2 ranks forked from the warm pool" in launched, launched[:2000]  # no torchrun for the restart
+    assert "2 ranks forked from the warm pool" in launched, launched[
+        :2000
+    ]  # no torchrun for the restart
     ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
     assert [e["ranks_from"] for e in ev if e["kind"] == "launch"] == ["cold", "warm"]
 
@@ -224,7 +266,9 @@ def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs
     ref, crash = faulted_runs.get("reference"), faulted_runs.get("crash")
     assert ref.proc.returncode == 0 and crash.proc.returncode == 0, crash.proc.stderr[-3000:]
     _assert_warm_attempt_2(crash.run)
-    assert digest(crash.run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
+    assert digest(crash.run / "checkpoints" / "step-16") == digest(
+        ref.run / "checkpoints" / "step-16"
+    )
     assert run_processes(crash.run) == []
 
 
@@ -266,8 +310,13 @@ def _slow_pool(tmp_path: Path, how: str = "serve"):
     pool = WarmPool(None, SimpleNamespace(path=tmp_path))
     go = tmp_path / "go"
     with open(pool.log, "ab") as log:
-        pool.proc = subprocess.Popen([sys.executable, "-c", SLOW_POOL, pool.name, str(go), how], cwd=REPO,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        pool.proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_POOL, pool.name, str(go), how],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     pool.started_at = time.monotonic()
     while "importing" not in pool.log.read_text():
         assert pool.proc.poll() is None, pool.log.read_text()
@@ -314,7 +363,9 @@ def test_a_pool_that_exited_or_hangs_or_declined_means_cold_with_why(tmp_path):
     pool.proc.kill()
     pool.proc.wait()
     cold = pool.source(300, lambda: False)
-    assert cold["cold_why"] == "pool_exited" and "-9" in cold["cold_detail"] and pool.wanted, cold  # replaced later
+    assert cold["cold_why"] == "pool_exited" and "-9" in cold["cold_detail"] and pool.wanted, (
+        cold
+    )  # replaced later
 
     pool, go = _slow_pool(tmp_path / "gpu", "decline")
     go.touch()

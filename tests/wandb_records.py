@@ -28,11 +28,11 @@ def records(path: Path) -> list:
         if left < HEADER:  # the block's tail is padding
             i += left
             continue
-        _crc, length, typ = struct.unpack("<IHB", data[i:i + HEADER])
+        _crc, length, typ = struct.unpack("<IHB", data[i : i + HEADER])
         if length == 0 and typ == 0:  # zero padding to the block's end
             i += left
             continue
-        chunk = data[i + HEADER:i + HEADER + length]
+        chunk = data[i + HEADER : i + HEADER + length]
         i += HEADER + length
         if typ == FULL:
             buf = chunk

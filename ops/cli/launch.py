@@ -30,7 +30,9 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
     )
     t0 = time.monotonic()
     progress = Progress(rec.train.steps)
-    sup = Supervisor(rec, run, faults, progress=progress, strategy="permanent" if supervise else "temporary")
+    sup = Supervisor(
+        rec, run, faults, progress=progress, strategy="permanent" if supervise else "temporary"
+    )
     code = _with_sidecars(rec, run, lock_fd, lambda: sup.run_all(lock_fd=lock_fd))
     progress.close()
     summary = summarize(run, time.monotonic() - t0, code)
@@ -91,7 +93,9 @@ def summarize(run, wall_s: float, code: int) -> dict:
         "faults_injected": count(K.FAULT_INJECTED),
         "last_good_checkpoint": good,
         "checkpoints": sorted(p.name for p in run.checkpoints.glob("*") if p.is_dir()),
-        "stacks": sorted(str(p) for p in (run.path / "stacks").glob("attempt-*")) if (run.path / "stacks").exists() else [],
+        "stacks": sorted(str(p) for p in (run.path / "stacks").glob("attempt-*"))
+        if (run.path / "stacks").exists()
+        else [],
         "wall_s": round(wall_s, 2),
     }
 

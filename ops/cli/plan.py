@@ -13,13 +13,44 @@ from ptops.ops.cli.errors import fail
 def register(app: typer.Typer) -> None:
     @app.command()
     def plan(
-        recipe: Annotated[str, typer.Argument(help="A TorchTitan recipe file or shipped name (llama3-8b-h100, ...).")],
-        gpu: Annotated[Optional[str], typer.Option("--gpu", help="h100, h200, a100 or b200 (default: titan.target.gpu, else h100).")] = None,
-        gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, help="GPUs in all (default: titan.target.nodes x launch.nproc).")] = None,
-        nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, help="Nodes the GPUs are spread over (default: the target's, else GPUs/8).")] = None,
-        mtbf_hours: Annotated[Optional[float], typer.Option("--mtbf-hours", min=0.001, help="Job MTBF in hours (default: the Llama 3 fleet rate scaled to --gpus).")] = None,
-        set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key, as for ptops launch.")] = [],
-        json_out: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON object.")] = False,
+        recipe: Annotated[
+            str,
+            typer.Argument(help="A TorchTitan recipe file or shipped name (llama3-8b-h100, ...)."),
+        ],
+        gpu: Annotated[
+            Optional[str],
+            typer.Option(
+                "--gpu", help="h100, h200, a100 or b200 (default: titan.target.gpu, else h100)."
+            ),
+        ] = None,
+        gpus: Annotated[
+            Optional[int],
+            typer.Option(
+                "--gpus", min=1, help="GPUs in all (default: titan.target.nodes x launch.nproc)."
+            ),
+        ] = None,
+        nodes: Annotated[
+            Optional[int],
+            typer.Option(
+                "--nodes",
+                min=1,
+                help="Nodes the GPUs are spread over (default: the target's, else GPUs/8).",
+            ),
+        ] = None,
+        mtbf_hours: Annotated[
+            Optional[float],
+            typer.Option(
+                "--mtbf-hours",
+                min=0.001,
+                help="Job MTBF in hours (default: the Llama 3 fleet rate scaled to --gpus).",
+            ),
+        ] = None,
+        set_: Annotated[
+            list[str], typer.Option("--set", help="Override a recipe key, as for ptops launch.")
+        ] = [],
+        json_out: Annotated[
+            bool, typer.Option("--json", help="Print the plan as one JSON object.")
+        ] = False,
     ) -> None:
         """Size a TorchTitan recipe (or a TRL GRPO recipe's rollouts) before it burns GPU hours.
 
@@ -60,7 +91,9 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(p, indent=2) if json_out else render_grpo(p))
             return
         if rec.engine != "titan":
-            fail(f"{path}: key 'engine': ptops plan sizes TorchTitan and TRL GRPO recipes (got {rec.engine!r})")
+            fail(
+                f"{path}: key 'engine': ptops plan sizes TorchTitan and TRL GRPO recipes (got {rec.engine!r})"
+            )
         t = rec.titan
         g = gpu or (t.target.gpu if t.target else "h100")
         n_nodes = nodes or (t.target.nodes if t.target and gpus is None else None)

@@ -20,16 +20,22 @@ def render(s: dict[str, Any]) -> str:
     if g.get("ratio") is not None:
         lost = sorted(((v, k) for k, v in g["lost_s"].items() if v >= 0.05), reverse=True)
         where = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for v, k in lost) or "nothing lost"
-        lines.append(f"  goodput: {g['ratio']:.0%} of {g['wall_s']:.1f} s productive; lost: {where}")
+        lines.append(
+            f"  goodput: {g['ratio']:.0%} of {g['wall_s']:.1f} s productive; lost: {where}"
+        )
     sl = s.get("slurm")
     if sl:
-        lines.append(f"  slurm job {sl.get('job_id')} ({sl.get('state')})"
-                     + (f" on {','.join(sl['nodes'])}" if sl.get("nodes") else "")
-                     + (f"; attempt nodes {','.join(sl['active'])}" if sl.get("active") else "")
-                     + (f"; spares {','.join(sl['spares'])}" if sl.get("spares") else "")
-                     + (f"; requeues {sl['restart_count']}" if sl.get("restart_count") else ""))
+        lines.append(
+            f"  slurm job {sl.get('job_id')} ({sl.get('state')})"
+            + (f" on {','.join(sl['nodes'])}" if sl.get("nodes") else "")
+            + (f"; attempt nodes {','.join(sl['active'])}" if sl.get("active") else "")
+            + (f"; spares {','.join(sl['spares'])}" if sl.get("spares") else "")
+            + (f"; requeues {sl['restart_count']}" if sl.get("restart_count") else "")
+        )
     if s.get("ranks"):
-        lines.append("  ranks: " + ", ".join(f"{r['rank']}=pid {r['pid']}@{r['host']}" for r in s["ranks"]))
+        lines.append(
+            "  ranks: " + ", ".join(f"{r['rank']}=pid {r['pid']}@{r['host']}" for r in s["ranks"])
+        )
     for f in s.get("open_findings", []):
         detail = {k: v for k, v in f.items() if k not in ("ts", "kind")}
         when = time.strftime("%H:%M:%S", time.localtime(f.get("ts", 0)))

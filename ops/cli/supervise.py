@@ -58,8 +58,15 @@ def status_cmd(
 
 
 def inject_cmd(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory of a live run (plain or --supervise).")],
-    spec: Annotated[str, typer.Argument(help="Fault spec, e.g. hang:rank=0,step=30 (the step may be past: fires at the next), or release (ends a hold).")],
+    run_dir: Annotated[
+        Path, typer.Argument(help="Run directory of a live run (plain or --supervise).")
+    ],
+    spec: Annotated[
+        str,
+        typer.Argument(
+            help="Fault spec, e.g. hang:rank=0,step=30 (the step may be past: fires at the next), or release (ends a hold)."
+        ),
+    ],
 ) -> None:
     """Inject a fault into a live run (sent to its ranks over the supervisor's channel).
 
@@ -76,17 +83,24 @@ def inject_cmd(
     from ptops.ops.runrecord.lock import holder
 
     if holder(Path(run_dir)) is None:
-        fail(f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops launch`)", 1)
+        fail(
+            f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops launch`)",
+            1,
+        )
     try:
         info = read_info(info_path)
-        client = ChannelClient(info["address"], info["token"], {"role": "control", "pid": 0}, connect_timeout=5)
+        client = ChannelClient(
+            info["address"], info["token"], {"role": "control", "pid": 0}, connect_timeout=5
+        )
         answer = client.request({"t": "inject", "spec": spec}, timeout=10)
         client.close()
     except (OSError, ValueError, KeyError, ConnectionError) as e:
         fail(f"{run_dir}: cannot reach the supervisor ({e})", 1)
     if not answer.get("ok"):
         fail(str(answer.get("error")), 2)
-    typer.echo(f"injected {answer['fault']} into attempt {answer['attempt']} (ranks {answer['ranks']})")
+    typer.echo(
+        f"injected {answer['fault']} into attempt {answer['attempt']} (ranks {answer['ranks']})"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -121,10 +121,14 @@ class WandbExporter(QueuedExporter):
         self._state.setdefault("destinations", {})
         c = self._state["destinations"].get(self.dest) or {}
         # what earlier exporters of this destination already wrote: skip it, go on after it
-        self._cursor = {"events": int(c.get("events", 0)), "metrics": int(c.get("metrics", 0)),
-                        "next_step": int(c.get("next_step", 0)),
-                        "finalized_events": c.get("finalized_events"),
-                        "project": self.project, "entity": self.entity}
+        self._cursor = {
+            "events": int(c.get("events", 0)),
+            "metrics": int(c.get("metrics", 0)),
+            "next_step": int(c.get("next_step", 0)),
+            "finalized_events": c.get("finalized_events"),
+            "project": self.project,
+            "entity": self.entity,
+        }
         self._seen = {"events": 0, "metrics": 0}
         self._counts: dict[str, int] = dict(c.get("counts", {}))
         self._dirty = False
@@ -165,16 +169,32 @@ class WandbExporter(QueuedExporter):
         if self.mode == "online":
             self._check_credentials(wandb)
         settings = wandb.Settings(
-            mode=self.mode, silent=True, console="off", x_disable_stats=True, x_disable_meta=True,
-            x_disable_machine_info=True, disable_git=True, save_code=False, x_save_requirements=False,
-            allow_offline_artifacts=True)
+            mode=self.mode,
+            silent=True,
+            console="off",
+            x_disable_stats=True,
+            x_disable_meta=True,
+            x_disable_machine_info=True,
+            disable_git=True,
+            save_code=False,
+            x_save_requirements=False,
+            allow_offline_artifacts=True,
+        )
         wandb_dir = self.run_dir / "wandb"
         wandb_dir.mkdir(mode=0o700, exist_ok=True)
         self._run = wandb.init(
-            project=self.project, entity=self.entity, id=self.run_id, resume="allow", name=self.run_dir.name,
-            dir=str(self.run_dir), settings=settings, job_type="train", reinit="create_new",
+            project=self.project,
+            entity=self.entity,
+            id=self.run_id,
+            resume="allow",
+            name=self.run_dir.name,
+            dir=str(self.run_dir),
+            settings=settings,
+            job_type="train",
+            reinit="create_new",
             config={"ptops": {"run_dir": str(self.run_dir.resolve()), "recipe": self.recipe}},
-            allow_val_change=True)
+            allow_val_change=True,
+        )
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step", step_sync=True)
         self._state["project"], self._state["entity"] = self.project, self.entity
@@ -188,12 +208,16 @@ class WandbExporter(QueuedExporter):
         try:
             from wandb.sdk.lib.wbauth import authenticate_session
 
-            auth = authenticate_session(host=wandb.Settings().base_url, source="ptops", prompt=False)
+            auth = authenticate_session(
+                host=wandb.Settings().base_url, source="ptops", prompt=False
+            )
         except ImportError:
             return  # another wandb: let init decide
         if auth is None:
-            raise RuntimeError("no W&B credentials: set WANDB_API_KEY or run `wandb login` "
-                               "(or export offline and `wandb sync` later)")
+            raise RuntimeError(
+                "no W&B credentials: set WANDB_API_KEY or run `wandb login` "
+                "(or export offline and `wandb sync` later)"
+            )
 
     def _metric(self, rec: dict) -> None:
         self._seen["metrics"] += 1
@@ -253,11 +277,17 @@ class WandbExporter(QueuedExporter):
         kind = ev.get("kind")
         # the event's own severity (a monitor finding's; "info" for an all-clear), else its kind's
         level = {"critical": wandb.AlertLevel.ERROR, "warning": wandb.AlertLevel.WARN}.get(
-            str(ev.get("severity") or severity or "warning"), wandb.AlertLevel.INFO)
-        where = ", ".join(f"{k} {ev[k]}" for k in ("attempt", "step", "rank") if ev.get(k) is not None)
+            str(ev.get("severity") or severity or "warning"), wandb.AlertLevel.INFO
+        )
+        where = ", ".join(
+            f"{k} {ev[k]}" for k in ("attempt", "step", "rank") if ev.get(k) is not None
+        )
         details = {k: v for k, v in ev.items() if k not in ("ts", "kind")}
-        run.alert(title=f"ptops {self.run_dir.name}: {kind}" + (f" ({where})" if where else ""),
-                  text=json.dumps(details, default=str)[:3000], level=level)
+        run.alert(
+            title=f"ptops {self.run_dir.name}: {kind}" + (f" ({where})" if where else ""),
+            text=json.dumps(details, default=str)[:3000],
+            level=level,
+        )
 
     def _checkpoint(self, run, ev: dict) -> None:
         import wandb
@@ -284,7 +314,7 @@ class WandbExporter(QueuedExporter):
             return None
         p = Path(str(recorded))
         here = self.run_dir / "checkpoints" / p.name
-        for cand in ([here, p] if p.is_absolute() else [self.run_dir / p, here]):
+        for cand in [here, p] if p.is_absolute() else [self.run_dir / p, here]:
             if cand.exists():
                 return cand.resolve()
         return None
@@ -298,19 +328,39 @@ class WandbExporter(QueuedExporter):
         rows = []
         for e in summary["incidents"]:
             ts = e.get("ts")
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) if isinstance(ts, (int, float)) else ""
+            when = (
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+                if isinstance(ts, (int, float))
+                else ""
+            )
             sp = spec(str(e.get("kind")))
-            detail = {k: v for k, v in e.items() if k not in ("ts", "kind", "attempt", "step", "rank")}
-            rows.append([when, ts, e.get("attempt"), e.get("kind"), e.get("step"), e.get("rank"),
-                         e.get("severity") or (sp.severity if sp is not None else None),
-                         json.dumps(detail, default=str)])
+            detail = {
+                k: v for k, v in e.items() if k not in ("ts", "kind", "attempt", "step", "rank")
+            }
+            rows.append(
+                [
+                    when,
+                    ts,
+                    e.get("attempt"),
+                    e.get("kind"),
+                    e.get("step"),
+                    e.get("rank"),
+                    e.get("severity") or (sp.severity if sp is not None else None),
+                    json.dumps(detail, default=str),
+                ]
+            )
         import wandb
 
         table = wandb.Table(columns=INCIDENT_COLUMNS, data=rows, allow_mixed_types=True)
         run.log({"ptops/incidents": table}, step=self._cursor["next_step"])
         self._cursor["next_step"] += 1
-        run.summary.update({"ptops/state": summary["state"], "ptops/attempts": summary["attempts"],
-                            "ptops/incident_count": len(rows)})
+        run.summary.update(
+            {
+                "ptops/state": summary["state"],
+                "ptops/attempts": summary["attempts"],
+                "ptops/incident_count": len(rows),
+            }
+        )
         self._cursor["finalized_events"] = len(events)
         if terminal:
             self._finish(exit_code=0 if summary["state"] == EventKind.COMPLETED else 1)

@@ -119,7 +119,9 @@ class ChannelClient:
             except OSError as e:
                 last = e
                 if time.monotonic() >= deadline:
-                    raise ConnectionError(f"cannot reach the supervisor channel at {address}: {last}") from None
+                    raise ConnectionError(
+                        f"cannot reach the supervisor channel at {address}: {last}"
+                    ) from None
                 time.sleep(0.2)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -130,7 +132,9 @@ class ChannelClient:
         self.send({"t": "hello", "token": token, **hello})
         self._reader: threading.Thread | None = None
         if on_message is not None or on_eof is not None:
-            self._reader = threading.Thread(target=self._read_loop, name="ptops-probe-reader", daemon=True)
+            self._reader = threading.Thread(
+                target=self._read_loop, name="ptops-probe-reader", daemon=True
+            )
             self._reader.start()
 
     def send(self, obj: dict[str, Any]) -> bool:

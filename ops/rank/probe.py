@@ -73,7 +73,9 @@ def dump_stacks() -> str:
     """Every thread's Python stack, most recent call last (like faulthandler, but with names)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     me = threading.get_ident()
-    out = [f"# pid {os.getpid()} host {socket.gethostname()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}"]
+    out = [
+        f"# pid {os.getpid()} host {socket.gethostname()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+    ]
     frames = sys._current_frames()
     # the main thread first: that is where the training loop is
     order = sorted(frames, key=lambda ident: (ident != threading.main_thread().ident, ident))
@@ -114,7 +116,9 @@ def attempt_from_env() -> int:
     under a plain ``torchrun --max-restarts N`` a restarted group is a new attempt too, so its records
     and its faults (which fire in attempt 1 only) are told apart from the group that failed.
     """
-    return int(os.environ.get("PTOPS_ATTEMPT", "1")) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return int(os.environ.get("PTOPS_ATTEMPT", "1")) + int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0
+    )
 
 
 class Probe:
@@ -144,10 +148,18 @@ class Probe:
         self._stop_requested = threading.Event()
         self._accepts_stop = False
         self._closing = False
-        self._capture = None  # a ptops profile request (ops/rank/profiler.Capture), set by the channel thread
+        self._capture = (
+            None  # a ptops profile request (ops/rank/profiler.Capture), set by the channel thread
+        )
         self.injector = Injector(
-            from_env(faults), rank, attempt, self._emit_fault, run_dir=self.run.path, on_hang_stop=self._stop_pinging,
-            on_hold=self._on_hold, on_release=self._on_release,
+            from_env(faults),
+            rank,
+            attempt,
+            self._emit_fault,
+            run_dir=self.run.path,
+            on_hang_stop=self._stop_pinging,
+            on_hold=self._on_hold,
+            on_release=self._on_release,
         )
         self.client = None
         self._pinging = threading.Event()
@@ -170,7 +182,9 @@ class Probe:
             )
             _keepalive(self.client.sock)
             self._pinging.set()
-            threading.Thread(target=self._ping_loop, args=(heartbeat_s,), name="ptops-probe-ping", daemon=True).start()
+            threading.Thread(
+                target=self._ping_loop, args=(heartbeat_s,), name="ptops-probe-ping", daemon=True
+            ).start()
 
     @classmethod
     def from_env(cls) -> "Probe":
@@ -204,7 +218,9 @@ class Probe:
     def world(self, world_size: int, rank: int) -> None:
         """What the process group really is (after its init): a rank in a world of one, or of a
         size other than the launcher asked for, is a misconfiguration the supervisor stops at once."""
-        self._send({"t": "world", "world_size": int(world_size), "rank": int(rank), "host": self.host})
+        self._send(
+            {"t": "world", "world_size": int(world_size), "rank": int(rank), "host": self.host}
+        )
 
     @contextlib.contextmanager
     def pause(self, phase: str = "eval", step: int | None = None):
@@ -326,25 +342,40 @@ class Probe:
             self.client.send(msg)
 
     def _emit_fault(self, fault, step: int) -> None:
-        fields = {"fault": str(fault), "rank": self.rank, "step": int(step), "attempt": self.attempt}
+        fields = {
+            "fault": str(fault),
+            "rank": self.rank,
+            "step": int(step),
+            "attempt": self.attempt,
+        }
         if self.client is not None:
             self._send({"t": "fault", **fields})
         else:
             self.run.event("fault_injected", **fields)
-        print(f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}", file=sys.stderr, flush=True)
+        print(
+            f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _on_hold(self, step: int, phase: str = "hold") -> None:
         # a declared pause: the pings go on, and the phase tells the hang monitor it is no hang
         # (``eval``: as an engine's evaluation, judged by the learned eval budget)
         self._phase, self._step = phase, int(step)
         self._send({"t": "beat", "step": int(step), "phase": phase})
-        print(f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject RUN_DIR release`)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject RUN_DIR release`)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _on_release(self, step: int, held_s: float, by: str) -> None:
         self.event("hold_released", step=int(step), held_s=round(held_s, 3), by=by)
-        print(f"[ptops.probe rank {self.rank}] released after {held_s:.1f} s ({by}); step {step} begins",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ptops.probe rank {self.rank}] released after {held_s:.1f} s ({by}); step {step} begins",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _stop_pinging(self) -> None:
         self._pinging.clear()
@@ -386,17 +417,27 @@ class Probe:
         pid = str(msg.get("id") or "")
         current = self._capture
         if current is not None and not current.done:
-            self.event("profile_failed", id=pid, error=f"this rank is busy with profile {current.id}")
+            self.event(
+                "profile_failed", id=pid, error=f"this rank is busy with profile {current.id}"
+            )
             return
-        self._capture = Capture(pid, int(msg.get("start_step", 0)), int(msg.get("steps", 1)), self.run.path,
-                                self.rank, self.event)
+        self._capture = Capture(
+            pid,
+            int(msg.get("start_step", 0)),
+            int(msg.get("steps", 1)),
+            self.run.path,
+            self.rank,
+            self.event,
+        )
 
     def _on_eof(self) -> None:
         if self._closing:
             return
         # The supervisor is gone (killed, or its host is): do not outlive it.
         try:
-            os.write(2, f"[ptops.probe rank {self.rank}] supervisor channel closed; exiting\n".encode())
+            os.write(
+                2, f"[ptops.probe rank {self.rank}] supervisor channel closed; exiting\n".encode()
+            )
         except OSError:
             pass
         os.kill(os.getpid(), signal.SIGKILL)

@@ -40,7 +40,14 @@ from typing import Any
 ENV_SOCKET = "PTOPS_WARM_SOCKET"
 ENV_CHILD = "PTOPS_WARM_POOL"  # set in a warm child: its pool's pid
 WARM_LINE = "[ptops.entry] warm rank: forked from pool {pool} with the engine imported"
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGCONT,
+)
 
 
 # ----------------------------------------------------------------------------- the requester's side
@@ -53,7 +60,9 @@ def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.soc
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect("\0" + name)
-        body = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}).encode()
+        body = json.dumps(
+            {"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}
+        ).encode()
         socket.send_fds(s, [struct.pack("!Q", len(body))], [0, 1, 2])
         s.sendall(body)
         f = s.makefile("rb", buffering=0)
@@ -100,7 +109,10 @@ def handoff() -> None:
         os._exit(1)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught: nothing to reset
+        if sig not in (
+            signal.SIGKILL,
+            signal.SIGSTOP,
+        ):  # those two cannot be caught: nothing to reset
             signal.signal(sig, signal.SIG_DFL)
         sys.stdout.flush()
         os.kill(os.getpid(), sig)
@@ -185,7 +197,9 @@ def serve(name: str, engine: str, target: Any = None) -> None:
     srv.listen(64)
     say(f"pool {os.getpid()} ready ({engine}) after {time.monotonic() - t0:.1f} s")
     waiting: dict[int, socket.socket] = {}  # child pid -> its requester's connection
-    exits: dict[int, int] = {}  # pidfd -> child pid: a child's exit is reported the moment it happens
+    exits: dict[
+        int, int
+    ] = {}  # pidfd -> child pid: a child's exit is reported the moment it happens
     while True:
         ready, _, _ = select.select([srv, *exits], [], [], 1.0)
         if srv in ready:

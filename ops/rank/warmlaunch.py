@@ -71,8 +71,10 @@ def launch(nproc: int, port: int, fallback: list[str]) -> int:
             started.append(request(name, rank_env(dict(os.environ), rank, nproc, port), entry))
     except (OSError, ValueError, KeyError) as e:
         _kill([pid for _, _, pid in started], signal.SIGKILL)
-        print(f"[ptops.warmlaunch] the warm pool did not answer ({type(e).__name__}: {e}); starting torchrun",
-              flush=True)
+        print(
+            f"[ptops.warmlaunch] the warm pool did not answer ({type(e).__name__}: {e}); starting torchrun",
+            flush=True,
+        )
         os.execv(fallback[0], fallback)
     pids = [pid for _, _, pid in started]
     print(f"[ptops.warmlaunch] {nproc} ranks forked from the warm pool: pids {pids}", flush=True)
@@ -100,8 +102,10 @@ def launch(nproc: int, port: int, fallback: list[str]) -> int:
             s.close()
             if code != 0 and failed is None:
                 failed = (rank, code)
-                print(f"[ptops.warmlaunch] failed (exitcode: {code}) local_rank: {rank} (pid: {pids[rank]})",
-                      flush=True)
+                print(
+                    f"[ptops.warmlaunch] failed (exitcode: {code}) local_rank: {rank} (pid: {pids[rank]})",
+                    flush=True,
+                )
                 others = [pids[r] for r, _ in live.values()]
                 _kill(others, signal.SIGTERM)
                 _stop_rest(live, files, time.monotonic() + STOP_GRACE_S)
@@ -124,7 +128,7 @@ def _stop_rest(live: dict, files: dict, deadline: float) -> None:
 
 def main(argv: list[str]) -> int:
     sep = argv.index("--")
-    opts, fallback = argv[:sep], argv[sep + 1:]
+    opts, fallback = argv[:sep], argv[sep + 1 :]
     nproc = int(opts[opts.index("--nproc") + 1])
     port = int(opts[opts.index("--port") + 1])
     return launch(nproc, port, fallback)

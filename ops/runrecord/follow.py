@@ -43,7 +43,13 @@ def feed(sinks: Iterable[Any], events: list[dict], metrics: list[dict]) -> int:
 class Follower(threading.Thread):
     """Tails ``events.jsonl`` and ``metrics.jsonl`` of a run directory into sinks."""
 
-    def __init__(self, run_dir: str | Path, sinks: Iterable[Any], poll_s: float = 0.5, from_start: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        sinks: Iterable[Any],
+        poll_s: float = 0.5,
+        from_start: bool = True,
+    ):
         super().__init__(name="ptops-follow", daemon=True)
         run_dir = Path(run_dir)
         self.run_dir = run_dir
@@ -74,7 +80,9 @@ class Follower(threading.Thread):
             self.join(timeout)
 
 
-def follow(run_dir: str | Path, *sinks: Any, poll_s: float = 0.5, from_start: bool = True) -> Follower:
+def follow(
+    run_dir: str | Path, *sinks: Any, poll_s: float = 0.5, from_start: bool = True
+) -> Follower:
     """Start tailing a run directory into ``sinks``; the records already there are fed before it returns."""
     f = Follower(run_dir, sinks, poll_s=poll_s, from_start=from_start)
     f.poll_once()

@@ -23,9 +23,19 @@ import math
 from typing import Any, Mapping
 
 # events that end an attempt: the failure was seen at this event's time
-ATTEMPT_ENDS = frozenset({"crash", "hang", "rollback", "early_exit", "misconfigured", "stopped", "failed"})
+ATTEMPT_ENDS = frozenset(
+    {"crash", "hang", "rollback", "early_exit", "misconfigured", "stopped", "failed"}
+)
 TERMINAL = frozenset({"completed", "failed", "stopped"})
-CAUSES = ("startup", "detection", "restart", "recomputed", "checkpoint_blocking", "shutdown", "other")
+CAUSES = (
+    "startup",
+    "detection",
+    "restart",
+    "recomputed",
+    "checkpoint_blocking",
+    "shutdown",
+    "other",
+)
 
 
 def _num(v: Any) -> float | None:
@@ -107,10 +117,17 @@ class Goodput:
         lost = dict.fromkeys(CAUSES, 0.0)
         lost["recomputed"] = self.recomputed_s
         # a save after the attempt's last step (the final save) is part of its shutdown, not counted twice
-        lost["checkpoint_blocking"] = sum(b for a, ts, b in self.saves if ts <= self.last_end.get(a, math.inf))
+        lost["checkpoint_blocking"] = sum(
+            b for a, ts, b in self.saves if ts <= self.last_end.get(a, math.inf)
+        )
         attempts = sorted(self.launch)
         for i, a in enumerate(attempts):
-            launched, first, last, ended = self.launch[a], self.first_start.get(a), self.last_end.get(a), self.ended.get(a)
+            launched, first, last, ended = (
+                self.launch[a],
+                self.first_start.get(a),
+                self.last_end.get(a),
+                self.ended.get(a),
+            )
             if first is not None:
                 lost["startup"] += max(0.0, first - launched)
             elif ended is not None:
@@ -125,7 +142,9 @@ class Goodput:
             last = self.last_end.get(attempts[-1])
             if last is not None:
                 lost["shutdown"] += max(0.0, self.end_ts - last)  # final save, process exit
-        lost["other"] = max(0.0, wall - self.productive_s - sum(v for k, v in lost.items() if k != "other"))
+        lost["other"] = max(
+            0.0, wall - self.productive_s - sum(v for k, v in lost.items() if k != "other")
+        )
         return {
             "ratio": max(0.0, min(1.0, self.productive_s / wall)) if wall > 0 else None,
             "wall_s": wall,
@@ -134,7 +153,9 @@ class Goodput:
         }
 
 
-def account(events: list[Mapping[str, Any]], records: list[Mapping[str, Any]], now: float | None = None) -> dict[str, Any]:
+def account(
+    events: list[Mapping[str, Any]], records: list[Mapping[str, Any]], now: float | None = None
+) -> dict[str, Any]:
     """The whole run's goodput from its files (``now`` for a run still going; else it ends at its last
     record), rounded for people (ratio to 4 places, seconds to ms)."""
     g = Goodput()
@@ -143,5 +164,9 @@ def account(events: list[Mapping[str, Any]], records: list[Mapping[str, Any]], n
     for r in records:
         g.record(r)
     out = g.summary(now)
-    return {"ratio": None if out["ratio"] is None else round(out["ratio"], 4), "wall_s": round(out["wall_s"], 3),
-            "productive_s": round(out["productive_s"], 3), "lost_s": {k: round(v, 3) for k, v in out["lost_s"].items()}}
+    return {
+        "ratio": None if out["ratio"] is None else round(out["ratio"], 4),
+        "wall_s": round(out["wall_s"], 3),
+        "productive_s": round(out["productive_s"], 3),
+        "lost_s": {k: round(v, 3) for k, v in out["lost_s"].items()},
+    }

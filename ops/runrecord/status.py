@@ -52,8 +52,14 @@ def slurm_view(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         if kind == "slurm_submitted":
             out.update(job_id=e.get("job_id"), state="submitted")
         elif kind == "slurm_allocation":
-            out.update(job_id=e.get("job_id"), nodes=e.get("nodes"), restart_count=e.get("restart_count"),
-                       batch_host=e.get("batch_host"), spares=e.get("spares"), state="allocated")
+            out.update(
+                job_id=e.get("job_id"),
+                nodes=e.get("nodes"),
+                restart_count=e.get("restart_count"),
+                batch_host=e.get("batch_host"),
+                spares=e.get("spares"),
+                state="allocated",
+            )
         elif kind == "launch" and "nodes" in e:
             out.update(active=e.get("nodes"), spares=e.get("spares"))
         elif kind == "node_replaced":
@@ -72,7 +78,9 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
     if not run.path.is_dir():
         raise FileNotFoundError(f"{run.path}: no such run directory")
     if not run.events.exists() and not run.recipe_json.exists():
-        raise FileNotFoundError(f"{run.path}: not a ptops run directory (no events.jsonl or recipe.json)")
+        raise FileNotFoundError(
+            f"{run.path}: not a ptops run directory (no events.jsonl or recipe.json)"
+        )
     events = run.read_events()
     st = read_status_file(run)
     records = run.read_metrics()
@@ -115,5 +123,7 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
     if slurm:
         out["slurm"] = slurm
     if state == RunState.DEAD:
-        out["hint"] = f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch --supervise <recipe> --run-dir {run.path}"
+        out["hint"] = (
+            f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch --supervise <recipe> --run-dir {run.path}"
+        )
     return out

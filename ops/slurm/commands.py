@@ -18,7 +18,9 @@ class SlurmError(RuntimeError):
 
 def _run(argv: list[str], timeout: float = 30.0) -> str:
     if shutil.which(argv[0]) is None:
-        raise SlurmError(f"{argv[0]} not found: is Slurm's client installed (apt-get install slurm-client)?")
+        raise SlurmError(
+            f"{argv[0]} not found: is Slurm's client installed (apt-get install slurm-client)?"
+        )
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -28,7 +28,9 @@ def world(recipe) -> tuple[int, int, int]:
     return s.nodes, per_node, s.spare_nodes
 
 
-def script(recipe, run_dir: Path, faults: list[str], python: str | None = None, cwd: Path | None = None) -> str:
+def script(
+    recipe, run_dir: Path, faults: list[str], python: str | None = None, cwd: Path | None = None
+) -> str:
     s = recipe.slurm
     nodes, per_node, spares = world(recipe)
     run_dir = Path(run_dir).resolve()
@@ -43,7 +45,12 @@ def script(recipe, run_dir: Path, faults: list[str], python: str | None = None, 
     ]
     if s.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
-    for flag, value in (("partition", s.partition), ("time", s.time), ("account", s.account), ("qos", s.qos)):
+    for flag, value in (
+        ("partition", s.partition),
+        ("time", s.time),
+        ("account", s.account),
+        ("qos", s.qos),
+    ):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
     lines += [

@@ -56,17 +56,26 @@ class AttemptMixin:
         if self.faults:
             extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
         extra.update(self.findings.attempt_env())  # PTOPS_ROLLBACK after a rollback
-        extra[RESUME_ENV] = (self.good or {}).get("path") or ""  # verified by the supervisor: the ranks do not again
+        extra[RESUME_ENV] = (self.good or {}).get(
+            "path"
+        ) or ""  # verified by the supervisor: the ranks do not again
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
-            ("TORCH_FR_BUFFER_SIZE", "2000"),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
+            (
+                "TORCH_FR_BUFFER_SIZE",
+                "2000",
+            ),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
             ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
             ("TORCH_FR_DUMP_TEMP_FILE", str(stack_dir / "flight_recorder_rank_")),
         ):
             if key not in os.environ:
                 extra[key] = value
         # attempt_command may say warm
-        self.ranks_from = {"ranks_from": "cold", "cold_why": "no_pool", "cold_detail": self.no_warm_why}
+        self.ranks_from = {
+            "ranks_from": "cold",
+            "cold_why": "no_pool",
+            "cold_detail": self.no_warm_why,
+        }
         cmd = self.attempt_command(attempt, extra)
         from_step = (self.good or {}).get("step", 0)
         self.step = from_step  # the engine resumes there; steps after it are redone
@@ -87,8 +96,13 @@ class AttemptMixin:
             self.world,
             t0,
             # a script decides its own length: no step is "the last" (its final save is judged as any save)
-            self.cfg.hang.model_copy(update={"total_steps": None if completes_on_exit(self.recipe)
-                                             else self.recipe.train.steps}),
+            self.cfg.hang.model_copy(
+                update={
+                    "total_steps": None
+                    if completes_on_exit(self.recipe)
+                    else self.recipe.train.steps
+                }
+            ),
             learned=self.learned,  # section durations of the earlier attempts: start-up judged in seconds
         )
         self.state = RunState.STARTING
@@ -106,7 +120,9 @@ class AttemptMixin:
                     return Outcome("interrupted", f"signal {self.stop_signal}")
                 if self.misconfigured is not None:
                     return self.on_misconfigured(attempt)
-                if self.findings.pending is not None:  # wins over the crash a NaN causes right after
+                if (
+                    self.findings.pending is not None
+                ):  # wins over the crash a NaN causes right after
                     return self.findings.end_attempt(attempt)
                 rc = self.proc.poll()
                 if rc is not None:
@@ -129,8 +145,16 @@ class AttemptMixin:
                         rc = self.proc.returncode
                         return self._after_exit(rc if rc not in (None, 0) else 1, attempt)
                     if time.monotonic() - bad_since > self.cfg.kill_timeout_s:
-                        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=self.cfg.kill_timeout_s)
-                        return self._after_exit(self.proc.returncode if self.proc.returncode is not None else -9, attempt)
+                        procs.teardown(
+                            self.proc,
+                            self.run.path,
+                            self._rank_pids(),
+                            grace_s=self.cfg.kill_timeout_s,
+                        )
+                        return self._after_exit(
+                            self.proc.returncode if self.proc.returncode is not None else -9,
+                            attempt,
+                        )
                     continue
                 # one cadence ahead: a budget that runs out before the next check is declared now, so a
                 # finding is never later than its budget (at most CHECK_S earlier) while checks cost
@@ -142,7 +166,9 @@ class AttemptMixin:
                 finding = self.monitor.check(now + CHECK_S)
                 next_check = now + (time.monotonic() - now) / CHECK_SHARE
                 if finding is not None:
-                    finding = dataclasses.replace(finding, silent_s=max(0.0, finding.silent_s - CHECK_S))
+                    finding = dataclasses.replace(
+                        finding, silent_s=max(0.0, finding.silent_s - CHECK_S)
+                    )
                     return self.on_hang(finding, attempt, stack_dir)
                 self.write_status()
         finally:
@@ -162,7 +188,9 @@ class AttemptMixin:
         if self.warm is None:
             return cmd
         # a pool still importing is waited for: a cold start would compete with it for the same cores
-        self.ranks_from = self.warm.source(self.cfg.hang.import_s, lambda: self.stop_signal is not None)
+        self.ranks_from = self.warm.source(
+            self.cfg.hang.import_s, lambda: self.stop_signal is not None
+        )
         if self.ranks_from["ranks_from"] == "warm":
             # only a warm attempt names the pool: a cold attempt's ranks (torchrun) must not hand off to a pool
             # that became ready meanwhile, or the launch event would say cold for ranks forked warm
@@ -201,10 +229,20 @@ class AttemptMixin:
             return Outcome("early_exit", reason)
         rank, code, how = self._root_cause(attempt)
         host = self.rank_host(rank) or self.host
-        self.event(EventKind.CRASH, attempt=attempt, rank=rank, exit_code=code, step=self.step, host=host, how=how)
+        self.event(
+            EventKind.CRASH,
+            attempt=attempt,
+            rank=rank,
+            exit_code=code,
+            step=self.step,
+            host=host,
+            how=how,
+        )
         err = self.ranks[rank].error if rank in self.ranks else None
         desc = f"rank {rank} exited {code}" + (f" ({err})" if err else "") + f" at step {self.step}"
-        self.say(f"crash: {desc}; logs: {self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}")
+        self.say(
+            f"crash: {desc}; logs: {self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}"
+        )
         info = self.ranks.get(rank) if rank is not None else None
         fatal = fatal_startup_error(err, began_step=info is None or info.step > 0)
         return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code, "fatal": fatal})

@@ -78,7 +78,9 @@ class RankCommand:
     env: dict[str, str]
 
 
-def rank_command(recipe: Recipe, run: RunDir, attempt: int, extra_env: dict[str, str] | None = None) -> RankCommand:
+def rank_command(
+    recipe: Recipe, run: RunDir, attempt: int, extra_env: dict[str, str] | None = None
+) -> RankCommand:
     port = recipe.launch.master_port or free_port()
     argv = [
         sys.executable, "-m", "torch.distributed.run",

@@ -55,7 +55,9 @@ class MonitorFeed:
                 self._lock = None
         calls = self._calls
         lock = self._lock
-        if step is None:  # no step: each monitor's plain feed (the monitors here ignore such a record)
+        if (
+            step is None
+        ):  # no step: each monitor's plain feed (the monitors here ignore such a record)
             calls = [(m, _plain(m)) for m, _ in calls]
             lock = None
         elif lock is not None:

@@ -107,8 +107,11 @@ class RestartPolicy:
         c = self.config
         self.history.append(failure)
         if self.strategy == "temporary":
-            return Decision("stop", f"{failure.reason} (plain launch: no restart; --supervise restarts)",
-                            exit_code=EXIT_FAILED)
+            return Decision(
+                "stop",
+                f"{failure.reason} (plain launch: no restart; --supervise restarts)",
+                exit_code=EXIT_FAILED,
+            )
         if failure.fatal:
             return Decision("stop", f"{failure.reason}; {failure.fatal}", exit_code=EXIT_FAILED)
         restarts_so_far = len(self.history) - 1
@@ -142,7 +145,9 @@ class RestartPolicy:
         return Decision("restart", failure.reason, delay_s=delay)
 
     @classmethod
-    def from_events(cls, config: RestartConfig, events: list[dict], strategy: Strategy = "permanent") -> "RestartPolicy":
+    def from_events(
+        cls, config: RestartConfig, events: list[dict], strategy: Strategy = "permanent"
+    ) -> "RestartPolicy":
         """Rebuild the history from earlier ``restart`` events (a supervisor that adopts a run)."""
         history = []
         for e in events:
@@ -171,9 +176,13 @@ class Effect:
 
 FINDING_EFFECTS: dict[str, Effect] = {
     "alert": Effect(halts=False),
-    "stop": Effect(halts=True),  # failed, exit 3: rerunning the same recipe walks into the same finding
+    "stop": Effect(
+        halts=True
+    ),  # failed, exit 3: rerunning the same recipe walks into the same finding
     "rollback": Effect(halts=True),  # back to the newest good checkpoint before the finding's step
-    "exclude_node": Effect(halts=False, record="exclude_node"),  # recorded only: no launcher excludes nodes yet
+    "exclude_node": Effect(
+        halts=False, record="exclude_node"
+    ),  # recorded only: no launcher excludes nodes yet
 }
 HALTING = tuple(a for a, e in FINDING_EFFECTS.items() if e.halts)
 
@@ -207,9 +216,14 @@ class FindingPolicy:
     record_only: bool = False
 
     @classmethod
-    def from_events(cls, section: MonitorsSection | None, events: Iterable[dict],
-                    record_only: bool = False) -> "FindingPolicy":
-        return cls(section or MonitorsSection(), [e for e in events if e.get("kind") == EventKind.ROLLBACK], record_only)
+    def from_events(
+        cls, section: MonitorsSection | None, events: Iterable[dict], record_only: bool = False
+    ) -> "FindingPolicy":
+        return cls(
+            section or MonitorsSection(),
+            [e for e in events if e.get("kind") == EventKind.ROLLBACK],
+            record_only,
+        )
 
     def decide(self, finding: Any) -> FindingDecision:
         action = "alert" if self.record_only else self.section.action_for(finding.monitor)
@@ -219,7 +233,9 @@ class FindingPolicy:
             action = "alert"  # only a straggler names a node; the schema allows it nowhere else
         if action not in FINDING_EFFECTS:
             action = "alert"
-        return FindingDecision(action, finding.monitor, int(finding.step), finding_reason(finding), finding.rank)
+        return FindingDecision(
+            action, finding.monitor, int(finding.step), finding_reason(finding), finding.rank
+        )
 
     @property
     def max_rollbacks(self) -> int:
@@ -254,8 +270,9 @@ class RollbackPlan:
     info: RollbackInfo
 
 
-def plan_rollback(entries: Iterable[tuple[int, str, bool]], anomaly_step: int, policy: FindingPolicy,
-                  reason: str) -> RollbackPlan:
+def plan_rollback(
+    entries: Iterable[tuple[int, str, bool]], anomaly_step: int, policy: FindingPolicy, reason: str
+) -> RollbackPlan:
     """Which checkpoint to roll back to: the newest good one strictly before ``anomaly_step``.
 
     ``entries``: (step, path, ok) of the checkpoints on disk. Every checkpoint at or after the

@@ -52,7 +52,7 @@ def descendants(pid: int) -> list[int]:
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 stat = f.read()
-            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(name))
@@ -161,7 +161,9 @@ def killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def teardown(proc: subprocess.Popen | None, run_dir: Path, rank_pids: list[int], grace_s: float) -> list[int]:
+def teardown(
+    proc: subprocess.Popen | None, run_dir: Path, rank_pids: list[int], grace_s: float
+) -> list[int]:
     """Stop torchrun and every rank of this run: SIGTERM (+SIGCONT), wait ``grace_s``, then SIGKILL.
 
     ``grace_s=0`` kills at once (a hung attempt). Returns the pids that needed SIGKILL.

@@ -56,14 +56,27 @@ class WarmPool:
         """An attempt's ranks forked straight from the pool (``ops/rank/warmlaunch.py``) instead of a new
         torchrun; the torchrun command stays its fallback when the pool does not answer."""
         port = cmd.argv[cmd.argv.index("--master-port") + 1]
-        argv = [sys.executable, "-m", "ptops.ops.rank.warmlaunch", "--nproc", str(nproc), "--port", port, "--", *cmd.argv]
+        argv = [
+            sys.executable,
+            "-m",
+            "ptops.ops.rank.warmlaunch",
+            "--nproc",
+            str(nproc),
+            "--port",
+            port,
+            "--",
+            *cmd.argv,
+        ]
         return launcher.RankCommand(argv, cmd.env)
 
     def start(self) -> None:
         env = launcher.rank_command(self.recipe, self.run, 0).env
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = procs.spawn([sys.executable, "-m", "ptops.ops.rank.warm", self.name, self.recipe.engine], env,
-                                self.log)
+        self.proc = procs.spawn(
+            [sys.executable, "-m", "ptops.ops.rank.warm", self.name, self.recipe.engine],
+            env,
+            self.log,
+        )
         self.started_at = time.monotonic()
         procs.KEEP.add(self.proc.pid)
 
@@ -83,7 +96,9 @@ class WarmPool:
         if self.declined:
             return _cold("pool_declined", self.declined)
         if self.proc is None:
-            return _cold("pool_not_started", "the pool starts with this attempt's ranks (none ran before)")
+            return _cold(
+                "pool_not_started", "the pool starts with this attempt's ranks (none ran before)"
+            )
         t0 = time.monotonic()
         while True:
             rc = self.proc.poll()

@@ -41,21 +41,24 @@ def python_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
         if a in ("-m", "-c"):
             if i + 1 >= len(argv):
                 return None
-            return ("module" if a == "-m" else "code"), argv[i + 1], argv[i + 2:]
+            return ("module" if a == "-m" else "code"), argv[i + 1], argv[i + 2 :]
         if a in _PYTHON_FLAGS_WITH_ARG:
             i += 2
             continue
         if a.startswith("-") and a != "-":
             i += 1  # -u, -O, -B...: one-word flags of the interpreter, which is already running
             continue
-        return "path", a, argv[i + 1:]
+        return "path", a, argv[i + 1 :]
     return None
 
 
 def _optimizer_beats(probe: Any) -> None:
     """Each ``step()`` of the first optimizer seen is a step of the run (no API needed)."""
     try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
     except ImportError:
         return
     import time
@@ -76,8 +79,13 @@ def _optimizer_beats(probe: Any) -> None:
         if api._reports_steps() or state["owner"] != id(opt):
             return
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
-        probe.step(state["n"], {"lr": float(lr) if isinstance(lr, (int, float)) else None,
-                                "step_s": time.monotonic() - state["t0"]})
+        probe.step(
+            state["n"],
+            {
+                "lr": float(lr) if isinstance(lr, (int, float)) else None,
+                "step_s": time.monotonic() - state["t0"],
+            },
+        )
 
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)
@@ -128,8 +136,12 @@ def main(recipe: Any, probe: Any) -> None:
     api._bind(probe, recipe)
     argv = list(sec.command)
     target = python_target(argv)
-    print(f"[ptops.script rank {probe.rank}] running {' '.join(argv)} in {os.getcwd()} "
-          f"({'in this process' if target else 'as a child process'})", file=sys.stderr, flush=True)
+    print(
+        f"[ptops.script rank {probe.rank}] running {' '.join(argv)} in {os.getcwd()} "
+        f"({'in this process' if target else 'as a child process'})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         if target is None:
             _run_child(argv)

@@ -75,18 +75,33 @@ def run(recipe_json: str, world: int) -> dict:
             local += t.numel() * t.element_size()
             total += p.numel()
     n_opt = sum(len(o.param_groups) for o in trainer.optimizers.optimizers)
-    f8 = sum(1 for part in trainer.model_parts for m in part.modules() if type(m).__name__ == "Float8Linear")
+    f8 = sum(
+        1
+        for part in trainer.model_parts
+        for m in part.modules()
+        if type(m).__name__ == "Float8Linear"
+    )
     if recipe.titan.float8.enabled and f8 == 0:
-        raise ValueError("titan.float8.enabled but TorchTitan swapped no Linear to Float8Linear (check filter_fqns)")
+        raise ValueError(
+            "titan.float8.enabled but TorchTitan swapped no Linear to Float8Linear (check filter_fqns)"
+        )
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    rotate = str(getattr(_cp_options.rotate_method, "name", _cp_options.rotate_method)).lower()  # all_gather
+    rotate = str(
+        getattr(_cp_options.rotate_method, "name", _cp_options.rotate_method)
+    ).lower()  # all_gather
     mem = trainer.metrics_processor.device_memory_monitor.get_peak_stats()
     out = {
         "ok": True,
         "world": world,
-        "mesh": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp, "pp": pd.pp,
-                 "cp": pd.cp, "ep": pd.ep},
+        "mesh": {
+            "dp_replicate": pd.dp_replicate,
+            "dp_shard": pd.dp_shard,
+            "tp": pd.tp,
+            "pp": pd.pp,
+            "cp": pd.cp,
+            "ep": pd.ep,
+        },
         "model": f"{cfg.model_spec.name} {cfg.model_spec.flavor}",
         "model_parts": len(trainer.model_parts),
         "rank0_params": total,
@@ -98,9 +113,17 @@ def run(recipe_json: str, world: int) -> dict:
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
         "seconds": round(time.monotonic() - t0, 1),
         "materialized": materialize,
-        "checked": ["device mesh for the declared world", "model build", "float8 swap (emulated)",
-                    "activation checkpointing", "compile wrapping", "parallelize (FSDP2/TP/PP/CP/EP)",
-                    "optimizer", "LR scheduler", "dataloader"],
+        "checked": [
+            "device mesh for the declared world",
+            "model build",
+            "float8 swap (emulated)",
+            "activation checkpointing",
+            "compile wrapping",
+            "parallelize (FSDP2/TP/PP/CP/EP)",
+            "optimizer",
+            "LR scheduler",
+            "dataloader",
+        ],
         "not_checked": NOT_CHECKED,
     }
     torch.distributed.destroy_process_group()
@@ -114,8 +137,11 @@ def main() -> None:
         out = run(recipe_json, world)
     except Exception as e:  # noqa: BLE001 - reported as one line by the CLI
         tb = traceback.format_exc().strip().splitlines()
-        out = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-               "where": tb[-3:] if len(tb) > 3 else tb}
+        out = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+            "where": tb[-3:] if len(tb) > 3 else tb,
+        }
     sys.stdout.flush()
     print("PTOPS_DRYRUN " + json.dumps(out), flush=True)
     os._exit(0)  # no teardown of half-built trainers or fake process groups

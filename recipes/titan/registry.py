@@ -70,7 +70,9 @@ def tiny_llama3(dim: int, n_layers: int, n_heads: int, vocab_size: int, seq_len:
             dim=dim,
             n_heads=n_heads,
             hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=64),
-            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max(seq_len, 256), theta=500000, scaling="llama"),
+            rope=ComplexRoPE.Config(
+                dim=dim // n_heads, max_seq_len=max(seq_len, 256), theta=500000, scaling="llama"
+            ),
             attn_backend="flex",
         ),
     )
@@ -92,7 +94,10 @@ def converters(recipe: Any, *, dry_run: bool = False) -> list:
     ``dry_run``: the fake-backend check on a machine without SM89 swaps the modules in emulation
     (same Float8Linear modules and sharding, no fp8 kernels).
     """
-    from torchtitan.components.quantization import Float8GroupedExpertsConverter, Float8LinearConverter
+    from torchtitan.components.quantization import (
+        Float8GroupedExpertsConverter,
+        Float8LinearConverter,
+    )
 
     t = recipe.titan
     f8 = t.float8
@@ -155,7 +160,9 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
 
         init_dir = str(weights_dir(recipe))
     spec = model_spec(recipe, dry_run=dry_run)
-    if par.cp > 1:  # torch's own CP option (TorchTitan 0.3.0 has no config field for it); process-global
+    if (
+        par.cp > 1
+    ):  # torch's own CP option (TorchTitan 0.3.0 has no config field for it); process-global
         from torch.distributed.tensor.experimental._attention import set_rotate_method
 
         set_rotate_method(par.cp_rotate_method)
@@ -163,11 +170,14 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
     on_cpu = not compat._has_accelerator()
     async_mode = "disabled"
     if t.async_checkpoint:
-        async_mode = "async_with_pinned_mem" if (t.pinned_memory_checkpoint and not on_cpu) else "async"
+        async_mode = (
+            "async_with_pinned_mem" if (t.pinned_memory_checkpoint and not on_cpu) else "async"
+        )
     return ProbeTrainer.Config(
         model_spec=spec,
         # a dry run reads no real tokenizer or corpus: the local ones stand in (no step runs)
-        hf_assets_path=(t.hf_assets_path and not dry_run and t.hf_assets_path) or str(tokenizer_dir(m.vocab_size)),
+        hf_assets_path=(t.hf_assets_path and not dry_run and t.hf_assets_path)
+        or str(tokenizer_dir(m.vocab_size)),
         dump_folder=str(run_dir / "titan"),
         loss=PoisonableCrossEntropyLoss.Config(global_vocab_size=vocab),
         optimizer=default_adamw(lr=t.lr),
@@ -184,7 +194,8 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
             disable_cuda_graphs=compat.CPU_FLAGS["training.disable_cuda_graphs"],
         ),
         dataloader=HuggingFaceTextDataLoader.Config(
-            dataset=(not dry_run and t.dataset) or register_local_text_dataset(recipe.train.seed), infinite=True
+            dataset=(not dry_run and t.dataset) or register_local_text_dataset(recipe.train.seed),
+            infinite=True,
         ),
         metrics=ProbeMetricsProcessor.Config(log_freq=1, disable_color_printing=True),
         parallelism=ParallelismConfig(
@@ -198,7 +209,9 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
             pipeline_parallel_first_stage_less_layers=0,
             pipeline_parallel_last_stage_less_layers=0,
             context_parallel_degree=par.cp,
-            context_parallel_load_balancer=None if par.cp_load_balancer == "none" else par.cp_load_balancer,
+            context_parallel_load_balancer=None
+            if par.cp_load_balancer == "none"
+            else par.cp_load_balancer,
             expert_parallel_degree=par.ep,
             spmd_backend=compat.CPU_FLAGS["parallelism.spmd_backend"],
         ),

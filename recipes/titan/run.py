@@ -29,7 +29,13 @@ CONFIG = "ptops_recipe"
 
 
 def titan_argv() -> list[str]:
-    return ["--module", REGISTRY, "--config", CONFIG, *shlex.split(os.environ.get("PTOPS_TITAN_ARGS", ""))]
+    return [
+        "--module",
+        REGISTRY,
+        "--config",
+        CONFIG,
+        *shlex.split(os.environ.get("PTOPS_TITAN_ARGS", "")),
+    ]
 
 
 def preload() -> None:

@@ -18,6 +18,7 @@ while the previous save is still writing (``ProbeCheckpointManager._skip_busy``)
 ``stage_then`` is the same copy followed, on the same background thread, by a function of the staged dict
 (the fused-QKV split, ``qkvsplit.py``): the writer waits for both, training only for the copy (``copied``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,7 +37,11 @@ class FlatStager:
 
     def __init__(self, threaded: bool = True) -> None:
         self._bufs: dict[tuple, torch.Tensor] = {}
-        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptops-stage") if threaded else None
+        self._exec = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptops-stage")
+            if threaded
+            else None
+        )
         self._future: Future | None = None
         self._fallback: Any = None
 
@@ -94,7 +99,12 @@ class FlatStager:
 
     def _buffer(self, path: tuple, src: torch.Tensor) -> torch.Tensor:
         buf = self._bufs.get(path)
-        if buf is None or buf.dtype != src.dtype or buf.shape != src.shape or buf.stride() != src.stride():
+        if (
+            buf is None
+            or buf.dtype != src.dtype
+            or buf.shape != src.shape
+            or buf.stride() != src.stride()
+        ):
             # preserve_format keeps the strides of a dense tensor (contiguous otherwise); fill once so
             # the pages are faulted in now, not during the first timed copy
             buf = torch.empty_like(src, device="cpu", memory_format=torch.preserve_format)
@@ -119,8 +129,11 @@ class FlatStager:
                 return DTensor(buf, x._spec, requires_grad=False)
             return self._fallback_stager().stage(x)
         if isinstance(x, dict):
-            return type(x)((k, self._walk(v, path + (k,), dsts, srcs)) for k, v in x.items()) \
-                if type(x) is dict else self._dict_like(x, path, dsts, srcs)
+            return (
+                type(x)((k, self._walk(v, path + (k,), dsts, srcs)) for k, v in x.items())
+                if type(x) is dict
+                else self._dict_like(x, path, dsts, srcs)
+            )
         if type(x) in (list, tuple):
             return type(x)(self._walk(v, path + (i,), dsts, srcs) for i, v in enumerate(x))
         return copy.deepcopy(x)

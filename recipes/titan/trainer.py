@@ -181,7 +181,9 @@ class _Save:
     error: str = ""
     done: Any = None  # threading.Event, set when committed or failed
     txn: Any = None  # ptops.ckpt.SaveTransaction
-    staged: Any = None  # threading.Event, set once blocking_s is final (the background staging copy is done)
+    staged: Any = (
+        None  # threading.Event, set once blocking_s is final (the background staging copy is done)
+    )
     waiting: bool = False  # training is waiting for the staging copy right now
     # where blocking_s went (the checkpoint event's breakdown): agreement + transaction begin, the state
     # dict, the save call, the wait for the staging copy before the optimizer step
@@ -189,7 +191,9 @@ class _Save:
     state_dict_s: float | None = None
     call_s: float | None = None
     wait_s: float = 0.0
-    qkv_split: str | None = None  # "background" (qkvsplit.py) or "inline" (torchtitan's hook, training thread)
+    qkv_split: str | None = (
+        None  # "background" (qkvsplit.py) or "inline" (torchtitan's hook, training thread)
+    )
 
 
 class ProbeCheckpointManager(CheckpointManager):
@@ -236,10 +240,16 @@ class ProbeCheckpointManager(CheckpointManager):
         self._inflight: _Save | None = None
         self._agree_pg: Any = None
         self._closed = False
-        self._cpu_stager: Any = None  # one stager for every async save (_stager): its staging buffers persist
-        self._split_plan: Any = None  # _qkv_split: None = not decided yet, False = not for this model
+        self._cpu_stager: Any = (
+            None  # one stager for every async save (_stager): its staging buffers persist
+        )
+        self._split_plan: Any = (
+            None  # _qkv_split: None = not decided yet, False = not for this model
+        )
         self._write_exec: Any = None  # _writer: the async saves' write thread
-        self.skipped: list[int] = []  # interval saves skipped because the previous one was still writing
+        self.skipped: list[
+            int
+        ] = []  # interval saves skipped because the previous one was still writing
         self._verifier = _verifier()
         self._stage_lock = threading.Lock()
         super().__init__(config, **kwargs)
@@ -277,7 +287,9 @@ class ProbeCheckpointManager(CheckpointManager):
         """Rank 0: the step to resume from (-1: none); see ``ptops.recipes.resume``."""
         from ptops.recipes.resume import resume_entry
 
-        entry = resume_entry(self.folder, probe=get_probe(), world_size=_world(), versions=_versions(), log=_log)
+        entry = resume_entry(
+            self.folder, probe=get_probe(), world_size=_world(), versions=_versions(), log=_log
+        )
         return -1 if entry is None else entry.step
 
     def _load(self, step: int = -1) -> bool:
@@ -301,7 +313,9 @@ class ProbeCheckpointManager(CheckpointManager):
         the files must be complete by then, so save synchronously."""
         inj = getattr(probe, "injector", None)
         try:
-            return any(f.kind == "corrupt-ckpt" and f.step <= step for f in (inj.pending if inj else []))
+            return any(
+                f.kind == "corrupt-ckpt" and f.step <= step for f in (inj.pending if inj else [])
+            )
         except Exception:  # noqa: BLE001
             return False
 
@@ -318,9 +332,19 @@ class ProbeCheckpointManager(CheckpointManager):
             return False
         self._wait_inflight()  # one save at a time; the previous one is committed (or failed) first
         path = Path(self._create_checkpoint_id(curr_step))
-        txn = SaveTransaction(path.parent, curr_step, name=path.name, leader=_rank() == 0, agree=self.agree_any,
-                              world_size=_world(), versions=_versions(), keep=self.ptops_keep)
-        rec = _Save(step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event(), txn=txn)
+        txn = SaveTransaction(
+            path.parent,
+            curr_step,
+            name=path.name,
+            leader=_rank() == 0,
+            agree=self.agree_any,
+            world_size=_world(),
+            versions=_versions(),
+            keep=self.ptops_keep,
+        )
+        rec = _Save(
+            step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event(), txn=txn
+        )
         self.records.append(rec)
         err: BaseException | None = None
         t_call: float | None = None
@@ -338,12 +362,16 @@ class ProbeCheckpointManager(CheckpointManager):
                 probe.in_save(curr_step)  # crash:phase=save fires here: the save never completes
             pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
             use_async = (
-                (self.async_mode == AsyncMode.ASYNC or pinned) and not final and not self._sync_wanted(probe, curr_step)
+                (self.async_mode == AsyncMode.ASYNC or pinned)
+                and not final
+                and not self._sync_wanted(probe, curr_step)
             )
             rec.is_async = use_async
             try:
                 if last_step and not forced:
-                    self._save_last_step(curr_step)  # honours last_save_model_only / last_save_in_hf
+                    self._save_last_step(
+                        curr_step
+                    )  # honours last_save_model_only / last_save_in_hf
                 else:
                     rec.prep_s = time.monotonic() - t0
                     t_sd = time.monotonic()
@@ -352,17 +380,31 @@ class ProbeCheckpointManager(CheckpointManager):
                     if states is None:
                         split = None
                         states = self._flattened_model_states_sd()
-                    rec.qkv_split = ("background" if split is not None else "inline") if use_async else None
+                    rec.qkv_split = (
+                        ("background" if split is not None else "inline") if use_async else None
+                    )
                     t_call = time.monotonic()
                     rec.state_dict_s = t_call - t_sd
-                    if use_async and pinned:  # GPU only: stage to pinned host memory in a process, then write
+                    if (
+                        use_async and pinned
+                    ):  # GPU only: stage to pinned host memory in a process, then write
                         if self.stager is None:
-                            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                            from torch.distributed.checkpoint.staging import (
+                                DefaultStager,
+                                StagingOptions,
+                            )
 
-                            self.stager = DefaultStager(StagingOptions(
-                                use_pinned_memory=True, use_shared_memory=True,
-                                use_async_staging=True, use_non_blocking_copy=True))
-                        result = self.dcp_save(states, checkpoint_id=str(path), async_mode=self.async_mode)
+                            self.stager = DefaultStager(
+                                StagingOptions(
+                                    use_pinned_memory=True,
+                                    use_shared_memory=True,
+                                    use_async_staging=True,
+                                    use_non_blocking_copy=True,
+                                )
+                            )
+                        result = self.dcp_save(
+                            states, checkpoint_id=str(path), async_mode=self.async_mode
+                        )
                         self.staging_future = result.staging_completion
                         self.save_future = result.upload_completion
                     elif use_async:
@@ -377,19 +419,33 @@ class ProbeCheckpointManager(CheckpointManager):
                         stager = self._stager()
                         rec.staged = threading.Event()
                         if isinstance(stager, FlatStager):
-                            copied, staged = stager.stage_then(_stateful_to_state_dict(states),
-                                                               split.finish if split is not None else None)
+                            copied, staged = stager.stage_then(
+                                _stateful_to_state_dict(states),
+                                split.finish if split is not None else None,
+                            )
                             self.staging_future = copied
-                            self.save_future = self._writer().submit(_save_staged, staged, str(path), self.pg)
+                            self.save_future = self._writer().submit(
+                                _save_staged, staged, str(path), self.pg
+                            )
                         else:
-                            result = dcp.async_save(states, checkpoint_id=str(path), process_group=self.pg,
-                                                    async_stager=stager)
+                            result = dcp.async_save(
+                                states,
+                                checkpoint_id=str(path),
+                                process_group=self.pg,
+                                async_stager=stager,
+                            )
                             self.staging_future = result.staging_completion
                             self.save_future = result.upload_completion
-                        self.staging_future.add_done_callback(lambda f, rec=rec: self._staging_done(rec))
+                        self.staging_future.add_done_callback(
+                            lambda f, rec=rec: self._staging_done(rec)
+                        )
                     else:
-                        self.dcp_save(states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED,
-                                      enable_garbage_collection=True)
+                        self.dcp_save(
+                            states,
+                            checkpoint_id=str(path),
+                            async_mode=AsyncMode.DISABLED,
+                            enable_garbage_collection=True,
+                        )
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
                 err = e
             rec.blocking_s = time.monotonic() - t0
@@ -446,13 +502,30 @@ class ProbeCheckpointManager(CheckpointManager):
             _log(f"retention failed: {rec.txn.prune_error}")
         probe = get_probe()
         if probe is not None:
-            extra = {k: round(v, 4) for k, v in (("prep_s", rec.prep_s), ("state_dict_s", rec.state_dict_s),
-                                                  ("call_s", rec.call_s), ("wait_s", rec.wait_s)) if v is not None}
+            extra = {
+                k: round(v, 4)
+                for k, v in (
+                    ("prep_s", rec.prep_s),
+                    ("state_dict_s", rec.state_dict_s),
+                    ("call_s", rec.call_s),
+                    ("wait_s", rec.wait_s),
+                )
+                if v is not None
+            }
             if rec.qkv_split is not None:
                 extra["qkv_split"] = rec.qkv_split
-            probe.event("checkpoint", step=rec.step, path=str(rec.path), blocking_s=round(rec.blocking_s, 4),
-                        total_s=round(rec.total_s, 4), mode="async" if rec.is_async else "sync", **extra)
-        _log(f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total {rec.total_s:.3f}s)")
+            probe.event(
+                "checkpoint",
+                step=rec.step,
+                path=str(rec.path),
+                blocking_s=round(rec.blocking_s, 4),
+                total_s=round(rec.total_s, 4),
+                mode="async" if rec.is_async else "sync",
+                **extra,
+            )
+        _log(
+            f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total {rec.total_s:.3f}s)"
+        )
         self._verifier.submit(rec.step, rec.path)
 
     def _failed(self, rec: _Save, err: Any) -> bool:
@@ -464,7 +537,13 @@ class ProbeCheckpointManager(CheckpointManager):
         _log(f"checkpoint step-{rec.step} FAILED, not committed ({rec.error})")
         probe = get_probe()
         if probe is not None and _rank() == 0:
-            probe.event("checkpoint_failed", step=rec.step, path=str(rec.path), error=rec.error, final=rec.final)
+            probe.event(
+                "checkpoint_failed",
+                step=rec.step,
+                path=str(rec.path),
+                error=rec.error,
+                final=rec.final,
+            )
         if rec.final:
             self.failed_final = rec
             raise RuntimeError(
@@ -507,7 +586,9 @@ class ProbeCheckpointManager(CheckpointManager):
         async save and agreed by every rank (its gathers are collectives), then kept for the run."""
         if self._split_plan is None:
             plan, why = None, "CUDA: DefaultStager path"
-            if os.environ.get("PTOPS_CKPT_QKV_SPLIT") == "inline":  # A/B and an escape hatch: torchtitan's hook
+            if (
+                os.environ.get("PTOPS_CKPT_QKV_SPLIT") == "inline"
+            ):  # A/B and an escape hatch: torchtitan's hook
                 why = "PTOPS_CKPT_QKV_SPLIT=inline"
             elif not torch.cuda.is_available():
                 from ptops.recipes.titan.qkvsplit import QkvSplit
@@ -520,8 +601,14 @@ class ProbeCheckpointManager(CheckpointManager):
             if anyone_not and plan is not None:
                 plan, why = None, "another rank cannot split in the background"
             self._split_plan = plan if plan is not None else False
-            _log("async checkpoint: fused-qkv split " + ("after the staging copy, off the training thread"
-                                                         if plan is not None else f"in the state dict ({why})"))
+            _log(
+                "async checkpoint: fused-qkv split "
+                + (
+                    "after the staging copy, off the training thread"
+                    if plan is not None
+                    else f"in the state dict ({why})"
+                )
+            )
         return self._split_plan or None
 
     def _writer(self) -> Any:
@@ -529,7 +616,9 @@ class ProbeCheckpointManager(CheckpointManager):
         if self._write_exec is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._write_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptops-ckpt-write")
+            self._write_exec = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ptops-ckpt-write"
+            )
         return self._write_exec
 
     def _stager(self) -> Any:
@@ -540,14 +629,21 @@ class ProbeCheckpointManager(CheckpointManager):
             if torch.cuda.is_available():
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-                self._cpu_stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                    use_non_blocking_copy=True))
+                self._cpu_stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=True,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=True,
+                    )
+                )
             else:
                 from ptops.recipes.titan.staging import FlatStager
 
                 self._cpu_stager = FlatStager()
-            _log(f"async checkpoint staging: {type(self._cpu_stager).__name__}, buffers kept across saves")
+            _log(
+                f"async checkpoint staging: {type(self._cpu_stager).__name__}, buffers kept across saves"
+            )
         return self._cpu_stager
 
     def _skip_busy(self, probe: Any, step: int) -> bool:
@@ -562,11 +658,19 @@ class ProbeCheckpointManager(CheckpointManager):
             return False
         self.skipped.append(int(step))
         if probe is not None:
-            probe.save_skipped(int(step))  # ends a slow-save:until=skipped of the save still writing
-        _log(f"checkpoint step-{step} skipped: step-{rec.step if rec else '?'} is still being written")
+            probe.save_skipped(
+                int(step)
+            )  # ends a slow-save:until=skipped of the save still writing
+        _log(
+            f"checkpoint step-{step} skipped: step-{rec.step if rec else '?'} is still being written"
+        )
         if probe is not None and _rank() == 0:
-            probe.event("checkpoint_skipped", step=int(step), writing_step=rec.step if rec else None,
-                        writing_s=round(time.monotonic() - rec.t0, 3) if rec else None)
+            probe.event(
+                "checkpoint_skipped",
+                step=int(step),
+                writing_step=rec.step if rec else None,
+                writing_s=round(time.monotonic() - rec.t0, 3) if rec else None,
+            )
         return True
 
     def _wait_inflight(self, timeout: float | None = None) -> None:
@@ -591,7 +695,9 @@ class ProbeCheckpointManager(CheckpointManager):
         self._closed = True
         self._wait_inflight(timeout=120.0)
         self._verifier.close(timeout=120.0)
-        if self._write_exec is not None:  # idle after _wait_inflight; never wait here on a stuck write
+        if (
+            self._write_exec is not None
+        ):  # idle after _wait_inflight; never wait here on a stuck write
             self._write_exec.shutdown(wait=False)
             self._write_exec = None
         if self._cpu_stager is not None:
@@ -606,8 +712,10 @@ def _stateful_to_state_dict(states: dict) -> dict:
     from torch.distributed.checkpoint.stateful import Stateful
 
     # a tensor is never Stateful; the Protocol check (getattr_static) is the slow part for the ~50 entries
-    return {k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
-            for k, v in states.items()}
+    return {
+        k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
+        for k, v in states.items()
+    }
 
 
 def _save_staged(staged: Any, checkpoint_id: str, pg: Any) -> Any:
@@ -627,11 +735,19 @@ def _verifier() -> Any:
         probe = get_probe()
         if ok:
             if probe is not None:
-                probe.event("checkpoint_verified", step=step, path=str(path), verify_s=round(verify_s, 4))
+                probe.event(
+                    "checkpoint_verified", step=step, path=str(path), verify_s=round(verify_s, 4)
+                )
             return
         _log(f"checkpoint step-{step} FAILED its background verification: {reason}")
         if probe is not None:
-            probe.event("checkpoint_invalid", path=str(path), reason=reason, step=step, found_by="background_verify")
+            probe.event(
+                "checkpoint_invalid",
+                path=str(path),
+                reason=reason,
+                step=step,
+                found_by="background_verify",
+            )
 
     return BackgroundVerifier(report)
 
@@ -642,10 +758,14 @@ def _fault_waits_for_save(probe: Any, step: int) -> bool:
     that save while the previous one still writes would skip the fault, on a slow box only."""
     inj = getattr(probe, "injector", None)
     try:
-        for f in (inj.pending if inj else []):
-            if f.kind == "corrupt-ckpt" or (f.kind == "hold" and f.params.get("until") == "committed"):
+        for f in inj.pending if inj else []:
+            if f.kind == "corrupt-ckpt" or (
+                f.kind == "hold" and f.params.get("until") == "committed"
+            ):
                 return True
-            if f.step <= step and (f.kind == "enospc" or (f.kind == "crash" and f.params.get("phase") == "save")):
+            if f.step <= step and (
+                f.kind == "enospc" or (f.kind == "crash" and f.params.get("phase") == "save")
+            ):
                 return True
     except Exception:  # noqa: BLE001
         return False
@@ -655,7 +775,12 @@ def _fault_waits_for_save(probe: Any, step: int) -> bool:
 # --------------------------------------------------------------------------- #
 def _metric_name(key: str) -> str:
     """torchtitan names (``memory/max_reserved(GiB)``) -> flat snake names."""
-    out = key.replace("(%)", "_pct").replace("(GiB)", "_gib").replace("(s)", "_s").replace("(tps)", "_tps")
+    out = (
+        key.replace("(%)", "_pct")
+        .replace("(GiB)", "_gib")
+        .replace("(s)", "_s")
+        .replace("(tps)", "_tps")
+    )
     for ch in "/()% ":
         out = out.replace(ch, "_")
     while "__" in out:
@@ -716,9 +841,13 @@ class ProbeTrainer(Trainer):
         if probe is not None:
             probe.before_step(step)
             _POISON = bool(probe.should_poison(step))
-            if getattr(probe, "profiling", False):  # `ptops profile`: batches fetched inside a ptops/data range
+            if getattr(
+                probe, "profiling", False
+            ):  # `ptops profile`: batches fetched inside a ptops/data range
                 data_iterator = _MarkedBatches(data_iterator, probe)
-        from ptops.recipes.titan import rollback as _rollback  # PTOPS_ROLLBACK: lr factor, skipped batches
+        from ptops.recipes.titan import (
+            rollback as _rollback,
+        )  # PTOPS_ROLLBACK: lr factor, skipped batches
 
         _rollback.on_step(self, data_iterator, step, probe)
         begin = time.perf_counter()
@@ -726,8 +855,15 @@ class ProbeTrainer(Trainer):
             super().train_step(data_iterator)
         except RuntimeError as e:
             if probe is not None and "not finite" in str(e):
-                probe.step(step, {"loss": math.nan, "grad_norm": math.nan,
-                                  "step_s": time.perf_counter() - begin, "error": "loss_not_finite"})
+                probe.step(
+                    step,
+                    {
+                        "loss": math.nan,
+                        "grad_norm": math.nan,
+                        "step_s": time.perf_counter() - begin,
+                        "error": "loss_not_finite",
+                    },
+                )
             raise
         finally:
             _POISON = False
@@ -748,7 +884,10 @@ class ProbeTrainer(Trainer):
             self.ptops_stopped_at = step
             if isinstance(ckpt, ProbeCheckpointManager):
                 ckpt.stop_step = step
-            print(f"[ptops.titan rank {_rank()}] stop requested: checkpointing step {step} and stopping", flush=True)
+            print(
+                f"[ptops.titan rank {_rank()}] stop requested: checkpointing step {step} and stopping",
+                flush=True,
+            )
 
     def should_continue_training(self) -> bool:
         return super().should_continue_training() and self.ptops_stopped_at is None

@@ -22,7 +22,9 @@ def _config_dict(dims: TrlModel, tok_dir: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     heads = dims.num_heads
     if dims.hidden_size % heads:
-        raise ValueError(f"[trl].model: hidden_size {dims.hidden_size} is not divisible by num_heads {heads}")
+        raise ValueError(
+            f"[trl].model: hidden_size {dims.hidden_size} is not divisible by num_heads {heads}"
+        )
     return dict(
         vocab_size=len(tok),
         hidden_size=dims.hidden_size,
@@ -68,8 +70,9 @@ def _build(dims: TrlModel, seed: int, out: Path) -> None:
 def model_dir(dims: TrlModel, seed: int = 0) -> Path:
     """Folder with a ``from_pretrained``-loadable tiny Qwen2 model and its tokenizer."""
     name = f"trl-qwen2-h{dims.hidden_size}-l{dims.num_layers}-a{dims.num_heads}-v{dims.vocab_size}-s{seed}"
-    return build_once(name, lambda out: _rng_kept(_build, dims, seed, out),
-                      lambda out: _rng_kept(_check, out))
+    return build_once(
+        name, lambda out: _rng_kept(_build, dims, seed, out), lambda out: _rng_kept(_check, out)
+    )
 
 
 def _rng_kept(fn, *args) -> None:
@@ -86,13 +89,17 @@ def _check(path: Path) -> None:
     model, info = _load(path, "float32", output_loading_info=True)
     missing = [k for k in info.get("missing_keys") or () if k not in _tied(model)]
     if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
-        raise AssetError(f"{path}: weights do not match the model (missing {missing[:3]}, "
-                         f"unexpected {list(info.get('unexpected_keys') or ())[:3]})")
+        raise AssetError(
+            f"{path}: weights do not match the model (missing {missing[:3]}, "
+            f"unexpected {list(info.get('unexpected_keys') or ())[:3]})"
+        )
     load_tokenizer(path)
 
 
 def _tied(model) -> set[str]:
-    return set(getattr(model, "_tied_weights_keys", None) or ())  # a list, or a dict keyed by the tied name
+    return set(
+        getattr(model, "_tied_weights_keys", None) or ()
+    )  # a list, or a dict keyed by the tied name
 
 
 def _load(path: Path, dtype: str, **kw):

@@ -108,7 +108,7 @@ def boxed_answers(text: str) -> list[str]:
     for m in _BOXED.finditer(text):
         end = close.get(m.end() - 1)
         if end is not None:
-            out.append(text[m.end(): end].strip())
+            out.append(text[m.end() : end].strip())
     return out
 
 
@@ -152,7 +152,9 @@ def extract_answer(completion, prompt=None) -> tuple[str | None, str]:
     boxes = [b for b in every if b]
     if boxes:
         distinct = list(dict.fromkeys(normalise_answer(b) for b in boxes))
-        if len(distinct) > MAX_BOXES or any(not answers_equal(b, distinct[-1]) for b in distinct[:-1]):
+        if len(distinct) > MAX_BOXES or any(
+            not answers_equal(b, distinct[-1]) for b in distinct[:-1]
+        ):
             return None, "ambiguous"
         return boxes[-1], "boxed"
     found = _ANSWER_IS.findall(rest)
@@ -281,7 +283,10 @@ def math_dataset(n: int = 256, seed: int = 5) -> list[dict]:
     for i in range(n):
         kind = i % 3
         if kind == 0:
-            a, b = Fraction(rng.randint(1, 9), rng.randint(2, 9)), Fraction(rng.randint(1, 9), rng.randint(2, 9))
+            a, b = (
+                Fraction(rng.randint(1, 9), rng.randint(2, 9)),
+                Fraction(rng.randint(1, 9), rng.randint(2, 9)),
+            )
             q, ans = f"What is {a} + {b}?", a + b
         elif kind == 1:
             a, b = rng.randint(1, 40) / 4, rng.randint(1, 40) / 4
@@ -289,10 +294,13 @@ def math_dataset(n: int = 256, seed: int = 5) -> list[dict]:
         else:
             a, b = rng.randint(2, 12), rng.randint(2, 12)
             q, ans = f"What is {a * b} divided by {b}?", Fraction(a)
-        rows.append({"prompt": [{"role": "user", "content": q + " Put the final answer in \\boxed{}."}],
-                     "answer": str(ans)})
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": q + " Put the final answer in \\boxed{}."}],
+                "answer": str(ans),
+            }
+        )
     return rows
-
 
 
 # ---------------------------------------------------------------- code reward
@@ -363,11 +371,17 @@ class CodeReward:
                 self.last = list(pool.map(lambda j: run_code(j[0], j[1], self.limits), jobs))
         else:
             self.last = [run_code(code, t, self.limits) for code, t in jobs]
-        if callable(log_metric):  # per step: how many ran, and how many ended badly (sandbox_* records)
+        if callable(
+            log_metric
+        ):  # per step: how many ran, and how many ended badly (sandbox_* records)
             log_metric("sandbox/runs", float(len(self.last)))
-            log_metric("sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last)))
+            log_metric(
+                "sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last))
+            )
             log_metric("sandbox/hostile", float(sum(r.status == "hostile" for r in self.last)))
-            log_metric("sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last)))
+            log_metric(
+                "sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last))
+            )
             # a result channel tampered with (extra or malformed records, or none after an exit 0): no honest
             # solution does that, so a policy learning to forge shows here before anywhere else
             forged = sum(r.status in ("malformed", "no_result") for r in self.last)
@@ -399,9 +413,18 @@ def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
         examples = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in shown]
         tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in hidden]
         eg = "; ".join(f"{name}({a}, {b}) == {fn(a, b)}" for a, b in shown)
-        rows.append({"prompt": [{"role": "user", "content": f"Write a Python function {sig} that {does}. "
-                                                        f"For example: {eg}."}],
-                     "examples": examples, "tests": tests})
+        rows.append(
+            {
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": f"Write a Python function {sig} that {does}. For example: {eg}.",
+                    }
+                ],
+                "examples": examples,
+                "tests": tests,
+            }
+        )
     return check_code_rows(rows)
 
 
@@ -428,8 +451,10 @@ def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
         prompt = re.sub(r"\s+", "", _prompt_text(row.get("prompt")))
         for p in sorted(hidden):
             if "(" in p and (p in shown or re.sub(r"\s+", "", p) in prompt):
-                raise ValueError(f"{source} row {i}: the graded call {p} is shown in the prompt "
-                                 "(tests must be hidden)")
+                raise ValueError(
+                    f"{source} row {i}: the graded call {p} is shown in the prompt "
+                    "(tests must be hidden)"
+                )
     return rows
 
 
@@ -449,7 +474,9 @@ REWARD_FUNCS = [correct, format]
 REWARD_WEIGHTS = [1.0, 0.2]
 
 
-def reward_setup(reward: str = "correct", with_verifier: bool = False, section=None, probe=None) -> tuple[list, list[float]]:
+def reward_setup(
+    reward: str = "correct", with_verifier: bool = False, section=None, probe=None
+) -> tuple[list, list[float]]:
     """(reward functions, weights) for ``[trl] reward`` / ``[trl] verifier``.
 
     ``correct``: correctness + 0.2 x format (the default). ``length``: the gameable length
@@ -485,8 +512,14 @@ def reward_setup(reward: str = "correct", with_verifier: bool = False, section=N
         source["sandbox"] = isolation_available()
         source["sandbox_limits"] = section.sandbox.model_dump() if section is not None else {}
     else:
-        raise ValueError(f"[trl].reward: unknown reward {reward!r} (expected correct, length, math, judge or code)")
+        raise ValueError(
+            f"[trl].reward: unknown reward {reward!r} (expected correct, length, math, judge or code)"
+        )
     if probe is not None and getattr(probe, "rank", 0) == 0:
-        probe.event("reward_source", **source, weights=weights,
-                    funcs=[getattr(f, "__name__", type(f).__name__) for f in funcs])
+        probe.event(
+            "reward_source",
+            **source,
+            weights=weights,
+            funcs=[getattr(f, "__name__", type(f).__name__) for f in funcs],
+        )
     return funcs, weights

@@ -65,8 +65,15 @@ def callbacks(probe: Any) -> list:
                     if "initial_lr" in group:
                         group["initial_lr"] = base
             if _is_rank0(state):
-                probe.event("rollback_applied", what="lr", step=int(state.global_step) + 1, lr_factor=rb.lr_factor,
-                            lr=lrs[0] if lrs else base, from_step=rb.from_step, to_step=rb.to_step)
+                probe.event(
+                    "rollback_applied",
+                    what="lr",
+                    step=int(state.global_step) + 1,
+                    lr_factor=rb.lr_factor,
+                    lr=lrs[0] if lrs else base,
+                    from_step=rb.from_step,
+                    to_step=rb.to_step,
+                )
 
     return [RollbackLR()]
 
@@ -89,6 +96,13 @@ def skip(trainer: Any, epoch_iterator: Any, num_batches: int, probe: Any) -> int
             break
         dropped += 1
     if trainer.state.is_world_process_zero:
-        probe.event("rollback_applied", what="skip", step=step, skip_batches=n, batches_dropped=dropped,
-                    from_step=rb.from_step, to_step=rb.to_step)
+        probe.event(
+            "rollback_applied",
+            what="skip",
+            step=step,
+            skip_batches=n,
+            batches_dropped=dropped,
+            from_step=rb.from_step,
+            to_step=rb.to_step,
+        )
     return dropped

@@ -18,9 +18,28 @@ import json
 import math
 import sys
 
-KEEP = ("step", "rank", "attempt", "loss", "grad_norm", "step_s", "compute_s", "wait_s", "data_s",
-        "data_loading_s", "time_metrics_data_loading_s", "entropy", "kl", "reward", "reward_std", "frac_reward_zero_std",
-        "completions_mean_length", "clip_ratio_region_mean", "rewards_correct_mean", "rewards_format_mean")
+KEEP = (
+    "step",
+    "rank",
+    "attempt",
+    "loss",
+    "grad_norm",
+    "step_s",
+    "compute_s",
+    "wait_s",
+    "data_s",
+    "data_loading_s",
+    "time_metrics_data_loading_s",
+    "entropy",
+    "kl",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions_mean_length",
+    "clip_ratio_region_mean",
+    "rewards_correct_mean",
+    "rewards_format_mean",
+)
 
 
 def _round(v):
@@ -34,7 +53,9 @@ def main(run_dir: str, out: str) -> None:
     with open(f"{run_dir}/metrics.jsonl") as f:
         for raw in f:
             r = json.loads(raw)
-            lines.append(json.dumps({k: _round(r[k]) for k in KEEP if k in r}, separators=(",", ":")))
+            lines.append(
+                json.dumps({k: _round(r[k]) for k in KEEP if k in r}, separators=(",", ":"))
+            )
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
 
