@@ -52,38 +52,45 @@ def main() -> None:
         "--saves",
         type=int,
         default=4,
-        help="persistent-stager saves: the first (cold, allocating) is reported apart, the median of the rest",
+        help="persistent-stager saves: the first (cold, allocating) is reported apart, the "
+        "median of the rest",
     )
     ap.add_argument(
         "--stager-only",
         action="store_true",
-        help="only the persistent stager vs sync / memcpy / dd (and the per-save stager), no manifest/verify/digest",
+        help="only the persistent stager vs sync / memcpy / dd (and the per-save stager), no "
+        "manifest/verify/digest",
     )
     ap.add_argument(
         "--overlap-batch",
         type=int,
         default=16,
-        help="batch of the forward/backward run while staging (the adapter's overlap); 0: no overlap figure",
+        help="batch of the forward/backward run while staging (the adapter's overlap); 0: no "
+        "overlap figure",
     )
     ap.add_argument(
         "--writer-threads",
         type=int,
         default=0,
-        help="also 2 steady saves with FileSystemWriter(thread_count=N) (the adapter uses 1); 0: not",
+        help="also 2 steady saves with FileSystemWriter(thread_count=N) (the adapter uses 1); 0: "
+        "not",
     )
     ap.add_argument(
         "--stager",
         choices=("flat", "default"),
         default="flat",
-        help="the persistent stager measured: flat = the adapter's FlatStager (recipes/titan/staging.py, "
-        "one batched copy into reused buffers), default = DCP's DefaultStager (the adapter's before)",
+        help="the persistent stager measured: flat = the adapter's FlatStager "
+        "(recipes/titan/staging.py, "
+        "one batched copy into reused buffers), default = DCP's DefaultStager (the adapter's "
+        "before)",
     )
     ap.add_argument(
         "--head-to-head",
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="only: FlatStager vs DefaultStager vs memcpy, interleaved ROUNDS times (staging alone, no write)",
+        help="only: FlatStager vs DefaultStager vs memcpy, interleaved ROUNDS times (staging "
+        "alone, no write)",
     )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
@@ -385,9 +392,9 @@ def make_memcpy(state) -> tuple:
 
 def _stager(shared: bool = False, threaded: bool = True, kind: str = "default"):
     """``kind="flat"``: what the titan adapter builds on a CPU (``ProbeCheckpointManager._stager``):
-    ``FlatStager``, one ``torch._foreach_copy_`` per save into persistent buffers. ``"default"``: DCP's
-    DefaultStager as the adapter built it before (and still does with a GPU): pinned memory and
-    non-blocking copies only with a GPU; no shared memory (one writer thread, no process)."""
+    ``FlatStager``, one ``torch._foreach_copy_`` per save into persistent buffers. ``"default"``:
+    DCP's DefaultStager as the adapter built it before (and still does with a GPU): pinned memory
+    and non-blocking copies only with a GPU; no shared memory (one writer thread, no process)."""
     import torch
 
     if kind == "flat":
@@ -443,9 +450,9 @@ def persistent_stager(
     writer_threads: int = 0,
     kind: str = "flat",
 ) -> dict:
-    """The titan adapter's async save on the synthetic state: ONE stager (``kind``, see ``_stager``) for every save
-    (its CPU buffers are allocated and faulted in by the first save and reused after), passed to
-    ``dcp.async_save(..., async_stager=...)``. Per save:
+    """The titan adapter's async save on the synthetic state: ONE stager (``kind``, see ``_stager``)
+    for every save (its CPU buffers are allocated and faulted in by the first save and reused
+    after), passed to ``dcp.async_save(..., async_stager=...)``. Per save:
 
     - ``call_s``: time inside the async_save call (the stager copies in its own thread);
     - ``stage_s``: call start -> staging complete. A training loop must not modify the state (the
@@ -565,7 +572,8 @@ def persistent_stager(
     steady = rows[1:] or rows
     med = {k: _med([r[k] for r in steady]) for k in rows[0]}
     out: dict = {
-        "what": f"one {'FlatStager' if kind == 'flat' else 'DefaultStager'} for all saves; save 1 cold, median of saves 2..N",
+        "what": f"one {'FlatStager' if kind == 'flat' else 'DefaultStager'} for all saves; save "
+        "1 cold, median of saves 2..N",
         "stager": kind,
         "stager_options": {
             "pinned": torch.cuda.is_available(),
@@ -598,7 +606,8 @@ def persistent_stager(
     if overlap_rows:
         omed = {k: _med([o[k] for o in overlap_rows]) for k in overlap_rows[0]}
         out["overlap"] = {
-            "what": f"one forward/backward (batch {overlap_batch}) between the save call and the wait for staging",
+            "what": f"one forward/backward (batch {overlap_batch}) between the save call and the "
+            "wait for staging",
             "saves": [r3(o) for o in overlap_rows],
             "median": r3(omed),
             "ratio_blocking_over_sync": round(omed["overlap_blocking_s"] / med["sync_s"], 4),
@@ -651,9 +660,10 @@ def staging_options(state, reps: int = 3) -> dict:
 
 
 def head_to_head(state, rounds: int) -> dict:
-    """Staging alone (no write), the adapter's FlatStager against DCP's DefaultStager (both persistent,
-    threaded, private memory; warmed by one cold stage each) and a plain memcpy, interleaved round by
-    round so that the shared machine's noise hits all three alike. Min and median of the rounds."""
+    """Staging alone (no write), the adapter's FlatStager against DCP's DefaultStager (both
+    persistent, threaded, private memory; warmed by one cold stage each) and a plain memcpy,
+    interleaved round by round so that the shared machine's noise hits all three alike. Min and
+    median of the rounds."""
     memcpy, nbytes = make_memcpy(state)
     st = {"flat": _stager(kind="flat"), "default": _stager()}
     times: dict = {"memcpy": [], "flat": [], "default": []}
@@ -733,7 +743,8 @@ def titan_engine(steps: int, repeat: int = 1) -> dict:
     """The real adapter (2 ranks, FSDP2, gloo) on a torchtitan debug-size llama3 (dim 256,
     6 layers, 16 heads; local 512-token vocabulary), checkpoint every 2 steps: blocking_s of
     the interval saves from the `checkpoint` events, async vs `titan.async_checkpoint=false`,
-    ``repeat`` pairs launched back to back (the box is shared: each pair's ratio, and their median)."""
+    ``repeat`` pairs launched back to back (the box is shared: each pair's ratio, and their
+    median)."""
     import statistics
 
     pairs = [_titan_pair(steps) for _ in range(repeat)]

@@ -1,17 +1,20 @@
-"""Goodput under random faults: ptops --supervise vs plain torchrun vs NVIDIA's ft_launcher, side by side.
+"""Goodput under random faults: ptops --supervise vs plain torchrun vs NVIDIA's ft_launcher, side by
+side.
 
     .venv/bin/python bench/goodput_soak.py --minutes 30                          # the soak of issue 12 (~31 min)
     .venv/bin/python bench/goodput_soak.py --minutes 3 --fault-every 40 \\
         --out bench/results/goodput_soak_smoke.json                              # the smoke in bench/README.md
     .venv/bin/python bench/goodput_soak.py --table bench/results/goodput_soak.json   # its README table
 
-Each peer trains titan-tiny (checkpoint every 20 steps, far more steps than fit) for ``--minutes`` of
-wall time in its own run directory, on its own free ports. By default the peers run concurrently
-(started together, so they share the machine's load; ``--sequential``: one after the other). Every peer
-faces the same fault sequence: one list drawn from ``--seed`` of (gap, kind, rank), gaps uniform in
+Each peer trains titan-tiny (checkpoint every 20 steps, far more steps than fit) for ``--minutes``
+of wall time in its own run directory, on its own free ports. By default the peers run concurrently
+(started together, so they share the machine's load; ``--sequential``: one after the other). Every
+peer faces the same fault sequence: one list drawn from ``--seed`` of (gap, kind, rank), gaps
+uniform in
 0.67-1.33x ``--fault-every`` seconds, kinds from a shuffled bag (every kind once per round) of crash,
-hang (a Python hang), hang by SIGSTOP, slow (rank 1 +0.5 s for 20 steps) and nan. A gap is turned into
-steps of progress (``--step-s`` seconds per step), so every peer meets the same fault at the same step:
+hang (a Python hang), hang by SIGSTOP, slow (rank 1 +0.5 s for 20 steps) and nan. A gap is turned
+into steps of progress (``--step-s`` seconds per step), so every peer meets the same fault at the
+same step:
 
 - ptops (``--supervise``, ``supervisor.restart.warm_spare=true``): each fault is armed live with
   ``ptops inject RUN <kind>:...,step=<its step>`` shortly before training reaches that step; at the end
@@ -24,11 +27,12 @@ steps of progress (``--step-s`` seconds per step), so every peer meets the same 
   worker group it falls in (a crash, a hang or a NaN loss, which torchtitan's check turns into a dead rank,
   ends a group; the next fault is for the restarted one: torchrun's restart count is the probe's attempt).
 
-Goodput, the same formula for every peer: the step time of each step's last execution on rank 0 (steps
-redone after a restart or a rollback count once; a step whose loss is NaN/Inf is not productive), summed,
-over the wall time from launch to the end. ptops' own account (``ptops status --json`` ``goodput``) is
-reported next to it, and distinct steps trained per wall minute. The ft peer is skipped, with the reason
-printed, when nvidia-resiliency-ext is not installed in bench/.nvrx (see bench/README.md).
+Goodput, the same formula for every peer: the step time of each step's last execution on rank 0
+(steps redone after a restart or a rollback count once; a step whose loss is NaN/Inf is not
+productive), summed, over the wall time from launch to the end. ptops' own account (``ptops status
+--json`` ``goodput``) is reported next to it, and distinct steps trained per wall minute. The ft
+peer is skipped, with the reason printed, when nvidia-resiliency-ext is not installed in bench/.nvrx
+(see bench/README.md).
 """
 
 from __future__ import annotations
@@ -54,15 +58,16 @@ from supervisor_bench import torchrun_peer_argv, torchrun_peer_env  # noqa: E402
 PTOPS = [sys.executable, "-m", "ptops"]
 SETS = ["train.steps=100000", "checkpoint.interval=20", "checkpoint.keep=2"]
 KINDS = ("crash", "hang", "hang_stop", "slow", "nan")
-# under torchrun/ft these end the worker group, so the next fault is for the restarted one; a NaN loss too:
-# torchtitan's finite-loss check raises in the step (recipes/titan/trainer.py), the rank dies, the agent
-# restarts the group from the last checkpoint (measured: seed 4, nan at step 291 -> group 2)
+# under torchrun/ft these end the worker group, so the next fault is for the restarted one; a NaN
+# loss too: torchtitan's finite-loss check raises in the step (recipes/titan/trainer.py), the rank
+# dies, the agent restarts the group from the last checkpoint (measured: seed 4, nan at step 291 ->
+# group 2)
 ENDS_GROUP = ("crash", "hang", "hang_stop", "nan")
 NVRX = REPO / "bench" / ".nvrx"
 FT_LAUNCHER = "nvidia_resiliency_ext.fault_tolerance.launcher"
-# what a careful user sets instead of NVIDIA's defaults (3600 s initial, 2700 s after): the first beat
-# comes after imports, model build and checkpoint load (~30 s on this loaded machine), the next ones
-# every step (~0.1-0.5 s; a checkpoint save ~1-2 s)
+# what a careful user sets instead of NVIDIA's defaults (3600 s initial, 2700 s after): the first
+# beat comes after imports, model build and checkpoint load (~30 s on this loaded machine), the next
+# ones every step (~0.1-0.5 s; a checkpoint save ~1-2 s)
 FT_INITIAL_TIMEOUT_S = 60.0
 FT_TIMEOUT_S = 10.0
 PEERS = ("ptops", "torchrun", "ft")
@@ -101,7 +106,8 @@ def goodput(run: Path, wall_s: float) -> dict:
 
 
 class StepTail:
-    """The highest step rank 0 recorded, read incrementally (the soak polls it every second for 30 min)."""
+    """The highest step rank 0 recorded, read incrementally (the soak polls it every second for 30
+    min)."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.offset, self.step, self.rest = path, 0, 0, b""
@@ -149,7 +155,8 @@ def spec(kind: str, rank: int, step: int) -> str:
 
 
 def stop_group(proc: subprocess.Popen, sig: int, grace: float, leader_only: bool = False) -> None:
-    """Signal the peer's process group (or its leader only); after ``grace``, SIGKILL what is left of it."""
+    """Signal the peer's process group (or its leader only); after ``grace``, SIGKILL what is left
+    of it."""
     if proc.poll() is None:
         try:
             os.kill(proc.pid, sig) if leader_only else os.killpg(proc.pid, sig)
@@ -249,7 +256,8 @@ def fired(events: list[dict], t0: float) -> list[dict]:
 
 
 def plan_steps(plan: list, step_s: float) -> list[tuple[int, str, int, int]]:
-    """The plan in steps, the same for every peer: (step, kind, rank, worker group under torchrun/ft).
+    """The plan in steps, the same for every peer: (step, kind, rank, worker group under
+    torchrun/ft).
 
     A gap of ``g`` seconds is ``g / step_s`` steps of progress; a crash or a hang ends a torchrun/ft
     worker group, so the next fault is keyed to the restarted one."""
@@ -289,7 +297,8 @@ def ft_missing() -> str | None:
 
 
 def elastic_soak(peer: str, tmp: Path, minutes: float, plan: list, step_s: float) -> dict:
-    """The torchrun or the ft_launcher peer: the ranks' own command, restarted by torch's elastic agent."""
+    """The torchrun or the ft_launcher peer: the ranks' own command, restarted by torch's elastic
+    agent."""
     from ptops.faultinject.spec import to_env
     from ptops.ops.supervisor import launcher
     from ptops.ops.supervisor.procs import run_processes, signal_all
@@ -365,7 +374,8 @@ def orphans(tmp: Path) -> list[str]:
 def table(res: dict) -> str:
     """The bench/README.md table of one result file."""
     rows = [
-        "| | goodput | distinct steps per wall minute | median step s | faults that fired | restarts |",
+        "| | goodput | distinct steps per wall minute | median step s | faults that fired | "
+        "restarts |",
         "|---|---|---|---|---|---|",
     ]
     for peer in PEERS:
@@ -379,7 +389,8 @@ def table(res: dict) -> str:
         own = f" (its own account: {acc.get('ratio', acc.get('goodput'))})" if acc else ""
         fr = "; ".join(f"{f['fault']} at {f['t']:.0f} s" for f in v.get("fired", [])) or "none"
         rows.append(
-            f"| {peer} | {v['goodput']}{own} | {v['steps_per_min']} | {v.get('median_step_s')} | {fr} | "
+            f"| {peer} | {v['goodput']}{own} | {v['steps_per_min']} | {v.get('median_step_s')} | "
+            f"{fr} | "
             f"{v.get('restarts')} |"
         )
     la = res.get("loadavg") or {}
@@ -392,8 +403,10 @@ def table(res: dict) -> str:
         )
     rows.append("")
     rows.append(
-        f"{res.get('mode')}, {res.get('minutes')} min per peer, a fault every ~{res.get('fault_every_s')} s, "
-        f"seed {res.get('seed')}, step_s for up-front faults {res.get('step_s')}; load average (1 min) "
+        f"{res.get('mode')}, {res.get('minutes')} min per peer, a fault every "
+        f"~{res.get('fault_every_s')} s, "
+        f"seed {res.get('seed')}, step_s for up-front faults {res.get('step_s')}; load average "
+        "(1 min) "
         f"min {la.get('min')} / median {la.get('median')} / max {la.get('max')}; orphans after: "
         f"{len(res.get('orphans') or [])}"
     )

@@ -41,13 +41,15 @@ EXTRA: list[str] = []
 
 
 def gpus() -> int:
-    """CUDA GPUs torch sees (0 without CUDA), asked in a subprocess so this module imports no torch."""
+    """CUDA GPUs torch sees (0 without CUDA), asked in a subprocess so this module imports no
+    torch."""
     try:
         p = subprocess.run(
             [
                 sys.executable,
                 "-c",
-                "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)",
+                "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else "
+                "0)",
             ],
             capture_output=True,
             text=True,
@@ -65,7 +67,8 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def _fault_times(ev: list[dict], kind: str) -> dict:
-    """Injection -> detection (crash / hang event) -> next launch, for the first fault of ``kind``."""
+    """Injection -> detection (crash / hang event) -> next launch, for the first fault of
+    ``kind``."""
     inj = next(
         (e for e in ev if e["kind"] == "fault_injected" and e["fault"].startswith(kind)), None
     )

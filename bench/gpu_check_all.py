@@ -1,7 +1,8 @@
-"""The GPU check's stages, each in its own process group under a time budget (``scripts/gpu_check.sh``
-installs the carried wheels, then runs this). A stage that overruns is cut (SIGTERM, then SIGKILL to its
-whole process group) and recorded as ``cut``; the others still run. The whole check stays under
-``--budget`` seconds (default 480: one device call of ``timeout_s=560`` with time to spare).
+"""The GPU check's stages, each in its own process group under a time budget
+(``scripts/gpu_check.sh`` installs the carried wheels, then runs this). A stage that overruns is cut
+(SIGTERM, then SIGKILL to its whole process group) and recorded as ``cut``; the others still run.
+The whole check stays under ``--budget`` seconds (default 480: one device call of ``timeout_s=560``
+with time to spare).
 
 Stages (each writes its own ``bench/results/gpu_check*.json`` as it goes):
 
@@ -10,8 +11,8 @@ Stages (each writes its own ``bench/results/gpu_check*.json`` as it goes):
 3. ``titan``:  float8 + compile + async pinned saves (``bench/gpu_check.py``), only where TorchTitan
                imports: else ``skipped`` with the reason
 
-``bench/results/gpu_check_summary.json``: ``when``, ``versions`` (python, torch, CUDA, GPU, ptops' key
-dependencies), ``budget_s``, ``stages`` (name -> ``status`` ok | failed | cut | skipped, ``rc``,
+``bench/results/gpu_check_summary.json``: ``when``, ``versions`` (python, torch, CUDA, GPU, ptops'
+key dependencies), ``budget_s``, ``stages`` (name -> ``status`` ok | failed | cut | skipped, ``rc``,
 ``wall_s``, ``budget_s``, ``result`` (its JSON), ``reason`` when skipped, ``tail`` of its output).
 """
 
@@ -28,13 +29,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-# recipes not yet run on a GPU first (sft, dpo, grpo, lora-sft, gkd were exact on the H200, 2026-11-30)
+# recipes not yet run on a GPU first (sft, dpo, grpo, lora-sft, gkd were exact on the H200,
+# 2026-11-30)
 TRL_RECIPES = "trl-reward-tiny,trl-rloo-tiny,trl-grpo-math-tiny"
 BUDGETS = {"script": 180, "trl": 270, "titan": 200}
 
 
 def run_stage(name: str, argv: list[str], budget: float, log: Path | None = None) -> dict:
-    """``argv`` in a new session, cut after ``budget`` seconds: {status, rc, wall_s, budget_s, tail}."""
+    """``argv`` in a new session, cut after ``budget`` seconds: {status, rc, wall_s, budget_s,
+    tail}."""
     t0 = time.monotonic()
     with open(log, "a") if log else open(os.devnull, "w") as sink:
         sink.write(f"\n=== stage {name}: {' '.join(argv)} (budget {budget:.0f} s)\n")
@@ -98,7 +101,8 @@ def titan_why_not(py: str = sys.executable) -> str | None:
     if "No module named 'torchtitan'" in err:
         return (
             f"torchtitan is not installed (torch {torch}); TorchTitan 0.3 needs torch >= 2.13 "
-            "(on torch 2.11 it does not import: DataParallelMeshDims), and a torch CUDA wheel cannot be "
+            "(on torch 2.11 it does not import: DataParallelMeshDims), and a torch CUDA wheel "
+            "cannot be "
             "carried"
         )
     return f"torchtitan does not import on torch {torch}: {err}"
@@ -106,7 +110,8 @@ def titan_why_not(py: str = sys.executable) -> str | None:
 
 def versions(py: str = sys.executable) -> dict:
     code = (
-        "import json, importlib.metadata as md, platform\nout = {'python': platform.python_version()}\n"
+        "import json, importlib.metadata as md, platform\nout = {'python': "
+        "platform.python_version()}\n"
         "for n in ('torch', 'transformers', 'trl', 'datasets', 'accelerate', 'peft', 'tokenizers',"
         " 'ptops',"
         " 'nvidia-ml-py', 'pydantic', 'py-spy'):\n"

@@ -2,8 +2,8 @@
 Writes bench/results/gpu_check_script.json (``--cpu-smoke DIR``: DIR/gpu_check_script.json).
 
 Two launches of ``bench/gpu_script.py`` (``ptops launch --supervise --set launch.nproc=1 -- python
-bench/gpu_script.py ...``; a declared world of one is no misconfiguration), one after the other (with
-``--cpu-smoke`` side by side: a CPU box of 2 cores is slow enough):
+bench/gpu_script.py ...``; a declared world of one is no misconfiguration), one after the other
+(with ``--cpu-smoke`` side by side: a CPU box of 2 cores is slow enough):
 
 1. ``async``: async DCP saves staged in pinned memory; held before step 3 (``hold`` fault) while the
    driver scrapes the run's Prometheus exporter (``--metrics-port``), then released (``ptops inject RUN
@@ -14,10 +14,10 @@ bench/gpu_script.py ...``; a declared world of one is no misconfiguration), one 
    CUDA memory at step 9 of attempt 3 (the script allocates until the allocator refuses: diagnose
    classifies it), completed after three restarts
 
-Result keys: ``async`` / ``sync`` (per launch: exit, wall_s, restarts, launches (ranks_from, from_step),
-timings (the script's blocking per save), event_blocking_s (ptops' ``checkpoint`` events), stacks,
-diagnose incidents, ...), ``summary`` (each check and ``ok``), or ``skipped`` with the reason when the
-own-script engine (``ptops launch -- CMD``) is not installed.
+Result keys: ``async`` / ``sync`` (per launch: exit, wall_s, restarts, launches (ranks_from,
+from_step), timings (the script's blocking per save), event_blocking_s (ptops' ``checkpoint``
+events), stacks, diagnose incidents, ...), ``summary`` (each check and ``ok``), or ``skipped`` with
+the reason when the own-script engine (``ptops launch -- CMD``) is not installed.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ def _free_port() -> int:
 
 
 def scrape_then_release(run: Path, port: int, gpu: bool, deadline: float, out: dict) -> None:
-    """Scrape /metrics while the run is held before step HOLD until a step record is exported (on a GPU:
-    and the ``ptops_gpu_*`` series, or 3 more scrapes without), then release the hold. Records the
-    families that had samples."""
+    """Scrape /metrics while the run is held before step HOLD until a step record is exported (on a
+    GPU: and the ``ptops_gpu_*`` series, or 3 more scrapes without), then release the hold. Records
+    the families that had samples."""
     fams: set[str] = set()
     seen = 0
     while time.monotonic() < deadline:

@@ -4,12 +4,13 @@ and gloo with ``--cpu``) through the public ``ptops.rank`` API, one rank.
 
 Saves are ``pr.checkpoint`` (synchronous DCP) or, with ``--async-ckpt``, the script's own async save
 (``ptops.rank`` has none): DCP ``async_save`` staged by one persistent ``DefaultStager`` into pinned
-host memory on CUDA, written on DCP's thread, committed by ``ptops.ckpt.SaveTransaction`` when written,
-with the same state layout as ``pr.checkpoint`` so ``pr.resume`` reads it. Each save's blocking time
-(what the training loop waited) goes to ``--timings`` as one JSON line. ``--oom-at-step S`` allocates
-at step S until CUDA runs out of memory, within a per-process cap so the GPU stays usable (on CPU it
-raises the allocator's error text instead: the driver's path is the same); with ``--oom-once FILE``
-only the first attempt that reaches S does (the restart then completes).
+host memory on CUDA, written on DCP's thread, committed by ``ptops.ckpt.SaveTransaction`` when
+written, with the same state layout as ``pr.checkpoint`` so ``pr.resume`` reads it. Each save's
+blocking time (what the training loop waited) goes to ``--timings`` as one JSON line.
+``--oom-at-step S`` allocates at step S until CUDA runs out of memory, within a per-process cap so
+the GPU stays usable (on CPU it raises the allocator's error text instead: the driver's path is the
+same); with ``--oom-once FILE`` only the first attempt that reaches S does (the restart then
+completes).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def batch(index: int, seed: int, size: int, dim: int, device: torch.device):
 
 
 def state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """The layout ``pr.checkpoint`` writes (model, optimizer, train_state), so ``pr.resume`` reads it."""
+    """The layout ``pr.checkpoint`` writes (model, optimizer, train_state), so ``pr.resume`` reads
+    it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
@@ -106,7 +108,8 @@ class AsyncSaver:
 
 
 def oom(device: torch.device) -> None:
-    """Allocate 1 GiB blocks until the allocator refuses (a cap of what is in use + 4 GiB on CUDA)."""
+    """Allocate 1 GiB blocks until the allocator refuses (a cap of what is in use + 4 GiB on
+    CUDA)."""
     if device.type != "cuda":
         raise torch.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 1.00 GiB. (gpu_script --cpu: "
@@ -166,7 +169,8 @@ def main() -> None:
 
     start = pr.resume(model, opt)
     print(
-        f"gpu_script: {params / 1e6:.1f}M params on {device}, world {pr.world_size()}, from step {start}",
+        f"gpu_script: {params / 1e6:.1f}M params on {device}, world {pr.world_size()}, from step "
+        f"{start}",
         flush=True,
     )
     for step in range(start + 1, args.steps + 1):

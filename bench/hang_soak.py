@@ -1,4 +1,5 @@
-"""Hang-detection soak: zero false hangs with the shipped defaults, and how fast real hangs are found.
+"""Hang-detection soak: zero false hangs with the shipped defaults, and how fast real hangs are
+found.
 
     .venv/bin/python bench/hang_soak.py [--minutes 30] [--out bench/results] [--readme]
 
@@ -16,7 +17,8 @@ with no ``[supervisor.hang]`` key set:
    step until then). Delay = the hang finding's time (``found_ts``) minus the fault (``fault_injected``
    / the SIGSTOP), against the bound max(10 x p99 step time of the run, 5 s).
 
-Writes ``hang_soak.json`` into ``--out``; ``--readme`` also rewrites the table in ``bench/README.md``.
+Writes ``hang_soak.json`` into ``--out``; ``--readme`` also rewrites the table in
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def wait(pred, proc: subprocess.Popen, timeout: float, what: str) -> None:
     while not pred():
         if proc.poll() is not None:
             raise RuntimeError(
-                f"supervisor exited {proc.returncode} while waiting for {what}:\n{proc.stderr.read()[-3000:]}"
+                f"supervisor exited {proc.returncode} while waiting for "
+                f"{what}:\n{proc.stderr.read()[-3000:]}"
             )
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
@@ -216,13 +219,15 @@ def table(res: dict) -> str:
         f"Results ({res['date']}, `--minutes {res['minutes']:g}`, 2 cores shared with other jobs; "
         f"shipped `[supervisor.hang]` defaults):",
         "",
-        "| soak run | wall | steps | checkpoints | faults fired | false hangs | crashes | step p50 / p99 |",
+        "| soak run | wall | steps | checkpoints | faults fired | false hangs | crashes | step "
+        "p50 / p99 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in res["soak"]:
         lines.append(
             f"| {r['mode']} checkpoints | {r['wall_s']:.0f} s | {r['steps']} | {r['checkpoints']} "
-            f"({', '.join(r['checkpoint_modes'])}) | {len(r['faults_fired'])} | **{r['false_hangs']}** | {r['crashes']} | "
+            f"({', '.join(r['checkpoint_modes'])}) | {len(r['faults_fired'])} | "
+            f"**{r['false_hangs']}** | {r['crashes']} | "
             f"{r['step_p50_s']} / {r['step_p99_s']} s |"
         )
     d = res["detect"]
@@ -233,7 +238,8 @@ def table(res: dict) -> str:
     ]
     for c in d["cases"]:
         lines.append(
-            f"| {c['case']} | **{c['delay_s']} s** | {c['budget_s']} s | {c['bound_s']} s (p99 step {d['step_p99_s']} s) | "
+            f"| {c['case']} | **{c['delay_s']} s** | {c['budget_s']} s | {c['bound_s']} s (p99 "
+            f"step {d['step_p99_s']} s) | "
             f"{c['why']} ({c['phase']}), ranks {c['ranks']}; stacks took {c['stacks_s']} s more |"
         )
     return "\n".join(lines)

@@ -1,14 +1,16 @@
-"""Fuzz the GRPO math verifier with adversarial answers (issue 23): never a wrong pass, never a hang.
+"""Fuzz the GRPO math verifier with adversarial answers (issue 23): never a wrong pass, never a
+hang.
 
-Each case is (completion, expected answer, prompt, may_pass): hedges (many different boxed values, the
-right one among them), answer spam, enormous numbers and expressions, unicode digits, LaTeX tricks, text
-echoed from the prompt, near misses; plus honest answers in several spellings (``may_pass``), so that a
-verifier that refuses everything is caught too. Every call is timed on its own.
+Each case is (completion, expected answer, prompt, may_pass): hedges (many different boxed values,
+the right one among them), answer spam, enormous numbers and expressions, unicode digits, LaTeX
+tricks, text echoed from the prompt, near misses; plus honest answers in several spellings
+(``may_pass``), so that a verifier that refuses everything is caught too. Every call is timed on its
+own.
 
     .venv/bin/python bench/math_verifier_fuzz.py [--n 3000] [--seed 0] [--json OUT]
 
-prints one line: cases, wrong passes, honest passes / honest cases, per-call CPU p50 / p99 / max (ms).
-``tests/test_trl_rewards.py::test_math_verifier_fuzz`` runs a smaller draw of the same cases.
+prints one line: cases, wrong passes, honest passes / honest cases, per-call CPU p50 / p99 / max
+(ms). ``tests/test_trl_rewards.py::test_math_verifier_fuzz`` runs a smaller draw of the same cases.
 """
 
 from __future__ import annotations
@@ -208,7 +210,8 @@ def main() -> None:
     print(
         f"math verifier fuzz: {res['cases']} cases (seed {res['seed']}), "
         f"wrong passes {res['wrong_passes']}, "
-        f"honest {res['honest_passed']}/{res['honest_cases']}, CPU per call p50 {res['cpu_ms_p50']} ms, "
+        f"honest {res['honest_passed']}/{res['honest_cases']}, CPU per call p50 "
+        f"{res['cpu_ms_p50']} ms, "
         f"p99 {res['cpu_ms_p99']} ms, max {res['cpu_ms_max']} ms ({res['slowest_kind']})"
     )
     if res["wrong_examples"]:

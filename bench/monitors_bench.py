@@ -44,14 +44,15 @@ from ptops.ops.supervisor.monitorfeed import MonitorFeed  # noqa: E402 - the liv
 def cost(
     ranks: int, steps: int, reps: int = 3, pkg=None, runs_in_stream: int = 1
 ) -> dict[str, float]:
-    """Median over ``reps`` passes of each figure (the box is shared: one pass is noisy). ``pkg``: another
-    copy of the monitors package to measure (``--against``), else ptops.monitors."""
+    """Median over ``reps`` passes of each figure (the box is shared: one pass is noisy). ``pkg``:
+    another copy of the monitors package to measure (``--against``), else ptops.monitors."""
     runs = [_cost_once(ranks, steps, pkg, runs_in_stream) for _ in range(reps)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def monitors_at(ref: str):
-    """The monitors package as it was at git ``ref``, imported under another name (pure: no ptops imports)."""
+    """The monitors package as it was at git ``ref``, imported under another name (pure: no ptops
+    imports)."""
     import importlib
     import subprocess
     import tempfile
@@ -81,8 +82,9 @@ def monitors_at(ref: str):
 
 
 def live_feed_at(ref: str, pkg):
-    """The supervisor's ``MonitorFeed`` class as it was at git ``ref``, fed ``pkg`` (that ref's monitors): the
-    loop the supervisor ran then (its error handling; at f13977c one ``m.feed(rec)`` per monitor)."""
+    """The supervisor's ``MonitorFeed`` class as it was at git ``ref``, fed ``pkg`` (that ref's
+    monitors): the loop the supervisor ran then (its error handling; at f13977c one ``m.feed(rec)``
+    per monitor)."""
     import subprocess
     import types
 
@@ -107,11 +109,12 @@ def live_feed_at(ref: str, pkg):
 
 
 def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None) -> dict[str, float]:
-    """``runs`` runs of ``ranks // runs`` ranks each, ranks numbered on, records ordered by (step, rank). One
-    run (default) is what the supervisor sees: the global values (loss, reward, ...) agree across its ranks;
-    ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30 (four 2-rank runs as one 8-rank job).
-    Every figure is the live path: ``MonitorFeed(monitors).feed(record)`` (``feed_cls``: another ref's), with
-    one monitor (each alone) or all of them (``ALL``)."""
+    """``runs`` runs of ``ranks // runs`` ranks each, ranks numbered on, records ordered by (step,
+    rank). One run (default) is what the supervisor sees: the global values (loss, reward, ...)
+    agree across its ranks; ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30
+    (four 2-rank runs as one 8-rank job). Every figure is the live path:
+    ``MonitorFeed(monitors).feed(record)`` (``feed_cls``: another ref's), with one monitor (each
+    alone) or all of them (``ALL``)."""
     classes = pkg.MONITOR_CLASSES if pkg is not None else MONITOR_CLASSES
     build = pkg.build_monitors if pkg is not None else build_monitors
     feed_cls = feed_cls or MonitorFeed
@@ -150,8 +153,9 @@ def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None) -
 
 
 def per_state(ranks: int, steps: int, reps: int = 5) -> dict[str, dict[str, float]]:
-    """Each monitor alone on one run of ``ranks`` ranks vs on rank 0's records only (the full work of one
-    state per step): what a further rank pays to follow the state the ranks share, best of ``reps``."""
+    """Each monitor alone on one run of ``ranks`` ranks vs on rank 0's records only (the full work
+    of one state per step): what a further rank pays to follow the state the ranks share, best of
+    ``reps``."""
     out: dict[str, dict[str, float]] = {}
     for kind in ("pretrain", "grpo"):
         recs = (
@@ -257,7 +261,8 @@ def main() -> None:
         type=int,
         default=1,
         help="cost: the ranks' records come from this many runs (1: one "
-        "run, whose ranks report the same global values, as the supervisor sees; ranks/2: the stream "
+        "run, whose ranks report the same global values, as the supervisor sees; ranks/2: the "
+        "stream "
         "measured before 2026-11-30, four 2-rank runs fed as one)",
     )
     ap.add_argument(
@@ -271,7 +276,8 @@ def main() -> None:
         "--per-state",
         action="store_true",
         help="each monitor on one run vs on rank 0's records only: "
-        "one state's work per step and what each further rank pays to follow it (with --out: added)",
+        "one state's work per step and what each further rank pays to follow it (with --out: "
+        "added)",
     )
     ap.add_argument(
         "--out",
@@ -284,11 +290,13 @@ def main() -> None:
     if a.per_state:
         res_p = per_state(a.ranks, a.steps if a.steps != 2000 else 600)
         print(
-            f"us per record, one run of {a.ranks} ranks: one state (rank 0 only) / all ranks / each further rank"
+            f"us per record, one run of {a.ranks} ranks: one state (rank 0 only) / all ranks / "
+            "each further rank"
         )
         for k, v in res_p.items():
             print(
-                f"  {k:32s} {v['one_state']:7.2f} {v['all_ranks']:7.2f} {v['each_further_rank']:7.2f}"
+                f"  {k:32s} {v['one_state']:7.2f} {v['all_ranks']:7.2f} "
+                f"{v['each_further_rank']:7.2f}"
             )
         if a.out:
             import os
@@ -343,7 +351,8 @@ def main() -> None:
             print(json.dumps(res_c, indent=2))
         else:
             print(
-                f"cost (us per record, {a.ranks} ranks of {a.runs} run(s) x {a.steps} steps, median of {a.reps} "
+                f"cost (us per record, {a.ranks} ranks of {a.runs} run(s) x {a.steps} steps, "
+                f"median of {a.reps} "
                 f"interleaved passes, process CPU time): now vs {a.against}"
             )
             for k in new:
@@ -358,14 +367,16 @@ def main() -> None:
         print(json.dumps(res, indent=2))
         return
     print(
-        f"cost (us per record, {a.ranks} ranks x {a.steps} steps, median of {a.reps} passes, time.process_time, CPU time of this process):"
+        f"cost (us per record, {a.ranks} ranks x {a.steps} steps, median of {a.reps} passes, "
+        "time.process_time, CPU time of this process):"
     )
     for k, v in res["cost_us_per_record"].items():
         print(f"  {k:32s} {v:8.2f}")
     for src, d in res["false_positives"].items():
         print(
             f"false positives, {src}: {d['findings']} findings in {d['runs']} healthy runs "
-            f"({d['steps']} steps), runs with any finding: {d['runs_with_findings']}  {d['by_monitor']}"
+            f"({d['steps']} steps), runs with any finding: {d['runs_with_findings']}  "
+            f"{d['by_monitor']}"
         )
     print(f"detection (fault at step 100, {a.seeds} seeds):")
     print(f"  {'fault':18s} {'monitor':17s} detected  early  delay min/median/max")

@@ -1,4 +1,5 @@
-"""Fast restart: crash -> the restarted attempt's first productive step, ptops warm vs ptops cold vs plain torchrun.
+"""Fast restart: crash -> the restarted attempt's first productive step, ptops warm vs ptops cold vs
+plain torchrun.
 
     .venv/bin/python bench/restart_bench.py [--repeat 3] [--out bench/results/restart_bench.json]
 
@@ -14,11 +15,12 @@ SIGKILLs itself at step 12), side by side:
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (bench/supervisor_bench.py's peer), in every round.
 
 Every run is held 45 s before step 12 (a ``hold`` fault, in all three) so that the crash comes once
-the pool is warm, as it would hours into a real run (the pool starts with the first attempt and takes
-20-45 s to import on this shared box). The figure: from the crash's ``fault_injected`` to rank 0's
-first metrics record of the restarted worker group; ``repeat`` rounds of (torchrun, cold, warm), medians
-and the per-round ratios warm/torchrun, cold/torchrun and warm/cold (the box is shared: only ratios
-within a round compare like with like). Final digests must equal an uninterrupted run's (exact recovery).
+the pool is warm, as it would hours into a real run (the pool starts with the first attempt and
+takes 20-45 s to import on this shared box). The figure: from the crash's ``fault_injected`` to rank
+0's first metrics record of the restarted worker group; ``repeat`` rounds of (torchrun, cold, warm),
+medians and the per-round ratios warm/torchrun, cold/torchrun and warm/cold (the box is shared: only
+ratios within a round compare like with like). Final digests must equal an uninterrupted run's
+(exact recovery).
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ An alert counts for a scenario when it comes from the tool's detector for that f
 each tool as a false positive (``fp_any``), and the matched detectors separately (``fp``).
 
 Seeds: the thresholds were tuned on seeds 1000-1004 (``--tune`` runs those; reward hacking's on
-``hacking()`` over seeds 1000-1059); the default run evaluates seeds 0..N-1, which no tuning saw. The generator is this file's,
-not tests/data/traces/synth.py (the unit tests' traces).
+``hacking()`` over seeds 1000-1059); the default run evaluates seeds 0..N-1, which no tuning saw.
+The generator is this file's, not tests/data/traces/synth.py (the unit tests' traces).
 """
 
 from __future__ import annotations
@@ -141,8 +141,9 @@ def healthy(seed: int, kind: str, h0: float, noise: float = 0.04) -> list[dict]:
 
 
 def hacking(seed: int, every: int, hacked: bool = True, steps: int = 300) -> tuple[list[dict], int]:
-    """(records, onset): reward climbs while the held-out score falls; held-out every ``every`` steps
-    (1: on the step's record as ``rewards_verifier_mean``; N: an ``eval/accuracy`` record of its own)."""
+    """(records, onset): reward climbs while the held-out score falls; held-out every ``every``
+    steps (1: on the step's record as ``rewards_verifier_mean``; N: an ``eval/accuracy`` record of
+    its own)."""
     rng = random.Random(seed * 15485863 + every * 31 + hacked)
     at = rng.randint(80, 120)
     out = []
@@ -184,7 +185,8 @@ def run_ptops(recs: list[dict]) -> list[tuple[int, str, str]]:
 
 
 def _merged(recs: list[dict]) -> list[dict]:
-    """One dict per step (rank 0), eval records merged in, held-out as ``eval/accuracy``; TRL's key spelling."""
+    """One dict per step (rank 0), eval records merged in, held-out as ``eval/accuracy``; TRL's key
+    spelling."""
     by: dict[int, dict] = {}
     for r in recs:
         if r.get("rank", 0) != 0:
@@ -323,9 +325,10 @@ def scenarios(seeds: list[int]) -> list[dict[str, Any]]:
 
 
 def cost(reps: int = 7) -> dict[str, float]:
-    """Microseconds of process CPU time per record (best of ``reps``; CPU time, so that other processes on a
-    shared machine do not count) of each RL monitor and of every default monitor together, on healthy synthetic
-    GRPO records of 8 ranks x 1000 steps (tests/data/traces/synth.py)."""
+    """Microseconds of process CPU time per record (best of ``reps``; CPU time, so that other
+    processes on a shared machine do not count) of each RL monitor and of every default monitor
+    together, on healthy synthetic GRPO records of 8 ranks x 1000 steps
+    (tests/data/traces/synth.py)."""
     sys.path.insert(0, str(TRACES))
     import synth
     from ptops.monitors import MONITOR_CLASSES
@@ -406,10 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         groups.setdefault(r["group"], []).append(r)
     summary = []
     print(
-        f"seeds {'1000-1004 (tuning)' if args.tune else f'0-{args.seeds - 1} (unseen)'}; {len(rows)} traces; {elapsed:.0f} s"
+        f"seeds {'1000-1004 (tuning)' if args.tune else f'0-{args.seeds - 1} (unseen)'}; "
+        f"{len(rows)} traces; {elapsed:.0f} s"
     )
     print(
-        "| scenario | traces | ptops | rldoctor 0.2.0 | rlwatch 0.5.1 | ptops lead over the best peer |"
+        "| scenario | traces | ptops | rldoctor 0.2.0 | rlwatch 0.5.1 | ptops lead over the best "
+        "peer |"
     )
     print("|---|---|---|---|---|---|")
     for g, rs in groups.items():
@@ -492,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"| {g} | {len(rs)} | " + " | ".join(cells) + f" | {lead} |")
     print(
-        "(detection: step of the first alert minus the ground truth - the 30 % crossing for collapse, "
+        "(detection: step of the first alert minus the ground truth - the 30 % crossing for "
+        "collapse, "
         "the onset for reward hacking; negative = before it)"
     )
     if args.json:

@@ -6,22 +6,23 @@ Real (unchanged ptops code, in this process): :class:`ptops.ops.supervisor.core.
 ``run_all`` (run lock, status, events), one attempt (``attempt.py``'s watch loop), the channel
 server (``ops/supervisor/channel.py``: selector thread, token check, node relay frames turned into
 virtual rank peers), every message handler (``messages.py``), the hang monitor and the metric
-monitors of the ``titan-tiny`` recipe's ``[monitors]`` defaults (``monitorfeed.py``), ``metrics.jsonl``,
-``events.jsonl`` and ``status.json`` in a real run directory, stack collection at the hang
-(``hangs.py``: ``stacks`` over the channel to every responsive rank, ``pystacks`` to the silent
-rank's node agent, one file per rank) and the teardown.
+monitors of the ``titan-tiny`` recipe's ``[monitors]`` defaults (``monitorfeed.py``),
+``metrics.jsonl``, ``events.jsonl`` and ``status.json`` in a real run directory, stack collection at
+the hang (``hangs.py``: ``stacks`` over the channel to every responsive rank, ``pystacks`` to the
+silent rank's node agent, one file per rank) and the teardown.
 
 Simulated: the attempt's process. ``attempt_command`` (the launch backend's hook, as Slurm fills it)
 starts this file's ``generate`` mode instead of torchrun/srun: ``--gen-procs`` processes of asyncio
 simulated node agents, each node ONE token-authenticated ``role: "node"`` connection carrying its
-ranks in relay frames (``ops/rank/channel.py::relay_frame``), byte for byte what ``ops/node/agent.py``
-sends. Each simulated rank sends its hello, the start-up beats (import, rendezvous, build, load) and
-``world``, then per step a ``begin`` beat and a ``metrics`` record (the keys of a real titan record),
-``--step-s`` (1 s) a step in lockstep (data-parallel ranks finish a step together), and a liveness
-``ping`` every ``--ping-s`` (the probe's default heartbeat, 1 s) half a second out of phase with the steps; each node sends its keepalive every
-2 s and answers ``stacks`` / ``pystacks``. After ``--victim-step`` one rank goes silent (no steps, no
-pings: SIGSTOPped); the others go on stepping (``--peers continue``, the load stays on while the hang
-is detected) or stop stepping and keep pinging (``--peers block``, as ranks waiting in a collective).
+ranks in relay frames (``ops/rank/channel.py::relay_frame``), byte for byte what
+``ops/node/agent.py`` sends. Each simulated rank sends its hello, the start-up beats (import,
+rendezvous, build, load) and ``world``, then per step a ``begin`` beat and a ``metrics`` record (the
+keys of a real titan record), ``--step-s`` (1 s) a step in lockstep (data-parallel ranks finish a
+step together), and a liveness ``ping`` every ``--ping-s`` (the probe's default heartbeat, 1 s) half
+a second out of phase with the steps; each node sends its keepalive every 2 s and answers ``stacks``
+/ ``pystacks``. After ``--victim-step`` one rank goes silent (no steps, no pings: SIGSTOPped); the
+others go on stepping (``--peers continue``, the load stays on while the hang is detected) or stop
+stepping and keep pinging (``--peers block``, as ranks waiting in a collective).
 
 One size per process (CPU and RSS are this process's): ``--sizes`` runs each size in a child of this
 file and merges the results into ``bench/results/scale_load.json``.
@@ -47,7 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CLK = os.sysconf("SC_CLK_TCK")
 STACK_TEXT = "".join(  # ~2 KB, the size of a rank's own dump of a few threads
-    f'Thread 0x7f00000{i:03d} (most recent call first):\n  File "/opt/train/step.py", line {100 + i}, in step\n'
+    f'Thread 0x7f00000{i:03d} (most recent call first):\n  File "/opt/train/step.py", line '
+    f"{100 + i}, in step\n"
     f'  File "/opt/torch/distributed/c10d.py", line {2000 + i}, in all_reduce\n'
     for i in range(16)
 )
@@ -70,7 +72,8 @@ _TITAN_KEYS = (
 )
 
 
-# ================================================================ the load generator (simulated node agents)
+# ================================================================ the load generator (simulated
+# node agents)
 
 
 class _Node:
@@ -407,7 +410,8 @@ def run_one(args: argparse.Namespace) -> dict:
     lat = array.array("d")
 
     class LoadSupervisor(Supervisor):
-        """The real supervisor; only the attempt's process is the load generator (the launch backend hook)."""
+        """The real supervisor; only the attempt's process is the load generator (the launch backend
+        hook)."""
 
         def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
             env = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra).env
@@ -708,7 +712,8 @@ def main() -> None:
                 f"{d}/r.json",
             ]
             print(
-                f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), load {os.getloadavg()}",
+                f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), load "
+                f"{os.getloadavg()}",
                 flush=True,
             )
             subprocess.run(argv, check=False, stdout=sys.stderr)

@@ -1,4 +1,5 @@
-"""Supervision benchmark: overhead, time to detect a hang, time from a crash to the first productive step.
+"""Supervision benchmark: overhead, time to detect a hang, time from a crash to the first productive
+step.
 
 Side by side with plain ``torchrun --max-restarts=1`` on the same faults.
 
@@ -26,8 +27,9 @@ PTOPS = [sys.executable, "-m", "ptops"]
 
 
 def torchrun_peer_argv(argv: list[str], max_restarts: int) -> list[str]:
-    """The ranks' own torchrun command (``launcher.rank_command``) as a plain-torchrun user would run it:
-    ``--max-restarts`` worker restarts, with the c10d rendezvous (run it with ``torchrun_peer_env``)."""
+    """The ranks' own torchrun command (``launcher.rank_command``) as a plain-torchrun user would
+    run it: ``--max-restarts`` worker restarts, with the c10d rendezvous (run it with
+    ``torchrun_peer_env``)."""
     out = [
         a if a != "0" or argv[i - 1] != "--max-restarts" else str(max_restarts)
         for i, a in enumerate(argv)
@@ -41,8 +43,8 @@ def torchrun_peer_argv(argv: list[str], max_restarts: int) -> list[str]:
 def torchrun_peer_env(env: dict[str, str]) -> dict[str, str]:
     """The peer's environment, with torch's own opt-out of the shared rendezvous store.
 
-    Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` a restarted worker group connects to the agent's
-    store, which still holds the dead group's gloo addresses: its ``connectFullMesh`` gets
+    Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` a restarted worker group connects to the
+    agent's store, which still holds the dead group's gloo addresses: its ``connectFullMesh`` gets
     "Connection refused" and it never trains (measured here on titan-tiny; pytorch/pytorch#167288).
     With it, each round's rank 0 hosts a fresh store (torch/distributed/elastic/rendezvous/
     dynamic_rendezvous.py) and torchrun's restart trains again: that is the peer a user would run.
@@ -107,7 +109,8 @@ def overhead(recipe: str, steps: int, tmp: Path) -> dict:
 
 
 def probe_cost(n: int = 5000) -> dict:
-    """Per-step cost of the probe inside a rank: before_step + should_poison + step, channel vs file."""
+    """Per-step cost of the probe inside a rank: before_step + should_poison + step, channel vs
+    file."""
     import threading
 
     from ptops.ops.supervisor.channel import ChannelServer
@@ -185,7 +188,8 @@ def supervised_fault(recipe: str, tmp: Path, name: str, fault: str, extra: list[
 
 
 def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: float) -> dict:
-    """The same recipe and fault under plain torchrun --max-restarts=1 (the probe writes files directly)."""
+    """The same recipe and fault under plain torchrun --max-restarts=1 (the probe writes files
+    directly)."""
     from ptops.faultinject.spec import parse, to_env
     from ptops.ops.supervisor import launcher
     from ptops.recipes.schema import load
@@ -213,8 +217,9 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
             if injected is None:
                 continue
             # only the restarted worker group's records (attempt 2 = torchrun's restart count 1, see
-            # ops/rank/probe.py::attempt_from_env): rank 0 of the failed group may still log the step
-            # before the fault just after the fault_injected stamp (an earlier run counted that: 0.004 s)
+            # ops/rank/probe.py::attempt_from_env): rank 0 of the failed group may still log the
+            # step before the fault just after the fault_injected stamp (an earlier run counted
+            # that: 0.004 s)
             restarted = [
                 r
                 for r in read(run.metrics)
@@ -231,7 +236,8 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
             pass
         if result["fault_to_first_productive_step_s"] is None:
             result["note"] = (
-                f"no productive step after the fault within {give_up_s:g} s (torchrun exit {proc.poll()})"
+                f"no productive step after the fault within {give_up_s:g} s (torchrun exit "
+                f"{proc.poll()})"
             )
         injected = next((e for e in read(run.events) if e["kind"] == "fault_injected"), None)
         first_failure = _torchrun_first_failure(

@@ -47,7 +47,8 @@ attempt (a path), or empty for a fresh start. Ranks trust it instead of verifyin
 ABORTED = "aborted:"  # first word of a `.writing` marker left by SaveTransaction.abort
 
 Agree = Callable[[bool], bool]
-"""``agree(failed_here) -> failed_anywhere``: the same answer on every rank (e.g. an all-reduce MAX)."""
+"""``agree(failed_here) -> failed_anywhere``: the same answer on every rank (e.g. an all-reduce
+MAX)."""
 
 
 # ---------------------------------------------------------------- layout
@@ -70,7 +71,8 @@ def checkpoint_path(ckpt_dir: str | os.PathLike, step: int) -> Path | None:
 
 def shard_files(path: str | os.PathLike, rank: int | None = None) -> list[Path]:
     """Data files of a checkpoint, largest first (ptops' own files left out). With ``rank``,
-    only that rank's own DCP shards (``__R_*.distcp``); empty for a layout without per-rank shards."""
+    only that rank's own DCP shards (``__R_*.distcp``); empty for a layout without per-rank
+    shards."""
     p = Path(path)
     files = [p / f for f in walk_files(p)]
     if rank is not None:
@@ -317,11 +319,12 @@ class SaveTransaction:
         return True
 
     def run(self, write: Callable[[Path], Any], probe: Any = None) -> bool:
-        """The whole save around an engine's ``write(self.path)``, with the probe's save hooks where every
-        engine has them (issue 25: one save path): ``probe.phase("checkpoint")`` (an ``enospc`` fault
-        raises OSError there), :meth:`begin`, ``probe.in_save`` (``crash:phase=save``), the write,
-        ``probe.before_commit`` (``slow-save``), :meth:`commit`. The caller reports the outcome and
-        moves the probe back to ``phase("step")``. Returns :attr:`ok`."""
+        """The whole save around an engine's ``write(self.path)``, with the probe's save hooks where
+        every engine has them (issue 25: one save path): ``probe.phase("checkpoint")`` (an
+        ``enospc`` fault raises OSError there), :meth:`begin`, ``probe.in_save``
+        (``crash:phase=save``), the write, ``probe.before_commit`` (``slow-save``), :meth:`commit`.
+        The caller reports the outcome and moves the probe back to ``phase("step")``. Returns
+        :attr:`ok`."""
         err: Any = None
         try:
             if probe is not None:
@@ -355,7 +358,9 @@ class SaveTransaction:
                 (self.path / WRITING_MARKER).write_text(f"{ABORTED} {self.error}\n")
                 fsync_dir(self.path)
             except OSError:
-                pass  # disk full: without a manifest it is at worst a killed save, adopted only if complete
+                # disk full: without a manifest it is at worst a killed save, adopted only if
+                # complete
+                pass
         return self.error
 
 

@@ -350,7 +350,8 @@ def _check_trl(p: Path, step: int | None, manifest: dict | None, bad, load_check
     if not weights:
         bad(
             "model.safetensors",
-            "missing: no model weights (model.safetensors, index + shards, pytorch_model.bin, adapter)",
+            "missing: no model weights (model.safetensors, index + shards, pytorch_model.bin, "
+            "adapter)",
         )
     for w in weights:
         f = p / w

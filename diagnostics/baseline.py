@@ -15,8 +15,8 @@ Noise, per metric and per step (a difference is judged against the noise at that
 - several baselines (``--baseline`` repeated, other seeds of the same recipe): seed-to-seed noise is
   measured: per step the largest distance of a baseline from their mean, times sqrt(2), the running
   maximum over 5 steps, floored at the jitter. ``noise_method`` in the report says which one was used.
-The noise is floored at 1e-3 of the curve's median magnitude, so a perfectly smooth curve does not make
-every tiny difference significant.
+The noise is floored at 1e-3 of the curve's median magnitude, so a perfectly smooth curve does not
+make every tiny difference significant.
 
 Divergence: the difference (run - baseline mean), both as is and smoothed by a running median over 5
 steps (so one odd step does not count), exceeds ``K`` (4) noise on the same side for ``SUSTAIN`` (3)
@@ -63,9 +63,9 @@ def _running_median(xs: list[float], w: int = WINDOW) -> list[float]:
 
 
 def _noise_one(ys: list[float]) -> float:
-    """Step-to-step noise of one curve, robust to its trend: second differences y[i-1] - 2y[i] + y[i+1]
-    cancel a smooth trend and carry 6 sigma^2 of white noise; their MAD * 1.4826 / sqrt(6) is sigma.
-    Times sqrt(2): the difference of two runs carries both runs' noise."""
+    """Step-to-step noise of one curve, robust to its trend: second differences y[i-1] - 2y[i] +
+    y[i+1] cancel a smooth trend and carry 6 sigma^2 of white noise; their MAD * 1.4826 / sqrt(6) is
+    sigma. Times sqrt(2): the difference of two runs carries both runs' noise."""
     if len(ys) < 3:
         return 0.0
     d2 = [abs(ys[i - 1] - 2 * ys[i] + ys[i + 1]) for i in range(1, len(ys) - 1)]
@@ -119,7 +119,10 @@ def compare(
                 max(jitter, floor, max(spread[max(0, i - h) : i + h + 1]))
                 for i in range(len(steps))
             ]
-            method = f"spread of {len(refs)} baselines (running max over {WINDOW} steps), floored at their jitter"
+            method = (
+                f"spread of {len(refs)} baselines (running max over {WINDOW} steps), "
+                "floored at their jitter"
+            )
         else:
             moved, noise_s = 0.0, []
             for mu in ref_mean:

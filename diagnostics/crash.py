@@ -96,7 +96,8 @@ def log_evidence(log: Path) -> dict[str, Any]:
 
 
 def _kernel_oom(pids: set[int]) -> tuple[bool | None, str]:
-    """(pid named by the OOM killer?, what was read). None when no kernel log could be read or no pid is known."""
+    """(pid named by the OOM killer?, what was read). None when no kernel log could be read or no
+    pid is known."""
     if not pids:
         return None, "kernel log not searched: the rank's pid is not recorded for that attempt"
     for src in (Path("/var/log/kern.log"), Path("/dev/kmsg")):
@@ -183,10 +184,14 @@ def explain(
             if hit:
                 cause = "the kernel OOM killer (kernel log names the rank's pid)"
             elif n:
-                cause = f"probably the OOM killer: this cgroup counts {n} OOM kill(s) (not tied to the pid)"
+                cause = (
+                    f"probably the OOM killer: this cgroup counts {n} OOM kill(s) (not tied "
+                    "to the pid)"
+                )
             elif hit is False:
                 cause = (
-                    "probably not the OOM killer (the kernel log does not name the pid): a person, the "
+                    "probably not the OOM killer (the kernel log does not name the pid): a "
+                    "person, the "
                     "scheduler or another process sent SIGKILL"
                 )
         else:
@@ -195,7 +200,8 @@ def explain(
             )
         if cause is None:
             cause = (
-                "cause unknown: SIGKILL from the OOM killer or from a person/another process cannot be told apart with "
+                "cause unknown: SIGKILL from the OOM killer or from a person/another process "
+                "cannot be told apart with "
                 "what is readable here"
             )
     elif sig is not None:

@@ -66,7 +66,8 @@ from ptops.ops.runrecord.events import (
 from ptops.ops.runrecord.goodput import account
 from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
-# monitor or event kind -> runbook (runbooks/<Name>.md): the monitor registry's, then the event vocabulary's
+# monitor or event kind -> runbook (runbooks/<Name>.md): the monitor registry's, then the event
+# vocabulary's
 RUNBOOKS: dict[str, str] = {
     **MONITOR_RUNBOOKS,
     **{str(k): sp.runbook for k, sp in SPECS.items() if sp.runbook},
@@ -106,7 +107,8 @@ def _num(v: Any) -> Any:
 
 
 def _hosts(events: list[dict[str, Any]]) -> dict[int, str]:
-    """rank -> host from any event that lists ``ranks`` as ``[{rank, host, ...}]`` (the newest wins)."""
+    """rank -> host from any event that lists ``ranks`` as ``[{rank, host, ...}]`` (the newest
+    wins)."""
     out: dict[int, str] = {}
     for e in events:
         ranks = e.get("ranks")
@@ -246,8 +248,8 @@ def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
 
 
 def parse_since(text: str, now: float | None = None) -> float:
-    """``10m`` / ``2h`` / ``30s`` / ``1d`` ago, or an ISO time (``2026-11-30T13:00``, local unless it says
-    its zone), or unix seconds -> unix seconds."""
+    """``10m`` / ``2h`` / ``30s`` / ``1d`` ago, or an ISO time (``2026-11-30T13:00``, local unless
+    it says its zone), or unix seconds -> unix seconds."""
     import datetime as dt
     import re
     import time
@@ -296,7 +298,8 @@ def diagnose(
     events = list(read_jsonl(run.events)) if has_events else []
     if not has_metrics:
         notes.append(
-            "no metrics.jsonl: the monitors had nothing to replay (the run died before its first step?)"
+            "no metrics.jsonl: the monitors had nothing to replay (the run died before its first "
+            "step?)"
         )
     if not has_events:
         notes.append("no events.jsonl: no crash/hang/restart history")
@@ -406,7 +409,8 @@ def diagnose(
         }
         if attempts and attempt not in attempts:
             raise DiagnoseError(
-                f"--attempt {attempt}: the run has attempt(s) {', '.join(map(str, sorted(attempts)))}"
+                f"--attempt {attempt}: the run has attempt(s) "
+                f"{', '.join(map(str, sorted(attempts)))}"
             )
         incidents = [i for i in incidents if i["attempt"] == attempt]
         rows = [
@@ -431,7 +435,8 @@ def diagnose(
     live = bool(events) and reduce(events).end is None
     if live:
         notes.append(
-            "no end event: the run is still going (or its supervisor died); these are the incidents so far"
+            "no end event: the run is still going (or its supervisor died); these are the "
+            "incidents so far"
         )
     report = {
         "run_dir": str(run_dir),

@@ -1,5 +1,6 @@
 """Flight-recorder dumps of a hung attempt, analysed with torch's own tooling
-(``torch.distributed.flight_recorder.components.builder.build_db``, what ``torchfrtrace`` runs), not a copy.
+(``torch.distributed.flight_recorder.components.builder.build_db``, what ``torchfrtrace`` runs), not
+a copy.
 
 Where dumps come from (``stacks/attempt-K/``):
 - ``rank-R.flight_recorder``: the rank's answer to the supervisor's stack request (``ops/rank/probe.py``):
@@ -9,15 +10,16 @@ Where dumps come from (``stacks/attempt-K/``):
 - ``flight_recorder_rank_R``: NCCL's own dump on a watchdog timeout (``TORCH_FR_DUMP_TEMP_FILE``); under
   TorchTitan, which sets that variable itself, ``titan/comm_traces/rank_R`` (read when newer than the launch).
 
-Dumps are pickles of plain data; they are read with an unpickler that refuses every class, then handed to
-torch's ``build_db`` the way its loader would. torch 2.13's gloo dumps carry no group names or members
-(``pg_config = {'': {ranks: '[]'}}``): :func:`_fix_pg_config` rebuilds them from the entries first. torch's
-analyser also flags gloo ``all_gather`` records as size mismatches although every rank completed them
-(``pg_status``); those are kept under ``ignored``, not reported.
+Dumps are pickles of plain data; they are read with an unpickler that refuses every class, then
+handed to torch's ``build_db`` the way its loader would. torch 2.13's gloo dumps carry no group
+names or members (``pg_config = {'': {ranks: '[]'}}``): :func:`_fix_pg_config` rebuilds them from
+the entries first. torch's analyser also flags gloo ``all_gather`` records as size mismatches
+although every rank completed them (``pg_status``); those are kept under ``ignored``, not reported.
 
-Tested for real: gloo on CPU (2-process unit test; the faulted ``hang`` run: rank 1 waits in collective
-#N+1 of the default group that rank 0, hanging in Python, never issued). Not tested here: NCCL dumps (no
-GPU in CI); they have the same format and a real ``pg_config``, so no fix-up is applied to them.
+Tested for real: gloo on CPU (2-process unit test; the faulted ``hang`` run: rank 1 waits in
+collective #N+1 of the default group that rank 0, hanging in Python, never issued). Not tested here:
+NCCL dumps (no GPU in CI); they have the same format and a real ``pg_config``, so no fix-up is
+applied to them.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ _NAMES = (re.compile(r"rank-(\d+)\.flight_recorder$"), re.compile(r"flight_recor
 def dumps(
     stack_dir: Path, extra_dir: Path | None = None, after_ts: float | None = None
 ) -> dict[int, Path]:
-    """rank -> dump file: the stack folder's, else TorchTitan's dump-on-timeout folder (``titan/comm_traces/
-    rank_R``, shared by every attempt: only files written after ``after_ts``, the attempt's launch)."""
+    """rank -> dump file: the stack folder's, else TorchTitan's dump-on-timeout folder
+    (``titan/comm_traces/ rank_R``, shared by every attempt: only files written after ``after_ts``,
+    the attempt's launch)."""
     out: dict[int, Path] = {}
     if stack_dir.is_dir():
         for p in sorted(stack_dir.iterdir()):
@@ -59,10 +62,11 @@ def dumps(
 
 
 def _fix_pg_config(details: dict[str, dict[str, Any]], world: list[int]) -> None:
-    """gloo dumps (torch 2.13) carry ``pg_config = {'': {ranks: '[]'}}``: no group names, no members.
-    Rebuild it from the entries: the default group (``'0'``) holds every rank of the attempt; another
-    group holds the ranks whose dumps recorded an operation in it (an assumption: a member stuck before
-    its first operation there is not seen). NCCL dumps carry a real config and are left alone."""
+    """gloo dumps (torch 2.13) carry ``pg_config = {'': {ranks: '[]'}}``: no group names, no
+    members. Rebuild it from the entries: the default group (``'0'``) holds every rank of the
+    attempt; another group holds the ranks whose dumps recorded an operation in it (an assumption: a
+    member stuck before its first operation there is not seen). NCCL dumps carry a real config and
+    are left alone."""
     members: dict[str, set[int]] = {}
     for d in details.values():
         for e in d.get("entries", []):
@@ -81,8 +85,8 @@ def _fix_pg_config(details: dict[str, dict[str, Any]], world: list[int]) -> None
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """Flight-recorder dumps are pickles of plain dicts, lists, strings and numbers: refuse anything that
-    names a class or function (a run directory from elsewhere is not trusted to run code)."""
+    """Flight-recorder dumps are pickles of plain dicts, lists, strings and numbers: refuse anything
+    that names a class or function (a run directory from elsewhere is not trusted to run code)."""
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"flight-recorder dump refers to {module}.{name}: refused")
@@ -102,7 +106,8 @@ def analyse(
     extra_dir: Path | None = None,
     after_ts: float | None = None,
 ) -> dict[str, Any] | None:
-    """None without dumps; else what torch's analyser says (mismatches, missing ranks), per-rank last op."""
+    """None without dumps; else what torch's analyser says (mismatches, missing ranks), per-rank
+    last op."""
     found = dumps(stack_dir, extra_dir, after_ts)
     if not found:
         return None
@@ -194,8 +199,8 @@ def analyse(
             if not row["missing_ranks"] and c.collective_seq_id <= done.get(
                 str(c.pg_desc).split(":")[0], -1
             ):
-                # completed on every rank: torch's complaint is about how it was recorded (gloo's all_gather
-                # sizes), not about the hang
+                # completed on every rank: torch's complaint is about how it was recorded (gloo's
+                # all_gather sizes), not about the hang
                 out["ignored"].append(row)
             else:
                 out["mismatches"].append(row)

@@ -86,7 +86,8 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def incidents_of(report: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """The incident rows to list and mark, and where they came from (``incidents`` or ``findings``)."""
+    """The incident rows to list and mark, and where they came from (``incidents`` or
+    ``findings``)."""
     inc = report.get("incidents")
     if isinstance(inc, list):
         return [i for i in inc if isinstance(i, dict)], "incidents"
@@ -134,7 +135,8 @@ def _where(i: dict[str, Any]) -> str:
 
 
 def _ts_to_step(metrics: list[dict[str, Any]]) -> Callable[[Any], float | None]:
-    """Map a wall-clock time onto the step axis through the records' own ``ts`` (when they have one)."""
+    """Map a wall-clock time onto the step axis through the records' own ``ts`` (when they have
+    one)."""
     pts = sorted(
         (float(r["ts"]), float(r["step"]))
         for r in metrics
@@ -194,7 +196,8 @@ MAX_POINTS = (
 
 
 def _thin(seg: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """At most ~MAX_POINTS points: per bucket keep the min and the max (spikes stay visible) and the ends."""
+    """At most ~MAX_POINTS points: per bucket keep the min and the max (spikes stay visible) and the
+    ends."""
     if len(seg) <= MAX_POINTS:
         return seg
     size = -(-len(seg) // (MAX_POINTS // 2))
@@ -239,7 +242,8 @@ def chart(
     sx = lambda x: PAD_L + (x - x0) / (x1 - x0) * pw  # noqa: E731
     sy = lambda y: PAD_T + (1 - (y - y0) / (y1 - y0)) * ph  # noqa: E731
     o = [
-        f'<svg class="chart" id="{_e(cid)}" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" '
+        f'<svg class="chart" id="{_e(cid)}" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} '
+        f'{H}" '
         f'width="{W}" height="{H}" role="img" aria-label="{_e(title)}">',
         f'<text x="{PAD_L}" y="16" class="ctitle">{_e(title)}</text>',
         f'<rect x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" class="plot"/>',
@@ -248,13 +252,16 @@ def chart(
         y = sy(t)
         o.append(
             f'<line x1="{PAD_L}" x2="{PAD_L + pw}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
-            f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" class="tick" text-anchor="end">{_e(_fmt(t))}</text>'
+            f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" class="tick" '
+            f'text-anchor="end">{_e(_fmt(t))}</text>'
         )
     for t in _ticks(x0, x1, 8):
         x = sx(t)
         o.append(
-            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T + ph}" y2="{PAD_T + ph + 4}" class="axis"/>'
-            f'<text x="{x:.1f}" y="{PAD_T + ph + 16}" class="tick" text-anchor="middle">{_e(_fmt(t))}</text>'
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T + ph}" y2="{PAD_T + ph + 4}" '
+            'class="axis"/>'
+            f'<text x="{x:.1f}" y="{PAD_T + ph + 16}" class="tick" '
+            f'text-anchor="middle">{_e(_fmt(t))}</text>'
         )
     o.append(
         f'<text x="{PAD_L + pw / 2:.0f}" y="{H - 4}" class="tick" text-anchor="middle">step</text>'
@@ -270,10 +277,12 @@ def chart(
         slot = _slot(placed, x)
         colour = SEVERITY_COLOUR.get(str(m.get("severity")), "#555")
         o.append(
-            f'<g class="incident-marker" data-incident="{_e(m["id"])}"><title>{_e(m["tip"])}</title>'
+            '<g class="incident-marker" '
+            f'data-incident="{_e(m["id"])}"><title>{_e(m["tip"])}</title>'
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{PAD_T + ph}" stroke="{colour}" '
             f'stroke-width="1.5" stroke-dasharray="4 3"/>'
-            f'<text x="{x + 3:.1f}" y="{PAD_T + 11 + 11 * slot}" fill="{colour}" class="mlabel">{_e(m["label"])}</text></g>'
+            f'<text x="{x + 3:.1f}" y="{PAD_T + 11 + 11 * slot}" fill="{colour}" '
+            f'class="mlabel">{_e(m["label"])}</text></g>'
         )
     legend_x = PAD_L + pw - sum(8 + 7 * len(label) + 14 for label in series)
     for n, (label, pts) in enumerate(series.items()):
@@ -282,20 +291,24 @@ def chart(
         for seg in _segments([(x, y) for x, y in good if y is not None]):
             if len(seg) == 1:
                 o.append(
-                    f'<circle cx="{sx(seg[0][0]):.1f}" cy="{sy(seg[0][1]):.1f}" r="2.5" fill="{colour}"/>'
+                    f'<circle cx="{sx(seg[0][0]):.1f}" cy="{sy(seg[0][1]):.1f}" r="2.5" '
+                    f'fill="{colour}"/>'
                 )
             else:
                 d = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in seg)
                 o.append(
-                    f'<polyline class="series" points="{d}" fill="none" stroke="{colour}" stroke-width="1.6">'
+                    f'<polyline class="series" points="{d}" fill="none" stroke="{colour}" '
+                    'stroke-width="1.6">'
                     f"<title>{_e(label)}</title></polyline>"
                 )
         for x, y in pts:
             if _nonfinite(y):
                 cx, cy = sx(x), PAD_T + 6
                 o.append(
-                    f'<g class="nonfinite"><title>{_e(label)}: {_e(y)} at step {_e(_fmt(x))}</title>'
-                    f'<path d="M{cx - 4:.1f},{cy - 4:.1f} L{cx + 4:.1f},{cy + 4:.1f} M{cx - 4:.1f},{cy + 4:.1f} '
+                    f'<g class="nonfinite"><title>{_e(label)}: {_e(y)} at step '
+                    f"{_e(_fmt(x))}</title>"
+                    f'<path d="M{cx - 4:.1f},{cy - 4:.1f} L{cx + 4:.1f},{cy + 4:.1f} '
+                    f"M{cx - 4:.1f},{cy + 4:.1f} "
                     f'L{cx + 4:.1f},{cy - 4:.1f}" stroke="{colour}" stroke-width="2"/></g>'
                 )
         o.append(
@@ -321,7 +334,8 @@ def timeline_strip(report: dict[str, Any], incidents: list[dict[str, Any]]) -> s
     w, h, pl, pr = W, 70, PAD_L, PAD_R
     sx = lambda t: pl + (t - t0) / (t1 - t0) * (w - pl - pr)  # noqa: E731
     o = [
-        f'<svg class="chart" id="chart-time" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" '
+        f'<svg class="chart" id="chart-time" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} '
+        f'{h}" '
         f'width="{w}" height="{h}" role="img" aria-label="incidents over time">',
         f'<text x="{pl}" y="14" class="ctitle">incidents over wall-clock time</text>',
         f'<line x1="{pl}" x2="{w - pr}" y1="40" y2="40" class="axis"/>',
@@ -341,22 +355,26 @@ def timeline_strip(report: dict[str, Any], incidents: list[dict[str, Any]]) -> s
         dx = 22 * _slot(placed, x)  # labels of incidents at (nearly) the same time side by side
         te = _num(i.get("ts_end"))
         band = (
-            f'<rect x="{x:.1f}" y="33" width="{max(sx(te) - x, 2):.1f}" height="14" fill="{colour}" opacity="0.35"/>'
+            f'<rect x="{x:.1f}" y="33" width="{max(sx(te) - x, 2):.1f}" height="14" '
+            f'fill="{colour}" opacity="0.35"/>'
             if te is not None and te > t
             else ""
         )
         o.append(
             f'<g class="incident-marker" data-incident="{_e(i.get("id", n + 1))}">'
-            f"<title>{_e(_label(n))} {_e(i.get('kind'))}: {_e(i.get('title'))} ({_e(_when(t))})</title>{band}"
+            f"<title>{_e(_label(n))} {_e(i.get('kind'))}: {_e(i.get('title'))} "
+            f"({_e(_when(t))})</title>{band}"
             f'<circle cx="{x:.1f}" cy="40" r="5" fill="{colour}"/>'
-            f'<text x="{x + dx:.1f}" y="28" fill="{colour}" class="mlabel" text-anchor="middle">{_e(_label(n))}</text></g>'
+            f'<text x="{x + dx:.1f}" y="28" fill="{colour}" class="mlabel" '
+            f'text-anchor="middle">{_e(_label(n))}</text></g>'
         )
     o.append("</svg>")
     return "".join(o)
 
 
 def _slot(placed: list[float], x: float, near: float = 16) -> int:
-    """How many labels already sit within ``near`` px of x (so the next one moves aside); records x."""
+    """How many labels already sit within ``near`` px of x (so the next one moves aside); records
+    x."""
     k = sum(1 for p in placed if abs(p - x) < near)
     placed.append(x)
     return k
@@ -385,7 +403,10 @@ ul.ev{margin:0;padding-left:16px} ul.ev li{white-space:pre-wrap;word-break:break
 
 def _incident_table(incidents: list[dict[str, Any]], href: Callable[[str], str | None]) -> str:
     if not incidents:
-        return '<p id="no-incidents">No incidents: nothing went wrong that the monitors or the supervisor saw.</p>'
+        return (
+            '<p id="no-incidents">No incidents: nothing went wrong that the monitors or the '
+            "supervisor saw.</p>"
+        )
     rows = []
     for n, i in enumerate(incidents):
         sev = str(i.get("severity") or "")
@@ -406,7 +427,8 @@ def _incident_table(incidents: list[dict[str, Any]], href: Callable[[str], str |
             f'<td><ul class="ev">{evidence}</ul></td><td>{book}</td></tr>'
         )
     return (
-        '<table id="incidents"><thead><tr><th>#</th><th>severity</th><th>kind</th><th>what</th><th>where</th>'
+        "<table "
+        'id="incidents"><thead><tr><th>#</th><th>severity</th><th>kind</th><th>what</th><th>where</th>'
         "<th>when</th><th>evidence</th><th>runbook</th></tr></thead><tbody>"
         + "".join(rows)
         + "</tbody></table>"
@@ -422,7 +444,8 @@ def _timeline_table(timeline: Iterable[dict[str, Any]]) -> str:
     if not rows:
         return ""
     return (
-        '<details id="timeline"><summary>Timeline (every event)</summary><table><thead><tr><th>when</th>'
+        '<details id="timeline"><summary>Timeline (every '
+        "event)</summary><table><thead><tr><th>when</th>"
         "<th>step</th><th>kind</th><th>what</th><th>runbook</th></tr></thead><tbody>"
         + rows
         + "</tbody></table></details>"
@@ -477,20 +500,25 @@ def render(
     fallback = (
         ""
         if source == "incidents"
-        else '<p class="muted">This report has no incident grouping; each finding is listed as its own row.</p>'
+        else '<p class="muted">This report has no incident grouping; each finding is listed as '
+        "its own row.</p>"
     )
     page = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>ptops diagnose: {_e(report.get('run_dir'))}</title><style>{CSS}</style></head><body>",
+        "<title>ptops diagnose: "
+        f"{_e(report.get('run_dir'))}</title><style>{CSS}</style></head><body>",
         f"<h1>ptops diagnose: {_e(report.get('run_dir'))}</h1>",
-        f'<p class="meta">recipe <b>{_e(report.get("recipe") or "?")}</b> · state <b>{_e(s.get("state"))}</b>'
-        f" · attempts <b>{_e(s.get('attempts'))}</b> · last step <b>{_e(report.get('last_step'))}</b>"
+        f'<p class="meta">recipe <b>{_e(report.get("recipe") or "?")}</b> · state '
+        f"<b>{_e(s.get('state'))}</b>"
+        f" · attempts <b>{_e(s.get('attempts'))}</b> · last step "
+        f"<b>{_e(report.get('last_step'))}</b>"
         f" · ranks <b>{_e(','.join(str(r) for r in report.get('ranks') or []) or '-')}</b>"
         f" · last good checkpoint step <b>{_e(s.get('last_checkpoint_step'))}</b></p>",
         f'<p class="meta">{_e(s.get("reason") or "")}</p>' if s.get("reason") else "",
-        f'<p class="meta">events: {counts} · from {_e(_when(s.get("first_ts")))} to {_e(_when(s.get("last_ts")))}'
+        f'<p class="meta">events: {counts} · from {_e(_when(s.get("first_ts")))} to '
+        f"{_e(_when(s.get('last_ts')))}"
         f" · monitors config: {_e(report.get('config'))}</p>",
         notes,
         f"<h2>Incidents ({len(incidents)})</h2>",
@@ -499,11 +527,14 @@ def render(
         "<h2>Curves</h2>",
         timeline_strip(report, incidents),
         "".join(charts) or '<p class="muted">No metrics recorded.</p>',
-        '<p class="muted">Dashed lines: incidents (hover for what). Crosses on the top edge: NaN/Inf values. '
-        "Loss, grad norm and RL curves: the lowest rank, one line per attempt (a rollback or restart starts a new "
+        '<p class="muted">Dashed lines: incidents (hover for what). Crosses on the top edge: '
+        "NaN/Inf values. "
+        "Loss, grad norm and RL curves: the lowest rank, one line per attempt (a rollback or "
+        "restart starts a new "
         "line); step time: one line per rank.</p>",
         _timeline_table(report.get("timeline") or []),
-        '<p class="muted">Generated by ptops diagnose --html. Self-contained: no scripts, no network.</p>',
+        '<p class="muted">Generated by ptops diagnose --html. Self-contained: no scripts, no '
+        "network.</p>",
         "</body></html>",
     ]
     return "\n".join(p for p in page if p)

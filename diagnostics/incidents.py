@@ -83,7 +83,10 @@ def _action(events: list[dict[str, Any]], ts: Any) -> str | None:
     if k == "stopped":
         return f"stopped ({e.get('reason') or 'signal'})"
     if k == "exclude_node":
-        return f"asked to exclude host {e.get('host')} (rank {e.get('rank')}; acted: {e.get('acted', False)})"
+        return (
+            f"asked to exclude host {e.get('host')} (rank {e.get('rank')}; acted: "
+            f"{e.get('acted', False)})"
+        )
     return None
 
 
@@ -295,7 +298,8 @@ class _Builder:
         )
         odd = (st or {}).get("odd")
         ev = [
-            f"silent {_f(e.get('silent_s'))} s (budget {_f(e.get('timeout_s'))} s, {e.get('phase') or 'step'}"
+            f"silent {_f(e.get('silent_s'))} s (budget {_f(e.get('timeout_s'))} s, "
+            f"{e.get('phase') or 'step'}"
             f"{', ' + str(e.get('why')) if e.get('why') else ''})"
         ]
         if st:
@@ -303,7 +307,8 @@ class _Builder:
                 where = g["frame"] or g["note"] or "?"
                 tag = " (in a collective)" if g["in_collective"] else ""
                 ev.append(
-                    f"rank(s) {','.join(map(str, g['ranks']))}: {where}{tag} [{', '.join(g['sources'])}]"
+                    f"rank(s) {','.join(map(str, g['ranks']))}: {where}{tag} "
+                    f"[{', '.join(g['sources'])}]"
                 )
         else:
             ev.append(f"no stacks in stacks/attempt-{attempt}/")
@@ -312,12 +317,16 @@ class _Builder:
         who = odd["ranks"] if odd else blamed
         if odd and odd["frame"]:
             title = (
-                f"hang in attempt {attempt} at step {step}: rank {','.join(map(str, odd['ranks']))} stuck in "
+                f"hang in attempt {attempt} at step {step}: rank "
+                f"{','.join(map(str, odd['ranks']))} stuck in "
                 f"{odd['frame']}"
                 + (" while the others wait in a collective" if len(st["groups"]) > 1 else "")
             )
         else:
-            title = f"hang in attempt {attempt} at step {step}: rank(s) {','.join(map(str, blamed)) or '?'} silent"
+            title = (
+                f"hang in attempt {attempt} at step {step}: rank(s) "
+                f"{','.join(map(str, blamed)) or '?'} silent"
+            )
         self.add(
             "hang",
             title,
@@ -425,7 +434,8 @@ class _Builder:
                 else _action(self.events, e.get("ts"))
             )
             sev, rb = "critical", self.runbooks.get("checkpoint_invalid")
-            # one damaged checkpoint is one incident: found in the background first, set aside at the restart
+            # one damaged checkpoint is one incident: found in the background first, set aside at
+            # the restart
             same = next(
                 (
                     i
@@ -638,7 +648,8 @@ class _Builder:
         )
 
     def _rl(self, ep, attempt) -> None:
-        # an episode's all-clear (phase "resolved") ends it; the incident is the warning/escalation before it
+        # an episode's all-clear (phase "resolved") ends it; the incident is the warning/escalation
+        # before it
         clear = next((f for f in ep if f.get("phase") == "resolved"), None)
         body = [f for f in ep if f.get("phase") != "resolved"] or ep
         s0, s1, t0, t1, sev = self._span(body)

@@ -92,7 +92,8 @@ def _x_events(trace: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def rank_steps(trace: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
-    """One rank's steps: ``{step: {wall_s, compute_s, collectives_s, data_s, by_kind: {kind: s}}}``."""
+    """One rank's steps: ``{step: {wall_s, compute_s, collectives_s, data_s, by_kind: {kind:
+    s}}}``."""
     events = _x_events(trace)
     steps = [e for e in events if e["name"].startswith(STEP_PREFIX)]
     if not steps:
@@ -242,9 +243,11 @@ def analyse(traces: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "per_step": {str(r): {str(s): _rounded(per[r][s]) for s in sorted(per[r])} for r in ranks},
         **verdict,
         "definitions": {
-            "compute": "training thread outside collectives and data loading: operators, Python, sleeps",
+            "compute": "training thread outside collectives and data loading: operators, Python, "
+            "sleeps",
             "communication": "inside collectives, the least any rank spent in that step",
-            "waiting": "inside collectives beyond the least any rank spent in that step (waiting for peers)",
+            "waiting": "inside collectives beyond the least any rank spent in that step (waiting "
+            "for peers)",
             "data": "inside ptops/data ranges (fetching the batch)",
         },
     }
@@ -310,7 +313,8 @@ def _verdict(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             r["outside_collectives_s"] for r in per_rank
         )
         out["verdict"] = (
-            f"no slow rank (outside collectives the ranks are within {spread:.3f} s/step of each other); "
+            f"no slow rank (outside collectives the ranks are within {spread:.3f} s/step of each "
+            "other); "
             f"the step goes mostly to {_words(biggest)} ({share:.0%})"
         )
     else:
@@ -363,11 +367,13 @@ def render(report: Mapping[str, Any]) -> str:
     steps: list[int] = list(report.get("steps") or [])
     span = f"steps {steps[0]}..{steps[-1]} ({len(steps)})" if steps else "no steps"
     lines = [
-        f"profile {report.get('id', '?')}: {span}, ranks {', '.join(map(str, report.get('ranks', [])))}; "
+        f"profile {report.get('id', '?')}: {span}, ranks "
+        f"{', '.join(map(str, report.get('ranks', [])))}; "
         "seconds per step (share of the step)"
     ]
     lines.append(
-        f"{'rank':>4}  {'step':>7}  {'compute':>14}  {'communication':>14}  {'waiting':>14}  {'data':>14}"
+        f"{'rank':>4}  {'step':>7}  {'compute':>14}  {'communication':>14}  {'waiting':>14}  "
+        f"{'data':>14}"
     )
     for r in report.get("per_rank", []):
         step = r["step_s"] or 0.0
@@ -376,7 +382,8 @@ def render(report: Mapping[str, Any]) -> str:
             return f"{v:7.3f} {v / step:5.0%}" if step > 0 else f"{v:7.3f}      "
 
         lines.append(
-            f"{r['rank']:>4}  {step:7.3f}  {cell(r['compute_s']):>14}  {cell(r['communication_s']):>14}  "
+            f"{r['rank']:>4}  {step:7.3f}  {cell(r['compute_s']):>14}  "
+            f"{cell(r['communication_s']):>14}  "
             f"{cell(r['waiting_s']):>14}  {cell(r['data_s']):>14}"
         )
     lines.append(str(report.get("verdict", "")))

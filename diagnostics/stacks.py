@@ -89,7 +89,8 @@ class RankStack:
 
 
 def _short(path: str) -> str:
-    """Path without the machine's prefix: from the package root (site-packages/, ptops folders) on."""
+    """Path without the machine's prefix: from the package root (site-packages/, ptops folders)
+    on."""
     p = path.replace("\\", "/")
     if "site-packages/" in p:
         return p.split("site-packages/", 1)[1]
@@ -163,7 +164,8 @@ def read_attempt(stack_dir: Path) -> dict[int, RankStack]:
 
 
 def analyse(stack_dir: Path, blamed: list[int] | None = None) -> dict[str, Any] | None:
-    """Ranks grouped by identical main-thread stack and the odd rank(s) out; None without stack files.
+    """Ranks grouped by identical main-thread stack and the odd rank(s) out; None without stack
+    files.
 
     The odd group: the one not waiting in a collective when the others are (everyone waits for it),
     else the smallest group; a tie goes to the ranks the hang event blamed.

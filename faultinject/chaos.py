@@ -1,4 +1,5 @@
-"""Chaos scenarios: inject a fault into a real supervised run and check it heals to the fault-free result.
+"""Chaos scenarios: inject a fault into a real supervised run and check it heals to the fault-free
+result.
 
 A scenario is a recipe, one or more fault specs and the event kinds that count as
 the fault being *detected*. For each scenario the runner:
@@ -96,18 +97,19 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # transient (attempt 1 only): replaying the same data is the comparison that can be bit-identical.
 KIND_SETS: dict[str, tuple[str, ...]] = {
     "nan": ("monitors.rollback.skip_batches=0",),
-    # a crash's restart should be a fast one: its ranks forked from the warm pool, which `auto` leaves off on
-    # small boxes; a restart that went cold although the pool was on is a problem (``cold_restarts``)
+    # a crash's restart should be a fast one: its ranks forked from the warm pool, which `auto`
+    # leaves off on small boxes; a restart that went cold although the pool was on is a problem
+    # (``cold_restarts``)
     "crash": ("supervisor.restart.warm_spare=true",),
 }
-# why a launch of a run that keeps a warm pool may still start cold (the launch event's cold_why); any other
-# reason (the pool exited, or never became ready) is a failed fast restart
+# why a launch of a run that keeps a warm pool may still start cold (the launch event's cold_why);
+# any other reason (the pool exited, or never became ready) is a failed fast restart
 COLD_OK = ("no_pool", "pool_not_started", "pool_declined", "stopping")
 ALL_KINDS = tuple(KIND_SCENARIOS)
 # The default matrix: every fault kind on these tiny recipes (TorchTitan and TRL's SFT, DPO and GRPO
-# trainers; each kind applies to both engines: the faults act through the probe and the checkpoint layer,
-# which both adapters share). Not every shipped tiny recipe: the others run with ``--recipe NAME``.
-# ``ptops chaos --help`` names these from this tuple (tests/test_chaos.py checks it).
+# trainers; each kind applies to both engines: the faults act through the probe and the checkpoint
+# layer, which both adapters share). Not every shipped tiny recipe: the others run with ``--recipe
+# NAME``. ``ptops chaos --help`` names these from this tuple (tests/test_chaos.py checks it).
 TINY_RECIPES = ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny")
 DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES}
 
@@ -117,7 +119,8 @@ def default_recipes_help() -> str:
     names = list(DEFAULT_MATRIX)
     return (
         f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: "
-        f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops recipes` "
+        f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops "
+        "recipes` "
         "lists, with --recipe NAME)."
     )
 
@@ -205,7 +208,8 @@ def scenario_for(
     if faults is None:
         if kind not in KIND_SCENARIOS:
             raise ScenarioError(
-                f"unknown scenario kind {kind!r} (expected one of: {', '.join(ALL_KINDS)}, or a fault spec)"
+                f"unknown scenario kind {kind!r} (expected one of: {', '.join(ALL_KINDS)}, or a "
+                "fault spec)"
             )
         faults = RECIPE_OVERRIDES.get((recipe, kind), KIND_SCENARIOS[kind][0])
         detect = KIND_SCENARIOS[kind][1]
@@ -225,7 +229,8 @@ def scenario_for(
 
 
 def _resolve(recipe: str) -> tuple[str, str]:
-    """``titan-tiny``, ``recipes/titan-tiny.toml`` or an absolute path -> (short name, file): the launch's resolver."""
+    """``titan-tiny``, ``recipes/titan-tiny.toml`` or an absolute path -> (short name, file): the
+    launch's resolver."""
     from ptops.recipes.schema import RecipeError, resolve
 
     try:
@@ -275,7 +280,8 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
             )
         if not what:
             raise ScenarioError(
-                f"--scenario {s!r}: expected RECIPE/KIND, KIND or a fault spec (e.g. titan-tiny/crash)"
+                f"--scenario {s!r}: expected RECIPE/KIND, KIND or a fault spec (e.g. "
+                "titan-tiny/crash)"
             )
         for rec in targets:
             if ":" in what:
@@ -324,7 +330,8 @@ def analyze(
     """Pure: timings and data checks from a run's records (see the module docstring)."""
     out: dict[str, Any] = {}
     view = reduce(events)
-    # a hold is a pause some scenarios take before their fault, not the fault: timings start at the fault
+    # a hold is a pause some scenarios take before their fault, not the fault: timings start at the
+    # fault
     faults = [
         e
         for e in events
@@ -336,7 +343,8 @@ def analyze(
     launches = [e for e in events if e.get("kind") == EventKind.LAUNCH]
     out["ranks_from"] = [str(e.get("ranks_from") or "cold") for e in launches]
     out["cold_restarts"] = [
-        f"attempt {e.get('attempt')} started cold although the run keeps a warm pool ({e.get('cold_why')}: "
+        f"attempt {e.get('attempt')} started cold although the run keeps a warm pool "
+        f"({e.get('cold_why')}: "
         f"{e.get('cold_detail', '')})"
         for e in launches
         if e.get("warm_pool") and e.get("ranks_from") == "cold" and e.get("cold_why") not in COLD_OK
@@ -430,7 +438,8 @@ class Runner:
         self.baselines: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
 
     def _wait(self, proc: subprocess.Popen, run_dir: Path, label: str) -> int:
-        """Wait for the launch, with a progress line from the run's status.json every PROGRESS_EVERY_S."""
+        """Wait for the launch, with a progress line from the run's status.json every
+        PROGRESS_EVERY_S."""
         deadline = time.monotonic() + self.launch_timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -526,7 +535,8 @@ class Runner:
             res.exit_codes.append(rc)
             if rc in RELAUNCH_CODES and res.launches <= MAX_RELAUNCHES:
                 self.progress(
-                    f"{sc.name}: launch exited {rc} ({_why(rc)}); relaunching the same command to resume"
+                    f"{sc.name}: launch exited {rc} ({_why(rc)}); relaunching the same command "
+                    "to resume"
                 )
                 continue
             break
@@ -588,7 +598,8 @@ class Runner:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to the launch's process group (the supervisor tears its job down), SIGKILL after 30 s."""
+    """SIGINT to the launch's process group (the supervisor tears its job down), SIGKILL after 30
+    s."""
     try:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=30)
@@ -634,8 +645,10 @@ def summary_line(r: Result) -> str:
     verdict = "PASS" if r.passed else "FAIL"
     dig = {True: "digest = baseline", False: "digest DIFFERS", None: "digest ?"}[r.digest_equal]
     line = (
-        f"{verdict}  detect {_fmt_s(r.detect_s)} ({r.detected_by or 'none'}), recover {_fmt_s(r.recover_s)}, "
-        f"recomputed {r.steps_recomputed}, {dig}, {'no lost data' if r.no_lost_data else 'DATA LOST'}, {r.wall_s:.0f} s"
+        f"{verdict}  detect {_fmt_s(r.detect_s)} ({r.detected_by or 'none'}), recover "
+        f"{_fmt_s(r.recover_s)}, "
+        f"recomputed {r.steps_recomputed}, {dig}, "
+        f"{'no lost data' if r.no_lost_data else 'DATA LOST'}, {r.wall_s:.0f} s"
     )
     if r.problems:
         line += "; " + "; ".join(r.problems)

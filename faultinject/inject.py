@@ -170,8 +170,9 @@ class Injector:
                 getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
 
     def on_startup(self, section: str) -> None:
-        """``probe.startup(section)``: a ``hang:phase=SECTION`` fault stops the rank in that start-up section;
-        ``misrendezvous`` acts at ``import`` (before the engine and its process group)."""
+        """``probe.startup(section)``: a ``hang:phase=SECTION`` fault stops the rank in that
+        start-up section; ``misrendezvous`` acts at ``import`` (before the engine and its process
+        group)."""
 
         def due(f: Fault) -> bool:
             return (f.kind == "hang" and f.params.get("phase") == section) or (
@@ -299,8 +300,8 @@ class Injector:
         )
 
     def _misrendezvous(self, f: Fault, step: int) -> None:
-        """A rank whose rendezvous endpoint fell back to localhost: its own store on a free port, world
-        size 1. The probe keeps the launcher's world size, so the supervisor sees the mismatch
+        """A rank whose rendezvous endpoint fell back to localhost: its own store on a free port,
+        world size 1. The probe keeps the launcher's world size, so the supervisor sees the mismatch
         (``misconfigured``)."""
         import socket
 
@@ -418,7 +419,8 @@ def pick_victim(ckpt: Path, rank: int = 0) -> Path | None:
 
 
 def corrupt_file(path: Path, mode: str = "truncate") -> None:
-    """``truncate``: cut to half its size; ``flip``: invert FLIP_BYTES bytes in the middle (size unchanged)."""
+    """``truncate``: cut to half its size; ``flip``: invert FLIP_BYTES bytes in the middle (size
+    unchanged)."""
     size = path.stat().st_size
     with open(path, "r+b") as fh:
         if mode == "flip":
@@ -437,7 +439,8 @@ def corrupt_file(path: Path, mode: str = "truncate") -> None:
 def corrupt_checkpoint(
     run_dir: Path | None, step: int, rank: int = 0, mode: str = "truncate"
 ) -> Path | None:
-    """Damage one shard of the checkpoint of ``step`` in ``run_dir``; returns the file, or None if none."""
+    """Damage one shard of the checkpoint of ``step`` in ``run_dir``; returns the file, or None if
+    none."""
     ckpt = find_checkpoint(run_dir, step)
     if ckpt is None:
         return None

@@ -1,4 +1,5 @@
-"""The chaos report as JUnit XML, the format every CI system (GitLab CI, GitHub Actions, Jenkins) reads.
+"""The chaos report as JUnit XML, the format every CI system (GitLab CI, GitHub Actions, Jenkins)
+reads.
 
 One ``<testcase>`` per scenario (classname = recipe, name = scenario); a failed scenario is a
 ``<failure>`` whose message is its problems joined; detect / recover times and the other numbers
@@ -85,7 +86,10 @@ def to_junit(report: dict[str, Any], suite: str = "ptops chaos") -> str:
                 tc, "failure", message="; ".join(problems), type="ChaosScenarioFailed"
             )
             fail.text = "\n".join(problems)
-        out = f"{r.get('scenario')}: detect {r.get('detect_s')} s, recover {r.get('recover_s')} s, run {r.get('run_dir')}"
+        out = (
+            f"{r.get('scenario')}: detect {r.get('detect_s')} s, recover {r.get('recover_s')} "
+            f"s, run {r.get('run_dir')}"
+        )
         ET.SubElement(tc, "system-out").text = out
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

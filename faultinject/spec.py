@@ -5,10 +5,10 @@ Grammar (design.md): a kind, then optionally ``:`` and comma-separated
 fires in the first attempt only; ``attempt=0`` means every attempt) and
 ``rank=R`` (default: every rank). Keys per kind:
 
-=============  ==========================================  =========================================
-kind           keys                                        effect (rank side, see faultinject.inject)
-=============  ==========================================  =========================================
-crash          step (req), rank, attempt, code, signal,    the rank dies at the start of ``step``:
+============= ========================================== =========================================
+kind keys effect (rank side, see faultinject.inject) =============
+========================================== ========================================= crash step
+(req), rank, attempt, code, signal, the rank dies at the start of ``step``:
                phase                                       SIGKILL by default, ``code=N`` exits N,
                                                            ``signal=TERM|SEGV|...`` kills with it;
                                                            ``phase=save``: in the middle of the save
@@ -31,12 +31,12 @@ slow           step (req), rank, attempt, seconds,         the rank sleeps ``sec
 nan            step (req), rank, attempt                   the step's loss is multiplied by NaN
 oom            step (req), rank, attempt                   ``torch.OutOfMemoryError`` (MemoryError
                                                            without torch) at the start of ``step``
-preempt        step (req), attempt                         SIGTERM to the job as a scheduler sends it
+preempt step (req), attempt SIGTERM to the job as a scheduler sends it
                                                            before a time limit: rank 0 signals the
                                                            supervisor (which asks the ranks to save,
                                                            stops, exits 143; relaunching resumes) or,
                                                            unsupervised, torchrun, at ``step``'s start
-kill-supervisor step (req), attempt                        rank 0 SIGKILLs the supervisor at the start
+kill-supervisor step (req), attempt rank 0 SIGKILLs the supervisor at the start
                                                            of ``step`` (the ranks die with it;
                                                            relaunching adopts the run). No effect
                                                            without a supervisor
@@ -44,7 +44,7 @@ enospc         step (req), rank, attempt                   ``OSError(ENOSPC)`` f
                                                            ``probe.phase("checkpoint", step)``, i.e.
                                                            inside the adapter's save (every rank by
                                                            default: a full disk is everyone's)
-corrupt-ckpt   step (req), rank, attempt, mode             after the checkpoint of ``step`` is written
+corrupt-ckpt step (req), rank, attempt, mode after the checkpoint of ``step`` is written
                                                            (committed), one rank (default 0) damages
                                                            one shard: its own DCP shard
                                                            ``__R_0.distcp`` when there is one, else the
@@ -77,7 +77,7 @@ slow-save      step (req), rank, attempt, seconds, until   slow storage: the com
                                                            save was skipped because this one was
                                                            still writing (at most ``seconds``,
                                                            default 600 then; async saves only)
-misrendezvous  rank, attempt (no step)                     launch only: before the engine is imported
+misrendezvous rank, attempt (no step) launch only: before the engine is imported
                                                            (so before its process group init) the
                                                            rank points its rendezvous at a store of
                                                            its own on localhost, world size 1, as a
@@ -151,7 +151,8 @@ HOLD_PHASES = (
 )  # eval: the pause is declared as the engine's evaluation (its own hang budget)
 # Kinds that only make sense in a live run (``ptops inject``), not at launch.
 LIVE_ONLY_KINDS = ("release",)
-# Kinds that act before the first step (start-up), so only at launch: injected live they could never fire.
+# Kinds that act before the first step (start-up), so only at launch: injected live they could never
+# fire.
 LAUNCH_ONLY_KINDS = ("misrendezvous",)
 SLOW_SAVE_DEFAULT_S = 10.0  # slow-save without until
 SLOW_SAVE_UNTIL = ("skipped",)
@@ -238,7 +239,8 @@ def parse(spec: str) -> Fault:
                 )
             if key not in allowed:
                 raise FaultSpecError(
-                    f"fault {spec!r}: key '{key}': unknown key for {kind} (expected one of: {', '.join(allowed)})"
+                    f"fault {spec!r}: key '{key}': unknown key for {kind} (expected one of: "
+                    f"{', '.join(allowed)})"
                 )
             if key in values:
                 raise FaultSpecError(f"fault {spec!r}: key '{key}': given twice")
@@ -250,7 +252,8 @@ def parse(spec: str) -> Fault:
     startup_hang = kind == "hang" and values.get("phase", "step") != "step"
     if kind == "hang" and values.get("phase", "step") not in HANG_PHASES:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'phase': expected one of {', '.join(HANG_PHASES)} (got {values['phase']!r})"
+            f"fault {spec!r}: key 'phase': expected one of {', '.join(HANG_PHASES)} (got "
+            f"{values['phase']!r})"
         )
     if startup_hang and "step" in values:
         raise FaultSpecError(
@@ -282,23 +285,28 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(f"fault {spec!r}: key 'steps': must be >= 1 (got {values['steps']})")
     if kind == "hang" and values.get("mode", "sleep") not in HANG_MODES:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'mode': expected one of {', '.join(HANG_MODES)} (got {values['mode']!r})"
+            f"fault {spec!r}: key 'mode': expected one of {', '.join(HANG_MODES)} (got "
+            f"{values['mode']!r})"
         )
     if kind == "corrupt-ckpt" and values.get("mode", "truncate") not in CORRUPT_MODES:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'mode': expected one of {', '.join(CORRUPT_MODES)} (got {values['mode']!r})"
+            f"fault {spec!r}: key 'mode': expected one of {', '.join(CORRUPT_MODES)} (got "
+            f"{values['mode']!r})"
         )
     if kind == "crash" and values.get("phase", "step") not in CRASH_PHASES:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'phase': expected one of {', '.join(CRASH_PHASES)} (got {values['phase']!r})"
+            f"fault {spec!r}: key 'phase': expected one of {', '.join(CRASH_PHASES)} (got "
+            f"{values['phase']!r})"
         )
     if kind == "hold" and values.get("phase", "hold") not in HOLD_PHASES:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'phase': expected one of {', '.join(HOLD_PHASES)} (got {values['phase']!r})"
+            f"fault {spec!r}: key 'phase': expected one of {', '.join(HOLD_PHASES)} (got "
+            f"{values['phase']!r})"
         )
     if kind == "hold" and values.get("until", "release") not in HOLD_UNTIL:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got {values['until']!r})"
+            f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got "
+            f"{values['until']!r})"
         )
     if kind == "slow-save" and "until" in values and values["until"] not in SLOW_SAVE_UNTIL:
         raise FaultSpecError(
@@ -310,7 +318,8 @@ def parse(spec: str) -> Fault:
         name = name if name.startswith("SIG") else "SIG" + name
         if not isinstance(getattr(_signal, name, None), _signal.Signals):
             raise FaultSpecError(
-                f"fault {spec!r}: key 'signal': unknown signal {values['signal']!r} (e.g. KILL, TERM, SEGV)"
+                f"fault {spec!r}: key 'signal': unknown signal {values['signal']!r} (e.g. KILL, "
+                "TERM, SEGV)"
             )
         values["signal"] = name
     if "code" in values and "signal" in values:
@@ -324,7 +333,8 @@ def parse_all(specs: list[str] | tuple[str, ...]) -> list[Fault]:
     for f in faults:
         if f.kind in LIVE_ONLY_KINDS:
             raise FaultSpecError(
-                f"fault {f.text!r}: {f.kind} acts on a live run only (ptops inject RUN_DIR {f.kind}), not at launch"
+                f"fault {f.text!r}: {f.kind} acts on a live run only (ptops inject RUN_DIR "
+                f"{f.kind}), not at launch"
             )
     return faults
 

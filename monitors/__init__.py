@@ -1,4 +1,5 @@
-"""Monitors: pure functions of the metric-record stream (no ptops imports, no torch, no I/O, no clock).
+"""Monitors: pure functions of the metric-record stream (no ptops imports, no torch, no I/O, no
+clock).
 
     from ptops.monitors import MonitorsSection, build_monitors, replay
     findings = replay(records, build_monitors(MonitorsSection()))
@@ -47,7 +48,8 @@ from .straggler import StragglerMonitor
 
 
 def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
-    """Fresh monitor objects for every enabled monitor of a ``[monitors]`` section (defaults when None)."""
+    """Fresh monitor objects for every enabled monitor of a ``[monitors]`` section (defaults when
+    None)."""
     section = section or MonitorsSection()
     if not section.enabled:
         return []
@@ -63,7 +65,8 @@ def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
 
 
 class MonitorConfigError(ValueError):
-    """A monitor that cannot be built from its ``[monitors.<name>]`` settings (callers name the file)."""
+    """A monitor that cannot be built from its ``[monitors.<name>]`` settings (callers name the
+    file)."""
 
     def __init__(self, monitor: str, error: Exception):
         super().__init__(f"{type(error).__name__}: {error}")

@@ -113,11 +113,10 @@ class Finding:
 class Monitor(Protocol):
     """A monitor eats records one at a time and says what it saw.
 
-    ``feed`` must be cheap (it runs for every record of every rank), must not
-    raise on odd records (missing keys, strings, None) and must be
-    deterministic: the same records in the same order give the same findings.
-    ``reset`` forgets everything (a new run). Optional: ``feed_at(record, keys, step, rank)``, the same
-    findings from a record already parsed (see :func:`fast_entries`).
+    ``feed`` must be cheap (it runs for every record of every rank), must not raise on odd records
+    (missing keys, strings, None) and must be deterministic: the same records in the same order give
+    the same findings. ``reset`` forgets everything (a new run). Optional: ``feed_at(record, keys,
+    step, rank)``, the same findings from a record already parsed (see :func:`fast_entries`).
     """
 
     name: str
@@ -165,10 +164,10 @@ def replay(
 
 
 def fast_entries(monitors: Iterable[Monitor]) -> list:
-    """Each monitor's ``feed_at(record, keys, step, rank)`` (the record parsed once for all of them: its
-    ``keys()`` and :func:`step_and_rank`, step not None), or an adapter to ``feed(record)`` for a monitor
-    without one. ``replay`` and the supervisor's ``MonitorFeed`` call these; a record without a step goes
-    to ``feed`` (every monitor here ignores it)."""
+    """Each monitor's ``feed_at(record, keys, step, rank)`` (the record parsed once for all of them:
+    its ``keys()`` and :func:`step_and_rank`, step not None), or an adapter to ``feed(record)`` for
+    a monitor without one. ``replay`` and the supervisor's ``MonitorFeed`` call these; a record
+    without a step goes to ``feed`` (every monitor here ignores it)."""
     out = []
     for m in monitors:
         f = getattr(m, "feed_at", None)
@@ -179,8 +178,8 @@ def fast_entries(monitors: Iterable[Monitor]) -> list:
 
 
 def _feed_overridden(m: Any) -> bool:
-    """Whether ``feed`` was redefined below the class that defines ``feed_at`` (or on the object): then
-    ``feed`` is what the monitor means, and the fast entry would skip it."""
+    """Whether ``feed`` was redefined below the class that defines ``feed_at`` (or on the object):
+    then ``feed`` is what the monitor means, and the fast entry would skip it."""
     if "feed" in getattr(m, "__dict__", ()):
         return True
     mro = type(m).__mro__
@@ -209,7 +208,8 @@ _NONFINITE = {
 
 
 def number(value: Any) -> float | None:
-    """A metric value as a float: NaN/Inf strings become NaN/Inf floats; None, bools and junk become None."""
+    """A metric value as a float: NaN/Inf strings become NaN/Inf floats; None, bools and junk become
+    None."""
     t = type(value)
     if t is float:  # the common case first: this runs several times per record per monitor
         return value
@@ -250,8 +250,8 @@ def raw_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> Any:
 def finite_floats(
     record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]
 ) -> tuple:
-    """:func:`finite_of` of each spelled key, as a tuple (a shared monitor's inputs); a float under the
-    first spelling is taken without a call (the common case)."""
+    """:func:`finite_of` of each spelled key, as a tuple (a shared monitor's inputs); a float under
+    the first spelling is taken without a call (the common case)."""
     out = []
     for sp in spellings:
         v = record.get(sp[0])
@@ -289,7 +289,8 @@ def first_finite(
 
 
 def lookup(record: Mapping[str, Any], key: str) -> tuple[bool, Any]:
-    """(present, raw value) for ``key``; ``a/b/c`` also matches the adapter's sanitised ``a_b_c``."""
+    """(present, raw value) for ``key``; ``a/b/c`` also matches the adapter's sanitised
+    ``a_b_c``."""
     if key in record:
         return True, record[key]
     alt = key.replace("/", "_")
@@ -423,11 +424,13 @@ class StepSeries:
 
 
 class SortedSeries(StepSeries):
-    """A :class:`StepSeries` that also keeps its values, and the absolute step-to-step changes, sorted.
+    """A :class:`StepSeries` that also keeps its values, and the absolute step-to-step changes,
+    sorted.
 
     Why: the numeric monitors take a median or a quantile of the trailing window on every record;
     sorting 50 values per record per rank was most of their cost. Insertion and removal by bisection
-    keep the same multiset that ``sorted(values)`` would give, so medians and quantiles are bit-identical.
+    keep the same multiset that ``sorted(values)`` would give, so medians and quantiles are
+    bit-identical.
     """
 
     __slots__ = ("sorted", "diffs")
@@ -560,9 +563,10 @@ class RankedMonitor:
         return [] if step is None else self.feed_at(record, record.keys(), step, rank)
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
-        """``feed`` with what every monitor would parse given once: ``keys`` is ``record.keys()``, ``step``
-        and ``rank`` are :func:`step_and_rank`'s (``step`` not None). Why: the supervisor feeds each record
-        to every monitor; parsing it once for all (``feed_all``, ``MonitorFeed``) saves ~0.3 µs a monitor."""
+        """``feed`` with what every monitor would parse given once: ``keys`` is ``record.keys()``,
+        ``step`` and ``rank`` are :func:`step_and_rank`'s (``step`` not None). Why: the supervisor
+        feeds each record to every monitor; parsing it once for all (``feed_all``, ``MonitorFeed``)
+        saves ~0.3 µs a monitor."""
         gate = self._gate
         if gate is not None and keys.isdisjoint(gate):
             return []
@@ -581,8 +585,9 @@ class RankedMonitor:
             self._last_step[rank] = step
         return self._check(state, record, step, rank)
 
-    # Whether a record at an already-seen step means the run went back (resume, rollback): every record
-    # (None), or only one with any of these keys (a monitor fed side records, evals between steps, narrows it)
+    # Whether a record at an already-seen step means the run went back (resume, rollback): every
+    # record (None), or only one with any of these keys (a monitor fed side records, evals between
+    # steps, narrows it)
     _rewind_keys: frozenset | tuple | None = None
 
     def _emit(

@@ -48,7 +48,8 @@ class RollbackPolicy(_Strict):
     skip_batches: int = Field(
         1,
         ge=0,
-        description="data batches to skip after restoring, ending at the step that triggered the rollback "
+        description="data batches to skip after restoring, ending at the step that triggered the "
+        "rollback "
         "(0 = replay the same data; the PaLM recipe skips a few hundred around a spike)",
     )
     lr_scale: float = Field(
@@ -70,7 +71,8 @@ class StragglerConfig(_Strict):
     )
     wait_keys: list[str] = Field(
         ["wait_s"],
-        description="per-rank time spent waiting in collectives; busy = step_s - wait_s when no busy key",
+        description="per-rank time spent waiting in collectives; busy = step_s - wait_s when no "
+        "busy key",
     )
     data_keys: list[str] = Field(
         ["data_s", "data_loading_s", "time_metrics_data_loading_s", "data_load_s", "dataloader_s"],
@@ -79,9 +81,12 @@ class StragglerConfig(_Strict):
     step_key: str = Field("step_s", description="per-rank step time (fallback signal)")
     step_s_mode: Literal["wait_inferred", "busy", "off"] = Field(
         "wait_inferred",
-        description="how to read step_s when no busy/wait key exists: `wait_inferred` = in synchronous data "
-        "parallel the ranks leave the step's collectives together, so a rank whose measured step is persistently "
-        "*shorter* than the others' is the one they waited for (its slowness lies outside its measured step); "
+        description="how to read step_s when no busy/wait key exists: `wait_inferred` = in "
+        "synchronous data "
+        "parallel the ranks leave the step's collectives together, so a rank whose measured step "
+        "is persistently "
+        "*shorter* than the others' is the one they waited for (its slowness lies outside its "
+        "measured step); "
         "`busy` = step_s is busy time (ranks not synchronised per step); `off` = ignore step_s",
     )
     margin: float = Field(
@@ -95,12 +100,14 @@ class StragglerConfig(_Strict):
     min_excess_s: float = Field(
         0.05,
         ge=0,
-        description="and the median absolute excess must be at least this many seconds (noise floor)",
+        description="and the median absolute excess must be at least this many seconds (noise "
+        "floor)",
     )
     lag_steps: int = Field(
         2,
         ge=1,
-        description="score a step once every known rank reported it, or once any rank is this many steps past it",
+        description="score a step once every known rank reported it, or once any rank is this "
+        "many steps past it",
     )
 
 
@@ -112,7 +119,8 @@ class NanConfig(_Strict):
     keys: list[str] = Field(["loss", "grad_norm"], description="keys checked for NaN/Inf")
     none_after_numeric: bool = Field(
         True,
-        description="treat None as NaN for a key that held numbers earlier on that rank (TRL logs None when all values were NaN)",
+        description="treat None as NaN for a key that held numbers earlier on that rank (TRL "
+        "logs None when all values were NaN)",
     )
 
 
@@ -135,16 +143,19 @@ class LossSpikeConfig(_Strict):
     z_threshold: float = Field(
         6.0,
         gt=0,
-        description="(x - level) / (1.4826 * noise) at or above this is a spike (noise: median |step-to-step change| / sqrt 2)",
+        description="(x - level) / (1.4826 * noise) at or above this is a spike (noise: median "
+        "|step-to-step change| / sqrt 2)",
     )
     min_rel_jump: float = Field(
         0.1,
         ge=0,
-        description="and x must exceed the level by this fraction of |level| (guards flat, noiseless curves)",
+        description="and x must exceed the level by this fraction of |level| (guards flat, "
+        "noiseless curves)",
     )
     skip_rl: bool = Field(
         True,
-        description="stand down on records with a `reward` key: a GRPO/PPO loss is ~0 and sign-changing, not a descent objective",
+        description="stand down on records with a `reward` key: a GRPO/PPO loss is ~0 and "
+        "sign-changing, not a descent objective",
     )
 
 
@@ -167,7 +178,8 @@ class GradExplosionConfig(_Strict):
         0.75,
         gt=0,
         le=1,
-        description="reference = this quantile of the trailing window (0.5 = median); above the median so that "
+        description="reference = this quantile of the trailing window (0.5 = median); above the "
+        "median so that "
         "near-zero-gradient steps (GRPO groups with zero reward variance) do not drag it down",
     )
     ratio: float = Field(10.0, gt=1, description="grad norm >= ratio x reference is an explosion")
@@ -177,7 +189,8 @@ class GradExplosionConfig(_Strict):
 
 
 class EntropyCollapseConfig(_Strict):
-    """Policy entropy against its early level, with a forecast of where its trend goes (see rl.py)."""
+    """Policy entropy against its early level, with a forecast of where its trend goes (see
+    rl.py)."""
 
     enabled: bool = True
     action: Action = "alert"
@@ -204,14 +217,17 @@ class EntropyCollapseConfig(_Strict):
     short_window: int = Field(
         5,
         ge=3,
-        description="momentum: the values already under project_gate_frac x early level (less the first two, "
+        description="momentum: the values already under project_gate_frac x early level (less "
+        "the first two, "
         "the drop itself; up to `window`) must be at least this many ...",
     )
     momentum_t: float = Field(
         2.5,
         gt=0,
-        description="... and still fall, significantly (slope <= -momentum_t standard errors) and fast enough "
-        "to reach the threshold within the horizon: a dip that dropped and stopped has a flat bottom there",
+        description="... and still fall, significantly (slope <= -momentum_t standard errors) "
+        "and fast enough "
+        "to reach the threshold within the horizon: a dip that dropped and stopped has a flat "
+        "bottom there",
     )
     horizon: int = Field(50, ge=1, description="steps ahead the forecast looks")
     floor_frac: float = Field(
@@ -233,7 +249,8 @@ class EntropyCollapseConfig(_Strict):
         0.5,
         gt=0,
         le=1,
-        description="all-clear: the level is back above this x early level and nothing is forecast ...",
+        description="all-clear: the level is back above this x early level and nothing is "
+        "forecast ...",
     )
     clear_steps: int = Field(
         10, ge=1, description="... for this many consecutive steps (the episode then ends)"
@@ -275,7 +292,8 @@ class KLDriftConfig(_Strict):
 
 
 class RewardHackingConfig(_Strict):
-    """Training reward rising while a held-out score does not, or with length / clipping (see rl.py)."""
+    """Training reward rising while a held-out score does not, or with length / clipping (see
+    rl.py)."""
 
     enabled: bool = True
     action: Action = "alert"
@@ -284,17 +302,21 @@ class RewardHackingConfig(_Strict):
     )
     verifier_key: str | None = Field(
         "rewards/verifier/mean",
-        description='held-out / verifier reward key; "" (or a key the run never logs) = that rule is off',
+        description='held-out / verifier reward key; "" (or a key the run never logs) = that '
+        "rule is off",
     )
     heldout_keys: list[str] = Field(
         ["eval/accuracy", "eval/reward", "eval/score"],
-        description="other held-out score keys, read when `verifier_key` is absent from a record (eval records logged "
+        description="other held-out score keys, read when `verifier_key` is absent from a record "
+        "(eval records logged "
         "every N steps, on their own or with the step's training keys)",
     )
     heldout_prefix: str = Field(
         "eval/",
-        description="keys with this prefix are held-out eval scores (``[eval]`` writes eval/<name>, main "
-        "score first); once a rank's records carry one, it replaces `verifier_key` (an in-training proxy) for the "
+        description="keys with this prefix are held-out eval scores (``[eval]`` writes "
+        "eval/<name>, main "
+        "score first); once a rank's records carry one, it replaces `verifier_key` (an "
+        "in-training proxy) for the "
         'held-out rules; "" = off',
     )
     coupled_keys: list[str] = Field(
@@ -322,26 +344,31 @@ class RewardHackingConfig(_Strict):
         ge=-1,
         le=1,
         description="held-out r against the step at or below this while the reward rises is "
-        "divergence (warning; judged on at least 2 x min_points values); at or below -trend_corr it is hacking (critical)",
+        "divergence (warning; judged on at least 2 x min_points values); at or below -trend_corr "
+        "it is hacking (critical)",
     )
     diverge_corr: float = Field(
         0.85,
         gt=0,
         le=1,
-        description="divergence (held-out flat) needs the reward's r against the step at least this "
-        "(a stronger rise than `trend_corr`: a flat held-out score is weaker evidence than a falling one)",
+        description="divergence (held-out flat) needs the reward's r against the step at least "
+        "this "
+        "(a stronger rise than `trend_corr`: a flat held-out score is weaker evidence than a "
+        "falling one)",
     )
     rise_t: float = Field(
         2.0,
         gt=0,
         description="hacking (critical): the reward climbs now (its slope over the last "
-        "`window` steps this many standard errors up) and across the held-out span (r >= trend_corr) ...",
+        "`window` steps this many standard errors up) and across the held-out span (r >= "
+        "trend_corr) ...",
     )
     fall_z: float = Field(
         2.25,
         gt=0,
         description="... and the held-out slope this many down (its noise from its second "
-        "differences; the bar raised to the t quantile for that many differences), over the span, or "
+        "differences; the bar raised to the t quantile for that many differences), over the "
+        "span, or "
         "over twice the span with at least 2 x min_points values",
     )
     noise_values: int = Field(
@@ -388,7 +415,8 @@ class ModeCollapseConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="steps <= this are not judged")
     distinct_key: str | None = Field(
         None,
-        description='a diversity key (e.g. distinct completions fraction), if the engine logs one ("" = off)',
+        description="a diversity key (e.g. distinct completions fraction), if the engine logs "
+        'one ("" = off)',
     )
     distinct_frac: float = Field(
         0.3, gt=0, lt=1, description="diversity below this x its early level is a collapse"
@@ -417,7 +445,8 @@ class StaleRolloutConfig(_Strict):
 
 
 class MonitorsSection(_Strict):
-    """``[monitors]``: which monitors run, their thresholds, and what the supervisor does on a finding."""
+    """``[monitors]``: which monitors run, their thresholds, and what the supervisor does on a
+    finding."""
 
     enabled: bool = Field(True, description="false = run no monitors at all")
     rollback: RollbackPolicy = RollbackPolicy()
@@ -432,6 +461,7 @@ class MonitorsSection(_Strict):
     stale_rollout: StaleRolloutConfig = StaleRolloutConfig()
 
     def action_for(self, monitor: str) -> str:
-        """The policy action for a finding of ``monitor`` (``alert`` for monitors this section does not know)."""
+        """The policy action for a finding of ``monitor`` (``alert`` for monitors this section does
+        not know)."""
         cfg = getattr(self, monitor, None)
         return getattr(cfg, "action", "alert")

@@ -79,7 +79,8 @@ class HangConfig(BaseModel):
     window: int | None = Field(
         None,
         ge=1,
-        description="older recipes: the step budget is also never below multiplier x the longest of the last "
+        description="older recipes: the step budget is also never below multiplier x the longest "
+        "of the last "
         "`window` steps (unset: the run's p99 alone)",
     )
     startup_s: float = Field(
@@ -96,7 +97,8 @@ class HangConfig(BaseModel):
     rendezvous_s: float = Field(
         60.0,
         gt=0,
-        description="first-occurrence budget: process group init, counted once every rank reached it",
+        description="first-occurrence budget: process group init, counted once every rank "
+        "reached it",
     )
     build_s: float = Field(
         300.0, gt=0, description="first-occurrence budget: model / trainer build"
@@ -114,12 +116,14 @@ class HangConfig(BaseModel):
     startup_floor_s: float = Field(
         20.0,
         gt=0,
-        description="floor of the learned start-up budgets (import, rendezvous, build, load, first step)",
+        description="floor of the learned start-up budgets (import, rendezvous, build, load, "
+        "first step)",
     )
     checkpoint_s: float = Field(
         600.0,
         gt=0,
-        description="first-occurrence budget of a checkpoint save (and of the final save / shutdown, always)",
+        description="first-occurrence budget of a checkpoint save (and of the final save / "
+        "shutdown, always)",
     )
     checkpoint_floor_s: float = Field(
         60.0, gt=0, description="floor of the learned checkpoint budget"
@@ -131,13 +135,15 @@ class HangConfig(BaseModel):
     ping_stale_s: float = Field(
         4.0,
         gt=0,
-        description="a rank that sends nothing, not even its liveness pings (every supervisor.heartbeat_s), for "
+        description="a rank that sends nothing, not even its liveness pings (every "
+        "supervisor.heartbeat_s), for "
         "max(this, the step budget) is unresponsive: named as the culprit, stacks from py-spy",
     )
     startup_ping_stale_s: float = Field(
         60.0,
         gt=0,
-        description="the same during start-up (imports of C extensions can hold the GIL for seconds)",
+        description="the same during start-up (imports of C extensions can hold the GIL for "
+        "seconds)",
     )
     total_steps: int | None = Field(
         None,
@@ -416,8 +422,9 @@ class HangMonitor:
 
     def _all_in_rendezvous(self) -> float | None:
         """When the last live rank reached the rendezvous (None while one is still before it).
-        Remembered until a rank enters, exits or appears: every rank leaving the rendezvous and every
-        check asks, which made start-up O(ranks^2) (8,192 ranks: ~50 s per check, bench/scale_load.py)."""
+        Remembered until a rank enters, exits or appears: every rank leaving the rendezvous and
+        every check asks, which made start-up O(ranks^2) (8,192 ranks: ~50 s per check,
+        bench/scale_load.py)."""
         version, value = self._rdv_memo
         if version == self._rdv_version:
             return value
@@ -451,8 +458,8 @@ class HangMonitor:
 
     def _section_timeout(self, section: str, _fallback: bool = False) -> float:
         c = self.config
-        # a start-up section is judged by earlier attempts; as a fallback (step 2 judged by the first
-        # step) this attempt's durations count too
+        # a start-up section is judged by earlier attempts; as a fallback (step 2 judged by the
+        # first step) this attempt's durations count too
         startup = (section in STARTUP_SECTIONS or section == "first_step") and not _fallback
         p99 = (self.prior if startup else self.learned).p99(section)
         if p99 is None and section in _FALLBACK:  # no history yet: the slower section it follows
@@ -516,8 +523,9 @@ class HangMonitor:
         return max(self.step_timeout(), self.config.ping_stale_s)
 
     def _unresponsive_past_step_timeout(self, rank: int, now: float) -> bool:
-        """A rank that sends nothing at all, not even pings: judged by the step budget in every phase
-        but the start-up (a stopped rank inside a checkpoint save must not get the long save budget)."""
+        """A rank that sends nothing at all, not even pings: judged by the step budget in every
+        phase but the start-up (a stopped rank inside a checkpoint save must not get the long save
+        budget)."""
         st = self.ranks[rank]
         if st.last_seen is None:
             return False

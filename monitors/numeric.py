@@ -81,9 +81,10 @@ class NaNMonitor(SharedRankedMonitor):
         state.bad.clear()
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        """Per key what ``_apply`` reads: True (a finite number), None (a None), the text of a non-finite
-        value ("nan", "inf", "-inf"), or ``_MISSING`` (absent, or no number: skipped alike). A text, not the
-        float, so that a NaN equals a NaN: ranks that log the same bad value keep sharing one state."""
+        """Per key what ``_apply`` reads: True (a finite number), None (a None), the text of a
+        non-finite value ("nan", "inf", "-inf"), or ``_MISSING`` (absent, or no number: skipped
+        alike). A text, not the float, so that a NaN equals a NaN: ranks that log the same bad value
+        keep sharing one state."""
         out = []
         for _, sp in self._keys:
             raw = record.get(sp[0], _MISSING)  # raw_of, inlined
@@ -100,7 +101,8 @@ class NaNMonitor(SharedRankedMonitor):
         self, st: _NaNState, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
     ) -> list[Finding]:
         if inputs == self._all_finite and not st.bad and len(st.numeric) == self._nkeys:
-            return []  # the common case: every key seen numeric, none bad, all finite now (nothing changes)
+            # the common case: every key seen numeric, none bad, all finite now (nothing changes)
+            return []
         out: list[Finding] = []
         for (key, _), x in zip(self._keys, inputs):
             if x is True:  # finite
@@ -171,8 +173,8 @@ class LossSpikeMonitor(SharedRankedMonitor):
         st[0].rewind(step)
         st[1] = False
 
-    # feed_at below: an RL record advances no state (its inputs are no value) unless it rewinds, which a
-    # record Lockstep moves on never does; otherwise the follower path
+    # feed_at below: an RL record advances no state (its inputs are no value) unless it rewinds,
+    # which a record Lockstep moves on never does; otherwise the follower path
     _lockstep = True
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
@@ -218,7 +220,8 @@ class LossSpikeMonitor(SharedRankedMonitor):
                     rank,
                     "spike",
                     z,
-                    f"{cfg.key} {_fmt(x)} vs recent level {_fmt(level)} (robust z {z:.1f} >= {cfg.z_threshold:g}, "
+                    f"{cfg.key} {_fmt(x)} vs recent level {_fmt(level)} (robust z {z:.1f} >= "
+                    f"{cfg.z_threshold:g}, "
                     f"noise from the last {len(ref)} steps)",
                     "warning",
                 )
@@ -281,7 +284,8 @@ class GradExplosionMonitor(SharedRankedMonitor):
             if ref > 0 and x >= cfg.ratio * ref:
                 value = x / ref
                 detail = (
-                    f"{cfg.key} {_fmt(x)} is {value:.1f}x the trailing p{round(cfg.reference_quantile * 100)} "
+                    f"{cfg.key} {_fmt(x)} is {value:.1f}x the trailing "
+                    f"p{round(cfg.reference_quantile * 100)} "
                     f"{_fmt(ref)} (>= {cfg.ratio:g}x, last {len(series)} steps)"
                 )
         exploding = detail is not None

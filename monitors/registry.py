@@ -1,4 +1,5 @@
-"""The monitor registry: every monitor's name, class, config class, family and runbook, declared once.
+"""The monitor registry: every monitor's name, class, config class, family and runbook, declared
+once.
 
 ``[monitors]`` (``config.MonitorsSection``), ``build_monitors``, the Prometheus
 exporter's monitor labels, ``diagnose``'s runbook links and the alert rules' monitor

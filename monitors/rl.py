@@ -1,4 +1,5 @@
-"""RL health for TRL GRPO / DPO style runs: one small monitor per failure mode, reported as episodes.
+"""RL health for TRL GRPO / DPO style runs: one small monitor per failure mode, reported as
+episodes.
 
 The keys are TRL's (``entropy``, ``kl``, ``reward``, ``frac_reward_zero_std``,
 ``completions/mean_length``, ``clip_ratio/region_mean``); the ptops TRL adapter
@@ -51,12 +52,14 @@ from .config import (
 
 
 def _finite(record: Mapping[str, Any], key: str) -> float | None:
-    """The finite number under ``key`` (either spelling), else None (slow path: keys spelled per call)."""
+    """The finite number under ``key`` (either spelling), else None (slow path: keys spelled per
+    call)."""
     return finite_of(record, spelled(key))
 
 
 def _spellings(*keys: str | None) -> tuple[str, ...]:
-    """Both spellings of each key (TRL's ``a/b`` and the adapter's ``a_b``), for a cheap presence test."""
+    """Both spellings of each key (TRL's ``a/b`` and the adapter's ``a_b``), for a cheap presence
+    test."""
     out: list[str] = []
     for k in keys:
         if k:
@@ -158,7 +161,8 @@ class _Fit:
 
 
 class _Tri:
-    """Running sums of (x, a, b) over the last ``n`` points: r(x,a), r(x,b), r(a,b), slope of b on x."""
+    """Running sums of (x, a, b) over the last ``n`` points: r(x,a), r(x,b), r(a,b), slope of b on
+    x."""
 
     __slots__ = ("n", "q", "x", "a", "b", "xx", "aa", "bb", "xa", "xb", "ab")
 
@@ -186,8 +190,8 @@ class _Tri:
         self.ab -= a * b
 
     def add(self, x: float, a: float, b: float) -> None:
-        # one method with locals (no _sub call): this runs several times per record; each sum sees the
-        # same operations in the same order as subtract-then-add, so the sums are bit-identical
+        # one method with locals (no _sub call): this runs several times per record; each sum sees
+        # the same operations in the same order as subtract-then-add, so the sums are bit-identical
         q = self.q
         sx, sa, sb, sxx, saa, sbb, sxa, sxb, sab = (
             self.x,
@@ -273,7 +277,8 @@ class _Tri:
         return self._t(self.b, self.bb, self.xb)
 
     def z(self, col: str, sigma: float) -> float:
-        """The slope of column ``col`` ("a" or "b") on x over its standard error for a known noise ``sigma``."""
+        """The slope of column ``col`` ("a" or "b") on x over its standard error for a known noise
+        ``sigma``."""
         k = len(self.q)
         ssxx = (k * self.xx - self.x * self.x) / k if k else 0.0
         if k < 2 or ssxx <= 0:
@@ -294,8 +299,9 @@ class _Tri:
 
 
 class _Noise:
-    """A series' noise from its second differences: a steady trend cancels out (E[d2^2] = 6 sigma^2 for
-    independent noise), so a score that rises or falls does not look noisy; one kink adds one term."""
+    """A series' noise from its second differences: a steady trend cancels out (E[d2^2] = 6 sigma^2
+    for independent noise), so a score that rises or falls does not look noisy; one kink adds one
+    term."""
 
     __slots__ = ("prev", "ss", "n")
 
@@ -366,9 +372,9 @@ class _RL(RankedMonitor):
     keys: tuple[str, ...] = ()  # a record carrying none of these is not this monitor's
     _own: tuple[str, ...] = ()
 
-    # ``_gate`` and ``_rewind_keys``: ``_own`` (set in each monitor's __init__). A record with none of the monitor's keys
-    # (pre-training, SFT, an eval) changes nothing: no rewind (``_rewinds`` needs one of them), no value
-    # to read; one C-level test instead of a feed.
+    # ``_gate`` and ``_rewind_keys``: ``_own`` (set in each monitor's __init__). A record with none
+    # of the monitor's keys (pre-training, SFT, an eval) changes nothing: no rewind (``_rewinds``
+    # needs one of them), no value to read; one C-level test instead of a feed.
 
     def _new_state(self) -> _St:
         return _St()
@@ -376,8 +382,8 @@ class _RL(RankedMonitor):
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
 
-    # each RL monitor's ``_rewinds``: only a record with its own training key rewinds (an eval record
-    # logged before, after or between training steps never does)
+    # each RL monitor's ``_rewinds``: only a record with its own training key rewinds (an eval
+    # record logged before, after or between training steps never does)
 
     def _report(
         self,
@@ -392,8 +398,9 @@ class _RL(RankedMonitor):
         detail: str,
         cleared: str,
     ) -> None:
-        """Report the step's episode transition (``st.ep.update`` said which), once across ranks. The
-        monitors build their texts only when there is a transition: no string work on a quiet step."""
+        """Report the step's episode transition (``st.ep.update`` said which), once across ranks.
+        The monitors build their texts only when there is a transition: no string work on a quiet
+        step."""
         if self._silent:
             return
         key = (step, f"{phase}#{st.ep.n}")
@@ -427,7 +434,8 @@ class _RL(RankedMonitor):
 
 
 class _SharedRL(_RL, SharedRankedMonitor):
-    """An RL monitor whose ranks share one state while their inputs agree (TRL logs gathered values)."""
+    """An RL monitor whose ranks share one state while their inputs agree (TRL logs gathered
+    values)."""
 
 
 _NO_VALUE = (None,)
@@ -566,8 +574,9 @@ class EntropyCollapseMonitor(_SharedRL):
         rel = cur / base
         collapsed = rel < cfg.collapse_frac
         # momentum is judged only on values already under the gate (the first two there are the drop
-        # itself): a dip that dropped and stopped has a flat bottom there, a collapse keeps falling -
-        # significantly (t of the slope), so that noise on a flat bottom does not look like a decline
+        # itself): a dip that dropped and stopped has a flat bottom there, a collapse keeps falling
+        # - significantly (t of the slope), so that noise on a flat bottom does not look like a
+        # decline
         if x < cfg.project_gate_frac * base:
             st.below += 1
             if st.below > 2:
@@ -606,8 +615,10 @@ class EntropyCollapseMonitor(_SharedRL):
             value = eta
             rate = 1 - math.exp(st.long.slope())
             detail = (
-                f"{cfg.key} {cur:.4g} ({rel:.0%} of early level {base:.4g}) falls {rate:.1%}/step: forecast "
-                f"to reach {cfg.floor_frac * base:.4g} ({cfg.floor_frac:.0%}) at step {step + math.ceil(eta)} "
+                f"{cfg.key} {cur:.4g} ({rel:.0%} of early level {base:.4g}) falls "
+                f"{rate:.1%}/step: forecast "
+                f"to reach {cfg.floor_frac * base:.4g} ({cfg.floor_frac:.0%}) at step "
+                f"{step + math.ceil(eta)} "
                 f"(in ~{eta:.0f} steps, horizon {cfg.horizon})" + self._cui(st)
             )
         else:
@@ -622,7 +633,8 @@ class EntropyCollapseMonitor(_SharedRL):
             level,
             value,
             detail,
-            f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse forecast "
+            f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse "
+            "forecast "
             f"for {cfg.clear_steps} steps",
         )
         return out
@@ -717,7 +729,8 @@ class KLDriftMonitor(_SharedRL):
         elif trending:
             value = b
             detail = (
-                f"{cfg.key} growing steadily: {start:.3g} -> {end:.3g} over steps {int(st.fit.q[0][0])}-{step} "
+                f"{cfg.key} growing steadily: {start:.3g} -> {end:.3g} over steps "
+                f"{int(st.fit.q[0][0])}-{step} "
                 f"(+{b:.3g}/step, {st.nups / max(1, len(st.ups)):.0%} of steps up)"
             )
         else:
@@ -842,7 +855,8 @@ class RewardHackingMonitor(_SharedRL):
     _lockstep = True  # feed_at below: a function of the keys, then the follower path
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
-        # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see _RL.feed)
+        # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see
+        # _RL.feed)
         noeval = keys <= self._plain
         if noeval and keys.isdisjoint(self._quick):
             return []
@@ -852,9 +866,9 @@ class RewardHackingMonitor(_SharedRL):
         return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply`` reads.
-        The eval score is a held-out eval (``heldout_keys``, else the record's first ``heldout_prefix``
-        key); the proxy is read only without one."""
+        """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply``
+        reads. The eval score is a held-out eval (``heldout_keys``, else the record's first
+        ``heldout_prefix`` key); the proxy is read only without one."""
         r = finite_of(record, self._reward)
         ek = ev = pk = pv = None
         if (
@@ -874,9 +888,9 @@ class RewardHackingMonitor(_SharedRL):
         return (r, ek, ev, pk, pv) + finite_floats(record, self._coupled_sp)
 
     def _heldout_value(self, st: _St, inputs: tuple) -> tuple[str | None, float | None]:
-        """The held-out eval score when the record has one, else the verifier proxy - until a rank's first
-        eval, which switches that rank to evals for good (the proxy's pairs are dropped: a different score
-        on a different scale)."""
+        """The held-out eval score when the record has one, else the verifier proxy - until a rank's
+        first eval, which switches that rank to evals for good (the proxy's pairs are dropped: a
+        different score on a different scale)."""
         v = inputs[2]
         if v is not None:
             if st.h_src != "eval":
@@ -892,9 +906,9 @@ class RewardHackingMonitor(_SharedRL):
         return k, v
 
     def _prefixed(self, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
-        """The record's first ``heldout_prefix`` key with a finite value. Keys found to be neither an eval
-        spelling nor prefixed join ``_plain``, so a record without an eval is ruled out by one subset test
-        in C (``_heldout_value``), not a Python loop over its keys."""
+        """The record's first ``heldout_prefix`` key with a finite value. Keys found to be neither
+        an eval spelling nor prefixed join ``_plain``, so a record without an eval is ruled out by
+        one subset test in C (``_heldout_value``), not a Python loop over its keys."""
         plain, prefix, evals = self._plain, self._prefix, self._eval_spellings
         found: tuple[str | None, float | None] = (None, None)
         for key in record:
@@ -912,7 +926,8 @@ class RewardHackingMonitor(_SharedRL):
         return found
 
     def heldout_source(self, rank: int = 0) -> tuple[str | None, str | None]:
-        """("eval" | "proxy" | None, the key last read) for a rank: what the held-out rules compare against."""
+        """("eval" | "proxy" | None, the key last read) for a rank: what the held-out rules compare
+        against."""
         st = self._state_of(rank)
         return (st.h_src, st.h_key) if st is not None else (None, None)
 
@@ -935,14 +950,14 @@ class RewardHackingMonitor(_SharedRL):
         st.h_quiet = True
         if step > cfg.warmup_steps and len(p.q) >= cfg.min_points:
             rc, vc = p.r_xa(), p.r_xb()
-            # the all-clear needs signs of health (the reward stopped climbing, or the held-out score
-            # follows it), not only a noisy stretch where the evidence fell short of a finding
+            # the all-clear needs signs of health (the reward stopped climbing, or the held-out
+            # score follows it), not only a noisy stretch where the evidence fell short of a finding
             st.h_quiet = rc < 0.5 * cfg.trend_corr or vc > 0
-            # the reward up and the held-out score down by so many standard errors, each series' noise
-            # from its second differences (``_Noise``): a few sparse values still give a confident slope
-            # where their own residuals (1-2 degrees of freedom) would not. The noise estimate from n
-            # differences is itself noisy: the held-out bar is the t quantile for n degrees of freedom (its
-            # Cornish-Fisher approximation), not the normal one
+            # the reward up and the held-out score down by so many standard errors, each series'
+            # noise from its second differences (``_Noise``): a few sparse values still give a
+            # confident slope where their own residuals (1-2 degrees of freedom) would not. The
+            # noise estimate from n differences is itself noisy: the held-out bar is the t quantile
+            # for n degrees of freedom (its Cornish-Fisher approximation), not the normal one
             n = st.noise_h.n
             z = zl = 0.0
             if n >= cfg.noise_values:
@@ -972,9 +987,11 @@ class RewardHackingMonitor(_SharedRL):
                 first, last = p.q[0], p.q[-1]
                 how = "falls" if level == 2 else "does not follow"
                 st.h_detail = (
-                    f"{cfg.reward_key} rising ({first[1]:.3g} -> {last[1]:.3g}, r={rc:.2f}) while held-out "
+                    f"{cfg.reward_key} rising ({first[1]:.3g} -> {last[1]:.3g}, r={rc:.2f}) "
+                    "while held-out "
                     f"{st.h_key} {how} ({first[2]:.3g} -> {last[2]:.3g}, r={vc:.2f}, slope "
-                    f"{min(z, zl):.1f} standard errors) over steps {int(first[0])}-{step} ({len(p)} "
+                    f"{min(z, zl):.1f} standard errors) over steps {int(first[0])}-{step} "
+                    f"({len(p)} "
                     "held-out values"
                     + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")")
                 )
@@ -983,8 +1000,9 @@ class RewardHackingMonitor(_SharedRL):
             st.h_conf + 1 if level >= 1 else 0
         )  # consecutive evaluations at warning or worse
         st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
-        # confirmation costs at most ``confirm_steps`` steps: a sparse score's next value is far away
-        # (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does not make it sparse)
+        # confirmation costs at most ``confirm_steps`` steps: a sparse score's next value is far
+        # away (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does
+        # not make it sparse)
         need = max(1, min(cfg.confirm, 1 + cfg.confirm_steps // max(1, st.h_min)))
         st.h_level = 2 if st.h_conf2 >= need else 1 if st.h_conf >= need + 1 else 0
 
@@ -1048,7 +1066,8 @@ class RewardHackingMonitor(_SharedRL):
                 level, value = 1, t.r_ab()
                 detail = (
                     f"{cfg.reward_key} rising ({t.q[0][1]:.3g} -> {r:.3g}) together with {k} "
-                    f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps {int(t.q[0][0])}-{step}"
+                    f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps "
+                    f"{int(t.q[0][0])}-{step}"
                 )
         out: list[Finding] = []
         phase = st.ep.update(level, level == 0 and st.h_quiet, cfg.clear_steps)
@@ -1063,7 +1082,8 @@ class RewardHackingMonitor(_SharedRL):
                 level,
                 value,
                 detail,
-                f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for {cfg.clear_steps} steps",
+                f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for "
+                f"{cfg.clear_steps} steps",
             )
         return out
 
@@ -1159,7 +1179,8 @@ class ModeCollapseMonitor(_SharedRL):
         if full:
             value = median([v for _, v in st.z])
             detail = (
-                f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps ({int(st.z[0][0])}-{step}): "
+                f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps "
+                f"({int(st.z[0][0])}-{step}): "
                 f"every group's completions get the same reward, no learning signal"
             )
         elif st.dlow:
@@ -1230,7 +1251,8 @@ class StaleRolloutMonitor(_SharedRL):
             return []
         stale = lag > self.cfg.max_lag
         if not stale and not st.ep.level:
-            return []  # within the bound, no episode open: update() would change nothing (quiet is 0 then)
+            # within the bound, no episode open: update() would change nothing (quiet is 0 then)
+            return []
         out: list[Finding] = []
         phase = st.ep.update(1 if stale else 0, not stale, self.cfg.clear_steps)
         if phase is not None:
@@ -1243,7 +1265,8 @@ class StaleRolloutMonitor(_SharedRL):
                 phase,
                 1 if stale else 0,
                 lag,
-                f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
+                f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} "
+                "steps old",
                 f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps",
             )
         return out

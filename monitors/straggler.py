@@ -85,7 +85,8 @@ class StragglerMonitor:
         self._step_name = c.step_key + ("~wait" if c.step_s_mode == "wait_inferred" else "")
         self._step_key = c.step_key
         self._step_on = c.step_s_mode != "off"
-        # every spelling of each key group: a record with none of a group skips its lookups (one C test)
+        # every spelling of each key group: a record with none of a group skips its lookups (one C
+        # test)
         self._busy_any = frozenset(k for sp in self._busy for k in sp if k)
         self._wait_any = frozenset(k for sp in self._wait for k in sp if k)
         self._data_any = frozenset(k for sp in self._data for k in sp if k)
@@ -175,7 +176,8 @@ class StragglerMonitor:
             sig = self._signals(record, keys)
         pend[rank] = (sig, record)
         if len(pending) == 1 and step == self._newest and self._world is None:
-            return []  # only this step pending, nothing past it yet: not complete, not lagging (most records)
+            # only this step pending, nothing past it yet: not complete, not lagging (most records)
+            return []
         return self._score_ready()
 
     def flush(self) -> list[Finding]:
@@ -199,7 +201,8 @@ class StragglerMonitor:
 
     def _expected(self) -> set[int]:
         if self._world is not None:
-            # _known only grows between resets: (world, its size) names the set; built once, not per record
+            # _known only grows between resets: (world, its size) names the set; built once, not per
+            # record
             key = (self._world, len(self._known))
             memo = self._expected_memo
             if memo is None or memo[0] != key:
@@ -218,8 +221,8 @@ class StragglerMonitor:
         world = self._world
         for s in sorted(pending):
             ranks = pending[s]
-            # the length first; then ``keys() >=`` tests expected's members in the dict (issubset of a dict would
-            # build a set of it)
+            # the length first; then ``keys() >=`` tests expected's members in the dict (issubset of
+            # a dict would build a set of it)
             complete = (
                 len(ranks) >= len(expected)
                 and ranks.keys() >= expected
@@ -261,9 +264,9 @@ class StragglerMonitor:
             hist = self._hist.get(name)
             if hist is None:
                 hist = self._hist[name] = {}
-            # the median of the others (srt without one v) takes two values (three for an odd count), picked by
-            # where v sorts (bisect_left(srt, v) > mid  <=>  srt[mid] < v); computed once here. With a NaN the
-            # order means nothing: then _median_without for each rank
+            # the median of the others (srt without one v) takes two values (three for an odd
+            # count), picked by where v sorts (bisect_left(srt, v) > mid <=> srt[mid] < v); computed
+            # once here. With a NaN the order means nothing: then _median_without for each rank
             plain = all(x == x for x in srt)
             if plain:
                 sm = srt[mid]
@@ -281,7 +284,8 @@ class StragglerMonitor:
                     others = _median_without(srt, v)
                 elif odd:
                     others = above if sm < v else below
-                else:  # (i > mid: above; i == mid: at; i < mid: below, as the inlined bisect had it)
+                # (i > mid: above; i == mid: at; i < mid: below, as the inlined bisect had it)
+                else:
                     others = above if sm < v else at if sl < v else below
                 if inferred:  # the others waited for r: their step is longer than r's
                     ratio = others / v if v > 0 else (_INF if others > 0 else 1.0)
@@ -308,13 +312,14 @@ class StragglerMonitor:
                     h.nnan += 1
                 if len(q) < window:
                     continue
-                # most steps of a healthy run: too few ratios past thr for the median to be (a NaN ratio
-                # sorts anywhere: then the median decides)
+                # most steps of a healthy run: too few ratios past thr for the median to be (a NaN
+                # ratio sorts anywhere: then the median decides)
                 if h.nge < need and not h.nnan:
                     slow = False
                 else:
                     med_ratio = median([x[1] for x in h.q])
-                    # the excess is needed only when the ratio passes (most steps of a healthy run it does not)
+                    # the excess is needed only when the ratio passes (most steps of a healthy run
+                    # it does not)
                     slow = med_ratio >= thr and median([x[2] for x in h.q]) >= cfg.min_excess_s
                 if not slow:
                     if latched:
@@ -330,8 +335,10 @@ class StragglerMonitor:
                 if inferred:
                     detail = (
                         f"rank {r}: the other ranks' {cfg.step_key} is {med_ratio:.2f}x its own "
-                        f"(+{med_excess:.3f} s, median over steps {first}-{s}): they wait for rank {r} in the "
-                        f"collectives; its slowness lies outside its measured step (data loading, host stall)"
+                        f"(+{med_excess:.3f} s, median over steps {first}-{s}): they wait for "
+                        f"rank {r} in the "
+                        "collectives; its slowness lies outside its measured step (data "
+                        "loading, host stall)"
                     )
                     signal = cfg.step_key
                 else:
@@ -356,8 +363,8 @@ class StragglerMonitor:
 
 
 class _Hist:
-    """One rank's last ``window`` scored steps of one signal, (step, ratio, excess), with how many ratios
-    reach ``thr`` (and how many are NaN), kept as values enter and leave."""
+    """One rank's last ``window`` scored steps of one signal, (step, ratio, excess), with how many
+    ratios reach ``thr`` (and how many are NaN), kept as values enter and leave."""
 
     __slots__ = ("q", "thr", "nge", "nnan")
 

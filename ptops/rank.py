@@ -1,9 +1,9 @@
 """``ptops.rank``: the small public API of your own training script under ptops.
 
-A script needs none of it to be supervised (``ptops launch --supervise -- python train.py``: crash and
-hang detection with stacks, restarts, goodput, diagnose). With it, the script also gets step records
-(monitors, numeric rollback), checkpoints ptops verifies and resumes from exactly, and a save when the
-run is preempted or stopped::
+A script needs none of it to be supervised (``ptops launch --supervise -- python train.py``: crash
+and hang detection with stacks, restarts, goodput, diagnose). With it, the script also gets step
+records (monitors, numeric rollback), checkpoints ptops verifies and resumes from exactly, and a
+save when the run is preempted or stopped::
 
     import ptops.rank as pr
 
@@ -185,7 +185,8 @@ def resume(
 
         def invalid(**info: Any) -> None:
             _log(
-                f"checkpoint {info['path']} is not good ({info['reason']}); moved to {info['moved_to']}"
+                f"checkpoint {info['path']} is not good ({info['reason']}); moved to "
+                f"{info['moved_to']}"
             )
             _event("checkpoint_invalid", **info)
 
@@ -303,10 +304,10 @@ def checkpoint(
     extra: dict | None = None,
     ckpt_dir: str | os.PathLike | None = None,
 ) -> bool:
-    """Save when due: every ``every`` steps (under ptops: the recipe's ``checkpoint.interval``), at the
-    ``last`` step, or when the supervisor asks for a save before stopping (every rank agrees). Returns
-    True when a checkpoint was committed. A failed save (disk full, ...) does not end training unless
-    it was the last one."""
+    """Save when due: every ``every`` steps (under ptops: the recipe's ``checkpoint.interval``), at
+    the ``last`` step, or when the supervisor asks for a save before stopping (every rank agrees).
+    Returns True when a checkpoint was committed. A failed save (disk full, ...) does not end
+    training unless it was the last one."""
     step = int(step)
     interval = _interval() or int(every)
     stop = (

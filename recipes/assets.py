@@ -27,15 +27,18 @@ from typing import Callable
 
 ASSETS_VERSION = 1
 WORDS = (
-    "the a one small large red blue green model token step rank loss grad check point save load node "
-    "train run job time fast slow data batch layer head sum mean value check good bad new old this that "
+    "the a one small large red blue green model token step rank loss grad check point save load "
+    "node "
+    "train run job time fast slow data batch layer head sum mean value check good bad new old "
+    "this that "
     "when then after before every each run stops goes waits learns writes reads keeps moves"
 ).split()
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% "
+    "endgeneration %}{{ '\n' }}"
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endif %}"
@@ -169,9 +172,10 @@ def _manifest(path: Path) -> dict:
 
 
 def untrusted(path: Path) -> str | None:
-    """Why the entry at ``path`` cannot be used as is (None: usable). The marker is a manifest written
-    only after the asset passed its check, so bytes that match it are the bytes that loaded; a bare
-    marker (written before assets checked themselves, e.g. by a rank that saved no weights) is not."""
+    """Why the entry at ``path`` cannot be used as is (None: usable). The marker is a manifest
+    written only after the asset passed its check, so bytes that match it are the bytes that loaded;
+    a bare marker (written before assets checked themselves, e.g. by a rank that saved no weights)
+    is not."""
     if not path.exists():
         return "missing"
     try:
@@ -211,9 +215,9 @@ def quarantine(path: Path, reason: str) -> Path:
 
 @contextmanager
 def _build_lock(root: Path, name: str):
-    """One builder per asset and cache: an exclusive ``flock`` that others (ranks, runs) wait on; the
-    kernel drops it when its holder dies. Where the file system has no locks, the check before the
-    rename still keeps incomplete entries out."""
+    """One builder per asset and cache: an exclusive ``flock`` that others (ranks, runs) wait on;
+    the kernel drops it when its holder dies. Where the file system has no locks, the check before
+    the rename still keeps incomplete entries out."""
     locks = root / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -228,11 +232,11 @@ def _build_lock(root: Path, name: str):
 
 
 def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path], None]) -> Path:
-    """The cache entry ``name``: used when it matches its manifest, else built by one process while the
-    others wait. ``builder(tmp)`` writes into a temporary folder, ``check(tmp)`` must load it (raise on
-    anything missing), then the manifest marks it complete and one rename publishes it. An entry that
-    does not match its manifest is quarantined and rebuilt, never trusted; one of an older ptops (a bare
-    marker) is kept only if it passes the check."""
+    """The cache entry ``name``: used when it matches its manifest, else built by one process while
+    the others wait. ``builder(tmp)`` writes into a temporary folder, ``check(tmp)`` must load it
+    (raise on anything missing), then the manifest marks it complete and one rename publishes it. An
+    entry that does not match its manifest is quarantined and rebuilt, never trusted; one of an
+    older ptops (a bare marker) is kept only if it passes the check."""
     root = cache_root() / f"v{ASSETS_VERSION}"
     final = root / name
     if untrusted(final) is None:

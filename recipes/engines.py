@@ -35,18 +35,21 @@ class Engine:
     entry: str  # "package.module:function" called as function(recipe, probe) inside every rank
     check: CrossCheck | None = None
     description: str = ""
-    # "module:function" -> (recipe) -> [sidecar dicts] (ops/supervisor/sidecar.py); imported in the CLI: keep it light
+    # "module:function" -> (recipe) -> [sidecar dicts] (ops/supervisor/sidecar.py); imported in the
+    # CLI: keep it light
     sidecars: str | None = None
-    # a folder of <name>.toml recipes this engine ships (`ptops launch NAME`); ptops' own names win a clash
+    # a folder of <name>.toml recipes this engine ships (`ptops launch NAME`); ptops' own names win
+    # a clash
     recipes_dir: str | os.PathLike | None = None
-    # the run is complete when every rank exits 0, whatever step it reached (a user's script decides its
-    # own length; the recipe's train.steps then only sizes the progress line)
+    # the run is complete when every rank exits 0, whatever step it reached (a user's script decides
+    # its own length; the recipe's train.steps then only sizes the progress line)
     complete_on_exit: bool = False
 
 
 @dataclass(frozen=True)
 class NotLoaded:
-    """A plugin entry point that gave no engine: refused (name taken or invalid) or broken (it raised)."""
+    """A plugin entry point that gave no engine: refused (name taken or invalid) or broken (it
+    raised)."""
 
     name: str  # the entry point's name
     provider: str  # "distribution version"
@@ -105,7 +108,8 @@ def register(engine: Engine) -> Engine:
 
 
 def _shape_problem(engine: Any) -> str | None:
-    """What a plugin's Engine gets wrong that would otherwise fail later, inside the schema or every rank."""
+    """What a plugin's Engine gets wrong that would otherwise fail later, inside the schema or every
+    rank."""
     from pydantic import BaseModel
 
     if not (isinstance(engine.section, type) and issubclass(engine.section, BaseModel)):
@@ -131,8 +135,9 @@ def builtin_names() -> list[str]:
 
 
 def installed() -> list[tuple[str, str]]:
-    """(engine name, "distribution version") of ptops' own engines and every plugin entry point that does not
-    take a built-in name, read from the installed metadata without importing any plugin: for ``--help``."""
+    """(engine name, "distribution version") of ptops' own engines and every plugin entry point that
+    does not take a built-in name, read from the installed metadata without importing any plugin:
+    for ``--help``."""
     own = builtin_names()
     found = [(name, _ptops_provider()) for name in own]
     for ep in metadata.entry_points(group=GROUP):
@@ -178,8 +183,8 @@ def _load_plugins() -> None:
 
 
 def discover() -> None:
-    """Import every engine sub-package of ``ptops.recipes`` once (their ``__init__`` registers), then the
-    plugins of the ``ptops.engines`` entry point group."""
+    """Import every engine sub-package of ``ptops.recipes`` once (their ``__init__`` registers),
+    then the plugins of the ``ptops.engines`` entry point group."""
     global _discovered
     if _discovered:
         return
@@ -201,7 +206,8 @@ def discover() -> None:
 
 
 def reserve(names: set[str] | frozenset[str] | Any) -> None:
-    """Names no plugin engine may take (the schema's own sections); a plugin that took one is dropped."""
+    """Names no plugin engine may take (the schema's own sections); a plugin that took one is
+    dropped."""
     _RESERVED.update(names)
     for name in [n for n in _ENGINES if n in _RESERVED and _PROVIDERS.get(n) != _ptops_provider()]:
         del _ENGINES[name]
@@ -227,7 +233,8 @@ def not_loaded() -> list[NotLoaded]:
 
 
 def recipe_dirs() -> list[Path]:
-    """The folders of recipes the engines ship, in engine-name order (ptops' own folder is the schema's)."""
+    """The folders of recipes the engines ship, in engine-name order (ptops' own folder is the
+    schema's)."""
     return [Path(e.recipes_dir) for e in engines().values() if e.recipes_dir is not None]
 
 

@@ -1,4 +1,5 @@
-"""The planner: what a titan recipe costs on N GPUs, before any GPU is spent. Pure (no torch, no ptops).
+"""The planner: what a titan recipe costs on N GPUs, before any GPU is spent. Pure (no torch, no
+ptops).
 
 ``plan(recipe, gpu, gpus, nodes)`` reads a validated recipe (duck-typed: ``recipe.titan``,
 ``recipe.checkpoint``, ``recipe.train``) and returns a JSON-ready dict: the exact parameter count
@@ -37,7 +38,8 @@ class Gpu:
 #   HDR 200 Gb/s per GPU (25 GB/s), PCIe Gen4 x16 (32 GB/s; ~25 achieved).
 # B200 (DGX B200, per GPU): 180 GB HBM3e, 2.25 PFLOPS bf16 dense, 4.5 fp8 dense, NVLink5 1.8 TB/s
 #   bidirectional (900 one way), ConnectX-7 400 Gb/s per GPU (50 GB/s), PCIe Gen5 (~50 achieved).
-# HBM bandwidth (same datasheets): H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB 2.039 TB/s, B200 8 TB/s.
+# HBM bandwidth (same datasheets): H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB 2.039 TB/s, B200 8
+# TB/s.
 GPUS: dict[str, Gpu] = {
     "h100": Gpu("h100", 79.6, 989.0, 1979.0, 450.0, 50.0, 50.0, hbm_tbs=3.35),
     "h200": Gpu("h200", 139.8, 989.0, 1979.0, 450.0, 50.0, 50.0, hbm_tbs=4.8),
@@ -52,14 +54,18 @@ LLAMA3_GPU_HOURS_PER_FAILURE = 54 * 24 / 419 * 16384
 
 ASSUMPTIONS = {
     "matmul_efficiency": 0.55,  # share of dense peak that large bf16/fp8 GEMMs reach in training
-    "moe_matmul_efficiency": 0.35,  # grouped expert GEMMs are small and ragged: a lower share (MoE models)
-    "link_efficiency": 0.8,  # share of link bandwidth that NCCL ring collectives reach (bus bandwidth)
-    "fixed_overhead_gib": 4.0,  # CUDA context, NCCL buffers, allocator slack (measured ~3-5 GiB on H100)
+    # grouped expert GEMMs are small and ragged: a lower share (MoE models)
+    "moe_matmul_efficiency": 0.35,
+    # share of link bandwidth that NCCL ring collectives reach (bus bandwidth)
+    "link_efficiency": 0.8,
+    # CUDA context, NCCL buffers, allocator slack (measured ~3-5 GiB on H100)
+    "fixed_overhead_gib": 4.0,
     "fragmentation": 0.05,  # caching allocator fragmentation on top of live tensors
     "storage_gbs_per_node": 5.0,  # checkpoint write bandwidth per node to shared storage, GB/s
     "selective_ac_keep": 0.5,  # torchtitan's op-level SAC keeps about half of a layer's activations
     "selective_ac_recompute": 0.1,  # ... and recomputes about a tenth of the forward
-    "fsdp_overlap": 1.0,  # FSDP all-gather/reduce-scatter overlap with compute (prefetch); exposed = excess
+    # FSDP all-gather/reduce-scatter overlap with compute (prefetch); exposed = excess
+    "fsdp_overlap": 1.0,
 }
 
 
@@ -156,7 +162,8 @@ def param_counts(s: Shape) -> dict[str, int]:
 
 
 def flops_per_token(s: Shape, seq_len: int) -> int:
-    """TorchTitan's own count (get_nparams_and_flops): 6 x (active non-embedding params) + 12 L H hd T."""
+    """TorchTitan's own count (get_nparams_and_flops): 6 x (active non-embedding params) + 12 L H hd
+    T."""
     p = param_counts(s)
     return 6 * (p["active"] - p["embedding"]) + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len
 
@@ -166,7 +173,8 @@ def _act_bytes_per_token_layer(s: Shape) -> int:
 
     Counted tensor by tensor (flash/SDPA attention: no s^2 term): two norm inputs and the two
     residual inputs (4 d), q/k/v (H + 2 KV) hd, attention output and wo input (2 H hd), the FFN
-    input (d) and its four hidden tensors w1 out, w3 out, silu, product (4 F; top_k x moe_ffn for MoE).
+    input (d) and its four hidden tensors w1 out, w3 out, silu, product (4 F; top_k x moe_ffn for
+    MoE).
     """
     ffn = s.top_k * s.moe_ffn if s.experts else s.ffn
     return 2 * (
@@ -191,7 +199,8 @@ def plan(
     nodes = nodes or max(1, math.ceil(gpus / 8))
     if gpus % nodes:
         raise PlanError(
-            f"--gpus {gpus} cannot be spread evenly over {nodes} nodes (--nodes; default: 8 GPUs a node)"
+            f"--gpus {gpus} cannot be spread evenly over {nodes} nodes (--nodes; default: 8 GPUs "
+            "a node)"
         )
     per_node = gpus // nodes
     t = recipe.titan
@@ -201,7 +210,8 @@ def plan(
     shard = par.dp_shard if par.dp_shard != -1 else (gpus // other if gpus % other == 0 else 0)
     if shard < 1 or shard * other != gpus:
         raise PlanError(
-            f"titan.parallelism: dp_replicate x dp_shard x tp x pp x cp = {par.dp_replicate}x{par.dp_shard}x"
+            "titan.parallelism: dp_replicate x dp_shard x tp x pp x cp = "
+            f"{par.dp_replicate}x{par.dp_shard}x"
             f"{par.tp}x{par.pp}x{par.cp} does not make {gpus} GPUs"
         )
     tp, pp, cp, ep, rep = par.tp, par.pp, par.cp, par.ep, par.dp_replicate
@@ -259,7 +269,8 @@ def plan(
     global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
     if global_batch % (t.local_batch_size * dp):
         raise PlanError(
-            f"key 'titan.global_batch_size': {global_batch} is not a multiple of local_batch_size x data-parallel "
+            f"key 'titan.global_batch_size': {global_batch} is not a multiple of "
+            "local_batch_size x data-parallel "
             f"degree = {t.local_batch_size} x {dp} on {gpus} GPUs (TorchTitan asserts it)"
         )
     warnings = []
@@ -301,8 +312,8 @@ def plan(
     comm: dict[str, dict] = {}
     fsdp_n = shard * cp
     if fsdp_n > 1:
-        # all-gather in bf16 for forward and again for backward (reshard after forward) per micro-step,
-        # reduce-scatter of fp32 gradients once per step
+        # all-gather in bf16 for forward and again for backward (reshard after forward) per
+        # micro-step, reduce-scatter of fp32 gradients once per step
         vol = (2 * 2 * stage_params * accum + 4 * stage_params) * _ring(fsdp_n)
         kind, bw = link(tp * cp * shard)
         comm["fsdp"] = {
@@ -428,7 +439,8 @@ def plan(
             "recipe_interval_steps": recipe.checkpoint.interval,
         },
         "warnings": warnings,
-        "rollout": "none: a pre-training recipe (GRPO recipes: `ptops plan <trl grpo recipe>` gives rollout capacity)",
+        "rollout": "none: a pre-training recipe (GRPO recipes: `ptops plan <trl grpo recipe>` "
+        "gives rollout capacity)",
         "assumptions": dict(ASSUMPTIONS),
     }
 
@@ -440,8 +452,10 @@ def fit_problem(p: dict) -> str | None:
         return None
     return (
         f"needs {m['total_gib']:.1f} GiB per GPU, a {p['hardware']['gpu']} has {m['gpu_gib']:.1f} "
-        f"(params {m['params_gib']:.1f} + grads {m['grads_gib']:.1f} + optimizer {m['optimizer_gib']:.1f} + "
-        f"activations {m['activations_gib']:.1f} + logits {m['logits_gib']:.1f}, AC={m['activation_checkpoint']}): "
+        f"(params {m['params_gib']:.1f} + grads {m['grads_gib']:.1f} + optimizer "
+        f"{m['optimizer_gib']:.1f} + "
+        f"activations {m['activations_gib']:.1f} + logits {m['logits_gib']:.1f}, "
+        f"AC={m['activation_checkpoint']}): "
         "raise dp_shard/tp/pp, turn on activation checkpointing, or lower local_batch_size/seq_len"
     )
 
@@ -455,24 +469,33 @@ def render(p: dict) -> str:
         + (f" ({mo['active_params']:,} active)" if mo["active_params"] != mo["params"] else ""),
         f"  hardware    {hw['gpus']} x {hw['gpu']} ({hw['nodes']} nodes x {hw['gpus_per_node']})",
         "  degrees     " + " ".join(f"{k}={v}" for k, v in d.items()),
-        f"  batch       {p['batch']['global_batch']} x {p['batch']['seq_len']} = {p['batch']['tokens_per_step']:,} tokens/step"
+        f"  batch       {p['batch']['global_batch']} x {p['batch']['seq_len']} = "
+        f"{p['batch']['tokens_per_step']:,} tokens/step"
         f" (accumulation {p['batch']['grad_accumulation']})",
-        f"  memory/GPU  {m['total_gib']:.1f} of {m['gpu_gib']:.1f} GiB {'fits' if m['fits'] else 'DOES NOT FIT'}:"
-        f" params {m['params_gib']:.2f}, grads {m['grads_gib']:.2f}, optimizer {m['optimizer_gib']:.2f},"
-        f" FSDP gather {m['fsdp_gather_gib']:.2f}, activations {m['activations_gib']:.2f} (AC {m['activation_checkpoint']}),"
+        f"  memory/GPU  {m['total_gib']:.1f} of {m['gpu_gib']:.1f} GiB "
+        f"{'fits' if m['fits'] else 'DOES NOT FIT'}:"
+        f" params {m['params_gib']:.2f}, grads {m['grads_gib']:.2f}, optimizer "
+        f"{m['optimizer_gib']:.2f},"
+        f" FSDP gather {m['fsdp_gather_gib']:.2f}, activations {m['activations_gib']:.2f} (AC "
+        f"{m['activation_checkpoint']}),"
         f" logits {m['logits_gib']:.2f}, overhead {m['overhead_gib']:.2f}",
     ]
     for k, c in p["comm"].items():
         lines.append(
-            f"  comm {k:12s} group {c['group']:4d}  {c['bytes'] / 1e9:8.2f} GB/step over {c['link']:6s} {c['seconds']:.3f} s"
+            f"  comm {k:12s} group {c['group']:4d}  {c['bytes'] / 1e9:8.2f} GB/step over "
+            f"{c['link']:6s} {c['seconds']:.3f} s"
         )
     lines += [
-        f"  step        {st['step_s']:.2f} s (compute {st['compute_s']:.2f}, exposed comm {st['exposed_comm_s']:.2f},"
-        f" PP bubble {st['pp_bubble']:.0%}), MFU {st['mfu']:.1%}, {st['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
+        f"  step        {st['step_s']:.2f} s (compute {st['compute_s']:.2f}, exposed comm "
+        f"{st['exposed_comm_s']:.2f},"
+        f" PP bubble {st['pp_bubble']:.0%}), MFU {st['mfu']:.1%}, "
+        f"{st['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
         + (" (float8 linears)" if st["float8"] else ""),
-        f"  checkpoint  {ck['size_gb']:.1f} GB, write {ck['write_s']:.1f} s, async staging {ck['async_staging_s']:.2f} s;"
+        f"  checkpoint  {ck['size_gb']:.1f} GB, write {ck['write_s']:.1f} s, async staging "
+        f"{ck['async_staging_s']:.2f} s;"
         f" MTBF {ck['mtbf_hours']:.1f} h ({ck['mtbf_source']})",
-        f"  interval    Young {ck['young_interval_s'] / 60:.1f} min, Daly {ck['daly_interval_s'] / 60:.1f} min"
+        f"  interval    Young {ck['young_interval_s'] / 60:.1f} min, Daly "
+        f"{ck['daly_interval_s'] / 60:.1f} min"
         f" = every {ck['interval_steps']} steps (recipe: {ck['recipe_interval_steps']})",
         f"  rollout     {p['rollout']}",
     ]

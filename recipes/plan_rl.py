@@ -1,13 +1,13 @@
-"""Rollout capacity of a GRPO recipe: how fast vLLM generates on the stated GPUs, how many rollouts a
-step takes, and the GPU split between generation and training it implies. Pure, like ``plan.py``.
+"""Rollout capacity of a GRPO recipe: how fast vLLM generates on the stated GPUs, how many rollouts
+a step takes, and the GPU split between generation and training it implies. Pure, like ``plan.py``.
 
-The policy is the recipe's own model (``[trl.model]``: a Qwen2-shaped decoder with tied embeddings, as
-``recipes/trl/model.py`` builds it); its parameter count is exact (tests/test_plan.py builds the model).
-Generation is modelled as vLLM does it: a prefill of the prompts (compute bound), then decode steps in
-which every running sequence emits one token and each step reads the weights once plus every running
-sequence's KV cache (memory-bandwidth bound), with as many sequences running at once as the KV cache
-left after the weights holds. Training is 6N FLOPs per token of prompt + completion, plus 2N for the
-reference model's forward when beta > 0.
+The policy is the recipe's own model (``[trl.model]``: a Qwen2-shaped decoder with tied embeddings,
+as ``recipes/trl/model.py`` builds it); its parameter count is exact (tests/test_plan.py builds the
+model). Generation is modelled as vLLM does it: a prefill of the prompts (compute bound), then
+decode steps in which every running sequence emits one token and each step reads the weights once
+plus every running sequence's KV cache (memory-bandwidth bound), with as many sequences running at
+once as the KV cache left after the weights holds. Training is 6N FLOPs per token of prompt +
+completion, plus 2N for the reference model's forward when beta > 0.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from .plan import ASSUMPTIONS, GPUS, PlanError
 
 RL_ASSUMPTIONS = {
     "hbm_efficiency": 0.7,  # share of HBM bandwidth a decode step reaches (weights + KV reads)
-    "kv_cache_share": 0.9,  # vLLM's gpu_memory_utilization: the KV cache gets this share minus the weights
+    # vLLM's gpu_memory_utilization: the KV cache gets this share minus the weights
+    "kv_cache_share": 0.9,
     "bytes_per_param": 2,  # bf16 weights in vLLM
     "bytes_per_kv": 2,  # bf16 KV cache
 }
@@ -28,7 +29,8 @@ RL_ASSUMPTIONS = {
 def qwen2_params(
     hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int
 ) -> int:
-    """Exact parameters of a Qwen2ForCausalLM with tied embeddings (q/k/v biases, no o bias, RMSNorm)."""
+    """Exact parameters of a Qwen2ForCausalLM with tied embeddings (q/k/v biases, no o bias,
+    RMSNorm)."""
     hd = hidden // heads
     attn = hidden * hidden + hidden + 2 * (hidden * kv_heads * hd + kv_heads * hd) + hidden * hidden
     mlp = 3 * hidden * intermediate
@@ -57,7 +59,8 @@ def _gen_seconds(
     kv_room = g.memory_gib * 1024**3 * RL_ASSUMPTIONS["kv_cache_share"] - weights
     if kv_room <= 0:
         raise PlanError(
-            f"the policy's bf16 weights ({weights / 1024**3:.1f} GiB) do not fit one {g.name} for vLLM"
+            f"the policy's bf16 weights ({weights / 1024**3:.1f} GiB) do not fit one {g.name} "
+            "for vLLM"
         )
     max_running = max(1, int(kv_room // (kv_per_token * (prompt + completion))))
     running = min(per_engine, max_running)
@@ -168,17 +171,25 @@ def plan_grpo(recipe: Any, gpu: str, gpus: int) -> dict:
 def render_grpo(p: dict) -> str:
     r, c, s, mo = p["rollouts"], p["colocate"], p["server"], p["model"]
     lines = [
-        f"{p['recipe']}: {p.get('trainer', 'grpo').upper()} rollouts on {p['hardware']['gpus']} x {p['hardware']['gpu']}",
-        f"  model       {mo['family']}, {mo['params']:,} parameters, KV {mo['kv_bytes_per_token']:,} bytes/token",
-        f"  per step    {r['prompts_per_step']} prompts x {r['num_generations']} = {r['completions_per_step']} completions, "
-        f"{r['generated_tokens_per_step']:,} generated tokens (prompt {r['prompt_tokens']}, completion {r['completion_tokens']})",
-        f"  colocate    generate {c['generation']['seconds']:.3g} s ({c['generated_tokens_per_s']:,.0f} tok/s; "
-        f"{c['generation']['running_per_gpu']} sequences running per GPU, {c['generation']['waves']} wave(s)) + "
-        f"train {c['training_s']:.3g} s = {c['step_s']:.3g} s/step; generation is {c['generation_share']:.0%} of the step",
+        f"{p['recipe']}: {p.get('trainer', 'grpo').upper()} rollouts on {p['hardware']['gpus']} "
+        f"x {p['hardware']['gpu']}",
+        f"  model       {mo['family']}, {mo['params']:,} parameters, KV "
+        f"{mo['kv_bytes_per_token']:,} bytes/token",
+        f"  per step    {r['prompts_per_step']} prompts x {r['num_generations']} = "
+        f"{r['completions_per_step']} completions, "
+        f"{r['generated_tokens_per_step']:,} generated tokens (prompt {r['prompt_tokens']}, "
+        f"completion {r['completion_tokens']})",
+        f"  colocate    generate {c['generation']['seconds']:.3g} s "
+        f"({c['generated_tokens_per_s']:,.0f} tok/s; "
+        f"{c['generation']['running_per_gpu']} sequences running per GPU, "
+        f"{c['generation']['waves']} wave(s)) + "
+        f"train {c['training_s']:.3g} s = {c['step_s']:.3g} s/step; generation is "
+        f"{c['generation_share']:.0%} of the step",
     ]
     if s:
         lines.append(
             f"  server      {s['generation_gpus']} GPU(s) generate ({s['generation_s']:.3g} s), "
-            f"{s['training_gpus']} train ({s['training_s']:.3g} s), overlapped: {s['step_s']:.3g} s/step"
+            f"{s['training_gpus']} train ({s['training_s']:.3g} s), overlapped: "
+            f"{s['step_s']:.3g} s/step"
         )
     return "\n".join(lines)

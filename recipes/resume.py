@@ -1,5 +1,6 @@
 """Where a rank's engine resumes: :func:`ptops.ckpt.resume_point`, with its findings reported the
-same way by every adapter (a log line in the rank's log, ``checkpoint_invalid`` through the probe)."""
+same way by every adapter (a log line in the rank's log, ``checkpoint_invalid`` through the
+probe)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ def resume_entry(
     versions: dict[str, str],
     log: Callable[[str], None],
 ) -> Entry | None:
-    """The checkpoint to resume from (None: from scratch); invalid newer ones quarantined and reported."""
+    """The checkpoint to resume from (None: from scratch); invalid newer ones quarantined and
+    reported."""
 
     def report(**invalid: Any) -> None:
         log(
-            f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to {invalid['moved_to']}"
+            f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to "
+            f"{invalid['moved_to']}"
         )
         if probe is not None:
             probe.event(EventKind.CHECKPOINT_INVALID, **invalid)

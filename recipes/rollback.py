@@ -79,7 +79,8 @@ class RollbackInfo:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "RollbackInfo | None":
-        """The rollback this attempt must honour, or None (also None for a malformed value, with a warning)."""
+        """The rollback this attempt must honour, or None (also None for a malformed value, with a
+        warning)."""
         raw = (os.environ if environ is None else environ).get(ENV, "").strip()
         if not raw:
             return None

@@ -38,14 +38,18 @@ class TrainSection(_Strict):
     seed: int = Field(42, description="seed for model init, data order and dropout")
     data_file: str = Field(
         "",
-        description='SFT: train on these chat rows (JSONL of {"messages": [...]}) instead of the built-in set '
+        description='SFT: train on these chat rows (JSONL of {"messages": [...]}) instead of the '
+        "built-in set "
         "(a rejection-sampling pipeline stage writes it)",
     )
     init_from: str = Field(
         "",
-        description="start from these weights (a checkpoint folder, or a run directory meaning its latest good "
-        "checkpoint; verified first): weights only, before step 0 - a fresh optimizer, schedule and step count "
-        "(TRL and TorchTitan recipes; a pipeline stage's input). A resumed run continues from its own checkpoint instead",
+        description="start from these weights (a checkpoint folder, or a run directory meaning "
+        "its latest good "
+        "checkpoint; verified first): weights only, before step 0 - a fresh optimizer, schedule "
+        "and step count "
+        "(TRL and TorchTitan recipes; a pipeline stage's input). A resumed run continues from "
+        "its own checkpoint instead",
     )
 
 
@@ -61,8 +65,8 @@ class CheckpointSection(_Strict):
 
 
 class EvalSection(_Strict):
-    """``[eval]``: a held-out evaluation in the training loop; results are ``eval/<name>`` keys on the
-    step's metrics record (monitors, alerts, exporters and pipeline gates read them)."""
+    """``[eval]``: a held-out evaluation in the training loop; results are ``eval/<name>`` keys on
+    the step's metrics record (monitors, alerts, exporters and pipeline gates read them)."""
 
     set: Literal["arithmetic"] = Field(
         "arithmetic",
@@ -80,7 +84,8 @@ class EvalSection(_Strict):
 
 
 class RestartConfig(_Strict):
-    """``[supervisor.restart]``: when a failed attempt (crash, hang, early exit) is restarted, and when not."""
+    """``[supervisor.restart]``: when a failed attempt (crash, hang, early exit) is restarted, and
+    when not."""
 
     max_restarts: int = Field(
         10, ge=0, description="restarts in the whole run (across supervisors); then stop (exit 1)"
@@ -88,7 +93,9 @@ class RestartConfig(_Strict):
     backoff_s: float = Field(
         1.0,
         ge=0,
-        description="delay before restarting an attempt that made no progress (newer good checkpoint); doubles with each such attempt in a row (an attempt that made progress restarts at once)",
+        description="delay before restarting an attempt that made no progress (newer good "
+        "checkpoint); doubles with each such attempt in a row (an attempt that made progress "
+        "restarts at once)",
     )
     backoff_max_s: float = Field(60.0, ge=0, description="longest delay before a restart")
     storm_restarts: int = Field(
@@ -102,16 +109,23 @@ class RestartConfig(_Strict):
     no_progress_attempts: int = Field(
         3,
         ge=1,
-        description="stop (exit 3) after this many attempts in a row without a newer good checkpoint",
+        description="stop (exit 3) after this many attempts in a row without a newer good "
+        "checkpoint",
     )
     warm_spare: bool | Literal["auto"] = Field(
         "auto",
-        description="keep a warm pool (one process that imports the engine alongside the first attempt's "
-        "ranks); a restart's ranks are forked from it, without a new torchrun, instead of importing torch "
-        "and the engine again (a restart that finds it still importing waits for it; the launch event says "
-        "ranks_from warm or cold, and why) (ops/rank/warm.py, warmlaunch.py); TorchTitan imports everything "
-        "ahead, other engines torch only. `auto`: on when the machine has the cores for it (at least 2 x "
-        "launch.nproc + 2: the pool's import then does not slow the first attempt), off on small boxes and under Slurm",
+        description="keep a warm pool (one process that imports the engine alongside the first "
+        "attempt's "
+        "ranks); a restart's ranks are forked from it, without a new torchrun, instead of "
+        "importing torch "
+        "and the engine again (a restart that finds it still importing waits for it; the launch "
+        "event says "
+        "ranks_from warm or cold, and why) (ops/rank/warm.py, warmlaunch.py); TorchTitan imports "
+        "everything "
+        "ahead, other engines torch only. `auto`: on when the machine has the cores for it (at "
+        "least 2 x "
+        "launch.nproc + 2: the pool's import then does not slow the first attempt), off on small "
+        "boxes and under Slurm",
     )
 
     def warm_pool_wanted(self, nproc: int, cpus: int | None) -> bool:
@@ -122,7 +136,8 @@ class RestartConfig(_Strict):
 
 
 class SupervisorSection(_Strict):
-    """``[supervisor]``: how ``ptops launch`` watches (and, with ``--supervise``, restarts) a run (all optional)."""
+    """``[supervisor]``: how ``ptops launch`` watches (and, with ``--supervise``, restarts) a run
+    (all optional)."""
 
     channel_host: str = Field(
         "127.0.0.1",
@@ -139,12 +154,14 @@ class SupervisorSection(_Strict):
     stack_timeout_s: float = Field(
         5.0,
         gt=0,
-        description="wait this long for a rank to send its stacks before using py-spy / faulthandler",
+        description="wait this long for a rank to send its stacks before using py-spy / "
+        "faulthandler",
     )
     grace_s: float = Field(
         30.0,
         ge=0,
-        description="Ctrl-C / SIGTERM: time the ranks get to checkpoint (engines that support it) before they are stopped",
+        description="Ctrl-C / SIGTERM: time the ranks get to checkpoint (engines that support "
+        "it) before they are stopped",
     )
     kill_timeout_s: float = Field(
         10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down"
@@ -156,7 +173,8 @@ class SupervisorSection(_Strict):
 
 
 class SlurmSection(_Strict):
-    """``[slurm]``: how ``ptops launch --supervise --slurm`` asks Slurm for nodes (CLI flags override)."""
+    """``[slurm]``: how ``ptops launch --supervise --slurm`` asks Slurm for nodes (CLI flags
+    override)."""
 
     nodes: int = Field(
         1, ge=1, le=4096, description="nodes the ranks run on (launch.nproc ranks per node)"
@@ -180,13 +198,15 @@ class SlurmSection(_Strict):
     signal_s: int = Field(
         120,
         ge=10,
-        description="--signal=B:USR1@S: seconds before the time limit the supervisor is warned (save, then requeue)",
+        description="--signal=B:USR1@S: seconds before the time limit the supervisor is warned "
+        "(save, then requeue)",
     )
     exclude: list[str] = Field(default_factory=list, description="nodes never to use (--exclude)")
     node_strikes: int = Field(
         2,
         ge=1,
-        description="failed attempts blamed on one node before it is replaced by a spare (or the job requeued without it)",
+        description="failed attempts blamed on one node before it is replaced by a spare (or the "
+        "job requeued without it)",
     )
     preempt_grace_s: float = Field(
         60.0,
@@ -196,7 +216,8 @@ class SlurmSection(_Strict):
     upstream_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="a node agent kills its ranks when it hears nothing from the supervisor this long (a cut link)",
+        description="a node agent kills its ranks when it hears nothing from the supervisor this "
+        "long (a cut link)",
     )
     sbatch_args: list[str] = Field(
         default_factory=list, description='extra #SBATCH options, e.g. ["--mem=0"]'
@@ -233,7 +254,8 @@ class RecipeBase(_Strict):
         return section
 
 
-# One optional section per registered engine: [titan], [trl], ... (a plugin cannot take a name of the base's)
+# One optional section per registered engine: [titan], [trl], ... (a plugin cannot take a name of
+# the base's)
 _engines.reserve(
     {n for n in dir(RecipeBase) if not n.startswith("_")} | set(RecipeBase.model_fields)
 )
@@ -245,7 +267,8 @@ Recipe = create_model(
 
 
 def resolve_path(recipe: str | Path) -> Path:
-    """A path, or the bare name of a shipped recipe (``titan-tiny``, or one an engine plugin ships)."""
+    """A path, or the bare name of a shipped recipe (``titan-tiny``, or one an engine plugin
+    ships)."""
     p = Path(recipe)
     if p.is_file():
         return p
@@ -253,13 +276,15 @@ def resolve_path(recipe: str | Path) -> Path:
     if shipped is not None:
         return shipped
     raise RecipeError(
-        f"{recipe}: recipe file not found (expected a TOML file or one of: {', '.join(shipped_names())})"
+        f"{recipe}: recipe file not found (expected a TOML file or one of: "
+        f"{', '.join(shipped_names())})"
     )
 
 
 @dataclass(frozen=True)
 class RecipeRef:
-    """What every command makes of a RECIPE argument: its short name (run and scenario names) and file."""
+    """What every command makes of a RECIPE argument: its short name (run and scenario names) and
+    file."""
 
     name: str
     path: Path
@@ -271,7 +296,8 @@ def resolve(recipe: str | Path) -> RecipeRef:
 
 
 def shipped_recipes() -> dict[str, Path]:
-    """Recipe name -> file: ptops' own, then each engine's ``recipes_dir`` (a name taken keeps its first file)."""
+    """Recipe name -> file: ptops' own, then each engine's ``recipes_dir`` (a name taken keeps its
+    first file)."""
     found: dict[str, Path] = {}
     for folder in (RECIPES_DIR, *_engines.recipe_dirs()):
         for p in sorted(folder.glob("*.toml")):
@@ -312,7 +338,8 @@ _UNION_TAGS = {"bool", "int", "float", "str"}
 
 
 def _union_tag(part: Any) -> bool:
-    """A loc element pydantic adds for the member of a union (``bool``, ``literal['auto']``), not a key."""
+    """A loc element pydantic adds for the member of a union (``bool``, ``literal['auto']``), not a
+    key."""
     return str(part) in _UNION_TAGS or str(part).startswith(("literal[", "function-"))
 
 
@@ -332,7 +359,10 @@ def _explain(exc: ValidationError, origin: str) -> RecipeError:
     if kind == "missing":
         return RecipeError(f"{origin}: key '{key}': missing (required)")
     got = err.get("input")
-    got_s = f" (got {json.dumps(got) if isinstance(got, (str, int, float, bool)) else type(got).__name__})"
+    got_s = (
+        " (got "
+        f"{json.dumps(got) if isinstance(got, (str, int, float, bool)) else type(got).__name__})"
+    )
     return RecipeError(f"{origin}: key '{key}': {err['msg'].lower()}{got_s}")
 
 
@@ -354,8 +384,9 @@ def load(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tup
 
 
 def command_recipe_toml(command: list[str], cwd: str | Path) -> str:
-    """The recipe ``ptops launch [options] -- COMMAND...`` runs (engine ``script``), as TOML text: the run
-    directory keeps it as ``recipe.toml``, so ``ptops launch RUN/recipe.toml`` runs it again."""
+    """The recipe ``ptops launch [options] -- COMMAND...`` runs (engine ``script``), as TOML text:
+    the run directory keeps it as ``recipe.toml``, so ``ptops launch RUN/recipe.toml`` runs it
+    again."""
     if not command or not command[0].strip():
         raise RecipeError(
             "ptops launch -- COMMAND: the command after -- is empty (e.g. -- python train.py)"
@@ -406,7 +437,8 @@ def validate(data: dict, origin: str) -> Recipe:
             )
     if recipe.supervisor.hang.total_steps is not None:
         raise RecipeError(
-            f"{origin}: key 'supervisor.hang.total_steps': not a recipe key (the supervisor sets it from train.steps)"
+            f"{origin}: key 'supervisor.hang.total_steps': not a recipe key (the supervisor sets "
+            "it from train.steps)"
         )
     build_monitors_of(
         recipe.monitors, origin
@@ -416,16 +448,19 @@ def validate(data: dict, origin: str) -> Recipe:
 
 
 def build_monitors_of(section: MonitorsSection, origin: str) -> list:
-    """The monitors of a ``[monitors]`` section, or one :class:`RecipeError` naming the monitor that cannot be built."""
+    """The monitors of a ``[monitors]`` section, or one :class:`RecipeError` naming the monitor that
+    cannot be built."""
     try:
         return build_monitors(section)
     except MonitorConfigError as e:
         raise RecipeError(
-            f"{origin}: key 'monitors.{e.monitor}': the monitor cannot be built with these settings ({e})"
+            f"{origin}: key 'monitors.{e.monitor}': the monitor cannot be built with these "
+            f"settings ({e})"
         ) from None
 
 
-# keys only some engines implement: engine -> keys (a recipe that sets one elsewhere is bad input, not silence)
+# keys only some engines implement: engine -> keys (a recipe that sets one elsewhere is bad input,
+# not silence)
 ENGINE_ONLY = {
     "train.init_from": ("trl", "titan"),
     "eval.interval": ("trl",),
@@ -434,12 +469,14 @@ ENGINE_ONLY = {
 
 
 def _check_cross_keys(recipe: Recipe, origin: str) -> None:
-    """The engine's rules that span sections, caught here rather than as a traceback inside every rank."""
+    """The engine's rules that span sections, caught here rather than as a traceback inside every
+    rank."""
     for key, engines in ENGINE_ONLY.items():
         section, _, field = key.partition(".")
         if getattr(getattr(recipe, section), field) and recipe.engine not in engines:
             raise RecipeError(
-                f"{origin}: key '{key}': not supported by engine \"{recipe.engine}\" (only {', '.join(engines)})"
+                f"{origin}: key '{key}': not supported by engine \"{recipe.engine}\" (only "
+                f"{', '.join(engines)})"
             )
     check = _engines.get(recipe.engine).check
     problem = check(recipe) if check is not None else None

@@ -1,4 +1,5 @@
-"""One Markdown runbook per alert and finding: ``runbooks/<Name>.md`` (``ptops runbook NAME`` prints one).
+"""One Markdown runbook per alert and finding: ``runbooks/<Name>.md`` (``ptops runbook NAME`` prints
+one).
 
 Convention for the commands in a runbook (``tests/test_runbooks_run.py`` enforces it):
 

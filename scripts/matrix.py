@@ -6,16 +6,18 @@
     python3 scripts/matrix.py --list          # what each end would install, then exit
     python3 scripts/matrix.py --table         # the last run's table
 
-Each end is a venv, ``.venv-matrix-END``, set up as a user's image is: first a torch of the end's version, the
-registry's own build (a CUDA build even on this CPU box), then this checkout's ``ptops[trl,dev]`` (plus
-``[titan]`` where TorchTitan imports on that torch) without the project's lock. The end then proves:
+Each end is a venv, ``.venv-matrix-END``, set up as a user's image is: first a torch of the end's
+version, the registry's own build (a CUDA build even on this CPU box), then this checkout's
+``ptops[trl,dev]`` (plus ``[titan]`` where TorchTitan imports on that torch) without the project's
+lock. The end then proves:
   1. the torch that was there is untouched (same version, same RECORD digest: same build);
   2. ``pip install --dry-run ptops[trl]`` in that venv lists no torch;
   3. the engine-agnostic tests and the TRL recipes' crash-resume digest tests pass (TorchTitan's too where it
      imports).
-The oldest end is pyproject.toml's lower bounds, read from it, so a bound cannot drift from what ran; the newest
-is what pip resolves from the ranges today. Results go to ``bench/results/matrix.json``;
-``tests/test_packaging.py`` fails when a declared lower bound is not the one the last matrix run used.
+The oldest end is pyproject.toml's lower bounds, read from it, so a bound cannot drift from what
+ran; the newest is what pip resolves from the ranges today. Results go to
+``bench/results/matrix.json``; ``tests/test_packaging.py`` fails when a declared lower bound is not
+the one the last matrix run used.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def extras() -> dict[str, list[str]]:
 
 
 def lower_bounds() -> dict[str, str]:
-    """``name -> version`` of every ``>=`` bound that the engine extras declare for a matrix package."""
+    """``name -> version`` of every ``>=`` bound that the engine extras declare for a matrix
+    package."""
     found: dict[str, str] = {}
     for reqs in extras().values():
         for req in reqs:
@@ -115,7 +118,8 @@ def torch_identity(py: Path) -> dict:
     code = (
         "import importlib.metadata as m, hashlib, pathlib, json; d = m.distribution('torch'); "
         "rec = pathlib.Path(d._path, 'RECORD').read_bytes(); "
-        "print(json.dumps({'version': d.version, 'record_sha256': hashlib.sha256(rec).hexdigest()}))"
+        "print(json.dumps({'version': d.version, 'record_sha256': "
+        "hashlib.sha256(rec).hexdigest()}))"
     )
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -168,7 +172,8 @@ def run_end(end: str, log_dir: Path) -> dict:
         if rc != 0:
             return {**result, "ok": False, "failed": "pip install ptops[trl,dev]"}
         titan_req = f"{REPO}[titan,trl,dev]"
-        # [titan] only where its torch range admits the torch that is there (it must not change torch)
+        # [titan] only where its torch range admits the torch that is there (it must not change
+        # torch)
         dry = subprocess.run(
             [
                 str(py),
@@ -305,14 +310,20 @@ def table(results: dict) -> str:
         if not r:
             continue
         v = r.get("versions", {})
-        torch = f"{r.get('torch_before', {}).get('version')} ({'same build' if r.get('torch_untouched') else 'CHANGED'})"
+        torch = (
+            f"{r.get('torch_before', {}).get('version')} "
+            f"({'same build' if r.get('torch_untouched') else 'CHANGED'})"
+        )
         titan = (
             v.get("torchtitan")
             if r.get("titan_imports")
             else "not run: [titan]'s torch range excludes this torch"
         )
         c = r.get("counts", {})
-        tests = f"{c.get('passed', '?')} passed, {c.get('failed', '?')} failed ({r.get('pytest_s', '?')} s)"
+        tests = (
+            f"{c.get('passed', '?')} passed, {c.get('failed', '?')} failed "
+            f"({r.get('pytest_s', '?')} s)"
+        )
         rows.append(
             f"| {end} | {torch} | {v.get('trl')} | {v.get('transformers')} | {v.get('peft')} | "
             f"{v.get('accelerate')} | {titan} | {r.get('dry_run_installs_torch')} | {tests} | "

@@ -21,7 +21,8 @@ def run_ptops(
     )
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"ptops {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+            f"ptops {' '.join(args)} exited "
+            f"{proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
         )
     return proc
 
@@ -37,7 +38,8 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def have(request):
-    """Look up a program; under CI a missing program is a failure, elsewhere a skip with a reason."""
+    """Look up a program; under CI a missing program is a failure, elsewhere a skip with a
+    reason."""
 
     def _have(program: str) -> str:
         path = shutil.which(program)
@@ -61,7 +63,8 @@ def faulted_runs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """One real 3-node Slurm (scripts/slurm_cluster.sh) shared by every Slurm test; removed at the end."""
+    """One real 3-node Slurm (scripts/slurm_cluster.sh) shared by every Slurm test; removed at the
+    end."""
     from slurm_cluster import Cluster
 
     cluster = Cluster.start(nodes=3)
@@ -72,13 +75,14 @@ def slurm_cluster():
 
 
 # ---------------------------------------------------------------- two workers (scripts/test.sh: -n 2)
-# pytest-xdist with --dist loadfile: a module's tests stay on one worker, so its module fixtures (real runs)
-# are made once. (loadgroup would also join modules, but with pytest 9 it does not group at all: tried.)
-# What several modules share is shared through the workers' common temp folder instead: faulted runs
-# (tests/faulted.py) and the `machine_lock` below. The Slurm cluster has one module, test_slurm.py.
+# pytest-xdist with --dist loadfile: a module's tests stay on one worker, so its module fixtures
+# (real runs) are made once. (loadgroup would also join modules, but with pytest 9 it does not group
+# at all: tried.) What several modules share is shared through the workers' common temp folder
+# instead: faulted runs (tests/faulted.py) and the `machine_lock` below. The Slurm cluster has one
+# module, test_slurm.py.
 
-# modules handed out first, longest first (a fresh clone's --durations): a long one last would leave the
-# other worker idle at the end; the rest follow in collection order
+# modules handed out first, longest first (a fresh clone's --durations): a long one last would leave
+# the other worker idle at the end; the rest follow in collection order
 LONGEST_FIRST = [
     "test_ckpt_e2e",
     "test_slurm",
@@ -110,15 +114,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def shared_dir(tmp_path_factory) -> Path:
-    """A folder every worker of this session sees (its own temp folder when there are no workers)."""
+    """A folder every worker of this session sees (its own temp folder when there are no
+    workers)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="module")
 def sandbox_lock(tmp_path_factory):
-    """Held for a whole module that runs the code sandbox or asserts that none of its processes is left
-    anywhere: with two workers, one module's sandboxes would be the other's "left over" processes."""
+    """Held for a whole module that runs the code sandbox or asserts that none of its processes is
+    left anywhere: with two workers, one module's sandboxes would be the other's "left over"
+    processes."""
     import fcntl
 
     with open(shared_dir(tmp_path_factory) / "sandbox.lock", "w") as lock:

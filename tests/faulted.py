@@ -40,7 +40,8 @@ FAST_HANG = [
     "--set",
     "supervisor.restart.backoff_s=0.5",
 ]
-# the hang run uses the shipped hang defaults (issue 12: detection needs no tuning); only the backoff is short
+# the hang run uses the shipped hang defaults (issue 12: detection needs no tuning); only the
+# backoff is short
 DEFAULT_HANG = ["--set", "supervisor.restart.backoff_s=0.5"]
 HOLD_COMMITTED = "hold:step=12,until=committed,seconds=120"
 
@@ -105,7 +106,8 @@ def _hang(run: Path) -> tuple[subprocess.CompletedProcess, dict]:
         while len([e for e in _events(run, "fault_injected") if e["fault"].startswith("hold")]) < 2:
             if proc.poll() is not None:
                 raise AssertionError(
-                    f"supervisor exited {proc.returncode} before attempt 2 was held:\n{proc.stderr.read()}"
+                    f"supervisor exited {proc.returncode} before attempt 2 was "
+                    f"held:\n{proc.stderr.read()}"
                 )
             if time.monotonic() > deadline:
                 raise AssertionError("timed out waiting for both ranks to be held in attempt 2")
@@ -208,9 +210,9 @@ def make(kind: str, run: Path) -> Faulted:
 class FaultedRuns:
     """Lazily made, cached for the session: ``get(kind)``.
 
-    Under pytest-xdist the workers share ``root`` (the session's common temp folder): the first worker
-    that asks for a kind makes it under a file lock and writes ``made.json``; the others wait on the
-    lock and read that, so each faulted run is made once per session, not once per worker."""
+    Under pytest-xdist the workers share ``root`` (the session's common temp folder): the first
+    worker that asks for a kind makes it under a file lock and writes ``made.json``; the others wait
+    on the lock and read that, so each faulted run is made once per session, not once per worker."""
 
     def __init__(self, root: Path):
         self.root = root

@@ -64,7 +64,8 @@ class Cluster:
         )
 
     def link(self, node: str, up: bool) -> None:
-        """Cut (or restore) a node's network, as a failed NIC or switch port: its veth on the bridge."""
+        """Cut (or restore) a node's network, as a failed NIC or switch port: its veth on the
+        bridge."""
         subprocess.run(["ip", "link", "set", f"pv-{node}", "up" if up else "down"], check=True)
 
     def resume(self, node: str) -> None:

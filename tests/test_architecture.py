@@ -79,7 +79,8 @@ def test_the_map_names_every_folder_and_every_folder_exists():
 
 
 def test_the_planner_is_pure():
-    """recipes/plan.py imports nothing of ptops and no torch: ``ptops plan`` and the CLI stay light."""
+    """recipes/plan.py imports nothing of ptops and no torch: ``ptops plan`` and the CLI stay
+    light."""
     path = REPO / "recipes" / "plan.py"
     assert _imports(path) == set()
     mods = set()
@@ -121,8 +122,9 @@ def _hook_names(folders: list[Path]) -> list[str]:
 
 
 def test_no_test_hooks_in_production_folders(tmp_path):
-    """Test-only switches (``PTOPS_TEST_*`` environment names) stay out of what ships: a test holds a run
-    with a fault kind a user could use too (``faultinject/spec.py``), or does its trick in the test."""
+    """Test-only switches (``PTOPS_TEST_*`` environment names) stay out of what ships: a test holds
+    a run with a fault kind a user could use too (``faultinject/spec.py``), or does its trick in the
+    test."""
     folders = _production_folders()
     names = {p.relative_to(REPO).as_posix() for p in folders}
     assert {"ops", "recipes", "faultinject", "ptops", "scripts"} <= names, names

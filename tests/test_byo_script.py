@@ -1,4 +1,5 @@
-"""Your own training script under ptops (issue 22, point 3): ``ptops launch --supervise -- python train.py``.
+"""Your own training script under ptops (issue 22, point 3): ``ptops launch --supervise -- python
+train.py``.
 
 Real runs, 2 gloo ranks on CPU, made once for the module, three at a time (6 runs in all):
 
@@ -89,8 +90,8 @@ def readme_first_launch() -> list[str]:
 
 
 def _readme_argv(run: Path) -> list[str]:
-    """The README's first command, as written, from the repository root; only its run directory moves to
-    the test's folder, and MLflow is off."""
+    """The README's first command, as written, from the repository root; only its run directory
+    moves to the test's folder, and MLflow is off."""
     argv = readme_first_launch()
     assert argv[:2] == ["ptops", "launch"] and "--" in argv
     cut = argv.index("--")
@@ -135,8 +136,8 @@ def runs(tmp_path_factory):
     plan = {  # the longest first
         "fsdp2-faulted": _launch_argv(root / "fsdp2-faulted", *CHAOS, command=FSDP2),
         # ... and a preemption in attempt 3 (SIGTERM at step 9; the ranks are held before step 10 until the
-        # stop request reaches them): every rank saves step 9 or 10 on request, the launch exits 143, the
-        # same command again resumes
+        # stop request reaches them): every rank saves step 9 or 10 on request, the launch exits
+        # 143, the same command again resumes
         "accel-faulted": _launch_argv(
             root / "accel-faulted",
             *CHAOS,
@@ -167,8 +168,9 @@ def runs(tmp_path_factory):
             command=["python", "examples/fsdp2/train.py", "--steps", "6"],
         ),
         "fsdp2-ref": _readme_argv(root / "fsdp2-ref"),
-        # the Accelerate reference runs without ptops at all (plain torchrun, in its own folder): the script
-        # stays runnable on its own, its checkpoints land in ./checkpoints with the same layout
+        # the Accelerate reference runs without ptops at all (plain torchrun, in its own folder):
+        # the script stays runnable on its own, its checkpoints land in ./checkpoints with the same
+        # layout
         "accel-ref": [
             sys.executable,
             "-m",
@@ -254,7 +256,8 @@ def test_accelerate_recovers_crash_and_sigstop_to_the_reference_digest(runs):
     plain = _ok(runs, "accel-ref")
     assert sorted(p.name for p in (plain / "checkpoints").glob("step-*")) == ["step-10", "step-12"]
     run = _ok(runs, "accel-faulted")
-    # the preemption: a save on request (step 9 or 10, neither an interval step), a stop, a resume from it
+    # the preemption: a save on request (step 9 or 10, neither an interval step), a stop, a resume
+    # from it
     stopped = [e["step"] for e in _kinds(run, "stopped")]
     assert len(stopped) == 1 and stopped[0] in (9, 10), _kinds(run, "stopped")
     assert stopped[0] in [e["step"] for e in _kinds(run, "checkpoint") if e.get("attempt") == 3]
@@ -286,8 +289,8 @@ def test_a_script_without_the_api_is_restarted_and_its_hang_diagnosed_with_stack
     hang = [i for i in rep["incidents"] if i["kind"] == "hang"]
     assert len(hang) == 1 and hang[0]["rank"] == 0 and hang[0]["runbook"] == "TrainingHang", hang
     frames = hang[0]["details"]["stacks"]["frames"]
-    # the stuck rank's stack: the script's own line (its optimizer.step, where ptops counts the step), then
-    # the fault; the other rank waits in the script's all_reduce
+    # the stuck rank's stack: the script's own line (its optimizer.step, where ptops counts the
+    # step), then the fault; the other rank waits in the script's all_reduce
     assert any("plain_train.py" in f for f in frames["0"]) and frames["0"][-1].startswith(
         "_hang"
     ), frames
@@ -351,7 +354,8 @@ def test_python_target_parsing():
 
 
 def test_public_rank_api_imports_only_ckpt_and_the_rollback_contract():
-    """ptops/rank.py (ARCHITECTURE.md): ptops.ckpt and ptops.recipes.rollback (stdlib only), nothing else."""
+    """ptops/rank.py (ARCHITECTURE.md): ptops.ckpt and ptops.recipes.rollback (stdlib only), nothing
+    else."""
     tree = ast.parse((REPO / "ptops" / "rank.py").read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -359,7 +363,8 @@ def test_public_rank_api_imports_only_ckpt_and_the_rollback_contract():
 
 
 def test_one_save_path_runs_the_probe_hooks_in_order_and_aborts_a_failed_save(tmp_path):
-    """``SaveTransaction.run`` (ckpt/lifecycle.py): what every engine's save does around its writer."""
+    """``SaveTransaction.run`` (ckpt/lifecycle.py): what every engine's save does around its
+    writer."""
     from ptops.ckpt import SaveTransaction, latest_good
 
     calls: list[str] = []

@@ -287,8 +287,9 @@ def test_flipped_bytes_with_manifest(dcp_run, made):
 
 
 def test_background_verifier_reports_good_and_damaged_commits(dcp_run):
-    """What the saving rank runs after each commit: verdicts arrive from a background thread, a damaged
-    checkpoint names its file, a pruned one is not reported, and close() lets the last one finish."""
+    """What the saving rank runs after each commit: verdicts arrive from a background thread, a
+    damaged checkpoint names its file, a pruned one is not reported, and close() lets the last one
+    finish."""
     from ptops.ckpt import BackgroundVerifier
 
     root = dcp_run / "checkpoints"

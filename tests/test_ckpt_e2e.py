@@ -172,11 +172,12 @@ def test_titan_commit_protocol_and_one_event_per_save(titan_base):
 
 
 def test_titan_save_while_the_previous_is_writing_is_skipped_and_recorded(titan_base, tmp_path):
-    """The step-2 async save is held "still writing" (``slow-save:step=2,until=skipped``: its commit waits
-    until a later save is skipped): the step-4 save is skipped on both ranks (``checkpoint_skipped``), never
-    queued behind it; the final step 8 saves; training is the same (digest equal to the uninterrupted run).
-    Step 6 is saved, or skipped too when step 2's commit (released by the skip) took longer than two steps
-    on a loaded machine: both are right, and each save is either skipped or committed, never both."""
+    """The step-2 async save is held "still writing" (``slow-save:step=2,until=skipped``: its commit
+    waits until a later save is skipped): the step-4 save is skipped on both ranks
+    (``checkpoint_skipped``), never queued behind it; the final step 8 saves; training is the same
+    (digest equal to the uninterrupted run). Step 6 is saved, or skipped too when step 2's commit
+    (released by the skip) took longer than two steps on a loaded machine: both are right, and each
+    save is either skipped or committed, never both."""
     _, want = titan_base
     run = tmp_path / "skip"
     launch(
@@ -198,8 +199,9 @@ def test_titan_save_while_the_previous_is_writing_is_skipped_and_recorded(titan_
 
 
 def test_titan_async_checkpoint_equals_a_sync_one(titan_base, tmp_path):
-    """The async save of step 4 (staged by the adapter's persistent stager, ``FlatStager`` on a CPU) holds
-    the same model and optimizer tensors as a synchronous save of the same step, and so does the end."""
+    """The async save of step 4 (staged by the adapter's persistent stager, ``FlatStager`` on a CPU)
+    holds the same model and optimizer tensors as a synchronous save of the same step, and so does
+    the end."""
     base, want = titan_base
     # the base run's async save split the fused QKV after the staging copy, off the training thread
     assert [e.get("qkv_split") for e in events(base, "checkpoint")] == ["background", None]
@@ -211,9 +213,10 @@ def test_titan_async_checkpoint_equals_a_sync_one(titan_base, tmp_path):
 
 
 def test_titan_async_qkv_split_off_the_training_thread_writes_the_same_files(titan_base, tmp_path):
-    """The async save with the fused-QKV split after the staging copy (``recipes/titan/qkvsplit.py``) writes
-    the files torchtitan's own hook writes (``PTOPS_CKPT_QKV_SPLIT=inline``): shard files byte for byte, the
-    same ``.metadata`` entries in the same order; the event says where blocking went."""
+    """The async save with the fused-QKV split after the staging copy
+    (``recipes/titan/qkvsplit.py``) writes the files torchtitan's own hook writes
+    (``PTOPS_CKPT_QKV_SPLIT=inline``): shard files byte for byte, the same ``.metadata`` entries in
+    the same order; the event says where blocking went."""
     import pickle
 
     base, _ = titan_base

@@ -4,10 +4,11 @@ Each forgery is what an RL policy could learn (objects equal to anything, early 
 encoders, fake result lines, frame and memory scans for the expected values, ...): it must score 0
 where the honest solution of the same task scores 1. The asserts are split: only their call runs in
 the sandbox, the expected values never enter it, and the sandbox's results are decoded strictly and
-compared outside (threat model: ``docs/rewards.md``). Also: hidden tests (a completion hard-coding the
-prompt's examples scores low), the splitter's refusals at data load, and the strict decoder. The
-isolation attacks (fork bomb, ``rm -rf``, memory, network, signals) are in ``tests/test_trl_rewards.py``.
-All completions of the corpus run once, in parallel, in a module fixture.
+compared outside (threat model: ``docs/rewards.md``). Also: hidden tests (a completion hard-coding
+the prompt's examples scores low), the splitter's refusals at data load, and the strict decoder. The
+isolation attacks (fork bomb, ``rm -rf``, memory, network, signals) are in
+``tests/test_trl_rewards.py``. All completions of the corpus run once, in parallel, in a module
+fixture.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ TESTS = [
     "assert mean_square(2) == 0.5 and square_pairs(1) == [(0, 0)]",
     "assert mean_square(6) in (9.1666, 9.166666666666666, 9.16666)",
 ]
-# (a bare ``assert CALL`` pays for any truthy value, a constant's too: that is the data's weakness, not a
-# forgery of the grader, so the corpus's task has none; the splitter takes them, see ACCEPTED)
+# (a bare ``assert CALL`` pays for any truthy value, a constant's too: that is the data's weakness,
+# not a forgery of the grader, so the corpus's task has none; the splitter takes them, see ACCEPTED)
 PROBES = sum(len(split_assert(t)) for t in TESTS)
 
 HONEST = """```python
@@ -116,11 +117,14 @@ FORGERIES = {
         "def square_pairs(n): return (x for x in [Always(), Always()])\n"
         "def mean_square(n): return map(lambda x: Always(), [n])\n"
     ),
-    "huge_int": "def square_pairs(n): return 7 ** 40000\ndef mean_square(n): return 10 ** 4000 + 0.5 // 1\n",
+    "huge_int": "def square_pairs(n): return 7 ** 40000\ndef mean_square(n): return 10 ** 4000 + "
+    "0.5 // 1\n",
     "cyclic_list": "def square_pairs(n):\n    x = []\n    x.append(x)\n    return x\n"
     "mean_square = square_pairs\n",
-    "nan_and_inf": "def square_pairs(n): return [float('nan')]\ndef mean_square(n): return float('inf')\n",
-    "deep_nesting_value": "def square_pairs(n):\n    x = []\n    for _ in range(100000):\n        x = [x]\n"
+    "nan_and_inf": "def square_pairs(n): return [float('nan')]\ndef mean_square(n): return "
+    "float('inf')\n",
+    "deep_nesting_value": "def square_pairs(n):\n    x = []\n    for _ in "
+    "range(100000):\n        x = [x]\n"
     "    return x\nmean_square = square_pairs\n",
     # exits and exceptions before or instead of the harness's results
     "sys_exit_at_import": "import sys\nsys.exit(0)\n",
@@ -156,7 +160,8 @@ FORGERIES = {
     "patched_encoder_in_main": (
         "import sys\nm = sys.modules['__main__']\n"
         "def enc(v, d, n):\n    return True\n"
-        "m._enc = enc\nd = list(m._main.__defaults__)\nd[-1] = enc\nm._main.__defaults__ = tuple(d)\n"
+        "m._enc = enc\nd = list(m._main.__defaults__)\nd[-1] = enc\nm._main.__defaults__ = "
+        "tuple(d)\n"
         "def square_pairs(n): return object()\nmean_square = square_pairs\n"
     ),
     "settrace_rewrites_records": (
@@ -179,11 +184,13 @@ FORGERIES = {
     ),
     "close_result_fds": ("import os\nos.closerange(2, 64)\n" + _FORGED),
     "dup2_devnull_over_fds": (
-        "import os\nz = os.open('/dev/null', os.O_WRONLY)\nfor fd in range(1, 64):\n    if fd != z:\n"
+        "import os\nz = os.open('/dev/null', os.O_WRONLY)\nfor fd in range(1, 64):\n    if fd != "
+        "z:\n"
         "        try:\n            os.dup2(z, fd)\n        except OSError:\n            pass\n"
     ),
     "deeply_nested_record": (
-        "import os\nline = ('[' * 200000 + ']' * 200000 + '\\n').encode()\nfor fd in range(3, 16):\n"
+        "import os\nline = ('[' * 200000 + ']' * 200000 + '\\n').encode()\nfor fd in range(3, "
+        "16):\n"
         "    try:\n        os.write(fd, line * 8)\n    except OSError:\n        pass\n"
     ),
     "builtins_patched": (
@@ -207,10 +214,13 @@ FORGERIES = {
         "mean_square = square_pairs\n"
     ),
     "read_the_test_file": (
-        "import re, os\nsrc = ''\nfor p in [%r, os.path.expanduser('~/tests/test_code_forgery.py')]:\n"
+        "import re, os\nsrc = ''\nfor p in [%r, "
+        "os.path.expanduser('~/tests/test_code_forgery.py')]:\n"
         "    try:\n        src += open(p).read()\n    except OSError:\n        pass\n"
-        "for pid in os.listdir('/proc'):\n    try:\n        src += open('/proc/%%s/cmdline' %% pid).read()\n"
-        "        src += open('/proc/%%s/environ' %% pid).read()\n    except OSError:\n        pass\n"
+        "for pid in os.listdir('/proc'):\n    try:\n        src += open('/proc/%%s/cmdline' %% "
+        "pid).read()\n"
+        "        src += open('/proc/%%s/environ' %% pid).read()\n    except OSError:\n        "
+        "pass\n"
         "def square_pairs(n):\n"
         "    m = re.search(r'square_pairs\\(%%d\\) == (\\[.*?\\])' %% n, src)\n"
         "    return eval(m.group(1)) if m else None\n"
@@ -219,13 +229,15 @@ FORGERIES = {
     % THIS,
     "parent_memory": (
         "import os\nraw = b''\nfor pid in ['1', str(os.getppid()), 'self']:\n"
-        "    try:\n        with open('/proc/%s/mem' % pid, 'rb') as f:\n            raw += f.read(1 << 20)\n"
+        "    try:\n        with open('/proc/%s/mem' % pid, 'rb') as f:\n            raw += "
+        "f.read(1 << 20)\n"
         "    except (OSError, ValueError):\n        pass\n"
         "def square_pairs(n): return raw or None\nmean_square = square_pairs\n"
     ),
     "argv_env_stdin_scan": (
         "import sys, os, re\nsrc = ' '.join(sys.argv) + repr(dict(os.environ)) + sys.stdin.read()\n"
-        "for fd in range(3, 16):\n    try:\n        src += os.read(fd, 1 << 16).decode('utf-8', 'replace')\n"
+        "for fd in range(3, 16):\n    try:\n        src += os.read(fd, 1 << 16).decode('utf-8', "
+        "'replace')\n"
         "    except OSError:\n        pass\n"
         "def square_pairs(n):\n    m = re.search(r'square_pairs\\(%d\\) == (\\[.*?\\])' % n, src)\n"
         "    return eval(m.group(1)) if m else None\nmean_square = square_pairs\n"
@@ -239,8 +251,8 @@ FORGERIES = {
     "fork_child_writes_late": (
         _FAKE_RECORDS + "import os, time\n"
         "if os.fork() == 0:\n    time.sleep(0.3)\n    for fd in range(3, 16):\n        try:\n"
-        "            os.write(fd, fake())\n        except OSError:\n            pass\n    os._exit(0)\n"
-        + _FORGED
+        "            os.write(fd, fake())\n        except OSError:\n            pass\n    "
+        "os._exit(0)\n" + _FORGED
     ),
     "signal_exits_harness": (
         "import signal, sys\n"
@@ -341,8 +353,9 @@ def test_why_forgeries_fail(graded):
     for st, names in want.items():
         for n in names:
             assert status[n] == st, (n, by_name[n][1])
-    # racing a thread or a trace against the harness: malformed when it wrote in time, wrong values if not
-    # (the late child dies with the harness, pid 1 of its namespace, unless a loaded machine lets it write first)
+    # racing a thread or a trace against the harness: malformed when it wrote in time, wrong values
+    # if not (the late child dies with the harness, pid 1 of its namespace, unless a loaded machine
+    # lets it write first)
     for n in (
         "thread_floods_channel",
         "settrace_rewrites_records",
@@ -355,7 +368,8 @@ def test_why_forgeries_fail(graded):
 
 def test_the_private_root_is_what_stops_reading_the_test_file():
     """The file forgery is real: where the sandbox keeps the host's file system (no mount namespace,
-    ``isolation.fs == "host"``: the documented limit) it reads the expected values from this file."""
+    ``isolation.fs == "host"``: the documented limit) it reads the expected values from this
+    file."""
     from ptops.recipes.trl.sandbox import run_code
 
     res = run_code(FORGERIES["read_the_test_file"], TESTS, LIMITS, namespaces=False)
@@ -366,8 +380,8 @@ def test_the_private_root_is_what_stops_reading_the_test_file():
 
 
 def test_hard_coding_the_shown_examples_scores_low():
-    """The prompt shows two examples; the reward runs three others. A completion that returns the shown
-    answers (and the honest answer nowhere else) scores low; the honest one scores 1."""
+    """The prompt shows two examples; the reward runs three others. A completion that returns the
+    shown answers (and the honest answer nowhere else) scores low; the honest one scores 1."""
     from ptops.recipes.trl.rewards import CODE_TASKS
 
     rows = code_dataset(len(CODE_TASKS))

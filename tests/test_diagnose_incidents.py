@@ -1,5 +1,6 @@
-"""``ptops diagnose`` incidents on real faulted runs (tests/faulted.py), flight-recorder dumps from real
-gloo ranks, --attempt/--since, copied and live run directories, and --baseline on real titan-tiny runs."""
+"""``ptops diagnose`` incidents on real faulted runs (tests/faulted.py), flight-recorder dumps from
+real gloo ranks, --attempt/--since, copied and live run directories, and --baseline on real
+titan-tiny runs."""
 
 from __future__ import annotations
 
@@ -118,8 +119,8 @@ def test_sigstop_hang_odd_rank_named_from_its_stack(faulted_runs):
     assert a1["action"].startswith("restarted as attempt 2") and a2["action"].startswith(
         "restarted as attempt 3"
     )
-    # gloo's flight recorder (TORCH_FR_BUFFER_SIZE set by the supervisor), analysed by torch's tooling:
-    # both ranks answered in attempt 1, rank 0 never joined the collective rank 1 waits in
+    # gloo's flight recorder (TORCH_FR_BUFFER_SIZE set by the supervisor), analysed by torch's
+    # tooling: both ranks answered in attempt 1, rank 0 never joined the collective rank 1 waits in
     fr = a1["details"]["flight_recorder"]
     assert fr is not None and fr["ranks"] == [0, 1] and "error" not in fr, fr
     assert any(m["missing_ranks"] == [0] for m in fr["mismatches"]), fr
@@ -165,8 +166,8 @@ def test_corrupt_checkpoint_then_crash(faulted_runs):
 
 
 def test_copied_run_dir_reads_the_copy(faulted_runs, tmp_path):
-    """A run directory copied elsewhere: everything is read relative to it (the hang event's absolute
-    ``stacks`` path points at the original, which must not be used)."""
+    """A run directory copied elsewhere: everything is read relative to it (the hang event's
+    absolute ``stacks`` path points at the original, which must not be used)."""
     copy = tmp_path / "elsewhere" / "run"
     shutil.copytree(faulted_runs.get("hang").run, copy)
     (copy / "stacks" / "attempt-2" / "rank-1.txt").write_text(
@@ -373,15 +374,17 @@ def test_baseline_edge_cases():
     assert not short["diverged"] and "too few" in short["per_metric"]["loss"]["note"]
     rl = [{"step": s, "rank": 0, "reward": 0.1 * s} for s in range(1, 30)]
     assert baseline.compare(_synth(2), {"ref": rl})["compared"] == []
-    # non-finite values and a resumed run's redone steps: the last record of a step counts, NaN is skipped
+    # non-finite values and a resumed run's redone steps: the last record of a step counts, NaN is
+    # skipped
     run = _synth(2) + [
         {"step": 10, "rank": 0, "loss": "nan"},
         {"step": 10, "rank": 1, "loss": float("nan")},
     ]
     c = baseline.curves(run)
     assert 10 not in c["loss"] and 11 in c["loss"]
-    # a late divergence is found at its step, not before; one baseline allows 15 % of its movement for
-    # seed drift (a +0.5 shift after a 3.5 drop is within it), three baselines measure the noise (it is not)
+    # a late divergence is found at its step, not before; one baseline allows 15 % of its movement
+    # for seed drift (a +0.5 shift after a 3.5 drop is within it), three baselines measure the noise
+    # (it is not)
     late = [dict(r, loss=r["loss"] + (0.0 if r["step"] < 40 else 0.5)) for r in _synth(2)]
     one = baseline.compare(late, {"ref": _synth(1)})
     assert not one["diverged"] and "15%" in one["per_metric"]["loss"]["noise_method"]
@@ -394,7 +397,8 @@ def test_baseline_edge_cases():
 
 @pytest.fixture(scope="module")
 def seed_runs(tmp_path_factory):
-    """Three plain titan-tiny runs, 16 steps each: the reference, a second seed, a 5x learning rate."""
+    """Three plain titan-tiny runs, 16 steps each: the reference, a second seed, a 5x learning
+    rate."""
     root = tmp_path_factory.mktemp("baseline")
     runs = {}
     for name, key in (("ref", "train.seed=42"), ("seed", "train.seed=7"), ("lr", "titan.lr=0.015")):

@@ -1,5 +1,5 @@
-"""Engines from other distributions: the test builds and installs two small ones (``pip install --target``)
-and runs the real ``ptops`` with them on ``PYTHONPATH``.
+"""Engines from other distributions: the test builds and installs two small ones (``pip install
+--target``) and runs the real ``ptops`` with them on ``PYTHONPATH``.
 
 * ``ptops-toy-engine``: engine ``toy`` (entry point ``toy = "ptops_toy_engine:ENGINE"``), a 2-layer MLP
   on 2 gloo ranks that reports through the probe and saves with ``ptops.ckpt.SaveTransaction`` + DCP,
@@ -408,7 +408,8 @@ def test_plugin_section_and_cross_check_validate_like_the_builtins(plugins):
 
 @pytest.fixture(scope="module")
 def toy_run(plugins):
-    """One supervised run of the plugin's recipe: rank 1 crashes at step 3, the supervisor resumes at 2."""
+    """One supervised run of the plugin's recipe: rank 1 crashes at step 3, the supervisor resumes
+    at 2."""
     run = plugins["root"] / "toy-run"
     proc = run_ptops(
         "launch",

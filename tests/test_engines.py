@@ -25,10 +25,13 @@ def test_every_engine_folder_registers_a_section_and_an_entry_point():
 
 
 def test_engine_registry_loads_without_torch():
-    """The CLI validates recipes fast: registering engines must not import torch, trl or torchtitan."""
+    """The CLI validates recipes fast: registering engines must not import torch, trl or
+    torchtitan."""
     code = (
-        "import sys; from ptops.recipes.schema import load; load('trl-grpo-tiny'); load('titan-tiny'); "
-        "print(sorted(m for m in ('torch', 'trl', 'torchtitan', 'transformers') if m in sys.modules))"
+        "import sys; from ptops.recipes.schema import load; load('trl-grpo-tiny'); "
+        "load('titan-tiny'); "
+        "print(sorted(m for m in ('torch', 'trl', 'torchtitan', 'transformers') if m in "
+        "sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
@@ -73,7 +76,8 @@ def test_one_resolver_for_names_relative_and_absolute_paths(given, monkeypatch):
     "given", ["titan-tiny", "recipes/titan-tiny.toml", str(REPO / "recipes" / "titan-tiny.toml")]
 )
 def test_chaos_takes_a_recipe_as_launch_does(given, tmp_path, monkeypatch):
-    """``ptops chaos --recipe recipes/titan-tiny.toml`` used to die with FileNotFoundError (FileExistsError absolute)."""
+    """``ptops chaos --recipe recipes/titan-tiny.toml`` used to die with FileNotFoundError
+    (FileExistsError absolute)."""
     proc = subprocess.run(
         [
             sys.executable,

@@ -13,8 +13,9 @@ from ptops.recipes.schema import RecipeError, load
 
 
 def _records(eval_trend: float | None, proxy_trend: float, steps: int = 60, every: int = 5):
-    """Reward rising 0.1 -> 0.9 every step; the proxy ``rewards/verifier/mean`` on every step record with
-    ``proxy_trend`` per step; ``eval/heldout`` (+ ``eval/heldout_exact``) on every ``every``-th step's record."""
+    """Reward rising 0.1 -> 0.9 every step; the proxy ``rewards/verifier/mean`` on every step record
+    with ``proxy_trend`` per step; ``eval/heldout`` (+ ``eval/heldout_exact``) on every ``every``-th
+    step's record."""
     out = []
     for s in range(1, steps + 1):
         wobble = 0.01 * math.sin(s * 1.7)
@@ -48,7 +49,8 @@ def test_falling_heldout_eval_is_hacking_even_when_the_proxy_agrees_with_the_rew
 
 
 def test_a_rising_heldout_eval_overrides_a_falling_proxy():
-    """The proxy alone says hacking; the held-out eval says the policy got better: no held-out finding."""
+    """The proxy alone says hacking; the held-out eval says the policy got better: no held-out
+    finding."""
     _, proxy_only = _findings(_records(eval_trend=None, proxy_trend=-0.01))
     assert any("rewards/verifier/mean" in f.detail for f in proxy_only), (
         "the proxy rule itself must work"
@@ -97,8 +99,9 @@ def test_heldout_set_is_held_out():
 
 
 def test_eval_in_the_loop_leaves_training_and_exact_resume_unchanged(tmp_path):
-    """Real SFT runs (4 steps): with a held-out eval every 2 steps, and with it plus a crash at step 3
-    (supervised restart from step 2), the final checkpoint has the digest of a run without eval."""
+    """Real SFT runs (4 steps): with a held-out eval every 2 steps, and with it plus a crash at step
+    3 (supervised restart from step 2), the final checkpoint has the digest of a run without
+    eval."""
     import os
     import subprocess
     import sys

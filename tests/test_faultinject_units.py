@@ -1,4 +1,5 @@
-"""Fault injectors' trigger logic (right rank / step / attempt, once) and the chaos runner's pure parts.
+"""Fault injectors' trigger logic (right rank / step / attempt, once) and the chaos runner's pure
+parts.
 
 No training here: effects that would end the process (os.kill, os._exit) are
 replaced by recorders; sleeps are recorded instead of slept.
@@ -325,8 +326,9 @@ def test_analyze_timings_and_data_checks():
 
 
 def test_a_cold_restart_of_a_run_with_a_warm_pool_is_a_chaos_problem():
-    """Issue 27: the crash scenarios run with ``warm_spare=true`` and fail when a restart went cold because the
-    pool was gone or never ready; a first launch (or a relaunched supervisor's) is cold by design."""
+    """Issue 27: the crash scenarios run with ``warm_spare=true`` and fail when a restart went cold
+    because the pool was gone or never ready; a first launch (or a relaunched supervisor's) is cold
+    by design."""
     assert "supervisor.restart.warm_spare=true" in chaos.select([], ["titan-tiny/crash"])[
         0
     ].launch_argv(chaos.Path("/r"))
@@ -374,7 +376,8 @@ def test_fault_spec_error_names_the_spec_in_chaos_cli(ptops):
 
 
 def test_corrupt_waits_for_an_async_save_to_commit(fx, tmp_path):
-    """A save still writing (``.writing`` marker) is damaged only once committed, off the training thread."""
+    """A save still writing (``.writing`` marker) is damaged only once committed, off the training
+    thread."""
     import threading
 
     d = _fake_dcp(tmp_path, 8)
@@ -391,7 +394,8 @@ def test_corrupt_waits_for_an_async_save_to_commit(fx, tmp_path):
 
 
 def test_every_rank_agrees_on_a_sync_save_for_corrupt_ckpt(fx, tmp_path):
-    """Rank 0 corrupts, rank 1 does not; both must want the save of step 8 synchronous, and neither after it."""
+    """Rank 0 corrupts, rank 1 does not; both must want the save of step 8 synchronous, and neither
+    after it."""
     _fake_dcp(tmp_path, 8)
     ranks = [make(["corrupt-ckpt:step=8"], rank=r, run_dir=tmp_path)[0] for r in (0, 1)]
     live = [make([], rank=r, run_dir=tmp_path)[0] for r in (0, 1)]

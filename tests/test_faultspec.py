@@ -109,7 +109,8 @@ def test_slow_save_and_misrendezvous_parse_and_round_trip():
 
 
 def test_misrendezvous_is_launch_only():
-    """It acts before the first step: injected live it could never fire, so ``ptops inject`` refuses it."""
+    """It acts before the first step: injected live it could never fire, so ``ptops inject`` refuses
+    it."""
     from ptops.faultinject.spec import parse_all, parse_live
 
     assert parse_all(["misrendezvous:rank=1"])[0].kind == "misrendezvous"
@@ -152,8 +153,9 @@ def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
 
 
 def test_slow_save_until_skipped_waits_for_a_later_skip():
-    """The commit of the save of step 2 waits until a later save is skipped (also one skipped before the
-    wait began); a skip of an earlier step does not end it; without ``until`` it waits its seconds."""
+    """The commit of the save of step 2 waits until a later save is skipped (also one skipped before
+    the wait began); a skip of an earlier step does not end it; without ``until`` it waits its
+    seconds."""
     import threading
     import time
 

@@ -1,6 +1,7 @@
-"""The goodput soak's fault plan (``bench/goodput_soak.py``): the same faults, at the same steps, for
-every peer, and keyed to the right torchrun/ft worker group. No training here (the soak itself is a
-benchmark); the ft peer's worker is checked to wrap the probe's per-step hook without running it."""
+"""The goodput soak's fault plan (``bench/goodput_soak.py``): the same faults, at the same steps,
+for every peer, and keyed to the right torchrun/ft worker group. No training here (the soak itself
+is a benchmark); the ft peer's worker is checked to wrap the probe's per-step hook without running
+it."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def test_up_front_faults_match_the_plan_steps_and_follow_the_worker_groups():
     ]
     steps = g.plan_steps(plan, 0.1)
     assert [s for s, _, _, _ in steps] == [100, 200, 300, 400, 500]
-    # a crash, a NaN (torchtitan's finite-loss check kills the rank) or a hang ends a torchrun/ft worker
-    # group: the faults after it belong to the next one
+    # a crash, a NaN (torchtitan's finite-loss check kills the rank) or a hang ends a torchrun/ft
+    # worker group: the faults after it belong to the next one
     assert [a for _, _, _, a in steps] == [1, 1, 2, 3, 4]
     faults = g.up_front(plan, 0.1)
     assert [str(f) for f in faults] == [
@@ -64,7 +65,8 @@ def test_goodput_counts_a_steps_last_execution_and_not_a_nan_step(tmp_path):
         '{"rank": 0, "step": 1, "step_s": 1.0, "loss": 2.0}',
         '{"rank": 0, "step": 2, "step_s": 5.0, "loss": 2.0}',
         '{"rank": 1, "step": 2, "step_s": 9.0, "loss": 2.0}',
-        '{"rank": 0, "step": 2, "step_s": 2.0, "loss": 1.5}',  # redone after a restart: this one counts
+        # redone after a restart: this one counts
+        '{"rank": 0, "step": 2, "step_s": 2.0, "loss": 1.5}',
         '{"rank": 0, "step": 3, "step_s": 4.0, "loss": "nan"}',
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(recs) + "\n")

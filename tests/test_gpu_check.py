@@ -43,7 +43,8 @@ def test_gpu_check_recipe_is_an_8b_shaped_float8_compiled_async_pinned_recipe():
 
 
 def test_gpu_check_recipe_passes_the_fake_backend_dry_run():
-    """What can be checked here: TorchTitan builds the check's float8 + compile model and its parallelisation."""
+    """What can be checked here: TorchTitan builds the check's float8 + compile model and its
+    parallelisation."""
     import json
 
     from conftest import run_ptops
@@ -63,8 +64,8 @@ def test_gpu_check_recipe_passes_the_fake_backend_dry_run():
 
 
 def test_gpu_check_driver_on_cpu_smoke(tmp_path):
-    """The driver's two runs and figures, on titan-tiny (CPU, float8 emulated): a crash then a hang found,
-    two restarts, completed; async blocking measured against sync."""
+    """The driver's two runs and figures, on titan-tiny (CPU, float8 emulated): a crash then a hang
+    found, two restarts, completed; async blocking measured against sync."""
     import json
 
     p = subprocess.run(
@@ -105,8 +106,8 @@ def test_trl_gpu_check_without_gpu_exits_0_with_one_line():
 
 
 def test_trl_gpu_check_driver_on_cpu_smoke(tmp_path):
-    """The TRL driver's two runs on CPU (trl-sft-tiny): the crashed run restarts once and ends on the
-    uninterrupted run's digest and losses. On the H200 all three tiny TRL recipes did
+    """The TRL driver's two runs on CPU (trl-sft-tiny): the crashed run restarts once and ends on
+    the uninterrupted run's digest and losses. On the H200 all three tiny TRL recipes did
     (bench/results/gpu_check_trl.json)."""
     import json
 
@@ -137,8 +138,9 @@ def _wheels(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_gpu_wheels_dry_run_pins_what_the_image_lacks_from_the_lock():
-    """Every carried wheel is pinned by constraints.txt, and the [trl] extra's floors are met (the image's
-    transformers 5.17 / tokenizers 0.23.2 are older than the extra allows, so they travel)."""
+    """Every carried wheel is pinned by constraints.txt, and the [trl] extra's floors are met (the
+    image's transformers 5.17 / tokenizers 0.23.2 are older than the extra allows, so they
+    travel)."""
     p = _wheels("--dry-run")
     assert p.returncode == 0, p.stderr
     pins = dict(ln.split("==") for ln in p.stdout.splitlines() if "==" in ln)
@@ -167,7 +169,8 @@ def test_gpu_wheels_size_check_refuses_an_oversized_wheelhouse(tmp_path):
 
 
 def test_a_stage_over_its_budget_is_cut_with_its_process_group():
-    """The check goes on after a stage overruns: it is recorded as cut, and what it started is gone."""
+    """The check goes on after a stage overruns: it is recorded as cut, and what it started is
+    gone."""
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_check_all import run_stage
 
@@ -189,8 +192,9 @@ def test_a_stage_over_its_budget_is_cut_with_its_process_group():
 
 
 def test_titan_stage_is_skipped_with_the_import_error(tmp_path, monkeypatch):
-    """Where TorchTitan does not import (the H200 image's torch 2.11), the stage records why, not a failure.
-    That error cannot happen with this machine's torch, so a package of that name raises it."""
+    """Where TorchTitan does not import (the H200 image's torch 2.11), the stage records why, not a
+    failure. That error cannot happen with this machine's torch, so a package of that name raises
+    it."""
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_check_all import titan_why_not
 
@@ -207,9 +211,10 @@ def test_titan_stage_is_skipped_with_the_import_error(tmp_path, monkeypatch):
 
 
 def test_script_stage_driver_on_cpu_smoke(tmp_path):
-    """The own-script stage's two launches on CPU (gloo, one rank, a tiny MLP), side by side: a declared world
-    of one runs; async saves commit; the exporter is scraped while the run is held, then released; a crash
-    restarts from the warm pool, a hang leaves stacks and diagnose names it, an OOM is classified."""
+    """The own-script stage's two launches on CPU (gloo, one rank, a tiny MLP), side by side: a
+    declared world of one runs; async saves commit; the exporter is scraped while the run is held,
+    then released; a crash restarts from the warm pool, a hang leaves stacks and diagnose names it,
+    an OOM is classified."""
     import json
 
     p = subprocess.run(

@@ -219,7 +219,8 @@ def test_stalled_startup_section_found_from_what_the_first_attempt_took(section)
     run_steps(a1, 1, 3, t, 0.2)
     learned = a1.learned
     assert learned.p99(section) == pytest.approx(1.5, rel=0.05)
-    # attempt 2: rank 1 stops in `section` (alive, pinging); rank 0 goes on to the rendezvous and waits
+    # attempt 2: rank 1 stops in `section` (alive, pinging); rank 0 goes on to the rendezvous and
+    # waits
     a2 = HangMonitor(2, 100.0, DEFAULTS, learned=learned)
     order = ["import", "rendezvous", "build", "load"]
     upto = order[: order.index(section) + 1]
@@ -385,8 +386,9 @@ def test_real_hangs_found_with_the_shipped_defaults(faulted_runs):
 
 
 def test_world_of_one_stops_the_run_at_once(tmp_path, ptops):
-    """A rank that inits its process group alone (``misrendezvous:rank=1``: its own store, world size 1)
-    makes the supervisor fail the run with one ``misconfigured`` event: no restart, no orphans."""
+    """A rank that inits its process group alone (``misrendezvous:rank=1``: its own store, world
+    size 1) makes the supervisor fail the run with one ``misconfigured`` event: no restart, no
+    orphans."""
     from ptops.ops.supervisor.procs import run_processes
 
     run = tmp_path / "run"

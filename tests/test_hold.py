@@ -1,4 +1,5 @@
-"""The ``hold`` fault (a declared pause before a step) and ``release``: spec, injector, hang monitor.
+"""The ``hold`` fault (a declared pause before a step) and ``release``: spec, injector, hang
+monitor.
 
 Live tests hold a run until what they wait for has been observed, then release it; these pin
 the three pieces that makes work without a run: the grammar, the rank side (stops before the
@@ -161,7 +162,8 @@ def test_a_hold_injected_after_a_release_holds_again():
 
 
 def test_until_committed_waits_for_the_save_in_flight(tmp_path, monkeypatch):
-    """``hold:until=committed`` ends once the last save this rank began lost its ``.writing`` marker."""
+    """``hold:until=committed`` ends once the last save this rank began lost its ``.writing``
+    marker."""
     ckpt = tmp_path / "checkpoints" / "step-4"
     ckpt.mkdir(parents=True)
     (ckpt / ".writing").touch()  # the async save of step 4 is in flight

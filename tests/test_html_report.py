@@ -320,7 +320,8 @@ def test_html_bad_output_path_is_one_error_line(tmp_path):
 
 
 def test_a_long_run_gives_a_small_page_and_keeps_its_spike():
-    """100k steps x 2 ranks: the page stays small (lines are thinned) and a one-step spike is still drawn."""
+    """100k steps x 2 ranks: the page stays small (lines are thinned) and a one-step spike is still
+    drawn."""
     metrics = [
         {
             "step": s,

@@ -1,10 +1,11 @@
 """``pip install ptops[trl]`` beside a torch that is already there leaves that torch as it was.
 
-A cluster's image has its own torch, often a CUDA build; installing ptops must not replace it. The module's venv
-is such an image: the registry's torch 2.14.1 (newer than the lock's 2.13.0, and another build: CUDA where the
-lock's is +cpu) installed first, then this checkout's ``ptops[trl]`` as a user installs it (a built wheel, no
-lock). The older end (torch 2.11.0, a 3 GB download) is installed the same way by ``scripts/matrix.py``, whose
-results ``tests/test_packaging.py`` checks; the resolution for it is checked here with pip's own resolver.
+A cluster's image has its own torch, often a CUDA build; installing ptops must not replace it. The
+module's venv is such an image: the registry's torch 2.14.1 (newer than the lock's 2.13.0, and
+another build: CUDA where the lock's is +cpu) installed first, then this checkout's ``ptops[trl]``
+as a user installs it (a built wheel, no lock). The older end (torch 2.11.0, a 3 GB download) is
+installed the same way by ``scripts/matrix.py``, whose results ``tests/test_packaging.py`` checks;
+the resolution for it is checked here with pip's own resolver.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def _torch_identity(py: Path) -> dict:
 
 
 def _source(dest: Path) -> Path:
-    """This checkout's files as a user's source tree: pip builds a local directory in place (``build/``), which
-    must not land in the repository the other tests scan."""
+    """This checkout's files as a user's source tree: pip builds a local directory in place
+    (``build/``), which must not land in the repository the other tests scan."""
     import shutil
 
     skip = {".git", "build", "runs", "__pycache__"}
@@ -117,9 +118,10 @@ def test_a_supervised_trl_recipe_completes_on_the_images_torch(image, tmp_path):
 
 
 def test_resolver_keeps_an_older_torch_for_the_trl_extra(tmp_path):
-    """pip's resolver decides from installed metadata: a venv whose torch 2.11.0+cu130 is known to pip (its
-    dist-info; the 3 GB of libraries do not change the decision) gets no torch from ``ptops[trl]``. (The titan
-    extra's torch bound, 2.13, is the lock's: tests/test_packaging.py.)"""
+    """pip's resolver decides from installed metadata: a venv whose torch 2.11.0+cu130 is known to
+    pip (its dist-info; the 3 GB of libraries do not change the decision) gets no torch from
+    ``ptops[trl]``. (The titan extra's torch bound, 2.13, is the lock's:
+    tests/test_packaging.py.)"""
     subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
     py = tmp_path / "venv" / "bin" / "python"
     site = Path(

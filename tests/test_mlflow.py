@@ -33,7 +33,8 @@ def test_restarted_run_is_one_mlflow_run_with_every_step(tmp_path):
     events, metrics = read(run / "events.jsonl"), read(run / "metrics.jsonl")
     cut = next(i for i, e in enumerate(events) if e["kind"] == "restart") + 1
 
-    # attempt 1 (the supervisor that dies after the restart decision), then attempt 2 (a new supervisor)
+    # attempt 1 (the supervisor that dies after the restart decision), then attempt 2 (a new
+    # supervisor)
     t0 = time.monotonic()
     first = MlflowExporter(run)
     for e in events[:cut]:

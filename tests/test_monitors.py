@@ -1,4 +1,5 @@
-"""Monitors on synthetic traces with known ground truth: detected within a stated bound, silent when healthy."""
+"""Monitors on synthetic traces with known ground truth: detected within a stated bound, silent when
+healthy."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ import synth  # noqa: E402
 
 AT = 100
 SEEDS = range(10)
-# fault -> the most steps after the fault's first step the first finding may come (measured: see bench/README.md)
+# fault -> the most steps after the fault's first step the first finding may come (measured: see
+# bench/README.md)
 DETECTION_BOUND = {
     "nan": 0,
     "none_nan": 0,
@@ -44,7 +46,9 @@ DETECTION_BOUND = {
     "straggler_busy": 3,  # window 5: the median of the last 5 ratios crosses once 3 are slow
     "straggler_wait": 3,
     "straggler_data": 3,
-    "entropy_collapse": 10,  # exp decay with tau 10 steps: the forecast warns first, before the 30 % crossing (+12); it waits for the decline to go on under the gate (dips that stop are tolerated)
+    # exp decay with tau 10 steps: the forecast warns first, before the 30 % crossing (+12); it
+    # waits for the decline to go on under the gate (dips that stop are tolerated)
+    "entropy_collapse": 10,
     "kl_drift": 12,
     "reward_hacking": 15,
     "length_hacking": 15,
@@ -140,7 +144,8 @@ def test_loss_spike_history_rewinds():
     for s in range(1, 41):
         assert m.feed(_rec(s, loss=2.0 + 0.01 * (s % 3))) == []
     assert m.feed(_rec(41, loss=5.0))  # spike
-    # the run rolls back to 35 and redoes it healthily: no finding, and 41 again spikes -> found again
+    # the run rolls back to 35 and redoes it healthily: no finding, and 41 again spikes -> found
+    # again
     for s in range(35, 41):
         assert m.feed(_rec(s, loss=2.0 + 0.01 * (s % 3))) == []
     assert m.feed(_rec(41, loss=5.0))
@@ -193,7 +198,8 @@ def _trace(name):
 
 
 def test_straggler_sleeping_rank_from_step_s_alone():
-    """Recorded 2-rank gloo DDP, rank 1 sleeps 0.3 s before each step from step 6: the *other* rank's step_s grows."""
+    """Recorded 2-rank gloo DDP, rank 1 sleeps 0.3 s before each step from step 6: the *other*
+    rank's step_s grows."""
     recs = _trace("ddp_sleep_rank1.jsonl")
     r0 = [r["step_s"] for r in recs if r["rank"] == 0 and r["step"] >= 6]
     r1 = [r["step_s"] for r in recs if r["rank"] == 1 and r["step"] >= 6]
@@ -257,8 +263,9 @@ def test_replay_is_deterministic_and_equals_live_feeding():
 
 
 def test_monitors_survive_odd_records():
-    # garbage yields nothing: no step (missing, None, text, inf), values that are no numbers (text, bool,
-    # list, None), negative step or step time, a rank that is no number; "kl": "inf" alone is no drift
+    # garbage yields nothing: no step (missing, None, text, inf), values that are no numbers (text,
+    # bool, list, None), negative step or step time, a rank that is no number; "kl": "inf" alone is
+    # no drift
     garbage = [
         {},
         {"step": "x"},
@@ -274,9 +281,9 @@ def test_monitors_survive_odd_records():
     assert replay(garbage, build_monitors()) == []
     for rec in garbage:  # one at a time too: no monitor state hides a finding
         assert replay([rec], build_monitors()) == [], rec
-    # a non-finite loss or grad norm is reported whatever else is odd about its record (a NaN is never hidden):
-    # exactly one finding each (a healthy record between them ends each NaN episode), from the nan monitor,
-    # with the step and rank the record names
+    # a non-finite loss or grad norm is reported whatever else is odd about its record (a NaN is
+    # never hidden): exactly one finding each (a healthy record between them ends each NaN episode),
+    # from the nan monitor, with the step and rank the record names
     ok = {"step": 8, "rank": 0, "loss": 1.0, "grad_norm": 0.5}
     bad = [
         {"step": -1, "rank": 0, "loss": "nan"},
@@ -365,7 +372,8 @@ CKPT_THIRD_PARTY = {"torch", "numpy"}
 
 
 def _imports(path: Path):
-    """(top-level module, absolute dotted name, line) of every absolute import; relative ones are the package's own."""
+    """(top-level module, absolute dotted name, line) of every absolute import; relative ones are
+    the package's own."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -390,15 +398,17 @@ def test_purity_lists_cover_the_packages():
 
 @pytest.mark.parametrize("name", MONITOR_FILES)
 def test_monitors_are_pure(name):
-    """No ptops (except relative), torch, I/O or clock imports in ptops.monitors (hang detection included)."""
+    """No ptops (except relative), torch, I/O or clock imports in ptops.monitors (hang detection
+    included)."""
     for top, full, line in _imports(PKG / "monitors" / name):
         assert top in ALLOWED_IMPORTS, f"monitors/{name}:{line} imports {full}"
 
 
 @pytest.mark.parametrize("name", CKPT_FILES)
 def test_ckpt_imports_nothing_else_of_ptops(name):
-    """ckpt/ is the checkpoint format's one owner and is used by the supervisor, the engines and the CLI:
-    it imports the standard library, torch, numpy and its own modules, nothing else of ptops."""
+    """ckpt/ is the checkpoint format's one owner and is used by the supervisor, the engines and the
+    CLI: it imports the standard library, torch, numpy and its own modules, nothing else of
+    ptops."""
     for top, full, line in _imports(PKG / name):
         if top == "<open()>":
             continue  # ckpt reads and writes files: that is its job

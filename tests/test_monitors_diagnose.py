@@ -1,4 +1,5 @@
-"""``ptops diagnose`` on synthetic run directories: expected findings, runbooks, timeline, exit codes."""
+"""``ptops diagnose`` on synthetic run directories: expected findings, runbooks, timeline, exit
+codes."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 
 def make_run(tmp_path: Path, recipe: dict | None = None, live_nan: bool = True) -> Path:
-    """Attempt 1: NaN at step 30 (the live supervisor saw it too) and rank 1 straggling from step 50,
-    crash of rank 1 at step 60; attempt 2 resumes from step 40 and completes 80 steps."""
+    """Attempt 1: NaN at step 30 (the live supervisor saw it too) and rank 1 straggling from step
+    50, crash of rank 1 at step 60; attempt 2 resumes from step 40 and completes 80 steps."""
     run = tmp_path / "run"
     run.mkdir()
     a1 = [dict(r) for r in synth.pretrain(steps=60, seed=5, inject="straggler_wait", at=50)]
@@ -219,7 +220,8 @@ def test_healthy_recorded_run_has_no_findings(tmp_path):
 
 
 def test_every_runbook_diagnose_names_is_a_file():
-    """Each monitor and incident kind diagnose links resolves to runbooks/<Name>.md (all sources: test_runbooks.py)."""
+    """Each monitor and incident kind diagnose links resolves to runbooks/<Name>.md (all sources:
+    test_runbooks.py)."""
     from ptops.monitors import MONITOR_NAMES
 
     assert set(MONITOR_NAMES) <= set(RUNBOOKS)

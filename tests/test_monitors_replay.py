@@ -1,4 +1,5 @@
-"""Replay equality: the monitors' findings on recorded runs and synthetic traces equal the stored ones.
+"""Replay equality: the monitors' findings on recorded runs and synthetic traces equal the stored
+ones.
 
 Why: the monitors' hot paths are tuned for speed (issue 12: <= 10 us per record); a faster
 monitor must say exactly what the old one said. ``tests/data/monitors_golden.json`` holds the
@@ -108,8 +109,8 @@ def test_findings_equal_the_stored_ones():
 
 
 def _shuffled(recs: list[dict], rng: random.Random) -> list[dict]:
-    """The same records with one rank's stream delayed by a few steps (a live supervisor reads the ranks'
-    streams as they come): followers fall several transitions behind the shared state."""
+    """The same records with one rank's stream delayed by a few steps (a live supervisor reads the
+    ranks' streams as they come): followers fall several transitions behind the shared state."""
     late = max(r["rank"] for r in recs if isinstance(r.get("rank"), int))
     lag = rng.randint(2, 9)
     out, held = [], []
@@ -126,8 +127,8 @@ def _shuffled(recs: list[dict], rng: random.Random) -> list[dict]:
 
 
 def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
-    """One rank's values drift from a random step on (a rank-local loss, a per-rank reward): its state must
-    split from the shared one exactly where it diverges."""
+    """One rank's values drift from a random step on (a rank-local loss, a per-rank reward): its
+    state must split from the shared one exactly where it diverges."""
     rank = rng.choice(sorted({r["rank"] for r in recs if isinstance(r.get("rank"), int)}))
     at = rng.randint(1, max(r["step"] for r in recs if isinstance(r.get("step"), int)))
     keys = [
@@ -153,8 +154,9 @@ def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
 
 
 def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
-    """Followers equal to the step's first rank but for what only a strict look tells apart (for the live
-    path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1 or True for
+    """Followers equal to the step's first rank but for what only a strict look tells apart (for the
+    live path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1
+    or True for
     1.0, an extra key (a held-out eval, an unknown key), a key missing, the other spelling of a key, the same
     step twice from one rank (a rewind)."""
     keys = [
@@ -214,9 +216,9 @@ def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
 
 
 def _restart_after_finding(recs: list[dict]) -> list[dict] | None:
-    """A restart just after the stream's first finding, with the last rank's records a few steps late: the
-    rank that fired rewinds (its once-per-step entry goes) before the late rank feeds the step that fired,
-    which must then fire again for it, as its own state would."""
+    """A restart just after the stream's first finding, with the last rank's records a few steps
+    late: the rank that fired rewinds (its once-per-step entry goes) before the late rank feeds the
+    step that fired, which must then fire again for it, as its own state would."""
     f = [x for x in replay(recs, build_monitors(), flush=False) if x.monitor != "straggler"]
     if not f:
         return None
@@ -301,10 +303,11 @@ def _dump(x):
 
 
 def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
-    """Ranks whose inputs agree share one state (monitors/shared.py SharedRankedMonitor): the findings, texts
-    and ranks included, equal those of the same monitors with a state per rank, on streams where ranks
-    arrive late, diverge at a random step, rewind, carry garbage; with checkpoints every few transitions
-    (the shipped interval is 1,024, longer than these streams) so that forks rebuild from them."""
+    """Ranks whose inputs agree share one state (monitors/shared.py SharedRankedMonitor): the
+    findings, texts and ranks included, equal those of the same monitors with a state per rank, on
+    streams where ranks arrive late, diverge at a random step, rewind, carry garbage; with
+    checkpoints every few transitions (the shipped interval is 1,024, longer than these streams) so
+    that forks rebuild from them."""
     import ptops.monitors.shared as shared
 
     from ptops.monitors import SharedRankedMonitor as Shared
@@ -333,8 +336,8 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
                     m.share = False
             want = [f.to_dict() for f in replay(recs, alone)]
             assert json.loads(json.dumps(got)) == json.loads(json.dumps(want)), (log_max, name)
-            # the live path: MonitorFeed moves a rank that repeats the step's leader on in every shared state at
-            # once (monitors/shared.py Lockstep); the same findings and states
+            # the live path: MonitorFeed moves a rank that repeats the step's leader on in every
+            # shared state at once (monitors/shared.py Lockstep); the same findings and states
             live = build_monitors()
             feed = MonitorFeed(live)
             got_live = [f for r in recs for f in feed.feed(r)[0]]

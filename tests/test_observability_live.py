@@ -50,7 +50,8 @@ SETTINGS = {
     "supervisor.hang.floor_s": HANG_FLOOR_S,
     "supervisor.hang.ping_stale_s": 4,
     "supervisor.restart.backoff_s": 0.5,
-    "monitors.grad_explosion.abs_max": 0.3,  # a real finding on the real grad-norm stream (norms are ~0.37-0.6)
+    # a real finding on the real grad-norm stream (norms are ~0.37-0.6)
+    "monitors.grad_explosion.abs_max": 0.3,
 }
 RESTART_FROM = (HANG_STEP - 1) // INTERVAL * INTERVAL  # the last checkpoint before the hang
 
@@ -196,7 +197,8 @@ def live(tmp_path_factory, have):
         obs["gpu_any"] = query('{__name__=~"ptops_gpu_.*"}')
         obs["alive_after_panels"] = proc.poll() is None
         obs["up_after"] = query(f'ptops_up{{run="{run.name}"}}')
-        # held past three hang budgets (5 s floor) at least: the supervisor must call it a pause, not a hang
+        # held past three hang budgets (5 s floor) at least: the supervisor must call it a pause,
+        # not a hang
         held_since = min(e["ts"] for e in obs["held"])
         while time.time() < held_since + 3 * HANG_FLOOR_S and proc.poll() is None:
             time.sleep(0.5)
@@ -290,7 +292,8 @@ def test_every_dashboard_query_has_data_while_the_run_lives(live):
             v for series in result for _, v in series["values"] if v not in ("NaN", "+Inf", "-Inf")
         ]
         if panel.needs in ("gpu", "rl"):
-            # no NVML here; a TorchTitan run logs no entropy/KL/reward: no series at all, never fake zeros
+            # no NVML here; a TorchTitan run logs no entropy/KL/reward: no series at all, never fake
+            # zeros
             if result:
                 unexpected.append(f"{panel.row} / {panel.title}: {expr} -> {result[:2]}")
             continue
@@ -318,7 +321,8 @@ def test_the_hold_is_a_declared_pause_released_on_request(live):
     assert [(e["fault"], e["attempt"], sorted(e["ranks"])) for e in inject] == [
         ("release:attempt=2", 2, [0, 1])
     ]
-    # every rank was held until the fixture had seen the alert, and did the held step after the release
+    # every rank was held until the fixture had seen the alert, and did the held step after the
+    # release
     assert min(e["ts"] for e in released) > live["alert_ts"]
     steps_after = [m for m in _metrics(run) if m["attempt"] == 2 and m["step"] == HANG_STEP]
     assert len(steps_after) == 2 and min(m["ts"] for m in steps_after) > inject[0]["ts"]
@@ -369,7 +373,8 @@ def test_exporter_values_match_the_run_directory(live):
     assert _value(last["ptops_stragglers_total"], rank="1") >= 1
     assert _value(last["ptops_straggler_ratio"], rank="1") > 1.2
     assert _value(last["ptops_anomalies_total"], monitor="grad_explosion") >= 1
-    # the follower missed no record: every rank-0 step record, redone ones included, is in the histogram
+    # the follower missed no record: every rank-0 step record, redone ones included, is in the
+    # histogram
     assert _value(last["ptops_step_duration_seconds_count"]) == len(rank0)
     productive = sum(m["step_s"] for m in final.values())
     assert _value(last["ptops_productive_seconds"]) == pytest.approx(productive, rel=1e-9)
@@ -378,8 +383,8 @@ def test_exporter_values_match_the_run_directory(live):
     assert _value(last["ptops_checkpoints_total"]) == len(ckpts)
     start = _value(last["ptops_start_timestamp_seconds"])
     assert start == pytest.approx(_events(run, "launch")[0]["ts"], abs=1e-3)
-    # goodput at every scrape = productive time so far / wall time since the first launch, "now" being
-    # the exporter's clock during the scrape: between the scrape's start (ts, ms) and its end
+    # goodput at every scrape = productive time so far / wall time since the first launch, "now"
+    # being the exporter's clock during the scrape: between the scrape's start (ts, ms) and its end
     prod = {ts: float(v) for ts, v in last["productive_raw"][0]["values"]}
     took = {ts: float(v) for ts, v in last["scrape_s_raw"][0]["values"]}
     end = _events(run, "completed")[0]["ts"]
@@ -412,7 +417,8 @@ def test_mlflow_holds_one_run_with_every_step(live):
     r = found[0]
     assert r.info.run_id == json.loads((run / "mlflow.json").read_text())["run_id"]
     assert r.info.status == "FINISHED" and r.info.run_name == run.name
-    # loss of every step 1..N; a redone step appears once per execution, the last value is the final one
+    # loss of every step 1..N; a redone step appears once per execution, the last value is the final
+    # one
     rank0 = [m for m in _metrics(run) if m["rank"] == 0]
     history = client.get_metric_history(r.info.run_id, "loss")
     assert sorted({h.step for h in history}) == list(range(1, STEPS + 1))
@@ -447,8 +453,9 @@ def test_mlflow_holds_one_run_with_every_step(live):
 
 
 def test_attempt_is_absent_before_the_first_launch(tmp_path):
-    """No ``ptops_attempt 0`` sample before the launch event: Prometheus would count 0 -> 1 as a change and
-    TrainingCrashLoop (``changes(ptops_attempt[30m]) >= 3``) would page after two restarts instead of three."""
+    """No ``ptops_attempt 0`` sample before the launch event: Prometheus would count 0 -> 1 as a
+    change and TrainingCrashLoop (``changes(ptops_attempt[30m]) >= 3``) would page after two
+    restarts instead of three."""
     from ptops.ops.obs import PrometheusExporter
 
     ex = PrometheusExporter("r", "t", nvml=False)

@@ -76,7 +76,8 @@ def test_the_core_brings_no_torch_and_nothing_is_pinned():
 
 
 def test_the_lock_lies_inside_every_declared_range():
-    """The project's own environment (constraints.txt, used by scripts/setup.sh) is one the ranges admit."""
+    """The project's own environment (constraints.txt, used by scripts/setup.sh) is one the ranges
+    admit."""
     lock = _lock()
     proj = _project()
     for group in [proj["dependencies"], *proj["optional-dependencies"].values()]:
@@ -91,9 +92,10 @@ def test_the_lock_lies_inside_every_declared_range():
 
 
 def test_declared_bounds_are_the_ones_the_matrix_ran():
-    """Each lower bound of torch/TRL/transformers/... is a version that ran: the matrix's oldest end (or, for
-    an extra that cannot install there, the lock this suite runs on); the newest end passed inside the ranges.
-    After changing a bound: python3 scripts/matrix.py (bench/README.md "Version matrix")."""
+    """Each lower bound of torch/TRL/transformers/... is a version that ran: the matrix's oldest end
+    (or, for an extra that cannot install there, the lock this suite runs on); the newest end passed
+    inside the ranges. After changing a bound: python3 scripts/matrix.py (bench/README.md "Version
+    matrix")."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("matrix", REPO / "scripts" / "matrix.py")
@@ -114,7 +116,8 @@ def test_declared_bounds_are_the_ones_the_matrix_ran():
             ran = Version(ran_oldest).release if ran_oldest else None
             in_lock = lock.get(req.name.lower())
             assert ran == low.release or (in_lock is not None and in_lock.release == low.release), (
-                f"[{extra}] {req}: lower bound {low} ran nowhere (matrix oldest: {ran_oldest}, lock: {in_lock})"
+                f"[{extra}] {req}: lower bound {low} ran nowhere (matrix oldest: {ran_oldest}, "
+                f"lock: {in_lock})"
             )
             got = newest["versions"].get(req.name.lower())
             if got is not None:

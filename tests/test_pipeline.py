@@ -1,4 +1,5 @@
-"""``ptops pipeline`` for real: TRL SFT -> DPO -> GRPO on the tiny model, each stage a supervised launch.
+"""``ptops pipeline`` for real: TRL SFT -> DPO -> GRPO on the tiny model, each stage a supervised
+launch.
 
 Two shared pipelines (module fixtures, ~90 s of CPU together):
 
@@ -362,13 +363,21 @@ def test_a_failing_gate_stops_the_pipeline_with_one_clear_message(gated):
 def test_bad_pipeline_files_get_one_line_and_exit_2(tmp_path):
     cases = {
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ninput = "b"\n': "key 'stage.0.input': 'b' is not an earlier stage",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ngate = { metric = "eval/heldout", value = 0.5 }\n': "key 'stage.0.gate.metric': eval/heldout needs a held-out eval",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ngate = { metric = '
+        '"eval/heldout", value = 0.5 }\n': "key 'stage.0.gate.metric': eval/heldout needs a "
+        "held-out eval",
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "titan-tiny"\nset = ["eval.interval=5"]\n': "key 'eval.interval': not supported by engine \"titan\"",
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.stepz=3"]\n': "key 'train.stepz': unknown key",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nfaults = ["explode:step=1"]\n': "key 'stage.0.faults'",
-        'name = "x"\n[[stage]]\nname = "a"\nkind = "rejection-sampling"\nrecipe = "trl-sft-tiny"\n': "key 'stage.0.input': a rejection-sampling stage samples from an earlier stage's checkpoint",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\n[[stage]]\nname = "b"\nkind = "rejection-sampling"\n'
-        'recipe = "trl-dpo-tiny"\ninput = "a"\n': "key 'stage.1.recipe': a rejection-sampling stage fine-tunes with an SFT recipe",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nfaults = '
+        '["explode:step=1"]\n': "key 'stage.0.faults'",
+        'name = "x"\n[[stage]]\nname = "a"\nkind = "rejection-sampling"\nrecipe = '
+        '"trl-sft-tiny"\n': "key 'stage.0.input': a rejection-sampling stage samples from an "
+        "earlier stage's "
+        "checkpoint",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\n[[stage]]\nname = "b"\nkind '
+        '= "rejection-sampling"\n'
+        'recipe = "trl-dpo-tiny"\ninput = "a"\n': "key 'stage.1.recipe': a rejection-sampling "
+        "stage fine-tunes with an SFT recipe",
     }
     for i, (text, expected) in enumerate(cases.items()):
         f = tmp_path / f"bad{i}.toml"
@@ -400,8 +409,8 @@ set = ["train.steps=2", "checkpoint.interval=2"]
 
 
 def test_a_titan_stage_starts_from_the_previous_stages_dcp_checkpoint(tmp_path):
-    """TorchTitan's model-only initial load from the verified ``step-N``: stage 2's first loss is the
-    trained model's, not a fresh init's (same seed, same first batch)."""
+    """TorchTitan's model-only initial load from the verified ``step-N``: stage 2's first loss is
+    the trained model's, not a fresh init's (same seed, same first batch)."""
     file = tmp_path / "titan.toml"
     file.write_text(TITAN)
     pipe = tmp_path / "pipe"
@@ -437,8 +446,8 @@ def _alive(pid: int) -> bool:
 
 
 def _stage_pids_when_held(proc, stage: Path, step: int) -> list[int]:
-    """Wait until the stage's hold before ``step`` fired (deterministic: the stage waits there), then its
-    supervisor, torchrun and rank pids from ``status.json``."""
+    """Wait until the stage's hold before ``step`` fired (deterministic: the stage waits there),
+    then its supervisor, torchrun and rank pids from ``status.json``."""
     import time
 
     deadline = time.monotonic() + 300
@@ -496,7 +505,8 @@ def signalled(tmp_path_factory):
     out: dict = {"pipe": pipe, "stage": stage}
 
     def start(n: int, **kw) -> subprocess.Popen:
-        # files, not pipes: after a SIGKILL nobody would drain a pipe, and the stage's prints would block
+        # files, not pipes: after a SIGKILL nobody would drain a pipe, and the stage's prints would
+        # block
         logs = [open(tmp / f"run{n}.{x}", "w") for x in ("out", "err")]
         return subprocess.Popen(
             cmd, cwd=REPO, env=ENV, stdout=logs[0], stderr=logs[1], text=True, **kw
@@ -546,9 +556,9 @@ def signalled(tmp_path_factory):
 
 
 def test_sigint_stops_a_pipeline_started_with_sigint_ignored(signalled):
-    """The pipeline handles SIGINT itself even when it inherited SIGINT ignored: it forwards it to the
-    running stage (which checkpoints and stops), records ``pipeline_stopped``, exits 130, and no process
-    of the stage is left."""
+    """The pipeline handles SIGINT itself even when it inherited SIGINT ignored: it forwards it to
+    the running stage (which checkpoints and stops), records ``pipeline_stopped``, exits 130, and no
+    process of the stage is left."""
     r = signalled["int"]
     assert r["code"] == 130, r["err"][-3000:]
     assert "error: pipeline stopped (interrupted)" in r["err"]
@@ -559,9 +569,10 @@ def test_sigint_stops_a_pipeline_started_with_sigint_ignored(signalled):
 
 
 def test_a_killed_pipeline_stops_its_stage_and_the_rerun_resumes_it(signalled):
-    """SIGKILL of the pipeline while its stage is held: the kernel sends the stage's supervisor SIGTERM
-    (``PR_SET_PDEATHSIG``), so the stage saves, records ``stopped`` and ends with its torchrun and ranks;
-    the same command then resumes it from its own checkpoint and completes it."""
+    """SIGKILL of the pipeline while its stage is held: the kernel sends the stage's supervisor
+    SIGTERM (``PR_SET_PDEATHSIG``), so the stage saves, records ``stopped`` and ends with its
+    torchrun and ranks; the same command then resumes it from its own checkpoint and completes
+    it."""
     r = signalled["kill"]
     assert r["left"] == [], f"pids {r['left']} of the stage ran on after their pipeline was killed"
     stopped = [e for e in r["stage_events"] if e["kind"] == "stopped"]
@@ -591,8 +602,8 @@ def signal_number(name: str) -> int:
 
 
 def test_checkpoint_references_in_set_name_earlier_stages_only(tmp_path):
-    """``{checkpoint:NAME}`` in a stage's `set` (a distillation teacher, a reward model): validated against
-    the earlier stages at load, expanded to the verified checkpoint path at run time."""
+    """``{checkpoint:NAME}`` in a stage's `set` (a distillation teacher, a reward model): validated
+    against the earlier stages at load, expanded to the verified checkpoint path at run time."""
     from ptops.ops.pipeline.spec import PipelineError, expand, load, refs
 
     assert refs("trl.teacher={checkpoint:sft}") == ["sft"]
@@ -611,7 +622,8 @@ def test_checkpoint_references_in_set_name_earlier_stages_only(tmp_path):
     ]  # reruns compare the file's text
     bad = tmp_path / "bad.toml"
     bad.write_text(
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.data_file={checkpoint:b}"]\n'
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = '
+        '["train.data_file={checkpoint:b}"]\n'
         '[[stage]]\nname = "b"\nrecipe = "trl-sft-tiny"\n'
     )
     with pytest.raises(

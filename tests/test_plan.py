@@ -1,4 +1,5 @@
-"""The planner (recipes/plan.py): exact parameter counts, snapshots per recipe, memory against measurement.
+"""The planner (recipes/plan.py): exact parameter counts, snapshots per recipe, memory against
+measurement.
 
 Parameter counts and FLOPs per token are compared with TorchTitan's own models built on the meta
 device; activation bytes with what autograd really saves in a forward pass of a CPU model.
@@ -90,7 +91,8 @@ def test_plan_snapshots_per_recipe():
 
 
 def test_activation_bytes_match_what_autograd_saves():
-    """The planner's per-token, per-layer activation bytes against a real forward on CPU (fp32: x2)."""
+    """The planner's per-token, per-layer activation bytes against a real forward on CPU (fp32:
+    x2)."""
     import torch
 
     from ptops.recipes.titan.registry import tiny_llama3
@@ -154,9 +156,10 @@ def test_plan_cli_json_and_bad_input(ptops):
 
 @pytest.mark.slow
 def test_checkpoint_size_against_a_real_titan_tiny_checkpoint(faulted_runs):
-    """The planner's checkpoint size (12 B a parameter: fp32 weights + two AdamW moments) against the
-    bytes DCP really wrote. The tiny model's checkpoint is ~1.2x: dataloader state, RNG and DCP framing
-    are a constant per rank that vanishes at production size; the planner must never be above it."""
+    """The planner's checkpoint size (12 B a parameter: fp32 weights + two AdamW moments) against
+    the bytes DCP really wrote. The tiny model's checkpoint is ~1.2x: dataloader state, RNG and DCP
+    framing are a constant per rank that vanishes at production size; the planner must never be
+    above it."""
     ref = faulted_runs.get("reference")
     assert ref.proc.returncode == 0, ref.proc.stderr[-2000:]
     ck = ref.run / "checkpoints" / "step-16"
@@ -170,8 +173,8 @@ def test_checkpoint_size_against_a_real_titan_tiny_checkpoint(faulted_runs):
     "sets", [[], ["trl.model.hidden_size=256", "trl.model.num_layers=3", "trl.model.num_heads=8"]]
 )
 def test_grpo_policy_parameters_equal_the_built_model(sets):
-    """The planner's count is the model ptops trains: the shipped tiny one (built for real) and a bigger
-    shape of the same family (built on the meta device)."""
+    """The planner's count is the model ptops trains: the shipped tiny one (built for real) and a
+    bigger shape of the same family (built on the meta device)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

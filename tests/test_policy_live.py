@@ -1,4 +1,5 @@
-"""The [monitors] policy on real training (tiny models, 2 CPU ranks, gloo), under the real supervisor.
+"""The [monitors] policy on real training (tiny models, 2 CPU ranks, gloo), under the real
+supervisor.
 
 - titan-tiny, NaN at step 12 (nan action = rollback, the default): the finding wins over the
   "Loss is not finite" crash torchtitan raises right after; the run rolls back to step 10, skips

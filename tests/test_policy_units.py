@@ -1,5 +1,5 @@
-"""The [monitors] policy, unit level: finding -> action, max_rollbacks, which checkpoint a rollback picks,
-the PTOPS_ROLLBACK contract the adapters read (no training here; see test_policy_live.py)."""
+"""The [monitors] policy, unit level: finding -> action, max_rollbacks, which checkpoint a rollback
+picks, the PTOPS_ROLLBACK contract the adapters read (no training here; see test_policy_live.py)."""
 
 from __future__ import annotations
 

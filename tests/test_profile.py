@@ -68,7 +68,8 @@ def _step(
     comm: float = 10.0,
     blocking: bool = False,
 ) -> float:
-    """One ptops step: [sleep] data, [wait in an all_reduce], compute, an all_gather; returns its end."""
+    """One ptops step: [sleep] data, [wait in an all_reduce], compute, an all_gather; returns its
+    end."""
     t = t0 + sleep
     tr.x("ptops/data", t, data, cat="user_annotation")
     tr.x("enumerate(DataLoader)", t + 0.1, data - 0.2)
@@ -100,8 +101,8 @@ def _step(
 def _pair(
     slow_sleep: float = 0.0, slow_data: float = 2.0, steps=(5, 6, 7), **kw
 ) -> dict[int, dict]:
-    """Two ranks in lockstep: rank 1 sleeps ``slow_sleep`` ms (or loads data for ``slow_data``) before
-    each step's first collective, so rank 0 waits that long inside it."""
+    """Two ranks in lockstep: rank 1 sleeps ``slow_sleep`` ms (or loads data for ``slow_data``)
+    before each step's first collective, so rank 0 waits that long inside it."""
     fast, slow = Trace(), Trace()
     t = 0.0
     for s in steps:
@@ -141,9 +142,9 @@ def test_a_late_rank_is_named_and_its_peers_wait_in_all_reduce():
 def test_parts_of_a_step():
     steps = rank_steps(_pair()[0])
     st = steps[5]
-    # data 2 ms; collectives: the all_reduce's wait_tensor (1 ms) + the all_gather in flight while the
-    # training thread is in no operator (9.8 ms); compute: aten::mm (50 ms, the all_gather it overlaps
-    # included) and the FSDP range's 0.2 ms before and after its all_gather
+    # data 2 ms; collectives: the all_reduce's wait_tensor (1 ms) + the all_gather in flight while
+    # the training thread is in no operator (9.8 ms); compute: aten::mm (50 ms, the all_gather it
+    # overlaps included) and the FSDP range's 0.2 ms before and after its all_gather
     assert st["data_s"] == pytest.approx(0.002, abs=1e-6)
     assert st["collectives_s"] == pytest.approx(0.0108, abs=1e-6)
     assert st["compute_s"] == pytest.approx(0.0502, abs=1e-6)
@@ -278,7 +279,8 @@ def test_supervisor_forwards_one_start_step_to_every_rank():
             "dir": f"profiles/{answer['id']}",
         }
     ]
-    # a second request while the first is being captured is refused; once every rank reported, accepted
+    # a second request while the first is being captured is refused; once every rank reported,
+    # accepted
     again = sup.ask(steps=2)
     assert not again["ok"] and "still being captured by ranks [0, 1]" in again["error"]
     for r in (0, 1):

@@ -1,4 +1,5 @@
-"""``ptops profile`` of a live titan-tiny run names the rank a ``slow`` fault slows (issue 15, point 4).
+"""``ptops profile`` of a live titan-tiny run names the rank a ``slow`` fault slows (issue 15, point
+4).
 
 No race with the run's end: every rank is held before step 4 until the profile request is
 recorded (the supervisor picks its start step past the held ranks), then released; the run
@@ -76,7 +77,8 @@ def test_profile_of_a_live_run_names_the_slow_rank(tmp_path, faulted_runs):
             "both ranks held before step 4",
             launch,
         )
-        # ptops diagnose on this live run (held, so it is still going when read): incidents so far, a note
+        # ptops diagnose on this live run (held, so it is still going when read): incidents so far,
+        # a note
         live = run_ptops("diagnose", str(run), "--json")
         assert live.returncode == 0, live.stderr
         rep = json.loads(live.stdout)
@@ -114,8 +116,9 @@ def test_profile_of_a_live_run_names_the_slow_rank(tmp_path, faulted_runs):
     assert report["verdict"].startswith("rank 1 is the slow rank: +"), seen
     assert report["steps"] == list(range(req["start_step"], req["start_step"] + 4)), seen
     fast, slow = report["per_rank"]
-    # the 0.5 s sleep each step: rank 1's time outside collectives, rank 0's time waiting in them, less what
-    # the shared machine's scheduler adds (a rank starved of CPU for a while is slower too, and measured so)
+    # the 0.5 s sleep each step: rank 1's time outside collectives, rank 0's time waiting in them,
+    # less what the shared machine's scheduler adds (a rank starved of CPU for a while is slower
+    # too, and measured so)
     assert (
         report["excess_s"] > 0.2
         and fast["waiting_s"] > 0.2

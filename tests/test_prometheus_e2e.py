@@ -64,7 +64,8 @@ def stack(tmp_path_factory, have):
         # prometheus (shipped rules) -> alertmanager -> webhook receiver
         servers = PromStack(tmp, [f"127.0.0.1:{p}" for p in ports.values()], have)
         query = servers.query
-        # both exporters scraped once before the runs start writing: counters start at 0 in Prometheus
+        # both exporters scraped once before the runs start writing: counters start at 0 in
+        # Prometheus
         wait_for(
             lambda: len([r for r in query("ptops_up") if r["value"][1] == "1"]) == 2,
             30,
@@ -83,9 +84,9 @@ def stack(tmp_path_factory, have):
             "titan step 8 scraped",
         )
         wait_for(lambda: query('ptops_rl_entropy{run="obs-grpo-live"}'), 30, "grpo entropy scraped")
-        # rate()-based panels need two scrapes of a series: the ~1.5 s of writing may hold one scrape of
-        # it or several. Wait until every panel answers (the test below asserts it and names the
-        # empty ones), rather than query at the first scrape that saw the last record.
+        # rate()-based panels need two scrapes of a series: the ~1.5 s of writing may hold one
+        # scrape of it or several. Wait until every panel answers (the test below asserts it and
+        # names the empty ones), rather than query at the first scrape that saw the last record.
         try:
             wait_for(
                 lambda: (

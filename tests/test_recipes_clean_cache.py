@@ -1,12 +1,12 @@
-"""A newcomer's first run: every tiny shipped recipe launches alone on an empty asset cache, and the cache
-never holds an entry that does not load (issue 27, item 1).
+"""A newcomer's first run: every tiny shipped recipe launches alone on an empty asset cache, and the
+cache never holds an entry that does not load (issue 27, item 1).
 
-The GKD recipe's built-in teacher was built by both ranks after the process group existed; transformers
-saved weights and config.json on rank 0 only, rank 1 won the rename, and the cache kept a model folder
-with tokenizer files alone, marked complete, for every later run. Here: each recipe gets its own empty
-``PTOPS_CACHE`` and a plain 2-rank ``ptops launch`` (2 steps); two gloo ranks build one asset (a non-main
-rank alone, then both at once); a poisoned entry (marked complete, no config.json) is quarantined and
-rebuilt; a build that fails its own check is never marked complete.
+The GKD recipe's built-in teacher was built by both ranks after the process group existed;
+transformers saved weights and config.json on rank 0 only, rank 1 won the rename, and the cache kept
+a model folder with tokenizer files alone, marked complete, for every later run. Here: each recipe
+gets its own empty ``PTOPS_CACHE`` and a plain 2-rank ``ptops launch`` (2 steps); two gloo ranks
+build one asset (a non-main rank alone, then both at once); a poisoned entry (marked complete, no
+config.json) is quarantined and rebuilt; a build that fails its own check is never marked complete.
 
 The default run launches one tiny recipe per set of cached assets (BUILDS); the other tiny recipes
 (FULL, the same entries as trl-sft-tiny) launch on their own clean caches with
@@ -127,9 +127,9 @@ def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
 
 
 def test_asset_built_under_a_process_group_is_complete(tmp_path):
-    """Two real gloo ranks (tests/assets_worker.py) share one empty cache: rank 1 alone builds a model while
-    rank 0 waits, then both build another at once. Every entry is complete, loads, and both ranks load the
-    same weights from the same folder."""
+    """Two real gloo ranks (tests/assets_worker.py) share one empty cache: rank 1 alone builds a
+    model while rank 0 waits, then both build another at once. Every entry is complete, loads, and
+    both ranks load the same weights from the same folder."""
     worker = Path(__file__).with_name("assets_worker.py")
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PTOPS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1"
@@ -178,7 +178,8 @@ def _tiny():
 
 
 def _poison_like_issue_27(entry: Path) -> None:
-    """What the non-main rank published: tokenizer files and a bare marker, no weights, no config.json."""
+    """What the non-main rank published: tokenizer files and a bare marker, no weights, no
+    config.json."""
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         (entry / name).unlink()
     (entry / ".complete").write_text("ok\n")
@@ -208,7 +209,8 @@ def test_poisoned_entry_is_quarantined_and_rebuilt(cache):
 
 
 def test_entry_of_an_older_ptops_is_kept_only_if_it_loads(cache):
-    """A bare marker (older ptops) over a good entry: checked by loading, kept in place with a manifest."""
+    """A bare marker (older ptops) over a good entry: checked by loading, kept in place with a
+    manifest."""
     from ptops.recipes.assets import untrusted
     from ptops.recipes.trl.model import model_dir
 
@@ -273,8 +275,8 @@ def test_a_dead_builders_temporary_folder_is_swept(cache):
 
 
 def test_the_model_check_refuses_a_missing_weight(cache, tmp_path):
-    """Loading is the check: a weight file short of one tensor loads with transformers' fresh init, and
-    the check refuses it (a half-written model is not complete)."""
+    """Loading is the check: a weight file short of one tensor loads with transformers' fresh init,
+    and the check refuses it (a half-written model is not complete)."""
     import shutil
 
     from safetensors.torch import load_file, save_file

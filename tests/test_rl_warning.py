@@ -217,8 +217,9 @@ def test_diagnose_tells_an_rl_episode_as_one_incident_ended_by_its_all_clear(tmp
 
 
 def _run(seed: int, every: int, hacked: bool, steps: int = 300):
-    """A fresh trace (not the bench's generator): from a random onset the reward climbs faster while the
-    held-out score falls (hacked) or rises with it (healthy); the score on every step or every ``every``."""
+    """A fresh trace (not the bench's generator): from a random onset the reward climbs faster while
+    the held-out score falls (hacked) or rises with it (healthy); the score on every step or every
+    ``every``."""
     rng = random.Random(seed * 1009 + every * 7 + hacked)
     at = rng.randint(70, 130)
     rise, fall, noise = (
@@ -241,7 +242,8 @@ def _run(seed: int, every: int, hacked: bool, steps: int = 300):
 
 
 def test_reward_hacking_is_flagged_soon_after_its_onset_dense_or_sparse():
-    # the fall is judged against the held-out noise (second differences): 3 sparse values can be enough
+    # the fall is judged against the held-out noise (second differences): 3 sparse values can be
+    # enough
     within = {1: 35, 10: 70, 25: 100}
     for every, most in within.items():
         delays = []

@@ -34,7 +34,8 @@ def _alert_runbooks() -> set[str]:
     for rule in rule_dicts():
         m = LINK.search(rule["annotations"]["runbook_url"])
         assert m, (
-            f"alert {rule['alert']}: runbook_url {rule['annotations']['runbook_url']!r} names no runbook"
+            f"alert {rule['alert']}: runbook_url {rule['annotations']['runbook_url']!r} names no "
+            "runbook"
         )
         out.add(m.group(1))
     return out

@@ -33,7 +33,8 @@ PLACEHOLDER = re.compile(r"<[A-Za-z_ -]+>|\bPID\b|attempt-N\b|rank-R\b|runs/<")
 # runbook -> the run its commands run against (faulted_runs kind, or "grpo")
 MAPPING = {
     "CheckpointCorrupt": "corrupt",
-    "CheckpointSaveFailing": "corrupt",  # no faulted run fails a save; the corrupt run's checkpoints are closest
+    # no faulted run fails a save; the corrupt run's checkpoints are closest
+    "CheckpointSaveFailing": "corrupt",
     "CheckpointStale": "crash",  # no run trains an hour without a checkpoint
     "EntropyCollapse": "grpo",  # the RL runbooks: a real GRPO run (no collapse in it)
     "KLDrift": "grpo",
@@ -129,7 +130,10 @@ def test_every_block_is_run_or_marked_act():
 
 
 def test_block_parser_sees_every_kind_of_fence():
-    text = "```bash\nls\n```\n\n```bash act\n# act: x\nrm y\n```\n\n```sh\nls\n```\n\n```toml\na=1\n```\n\n```\nls\n```\n"
+    text = (
+        "```bash\nls\n```\n\n```bash act\n# act: x\nrm "
+        "y\n```\n\n```sh\nls\n```\n\n```toml\na=1\n```\n\n```\nls\n```\n"
+    )
     assert [t for t, _ in blocks(text)] == ["run", "act", "bad fence 'sh'", "bad fence ''"]
 
 
@@ -164,7 +168,9 @@ def test_runbook_commands_run(name, faulted_runs, tmp_path_factory, block_cache,
     outputs = []
     for tag, body in blocks((BOOKS / f"{name}.md").read_text()):
         if tag == "act":
-            continue  # by rule (checked above): acts on the run/cluster, or needs a live pid or the alert's host
+            # by rule (checked above): acts on the run/cluster, or needs a live pid or the alert's
+            # host
+            continue
         key = (str(run), body)
         if key not in block_cache:
             proc = subprocess.run(

@@ -1,4 +1,5 @@
-"""The run-record layer: the JSONL tail reader, the event vocabulary and the events -> state reducer."""
+"""The run-record layer: the JSONL tail reader, the event vocabulary and the events -> state
+reducer."""
 
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def test_missing_fields():
 
 def _literal_event_kinds() -> set[str]:
     """Kinds written anywhere in the source tree: ``X.event("kind", ...)`` (a literal) or
-    ``X.event(EventKind.NAME, ...)`` (a name that must exist: a misspelt one is reported as ``EventKind.NAME``)."""
+    ``X.event(EventKind.NAME, ...)`` (a name that must exist: a misspelt one is reported as
+    ``EventKind.NAME``)."""
     out = set()
     for root in ("ops", "recipes", "faultinject", "diagnostics", "ckpt", "monitors"):
         for path in (REPO / root).rglob("*.py"):
@@ -160,7 +162,8 @@ def test_every_kind_written_in_the_tree_is_in_the_vocabulary():
 
 
 def test_monitor_findings_are_events_of_the_vocabulary():
-    """The supervisor writes ``Finding.to_event()`` as is: its kind and fields must be the vocabulary's."""
+    """The supervisor writes ``Finding.to_event()`` as is: its kind and fields must be the
+    vocabulary's."""
     from ptops.monitors import Finding
 
     for f in (
@@ -310,7 +313,8 @@ def test_status_text_is_rendered_by_the_cli(tmp_path):
 
 
 def test_runrecord_imports_nothing_of_ptops():
-    """The bottom layer: its own modules (relative, or ptops.ops.runrecord.*) and the stdlib only."""
+    """The bottom layer: its own modules (relative, or ptops.ops.runrecord.*) and the stdlib
+    only."""
     for path in (REPO / "ops" / "runrecord").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -344,7 +348,8 @@ def test_the_exporter_state_is_the_reducers_at_every_event():
 
 
 def test_goodput_accounts_for_every_second_of_a_crash_and_restart():
-    """Goodput = productive / wall, and where the rest went, from events and rank-0 records alone."""
+    """Goodput = productive / wall, and where the rest went, from events and rank-0 records
+    alone."""
     from ptops.ops.runrecord.goodput import account
 
     t = 1000.0

@@ -65,7 +65,8 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
     assert sorted(steps) == list(range(RANKS))
     assert all(sorted(s) == list(range(1, STEPS + 1)) for s in steps.values()), steps
 
-    # the silent rank is the hang's culprit; its stacks came from its node agent, the others' over the channel
+    # the silent rank is the hang's culprit; its stacks came from its node agent, the others' over
+    # the channel
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     hang = next(e for e in events if e["kind"] == "hang")
     assert hang["ranks"] == [VICTIM] and hang["why"] == "unresponsive"
@@ -78,7 +79,8 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
 
 def test_rendezvous_memo_follows_every_change() -> None:
     """The hang monitor remembers when every live rank reached the rendezvous (it was O(ranks) per
-    question, O(ranks^2) per start-up); the memo must change whenever a rank enters, exits or appears."""
+    question, O(ranks^2) per start-up); the memo must change whenever a rank enters, exits or
+    appears."""
     from ptops.monitors.hang import HangConfig, HangMonitor
 
     def truth(m: HangMonitor) -> float | None:

@@ -193,7 +193,8 @@ def test_no_orphan_when_the_owner_is_killed(tmp_path):
 
 
 def test_launch_side_specs_come_from_the_engine():
-    """The TRL engine's hook: no server without a GPU (the ranks fall back), none for other trainers."""
+    """The TRL engine's hook: no server without a GPU (the ranks fall back), none for other
+    trainers."""
     from ptops.recipes.engines import sidecar_specs
     from ptops.recipes.schema import load
 
@@ -205,8 +206,10 @@ def test_launch_side_specs_come_from_the_engine():
 
 
 def test_launch_keeps_sidecars_for_the_whole_launch(tmp_path, monkeypatch):
-    """``ptops launch``'s path (ops/cli/launch.py): the engine's sidecars are healthy while the attempts
-    run and gone after; one that never answers fails the launch with a ``failed`` event and exit 1."""
+    """``ptops launch``'s path (ops/cli/launch.py): the engine's sidecars are healthy while the
+    attempts run and gone after; one that never answers fails the launch with a ``failed`` event and
+    exit
+    1."""
     import ptops.recipes.engines as engines
     from ptops.ops.cli.launch import _with_sidecars
     from ptops.recipes.schema import load

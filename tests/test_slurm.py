@@ -1,9 +1,10 @@
-"""Supervised multi-node runs on a real Slurm 22.05 (3 slurmd nodes in network namespaces, one machine).
+"""Supervised multi-node runs on a real Slurm 22.05 (3 slurmd nodes in network namespaces, one
+machine).
 
-One cluster for the session (``slurm_cluster`` fixture); 1 rank per node, titan-tiny on CPU/gloo. Every
-run is held by ``hold:`` faults until what the test waits for is observed, never raced against the
-clock; several checks share one run. Each recovered run must end with the digest of the same world
-size launched locally (the shared ``reference`` faulted run: 2 ranks, 16 steps).
+One cluster for the session (``slurm_cluster`` fixture); 1 rank per node, titan-tiny on CPU/gloo.
+Every run is held by ``hold:`` faults until what the test waits for is observed, never raced against
+the clock; several checks share one run. Each recovered run must end with the digest of the same
+world size launched locally (the shared ``reference`` faulted run: 2 ranks, 16 steps).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def job_output(run: Path) -> str:
 
 
 def wait_for(cluster, run: Path, job: str, what, label: str) -> list[dict]:
-    """Poll the run's events until ``what(events)`` is truthy; fail at once if the job left the queue."""
+    """Poll the run's events until ``what(events)`` is truthy; fail at once if the job left the
+    queue."""
     deadline = time.monotonic() + WAIT_S
     while True:
         evs = events(run)
@@ -182,8 +184,9 @@ def reference_digest(faulted_runs):
 def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(
     slurm_cluster, tmp_path, reference_digest
 ):
-    """Through sbatch on 2 nodes: rank 1 (node n2) SIGKILLs itself at step 12 -> a new srun step in the
-    same allocation (no requeue), completed, digest equal to the local 2-rank run; status shows the job."""
+    """Through sbatch on 2 nodes: rank 1 (node n2) SIGKILLs itself at step 12 -> a new srun step in
+    the same allocation (no requeue), completed, digest equal to the local 2-rank run; status shows
+    the job."""
     run = tmp_path / "run"
     job = submit(
         slurm_cluster,
@@ -222,12 +225,13 @@ def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(
 def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(
     slurm_cluster, tmp_path, reference_digest
 ):
-    """Attempt 1: rank 1 on n2 SIGSTOPped -> hang found, its stacks taken by n2's node agent (py-spy there).
-    Attempt 2: n2's node agent SIGKILLed -> its rank dies with it, the attempt restarts. Attempt 3 completes
-    digest-equal."""
+    """Attempt 1: rank 1 on n2 SIGSTOPped -> hang found, its stacks taken by n2's node agent (py-spy
+    there). Attempt 2: n2's node agent SIGKILLed -> its rank dies with it, the attempt restarts.
+    Attempt 3 completes digest-equal."""
     run = tmp_path / "run"
-    # kill_timeout_s=10: the supervisor's own teardown (which would kill every rank of the run) waits that
-    # long after the agent's connection drops, so a rank gone before then went with its agent
+    # kill_timeout_s=10: the supervisor's own teardown (which would kill every rank of the run)
+    # waits that long after the agent's connection drops, so a rank gone before then went with its
+    # agent
     job = submit(
         slurm_cluster,
         run,
@@ -276,8 +280,9 @@ def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(
 def test_link_down_blames_the_node_and_a_spare_replaces_it(
     slurm_cluster, tmp_path, reference_digest
 ):
-    """3 nodes for 2 (--spare-nodes 1), one strike: n2's link set down while held -> its rank is silent
-    (found within the hang budget), n2 blamed and replaced by n3; the run ends digest-equal."""
+    """3 nodes for 2 (--spare-nodes 1), one strike: n2's link set down while held -> its rank is
+    silent (found within the hang budget), n2 blamed and replaced by n3; the run ends
+    digest-equal."""
     run = tmp_path / "run"
     job = submit(
         slurm_cluster,
@@ -325,8 +330,9 @@ def test_link_down_blames_the_node_and_a_spare_replaces_it(
 
 
 def test_preemption_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, reference_digest):
-    """Slurm's warning signal (what --signal=B:USR1@S sends, here at once with scancel --batch): every
-    rank saves at the next step boundary, the job requeues itself, the rerun resumes from that save."""
+    """Slurm's warning signal (what --signal=B:USR1@S sends, here at once with scancel --batch):
+    every rank saves at the next step boundary, the job requeues itself, the rerun resumes from that
+    save."""
     run = tmp_path / "run"
     job = submit(slurm_cluster, run, "--fault", "hold:step=7")
     wait_for(slurm_cluster, run, job, lambda evs: held(evs, 1), "attempt 1 held")
@@ -355,8 +361,8 @@ def test_preemption_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, 
 
 
 def test_world_of_one_is_caught_at_startup_and_scancel_leaves_nothing(slurm_cluster, tmp_path):
-    """A rank that formed a world of one (rendezvous fell back to localhost) stops the attempt with one
-    line; then a held job scancelled leaves no process of its run on any node."""
+    """A rank that formed a world of one (rendezvous fell back to localhost) stops the attempt with
+    one line; then a held job scancelled leaves no process of its run on any node."""
     run = tmp_path / "one"
     job = submit(slurm_cluster, run, "--fault", "misrendezvous:rank=1")
     wait_job_gone(slurm_cluster, job)

@@ -1,5 +1,6 @@
 """The batch-step supervisor's decisions between attempts, without a cluster: node strikes, spare
-replacement, and the resubmit with --exclude when no spare is left (a stand-in ``sbatch`` on PATH)."""
+replacement, and the resubmit with --exclude when no spare is left (a stand-in ``sbatch`` on
+PATH)."""
 
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def test_strikes_survive_a_requeue(tmp_path):
 
 
 def test_a_straggler_exclude_node_is_acted_on_under_slurm(tmp_path):
-    """policy's exclude_node (straggler) becomes a strike; at the limit a spare takes the node's place from
-    the next attempt, and the exclude_node event says it was acted on."""
+    """policy's exclude_node (straggler) becomes a strike; at the limit a spare takes the node's
+    place from the next attempt, and the exclude_node event says it was acted on."""
     from types import SimpleNamespace
 
     sup = _sup(

@@ -1,4 +1,5 @@
-"""`ptops launch --slurm --dry-run` (no cluster needed) and the node relay on loopback (no Slurm)."""
+"""`ptops launch --slurm --dry-run` (no cluster needed) and the node relay on loopback (no
+Slurm)."""
 
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def _recv_line(sock: socket.socket, timeout: float = 5.0) -> dict:
 
 def test_relay_frames_become_the_same_per_rank_messages():
     """One node connection carrying two ranks: the supervisor's inbox sees each rank as if it were
-    connected directly (hello, messages, EOF), and a command to a rank goes back wrapped for the agent."""
+    connected directly (hello, messages, EOF), and a command to a rank goes back wrapped for the
+    agent."""
     server = ChannelServer()
     try:
         node = ChannelClient(

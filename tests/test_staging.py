@@ -1,5 +1,6 @@
-"""``FlatStager`` (the titan adapter's CPU staging copy): the staged state is the source bit for bit,
-save after save, while its buffers are reused; DTensors keep their spec; DCP writes what was staged."""
+"""``FlatStager`` (the titan adapter's CPU staging copy): the staged state is the source bit for
+bit, save after save, while its buffers are reused; DTensors keep their spec; DCP writes what was
+staged."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_staged_copy_is_bit_exact_across_saves_with_buffers_reused():
         ptrs = {k: v.data_ptr() for k, v in first.items() if isinstance(v, torch.Tensor)}
         keep = {k: _bits(v) for k, v in first.items() if isinstance(v, torch.Tensor)}
 
-        # training changes the state in place between the saves (same shapes: the buffers are reused)
+        # training changes the state in place between the saves (same shapes: the buffers are
+        # reused)
         src2 = _state(2)
         with torch.no_grad():
             for k in ("model.w", "model.b", "ints"):
@@ -143,10 +145,11 @@ def test_dtensor_local_shard_staged_with_the_same_spec():
 
 
 def test_qkv_split_after_staging_writes_what_the_hook_writes(tmp_path):
-    """2 real gloo ranks, FSDP2, a tiny torchtitan llama3 with fused QKV (tests/qkvsplit_worker.py): the async
-    path's split after the staging copy (``QkvSplit.finish``) gives torchtitan's hook's keys, order, DTensor
-    specs and values (the hook's cached outputs being stale), and DCP writes the same files from both (the
-    ``.metadata`` differs only in its save id and path). A model without fused QKV gets no plan."""
+    """2 real gloo ranks, FSDP2, a tiny torchtitan llama3 with fused QKV (tests/qkvsplit_worker.py):
+    the async path's split after the staging copy (``QkvSplit.finish``) gives torchtitan's hook's
+    keys, order, DTensor specs and values (the hook's cached outputs being stale), and DCP writes
+    the same files from both (the ``.metadata`` differs only in its save id and path). A model
+    without fused QKV gets no plan."""
     import json
     import os
     import pickle
@@ -193,9 +196,10 @@ def test_qkv_split_after_staging_writes_what_the_hook_writes(tmp_path):
 
 
 def test_a_fault_that_fires_in_a_save_keeps_that_save_from_being_skipped():
-    """An interval save is skipped while the previous async save still writes, unless a pending fault needs
-    it: committed (corrupt-ckpt, hold until committed) or begun (enospc, crash:phase=save). Otherwise, on a
-    slow box, the fault would silently never fire (a chaos scenario or a test waiting for it would fail)."""
+    """An interval save is skipped while the previous async save still writes, unless a pending
+    fault needs it: committed (corrupt-ckpt, hold until committed) or begun (enospc,
+    crash:phase=save). Otherwise, on a slow box, the fault would silently never fire (a chaos
+    scenario or a test waiting for it would fail)."""
     import importlib
     from types import SimpleNamespace
 

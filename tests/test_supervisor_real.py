@@ -86,7 +86,8 @@ def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = No
             return value
         if proc is not None and proc.poll() is not None:
             raise AssertionError(
-                f"supervisor exited {proc.returncode} while waiting for {what}:\n{proc.stderr.read() if proc.stderr else ''}"
+                f"supervisor exited {proc.returncode} while waiting for "
+                f"{what}:\n{proc.stderr.read() if proc.stderr else ''}"
             )
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
@@ -126,7 +127,8 @@ def test_titan_crash_restarts_from_checkpoint(faulted_runs, titan_reference):
     restart = events(run, "restart")[0]
     assert restart["attempt"] == 2 and restart["from_step"] == 10
     assert events(run, "completed")[0]["step"] == 16
-    # warm_spare=true (issue 27): the pool imports alongside attempt 1; the restart's ranks are forked from it
+    # warm_spare=true (issue 27): the pool imports alongside attempt 1; the restart's ranks are
+    # forked from it
     launches = events(run, "launch")
     assert [(e["attempt"], e["warm_pool"], e["ranks_from"]) for e in launches] == [
         (1, True, "cold"),
@@ -166,8 +168,9 @@ def test_titan_hang_fault_and_sigstopped_rank(faulted_runs, titan_reference):
         and first["step"] == 7
         and first["why"] == "behind"
     )
-    # found when the silence outran the budget the monitor had learned (the 5 s floor, or more where the
-    # steps ran slow on a loaded machine): judged against that recorded budget, not the wall clock
+    # found when the silence outran the budget the monitor had learned (the 5 s floor, or more where
+    # the steps ran slow on a loaded machine): judged against that recorded budget, not the wall
+    # clock
     assert first["timeout_s"] >= 5  # never under the floor
     assert (
         first["found_ts"] - injected["ts"] < first["timeout_s"] + 3
@@ -209,8 +212,8 @@ def test_titan_sigint_sigkill_lock_and_resume(tmp_path, titan_reference):
             "attempt 2 ranks",
             proc,
         )
-        # held at step 8 (or the next step, if 8 has passed) while the supervisor is checked and killed,
-        # instead of racing the rest of the run with a slow fault
+        # held at step 8 (or the next step, if 8 has passed) while the supervisor is checked and
+        # killed, instead of racing the rest of the run with a slow fault
         inj = run_ptops("inject", str(run), "hold:step=8")
         assert inj.returncode == 0 and "injected" in inj.stdout, inj.stderr
         wait_for(

@@ -1,4 +1,5 @@
-"""Supervisor pieces without training: restart policy, hang monitor, channel, dispatch, blame, injectors, lock, status."""
+"""Supervisor pieces without training: restart policy, hang monitor, channel, dispatch, blame,
+injectors, lock, status."""
 
 import dataclasses
 import io
@@ -250,7 +251,8 @@ def test_probe_dies_when_supervisor_channel_closes(tmp_path):
     code = (
         "import time\n"
         "from ptops.ops.rank.probe import Probe\n"
-        f"p = Probe({str(tmp_path)!r}, 0, 1, channel={server.address()!r}, token={server.token!r}, heartbeat_s=0.2)\n"
+        f"p = Probe({str(tmp_path)!r}, 0, 1, channel={server.address()!r}, "
+        f"token={server.token!r}, heartbeat_s=0.2)\n"
         "p.startup()\n"
         "time.sleep(60)\n"
     )
@@ -320,7 +322,8 @@ def test_enospc_and_corrupt(tmp_path):
 def test_crash_fault_kills_the_process(tmp_path):
     code = (
         "from ptops.ops.rank.probe import Probe\n"
-        f"p = Probe({str(tmp_path)!r}, 1, 1, faults={json.dumps(json.dumps([parse('crash:rank=1,step=2').to_dict()]))})\n"
+        f"p = Probe({str(tmp_path)!r}, 1, 1, "
+        f"faults={json.dumps(json.dumps([parse('crash:rank=1,step=2').to_dict()]))})\n"
         "p.before_step(1); p.before_step(2); print('survived')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -347,7 +350,8 @@ def test_lock_is_exclusive_and_dies_with_holder(tmp_path):
         [
             sys.executable,
             "-c",
-            f"from ptops.ops.runrecord.lock import acquire; acquire({str(tmp_path)!r}); import time; print('ok', flush=True); time.sleep(60)",
+            f"from ptops.ops.runrecord.lock import acquire; acquire({str(tmp_path)!r}); import "
+            "time; print('ok', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -404,7 +408,8 @@ def test_recipe_supervisor_section_validates(ptops):
 
 
 def test_nested_supervisor_defaults_are_the_models_own():
-    """Defaults are written once: the recipe's sections are the models the policy and hang monitor take."""
+    """Defaults are written once: the recipe's sections are the models the policy and hang monitor
+    take."""
     from ptops.monitors.hang import HangConfig
     from ptops.recipes.schema import SupervisorSection, load
 
@@ -440,7 +445,8 @@ Root Cause (first observed failure):
 
 
 def test_root_cause_is_not_torchruns_sigtermed_survivor():
-    """torchrun blames the rank with the earliest error file; the SIGKILLed rank never writes one."""
+    """torchrun blames the rank with the earliest error file; the SIGKILLed rank never writes
+    one."""
     assert root_cause(None, TORCHRUN_FAILURES, 1) == (1, -9, "torchrun")
 
 
@@ -657,8 +663,8 @@ def test_broken_monitor_config_exits_2_at_launch(monkeypatch, tmp_path):
 
 
 def test_mlflow_setup_lines_stay_out_of_the_launch_output(tmp_path):
-    """MLflow's "Creating initial MLflow database tables..." (and alembic's notes) must not land in the
-    progress output; our own warning lines still may."""
+    """MLflow's "Creating initial MLflow database tables..." (and alembic's notes) must not land in
+    the progress output; our own warning lines still may."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.json").write_text('{"name": "t", "engine": "titan"}')
@@ -677,7 +683,8 @@ def test_mlflow_setup_lines_stay_out_of_the_launch_output(tmp_path):
 
 
 def test_a_group_restarted_by_plain_torchrun_is_a_new_attempt(monkeypatch):
-    """Records and attempt-1-only faults of a worker group torchrun restarted itself are told apart."""
+    """Records and attempt-1-only faults of a worker group torchrun restarted itself are told
+    apart."""
     from ptops.ops.rank.probe import attempt_from_env
 
     monkeypatch.setenv("PTOPS_ATTEMPT", "3")
@@ -689,9 +696,9 @@ def test_a_group_restarted_by_plain_torchrun_is_a_new_attempt(monkeypatch):
 
 
 def test_exit_code_of_an_unreaped_rank_is_read_from_the_kernel():
-    """A dead rank's status before torchrun reaps it (what the supervisor reads instead of waiting for
-    torchrun's 0.5 s monitor interval): a signal death as minus the signal, an exit as its code; a live
-    or reaped process gives None."""
+    """A dead rank's status before torchrun reaps it (what the supervisor reads instead of waiting
+    for torchrun's 0.5 s monitor interval): a signal death as minus the signal, an exit as its code;
+    a live or reaped process gives None."""
     from ptops.ops.supervisor.procs import zombie_exit_code
 
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

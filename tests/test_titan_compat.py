@@ -28,7 +28,8 @@ def _check(name: str) -> None:
         f"compat patch {name} did not apply (did torchtitan/torch move what it patches?)"
     )
     assert patch.needed(), (
-        f"compat patch {name} is no longer needed with the installed torch/torchtitan: remove it from "
+        f"compat patch {name} is no longer needed with the installed torch/torchtitan: remove it "
+        "from "
         "ptops/recipes/titan/compat.py"
     )
 

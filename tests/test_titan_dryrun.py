@@ -1,5 +1,5 @@
-"""``ptops launch RECIPE --dry-run`` for TorchTitan recipes: every production recipe passes (the real
-parallelisation built by TorchTitan's fake backend for the declared world), and a recipe with
+"""``ptops launch RECIPE --dry-run`` for TorchTitan recipes: every production recipe passes (the
+real parallelisation built by TorchTitan's fake backend for the declared world), and a recipe with
 impossible degrees or memory fails with one clear line (exit 2) before anything is built."""
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def test_cp_rotate_method_reaches_torch(tmp_path):
 
 
 def test_float8_recipe_names_reach_torchao():
-    """Each [titan.float8] recipe is a recipe name torchao knows (TorchTitan passes it to from_recipe_name)."""
+    """Each [titan.float8] recipe is a recipe name torchao knows (TorchTitan passes it to
+    from_recipe_name)."""
     from typing import get_args
 
     from torchao.float8 import Float8LinearConfig

@@ -78,7 +78,8 @@ def test_float8_emulated_trains_and_recovers_exactly(float8_runs):
 
 @pytest.mark.slow
 def test_activation_checkpointing_from_the_recipe_trains(tmp_path):
-    """[titan.activation_checkpoint] mode reaches TorchTitan (its FullAC wraps every block) and training runs."""
+    """[titan.activation_checkpoint] mode reaches TorchTitan (its FullAC wraps every block) and
+    training runs."""
     run = tmp_path / "ac"
     proc = run_ptops(
         "launch",

@@ -196,8 +196,8 @@ def test_gkd_distils_from_the_teacher_run_and_resumes_exactly(gkd, teacher_run):
 
 
 def test_teacher_resolution_and_pinning(teacher_run, tmp_path):
-    """A run directory resolves to its newest verified checkpoint; a changed pinned teacher is refused;
-    a reward model is not a teacher."""
+    """A run directory resolves to its newest verified checkpoint; a changed pinned teacher is
+    refused; a reward model is not a teacher."""
     import shutil
 
     from ptops.recipes.trl.catalogue import TeacherError, pin_teacher, resolve_teacher

@@ -1,6 +1,7 @@
-"""Every TRL production sibling passes ``ptops launch RECIPE --dry-run``: its stated architecture built on
-the meta device (exact parameter counts, no download), LoRA targets found, the TRL config object built,
-the per-GPU memory estimate within the GPU; mistakes are one ``error:`` line (exit 2)."""
+"""Every TRL production sibling passes ``ptops launch RECIPE --dry-run``: its stated architecture
+built on the meta device (exact parameter counts, no download), LoRA targets found, the TRL config
+object built, the per-GPU memory estimate within the GPU; mistakes are one ``error:`` line (exit
+2)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def test_dry_run_mistakes_are_one_line():
 
 
 def test_plan_sizes_rloo_rollouts_with_the_stated_llama_architecture():
-    """``ptops plan`` on the RLOO sibling: the planner's Llama count equals the meta-device build above."""
+    """``ptops plan`` on the RLOO sibling: the planner's Llama count equals the meta-device build
+    above."""
     from ptops.recipes.plan_rl import plan_grpo
     from ptops.recipes.schema import load
 

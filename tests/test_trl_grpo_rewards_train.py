@@ -1,4 +1,5 @@
-"""GRPO with the math, judge and code rewards really trains on CPU (2 ranks, gloo) and recovers exactly.
+"""GRPO with the math, judge and code rewards really trains on CPU (2 ranks, gloo) and recovers
+exactly.
 
 Per recipe, two runs shared through a module fixture: an uninterrupted one, and one whose rank 0
 is SIGKILLed as step 3 begins (checkpoint 2 committed) and then rerun on the same directory. The
@@ -26,7 +27,8 @@ KINDS = ("math", "judge", "code")
 
 
 def _digest(path: Path, cli: bool = False) -> str:
-    """``ptops ckpt digest PATH`` (the CLI once, in-process otherwise: the same function, no torch start-up)."""
+    """``ptops ckpt digest PATH`` (the CLI once, in-process otherwise: the same function, no torch
+    start-up)."""
     if not cli:
         from ptops.ckpt import digest
 
@@ -127,7 +129,8 @@ def test_grpo_code_trains_and_resumes_exactly(code_pair):
         and src["sandbox"]["uid"] >= 200_000
     )
     assert src["sandbox_limits"]["cpu_s"] == 2
-    # the sandbox really ran every completion of every step (and the replay ran the same: compared above)
+    # the sandbox really ran every completion of every step (and the replay ran the same: compared
+    # above)
     ref = _by_rank(code_pair.reference)
     assert all(
         ref[r][s]["sandbox_runs"] > 0 and ref[r][s]["sandbox_failed"] == 0

@@ -122,9 +122,9 @@ def _fuzz_module():
 
 
 def test_math_verifier_fuzz():
-    """Adversarial answers (hedges, spam, huge numbers and expressions, unicode digits, LaTeX tricks,
-    prompt echo, near misses; bench/math_verifier_fuzz.py): never a wrong pass, honest spellings pass,
-    bounded CPU time per call (a hang or a quadratic scan would blow it)."""
+    """Adversarial answers (hedges, spam, huge numbers and expressions, unicode digits, LaTeX
+    tricks, prompt echo, near misses; bench/math_verifier_fuzz.py): never a wrong pass, honest
+    spellings pass, bounded CPU time per call (a hang or a quadratic scan would blow it)."""
     res = _fuzz_module().run(640, seed=23)
     assert res["wrong_passes"] == 0, res["wrong_examples"]
     assert res["honest_passed"] == res["honest_cases"] == 40
@@ -204,13 +204,17 @@ def _hostile(code: str, canary: Path, listener: socket.socket, namespaces: bool 
 
 
 HOSTILE = {
-    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except "
+    "OSError:\n        pass\n",
     "infinite_loop": "while True:\n    pass\n",
     "rm_rf_canary": "import shutil\nshutil.rmtree({canary!r}, ignore_errors=True)\n",
-    "rm_rf_shell": "import os\ntry:\n    os.system('rm -rf {canary}')\nexcept Exception:\n    pass\n",
-    "rm_rf_root": "import shutil\ntry:\n    shutil.rmtree('/', ignore_errors=True)\nexcept Exception:\n    pass\n",
+    "rm_rf_shell": "import os\ntry:\n    os.system('rm -rf {canary}')\nexcept Exception:\n    "
+    "pass\n",
+    "rm_rf_root": "import shutil\ntry:\n    shutil.rmtree('/', ignore_errors=True)\nexcept "
+    "Exception:\n    pass\n",
     "memory_bomb": "chunks = []\nwhile True:\n    chunks.append(bytearray(64 * 1024 * 1024))\n",
-    "socket": "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')\nexcept Exception:\n    pass\n",
+    "socket": "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), "
+    "timeout=2).sendall(b'x')\nexcept Exception:\n    pass\n",
     "kill_parent": "import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept Exception:\n    pass\n",
     "exit_early": "import os\nos._exit(0)\n",
 }
@@ -223,7 +227,8 @@ def test_sandbox_hostile_completion_costs_zero_and_nothing_more(name, canary, li
     iso = res.isolation
     assert iso["network"] == "netns" and iso["pidns"] and iso["mountns"] and iso["uid"] >= UID_BASE
     assert iso["fs"] == "private"
-    # a fork bomb ends on the wall clock, or (its parent given enough CPU: a quiet machine) on RLIMIT_CPU's SIGKILL
+    # a fork bomb ends on the wall clock, or (its parent given enough CPU: a quiet machine) on
+    # RLIMIT_CPU's SIGKILL
     expected = {
         "fork_bomb": {"killed", "timeout"},
         "infinite_loop": {"killed", "timeout"},
@@ -330,7 +335,8 @@ def _uid_of(pid: str) -> int | None:
 
 
 def test_sandbox_kernel_layer_holds_when_the_audit_hook_is_bypassed(canary):
-    """ctypes goes around the audit hook (reward-wise a known limit); the uid still cannot touch the canary."""
+    """ctypes goes around the audit hook (reward-wise a known limit); the uid still cannot touch the
+    canary."""
     code = (
         f"import ctypes\nlibc = ctypes.CDLL(None)\nr1 = libc.unlink(b'{canary}/keep.txt')\n"
         f"r2 = libc.rmdir(b'{canary}')\nfd = libc.open(b'{canary}/new', 0o101, 0o644)\n"
@@ -471,8 +477,8 @@ def test_reward_recipes_validate(kind):
 
 
 def test_production_siblings_pass_dry_run():
-    """``ptops launch RECIPE --dry-run`` (what it checks for TRL recipes beyond the schema comes with the
-    trainers' part of issue 14)."""
+    """``ptops launch RECIPE --dry-run`` (what it checks for TRL recipes beyond the schema comes
+    with the trainers' part of issue 14)."""
     from conftest import run_ptops
 
     for kind in ("math", "judge", "code"):

@@ -1,10 +1,10 @@
 """TRL SFT, DPO and GRPO really train on CPU: 2 torchrun ranks (gloo DDP), tiny Qwen2 model.
 
-No mocks; every run goes through ``ptops launch`` (plain, unsupervised) and the
-real rank probe, fault injection included. Each launch costs ~10-20 s (``import trl`` in every rank), so runs are
-shared through module-scoped fixtures: one SFT run (also the uninterrupted
-reference for resume), one DPO run, one GRPO run, and one SFT run killed after a
-checkpoint and rerun on the same directory.
+No mocks; every run goes through ``ptops launch`` (plain, unsupervised) and the real rank probe,
+fault injection included. Each launch costs ~10-20 s (``import trl`` in every rank), so runs are
+shared through module-scoped fixtures: one SFT run (also the uninterrupted reference for resume),
+one DPO run, one GRPO run, and one SFT run killed after a checkpoint and rerun on the same
+directory.
 """
 
 from __future__ import annotations
@@ -248,7 +248,8 @@ def test_grpo_reward_is_verifiable():
 
 
 def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
-    """One rank, in this process: before_step/phase order, forced final save, should_poison -> NaN loss."""
+    """One rank, in this process: before_step/phase order, forced final save, should_poison -> NaN
+    loss."""
     from ptops.ops.rank.probe import Probe
     from ptops.recipes.schema import load as load_recipe
 
@@ -290,7 +291,8 @@ def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
 
 
 def test_stop_request_checkpoints_and_returns(tmp_path, monkeypatch):
-    """Under a supervisor, Ctrl-C asks the ranks to save: the adapter saves at the step's end and returns."""
+    """Under a supervisor, Ctrl-C asks the ranks to save: the adapter saves at the step's end and
+    returns."""
     from ptops.ops.rank.probe import Probe
     from ptops.recipes.schema import load as load_recipe
 

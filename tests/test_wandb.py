@@ -1,6 +1,7 @@
-"""W&B export, offline, read back from the files W&B wrote: a real crashed-and-restarted titan-tiny run
-(the session's shared ``faulted_runs`` crash run) is one W&B run holding every step's loss, its incidents
-as alerts and a table, its checkpoints as artifact references; a rerun of the export continues it."""
+"""W&B export, offline, read back from the files W&B wrote: a real crashed-and-restarted titan-tiny
+run (the session's shared ``faulted_runs`` crash run) is one W&B run holding every step's loss, its
+incidents as alerts and a table, its checkpoints as artifact references; a rerun of the export
+continues it."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def offline_runs(run: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def exported(faulted_runs, tmp_path_factory):
-    """The crash run copied (the shared one stays as it is), exported the way a live launch and a later
-    ``ptops export`` do it: attempt 1's exporter dies right after the restart decision; then
+    """The crash run copied (the shared one stays as it is), exported the way a live launch and a
+    later ``ptops export`` do it: attempt 1's exporter dies right after the restart decision; then
     ``ptops export --once --wandb`` of the finished directory; then the same command once more."""
     src = faulted_runs.get("crash").run
     run = tmp_path_factory.mktemp("wandb") / "crash-run"
@@ -97,7 +98,8 @@ def test_every_step_loss_once_with_its_attempt(exported):
         rows += [items(h) for h in of_type(recs, "history")]
     steps = [r for r in rows if "loss" in r]
     rank0 = [m for m in exported["metrics"] if m["rank"] == 0]
-    # one history row per rank-0 record, in order, none twice (the rerun skipped what attempt 1 wrote)
+    # one history row per rank-0 record, in order, none twice (the rerun skipped what attempt 1
+    # wrote)
     assert [(r["attempt"], r["step"]) for r in steps] == [(m["attempt"], m["step"]) for m in rank0]
     assert [r["loss"] for r in steps] == [m["loss"] for m in rank0]
     assert [r["grad_norm"] for r in steps] == [m["grad_norm"] for m in rank0]
@@ -148,8 +150,9 @@ def test_checkpoints_are_artifact_references(exported):
     run, events = exported["run"], exported["events"]
     recs = [r for f in exported["after_second"] for r in records(next(f.glob("*.wandb")))]
     arts = [a for a in of_type(recs, "artifact") if a.type == "model"]
-    # the events name the original run directory's checkpoints: the copy's own are the ones to point at;
-    # retention has removed the oldest by now: an export after the fact points only at what is on disk
+    # the events name the original run directory's checkpoints: the copy's own are the ones to point
+    # at; retention has removed the oldest by now: an export after the fact points only at what is
+    # on disk
     ckpts = [
         e
         for e in events

@@ -1,6 +1,7 @@
-"""Warm spare ranks (ops/rank/warm.py): a rank handed to the pool behaves, to torchrun and the supervisor,
-like the rank itself: same stdout/env/argv/cwd, same exit status (a signal death included), signals
-forwarded, and the warm child dies with the thin rank. No torch here: the pool's child runs a stub."""
+"""Warm spare ranks (ops/rank/warm.py): a rank handed to the pool behaves, to torchrun and the
+supervisor, like the rank itself: same stdout/env/argv/cwd, same exit status (a signal death
+included), signals forwarded, and the warm child dies with the thin rank. No torch here: the pool's
+child runs a stub."""
 
 from __future__ import annotations
 
@@ -176,8 +177,9 @@ def test_warm_launch_all_ranks_exit_zero(pool, tmp_path):
 
 
 def test_warm_launch_reports_the_failed_rank_as_torchrun_does_and_stops_the_others(pool, tmp_path):
-    """The supervisor reads the failed rank from torchrun's own line (ops/supervisor/attempt.py); the
-    others get the rank environment torchrun gives them and are stopped (SIGTERM) after the failure."""
+    """The supervisor reads the failed rank from torchrun's own line (ops/supervisor/attempt.py);
+    the others get the rank environment torchrun gives them and are stopped (SIGTERM) after the
+    failure."""
     from ptops.ops.supervisor.attempt import _WORKER_FAILED
 
     p = launcher(pool, tmp_path, "rank", CODE="5")
@@ -196,8 +198,9 @@ def test_warm_launch_without_a_pool_becomes_its_torchrun_fallback(tmp_path):
 
 
 def _warm_restart(run: Path, recipe: str, sets: list[str], crash_step: int) -> list[dict]:
-    """A supervised run with ``warm_spare`` and a crash of rank 1 at ``crash_step``; returns its events (the run
-    must complete). No hold until the pool is ready: a restart that finds it still importing waits for it."""
+    """A supervised run with ``warm_spare`` and a crash of rank 1 at ``crash_step``; returns its
+    events (the run must complete). No hold until the pool is ready: a restart that finds it still
+    importing waits for it."""
     from conftest import run_ptops
 
     p = run_ptops(
@@ -236,8 +239,9 @@ def _assert_warm_attempt_2(run: Path) -> None:
 
 @pytest.mark.slow
 def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
-    """The same for a TRL trainer (accelerate reads torchrun's environment, which the launcher sets): the
-    restart's ranks are forked from the pool and the final weights equal an uninterrupted run's."""
+    """The same for a TRL trainer (accelerate reads torchrun's environment, which the launcher
+    sets): the restart's ranks are forked from the pool and the final weights equal an uninterrupted
+    run's."""
     from conftest import run_ptops
 
     from ptops.ckpt import digest
@@ -256,10 +260,12 @@ def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
 
 
 def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs):
-    """The shared faulted crash run (tests/faulted.py: titan-tiny, ``warm_spare=true``, rank 1 crashes at step
+    """The shared faulted crash run (tests/faulted.py: titan-tiny, ``warm_spare=true``, rank 1
+    crashes at step
     12): the restart's ranks come from the pool (their logs have no engine import, no torchrun started them),
-    the run completes with the reference digest, and no process of the run is left. The pool is not waited
-    for before the crash: it imports alongside attempt 1, and a restart that still finds it importing waits."""
+    the run completes with the reference digest, and no process of the run is left. The pool is not
+    waited for before the crash: it imports alongside attempt 1, and a restart that still finds it
+    importing waits."""
     from ptops.ckpt import digest
     from ptops.ops.supervisor.procs import run_processes
 
@@ -273,8 +279,8 @@ def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs
 
 
 def test_the_pool_checks_that_a_forked_child_can_run_and_finds_no_gpu_problem_on_cpu():
-    """The pool's fork check (a GPU pool whose children could not use CUDA serves nothing): a child's
-    failure is seen, and on this CPU-only machine there is no CUDA problem to report."""
+    """The pool's fork check (a GPU pool whose children could not use CUDA serves nothing): a
+    child's failure is seen, and on this CPU-only machine there is no CUDA problem to report."""
     from ptops.ops.rank.warm import cuda_fork_problem, forked_child_status
 
     def fails() -> None:
@@ -286,7 +292,8 @@ def test_the_pool_checks_that_a_forked_child_can_run_and_finds_no_gpu_problem_on
 
 
 # ---------------------------------------------------------------- the supervisor's side: where a restart's ranks come from
-# A pool that is still importing (issue 27): it binds its socket only once GO exists, then serves like the real one.
+# A pool that is still importing (issue 27): it binds its socket only once GO exists, then serves
+# like the real one.
 SLOW_POOL = textwrap.dedent("""
     import os, sys, time
     from ptops.ops.rank import warm
@@ -325,8 +332,9 @@ def _slow_pool(tmp_path: Path, how: str = "serve"):
 
 
 def test_a_restart_waits_for_a_pool_that_is_still_importing_and_comes_warm(tmp_path):
-    """The pool is started (importing) but not listening: the restart waits for it instead of going cold
-    next to it, and is told warm once it answers (the readiness probe does not disturb the pool)."""
+    """The pool is started (importing) but not listening: the restart waits for it instead of going
+    cold next to it, and is told warm once it answers (the readiness probe does not disturb the
+    pool)."""
     import threading
 
     pool, go = _slow_pool(tmp_path)

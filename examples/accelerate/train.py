@@ -1,10 +1,10 @@
 """A Hugging Face Accelerate training script, ready for ``ptops launch``.
 
-Runs as is with ``torchrun --nproc-per-node 2 examples/accelerate/train.py`` (``Accelerator(cpu=True)``
-trains as gloo DDP on CPU; drop ``--cpu`` on GPUs) and under
-``ptops launch --supervise -- python examples/accelerate/train.py --cpu``. The ``pr.*`` lines are the
-whole ptops API (``ptops.rank``): without them ptops still restarts the script on a crash or hang;
-with them a restart resumes exactly (model, optimizer, RNG, data position), NaNs roll back, and a
+Runs as is with ``torchrun --nproc-per-node 2 examples/accelerate/train.py``
+(``Accelerator(cpu=True)`` trains as gloo DDP on CPU; drop ``--cpu`` on GPUs) and under ``ptops
+launch --supervise -- python examples/accelerate/train.py --cpu``. The ``pr.*`` lines are the whole
+ptops API (``ptops.rank``): without them ptops still restarts the script on a crash or hang; with
+them a restart resumes exactly (model, optimizer, RNG, data position), NaNs roll back, and a
 preemption saves first. ptops' checkpoints take the place of ``accelerator.save_state``.
 """
 

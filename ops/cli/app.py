@@ -17,7 +17,8 @@ from ptops import __version__
 
 
 def engines_installed() -> str:
-    """The engines installed, from package metadata: ``--help`` names them without importing a plugin."""
+    """The engines installed, from package metadata: ``--help`` names them without importing a
+    plugin."""
     from ptops.recipes.engines import installed
 
     by: dict[str, list[str]] = {}
@@ -27,7 +28,8 @@ def engines_installed() -> str:
 
 
 class _NamesEngines:
-    """``--help`` ends with the engines installed (ptops' own and plugins of the ``ptops.engines`` group)."""
+    """``--help`` ends with the engines installed (ptops' own and plugins of the ``ptops.engines``
+    group)."""
 
     def format_help(self, ctx, formatter) -> None:  # type: ignore[no-untyped-def]
         super().format_help(ctx, formatter)  # type: ignore[misc]
@@ -76,7 +78,8 @@ def _root(
 
 
 class _LaunchCommand(_EnginesCommand):
-    """Everything after ``--`` is the user's command (``ptops launch --supervise -- python train.py``)."""
+    """Everything after ``--`` is the user's command (``ptops launch --supervise -- python
+    train.py``)."""
 
     def parse_args(self, ctx, args):  # type: ignore[no-untyped-def]
         if "--" in args:
@@ -92,7 +95,8 @@ def launch(
     recipe: Annotated[
         Optional[str],
         typer.Argument(
-            help="Recipe TOML file, or the name of a shipped recipe (titan-tiny, trl-sft-tiny, ...). "
+            help="Recipe TOML file, or the name of a shipped recipe (titan-tiny, trl-sft-tiny, "
+            "...). "
             "Or none, and your own command after --."
         ),
     ] = None,
@@ -100,21 +104,27 @@ def launch(
         Optional[Path],
         typer.Option(
             "--run-dir",
-            help="Run directory; rerunning on an existing one resumes it. Default: runs/<recipe>-<timestamp>.",
+            help="Run directory; rerunning on an existing one resumes it. Default: "
+            "runs/<recipe>-<timestamp>.",
         ),
     ] = None,
     set_: Annotated[
         list[str],
         typer.Option(
             "--set",
-            help="Override a recipe key, e.g. --set train.steps=30 (repeatable; values parse as TOML).",
+            help="Override a recipe key, e.g. --set train.steps=30 (repeatable; values parse as "
+            "TOML).",
         ),
     ] = [],
     dry_run: Annotated[
         bool,
         typer.Option(
             "--dry-run",
-            help="Validate without GPUs and start nothing: the schema, the resolved recipe and rank command; for TorchTitan recipes also the parallel degrees against the world, the planner's memory fit and TorchTitan's fake-backend build of the real parallelisation; for TRL recipes the model on the meta device, LoRA targets, the TRL config and a per-GPU memory estimate.",
+            help="Validate without GPUs and start nothing: the schema, the resolved recipe and "
+            "rank command; for TorchTitan recipes also the parallel degrees against the "
+            "world, the planner's memory fit and TorchTitan's fake-backend build of the real "
+            "parallelisation; for TRL recipes the model on the meta device, LoRA targets, "
+            "the TRL config and a per-GPU memory estimate.",
         ),
     ] = False,
     nodes: Annotated[
@@ -122,7 +132,8 @@ def launch(
         typer.Option(
             "--nodes",
             min=1,
-            help="--dry-run: nodes of the world to check (default: titan.target.nodes / trl.target.nodes, else 1).",
+            help="--dry-run: nodes of the world to check (default: titan.target.nodes / "
+            "trl.target.nodes, else 1).",
         ),
     ] = None,
     gpus_per_node: Annotated[
@@ -138,21 +149,25 @@ def launch(
         bool,
         typer.Option(
             "--supervise",
-            help="Restart a crashed or hung run from the last good checkpoint, and act on monitor findings (without it, the same watch ends the run failed). Exit 3 means do not requeue.",
+            help="Restart a crashed or hung run from the last good checkpoint, and act on "
+            "monitor findings (without it, the same watch ends the run failed). Exit 3 means "
+            "do not requeue.",
         ),
     ] = False,
     metrics_port: Annotated[
         Optional[int],
         typer.Option(
             "--metrics-port",
-            help="Serve Prometheus metrics on 127.0.0.1:PORT while the run lives (0 picks a free port).",
+            help="Serve Prometheus metrics on 127.0.0.1:PORT while the run lives (0 picks a free "
+            "port).",
         ),
     ] = None,
     mlflow_uri: Annotated[
         Optional[str],
         typer.Option(
             "--mlflow-uri",
-            help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs root>/mlflow.db beside the run directories.",
+            help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs "
+            "root>/mlflow.db beside the run directories.",
         ),
     ] = None,
     mlflow: Annotated[
@@ -178,14 +193,17 @@ def launch(
         list[str],
         typer.Option(
             "--fault",
-            help="Inject a fault, e.g. crash:rank=1,step=12 (repeatable; first attempt only unless attempt=N).",
+            help="Inject a fault, e.g. crash:rank=1,step=12 (repeatable; first attempt only "
+            "unless attempt=N).",
         ),
     ] = [],
     slurm: Annotated[
         bool,
         typer.Option(
             "--slurm",
-            help="With --supervise: submit to Slurm (sbatch). The supervisor runs in the batch step, each attempt is an srun step of one node agent per node; --dry-run prints the sbatch script. Recipe section [slurm] holds the same keys.",
+            help="With --supervise: submit to Slurm (sbatch). The supervisor runs in the batch "
+            "step, each attempt is an srun step of one node agent per node; --dry-run prints "
+            "the sbatch script. Recipe section [slurm] holds the same keys.",
         ),
     ] = False,
     spare_nodes: Annotated[
@@ -203,7 +221,8 @@ def launch(
         Optional[str],
         typer.Option(
             "--time",
-            help="--slurm: time limit (e.g. 04:00:00); the supervisor saves and requeues on the warning signal before it.",
+            help="--slurm: time limit (e.g. 04:00:00); the supervisor saves and requeues on the "
+            "warning signal before it.",
         ),
     ] = None,
     account: Annotated[Optional[str], typer.Option("--account", help="--slurm: account.")] = None,
@@ -213,12 +232,12 @@ def launch(
 ) -> None:
     """Run a recipe's ranks with torchrun, checkpoint as the recipe says, resume on rerun.
 
-    Your own training script: put its command after --. Each of launch.nproc ranks runs it (torchrun's
-    RANK, WORLD_SIZE, MASTER_ADDR set); a Python script runs inside the rank, so without any change it
-    gets crash and hang detection with every rank's stacks, restarts, goodput and `ptops diagnose`;
-    with `import ptops.rank` (step records, checkpoint/resume, rollback) also monitors, numeric
-    rollback, a save on preemption and exact resume. The run is complete when the script exits 0 on
-    every rank. See examples/README.md.
+    Your own training script: put its command after --. Each of launch.nproc ranks runs it
+    (torchrun's RANK, WORLD_SIZE, MASTER_ADDR set); a Python script runs inside the rank, so without
+    any change it gets crash and hang detection with every rank's stacks, restarts, goodput and
+    `ptops diagnose`; with `import ptops.rank` (step records, checkpoint/resume, rollback) also
+    monitors, numeric rollback, a save on preemption and exact resume. The run is complete when the
+    script exits 0 on every rank. See examples/README.md.
 
     Examples:\n
       ptops launch --supervise -- python examples/fsdp2/train.py --steps 12\n
@@ -333,7 +352,8 @@ def _command_recipe(command: list[str]) -> str:
 @app.command(
     cls=_EnginesCommand,
     help="List the engines (ptops' own and those other packages install: "
-    "entry point group ptops.engines), the recipes they ship, and any engine plugin that did not load.",
+    "entry point group ptops.engines), the recipes they ship, and any engine plugin that did not "
+    "load.",
 )
 def recipes(
     json_out: Annotated[
@@ -427,7 +447,8 @@ def diagnose(
         typer.Option(
             "--baseline",
             metavar="RUN_DIR",
-            help="Reference run of the same recipe: report where loss/grad-norm/reward curves diverge "
+            help="Reference run of the same recipe: report where loss/grad-norm/reward curves "
+            "diverge "
             "beyond seed-to-seed noise (repeat for several seeds: their spread is the noise).",
         ),
     ] = None,
@@ -435,23 +456,25 @@ def diagnose(
         Optional[Path],
         typer.Option(
             "--html",
-            help="Also write the report as one self-contained HTML page (charts, incidents on the step "
+            help="Also write the report as one self-contained HTML page (charts, incidents on "
+            "the step "
             "axis, runbook links; no network needed to open it).",
         ),
     ] = None,
 ) -> None:
-    """What happened in a run: incidents first (crash, hang, numeric, straggler, RL, checkpoint), each with
-    where (attempt, step, rank, host), evidence, what the supervisor did and the runbook.
+    """What happened in a run: incidents first (crash, hang, numeric, straggler, RL, checkpoint),
+    each with where (attempt, step, rank, host), evidence, what the supervisor did and the runbook.
 
     A hang names the odd rank out from every rank's stack (stacks/attempt-K/) and the collective it
     never joined (flight recorder); a crash says the signal or exit code in words, the exception and
-    the last log lines of the rank that died first; a numeric incident shows loss and grad norm around
-    it and the rollback taken. Below: the findings (replayed monitors + live events), a summary of the
-    run's events (events_summary: state, attempts, restarts, last checkpoint) and a timeline. --json
-    prints the same report as one JSON object (run_dir, incidents, findings, events_summary, timeline).
-    Works on a copied run directory and on a live run (incidents so far).
+    the last log lines of the rank that died first; a numeric incident shows loss and grad norm
+    around it and the rollback taken. Below: the findings (replayed monitors + live events), a
+    summary of the run's events (events_summary: state, attempts, restarts, last checkpoint) and a
+    timeline. --json prints the same report as one JSON object (run_dir, incidents, findings,
+    events_summary, timeline). Works on a copied run directory and on a live run (incidents so far).
 
-    Exit 0 with a report (incidents or not); exit 2 when RUN_DIR is not a run directory or an option is bad.
+    Exit 0 with a report (incidents or not); exit 2 when RUN_DIR is not a run directory or an option
+    is bad.
 
     Examples:\n
       ptops diagnose runs/demo --json\n

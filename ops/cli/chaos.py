@@ -29,7 +29,9 @@ def chaos_cmd(
         list[str],
         typer.Option(
             "--scenario",
-            help="RECIPE/KIND (titan-tiny/crash), KIND (every selected recipe) or a fault spec, e.g. titan-tiny/hang:rank=1,step=5 (repeatable). Default: the recipe's default matrix.",
+            help="RECIPE/KIND (titan-tiny/crash), KIND (every selected recipe) or a fault spec, "
+            "e.g. titan-tiny/hang:rank=1,step=5 (repeatable). Default: the recipe's default "
+            "matrix.",
         ),
     ] = [],
     work_dir: Annotated[
@@ -56,11 +58,13 @@ def chaos_cmd(
         Optional[Path],
         typer.Option(
             "--junit",
-            help="Also write a JUnit XML file (one test case per scenario; detect/recover times as properties) for GitLab CI, GitHub Actions, Jenkins.",
+            help="Also write a JUnit XML file (one test case per scenario; detect/recover times "
+            "as properties) for GitLab CI, GitHub Actions, Jenkins.",
         ),
     ] = None,
 ) -> None:
-    """Inject faults into real supervised runs; report detection, recovery and whether the result equals a fault-free run.
+    """Inject faults into real supervised runs; report detection, recovery and whether the result
+    equals a fault-free run.
 
     For each scenario: a supervised launch with the fault (relaunched like a requeue
     when preempted or when its supervisor was killed), and once per recipe a
@@ -85,7 +89,8 @@ def chaos_cmd(
         for sc in scenarios:
             extra = "".join(f" --set {x}" for x in sc.extra_sets)
             typer.echo(
-                f"{sc.name:28s} {' '.join('--fault ' + f for f in sc.faults)}{extra}   detect: {', '.join(sc.detect)}"
+                f"{sc.name:28s} {' '.join('--fault ' + f for f in sc.faults)}{extra}   detect: "
+                f"{', '.join(sc.detect)}"
             )
         return
     if junit is not None and not junit.parent.is_dir():
@@ -150,7 +155,8 @@ def print_table(report: dict) -> None:
     n = len(report["scenarios"])
     ok = sum(1 for r in report["scenarios"] if r["passed"])
     console.print(
-        f"{ok}/{n} passed in {report['wall_s']:.0f} s; run directories and chaos-report.json under {report['work_dir']}"
+        f"{ok}/{n} passed in {report['wall_s']:.0f} s; run directories and chaos-report.json "
+        f"under {report['work_dir']}"
     )
 
 

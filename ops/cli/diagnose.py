@@ -1,4 +1,5 @@
-"""``ptops diagnose RUN_DIR [--json] [--attempt K] [--since T] [--baseline OTHER]... [--html OUT]``: the on-call report.
+"""``ptops diagnose RUN_DIR [--json] [--attempt K] [--since T] [--baseline OTHER]... [--html OUT]``:
+the on-call report.
 
 Wiring (ops/cli/app.py)::
 
@@ -38,8 +39,8 @@ def diagnose_command(
     baseline: list[Path] | None = None,
     html_out: Path | None = None,
 ) -> int:
-    """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit code.
-    With ``html_out`` also write the self-contained HTML page there."""
+    """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit
+    code. With ``html_out`` also write the self-contained HTML page there."""
     from ptops.diagnostics.diagnose import DiagnoseError, diagnose, parse_since
 
     if html_out is not None and Path(html_out).is_dir():
@@ -82,7 +83,8 @@ def _runbook_href(name: str) -> str | None:
 
 
 def write_html(run_dir: Path, report: dict[str, Any], out: Path) -> str | None:
-    """Render and write the page; the error line on failure, else None (a note on stderr says where)."""
+    """Render and write the page; the error line on failure, else None (a note on stderr says
+    where)."""
     from ptops.diagnostics.html import render
     from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
@@ -120,7 +122,8 @@ def _print_human(r: dict[str, Any]) -> None:
         console = Console(highlight=False, width=160)  # pipes and files: do not wrap at 80
     s = r["events_summary"]
     head = (
-        f"{r['run_dir']}  recipe {r['recipe'] or '?'}  state {s['state']}  last step {r['last_step']}  "
+        f"{r['run_dir']}  recipe {r['recipe'] or '?'}  state {s['state']}  last step "
+        f"{r['last_step']}  "
         f"attempts {s['attempts']}  ranks {','.join(map(str, r['ranks'])) or '-'}  "
         f"monitors config: {r['config']}"
     )
@@ -129,7 +132,8 @@ def _print_human(r: dict[str, Any]) -> None:
         console.print(f"  reason: {s['reason']}", markup=False)
     bits = [f"{k} {v}" for k, v in sorted(s["counts"].items())]
     console.print(
-        f"  events: {', '.join(bits) or 'none'}; last good checkpoint step: {s['last_checkpoint_step']}",
+        f"  events: {', '.join(bits) or 'none'}; last good checkpoint step: "
+        f"{s['last_checkpoint_step']}",
         markup=False,
     )
     g = r.get("goodput") or {}
@@ -190,7 +194,8 @@ def _print_human(r: dict[str, Any]) -> None:
     tl = r["timeline"]
     if tl:
         console.print(
-            f"Timeline ({len(tl)} entries{', last ' + str(_MAX_TIMELINE) if len(tl) > _MAX_TIMELINE else ''}):"
+            f"Timeline ({len(tl)} "
+            f"entries{', last ' + str(_MAX_TIMELINE) if len(tl) > _MAX_TIMELINE else ''}):"
         )
         for e in tl[-_MAX_TIMELINE:]:
             step = f"step {e['step']}" if e["step"] is not None else ""

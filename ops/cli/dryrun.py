@@ -30,8 +30,9 @@ def _size(b: float) -> str:
 def engine_dry_run(
     module: str, rec, args: list[str], path: Path, what: str, env: dict | None = None
 ) -> dict:
-    """Run an engine's dry-run ``module`` on the recipe in a subprocess (torch and the engine stay out of
-    the CLI process) and return its ``PTOPS_DRYRUN`` result; a timeout or a death is one error line."""
+    """Run an engine's dry-run ``module`` on the recipe in a subprocess (torch and the engine stay
+    out of the CLI process) and return its ``PTOPS_DRYRUN`` result; a timeout or a death is one
+    error line."""
     from ptops.recipes.schema import dump_json
 
     timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
@@ -79,7 +80,8 @@ def titan_dry_run(
     degs, problem = degrees(rec, world)
     if problem is not None:
         fail(
-            f"{path}: key 'titan.parallelism': {problem} ({n_nodes} nodes x {world // n_nodes} GPUs)"
+            f"{path}: key 'titan.parallelism': {problem} ({n_nodes} nodes x {world // n_nodes} "
+            "GPUs)"
         )
     report["degrees"] = degs
     try:
@@ -98,12 +100,14 @@ def titan_dry_run(
         typer.echo("  schema       ok")
         typer.echo("  degrees      ok: " + " ".join(f"{k}={v}" for k, v in degs.items()))
         typer.echo(
-            f"  memory       ok: planner {p['memory']['total_gib']:.1f} of {p['memory']['gpu_gib']:.1f} GiB per GPU"
+            f"  memory       ok: planner {p['memory']['total_gib']:.1f} of "
+            f"{p['memory']['gpu_gib']:.1f} GiB per GPU"
             + ("" if t.target else f" (no titan.target: a {gpu} assumed)")
             + " (`ptops plan` for the breakdown)"
         )
         typer.echo(
-            f"  torchtitan   building the real parallelisation for {world} ranks on a fake backend (CPU)..."
+            f"  torchtitan   building the real parallelisation for {world} ranks on a fake "
+            "backend (CPU)..."
         )
     what = f"TorchTitan fake-backend dry run for {world} ranks"
     res = engine_dry_run("ptops.recipes.titan.dryrun", rec, [str(world)], path, what)
@@ -120,12 +124,14 @@ def titan_dry_run(
         typer.echo(
             f"  torchtitan   ok in {res['seconds']} s: mesh "
             + " ".join(f"{k}={v}" for k, v in m.items())
-            + f"; {res['model']} ({res['rank0_params']:,} params), {res['float8_modules']} Float8Linear,"
+            + f"; {res['model']} ({res['rank0_params']:,} params), {res['float8_modules']} "
+            "Float8Linear,"
             f" {res['model_parts']} model part(s), optimizer built"
         )
         typer.echo(
             f"  param bytes  rank 0 holds {_size(measured)}; planner {_size(planned)}"
-            f" (x{ratio:.3f}; tolerance {TOLERANCE:.0%}{'' if res['within_tolerance'] else ': OUTSIDE'})"
+            f" (x{ratio:.3f}; tolerance "
+            f"{TOLERANCE:.0%}{'' if res['within_tolerance'] else ': OUTSIDE'})"
         )
         typer.echo(
             f"  process peak {res['peak_rss_gib']:.2f} GiB RSS (TorchTitan's memory report on CPU)"
@@ -134,7 +140,8 @@ def titan_dry_run(
             typer.echo(f"  not checked  {item}")
         if t.parallelism.cp > 1:
             typer.echo(
-                "  not checked  CP on CPU: the CP mesh and wrappers were built, but CP attention cannot run on CPU"
+                "  not checked  CP on CPU: the CP mesh and wrappers were built, but CP attention "
+                "cannot run on CPU"
                 " (no DTensor strategy for CPU SDPA); scripts/gpu_check.sh runs it on a GPU"
             )
     return report

@@ -1,7 +1,7 @@
-"""``ptops launch TRL-RECIPE --dry-run``: the schema, then the model on the meta device, LoRA targets,
-the TRL config object and a per-GPU memory estimate (``ptops.recipes.trl.dryrun`` in a subprocess:
-torch and trl stay out of the CLI); errors are one ``error:`` line (exit 2). Nothing is downloaded:
-the architecture is the recipe's ``[trl.model]``."""
+"""``ptops launch TRL-RECIPE --dry-run``: the schema, then the model on the meta device, LoRA
+targets, the TRL config object and a per-GPU memory estimate (``ptops.recipes.trl.dryrun`` in a
+subprocess: torch and trl stay out of the CLI); errors are one ``error:`` line (exit 2). Nothing is
+downloaded: the architecture is the recipe's ``[trl.model]``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def trl_dry_run(
     }
     if not json_out:
         typer.echo(
-            f"dry run: {rec.name} ({sec.trainer}) for {world} ranks ({n_nodes} nodes x {per_node} {gpu})"
+            f"dry run: {rec.name} ({sec.trainer}) for {world} ranks ({n_nodes} nodes x "
+            f"{per_node} {gpu})"
         )
         typer.echo("  schema       ok")
         typer.echo("  model        building on the meta device (no weights, no download)...")
@@ -55,7 +56,8 @@ def trl_dry_run(
     if not res["fits"]:
         fail(
             f"{path}: key 'trl': does not fit: {res['memory_total_gib']:.1f} GiB per GPU estimated "
-            f"({', '.join(f'{k} {v}' for k, v in res['memory_gib'].items())}) > {gpu_gib:.1f} GiB ({gpu})"
+            f"({', '.join(f'{k} {v}' for k, v in res['memory_gib'].items())}) > {gpu_gib:.1f} "
+            f"GiB ({gpu})"
         )
     report["trl"] = res
     if not json_out:
@@ -66,7 +68,8 @@ def trl_dry_run(
         )
         if "teacher_model" in res:
             typer.echo(
-                f"  teacher      ok: {res['teacher_model']} {res['teacher_params']:,} params, same vocabulary"
+                f"  teacher      ok: {res['teacher_model']} {res['teacher_params']:,} params, "
+                "same vocabulary"
             )
         typer.echo(
             f"  trl config   ok: {res['trl_config']}"

@@ -44,7 +44,8 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
 
 
 def _with_sidecars(rec, run, lock_fd: int, body) -> int:
-    """The engine's sidecars (e.g. ``trl vllm-serve``) live for the whole launch, across attempts."""
+    """The engine's sidecars (e.g. ``trl vllm-serve``) live for the whole launch, across
+    attempts."""
     from ptops.recipes.engines import sidecar_specs
 
     specs = sidecar_specs(rec)
@@ -66,7 +67,8 @@ def _with_sidecars(rec, run, lock_fd: int, body) -> int:
 
 
 def summarize(run, wall_s: float, code: int) -> dict:
-    """The end-of-launch summary, from the run directory (the same for plain and supervised runs)."""
+    """The end-of-launch summary, from the run directory (the same for plain and supervised
+    runs)."""
     from ptops.ckpt import latest_good
     from ptops.ops.runrecord.events import EventKind as K
     from ptops.ops.runrecord.events import reduce
@@ -103,7 +105,8 @@ def summarize(run, wall_s: float, code: int) -> dict:
 def print_summary(s: dict) -> None:
     e = lambda m: typer.echo(m, err=True)  # noqa: E731
     e(
-        f"{s['state']} (exit {s['exit_code']}): step {s['step']}, loss {s['loss']}, attempts {s['attempts']}, "
+        f"{s['state']} (exit {s['exit_code']}): step {s['step']}, loss {s['loss']}, attempts "
+        f"{s['attempts']}, "
         f"restarts {s['restarts']} (crashes {s['crashes']}, hangs {s['hangs']}), {s['wall_s']} s"
     )
     if s["reason"]:

@@ -59,9 +59,11 @@ def _first_line(text: str) -> str:
 # ---------------------------------------------------------------------- commands
 
 WANDB_HELP = (
-    "Also export to Weights & Biases: per-step metrics, incidents (alerts and a table), checkpoints as "
+    "Also export to Weights & Biases: per-step metrics, incidents (alerts and a table), "
+    "checkpoints as "
     "artifact references, every attempt in one W&B run. Offline by default: the files land in "
-    "RUN_DIR/wandb and `wandb sync RUN_DIR/wandb/offline-run-*` uploads them later; --wandb-project / "
+    "RUN_DIR/wandb and `wandb sync RUN_DIR/wandb/offline-run-*` uploads them later; "
+    "--wandb-project / "
     "--wandb-entity log online (needs `wandb login` or WANDB_API_KEY; never prompts)."
 )
 
@@ -71,7 +73,8 @@ def cmd_alerts(
         Optional[str],
         typer.Option(
             "--runbook-base-url",
-            help="Base URL of the runbooks in runbook_url annotations (default: $PTOPS_RUNBOOK_BASE_URL or a placeholder).",
+            help="Base URL of the runbooks in runbook_url annotations (default: "
+            "$PTOPS_RUNBOOK_BASE_URL or a placeholder).",
         ),
     ] = None,
     output: Annotated[
@@ -81,7 +84,8 @@ def cmd_alerts(
 ) -> None:
     """Print the Prometheus alert rule file (load it with `rule_files:` in prometheus.yml).
 
-    Example:  ptops alerts --runbook-base-url https://git.example.com/ml/ptops/-/blob/main/runbooks > /etc/prometheus/ptops-rules.yml
+    Example: ptops alerts --runbook-base-url https://git.example.com/ml/ptops/-/blob/main/runbooks >
+    /etc/prometheus/ptops-rules.yml
     """
     text = alerts_text(runbook_base_url)
     if output:
@@ -100,7 +104,8 @@ def cmd_dashboard(
         Optional[Path],
         typer.Option(
             "--provisioning",
-            help="Write a Grafana provisioning folder (datasource, dashboard provider + dashboard, alert rules) here.",
+            help="Write a Grafana provisioning folder (datasource, dashboard provider + "
+            "dashboard, alert rules) here.",
         ),
     ] = None,
     prometheus_url: Annotated[
@@ -171,7 +176,8 @@ def cmd_grafana_push(
     except Exception as e:  # one clear line: which URL, what went wrong
         fail(f"grafana push to {url} failed: {type(e).__name__}: {e}", 1)
     typer.echo(
-        f"provisioned on {url}: folder {res['folder']}, dashboard {res['dashboard']}, {res['rules']} alert rules"
+        f"provisioned on {url}: folder {res['folder']}, dashboard {res['dashboard']}, "
+        f"{res['rules']} alert rules"
     )
 
 
@@ -212,7 +218,8 @@ def cmd_export(
         Optional[str],
         typer.Option(
             "--mlflow-uri",
-            help="Also export to MLflow (default store: sqlite:///<runs root>/mlflow.db with --mlflow).",
+            help="Also export to MLflow (default store: sqlite:///<runs root>/mlflow.db with "
+            "--mlflow).",
         ),
     ] = None,
     mlflow: Annotated[
@@ -233,7 +240,8 @@ def cmd_export(
         typer.Option("--once", help="Read the run directory once, print the metrics and exit."),
     ] = False,
 ) -> None:
-    """Export a run directory (live or finished) to Prometheus, and optionally MLflow and W&B, until Ctrl-C.
+    """Export a run directory (live or finished) to Prometheus, and optionally MLflow and W&B, until
+    Ctrl-C.
 
     Examples:\n
       ptops export runs/titan-tiny-20261130-101500 --port 9464\n

@@ -1,4 +1,5 @@
-"""``ptops pipeline PIPELINE.toml``: supervised stages with verified hand-offs (ops/pipeline does the work)."""
+"""``ptops pipeline PIPELINE.toml``: supervised stages with verified hand-offs (ops/pipeline does
+the work)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ def pipeline_cmd(
     file: Annotated[
         Path,
         typer.Argument(
-            help="Pipeline TOML file: a name and [[stage]] tables (name, recipe, set, faults, input, gate)."
+            help="Pipeline TOML file: a name and [[stage]] tables (name, recipe, set, faults, "
+            "input, gate)."
         ),
     ],
     run_dir: Annotated[
         Optional[Path],
         typer.Option(
             "--run-dir",
-            help="Pipeline directory (stages under stages/NN-name); rerunning on it resumes. Default: runs/<name>-<timestamp>.",
+            help="Pipeline directory (stages under stages/NN-name); rerunning on it resumes. "
+            "Default: runs/<name>-<timestamp>.",
         ),
     ] = None,
     json_out: Annotated[
@@ -40,7 +43,8 @@ def pipeline_cmd(
         bool,
         typer.Option(
             "--mlflow/--no-mlflow",
-            help="Lineage in MLflow: a parent run, a nested child run per stage, digests as tags/params.",
+            help="Lineage in MLflow: a parent run, a nested child run per stage, digests as "
+            "tags/params.",
         ),
     ] = True,
 ) -> None:
@@ -59,8 +63,8 @@ def pipeline_cmd(
     its own last good checkpoint.
 
     Ctrl-C / SIGINT / SIGTERM (handled even when started with SIGINT ignored, e.g. under nohup): the
-    running stage is told once (it checkpoints and stops; a second signal stops it now), then exit 130.
-    If the pipeline is killed outright (SIGKILL), the kernel sends its running stage SIGTERM
+    running stage is told once (it checkpoints and stops; a second signal stops it now), then exit
+    130. If the pipeline is killed outright (SIGKILL), the kernel sends its running stage SIGTERM
     (PR_SET_PDEATHSIG): the stage saves and stops, and a rerun resumes it.
 
     Exit 0: all stages completed; 1: a stage failed or a gate stopped it; 3: a stage said do not

@@ -1,4 +1,5 @@
-"""``ptops plan``: what a TorchTitan recipe needs and costs on N GPUs (``ptops.recipes.plan``, pure)."""
+"""``ptops plan``: what a TorchTitan recipe needs and costs on N GPUs (``ptops.recipes.plan``,
+pure)."""
 
 from __future__ import annotations
 
@@ -54,17 +55,18 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Size a TorchTitan recipe (or a TRL GRPO recipe's rollouts) before it burns GPU hours.
 
-        Prints the exact parameter count, per-GPU memory (parameters, gradients and AdamW state under
-        the recipe's FSDP/TP/PP/CP/EP sharding; activations under its activation checkpointing; logits),
-        communication per step per parallel dimension and its time on NVLink / InfiniBand, step time
-        and MFU (6N + attention FLOPs against the GPU's bf16/fp8 peak), checkpoint size and write
-        time, and the checkpoint interval from Young/Daly. Every hardware figure and assumption is in
-        ptops/recipes/plan.py with its source; --json includes the assumptions.
+        Prints the exact parameter count, per-GPU memory (parameters, gradients and AdamW state
+        under the recipe's FSDP/TP/PP/CP/EP sharding; activations under its activation
+        checkpointing; logits), communication per step per parallel dimension and its time on NVLink
+        / InfiniBand, step time and MFU (6N + attention FLOPs against the GPU's bf16/fp8 peak),
+        checkpoint size and write time, and the checkpoint interval from Young/Daly. Every hardware
+        figure and assumption is in ptops/recipes/plan.py with its source; --json includes the
+        assumptions.
 
-        For a TRL GRPO recipe: the policy's exact parameter count, rollouts per step, vLLM generation
-        time and generated tokens/s on the stated GPUs (prefill compute bound, decode HBM bound, as many
-        sequences running as the KV cache holds), training time, and the GPU split between generation
-        and training (colocated vs a separate vLLM server) it implies.
+        For a TRL GRPO recipe: the policy's exact parameter count, rollouts per step, vLLM
+        generation time and generated tokens/s on the stated GPUs (prefill compute bound, decode HBM
+        bound, as many sequences running as the KV cache holds), training time, and the GPU split
+        between generation and training (colocated vs a separate vLLM server) it implies.
 
         Exit 0 with a plan (also one that does not fit: memory.fits is false); exit 2 on bad input.
 
@@ -92,7 +94,8 @@ def register(app: typer.Typer) -> None:
             return
         if rec.engine != "titan":
             fail(
-                f"{path}: key 'engine': ptops plan sizes TorchTitan and TRL GRPO recipes (got {rec.engine!r})"
+                f"{path}: key 'engine': ptops plan sizes TorchTitan and TRL GRPO recipes (got "
+                f"{rec.engine!r})"
             )
         t = rec.titan
         g = gpu or (t.target.gpu if t.target else "h100")

@@ -43,13 +43,15 @@ def _check_run_dir(run_dir: Path) -> None:
 
 
 def request(run_dir: Path, steps: int) -> dict[str, Any]:
-    """Ask the live supervisor for a profile; its answer (id, start_step, ranks) or one error line."""
+    """Ask the live supervisor for a profile; its answer (id, start_step, ranks) or one error
+    line."""
     from ptops.ops.rank.channel import ChannelClient, read_info
     from ptops.ops.runrecord.lock import holder
 
     if holder(run_dir) is None:
         fail(
-            f"{run_dir}: no live supervisor (the run is not running; `ptops profile` needs a live run, "
+            f"{run_dir}: no live supervisor (the run is not running; `ptops profile` needs a "
+            "live run, "
             f"or --id to analyse a capture already taken)"
         )
     try:
@@ -109,7 +111,8 @@ def wait(
                 rank = int(fields.get("rank", -1))
                 if kind == EventKind.PROFILE_FAILED:
                     fail(
-                        f"{run_dir}: rank {rank} could not profile ({fields.get('error')}); traces so far "
+                        f"{run_dir}: rank {rank} could not profile ({fields.get('error')}); "
+                        "traces so far "
                         f"in {run_dir / 'profiles' / pid}"
                     )
                 captured[rank] = fields
@@ -119,16 +122,19 @@ def wait(
                     _say(
                         f"rank {rank}: captured steps {fields.get('first_step')}.."
                         f"{int(fields.get('first_step', 0)) + int(fields.get('steps', 0)) - 1}"
-                        f" ({int(fields.get('bytes') or 0) / 1e6:.1f} MB){part}; waiting for {sorted(waiting) or 'none'}"
+                        f" ({int(fields.get('bytes') or 0) / 1e6:.1f} MB){part}; waiting for "
+                        f"{sorted(waiting) or 'none'}"
                     )
             elif kind == EventKind.LAUNCH and int(e.get("attempt", 0)) > attempt and waiting:
                 fail(
-                    f"{run_dir}: attempt {attempt} ended before ranks {sorted(waiting)} captured profile {pid} "
+                    f"{run_dir}: attempt {attempt} ended before ranks {sorted(waiting)} captured "
+                    f"profile {pid} "
                     f"(steps {first}..{last}); see `ptops diagnose {run_dir}`"
                 )
             elif kind in END_KINDS and waiting:
                 fail(
-                    f"{run_dir}: the run ended ({kind}) before ranks {sorted(waiting)} captured profile {pid} "
+                    f"{run_dir}: the run ended ({kind}) before ranks {sorted(waiting)} captured "
+                    f"profile {pid} "
                     f"(steps {first}..{last})"
                 )
         if not waiting:
@@ -136,8 +142,10 @@ def wait(
         now = time.monotonic()
         if now >= deadline:
             fail(
-                f"{run_dir}: ranks {sorted(waiting)} did not capture profile {pid} within {timeout_s:g} s: "
-                f"{where()}, the profile covers steps {first}..{last} (held or hung? `ptops status {run_dir}`)"
+                f"{run_dir}: ranks {sorted(waiting)} did not capture profile {pid} within "
+                f"{timeout_s:g} s: "
+                f"{where()}, the profile covers steps {first}..{last} (held or hung? `ptops "
+                f"status {run_dir}`)"
             )
         if holder(run_dir) is None:
             for e in tail.records():  # the last words of a supervisor that just ended
@@ -146,13 +154,15 @@ def wait(
                     waiting.discard(int(e.get("rank", -1)))
             if waiting:
                 fail(
-                    f"{run_dir}: the supervisor exited before ranks {sorted(waiting)} captured profile {pid}"
+                    f"{run_dir}: the supervisor exited before ranks {sorted(waiting)} captured "
+                    f"profile {pid}"
                 )
             break
         if not quiet and now >= next_note:
             next_note = now + PROGRESS_EVERY_S
             _say(
-                f"waiting for ranks {sorted(waiting)}: {where()}, the profile covers steps {first}..{last}"
+                f"waiting for ranks {sorted(waiting)}: {where()}, the profile covers steps "
+                f"{first}..{last}"
             )
         time.sleep(0.2)
     return captured
@@ -181,7 +191,8 @@ def _load_capture(run_dir: Path, pid: str) -> tuple[dict[str, Any], dict[int, di
             }
         )
         fail(
-            f"{run_dir}: no profile {pid!r} in events.jsonl (profiles: {', '.join(known) or 'none'})"
+            f"{run_dir}: no profile {pid!r} in events.jsonl (profiles: "
+            f"{', '.join(known) or 'none'})"
         )
     if not captured:
         fail(f"{run_dir}: profile {pid}: no rank captured a trace")
@@ -238,7 +249,8 @@ def profile_cmd(
         typer.Option("--id", help="Analyse a capture already taken (profiles/<ID>/), live or not."),
     ] = None,
 ) -> None:
-    """Trace N steps of every rank of a live run with the torch profiler and name the slow part and the slow rank.
+    """Trace N steps of every rank of a live run with the torch profiler and name the slow part and
+    the slow rank.
 
     No restart: the supervisor forwards the request over its channel, every rank traces the same
     steps and writes profiles/<id>/rank-R.json (Chrome trace: open in Perfetto or chrome://tracing).

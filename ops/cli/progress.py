@@ -62,7 +62,10 @@ class Progress:
     def line(self, now: float) -> str:
         loss = f"{self.loss:.4f}" if isinstance(self.loss, (int, float)) else str(self.loss)
         tps = f"{self.tps:,.0f}" if isinstance(self.tps, (int, float)) else "-"
-        return f"step {self.step}/{self.total}  loss {loss}  tok/s {tps}  elapsed {_fmt_s(now - self.start)}  eta {self.eta(now)}"
+        return (
+            f"step {self.step}/{self.total}  loss {loss}  tok/s {tps}  elapsed "
+            f"{_fmt_s(now - self.start)}  eta {self.eta(now)}"
+        )
 
     def render(self, now: float) -> None:
         if self.live:

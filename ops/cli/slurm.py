@@ -1,6 +1,7 @@
-"""``ptops launch RECIPE --supervise --slurm``: write the sbatch script into the run directory, print it
-(``--dry-run``) or submit it (``sbatch --parsable``) and record ``slurm_submitted``. The supervisor then
-runs inside the job (``ptops.ops.slurm.inside``); ``ptops status RUN`` follows it from the run directory."""
+"""``ptops launch RECIPE --supervise --slurm``: write the sbatch script into the run directory,
+print it (``--dry-run``) or submit it (``sbatch --parsable``) and record ``slurm_submitted``. The
+supervisor then runs inside the job (``ptops.ops.slurm.inside``); ``ptops status RUN`` follows it
+from the run directory."""
 
 from __future__ import annotations
 

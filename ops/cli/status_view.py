@@ -1,4 +1,5 @@
-"""``ptops status``'s human view of :func:`ptops.ops.runrecord.status.collect` (the data stays in the run-record layer)."""
+"""``ptops status``'s human view of :func:`ptops.ops.runrecord.status.collect` (the data stays in
+the run-record layer)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ def render(s: dict[str, Any]) -> str:
     ck = s.get("last_good_checkpoint")
     lines = [
         f"{s['run_dir']}: {s['state']}",
-        f"  step {s['step']}{total}, attempt {s['attempt']}, restarts {s['restarts']}, loss {s.get('loss')}",
-        f"  last good checkpoint: {'step ' + str(ck['step']) + ' (' + ck['path'] + ')' if ck else 'none'}",
-        f"  supervisor: {'pid ' + str(s['supervisor_pid']) if s['supervisor_alive'] else 'not running'}",
+        f"  step {s['step']}{total}, attempt {s['attempt']}, restarts {s['restarts']}, loss "
+        f"{s.get('loss')}",
+        "  last good checkpoint: "
+        f"{'step ' + str(ck['step']) + ' (' + ck['path'] + ')' if ck else 'none'}",
+        "  supervisor: "
+        f"{'pid ' + str(s['supervisor_pid']) if s['supervisor_alive'] else 'not running'}",
     ]
     g = s.get("goodput") or {}
     if g.get("ratio") is not None:

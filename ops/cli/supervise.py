@@ -31,7 +31,8 @@ def status_cmd(
     run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """State, step, attempt, last good checkpoint, open findings, supervisor pid and live ranks of a run.
+    """State, step, attempt, last good checkpoint, open findings, supervisor pid and live ranks of a
+    run.
 
     Works on a live run (reads the supervisor's status.json) and after the fact. On a pipeline
     directory (`ptops pipeline`): the pipeline's state and every stage's state, steps, input and
@@ -64,7 +65,8 @@ def inject_cmd(
     spec: Annotated[
         str,
         typer.Argument(
-            help="Fault spec, e.g. hang:rank=0,step=30 (the step may be past: fires at the next), or release (ends a hold)."
+            help="Fault spec, e.g. hang:rank=0,step=30 (the step may be past: fires at the "
+            "next), or release (ends a hold)."
         ),
     ],
 ) -> None:
@@ -84,7 +86,8 @@ def inject_cmd(
 
     if holder(Path(run_dir)) is None:
         fail(
-            f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops launch`)",
+            f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops "
+            "launch`)",
             1,
         )
     try:

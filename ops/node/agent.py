@@ -1,4 +1,5 @@
-"""The node agent: one per node and attempt (``srun --ntasks-per-node=1 python -m ptops.ops.node.agent``).
+"""The node agent: one per node and attempt (``srun --ntasks-per-node=1 python -m
+ptops.ops.node.agent``).
 
 Why it exists: the supervisor runs on one node; the ranks of the other nodes must still reach it,
 be stopped with it, and have their stacks read where they live. The agent, per node:
@@ -122,7 +123,8 @@ class Agent:
 
         self.proc = procs.spawn(argv, env, Path(path))
         log(
-            f"node rank {self.node_rank}/{self.nnodes}: torchrun pid {self.proc.pid} ({nproc} rank(s)), "
+            f"node rank {self.node_rank}/{self.nnodes}: torchrun pid {self.proc.pid} ({nproc} "
+            "rank(s)), "
             f"rendezvous {self.env['PTOPS_NODE_MASTER']}:{self.env['PTOPS_NODE_PORT']}"
         )
 

@@ -48,7 +48,8 @@ class LiveExporters:
         if wandb:
             from ptops.ops.obs.wandb_export import WandbExporter, mode_for
 
-            # from the start: wandb.json's cursor skips what an earlier attempt's exporter already wrote
+            # from the start: wandb.json's cursor skips what an earlier attempt's exporter already
+            # wrote
             mode = mode_for(wandb_project, wandb_entity)
             self.wandb = WandbExporter(run_dir, wandb_project, wandb_entity, mode=mode)
             self.followers.append(follow(run_dir, self.wandb))
@@ -65,13 +66,15 @@ class LiveExporters:
         if self.mlflow is not None:
             if not self.mlflow.close(timeout):
                 print(
-                    f"ptops: MLflow export incomplete ({self.mlflow.dropped} records dropped, last error: {self.mlflow.last_error})",
+                    f"ptops: MLflow export incomplete ({self.mlflow.dropped} records dropped, "
+                    f"last error: {self.mlflow.last_error})",
                     file=self.out,
                 )
         if self.wandb is not None:
             if not self.wandb.close(max(timeout, 30.0)):
                 print(
-                    f"ptops: W&B export incomplete ({self.wandb.dropped} records dropped, last error: "
+                    f"ptops: W&B export incomplete ({self.wandb.dropped} records dropped, last "
+                    "error: "
                     f"{self.wandb.last_error})",
                     file=self.out,
                 )

@@ -178,7 +178,8 @@ class PrometheusExporter:
 
     @classmethod
     def for_run_dir(cls, run_dir: str | Path, **kwargs: Any) -> "PrometheusExporter":
-        """An exporter labelled after a run directory (run = its name, recipe = recipe.json's name)."""
+        """An exporter labelled after a run directory (run = its name, recipe = recipe.json's
+        name)."""
         run_dir = Path(run_dir)
         return cls(run_dir.name, recipe_name(run_dir), **kwargs)
 
@@ -334,8 +335,9 @@ class PrometheusExporter:
     # ------------------------------------------------------------------ computed values
 
     def goodput(self, now: float | None = None) -> float | None:
-        """Productive training time / wall time since the first launch (``ops/runrecord/goodput.py``):
-        a step redone after a restart or rollback counts once; wall time ends at the run's end event."""
+        """Productive training time / wall time since the first launch
+        (``ops/runrecord/goodput.py``): a step redone after a restart or rollback counts once; wall
+        time ends at the run's end event."""
         with self._lock:
             return self._s.good.summary(self.clock() if now is None else now)["ratio"]
 
@@ -474,7 +476,8 @@ class PrometheusExporter:
                 labelled(
                     GaugeMetricFamily,
                     "ptops_straggler_ratio",
-                    "Latest straggler ratio (rank step time / median) for ranks reported as stragglers "
+                    "Latest straggler ratio (rank step time / median) for ranks reported as "
+                    "stragglers "
                     f"in the last {self.straggler_ttl_s:g} s.",
                     "rank",
                     live,
@@ -610,7 +613,8 @@ class PrometheusExporter:
                     GaugeMetricFamily,
                     "ptops_goodput_lost_seconds",
                     "Wall time not spent in productive "
-                    "steps, by cause (startup, detection, restart, recomputed, checkpoint_blocking, "
+                    "steps, by cause (startup, detection, restart, recomputed, "
+                    "checkpoint_blocking, "
                     "shutdown, other).",
                     "cause",
                     good["lost_s"] if good["ratio"] is not None else {},
@@ -651,7 +655,8 @@ class PrometheusExporter:
         return generate_latest(self.registry).decode()
 
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``addr:port`` (0 = a free port) in a daemon thread; return the port."""
+        """Serve ``/metrics`` on ``addr:port`` (0 = a free port) in a daemon thread; return the
+        port."""
         from prometheus_client import start_http_server
 
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)

@@ -1,9 +1,11 @@
-"""Weights & Biases exporter: one W&B run per ptops run directory, continued across restarts and reruns.
+"""Weights & Biases exporter: one W&B run per ptops run directory, continued across restarts and
+reruns.
 
-``WandbExporter(run_dir, project=None, entity=None, mode="offline")`` is fed like the MLflow exporter
-(``observe_event`` / ``observe_metric``, from the same follower). All W&B work happens in a background
-thread behind a bounded queue: a slow or broken W&B fills the queue and new records are dropped and
-counted (``dropped``), never blocking the caller. ``close(timeout)`` flushes what it can in time.
+``WandbExporter(run_dir, project=None, entity=None, mode="offline")`` is fed like the MLflow
+exporter (``observe_event`` / ``observe_metric``, from the same follower). All W&B work happens in a
+background thread behind a bounded queue: a slow or broken W&B fills the queue and new records are
+dropped and counted (``dropped``), never blocking the caller. ``close(timeout)`` flushes what it can
+in time.
 
 What lands in W&B:
 - config: the recipe (``recipe.json``) and the run directory;
@@ -22,9 +24,10 @@ What lands in W&B:
 
 Files go under ``RUN_DIR/wandb/`` (offline: ``offline-run-*/run-<id>.wandb``; ``wandb sync`` uploads
 them). ``RUN_DIR/wandb.json`` keeps the W&B run id (derived from the run directory's path) and, per
-destination, how many events and rank-0 metric records were exported: every attempt's exporter and every
-``ptops export --wandb`` rerun resumes the same run (``resume="allow"``) and logs only what is new.
-Offline mode never touches the network; online mode never prompts for a login (no credentials: an error).
+destination, how many events and rank-0 metric records were exported: every attempt's exporter and
+every ``ptops export --wandb`` rerun resumes the same run (``resume="allow"``) and logs only what is
+new. Offline mode never touches the network; online mode never prompts for a login (no credentials:
+an error).
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ def run_id_for(run_dir: str | Path) -> str:
 
 
 def mode_for(project: str | None, entity: str | None) -> str:
-    """Offline unless the user named a project or entity (and ``WANDB_MODE`` does not say offline)."""
+    """Offline unless the user named a project or entity (and ``WANDB_MODE`` does not say
+    offline)."""
     if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
         return "offline"
     return "online" if (project or entity) else "offline"
@@ -308,8 +312,8 @@ class WandbExporter(QueuedExporter):
         run.log_artifact(art, aliases=aliases)
 
     def _checkpoint_path(self, recorded: Any) -> Path | None:
-        """Where the checkpoint is now: the rank records absolute paths, and a run directory that was moved
-        or copied since holds it under its own ``checkpoints/``."""
+        """Where the checkpoint is now: the rank records absolute paths, and a run directory that
+        was moved or copied since holds it under its own ``checkpoints/``."""
         if not recorded:
             return None
         p = Path(str(recorded))

@@ -1,4 +1,5 @@
-"""MLflow lineage of a pipeline: one parent run, one nested child run per stage, inputs and outputs by digest.
+"""MLflow lineage of a pipeline: one parent run, one nested child run per stage, inputs and outputs
+by digest.
 
 The parent lives in the pipeline directory's ``mlflow.json``; each child is created here (tag
 ``mlflow.parentRunId``, the stage's recipe as params, its input digest as a param) and written to
@@ -101,7 +102,8 @@ class Lineage:
         input_stage: str | None,
         input_digest: str | None,
     ) -> str | None:
-        """The stage's MLflow run (created once, nested under the parent), stored where its launch finds it."""
+        """The stage's MLflow run (created once, nested under the parent), stored where its launch
+        finds it."""
         if self.client is None:
             return None
         try:

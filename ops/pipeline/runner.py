@@ -1,24 +1,27 @@
-"""Run a pipeline: each stage a supervised ``ptops launch`` in ``PIPE/stages/NN-name``, hand-offs verified.
+"""Run a pipeline: each stage a supervised ``ptops launch`` in ``PIPE/stages/NN-name``, hand-offs
+verified.
 
 Why a subprocess per stage: a stage is exactly what a user would launch by hand (same supervisor,
 restarts, records, exporters), and the pipeline only reads run directories - one launch path.
 
-The pipeline's ``events.jsonl`` is its record (``pipeline_started``, ``stage_started {input_digest}``,
-``stage_completed {checkpoint, digest}``, ``stage_skipped``, ``gate``, ``stage_failed``,
-``pipeline_completed`` / ``pipeline_failed`` / ``pipeline_stopped``). Rerunning the same command on the
-same directory skips every stage whose recorded final checkpoint still has its recorded digest, and
-relaunches the stage that was running on its own run directory, which resumes from its last good
-checkpoint. A stage's input is re-verified (every file against its manifest) and re-digested right
-before it is used: a checkpoint that changed since its stage completed stops the pipeline.
+The pipeline's ``events.jsonl`` is its record (``pipeline_started``, ``stage_started
+{input_digest}``, ``stage_completed {checkpoint, digest}``, ``stage_skipped``, ``gate``,
+``stage_failed``, ``pipeline_completed`` / ``pipeline_failed`` / ``pipeline_stopped``). Rerunning
+the same command on the same directory skips every stage whose recorded final checkpoint still has
+its recorded digest, and relaunches the stage that was running on its own run directory, which
+resumes from its last good checkpoint. A stage's input is re-verified (every file against its
+manifest) and re-digested right before it is used: a checkpoint that changed since its stage
+completed stops the pipeline.
 
-Signals: the pipeline handles SIGINT and SIGTERM itself, whatever it inherited (``nohup`` or a script's
-background job start it with SIGINT ignored). The stage runs in its own session, so a terminal's Ctrl-C
-reaches the pipeline only, which forwards each signal it gets to the stage's supervisor once (the first
-asks the ranks to save and stop; a second stops at once), waits for it, records ``pipeline_stopped`` and
-exits 130. A pipeline killed outright (SIGKILL, OOM killer) cannot forward: each stage process is started
-with ``PR_SET_PDEATHSIG=SIGTERM``, so the kernel sends the stage's supervisor the SIGTERM a scheduler
-would (save on request, ``stopped``, exit 143; its torchrun and ranks go with it); no stage runs on
-unseen, and rerunning the pipeline resumes that stage from its checkpoint.
+Signals: the pipeline handles SIGINT and SIGTERM itself, whatever it inherited (``nohup`` or a
+script's background job start it with SIGINT ignored). The stage runs in its own session, so a
+terminal's Ctrl-C reaches the pipeline only, which forwards each signal it gets to the stage's
+supervisor once (the first asks the ranks to save and stop; a second stops at once), waits for it,
+records ``pipeline_stopped`` and exits 130. A pipeline killed outright (SIGKILL, OOM killer) cannot
+forward: each stage process is started with ``PR_SET_PDEATHSIG=SIGTERM``, so the kernel sends the
+stage's supervisor the SIGTERM a scheduler would (save on request, ``stopped``, exit 143; its
+torchrun and ranks go with it); no stage runs on unseen, and rerunning the pipeline resumes that
+stage from its checkpoint.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ def final_checkpoint(stage_dir: Path, steps: int) -> Path:
         raise PipelineError(f"{stage_dir}: the stage ended without a good checkpoint")
     if good.step != steps:
         raise PipelineError(
-            f"{stage_dir}: the newest good checkpoint is step {good.step}, not the final step {steps}"
+            f"{stage_dir}: the newest good checkpoint is step {good.step}, not the final step "
+            f"{steps}"
         )
     return Path(good.path)
 
@@ -119,7 +123,8 @@ STAGE_DEATH_SIGNAL = signal.SIGTERM  # what a stage's supervisor gets when its p
 
 
 def _stop_with_parent(parent: int) -> Callable[[], None]:
-    """For ``preexec_fn`` (between fork and exec; tiny): the stage gets SIGTERM when the pipeline dies."""
+    """For ``preexec_fn`` (between fork and exec; tiny): the stage gets SIGTERM when the pipeline
+    dies."""
     import ctypes
 
     try:
@@ -196,7 +201,8 @@ class PipelineRunner:
         return out
 
     def _still_good(self, stage: str, done: dict) -> str:
-        """Re-verify and re-digest a completed stage's final checkpoint; it must match the record."""
+        """Re-verify and re-digest a completed stage's final checkpoint; it must match the
+        record."""
         ck = Path(done["checkpoint"])
         if not ck.is_dir():
             raise PipelineError(
@@ -212,7 +218,8 @@ class PipelineRunner:
         now = digest(ck)
         if now != done["digest"]:
             raise PipelineError(
-                f"stage {stage}: its final checkpoint {ck} changed since the stage completed (digest "
+                f"stage {stage}: its final checkpoint {ck} changed since the stage completed "
+                "(digest "
                 f"recorded {_short(done['digest'])}, now {_short(now)}); refusing to build on it"
             )
         return now
@@ -268,8 +275,9 @@ class PipelineRunner:
             release(lock)
 
     def _on_signal(self, signum, frame) -> None:
-        """SIGINT / SIGTERM, installed whatever the pipeline inherited (SIGINT may come in ignored). A
-        running stage gets the signal forwarded and is waited for (``_run_child``); else stop here."""
+        """SIGINT / SIGTERM, installed whatever the pipeline inherited (SIGINT may come in ignored).
+        A running stage gets the signal forwarded and is waited for (``_run_child``); else stop
+        here."""
         self._signals += 1
         child = self._child
         if child is not None and child.poll() is None:
@@ -304,13 +312,15 @@ class PipelineRunner:
                 digests[s.name] = self._still_good(s.name, done[s.name])
                 self._event("stage_skipped", stage=s.name, index=i, digest=digests[s.name])
                 self.say(
-                    f"ptops pipeline: {tag}: completed earlier (digest {_short(digests[s.name])}), skipped"
+                    f"ptops pipeline: {tag}: completed earlier (digest "
+                    f"{_short(digests[s.name])}), skipped"
                 )
             else:
                 code, reason, ev_in = self._launch_stage(i, s, rec, sdir, done, digests)
                 if code != 0:
                     msg = (
-                        f"pipeline stopped: {tag} failed (exit {code}{': ' + reason if reason else ''}); "
+                        f"pipeline stopped: {tag} failed (exit "
+                        f"{code}{': ' + reason if reason else ''}); "
                         f"rerun the same command to resume it from its last good checkpoint"
                         + (
                             " (exit 3: look first, see `ptops diagnose " + str(sdir) + "`)"
@@ -350,7 +360,8 @@ class PipelineRunner:
                         },
                     )
                 self.say(
-                    f"ptops pipeline: {tag}: completed, final checkpoint {ck.name} digest {_short(digests[s.name])}"
+                    f"ptops pipeline: {tag}: completed, final checkpoint {ck.name} digest "
+                    f"{_short(digests[s.name])}"
                 )
             if s.gate is not None:
                 g = check_gate(s.gate, sdir)
@@ -378,7 +389,8 @@ class PipelineRunner:
                     self._event("pipeline_failed", stage=s.name, reason=msg)
                     return Outcome(1, msg)
                 self.say(
-                    f"ptops pipeline: {tag}: gate passed ({s.gate.metric} = {g['value']:.4g} {s.gate.op} {s.gate.value:g})"
+                    f"ptops pipeline: {tag}: gate passed ({s.gate.metric} = {g['value']:.4g} "
+                    f"{s.gate.op} {s.gate.value:g})"
                 )
         self._event("pipeline_completed", stages=n)
         return Outcome(0, f"pipeline {self.pipe.model.name} completed: {n} stages")
@@ -393,7 +405,8 @@ class PipelineRunner:
             inp_digest = digests.get(s.input) or self._still_good(s.input, done[s.input])
             if inp_digest != done[s.input]["digest"]:  # belt and braces: _still_good raised already
                 raise PipelineError(f"stage {s.name}: input {s.input} digest mismatch")
-        # {checkpoint:NAME} in `set`: other earlier stages' final checkpoints, verified and digested like the input
+        # {checkpoint:NAME} in `set`: other earlier stages' final checkpoints, verified and digested
+        # like the input
         from ptops.ops.pipeline.spec import expand, refs
 
         extra_refs = {}
@@ -475,7 +488,8 @@ class PipelineRunner:
         return code, reason, fields
 
     def _rejection_sample(self, s, sdir: Path, inp_ck: str) -> tuple[Path, str | None]:
-        """Generate the stage's SFT rows once (kept across reruns while the file matches its recorded sha256)."""
+        """Generate the stage's SFT rows once (kept across reruns while the file matches its
+        recorded sha256)."""
         from ptops.recipes.trl.rejection import sha256
 
         data = sdir / "rejection-sampling.jsonl"
@@ -488,13 +502,15 @@ class PipelineRunner:
                 and sha256(data) == stats.get("sha256")
             ):
                 self.say(
-                    f"ptops pipeline: {s.name}: rejection-sampled rows kept from before ({stats['kept']} rows)"
+                    f"ptops pipeline: {s.name}: rejection-sampled rows kept from before "
+                    f"({stats['kept']} rows)"
                 )
                 return data, None
         except (OSError, ValueError):
             pass
         self.say(
-            f"ptops pipeline: {s.name}: rejection sampling {s.sampling.n} answers x {s.sampling.prompts} prompts "
+            f"ptops pipeline: {s.name}: rejection sampling {s.sampling.n} answers x "
+            f"{s.sampling.prompts} prompts "
             f"from {Path(inp_ck).name}"
         )
         cmd = [
@@ -529,7 +545,8 @@ class PipelineRunner:
             },
         )
         self.say(
-            f"ptops pipeline: {s.name}: kept {stats['kept']}/{stats['prompts']} prompts' best answers "
+            f"ptops pipeline: {s.name}: kept {stats['kept']}/{stats['prompts']} prompts' best "
+            "answers "
             f"(verifier: best {stats['mean_best']:.3f}, sampled {stats['mean_sampled']:.3f})"
         )
         if not stats["kept"]:
@@ -540,9 +557,9 @@ class PipelineRunner:
         return data, None
 
     def _run_child(self, cmd: list[str], rec) -> tuple[int, str]:
-        """A stage (or rejection sampling) in its own session, stopped by the kernel if the pipeline dies;
-        signals reach it through ``_on_signal``. Returns its exit code and stdout; a stop signal during it
-        raises KeyboardInterrupt once it has ended."""
+        """A stage (or rejection sampling) in its own session, stopped by the kernel if the pipeline
+        dies; signals reach it through ``_on_signal``. Returns its exit code and stdout; a stop
+        signal during it raises KeyboardInterrupt once it has ended."""
         seen = self._signals
         child = self._child = subprocess.Popen(
             cmd,

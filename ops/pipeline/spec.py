@@ -1,4 +1,5 @@
-"""The pipeline file: stages, their recipes, overrides, inputs and gates; validated before anything runs.
+"""The pipeline file: stages, their recipes, overrides, inputs and gates; validated before anything
+runs.
 
 ```toml
 name = "post-train"
@@ -66,7 +67,8 @@ class Gate(_Strict):
 
 
 class Sampling(_Strict):
-    """``kind = "rejection-sampling"``: generate ``n`` answers per prompt from the input, keep the best by the verifier."""
+    """``kind = "rejection-sampling"``: generate ``n`` answers per prompt from the input, keep the
+    best by the verifier."""
 
     n: int = Field(4, ge=2, le=64, description="samples per prompt")
     prompts: int = Field(64, ge=1, le=100000)
@@ -101,7 +103,8 @@ class Stage(_Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")
     kind: Literal["train", "rejection-sampling"] = Field(
         "train",
-        description="train: a launch of the recipe; rejection-sampling: sample from the input, keep the best "
+        description="train: a launch of the recipe; rejection-sampling: sample from the input, "
+        "keep the best "
         "by the verifier, then the (SFT) recipe trains on the kept rows",
     )
     sampling: Sampling = Sampling()
@@ -137,7 +140,8 @@ class Resolved:
         return f"{i + 1:02d}-{self.stages[i].name}"
 
     def snapshot(self) -> dict:
-        """What pipeline.json keeps: a rerun must be the same pipeline (faults aside: drills end)."""
+        """What pipeline.json keeps: a rerun must be the same pipeline (faults aside: drills
+        end)."""
         return {
             "name": self.model.name,
             "file": str(self.path),
@@ -167,8 +171,9 @@ def refs(override: str) -> list[str]:
 
 
 def expand(override: str, checkpoints: dict[str, str], where: str = "set") -> str:
-    """``trl.teacher={checkpoint:sft}`` -> ``trl.teacher=/.../checkpoint-40``: another earlier stage's verified
-    final checkpoint as a recipe value (a distillation teacher, a reward model), besides ``input``."""
+    """``trl.teacher={checkpoint:sft}`` -> ``trl.teacher=/.../checkpoint-40``: another earlier
+    stage's verified final checkpoint as a recipe value (a distillation teacher, a reward model),
+    besides ``input``."""
 
     def sub(m: re.Match) -> str:
         name = m.group(1)
@@ -190,7 +195,8 @@ def _explain(e: ValidationError, origin: str) -> PipelineError:
     if err["type"] == "missing":
         return PipelineError(f"{origin}: key '{key}': missing (required)")
     return PipelineError(
-        f"{origin}: key '{key}': {err['msg'].lower()} (got {json.dumps(err.get('input'), default=str)})"
+        f"{origin}: key '{key}': {err['msg'].lower()} (got "
+        f"{json.dumps(err.get('input'), default=str)})"
     )
 
 
@@ -234,7 +240,8 @@ def load(path: str | Path) -> Resolved:
             if s.kind == "rejection-sampling":
                 if s.input is None:
                     raise PipelineError(
-                        f"{where}.input': a rejection-sampling stage samples from an earlier stage's checkpoint (set input)"
+                        f"{where}.input': a rejection-sampling stage samples from an earlier "
+                        "stage's checkpoint (set input)"
                     )
                 overrides.append("train.data_file=(rejection-sampling)")
             rec, _ = load_recipe(rpath, overrides)
@@ -243,11 +250,13 @@ def load(path: str | Path) -> Resolved:
         if s.kind == "rejection-sampling" and (rec.engine != "trl" or rec.trl.trainer != "sft"):
             raise PipelineError(
                 f"{where}.recipe': a rejection-sampling stage fine-tunes with an SFT recipe "
-                f'(trl trainer "sft"), got {rec.engine} {getattr(rec.engine_section(), "trainer", "")}'.rstrip()
+                f'(trl trainer "sft"), got {rec.engine} '
+                f"{getattr(rec.engine_section(), 'trainer', '')}".rstrip()
             )
         if s.gate is not None and s.gate.metric.startswith("eval/") and not rec.eval.interval:
             raise PipelineError(
-                f"{where}.gate.metric': {s.gate.metric} needs a held-out eval in the stage's recipe "
+                f"{where}.gate.metric': {s.gate.metric} needs a held-out eval in the stage's "
+                "recipe "
                 f"(set eval.interval=N in the recipe or in `set`)"
             )
         if s.faults:

@@ -1,4 +1,5 @@
-"""``ptops status PIPE_DIR``: the pipeline's state and every stage's (state, steps, digests, gate), from the records."""
+"""``ptops status PIPE_DIR``: the pipeline's state and every stage's (state, steps, digests, gate),
+from the records."""
 
 from __future__ import annotations
 

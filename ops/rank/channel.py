@@ -71,8 +71,9 @@ def relay_frame(cid: int, raw: bytes) -> bytes:
 
 
 def take_lines(buf: bytearray) -> Iterator[bytes]:
-    """The complete lines in ``buf``, each removed before it is yielded (a partial line stays for the
-    next ``recv``). Every end of the channel reads its stream this way: rank, node agent, supervisor."""
+    """The complete lines in ``buf``, each removed before it is yielded (a partial line stays for
+    the next ``recv``). Every end of the channel reads its stream this way: rank, node agent,
+    supervisor."""
     while True:
         i = buf.find(b"\n")
         if i < 0:
@@ -212,7 +213,8 @@ class ChannelClient:
 
 
 def write_info(path: Path, address: str, token: str, pid: int) -> None:
-    """``RUN_DIR/supervisor/channel.json``: address + token for ``ptops inject`` (0600 in a 0700 dir)."""
+    """``RUN_DIR/supervisor/channel.json``: address + token for ``ptops inject`` (0600 in a 0700
+    dir)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
     tmp = path.with_suffix(".tmp")

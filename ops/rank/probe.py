@@ -90,7 +90,8 @@ def flight_recorder_dump() -> bytes | None:
     """The flight-recorder trace (pickle bytes) of this rank's collectives; None without one.
 
     NCCL records with ``TORCH_NCCL_TRACE_BUFFER_SIZE``; gloo too (torch >= 2.8) with
-    ``TORCH_FR_BUFFER_SIZE``. The supervisor sets both; ``diagnostics/flightrec.py`` reads the dumps."""
+    ``TORCH_FR_BUFFER_SIZE``. The supervisor sets both; ``diagnostics/flightrec.py`` reads the
+    dumps."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -110,11 +111,12 @@ def flight_recorder_dump() -> bytes | None:
 
 
 def attempt_from_env() -> int:
-    """The worker group's attempt: the supervisor's ``PTOPS_ATTEMPT`` plus torchrun's own restart count.
+    """The worker group's attempt: the supervisor's ``PTOPS_ATTEMPT`` plus torchrun's own restart
+    count.
 
-    Under ptops, torchrun runs with ``--max-restarts 0`` (the supervisor restarts), so the count is 0;
-    under a plain ``torchrun --max-restarts N`` a restarted group is a new attempt too, so its records
-    and its faults (which fire in attempt 1 only) are told apart from the group that failed.
+    Under ptops, torchrun runs with ``--max-restarts 0`` (the supervisor restarts), so the count is
+    0; under a plain ``torchrun --max-restarts N`` a restarted group is a new attempt too, so its
+    records and its faults (which fire in attempt 1 only) are told apart from the group that failed.
     """
     return int(os.environ.get("PTOPS_ATTEMPT", "1")) + int(
         os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0
@@ -217,7 +219,8 @@ class Probe:
 
     def world(self, world_size: int, rank: int) -> None:
         """What the process group really is (after its init): a rank in a world of one, or of a
-        size other than the launcher asked for, is a misconfiguration the supervisor stops at once."""
+        size other than the launcher asked for, is a misconfiguration the supervisor stops at
+        once."""
         self._send(
             {"t": "world", "world_size": int(world_size), "rank": int(rank), "host": self.host}
         )
@@ -234,7 +237,8 @@ class Probe:
             self.phase("step", step)
 
     def phase(self, phase: str, step: int) -> None:
-        """Heartbeat with a phase (step / data / checkpoint / eval); fault hooks of saves fire here."""
+        """Heartbeat with a phase (step / data / checkpoint / eval); fault hooks of saves fire
+        here."""
         prev = self._phase
         self._phase, self._step = phase, int(step)
         self._send({"t": "beat", "step": int(step), "phase": phase})
@@ -309,7 +313,8 @@ class Probe:
         return self.injector.should_poison(int(step))
 
     def event(self, kind: str, **fields: Any) -> None:
-        """A rank-side event (e.g. ``checkpoint_failed``): over the channel when supervised, else straight to events.jsonl."""
+        """A rank-side event (e.g. ``checkpoint_failed``): over the channel when supervised, else
+        straight to events.jsonl."""
         fields = {"rank": self.rank, "attempt": self.attempt, **fields}
         if self.client is not None:
             self._send({"t": "event", "kind": kind, "fields": fields})
@@ -364,7 +369,8 @@ class Probe:
         self._phase, self._step = phase, int(step)
         self._send({"t": "beat", "step": int(step), "phase": phase})
         print(
-            f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject RUN_DIR release`)",
+            f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject "
+            "RUN_DIR release`)",
             file=sys.stderr,
             flush=True,
         )
@@ -372,7 +378,8 @@ class Probe:
     def _on_release(self, step: int, held_s: float, by: str) -> None:
         self.event("hold_released", step=int(step), held_s=round(held_s, 3), by=by)
         print(
-            f"[ptops.probe rank {self.rank}] released after {held_s:.1f} s ({by}); step {step} begins",
+            f"[ptops.probe rank {self.rank}] released after {held_s:.1f} s ({by}); step {step} "
+            "begins",
             file=sys.stderr,
             flush=True,
         )

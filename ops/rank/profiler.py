@@ -106,7 +106,8 @@ class Capture:
         return record_function(f"ptops/{what}")
 
     def finish(self, steps_done: int, partial: bool = False) -> None:
-        """Stop, write the trace, report ``profile_captured`` (``partial``: the rank is leaving early)."""
+        """Stop, write the trace, report ``profile_captured`` (``partial``: the rank is leaving
+        early)."""
         if self.done or self._prof is None:
             return
         self._end_step_range()
@@ -139,7 +140,8 @@ class Capture:
             self._fail(f"{type(e).__name__}: {e}")
 
     def close(self, step: int) -> None:
-        """The rank is leaving: a running capture keeps the steps it has (partial), an armed one fails."""
+        """The rank is leaving: a running capture keeps the steps it has (partial), an armed one
+        fails."""
         if self.done:
             return
         if self._prof is not None:

@@ -1,4 +1,5 @@
-"""The run record: the run directory, its event/state vocabulary, the JSONL writer and the one tail reader.
+"""The run record: the run directory, its event/state vocabulary, the JSONL writer and the one tail
+reader.
 
 - ``events``: ``EventKind``, ``RunState``, ``SPECS`` (fields per kind), ``reduce`` (events -> ``RunView``);
 - ``jsonl``: ``append_jsonl`` (the writer), ``JsonlTail`` / ``read_jsonl`` (the reader);

@@ -113,13 +113,12 @@ EXPORTED_STATES = (
 class EventSpec:
     """One kind: its fields, and what readers make of it.
 
-    ``required``: always written (design.md's contract where it names the kind);
-    ``optional``: written by some writers or some of the time.
-    ``state``: the run state an event of this kind moves the run to (exporters' view).
-    ``finding``: ``ptops status`` lists it as an open finding of the live attempt.
-    ``severity``: an incident in its own right for ``diagnose`` (None: not one).
-    ``summary``: listed in the MLflow incident summary.
-    ``runbook``: ``runbooks/<name>.md`` for it (monitor findings get theirs from the monitor registry).
+    ``required``: always written (design.md's contract where it names the kind); ``optional``:
+    written by some writers or some of the time. ``state``: the run state an event of this kind
+    moves the run to (exporters' view). ``finding``: ``ptops status`` lists it as an open finding of
+    the live attempt. ``severity``: an incident in its own right for ``diagnose`` (None: not one).
+    ``summary``: listed in the MLflow incident summary. ``runbook``: ``runbooks/<name>.md`` for it
+    (monitor findings get theirs from the monitor registry).
     """
 
     required: tuple[str, ...] = ()
@@ -329,7 +328,8 @@ SPECS: dict[EventKind, EventSpec] = {
         ("id", "rank", "attempt", "first_step", "steps", "path"),
         ("bytes", "wall_s", "export_s", "pause_s", "partial"),
         doc="a rank wrote its profiler trace (path: relative to the run directory; "
-        "partial: the rank left before the last step; pause_s: what stopping and writing the trace held the rank)",
+        "partial: the rank left before the last step; pause_s: what stopping and writing the "
+        "trace held the rank)",
     ),
     K.PROFILE_FAILED: EventSpec(
         ("id", "rank", "attempt", "error"),

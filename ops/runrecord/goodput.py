@@ -107,7 +107,8 @@ class Goodput:
             self._first_ts = ts - dur
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
-        """``{"ratio", "wall_s", "productive_s", "lost_s": {cause: s}}``; ratio None before anything ran."""
+        """``{"ratio", "wall_s", "productive_s", "lost_s": {cause: s}}``; ratio None before anything
+        ran."""
         starts = [*self.launch.values(), *([self._first_ts] if self._first_ts is not None else [])]
         start = min(starts) if starts else None
         end = self.end_ts if self.end_ts is not None else now
@@ -116,7 +117,8 @@ class Goodput:
         wall = (end - start) if (start is not None and end is not None) else 0.0
         lost = dict.fromkeys(CAUSES, 0.0)
         lost["recomputed"] = self.recomputed_s
-        # a save after the attempt's last step (the final save) is part of its shutdown, not counted twice
+        # a save after the attempt's last step (the final save) is part of its shutdown, not counted
+        # twice
         lost["checkpoint_blocking"] = sum(
             b for a, ts, b in self.saves if ts <= self.last_end.get(a, math.inf)
         )
@@ -156,8 +158,8 @@ class Goodput:
 def account(
     events: list[Mapping[str, Any]], records: list[Mapping[str, Any]], now: float | None = None
 ) -> dict[str, Any]:
-    """The whole run's goodput from its files (``now`` for a run still going; else it ends at its last
-    record), rounded for people (ratio to 4 places, seconds to ms)."""
+    """The whole run's goodput from its files (``now`` for a run still going; else it ends at its
+    last record), rounded for people (ratio to 4 places, seconds to ms)."""
     g = Goodput()
     for e in events:
         g.event(e)

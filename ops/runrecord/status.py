@@ -1,4 +1,5 @@
-"""``status.json`` (rewritten atomically by the supervisor) and the data of ``ptops status`` (its text: ``ops/cli/status_view.py``).
+"""``status.json`` (rewritten atomically by the supervisor) and the data of ``ptops status`` (its
+text: ``ops/cli/status_view.py``).
 
 ``ptops status`` never trusts a stale file: it checks whether a supervisor still
 holds ``supervisor.lock``; when none does, a "running" status becomes "dead"
@@ -73,7 +74,8 @@ def slurm_view(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything ``ptops status`` reports, as one dict. The caller names the last good checkpoint
-    (``ptops.ckpt.latest_good``): which checkpoint is good is the checkpoint layer's call, not the record's."""
+    (``ptops.ckpt.latest_good``): which checkpoint is good is the checkpoint layer's call, not the
+    record's."""
     run = RunDir(Path(run_dir))
     if not run.path.is_dir():
         raise FileNotFoundError(f"{run.path}: no such run directory")
@@ -124,6 +126,7 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
         out["slurm"] = slurm
     if state == RunState.DEAD:
         out["hint"] = (
-            f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch --supervise <recipe> --run-dir {run.path}"
+            f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch "
+            f"--supervise <recipe> --run-dir {run.path}"
         )
     return out

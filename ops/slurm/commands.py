@@ -1,4 +1,5 @@
-"""Slurm driven through its commands (``sbatch``, ``srun``, ``scontrol``, ``squeue``): parsable text only.
+"""Slurm driven through its commands (``sbatch``, ``srun``, ``scontrol``, ``squeue``): parsable text
+only.
 
 Why commands and not a library: pyslurm does not build against Debian's Slurm 22.05, and the
 commands are what an on-call engineer would type. Every call has a timeout and raises

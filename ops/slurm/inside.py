@@ -1,4 +1,5 @@
-"""The supervisor of a Slurm job's batch step: ``python -m ptops.ops.slurm.inside RUN_DIR [--fault SPEC]...``.
+"""The supervisor of a Slurm job's batch step: ``python -m ptops.ops.slurm.inside RUN_DIR [--fault
+SPEC]...``.
 
 It is the ordinary :class:`~ptops.ops.supervisor.core.Supervisor` (same records, monitors, hang
 detection, restart policy) with the launch hooks filled in for Slurm:
@@ -58,7 +59,8 @@ class SlurmSupervisor(Supervisor):
         self.job_id = job_id
         self.n_nodes, self.per_node, _ = world(recipe)
         self.world = self.n_nodes * self.per_node
-        # the agents of other nodes must reach the channel: listen on all addresses (token-authenticated)
+        # the agents of other nodes must reach the channel: listen on all addresses
+        # (token-authenticated)
         self.cfg = self.cfg.model_copy(
             update={
                 "channel_host": "0.0.0.0",
@@ -77,7 +79,8 @@ class SlurmSupervisor(Supervisor):
         self.preempting = False
         self.stop_extra: dict = {}
         self.findings.exclude_node = self._exclude_straggler
-        self.warm = None  # the ranks run on other nodes, started by their node agents (no warm pool there yet)
+        # the ranks run on other nodes, started by their node agents (no warm pool there yet)
+        self.warm = None
         self.no_warm_why = (
             "no warm pool under Slurm: each node agent starts its ranks through torchrun"
         )
@@ -106,14 +109,15 @@ class SlurmSupervisor(Supervisor):
         return launcher.RankCommand(argv, base.env)
 
     def unreaped_exit_code(self, rank: int) -> int | None:
-        return None  # the rank's pid is on its node, not here: wait for torchrun's line in the srun output
+        # the rank's pid is on its node, not here: wait for torchrun's line in the srun output
+        return None
 
     def launch_fields(self, attempt: int) -> dict:
         return {"nodes": list(self.active), "spares": list(self.spares), "job_id": self.job_id}
 
     def attempt_cleanup(self, attempt: int) -> None:
-        """Every node agent of the attempt kills its ranks (those behind a cut link do so on their own
-        once the supervisor's keepalives stop reaching them)."""
+        """Every node agent of the attempt kills its ranks (those behind a cut link do so on their
+        own once the supervisor's keepalives stop reaching them)."""
         agents = [p for p in self.node_peers.values() if int(p.hello.get("attempt", -1)) == attempt]
         for p in agents:
             if not p.hello.get("gone_ts"):
@@ -131,8 +135,8 @@ class SlurmSupervisor(Supervisor):
         return None
 
     def _exclude_straggler(self, node: str, reason: str) -> str | None:
-        """A straggler monitor's ``exclude_node``: a strike; at the limit a spare takes the node's place
-        from the next attempt (training goes on meanwhile; no restart just for this)."""
+        """A straggler monitor's ``exclude_node``: a strike; at the limit a spare takes the node's
+        place from the next attempt (training goes on meanwhile; no restart just for this)."""
         if node not in self.active:
             return None
         before = list(self.active)
@@ -140,7 +144,10 @@ class SlurmSupervisor(Supervisor):
             node, [r.rank for r in self.ranks.values() if r.host == node], f"straggler: {reason}"
         )
         if self.active != before:
-            return f"strike {self.strikes[node]}; replaced by spare {self.active[before.index(node)]} from the next attempt"
+            return (
+                f"strike {self.strikes[node]}; replaced by spare "
+                f"{self.active[before.index(node)]} from the next attempt"
+            )
         return f"strike {self.strikes[node]} of {self.slurm.node_strikes} against {node}"
 
     def _strike(self, node: str, ranks: list, reason: str) -> bool:
@@ -171,7 +178,8 @@ class SlurmSupervisor(Supervisor):
                 spares_left=len(self.spares),
             )
             self.say(
-                f"node {node} replaced by spare {spare} from the next attempt ({len(self.spares)} spare(s) left)"
+                f"node {node} replaced by spare {spare} from the next attempt "
+                f"({len(self.spares)} spare(s) left)"
             )
             return False
         return True
@@ -203,7 +211,8 @@ class SlurmSupervisor(Supervisor):
             new = commands.submit(str(script), [f"--exclude={','.join(bad)}"])
         except commands.SlurmError as e:
             self.say(
-                f"node {node} is blamed and no spare is left, but resubmitting failed: {e}; restarting in place"
+                f"node {node} is blamed and no spare is left, but resubmitting failed: {e}; "
+                "restarting in place"
             )
             return None
         self.event(
@@ -215,7 +224,8 @@ class SlurmSupervisor(Supervisor):
             reason=f"node {node} blamed {self.strikes[node]} time(s) and no spare node left",
         )
         self.say(
-            f"no spare node left: resubmitted as job {new} without {','.join(bad)}; this job ends (exit 3)"
+            f"no spare node left: resubmitted as job {new} without {','.join(bad)}; this job "
+            "ends (exit 3)"
         )
         self.state = RunState.RESTARTING
         self.reason = f"resubmitted as Slurm job {new} without {','.join(bad)}"

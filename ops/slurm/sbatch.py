@@ -1,4 +1,5 @@
-"""The sbatch script of a supervised multi-node run: written into the run directory, printed by ``--dry-run``.
+"""The sbatch script of a supervised multi-node run: written into the run directory, printed by
+``--dry-run``.
 
 Why these directives (each one is checked by ``tests/test_slurm_dryrun.py``):
 
@@ -70,7 +71,8 @@ def script(
     lines += [
         "",
         "export PYTHONUNBUFFERED=1",
-        "# exec: the supervisor is the batch shell, so Slurm's USR1 (B:) and scancel's TERM reach it",
+        "# exec: the supervisor is the batch shell, so Slurm's USR1 (B:) and scancel's TERM "
+        "reach it",
         "exec " + " ".join(shlex.quote(a) for a in args),
         "",
     ]

@@ -1,4 +1,5 @@
-"""The supervisor: runs a recipe's attempts under watch (see ``core``), one per run directory (``lock``)."""
+"""The supervisor: runs a recipe's attempts under watch (see ``core``), one per run directory
+(``lock``)."""
 
 from ptops.ops.supervisor.core import Supervisor
 from ptops.ops.runrecord.lock import LockedError

@@ -1,4 +1,5 @@
-"""Findings -> effects: carries out what :mod:`ptops.ops.supervisor.policy` decided for a monitor finding.
+"""Findings -> effects: carries out what :mod:`ptops.ops.supervisor.policy` decided for a monitor
+finding.
 
 Per monitor, ``[monitors.<name>] action`` (``MonitorsSection.action_for``; the table of
 effects is ``policy.FINDING_EFFECTS``):
@@ -50,7 +51,8 @@ from ptops.recipes.rollback import ENV as ENV_ROLLBACK
 
 @dataclass(frozen=True)
 class Verdict:
-    """After a halting finding: exit with ``exit_code``, or (None) run the next attempt from ``good``."""
+    """After a halting finding: exit with ``exit_code``, or (None) run the next attempt from
+    ``good``."""
 
     state: str
     reason: str
@@ -70,11 +72,13 @@ class FindingActions:
         self.say = say
         self.policy = FindingPolicy.from_events(section, run.read_events(), record_only)
         self.pending: FindingDecision | None = None  # the halting decision of the live attempt
-        # (host, reason) -> what was done, or None: the launch backend's way to exclude a node (Slurm)
+        # (host, reason) -> what was done, or None: the launch backend's way to exclude a node
+        # (Slurm)
         self.exclude_node: Callable[[str, str], str | None] | None = None
 
     def on_finding(self, finding: Any, attempt: int, host_of: Callable[[int], str | None]) -> None:
-        """After the finding's own event: act on it. The first halting decision of an attempt wins."""
+        """After the finding's own event: act on it. The first halting decision of an attempt
+        wins."""
         d = self.policy.decide(finding)
         if d.effect.record == "exclude_node":
             host = host_of(finding.rank) if finding.rank is not None else None
@@ -92,7 +96,8 @@ class FindingActions:
                 reason=d.reason,
                 acted=note is not None,
                 note=note
-                or "recorded only: a local launch cannot exclude a node (a --slurm launch acts on it)",
+                or "recorded only: a local launch cannot exclude a node (a --slurm launch acts "
+                "on it)",
             )
             self.say(
                 f"straggler rank {finding.rank} on {host}: exclude_node "
@@ -107,7 +112,8 @@ class FindingActions:
             self.say(f"{d.monitor} finding at step {d.step} -> {d.action}")
 
     def attempt_env(self) -> dict[str, str]:
-        """Extra rank environment for the next attempt (the run's latest rollback, if any); clears ``pending``."""
+        """Extra rank environment for the next attempt (the run's latest rollback, if any); clears
+        ``pending``."""
         self.pending = None
         env = self.policy.last_env()
         return {ENV_ROLLBACK: env} if env else {}
@@ -176,7 +182,8 @@ class FindingActions:
                 moved_to=str(dest) if dest else None,
             )
         if plan.to_path is not None and not verify(plan.to_path, deep=True).ok:
-            # the shallow catalog said good, the hashes disagree: let the restart logic pick (and quarantine)
+            # the shallow catalog said good, the hashes disagree: let the restart logic pick (and
+            # quarantine)
             good = restart_checkpoint()
             plan = plan_rollback(
                 [(int((good or {}).get("step", 0)), (good or {}).get("path"), True)]
@@ -208,6 +215,7 @@ class FindingActions:
         self.say(
             f"rolling back from step {plan.from_step} to "
             + (f"checkpoint step {plan.to_step}" if plan.to_path else "scratch")
-            + f" (skip {plan.info.skip_batches} batch(es) before step {plan.info.skip_at_step}{lr}): {outcome.reason}"
+            + f" (skip {plan.info.skip_batches} batch(es) before step "
+            f"{plan.info.skip_at_step}{lr}): {outcome.reason}"
         )
         return Verdict(RunState.RESTARTING, f"rollback: {outcome.reason}", good=good)

@@ -124,7 +124,8 @@ class ChannelServer:
         self._sel.register(sock, selectors.EVENT_READ, peer)
 
     def _keepalive(self) -> None:
-        """Node agents kill their ranks when the supervisor goes silent (a network cut gives no EOF)."""
+        """Node agents kill their ranks when the supervisor goes silent (a network cut gives no
+        EOF)."""
         for peer in list(self._peers.values()):
             if peer.authed and peer.role == ROLE_NODE:
                 self.send(peer, {"t": KEEPALIVE})

@@ -122,7 +122,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.reason = ""
         self.world = recipe.launch.nproc
         self.t_start = time.monotonic()
-        # a monitor config that cannot be built is a RecipeError here (the CLI exits 2 before anything starts)
+        # a monitor config that cannot be built is a RecipeError here (the CLI exits 2 before
+        # anything starts)
         self.feed = monitorfeed.MonitorFeed(
             monitorfeed.build(recipe.monitors, str(run.recipe_toml))
         )
@@ -140,13 +141,15 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             if self.warm is not None
             else "a plain launch never restarts"
             if not self.supervised
-            else f"warm_spare={self.cfg.restart.warm_spare!r} ({os.cpu_count()} cores, launch.nproc "
+            else f"warm_spare={self.cfg.restart.warm_spare!r} ({os.cpu_count()} cores, "
+            "launch.nproc "
             f"{recipe.launch.nproc}; auto wants 2 x nproc + 2)"
         )
 
     @property
     def supervised(self) -> bool:
-        """True when failed attempts are restarted (``--supervise``); a plain launch only watches."""
+        """True when failed attempts are restarted (``--supervise``); a plain launch only
+        watches."""
         return self.strategy == "permanent"
 
     def rank_host(self, rank: int | None) -> str | None:
@@ -165,7 +168,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 error=f"{type(e).__name__}: {e}",
             )
             self.say(
-                f"monitor {name} raised on a record ({type(e).__name__}: {e}); the other monitors go on"
+                f"monitor {name} raised on a record ({type(e).__name__}: {e}); the other "
+                "monitors go on"
             )
         for f in findings:
             ev = f.to_event()
@@ -211,7 +215,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
 
     # ------------------------------------------------------------ entry
     def run_all(self, lock_fd: int | None = None) -> int:
-        """Run to the end; returns the exit code. Takes the run directory's lock unless given its fd."""
+        """Run to the end; returns the exit code. Takes the run directory's lock unless given its
+        fd."""
         if lock_fd is None:
             lock_fd = acquire(self.run.path)  # LockedError -> the caller exits 2
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -259,7 +264,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 last_attempt=self.attempt,
             )
             self.say(
-                f"adopting {self.run.path} (previous supervisor pid {prev.get('supervisor_pid')} is gone)"
+                f"adopting {self.run.path} (previous supervisor pid {prev.get('supervisor_pid')} "
+                "is gone)"
             )
         orphans = procs.run_processes(self.run.path)
         if orphans:
@@ -338,7 +344,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                     reason=self.reason,
                 )
                 return 128 + int(sig)
-            if self.supervised:  # a plain launch never restarts: its checkpoints stay as they are for the next launch
+            # a plain launch never restarts: its checkpoints stay as they are for the next launch
+            if self.supervised:
                 self.good = self._good_checkpoint_for_restart()
             good_step = (self.good or {}).get("step", 0)
             decision = policy.decide(
@@ -399,12 +406,14 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
 
     def _good_checkpoint_for_restart(self) -> dict[str, Any] | None:
         """Where the next attempt resumes: ``ptops.ckpt.resume_point`` (deep check; newer bad ones
-        quarantined and reported); the ranks take it from PTOPS_RESUME_FROM without verifying again."""
+        quarantined and reported); the ranks take it from PTOPS_RESUME_FROM without verifying
+        again."""
 
         def report(**invalid: Any) -> None:
             self.event(EventKind.CHECKPOINT_INVALID, **invalid)
             self.say(
-                f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to {invalid['moved_to']}"
+                f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to "
+                f"{invalid['moved_to']}"
             )
 
         entry = resume_point(

@@ -56,7 +56,8 @@ class HangMixin:
         )
 
     def collect_stacks(self, stack_dir: Path) -> dict[str, str]:
-        """Every rank's stacks into ``stack_dir/rank-R.txt``; returns rank -> how it was obtained."""
+        """Every rank's stacks into ``stack_dir/rank-R.txt``; returns rank -> how it was
+        obtained."""
         stack_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(stack_dir, 0o700)
         self.stacks_replies = {}
@@ -69,7 +70,8 @@ class HangMixin:
                 else None
             )
             if seen is not None and now - seen > self.cfg.hang.ping_stale_s:
-                continue  # not even pinging (stopped, or stuck in C holding the GIL): go straight to py-spy
+                # not even pinging (stopped, or stuck in C holding the GIL): go straight to py-spy
+                continue
             if (
                 info.peer is not None
                 and info.gone_ts is None
@@ -135,7 +137,8 @@ class HangMixin:
 
     def _ask_node_agents(self, answered: list[int]) -> dict[int, str]:
         """Ranks on other nodes that did not answer over the channel: their node agent runs py-spy
-        where they live. Returns rank -> node for every rank asked that way (answers in ``node_stacks``)."""
+        where they live. Returns rank -> node for every rank asked that way (answers in
+        ``node_stacks``)."""
         self.node_stacks = {}
         by_node: dict[str, dict[str, int]] = {}
         peers = {}

@@ -50,7 +50,8 @@ def prepare_run(recipe: Recipe, recipe_path: Path, run_dir: Path) -> RunDir:
         if a != b:
             diff = _first_difference(a, b)
             raise RecipeError(
-                f"{run.recipe_json}: key {diff.split(' ')[0]}: this run directory holds a different recipe "
+                f"{run.recipe_json}: key {diff.split(' ')[0]}: this run directory holds a "
+                "different recipe "
                 f"({diff}); resume it with the same recipe and --set values, or use a new --run-dir"
             )
         if stored != recipe:  # retuned watchdogs on resume: allowed, and recorded

@@ -1,4 +1,5 @@
-"""The channel: every message a rank or a control client sends, and what the supervisor does with it.
+"""The channel: every message a rank or a control client sends, and what the supervisor does with
+it.
 
 Why a table: a message type names one handler method (:data:`RANK_HANDLERS`,
 :data:`CONTROL_HANDLERS`), so "what happens on a ``beat``" is one short method to
@@ -39,7 +40,8 @@ class RankInfo:
     step_s: float | None = None  # its last step's duration
 
 
-# message type -> handler method name (``t`` of the message; ``_hello``/``_eof`` come from the server)
+# message type -> handler method name (``t`` of the message; ``_hello``/``_eof`` come from the
+# server)
 RANK_HANDLERS = {
     "_hello": "_on_hello",
     "beat": "_on_beat",
@@ -150,7 +152,8 @@ class MessagesMixin:
         )
 
     def _on_profile(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
-        """``ptops profile``: one start step for every rank, forwarded; the ranks report back as events."""
+        """``ptops profile``: one start step for every rank, forwarded; the ranks report back as
+        events."""
 
         def refuse(error: str) -> None:
             self.server.send(peer, {"ok": False, "error": error})
@@ -175,7 +178,8 @@ class MessagesMixin:
         busy = self.profiling
         if busy and busy["attempt"] == self.attempt and busy["waiting"]:
             return refuse(
-                f"profile {busy['id']} (steps {busy['start_step']}..{busy['start_step'] + busy['steps'] - 1}) "
+                f"profile {busy['id']} (steps "
+                f"{busy['start_step']}..{busy['start_step'] + busy['steps'] - 1}) "
                 f"is still being captured by ranks {sorted(busy['waiting'])}"
             )
         times = [i.step_s for i in live if i.step_s]
@@ -273,7 +277,8 @@ class MessagesMixin:
             "host": host,
             "world_size": size,
             "expected_world_size": self.world,
-            "reason": f"rank {peer.rank} on {host} formed {what} (as rank {rank}) but the launcher started "
+            "reason": f"rank {peer.rank} on {host} formed {what} (as rank {rank}) but the "
+            "launcher started "
             f"{self.world} ranks: check the rendezvous endpoint (MASTER_ADDR / --rdzv-endpoint) "
             f"and nproc x nodes",
         }

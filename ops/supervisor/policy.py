@@ -74,7 +74,10 @@ def fatal_startup_error(error: str | None, began_step: bool) -> str:
     kind = (error or "").split(":", 1)[0].strip()
     if began_step or kind not in FATAL_STARTUP_ERRORS:
         return ""
-    return f"{kind} before the first step: a restart would fail the same way (fix the environment or code, then rerun)"
+    return (
+        f"{kind} before the first step: a restart would fail the same way (fix the "
+        "environment or code, then rerun)"
+    )
 
 
 @dataclass(frozen=True)
@@ -128,19 +131,22 @@ class RestartPolicy:
             return Decision(
                 "stop",
                 f"no progress: {streak} attempts in a row failed without a newer good checkpoint "
-                f"than step {failure.good_step} (supervisor.restart.no_progress_attempts={c.no_progress_attempts}); "
+                f"than step {failure.good_step} "
+                f"(supervisor.restart.no_progress_attempts={c.no_progress_attempts}); "
                 f"last: {failure.reason}",
                 exit_code=EXIT_NO_REQUEUE,
             )
         if restarts_so_far >= c.max_restarts:
             return Decision(
                 "stop",
-                f"gave up after {restarts_so_far} restarts (supervisor.restart.max_restarts={c.max_restarts}); "
+                f"gave up after {restarts_so_far} restarts "
+                f"(supervisor.restart.max_restarts={c.max_restarts}); "
                 f"last: {failure.reason}",
                 exit_code=EXIT_FAILED,
             )
-        # an attempt that made progress restarts at once (a waiting supervisor only lengthens the outage);
-        # attempts that fail without progress back off: backoff_s, doubling with each one, capped
+        # an attempt that made progress restarts at once (a waiting supervisor only lengthens the
+        # outage); attempts that fail without progress back off: backoff_s, doubling with each one,
+        # capped
         delay = 0.0 if streak == 0 else min(c.backoff_max_s, c.backoff_s * (2 ** (streak - 1)))
         return Decision("restart", failure.reason, delay_s=delay)
 
@@ -168,9 +174,11 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class Effect:
-    """What the supervisor does for one ``[monitors]`` action (the finding's own event is always written)."""
+    """What the supervisor does for one ``[monitors]`` action (the finding's own event is always
+    written)."""
 
-    halts: bool  # the attempt ends (torn down), then :func:`actions.FindingActions.after_attempt` decides
+    # the attempt ends (torn down), then :func:`actions.FindingActions.after_attempt` decides
+    halts: bool
     record: str | None = None  # an extra event kind to write
 
 

@@ -81,8 +81,9 @@ def _marked(run_dir: Path) -> list[int]:
 
 
 def kill_leftovers(run_dir: Path, wait_s: float = 5.0) -> list[int]:
-    """Processes of ``run_dir``'s sidecars still alive (a worker its server left, or sidecars that outlived
-    their owner): SIGKILLed, waited for (a signalled process is not gone yet), their pids returned."""
+    """Processes of ``run_dir``'s sidecars still alive (a worker its server left, or sidecars that
+    outlived their owner): SIGKILLed, waited for (a signalled process is not gone yet), their pids
+    returned."""
     pids = _marked(run_dir)
     signal_all(pids, signal.SIGKILL)
     deadline = time.monotonic() + wait_s

@@ -39,14 +39,16 @@ class StopMixin:
         )
         if supported and self.cfg.grace_s > 0:
             self.say(
-                f"{name}: asking the ranks to checkpoint (up to {self.cfg.grace_s:g} s; again to stop now)"
+                f"{name}: asking the ranks to checkpoint (up to {self.cfg.grace_s:g} s; again to "
+                "stop now)"
             )
             deadline = time.monotonic() + self.cfg.grace_s
             while time.monotonic() < deadline and self.proc.poll() is None and self._signals < 2:
                 self.pump(0.1, drain=True)
         else:
             self.say(
-                f"{name}: the engine cannot checkpoint on request; stopping (last good checkpoint: {(self.good or {}).get('step', 'none')})"
+                f"{name}: the engine cannot checkpoint on request; stopping (last good "
+                f"checkpoint: {(self.good or {}).get('step', 'none')})"
             )
         procs.teardown(
             self.proc, self.run.path, self._rank_pids(), grace_s=min(self.cfg.kill_timeout_s, 5.0)

@@ -1,4 +1,5 @@
-"""The ``[script]`` recipe section: the user's command, where it runs, extra environment (no torch here)."""
+"""The ``[script]`` recipe section: the user's command, where it runs, extra environment (no torch
+here)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ class ScriptSection(BaseModel):
         min_length=1,
         description='the command each rank runs, e.g. ["python", "train.py", "--lr", "1e-3"]; '
         "a Python "
-        "interpreter with a .py file or -m module runs inside the rank process (stacks, flight recorder, "
+        "interpreter with a .py file or -m module runs inside the rank process (stacks, flight "
+        "recorder, "
         "optimizer-step beats), any other program as a child process (liveness and exit code only)",
     )
     cwd: str = Field(

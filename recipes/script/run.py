@@ -7,10 +7,10 @@ on request and faulthandler's SIGUSR1 file, py-spy, the flight recorder, the per
 
 Without any change to the script, each optimizer step is a step: global ``torch.optim`` hooks send
 ``probe.before_step`` / ``probe.step`` around the first optimizer's ``step()`` (faults such as
-``crash:step=S`` and ``hang:step=S`` fire there, goodput and the hang monitor see steps). Steps count
-from 1 in each attempt: a script that does not resume restarts from scratch. Until the first step, the
-script's own set-up is judged as the rank's ``import`` start-up section. A script that uses
-:mod:`ptops.rank` reports its own steps (the hooks then stand aside) and resumes exactly.
+``crash:step=S`` and ``hang:step=S`` fire there, goodput and the hang monitor see steps). Steps
+count from 1 in each attempt: a script that does not resume restarts from scratch. Until the first
+step, the script's own set-up is judged as the rank's ``import`` start-up section. A script that
+uses :mod:`ptops.rank` reports its own steps (the hooks then stand aside) and resumes exactly.
 
 Any other program runs as a child process (in its own process group, killed with the rank):
 crash detection and restarts apply, hang detection only through its exit (no stacks, no steps).
@@ -31,7 +31,8 @@ _PYTHON_FLAGS_WITH_ARG = {"-W", "-X", "-Q"}
 
 
 def python_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
-    """("path" | "module" | "code", target, args) when ``argv`` is a Python interpreter running one."""
+    """("path" | "module" | "code", target, args) when ``argv`` is a Python interpreter running
+    one."""
     prog = Path(argv[0]).name
     if not (prog.startswith("python") or argv[0] == sys.executable):
         return None

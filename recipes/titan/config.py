@@ -43,7 +43,8 @@ class TitanModel(_Strict):
     )
     flavor: str = Field(
         "",
-        description="a flavor of TorchTitan's own registry (llama3: 8B, 70B, ...; qwen3: 30B-A3B, ...); "
+        description="a flavor of TorchTitan's own registry (llama3: 8B, 70B, ...; qwen3: "
+        "30B-A3B, ...); "
         "empty = the small llama3 built from dim/n_layers/n_heads below",
     )
     dim: int = Field(64, ge=8)
@@ -70,8 +71,10 @@ class TitanParallelism(_Strict):
     )
     cp_rotate_method: Literal["allgather", "alltoall"] = Field(
         "allgather",
-        description="how CP SDPA rotates K/V shards: TorchTitan 0.3.0 has no key for it, so the rank calls torch's own "
-        "torch.distributed.tensor.experimental._attention.set_rotate_method (FlexAttention supports only allgather)",
+        description="how CP SDPA rotates K/V shards: TorchTitan 0.3.0 has no key for it, so the "
+        "rank calls torch's own "
+        "torch.distributed.tensor.experimental._attention.set_rotate_method (FlexAttention "
+        "supports only allgather)",
     )
     ep: int = Field(
         1,
@@ -82,18 +85,23 @@ class TitanParallelism(_Strict):
 
 
 class TitanFloat8(_Strict):
-    """Float8 linear training through ``torchtitan.components.quantization.Float8LinearConverter``."""
+    """Float8 linear training through
+    ``torchtitan.components.quantization.Float8LinearConverter``."""
 
     enabled: bool = False
     recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
         "rowwise",
-        description="torchao float8 scaling recipe (Float8LinearConverter recipe_name, passed to torchao's "
-        "Float8LinearConfig.from_recipe_name; TorchTitan 0.3.0's type hint lists only the rowwise two, torchao "
-        "also takes tensorwise). With emulate=true TorchTitan 0.3.0 ignores it (emulation is tensorwise)",
+        description="torchao float8 scaling recipe (Float8LinearConverter recipe_name, passed to "
+        "torchao's "
+        "Float8LinearConfig.from_recipe_name; TorchTitan 0.3.0's type hint lists only the "
+        "rowwise two, torchao "
+        "also takes tensorwise). With emulate=true TorchTitan 0.3.0 ignores it (emulation is "
+        "tensorwise)",
     )
     filter_fqns: list[str] = Field(
         default_factory=lambda: ["lm_head"],
-        description="module FQNs left in bf16 (substring match); Linears whose dims are not multiples of 16 are always left",
+        description="module FQNs left in bf16 (substring match); Linears whose dims are not "
+        "multiples of 16 are always left",
     )
     emulate: bool = Field(
         False, description="emulated float8 (CPU tests; torchao's tensorwise emulation, no compile)"
@@ -107,7 +115,8 @@ class TitanFloat8(_Strict):
 class TitanActivationCheckpoint(_Strict):
     mode: Literal["none", "selective", "full"] = Field(
         "none",
-        description="activation checkpointing: none, selective (TorchTitan SelectiveAC) or full (FullAC)",
+        description="activation checkpointing: none, selective (TorchTitan SelectiveAC) or full "
+        "(FullAC)",
     )
 
 
@@ -117,7 +126,8 @@ class TitanCompile(_Strict):
 
 
 class TitanTarget(_Strict):
-    """The hardware a recipe is written for: what ``--dry-run`` and ``ptops plan`` check by default."""
+    """The hardware a recipe is written for: what ``--dry-run`` and ``ptops plan`` check by
+    default."""
 
     gpu: Literal["h100", "h200", "a100", "b200"] = "h100"
     nodes: int = Field(1, ge=1, description="nodes; the world is nodes x launch.nproc")
@@ -148,11 +158,13 @@ class TitanSection(_Strict):
     )
     async_checkpoint: bool = Field(
         True,
-        description="DCP async save for interval checkpoints: training blocks only while the state is staged",
+        description="DCP async save for interval checkpoints: training blocks only while the "
+        "state is staged",
     )
     pinned_memory_checkpoint: bool = Field(
         False,
-        description="async_with_pinned_mem: stage to pinned host memory (GPU only; torchtitan asserts an accelerator)",
+        description="async_with_pinned_mem: stage to pinned host memory (GPU only; torchtitan "
+        "asserts an accelerator)",
     )
     train_timeout_s: int = Field(
         100, ge=1, description="collective timeout after the first step (hang -> error)"
@@ -162,7 +174,8 @@ class TitanSection(_Strict):
     )
     initial_load_path: str = Field(
         "",
-        description="continued pre-training: weights loaded when the run has no checkpoint yet (checkpoint.initial_load_path)",
+        description="continued pre-training: weights loaded when the run has no checkpoint yet "
+        "(checkpoint.initial_load_path)",
     )
     initial_load_in_hf: bool = Field(
         False, description="initial_load_path holds Hugging Face safetensors"
@@ -184,7 +197,8 @@ def world_of(recipe: Any, nodes: int | None = None, gpus_per_node: int | None = 
 
 
 def degrees(recipe: Any, world: int) -> tuple[dict[str, int], str | None]:
-    """TorchTitan's ParallelDims rules, checked before any rank starts: (degrees, problem or None)."""
+    """TorchTitan's ParallelDims rules, checked before any rank starts: (degrees, problem or
+    None)."""
     p = recipe.titan.parallelism
     other = p.dp_replicate * p.tp * p.pp * p.cp
     shard = p.dp_shard
@@ -207,7 +221,8 @@ def degrees(recipe: Any, world: int) -> tuple[dict[str, int], str | None]:
     }
     if shard * other != world:
         return d, (
-            f"dp_replicate x dp_shard x tp x pp x cp = {p.dp_replicate}x{shard}x{p.tp}x{p.pp}x{p.cp} = "
+            "dp_replicate x dp_shard x tp x pp x cp = "
+            f"{p.dp_replicate}x{shard}x{p.tp}x{p.pp}x{p.cp} = "
             f"{shard * other}, expected the world of {world} ranks"
         )
     if p.ep > 1:
@@ -215,7 +230,8 @@ def degrees(recipe: Any, world: int) -> tuple[dict[str, int], str | None]:
         if dense % p.ep:
             return (
                 d,
-                f"ep={p.ep} must divide dp_shard x cp x tp = {dense} (EP borrows ranks from FSDP and TP)",
+                f"ep={p.ep} must divide dp_shard x cp x tp = {dense} (EP borrows ranks from FSDP "
+                "and TP)",
             )
     return d, None
 
@@ -227,7 +243,8 @@ def check(recipe: Any) -> tuple[str, str] | None:
     if m.flavor and m.flavor not in FLAVORS[m.family]:
         return (
             "titan.model.flavor",
-            f"a {m.family} flavor of TorchTitan 0.3.0 ({', '.join(FLAVORS[m.family])}), got {m.flavor!r}",
+            f"a {m.family} flavor of TorchTitan 0.3.0 ({', '.join(FLAVORS[m.family])}), got "
+            f"{m.flavor!r}",
         )
     if not m.flavor and m.family != "llama3":
         return (
@@ -249,7 +266,9 @@ def check(recipe: Any) -> tuple[str, str] | None:
     if p.ep > 1 and not is_moe(m):
         return (
             "titan.parallelism.ep",
-            f"expert parallel needs an MoE flavor ({', '.join(f for _, f in sorted(MOE_FLAVORS))}); {m.family} {m.flavor or 'small'} has no experts",
+            "expert parallel needs an MoE flavor "
+            f"({', '.join(f for _, f in sorted(MOE_FLAVORS))}); {m.family} {m.flavor or 'small'} "
+            "has no experts",
         )
     if (
         t.float8.enabled
@@ -259,12 +278,15 @@ def check(recipe: Any) -> tuple[str, str] | None:
     ):
         return (
             "titan.float8.emulate",
-            "emulated float8 cannot be compiled (TorchTitan refuses it): set titan.compile.enable=false",
+            "emulated float8 cannot be compiled (TorchTitan refuses it): set "
+            "titan.compile.enable=false",
         )
     if "auto_filter_small_kn" in t.float8.filter_fqns:
         return "titan.float8.filter_fqns", (
-            "no 'auto_filter_small_kn': with TorchTitan 0.3.0's config-based converter torchao's auto filter "
-            "swaps no Linear at all (it checks for nn.Linear modules); list the FQNs to keep in bf16 instead"
+            "no 'auto_filter_small_kn': with TorchTitan 0.3.0's config-based converter torchao's "
+            "auto filter "
+            "swaps no Linear at all (it checks for nn.Linear modules); list the FQNs to keep in "
+            "bf16 instead"
         )
     ilp = t.initial_load_path
     if ilp and recipe.train.init_from:
@@ -285,7 +307,8 @@ def check(recipe: Any) -> tuple[str, str] | None:
     if t.seq_len % div:
         return (
             "titan.seq_len",
-            f"divisible by tp x 2cp = {div} (sequence and context parallel split it), got {t.seq_len}",
+            f"divisible by tp x 2cp = {div} (sequence and context parallel split it), got "
+            f"{t.seq_len}",
         )
     if p.pp > 1 and t.local_batch_size % p.pp_microbatch_size:
         return (

@@ -1,24 +1,26 @@
-"""The fused-QKV split of an async checkpoint, taken off the training thread (CPU ``FlatStager`` path).
+"""The fused-QKV split of an async checkpoint, taken off the training thread (CPU ``FlatStager``
+path).
 
-torchtitan's ``FusedQKVLinear`` saves its fused ``wqkv`` as stock ``wq``/``wk``/``wv`` through a state-dict
-post hook (``_split_qkv_on_save``): per layer it all-gathers the FSDP-sharded ``wqkv`` to Replicate (a
-collective on the training process group, plus DTensor dispatch) and splits it. On titan-tiny that was ~11 ms
-of the ~24 ms an async save blocked training (bench/README.md).
+torchtitan's ``FusedQKVLinear`` saves its fused ``wqkv`` as stock ``wq``/``wk``/``wv`` through a
+state-dict post hook (``_split_qkv_on_save``): per layer it all-gathers the FSDP-sharded ``wqkv`` to
+Replicate (a collective on the training process group, plus DTensor dispatch) and splits it. On
+titan-tiny that was ~11 ms of the ~24 ms an async save blocked training (bench/README.md).
 
-``QkvSplit`` does the same in two halves. On the training thread, ``states`` builds the save's state dict
-with that hook muted: the sharded ``wqkv`` as it is, no collective. ``FlatStager`` copies the local shards
-(training waits for that copy only, as before); then ``finish`` runs on the stager's thread: ONE all-gather of
-every staged ``wqkv`` shard on the checkpoint's own gloo group (the group DCP's background save plans on, idle
-until ``finish`` returns: one save in flight at a time), the hook's own reshape / slice / contiguous on the full
-tensors (pure data movement: bit-exact), each result wrapped as a Replicate DTensor with the spec the hook gave
-that key (``ModelWrapper``'s cache), in ``ModelWrapper.state_dict``'s key order. Same keys, placements, dtypes,
-values and order as the hook: DCP writes the same files, and the load path (``_merge_qkv_on_load``) is untouched.
+``QkvSplit`` does the same in two halves. On the training thread, ``states`` builds the save's state
+dict with that hook muted: the sharded ``wqkv`` as it is, no collective. ``FlatStager`` copies the
+local shards (training waits for that copy only, as before); then ``finish`` runs on the stager's
+thread: ONE all-gather of every staged ``wqkv`` shard on the checkpoint's own gloo group (the group
+DCP's background save plans on, idle until ``finish`` returns: one save in flight at a time), the
+hook's own reshape / slice / contiguous on the full tensors (pure data movement: bit-exact), each
+result wrapped as a Replicate DTensor with the spec the hook gave that key (``ModelWrapper``'s
+cache), in ``ModelWrapper.state_dict``'s key order. Same keys, placements, dtypes, values and order
+as the hook: DCP writes the same files, and the load path (``_merge_qkv_on_load``) is untouched.
 
-``QkvSplit.build`` returns None (the adapter then saves as before) unless that is exactly reproducible: a
-``ModelWrapper``; every fused ``wqkv`` a DTensor ``Shard(0)`` on a 1-D mesh over all ranks in rank order (FSDP),
-evenly divided, one dtype; the cached outputs Replicate DTensors on the same mesh with the hook's shapes; and
-the state dict's keys, muted, are the cached keys with the outputs replaced by ``wqkv``. TP, HSDP, uneven
-shards, another hook that changes keys: the old path.
+``QkvSplit.build`` returns None (the adapter then saves as before) unless that is exactly
+reproducible: a ``ModelWrapper``; every fused ``wqkv`` a DTensor ``Shard(0)`` on a 1-D mesh over all
+ranks in rank order (FSDP), evenly divided, one dtype; the cached outputs Replicate DTensors on the
+same mesh with the hook's shapes; and the state dict's keys, muted, are the cached keys with the
+outputs replaced by ``wqkv``. TP, HSDP, uneven shards, another hook that changes keys: the old path.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class QkvSplit:
 
     @classmethod
     def build(cls, wrapper: Any, pg: Any) -> tuple["QkvSplit | None", str]:
-        """The plan, or (None, why not). Structural only (the same on every rank); the caller agrees on it."""
+        """The plan, or (None, why not). Structural only (the same on every rank); the caller agrees
+        on it."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         from torchtitan.components.checkpointer.base import ModelWrapper
@@ -179,7 +182,8 @@ class QkvSplit:
                     if tuple(c.shape) != shp or meta is None or tuple(meta.stride) != contiguous:
                         return (
                             None,
-                            f"{out}: cached shape {tuple(c.shape)} is not the split's {shp} (contiguous)",
+                            f"{out}: cached shape {tuple(c.shape)} is not the split's {shp} "
+                            "(contiguous)",
                         )
                     specs.append(c._spec)
                 dtypes.add(v.dtype)
@@ -210,8 +214,8 @@ class QkvSplit:
         return cls(wrapper, pg, world, hooks, entries, list(cached), prefixes), ""
 
     def states(self, states: dict, model_key: str) -> dict | None:
-        """The save's state dict (``_flattened_model_states_sd``'s layout) with ``wqkv`` unsplit; None if
-        the model no longer matches the plan (then save the old way)."""
+        """The save's state dict (``_flattened_model_states_sd``'s layout) with ``wqkv`` unsplit;
+        None if the model no longer matches the plan (then save the old way)."""
         raw, seen = self._muted_state_dict(list(self.wrapper.model), self._hooks)
         if [p for _, p in seen] != self._prefixes or len(raw) != len(self.order) - len(
             self._outs
@@ -224,7 +228,8 @@ class QkvSplit:
     # ------------------------------------------------------------ stager thread
     @torch.no_grad()
     def finish(self, staged: dict) -> dict:
-        """The staged dict as the hook would have made it: gather + split of the staged ``wqkv`` shards."""
+        """The staged dict as the hook would have made it: gather + split of the staged ``wqkv``
+        shards."""
         from torch.distributed.tensor import DTensor
 
         locals_ = [staged[e.fused] for e in self.entries]
@@ -237,7 +242,8 @@ class QkvSplit:
         split: dict[str, Any] = {}
         off = 0
         for e in self.entries:
-            # rank r's shard is rows [r*n/W, (r+1)*n/W): the C-order flatten of (W, local) is their concatenation
+            # rank r's shard is rows [r*n/W, (r+1)*n/W): the C-order flatten of (W, local) is their
+            # concatenation
             full = out[:, off : off + e.local_numel].reshape(e.shape)
             off += e.local_numel
             w = full.reshape(

@@ -119,7 +119,8 @@ def converters(recipe: Any, *, dry_run: bool = False) -> list:
 
 
 def model_spec(recipe: Any, *, dry_run: bool = False) -> ModelSpec:
-    """The recipe's model: a flavor of TorchTitan's registry, or the small llama3 (SDPA, CPU-trainable)."""
+    """The recipe's model: a flavor of TorchTitan's registry, or the small llama3 (SDPA,
+    CPU-trainable)."""
     t = recipe.titan
     m = t.model
     conv = converters(recipe, dry_run=dry_run)
@@ -143,7 +144,8 @@ def activation_checkpoint(recipe: Any) -> Any:
 
 
 def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> ProbeTrainer.Config:
-    """The torchtitan job config of a ptops titan recipe: every ``[titan]`` key onto its TorchTitan field."""
+    """The torchtitan job config of a ptops titan recipe: every ``[titan]`` key onto its TorchTitan
+    field."""
     from torchtitan.config import CompileConfig
     from torchtitan.models.common.config_utils import decoder_vocab_size
 
@@ -229,8 +231,9 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
         activation_checkpoint=activation_checkpoint(recipe),
         compile=CompileConfig(enable=t.compile.enable, components=list(t.compile.components)),
         validator=Validator.Config(enable=False),
-        # the flight recorder's size: torchtitan overrides TORCH_FR_BUFFER_SIZE with it, so it passes on the
-        # supervisor's setting (hang analysis: diagnostics/flightrec.py; gloo records too)
+        # the flight recorder's size: torchtitan overrides TORCH_FR_BUFFER_SIZE with it, so it
+        # passes on the supervisor's setting (hang analysis: diagnostics/flightrec.py; gloo records
+        # too)
         comm=CommConfig(trace_buf_size=_fr_buffer_size(), train_timeout_seconds=t.train_timeout_s),
         debug=DebugConfig(seed=recipe.train.seed, deterministic=t.deterministic),
     )

@@ -88,7 +88,8 @@ def on_step(trainer: Any, data_iterator: Any, step: int, probe: Any) -> None:
     if n:
         dropped = _skip(trainer, data_iterator, n)
         print(
-            f"[ptops.titan rank {_rank()}] rollback: skipped {dropped} batch(es) before step {step}",
+            f"[ptops.titan rank {_rank()}] rollback: skipped {dropped} batch(es) before step "
+            f"{step}",
             flush=True,
         )
         if probe is not None and _rank() == 0:

@@ -39,8 +39,8 @@ def titan_argv() -> list[str]:
 
 
 def preload() -> None:
-    """What a warm spare rank imports ahead of its attempt (``ops/rank/warm.py``): the rest of ``main``
-    then finds torch, torchtitan and the adapter already imported."""
+    """What a warm spare rank imports ahead of its attempt (``ops/rank/warm.py``): the rest of
+    ``main`` then finds torch, torchtitan and the adapter already imported."""
     from ptops.recipes.titan import compat
 
     compat.apply()

@@ -1,22 +1,26 @@
-"""``FlatStager``: the async checkpoint's CPU staging copy as one batched copy into buffers that persist.
+"""``FlatStager``: the async checkpoint's CPU staging copy as one batched copy into buffers that
+persist.
 
-DCP's ``DefaultStager`` deep-copies the state dict tensor by tensor (``new_empty`` + ``set_`` + a storage
-copy each, in Python); with ~1,400 tensors that is 40-50 ms per save over a plain memcpy (bench/README.md).
-This stager keeps one CPU buffer per state-dict path, allocated and touched once, and refills all of them
-with ONE ``torch._foreach_copy_`` per save, in a background thread (the ``AsyncStager`` protocol that
-``dcp.async_save(..., async_stager=)`` accepts: ``stage`` returns a Future of the staged dict).
+DCP's ``DefaultStager`` deep-copies the state dict tensor by tensor (``new_empty`` + ``set_`` + a
+storage copy each, in Python); with ~1,400 tensors that is 40-50 ms per save over a plain memcpy
+(bench/README.md). This stager keeps one CPU buffer per state-dict path, allocated and touched once,
+and refills all of them with ONE ``torch._foreach_copy_`` per save, in a background thread (the
+``AsyncStager`` protocol that ``dcp.async_save(..., async_stager=)`` accepts: ``stage`` returns a
+Future of the staged dict).
 
-Handled exactly: plain tensors and ``nn.Parameter`` (staged as plain tensors: DCP writes their values),
-DTensors (their local shard is staged and re-wrapped with the same ``DTensorSpec``, as DefaultStager's
-deep copy keeps it), nested dicts / lists / tuples; other values are deep-copied. Anything else that is a
-tensor (ShardedTensor, other subclasses) goes through DCP's own ``StateDictStager`` (with its storage cache).
-CPU only: the adapter keeps DefaultStager (pinned memory, a CUDA stream) when CUDA is available.
+Handled exactly: plain tensors and ``nn.Parameter`` (staged as plain tensors: DCP writes their
+values), DTensors (their local shard is staged and re-wrapped with the same ``DTensorSpec``, as
+DefaultStager's deep copy keeps it), nested dicts / lists / tuples; other values are deep-copied.
+Anything else that is a tensor (ShardedTensor, other subclasses) goes through DCP's own
+``StateDictStager`` (with its storage cache). CPU only: the adapter keeps DefaultStager (pinned
+memory, a CUDA stream) when CUDA is available.
 
-The buffers are reused: a staged dict is valid until the next ``stage`` call. The adapter never stages
-while the previous save is still writing (``ProbeCheckpointManager._skip_busy``).
+The buffers are reused: a staged dict is valid until the next ``stage`` call. The adapter never
+stages while the previous save is still writing (``ProbeCheckpointManager._skip_busy``).
 
-``stage_then`` is the same copy followed, on the same background thread, by a function of the staged dict
-(the fused-QKV split, ``qkvsplit.py``): the writer waits for both, training only for the copy (``copied``).
+``stage_then`` is the same copy followed, on the same background thread, by a function of the staged
+dict (the fused-QKV split, ``qkvsplit.py``): the writer waits for both, training only for the copy
+(``copied``).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ class FlatStager:
         return self._future
 
     def stage_then(self, state_dict: dict, then: Any = None) -> tuple[Future, Future]:
-        """(copied, done): the copy, then ``then(staged)`` on the stager's thread; ``done`` holds its result
-        (the staged dict itself without ``then``)."""
+        """(copied, done): the copy, then ``then(staged)`` on the stager's thread; ``done`` holds
+        its result (the staged dict itself without ``then``)."""
         copied: Future = Future()
         done: Future = Future()
 
@@ -105,8 +109,8 @@ class FlatStager:
             or buf.shape != src.shape
             or buf.stride() != src.stride()
         ):
-            # preserve_format keeps the strides of a dense tensor (contiguous otherwise); fill once so
-            # the pages are faulted in now, not during the first timed copy
+            # preserve_format keeps the strides of a dense tensor (contiguous otherwise); fill once
+            # so the pages are faulted in now, not during the first timed copy
             buf = torch.empty_like(src, device="cpu", memory_format=torch.preserve_format)
             buf.copy_(src)
             self._bufs[path] = buf

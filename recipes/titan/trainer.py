@@ -185,8 +185,8 @@ class _Save:
         None  # threading.Event, set once blocking_s is final (the background staging copy is done)
     )
     waiting: bool = False  # training is waiting for the staging copy right now
-    # where blocking_s went (the checkpoint event's breakdown): agreement + transaction begin, the state
-    # dict, the save call, the wait for the staging copy before the optimizer step
+    # where blocking_s went (the checkpoint event's breakdown): agreement + transaction begin, the
+    # state dict, the save call, the wait for the staging copy before the optimizer step
     prep_s: float | None = None
     state_dict_s: float | None = None
     call_s: float | None = None
@@ -408,10 +408,11 @@ class ProbeCheckpointManager(CheckpointManager):
                         self.staging_future = result.staging_completion
                         self.save_future = result.upload_completion
                     elif use_async:
-                        # a persistent stager: the staging copy reuses the buffers of the previous save (no
-                        # allocation per save) and runs in a background thread, overlapped with the next
-                        # step's forward/backward; training waits for it only before the optimizer step
-                        # (_maybe_wait_for_staging), and that wait is counted in blocking_s
+                        # a persistent stager: the staging copy reuses the buffers of the previous
+                        # save (no allocation per save) and runs in a background thread, overlapped
+                        # with the next step's forward/backward; training waits for it only before
+                        # the optimizer step (_maybe_wait_for_staging), and that wait is counted in
+                        # blocking_s
                         import torch.distributed.checkpoint as dcp
 
                         from ptops.recipes.titan.staging import FlatStager
@@ -524,7 +525,8 @@ class ProbeCheckpointManager(CheckpointManager):
                 **extra,
             )
         _log(
-            f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total {rec.total_s:.3f}s)"
+            f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total "
+            f"{rec.total_s:.3f}s)"
         )
         self._verifier.submit(rec.step, rec.path)
 
@@ -547,14 +549,16 @@ class ProbeCheckpointManager(CheckpointManager):
         if rec.final:
             self.failed_final = rec
             raise RuntimeError(
-                f"the {'final' if self.stop_step != rec.step else 'on-request'} checkpoint (step {rec.step}) "
-                f"could not be saved: {rec.error}; the last good checkpoint is the newest one committed"
+                f"the {'final' if self.stop_step != rec.step else 'on-request'} checkpoint (step "
+                f"{rec.step}) "
+                f"could not be saved: {rec.error}; the last good checkpoint is the newest one "
+                "committed"
             )
         return False
 
     def _maybe_wait_for_staging(self) -> None:
-        """Training waits here (before the optimizer step changes the state) for the background staging
-        copy of the last async save; the wait is part of that save's ``blocking_s``."""
+        """Training waits here (before the optimizer step changes the state) for the background
+        staging copy of the last async save; the wait is part of that save's ``blocking_s``."""
         fut, self.staging_future = self.staging_future, None
         rec = self._inflight
         if fut is None:
@@ -574,16 +578,17 @@ class ProbeCheckpointManager(CheckpointManager):
                 rec.staged.set()
 
     def _staging_done(self, rec: _Save) -> None:
-        """The staging copy is done. If training is not waiting for it now, it will not wait later either
-        (the wait returns at once), so ``blocking_s`` is final: the commit need not wait for the training
-        thread (which a held or slow step would delay)."""
+        """The staging copy is done. If training is not waiting for it now, it will not wait later
+        either (the wait returns at once), so ``blocking_s`` is final: the commit need not wait for
+        the training thread (which a held or slow step would delay)."""
         with self._stage_lock:
             if not rec.waiting:
                 rec.staged.set()
 
     def _qkv_split(self) -> Any:
-        """The fused-QKV split plan for the CPU async path (``qkvsplit.QkvSplit``), or None: built at the first
-        async save and agreed by every rank (its gathers are collectives), then kept for the run."""
+        """The fused-QKV split plan for the CPU async path (``qkvsplit.QkvSplit``), or None: built
+        at the first async save and agreed by every rank (its gathers are collectives), then kept
+        for the run."""
         if self._split_plan is None:
             plan, why = None, "CUDA: DefaultStager path"
             if (
@@ -612,7 +617,8 @@ class ProbeCheckpointManager(CheckpointManager):
         return self._split_plan or None
 
     def _writer(self) -> Any:
-        """The thread that writes async saves (one save in flight): ``dcp.async_save`` starts a new one per save."""
+        """The thread that writes async saves (one save in flight): ``dcp.async_save`` starts a new
+        one per save."""
         if self._write_exec is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -622,9 +628,9 @@ class ProbeCheckpointManager(CheckpointManager):
         return self._write_exec
 
     def _stager(self) -> Any:
-        """One stager for the whole run (its buffers persist). On a CPU ``FlatStager``: one batched copy
-        per save, ~1.0x a memcpy where DefaultStager's per-tensor deep copy is ~1.4x (bench/README.md).
-        With CUDA, DefaultStager as before (pinned buffers, a copy stream)."""
+        """One stager for the whole run (its buffers persist). On a CPU ``FlatStager``: one batched
+        copy per save, ~1.0x a memcpy where DefaultStager's per-tensor deep copy is ~1.4x
+        (bench/README.md). With CUDA, DefaultStager as before (pinned buffers, a copy stream)."""
         if self._cpu_stager is None:
             if torch.cuda.is_available():
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -642,15 +648,16 @@ class ProbeCheckpointManager(CheckpointManager):
 
                 self._cpu_stager = FlatStager()
             _log(
-                f"async checkpoint staging: {type(self._cpu_stager).__name__}, buffers kept across saves"
+                f"async checkpoint staging: {type(self._cpu_stager).__name__}, buffers kept "
+                "across saves"
             )
         return self._cpu_stager
 
     def _skip_busy(self, probe: Any, step: int) -> bool:
-        """An interval save that comes while the previous async save is still writing (on any rank) is
-        skipped and recorded (``checkpoint_skipped``), never queued: one writer, and the staging buffers
-        are not overwritten under it. A save a fault waits for (``corrupt-ckpt``, ``hold:until=committed``)
-        is never skipped."""
+        """An interval save that comes while the previous async save is still writing (on any rank)
+        is skipped and recorded (``checkpoint_skipped``), never queued: one writer, and the staging
+        buffers are not overwritten under it. A save a fault waits for (``corrupt-ckpt``,
+        ``hold:until=committed``) is never skipped."""
         rec = self._inflight
         busy = rec is not None and rec.done is not None and not rec.done.is_set()
         any_busy, any_waits = self._agree_flags(busy, _fault_waits_for_save(probe, step))
@@ -662,7 +669,8 @@ class ProbeCheckpointManager(CheckpointManager):
                 int(step)
             )  # ends a slow-save:until=skipped of the save still writing
         _log(
-            f"checkpoint step-{step} skipped: step-{rec.step if rec else '?'} is still being written"
+            f"checkpoint step-{step} skipped: step-{rec.step if rec else '?'} is still being "
+            "written"
         )
         if probe is not None and _rank() == 0:
             probe.event(
@@ -707,11 +715,13 @@ class ProbeCheckpointManager(CheckpointManager):
 
 
 def _stateful_to_state_dict(states: dict) -> dict:
-    """What ``dcp.async_save`` does first on the caller's thread (``Stateful`` values -> their state dicts),
-    without its logging wrapper around every entry (~0.1 ms each: a message dict built for a NullHandler)."""
+    """What ``dcp.async_save`` does first on the caller's thread (``Stateful`` values -> their state
+    dicts), without its logging wrapper around every entry (~0.1 ms each: a message dict built for a
+    NullHandler)."""
     from torch.distributed.checkpoint.stateful import Stateful
 
-    # a tensor is never Stateful; the Protocol check (getattr_static) is the slow part for the ~50 entries
+    # a tensor is never Stateful; the Protocol check (getattr_static) is the slow part for the ~50
+    # entries
     return {
         k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
         for k, v in states.items()
@@ -719,16 +729,17 @@ def _stateful_to_state_dict(states: dict) -> dict:
 
 
 def _save_staged(staged: Any, checkpoint_id: str, pg: Any) -> Any:
-    """The write thread: what ``dcp.async_save``'s thread runs (its ``save_wrapper``): wait for the staged
-    dict, then ``dcp.save`` of it on the checkpoint's process group."""
+    """The write thread: what ``dcp.async_save``'s thread runs (its ``save_wrapper``): wait for the
+    staged dict, then ``dcp.save`` of it on the checkpoint's process group."""
     import torch.distributed.checkpoint as dcp
 
     return dcp.save(staged.result(), checkpoint_id=checkpoint_id, process_group=pg)
 
 
 def _verifier() -> Any:
-    """Rank 0's background read-back verification of every committed checkpoint (``ptops.ckpt``), with
-    its verdicts as events: ``checkpoint_verified``, or ``checkpoint_invalid`` (an alert) naming the file."""
+    """Rank 0's background read-back verification of every committed checkpoint (``ptops.ckpt``),
+    with its verdicts as events: ``checkpoint_verified``, or ``checkpoint_invalid`` (an alert)
+    naming the file."""
     from ptops.ckpt import BackgroundVerifier
 
     def report(step: int, path: Path, ok: bool, reason: str, verify_s: float) -> None:
@@ -753,9 +764,10 @@ def _verifier() -> Any:
 
 
 def _fault_waits_for_save(probe: Any, step: int) -> bool:
-    """A pending fault that needs this step's save: committed (``corrupt-ckpt``, ``hold:until=committed``), or
-    begun, because it fires inside it (``enospc``, ``crash:phase=save``, due at this step or before). Skipping
-    that save while the previous one still writes would skip the fault, on a slow box only."""
+    """A pending fault that needs this step's save: committed (``corrupt-ckpt``,
+    ``hold:until=committed``), or begun, because it fires inside it (``enospc``,
+    ``crash:phase=save``, due at this step or before). Skipping that save while the previous one
+    still writes would skip the fault, on a slow box only."""
     inj = getattr(probe, "injector", None)
     try:
         for f in inj.pending if inj else []:
@@ -824,7 +836,8 @@ class ProbeTrainer(Trainer):
             )
 
     def init_distributed(self):
-        """Start-up progress around the process group's init (the rendezvous), and what it formed."""
+        """Start-up progress around the process group's init (the rendezvous), and what it
+        formed."""
         probe = get_probe()
         if probe is not None:
             probe.startup("rendezvous")
@@ -885,7 +898,8 @@ class ProbeTrainer(Trainer):
             if isinstance(ckpt, ProbeCheckpointManager):
                 ckpt.stop_step = step
             print(
-                f"[ptops.titan rank {_rank()}] stop requested: checkpointing step {step} and stopping",
+                f"[ptops.titan rank {_rank()}] stop requested: checkpointing step {step} and "
+                "stopping",
                 flush=True,
             )
 

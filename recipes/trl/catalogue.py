@@ -35,8 +35,8 @@ class TeacherError(ValueError):
 
 
 def resolve_teacher(spec: str) -> Path:
-    """A checkpoint folder as is (verified deep); a run directory or a checkpoints folder: its newest
-    good checkpoint (deep-verified)."""
+    """A checkpoint folder as is (verified deep); a run directory or a checkpoints folder: its
+    newest good checkpoint (deep-verified)."""
     from ptops.ckpt import detect_kind, latest_good, verify
 
     p = Path(spec).expanduser()
@@ -113,7 +113,8 @@ def pin_teacher(spec: str, run_dir: Path) -> dict[str, Any]:
 
 
 def frozen_dtype(sec) -> str:
-    """Weights that never train (LoRA's base, the teacher): bf16 on GPUs with ``trl.bf16``, else fp32."""
+    """Weights that never train (LoRA's base, the teacher): bf16 on GPUs with ``trl.bf16``, else
+    fp32."""
     from ptops.recipes.trl.run import _cuda
 
     return "bfloat16" if sec.bf16 and _cuda() else "float32"
@@ -133,7 +134,8 @@ def load_teacher(path: Path, dtype: str = "float32"):
 
 
 def _teacher(recipe, probe, run_dir: Path):
-    """(teacher model, pin) agreed by all ranks: rank 0 resolves and pins, the others read its answer."""
+    """(teacher model, pin) agreed by all ranks: rank 0 resolves and pins, the others read its
+    answer."""
     from ptops.recipes.trl.model import load_model, model_dir
 
     sec = recipe.trl
@@ -165,8 +167,8 @@ def _teacher(recipe, probe, run_dir: Path):
         raise TeacherError(pin["error"])
     if rank0:
         print(
-            f"[ptops.trl rank 0] teacher {pin['path']} (digest {str(pin['digest'])[:16]}, step {pin['step']}"
-            + (", pinned by an earlier attempt)" if pin.get("pinned") else ")"),
+            f"[ptops.trl rank 0] teacher {pin['path']} (digest {str(pin['digest'])[:16]}, step "
+            f"{pin['step']}" + (", pinned by an earlier attempt)" if pin.get("pinned") else ")"),
             flush=True,
         )
         probe.event(

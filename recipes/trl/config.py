@@ -32,7 +32,8 @@ class TrlModel(_Strict):
     rope_theta: float = Field(10000.0, gt=0)
     pretrained: str | None = Field(
         None,
-        description="HF hub id or local folder of the real weights (GPU nodes); unset: the tiny model "
+        description="HF hub id or local folder of the real weights (GPU nodes); unset: the tiny "
+        "model "
         "built locally from these dimensions",
     )
 
@@ -71,7 +72,8 @@ class TrlJudge(_Strict):
 
 
 class TrlSandbox(_Strict):
-    """``[trl.sandbox]``: limits of one completion's run for ``reward = "code"`` (recipes/trl/sandbox.py)."""
+    """``[trl.sandbox]``: limits of one completion's run for ``reward = "code"``
+    (recipes/trl/sandbox.py)."""
 
     cpu_s: int = Field(2, ge=1, description="CPU seconds (RLIMIT_CPU); then SIGKILL")
     wall_s: float = Field(
@@ -85,7 +87,8 @@ class TrlSandbox(_Strict):
 
 
 class TrlLora(_Strict):
-    """LoRA adapters (peft) for ``trainer = "lora_sft"``: only the adapters train and are checkpointed."""
+    """LoRA adapters (peft) for ``trainer = "lora_sft"``: only the adapters train and are
+    checkpointed."""
 
     r: int = Field(8, ge=1)
     alpha: int = Field(16, ge=1)
@@ -150,9 +153,12 @@ class TrlSection(_Strict):
     reward: Literal["correct", "length", "math", "judge", "code"] = Field(
         "correct",
         description="GRPO training reward: `correct` (answer checked, + 0.2 x format), `length` "
-        "(deliberately gameable: pays for characters; the held-out `verifier` is logged at weight 0), "
-        "`math` (final answer verified: boxed / 'answer:' / last number, fractions, sympy), `judge` "
-        "(an LLM judge's score, [trl.judge]), `code` (fraction of test asserts passed in a sandbox, [trl.sandbox])",
+        "(deliberately gameable: pays for characters; the held-out `verifier` is logged at "
+        "weight 0), "
+        "`math` (final answer verified: boxed / 'answer:' / last number, fractions, sympy), "
+        "`judge` "
+        "(an LLM judge's score, [trl.judge]), `code` (fraction of test asserts passed in a "
+        "sandbox, [trl.sandbox])",
     )
     judge: TrlJudge = TrlJudge()
     sandbox: TrlSandbox = TrlSandbox()
@@ -160,12 +166,14 @@ class TrlSection(_Strict):
     lora: TrlLora = TrlLora()
     teacher: str | None = Field(
         None,
-        description="GKD teacher: a run directory (its newest verified checkpoint) or a checkpoint folder; "
+        description="GKD teacher: a run directory (its newest verified checkpoint) or a "
+        "checkpoint folder; "
         "unset: a locally built tiny model (seed + 1) of the student's dimensions",
     )
     teacher_model: TrlModel | None = Field(
         None,
-        description="GKD teacher's architecture: the tiny teacher's dimensions when trl.teacher is unset; "
+        description="GKD teacher's architecture: the tiny teacher's dimensions when trl.teacher "
+        "is unset; "
         "--dry-run's shape and memory checks for a production teacher (default: the student's)",
     )
     lmbda: float = Field(
@@ -240,7 +248,8 @@ def check_recipe(recipe) -> tuple[str, str] | None:
     if batch % sec.num_generations:
         return (
             "trl.num_generations",
-            f"must divide per_device_batch_size x launch.nproc x grad_accum = {sec.per_device_batch_size} x "
+            "must divide per_device_batch_size x launch.nproc x grad_accum = "
+            f"{sec.per_device_batch_size} x "
             f"{recipe.launch.nproc} x {sec.grad_accum} = {batch} (got {sec.num_generations})",
         )
     return None

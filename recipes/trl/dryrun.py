@@ -1,4 +1,5 @@
-"""``ptops launch TRL-RECIPE --dry-run``'s build, in a subprocess of the CLI (torch stays out of it).
+"""``ptops launch TRL-RECIPE --dry-run``'s build, in a subprocess of the CLI (torch stays out of
+it).
 
 ``python -m ptops.recipes.trl.dryrun RECIPE.json WORLD`` prints one ``PTOPS_DRYRUN {json}`` line:
 

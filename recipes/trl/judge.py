@@ -1,4 +1,5 @@
-"""The LLM-judge reward (RLAIF) of ``[trl] reward = "judge"``: a small local model scores completions.
+"""The LLM-judge reward (RLAIF) of ``[trl] reward = "judge"``: a small local model scores
+completions.
 
 The judge is loaded once per rank, in-process, before training starts (loading under
 ``torch.random.fork_rng`` so that it never moves the training RNG: a resumed run must draw
@@ -44,7 +45,8 @@ def judge_dir(section) -> Path:
 
 
 def weights_digest(path: Path) -> str:
-    """sha256 over config.json and the weight files (names and bytes, sorted): the judge's identity."""
+    """sha256 over config.json and the weight files (names and bytes, sorted): the judge's
+    identity."""
     h = hashlib.sha256()
     files = [path / "config.json"] + sorted(
         p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)
@@ -140,7 +142,8 @@ class Judge:
 
 
 class JudgeReward:
-    """The GRPO reward function (TRL calls it with prompts and completions; logged as ``rewards/judge``)."""
+    """The GRPO reward function (TRL calls it with prompts and completions; logged as
+    ``rewards/judge``)."""
 
     __name__ = "judge"
 

@@ -53,9 +53,9 @@ def _build(dims: TrlModel, seed: int, out: Path) -> None:
     model.generation_config = GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
     )
-    # Once a process group exists, transformers writes weights and config.json on global rank 0 only;
-    # this process holds the asset's build lock (rank 1, or local rank 0 of another node, may be the
-    # builder), so it is the process that saves.
+    # Once a process group exists, transformers writes weights and config.json on global rank 0
+    # only; this process holds the asset's build lock (rank 1, or local rank 0 of another node, may
+    # be the builder), so it is the process that saves.
     model.should_save_on_this_rank = lambda is_main_process: is_main_process
     model.save_pretrained(str(out), safe_serialization=True, is_main_process=True)
     AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
@@ -76,8 +76,8 @@ def model_dir(dims: TrlModel, seed: int = 0) -> Path:
 
 
 def _rng_kept(fn, *args) -> None:
-    """Building seeds torch: the caller's RNG must not depend on whether the cache was empty (a judge
-    built on a fresh cache moved the training RNG; a warm cache did not)."""
+    """Building seeds torch: the caller's RNG must not depend on whether the cache was empty (a
+    judge built on a fresh cache moved the training RNG; a warm cache did not)."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
@@ -145,7 +145,8 @@ def hf_config(dims: TrlModel, num_labels: int | None = None):
 
 
 def policy_dir(dims: TrlModel) -> str:
-    """What ``from_pretrained`` loads: the production weights when the recipe names them, else the tiny model."""
+    """What ``from_pretrained`` loads: the production weights when the recipe names them, else the
+    tiny model."""
     return dims.pretrained if dims.pretrained else str(model_dir(dims, seed=dims.seed))
 
 

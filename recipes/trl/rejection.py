@@ -1,13 +1,14 @@
-"""Rejection sampling: N sampled answers per prompt from a checkpoint, the best by the verifier kept.
+"""Rejection sampling: N sampled answers per prompt from a checkpoint, the best by the verifier
+kept.
 
-``python -m ptops.recipes.trl.rejection --from CKPT --out DATA.jsonl [--n 4 --prompts 64 ...]`` (what a
-pipeline stage with ``kind = "rejection-sampling"`` runs before its SFT launch): loads the verified
-checkpoint, samples ``n`` answers for each of ``prompts`` arithmetic questions (a seed of their own,
-so not the SFT set), grades each with :func:`ptops.recipes.trl.rewards.verifier` and keeps the best
-answer of each prompt whose score is at least ``min_score``, as SFT chat rows (``{"messages": ...}``)
-in a JSONL file. Beside it, ``DATA.json`` holds the file's sha256 and the statistics (kept rows,
-mean best and mean sampled score: the gap is what selection bought). An SFT recipe trains on the
-file through ``train.data_file`` (:func:`rows`).
+``python -m ptops.recipes.trl.rejection --from CKPT --out DATA.jsonl [--n 4 --prompts 64 ...]``
+(what a pipeline stage with ``kind = "rejection-sampling"`` runs before its SFT launch): loads the
+verified checkpoint, samples ``n`` answers for each of ``prompts`` arithmetic questions (a seed of
+their own, so not the SFT set), grades each with :func:`ptops.recipes.trl.rewards.verifier` and
+keeps the best answer of each prompt whose score is at least ``min_score``, as SFT chat rows
+(``{"messages": ...}``) in a JSONL file. Beside it, ``DATA.json`` holds the file's sha256 and the
+statistics (kept rows, mean best and mean sampled score: the gap is what selection bought). An SFT
+recipe trains on the file through ``train.data_file`` (:func:`rows`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ PROMPT_SEED = 11  # a question set of its own (the training sets use 1, 2, 3; th
 
 
 def rows(recipe) -> list[dict] | None:
-    """The chat rows of ``train.data_file`` (None when unset): the SFT data set of a rejection-sampling stage."""
+    """The chat rows of ``train.data_file`` (None when unset): the SFT data set of a
+    rejection-sampling stage."""
     path = recipe.train.data_file
     if not path:
         return None

@@ -50,12 +50,14 @@ def format(completions, **_: object) -> list[float]:  # noqa: A001 - the name sh
 
 
 def length(completions, **_: object) -> list[float]:
-    """Gameable: completion length in characters / 64 (no cap). Pays for verbosity, not for answers."""
+    """Gameable: completion length in characters / 64 (no cap). Pays for verbosity, not for
+    answers."""
     return [len(_text(c)) / 64.0 for c in completions]
 
 
 def verifier(completions, answer, **_: object) -> list[float]:
-    """Held-out graded correctness: 1 - |last number - answer| / 40, floored at 0; 0 without a number."""
+    """Held-out graded correctness: 1 - |last number - answer| / 40, floored at 0; 0 without a
+    number."""
     out = []
     for completion, expected in zip(completions, answer):
         numbers = _NUMBER.findall(_text(completion))
@@ -81,7 +83,8 @@ _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _SQRT = re.compile(r"\\sqrt\s*\{([^{}]*)\}")
 _TEXT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}")
-# what sympy may see: numbers, single-letter symbols, sqrt, pi, + - * / ^ ( ); nothing that reaches Python
+# what sympy may see: numbers, single-letter symbols, sqrt, pi, + - * / ^ ( ); nothing that reaches
+# Python
 _SAFE_EXPR = re.compile(r"^[0-9a-z+\-*/^(). ]{1,64}$")
 _NAMES = re.compile(r"[a-z]+")
 _ALLOWED_NAMES = {"sqrt", "pi"}
@@ -202,11 +205,12 @@ def _as_fraction(s: str):
 
 def _sympy_expr(s: str):
     """A sympy expression of a whitelisted answer, or None. Never evaluates anything else: only
-    numbers, single-letter symbols, sqrt, pi and arithmetic pass, with one small exponent at most."""
+    numbers, single-letter symbols, sqrt, pi and arithmetic pass, with one small exponent at
+    most."""
     if not _SAFE_EXPR.match(s) or re.search(r"[a-z)]\.", s) or re.search(r"\d{13,}", s):
         return None
-    # Python number syntax the tokenizer would read: 1e999999 (a float sympy then expands for minutes),
-    # 0x1f, 0b1, 0o7, 1j
+    # Python number syntax the tokenizer would read: 1e999999 (a float sympy then expands for
+    # minutes), 0x1f, 0b1, 0o7, 1j
     if re.search(r"[0-9.][ej]|(?<![0-9])0[xob]", s):
         return None
     if any(len(n) > 1 and n not in _ALLOWED_NAMES for n in _NAMES.findall(s)):
@@ -234,8 +238,9 @@ def _sympy_expr(s: str):
 
 
 def answers_equal(got: str, want: str) -> bool:
-    """Exact equality of two final answers: as fractions (``0.5`` == ``1/2`` == ``\\frac{1}{2}``), else
-    symbolically with sympy when it is installed (``2x+1`` == ``1+2*x``), else as normalised text."""
+    """Exact equality of two final answers: as fractions (``0.5`` == ``1/2`` == ``\\frac{1}{2}``),
+    else symbolically with sympy when it is installed (``2x+1`` == ``1+2*x``), else as normalised
+    text."""
     a, b = normalise_answer(got), normalise_answer(want)
     if a == b and a:
         return True
@@ -252,7 +257,8 @@ def answers_equal(got: str, want: str) -> bool:
             diff = ea - eb
             if diff == 0 or sympy.expand(diff) == 0:
                 return True
-            # simplify only what is small: its cost grows fast with the expression (bounded time per call)
+            # simplify only what is small: its cost grows fast with the expression (bounded time per
+            # call)
             return sympy.count_ops(diff) <= 12 and bool(sympy.simplify(diff) == 0)
         except Exception:  # noqa: BLE001
             return False
@@ -342,10 +348,11 @@ class CodeReward:
     """Fraction of the row's ``tests`` (assert statements) that pass when the completion's code runs
     in :func:`ptops.recipes.trl.sandbox.run_code`: each assert is split, its call runs inside, its
     expected value stays here and the comparison is made here on strictly decoded plain data (the
-    threat model: ``docs/rewards.md``). Every completion runs, even one that does not parse (it scores
-    0 there): one path for all, and the sandbox is exercised from the first step of a tiny run.
-    ``workers`` sandboxes run at once (as root: each has a uid of its own; otherwise one at a time,
-    since RLIMIT_NPROC would count the others). ``last`` keeps the latest results for logging."""
+    threat model: ``docs/rewards.md``). Every completion runs, even one that does not parse (it
+    scores 0 there): one path for all, and the sandbox is exercised from the first step of a tiny
+    run. ``workers`` sandboxes run at once (as root: each has a uid of its own; otherwise one at a
+    time, since RLIMIT_NPROC would count the others). ``last`` keeps the latest results for
+    logging."""
 
     __name__ = "code"
 
@@ -382,15 +389,17 @@ class CodeReward:
             log_metric(
                 "sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last))
             )
-            # a result channel tampered with (extra or malformed records, or none after an exit 0): no honest
-            # solution does that, so a policy learning to forge shows here before anywhere else
+            # a result channel tampered with (extra or malformed records, or none after an exit 0):
+            # no honest solution does that, so a policy learning to forge shows here before anywhere
+            # else
             forged = sum(r.status in ("malformed", "no_result") for r in self.last)
             log_metric("sandbox/forged", float(forged))
         return [r.reward for r in self.last]
 
 
 def _example_args(rng, n_shown: int, n_hidden: int) -> tuple[list, list]:
-    """Distinct argument pairs: the first ``n_shown`` go in the prompt, the rest are the hidden tests."""
+    """Distinct argument pairs: the first ``n_shown`` go in the prompt, the rest are the hidden
+    tests."""
     seen: list = []
     while len(seen) < n_shown + n_hidden:
         a = (rng.randint(-9, 9), rng.randint(-9, 9))
@@ -400,9 +409,9 @@ def _example_args(rng, n_shown: int, n_hidden: int) -> tuple[list, list]:
 
 
 def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
-    """GRPO rows ``{"prompt", "examples", "tests"}``: write a two-argument function. The prompt shows
-    two ``examples`` (asserts, for reference); the reward runs the three hidden ``tests`` on other
-    inputs, so a completion that special-cases the shown inputs scores low."""
+    """GRPO rows ``{"prompt", "examples", "tests"}``: write a two-argument function. The prompt
+    shows two ``examples`` (asserts, for reference); the reward runs the three hidden ``tests`` on
+    other inputs, so a completion that special-cases the shown inputs scores low."""
     import random
 
     rng = random.Random(seed)
@@ -430,8 +439,8 @@ def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
 
 def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
     """The rows, once every test assert splits into a call and an expected value (see
-    :func:`ptops.recipes.trl.sandbox.split_assert`) and no graded call is shown in the prompt or among
-    the row's ``examples``; else ValueError with one line naming the row and the assert."""
+    :func:`ptops.recipes.trl.sandbox.split_assert`) and no graded call is shown in the prompt or
+    among the row's ``examples``; else ValueError with one line naming the row and the assert."""
     from ptops.recipes.trl.sandbox import AssertRefused, split_assert
 
     def probes(asserts, i: int) -> set[str]:
@@ -459,7 +468,8 @@ def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
 
 
 def reward_dataset(section, n: int | None = None) -> list[dict]:
-    """The GRPO rows the recipe's reward reads: arithmetic (correct, length, judge), math or code."""
+    """The GRPO rows the recipe's reward reads: arithmetic (correct, length, judge), math or
+    code."""
     from ptops.recipes import assets
 
     n = n if n is not None else section.dataset_size
@@ -513,7 +523,8 @@ def reward_setup(
         source["sandbox_limits"] = section.sandbox.model_dump() if section is not None else {}
     else:
         raise ValueError(
-            f"[trl].reward: unknown reward {reward!r} (expected correct, length, math, judge or code)"
+            f"[trl].reward: unknown reward {reward!r} (expected correct, length, math, judge or "
+            "code)"
         )
     if probe is not None and getattr(probe, "rank", 0) == 0:
         probe.event(

@@ -1,4 +1,5 @@
-"""TRL / transformers side of a rollback (``PTOPS_ROLLBACK``, contract in :mod:`ptops.recipes.rollback`).
+"""TRL / transformers side of a rollback (``PTOPS_ROLLBACK``, contract in
+:mod:`ptops.recipes.rollback`).
 
 - ``lr_factor``: :func:`callbacks` returns a ``TrainerCallback`` whose
   ``on_train_begin`` (after transformers loaded the optimizer and scheduler from

@@ -128,7 +128,8 @@ class _StepTally:
 
 
 class _SaveState:
-    """The save in progress on this rank, shared by the trainer's ``_save_checkpoint`` and the callback."""
+    """The save in progress on this rank, shared by the trainer's ``_save_checkpoint`` and the
+    callback."""
 
     def __init__(self, keep: int = 3) -> None:
         self.keep = keep
@@ -267,7 +268,8 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
                 control.should_training_stop = True
             if state.global_step >= state.max_steps:
                 control.should_save = True  # always checkpoint the final step
-            # the probe's checkpoint phase starts in PtopsTrainer._save_checkpoint (after on_log's record)
+            # the probe's checkpoint phase starts in PtopsTrainer._save_checkpoint (after on_log's
+            # record)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
@@ -336,8 +338,10 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
             probe.phase("step", step)
             if err is not None and final:
                 raise RuntimeError(
-                    f"the {'final' if self.stopped_at != step else 'on-request'} checkpoint (step {step}) "
-                    f"could not be saved: {err}; the last good checkpoint is the newest one committed"
+                    f"the {'final' if self.stopped_at != step else 'on-request'} checkpoint "
+                    f"(step {step}) "
+                    f"could not be saved: {err}; the last good checkpoint is the newest one "
+                    "committed"
                 )
 
     return ProbeCallback()
@@ -362,11 +366,13 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
             bf16=bool(sec.bf16 and _cuda()),
             fp16=False,
             logging_steps=1,
-            logging_nan_inf_filter=False,  # a NaN loss must reach the monitors, not be averaged away
+            # a NaN loss must reach the monitors, not be averaged away
+            logging_nan_inf_filter=False,
             report_to=[],
             save_strategy="steps",
             save_steps=recipe.checkpoint.interval,
-            save_total_limit=None,  # retention is ptops.ckpt.prune after each commit (never the last good one)
+            # retention is ptops.ckpt.prune after each commit (never the last good one)
+            save_total_limit=None,
             disable_tqdm=True,
             dataloader_num_workers=0,
             ddp_find_unused_parameters=False,
@@ -383,7 +389,8 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
 
 
 def fsdp_args(sec, on_gpu: bool) -> dict[str, Any]:
-    """``[trl] fsdp = true``: transformers' FSDP full shard, wrapped per decoder layer (GPU only)."""
+    """``[trl] fsdp = true``: transformers' FSDP full shard, wrapped per decoder layer (GPU
+    only)."""
     if not (sec.fsdp and on_gpu):
         return {}
     layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}[sec.model.arch]
@@ -484,7 +491,8 @@ def build_trainer(recipe, probe, run: RunDir):
         from ptops.recipes.trl import vllm
         from ptops.recipes.trl.rewards import reward_dataset, reward_setup
 
-        # [trl] reward picks the functions and the rows they read (rewards.py); rank 0 reports reward_source
+        # [trl] reward picks the functions and the rows they read (rewards.py); rank 0 reports
+        # reward_source
         reward_funcs, reward_weights = reward_setup(
             sec.reward, sec.verifier, section=sec, probe=probe
         )
@@ -546,7 +554,8 @@ def main(recipe, probe) -> None:
         ("TRANSFORMERS_OFFLINE", "1"),
         ("TOKENIZERS_PARALLELISM", "false"),
         ("HF_HUB_DISABLE_TELEMETRY", "1"),
-        # report_to=[]: ranks report through the probe; importing mlflow here only costs ~1-3 s per rank
+        # report_to=[]: ranks report through the probe; importing mlflow here only costs ~1-3 s per
+        # rank
         ("DISABLE_MLFLOW_INTEGRATION", "TRUE"),
     ):
         os.environ.setdefault(key, value)

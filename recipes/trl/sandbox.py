@@ -5,21 +5,21 @@ fail, never pass, whatever it does to its own interpreter: each assert is split 
 (:func:`split_assert`) into its call (``f(x)``, run inside) and its expected value (kept here); the
 sandbox runs the completion, then each call, and sends each result as plain data; the parent decodes
 it with a strict whitelist and compares it here. A crash, an exit, a kill, a limit hit (CPU, memory,
-processes, wall clock) or a broken result channel score 0, so the outcome depends on the code only and
-not on timing (a program near its CPU limit is the exception).
+processes, wall clock) or a broken result channel score 0, so the outcome depends on the code only
+and not on timing (a program near its CPU limit is the exception).
 
 Forgeries (a policy optimises what the grader pays for). Tests are in ``tests/test_code_forgery.py``
-(forgery names of ``FORGERIES`` unless a ``test_`` is named); ``docs/rewards.md`` has the same table:
+(forgery names of ``FORGERIES`` unless a ``test_`` is named); ``docs/rewards.md`` has the same
+table:
 
-==========================  ========================================  =================================
-forgery                     what stops it                             test
-==========================  ========================================  =================================
-an object equal to          the comparison runs here on decoded       always_equal_object,
-anything; a subclass of     data; the encoder inside and the          int_float_subclass,
-int/str/list/tuple;         decoder here take exact types only        list_subclass_equal,
-``__class__`` spoofing      (``type(v) is int``, never isinstance)    class_spoofing
-a lazy, huge, cyclic,       bounded: depth 16, 10,000 nodes, ~1,000   lazy_generator, huge_int,
-deep or non-finite value    digits, 10,000 characters, finite         cyclic_list, deep_nesting_value,
+========================== ========================================
+================================= forgery what stops it test ==========================
+======================================== ================================= an object equal to the
+comparison runs here on decoded always_equal_object, anything; a subclass of data; the encoder
+inside and the int_float_subclass, int/str/list/tuple; decoder here take exact types only
+list_subclass_equal, ``__class__`` spoofing (``type(v) is int``, never isinstance) class_spoofing a
+lazy, huge, cyclic, bounded: depth 16, 10,000 nodes, ~1,000 lazy_generator, huge_int, deep or
+non-finite value digits, 10,000 characters, finite cyclic_list, deep_nesting_value,
                             floats; beyond them the check fails       nan_and_inf, test_decoder_refuses
 an early exit (sys.exit,    missing results are no pass; the          os_exit_at_import,
 os._exit, BaseException     harness ends with os._exit (no atexit);   sys_exit_at_import,
@@ -35,22 +35,19 @@ builtins, settrace)         them only changes what is claimed         builtins_p
 closing or dup2 over fds,   the results do not arrive: no pass        close_result_fds,
 a signal handler exiting                                              dup2_devnull_over_fds,
                                                                       signal_exits_harness
-reading the expected        never in the sandbox (program, argv,      frame_and_heap_scan,
-values (frames, heap,       env, stdin); a root of its own            argv_env_stdin_scan,
-argv/env, files, /proc,     (``isolation.fs == "private"``: no        read_the_test_file,
-parent memory)              repository, cache or data), pid ns, uid   parent_memory
-hard-coding the prompt's    graded tests are hidden:                  test_hard_coding_the_shown_*,
-examples                    ``check_code_rows`` refuses a shown one   test_code_rows_refuse_*
-an assert that would        refused when the data loads               test_split_assert_refuses
-compare inside (``==
-True``, ``bool()``,
-arithmetic, !=, orders)
-==========================  ========================================  =================================
+reading the expected never in the sandbox (program, argv, frame_and_heap_scan, values (frames, heap,
+env, stdin); a root of its own argv_env_stdin_scan, argv/env, files, /proc, (``isolation.fs ==
+"private"``: no read_the_test_file, parent memory) repository, cache or data), pid ns, uid
+parent_memory hard-coding the prompt's graded tests are hidden: test_hard_coding_the_shown_*,
+examples ``check_code_rows`` refuses a shown one test_code_rows_refuse_* an assert that would
+refused when the data loads test_split_assert_refuses compare inside (``== True``, ``bool()``,
+arithmetic, !=, orders) ========================== ========================================
+=================================
 
-Known limits: without a mount namespace (no user namespaces, or unshare refused:
-``isolation.fs == "host"``) the completion can read whatever the trainer's uid can, so expected values
-in a readable data file could be looked up; a bare ``assert f(x)`` or ``f(x) in (..)`` pays for any
-truthy value or member, as weak as the data makes it.
+Known limits: without a mount namespace (no user namespaces, or unshare refused: ``isolation.fs ==
+"host"``) the completion can read whatever the trainer's uid can, so expected values in a readable
+data file could be looked up; a bare ``assert f(x)`` or ``f(x) in (..)`` pays for any truthy value
+or member, as weak as the data makes it.
 
 What a completion can do to the host, and what stops it:
 
@@ -136,7 +133,8 @@ class Result:
     wall_s: float = 0.0  # launcher-measured, harness start to reap
 
 
-# what a result may be: plain data of exact types, bounded (the encoder inside and the decoder outside)
+# what a result may be: plain data of exact types, bounded (the encoder inside and the decoder
+# outside)
 MAX_DEPTH = 16
 MAX_NODES = 10_000
 MAX_STR = 10_000
@@ -154,9 +152,10 @@ class AssertRefused(ValueError):
 
 @dataclass(frozen=True)
 class Clause:
-    """One check of an assert: ``probe`` (source run inside the sandbox) and how its decoded value is
-    judged outside: ``eq`` / ``is`` / ``in`` against ``expected``, ``truthy`` / ``falsy``, or ``close``
-    (``math.isclose`` with ``tol`` = (rel_tol, abs_tol), or ``abs(probe - expected) < tol[1]``)."""
+    """One check of an assert: ``probe`` (source run inside the sandbox) and how its decoded value
+    is judged outside: ``eq`` / ``is`` / ``in`` against ``expected``, ``truthy`` / ``falsy``, or
+    ``close`` (``math.isclose`` with ``tol`` = (rel_tol, abs_tol), or ``abs(probe - expected) <
+    tol[1]``)."""
 
     probe: str
     kind: str
@@ -190,7 +189,8 @@ class _NotExpected(Exception):
 
 
 def plain_ok(v, depth: int = 0, _count: list | None = None) -> bool:
-    """Whether ``v`` is plain data of the whitelist (exact types, bounded depth, size, digits; finite)."""
+    """Whether ``v`` is plain data of the whitelist (exact types, bounded depth, size, digits;
+    finite)."""
     import math
 
     count = _count if _count is not None else [0]
@@ -240,7 +240,8 @@ def _expected(node):
 
 def _inside(node, src: str) -> str:
     """The probe's source, after checking that nothing in it compares or computes with a value the
-    completion controls (that would move the comparison, and the expected value, into the sandbox)."""
+    completion controls (that would move the comparison, and the expected value, into the
+    sandbox)."""
     import ast
 
     for sub in ast.walk(node):
@@ -359,10 +360,10 @@ def _is_isclose(func) -> bool:
 
 
 def split_assert(src: str) -> tuple[Clause, ...]:
-    """``assert CALL == EXPECTED`` (either side; ``and`` of several; ``assert CALL``; ``assert not CALL``;
-    ``CALL is None/True/False``; ``CALL in LITERAL``; ``math.isclose(CALL, EXPECTED, ...)``;
-    ``abs(CALL - EXPECTED) < TOL``) as clauses whose probes run inside and whose expected values stay
-    here. Anything else raises :class:`AssertRefused` (one line naming the assert)."""
+    """``assert CALL == EXPECTED`` (either side; ``and`` of several; ``assert CALL``; ``assert not
+    CALL``; ``CALL is None/True/False``; ``CALL in LITERAL``; ``math.isclose(CALL, EXPECTED, ...)``;
+    ``abs(CALL - EXPECTED) < TOL``) as clauses whose probes run inside and whose expected values
+    stay here. Anything else raises :class:`AssertRefused` (one line naming the assert)."""
     import ast
 
     try:
@@ -375,8 +376,8 @@ def split_assert(src: str) -> tuple[Clause, ...]:
 
 
 def split_tests(tests) -> list[tuple[Clause, ...]]:
-    """Every assert of a row split (:func:`split_assert`); raises :class:`AssertRefused` on the first
-    one that cannot be."""
+    """Every assert of a row split (:func:`split_assert`); raises :class:`AssertRefused` on the
+    first one that cannot be."""
     return [_split_cached(str(t)) for t in tests]
 
 
@@ -602,7 +603,8 @@ _main()
 
 
 _GUARD_MARK = "# <guard>"
-# Without a network namespace the harness is stricter (no seccomp: a weaker guard, reported as such).
+# Without a network namespace the harness is stricter (no seccomp: a weaker guard, reported as
+# such).
 _GUARD = "_STRICT = True"
 
 
@@ -646,7 +648,8 @@ def _try(libc, fn: str, *args) -> bool:
 
 
 def _launch(cfg: dict) -> dict:
-    """Runs in a fresh single-threaded process: isolate, fork the harness, wait, clean up, report."""
+    """Runs in a fresh single-threaded process: isolate, fork the harness, wait, clean up,
+    report."""
     import resource
 
     work, limits = cfg["work"], cfg["limits"]
@@ -664,7 +667,8 @@ def _launch(cfg: dict) -> dict:
     uid = UID_BASE + os.getpid() if root else os.getuid()
     if cfg["python"] is None:
         raise RuntimeError(
-            "no Python interpreter the sandbox uid can execute (tried this one and /usr/bin/python3)"
+            "no Python interpreter the sandbox uid can execute (tried this one and "
+            "/usr/bin/python3)"
         )
     if root:
         iso["uid"] = uid
@@ -687,9 +691,9 @@ def _launch(cfg: dict) -> dict:
                     )
                     tmp_private = tmp_private or (ok and d == "/tmp")
     elif libc is not None and cfg.get("namespaces", True):
-        # not root: an unprivileged user namespace still gives no network, a pid namespace and a mount
-        # namespace for a root of its own; the trainer's uid maps to itself, so the harness (not uid 0
-        # in the namespace) loses every capability at exec and cannot leave that root
+        # not root: an unprivileged user namespace still gives no network, a pid namespace and a
+        # mount namespace for a root of its own; the trainer's uid maps to itself, so the harness
+        # (not uid 0 in the namespace) loses every capability at exec and cannot leave that root
         if _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS):
             iso["userns"] = iso["netns"] = iso["pidns"] = True
             gid = os.getgid()
@@ -752,8 +756,8 @@ def _launch(cfg: dict) -> dict:
             os.dup2(devnull, 2)
             os.setsid()
             if iso["pidns"] and iso["mountns"] and _try(libc, "unshare", CLONE_NEWNS):
-                # its own /proc (sees only its namespace), in a mount namespace of its own so that the
-                # launcher's /proc stays the host's
+                # its own /proc (sees only its namespace), in a mount namespace of its own so that
+                # the launcher's /proc stays the host's
                 _try(
                     libc,
                     "mount",
@@ -778,8 +782,9 @@ def _launch(cfg: dict) -> dict:
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
-            # counted per uid: as root the uid is the sandbox's own, so the count is the sandbox's; else
-            # the trainer's tasks are counted too, and the sandbox gets max_procs on top of them
+            # counted per uid: as root the uid is the sandbox's own, so the count is the sandbox's;
+            # else the trainer's tasks are counted too, and the sandbox gets max_procs on top of
+            # them
             resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
             if libc is not None:
                 libc.prctl(
@@ -830,9 +835,10 @@ def _launch(cfg: dict) -> dict:
 def _private_root(libc, work: str, python: str) -> tuple[str, str]:
     """A root of the harness's own, on the fresh tmpfs /tmp: read-only, nosuid binds of what the
     interpreter needs (``/usr`` and its links, the interpreter's prefix, ``ld.so.cache``), the
-    null/zero/urandom devices, an empty ``/proc`` and ``/tmp`` with the work dir. None of the trainer's
-    files (the repository, caches, data sets with their expected values, run directories) is in it.
-    Returns (root, work dir inside it); OSError when a mount fails (the caller keeps the host's view)."""
+    null/zero/urandom devices, an empty ``/proc`` and ``/tmp`` with the work dir. None of the
+    trainer's files (the repository, caches, data sets with their expected values, run directories)
+    is in it. Returns (root, work dir inside it); OSError when a mount fails (the caller keeps the
+    host's view)."""
     view = "/tmp/.ptops-root"
     os.makedirs(view, mode=0o755)
 
@@ -976,11 +982,13 @@ def _pids_of(uid: int) -> list[int]:
 def run_code(
     code: str, tests: list[str], limits: Limits = Limits(), namespaces: bool = True
 ) -> Result:
-    """Run ``code`` in a sandbox, then the call side of each of ``tests`` (assert statements, split by
-    :func:`split_assert`); the results are decoded and judged here. Never raises for what the code
-    does; raises :class:`AssertRefused` for an assert it cannot split (check the data when it loads).
+    """Run ``code`` in a sandbox, then the call side of each of ``tests`` (assert statements, split
+    by :func:`split_assert`); the results are decoded and judged here. Never raises for what the
+    code does; raises :class:`AssertRefused` for an assert it cannot split (check the data when it
+    loads).
 
-    ``namespaces=False`` takes the fallback path (as where unshare is not permitted): tests use it."""
+    ``namespaces=False`` takes the fallback path (as where unshare is not permitted): tests use
+    it."""
     if not tests:
         return Result(status="no_tests")
     checks = split_tests(tests)
@@ -1028,8 +1036,8 @@ def run_code(
 
 
 def _records(out: str, n: int) -> tuple[list | None, str]:
-    """The n result records and the end record's flag, or (None, why): any line out of place (missing,
-    extra, out of order, not strict plain data) voids the whole run."""
+    """The n result records and the end record's flag, or (None, why): any line out of place
+    (missing, extra, out of order, not strict plain data) voids the whole run."""
     lines = out.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

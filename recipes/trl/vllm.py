@@ -43,7 +43,8 @@ def unavailable(in_rank: bool = True) -> str | None:
 
 
 def config_kwargs(sec, probe=None) -> dict[str, Any]:
-    """GRPOConfig / RLOOConfig keyword arguments for ``[trl.vllm]`` (``use_vllm=False`` on fallback)."""
+    """GRPOConfig / RLOOConfig keyword arguments for ``[trl.vllm]`` (``use_vllm=False`` on
+    fallback)."""
     v = sec.vllm
     if v is None:
         return {"use_vllm": False}
@@ -51,7 +52,8 @@ def config_kwargs(sec, probe=None) -> dict[str, Any]:
     if reason is not None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(
-                f"[ptops.trl] vLLM {v.mode} mode unavailable ({reason}): generating with TRL's generate path",
+                f"[ptops.trl] vLLM {v.mode} mode unavailable ({reason}): generating with TRL's "
+                "generate path",
                 flush=True,
             )
             if probe is not None:

@@ -1,5 +1,6 @@
 """2-rank gloo DDP: rank 1 sleeps `slow_s` before each step from step 6 on (like a `slow` fault),
-or computes slower (extra matmuls) with MODE=compute. Records step_s two ways + compute/wait split."""
+or computes slower (extra matmuls) with MODE=compute. Records step_s two ways + compute/wait
+split."""
 
 import json, os, sys, time
 import torch, torch.distributed as dist

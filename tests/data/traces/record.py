@@ -11,7 +11,8 @@ How the recorded traces were made (one at a time, 2 CPU ranks, OMP_NUM_THREADS=1
     ptops launch titan-tiny    --run-dir /tmp/mon_titan_sN --set train.steps=30 --set train.seed=N
 
 ddp_sleep_rank1.jsonl / ddp_slowcompute_rank1.jsonl come from ddp_slow_recorder.py
-(``OMP_NUM_THREADS=1 MODE=sleep|compute OUT=... torchrun --standalone --nproc-per-node 2 ddp_slow_recorder.py``).
+(``OMP_NUM_THREADS=1 MODE=sleep|compute OUT=... torchrun --standalone --nproc-per-node 2
+ddp_slow_recorder.py``).
 """
 
 import json

@@ -1,4 +1,5 @@
-"""Synthetic metric traces with known ground truth, for tests/test_monitors*.py and bench/monitors_bench.py.
+"""Synthetic metric traces with known ground truth, for tests/test_monitors*.py and
+bench/monitors_bench.py.
 
 Every generator is deterministic in ``seed`` and returns ``metrics.jsonl``-style
 records (one per step per rank, ranks interleaved as the probe writes them).
@@ -107,7 +108,8 @@ def pretrain(
 def grpo(
     steps: int = 200, seed: int = 0, ranks: int = 2, inject: str | None = None, at: int = 100
 ) -> list[dict[str, Any]]:
-    """TRL GRPO keys (sanitised spelling, as the ptops adapter writes them) for a healthy, slowly improving run."""
+    """TRL GRPO keys (sanitised spelling, as the ptops adapter writes them) for a healthy, slowly
+    improving run."""
     rng = random.Random(seed)
     out: list[dict[str, Any]] = []
     entropy0 = 1.6
