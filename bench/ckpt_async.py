@@ -122,8 +122,11 @@ def main() -> None:
     opt.step()
 
     def state(step):
+        # model and opt are deleted below (memory for the titan run) after the last call of state()
         msd, osd = get_state_dict(
-            model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)
+            model,  # noqa: F821
+            opt,  # noqa: F821
+            options=StateDictOptions(flatten_optimizer_state_dict=True),
         )
         sd = dict(msd)
         sd["optimizer"] = osd

@@ -233,7 +233,7 @@ def table(res: dict) -> str:
     d = res["detect"]
     lines += [
         "",
-        f"| injected hang | detected after | budget | bound max(10 x p99 step, 5 s) | how |",
+        "| injected hang | detected after | budget | bound max(10 x p99 step, 5 s) | how |",
         "|---|---|---|---|---|",
     ]
     for c in d["cases"]:

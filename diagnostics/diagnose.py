@@ -154,9 +154,9 @@ def _summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
         for e in events
         if e.get("kind") == EventKind.CHECKPOINT and isinstance(e.get("step"), int)
     ]
-    pick = lambda kind, keys: [
+    pick = lambda kind, keys: [  # noqa: E731
         {k: e.get(k) for k in keys if k in e} for e in events if e.get("kind") == kind
-    ]  # noqa: E731
+    ]
     return {
         "state": state,
         "reason": view.reason,

@@ -23,7 +23,6 @@ the one the last matrix run used.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re

@@ -189,12 +189,12 @@ def runs(tmp_path_factory):
 
     def one(name: str) -> subprocess.CompletedProcess:
         cwd = root / name if name == "accel-ref" else REPO
-        run = lambda: subprocess.run(
+        run = lambda: subprocess.run(  # noqa: E731
             plan[name],
             cwd=cwd,
             capture_output=True,
             text=True,
-            timeout=900,  # noqa: E731
+            timeout=900,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         proc = run()

@@ -545,6 +545,6 @@ def test_supervisor_hands_sections_and_world_reports_on(tmp_path):
 
 def test_second_step_of_a_fresh_run_is_judged_by_its_first_step():
     m = HangMonitor(2, 0.0, DEFAULTS)
-    t = run_steps(m, 1, 1, startup(m, 0.0), 3.0)  # only the first step is known
+    run_steps(m, 1, 1, startup(m, 0.0), 3.0)  # only the first step is known
     assert m.step_timeout() == pytest.approx(30.0, rel=0.05)  # 10 x the first step, not 300 s
     assert m.section_timeout("data") == m.step_timeout()

@@ -367,13 +367,13 @@ def test_goodput_accounts_for_every_second_of_a_crash_and_restart():
         {"ts": t + 16.0, "kind": "launch", "attempt": 2},
         {"ts": t + 30.0, "kind": "completed", "attempt": 2},
     ]
-    rec = lambda step, att, end, dur=1.0: {
+    rec = lambda step, att, end, dur=1.0: {  # noqa: E731
         "step": step,
         "rank": 0,
         "attempt": att,
         "ts": t + end,
         "step_s": dur,
-    }  # noqa: E731
+    }
     records = [
         rec(1, 1, 10),
         rec(2, 1, 11),

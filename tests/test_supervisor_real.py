@@ -8,7 +8,6 @@ exit of two ranks on two cores), so scenarios share runs where they can.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time

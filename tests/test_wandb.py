@@ -110,7 +110,7 @@ def test_every_step_loss_once_with_its_attempt(exported):
 
 
 def test_incidents_alerts_table_and_summary(exported):
-    run, events = exported["run"], exported["events"]
+    events = exported["events"]
     folders = exported["after_second"]
     recs = [r for f in folders for r in records(next(f.glob("*.wandb")))]
     alerts = of_type(recs, "alert")

@@ -42,7 +42,7 @@ def main() -> None:
     )
     optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = accelerator.prepare(net, optim)
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank = accelerator.process_index
 
     start = pr.resume(model, optim)  # the wrapped model, the optimizer Accelerate wraps
     for group in optim.param_groups:

@@ -2,8 +2,11 @@
 or computes slower (extra matmuls) with MODE=compute. Records step_s two ways + compute/wait
 split."""
 
-import json, os, sys, time
-import torch, torch.distributed as dist
+import json
+import os
+import time
+import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("gloo")
