@@ -331,6 +331,7 @@ def cost(reps: int = 7) -> dict[str, float]:
     (tests/data/traces/synth.py)."""
     sys.path.insert(0, str(TRACES))
     import synth
+
     from ptops.monitors import MONITOR_CLASSES
     from ptops.ops.supervisor.monitorfeed import MonitorFeed
 

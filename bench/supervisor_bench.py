@@ -113,9 +113,9 @@ def probe_cost(n: int = 5000) -> dict:
     file."""
     import threading
 
-    from ptops.ops.supervisor.channel import ChannelServer
     from ptops.ops.rank.probe import Probe
     from ptops.ops.runrecord.rundir import append_jsonl
+    from ptops.ops.supervisor.channel import ChannelServer
 
     metrics = {
         "loss": 2.5,

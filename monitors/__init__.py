@@ -12,7 +12,6 @@ The same objects run live in the supervisor and offline over a run's ``metrics.j
 from __future__ import annotations
 
 from .base import Finding, Monitor, RankedMonitor, fast_entries, number, replay
-from .shared import SharedRankedMonitor
 from .config import (
     ACTIONS,
     EntropyCollapseConfig,
@@ -28,13 +27,6 @@ from .config import (
     StragglerConfig,
 )
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
-from .rl import (
-    EntropyCollapseMonitor,
-    KLDriftMonitor,
-    ModeCollapseMonitor,
-    RewardHackingMonitor,
-    StaleRolloutMonitor,
-)
 from .registry import (
     FAMILIES,
     MONITOR_CLASSES,
@@ -44,6 +36,14 @@ from .registry import (
     MonitorInfo,
     monitors_for_runbook,
 )
+from .rl import (
+    EntropyCollapseMonitor,
+    KLDriftMonitor,
+    ModeCollapseMonitor,
+    RewardHackingMonitor,
+    StaleRolloutMonitor,
+)
+from .shared import SharedRankedMonitor
 from .straggler import StragglerMonitor
 
 

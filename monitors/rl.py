@@ -41,7 +41,6 @@ from .base import (
     record_ts,
     spelled,
 )
-from .shared import SharedRankedMonitor
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,
@@ -49,6 +48,7 @@ from .config import (
     RewardHackingConfig,
     StaleRolloutConfig,
 )
+from .shared import SharedRankedMonitor
 
 
 def _finite(record: Mapping[str, Any], key: str) -> float | None:

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ptops.monitors import MonitorConfigError, build_monitors
 from ptops.monitors.config import MonitorsSection
-from ptops.recipes import engines as _engines
 from ptops.monitors.hang import HangConfig
+from ptops.recipes import engines as _engines
 
 RECIPES_DIR = Path(__file__).resolve().parent
 

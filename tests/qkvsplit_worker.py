@@ -24,9 +24,11 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from ptops.recipes.titan.registry import tiny_llama3
     from ptops.recipes.titan.qkvsplit import QkvSplit
+    from ptops.recipes.titan.registry import tiny_llama3
     from ptops.recipes.titan.staging import FlatStager
+
+    # isort: split
     from torchtitan.components.checkpointer.base import ModelWrapper
 
     torch.manual_seed(0)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "slurm_cluster.sh"

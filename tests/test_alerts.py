@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ptops.ops.obs.alerts import ALERTS, ALERT_NAMES, RULES_FILE, render_rules, rule_dicts
+from ptops.ops.obs.alerts import ALERT_NAMES, ALERTS, RULES_FILE, render_rules, rule_dicts
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT_TEST_DIR = REPO / "ops" / "obs" / "alerts" / "tests"

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from conftest import PTOPS, REPO, run_ptops
+
 from ptops.ops.supervisor.launcher import free_port
 
 FAST = [

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
+
 from ptops.faultinject.chaos import DEFAULT_MATRIX
 
 # The crash scenario's own faults plus a hold: without it the crash at the start of step 6 races the

@@ -29,11 +29,11 @@ from ptops.ckpt import (
     checkpoint_path,
     commit,
     digest,
+    is_writing,
     latest_good,
     list_checkpoints,
     prune,
     quarantine,
-    is_writing,
     read_latest,
     resume_point,
     shard_files,
@@ -500,6 +500,7 @@ def test_digest_independent_of_sharding(made):
 def test_digest_ignores_non_model_state(made, tmp_path):
     """train_state / lr_scheduler / dataloader are excluded: same tensors, same digest."""
     import torch.distributed.checkpoint as dcp
+
     from ptops.ckpt.digest import iter_dcp_tensors
 
     src = made / "run/checkpoints/step-3"

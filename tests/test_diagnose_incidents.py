@@ -15,8 +15,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_ptops
+
 from ptops.diagnostics import baseline, crash, flightrec, stacks
 from ptops.diagnostics.diagnose import DiagnoseError, parse_since
 

@@ -20,7 +20,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_ptops
 
 VERSION = "0.1.0"

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
+
 from ptops.recipes import engines
 from ptops.recipes.schema import Recipe, RecipeError, load, resolve
 

@@ -188,6 +188,7 @@ def test_slow_save_until_skipped_waits_for_a_later_skip():
 
 def test_readme_fault_table_names_every_kind():
     from conftest import REPO
+
     from ptops.faultinject.spec import KINDS
 
     text = (REPO / "README.md").read_text()

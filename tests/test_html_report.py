@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_ptops
+
 from ptops.diagnostics.html import incidents_of, render
 
 CHROMIUM_ARGS = [

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 NEWER_TORCH = "2.14.1"

@@ -12,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from ptops.ops.obs.mlflow_export import MlflowExporter, default_tracking_uri, flatten
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -309,7 +309,6 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
     checkpoints every few transitions (the shipped interval is 1,024, longer than these streams) so
     that forks rebuild from them."""
     import ptops.monitors.shared as shared
-
     from ptops.monitors import SharedRankedMonitor as Shared
 
     shared_kinds = [m for m in build_monitors() if isinstance(m, Shared)]

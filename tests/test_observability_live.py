@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PTOPS, REPO
 from promstack import PromStack, wait_for
+
 from ptops.ops.obs import dashboard
 
 STEPS = 16

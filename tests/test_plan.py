@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO
+
 from ptops.recipes import plan as P
 from ptops.recipes.schema import load
 
@@ -35,6 +35,7 @@ def _target_plan(name: str) -> dict:
 
 def _meta_model(name: str):
     from ptops.recipes.titan import registry  # applies the CPU compatibility layer
+    # isort: split
 
     import torch
 
@@ -178,9 +179,9 @@ def test_grpo_policy_parameters_equal_the_built_model(sets):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from ptops.recipes.assets import tokenizer_dir
     from ptops.recipes.plan_rl import plan_grpo
     from ptops.recipes.trl.model import _config_dict, load_model, model_dir
-    from ptops.recipes.assets import tokenizer_dir
 
     rec, _ = load("trl-grpo-tiny", sets)
     if not sets:

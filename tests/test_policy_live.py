@@ -21,8 +21,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
+
 from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import stat
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import run_ptops
+
 from ptops.diagnostics.profile import (
     TraceError,
     analyse,

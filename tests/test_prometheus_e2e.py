@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from promstack import PromStack, wait_for
-from ptops.ops.obs import dashboard
-from ptops.ops.obs import PrometheusExporter, follow
+
+from ptops.ops.obs import PrometheusExporter, dashboard, follow
 
 DATA = Path(__file__).resolve().parent / "data"
 

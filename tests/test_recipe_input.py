@@ -119,9 +119,9 @@ def test_resume_with_different_recipe_refused(ptops, tmp_path):
 
 
 def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
+    from ptops.ops.runrecord.rundir import RunDir
     from ptops.ops.supervisor.launcher import prepare_run
     from ptops.recipes.schema import from_json
-    from ptops.ops.runrecord.rundir import RunDir
 
     p = write(tmp_path, GOOD)
     rec, path = load(p)
@@ -133,8 +133,8 @@ def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
 
 
 def test_second_launcher_on_same_run_dir_refused(ptops, tmp_path):
-    from ptops.ops.supervisor.launcher import prepare_run
     from ptops.ops.runrecord.lock import acquire, release
+    from ptops.ops.supervisor.launcher import prepare_run
 
     p = write(tmp_path, GOOD)
     rec, path = load(p)

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
 from faulted import STEPS
 

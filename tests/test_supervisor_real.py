@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PTOPS, REPO, run_ptops
 
 pytestmark = pytest.mark.slow

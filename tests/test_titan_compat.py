@@ -54,7 +54,6 @@ def test_stub_minimal_async_ep_kernels():
 def test_point_device_at_cpu():
     _check("point_device_at_cpu")
     import torch
-
     from torchtitan.components import metrics
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils

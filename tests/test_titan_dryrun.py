@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_ptops
 
 PRODUCTION = ["llama3-8b-h100", "llama3-70b-h200", "qwen3-moe-30b-h100"]
@@ -132,6 +131,7 @@ def test_cp_rotate_method_reaches_torch(tmp_path):
     """TorchTitan 0.3.0 has no field for it: building the config sets torch's own CP option."""
     from ptops.recipes.schema import load
     from ptops.recipes.titan import registry
+    # isort: split
 
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 

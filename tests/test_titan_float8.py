@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
 
 F8 = [

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_trl_train import NPROC, _ckpts, _ok, launch
 
 from ptops.ops.runrecord.rundir import final_metrics_by_step, read_jsonl
-from test_trl_train import NPROC, _ckpts, _ok, launch
 
 STEPS = 4
 OVERRIDES = [f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep=3"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_ptops
 from test_recipe_input import assert_one_clear_line
 

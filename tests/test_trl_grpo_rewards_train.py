@@ -13,10 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import PTOPS, REPO
-from ptops.ops.runrecord.rundir import read_jsonl
 from test_trl_train import NPROC, _by_rank, _ckpts, _ok, launch
+
+from ptops.ops.runrecord.rundir import read_jsonl
 
 # the code sandbox's processes are machine-wide: one such module at a time (conftest.sandbox_lock)
 pytestmark = pytest.mark.usefixtures("sandbox_lock")

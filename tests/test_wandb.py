@@ -11,11 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
+from wandb_records import items, of_type, records
+
 from ptops.ops.obs.wandb_export import WandbExporter, run_id_for
 from ptops.ops.runrecord.follow import feed
-from wandb_records import items, of_type, records
 
 
 def read(path: Path) -> list[dict]:

@@ -15,7 +15,6 @@ import textwrap
 import time
 from pathlib import Path
 
-
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent

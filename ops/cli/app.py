@@ -10,10 +10,9 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from ptops import __version__
 from ptops.ops.cli.errors import fail
 from ptops.ops.cli.obs import WANDB_HELP
-
-from ptops import __version__
 
 
 def engines_installed() -> str:

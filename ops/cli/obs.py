@@ -22,7 +22,6 @@ import typer
 
 from ptops.ops.cli.errors import fail
 
-
 # ---------------------------------------------------------------------- plain functions
 
 

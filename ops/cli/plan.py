@@ -76,7 +76,8 @@ def register(app: typer.Typer) -> None:
           ptops plan trl-grpo-tiny --gpu h100 --gpus 8\n
           ptops plan llama3-8b-h100 --mtbf-hours 12 --set titan.activation_checkpoint.mode='"full"'
         """
-        from ptops.recipes.plan import PlanError, plan as make_plan, render
+        from ptops.recipes.plan import PlanError, render
+        from ptops.recipes.plan import plan as make_plan
         from ptops.recipes.schema import RecipeError, load
 
         try:

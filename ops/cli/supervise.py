@@ -40,7 +40,8 @@ def status_cmd(
     Example:  ptops status runs/demo --json
     """
     if (Path(run_dir) / "pipeline.json").is_file():  # a `ptops pipeline` directory
-        from ptops.ops.pipeline.status import collect as pipeline_status, render as render_pipeline
+        from ptops.ops.pipeline.status import collect as pipeline_status
+        from ptops.ops.pipeline.status import render as render_pipeline
 
         p = pipeline_status(run_dir)
         typer.echo(json.dumps(p, indent=2, default=str) if json_out else render_pipeline(p))

@@ -36,7 +36,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ptops.monitors.base import number  # the probe's "nan"/"inf" encoding, decoded in one place
 from ptops.monitors.registry import MONITORS
-from ptops.ops.runrecord.goodput import Goodput
 from ptops.ops.runrecord.events import (
     END_KINDS,
     EXPORTED_STATES,
@@ -45,6 +44,7 @@ from ptops.ops.runrecord.events import (
     RunState,
     next_state,
 )
+from ptops.ops.runrecord.goodput import Goodput
 
 log = logging.getLogger("ptops.exporters.prometheus")
 

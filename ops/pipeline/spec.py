@@ -37,7 +37,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ptops.recipes.schema import RecipeError, load as load_recipe, resolve_path
+from ptops.recipes.schema import RecipeError, resolve_path
+from ptops.recipes.schema import load as load_recipe
 
 OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
 

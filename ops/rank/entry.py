@@ -90,8 +90,8 @@ def run_rank() -> None:
         _prctl(PR_SET_PTRACER, tracer)
 
     from ptops.ops.rank.probe import Probe, attempt_from_env
-    from ptops.recipes.schema import from_json
     from ptops.ops.runrecord.rundir import RunDir
+    from ptops.recipes.schema import from_json
 
     run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
     rank = int(os.environ.get("RANK", "0"))

@@ -25,7 +25,6 @@ from ptops.ops.supervisor.blame import Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import fatal_startup_error
 
-
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
 # the hang check walks every rank (8,192 ranks: 30-70 ms); it may take at most this share of the

@@ -46,6 +46,7 @@ from ptops.monitors.hang import HangMonitor, Learned
 from ptops.ops.rank.channel import write_info
 from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
 from ptops.ops.runrecord.jsonl import JsonlAppender
+from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
 from ptops.ops.supervisor import launcher, monitorfeed, procs
@@ -54,7 +55,6 @@ from ptops.ops.supervisor.attempt import AttemptMixin, completes_on_exit
 from ptops.ops.supervisor.blame import Blame
 from ptops.ops.supervisor.channel import ChannelServer
 from ptops.ops.supervisor.hangs import HangMixin
-from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.supervisor.messages import MessagesMixin, RankInfo
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import (

@@ -16,9 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 from ptops.ops.runrecord.events import EventKind
-from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
-
+from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 
 # Sections that change how a run is watched, not what it computes: a resume may retune them.
 OPERATIONAL_SECTIONS = {"supervisor", "monitors", "slurm"}

@@ -13,8 +13,8 @@ from typing import Any
 
 from ptops.monitors import fast_entries
 from ptops.monitors.base import step_and_rank
-from ptops.monitors.shared import Lockstep
 from ptops.monitors.config import MonitorsSection
+from ptops.monitors.shared import Lockstep
 from ptops.recipes.schema import build_monitors_of
 
 

@@ -241,7 +241,6 @@ def point_device_at_cpu_applied() -> bool:
 def point_device_at_cpu_needed() -> bool:
     """Unpatched, torchtitan picks "cuda" on a machine without an accelerator."""
     import torch._utils
-
     from torchtitan.tools import utils as tt_utils
 
     if _has_accelerator():

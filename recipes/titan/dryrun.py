@@ -47,6 +47,7 @@ def run(recipe_json: str, world: int) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
     from ptops.recipes.titan import registry  # applies the CPU compatibility layer first
+    # isort: split
 
     import torch
     from torch.distributed.tensor import DTensor

@@ -109,7 +109,6 @@ class QkvSplit:
         """The plan, or (None, why not). Structural only (the same on every rank); the caller agrees
         on it."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
-
         from torchtitan.components.checkpointer.base import ModelWrapper
 
         if type(wrapper) is not ModelWrapper:

@@ -18,7 +18,7 @@ from ptops.recipes.titan import compat
 
 compat.apply()
 
-from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
 from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.config.configs import CommConfig, DebugConfig  # noqa: E402

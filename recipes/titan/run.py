@@ -45,6 +45,7 @@ def preload() -> None:
 
     compat.apply()
     from ptops.recipes.titan import registry, trainer  # noqa: F401
+    # isort: split
 
     import torchtitan.train  # noqa: F401
 

@@ -30,9 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.checkpoint.api import CheckpointException
-
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.loss import CrossEntropyLoss
@@ -66,7 +64,6 @@ def register_local_text_dataset(seed: int = 0) -> str:
     also fixes the data order.
     """
     from datasets import Dataset
-
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 

@@ -5,6 +5,7 @@ split."""
 import json
 import os
 import time
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
