@@ -10,11 +10,10 @@ Each peer trains titan-tiny (checkpoint every 20 steps, far more steps than fit)
 of wall time in its own run directory, on its own free ports. By default the peers run concurrently
 (started together, so they share the machine's load; ``--sequential``: one after the other). Every
 peer faces the same fault sequence: one list drawn from ``--seed`` of (gap, kind, rank), gaps
-uniform in
-0.67-1.33x ``--fault-every`` seconds, kinds from a shuffled bag (every kind once per round) of crash,
-hang (a Python hang), hang by SIGSTOP, slow (rank 1 +0.5 s for 20 steps) and nan. A gap is turned
-into steps of progress (``--step-s`` seconds per step), so every peer meets the same fault at the
-same step:
+uniform in 0.67-1.33x ``--fault-every`` seconds, kinds from a shuffled bag (every kind once per
+round) of crash, hang (a Python hang), hang by SIGSTOP, slow (rank 1 +0.5 s for 20 steps) and nan. A
+gap is turned into steps of progress (``--step-s`` seconds per step), so every peer meets the same
+fault at the same step:
 
 - ptops (``--supervise``, ``supervisor.restart.warm_spare=true``): each fault is armed live with
   ``ptops inject RUN <kind>:...,step=<its step>`` shortly before training reaches that step; at the end

@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "bench" / "gpu_check.toml"
 OUT = REPO / "bench" / "results" / "gpu_check.json"
-# --cpu-smoke: the same two runs and figures on titan-tiny (2 CPU ranks, float8 emulated, no compile or
-# pinned memory) so the driver itself is tested without a GPU (tests/test_gpu_check.py)
+# --cpu-smoke: the same two runs and figures on titan-tiny (2 CPU ranks, float8 emulated, no compile
+# or pinned memory) so the driver itself is tested without a GPU (tests/test_gpu_check.py)
 SMOKE_SETS = [
     "train.steps=30",
     "checkpoint.interval=5",

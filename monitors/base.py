@@ -619,4 +619,4 @@ class RankedMonitor:
         )
 
 
-# ---------------------------------------------------------------- one state for the ranks that agree
+# --------------------------------------------------------------- one state for the ranks that agree

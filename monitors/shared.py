@@ -610,9 +610,9 @@ class Lockstep:
             self._get = itemgetter(*present)
             self._keys = set(keys)
         self._vals = vals = self._get(record)
-        # -0.0/0/False, 1/True: equal values, maybe other inputs. Only these positions: elsewhere equal values
-        # of two types (2 and 2.0) parse alike, as they do when no value is 0 or 1 (where nothing is
-        # checked)
+        # -0.0/0/False, 1/True: equal values, maybe other inputs. Only these positions: elsewhere
+        # equal values of two types (2 and 2.0) parse alike, as they do when no value is 0 or 1
+        # (where nothing is checked)
         self._strict = (
             tuple([(i, v) for i, v in enumerate(vals) if v == 0 or v == 1])
             if 0 in vals or 1 in vals

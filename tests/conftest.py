@@ -74,7 +74,7 @@ def slurm_cluster():
         cluster.stop()
 
 
-# ---------------------------------------------------------------- two workers (scripts/test.sh: -n 2)
+# -------------------------------------------------------------- two workers (scripts/test.sh: -n 2)
 # pytest-xdist with --dist loadfile: a module's tests stay on one worker, so its module fixtures
 # (real runs) are made once. (loadgroup would also join modules, but with pytest 9 it does not group
 # at all: tried.) What several modules share is shared through the workers' common temp folder

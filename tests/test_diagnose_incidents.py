@@ -69,7 +69,7 @@ def _one(rep: dict, kind: str, **where) -> dict:
     return got[0]
 
 
-# --- real faulted runs --------------------------------------------------------------------------------
+# --- real faulted runs ----------------------------------------------------------------------------
 
 
 def test_crash_in_words_with_the_dead_rank_log(faulted_runs):
@@ -213,7 +213,7 @@ def test_since_filters_and_bad_values(faulted_runs):
         ), (args, p.stderr)
 
 
-# --- units on real artefacts ---------------------------------------------------------------------------
+# --- units on real artefacts ----------------------------------------------------------------------
 
 
 def test_parse_since():
@@ -330,7 +330,7 @@ def test_flight_recorder_dump_locations_and_no_code_from_pickles(tmp_path):
     assert "refused" in out["error"] and "pathlib" in out["error"]
 
 
-# --- baseline ------------------------------------------------------------------------------------------
+# --- baseline -------------------------------------------------------------------------------------
 
 
 def _synth(seed: int, steps: int = 60, lr_scale: float = 1.0, ranks: int = 2) -> list[dict]:
@@ -437,7 +437,7 @@ def test_baseline_lr_change_diverges_second_seed_does_not(seed_runs):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
 
 
-# --- synthetic run directories: every incident kind, one incident per episode ----------------------------
+# --- synthetic run directories: every incident kind, one incident per episode ---------------------
 
 
 def _write(path: Path, rows: list[dict]) -> None:

@@ -300,7 +300,7 @@ def test_a_section_that_ended_in_the_same_read_is_learned_as_short():
     assert d.quantile() is None
 
 
-# ---------------------------------------------------------------- the probe's eval pause, end to end
+# --------------------------------------------------------------- the probe's eval pause, end to end
 
 
 def test_probe_eval_pause_reaches_the_monitor_as_a_declared_pause(tmp_path):

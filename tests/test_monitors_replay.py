@@ -156,9 +156,8 @@ def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
 def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
     """Followers equal to the step's first rank but for what only a strict look tells apart (for the
     live path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1
-    or True for
-    1.0, an extra key (a held-out eval, an unknown key), a key missing, the other spelling of a key, the same
-    step twice from one rank (a rewind)."""
+    or True for 1.0, an extra key (a held-out eval, an unknown key), a key missing, the other
+    spelling of a key, the same step twice from one rank (a rewind)."""
     keys = [
         "loss",
         "grad_norm",

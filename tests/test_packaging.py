@@ -20,7 +20,7 @@ def test_every_package_folder_is_listed():
     assert found - listed == set(), f"add to pyproject packages: {sorted(found - listed)}"
 
 
-# --------------------------------------------------------------------- ranges, the lock and the matrix
+# ------------------------------------------------------------------ ranges, the lock and the matrix
 import json  # noqa: E402
 import re  # noqa: E402
 

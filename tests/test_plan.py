@@ -169,7 +169,7 @@ def test_checkpoint_size_against_a_real_titan_tiny_checkpoint(faulted_runs):
     assert 1.0 <= written / planned <= 1.4, (written, planned)
 
 
-# ---------------------------------------------------------------- GRPO rollouts (recipes/plan_rl.py)
+# --------------------------------------------------------------- GRPO rollouts (recipes/plan_rl.py)
 @pytest.mark.parametrize(
     "sets", [[], ["trl.model.hidden_size=256", "trl.model.num_layers=3", "trl.model.num_heads=8"]]
 )

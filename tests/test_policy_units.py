@@ -195,7 +195,7 @@ def test_gameable_reward_and_verifier():
         reward_setup("bogus")
 
 
-# ---------------------------------------------------------------- the effects, on a real run directory
+# ------------------------------------------------------------- the effects, on a real run directory
 
 
 class _Run:

@@ -321,7 +321,7 @@ def test_supervisor_refuses_while_ranks_are_missing():
     assert not answer["ok"] and "only 1 of 2 ranks" in answer["error"]
 
 
-# ---------------------------------------------------------------- the rank's part (real torch profiler)
+# ------------------------------------------------------------ the rank's part (real torch profiler)
 
 
 def _train(capture, steps, *, mark=True):

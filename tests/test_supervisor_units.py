@@ -569,7 +569,7 @@ def test_dispatch_table_routes_and_counts_unknown_types(tmp_path):
     assert sup.ranks[0].exit_code == 1 and sup.ranks[1].gone_ts == 4.05
 
 
-# ---------------------------------------------------------------- monitors: a broken config, a raising monitor
+# ----------------------------------------------------- monitors: a broken config, a raising monitor
 
 
 class _Boom:

@@ -455,7 +455,7 @@ def test_reward_model_judge_from_a_checkpoint_dir_and_a_pinned_digest(judge_sect
         load_judge(section.model_copy(update={"path": str(tmp_path)}))
 
 
-# ---------------------------------------------------------------- recipes and the reward_source event
+# -------------------------------------------------------------- recipes and the reward_source event
 
 
 @pytest.mark.parametrize("kind", ["math", "judge", "code"])

@@ -260,11 +260,10 @@ def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
 
 def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs):
     """The shared faulted crash run (tests/faulted.py: titan-tiny, ``warm_spare=true``, rank 1
-    crashes at step
-    12): the restart's ranks come from the pool (their logs have no engine import, no torchrun started them),
-    the run completes with the reference digest, and no process of the run is left. The pool is not
-    waited for before the crash: it imports alongside attempt 1, and a restart that still finds it
-    importing waits."""
+    crashes at step 12): the restart's ranks come from the pool (their logs have no engine import,
+    no torchrun started them), the run completes with the reference digest, and no process of the
+    run is left. The pool is not waited for before the crash: it imports alongside attempt 1, and a
+    restart that still finds it importing waits."""
     from ptops.ckpt import digest
     from ptops.ops.supervisor.procs import run_processes
 
@@ -290,7 +289,7 @@ def test_the_pool_checks_that_a_forked_child_can_run_and_finds_no_gpu_problem_on
     assert cuda_fork_problem() == ""
 
 
-# ---------------------------------------------------------------- the supervisor's side: where a restart's ranks come from
+# ----------------------------------------- the supervisor's side: where a restart's ranks come from
 # A pool that is still importing (issue 27): it binds its socket only once GO exists, then serves
 # like the real one.
 SLOW_POOL = textwrap.dedent("""

@@ -80,7 +80,7 @@ def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.soc
     return s, f, child
 
 
-# ----------------------------------------------------------------------------- the rank's side (thin)
+# --------------------------------------------------------------------------- the rank's side (thin)
 def handoff() -> None:
     """In a rank torchrun started: run this rank in a warm child and exit with its status (never
     returns), or return at once when no pool answers (the rank then starts cold)."""

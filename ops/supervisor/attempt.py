@@ -185,7 +185,7 @@ class AttemptMixin:
                 if left:
                     procs.teardown(None, self.run.path, left, grace_s=0)
 
-    # ------------------------------------------------------------ launch backend hooks (ops/slurm overrides them)
+    # ---------------------------------------------- launch backend hooks (ops/slurm overrides them)
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
         """The process that runs one attempt's ranks: local torchrun here, or the warm pool's
         launcher once the pool is up (a restart); ``srun`` + node agents in Slurm."""

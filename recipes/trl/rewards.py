@@ -266,7 +266,8 @@ def answers_equal(got: str, want: str) -> bool:
 
 
 def math_verifier(completions, answer, prompts=None, **_: object) -> list[float]:
-    """1.0 when the completion's final answer (:func:`extract_answer`) equals the row's ``answer``, else 0.0."""
+    """1.0 when the completion's final answer (:func:`extract_answer`) equals the row's ``answer``,
+    else 0.0."""
     prompts = prompts if prompts is not None else [None] * len(completions)
     out = []
     for completion, expected, prompt in zip(completions, answer, prompts):

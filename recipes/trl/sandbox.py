@@ -142,7 +142,7 @@ MAX_INT_BITS = 3_400  # ~1,000 decimal digits
 MAX_INT_DIGITS = 1_024
 
 
-# ---------------------------------------------------------------- asserts: call inside, expected outside
+# ----------------------------------------------------------- asserts: call inside, expected outside
 
 
 class AssertRefused(ValueError):
@@ -644,7 +644,7 @@ def _try(libc, fn: str, *args) -> bool:
     return getattr(libc, fn)(*args) == 0
 
 
-# ---------------------------------------------------------------- the launcher (a process of its own)
+# -------------------------------------------------------------- the launcher (a process of its own)
 
 
 def _launch(cfg: dict) -> dict:
