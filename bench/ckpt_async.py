@@ -461,9 +461,9 @@ def persistent_stager(
     - ``stage_s``: call start -> staging complete. A training loop must not modify the state (the
       optimizer step) before that, so with no overlap this is what it is blocked: the headline;
     - ``write_s``: staging complete -> upload complete (plan, serialise, write, fsync as DCP does),
-      the caller idle meanwhile; MB/s, and its ratio to a ``dd`` of the same bytes in the same folder run
-      next to it (before one save, after the next: the disk here is shared and its bandwidth bimodal, so
-      a dd minutes away says little);
+      the caller idle meanwhile; MB/s, and its ratio to a ``dd`` of the same bytes in the same
+      folder run next to it (before one save, after the next: the disk here is shared and its
+      bandwidth bimodal, so a dd minutes away says little);
     - ``memcpy_s``: ``make_memcpy`` of the same bytes, just before the save;
     - ``sync_s``: ``dcp.save`` of the same state, just before.
 

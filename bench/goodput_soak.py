@@ -19,12 +19,13 @@ fault at the same step:
   ``ptops inject RUN <kind>:...,step=<its step>`` shortly before training reaches that step; at the end
   the supervisor is asked to stop (SIGINT). ``preempt`` is left out: a preempted ptops run stops (exit 143) for its
   scheduler to requeue, which this single-machine soak has no scheduler for;
-- torchrun (``--max-restarts=1000 --rdzv-backend c10d``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the
-  peer of bench/supervisor_bench.py) and ft_launcher (the same flags plus ``--ft-*`` heartbeat timeouts,
-  ranks run through bench/ft_worker.py, which sends one heartbeat per step): no supervisor to arm a fault
-  live, so the faults are given up front in ``PTOPS_FAULTS`` at the same steps, each keyed to the
-  worker group it falls in (a crash, a hang or a NaN loss, which torchtitan's check turns into a dead rank,
-  ends a group; the next fault is for the restarted one: torchrun's restart count is the probe's attempt).
+- torchrun (``--max-restarts=1000 --rdzv-backend c10d``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
+  the peer of bench/supervisor_bench.py) and ft_launcher (the same flags plus ``--ft-*`` heartbeat
+  timeouts, ranks run through bench/ft_worker.py, which sends one heartbeat per step): no supervisor
+  to arm a fault live, so the faults are given up front in ``PTOPS_FAULTS`` at the same steps, each
+  keyed to the worker group it falls in (a crash, a hang or a NaN loss, which torchtitan's check
+  turns into a dead rank, ends a group; the next fault is for the restarted one: torchrun's restart
+  count is the probe's attempt).
 
 Goodput, the same formula for every peer: the step time of each step's last execution on rank 0
 (steps redone after a restart or a rollback count once; a step whose loss is NaN/Inf is not

@@ -176,8 +176,8 @@ def main() -> int:
     res: dict = {"gpus": n, "recipe": str(RECIPE.relative_to(REPO)), "when": stamp}
     # 1. synchronous saves, no fault: the baseline step time, MFU and blocking per save
     res["sync"] = launch(root / f"sync-{stamp}", n, "--set", "titan.async_checkpoint=false")
-    # 2. async saves staged in pinned memory; rank 0 SIGKILLed at step 15 (held until the step-10 save
-    #    commits), then in attempt 2 rank 0 hangs at step 25: both found, restarted, completed
+    # 2. async saves staged in pinned memory; rank 0 SIGKILLed at step 15 (held until the step-10
+    #    save commits), then in attempt 2 rank 0 hangs at step 25: both found, restarted, completed
     res["faulted"] = launch(
         root / f"faulted-{stamp}",
         n,

@@ -7,7 +7,8 @@ with time to spare).
 Stages (each writes its own ``bench/results/gpu_check*.json`` as it goes):
 
 1. ``script``: the own-script engine on CUDA, one rank (``bench/gpu_check_script.py``)
-2. ``trl``:    TRL recipes on CUDA, uninterrupted vs SIGKILLed, digests equal (``bench/gpu_check_trl.py``)
+2. ``trl``: TRL recipes on CUDA, uninterrupted vs SIGKILLed, digests equal
+   (``bench/gpu_check_trl.py``)
 3. ``titan``:  float8 + compile + async pinned saves (``bench/gpu_check.py``), only where TorchTitan
                imports: else ``skipped`` with the reason
 

@@ -6,13 +6,13 @@ bench/gpu_script.py ...``; a declared world of one is no misconfiguration), one 
 (with ``--cpu-smoke`` side by side: a CPU box of 2 cores is slow enough):
 
 1. ``async``: async DCP saves staged in pinned memory; held before step 3 (``hold`` fault) while the
-   driver scrapes the run's Prometheus exporter (``--metrics-port``), then released (``ptops inject RUN
-   release``): ``exporter.nvml_families`` are the ``ptops_gpu_*`` families that had samples
-2. ``sync``: ``pr.checkpoint`` saves (blocking per save, against ``async``); rank 0 SIGKILLed at step 5
-   (``crash``) and restarted from the warm pool (``warm_spare=true``: the launch event's ``ranks_from``),
-   hung at step 7 of attempt 2 (``hang``: stacks written, ``ptops diagnose --json`` names it), out of
-   CUDA memory at step 9 of attempt 3 (the script allocates until the allocator refuses: diagnose
-   classifies it), completed after three restarts
+   driver scrapes the run's Prometheus exporter (``--metrics-port``), then released (``ptops inject
+   RUN release``): ``exporter.nvml_families`` are the ``ptops_gpu_*`` families that had samples
+2. ``sync``: ``pr.checkpoint`` saves (blocking per save, against ``async``); rank 0 SIGKILLed at
+   step 5 (``crash``) and restarted from the warm pool (``warm_spare=true``: the launch event's
+   ``ranks_from``), hung at step 7 of attempt 2 (``hang``: stacks written, ``ptops diagnose --json``
+   names it), out of CUDA memory at step 9 of attempt 3 (the script allocates until the allocator
+   refuses: diagnose classifies it), completed after three restarts
 
 Result keys: ``async`` / ``sync`` (per launch: exit, wall_s, restarts, launches (ranks_from,
 from_step), timings (the script's blocking per save), event_blocking_s (ptops' ``checkpoint``

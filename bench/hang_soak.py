@@ -10,12 +10,12 @@ with no ``[supervisor.hang]`` key set:
    (``titan.async_checkpoint=false``); both have a slow first step (``slow:step=1,seconds=30``), an
    eval-like pause the engine declares (``hold:phase=eval``: rank 0 pauses 40 s before a step while
    rank 1 waits in the collective), and a 3x straggler (``slow`` on rank 1: +2x the step time, for
-   the rest of the run), checkpoints every 10 steps. Each run is stopped with SIGINT when its time is
-   up (the ranks save and stop). Counted: ``hang`` events (false detections; must be 0), crashes.
+   the rest of the run), checkpoints every 10 steps. Each run is stopped with SIGINT when its time
+   is up (the ranks save and stop). Counted: ``hang`` events (false detections; must be 0), crashes.
 2. **detect**: one short run: attempt 1, rank 0 stops in Python at a step start and rank 1 blocks in
    the collective (``hang:rank=0``); attempt 2, rank 1 is SIGSTOPped from outside (held before the
-   step until then). Delay = the hang finding's time (``found_ts``) minus the fault (``fault_injected``
-   / the SIGSTOP), against the bound max(10 x p99 step time of the run, 5 s).
+   step until then). Delay = the hang finding's time (``found_ts``) minus the fault
+   (``fault_injected`` / the SIGSTOP), against the bound max(10 x p99 step time of the run, 5 s).
 
 Writes ``hang_soak.json`` into ``--out``; ``--readme`` also rewrites the table in
 ``bench/README.md``.

@@ -6,15 +6,16 @@ resumed run redoes steps), averaged over ranks, for every metric in :data:`CURVE
 
 Noise, per metric and per step (a difference is judged against the noise at that step):
 - one baseline: step-to-step jitter plus a drift allowance. The jitter is measured, robust to the
-  curve's trend: the median absolute second difference (y[i-1] - 2 y[i] + y[i+1]) of the baseline times
-  1.4826 / sqrt(6) (a Gaussian standard deviation), times sqrt(2) (two runs' noise in a difference).
-  Seeds also drift apart slowly (another init, another data order), which one run cannot measure: the
-  allowance is ``REL`` (15 %) of how far the baseline has moved from its first step so far (measured on
-  titan-tiny, seeds 42 and 7: 0.21 apart after a 1.0 loss drop; a 5x learning rate: 1.4-1.7 apart).
-  noise = sqrt(jitter^2 + (REL * moved)^2);
+  curve's trend: the median absolute second difference (y[i-1] - 2 y[i] + y[i+1]) of the baseline
+  times 1.4826 / sqrt(6) (a Gaussian standard deviation), times sqrt(2) (two runs' noise in a
+  difference). Seeds also drift apart slowly (another init, another data order), which one run
+  cannot measure: the allowance is ``REL`` (15 %) of how far the baseline has moved from its first
+  step so far (measured on titan-tiny, seeds 42 and 7: 0.21 apart after a 1.0 loss drop; a 5x
+  learning rate: 1.4-1.7 apart). noise = sqrt(jitter^2 + (REL * moved)^2);
 - several baselines (``--baseline`` repeated, other seeds of the same recipe): seed-to-seed noise is
   measured: per step the largest distance of a baseline from their mean, times sqrt(2), the running
-  maximum over 5 steps, floored at the jitter. ``noise_method`` in the report says which one was used.
+  maximum over 5 steps, floored at the jitter. ``noise_method`` in the report says which one was
+  used.
 The noise is floored at 1e-3 of the curve's median magnitude, so a perfectly smooth curve does not
 make every tiny difference significant.
 

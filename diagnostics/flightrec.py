@@ -3,12 +3,14 @@
 a copy.
 
 Where dumps come from (``stacks/attempt-K/``):
-- ``rank-R.flight_recorder``: the rank's answer to the supervisor's stack request (``ops/rank/probe.py``):
-  ``_dump_fr_trace()`` (gloo: torch >= 2.8 records gloo collectives when ``TORCH_FR_BUFFER_SIZE`` is set;
-  the supervisor sets it and the TorchTitan adapter passes it on as ``comm.trace_buf_size``) or
-  ``_dump_nccl_trace()`` (NCCL). A rank that cannot answer (SIGSTOPped, stuck in C) leaves none;
-- ``flight_recorder_rank_R``: NCCL's own dump on a watchdog timeout (``TORCH_FR_DUMP_TEMP_FILE``); under
-  TorchTitan, which sets that variable itself, ``titan/comm_traces/rank_R`` (read when newer than the launch).
+- ``rank-R.flight_recorder``: the rank's answer to the supervisor's stack request
+  (``ops/rank/probe.py``): ``_dump_fr_trace()`` (gloo: torch >= 2.8 records gloo collectives when
+  ``TORCH_FR_BUFFER_SIZE`` is set; the supervisor sets it and the TorchTitan adapter passes it on as
+  ``comm.trace_buf_size``) or ``_dump_nccl_trace()`` (NCCL). A rank that cannot answer (SIGSTOPped,
+  stuck in C) leaves none;
+- ``flight_recorder_rank_R``: NCCL's own dump on a watchdog timeout (``TORCH_FR_DUMP_TEMP_FILE``);
+  under TorchTitan, which sets that variable itself, ``titan/comm_traces/rank_R`` (read when newer
+  than the launch).
 
 Dumps are pickles of plain data; they are read with an unpickler that refuses every class, then
 handed to torch's ``build_db`` the way its loader would. torch 2.13's gloo dumps carry no group

@@ -26,8 +26,8 @@ hang           step (req), rank, attempt, seconds,         the rank stops making
                                                            instead (TRL has no separate
                                                            rendezvous: transformers inits the
                                                            process group inside its build)
-slow           step (req), rank, attempt, seconds,         the rank sleeps ``seconds`` (default 1)
-               steps                                       at the start of ``steps`` steps (default 1)
+slow           step (req), rank, attempt, seconds, the rank sleeps ``seconds`` (default 1) steps at
+               the start of ``steps`` steps (default 1)
 nan            step (req), rank, attempt                   the step's loss is multiplied by NaN
 oom            step (req), rank, attempt                   ``torch.OutOfMemoryError`` (MemoryError
                                                            without torch) at the start of ``step``
@@ -51,8 +51,8 @@ corrupt-ckpt step (req), rank, attempt, mode after the checkpoint of ``step`` is
                                                            largest file; ``mode=truncate`` (default:
                                                            cut to half) or ``mode=flip`` (invert 64
                                                            bytes in the middle, size unchanged)
-hold           step (req), rank, attempt, seconds,         every rank (or ``rank``) stops *before*
-               until, phase                                      ``step`` (before any other fault there;
+hold           step (req), rank, attempt, seconds, every rank (or ``rank``) stops *before* until,
+               phase ``step`` (before any other fault there;
                                                            outside any collective), keeps its
                                                            liveness pings, reports the declared
                                                            pause phase ``hold`` (not a hang) and waits
@@ -70,12 +70,12 @@ release        rank, attempt (no step)                     live only (``ptops in
                                                            cancels this attempt's pending ones
 slow-save      step (req), rank, attempt, seconds, until   slow storage: the commit of the save of
                                                            ``step`` waits ``seconds`` (default 10;
-                                                           ``probe.before_commit``, both adapters): an
-                                                           async save stays "writing" while training
-                                                           goes on, a sync one blocks;
-                                                           ``until=skipped``: ends as soon as a later
-                                                           save was skipped because this one was
-                                                           still writing (at most ``seconds``,
+                                                           ``probe.before_commit``, both adapters):
+                                                           an async save stays "writing" while
+                                                           training goes on, a sync one blocks;
+                                                           ``until=skipped``: ends as soon as a
+                                                           later save was skipped because this one
+                                                           was still writing (at most ``seconds``,
                                                            default 600 then; async saves only)
 misrendezvous rank, attempt (no step) launch only: before the engine is imported
                                                            (so before its process group init) the

@@ -15,7 +15,7 @@ A recipe may say, for example::
 
 Policy vocabulary (what the supervisor does with a finding of that monitor):
 
-- ``alert``        record the finding (events.jsonl ``anomaly``/``straggler``), export it, keep training;
+- ``alert`` record the finding (events.jsonl ``anomaly``/``straggler``), export it, keep training;
 - ``stop``         stop the run cleanly (``failed`` with the finding as the reason);
 - ``rollback``     restart from the newest good checkpoint before the finding's step, skip
                    ``rollback.skip_batches`` batches, scale the LR by ``rollback.lr_scale``;

@@ -8,15 +8,16 @@ until what its readers look for is in the run directory (no race with the machin
 Kinds (``faulted_runs.get(kind)`` -> ``Faulted(run, proc)``):
 
 - ``reference``: uninterrupted, 16 steps (its digest is what every recovered run must end with)
-- ``crash``:     rank 1 SIGKILLs itself at step 12 (held until the step-10 save commits); restart, completed;
-                 with ``warm_spare=true``: the restart's ranks are forked from the warm pool
-- ``hang``:      attempt 1: rank 0 hangs in Python at step 8; attempt 2: rank 1 SIGSTOPped from outside
-                 (held before step 8 until then); both found, stacks taken, restarted, completed; with
-                 the shipped hang settings (no floor / ping overrides)
+- ``crash``:     rank 1 SIGKILLs itself at step 12 (held until the step-10 save commits); restart,
+                 completed; with ``warm_spare=true``: the restart's ranks are forked from the warm
+                 pool
+- ``hang``:      attempt 1: rank 0 hangs in Python at step 8; attempt 2: rank 1 SIGSTOPped from
+                 outside (held before step 8 until then); both found, stacks taken, restarted,
+                 completed; with the shipped hang settings (no floor / ping overrides)
 - ``nan``:       NaN loss at step 12 -> rollback to step 10 with lr x 0.5, completed
 - ``straggler``: rank 1 0.5 s slower per step from step 3 for 14 steps; ``exclude_node`` recorded
-- ``corrupt``:   (interval 4) the step-8 checkpoint is damaged, then rank 1 crashes at step 10: the restart
-                 falls back to step 4 (step-8 quarantined), completed
+- ``corrupt``:   (interval 4) the step-8 checkpoint is damaged, then rank 1 crashes at step 10: the
+                 restart falls back to step 4 (step-8 quarantined), completed
 """
 
 from __future__ import annotations

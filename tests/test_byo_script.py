@@ -4,13 +4,15 @@ train.py``.
 Real runs, 2 gloo ranks on CPU, made once for the module, three at a time (6 runs in all):
 
 - the README's first command (examples/fsdp2, 12 steps, uninterrupted): the FSDP2 reference digest;
-- examples/fsdp2 with a crash (rank 1, step 6) and, in attempt 2, a SIGSTOP (rank 0, step 10), shipped hang
-  settings: restarted twice, final digest = the reference's;
-- examples/accelerate: its reference (plain torchrun, no ptops: the script runs on its own) and the same
-  faulted run plus a preemption in attempt 3 (saved on request, exit 143, relaunched: resumed exactly);
+- examples/fsdp2 with a crash (rank 1, step 6) and, in attempt 2, a SIGSTOP (rank 0, step 10),
+  shipped hang settings: restarted twice, final digest = the reference's;
+- examples/accelerate: its reference (plain torchrun, no ptops: the script runs on its own) and the
+  same faulted run plus a preemption in attempt 3 (saved on request, exit 143, relaunched: resumed
+  exactly);
 - examples/fsdp2 with a NaN loss at step 5: rolled back to step 4, lr x 0.5, completed;
-- a script with no ptops API at all: a crash in attempt 1 and a Python hang in attempt 2 (at optimizer
-  steps, which ptops counts without the API); restarted, the hang diagnosed with the script's stack.
+- a script with no ptops API at all: a crash in attempt 1 and a Python hang in attempt 2 (at
+  optimizer steps, which ptops counts without the API); restarted, the hang diagnosed with the
+  script's stack.
 
 Nothing races the clock: every fault fires at a step boundary the ranks reach themselves, and every
 checkpoint a restart needs is committed synchronously before the step that fails.

@@ -1,11 +1,12 @@
 """Engines from other distributions: the test builds and installs two small ones (``pip install
 --target``) and runs the real ``ptops`` with them on ``PYTHONPATH``.
 
-* ``ptops-toy-engine``: engine ``toy`` (entry point ``toy = "ptops_toy_engine:ENGINE"``), a 2-layer MLP
-  on 2 gloo ranks that reports through the probe and saves with ``ptops.ckpt.SaveTransaction`` + DCP,
-  and ships ``toy-tiny`` (and a ``titan-tiny`` that must lose to ptops' own);
-* ``ptops-bad-plugins``: entry points ``trl`` and ``train`` (a name of ptops' own: refused before its code
-  runs), ``sneaky`` (an Engine named ``titan``: refused after) and ``boom`` (its import raises).
+* ``ptops-toy-engine``: engine ``toy`` (entry point ``toy = "ptops_toy_engine:ENGINE"``), a 2-layer
+  MLP on 2 gloo ranks that reports through the probe and saves with ``ptops.ckpt.SaveTransaction`` +
+  DCP, and ships ``toy-tiny`` (and a ``titan-tiny`` that must lose to ptops' own);
+* ``ptops-bad-plugins``: entry points ``trl`` and ``train`` (a name of ptops' own: refused before
+  its code runs), ``sneaky`` (an Engine named ``titan``: refused after) and ``boom`` (its import
+  raises).
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def live(tmp_path_factory, have):
             step=0.2,
         )
         obs["alert"], obs["alert_ts"], obs["alive_at_alert"] = alert, ts, proc.poll() is None
-        # 4. while the run is held: the incidents are scraped, then every dashboard query as Grafana sends it
+        # 4. while the run is held: the incidents are scraped, then every dashboard query as Grafana
+        #    sends it
         query = servers.query
         wait_for(
             alive_or_fail("straggler and monitor findings scraped")(

@@ -3,10 +3,11 @@ launch.
 
 Two shared pipelines (module fixtures, ~90 s of CPU together):
 
-- ``main``: 4 stages (the last a rejection-sampling SFT on GRPO's samples); stage 2 (DPO) crashes at step 3 with restarts off, so the first
-  ``ptops pipeline`` stops there (exit 1); the same command again skips stage 1 (by its recorded
-  digest), resumes stage 2 from its checkpoint at step 2 and runs stages 3 and 4. SFT and GRPO run a
-  held-out eval (``eval/heldout``); SFT is gated on it (a gate that passes). MLflow is real (SQLite).
+- ``main``: 4 stages (the last a rejection-sampling SFT on GRPO's samples); stage 2 (DPO) crashes at
+  step 3 with restarts off, so the first ``ptops pipeline`` stops there (exit 1); the same command
+  again skips stage 1 (by its recorded digest), resumes stage 2 from its checkpoint at step 2 and
+  runs stages 3 and 4. SFT and GRPO run a held-out eval (``eval/heldout``); SFT is gated on it (a
+  gate that passes). MLflow is real (SQLite).
 - ``gated``: SFT gated on ``eval/heldout >= 0.5``, which the tiny model never reaches: the pipeline
   stops with the gate's message; stage 2 never starts; then the stage's final checkpoint is damaged
   and a rerun refuses to build on it.
@@ -474,10 +475,10 @@ def _stage_pids_when_held(proc, stage: Path, step: int) -> list[int]:
 def signalled(tmp_path_factory):
     """One stage (SFT, 6 steps), three runs of the same pipeline command:
 
-    1. started with SIGINT *ignored* (inherited, as ``nohup`` or a script's background job start it), held
-       before step 3, then SIGINT to the pipeline's pid only;
-    2. the same command again: the stage resumes (attempt 2) and is held before step 4; then the pipeline
-       is SIGKILLed (it cannot forward anything);
+    1. started with SIGINT *ignored* (inherited, as ``nohup`` or a script's background job start
+       it), held before step 3, then SIGINT to the pipeline's pid only;
+    2. the same command again: the stage resumes (attempt 2) and is held before step 4; then the
+       pipeline is SIGKILLed (it cannot forward anything);
     3. the same command again: it finishes the stage.
     """
     import signal

@@ -9,18 +9,19 @@ in time.
 
 What lands in W&B:
 - config: the recipe (``recipe.json``) and the run directory;
-- history: one row per rank-0 ``metrics.jsonl`` record (rank 0 only, as MLflow): its numeric keys plus
-  ``step`` (the training step) and ``attempt``. ``step`` is the x-axis of every chart
+- history: one row per rank-0 ``metrics.jsonl`` record (rank 0 only, as MLflow): its numeric keys
+  plus ``step`` (the training step) and ``attempt``. ``step`` is the x-axis of every chart
   (``define_metric``); W&B's own ``_step`` only counts rows, because a restart redoes steps and W&B
   steps may not go back (the redone rows keep both values, as in MLflow);
-- alerts (``run.alert``): each incident (an event kind with a severity), finding, restart and rollback;
-  offline they are kept in the run's ``.wandb`` file;
-- summary: ``ptops/state``, ``ptops/attempt``, ``ptops/events/<kind>/count``, ``ptops/last_checkpoint``;
-- at the end (or close): the table ``ptops/incidents`` (every event of the incident summary, read from the
-  run directory like MLflow's ``incident_summary``);
-- checkpoints: each ``checkpoint`` event is a version of the artifact ``ckpt-<run id>`` (type ``model``,
-  aliases ``step-N`` and ``latest``) holding *references* (``file://``) to the checkpoint's files: no
-  copy and no read of the weights (``checksum=False``).
+- alerts (``run.alert``): each incident (an event kind with a severity), finding, restart and
+  rollback; offline they are kept in the run's ``.wandb`` file;
+- summary: ``ptops/state``, ``ptops/attempt``, ``ptops/events/<kind>/count``,
+  ``ptops/last_checkpoint``;
+- at the end (or close): the table ``ptops/incidents`` (every event of the incident summary, read
+  from the run directory like MLflow's ``incident_summary``);
+- checkpoints: each ``checkpoint`` event is a version of the artifact ``ckpt-<run id>`` (type
+  ``model``, aliases ``step-N`` and ``latest``) holding *references* (``file://``) to the
+  checkpoint's files: no copy and no read of the weights (``checksum=False``).
 
 Files go under ``RUN_DIR/wandb/`` (offline: ``offline-run-*/run-<id>.wandb``; ``wandb sync`` uploads
 them). ``RUN_DIR/wandb.json`` keeps the W&B run id (derived from the run directory's path) and, per

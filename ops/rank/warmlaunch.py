@@ -8,10 +8,12 @@ ranks' environment and watching them, so this light process (no torch) does both
 for ``--nproc`` children with the environment torchrun would give them (rank 0 hosts the store on
 ``MASTER_PORT``), and stands where torchrun stood for the supervisor:
 
-- on the first child that fails it writes torchrun's own line, ``failed (exitcode: N) local_rank: R``
-  (``ops/supervisor/attempt.py`` reads it), stops the others and exits 1; it exits 0 when all do;
-- SIGTERM/SIGINT are forwarded to the children; each child dies with this process (the pool's pidfd watch
-  on the requester) and with the pool (``PR_SET_PDEATHSIG``), and carries the run's ``PTOPS_RUN_DIR``.
+- on the first child that fails it writes torchrun's own line, ``failed (exitcode: N) local_rank:
+  R`` (``ops/supervisor/attempt.py`` reads it), stops the others and exits 1; it exits 0 when all
+  do;
+- SIGTERM/SIGINT are forwarded to the children; each child dies with this process (the pool's pidfd
+  watch on the requester) and with the pool (``PR_SET_PDEATHSIG``), and carries the run's
+  ``PTOPS_RUN_DIR``.
 
 When the pool does not answer (not ready yet, or gone) it becomes the torchrun command it was given
 (``os.execv``), so an attempt always starts.

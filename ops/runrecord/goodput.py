@@ -8,9 +8,10 @@ Where the time goes, per attempt (rank 0's records; every step is one collective
 
 - **productive**: the duration (``step_s``) of each step's final execution;
 - **recomputed**: earlier executions of a step that was trained again after a restart or rollback;
-- **startup**: launch -> the start of the attempt's first step (imports, rendezvous, model build, load);
-- **detection**: the end of the attempt's last step -> the event that ended it (crash, hang, rollback,
-  early exit, preemption): the time a failure went unnoticed;
+- **startup**: launch -> the start of the attempt's first step (imports, rendezvous, model build,
+  load);
+- **detection**: the end of the attempt's last step -> the event that ended it (crash, hang,
+  rollback, early exit, preemption): the time a failure went unnoticed;
 - **restart**: that event -> the next launch (stack collection, kill, backoff, checkpoint checks);
 - **checkpoint_blocking**: training blocked by checkpoint saves (``blocking_s`` of each commit);
 - **shutdown**: the end of the last step -> ``completed`` (the final save, process exit);

@@ -3,10 +3,10 @@ it).
 
 ``python -m ptops.recipes.trl.dryrun RECIPE.json WORLD`` prints one ``PTOPS_DRYRUN {json}`` line:
 
-- the recipe's stated architecture as a transformers config, the model instantiated on the
-  *meta* device (no weights, no download): exact parameter count; a reward model gets its
-  one-score head; LoRA adapters applied with peft (target modules must exist; trainable count);
-  a GKD teacher (``trl.teacher_model``) built the same way, its vocabulary checked against the student's;
+- the recipe's stated architecture as a transformers config, the model instantiated on the *meta*
+  device (no weights, no download): exact parameter count; a reward model gets its one-score head;
+  LoRA adapters applied with peft (target modules must exist; trainable count); a GKD teacher
+  (``trl.teacher_model``) built the same way, its vocabulary checked against the student's;
 - the TRL config object the run would build (SFTConfig / RewardConfig / RLOOConfig / GRPOConfig /
   GKDConfig, with the ``[trl.vllm]`` options as on a GPU node with vLLM), so TRL's own
   argument checks run;
