@@ -5,9 +5,12 @@ write throughput; optionally (--titan) the real TorchTitan adapter's blocking
 time, async vs sync, on a debug-size llama3.
 
     .venv/bin/python bench/ckpt_async.py [--mb 64] [--dir /tmp/ptops-ckpt-bench] [--titan]
-    .venv/bin/python bench/ckpt_async.py --mb 340 --titan --out bench/results/ckpt_async.json  # ~1 GB state
-    .venv/bin/python bench/ckpt_async.py --titan-only --titan-repeat 3 --out bench/results/ckpt_staging.json
-    .venv/bin/python bench/ckpt_async.py --mb 340 --stager-only --saves 4 --out bench/results/ckpt_synthetic.json
+    # ~1 GB state
+    .venv/bin/python bench/ckpt_async.py --mb 340 --titan --out bench/results/ckpt_async.json
+    .venv/bin/python bench/ckpt_async.py --titan-only --titan-repeat 3 \\
+        --out bench/results/ckpt_staging.json
+    .venv/bin/python bench/ckpt_async.py --mb 340 --stager-only --saves 4 \\
+        --out bench/results/ckpt_synthetic.json
 
 `--mb` is the size of the model parameters; AdamW state triples the checkpoint.
 Every synthetic run also measures the titan adapter's way of saving on the same state

@@ -1,10 +1,11 @@
 """Goodput under random faults: ptops --supervise vs plain torchrun vs NVIDIA's ft_launcher, side by
 side.
 
-    .venv/bin/python bench/goodput_soak.py --minutes 30                          # the soak of issue 12 (~31 min)
+    .venv/bin/python bench/goodput_soak.py --minutes 30  # the soak of issue 12 (~31 min)
     .venv/bin/python bench/goodput_soak.py --minutes 3 --fault-every 40 \\
-        --out bench/results/goodput_soak_smoke.json                              # the smoke in bench/README.md
-    .venv/bin/python bench/goodput_soak.py --table bench/results/goodput_soak.json   # its README table
+        --out bench/results/goodput_soak_smoke.json  # the smoke in bench/README.md
+    # its README table
+    .venv/bin/python bench/goodput_soak.py --table bench/results/goodput_soak.json
 
 Each peer trains titan-tiny (checkpoint every 20 steps, far more steps than fit) for ``--minutes``
 of wall time in its own run directory, on its own free ports. By default the peers run concurrently

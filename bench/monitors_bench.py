@@ -1,8 +1,10 @@
 """Monitor cost, false-positive rate and detection delay.
 
-    .venv/bin/python bench/monitors_bench.py [--seeds 20] [--ranks 8] [--steps 2000] [--reps 3] [--json]
+    .venv/bin/python bench/monitors_bench.py [--seeds 20] [--ranks 8] [--steps 2000] [--reps 3] \\
+        [--json]
     .venv/bin/python bench/monitors_bench.py --against f13977c   # cost now vs a git ref, same run
-    .venv/bin/python bench/monitors_bench.py --against f13977c --runs 4   # the same, the pre-2026-11-30 stream
+    # the same, the pre-2026-11-30 stream
+    .venv/bin/python bench/monitors_bench.py --against f13977c --runs 4
 
 1. cost: microseconds per record for each monitor alone and for the default
    set together, through the supervisor's live path (``MonitorFeed.feed``, error

@@ -1,6 +1,7 @@
 """Scale load test: simulated node agents on loopback against the real supervisor.
 
-    .venv/bin/python bench/scale_load.py --sizes 64,1024,8192 [--per-node 8] [--steady 30] [--gen-procs 2]
+    .venv/bin/python bench/scale_load.py \\
+        --sizes 64,1024,8192 [--per-node 8] [--steady 30] [--gen-procs 2]
 
 Real (unchanged ptops code, in this process): :class:`ptops.ops.supervisor.core.Supervisor` -
 ``run_all`` (run lock, status, events), one attempt (``attempt.py``'s watch loop), the channel

@@ -3,7 +3,8 @@ step.
 
 Side by side with plain ``torchrun --max-restarts=1`` on the same faults.
 
-    .venv/bin/python bench/supervisor_bench.py [--recipe titan-tiny] [--steps 60] [--out bench/results]
+    .venv/bin/python bench/supervisor_bench.py [--recipe titan-tiny] [--steps 60] [--out \\
+        bench/results]
 
 Writes ``supervisor_bench.json`` into ``--out`` and prints a Markdown table.
 Everything runs for real (2 ranks, gloo, CPU); ~10 minutes on 2 cores.

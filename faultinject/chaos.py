@@ -133,8 +133,16 @@ RECIPE_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
     if r.startswith("trl")
 }
 DETECT_KINDS_ANY = (
-    "crash", "hang", "straggler", "anomaly", "checkpoint_failed", "checkpoint_invalid", "stopped", "adopt", "rollback",
-)  # fmt: skip
+    "crash",
+    "hang",
+    "straggler",
+    "anomaly",
+    "checkpoint_failed",
+    "checkpoint_invalid",
+    "stopped",
+    "adopt",
+    "rollback",
+)
 RELAUNCH_CODES = (143, 128 + 9, -9, -15)  # preempted, supervisor killed: what a requeue reruns
 MAX_RELAUNCHES = 3
 PROGRESS_EVERY_S = 15.0
@@ -157,8 +165,18 @@ class Scenario:
 
     def launch_argv(self, run_dir: Path, faults: bool = True) -> list[str]:
         # --no-mlflow: the exporters are not under test, and their start-up would blur the timings
-        argv = [sys.executable, "-m", "ptops", "launch", self.recipe_path or self.recipe, "--supervise", "--run-dir", str(run_dir), "--json",
-                "--no-mlflow"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "ptops",
+            "launch",
+            self.recipe_path or self.recipe,
+            "--supervise",
+            "--run-dir",
+            str(run_dir),
+            "--json",
+            "--no-mlflow",
+        ]
         for s in self.sets:
             argv += ["--set", s]
         if faults:
@@ -501,8 +519,14 @@ class Runner:
         step_s = [
             m.get("step_s") for m in metrics if m.get("rank") == 0 and _finite(m.get("step_s"))
         ]
-        b = {"run_dir": str(run_dir), "exit_code": rc, "digest": dig, "problem": problem, "wall_s": round(wall, 1),
-             "median_step_s": round(sorted(step_s)[len(step_s) // 2], 4) if step_s else None}  # fmt: skip
+        b = {
+            "run_dir": str(run_dir),
+            "exit_code": rc,
+            "digest": dig,
+            "problem": problem,
+            "wall_s": round(wall, 1),
+            "median_step_s": round(sorted(step_s)[len(step_s) // 2], 4) if step_s else None,
+        }
         self.progress(
             f"{sc.recipe}/baseline: "
             + (f"digest {dig[:12]} in {wall:.0f} s" if dig else f"FAILED ({problem})")

@@ -82,9 +82,12 @@ class Injector:
         # consumed at the same hook, so that every rank answers ``pending`` / ``sync_save_wanted``
         # alike (a save that one rank makes synchronous and another asynchronous deadlocks).
         self._shadow: list[tuple[Fault, bool]] = [
-            (f, False) for f in faults
-            if f.kind in ONE_RANK_KINDS and not self._for_rank(f) and (f.attempt == 0 or f.attempt == attempt)
-        ]  # fmt: skip
+            (f, False)
+            for f in faults
+            if f.kind in ONE_RANK_KINDS
+            and not self._for_rank(f)
+            and (f.attempt == 0 or f.attempt == attempt)
+        ]
         self._slow_left: dict[int, tuple[float, int]] = {}
         self._ckpt_steps: set[int] = set()
         self.on_hold = on_hold  # (step): the rank stops before ``step``

@@ -5,10 +5,10 @@ Grammar (design.md): a kind, then optionally ``:`` and comma-separated
 fires in the first attempt only; ``attempt=0`` means every attempt) and
 ``rank=R`` (default: every rank). Keys per kind:
 
-============= ========================================== =========================================
-kind keys effect (rank side, see faultinject.inject) =============
-========================================== ========================================= crash step
-(req), rank, attempt, code, signal, the rank dies at the start of ``step``:
+=============  ==========================================  =========================================
+kind           keys                                        effect (rank side, see faultinject.inject)
+=============  ==========================================  =========================================
+crash          step (req), rank, attempt, code, signal,    the rank dies at the start of ``step``:
                phase                                       SIGKILL by default, ``code=N`` exits N,
                                                            ``signal=TERM|SEGV|...`` kills with it;
                                                            ``phase=save``: in the middle of the save
@@ -26,17 +26,17 @@ hang           step (req), rank, attempt, seconds,         the rank stops making
                                                            instead (TRL has no separate
                                                            rendezvous: transformers inits the
                                                            process group inside its build)
-slow           step (req), rank, attempt, seconds, the rank sleeps ``seconds`` (default 1) steps at
-               the start of ``steps`` steps (default 1)
+slow           step (req), rank, attempt, seconds,         the rank sleeps ``seconds`` (default 1)
+               steps                                       at the start of ``steps`` steps (default 1)
 nan            step (req), rank, attempt                   the step's loss is multiplied by NaN
 oom            step (req), rank, attempt                   ``torch.OutOfMemoryError`` (MemoryError
                                                            without torch) at the start of ``step``
-preempt step (req), attempt SIGTERM to the job as a scheduler sends it
+preempt        step (req), attempt                         SIGTERM to the job as a scheduler sends it
                                                            before a time limit: rank 0 signals the
                                                            supervisor (which asks the ranks to save,
                                                            stops, exits 143; relaunching resumes) or,
                                                            unsupervised, torchrun, at ``step``'s start
-kill-supervisor step (req), attempt rank 0 SIGKILLs the supervisor at the start
+kill-supervisor step (req), attempt                        rank 0 SIGKILLs the supervisor at the start
                                                            of ``step`` (the ranks die with it;
                                                            relaunching adopts the run). No effect
                                                            without a supervisor
@@ -44,15 +44,15 @@ enospc         step (req), rank, attempt                   ``OSError(ENOSPC)`` f
                                                            ``probe.phase("checkpoint", step)``, i.e.
                                                            inside the adapter's save (every rank by
                                                            default: a full disk is everyone's)
-corrupt-ckpt step (req), rank, attempt, mode after the checkpoint of ``step`` is written
+corrupt-ckpt   step (req), rank, attempt, mode             after the checkpoint of ``step`` is written
                                                            (committed), one rank (default 0) damages
                                                            one shard: its own DCP shard
                                                            ``__R_0.distcp`` when there is one, else the
                                                            largest file; ``mode=truncate`` (default:
                                                            cut to half) or ``mode=flip`` (invert 64
                                                            bytes in the middle, size unchanged)
-hold           step (req), rank, attempt, seconds, every rank (or ``rank``) stops *before* until,
-               phase ``step`` (before any other fault there;
+hold           step (req), rank, attempt, seconds,         every rank (or ``rank``) stops *before*
+               until, phase                                      ``step`` (before any other fault there;
                                                            outside any collective), keeps its
                                                            liveness pings, reports the declared
                                                            pause phase ``hold`` (not a hang) and waits
@@ -70,14 +70,14 @@ release        rank, attempt (no step)                     live only (``ptops in
                                                            cancels this attempt's pending ones
 slow-save      step (req), rank, attempt, seconds, until   slow storage: the commit of the save of
                                                            ``step`` waits ``seconds`` (default 10;
-                                                           ``probe.before_commit``, both adapters):
-                                                           an async save stays "writing" while
-                                                           training goes on, a sync one blocks;
-                                                           ``until=skipped``: ends as soon as a
-                                                           later save was skipped because this one
-                                                           was still writing (at most ``seconds``,
+                                                           ``probe.before_commit``, both adapters): an
+                                                           async save stays "writing" while training
+                                                           goes on, a sync one blocks;
+                                                           ``until=skipped``: ends as soon as a later
+                                                           save was skipped because this one was
+                                                           still writing (at most ``seconds``,
                                                            default 600 then; async saves only)
-misrendezvous rank, attempt (no step) launch only: before the engine is imported
+misrendezvous  rank, attempt (no step)                     launch only: before the engine is imported
                                                            (so before its process group init) the
                                                            rank points its rendezvous at a store of
                                                            its own on localhost, world size 1, as a

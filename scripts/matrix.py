@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The version matrix: ptops beside the oldest and the newest torch/TRL/transformers it declares.
 
-    python3 scripts/matrix.py                 # both ends (~30 min on 2 cores); the table -> bench/README.md
+    python3 scripts/matrix.py  # both ends (~30 min on 2 cores); the table -> bench/README.md
     python3 scripts/matrix.py --end oldest    # one end
     python3 scripts/matrix.py --list          # what each end would install, then exit
     python3 scripts/matrix.py --table         # the last run's table

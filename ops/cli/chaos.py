@@ -128,10 +128,16 @@ def print_table(report: dict) -> None:
     )  # piped: no squeezed columns
     t = Table(title=f"ptops chaos: {report['work_dir']}", show_lines=False)
     for col, kw in (
-        ("scenario", {}), ("result", {}), ("detected by", {}), ("detect", {"justify": "right"}),
-        ("recover", {"justify": "right"}), ("recomputed", {"justify": "right"}), ("digest = baseline", {}),
-        ("no lost data", {}), ("wall", {"justify": "right"}),
-    ):  # fmt: skip
+        ("scenario", {}),
+        ("result", {}),
+        ("detected by", {}),
+        ("detect", {"justify": "right"}),
+        ("recover", {"justify": "right"}),
+        ("recomputed", {"justify": "right"}),
+        ("digest = baseline", {}),
+        ("no lost data", {}),
+        ("wall", {"justify": "right"}),
+    ):
         t.add_column(col, **kw)
     fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
     for r in report["scenarios"]:

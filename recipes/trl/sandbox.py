@@ -5,21 +5,21 @@ fail, never pass, whatever it does to its own interpreter: each assert is split 
 (:func:`split_assert`) into its call (``f(x)``, run inside) and its expected value (kept here); the
 sandbox runs the completion, then each call, and sends each result as plain data; the parent decodes
 it with a strict whitelist and compares it here. A crash, an exit, a kill, a limit hit (CPU, memory,
-processes, wall clock) or a broken result channel score 0, so the outcome depends on the code only
-and not on timing (a program near its CPU limit is the exception).
+processes, wall clock) or a broken result channel score 0, so the outcome depends on the code only and
+not on timing (a program near its CPU limit is the exception).
 
 Forgeries (a policy optimises what the grader pays for). Tests are in ``tests/test_code_forgery.py``
-(forgery names of ``FORGERIES`` unless a ``test_`` is named); ``docs/rewards.md`` has the same
-table:
+(forgery names of ``FORGERIES`` unless a ``test_`` is named); ``docs/rewards.md`` has the same table:
 
-========================== ========================================
-================================= forgery what stops it test ==========================
-======================================== ================================= an object equal to the
-comparison runs here on decoded always_equal_object, anything; a subclass of data; the encoder
-inside and the int_float_subclass, int/str/list/tuple; decoder here take exact types only
-list_subclass_equal, ``__class__`` spoofing (``type(v) is int``, never isinstance) class_spoofing a
-lazy, huge, cyclic, bounded: depth 16, 10,000 nodes, ~1,000 lazy_generator, huge_int, deep or
-non-finite value digits, 10,000 characters, finite cyclic_list, deep_nesting_value,
+==========================  ========================================  =================================
+forgery                     what stops it                             test
+==========================  ========================================  =================================
+an object equal to          the comparison runs here on decoded       always_equal_object,
+anything; a subclass of     data; the encoder inside and the          int_float_subclass,
+int/str/list/tuple;         decoder here take exact types only        list_subclass_equal,
+``__class__`` spoofing      (``type(v) is int``, never isinstance)    class_spoofing
+a lazy, huge, cyclic,       bounded: depth 16, 10,000 nodes, ~1,000   lazy_generator, huge_int,
+deep or non-finite value    digits, 10,000 characters, finite         cyclic_list, deep_nesting_value,
                             floats; beyond them the check fails       nan_and_inf, test_decoder_refuses
 an early exit (sys.exit,    missing results are no pass; the          os_exit_at_import,
 os._exit, BaseException     harness ends with os._exit (no atexit);   sys_exit_at_import,
@@ -35,19 +35,22 @@ builtins, settrace)         them only changes what is claimed         builtins_p
 closing or dup2 over fds,   the results do not arrive: no pass        close_result_fds,
 a signal handler exiting                                              dup2_devnull_over_fds,
                                                                       signal_exits_harness
-reading the expected never in the sandbox (program, argv, frame_and_heap_scan, values (frames, heap,
-env, stdin); a root of its own argv_env_stdin_scan, argv/env, files, /proc, (``isolation.fs ==
-"private"``: no read_the_test_file, parent memory) repository, cache or data), pid ns, uid
-parent_memory hard-coding the prompt's graded tests are hidden: test_hard_coding_the_shown_*,
-examples ``check_code_rows`` refuses a shown one test_code_rows_refuse_* an assert that would
-refused when the data loads test_split_assert_refuses compare inside (``== True``, ``bool()``,
-arithmetic, !=, orders) ========================== ========================================
-=================================
+reading the expected        never in the sandbox (program, argv,      frame_and_heap_scan,
+values (frames, heap,       env, stdin); a root of its own            argv_env_stdin_scan,
+argv/env, files, /proc,     (``isolation.fs == "private"``: no        read_the_test_file,
+parent memory)              repository, cache or data), pid ns, uid   parent_memory
+hard-coding the prompt's    graded tests are hidden:                  test_hard_coding_the_shown_*,
+examples                    ``check_code_rows`` refuses a shown one   test_code_rows_refuse_*
+an assert that would        refused when the data loads               test_split_assert_refuses
+compare inside (``==
+True``, ``bool()``,
+arithmetic, !=, orders)
+==========================  ========================================  =================================
 
-Known limits: without a mount namespace (no user namespaces, or unshare refused: ``isolation.fs ==
-"host"``) the completion can read whatever the trainer's uid can, so expected values in a readable
-data file could be looked up; a bare ``assert f(x)`` or ``f(x) in (..)`` pays for any truthy value
-or member, as weak as the data makes it.
+Known limits: without a mount namespace (no user namespaces, or unshare refused:
+``isolation.fs == "host"``) the completion can read whatever the trainer's uid can, so expected values
+in a readable data file could be looked up; a bare ``assert f(x)`` or ``f(x) in (..)`` pays for any
+truthy value or member, as weak as the data makes it.
 
 What a completion can do to the host, and what stops it:
 

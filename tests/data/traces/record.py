@@ -5,7 +5,8 @@
 How the recorded traces were made (one at a time, 2 CPU ranks, OMP_NUM_THREADS=1):
 
     ptops launch trl-grpo-tiny --run-dir /tmp/mon_grpo_sN --set train.steps=30 --set train.seed=N
-    ptops launch trl-grpo-tiny --run-dir /tmp/mon_grpo100_sN --set train.steps=100 --set train.seed=N --set checkpoint.interval=50
+    ptops launch trl-grpo-tiny --run-dir /tmp/mon_grpo100_sN --set train.steps=100 \\
+        --set train.seed=N --set checkpoint.interval=50
     ptops launch trl-sft-tiny  --run-dir /tmp/mon_sft_sN  --set train.steps=30 --set train.seed=N
     ptops launch trl-dpo-tiny  --run-dir /tmp/mon_dpo_sN  --set train.steps=30 --set train.seed=N
     ptops launch titan-tiny    --run-dir /tmp/mon_titan_sN --set train.steps=30 --set train.seed=N
