@@ -17,9 +17,9 @@ gap is turned into steps of progress (``--step-s`` seconds per step), so every p
 fault at the same step:
 
 - ptops (``--supervise``, ``supervisor.restart.warm_spare=true``): each fault is armed live with
-  ``ptops inject RUN <kind>:...,step=<its step>`` shortly before training reaches that step; at the end
-  the supervisor is asked to stop (SIGINT). ``preempt`` is left out: a preempted ptops run stops (exit 143) for its
-  scheduler to requeue, which this single-machine soak has no scheduler for;
+  ``ptops inject RUN <kind>:...,step=<its step>`` shortly before training reaches that step; at the
+  end the supervisor is asked to stop (SIGINT). ``preempt`` is left out: a preempted ptops run stops
+  (exit 143) for its scheduler to requeue, which this single-machine soak has no scheduler for;
 - torchrun (``--max-restarts=1000 --rdzv-backend c10d``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
   the peer of bench/supervisor_bench.py) and ft_launcher (the same flags plus ``--ft-*`` heartbeat
   timeouts, ranks run through bench/ft_worker.py, which sends one heartbeat per step): no supervisor

@@ -33,7 +33,7 @@ p.phase('GIL-holding C call', 1)
 sorted(list(range(30_000_000, 0, -1)))
 p.phase('end', 1)
 p.close()
-"""
+"""  # noqa: E501
 
 
 def main() -> int:

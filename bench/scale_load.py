@@ -91,8 +91,10 @@ def _metrics_frame(
     loss = 6.5 - 0.0001 * step + 0.001 * (rank % 7)
     extra = "".join(f',"{k}":{0.5 + (rank % 5) * 0.01 + step * 1e-6!r}' for k in _TITAN_KEYS)
     rec = (
-        f'{{"step":{step},"rank":{rank},"attempt":{attempt},"loss":{loss!r},"grad_norm":{0.48 + (step % 13) * 0.001!r},'
-        f'"lr":0.0003,"step_s":{step_s!r},"tokens_per_s":{11597.0 + rank % 11!r}{extra},"ts":{now!r}}}'
+        f'{{"step":{step},"rank":{rank},"attempt":{attempt},"loss":{loss!r},'
+        f'"grad_norm":{0.48 + (step % 13) * 0.001!r},'
+        f'"lr":0.0003,"step_s":{step_s!r},"tokens_per_s":{11597.0 + rank % 11!r}{extra},'
+        f'"ts":{now!r}}}'
     )
     return b'{"t":"r","c":%d,"m":{"t":"metrics","rec":%s,"ts":%r}}\n' % (cid, rec.encode(), now)
 

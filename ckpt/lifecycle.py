@@ -227,8 +227,8 @@ def _err_text(err: Any) -> str:
 class SaveTransaction:
     """One save, the same steps for every engine::
 
-        txn = SaveTransaction(root, step, name=f"step-{step}", leader=rank == 0, agree=all_reduce_max,
-                              world_size=ws, versions=..., keep=3)
+        txn = SaveTransaction(root, step, name=f"step-{step}", leader=rank == 0,
+                              agree=all_reduce_max, world_size=ws, versions=..., keep=3)
         if txn.begin(error_from_the_probe_hook):   # leader: leftover aside, `.writing`; all agree
             ... the engine writes txn.path ...
             txn.commit(error_while_writing)        # all agree, leader: manifest, LATEST, prune

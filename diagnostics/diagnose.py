@@ -17,24 +17,28 @@ is stable; keys are only ever added::
                      "step": int | null, "rank": int | null, "host": str | null,
                      "value": float | str | null, "detail": str, "severity": str,
                      "runbook": str | null, "ts": float | null, "attempt": int | null,
-                     "live": bool, "episode": int | null, "phase": "open" | "escalate" | "resolved" | null} ],
+                     "live": bool, "episode": int | null,
+                     "phase": "open" | "escalate" | "resolved" | null} ],
       "events_summary": {"state": str, "attempts": int, "counts": {kind: n},
                          "crashes": [...], "hangs": [...], "rollbacks": [...], "restarts": int,
                          "checkpoints": int, "last_checkpoint_step": int | null,
-                         "checkpoint_invalid": [...], "first_ts": float | null, "last_ts": float | null},
+                         "checkpoint_invalid": [...], "first_ts": float | null,
+                         "last_ts": float | null},
       "timeline": [ {"ts": float | null, "step": int | null, "kind": str, "what": str,
                      "runbook": str | null} ],
       "notes": [str],
-      "incidents": [ {"id": int, "kind": "crash" | "hang" | "numeric" | "straggler" | "rl" | "checkpoint" |
-                      "preempt" | "stop" | "failed" | "monitor", "title": str,
-                      "severity": "critical" | "warning" | "info", "ts": float | null, "ts_end": float | null,
-                      "attempt": int | null, "step": int | null, "rank": int | null, "ranks": [int],
-                      "host": str | null, "evidence": [str], "runbook": str | null, "action": str | null,
+      "incidents": [ {"id": int, "kind": "crash" | "hang" | "numeric" | "straggler" | "rl" |
+                      "checkpoint" | "preempt" | "stop" | "failed" | "monitor", "title": str,
+                      "severity": "critical" | "warning" | "info", "ts": float | null,
+                      "ts_end": float | null, "attempt": int | null, "step": int | null,
+                      "rank": int | null, "ranks": [int], "host": str | null, "evidence": [str],
+                      "runbook": str | null, "action": str | null,
                       "details": {...kind-specific...}} ],          (diagnostics/incidents.py)
       "filters": {"attempt": int | null, "since": float | null},
       "goodput": {"ratio": float | null, "wall_s", "productive_s", "lost_s": {cause: s}}
                  (the whole run, filters aside; ops/runrecord/goodput.py),
-      "baseline": {"run_dir", "baselines", "compared", "diverged", "first_divergent_step", "per_metric"}
+      "baseline": {"run_dir", "baselines", "compared", "diverged", "first_divergent_step",
+                   "per_metric"}
                   (only with baselines=...; diagnostics/baseline.py)
     }
 

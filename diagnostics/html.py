@@ -398,7 +398,7 @@ table{border-collapse:collapse;width:100%;font-size:13px} th,td{border:1px solid
 th{background:#f3f3f3} td.sev-critical,td.sev-error{color:#c0392b;font-weight:600} td.sev-warning{color:#b9770e;font-weight:600}
 ul.ev{margin:0;padding-left:16px} ul.ev li{white-space:pre-wrap;word-break:break-word;font-family:ui-monospace,monospace;font-size:12px}
 .muted{color:#777} details{margin:8px 0}
-"""
+"""  # noqa: E501
 
 
 def _incident_table(incidents: list[dict[str, Any]], href: Callable[[str], str | None]) -> str:

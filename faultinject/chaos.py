@@ -29,8 +29,9 @@ the fault being *detected*. For each scenario the runner:
    - **no_lost_data**: every step 1..N has a final rank-0 metrics record with a
      finite loss, and the final checkpoint (step N) verifies (deep);
    - **no_orphans**: no process of the run is left;
-   - **ranks_from**: each launch's ``warm`` / ``cold`` (the ``launch`` event). Crash scenarios run with
-     ``warm_spare=true``; a restart that went cold although the run kept a warm pool is a problem.
+   - **ranks_from**: each launch's ``warm`` / ``cold`` (the ``launch`` event). Crash scenarios run
+     with ``warm_spare=true``; a restart that went cold although the run kept a warm pool is a
+     problem.
 
    A scenario passes when its fault fired, the last launch exited 0 with the run
    ``completed``, it was detected (where detection is expected), there is no lost

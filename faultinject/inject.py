@@ -297,10 +297,10 @@ class Injector:
                 if left <= 0:
                     break
                 self._skipped.wait(left)
-        _warn(
-            f"fault {f}: the commit of step {step} goes on "
-            f"({'a later save was skipped' if on_skip and any(s > step for s in self._skips) else 'time'})"
+        why = (
+            "a later save was skipped" if on_skip and any(s > step for s in self._skips) else "time"
         )
+        _warn(f"fault {f}: the commit of step {step} goes on ({why})")
 
     def _misrendezvous(self, f: Fault, step: int) -> None:
         """A rank whose rendezvous endpoint fell back to localhost: its own store on a free port,

@@ -89,7 +89,7 @@ misrendezvous  rank, attempt (no step)                     launch only: before t
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
 wrong type each raise :class:`FaultSpecError` with one line naming the spec,
 the key and what was expected.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

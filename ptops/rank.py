@@ -7,13 +7,13 @@ save when the run is preempted or stopped::
 
     import ptops.rank as pr
 
-    start = pr.resume(model, optimizer)                # last saved step (0: fresh); model, optimizer, RNG
+    start = pr.resume(model, optimizer)         # last saved step (0: fresh); model, optimizer, RNG
     for step in range(start + 1, steps + 1):
-        pr.start_step(step)                            # faults, liveness, a rollback's skipped batches
-        x, y = batch(pr.batch_index(step))             # the data position: step-based, rollbacks counted
-        loss = pr.loss(loss_fn(model(x), y))           # (chaos: a `nan` fault poisons it here)
+        pr.start_step(step)                     # faults, liveness, a rollback's skipped batches
+        x, y = batch(pr.batch_index(step))      # the data position: step-based, rollbacks counted
+        loss = pr.loss(loss_fn(model(x), y))    # (chaos: a `nan` fault poisons it here)
         ...backward, optimizer.step()...
-        pr.end_step(step, loss=loss, grad_norm=gn)     # the step's record (any scalar metrics)
+        pr.end_step(step, loss=loss, grad_norm=gn)  # the step's record (any scalar metrics)
         pr.checkpoint(step, model, optimizer, last=step == steps)  # when due: interval, last, stop
         if pr.should_stop():                           # preemption / Ctrl-C: saved above, leave now
             break

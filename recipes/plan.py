@@ -32,7 +32,8 @@ class Gpu:
 
 # Sources (datasheets): NVIDIA H100 SXM5 / H200 SXM / A100 SXM4 80GB / DGX B200 product pages.
 # H100 SXM: 80 GB HBM3, 989 TFLOPS bf16 dense (1979 with sparsity), 1979 fp8 dense, NVLink4 900 GB/s
-#   bidirectional (450 one way), ConnectX-7 400 Gb/s NDR per GPU (50 GB/s), PCIe Gen5 x16 (64 GB/s; ~50 achieved).
+#   bidirectional (450 one way), ConnectX-7 400 Gb/s NDR per GPU (50 GB/s), PCIe Gen5 x16
+#   (64 GB/s; ~50 achieved).
 # H200 SXM: 141 GB HBM3e, same compute and NVLink as H100 SXM.
 # A100 SXM4 80GB: 312 TFLOPS bf16 dense, no fp8, NVLink3 600 GB/s bidirectional (300 one way),
 #   HDR 200 Gb/s per GPU (25 GB/s), PCIe Gen4 x16 (32 GB/s; ~25 achieved).

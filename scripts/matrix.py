@@ -12,8 +12,8 @@ version, the registry's own build (a CUDA build even on this CPU box), then this
 lock. The end then proves:
   1. the torch that was there is untouched (same version, same RECORD digest: same build);
   2. ``pip install --dry-run ptops[trl]`` in that venv lists no torch;
-  3. the engine-agnostic tests and the TRL recipes' crash-resume digest tests pass (TorchTitan's too where it
-     imports).
+  3. the engine-agnostic tests and the TRL recipes' crash-resume digest tests pass (TorchTitan's too
+     where it imports).
 The oldest end is pyproject.toml's lower bounds, read from it, so a bound cannot drift from what
 ran; the newest is what pip resolves from the ranges today. Results go to
 ``bench/results/matrix.json``; ``tests/test_packaging.py`` fails when a declared lower bound is not

@@ -137,9 +137,9 @@ def runs(tmp_path_factory):
     script.write_text(textwrap.dedent(NO_API))
     plan = {  # the longest first
         "fsdp2-faulted": _launch_argv(root / "fsdp2-faulted", *CHAOS, command=FSDP2),
-        # ... and a preemption in attempt 3 (SIGTERM at step 9; the ranks are held before step 10 until the
-        # stop request reaches them): every rank saves step 9 or 10 on request, the launch exits
-        # 143, the same command again resumes
+        # ... and a preemption in attempt 3 (SIGTERM at step 9; the ranks are held before step 10
+        # until the stop request reaches them): every rank saves step 9 or 10 on request, the launch
+        # exits 143, the same command again resumes
         "accel-faulted": _launch_argv(
             root / "accel-faulted",
             *CHAOS,

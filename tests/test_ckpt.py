@@ -112,7 +112,7 @@ DCP_GEN = textwrap.dedent(
             m(torch.randn(2, 8)).sum().backward(); opt.step(); opt.zero_grad()
             dcp.save(titan_sd(m, opt, step), checkpoint_id=f"{out}/run/checkpoints/step-{step}")
         mp.spawn(worker, args=(2, f"{out}/run/checkpoints/step-3", f"{out}/two/step-3", port), nprocs=2)
-    """
+    """  # noqa: E501
 )
 
 HF_GEN = textwrap.dedent(
@@ -132,7 +132,7 @@ HF_GEN = textwrap.dedent(
     args = TrainingArguments(output_dir=sys.argv[1], max_steps=4, save_steps=2, per_device_train_batch_size=2,
                              use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True)
     Trainer(model=Qwen2ForCausalLM(cfg), args=args, train_dataset=DS()).train()
-    """
+    """  # noqa: E501
 )
 
 

@@ -295,7 +295,7 @@ def test_flight_recorder_from_real_gloo_ranks(tmp_path):
         open("{tmp_path}/rank-%d.flight_recorder" % rank, "wb").write(data)
         time.sleep(1.5)
         os._exit(0)
-        ''')
+        ''')  # noqa: E501
     )
     env = dict(os.environ, TORCH_FR_BUFFER_SIZE="2000")
     procs = [

@@ -149,7 +149,7 @@ def main(recipe, probe):
                           "step_s": took, "tokens_per_s": cfg.batch * world / max(took, 1e-9)})
         if step % recipe.checkpoint.interval == 0 or step == recipe.train.steps:
             _save(step, model, recipe, probe, root, rank, world)
-'''
+'''  # noqa: E501
 
 TOY_TINY = """
 name = "toy-tiny"

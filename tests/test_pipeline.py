@@ -58,7 +58,7 @@ recipe = "trl-sft-tiny"
 input = "grpo"
 sampling = { n = 4, prompts = 12 }
 set = ["train.steps=2", "checkpoint.interval=2", "trl.per_device_batch_size=2"]
-"""
+"""  # noqa: E501
 
 GATED = """
 name = "pipe-gated"
@@ -363,12 +363,18 @@ def test_a_failing_gate_stops_the_pipeline_with_one_clear_message(gated):
 
 def test_bad_pipeline_files_get_one_line_and_exit_2(tmp_path):
     cases = {
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ninput = "b"\n': "key 'stage.0.input': 'b' is not an earlier stage",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ninput = "b"\n': (
+            "key 'stage.0.input': 'b' is not an earlier stage"
+        ),
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\ngate = { metric = '
         '"eval/heldout", value = 0.5 }\n': "key 'stage.0.gate.metric': eval/heldout needs a "
         "held-out eval",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "titan-tiny"\nset = ["eval.interval=5"]\n': "key 'eval.interval': not supported by engine \"titan\"",
-        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.stepz=3"]\n': "key 'train.stepz': unknown key",
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "titan-tiny"\nset = ["eval.interval=5"]\n': (
+            "key 'eval.interval': not supported by engine \"titan\""
+        ),
+        'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nset = ["train.stepz=3"]\n': (
+            "key 'train.stepz': unknown key"
+        ),
         'name = "x"\n[[stage]]\nname = "a"\nrecipe = "trl-sft-tiny"\nfaults = '
         '["explode:step=1"]\n': "key 'stage.0.faults'",
         'name = "x"\n[[stage]]\nname = "a"\nkind = "rejection-sampling"\nrecipe = '

@@ -40,7 +40,7 @@ FAKE = textwrap.dedent("""
     if os.path.exists(os.path.join(state, "never")):
         import time; time.sleep(600)
     http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-""")
+""")  # noqa: E501
 
 
 def _port() -> int:

@@ -53,7 +53,7 @@ POOL = textwrap.dedent("""
             time.sleep(0.1)
 
     warm.serve(sys.argv[1], "stub", target=stub)
-""")
+""")  # noqa: E501
 
 THIN = textwrap.dedent("""
     import sys

@@ -240,13 +240,15 @@ def launch(
 
     Examples:\n
       ptops launch --supervise -- python examples/fsdp2/train.py --steps 12\n
-      ptops launch --supervise --set launch.nproc=4 --fault crash:rank=1,step=6 -- python train.py --lr 3e-4\n
+      ptops launch --supervise --set launch.nproc=4 --fault crash:rank=1,step=6 --
+        python train.py --lr 3e-4\n
       ptops launch titan-tiny --run-dir runs/demo\n
       ptops launch recipes/trl-grpo-tiny.toml --set train.steps=40 --set launch.nproc=2\n
       ptops launch titan-tiny --set titan.parallelism.tp=2 --dry-run\n
       ptops launch llama3-70b-h200 --dry-run --nodes 16 --gpus-per-node 8\n
       ptops launch titan-tiny --supervise --fault crash:rank=1,step=12\n
-      ptops launch titan-tiny --supervise --wandb   (W&B offline files in RUN_DIR/wandb; `wandb sync` uploads)\n
+      ptops launch titan-tiny --supervise --wandb
+        (W&B offline files in RUN_DIR/wandb; `wandb sync` uploads)\n
       ptops launch titan-tiny --supervise --slurm --nodes 2 --spare-nodes 1 --time 04:00:00
     """
     from ptops.ops.cli.supervise import parse_faults

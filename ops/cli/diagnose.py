@@ -4,8 +4,9 @@ the on-call report.
 Wiring (ops/cli/app.py)::
 
     @app.command()
-    def diagnose(run_dir: Path, json_out: bool = ..., attempt: int | None = ..., since: str | None = ...,
-                 baseline: list[Path] | None = ..., html_out: Path | None = ...):
+    def diagnose(run_dir: Path, json_out: bool = ..., attempt: int | None = ...,
+                 since: str | None = ..., baseline: list[Path] | None = ...,
+                 html_out: Path | None = ...):
         from ptops.ops.cli.diagnose import diagnose_command
         raise typer.Exit(diagnose_command(run_dir, json_out, attempt, since, baseline, html_out))
 

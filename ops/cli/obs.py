@@ -244,7 +244,8 @@ def cmd_export(
 
     Examples:\n
       ptops export runs/titan-tiny-20261130-101500 --port 9464\n
-      ptops export runs/titan-tiny-20261130-101500 --once --wandb   (offline; then: wandb sync RUN_DIR/wandb/offline-run-*)
+      ptops export runs/titan-tiny-20261130-101500 --once --wandb
+        (offline; then: wandb sync RUN_DIR/wandb/offline-run-*)
     """
     from ptops.ops.obs.prometheus import PrometheusExporter
     from ptops.ops.runrecord.follow import follow, replay

@@ -40,7 +40,7 @@ Frames on that connection (one JSON object per line, as everywhere):
 
 The agent forwards a rank's line without re-encoding it (``relay_frame``), so a relay costs one
 JSON parse on the supervisor, as a direct connection does.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

@@ -69,7 +69,10 @@ def _build(dims: TrlModel, seed: int, out: Path) -> None:
 
 def model_dir(dims: TrlModel, seed: int = 0) -> Path:
     """Folder with a ``from_pretrained``-loadable tiny Qwen2 model and its tokenizer."""
-    name = f"trl-qwen2-h{dims.hidden_size}-l{dims.num_layers}-a{dims.num_heads}-v{dims.vocab_size}-s{seed}"
+    name = (
+        f"trl-qwen2-h{dims.hidden_size}-l{dims.num_layers}-a{dims.num_heads}"
+        f"-v{dims.vocab_size}-s{seed}"
+    )
     return build_once(
         name, lambda out: _rng_kept(_build, dims, seed, out), lambda out: _rng_kept(_check, out)
     )

@@ -83,7 +83,7 @@ Which isolation was used is reported in every result (``isolation``) and by the
 trainer's ``reward_source`` event. The launcher (this file run as a script, standard
 library only) is a separate process because the training rank is multi-threaded: namespaces
 and uids are set in a fresh single-threaded process, never with ``preexec_fn``.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -602,7 +602,7 @@ def _main(_W=os.write, _exit=os._exit, _dumps=json.dumps, _compile=compile, _eva
         _b = _b[_W(_fd, _b):]
     _exit(0)
 _main()
-"""
+"""  # noqa: E501
 
 
 _GUARD_MARK = "# <guard>"
