@@ -2,8 +2,9 @@
 
 wandb 0.31 ships no Python reader (the Go core writes the file). The format is LevelDB's log format
 behind a 7-byte header (``:W&B``, magic 0xBEE1, version): 32 KiB blocks of chunks, each with a
-7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last); a chunk's payload is (part
-of) one ``wandb_internal_pb2.Record``. Checksums are not verified: a damaged chunk fails to parse instead.
+7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last); a chunk's payload is
+(part of) one ``wandb_internal_pb2.Record``. Checksums are not verified: a damaged chunk fails to
+parse instead.
 """
 
 from __future__ import annotations
