@@ -557,6 +557,57 @@ def sdpa_instead_of_flex_needed() -> bool:
 
 
 # --------------------------------------------------------------------------- #
+# 8. the 2 s sleep at the end of Trainer.train
+# --------------------------------------------------------------------------- #
+_FINAL_SLEEP = "time.sleep(2)"
+
+
+class _TimeWithoutSleep(types.ModuleType):
+    """``time`` for ``torchtitan.trainer`` only: everything but ``sleep``, which returns at once."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__("time")
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def sleep(self, seconds: float) -> None:
+        return None
+
+
+def skip_final_sleep() -> None:
+    """Drop rank 0's ``time.sleep(2)`` "for other ranks to complete" at the end of ``train``.
+
+    Upstream reason: torchtitan 0.3.0 has rank 0 sleep 2 s before it returns. Under ptops the
+    last save is synchronous and collective (every rank is past its last collective when rank 0
+    gets there) and the supervisor waits for every rank's exit, so the 2 s are only added to
+    every attempt that completes. Applied only while that sleep is the one ``time.sleep`` in
+    ``torchtitan/trainer.py``: a second one would be skipped too, so the patch then stays off
+    and ``tests/test_titan_compat.py`` says so.
+    """
+    trainer = importlib.import_module("torchtitan.trainer")
+    if isinstance(trainer.time, _TimeWithoutSleep) or not skip_final_sleep_needed():
+        return
+    trainer.time = _TimeWithoutSleep(trainer.time)
+
+
+def skip_final_sleep_applied() -> bool:
+    trainer = sys.modules.get("torchtitan.trainer")
+    return trainer is not None and isinstance(trainer.time, _TimeWithoutSleep)
+
+
+def skip_final_sleep_needed() -> bool:
+    """The installed trainer sleeps 2 s in ``train`` and nowhere else in its module."""
+    trainer = importlib.import_module("torchtitan.trainer")
+    source = inspect.getsource(trainer)
+    return (
+        _FINAL_SLEEP in inspect.getsource(trainer.Trainer.train)
+        and source.count("time.sleep(") == 1
+    )
+
+
+# --------------------------------------------------------------------------- #
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "stub_minimal_async_ep_kernels",
@@ -593,7 +644,8 @@ PATCHES: tuple[Patch, ...] = (
         chat_template_generation_tags,
         chat_template_generation_tags_applied,
         chat_template_generation_tags_needed,
-    ),
+    ),  # last: it imports torchtitan.trainer, which the device patches above must precede
+    Patch("skip_final_sleep", skip_final_sleep, skip_final_sleep_applied, skip_final_sleep_needed),
 )
 
 # Trainer flags a CPU run needs (not patches: plain torchtitan config):
