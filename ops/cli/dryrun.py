@@ -20,7 +20,7 @@ import typer
 
 from ptops.ops.cli.errors import fail
 
-TOLERANCE = 0.10  # planner parameter bytes vs the fake-backend's measured rank-0 shard (README)
+TOLERANCE = 0.10  # planner param bytes vs the fake-backend's rank-0 shard (docs/recipes.md)
 
 
 def _size(b: float) -> str:
