@@ -5,9 +5,12 @@ write throughput; optionally (--titan) the real TorchTitan adapter's blocking
 time, async vs sync, on a debug-size llama3.
 
     .venv/bin/python bench/ckpt_async.py [--mb 64] [--dir /tmp/ptops-ckpt-bench] [--titan]
-    .venv/bin/python bench/ckpt_async.py --mb 340 --titan --out bench/results/ckpt_async.json  # ~1 GB state
-    .venv/bin/python bench/ckpt_async.py --titan-only --titan-repeat 3 --out bench/results/ckpt_staging.json
-    .venv/bin/python bench/ckpt_async.py --mb 340 --stager-only --saves 4 --out bench/results/ckpt_synthetic.json
+    # ~1 GB state
+    .venv/bin/python bench/ckpt_async.py --mb 340 --titan --out bench/results/ckpt_async.json
+    .venv/bin/python bench/ckpt_async.py --titan-only --titan-repeat 3 \\
+        --out bench/results/ckpt_staging.json
+    .venv/bin/python bench/ckpt_async.py --mb 340 --stager-only --saves 4 \\
+        --out bench/results/ckpt_synthetic.json
 
 `--mb` is the size of the model parameters; AdamW state triples the checkpoint.
 Every synthetic run also measures the titan adapter's way of saving on the same state
@@ -33,23 +36,65 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/ptops-ckpt-bench")
     ap.add_argument("--repeat", type=int, default=3, help="sync/async pairs of the same state")
     ap.add_argument("--dd-mb", type=int, default=1024, help="size of the dd write (conv=fdatasync)")
-    ap.add_argument("--titan", action="store_true", help="also measure the real titan adapter (2 launches)")
+    ap.add_argument(
+        "--titan", action="store_true", help="also measure the real titan adapter (2 launches)"
+    )
     ap.add_argument("--titan-steps", type=int, default=12)
-    ap.add_argument("--titan-only", action="store_true", help="only the titan adapter (skip the synthetic state and dd)")
-    ap.add_argument("--titan-repeat", type=int, default=1, help="async/sync launch pairs; the median ratio is reported")
-    ap.add_argument("--saves", type=int, default=4,
-                    help="persistent-stager saves: the first (cold, allocating) is reported apart, the median of the rest")
-    ap.add_argument("--stager-only", action="store_true",
-                    help="only the persistent stager vs sync / memcpy / dd (and the per-save stager), no manifest/verify/digest")
-    ap.add_argument("--overlap-batch", type=int, default=16,
-                    help="batch of the forward/backward run while staging (the adapter's overlap); 0: no overlap figure")
-    ap.add_argument("--writer-threads", type=int, default=0,
-                    help="also 2 steady saves with FileSystemWriter(thread_count=N) (the adapter uses 1); 0: not")
-    ap.add_argument("--stager", choices=("flat", "default"), default="flat",
-                    help="the persistent stager measured: flat = the adapter's FlatStager (recipes/titan/staging.py, "
-                         "one batched copy into reused buffers), default = DCP's DefaultStager (the adapter's before)")
-    ap.add_argument("--head-to-head", type=int, default=0, metavar="ROUNDS",
-                    help="only: FlatStager vs DefaultStager vs memcpy, interleaved ROUNDS times (staging alone, no write)")
+    ap.add_argument(
+        "--titan-only",
+        action="store_true",
+        help="only the titan adapter (skip the synthetic state and dd)",
+    )
+    ap.add_argument(
+        "--titan-repeat",
+        type=int,
+        default=1,
+        help="async/sync launch pairs; the median ratio is reported",
+    )
+    ap.add_argument(
+        "--saves",
+        type=int,
+        default=4,
+        help="persistent-stager saves: the first (cold, allocating) is reported apart, the "
+        "median of the rest",
+    )
+    ap.add_argument(
+        "--stager-only",
+        action="store_true",
+        help="only the persistent stager vs sync / memcpy / dd (and the per-save stager), no "
+        "manifest/verify/digest",
+    )
+    ap.add_argument(
+        "--overlap-batch",
+        type=int,
+        default=16,
+        help="batch of the forward/backward run while staging (the adapter's overlap); 0: no "
+        "overlap figure",
+    )
+    ap.add_argument(
+        "--writer-threads",
+        type=int,
+        default=0,
+        help="also 2 steady saves with FileSystemWriter(thread_count=N) (the adapter uses 1); 0: "
+        "not",
+    )
+    ap.add_argument(
+        "--stager",
+        choices=("flat", "default"),
+        default="flat",
+        help="the persistent stager measured: flat = the adapter's FlatStager "
+        "(recipes/titan/staging.py, "
+        "one batched copy into reused buffers), default = DCP's DefaultStager (the adapter's "
+        "before)",
+    )
+    ap.add_argument(
+        "--head-to-head",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only: FlatStager vs DefaultStager vs memcpy, interleaved ROUNDS times (staging "
+        "alone, no write)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -80,7 +125,12 @@ def main() -> None:
     opt.step()
 
     def state(step):
-        msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        # model and opt are deleted below (memory for the titan run) after the last call of state()
+        msd, osd = get_state_dict(
+            model,  # noqa: F821
+            opt,  # noqa: F821
+            options=StateDictOptions(flatten_optimizer_state_dict=True),
+        )
         sd = dict(msd)
         sd["optimizer"] = osd
         sd["train_state"] = {"step": step}
@@ -108,8 +158,15 @@ def main() -> None:
         out["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
         out["disk_dd_mb_per_s_before"] = [dd_bandwidth(root, args.dd_mb) for _ in range(3)]
         out["raw_write_fsync_mb_per_s_before"] = raw_write(root, args.dd_mb)
-        out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch,
-                                                     writer_threads=args.writer_threads, kind=args.stager)
+        out["persistent_stager"] = persistent_stager(
+            model,
+            state,
+            root,
+            args.saves,
+            args.overlap_batch,
+            writer_threads=args.writer_threads,
+            kind=args.stager,
+        )
         out["staging_options"] = staging_options(state, reps=3)
         out["disk_dd_mb_per_s_after"] = [dd_bandwidth(root, args.dd_mb) for _ in range(3)]
         out["raw_write_fsync_mb_per_s_after"] = raw_write(root, args.dd_mb)
@@ -170,8 +227,9 @@ def main() -> None:
     # ---- sync vs async blocking of the same state, and write throughput vs the disk (dd)
     out["disk_dd_mb_per_s"] = dd_bandwidth(root, args.dd_mb)
     out["sync_vs_async"] = sync_vs_async(state, root, args.repeat)
-    out["persistent_stager"] = persistent_stager(model, state, root, args.saves, args.overlap_batch,
-                                                 kind=args.stager)
+    out["persistent_stager"] = persistent_stager(
+        model, state, root, args.saves, args.overlap_batch, kind=args.stager
+    )
     del model, opt
     if args.titan:
         out["titan_engine"] = titan_engine(args.titan_steps, args.titan_repeat)
@@ -188,8 +246,11 @@ def dd_bandwidth(root: Path, mb: int) -> float:
 
     f = root / "dd.bin"
     t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=8M", f"count={max(1, mb // 8)}", "conv=fdatasync"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={f}", "bs=8M", f"count={max(1, mb // 8)}", "conv=fdatasync"],
+        check=True,
+        capture_output=True,
+    )
     dt = time.perf_counter() - t
     size = f.stat().st_size
     f.unlink()
@@ -208,7 +269,7 @@ def raw_write(root: Path, mb: int) -> float:
     t = time.perf_counter()
     with open(f, "wb") as fh:
         for o in range(0, len(mv), 8 << 20):
-            fh.write(mv[o:o + (8 << 20)])
+            fh.write(mv[o : o + (8 << 20)])
         fh.flush()
         os.fsync(fh.fileno())
     dt = time.perf_counter() - t
@@ -337,9 +398,9 @@ def make_memcpy(state) -> tuple:
 
 def _stager(shared: bool = False, threaded: bool = True, kind: str = "default"):
     """``kind="flat"``: what the titan adapter builds on a CPU (``ProbeCheckpointManager._stager``):
-    ``FlatStager``, one ``torch._foreach_copy_`` per save into persistent buffers. ``"default"``: DCP's
-    DefaultStager as the adapter built it before (and still does with a GPU): pinned memory and
-    non-blocking copies only with a GPU; no shared memory (one writer thread, no process)."""
+    ``FlatStager``, one ``torch._foreach_copy_`` per save into persistent buffers. ``"default"``:
+    DCP's DefaultStager as the adapter built it before (and still does with a GPU): pinned memory
+    and non-blocking copies only with a GPU; no shared memory (one writer thread, no process)."""
     import torch
 
     if kind == "flat":
@@ -349,8 +410,14 @@ def _stager(shared: bool = False, threaded: bool = True, kind: str = "default"):
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     gpu = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=shared,
-                                        use_async_staging=threaded, use_non_blocking_copy=gpu and threaded))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=gpu,
+            use_shared_memory=shared,
+            use_async_staging=threaded,
+            use_non_blocking_copy=gpu and threaded,
+        )
+    )
 
 
 def _dir_mb(d: Path) -> float:
@@ -379,19 +446,27 @@ def serialize_only(state) -> float:
     return sum(t.nbytes for t in ts) / 2**20 / (time.perf_counter() - t0)
 
 
-def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, memcpy=None,
-                      writer_threads: int = 0, kind: str = "flat") -> dict:
-    """The titan adapter's async save on the synthetic state: ONE stager (``kind``, see ``_stager``) for every save
-    (its CPU buffers are allocated and faulted in by the first save and reused after), passed to
-    ``dcp.async_save(..., async_stager=...)``. Per save:
+def persistent_stager(
+    model,
+    state,
+    root: Path,
+    saves: int,
+    overlap_batch: int,
+    memcpy=None,
+    writer_threads: int = 0,
+    kind: str = "flat",
+) -> dict:
+    """The titan adapter's async save on the synthetic state: ONE stager (``kind``, see ``_stager``)
+    for every save (its CPU buffers are allocated and faulted in by the first save and reused
+    after), passed to ``dcp.async_save(..., async_stager=...)``. Per save:
 
     - ``call_s``: time inside the async_save call (the stager copies in its own thread);
     - ``stage_s``: call start -> staging complete. A training loop must not modify the state (the
       optimizer step) before that, so with no overlap this is what it is blocked: the headline;
     - ``write_s``: staging complete -> upload complete (plan, serialise, write, fsync as DCP does),
-      the caller idle meanwhile; MB/s, and its ratio to a ``dd`` of the same bytes in the same folder run
-      next to it (before one save, after the next: the disk here is shared and its bandwidth bimodal, so
-      a dd minutes away says little);
+      the caller idle meanwhile; MB/s, and its ratio to a ``dd`` of the same bytes in the same
+      folder run next to it (before one save, after the next: the disk here is shared and its
+      bandwidth bimodal, so a dd minutes away says little);
     - ``memcpy_s``: ``make_memcpy`` of the same bytes, just before the save;
     - ``sync_s``: ``dcp.save`` of the same state, just before.
 
@@ -431,8 +506,13 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
         ts = time.perf_counter()
         sd = state(step)
         t0 = time.perf_counter()
-        res = dcp.async_save(sd, checkpoint_id=None if writer else str(d), storage_writer=writer,
-                             no_dist=True, async_stager=stager)
+        res = dcp.async_save(
+            sd,
+            checkpoint_id=None if writer else str(d),
+            storage_writer=writer,
+            no_dist=True,
+            async_stager=stager,
+        )
         call = time.perf_counter() - ts
         res.staging_completion.add_done_callback(mark("staged"))
         res.upload_completion.add_done_callback(mark("written"))
@@ -467,8 +547,12 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
     try:
         for i in range(saves):
             row = {"memcpy_s": memcpy(), "sync_s": sync(100 + i)}
-            if i % 2:  # dd of the same bytes next to each save, before it or after it in turn: the disk is
-                row["dd_mb_per_s"] = dd_bandwidth(root, int(nbytes) >> 20)  # shared and bimodal here
+            if (
+                i % 2
+            ):  # dd of the same bytes next to each save, before it or after it in turn: the disk is
+                row["dd_mb_per_s"] = dd_bandwidth(
+                    root, int(nbytes) >> 20
+                )  # shared and bimodal here
             row.update(one(200 + i, overlap=False))
             if not i % 2:
                 row["dd_mb_per_s"] = dd_bandwidth(root, int(nbytes) >> 20)
@@ -480,7 +564,10 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
                 o["fwd_bwd_alone_s"] = alone
                 o["fwd_bwd_slowdown_s"] = o["fwd_bwd_during_s"] - alone
                 overlap_rows.append(o)
-        threads_rows = [one(500 + i, overlap=False, threads=writer_threads) for i in range(2 if writer_threads else 0)]
+        threads_rows = [
+            one(500 + i, overlap=False, threads=writer_threads)
+            for i in range(2 if writer_threads else 0)
+        ]
         ser = serialize_only(state)
     finally:
         stager.close()
@@ -491,17 +578,25 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
     steady = rows[1:] or rows
     med = {k: _med([r[k] for r in steady]) for k in rows[0]}
     out: dict = {
-        "what": f"one {'FlatStager' if kind == 'flat' else 'DefaultStager'} for all saves; save 1 cold, median of saves 2..N",
+        "what": f"one {'FlatStager' if kind == 'flat' else 'DefaultStager'} for all saves; save "
+        "1 cold, median of saves 2..N",
         "stager": kind,
-        "stager_options": {"pinned": torch.cuda.is_available(), "shared_memory": False, "async_staging": True},
-        "state_bytes": nbytes, "ckpt_mb": round(rows[0]["mb"], 1),
+        "stager_options": {
+            "pinned": torch.cuda.is_available(),
+            "shared_memory": False,
+            "async_staging": True,
+        },
+        "state_bytes": nbytes,
+        "ckpt_mb": round(rows[0]["mb"], 1),
         "saves": [r3(r) for r in rows],
         "first": r3(rows[0]),
         "steady_median": r3(med),
         "steady_ratio_stage_over_sync": round(med["stage_s"] / med["sync_s"], 4),
         "steady_ratio_call_over_sync": round(med["call_s"] / med["sync_s"], 4),
         "steady_stage_over_memcpy": round(_med([r["stage_s"] / r["memcpy_s"] for r in steady]), 3),
-        "steady_stager_copy_over_memcpy": round(_med([r["stager_copy_s"] / r["memcpy_s"] for r in steady]), 3),
+        "steady_stager_copy_over_memcpy": round(
+            _med([r["stager_copy_s"] / r["memcpy_s"] for r in steady]), 3
+        ),
         "first_stage_over_memcpy": round(rows[0]["stage_s"] / rows[0]["memcpy_s"], 3),
         "memcpy_gb_per_s": round(nbytes / 2**30 / med["memcpy_s"], 2),
         "stage_gb_per_s": round(nbytes / 2**30 / med["stage_s"], 2),
@@ -512,15 +607,20 @@ def persistent_stager(model, state, root: Path, saves: int, overlap_batch: int, 
     if threads_rows:
         out[f"writer_threads_{writer_threads}"] = {
             "saves": [r3(r) for r in threads_rows],
-            "write_mb_per_s": round(_med([r["write_mb_per_s"] for r in threads_rows]), 1)}
+            "write_mb_per_s": round(_med([r["write_mb_per_s"] for r in threads_rows]), 1),
+        }
     if overlap_rows:
         omed = {k: _med([o[k] for o in overlap_rows]) for k in overlap_rows[0]}
         out["overlap"] = {
-            "what": f"one forward/backward (batch {overlap_batch}) between the save call and the wait for staging",
-            "saves": [r3(o) for o in overlap_rows], "median": r3(omed),
+            "what": f"one forward/backward (batch {overlap_batch}) between the save call and the "
+            "wait for staging",
+            "saves": [r3(o) for o in overlap_rows],
+            "median": r3(omed),
             "ratio_blocking_over_sync": round(omed["overlap_blocking_s"] / med["sync_s"], 4),
             "ratio_blocking_plus_slowdown_over_sync": round(
-                (omed["overlap_blocking_s"] + max(0.0, omed["fwd_bwd_slowdown_s"])) / med["sync_s"], 4),
+                (omed["overlap_blocking_s"] + max(0.0, omed["fwd_bwd_slowdown_s"])) / med["sync_s"],
+                4,
+            ),
         }
     return out
 
@@ -532,11 +632,13 @@ def staging_options(state, reps: int = 3) -> dict:
 
     memcpy, nbytes = make_memcpy(state)
     out: dict = {}
-    for name, kw in (("FlatStager, thread (adapter)", {"kind": "flat"}),
-                     ("DefaultStager, thread, private memory (adapter before)", {}),
-                     ("FlatStager, thread (adapter), again", {"kind": "flat"}),
-                     ("DefaultStager, thread, shared memory", {"shared": True}),
-                     ("DefaultStager, caller's thread, private memory", {"threaded": False})):
+    for name, kw in (
+        ("FlatStager, thread (adapter)", {"kind": "flat"}),
+        ("DefaultStager, thread, private memory (adapter before)", {}),
+        ("FlatStager, thread (adapter), again", {"kind": "flat"}),
+        ("DefaultStager, thread, shared memory", {"shared": True}),
+        ("DefaultStager, caller's thread, private memory", {"threaded": False}),
+    ):
         st = _stager(**kw)
         times, mc = [], []
         try:
@@ -552,18 +654,22 @@ def staging_options(state, reps: int = 3) -> dict:
         finally:
             st.close()
             gc.collect()
-        out[name] = {"cold_s": round(times[0], 4), "steady_s": [round(t, 4) for t in times[1:]],
-                     "memcpy_s": [round(t, 4) for t in mc],
-                     "steady_over_memcpy": round(_med([t / m for t, m in zip(times[1:], mc[1:])]), 3)}
+        out[name] = {
+            "cold_s": round(times[0], 4),
+            "steady_s": [round(t, 4) for t in times[1:]],
+            "memcpy_s": [round(t, 4) for t in mc],
+            "steady_over_memcpy": round(_med([t / m for t, m in zip(times[1:], mc[1:])]), 3),
+        }
     del memcpy
     gc.collect()
     return out
 
 
 def head_to_head(state, rounds: int) -> dict:
-    """Staging alone (no write), the adapter's FlatStager against DCP's DefaultStager (both persistent,
-    threaded, private memory; warmed by one cold stage each) and a plain memcpy, interleaved round by
-    round so that the shared machine's noise hits all three alike. Min and median of the rounds."""
+    """Staging alone (no write), the adapter's FlatStager against DCP's DefaultStager (both
+    persistent, threaded, private memory; warmed by one cold stage each) and a plain memcpy,
+    interleaved round by round so that the shared machine's noise hits all three alike. Min and
+    median of the rounds."""
     memcpy, nbytes = make_memcpy(state)
     st = {"flat": _stager(kind="flat"), "default": _stager()}
     times: dict = {"memcpy": [], "flat": [], "default": []}
@@ -587,8 +693,14 @@ def head_to_head(state, rounds: int) -> dict:
     finally:
         for s in st.values():
             s.close()
-    out = {k: {"min_s": round(min(v), 4), "median_s": round(_med(v), 4), "all_s": [round(x, 4) for x in v]}
-           for k, v in times.items()}
+    out = {
+        k: {
+            "min_s": round(min(v), 4),
+            "median_s": round(_med(v), 4),
+            "all_s": [round(x, 4) for x in v],
+        }
+        for k, v in times.items()
+    }
     out["bytes"] = nbytes
     for k in ("flat", "default"):
         out[f"{k}_over_memcpy_min"] = round(out[k]["min_s"] / out["memcpy"]["min_s"], 3)
@@ -618,12 +730,18 @@ def _summary(out: dict) -> dict:
         "steady_stager_copy_over_memcpy": ps["steady_stager_copy_over_memcpy"],
         "write_over_paired_dd": ps["steady_write_over_paired_dd"],
         "target_write_ge_0.70_dd": ps["steady_write_over_paired_dd"] >= 0.70,
-        "first_save": {k: ps["first"][k] for k in ("call_s", "stage_s", "memcpy_s", "sync_s", "write_mb_per_s")},
-        "per_save_stager_ratio": out.get("per_save_stager", {}).get("blocking_ratio_async_over_sync"),
+        "first_save": {
+            k: ps["first"][k] for k in ("call_s", "stage_s", "memcpy_s", "sync_s", "write_mb_per_s")
+        },
+        "per_save_stager_ratio": out.get("per_save_stager", {}).get(
+            "blocking_ratio_async_over_sync"
+        ),
     }
     if "overlap" in ps:
         s["overlap_ratio_blocking_over_sync"] = ps["overlap"]["ratio_blocking_over_sync"]
-        s["overlap_ratio_blocking_plus_slowdown_over_sync"] = ps["overlap"]["ratio_blocking_plus_slowdown_over_sync"]
+        s["overlap_ratio_blocking_plus_slowdown_over_sync"] = ps["overlap"][
+            "ratio_blocking_plus_slowdown_over_sync"
+        ]
     return s
 
 
@@ -631,7 +749,8 @@ def titan_engine(steps: int, repeat: int = 1) -> dict:
     """The real adapter (2 ranks, FSDP2, gloo) on a torchtitan debug-size llama3 (dim 256,
     6 layers, 16 heads; local 512-token vocabulary), checkpoint every 2 steps: blocking_s of
     the interval saves from the `checkpoint` events, async vs `titan.async_checkpoint=false`,
-    ``repeat`` pairs launched back to back (the box is shared: each pair's ratio, and their median)."""
+    ``repeat`` pairs launched back to back (the box is shared: each pair's ratio, and their
+    median)."""
     import statistics
 
     pairs = [_titan_pair(steps) for _ in range(repeat)]
@@ -652,30 +771,53 @@ def _titan_pair(steps: int) -> dict:
     out: dict = {}
     for mode in ("async", "sync"):
         run = Path(tempfile.mkdtemp(prefix=f"ptops-bench-titan-{mode}-"))
-        sets = [f"train.steps={steps}", "checkpoint.interval=2", "checkpoint.keep=2", "titan.model.dim=256",
-                "titan.model.n_layers=6", "titan.model.n_heads=16", f"titan.async_checkpoint={str(mode == 'async').lower()}"]
+        sets = [
+            f"train.steps={steps}",
+            "checkpoint.interval=2",
+            "checkpoint.keep=2",
+            "titan.model.dim=256",
+            "titan.model.n_layers=6",
+            "titan.model.n_heads=16",
+            f"titan.async_checkpoint={str(mode == 'async').lower()}",
+        ]
         argv = [sys.executable, "-m", "ptops", "launch", "titan-tiny", "--run-dir", str(run / "r")]
         for s in sets:
             argv += ["--set", s]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         subprocess.run(argv, cwd=repo, env=env, check=True, capture_output=True, timeout=900)
-        evs = [json.loads(x) for x in (run / "r" / "events.jsonl").read_text().splitlines() if x.strip()]
-        ck = [e for e in evs if e["kind"] == "checkpoint" and e["step"] < steps]  # interval saves only
+        evs = [
+            json.loads(x)
+            for x in (run / "r" / "events.jsonl").read_text().splitlines()
+            if x.strip()
+        ]
+        ck = [
+            e for e in evs if e["kind"] == "checkpoint" and e["step"] < steps
+        ]  # interval saves only
         final = next(d for d in sorted((run / "r" / "checkpoints").glob("step-*")))
         mb = sum(f.stat().st_size for f in final.iterdir()) / 2**20
         bl = sorted(e["blocking_s"] for e in ck)
         tot = sorted(e["total_s"] for e in ck)
-        out[mode] = {"saves": len(ck), "ckpt_mb": round(mb, 1), "blocking_s": [e["blocking_s"] for e in ck],
-                     "total_s": [e["total_s"] for e in ck], "median_blocking_s": bl[len(bl) // 2],
-                     "median_total_s": tot[len(tot) // 2],
-                     # where the blocking went (rank 0's checkpoint events): medians of each part
-                     "median_parts_s": {k: sorted(e[k] for e in ck)[len(ck) // 2] for k in
-                                        ("prep_s", "state_dict_s", "call_s", "wait_s") if all(k in e for e in ck)},
-                     "qkv_split": sorted({e.get("qkv_split") or "-" for e in ck}),
-                     "skipped": [e["step"] for e in evs if e["kind"] == "checkpoint_skipped"],
-                     "verified": [e["step"] for e in evs if e["kind"] == "checkpoint_verified"]}
+        out[mode] = {
+            "saves": len(ck),
+            "ckpt_mb": round(mb, 1),
+            "blocking_s": [e["blocking_s"] for e in ck],
+            "total_s": [e["total_s"] for e in ck],
+            "median_blocking_s": bl[len(bl) // 2],
+            "median_total_s": tot[len(tot) // 2],
+            # where the blocking went (rank 0's checkpoint events): medians of each part
+            "median_parts_s": {
+                k: sorted(e[k] for e in ck)[len(ck) // 2]
+                for k in ("prep_s", "state_dict_s", "call_s", "wait_s")
+                if all(k in e for e in ck)
+            },
+            "qkv_split": sorted({e.get("qkv_split") or "-" for e in ck}),
+            "skipped": [e["step"] for e in evs if e["kind"] == "checkpoint_skipped"],
+            "verified": [e["step"] for e in evs if e["kind"] == "checkpoint_verified"],
+        }
         shutil.rmtree(run, ignore_errors=True)
-    out["blocking_ratio_async_over_sync"] = round(out["async"]["median_blocking_s"] / out["sync"]["median_blocking_s"], 4)
+    out["blocking_ratio_async_over_sync"] = round(
+        out["async"]["median_blocking_s"] / out["sync"]["median_blocking_s"], 4
+    )
     return out
 
 

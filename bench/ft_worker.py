@@ -1,12 +1,13 @@
-"""The worker NVIDIA's ft_launcher runs in bench/goodput_soak.py: the ptops rank entry plus ft heartbeats.
+"""The worker NVIDIA's ft_launcher runs in bench/goodput_soak.py: the ptops rank entry plus ft
+heartbeats.
 
 ft_launcher detects a hung rank only through heartbeats the training loop sends
 (``RankMonitorClient().init_workload_monitoring()`` once, ``send_heartbeat()`` per step). A user of
 nvidia-resiliency-ext adds those two calls to their loop; here the loop is the engine adapter's, so
-this bench-side wrapper (no product code changed) connects the client, wraps the probe's per-step hook
-(``Probe.before_step``, called at the start of every optimizer step) to send the heartbeat first, and
-then runs the same entry the ranks always run (``python -m ptops.ops.rank.entry``). Run by
-ft_launcher only (it sets the rank monitor's socket in the environment); needs bench/.nvrx on
+this bench-side wrapper (no product code changed) connects the client, wraps the probe's per-step
+hook (``Probe.before_step``, called at the start of every optimizer step) to send the heartbeat
+first, and then runs the same entry the ranks always run (``python -m ptops.ops.rank.entry``). Run
+by ft_launcher only (it sets the rank monitor's socket in the environment); needs bench/.nvrx on
 PYTHONPATH (see bench/README.md).
 """
 
@@ -22,7 +23,8 @@ _before_step = probe.Probe.before_step
 
 
 def before_step(self: probe.Probe, step: int) -> None:
-    client.send_heartbeat()  # before the fault hooks: a rank hung at this step has sent its last beat
+    # before the fault hooks: a rank hung at this step has sent its last beat
+    client.send_heartbeat()
     _before_step(self, step)
 
 

@@ -1,4 +1,5 @@
-"""Hang-detection soak: zero false hangs with the shipped defaults, and how fast real hangs are found.
+"""Hang-detection soak: zero false hangs with the shipped defaults, and how fast real hangs are
+found.
 
     .venv/bin/python bench/hang_soak.py [--minutes 30] [--out bench/results] [--readme]
 
@@ -9,14 +10,15 @@ with no ``[supervisor.hang]`` key set:
    (``titan.async_checkpoint=false``); both have a slow first step (``slow:step=1,seconds=30``), an
    eval-like pause the engine declares (``hold:phase=eval``: rank 0 pauses 40 s before a step while
    rank 1 waits in the collective), and a 3x straggler (``slow`` on rank 1: +2x the step time, for
-   the rest of the run), checkpoints every 10 steps. Each run is stopped with SIGINT when its time is
-   up (the ranks save and stop). Counted: ``hang`` events (false detections; must be 0), crashes.
+   the rest of the run), checkpoints every 10 steps. Each run is stopped with SIGINT when its time
+   is up (the ranks save and stop). Counted: ``hang`` events (false detections; must be 0), crashes.
 2. **detect**: one short run: attempt 1, rank 0 stops in Python at a step start and rank 1 blocks in
    the collective (``hang:rank=0``); attempt 2, rank 1 is SIGSTOPped from outside (held before the
-   step until then). Delay = the hang finding's time (``found_ts``) minus the fault (``fault_injected``
-   / the SIGSTOP), against the bound max(10 x p99 step time of the run, 5 s).
+   step until then). Delay = the hang finding's time (``found_ts``) minus the fault
+   (``fault_injected`` / the SIGSTOP), against the bound max(10 x p99 step time of the run, 5 s).
 
-Writes ``hang_soak.json`` into ``--out``; ``--readme`` also rewrites the table in ``bench/README.md``.
+Writes ``hang_soak.json`` into ``--out``; ``--readme`` also rewrites the table in
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -54,30 +56,58 @@ def p99(xs: list[float]) -> float:
 
 
 def step_times(run: Path) -> list[float]:
-    return [r["step_s"] for r in read(run / "metrics.jsonl")
-            if isinstance(r.get("step_s"), (int, float)) and r.get("step", 0) > 1]
+    return [
+        r["step_s"]
+        for r in read(run / "metrics.jsonl")
+        if isinstance(r.get("step_s"), (int, float)) and r.get("step", 0) > 1
+    ]
 
 
 def launch(run: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([*PTOPS, "launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--no-mlflow",
-                             "--json", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            *PTOPS,
+            "launch",
+            "titan-tiny",
+            "--supervise",
+            "--run-dir",
+            str(run),
+            "--no-mlflow",
+            "--json",
+            *args,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait(pred, proc: subprocess.Popen, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         if proc.poll() is not None:
-            raise RuntimeError(f"supervisor exited {proc.returncode} while waiting for {what}:\n{proc.stderr.read()[-3000:]}")
+            raise RuntimeError(
+                f"supervisor exited {proc.returncode} while waiting for "
+                f"{what}:\n{proc.stderr.read()[-3000:]}"
+            )
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
         time.sleep(0.2)
 
 
 def soak_run(run: Path, seconds: float, sync: bool) -> dict:
-    faults = ["slow:step=1,seconds=30",  # a slow first step (every rank)
-              "hold:rank=0,step=40,seconds=40,phase=eval",  # an eval-like pause declared by the engine
-              "slow:rank=1,step=60,seconds=0.25,steps=100000"]  # a 3x straggler from step 60 on
-    sets = ["train.steps=100000", "checkpoint.interval=10", "checkpoint.keep=2", "supervisor.restart.backoff_s=0.5"]
+    faults = [
+        "slow:step=1,seconds=30",  # a slow first step (every rank)
+        "hold:rank=0,step=40,seconds=40,phase=eval",  # an eval-like pause declared by the engine
+        "slow:rank=1,step=60,seconds=0.25,steps=100000",
+    ]  # a 3x straggler from step 60 on
+    sets = [
+        "train.steps=100000",
+        "checkpoint.interval=10",
+        "checkpoint.keep=2",
+        "supervisor.restart.backoff_s=0.5",
+    ]
     if sync:
         sets.append("titan.async_checkpoint=false")
     args = [a for s in sets for a in ("--set", s)] + [a for f in faults for a in ("--fault", f)]
@@ -113,17 +143,40 @@ def soak_run(run: Path, seconds: float, sync: bool) -> dict:
 
 
 def detect_run(run: Path) -> dict:
-    proc = launch(run, "--set", "train.steps=30", "--set", "checkpoint.interval=5",
-                  "--set", "supervisor.restart.backoff_s=0.5",
-                  "--fault", "hang:rank=0,step=20", "--fault", "hold:step=20,attempt=2")
+    proc = launch(
+        run,
+        "--set",
+        "train.steps=30",
+        "--set",
+        "checkpoint.interval=5",
+        "--set",
+        "supervisor.restart.backoff_s=0.5",
+        "--fault",
+        "hang:rank=0,step=20",
+        "--fault",
+        "hold:step=20,attempt=2",
+    )
     try:
-        wait(lambda: len([e for e in events(run, "fault_injected") if e["fault"].startswith("hold")]) >= 2,
-             proc, 900, "both ranks held in attempt 2")
+        wait(
+            lambda: (
+                len([e for e in events(run, "fault_injected") if e["fault"].startswith("hold")])
+                >= 2
+            ),
+            proc,
+            900,
+            "both ranks held in attempt 2",
+        )
         st = json.loads((run / "status.json").read_text())
         victim = next(r["pid"] for r in st["ranks"] if r["rank"] == 1)
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.time()
-        subprocess.run([*PTOPS, "inject", str(run), "release"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        subprocess.run(
+            [*PTOPS, "inject", str(run), "release"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         out, err = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -134,21 +187,31 @@ def detect_run(run: Path) -> dict:
     st = step_times(run)
     bound = max(10 * p99(st), 5.0)
     rows = []
-    for name, ev, t_fault in (("collective-blocked rank (hang fault)", hangs[0] if hangs else None, fault["ts"]),
-                              ("SIGSTOPped rank", hangs[1] if len(hangs) > 1 else None, stopped_at)):
-        rows.append({
-            "case": name,
-            "detected": ev is not None,
-            "delay_s": round(ev["found_ts"] - t_fault, 2) if ev else None,
-            "budget_s": ev and ev["timeout_s"],
-            "phase": ev and ev["phase"],
-            "why": ev and ev["why"],
-            "ranks": ev and ev["ranks"],
-            "stacks_s": ev and ev.get("stacks_s"),
-            "bound_s": round(bound, 2),
-        })
-    return {"exit_code": proc.returncode, "step_p99_s": round(p99(st), 4), "bound_s": round(bound, 2), "cases": rows,
-            "completed": bool(events(run, "completed")), "run": str(run)}
+    for name, ev, t_fault in (
+        ("collective-blocked rank (hang fault)", hangs[0] if hangs else None, fault["ts"]),
+        ("SIGSTOPped rank", hangs[1] if len(hangs) > 1 else None, stopped_at),
+    ):
+        rows.append(
+            {
+                "case": name,
+                "detected": ev is not None,
+                "delay_s": round(ev["found_ts"] - t_fault, 2) if ev else None,
+                "budget_s": ev and ev["timeout_s"],
+                "phase": ev and ev["phase"],
+                "why": ev and ev["why"],
+                "ranks": ev and ev["ranks"],
+                "stacks_s": ev and ev.get("stacks_s"),
+                "bound_s": round(bound, 2),
+            }
+        )
+    return {
+        "exit_code": proc.returncode,
+        "step_p99_s": round(p99(st), 4),
+        "bound_s": round(bound, 2),
+        "cases": rows,
+        "completed": bool(events(run, "completed")),
+        "run": str(run),
+    }
 
 
 def table(res: dict) -> str:
@@ -156,46 +219,64 @@ def table(res: dict) -> str:
         f"Results ({res['date']}, `--minutes {res['minutes']:g}`, 2 cores shared with other jobs; "
         f"shipped `[supervisor.hang]` defaults):",
         "",
-        "| soak run | wall | steps | checkpoints | faults fired | false hangs | crashes | step p50 / p99 |",
+        "| soak run | wall | steps | checkpoints | faults fired | false hangs | crashes | step "
+        "p50 / p99 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in res["soak"]:
         lines.append(
             f"| {r['mode']} checkpoints | {r['wall_s']:.0f} s | {r['steps']} | {r['checkpoints']} "
-            f"({', '.join(r['checkpoint_modes'])}) | {len(r['faults_fired'])} | **{r['false_hangs']}** | {r['crashes']} | "
+            f"({', '.join(r['checkpoint_modes'])}) | {len(r['faults_fired'])} | "
+            f"**{r['false_hangs']}** | {r['crashes']} | "
             f"{r['step_p50_s']} / {r['step_p99_s']} s |"
         )
     d = res["detect"]
     lines += [
         "",
-        f"| injected hang | detected after | budget | bound max(10 x p99 step, 5 s) | how |",
+        "| injected hang | detected after | budget | bound max(10 x p99 step, 5 s) | how |",
         "|---|---|---|---|---|",
     ]
     for c in d["cases"]:
         lines.append(
-            f"| {c['case']} | **{c['delay_s']} s** | {c['budget_s']} s | {c['bound_s']} s (p99 step {d['step_p99_s']} s) | "
+            f"| {c['case']} | **{c['delay_s']} s** | {c['budget_s']} s | {c['bound_s']} s (p99 "
+            f"step {d['step_p99_s']} s) | "
             f"{c['why']} ({c['phase']}), ranks {c['ranks']}; stacks took {c['stacks_s']} s more |"
         )
     return "\n".join(lines)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=30.0, help="length of the soak (split over the two runs)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--minutes", type=float, default=30.0, help="length of the soak (split over the two runs)"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    ap.add_argument("--readme", action="store_true", help="rewrite the results table in bench/README.md")
+    ap.add_argument(
+        "--readme", action="store_true", help="rewrite the results table in bench/README.md"
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     a = ap.parse_args()
     tmp = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="ptops-hang-soak-"))
     tmp.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    soak = [soak_run(tmp / "soak-async", a.minutes * 30, sync=False),
-            soak_run(tmp / "soak-sync", a.minutes * 30, sync=True)]
+    soak = [
+        soak_run(tmp / "soak-async", a.minutes * 30, sync=False),
+        soak_run(tmp / "soak-sync", a.minutes * 30, sync=True),
+    ]
     detect = detect_run(tmp / "detect")
-    res = {"date": time.strftime("%Y-%m-%d", time.gmtime(t0)), "minutes": a.minutes,
-           "wall_s": round(time.time() - t0, 1), "soak": soak, "detect": detect,
-           "false_hangs": sum(r["false_hangs"] for r in soak),
-           "within_bound": all(c["detected"] and c["delay_s"] <= c["bound_s"] + 0.25 for c in detect["cases"])}
+    res = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime(t0)),
+        "minutes": a.minutes,
+        "wall_s": round(time.time() - t0, 1),
+        "soak": soak,
+        "detect": detect,
+        "false_hangs": sum(r["false_hangs"] for r in soak),
+        "within_bound": all(
+            c["detected"] and c["delay_s"] <= c["bound_s"] + 0.25 for c in detect["cases"]
+        ),
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "hang_soak.json").write_text(json.dumps(res, indent=2) + "\n")
     text = table(res)

@@ -1,14 +1,16 @@
-"""Fuzz the GRPO math verifier with adversarial answers (issue 23): never a wrong pass, never a hang.
+"""Fuzz the GRPO math verifier with adversarial answers (issue 23): never a wrong pass, never a
+hang.
 
-Each case is (completion, expected answer, prompt, may_pass): hedges (many different boxed values, the
-right one among them), answer spam, enormous numbers and expressions, unicode digits, LaTeX tricks, text
-echoed from the prompt, near misses; plus honest answers in several spellings (``may_pass``), so that a
-verifier that refuses everything is caught too. Every call is timed on its own.
+Each case is (completion, expected answer, prompt, may_pass): hedges (many different boxed values,
+the right one among them), answer spam, enormous numbers and expressions, unicode digits, LaTeX
+tricks, text echoed from the prompt, near misses; plus honest answers in several spellings
+(``may_pass``), so that a verifier that refuses everything is caught too. Every call is timed on its
+own.
 
     .venv/bin/python bench/math_verifier_fuzz.py [--n 3000] [--seed 0] [--json OUT]
 
-prints one line: cases, wrong passes, honest passes / honest cases, per-call CPU p50 / p99 / max (ms).
-``tests/test_trl_rewards.py::test_math_verifier_fuzz`` runs a smaller draw of the same cases.
+prints one line: cases, wrong passes, honest passes / honest cases, per-call CPU p50 / p99 / max
+(ms). ``tests/test_trl_rewards.py::test_math_verifier_fuzz`` runs a smaller draw of the same cases.
 """
 
 from __future__ import annotations
@@ -20,15 +22,22 @@ import time
 from fractions import Fraction
 
 DIGITS = {"arabic-indic": 0x0660, "devanagari": 0x0966, "fullwidth": 0xFF10, "bengali": 0x09E6}
-SUPERSCRIPT = str.maketrans("0123456789", "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079")
+SUPERSCRIPT = str.maketrans(
+    "0123456789", "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079"
+)
 
 
 def _spell(f: Fraction, rng: random.Random) -> str:
     """An honest spelling of ``f``."""
     if f.denominator == 1:
         return rng.choice([str(f.numerator), f"{f.numerator}.0", f"{f.numerator:,}"])
-    return rng.choice([f"{f.numerator}/{f.denominator}", f"\\frac{{{f.numerator}}}{{{f.denominator}}}",
-                       f"\\dfrac{{{f.numerator}}}{{{f.denominator}}}"])
+    return rng.choice(
+        [
+            f"{f.numerator}/{f.denominator}",
+            f"\\frac{{{f.numerator}}}{{{f.denominator}}}",
+            f"\\dfrac{{{f.numerator}}}{{{f.denominator}}}",
+        ]
+    )
 
 
 def _wrong(f: Fraction, rng: random.Random) -> Fraction:
@@ -43,16 +52,36 @@ def _unicode(s: str, base: int) -> str:
 def cases(n: int, seed: int = 0):
     """``n`` adversarial cases and honest ones: (kind, completion, expected, prompt, may_pass)."""
     rng = random.Random(seed)
-    kinds = ["hedge", "hedge_many", "spam_then_wrong", "right_not_final", "huge_number", "exponent_bomb",
-             "expression_bomb", "unicode_digits", "superscript", "latex_hidden", "unbalanced", "prompt_echo",
-             "near_miss", "long_padding", "nested_boxes", "honest"]
+    kinds = [
+        "hedge",
+        "hedge_many",
+        "spam_then_wrong",
+        "right_not_final",
+        "huge_number",
+        "exponent_bomb",
+        "expression_bomb",
+        "unicode_digits",
+        "superscript",
+        "latex_hidden",
+        "unbalanced",
+        "prompt_echo",
+        "near_miss",
+        "long_padding",
+        "nested_boxes",
+        "honest",
+    ]
     out = []
     for i in range(n):
         kind = kinds[i % len(kinds)]
         a, b = rng.randint(2, 99), rng.randint(2, 99)
         right = Fraction(a, rng.choice([1, 1, 2, 3, 4, 8]))
         want = str(right)
-        prompt = [{"role": "user", "content": f"What is {right * b} divided by {b}? Put it in \\boxed{{}}."}]
+        prompt = [
+            {
+                "role": "user",
+                "content": f"What is {right * b} divided by {b}? Put it in \\boxed{{}}.",
+            }
+        ]
         wrong = _wrong(right, rng)
         r, w = _spell(right, rng), _spell(wrong, rng)
         may_pass = False
@@ -60,7 +89,9 @@ def cases(n: int, seed: int = 0):
             boxes = [r, w] if rng.random() < 0.5 else [w, r]
             text = " or ".join(f"\\boxed{{{x}}}" for x in boxes)
         elif kind == "hedge_many":
-            vals = [_spell(Fraction(k, right.denominator), rng) for k in range(rng.randint(3, 400))] + [r]
+            vals = [
+                _spell(Fraction(k, right.denominator), rng) for k in range(rng.randint(3, 400))
+            ] + [r]
             rng.shuffle(vals)
             text = " ".join(f"\\boxed{{{x}}}" for x in vals)
         elif kind == "spam_then_wrong":
@@ -68,20 +99,31 @@ def cases(n: int, seed: int = 0):
         elif kind == "right_not_final":
             text = f"I first thought {r}, but the final answer is \\boxed{{{w}}}"
         elif kind == "huge_number":
-            text = f"\\boxed{{{r}{'0' * rng.randint(5000, 30000)}}}" if rng.random() < 0.5 else \
-                f"\\boxed{{{a}{'9' * rng.randint(20, 4000)}/{'9' * rng.randint(20, 4000)}}}"
+            text = (
+                f"\\boxed{{{r}{'0' * rng.randint(5000, 30000)}}}"
+                if rng.random() < 0.5
+                else f"\\boxed{{{a}{'9' * rng.randint(20, 4000)}/{'9' * rng.randint(20, 4000)}}}"
+            )
         elif kind == "exponent_bomb":
-            text = rng.choice([f"\\boxed{{1e{10**rng.randint(6, 12)}}}", f"\\boxed{{{a}^{{{a}^{{{b}}}}}}}",
-                               "\\boxed{9^9^9^9}", f"\\boxed{{{a}**{b}**{b}}}",
-                               "\\boxed{10^{10^{10}}}"])
+            text = rng.choice(
+                [
+                    f"\\boxed{{1e{10 ** rng.randint(6, 12)}}}",
+                    f"\\boxed{{{a}^{{{a}^{{{b}}}}}}}",
+                    "\\boxed{9^9^9^9}",
+                    f"\\boxed{{{a}**{b}**{b}}}",
+                    "\\boxed{10^{10^{10}}}",
+                ]
+            )
         elif kind == "expression_bomb":
-            text = rng.choice([
-                "\\boxed{" + "+".join(["1"] * rng.randint(1000, 50000)) + "}",
-                "\\boxed{" + "\\frac{1}{" * 3000 + "1" + "}" * 3000 + "}",
-                "\\boxed{" + "sqrt(" * 20 + "2" + ")" * 20 + "}",
-                f"\\boxed{{(x+1)^{rng.randint(5, 9)} - (x-1)^{rng.randint(5, 9)}}}",
-                "\\boxed{" + "(" * 5000 + str(a) + ")" * 5000 + "}",
-            ])
+            text = rng.choice(
+                [
+                    "\\boxed{" + "+".join(["1"] * rng.randint(1000, 50000)) + "}",
+                    "\\boxed{" + "\\frac{1}{" * 3000 + "1" + "}" * 3000 + "}",
+                    "\\boxed{" + "sqrt(" * 20 + "2" + ")" * 20 + "}",
+                    f"\\boxed{{(x+1)^{rng.randint(5, 9)} - (x-1)^{rng.randint(5, 9)}}}",
+                    "\\boxed{" + "(" * 5000 + str(a) + ")" * 5000 + "}",
+                ]
+            )
         elif kind == "unicode_digits":
             base = DIGITS[rng.choice(sorted(DIGITS))]
             text = f"\\boxed{{{_unicode(str(right), base)}}}"
@@ -89,13 +131,22 @@ def cases(n: int, seed: int = 0):
             text = f"\\boxed{{{str(a)[0]}{str(b).translate(SUPERSCRIPT)}}}"
             want = f"{str(a)[0]}{b}"
         elif kind == "latex_hidden":
-            text = rng.choice([f"\\phantom{{\\boxed{{{r}}}}}\\boxed{{{w}}}",
-                               f"\\text{{\\boxed{{{r}}}}} \\boxed{{{w}}}",
-                               f"% \\boxed{{{r}}}\n\\boxed{{{w}}}",
-                               f"\\boxed{{{w}}}\\iffalse\\boxed{{{r}}}\\fi"])
+            text = rng.choice(
+                [
+                    f"\\phantom{{\\boxed{{{r}}}}}\\boxed{{{w}}}",
+                    f"\\text{{\\boxed{{{r}}}}} \\boxed{{{w}}}",
+                    f"% \\boxed{{{r}}}\n\\boxed{{{w}}}",
+                    f"\\boxed{{{w}}}\\iffalse\\boxed{{{r}}}\\fi",
+                ]
+            )
         elif kind == "unbalanced":  # boxes left open around (or after) the right answer
-            text = rng.choice(["\\boxed{" * rng.randint(1, 20000) + f"\\boxed{{{r}}}",
-                               f"\\boxed{{{w} \\boxed{{{r}}}", f"\\boxed{{{r}}} \\boxed{{{w}"])
+            text = rng.choice(
+                [
+                    "\\boxed{" * rng.randint(1, 20000) + f"\\boxed{{{r}}}",
+                    f"\\boxed{{{w} \\boxed{{{r}}}",
+                    f"\\boxed{{{r}}} \\boxed{{{w}",
+                ]
+            )
         elif kind == "prompt_echo":
             text = prompt[0]["content"] + rng.choice(["", " ", " Hmm.", f" {a}"])
             may_pass = text.endswith(f" {a}") and right == a
@@ -106,8 +157,9 @@ def cases(n: int, seed: int = 0):
         elif kind == "nested_boxes":
             text = f"\\boxed{{\\boxed{{{w}}} {r}}}"
         else:
-            text = rng.choice([f"So the answer is \\boxed{{{r}}}.", f"Final answer: {r}",
-                               f"$\\boxed{{ {r} }}$"])
+            text = rng.choice(
+                [f"So the answer is \\boxed{{{r}}}.", f"Final answer: {r}", f"$\\boxed{{ {r} }}$"]
+            )
             if "," in r and not text.startswith("So"):
                 text = f"\\boxed{{{r}}}"
             may_pass = True
@@ -134,23 +186,34 @@ def run(n: int, seed: int = 0) -> dict:
             wrong.append((kind, text[:120], want))
     times.sort()
     ms = lambda q: round(1000 * times[min(len(times) - 1, int(q * len(times)))], 3)  # noqa: E731
-    return {"cases": n, "seed": seed, "wrong_passes": len(wrong), "wrong_examples": wrong[:5],
-            "honest_passed": honest_ok, "honest_cases": honest_n,
-            "cpu_ms_p50": ms(0.5), "cpu_ms_p99": ms(0.99),
-            "cpu_ms_max": round(1000 * times[-1], 3), "slowest_kind": worst[0]}
+    return {
+        "cases": n,
+        "seed": seed,
+        "wrong_passes": len(wrong),
+        "wrong_examples": wrong[:5],
+        "honest_passed": honest_ok,
+        "honest_cases": honest_n,
+        "cpu_ms_p50": ms(0.5),
+        "cpu_ms_p99": ms(0.99),
+        "cpu_ms_max": round(1000 * times[-1], 3),
+        "slowest_kind": worst[0],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     res = run(args.n, args.seed)
-    print(f"math verifier fuzz: {res['cases']} cases (seed {res['seed']}), "
-          f"wrong passes {res['wrong_passes']}, "
-          f"honest {res['honest_passed']}/{res['honest_cases']}, CPU per call p50 {res['cpu_ms_p50']} ms, "
-          f"p99 {res['cpu_ms_p99']} ms, max {res['cpu_ms_max']} ms ({res['slowest_kind']})")
+    print(
+        f"math verifier fuzz: {res['cases']} cases (seed {res['seed']}), "
+        f"wrong passes {res['wrong_passes']}, "
+        f"honest {res['honest_passed']}/{res['honest_cases']}, CPU per call p50 "
+        f"{res['cpu_ms_p50']} ms, "
+        f"p99 {res['cpu_ms_p99']} ms, max {res['cpu_ms_max']} ms ({res['slowest_kind']})"
+    )
     if res["wrong_examples"]:
         print(json.dumps(res["wrong_examples"], indent=1))
     if args.json:

@@ -1,8 +1,10 @@
 """Monitor cost, false-positive rate and detection delay.
 
-    .venv/bin/python bench/monitors_bench.py [--seeds 20] [--ranks 8] [--steps 2000] [--reps 3] [--json]
+    .venv/bin/python bench/monitors_bench.py [--seeds 20] [--ranks 8] [--steps 2000] [--reps 3] \\
+        [--json]
     .venv/bin/python bench/monitors_bench.py --against f13977c   # cost now vs a git ref, same run
-    .venv/bin/python bench/monitors_bench.py --against f13977c --runs 4   # the same, the pre-2026-11-30 stream
+    # the same, the pre-2026-11-30 stream
+    .venv/bin/python bench/monitors_bench.py --against f13977c --runs 4
 
 1. cost: microseconds per record for each monitor alone and for the default
    set together, through the supervisor's live path (``MonitorFeed.feed``, error
@@ -41,15 +43,18 @@ from ptops.monitors import MONITOR_CLASSES, build_monitors, replay  # noqa: E402
 from ptops.ops.supervisor.monitorfeed import MonitorFeed  # noqa: E402 - the live path, what the bench measures
 
 
-def cost(ranks: int, steps: int, reps: int = 3, pkg=None, runs_in_stream: int = 1) -> dict[str, float]:
-    """Median over ``reps`` passes of each figure (the box is shared: one pass is noisy). ``pkg``: another
-    copy of the monitors package to measure (``--against``), else ptops.monitors."""
+def cost(
+    ranks: int, steps: int, reps: int = 3, pkg=None, runs_in_stream: int = 1
+) -> dict[str, float]:
+    """Median over ``reps`` passes of each figure (the box is shared: one pass is noisy). ``pkg``:
+    another copy of the monitors package to measure (``--against``), else ptops.monitors."""
     runs = [_cost_once(ranks, steps, pkg, runs_in_stream) for _ in range(reps)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def monitors_at(ref: str):
-    """The monitors package as it was at git ``ref``, imported under another name (pure: no ptops imports)."""
+    """The monitors package as it was at git ``ref``, imported under another name (pure: no ptops
+    imports)."""
     import importlib
     import subprocess
     import tempfile
@@ -57,38 +62,61 @@ def monitors_at(ref: str):
     root = Path(tempfile.mkdtemp(prefix="ptops-monitors-"))
     dest = root / "monitors_at_ref"
     dest.mkdir()
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{ref}:monitors"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split()
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{ref}:monitors"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     for n in names:
         if n.endswith(".py"):
-            text = subprocess.run(["git", "show", f"{ref}:monitors/{n}"], cwd=REPO, check=True, capture_output=True,
-                                  text=True).stdout
+            text = subprocess.run(
+                ["git", "show", f"{ref}:monitors/{n}"],
+                cwd=REPO,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             (dest / n).write_text(text)
     sys.path.insert(0, str(root))
     return importlib.import_module("monitors_at_ref")
 
 
 def live_feed_at(ref: str, pkg):
-    """The supervisor's ``MonitorFeed`` class as it was at git ``ref``, fed ``pkg`` (that ref's monitors): the
-    loop the supervisor ran then (its error handling; at f13977c one ``m.feed(rec)`` per monitor)."""
+    """The supervisor's ``MonitorFeed`` class as it was at git ``ref``, fed ``pkg`` (that ref's
+    monitors): the loop the supervisor ran then (its error handling; at f13977c one ``m.feed(rec)``
+    per monitor)."""
     import subprocess
     import types
 
-    text = subprocess.run(["git", "show", f"{ref}:ops/supervisor/monitorfeed.py"], cwd=REPO, check=True,
-                          capture_output=True, text=True).stdout
+    text = subprocess.run(
+        ["git", "show", f"{ref}:ops/supervisor/monitorfeed.py"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     mod = types.ModuleType(f"monitorfeed_at_{ref}")
     sys.modules[mod.__name__] = mod  # (dataclasses looks its module up)
-    exec(compile(text.replace("ptops.monitors", pkg.__name__), f"{ref}:ops/supervisor/monitorfeed.py", "exec"),
-         mod.__dict__)
+    exec(
+        compile(
+            text.replace("ptops.monitors", pkg.__name__),
+            f"{ref}:ops/supervisor/monitorfeed.py",
+            "exec",
+        ),
+        mod.__dict__,
+    )
     return mod.MonitorFeed
 
 
 def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None) -> dict[str, float]:
-    """``runs`` runs of ``ranks // runs`` ranks each, ranks numbered on, records ordered by (step, rank). One
-    run (default) is what the supervisor sees: the global values (loss, reward, ...) agree across its ranks;
-    ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30 (four 2-rank runs as one 8-rank job).
-    Every figure is the live path: ``MonitorFeed(monitors).feed(record)`` (``feed_cls``: another ref's), with
-    one monitor (each alone) or all of them (``ALL``)."""
+    """``runs`` runs of ``ranks // runs`` ranks each, ranks numbered on, records ordered by (step,
+    rank). One run (default) is what the supervisor sees: the global values (loss, reward, ...)
+    agree across its ranks; ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30
+    (four 2-rank runs as one 8-rank job). Every figure is the live path:
+    ``MonitorFeed(monitors).feed(record)`` (``feed_cls``: another ref's), with one monitor (each
+    alone) or all of them (``ALL``)."""
     classes = pkg.MONITOR_CLASSES if pkg is not None else MONITOR_CLASSES
     build = pkg.build_monitors if pkg is not None else build_monitors
     feed_cls = feed_cls or MonitorFeed
@@ -96,8 +124,11 @@ def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None) -
     recs = []
     for kind in ("pretrain", "grpo"):
         for seed in range(runs):
-            gen = synth.pretrain(steps, seed, ranks=per, with_busy=True, with_data=True) if kind == "pretrain" \
+            gen = (
+                synth.pretrain(steps, seed, ranks=per, with_busy=True, with_data=True)
+                if kind == "pretrain"
                 else synth.grpo(steps, seed, ranks=per)
+            )
             for r in gen:
                 r = dict(r)
                 r["rank"] = r["rank"] + per * seed
@@ -117,19 +148,26 @@ def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None) -
         for r in stream:
             feed(r)
         out[f"{kind}/ALL"] = (time.process_time() - t0) / len(stream) * 1e6
-        assert not live.errors, live.errors  # a monitor that raised would make the figure meaningless
+        assert not live.errors, (
+            live.errors
+        )  # a monitor that raised would make the figure meaningless
     return out
 
 
 def per_state(ranks: int, steps: int, reps: int = 5) -> dict[str, dict[str, float]]:
-    """Each monitor alone on one run of ``ranks`` ranks vs on rank 0's records only (the full work of one
-    state per step): what a further rank pays to follow the state the ranks share, best of ``reps``."""
+    """Each monitor alone on one run of ``ranks`` ranks vs on rank 0's records only (the full work
+    of one state per step): what a further rank pays to follow the state the ranks share, best of
+    ``reps``."""
     out: dict[str, dict[str, float]] = {}
     for kind in ("pretrain", "grpo"):
-        recs = synth.pretrain(steps, 0, ranks=ranks, with_busy=True, with_data=True) if kind == "pretrain" \
+        recs = (
+            synth.pretrain(steps, 0, ranks=ranks, with_busy=True, with_data=True)
+            if kind == "pretrain"
             else synth.grpo(steps, 0, ranks=ranks)
+        )
         one = [r for r in recs if r["rank"] == 0]
         for name, cls in MONITOR_CLASSES.items():
+
             def t(stream: list) -> float:
                 best = math.inf
                 for _ in range(reps):
@@ -139,17 +177,24 @@ def per_state(ranks: int, steps: int, reps: int = 5) -> dict[str, dict[str, floa
                         m.feed(r)
                     best = min(best, (time.process_time() - t0) / len(stream) * 1e6)
                 return best
+
             a, b = t(one), t(recs)
-            out[f"{kind}/{name}"] = {"one_state": round(a, 3), "all_ranks": round(b, 3),
-                                     "each_further_rank": round((b * ranks - a) / (ranks - 1), 3)}
+            out[f"{kind}/{name}"] = {
+                "one_state": round(a, 3),
+                "all_ranks": round(b, 3),
+                "each_further_rank": round((b * ranks - a) / (ranks - 1), 3),
+            }
     return out
 
 
 def false_positives(seeds: int) -> dict[str, object]:
     synthetic = {"runs": 0, "steps": 0, "findings": 0, "runs_with_findings": 0, "by_monitor": {}}
     for seed in range(seeds):
-        for recs in (synth.pretrain(seed=seed), synth.pretrain(seed=seed, with_busy=True, with_data=True),
-                     synth.grpo(seed=seed)):
+        for recs in (
+            synth.pretrain(seed=seed),
+            synth.pretrain(seed=seed, with_busy=True, with_data=True),
+            synth.grpo(seed=seed),
+        ):
             f = replay(recs, build_monitors())
             synthetic["runs"] += 1
             synthetic["steps"] += max(r["step"] for r in recs)
@@ -157,7 +202,14 @@ def false_positives(seeds: int) -> dict[str, object]:
             synthetic["runs_with_findings"] += bool(f)
             for x in f:
                 synthetic["by_monitor"][x.monitor] = synthetic["by_monitor"].get(x.monitor, 0) + 1
-    recorded = {"runs": 0, "steps": 0, "findings": 0, "runs_with_findings": 0, "by_monitor": {}, "files": []}
+    recorded = {
+        "runs": 0,
+        "steps": 0,
+        "findings": 0,
+        "runs_with_findings": 0,
+        "by_monitor": {},
+        "files": [],
+    }
     for path in sorted(TRACES.glob("*-s*.jsonl")):
         recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         f = replay(recs, build_monitors())
@@ -178,7 +230,11 @@ def detection(seeds: int, at: int = 100) -> dict[str, dict[str, object]]:
         delays: list[int] = []
         early = 0
         for seed in range(seeds):
-            f = [x for x in replay(synth.generate(fault, seed=seed, at=at), build_monitors()) if x.monitor == mon]
+            f = [
+                x
+                for x in replay(synth.generate(fault, seed=seed, at=at), build_monitors())
+                if x.monitor == mon
+            ]
             early += any(x.step < at for x in f)
             hit = [x.step - at for x in f if x.step >= at]
             if hit:
@@ -199,33 +255,64 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--reps", type=int, default=3, help="passes per cost figure; the median is reported")
-    ap.add_argument("--runs", type=int, default=1, help="cost: the ranks' records come from this many runs (1: one "
-                    "run, whose ranks report the same global values, as the supervisor sees; ranks/2: the stream "
-                    "measured before 2026-11-30, four 2-rank runs fed as one)")
-    ap.add_argument("--against", metavar="GIT_REF", help="also measure the monitors as they were at this git ref, "
-                    "in the same run (interleaved passes), and print new/old ratios")
+    ap.add_argument(
+        "--reps", type=int, default=3, help="passes per cost figure; the median is reported"
+    )
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="cost: the ranks' records come from this many runs (1: one "
+        "run, whose ranks report the same global values, as the supervisor sees; ranks/2: the "
+        "stream "
+        "measured before 2026-11-30, four 2-rank runs fed as one)",
+    )
+    ap.add_argument(
+        "--against",
+        metavar="GIT_REF",
+        help="also measure the monitors as they were at this git ref, "
+        "in the same run (interleaved passes), and print new/old ratios",
+    )
     ap.add_argument("--cost-only", action="store_true")
-    ap.add_argument("--per-state", action="store_true", help="each monitor on one run vs on rank 0's records only: "
-                    "one state's work per step and what each further rank pays to follow it (with --out: added)")
-    ap.add_argument("--out", metavar="FILE", help="--against: also write the figures, with the date, the load average "
-                    "and the command, to this JSON file (bench/results/monitors_bench.json)")
+    ap.add_argument(
+        "--per-state",
+        action="store_true",
+        help="each monitor on one run vs on rank 0's records only: "
+        "one state's work per step and what each further rank pays to follow it (with --out: "
+        "added)",
+    )
+    ap.add_argument(
+        "--out",
+        metavar="FILE",
+        help="--against: also write the figures, with the date, the load average "
+        "and the command, to this JSON file (bench/results/monitors_bench.json)",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.per_state:
         res_p = per_state(a.ranks, a.steps if a.steps != 2000 else 600)
-        print(f"us per record, one run of {a.ranks} ranks: one state (rank 0 only) / all ranks / each further rank")
+        print(
+            f"us per record, one run of {a.ranks} ranks: one state (rank 0 only) / all ranks / "
+            "each further rank"
+        )
         for k, v in res_p.items():
-            print(f"  {k:32s} {v['one_state']:7.2f} {v['all_ranks']:7.2f} {v['each_further_rank']:7.2f}")
+            print(
+                f"  {k:32s} {v['one_state']:7.2f} {v['all_ranks']:7.2f} "
+                f"{v['each_further_rank']:7.2f}"
+            )
         if a.out:
             import os
 
             path = Path(a.out)
             runs_all = json.loads(path.read_text()) if path.exists() else {}
-            runs_all["per_state"] = {"meta": {"command": "bench/monitors_bench.py " + " ".join(sys.argv[1:]),
-                                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                              "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]},
-                                     **res_p}
+            runs_all["per_state"] = {
+                "meta": {
+                    "command": "bench/monitors_bench.py " + " ".join(sys.argv[1:]),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                },
+                **res_p,
+            }
             path.write_text(json.dumps(runs_all, indent=2) + "\n")
         return
     if a.against:
@@ -237,25 +324,39 @@ def main() -> None:
             old_runs.append(_cost_once(a.ranks, a.steps, old_pkg, runs=a.runs, feed_cls=old_feed))
         new = {k: statistics.median(r[k] for r in new_runs) for k in new_runs[0]}
         old = {k: statistics.median(r[k] for r in old_runs) for k in old_runs[0]}
-        res_c = {"now": new, a.against: old, "ratio_now_over_old": {k: round(new[k] / old[k], 3) for k in new}}
+        res_c = {
+            "now": new,
+            a.against: old,
+            "ratio_now_over_old": {k: round(new[k] / old[k], 3) for k in new},
+        }
         if a.out:
             import os
 
-            meta = {"command": "bench/monitors_bench.py " + " ".join(sys.argv[1:]),
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
-                    "ranks": a.ranks, "runs": a.runs, "steps": a.steps, "reps": a.reps,
-                    "unit": "us per record, process CPU time, median of interleaved passes"}
+            meta = {
+                "command": "bench/monitors_bench.py " + " ".join(sys.argv[1:]),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                "ranks": a.ranks,
+                "runs": a.runs,
+                "steps": a.steps,
+                "reps": a.reps,
+                "unit": "us per record, process CPU time, median of interleaved passes",
+            }
             path = Path(a.out)
             runs_all = json.loads(path.read_text()) if path.exists() else {}
-            key = f"runs={a.runs}" if a.against == "f13977c" else f"runs={a.runs},against={a.against}"
+            key = (
+                f"runs={a.runs}" if a.against == "f13977c" else f"runs={a.runs},against={a.against}"
+            )
             runs_all[key] = {"meta": meta, **res_c}
             path.write_text(json.dumps(runs_all, indent=2) + "\n")
         if a.json:
             print(json.dumps(res_c, indent=2))
         else:
-            print(f"cost (us per record, {a.ranks} ranks of {a.runs} run(s) x {a.steps} steps, median of {a.reps} "
-                  f"interleaved passes, process CPU time): now vs {a.against}")
+            print(
+                f"cost (us per record, {a.ranks} ranks of {a.runs} run(s) x {a.steps} steps, "
+                f"median of {a.reps} "
+                f"interleaved passes, process CPU time): now vs {a.against}"
+            )
             for k in new:
                 print(f"  {k:32s} {new[k]:8.2f} {old[k]:8.2f}  x{new[k] / old[k]:.2f}")
         return
@@ -267,17 +368,25 @@ def main() -> None:
     if a.json:
         print(json.dumps(res, indent=2))
         return
-    print(f"cost (us per record, {a.ranks} ranks x {a.steps} steps, median of {a.reps} passes, time.process_time, CPU time of this process):")
+    print(
+        f"cost (us per record, {a.ranks} ranks x {a.steps} steps, median of {a.reps} passes, "
+        "time.process_time, CPU time of this process):"
+    )
     for k, v in res["cost_us_per_record"].items():
         print(f"  {k:32s} {v:8.2f}")
     for src, d in res["false_positives"].items():
-        print(f"false positives, {src}: {d['findings']} findings in {d['runs']} healthy runs "
-              f"({d['steps']} steps), runs with any finding: {d['runs_with_findings']}  {d['by_monitor']}")
+        print(
+            f"false positives, {src}: {d['findings']} findings in {d['runs']} healthy runs "
+            f"({d['steps']} steps), runs with any finding: {d['runs_with_findings']}  "
+            f"{d['by_monitor']}"
+        )
     print(f"detection (fault at step 100, {a.seeds} seeds):")
     print(f"  {'fault':18s} {'monitor':17s} detected  early  delay min/median/max")
     for k, d in res["detection"].items():
-        print(f"  {k:18s} {d['monitor']:17s} {d['detected']:>8s}  {d['fired_before_fault']:5d}  "
-              f"{d['delay_min']}/{d['delay_median']}/{d['delay_max']}")
+        print(
+            f"  {k:18s} {d['monitor']:17s} {d['detected']:>8s}  {d['fired_before_fault']:5d}  "
+            f"{d['delay_min']}/{d['delay_median']}/{d['delay_max']}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ p.phase('GIL-holding C call', 1)
 sorted(list(range(30_000_000, 0, -1)))
 p.phase('end', 1)
 p.close()
-"""
+"""  # noqa: E501
 
 
 def main() -> int:
@@ -41,7 +41,9 @@ def main() -> int:
 
     server = ChannelServer()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-c", CODE, tmp, server.address(), server.token], cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CODE, tmp, server.address(), server.token], cwd=REPO
+        )
         last, gaps, phase = None, {}, "start"
         while True:
             peer, msg, ts = server.inbox.get(timeout=300)

@@ -1,4 +1,5 @@
-"""Fast restart: crash -> the restarted attempt's first productive step, ptops warm vs ptops cold vs plain torchrun.
+"""Fast restart: crash -> the restarted attempt's first productive step, ptops warm vs ptops cold vs
+plain torchrun.
 
     .venv/bin/python bench/restart_bench.py [--repeat 3] [--out bench/results/restart_bench.json]
 
@@ -14,11 +15,12 @@ SIGKILLs itself at step 12), side by side:
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (bench/supervisor_bench.py's peer), in every round.
 
 Every run is held 45 s before step 12 (a ``hold`` fault, in all three) so that the crash comes once
-the pool is warm, as it would hours into a real run (the pool starts with the first attempt and takes
-20-45 s to import on this shared box). The figure: from the crash's ``fault_injected`` to rank 0's
-first metrics record of the restarted worker group; ``repeat`` rounds of (torchrun, cold, warm), medians
-and the per-round ratios warm/torchrun, cold/torchrun and warm/cold (the box is shared: only ratios
-within a round compare like with like). Final digests must equal an uninterrupted run's (exact recovery).
+the pool is warm, as it would hours into a real run (the pool starts with the first attempt and
+takes 20-45 s to import on this shared box). The figure: from the crash's ``fault_injected`` to rank
+0's first metrics record of the restarted worker group; ``repeat`` rounds of (torchrun, cold, warm),
+medians and the per-round ratios warm/torchrun, cold/torchrun and warm/cold (the box is shared: only
+ratios within a round compare like with like). Final digests must equal an uninterrupted run's
+(exact recovery).
 """
 
 from __future__ import annotations
@@ -47,7 +49,17 @@ def read(path: Path) -> list[dict]:
 
 
 def ptops_run(run: Path, warm: bool, faults: bool = True) -> dict:
-    argv = [sys.executable, "-m", "ptops", "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *SETS]
+    argv = [
+        sys.executable,
+        "-m",
+        "ptops",
+        "launch",
+        "titan-tiny",
+        "--supervise",
+        "--run-dir",
+        str(run),
+        *SETS,
+    ]
     if faults:
         argv += ["--fault", CRASH, "--fault", HOLD]
     if warm:
@@ -57,7 +69,11 @@ def ptops_run(run: Path, warm: bool, faults: bool = True) -> dict:
     out: dict = {"exit_code": p.returncode, "wall_s": round(time.monotonic() - t0, 1)}
     from ptops.ckpt import digest
 
-    out["digest"] = digest(run / "checkpoints" / "step-16") if (run / "checkpoints" / "step-16").exists() else None
+    out["digest"] = (
+        digest(run / "checkpoints" / "step-16")
+        if (run / "checkpoints" / "step-16").exists()
+        else None
+    )
     if not faults:
         return out
     ev = read(run / "events.jsonl")
@@ -66,12 +82,14 @@ def ptops_run(run: Path, warm: bool, faults: bool = True) -> dict:
     launch = next(e for e in ev if e["kind"] == "launch" and e["attempt"] == 2)
     first = next(r for r in read(run / "metrics.jsonl") if r.get("attempt") == 2 and r["rank"] == 0)
     log = (run / "logs" / "attempt-2" / "rank-0.log").read_text(errors="replace")
-    out.update({
-        "detect_s": round(crash["ts"] - inj["ts"], 2),
-        "fault_to_relaunch_s": round(launch["ts"] - inj["ts"], 2),
-        "fault_to_first_productive_step_s": round(first["ts"] - inj["ts"], 2),
-        "ranks_warm": "warm rank: forked from pool" in log,
-    })
+    out.update(
+        {
+            "detect_s": round(crash["ts"] - inj["ts"], 2),
+            "fault_to_relaunch_s": round(launch["ts"] - inj["ts"], 2),
+            "fault_to_first_productive_step_s": round(first["ts"] - inj["ts"], 2),
+            "ranks_warm": "warm rank: forked from pool" in log,
+        }
+    )
     return out
 
 
@@ -96,7 +114,9 @@ def main() -> None:
             if not a.no_torchrun:
                 import supervisor_bench as sb
 
-                rnd["torchrun"] = sb.torchrun_fault("titan-tiny", tmp, f"crash-{i}", CRASH, give_up_s=150)
+                rnd["torchrun"] = sb.torchrun_fault(
+                    "titan-tiny", tmp, f"crash-{i}", CRASH, give_up_s=150
+                )
             rnd["cold"] = ptops_run(tmp / f"cold-{i}", warm=False)
             rnd["warm"] = ptops_run(tmp / f"warm-{i}", warm=True)
             rnd["ratio_warm_over_cold"] = _ratio(rnd["warm"], rnd["cold"])
@@ -114,7 +134,9 @@ def main() -> None:
         if xs:
             res[f"median_ratio_{k}"] = statistics.median(xs)
     ref = res["reference"]["digest"]
-    res["digests_equal_reference"] = all(r[k]["digest"] == ref for r in res["rounds"] for k in ("cold", "warm"))
+    res["digests_equal_reference"] = all(
+        r[k]["digest"] == ref for r in res["rounds"] for k in ("cold", "warm")
+    )
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "rounds"}, indent=1))
 

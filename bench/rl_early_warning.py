@@ -35,8 +35,8 @@ An alert counts for a scenario when it comes from the tool's detector for that f
 each tool as a false positive (``fp_any``), and the matched detectors separately (``fp``).
 
 Seeds: the thresholds were tuned on seeds 1000-1004 (``--tune`` runs those; reward hacking's on
-``hacking()`` over seeds 1000-1059); the default run evaluates seeds 0..N-1, which no tuning saw. The generator is this file's,
-not tests/data/traces/synth.py (the unit tests' traces).
+``hacking()`` over seeds 1000-1059); the default run evaluates seeds 0..N-1, which no tuning saw.
+The generator is this file's, not tests/data/traces/synth.py (the unit tests' traces).
 """
 
 from __future__ import annotations
@@ -61,16 +61,23 @@ from ptops.monitors import build_monitors, replay  # noqa: E402
 # ---------------------------------------------------------------- traces
 
 
-def _base(rng: random.Random, t: int, h: float, noise: float, reward: float, extra: dict | None = None) -> dict:
-    rec = {"step": t, "rank": 0, "attempt": 1,
-           "entropy": round(h * (1 + rng.gauss(0, noise)), 6),
-           "reward": round(reward + rng.gauss(0, 0.03), 6),
-           "reward_std": round(0.2 + rng.gauss(0, 0.01), 6),
-           "kl": round(0.01 + 0.00005 * t + abs(rng.gauss(0, 0.001)), 6),
-           "frac_reward_zero_std": round(min(1.0, max(0.0, 0.2 + rng.gauss(0, 0.05))), 6),
-           "completions_mean_length": round(100 + rng.gauss(0, 5), 3),
-           "clip_ratio_region_mean": round(abs(rng.gauss(0.01, 0.004)), 6),
-           "loss": round(rng.gauss(0, 0.01), 6), "grad_norm": round(0.5 + abs(rng.gauss(0, 0.1)), 6)}
+def _base(
+    rng: random.Random, t: int, h: float, noise: float, reward: float, extra: dict | None = None
+) -> dict:
+    rec = {
+        "step": t,
+        "rank": 0,
+        "attempt": 1,
+        "entropy": round(h * (1 + rng.gauss(0, noise)), 6),
+        "reward": round(reward + rng.gauss(0, 0.03), 6),
+        "reward_std": round(0.2 + rng.gauss(0, 0.01), 6),
+        "kl": round(0.01 + 0.00005 * t + abs(rng.gauss(0, 0.001)), 6),
+        "frac_reward_zero_std": round(min(1.0, max(0.0, 0.2 + rng.gauss(0, 0.05))), 6),
+        "completions_mean_length": round(100 + rng.gauss(0, 5), 3),
+        "clip_ratio_region_mean": round(abs(rng.gauss(0.01, 0.004)), 6),
+        "loss": round(rng.gauss(0, 0.01), 6),
+        "grad_norm": round(0.5 + abs(rng.gauss(0, 0.1)), 6),
+    }
     if extra:
         rec.update(extra)
     return rec
@@ -92,12 +99,23 @@ def collapse(seed: int, tau: float, h0: float, noise: float) -> tuple[list[dict]
 
 
 def healthy(seed: int, kind: str, h0: float, noise: float = 0.04) -> list[dict]:
-    rng = random.Random(seed * 104729 + {"flat": 1, "declining": 2, "plateau": 3, "dip": 4}[kind] * 101 + int(h0 * 100))
+    rng = random.Random(
+        seed * 104729
+        + {"flat": 1, "declining": 2, "plateau": 3, "dip": 4}[kind] * 101
+        + int(h0 * 100)
+    )
     dips = []
     if kind == "dip":
         for _ in range(rng.randint(1, 2)):
-            dips.append((rng.randint(40, 170), rng.uniform(0.25, 0.35), rng.randint(1, 3), rng.randint(2, 6),
-                         rng.randint(2, 5)))
+            dips.append(
+                (
+                    rng.randint(40, 170),
+                    rng.uniform(0.25, 0.35),
+                    rng.randint(1, 3),
+                    rng.randint(2, 6),
+                    rng.randint(2, 5),
+                )
+            )
     out = []
     for t in range(1, T + 1):
         if kind == "flat":
@@ -123,8 +141,9 @@ def healthy(seed: int, kind: str, h0: float, noise: float = 0.04) -> list[dict]:
 
 
 def hacking(seed: int, every: int, hacked: bool = True, steps: int = 300) -> tuple[list[dict], int]:
-    """(records, onset): reward climbs while the held-out score falls; held-out every ``every`` steps
-    (1: on the step's record as ``rewards_verifier_mean``; N: an ``eval/accuracy`` record of its own)."""
+    """(records, onset): reward climbs while the held-out score falls; held-out every ``every``
+    steps (1: on the step's record as ``rewards_verifier_mean``; N: an ``eval/accuracy`` record of
+    its own)."""
     rng = random.Random(seed * 15485863 + every * 31 + hacked)
     at = rng.randint(80, 120)
     out = []
@@ -146,7 +165,9 @@ def hacking(seed: int, every: int, hacked: bool = True, steps: int = 300) -> tup
 def recorded() -> list[tuple[str, list[dict]]]:
     out = []
     for p in sorted(TRACES.glob("trl-grpo-*.jsonl")):
-        out.append((p.stem, [json.loads(line) for line in p.read_text().splitlines() if line.strip()]))
+        out.append(
+            (p.stem, [json.loads(line) for line in p.read_text().splitlines() if line.strip()])
+        )
     return out
 
 
@@ -156,12 +177,16 @@ RL_MONITORS = {"entropy_collapse", "kl_drift", "reward_hacking", "mode_collapse"
 
 
 def run_ptops(recs: list[dict]) -> list[tuple[int, str, str]]:
-    return [(f.step, f.monitor, f.severity) for f in replay(recs, build_monitors())
-            if f.phase != "resolved" and f.family == "rl"]
+    return [
+        (f.step, f.monitor, f.severity)
+        for f in replay(recs, build_monitors())
+        if f.phase != "resolved" and f.family == "rl"
+    ]
 
 
 def _merged(recs: list[dict]) -> list[dict]:
-    """One dict per step (rank 0), eval records merged in, held-out as ``eval/accuracy``; TRL's key spelling."""
+    """One dict per step (rank 0), eval records merged in, held-out as ``eval/accuracy``; TRL's key
+    spelling."""
     by: dict[int, dict] = {}
     for r in recs:
         if r.get("rank", 0) != 0:
@@ -170,8 +195,11 @@ def _merged(recs: list[dict]) -> list[dict]:
         for k, v in r.items():
             if k in ("rank", "attempt", "ts"):
                 continue
-            k = {"rewards_verifier_mean": "eval/accuracy", "completions_mean_length": "completions/mean_length",
-                 "clip_ratio_region_mean": "clip_ratio/region_mean"}.get(k, k)
+            k = {
+                "rewards_verifier_mean": "eval/accuracy",
+                "completions_mean_length": "completions/mean_length",
+                "clip_ratio_region_mean": "clip_ratio/region_mean",
+            }.get(k, k)
             d[k] = v
     return [by[s] for s in sorted(by)]
 
@@ -193,7 +221,10 @@ def run_rldoctor(recs: list[dict], check_every: int = 5) -> list[tuple[int, str,
                 for j in range(max(mon.min_steps, i + 1 - check_every + 1), i + 1):
                     run = run_from_records(steps[:j], config=None, name="x", source="live")
                     d = diagnose(run)
-                    if any(p.detector == f.detector and p.severity >= Severity.WARNING for p in d.problems):
+                    if any(
+                        p.detector == f.detector and p.severity >= Severity.WARNING
+                        for p in d.problems
+                    ):
                         s = steps[j - 1]["step"]
                         break
                 first[f.detector] = s
@@ -210,9 +241,15 @@ def run_rlwatch(recs: list[dict]) -> list[tuple[int, str, str]]:
     suite = DetectorSuite(RLWatchConfig())
     out = []
     for r in _merged(recs):
-        for a in suite.check_step(r["step"], entropy=r.get("entropy"), kl_divergence=r.get("kl"),
-                                  reward_mean=r.get("reward"), reward_std=r.get("reward_std"),
-                                  loss=r.get("loss"), grad_norm=r.get("grad_norm")):
+        for a in suite.check_step(
+            r["step"],
+            entropy=r.get("entropy"),
+            kl_divergence=r.get("kl"),
+            reward_mean=r.get("reward"),
+            reward_std=r.get("reward_std"),
+            loss=r.get("loss"),
+            grad_norm=r.get("grad_norm"),
+        ):
             out.append((int(r["step"]), a.detector, a.severity))
     return out
 
@@ -234,34 +271,67 @@ def scenarios(seeds: list[int]) -> list[dict[str, Any]]:
             for noise in (0.02, 0.06):
                 for s in seeds:
                     recs, at, cross = collapse(s, tau, h0, noise)
-                    out.append({"group": f"collapse {speed}", "name": f"collapse-{speed}-H{h0}-n{noise}-s{s}",
-                                "kind": "collapse", "detector": "entropy_collapse", "recs": recs, "onset": at,
-                                "truth": cross})
+                    out.append(
+                        {
+                            "group": f"collapse {speed}",
+                            "name": f"collapse-{speed}-H{h0}-n{noise}-s{s}",
+                            "kind": "collapse",
+                            "detector": "entropy_collapse",
+                            "recs": recs,
+                            "onset": at,
+                            "truth": cross,
+                        }
+                    )
     for kind in ("flat", "declining", "plateau", "dip"):
         for h0 in (0.5, 1.5, 5.0):
             for s in seeds:
-                out.append({"group": f"healthy {kind}", "name": f"healthy-{kind}-H{h0}-s{s}", "kind": "healthy",
-                            "recs": healthy(s, kind, h0)})
+                out.append(
+                    {
+                        "group": f"healthy {kind}",
+                        "name": f"healthy-{kind}-H{h0}-s{s}",
+                        "kind": "healthy",
+                        "recs": healthy(s, kind, h0),
+                    }
+                )
     for name, recs in recorded():
-        out.append({"group": "healthy recorded GRPO", "name": name, "kind": "healthy", "recs": recs})
+        out.append(
+            {"group": "healthy recorded GRPO", "name": name, "kind": "healthy", "recs": recs}
+        )
     for every, label in ((1, "dense"), (10, "sparse/10"), (25, "sparse/25")):
         for s in seeds:
             recs, at = hacking(s, every)
-            out.append({"group": f"reward hacking {label}", "name": f"hack-{label}-s{s}", "kind": "hacking",
-                        "detector": "reward_hacking", "recs": recs, "onset": at, "truth": at})
+            out.append(
+                {
+                    "group": f"reward hacking {label}",
+                    "name": f"hack-{label}-s{s}",
+                    "kind": "hacking",
+                    "detector": "reward_hacking",
+                    "recs": recs,
+                    "onset": at,
+                    "truth": at,
+                }
+            )
     for s in seeds:
         recs, _ = hacking(s, 10, hacked=False)
-        out.append({"group": "healthy reward+held-out rising (sparse/10)", "name": f"healthy-heldout-s{s}",
-                    "kind": "healthy", "recs": recs})
+        out.append(
+            {
+                "group": "healthy reward+held-out rising (sparse/10)",
+                "name": f"healthy-heldout-s{s}",
+                "kind": "healthy",
+                "recs": recs,
+            }
+        )
     return out
 
 
 def cost(reps: int = 7) -> dict[str, float]:
-    """Microseconds of process CPU time per record (best of ``reps``; CPU time, so that other processes on a
-    shared machine do not count) of each RL monitor and of every default monitor together, on healthy synthetic
-    GRPO records of 8 ranks x 1000 steps (tests/data/traces/synth.py)."""
+    """Microseconds of process CPU time per record (best of ``reps``; CPU time, so that other
+    processes on a shared machine do not count) of each RL monitor and of every default monitor
+    together, on healthy synthetic GRPO records of 8 ranks x 1000 steps
+    (tests/data/traces/synth.py)."""
     sys.path.insert(0, str(TRACES))
     import synth
+
     from ptops.monitors import MONITOR_CLASSES
     from ptops.ops.supervisor.monitorfeed import MonitorFeed
 
@@ -278,12 +348,15 @@ def cost(reps: int = 7) -> dict[str, float]:
             for r in recs:
                 m.feed(r)
             best[name] = min(best.get(name, 1e9), (time.process_time() - t0) / len(recs) * 1e6)
-        feed = MonitorFeed(build_monitors()).feed  # the supervisor's live path (one parse per record)
+        feed = MonitorFeed(
+            build_monitors()
+        ).feed  # the supervisor's live path (one parse per record)
         t0 = time.process_time()
         for r in recs:
             feed(r)
-        best["all default monitors"] = min(best.get("all default monitors", 1e9),
-                                           (time.process_time() - t0) / len(recs) * 1e6)
+        best["all default monitors"] = min(
+            best.get("all default monitors", 1e9), (time.process_time() - t0) / len(recs) * 1e6
+        )
     best["RL monitors together"] = sum(best[n] for n in RL_MONITORS)
     return best
 
@@ -291,11 +364,19 @@ def cost(reps: int = 7) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--tune", action="store_true", help="run the tuning seeds (1000-1004) instead of the unseen ones")
+    ap.add_argument(
+        "--tune",
+        action="store_true",
+        help="run the tuning seeds (1000-1004) instead of the unseen ones",
+    )
     ap.add_argument("--json", default=str(REPO / "bench" / "results" / "rl_early_warning.json"))
     ap.add_argument("--only", default="", help="run only scenario groups containing this text")
-    ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of ptops,rldoctor,rlwatch")
-    ap.add_argument("--cost", action="store_true", help="only measure the RL monitors' cost per record")
+    ap.add_argument(
+        "--tools", default=",".join(TOOLS), help="comma-separated subset of ptops,rldoctor,rlwatch"
+    )
+    ap.add_argument(
+        "--cost", action="store_true", help="only measure the RL monitors' cost per record"
+    )
     args = ap.parse_args(argv)
     if args.cost:
         for k, v in cost().items():
@@ -317,15 +398,25 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 det = sc["detector"]
                 f = first(alerts, det)
-                row[tool] = {"first": f, "early": f is not None and f < sc["onset"], "alerts": alerts[:10]}
+                row[tool] = {
+                    "first": f,
+                    "early": f is not None and f < sc["onset"],
+                    "alerts": alerts[:10],
+                }
         rows.append(row)
     elapsed = time.time() - t0
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(r["group"], []).append(r)
     summary = []
-    print(f"seeds {'1000-1004 (tuning)' if args.tune else f'0-{args.seeds - 1} (unseen)'}; {len(rows)} traces; {elapsed:.0f} s")
-    print("| scenario | traces | ptops | rldoctor 0.2.0 | rlwatch 0.5.1 | ptops lead over the best peer |")
+    print(
+        f"seeds {'1000-1004 (tuning)' if args.tune else f'0-{args.seeds - 1} (unseen)'}; "
+        f"{len(rows)} traces; {elapsed:.0f} s"
+    )
+    print(
+        "| scenario | traces | ptops | rldoctor 0.2.0 | rlwatch 0.5.1 | ptops lead over the best "
+        "peer |"
+    )
     print("|---|---|---|---|---|---|")
     for g, rs in groups.items():
         if rs[0]["kind"] == "healthy":
@@ -334,9 +425,20 @@ def main(argv: list[str] | None = None) -> int:
                 runs = sum(1 for r in rs if r[tool]["fp"])
                 runs_any = sum(1 for r in rs if r[tool]["fp_any"])
                 cells.append(f"FP {runs}/{len(rs)} runs (any detector {runs_any})")
-            summary.append({"group": g, "kind": "healthy", "traces": len(rs),
-                            **{t: {"fp_runs": sum(1 for r in rs if r[t]["fp"]),
-                                   "fp_any_runs": sum(1 for r in rs if r[t]["fp_any"])} for t in TOOLS}})
+            summary.append(
+                {
+                    "group": g,
+                    "kind": "healthy",
+                    "traces": len(rs),
+                    **{
+                        t: {
+                            "fp_runs": sum(1 for r in rs if r[t]["fp"]),
+                            "fp_any_runs": sum(1 for r in rs if r[t]["fp_any"]),
+                        }
+                        for t in TOOLS
+                    },
+                }
+            )
             print(f"| {g} | {len(rs)} | " + " | ".join(cells) + " | - |")
             continue
         cells, s = [], {"group": g, "kind": rs[0]["kind"], "traces": len(rs)}
@@ -345,16 +447,28 @@ def main(argv: list[str] | None = None) -> int:
             found = len(delays)
             early = sum(1 for r in rs if r[tool]["early"])
             med = statistics.median(delays) if delays else None
-            s[tool] = {"detected": found, "before_onset": early, "median_vs_truth": med,
-                       "min": min(delays) if delays else None, "max": max(delays) if delays else None}
-            cells.append(f"{found}/{len(rs)}, median {med:+.0f} (min {min(delays):+d}, max {max(delays):+d})"
-                         + (f", {early} before onset" if early else "") if delays else f"0/{len(rs)}")
+            s[tool] = {
+                "detected": found,
+                "before_onset": early,
+                "median_vs_truth": med,
+                "min": min(delays) if delays else None,
+                "max": max(delays) if delays else None,
+            }
+            cells.append(
+                f"{found}/{len(rs)}, median {med:+.0f} (min {min(delays):+d}, max {max(delays):+d})"
+                + (f", {early} before onset" if early else "")
+                if delays
+                else f"0/{len(rs)}"
+            )
         leads, missed_by_peers, ptops_later = [], 0, 0
         for r in rs:
             p = r["ptops"]["first"]
             # a peer alert before the onset is a false alarm, not a detection
-            peers = [r[t]["first"] for t in ("rldoctor", "rlwatch")
-                     if r[t]["first"] is not None and r[t]["first"] >= r["onset"]]
+            peers = [
+                r[t]["first"]
+                for t in ("rldoctor", "rlwatch")
+                if r[t]["first"] is not None and r[t]["first"] >= r["onset"]
+            ]
             if p is None:
                 continue
             if not peers:
@@ -362,19 +476,47 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             leads.append(min(peers) - p)
             ptops_later += min(peers) < p
-        s["lead"] = {"median": statistics.median(leads) if leads else None, "min": min(leads) if leads else None,
-                     "peers_missed": missed_by_peers, "ptops_later": ptops_later}
+        s["lead"] = {
+            "median": statistics.median(leads) if leads else None,
+            "min": min(leads) if leads else None,
+            "peers_missed": missed_by_peers,
+            "ptops_later": ptops_later,
+        }
         summary.append(s)
-        lead = (f"median {statistics.median(leads):+.0f} steps (min {min(leads):+d})" if leads else "-") \
-            + (f"; no peer alert at or after the onset on {missed_by_peers}" if missed_by_peers else "") \
+        lead = (
+            (
+                f"median {statistics.median(leads):+.0f} steps (min {min(leads):+d})"
+                if leads
+                else "-"
+            )
+            + (
+                f"; no peer alert at or after the onset on {missed_by_peers}"
+                if missed_by_peers
+                else ""
+            )
             + (f"; ptops later on {ptops_later}" if ptops_later else "")
+        )
         print(f"| {g} | {len(rs)} | " + " | ".join(cells) + f" | {lead} |")
-    print("(detection: step of the first alert minus the ground truth - the 30 % crossing for collapse, "
-          "the onset for reward hacking; negative = before it)")
+    print(
+        "(detection: step of the first alert minus the ground truth - the 30 % crossing for "
+        "collapse, "
+        "the onset for reward hacking; negative = before it)"
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"seeds": seeds, "tuning": args.tune, "elapsed_s": elapsed,
-                                               "summary": summary, "traces": rows}, indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "seeds": seeds,
+                    "tuning": args.tune,
+                    "elapsed_s": elapsed,
+                    "summary": summary,
+                    "traces": rows,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 

@@ -1,27 +1,29 @@
 """Scale load test: simulated node agents on loopback against the real supervisor.
 
-    .venv/bin/python bench/scale_load.py --sizes 64,1024,8192 [--per-node 8] [--steady 30] [--gen-procs 2]
+    .venv/bin/python bench/scale_load.py \\
+        --sizes 64,1024,8192 [--per-node 8] [--steady 30] [--gen-procs 2]
 
 Real (unchanged ptops code, in this process): :class:`ptops.ops.supervisor.core.Supervisor` -
 ``run_all`` (run lock, status, events), one attempt (``attempt.py``'s watch loop), the channel
 server (``ops/supervisor/channel.py``: selector thread, token check, node relay frames turned into
 virtual rank peers), every message handler (``messages.py``), the hang monitor and the metric
-monitors of the ``titan-tiny`` recipe's ``[monitors]`` defaults (``monitorfeed.py``), ``metrics.jsonl``,
-``events.jsonl`` and ``status.json`` in a real run directory, stack collection at the hang
-(``hangs.py``: ``stacks`` over the channel to every responsive rank, ``pystacks`` to the silent
-rank's node agent, one file per rank) and the teardown.
+monitors of the ``titan-tiny`` recipe's ``[monitors]`` defaults (``monitorfeed.py``),
+``metrics.jsonl``, ``events.jsonl`` and ``status.json`` in a real run directory, stack collection at
+the hang (``hangs.py``: ``stacks`` over the channel to every responsive rank, ``pystacks`` to the
+silent rank's node agent, one file per rank) and the teardown.
 
 Simulated: the attempt's process. ``attempt_command`` (the launch backend's hook, as Slurm fills it)
 starts this file's ``generate`` mode instead of torchrun/srun: ``--gen-procs`` processes of asyncio
 simulated node agents, each node ONE token-authenticated ``role: "node"`` connection carrying its
-ranks in relay frames (``ops/rank/channel.py::relay_frame``), byte for byte what ``ops/node/agent.py``
-sends. Each simulated rank sends its hello, the start-up beats (import, rendezvous, build, load) and
-``world``, then per step a ``begin`` beat and a ``metrics`` record (the keys of a real titan record),
-``--step-s`` (1 s) a step in lockstep (data-parallel ranks finish a step together), and a liveness
-``ping`` every ``--ping-s`` (the probe's default heartbeat, 1 s) half a second out of phase with the steps; each node sends its keepalive every
-2 s and answers ``stacks`` / ``pystacks``. After ``--victim-step`` one rank goes silent (no steps, no
-pings: SIGSTOPped); the others go on stepping (``--peers continue``, the load stays on while the hang
-is detected) or stop stepping and keep pinging (``--peers block``, as ranks waiting in a collective).
+ranks in relay frames (``ops/rank/channel.py::relay_frame``), byte for byte what
+``ops/node/agent.py`` sends. Each simulated rank sends its hello, the start-up beats (import,
+rendezvous, build, load) and ``world``, then per step a ``begin`` beat and a ``metrics`` record (the
+keys of a real titan record), ``--step-s`` (1 s) a step in lockstep (data-parallel ranks finish a
+step together), and a liveness ``ping`` every ``--ping-s`` (the probe's default heartbeat, 1 s) half
+a second out of phase with the steps; each node sends its keepalive every 2 s and answers ``stacks``
+/ ``pystacks``. After ``--victim-step`` one rank goes silent (no steps, no pings: SIGSTOPped); the
+others go on stepping (``--peers continue``, the load stays on while the hang is detected) or stop
+stepping and keep pinging (``--peers block``, as ranks waiting in a collective).
 
 One size per process (CPU and RSS are this process's): ``--sizes`` runs each size in a child of this
 file and merges the results into ``bench/results/scale_load.json``.
@@ -47,17 +49,33 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CLK = os.sysconf("SC_CLK_TCK")
 STACK_TEXT = "".join(  # ~2 KB, the size of a rank's own dump of a few threads
-    f'Thread 0x7f00000{i:03d} (most recent call first):\n  File "/opt/train/step.py", line {100 + i}, in step\n'
-    f'  File "/opt/torch/distributed/c10d.py", line {2000 + i}, in all_reduce\n' for i in range(16)
+    f'Thread 0x7f00000{i:03d} (most recent call first):\n  File "/opt/train/step.py", line '
+    f"{100 + i}, in step\n"
+    f'  File "/opt/torch/distributed/c10d.py", line {2000 + i}, in all_reduce\n'
+    for i in range(16)
 )
 # the keys of a real titan-tiny metrics record (measured: 705 bytes a line in metrics.jsonl)
-_TITAN_KEYS = ("max_loss", "titan_tps", "tflops", "time_metrics_end_to_end_s", "time_metrics_data_loading_s",
-               "time_metrics_data_loading_pct", "memory_max_active_gib", "memory_max_active_pct",
-               "memory_max_reserved_gib", "memory_max_reserved_pct", "memory_num_alloc_retries",
-               "memory_num_ooms", "mfu", "n_tokens_seen")
+_TITAN_KEYS = (
+    "max_loss",
+    "titan_tps",
+    "tflops",
+    "time_metrics_end_to_end_s",
+    "time_metrics_data_loading_s",
+    "time_metrics_data_loading_pct",
+    "memory_max_active_gib",
+    "memory_max_active_pct",
+    "memory_max_reserved_gib",
+    "memory_max_reserved_pct",
+    "memory_num_alloc_retries",
+    "memory_num_ooms",
+    "mfu",
+    "n_tokens_seen",
+)
 
 
-# ================================================================ the load generator (simulated node agents)
+# ================================================================ the load generator (simulated
+# node agents)
+
 
 class _Node:
     def __init__(self, index: int, ranks: list[int]):
@@ -67,11 +85,17 @@ class _Node:
         self.reader: asyncio.StreamReader | None = None
 
 
-def _metrics_frame(cid: int, rank: int, attempt: int, step: int, step_s: float, now: float) -> bytes:
+def _metrics_frame(
+    cid: int, rank: int, attempt: int, step: int, step_s: float, now: float
+) -> bytes:
     loss = 6.5 - 0.0001 * step + 0.001 * (rank % 7)
     extra = "".join(f',"{k}":{0.5 + (rank % 5) * 0.01 + step * 1e-6!r}' for k in _TITAN_KEYS)
-    rec = (f'{{"step":{step},"rank":{rank},"attempt":{attempt},"loss":{loss!r},"grad_norm":{0.48 + (step % 13) * 0.001!r},'
-           f'"lr":0.0003,"step_s":{step_s!r},"tokens_per_s":{11597.0 + rank % 11!r}{extra},"ts":{now!r}}}')
+    rec = (
+        f'{{"step":{step},"rank":{rank},"attempt":{attempt},"loss":{loss!r},'
+        f'"grad_norm":{0.48 + (step % 13) * 0.001!r},'
+        f'"lr":0.0003,"step_s":{step_s!r},"tokens_per_s":{11597.0 + rank % 11!r}{extra},'
+        f'"ts":{now!r}}}'
+    )
     return b'{"t":"r","c":%d,"m":{"t":"metrics","rec":%s,"ts":%r}}\n' % (cid, rec.encode(), now)
 
 
@@ -89,33 +113,88 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
     attempt = int(os.environ.get("PTOPS_ATTEMPT", "1"))
     world = args.nodes * args.per_node
     pid = os.getpid()
-    nodes = [_Node(i, list(range(i * args.per_node, (i + 1) * args.per_node)))
-             for i in range(part, args.nodes, args.gen_procs)]
-    counters = {"part": part, "sent_metrics": 0, "sent_msgs": 0, "late_max_s": 0.0, "buffered_max": 0,
-                "victim_silent_ts": None, "replies": 0}
+    nodes = [
+        _Node(i, list(range(i * args.per_node, (i + 1) * args.per_node)))
+        for i in range(part, args.nodes, args.gen_procs)
+    ]
+    counters = {
+        "part": part,
+        "sent_metrics": 0,
+        "sent_msgs": 0,
+        "late_max_s": 0.0,
+        "buffered_max": 0,
+        "victim_silent_ts": None,
+        "replies": 0,
+    }
     victim_here = any(args.victim in n.ranks for n in nodes)
 
     async def connect(node: _Node) -> None:
-        for _ in range(200):  # the listen backlog is 256: a burst of 1,024 connects gets a few refusals
+        for _ in range(
+            200
+        ):  # the listen backlog is 256: a burst of 1,024 connects gets a few refusals
             try:
                 node.reader, node.writer = await asyncio.open_connection(host, port, limit=1 << 20)
                 break
             except OSError:
                 await asyncio.sleep(0.05)
-        lines = [json.dumps({"t": "hello", "token": token, "role": "node", "node": f"sim{node.index:05d}",
-                             "node_rank": node.index, "pid": pid, "host": f"sim{node.index:05d}",
-                             "attempt": attempt}).encode() + b"\n"]
+        lines = [
+            json.dumps(
+                {
+                    "t": "hello",
+                    "token": token,
+                    "role": "node",
+                    "node": f"sim{node.index:05d}",
+                    "node_rank": node.index,
+                    "pid": pid,
+                    "host": f"sim{node.index:05d}",
+                    "attempt": attempt,
+                }
+            ).encode()
+            + b"\n"
+        ]
         for c, rank in enumerate(node.ranks, 1):
-            lines.append(_frame(c, {"t": "hello", "role": "rank", "rank": rank, "pid": pid,
-                                    "host": f"sim{node.index:05d}", "attempt": attempt, "world_size": world,
-                                    "node": f"sim{node.index:05d}"}))
+            lines.append(
+                _frame(
+                    c,
+                    {
+                        "t": "hello",
+                        "role": "rank",
+                        "rank": rank,
+                        "pid": pid,
+                        "host": f"sim{node.index:05d}",
+                        "attempt": attempt,
+                        "world_size": world,
+                        "node": f"sim{node.index:05d}",
+                    },
+                )
+            )
         for section in ("import", "rendezvous", "build", "load"):
             for c in range(1, len(node.ranks) + 1):
-                lines.append(_frame(c, {"t": "beat", "step": 0, "phase": "startup", "section": section,
-                                        "ts": time.time()}))
+                lines.append(
+                    _frame(
+                        c,
+                        {
+                            "t": "beat",
+                            "step": 0,
+                            "phase": "startup",
+                            "section": section,
+                            "ts": time.time(),
+                        },
+                    )
+                )
         for c, rank in enumerate(node.ranks, 1):
-            lines.append(_frame(c, {"t": "world", "world_size": world, "rank": rank,
-                                    "host": f"sim{node.index:05d}", "ts": time.time()}))
+            lines.append(
+                _frame(
+                    c,
+                    {
+                        "t": "world",
+                        "world_size": world,
+                        "rank": rank,
+                        "host": f"sim{node.index:05d}",
+                        "ts": time.time(),
+                    },
+                )
+            )
         node.writer.write(b"".join(lines))
         counters["sent_msgs"] += len(lines)
 
@@ -132,22 +211,43 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 msg = json.loads(raw)
             except ValueError:
                 continue
-            if msg.get("t") == "r" and isinstance(msg.get("m"), dict) and msg["m"].get("cmd") == "stacks":
+            if (
+                msg.get("t") == "r"
+                and isinstance(msg.get("m"), dict)
+                and msg["m"].get("cmd") == "stacks"
+            ):
                 c = int(msg["c"])
                 if node.ranks[c - 1] == args.victim and counters["victim_silent_ts"] is not None:
                     continue  # SIGSTOPped: cannot answer
-                node.writer.write(_frame(c, {"t": "stacks", "id": msg["m"].get("id"), "text": STACK_TEXT,
-                                             "ts": time.time()}))
+                node.writer.write(
+                    _frame(
+                        c,
+                        {
+                            "t": "stacks",
+                            "id": msg["m"].get("id"),
+                            "text": STACK_TEXT,
+                            "ts": time.time(),
+                        },
+                    )
+                )
                 counters["replies"] += 1
             elif msg.get("cmd") == "pystacks":
-                stacks = {str(r): {"text": f"Process {p}: simulated py-spy dump\n{STACK_TEXT}",
-                                   "note": "py-spy (simulated)", "pid": p}
-                          for r, p in (msg.get("pids") or {}).items()}
-                node.writer.write(json.dumps({"t": "node_stacks", "id": msg.get("id"), "stacks": stacks}).encode() + b"\n")
+                stacks = {
+                    str(r): {
+                        "text": f"Process {p}: simulated py-spy dump\n{STACK_TEXT}",
+                        "note": "py-spy (simulated)",
+                        "pid": p,
+                    }
+                    for r, p in (msg.get("pids") or {}).items()
+                }
+                node.writer.write(
+                    json.dumps({"t": "node_stacks", "id": msg.get("id"), "stacks": stacks}).encode()
+                    + b"\n"
+                )
                 counters["replies"] += 1
 
     for i in range(0, len(nodes), 128):
-        await asyncio.gather(*(connect(n) for n in nodes[i:i + 128]))
+        await asyncio.gather(*(connect(n) for n in nodes[i : i + 128]))
     for n in nodes:
         asyncio.ensure_future(serve(n))
 
@@ -178,24 +278,41 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
             for c, rank in enumerate(node.ranks, 1):
                 if rank == args.victim and victim_silent:
                     continue
-                stepping = (args.steps == 0 or k - 1 <= args.steps) and not (args.peers == "block" and victim_silent)
+                stepping = (args.steps == 0 or k - 1 <= args.steps) and not (
+                    args.peers == "block" and victim_silent
+                )
                 if boundary and stepping:
                     if k > 1:
                         parts.append(_metrics_frame(c, rank, attempt, k - 1, args.step_s, now))
                         counters["sent_metrics"] += 1
-                    if (args.steps == 0 or k <= args.steps) and not (rank == args.victim and k - 1 >= args.victim_step):
-                        parts.append(b'{"t":"r","c":%d,"m":{"t":"beat","step":%d,"phase":"step","stage":"begin","ts":%r}}\n'
-                                     % (c, k, now))
+                    if (args.steps == 0 or k <= args.steps) and not (
+                        rank == args.victim and k - 1 >= args.victim_step
+                    ):
+                        parts.append(
+                            b'{"t":"r","c":%d,"m":{"t":"beat","step":%d,"phase":"step","stage":"begin","ts":%r}}\n'
+                            % (c, k, now)
+                        )
                 if ping:
-                    parts.append(b'{"t":"r","c":%d,"m":{"t":"ping","step":%d,"phase":"step","ts":%r}}\n' % (c, k, now))
+                    parts.append(
+                        b'{"t":"r","c":%d,"m":{"t":"ping","step":%d,"phase":"step","ts":%r}}\n'
+                        % (c, k, now)
+                    )
             if parts:
                 node.writer.write(b"".join(parts))
                 counters["sent_msgs"] += len(parts)
-        if boundary and not victim_silent and args.victim >= 0 and k - 1 >= args.victim_step and victim_here:
+        if (
+            boundary
+            and not victim_silent
+            and args.victim >= 0
+            and k - 1 >= args.victim_step
+            and victim_here
+        ):
             victim_silent = True  # its last message (step victim_step's record) went out just now
             counters["victim_silent_ts"] = now
             if stop_file is not None:
-                stop_file.write_text(json.dumps({"rank": args.victim, "after_step": args.victim_step, "ts": now}))
+                stop_file.write_text(
+                    json.dumps({"rank": args.victim, "after_step": args.victim_step, "ts": now})
+                )
         if time.monotonic() >= next_ka:
             next_ka = time.monotonic() + KEEPALIVE_S
             for node in nodes:
@@ -231,13 +348,14 @@ def generate_main(args: argparse.Namespace) -> None:
 
 # ================================================================ the real supervisor, measured
 
+
 def _thread_cpu(tid: int | None) -> float:
     if tid is None:
         return 0.0
     try:
         with open(f"/proc/self/task/{tid}/stat", "rb") as f:
             s = f.read()
-        fields = s[s.rindex(b")") + 2:].split()
+        fields = s[s.rindex(b")") + 2 :].split()
         return (int(fields[11]) + int(fields[12])) / CLK
     except (OSError, ValueError, IndexError):
         return 0.0
@@ -257,7 +375,13 @@ def _rss_mb() -> float:
 
 
 def _gen_counters(d: Path) -> dict:
-    total: dict = {"sent_metrics": 0, "sent_msgs": 0, "late_max_s": 0.0, "buffered": 0, "replies": 0}
+    total: dict = {
+        "sent_metrics": 0,
+        "sent_msgs": 0,
+        "late_max_s": 0.0,
+        "buffered": 0,
+        "replies": 0,
+    }
     for f in d.glob("gen-*.json"):
         try:
             c = json.loads(f.read_text())
@@ -281,25 +405,56 @@ def run_one(args: argparse.Namespace) -> dict:
     counters_dir = work / "gen"
     counters_dir.mkdir(exist_ok=True)
     stop_file = work / "victim.json"
-    rec, path = load(args.recipe, [f"train.steps={args.total_steps}", f"supervisor.heartbeat_s={args.ping_s}"])
+    rec, path = load(
+        args.recipe, [f"train.steps={args.total_steps}", f"supervisor.heartbeat_s={args.ping_s}"]
+    )
     run = launcher.prepare_run(rec, path, work / "run")
     handled = [0]
     lat = array.array("d")
 
     class LoadSupervisor(Supervisor):
-        """The real supervisor; only the attempt's process is the load generator (the launch backend hook)."""
+        """The real supervisor; only the attempt's process is the load generator (the launch backend
+        hook)."""
 
         def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
             env = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra).env
-            argv = [sys.executable, __file__, "generate", "--nodes", str(args.nodes), "--per-node", str(args.per_node),
-                    "--gen-procs", str(args.gen_procs), "--step-s", str(args.step_s), "--ping-s", str(args.ping_s),
-                    "--steps", str(args.steps),
-                    "--victim", str(args.victim), "--victim-step", str(args.victim_step), "--peers", args.peers,
-                    "--stop-file", str(stop_file), "--counters-dir", str(counters_dir)]
+            argv = [
+                sys.executable,
+                __file__,
+                "generate",
+                "--nodes",
+                str(args.nodes),
+                "--per-node",
+                str(args.per_node),
+                "--gen-procs",
+                str(args.gen_procs),
+                "--step-s",
+                str(args.step_s),
+                "--ping-s",
+                str(args.ping_s),
+                "--steps",
+                str(args.steps),
+                "--victim",
+                str(args.victim),
+                "--victim-step",
+                str(args.victim_step),
+                "--peers",
+                args.peers,
+                "--stop-file",
+                str(stop_file),
+                "--counters-dir",
+                str(counters_dir),
+            ]
             return launcher.RankCommand(argv, env)
 
         def launch_fields(self, attempt: int) -> dict:
-            return {"simulated": {"nodes": args.nodes, "per_node": args.per_node, "gen_procs": args.gen_procs}}
+            return {
+                "simulated": {
+                    "nodes": args.nodes,
+                    "per_node": args.per_node,
+                    "gen_procs": args.gen_procs,
+                }
+            }
 
         def _on_metrics(self, peer, msg, ts):  # counted here, handled by the real handler
             handled[0] += 1
@@ -321,15 +476,23 @@ def run_one(args: argparse.Namespace) -> dict:
         while not done.wait(1.0):
             server = sup.server
             ch_tid = server._thread.native_id if server is not None else None
-            samples.append({
-                "t": time.time(), "handled": handled[0], "cpu_s": _proc_cpu(), "main_cpu_s": _thread_cpu(main_tid),
-                "channel_cpu_s": _thread_cpu(ch_tid), "rss_mb": _rss_mb(),
-                "inbox": server.inbox.qsize() if server is not None else 0,
-                "connections": len(server._peers) if server is not None else 0,
-                "nodes": len(server.nodes()) if server is not None else 0,
-                "ranks": len(sup.ranks), "gen": _gen_counters(counters_dir), "lat_n": len(lat),
-                "load1": os.getloadavg()[0],
-            })
+            samples.append(
+                {
+                    "t": time.time(),
+                    "handled": handled[0],
+                    "cpu_s": _proc_cpu(),
+                    "main_cpu_s": _thread_cpu(main_tid),
+                    "channel_cpu_s": _thread_cpu(ch_tid),
+                    "rss_mb": _rss_mb(),
+                    "inbox": server.inbox.qsize() if server is not None else 0,
+                    "connections": len(server._peers) if server is not None else 0,
+                    "nodes": len(server.nodes()) if server is not None else 0,
+                    "ranks": len(sup.ranks),
+                    "gen": _gen_counters(counters_dir),
+                    "lat_n": len(lat),
+                    "load1": os.getloadavg()[0],
+                }
+            )
 
     def watchdog() -> None:
         if not done.wait(args.timeout):
@@ -364,40 +527,60 @@ def run_one(args: argparse.Namespace) -> dict:
     stop_ts = victim["ts"] if victim else t_end
     full = [s for s in samples if s["ranks"] >= world and s["handled"] > 0 and s["t"] <= stop_ts]
     steady = full[3:] if len(full) > 6 else full  # skip the ramp (first steps, queue fill)
-    out: dict = {"ranks": world, "nodes": args.nodes, "per_node": args.per_node, "gen_procs": args.gen_procs,
-                 "step_s": args.step_s, "peers": args.peers, "exit_code": rc, "wall_s": round(t_end - t_start, 1)}
+    out: dict = {
+        "ranks": world,
+        "nodes": args.nodes,
+        "per_node": args.per_node,
+        "gen_procs": args.gen_procs,
+        "step_s": args.step_s,
+        "peers": args.peers,
+        "exit_code": rc,
+        "wall_s": round(t_end - t_start, 1),
+    }
     if len(steady) >= 2:
         a, b = steady[0], steady[-1]
         dt = b["t"] - a["t"]
         out["steady_s"] = round(dt, 1)
-        out["offered_records_per_s"] = round((b["gen"]["sent_metrics"] - a["gen"]["sent_metrics"]) / dt, 1)
+        out["offered_records_per_s"] = round(
+            (b["gen"]["sent_metrics"] - a["gen"]["sent_metrics"]) / dt, 1
+        )
         out["offered_msgs_per_s"] = round((b["gen"]["sent_msgs"] - a["gen"]["sent_msgs"]) / dt, 1)
         out["handled_records_per_s"] = round((b["handled"] - a["handled"]) / dt, 1)
         out["nominal_records_per_s"] = round(world / args.step_s, 1)
         out["cpu_pct_of_one_core"] = round(100 * (b["cpu_s"] - a["cpu_s"]) / dt, 1)
         out["main_thread_cpu_pct"] = round(100 * (b["main_cpu_s"] - a["main_cpu_s"]) / dt, 1)
-        out["channel_thread_cpu_pct"] = round(100 * (b["channel_cpu_s"] - a["channel_cpu_s"]) / dt, 1)
+        out["channel_thread_cpu_pct"] = round(
+            100 * (b["channel_cpu_s"] - a["channel_cpu_s"]) / dt, 1
+        )
         out["inbox_max"] = max(s["inbox"] for s in steady)
         out["inbox_last"] = b["inbox"]
-        window = sorted(lat[a["lat_n"]:b["lat_n"]])
+        window = sorted(lat[a["lat_n"] : b["lat_n"]])
         if window:
-            out["record_latency_s"] = {"p50": round(window[len(window) // 2], 4),
-                                       "p99": round(window[int(len(window) * 0.99)], 4),
-                                       "max": round(window[-1], 4)}
+            out["record_latency_s"] = {
+                "p50": round(window[len(window) // 2], 4),
+                "p99": round(window[int(len(window) * 0.99)], 4),
+                "max": round(window[-1], 4),
+            }
         out["generator_late_max_s"] = round(b["gen"]["late_max_s"], 3)
         out["generator_buffered_bytes_max"] = max(s["gen"]["buffered"] for s in steady)
         out["load1"] = round(sum(s["load1"] for s in steady) / len(steady), 2)
-    elif len(samples) >= 2:  # never all ranks handled and stepping before the end: the whole run, as it went
+    elif (
+        len(samples) >= 2
+    ):  # never all ranks handled and stepping before the end: the whole run, as it went
         a, b = samples[0], samples[-1]
         dt = b["t"] - a["t"]
         out["no_steady_state"] = True
         out["whole_run_s"] = round(dt, 1)
-        out["offered_records_per_s"] = round((b["gen"]["sent_metrics"] - a["gen"]["sent_metrics"]) / dt, 1)
+        out["offered_records_per_s"] = round(
+            (b["gen"]["sent_metrics"] - a["gen"]["sent_metrics"]) / dt, 1
+        )
         out["handled_records_per_s"] = round((b["handled"] - a["handled"]) / dt, 1)
         out["nominal_records_per_s"] = round(world / args.step_s, 1)
         out["cpu_pct_of_one_core"] = round(100 * (b["cpu_s"] - a["cpu_s"]) / dt, 1)
         out["main_thread_cpu_pct"] = round(100 * (b["main_cpu_s"] - a["main_cpu_s"]) / dt, 1)
-        out["channel_thread_cpu_pct"] = round(100 * (b["channel_cpu_s"] - a["channel_cpu_s"]) / dt, 1)
+        out["channel_thread_cpu_pct"] = round(
+            100 * (b["channel_cpu_s"] - a["channel_cpu_s"]) / dt, 1
+        )
         out["inbox_max"] = max(s["inbox"] for s in samples)
         out["ranks_handled_max"] = max(s["ranks"] for s in samples)
         out["load1"] = round(sum(s["load1"] for s in samples) / len(samples), 2)
@@ -409,12 +592,19 @@ def run_one(args: argparse.Namespace) -> dict:
     out["events_bytes"] = run.events.stat().st_size if run.events.exists() else 0
     if hang is not None and victim is not None:
         out["hang"] = {
-            "victim": victim["rank"], "why": hang.get("why"), "found_count": len(hang.get("ranks") or []),
+            "victim": victim["rank"],
+            "why": hang.get("why"),
+            "found_count": len(hang.get("ranks") or []),
             "found_ranks": (hang.get("ranks") or [])[:16],
-            "detect_s": round(hang["found_ts"] - victim["ts"], 2),  # victim's last message -> the hang decision
+            "detect_s": round(
+                hang["found_ts"] - victim["ts"], 2
+            ),  # victim's last message -> the hang decision
             "budget_s": hang.get("timeout_s"),
-            "event_s": round(hang["ts"] - victim["ts"], 2),  # -> the hang event written (after the stacks)
-            "stacks_s": hang.get("stacks_s"), "teardown_s": hang.get("teardown_s"),
+            "event_s": round(
+                hang["ts"] - victim["ts"], 2
+            ),  # -> the hang event written (after the stacks)
+            "stacks_s": hang.get("stacks_s"),
+            "teardown_s": hang.get("teardown_s"),
             "stack_files": len(list((run.path / "stacks" / "attempt-1").glob("rank-*.txt"))),
         }
     out["run_dir"] = str(run.path)
@@ -428,27 +618,57 @@ def main() -> None:
     for p in (ap, g):
         p.add_argument("--per-node", type=int, default=8)
         p.add_argument("--gen-procs", type=int, default=1, help="load generator processes")
-        p.add_argument("--step-s", type=float, default=1.0, help="seconds a step (a multiple of 0.5)")
-        p.add_argument("--ping-s", type=float, default=1.0, help="liveness ping interval (the probe's PTOPS_HEARTBEAT_S)")
-        p.add_argument("--steps", type=int, default=0, help="steps each rank runs, then it waits pinging (0: no end)")
-        p.add_argument("--victim", type=int, default=-1, help="the rank that goes silent (-1: the last rank)")
-        p.add_argument("--victim-step", type=int, default=30, help="... after sending this step's record")
+        p.add_argument(
+            "--step-s", type=float, default=1.0, help="seconds a step (a multiple of 0.5)"
+        )
+        p.add_argument(
+            "--ping-s",
+            type=float,
+            default=1.0,
+            help="liveness ping interval (the probe's PTOPS_HEARTBEAT_S)",
+        )
+        p.add_argument(
+            "--steps",
+            type=int,
+            default=0,
+            help="steps each rank runs, then it waits pinging (0: no end)",
+        )
+        p.add_argument(
+            "--victim", type=int, default=-1, help="the rank that goes silent (-1: the last rank)"
+        )
+        p.add_argument(
+            "--victim-step", type=int, default=30, help="... after sending this step's record"
+        )
         p.add_argument("--peers", choices=("continue", "block"), default="continue")
     g.add_argument("--nodes", type=int, required=True)
     g.add_argument("--part", type=int, default=-1)
     g.add_argument("--stop-file", default="")
     g.add_argument("--counters-dir", default="")
     ap.add_argument("--ranks", type=int, default=0, help="one size, in this process")
-    ap.add_argument("--sizes", default="64,1024,8192", help="several sizes, each in a child process")
+    ap.add_argument(
+        "--sizes", default="64,1024,8192", help="several sizes, each in a child process"
+    )
     ap.add_argument("--recipe", default="titan-tiny")
     ap.add_argument("--total-steps", type=int, default=1_000_000)
-    ap.add_argument("--steady", type=int, default=30, help="seconds of full load before the victim goes silent")
-    ap.add_argument("--timeout", type=float, default=900, help="stop the supervisor after this many seconds")
-    ap.add_argument("--work", default="", help="folder for the run directory (default: a new temporary one)")
-    ap.add_argument("--profile", default="", help="cProfile the supervisor's main thread into this file")
+    ap.add_argument(
+        "--steady", type=int, default=30, help="seconds of full load before the victim goes silent"
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=900, help="stop the supervisor after this many seconds"
+    )
+    ap.add_argument(
+        "--work", default="", help="folder for the run directory (default: a new temporary one)"
+    )
+    ap.add_argument(
+        "--profile", default="", help="cProfile the supervisor's main thread into this file"
+    )
     ap.add_argument("--json", default="", help="write this size's result here")
-    ap.add_argument("--label", default="default", help="key of this set of sizes in --out (other keys are kept)")
-    ap.add_argument("--note", default="", help="a line stored with the results (e.g. which code ran)")
+    ap.add_argument(
+        "--label", default="default", help="key of this set of sizes in --out (other keys are kept)"
+    )
+    ap.add_argument(
+        "--note", default="", help="a line stored with the results (e.g. which code ran)"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale_load.json")
     a = ap.parse_args()
     if a.mode == "generate":
@@ -470,11 +690,35 @@ def main() -> None:
     results = []
     for size in [int(s) for s in a.sizes.split(",") if s]:
         with tempfile.TemporaryDirectory(prefix=f"ptops-scale-{size}-") as d:
-            argv = [sys.executable, __file__, "--ranks", str(size), "--per-node", str(a.per_node),
-                    "--gen-procs", str(a.gen_procs), "--step-s", str(a.step_s), "--ping-s", str(a.ping_s),
-                    "--steady", str(a.steady),
-                    "--peers", a.peers, "--timeout", str(a.timeout), "--work", d, "--json", f"{d}/r.json"]
-            print(f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), load {os.getloadavg()}", flush=True)
+            argv = [
+                sys.executable,
+                __file__,
+                "--ranks",
+                str(size),
+                "--per-node",
+                str(a.per_node),
+                "--gen-procs",
+                str(a.gen_procs),
+                "--step-s",
+                str(a.step_s),
+                "--ping-s",
+                str(a.ping_s),
+                "--steady",
+                str(a.steady),
+                "--peers",
+                a.peers,
+                "--timeout",
+                str(a.timeout),
+                "--work",
+                d,
+                "--json",
+                f"{d}/r.json",
+            ]
+            print(
+                f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), load "
+                f"{os.getloadavg()}",
+                flush=True,
+            )
             subprocess.run(argv, check=False, stdout=sys.stderr)
             try:
                 res = json.loads(Path(f"{d}/r.json").read_text())
@@ -489,8 +733,12 @@ def main() -> None:
     except (OSError, ValueError):
         doc = {}
     doc.setdefault("runs", {})[a.label] = {
-        "command": "bench/scale_load.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpus": os.cpu_count(), "note": a.note, "results": results}
+        "command": "bench/scale_load.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "note": a.note,
+        "results": results,
+    }
     a.out.write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -1,8 +1,10 @@
-"""Supervision benchmark: overhead, time to detect a hang, time from a crash to the first productive step.
+"""Supervision benchmark: overhead, time to detect a hang, time from a crash to the first productive
+step.
 
 Side by side with plain ``torchrun --max-restarts=1`` on the same faults.
 
-    .venv/bin/python bench/supervisor_bench.py [--recipe titan-tiny] [--steps 60] [--out bench/results]
+    .venv/bin/python bench/supervisor_bench.py [--recipe titan-tiny] [--steps 60] [--out \\
+        bench/results]
 
 Writes ``supervisor_bench.json`` into ``--out`` and prints a Markdown table.
 Everything runs for real (2 ranks, gloo, CPU); ~10 minutes on 2 cores.
@@ -26,20 +28,24 @@ PTOPS = [sys.executable, "-m", "ptops"]
 
 
 def torchrun_peer_argv(argv: list[str], max_restarts: int) -> list[str]:
-    """The ranks' own torchrun command (``launcher.rank_command``) as a plain-torchrun user would run it:
-    ``--max-restarts`` worker restarts, with the c10d rendezvous (run it with ``torchrun_peer_env``)."""
-    out = [a if a != "0" or argv[i - 1] != "--max-restarts" else str(max_restarts) for i, a in enumerate(argv)]
+    """The ranks' own torchrun command (``launcher.rank_command``) as a plain-torchrun user would
+    run it: ``--max-restarts`` worker restarts, with the c10d rendezvous (run it with
+    ``torchrun_peer_env``)."""
+    out = [
+        a if a != "0" or argv[i - 1] != "--max-restarts" else str(max_restarts)
+        for i, a in enumerate(argv)
+    ]
     i = out.index("--master-addr")
     port = out[i + 3]
-    out[i:i + 4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    out[i : i + 4] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     return out
 
 
 def torchrun_peer_env(env: dict[str, str]) -> dict[str, str]:
     """The peer's environment, with torch's own opt-out of the shared rendezvous store.
 
-    Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` a restarted worker group connects to the agent's
-    store, which still holds the dead group's gloo addresses: its ``connectFullMesh`` gets
+    Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` a restarted worker group connects to the
+    agent's store, which still holds the dead group's gloo addresses: its ``connectFullMesh`` gets
     "Connection refused" and it never trains (measured here on titan-tiny; pytorch/pytorch#167288).
     With it, each round's rank 0 hosts a fresh store (torch/distributed/elastic/rendezvous/
     dynamic_rendezvous.py) and torchrun's restart trains again: that is the peer a user would run.
@@ -55,41 +61,71 @@ def read(path: Path) -> list[dict]:
 
 
 def step_times(run: Path, skip: int = 5) -> list[float]:
-    recs = [r for r in read(run / "metrics.jsonl") if r.get("rank") == 0 and isinstance(r.get("step_s"), (int, float))]
+    recs = [
+        r
+        for r in read(run / "metrics.jsonl")
+        if r.get("rank") == 0 and isinstance(r.get("step_s"), (int, float))
+    ]
     return [r["step_s"] for r in recs if r["step"] > skip]
 
 
 def ptops(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([*PTOPS, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*PTOPS, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def overhead(recipe: str, steps: int, tmp: Path) -> dict:
     out = {}
     for mode in ("plain", "supervised", "plain2", "supervised2"):
         run = tmp / f"ovh-{mode}"
-        args = ["launch", recipe, "--run-dir", str(run), "--set", f"train.steps={steps}", "--set", f"checkpoint.interval={steps}"]
+        args = [
+            "launch",
+            recipe,
+            "--run-dir",
+            str(run),
+            "--set",
+            f"train.steps={steps}",
+            "--set",
+            f"checkpoint.interval={steps}",
+        ]
         if mode.startswith("supervised"):
             args.append("--supervise")
         t0 = time.monotonic()
         p = ptops(*args)
         assert p.returncode == 0, p.stderr
         st = step_times(run)
-        out[mode] = {"median_step_s": statistics.median(st), "mean_step_s": statistics.fmean(st), "wall_s": time.monotonic() - t0, "n": len(st)}
+        out[mode] = {
+            "median_step_s": statistics.median(st),
+            "mean_step_s": statistics.fmean(st),
+            "wall_s": time.monotonic() - t0,
+            "n": len(st),
+        }
     plain = statistics.median([out["plain"]["median_step_s"], out["plain2"]["median_step_s"]])
-    sup = statistics.median([out["supervised"]["median_step_s"], out["supervised2"]["median_step_s"]])
+    sup = statistics.median(
+        [out["supervised"]["median_step_s"], out["supervised2"]["median_step_s"]]
+    )
     out["overhead_pct"] = 100 * (sup - plain) / plain
     return out
 
 
 def probe_cost(n: int = 5000) -> dict:
-    """Per-step cost of the probe inside a rank: before_step + should_poison + step, channel vs file."""
+    """Per-step cost of the probe inside a rank: before_step + should_poison + step, channel vs
+    file."""
     import threading
 
-    from ptops.ops.supervisor.channel import ChannelServer
     from ptops.ops.rank.probe import Probe
     from ptops.ops.runrecord.rundir import append_jsonl
+    from ptops.ops.supervisor.channel import ChannelServer
 
-    metrics = {"loss": 2.5, "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.06, "tokens_per_s": 9000.0, "mfu": 0.1}
+    metrics = {
+        "loss": 2.5,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "step_s": 0.06,
+        "tokens_per_s": 9000.0,
+        "mfu": 0.1,
+    }
     out = {}
     with tempfile.TemporaryDirectory() as d:
         run = Path(d)
@@ -123,7 +159,20 @@ def probe_cost(n: int = 5000) -> dict:
 
 def supervised_fault(recipe: str, tmp: Path, name: str, fault: str, extra: list[str]) -> dict:
     run = tmp / f"sup-{name}"
-    p = ptops("launch", recipe, "--supervise", "--run-dir", str(run), "--set", "train.steps=16", "--set", "checkpoint.interval=5", "--fault", fault, *extra)
+    p = ptops(
+        "launch",
+        recipe,
+        "--supervise",
+        "--run-dir",
+        str(run),
+        "--set",
+        "train.steps=16",
+        "--set",
+        "checkpoint.interval=5",
+        "--fault",
+        fault,
+        *extra,
+    )
     ev = read(run / "events.jsonl")
     injected = next(e for e in ev if e["kind"] == "fault_injected")
     detected = next(e for e in ev if e["kind"] in ("hang", "crash"))
@@ -140,7 +189,8 @@ def supervised_fault(recipe: str, tmp: Path, name: str, fault: str, extra: list[
 
 
 def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: float) -> dict:
-    """The same recipe and fault under plain torchrun --max-restarts=1 (the probe writes files directly)."""
+    """The same recipe and fault under plain torchrun --max-restarts=1 (the probe writes files
+    directly)."""
     from ptops.faultinject.spec import parse, to_env
     from ptops.ops.supervisor import launcher
     from ptops.recipes.schema import load
@@ -152,7 +202,13 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
     argv = torchrun_peer_argv(cmd.argv, max_restarts=1)
     t0 = time.time()
     with open(run.logs(1) / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(argv, env=torchrun_peer_env(cmd.env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env=torchrun_peer_env(cmd.env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     result = {"detect_s": None, "fault_to_first_productive_step_s": None}
     try:
         while time.time() - t0 < give_up_s and proc.poll() is None:
@@ -162,22 +218,36 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
             if injected is None:
                 continue
             # only the restarted worker group's records (attempt 2 = torchrun's restart count 1, see
-            # ops/rank/probe.py::attempt_from_env): rank 0 of the failed group may still log the step
-            # before the fault just after the fault_injected stamp (an earlier run counted that: 0.004 s)
-            restarted = [r for r in read(run.metrics) if r["rank"] == 0 and r.get("attempt") == injected["attempt"] + 1]
+            # ops/rank/probe.py::attempt_from_env): rank 0 of the failed group may still log the
+            # step before the fault just after the fault_injected stamp (an earlier run counted
+            # that: 0.004 s)
+            restarted = [
+                r
+                for r in read(run.metrics)
+                if r["rank"] == 0 and r.get("attempt") == injected["attempt"] + 1
+            ]
             if restarted:
                 result["fault_to_first_productive_step_s"] = restarted[0]["ts"] - injected["ts"]
                 text = (run.logs(1) / "torchrun.log").read_text(errors="replace")
-                result["note"] = "restarted by torchrun" + (" after a collective timeout" if "timeout" in text.lower() else "")
+                result["note"] = "restarted by torchrun" + (
+                    " after a collective timeout" if "timeout" in text.lower() else ""
+                )
                 break
         else:
             pass
         if result["fault_to_first_productive_step_s"] is None:
-            result["note"] = f"no productive step after the fault within {give_up_s:g} s (torchrun exit {proc.poll()})"
+            result["note"] = (
+                f"no productive step after the fault within {give_up_s:g} s (torchrun exit "
+                f"{proc.poll()})"
+            )
         injected = next((e for e in read(run.events) if e["kind"] == "fault_injected"), None)
-        first_failure = _torchrun_first_failure(run.logs(1) / "torchrun.log", injected["ts"] if injected else t0)
+        first_failure = _torchrun_first_failure(
+            run.logs(1) / "torchrun.log", injected["ts"] if injected else t0
+        )
         if injected is not None and first_failure is not None:
-            result["detect_s"] = first_failure - injected["ts"]  # torchrun saw a worker fail (not a hang)
+            result["detect_s"] = (
+                first_failure - injected["ts"]
+            )  # torchrun saw a worker fail (not a hang)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -201,7 +271,9 @@ def _torchrun_first_failure(log: Path, near_ts: float) -> float | None:
     if not m:
         return None
     year = datetime.fromtimestamp(near_ts).year
-    stamp = datetime.strptime(f"{year}-{m.group(1)}-{m.group(2)} {m.group(3)}", "%Y-%m-%d %H:%M:%S.%f")
+    stamp = datetime.strptime(
+        f"{year}-{m.group(1)}-{m.group(2)} {m.group(3)}", "%Y-%m-%d %H:%M:%S.%f"
+    )
     return stamp.timestamp()
 
 
@@ -224,14 +296,22 @@ def main() -> None:
             res["overhead"] = overhead(a.recipe, a.steps, tmp)
             print("overhead", json.dumps(res["overhead"]), flush=True)
         if "hang" in only:
-            res["hang_ptops"] = supervised_fault(a.recipe, tmp, "hang", "hang:rank=0,step=8", ["--set", "supervisor.hang.floor_s=5"])
+            res["hang_ptops"] = supervised_fault(
+                a.recipe, tmp, "hang", "hang:rank=0,step=8", ["--set", "supervisor.hang.floor_s=5"]
+            )
             print("hang ptops", json.dumps(res["hang_ptops"]), flush=True)
-            res["hang_torchrun"] = torchrun_fault(a.recipe, tmp, "hang", "hang:rank=0,step=8", give_up_s=180)
+            res["hang_torchrun"] = torchrun_fault(
+                a.recipe, tmp, "hang", "hang:rank=0,step=8", give_up_s=180
+            )
             print("hang torchrun", json.dumps(res["hang_torchrun"]), flush=True)
         if "crash" in only:
-            res["crash_ptops"] = supervised_fault(a.recipe, tmp, "crash", "crash:rank=1,step=12", [])
+            res["crash_ptops"] = supervised_fault(
+                a.recipe, tmp, "crash", "crash:rank=1,step=12", []
+            )
             print("crash ptops", json.dumps(res["crash_ptops"]), flush=True)
-            res["crash_torchrun"] = torchrun_fault(a.recipe, tmp, "crash", "crash:rank=1,step=12", give_up_s=180)
+            res["crash_torchrun"] = torchrun_fault(
+                a.recipe, tmp, "crash", "crash:rank=1,step=12", give_up_s=180
+            )
             print("crash torchrun", json.dumps(res["crash_torchrun"]), flush=True)
     target = a.out / "supervisor_bench.json"
     try:

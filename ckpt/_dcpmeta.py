@@ -41,7 +41,9 @@ class _SafeUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch":
             obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            if obj is torch.Size or isinstance(
+                obj, (torch.dtype, torch.layout, torch.memory_format)
+            ):
                 return obj
         if module == "torch.serialization" and name == "_get_layout":
             return super().find_class(module, name)
@@ -49,7 +51,9 @@ class _SafeUnpickler(pickle.Unpickler):
             obj = super().find_class(module, name)
             import dataclasses
 
-            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+            if isinstance(obj, type) and (
+                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            ):
                 return obj
         raise UnsafeMetadata(f"refusing to unpickle global {module}.{name}")
 
@@ -88,6 +92,7 @@ def safe_reader(ckpt_dir: Path | str):
 
 # ---- torch-free reading (for fast listing / structural verify) ---------------
 
+
 class _Stub:
     """Inert stand-in for a DCP dataclass: pickle's BUILD fills its __dict__."""
 
@@ -97,7 +102,11 @@ class _Stub:
         self._args = args
 
     def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2 and all(x is None or isinstance(x, dict) for x in state):
+        if (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and all(x is None or isinstance(x, dict) for x in state)
+        ):
             for part in state:
                 if part:
                     self.__dict__.update(part)
@@ -126,7 +135,9 @@ _STUBS: dict[tuple[str, str], type] = {}
 def _stub(module: str, name: str) -> type:
     key = (module, name)
     if key not in _STUBS:
-        _STUBS[key] = type(name, (_Stub,), {"_qualname": f"{module}.{name}", "__module__": "ptops.ckpt._dcpmeta"})
+        _STUBS[key] = type(
+            name, (_Stub,), {"_qualname": f"{module}.{name}", "__module__": "ptops.ckpt._dcpmeta"}
+        )
     return _STUBS[key]
 
 
@@ -152,7 +163,9 @@ def read_metadata_lite(ckpt_dir: Path | str):
     'BytesStorageMetadata'); sizes are tuples, dtypes their names."""
     data = (Path(ckpt_dir) / ".metadata").read_bytes()
     md = _LiteUnpickler(io.BytesIO(data)).load()
-    if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
+    if type(md).__name__ != "Metadata" or not isinstance(
+        getattr(md, "state_dict_metadata", None), dict
+    ):
         raise UnsafeMetadata(f".metadata holds a {type(md).__name__}, expected Metadata")
     if not isinstance(getattr(md, "storage_data", None), dict):
         raise UnsafeMetadata(".metadata has no storage_data")

@@ -99,7 +99,9 @@ def hash_file(path: Path, algo: str = HASH_ALGO) -> str:
     return h.hexdigest()
 
 
-def hash_files(paths: Iterable[Path], algo: str = HASH_ALGO, workers: int | None = None) -> list[str]:
+def hash_files(
+    paths: Iterable[Path], algo: str = HASH_ALGO, workers: int | None = None
+) -> list[str]:
     """Hash several files in parallel (hashlib releases the GIL on large updates)."""
     paths = list(paths)
     if workers is None:
@@ -156,10 +158,21 @@ def newest_mtime(root: Path) -> float:
 # ---- safetensors (parsed without the safetensors package) -------------------
 
 ST_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
     "C64": "complex64",
 }
 
@@ -199,5 +212,7 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     if start + end > size:
         raise SafetensorsError(f"truncated: data needs {start + end} bytes, file has {size}")
     if start + end < size:
-        raise SafetensorsError(f"file has {size - start - end} trailing bytes after the tensor data")
+        raise SafetensorsError(
+            f"file has {size - start - end} trailing bytes after the tensor data"
+        )
     return header, start

@@ -1,9 +1,10 @@
 """Background read-back verification of committed checkpoints.
 
-Why: a checkpoint damaged after its commit (a bad disk, a bit flip, a truncated copy) used to be found
-only at the restart that needed it, when the run must then fall back further and redo more steps. The
-saving rank hands each commit to one background thread that reads it back (``verify``: the manifest's
-hashes), so corruption is reported within one checkpoint interval, off the training thread.
+Why: a checkpoint damaged after its commit (a bad disk, a bit flip, a truncated copy) used to be
+found only at the restart that needed it, when the run must then fall back further and redo more
+steps. The saving rank hands each commit to one background thread that reads it back (``verify``:
+the manifest's hashes), so corruption is reported within one checkpoint interval, off the training
+thread.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ OnResult = Callable[[int, Path, bool, str, float], None]
 
 
 class BackgroundVerifier:
-    """One thread verifying the checkpoints handed to ``submit``; a newer commit replaces one still waiting
-    (the newest is what a restart would use). ``on_result`` hears every verdict, from the thread. A
-    checkpoint pruned by retention before or while it is read is not reported."""
+    """One thread verifying the checkpoints handed to ``submit``; a newer commit replaces one still
+    waiting (the newest is what a restart would use). ``on_result`` hears every verdict, from the
+    thread. A checkpoint pruned by retention before or while it is read is not reported."""
 
     def __init__(self, on_result: OnResult, deep: bool = True) -> None:
         self._on_result = on_result
@@ -40,7 +41,9 @@ class BackgroundVerifier:
                 return
             self._next = (int(step), Path(path))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ptops-ckpt-verify", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="ptops-ckpt-verify", daemon=True
+                )
                 self._thread.start()
             self._cv.notify_all()
 

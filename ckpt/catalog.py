@@ -107,8 +107,16 @@ def latest_good(run_checkpoints_dir: str | os.PathLike, deep: bool = True) -> En
         try:  # a checkpoint may be pruned or quarantined while a reader (status) looks
             r = verify(p, deep=deep)
             if r.ok:
-                return Entry(step=step_from_name(p.name) or 0, path=str(p), kind=r.kind, ok=True, reason="",
-                             size_bytes=dir_size(p), has_manifest=r.has_manifest, mtime=_mtime(p))
+                return Entry(
+                    step=step_from_name(p.name) or 0,
+                    path=str(p),
+                    kind=r.kind,
+                    ok=True,
+                    reason="",
+                    size_bytes=dir_size(p),
+                    has_manifest=r.has_manifest,
+                    mtime=_mtime(p),
+                )
         except (FileNotFoundError, NotADirectoryError):
             continue
     return None
@@ -147,7 +155,9 @@ def quarantine(path: str | os.PathLike, reason: str) -> Path:
     os.rename(src, dest)  # same filesystem: atomic, nothing copied or lost
     fsync_dir(root)
     fsync_dir(dest_root)
-    atomic_write_json(dest / QUARANTINE_NOTE, {"reason": reason, "from": str(src), "ts": time.time()})
+    atomic_write_json(
+        dest / QUARANTINE_NOTE, {"reason": reason, "from": str(src), "ts": time.time()}
+    )
     latest = root / LATEST_NAME
     try:
         named = latest.read_text().strip()

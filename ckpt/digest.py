@@ -96,17 +96,20 @@ def digest(path: str | os.PathLike, *, batch_bytes: int = 512 << 20) -> str:
 
 # --------------------------------------------------------------------- DCP ----
 
+
 def dcp_tensor_keys(md) -> list[str]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     return sorted(
-        k for k, v in md.state_dict_metadata.items()
+        k
+        for k, v in md.state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata) and not k.startswith(DCP_EXCLUDE_PREFIXES)
     )
 
 
-def iter_dcp_tensors(ckpt_dir: str | os.PathLike, keys: list[str] | None = None,
-                     batch_bytes: int = 512 << 20) -> Iterator[tuple[str, "object"]]:
+def iter_dcp_tensors(
+    ckpt_dir: str | os.PathLike, keys: list[str] | None = None, batch_bytes: int = 512 << 20
+) -> Iterator[tuple[str, "object"]]:
     """Yield (key, full plain CPU tensor) in sorted key order, loading batches of
     at most `batch_bytes` with DCP's no-process-group load (safe metadata reader,
     tensor records read with weights_only=True)."""
@@ -133,8 +136,12 @@ def iter_dcp_tensors(ckpt_dir: str | os.PathLike, keys: list[str] | None = None,
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
-            dcp.load(sd, storage_reader=safe_reader(p), planner=DefaultLoadPlanner(allow_partial_load=True),
-                     no_dist=True)
+            dcp.load(
+                sd,
+                storage_reader=safe_reader(p),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                no_dist=True,
+            )
         for k in batch_keys:
             yield k, sd[k]
 
@@ -164,13 +171,19 @@ def _digest_dcp(p: Path, h, batch_bytes: int) -> None:
 
 # --------------------------------------------------------------------- TRL ----
 
+
 def _weight_files(p: Path) -> list[Path]:
     for idx in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         f = p / idx
         if f.is_file():
             wm = json.loads(f.read_text())["weight_map"]
             return [p / n for n in sorted(set(wm.values()))]
-    for n in ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin"):
+    for n in (
+        "model.safetensors",
+        "pytorch_model.bin",
+        "adapter_model.safetensors",
+        "adapter_model.bin",
+    ):
         if (p / n).is_file():
             return [p / n]
     raise DigestError(f"{p}: no model weights")

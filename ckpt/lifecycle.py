@@ -47,7 +47,8 @@ attempt (a path), or empty for a fresh start. Ranks trust it instead of verifyin
 ABORTED = "aborted:"  # first word of a `.writing` marker left by SaveTransaction.abort
 
 Agree = Callable[[bool], bool]
-"""``agree(failed_here) -> failed_anywhere``: the same answer on every rank (e.g. an all-reduce MAX)."""
+"""``agree(failed_here) -> failed_anywhere``: the same answer on every rank (e.g. an all-reduce
+MAX)."""
 
 
 # ---------------------------------------------------------------- layout
@@ -70,11 +71,14 @@ def checkpoint_path(ckpt_dir: str | os.PathLike, step: int) -> Path | None:
 
 def shard_files(path: str | os.PathLike, rank: int | None = None) -> list[Path]:
     """Data files of a checkpoint, largest first (ptops' own files left out). With ``rank``,
-    only that rank's own DCP shards (``__R_*.distcp``); empty for a layout without per-rank shards."""
+    only that rank's own DCP shards (``__R_*.distcp``); empty for a layout without per-rank
+    shards."""
     p = Path(path)
     files = [p / f for f in walk_files(p)]
     if rank is not None:
-        files = [f for f in files if f.name.startswith(f"__{int(rank)}_") and f.name.endswith(".distcp")]
+        files = [
+            f for f in files if f.name.startswith(f"__{int(rank)}_") and f.name.endswith(".distcp")
+        ]
     return sorted(files, key=lambda f: (f.stat().st_size, str(f)), reverse=True)
 
 
@@ -83,19 +87,28 @@ def _aborted(path: Path) -> str | None:
         text = (path / WRITING_MARKER).read_text()
     except OSError:
         return None
-    return text[len(ABORTED):].strip() or "save aborted" if text.startswith(ABORTED) else None
+    return text[len(ABORTED) :].strip() or "save aborted" if text.startswith(ABORTED) else None
 
 
 def _rng_missing(path: Path, world_size: int) -> list[str]:
     """TRL/HF: each rank writes its own ``rng_state_R.pth``; without a manifest nobody agreed
     that every rank finished, so the files say it."""
-    names = ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
+    names = (
+        ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
+    )
     return [n for n in names if not (path / n).is_file()]
 
 
 def _entry(path: Path, *, has_manifest: bool, reason: str = "") -> Entry:
-    return Entry(step=step_from_name(path.name) or 0, path=str(path), kind=detect_kind(path), ok=True,
-                 reason=reason, has_manifest=has_manifest, mtime=_mtime(path))
+    return Entry(
+        step=step_from_name(path.name) or 0,
+        path=str(path),
+        kind=detect_kind(path),
+        ok=True,
+        reason=reason,
+        has_manifest=has_manifest,
+        mtime=_mtime(path),
+    )
 
 
 # ---------------------------------------------------------------- resume
@@ -134,7 +147,9 @@ def resume_point(
             return None
         p = Path(chosen)
         if p.is_dir() and p.parent.resolve() == root.resolve():
-            return _entry(p, has_manifest=(p / MANIFEST_NAME).exists(), reason="chosen by the supervisor")
+            return _entry(
+                p, has_manifest=(p / MANIFEST_NAME).exists(), reason="chosen by the supervisor"
+            )
         # gone since (or another folder): decide here
     if not root.is_dir():
         return None
@@ -151,10 +166,17 @@ def resume_point(
                 continue  # gone since it was listed
             reason = res.reason
             if res.ok:
-                missing = [] if res.has_manifest or res.kind != "trl" or not world_size else _rng_missing(p, world_size)
+                missing = (
+                    []
+                    if res.has_manifest or res.kind != "trl" or not world_size
+                    else _rng_missing(p, world_size)
+                )
                 if missing:
-                    fallback = fallback or _entry(p, has_manifest=False,
-                                                  reason=f"misses {', '.join(missing)}: RNG state of some ranks")
+                    fallback = fallback or _entry(
+                        p,
+                        has_manifest=False,
+                        reason=f"misses {', '.join(missing)}: RNG state of some ranks",
+                    )
                     continue
                 entry = _entry(p, has_manifest=res.has_manifest)
                 if adopt:
@@ -164,7 +186,9 @@ def resume_point(
     return fallback
 
 
-def _adopt(root: Path, p: Path, entry: Entry, world_size: int, versions: dict[str, str] | None) -> None:
+def _adopt(
+    root: Path, p: Path, entry: Entry, world_size: int, versions: dict[str, str] | None
+) -> None:
     """Commit a complete save killed before its commit; LATEST is advisory for the resume itself."""
     try:
         if not entry.has_manifest:
@@ -184,7 +208,12 @@ def _quarantine_and_report(p: Path, reason: str, on_invalid: Callable[..., Any] 
     except OSError:
         dest = None
     if on_invalid is not None:
-        on_invalid(path=str(p), reason=reason, moved_to=str(dest) if dest else None, step=step_from_name(p.name))
+        on_invalid(
+            path=str(p),
+            reason=reason,
+            moved_to=str(dest) if dest else None,
+            step=step_from_name(p.name),
+        )
 
 
 # ---------------------------------------------------------------- save
@@ -198,8 +227,8 @@ def _err_text(err: Any) -> str:
 class SaveTransaction:
     """One save, the same steps for every engine::
 
-        txn = SaveTransaction(root, step, name=f"step-{step}", leader=rank == 0, agree=all_reduce_max,
-                              world_size=ws, versions=..., keep=3)
+        txn = SaveTransaction(root, step, name=f"step-{step}", leader=rank == 0,
+                              agree=all_reduce_max, world_size=ws, versions=..., keep=3)
         if txn.begin(error_from_the_probe_hook):   # leader: leftover aside, `.writing`; all agree
             ... the engine writes txn.path ...
             txn.commit(error_while_writing)        # all agree, leader: manifest, LATEST, prune
@@ -252,7 +281,9 @@ class SaveTransaction:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 if self.replace_leftover and self.path.exists():
-                    self.moved_leftover = quarantine(self.path, "leftover folder replaced by a new save of the same step")
+                    self.moved_leftover = quarantine(
+                        self.path, "leftover folder replaced by a new save of the same step"
+                    )
                 mark_writing(self.path)
             except OSError as e:
                 error = e
@@ -288,11 +319,12 @@ class SaveTransaction:
         return True
 
     def run(self, write: Callable[[Path], Any], probe: Any = None) -> bool:
-        """The whole save around an engine's ``write(self.path)``, with the probe's save hooks where every
-        engine has them (issue 25: one save path): ``probe.phase("checkpoint")`` (an ``enospc`` fault
-        raises OSError there), :meth:`begin`, ``probe.in_save`` (``crash:phase=save``), the write,
-        ``probe.before_commit`` (``slow-save``), :meth:`commit`. The caller reports the outcome and
-        moves the probe back to ``phase("step")``. Returns :attr:`ok`."""
+        """The whole save around an engine's ``write(self.path)``, with the probe's save hooks where
+        every engine has them (issue 25: one save path): ``probe.phase("checkpoint")`` (an
+        ``enospc`` fault raises OSError there), :meth:`begin`, ``probe.in_save``
+        (``crash:phase=save``), the write, ``probe.before_commit`` (``slow-save``), :meth:`commit`.
+        The caller reports the outcome and moves the probe back to ``phase("step")``. Returns
+        :attr:`ok`."""
         err: Any = None
         try:
             if probe is not None:
@@ -326,8 +358,18 @@ class SaveTransaction:
                 (self.path / WRITING_MARKER).write_text(f"{ABORTED} {self.error}\n")
                 fsync_dir(self.path)
             except OSError:
-                pass  # disk full: without a manifest it is at worst a killed save, adopted only if complete
+                # disk full: without a manifest it is at worst a killed save, adopted only if
+                # complete
+                pass
         return self.error
 
 
-__all__ = ["RESUME_ENV", "Agree", "SaveTransaction", "checkpoint_path", "is_writing", "resume_point", "shard_files"]
+__all__ = [
+    "RESUME_ENV",
+    "Agree",
+    "SaveTransaction",
+    "checkpoint_path",
+    "is_writing",
+    "resume_point",
+    "shard_files",
+]

@@ -74,8 +74,13 @@ class Result:
         return f"{p['file']}: {p['reason']}{more}"
 
 
-def verify(path: str | os.PathLike, deep: bool = True, *, ignore_writing_marker: bool = False,
-           use_manifest: bool = True) -> Result:
+def verify(
+    path: str | os.PathLike,
+    deep: bool = True,
+    *,
+    ignore_writing_marker: bool = False,
+    use_manifest: bool = True,
+) -> Result:
     """Check one checkpoint folder. Never raises for a bad checkpoint (that is a
     `Result` with ``ok=False``); raises FileNotFoundError / NotADirectoryError when
     `path` is not a folder.
@@ -119,13 +124,16 @@ def verify(path: str | os.PathLike, deep: bool = True, *, ignore_writing_marker:
         res.checks.append("trl-structure")
         _check_trl(p, res.step, manifest, bad, load_check=deep and manifest is None)
     else:
-        bad(".", "not a recognised checkpoint (no .metadata/.distcp nor trainer_state.json/weights)")
+        bad(
+            ".", "not a recognised checkpoint (no .metadata/.distcp nor trainer_state.json/weights)"
+        )
 
     res.ok = not res.problems
     return res
 
 
 # ---------------------------------------------------------------- manifest ----
+
 
 def _check_manifest(p: Path, manifest: dict, deep: bool, bad, res: Result) -> None:
     mstep = manifest.get("step")
@@ -154,7 +162,11 @@ def _check_manifest(p: Path, manifest: dict, deep: bool, bad, res: Result) -> No
             continue
         actual = f.stat().st_size
         if actual != size:
-            bad(rel, f"size {actual} bytes, manifest says {size}" + (" (truncated)" if actual < size else ""))
+            bad(
+                rel,
+                f"size {actual} bytes, manifest says {size}"
+                + (" (truncated)" if actual < size else ""),
+            )
             continue
         want = ent.get(manifest.get("hash", "sha256")) or ent.get("sha256")
         if deep and want:
@@ -172,12 +184,16 @@ def _check_manifest(p: Path, manifest: dict, deep: bool, bad, res: Result) -> No
 
 # --------------------------------------------------------------------- DCP ----
 
+
 def _check_dcp(p: Path, bad, load_check: bool, res: Result) -> None:
     names = os.listdir(p)
     shards = sorted(n for n in names if n.endswith(".distcp"))
     if ".metadata" not in names:
         if shards:
-            bad(".metadata", f"missing: save incomplete ({len(shards)} shard file(s) without .metadata)")
+            bad(
+                ".metadata",
+                f"missing: save incomplete ({len(shards)} shard file(s) without .metadata)",
+            )
         else:
             bad(".metadata", "missing, and no .distcp shards")
         return
@@ -253,7 +269,9 @@ def _dcp_load_check(p: Path, md, bad) -> None:
     bad_files: dict[str, str] = {}
     handles: dict[str, Any] = {}
     try:
-        items = sorted(md.storage_data.items(), key=lambda kv: (str(kv[1].relative_path), kv[1].offset))
+        items = sorted(
+            md.storage_data.items(), key=lambda kv: (str(kv[1].relative_path), kv[1].offset)
+        )
         for idx, info in items:
             rel = str(info.relative_path)
             if rel in bad_files or getattr(info, "transform_descriptors", None):
@@ -267,9 +285,13 @@ def _dcp_load_check(p: Path, md, bad) -> None:
                 with zipfile.ZipFile(io.BytesIO(blob)) as z:
                     first_bad = z.testzip()
                 if first_bad:
-                    bad_files[rel] = f"record {idx.fqn} at offset {info.offset}: CRC mismatch in {first_bad}"
+                    bad_files[rel] = (
+                        f"record {idx.fqn} at offset {info.offset}: CRC mismatch in {first_bad}"
+                    )
             except (zipfile.BadZipFile, ValueError, OSError) as e:
-                bad_files[rel] = f"record {idx.fqn} at offset {info.offset} is not a readable torch record ({e})"
+                bad_files[rel] = (
+                    f"record {idx.fqn} at offset {info.offset} is not a readable torch record ({e})"
+                )
     finally:
         for fh in handles.values():
             fh.close()
@@ -279,7 +301,12 @@ def _dcp_load_check(p: Path, md, bad) -> None:
 
 # --------------------------------------------------------------------- TRL ----
 
-_WEIGHT_SINGLE = ["model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin"]
+_WEIGHT_SINGLE = [
+    "model.safetensors",
+    "adapter_model.safetensors",
+    "pytorch_model.bin",
+    "adapter_model.bin",
+]
 _WEIGHT_INDEX = ["model.safetensors.index.json", "pytorch_model.bin.index.json"]
 
 
@@ -321,7 +348,11 @@ def _check_trl(p: Path, step: int | None, manifest: dict | None, bad, load_check
                 weights.append(idx_name)
     weights.extend(n for n in _WEIGHT_SINGLE if (p / n).is_file())
     if not weights:
-        bad("model.safetensors", "missing: no model weights (model.safetensors, index + shards, pytorch_model.bin, adapter)")
+        bad(
+            "model.safetensors",
+            "missing: no model weights (model.safetensors, index + shards, pytorch_model.bin, "
+            "adapter)",
+        )
     for w in weights:
         f = p / w
         if not f.is_file():

@@ -22,7 +22,9 @@ import signal as _signal
 from pathlib import Path
 from typing import Any
 
-_EXC = re.compile(r"^(?:\[rank\d+\]:\s*)?(?P<type>(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Warning)):?\s?(?P<msg>.*)$")
+_EXC = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?(?P<type>(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Warning)):?\s?(?P<msg>.*)$"
+)
 _PATTERNS = (
     ("CUDA out of memory", "GPU memory exhausted (CUDA OOM)"),
     ("OutOfMemoryError", "out of memory (torch.OutOfMemoryError)"),
@@ -84,12 +86,18 @@ def log_evidence(log: Path) -> dict[str, Any]:
     for needle, words in _PATTERNS:
         if needle in text and words not in patterns:
             patterns.append(words)
-    return {"log": str(log), "exists": log.is_file(), "exception": exc, "patterns": patterns,
-            "last_lines": [ln[:240] for ln in lines[-LOG_TAIL:]]}
+    return {
+        "log": str(log),
+        "exists": log.is_file(),
+        "exception": exc,
+        "patterns": patterns,
+        "last_lines": [ln[:240] for ln in lines[-LOG_TAIL:]],
+    }
 
 
 def _kernel_oom(pids: set[int]) -> tuple[bool | None, str]:
-    """(pid named by the OOM killer?, what was read). None when no kernel log could be read or no pid is known."""
+    """(pid named by the OOM killer?, what was read). None when no kernel log could be read or no
+    pid is known."""
     if not pids:
         return None, "kernel log not searched: the rank's pid is not recorded for that attempt"
     for src in (Path("/var/log/kern.log"), Path("/dev/kmsg")):
@@ -136,22 +144,36 @@ def _cgroup_oom_kills() -> tuple[int | None, str]:
     return None, "cgroup memory.events not readable"
 
 
-def explain(run_dir: Path, crash: dict[str, Any], events: list[dict[str, Any]], *, same_host: bool,
-            pids: dict[int, int] | None = None) -> dict[str, Any]:
+def explain(
+    run_dir: Path,
+    crash: dict[str, Any],
+    events: list[dict[str, Any]],
+    *,
+    same_host: bool,
+    pids: dict[int, int] | None = None,
+) -> dict[str, Any]:
     """Everything known about one ``crash`` event: words, cause of a SIGKILL, log evidence."""
     attempt, rank = crash.get("attempt"), crash.get("rank")
     code = crash.get("exit_code") if isinstance(crash.get("exit_code"), int) else None
     words, sig = signal_words(code)
     log = run_dir / "logs" / f"attempt-{attempt}" / f"rank-{rank}.log"
     ev = log_evidence(log)
-    injected = [e for e in events if e.get("kind") == "fault_injected" and e.get("rank") == rank
-                and e.get("attempt") in (attempt, None) and str(e.get("fault", "")).split(":")[0] in
-                ("crash", "oom", "hang", "enospc")]
+    injected = [
+        e
+        for e in events
+        if e.get("kind") == "fault_injected"
+        and e.get("rank") == rank
+        and e.get("attempt") in (attempt, None)
+        and str(e.get("fault", "")).split(":")[0] in ("crash", "oom", "hang", "enospc")
+    ]
     checked: list[str] = []
     cause = None
     if injected:
         cause = f"an injected fault: {injected[-1].get('fault')} (ptops sent it, not the kernel)"
-    elif ev["exception"] and ev["exception"]["type"].split(".")[-1] in ("OutOfMemoryError", "MemoryError"):
+    elif ev["exception"] and ev["exception"]["type"].split(".")[-1] in (
+        "OutOfMemoryError",
+        "MemoryError",
+    ):
         cause = f"out of memory in Python ({ev['exception']['type']})"
     elif sig == _signal.SIGKILL:
         if same_host:
@@ -162,21 +184,44 @@ def explain(run_dir: Path, crash: dict[str, Any], events: list[dict[str, Any]], 
             if hit:
                 cause = "the kernel OOM killer (kernel log names the rank's pid)"
             elif n:
-                cause = f"probably the OOM killer: this cgroup counts {n} OOM kill(s) (not tied to the pid)"
+                cause = (
+                    f"probably the OOM killer: this cgroup counts {n} OOM kill(s) (not tied "
+                    "to the pid)"
+                )
             elif hit is False:
-                cause = ("probably not the OOM killer (the kernel log does not name the pid): a person, the "
-                         "scheduler or another process sent SIGKILL")
+                cause = (
+                    "probably not the OOM killer (the kernel log does not name the pid): a "
+                    "person, the "
+                    "scheduler or another process sent SIGKILL"
+                )
         else:
-            checked.append("run directory from another host: kernel log and cgroup counters not applicable")
+            checked.append(
+                "run directory from another host: kernel log and cgroup counters not applicable"
+            )
         if cause is None:
-            cause = "cause unknown: SIGKILL from the OOM killer or from a person/another process cannot be told apart with " \
-                    "what is readable here"
+            cause = (
+                "cause unknown: SIGKILL from the OOM killer or from a person/another process "
+                "cannot be told apart with "
+                "what is readable here"
+            )
     elif sig is not None:
-        cause = {int(_signal.SIGTERM): "SIGTERM: asked to stop (scheduler preemption, a person, or the supervisor)",
-                 int(_signal.SIGSEGV): "SIGSEGV: a crash in native code (driver, extension, memory corruption)",
-                 int(_signal.SIGABRT): "SIGABRT: native code aborted (a failed check in C++/CUDA/NCCL)",
-                 int(_signal.SIGBUS): "SIGBUS: bad memory mapping (often /dev/shm full)"}.get(sig)
+        cause = {
+            int(
+                _signal.SIGTERM
+            ): "SIGTERM: asked to stop (scheduler preemption, a person, or the supervisor)",
+            int(
+                _signal.SIGSEGV
+            ): "SIGSEGV: a crash in native code (driver, extension, memory corruption)",
+            int(_signal.SIGABRT): "SIGABRT: native code aborted (a failed check in C++/CUDA/NCCL)",
+            int(_signal.SIGBUS): "SIGBUS: bad memory mapping (often /dev/shm full)",
+        }.get(sig)
     elif ev["exception"]:
         cause = f"Python exception {ev['exception']['type']}"
-    return {"words": words, "signal": sig, "cause": cause, "checked": checked, "injected": [e.get("fault") for e in injected],
-            **ev}
+    return {
+        "words": words,
+        "signal": sig,
+        "cause": cause,
+        "checked": checked,
+        "injected": [e.get("fault") for e in injected],
+        **ev,
+    }

@@ -17,24 +17,28 @@ is stable; keys are only ever added::
                      "step": int | null, "rank": int | null, "host": str | null,
                      "value": float | str | null, "detail": str, "severity": str,
                      "runbook": str | null, "ts": float | null, "attempt": int | null,
-                     "live": bool, "episode": int | null, "phase": "open" | "escalate" | "resolved" | null} ],
+                     "live": bool, "episode": int | null,
+                     "phase": "open" | "escalate" | "resolved" | null} ],
       "events_summary": {"state": str, "attempts": int, "counts": {kind: n},
                          "crashes": [...], "hangs": [...], "rollbacks": [...], "restarts": int,
                          "checkpoints": int, "last_checkpoint_step": int | null,
-                         "checkpoint_invalid": [...], "first_ts": float | null, "last_ts": float | null},
+                         "checkpoint_invalid": [...], "first_ts": float | null,
+                         "last_ts": float | null},
       "timeline": [ {"ts": float | null, "step": int | null, "kind": str, "what": str,
                      "runbook": str | null} ],
       "notes": [str],
-      "incidents": [ {"id": int, "kind": "crash" | "hang" | "numeric" | "straggler" | "rl" | "checkpoint" |
-                      "preempt" | "stop" | "failed" | "monitor", "title": str,
-                      "severity": "critical" | "warning" | "info", "ts": float | null, "ts_end": float | null,
-                      "attempt": int | null, "step": int | null, "rank": int | null, "ranks": [int],
-                      "host": str | null, "evidence": [str], "runbook": str | null, "action": str | null,
+      "incidents": [ {"id": int, "kind": "crash" | "hang" | "numeric" | "straggler" | "rl" |
+                      "checkpoint" | "preempt" | "stop" | "failed" | "monitor", "title": str,
+                      "severity": "critical" | "warning" | "info", "ts": float | null,
+                      "ts_end": float | null, "attempt": int | null, "step": int | null,
+                      "rank": int | null, "ranks": [int], "host": str | null, "evidence": [str],
+                      "runbook": str | null, "action": str | null,
                       "details": {...kind-specific...}} ],          (diagnostics/incidents.py)
       "filters": {"attempt": int | null, "since": float | null},
       "goodput": {"ratio": float | null, "wall_s", "productive_s", "lost_s": {cause: s}}
                  (the whole run, filters aside; ops/runrecord/goodput.py),
-      "baseline": {"run_dir", "baselines", "compared", "diverged", "first_divergent_step", "per_metric"}
+      "baseline": {"run_dir", "baselines", "compared", "diverged", "first_divergent_step",
+                   "per_metric"}
                   (only with baselines=...; diagnostics/baseline.py)
     }
 
@@ -55,13 +59,23 @@ from typing import Any
 from ptops.diagnostics import incidents as _incidents
 from ptops.monitors import FAMILIES, Finding, MonitorsSection, build_monitors, replay
 from ptops.monitors import RUNBOOKS as MONITOR_RUNBOOKS
-from ptops.ops.runrecord.events import INCIDENT_KINDS, MONITOR_FINDING_KINDS, SPECS, EventKind, reduce, spec
+from ptops.ops.runrecord.events import (
+    INCIDENT_KINDS,
+    MONITOR_FINDING_KINDS,
+    SPECS,
+    EventKind,
+    reduce,
+    spec,
+)
 from ptops.ops.runrecord.goodput import account
 from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
-# monitor or event kind -> runbook (runbooks/<Name>.md): the monitor registry's, then the event vocabulary's
-RUNBOOKS: dict[str, str] = {**MONITOR_RUNBOOKS,
-                            **{str(k): sp.runbook for k, sp in SPECS.items() if sp.runbook}}
+# monitor or event kind -> runbook (runbooks/<Name>.md): the monitor registry's, then the event
+# vocabulary's
+RUNBOOKS: dict[str, str] = {
+    **MONITOR_RUNBOOKS,
+    **{str(k): sp.runbook for k, sp in SPECS.items() if sp.runbook},
+}
 
 
 class DiagnoseError(Exception):
@@ -97,7 +111,8 @@ def _num(v: Any) -> Any:
 
 
 def _hosts(events: list[dict[str, Any]]) -> dict[int, str]:
-    """rank -> host from any event that lists ``ranks`` as ``[{rank, host, ...}]`` (the newest wins)."""
+    """rank -> host from any event that lists ``ranks`` as ``[{rank, host, ...}]`` (the newest
+    wins)."""
     out: dict[int, str] = {}
     for e in events:
         ranks = e.get("ranks")
@@ -114,7 +129,11 @@ def _hosts(events: list[dict[str, Any]]) -> dict[int, str]:
 def _event_what(e: dict[str, Any]) -> str:
     kind = e.get("kind", "?")
     skip = {"ts", "kind"}
-    fields = ", ".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in e.items() if k not in skip)
+    fields = ", ".join(
+        f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
+        for k, v in e.items()
+        if k not in skip
+    )
     return f"{kind} {fields}".strip()
 
 
@@ -134,8 +153,14 @@ def _summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
         state = "unknown (no end event: still running, or the supervisor died)"
     else:
         state = "unknown (no events)"
-    ckpts = [e for e in events if e.get("kind") == EventKind.CHECKPOINT and isinstance(e.get("step"), int)]
-    pick = lambda kind, keys: [{k: e.get(k) for k in keys if k in e} for e in events if e.get("kind") == kind]  # noqa: E731
+    ckpts = [
+        e
+        for e in events
+        if e.get("kind") == EventKind.CHECKPOINT and isinstance(e.get("step"), int)
+    ]
+    pick = lambda kind, keys: [  # noqa: E731
+        {k: e.get(k) for k in keys if k in e} for e in events if e.get("kind") == kind
+    ]
     return {
         "state": state,
         "reason": view.reason,
@@ -187,7 +212,12 @@ def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
     else:
         monitor = kind
         rank = e.get("rank")
-        if rank is None and isinstance(e.get("ranks"), list) and e["ranks"] and isinstance(e["ranks"][0], int):
+        if (
+            rank is None
+            and isinstance(e.get("ranks"), list)
+            and e["ranks"]
+            and isinstance(e["ranks"][0], int)
+        ):
             rank = e["ranks"][0] if len(e["ranks"]) == 1 else None
         value = e.get("exit_code", e.get("silent_s"))
         detail = _event_what(e)
@@ -222,8 +252,8 @@ def _event_row(e: dict[str, Any], hosts: dict[int, str]) -> dict[str, Any]:
 
 
 def parse_since(text: str, now: float | None = None) -> float:
-    """``10m`` / ``2h`` / ``30s`` / ``1d`` ago, or an ISO time (``2026-11-30T13:00``, local unless it says
-    its zone), or unix seconds -> unix seconds."""
+    """``10m`` / ``2h`` / ``30s`` / ``1d`` ago, or an ISO time (``2026-11-30T13:00``, local unless
+    it says its zone), or unix seconds -> unix seconds."""
     import datetime as dt
     import re
     import time
@@ -242,12 +272,18 @@ def parse_since(text: str, now: float | None = None) -> float:
     try:
         return dt.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
     except ValueError:
-        raise DiagnoseError(f"--since {text!r}: expected an ISO time (2026-11-30T13:05), a relative time "
-                            "(10m, 2h, 1d) or unix seconds") from None
+        raise DiagnoseError(
+            f"--since {text!r}: expected an ISO time (2026-11-30T13:05), a relative time "
+            "(10m, 2h, 1d) or unix seconds"
+        ) from None
 
 
-def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = None,
-             baselines: list[Path] | None = None) -> dict[str, Any]:
+def diagnose(
+    run_dir: Path,
+    attempt: int | None = None,
+    since: float | None = None,
+    baselines: list[Path] | None = None,
+) -> dict[str, Any]:
     """The report for one run directory (see the module docstring for its shape)."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
@@ -257,13 +293,18 @@ def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = No
     run = RunDir(run_dir)
     has_metrics, has_events = run.metrics.is_file(), run.events.is_file()
     if not has_metrics and not has_events:
-        raise DiagnoseError(f"{run_dir}: not a run directory (no metrics.jsonl and no events.jsonl)")
+        raise DiagnoseError(
+            f"{run_dir}: not a run directory (no metrics.jsonl and no events.jsonl)"
+        )
     notes: list[str] = []
     section, config_src = load_section(run)
     metrics = list(read_jsonl(run.metrics)) if has_metrics else []
     events = list(read_jsonl(run.events)) if has_events else []
     if not has_metrics:
-        notes.append("no metrics.jsonl: the monitors had nothing to replay (the run died before its first step?)")
+        notes.append(
+            "no metrics.jsonl: the monitors had nothing to replay (the run died before its first "
+            "step?)"
+        )
     if not has_events:
         notes.append("no events.jsonl: no crash/hang/restart history")
     if not section.enabled:
@@ -283,33 +324,72 @@ def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = No
         if e.get("kind") not in MONITOR_FINDING_KINDS:
             continue
         row = _event_row(e, hosts)
-        twin = next((r for r in replayed if r["monitor"] == row["monitor"] and r["step"] == row["step"]
-                     and (row["rank"] is None or r["rank"] == row["rank"] or row["monitor"] != "straggler")), None)
+        twin = next(
+            (
+                r
+                for r in replayed
+                if r["monitor"] == row["monitor"]
+                and r["step"] == row["step"]
+                and (
+                    row["rank"] is None or r["rank"] == row["rank"] or row["monitor"] != "straggler"
+                )
+            ),
+            None,
+        )
         if row["monitor"] == "straggler" and twin is None:
-            twin = next((r for r in replayed if r["monitor"] == "straggler" and r["rank"] == row["rank"]), None)
+            twin = next(
+                (r for r in replayed if r["monitor"] == "straggler" and r["rank"] == row["rank"]),
+                None,
+            )
         if twin is not None:
             twin["live"] = True
         else:
             rows.append(row)
     rows.extend(_event_row(e, hosts) for e in events if e.get("kind") in INCIDENT_KINDS)
     big = float("inf")
-    rows.sort(key=lambda r: (r["ts"] if isinstance(r["ts"], (int, float)) else big,
-                             r["step"] if isinstance(r["step"], int) else -1))
+    rows.sort(
+        key=lambda r: (
+            r["ts"] if isinstance(r["ts"], (int, float)) else big,
+            r["step"] if isinstance(r["step"], int) else -1,
+        )
+    )
 
     timeline: list[dict[str, Any]] = []
     for e in events:
         kind = str(e.get("kind"))
         if kind in MONITOR_FINDING_KINDS:
             continue  # listed through the findings below
-        timeline.append({"ts": e.get("ts"), "step": _event_step(e), "kind": kind, "what": _event_what(e),
-                         "runbook": RUNBOOKS.get(kind)})
+        timeline.append(
+            {
+                "ts": e.get("ts"),
+                "step": _event_step(e),
+                "kind": kind,
+                "what": _event_what(e),
+                "runbook": RUNBOOKS.get(kind),
+            }
+        )
     for r in rows:
         if r["source"] == "replay" or r["live"]:
-            who = f" rank {r['rank']}" if r["rank"] is not None and not r["detail"].startswith("rank ") else ""
-            timeline.append({"ts": r["ts"], "step": r["step"], "kind": f"finding:{r['monitor']}",
-                             "what": f"{r['monitor']}{who}: {r['detail']}", "runbook": r["runbook"]})
-    timeline.sort(key=lambda t: (t["ts"] if isinstance(t["ts"], (int, float)) else big,
-                                 t["step"] if isinstance(t["step"], int) else -1))
+            who = (
+                f" rank {r['rank']}"
+                if r["rank"] is not None and not r["detail"].startswith("rank ")
+                else ""
+            )
+            timeline.append(
+                {
+                    "ts": r["ts"],
+                    "step": r["step"],
+                    "kind": f"finding:{r['monitor']}",
+                    "what": f"{r['monitor']}{who}: {r['detail']}",
+                    "runbook": r["runbook"],
+                }
+            )
+    timeline.sort(
+        key=lambda t: (
+            t["ts"] if isinstance(t["ts"], (int, float)) else big,
+            t["step"] if isinstance(t["step"], int) else -1,
+        )
+    )
 
     steps = [r["step"] for r in metrics if isinstance(r.get("step"), int)]
     ranks = sorted({r["rank"] for r in metrics if isinstance(r.get("rank"), int)})
@@ -320,14 +400,33 @@ def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = No
         except (OSError, ValueError, AttributeError):
             recipe_name = None
     incidents = _incidents.build(run_dir, events, metrics, rows, hosts, RUNBOOKS)
-    launches = [(e["ts"], e["attempt"]) for e in events if e.get("kind") == EventKind.LAUNCH
-                and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("attempt"), int)]
+    launches = [
+        (e["ts"], e["attempt"])
+        for e in events
+        if e.get("kind") == EventKind.LAUNCH
+        and isinstance(e.get("ts"), (int, float))
+        and isinstance(e.get("attempt"), int)
+    ]
     if attempt is not None:
-        attempts = {a for _, a in launches} | {r.get("attempt") for r in metrics if isinstance(r.get("attempt"), int)}
+        attempts = {a for _, a in launches} | {
+            r.get("attempt") for r in metrics if isinstance(r.get("attempt"), int)
+        }
         if attempts and attempt not in attempts:
-            raise DiagnoseError(f"--attempt {attempt}: the run has attempt(s) {', '.join(map(str, sorted(attempts)))}")
+            raise DiagnoseError(
+                f"--attempt {attempt}: the run has attempt(s) "
+                f"{', '.join(map(str, sorted(attempts)))}"
+            )
         incidents = [i for i in incidents if i["attempt"] == attempt]
-        rows = [r for r in rows if (r["attempt"] if r["attempt"] is not None else _incidents.attempt_at(r["ts"], launches)) == attempt]
+        rows = [
+            r
+            for r in rows
+            if (
+                r["attempt"]
+                if r["attempt"] is not None
+                else _incidents.attempt_at(r["ts"], launches)
+            )
+            == attempt
+        ]
         timeline = [t for t in timeline if _incidents.attempt_at(t["ts"], launches) == attempt]
     if since is not None:
         late = lambda *ts: any(isinstance(x, (int, float)) and x >= since for x in ts)  # noqa: E731
@@ -339,7 +438,10 @@ def diagnose(run_dir: Path, attempt: int | None = None, since: float | None = No
             inc["id"] = n
     live = bool(events) and reduce(events).end is None
     if live:
-        notes.append("no end event: the run is still going (or its supervisor died); these are the incidents so far")
+        notes.append(
+            "no end event: the run is still going (or its supervisor died); these are the "
+            "incidents so far"
+        )
     report = {
         "run_dir": str(run_dir),
         "recipe": recipe_name,

@@ -18,10 +18,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from ptops.diagnostics.memcurve import about_memory, curve_lines, memory_curve
 from ptops.diagnostics import crash as crashes
 from ptops.diagnostics import flightrec
 from ptops.diagnostics import stacks as hangstacks
+from ptops.diagnostics.memcurve import about_memory, curve_lines, memory_curve
 
 # anomaly findings of one monitor closer than this many steps are one episode
 EPISODE_GAP_STEPS = 10
@@ -55,13 +55,21 @@ def _attempt_of(e: dict[str, Any], launches: list[tuple[float, int]]) -> int | N
 def _after(events: list[dict[str, Any]], ts: Any, kinds: tuple[str, ...]) -> dict[str, Any] | None:
     if not isinstance(ts, (int, float)):
         return None
-    return next((e for e in events if e.get("kind") in kinds and isinstance(e.get("ts"), (int, float))
-                 and e["ts"] >= ts), None)
+    return next(
+        (
+            e
+            for e in events
+            if e.get("kind") in kinds and isinstance(e.get("ts"), (int, float)) and e["ts"] >= ts
+        ),
+        None,
+    )
 
 
 def _action(events: list[dict[str, Any]], ts: Any) -> str | None:
     """What the supervisor did next: the first restart / rollback / end after ``ts``."""
-    e = _after(events, ts, ("restart", "rollback", "failed", "stopped", "completed", "exclude_node"))
+    e = _after(
+        events, ts, ("restart", "rollback", "failed", "stopped", "completed", "exclude_node")
+    )
     if e is None:
         return None
     k = e["kind"]
@@ -76,13 +84,23 @@ def _action(events: list[dict[str, Any]], ts: Any) -> str | None:
     if k == "stopped":
         return f"stopped ({e.get('reason') or 'signal'})"
     if k == "exclude_node":
-        return f"asked to exclude host {e.get('host')} (rank {e.get('rank')}; acted: {e.get('acted', False)})"
+        return (
+            f"asked to exclude host {e.get('host')} (rank {e.get('rank')}; acted: "
+            f"{e.get('acted', False)})"
+        )
     return None
 
 
-def _last_step(metrics: list[dict[str, Any]], attempt: int | None, rank: int | None = None) -> int | None:
-    steps = [r["step"] for r in metrics if isinstance(r.get("step"), int)
-             and (attempt is None or r.get("attempt", 1) == attempt) and (rank is None or r.get("rank") == rank)]
+def _last_step(
+    metrics: list[dict[str, Any]], attempt: int | None, rank: int | None = None
+) -> int | None:
+    steps = [
+        r["step"]
+        for r in metrics
+        if isinstance(r.get("step"), int)
+        and (attempt is None or r.get("attempt", 1) == attempt)
+        and (rank is None or r.get("rank") == rank)
+    ]
     return max(steps, default=None)
 
 
@@ -104,23 +122,64 @@ def _host_here(host: str | None) -> bool:
 
 
 class _Builder:
-    def __init__(self, run_dir: Path, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
-                 findings: list[dict[str, Any]], hosts: dict[int, str], runbooks: dict[str, str]):
+    def __init__(
+        self,
+        run_dir: Path,
+        events: list[dict[str, Any]],
+        metrics: list[dict[str, Any]],
+        findings: list[dict[str, Any]],
+        hosts: dict[int, str],
+        runbooks: dict[str, str],
+    ):
         self.run_dir, self.events, self.metrics, self.findings = run_dir, events, metrics, findings
         self.hosts, self.runbooks = hosts, runbooks
-        self.launches = [(e["ts"], e["attempt"]) for e in events if e.get("kind") == "launch"
-                         and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("attempt"), int)]
+        self.launches = [
+            (e["ts"], e["attempt"])
+            for e in events
+            if e.get("kind") == "launch"
+            and isinstance(e.get("ts"), (int, float))
+            and isinstance(e.get("attempt"), int)
+        ]
         self.out: list[dict[str, Any]] = []
 
-    def add(self, kind: str, title: str, severity: str, *, ts=None, ts_end=None, attempt=None, step=None, rank=None,
-            ranks=None, host=None, evidence=None, runbook=None, action=None, details=None) -> dict[str, Any]:
+    def add(
+        self,
+        kind: str,
+        title: str,
+        severity: str,
+        *,
+        ts=None,
+        ts_end=None,
+        attempt=None,
+        step=None,
+        rank=None,
+        ranks=None,
+        host=None,
+        evidence=None,
+        runbook=None,
+        action=None,
+        details=None,
+    ) -> dict[str, Any]:
         ranks = sorted({int(r) for r in (ranks or ([] if rank is None else [rank]))})
         if host is None and rank is not None:
             host = self.hosts.get(rank)
-        inc = {"id": 0, "kind": kind, "title": title, "severity": severity, "ts": ts, "ts_end": ts_end,
-               "attempt": attempt, "step": step, "rank": rank, "ranks": ranks, "host": host,
-               "evidence": [str(x) for x in (evidence or []) if x], "runbook": runbook, "action": action,
-               "details": details or {}}
+        inc = {
+            "id": 0,
+            "kind": kind,
+            "title": title,
+            "severity": severity,
+            "ts": ts,
+            "ts_end": ts_end,
+            "attempt": attempt,
+            "step": step,
+            "rank": rank,
+            "ranks": ranks,
+            "host": host,
+            "evidence": [str(x) for x in (evidence or []) if x],
+            "runbook": runbook,
+            "action": action,
+            "details": details or {},
+        }
         self.out.append(inc)
         return inc
 
@@ -130,20 +189,37 @@ class _Builder:
         rank = rank if isinstance(rank, int) else None
         host = e.get("host") or (self.hosts.get(rank) if rank is not None else None)
         pids = self._pids(attempt)
-        info = crashes.explain(self.run_dir, {**e, "attempt": attempt}, self.events, same_host=_host_here(host),
-                               pids={rank: pids.get(rank)} if rank is not None and pids.get(rank) else {})
-        step = e.get("step") if isinstance(e.get("step"), int) else _last_step(self.metrics, attempt, rank)
+        info = crashes.explain(
+            self.run_dir,
+            {**e, "attempt": attempt},
+            self.events,
+            same_host=_host_here(host),
+            pids={rank: pids.get(rank)} if rank is not None and pids.get(rank) else {},
+        )
+        step = (
+            e.get("step")
+            if isinstance(e.get("step"), int)
+            else _last_step(self.metrics, attempt, rank)
+        )
         exc = info["exception"]
-        what = f"{exc['type']}: {exc['message']}"[:120] if exc and info["signal"] is None else info["words"]
-        title = f"rank {rank if rank is not None else '?'} crashed in attempt {attempt}" \
-                f"{f' near step {step}' if step is not None else ''}: {what}"
+        what = (
+            f"{exc['type']}: {exc['message']}"[:120]
+            if exc and info["signal"] is None
+            else info["words"]
+        )
+        title = (
+            f"rank {rank if rank is not None else '?'} crashed in attempt {attempt}"
+            f"{f' near step {step}' if step is not None else ''}: {what}"
+        )
         ev = [info["words"]]
         if info["cause"]:
             ev.append(f"cause: {info['cause']}")
         if exc:
             ev.append(f"exception: {exc['type']}: {exc['message']}"[:300])
         curve = memory_curve(self.metrics, attempt, rank) if about_memory(info) else []
-        if curve:  # an OOM: how the rank's memory got there (the memory monitor's input); all in details
+        if (
+            curve
+        ):  # an OOM: how the rank's memory got there (the memory monitor's input); all in details
             ev.append(f"memory of rank {rank}, last steps of attempt {attempt}:")
             ev += ["  " + line for line in curve_lines(curve[-8:])]
         ev += [f"log: {p}" for p in info["patterns"]]
@@ -153,11 +229,30 @@ class _Builder:
             ev += ["  " + ln for ln in info["last_lines"]]
         elif not info["exists"]:
             ev.append(f"no log at logs/attempt-{attempt}/rank-{rank}.log")
-        self.add("crash", title, "critical", ts=e.get("ts"), attempt=attempt, step=step, rank=rank, host=host,
-                 evidence=ev, runbook=self.runbooks.get("crash"), action=_action(self.events, e.get("ts")),
-                 details={"exit_code": e.get("exit_code"), "signal": info["signal"], "cause": info["cause"],
-                          "exception": exc, "patterns": info["patterns"], "last_lines": info["last_lines"],
-                          "injected": info["injected"], "how": e.get("how"), "memory_curve": curve})
+        self.add(
+            "crash",
+            title,
+            "critical",
+            ts=e.get("ts"),
+            attempt=attempt,
+            step=step,
+            rank=rank,
+            host=host,
+            evidence=ev,
+            runbook=self.runbooks.get("crash"),
+            action=_action(self.events, e.get("ts")),
+            details={
+                "exit_code": e.get("exit_code"),
+                "signal": info["signal"],
+                "cause": info["cause"],
+                "exception": exc,
+                "patterns": info["patterns"],
+                "last_lines": info["last_lines"],
+                "injected": info["injected"],
+                "how": e.get("how"),
+                "memory_curve": curve,
+            },
+        )
 
     def _pids(self, attempt: int | None) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -167,14 +262,22 @@ class _Builder:
             st = json.loads((self.run_dir / "status.json").read_text())
             if st.get("attempt") == attempt:
                 for r in st.get("ranks") or []:
-                    if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("pid"), int):
+                    if (
+                        isinstance(r, dict)
+                        and isinstance(r.get("rank"), int)
+                        and isinstance(r.get("pid"), int)
+                    ):
                         out[r["rank"]] = r["pid"]
         except (OSError, ValueError, AttributeError):
             pass
         for e in self.events:
             if _attempt_of(e, self.launches) == attempt and isinstance(e.get("ranks"), list):
                 for r in e["ranks"]:
-                    if isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("pid"), int):
+                    if (
+                        isinstance(r, dict)
+                        and isinstance(r.get("rank"), int)
+                        and isinstance(r.get("pid"), int)
+                    ):
                         out[r["rank"]] = r["pid"]
         return out
 
@@ -182,79 +285,175 @@ class _Builder:
         attempt = _attempt_of(e, self.launches)
         blamed = [r for r in e.get("ranks", []) if isinstance(r, int)]
         step = e.get("step") if isinstance(e.get("step"), int) else None
-        stack_dir = self.run_dir / "stacks" / f"attempt-{attempt}"  # not e["stacks"]: the run dir may have moved
+        stack_dir = (
+            self.run_dir / "stacks" / f"attempt-{attempt}"
+        )  # not e["stacks"]: the run dir may have moved
         st = hangstacks.analyse(stack_dir, blamed)
-        launch = next((ev for ev in self.events if ev.get("kind") == "launch" and ev.get("attempt") == attempt), {})
+        launch = next(
+            (
+                ev
+                for ev in self.events
+                if ev.get("kind") == "launch" and ev.get("attempt") == attempt
+            ),
+            {},
+        )
         nproc = launch.get("nproc") if isinstance(launch.get("nproc"), int) else None
-        fr = flightrec.analyse(stack_dir, world=nproc, extra_dir=self.run_dir / "titan" / "comm_traces",
-                               after_ts=launch.get("ts") if isinstance(launch.get("ts"), (int, float)) else None)
+        fr = flightrec.analyse(
+            stack_dir,
+            world=nproc,
+            extra_dir=self.run_dir / "titan" / "comm_traces",
+            after_ts=launch.get("ts") if isinstance(launch.get("ts"), (int, float)) else None,
+        )
         odd = (st or {}).get("odd")
-        ev = [f"silent {_f(e.get('silent_s'))} s (budget {_f(e.get('timeout_s'))} s, {e.get('phase') or 'step'}"
-              f"{', ' + str(e.get('why')) if e.get('why') else ''})"]
+        ev = [
+            f"silent {_f(e.get('silent_s'))} s (budget {_f(e.get('timeout_s'))} s, "
+            f"{e.get('phase') or 'step'}"
+            f"{', ' + str(e.get('why')) if e.get('why') else ''})"
+        ]
         if st:
             for g in st["groups"]:
                 where = g["frame"] or g["note"] or "?"
                 tag = " (in a collective)" if g["in_collective"] else ""
-                ev.append(f"rank(s) {','.join(map(str, g['ranks']))}: {where}{tag} [{', '.join(g['sources'])}]")
+                ev.append(
+                    f"rank(s) {','.join(map(str, g['ranks']))}: {where}{tag} "
+                    f"[{', '.join(g['sources'])}]"
+                )
         else:
             ev.append(f"no stacks in stacks/attempt-{attempt}/")
         if fr:
             ev += [f"flight recorder: {m}" for m in fr.get("summary", [])]
         who = odd["ranks"] if odd else blamed
         if odd and odd["frame"]:
-            title = (f"hang in attempt {attempt} at step {step}: rank {','.join(map(str, odd['ranks']))} stuck in "
-                     f"{odd['frame']}" + (" while the others wait in a collective" if len(st["groups"]) > 1 else ""))
+            title = (
+                f"hang in attempt {attempt} at step {step}: rank "
+                f"{','.join(map(str, odd['ranks']))} stuck in "
+                f"{odd['frame']}"
+                + (" while the others wait in a collective" if len(st["groups"]) > 1 else "")
+            )
         else:
-            title = f"hang in attempt {attempt} at step {step}: rank(s) {','.join(map(str, blamed)) or '?'} silent"
-        self.add("hang", title, "critical", ts=e.get("ts"), attempt=attempt, step=step,
-                 rank=who[0] if len(who) == 1 else None, ranks=who, evidence=ev, runbook=self.runbooks.get("hang"),
-                 action=_action(self.events, e.get("ts")),
-                 details={"blamed": blamed, "silent_s": e.get("silent_s"), "phase": e.get("phase"),
-                          "stacks": st, "flight_recorder": fr, "stack_sources": e.get("stack_sources")})
+            title = (
+                f"hang in attempt {attempt} at step {step}: rank(s) "
+                f"{','.join(map(str, blamed)) or '?'} silent"
+            )
+        self.add(
+            "hang",
+            title,
+            "critical",
+            ts=e.get("ts"),
+            attempt=attempt,
+            step=step,
+            rank=who[0] if len(who) == 1 else None,
+            ranks=who,
+            evidence=ev,
+            runbook=self.runbooks.get("hang"),
+            action=_action(self.events, e.get("ts")),
+            details={
+                "blamed": blamed,
+                "silent_s": e.get("silent_s"),
+                "phase": e.get("phase"),
+                "stacks": st,
+                "flight_recorder": fr,
+                "stack_sources": e.get("stack_sources"),
+            },
+        )
 
     def end(self, e: dict[str, Any]) -> None:
         kind, attempt = e["kind"], _attempt_of(e, self.launches)
         if kind == "early_exit":
-            self.add("crash", f"attempt {attempt} exited cleanly before the last step (at step {e.get('step')})",
-                     "critical", ts=e.get("ts"), attempt=attempt, step=e.get("step"),
-                     evidence=["torchrun exited 0 before the last step"], runbook=self.runbooks.get("early_exit"),
-                     action=_action(self.events, e.get("ts")), details={"event": "early_exit"})
+            self.add(
+                "crash",
+                f"attempt {attempt} exited cleanly before the last step (at step {e.get('step')})",
+                "critical",
+                ts=e.get("ts"),
+                attempt=attempt,
+                step=e.get("step"),
+                evidence=["torchrun exited 0 before the last step"],
+                runbook=self.runbooks.get("early_exit"),
+                action=_action(self.events, e.get("ts")),
+                details={"event": "early_exit"},
+            )
         elif kind == "stopped":
-            preempt = any(ev.get("kind") == "fault_injected" and str(ev.get("fault", "")).startswith("preempt")
-                          and _attempt_of(ev, self.launches) == attempt for ev in self.events)
-            sig, _ = crashes.signal_words(-int(e["signal"])) if isinstance(e.get("signal"), int) else ("no signal", None)
+            preempt = any(
+                ev.get("kind") == "fault_injected"
+                and str(ev.get("fault", "")).startswith("preempt")
+                and _attempt_of(ev, self.launches) == attempt
+                for ev in self.events
+            )
+            sig, _ = (
+                crashes.signal_words(-int(e["signal"]))
+                if isinstance(e.get("signal"), int)
+                else ("no signal", None)
+            )
             k = "preempt" if preempt else "stop"
-            what = "preempted (SIGTERM from the scheduler)" if preempt else f"stopped: {e.get('reason') or sig}"
-            self.add(k, f"attempt {attempt} {what} at step {e.get('step')}", "warning" if preempt else "info",
-                     ts=e.get("ts"), attempt=attempt, step=e.get("step"), evidence=[sig, str(e.get("reason") or "")],
-                     runbook=None, action=_action(self.events, (e.get("ts") or 0) + 1e-6),
-                     details={"signal": e.get("signal"), "reason": e.get("reason")})
+            what = (
+                "preempted (SIGTERM from the scheduler)"
+                if preempt
+                else f"stopped: {e.get('reason') or sig}"
+            )
+            self.add(
+                k,
+                f"attempt {attempt} {what} at step {e.get('step')}",
+                "warning" if preempt else "info",
+                ts=e.get("ts"),
+                attempt=attempt,
+                step=e.get("step"),
+                evidence=[sig, str(e.get("reason") or "")],
+                runbook=None,
+                action=_action(self.events, (e.get("ts") or 0) + 1e-6),
+                details={"signal": e.get("signal"), "reason": e.get("reason")},
+            )
         elif kind == "failed":
             reason = str(e.get("reason", ""))
             # a failure that ends an attempt already told as a crash/hang is that incident's action
-            prior = [i for i in self.out if i["attempt"] == attempt and i["kind"] in ("crash", "hang")]
+            prior = [
+                i for i in self.out if i["attempt"] == attempt and i["kind"] in ("crash", "hang")
+            ]
             if prior:
                 return
             rb = next((rb for k, rb in self.runbooks.items() if k in reason), None)
-            self.add("failed", f"run failed: {reason}", "critical", ts=e.get("ts"), attempt=attempt,
-                     evidence=[reason], runbook=rb, details={"exit_code": e.get("exit_code")})
+            self.add(
+                "failed",
+                f"run failed: {reason}",
+                "critical",
+                ts=e.get("ts"),
+                attempt=attempt,
+                evidence=[reason],
+                runbook=rb,
+                details={"exit_code": e.get("exit_code")},
+            )
 
     def checkpoint(self, e: dict[str, Any]) -> None:
         attempt = _attempt_of(e, self.launches)
         path = str(e.get("path", ""))
-        short = path[path.find("checkpoints/"):] if "checkpoints/" in path else path
+        short = path[path.find("checkpoints/") :] if "checkpoints/" in path else path
         if e["kind"] == "checkpoint_invalid":
             title = f"checkpoint {short} invalid: {e.get('reason')}"
-            ev = [f"reason: {e.get('reason')}", f"set aside to {e['moved_to']}" if e.get("moved_to") else "",
-                  "found by rank 0's background read-back of the commit" if e.get("found_by") == "background_verify"
-                  else ""]
+            ev = [
+                f"reason: {e.get('reason')}",
+                f"set aside to {e['moved_to']}" if e.get("moved_to") else "",
+                "found by rank 0's background read-back of the commit"
+                if e.get("found_by") == "background_verify"
+                else "",
+            ]
             nxt = _after(self.events, e.get("ts"), ("restart", "launch"))
-            action = (f"restart resumed from step {nxt.get('from_step')}" if nxt and nxt.get("from_step") is not None
-                      else _action(self.events, e.get("ts")))
+            action = (
+                f"restart resumed from step {nxt.get('from_step')}"
+                if nxt and nxt.get("from_step") is not None
+                else _action(self.events, e.get("ts"))
+            )
             sev, rb = "critical", self.runbooks.get("checkpoint_invalid")
-            # one damaged checkpoint is one incident: found in the background first, set aside at the restart
-            same = next((i for i in self.out if i["kind"] == "checkpoint" and i["details"].get("path") == short
-                         and i["details"].get("event") == "checkpoint_invalid"), None)
+            # one damaged checkpoint is one incident: found in the background first, set aside at
+            # the restart
+            same = next(
+                (
+                    i
+                    for i in self.out
+                    if i["kind"] == "checkpoint"
+                    and i["details"].get("path") == short
+                    and i["details"].get("event") == "checkpoint_invalid"
+                ),
+                None,
+            )
             if same is not None:
                 same["evidence"] += [x for x in ev if x and x not in same["evidence"]]
                 same["action"] = action or same["action"]
@@ -269,9 +468,23 @@ class _Builder:
                 step = int(short.rstrip("/").rsplit("step-", 1)[1])
             except (IndexError, ValueError):
                 step = None
-        self.add("checkpoint", title, sev, ts=e.get("ts"), attempt=attempt, step=step,
-                 rank=e.get("rank") if isinstance(e.get("rank"), int) else None, evidence=ev, runbook=rb, action=action,
-                 details={"path": short, "event": e["kind"], "reason": e.get("reason") or e.get("error")})
+        self.add(
+            "checkpoint",
+            title,
+            sev,
+            ts=e.get("ts"),
+            attempt=attempt,
+            step=step,
+            rank=e.get("rank") if isinstance(e.get("rank"), int) else None,
+            evidence=ev,
+            runbook=rb,
+            action=action,
+            details={
+                "path": short,
+                "event": e["kind"],
+                "reason": e.get("reason") or e.get("error"),
+            },
+        )
 
     # anomaly episodes -----------------------------------------------------------------------------
     def episodes(self) -> None:
@@ -280,32 +493,49 @@ class _Builder:
             if f["source"] == "event" and f["family"] == "incident":
                 continue  # events told above as attempt ends / checkpoints
             fam = f["family"]
-            key = (fam, f["attempt"], f["rank"] if fam == "straggler" else None,
-                   f["monitor"] if fam == "rl" else None)
+            key = (
+                fam,
+                f["attempt"],
+                f["rank"] if fam == "straggler" else None,
+                f["monitor"] if fam == "rl" else None,
+            )
             eps = groups.setdefault(key, [])
             s = f["step"] if isinstance(f["step"], int) else None
-            if f.get("episode") is not None:  # the monitor numbered its episodes (open/escalate/resolved): use them
+            if (
+                f.get("episode") is not None
+            ):  # the monitor numbered its episodes (open/escalate/resolved): use them
                 same = next((ep for ep in eps if ep[0].get("episode") == f["episode"]), None)
                 if same is not None:
                     same.append(f)
                 else:
                     eps.append([f])
                 continue
-            if eps and (s is None or eps[-1][-1]["step"] is None or s - eps[-1][-1]["step"] <= EPISODE_GAP_STEPS
-                        or fam == "straggler"):
+            if eps and (
+                s is None
+                or eps[-1][-1]["step"] is None
+                or s - eps[-1][-1]["step"] <= EPISODE_GAP_STEPS
+                or fam == "straggler"
+            ):
                 eps[-1].append(f)
             else:
                 eps.append([f])
         for (fam, attempt, _r, _m), eps in groups.items():
             for ep in eps:
-                getattr(self, f"_{fam}" if fam in ("numeric", "straggler", "rl") else "_other")(ep, attempt)
+                getattr(self, f"_{fam}" if fam in ("numeric", "straggler", "rl") else "_other")(
+                    ep, attempt
+                )
 
     def _span(self, ep):
         steps = [f["step"] for f in ep if isinstance(f["step"], int)]
         tss = [f["ts"] for f in ep if isinstance(f["ts"], (int, float))]
         sev = min((f["severity"] for f in ep), key=lambda s: _SEV_ORDER.get(s, 1))
-        return (min(steps, default=None), max(steps, default=None), min(tss, default=None), max(tss, default=None),
-                sev if sev in _SEV_ORDER else "warning")
+        return (
+            min(steps, default=None),
+            max(steps, default=None),
+            min(tss, default=None),
+            max(tss, default=None),
+            sev if sev in _SEV_ORDER else "warning",
+        )
 
     def _numeric(self, ep, attempt) -> None:
         s0, s1, t0, t1, sev = self._span(ep)
@@ -314,76 +544,174 @@ class _Builder:
         ctx = _context(self.metrics, s0, attempt) if s0 is not None else []
         ev = [f"{f['monitor']} at step {f['step']}: {f['detail']}" for f in ep[:5]]
         if ctx:
-            ev.append("around it (rank 0): " + "; ".join(f"step {c['step']} loss {_f(c['loss'])} grad_norm "
-                                                         f"{_f(c['grad_norm'])}" for c in ctx))
-        def ours(e: dict[str, Any]) -> bool:  # the rollback this episode caused: same attempt, soon after, its monitor
+            ev.append(
+                "around it (rank 0): "
+                + "; ".join(
+                    f"step {c['step']} loss {_f(c['loss'])} grad_norm {_f(c['grad_norm'])}"
+                    for c in ctx
+                )
+            )
+
+        def ours(
+            e: dict[str, Any],
+        ) -> bool:  # the rollback this episode caused: same attempt, soon after, its monitor
             ts = e.get("ts")
-            if _attempt_of(e, self.launches) != attempt or (e.get("monitor") and e["monitor"] not in monitors):
+            if _attempt_of(e, self.launches) != attempt or (
+                e.get("monitor") and e["monitor"] not in monitors
+            ):
                 return False
-            return t0 is None or not isinstance(ts, (int, float)) or t0 - 5 <= ts <= (t1 or t0) + 300
+            return (
+                t0 is None or not isinstance(ts, (int, float)) or t0 - 5 <= ts <= (t1 or t0) + 300
+            )
 
         rb = next((e for e in self.events if e.get("kind") == "rollback" and ours(e)), None)
-        applied = [] if rb is None else [
-            e for e in self.events if e.get("kind") == "rollback_applied"
-            and (_attempt_of(e, self.launches) or 0) > (attempt or 0)
-            and (e.get("to_step") is None or e.get("to_step") == rb.get("to_step"))]
+        applied = (
+            []
+            if rb is None
+            else [
+                e
+                for e in self.events
+                if e.get("kind") == "rollback_applied"
+                and (_attempt_of(e, self.launches) or 0) > (attempt or 0)
+                and (e.get("to_step") is None or e.get("to_step") == rb.get("to_step"))
+            ]
+        )
         action = None
         if rb is not None:
-            action = _action(self.events, rb["ts"]) if isinstance(rb.get("ts"), (int, float)) else None
+            action = (
+                _action(self.events, rb["ts"]) if isinstance(rb.get("ts"), (int, float)) else None
+            )
             if applied:
-                ev += [f"rollback applied: {a.get('what')} at step {a.get('step')}"
-                       + (f" (lr x{a['lr_factor']})" if a.get("lr_factor") is not None else "") for a in applied[:2]]
+                ev += [
+                    f"rollback applied: {a.get('what')} at step {a.get('step')}"
+                    + (f" (lr x{a['lr_factor']})" if a.get("lr_factor") is not None else "")
+                    for a in applied[:2]
+                ]
         else:
             action = _action(self.events, t1) if t1 is not None else None
             if action and not action.startswith("rolled"):
                 action = None
-        self.add("numeric", f"{'/'.join(monitors)} at step {s0}{f'-{s1}' if s1 != s0 else ''}"
-                 f"{f' (attempt {attempt})' if attempt else ''}: {first['detail']}"[:200], sev,
-                 ts=t0, ts_end=t1, attempt=attempt, step=s0, rank=first["rank"], evidence=ev,
-                 runbook=first["runbook"], action=action,
-                 details={"monitors": monitors, "findings": len(ep), "last_step": s1, "context": ctx,
-                          "rollback": {k: rb.get(k) for k in ("from_step", "to_step", "lr_scale", "skip_batches",
-                                                              "reason") if k in rb} if rb else None,
-                          "live": any(f["live"] for f in ep)})
+        self.add(
+            "numeric",
+            f"{'/'.join(monitors)} at step {s0}{f'-{s1}' if s1 != s0 else ''}"
+            f"{f' (attempt {attempt})' if attempt else ''}: {first['detail']}"[:200],
+            sev,
+            ts=t0,
+            ts_end=t1,
+            attempt=attempt,
+            step=s0,
+            rank=first["rank"],
+            evidence=ev,
+            runbook=first["runbook"],
+            action=action,
+            details={
+                "monitors": monitors,
+                "findings": len(ep),
+                "last_step": s1,
+                "context": ctx,
+                "rollback": {
+                    k: rb.get(k)
+                    for k in ("from_step", "to_step", "lr_scale", "skip_batches", "reason")
+                    if k in rb
+                }
+                if rb
+                else None,
+                "live": any(f["live"] for f in ep),
+            },
+        )
 
     def _straggler(self, ep, attempt) -> None:
         s0, s1, t0, t1, sev = self._span(ep)
         rank = ep[0]["rank"]
         vals = [f["value"] for f in ep if isinstance(f["value"], (int, float))]
-        ex = next((e for e in self.events if e.get("kind") == "exclude_node" and e.get("rank") == rank
-                   and _attempt_of(e, self.launches) == attempt), None)
+        ex = next(
+            (
+                e
+                for e in self.events
+                if e.get("kind") == "exclude_node"
+                and e.get("rank") == rank
+                and _attempt_of(e, self.launches) == attempt
+            ),
+            None,
+        )
         ev = [f["detail"] for f in ep[:3]]
-        self.add("straggler", f"rank {rank} straggling from step {s0}{f' (attempt {attempt})' if attempt else ''}: "
-                 f"{ep[0]['detail']}"[:200], sev, ts=t0, ts_end=t1, attempt=attempt, step=s0, rank=rank,
-                 evidence=ev, runbook=ep[0]["runbook"],
-                 action=(f"asked to exclude host {ex.get('host')} (acted: {ex.get('acted', False)})" if ex else None),
-                 details={"max_ratio": max(vals, default=None), "last_step": s1, "findings": len(ep)})
+        self.add(
+            "straggler",
+            f"rank {rank} straggling from step {s0}{f' (attempt {attempt})' if attempt else ''}: "
+            f"{ep[0]['detail']}"[:200],
+            sev,
+            ts=t0,
+            ts_end=t1,
+            attempt=attempt,
+            step=s0,
+            rank=rank,
+            evidence=ev,
+            runbook=ep[0]["runbook"],
+            action=(
+                f"asked to exclude host {ex.get('host')} (acted: {ex.get('acted', False)})"
+                if ex
+                else None
+            ),
+            details={"max_ratio": max(vals, default=None), "last_step": s1, "findings": len(ep)},
+        )
 
     def _rl(self, ep, attempt) -> None:
-        # an episode's all-clear (phase "resolved") ends it; the incident is the warning/escalation before it
+        # an episode's all-clear (phase "resolved") ends it; the incident is the warning/escalation
+        # before it
         clear = next((f for f in ep if f.get("phase") == "resolved"), None)
         body = [f for f in ep if f.get("phase") != "resolved"] or ep
         s0, s1, t0, t1, sev = self._span(body)
         m = body[0]["monitor"]
         tail = f" (all clear at step {clear['step']})" if clear is not None else ""
-        self.add("rl", f"{m} from step {s0}{f' to {s1}' if s1 != s0 else ''}: {body[-1]['detail']}"[:200] + tail, sev,
-                 ts=t0, ts_end=clear["ts"] if clear is not None and clear.get("ts") is not None else t1,
-                 attempt=attempt, step=s0, rank=body[0]["rank"],
-                 evidence=[f"step {f['step']}: {f['detail']}" for f in ep[:5]], runbook=body[0]["runbook"],
-                 action=_action(self.events, t0) if t0 is not None and any(
-                     e.get("kind") == "rollback" for e in self.events) else None,
-                 details={"monitor": m, "last_step": s1, "findings": len(body), "episode": body[0].get("episode"),
-                          "resolved_step": clear["step"] if clear is not None else None})
+        self.add(
+            "rl",
+            f"{m} from step {s0}{f' to {s1}' if s1 != s0 else ''}: {body[-1]['detail']}"[:200]
+            + tail,
+            sev,
+            ts=t0,
+            ts_end=clear["ts"] if clear is not None and clear.get("ts") is not None else t1,
+            attempt=attempt,
+            step=s0,
+            rank=body[0]["rank"],
+            evidence=[f"step {f['step']}: {f['detail']}" for f in ep[:5]],
+            runbook=body[0]["runbook"],
+            action=_action(self.events, t0)
+            if t0 is not None and any(e.get("kind") == "rollback" for e in self.events)
+            else None,
+            details={
+                "monitor": m,
+                "last_step": s1,
+                "findings": len(body),
+                "episode": body[0].get("episode"),
+                "resolved_step": clear["step"] if clear is not None else None,
+            },
+        )
 
     def _other(self, ep, attempt) -> None:
         s0, s1, t0, t1, sev = self._span(ep)
         f = ep[0]
-        self.add(f["family"] or "other", f"{f['monitor']}: {f['detail']}"[:200], sev, ts=t0, ts_end=t1,
-                 attempt=attempt, step=s0, rank=f["rank"], evidence=[x["detail"] for x in ep[:5]], runbook=f["runbook"])
+        self.add(
+            f["family"] or "other",
+            f"{f['monitor']}: {f['detail']}"[:200],
+            sev,
+            ts=t0,
+            ts_end=t1,
+            attempt=attempt,
+            step=s0,
+            rank=f["rank"],
+            evidence=[x["detail"] for x in ep[:5]],
+            runbook=f["runbook"],
+        )
 
 
-def build(run_dir: Path, events: list[dict[str, Any]], metrics: list[dict[str, Any]], findings: list[dict[str, Any]],
-          hosts: dict[int, str], runbooks: dict[str, str]) -> list[dict[str, Any]]:
+def build(
+    run_dir: Path,
+    events: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+    findings: list[dict[str, Any]],
+    hosts: dict[int, str],
+    runbooks: dict[str, str],
+) -> list[dict[str, Any]]:
     """The incidents of a run, in time order, numbered from 1."""
     b = _Builder(Path(run_dir), events, metrics, findings, hosts, runbooks)
     for e in events:
@@ -397,12 +725,24 @@ def build(run_dir: Path, events: list[dict[str, Any]], metrics: list[dict[str, A
         elif k in ("checkpoint_invalid", "checkpoint_failed"):
             b.checkpoint(e)
         elif k == "monitor_error":
-            b.add("monitor", f"monitor {e.get('monitor')} raised: {e.get('error')}"[:200], "warning", ts=e.get("ts"),
-                  attempt=_attempt_of(e, b.launches), step=e.get("step"), evidence=[str(e.get("error"))])
+            b.add(
+                "monitor",
+                f"monitor {e.get('monitor')} raised: {e.get('error')}"[:200],
+                "warning",
+                ts=e.get("ts"),
+                attempt=_attempt_of(e, b.launches),
+                step=e.get("step"),
+                evidence=[str(e.get("error"))],
+            )
     b.episodes()
     big = float("inf")
-    out = sorted(b.out, key=lambda i: (i["ts"] if isinstance(i["ts"], (int, float)) else big,
-                                       i["step"] if isinstance(i["step"], int) else -1))
+    out = sorted(
+        b.out,
+        key=lambda i: (
+            i["ts"] if isinstance(i["ts"], (int, float)) else big,
+            i["step"] if isinstance(i["step"], int) else -1,
+        ),
+    )
     for n, inc in enumerate(out, 1):
         inc["id"] = n
     return out

@@ -45,13 +45,21 @@ SLOW_MIN_FRACTION = 0.10
 SLOW_MIN_S = 0.001
 
 # communication ops on the training thread (the whole op counts, children included)
-_COMM_OP = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::|nccl:|gloo:|mpi:|ucc:|record_param_comms)"
-                      r"|^FSDP::\S*wait|wait_tensor")
+_COMM_OP = re.compile(
+    r"^(c10d::|_c10d_functional::|c10d_functional::|nccl:|gloo:|mpi:|ucc:|record_param_comms)"
+    r"|^FSDP::\S*wait|wait_tensor"
+)
 # a collective in progress on a communication thread (ProcessGroupGloo's worker, NCCL's watchdog)
 _WORKER_COLL = re.compile(r"^(gloo|nccl|mpi|ucc):")
-_KINDS = (("reduce_scatter", ("reduce_scatter", "reducescatter")), ("all_reduce", ("all_reduce", "allreduce")),
-          ("all_gather", ("all_gather", "allgather")), ("all_to_all", ("all_to_all", "alltoall")),
-          ("broadcast", ("broadcast",)), ("barrier", ("barrier",)), ("send_recv", ("send", "recv")))
+_KINDS = (
+    ("reduce_scatter", ("reduce_scatter", "reducescatter")),
+    ("all_reduce", ("all_reduce", "allreduce")),
+    ("all_gather", ("all_gather", "allgather")),
+    ("all_to_all", ("all_to_all", "alltoall")),
+    ("broadcast", ("broadcast",)),
+    ("barrier", ("barrier",)),
+    ("send_recv", ("send", "recv")),
+)
 
 
 class TraceError(Exception):
@@ -72,14 +80,20 @@ def _x_events(trace: Mapping[str, Any]) -> list[dict[str, Any]]:
         raise TraceError("not a Chrome trace (no traceEvents list)")
     out = []
     for e in events:
-        if (isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
-                and isinstance(e.get("dur"), (int, float)) and isinstance(e.get("name"), str)):
+        if (
+            isinstance(e, dict)
+            and e.get("ph") == "X"
+            and isinstance(e.get("ts"), (int, float))
+            and isinstance(e.get("dur"), (int, float))
+            and isinstance(e.get("name"), str)
+        ):
             out.append(e)
     return out
 
 
 def rank_steps(trace: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
-    """One rank's steps: ``{step: {wall_s, compute_s, collectives_s, data_s, by_kind: {kind: s}}}``."""
+    """One rank's steps: ``{step: {wall_s, compute_s, collectives_s, data_s, by_kind: {kind:
+    s}}}``."""
     events = _x_events(trace)
     steps = [e for e in events if e["name"].startswith(STEP_PREFIX)]
     if not steps:
@@ -121,8 +135,18 @@ def rank_steps(trace: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
                 rec["data_s"] += seg
             elif comm_depth or (colls and not (top or "").startswith("aten::")):
                 rec["collectives_s"] += seg
-                inner = events[colls[-1]]["name"] if colls else next(
-                    (events[j]["name"] for j in reversed(stack) if _COMM_OP.search(events[j]["name"])), "other")
+                inner = (
+                    events[colls[-1]]["name"]
+                    if colls
+                    else next(
+                        (
+                            events[j]["name"]
+                            for j in reversed(stack)
+                            if _COMM_OP.search(events[j]["name"])
+                        ),
+                        "other",
+                    )
+                )
                 kind = collective_kind(inner)
                 rec["by_kind"][kind] = rec["by_kind"].get(kind, 0.0) + seg
             else:
@@ -131,9 +155,17 @@ def rank_steps(trace: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
         e = events[i]
         if what == "step":
             if is_start:
-                active_step = int(e["name"][len(STEP_PREFIX):].split()[0])
-                rec = out.setdefault(active_step, {"wall_s": 0.0, "compute_s": 0.0, "collectives_s": 0.0,
-                                                   "data_s": 0.0, "by_kind": {}})
+                active_step = int(e["name"][len(STEP_PREFIX) :].split()[0])
+                rec = out.setdefault(
+                    active_step,
+                    {
+                        "wall_s": 0.0,
+                        "compute_s": 0.0,
+                        "collectives_s": 0.0,
+                        "data_s": 0.0,
+                        "by_kind": {},
+                    },
+                )
                 rec["wall_s"] += float(e["dur"]) / 1e6
             else:
                 active_step = None
@@ -171,10 +203,18 @@ def analyse(traces: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         raise TraceError(f"the ranks traced no step in common ({spans})")
     ranks = sorted(per)
     kinds = sorted({k for steps in per.values() for s in common for k in steps[s]["by_kind"]})
-    rows: dict[int, dict[str, Any]] = {r: {"rank": r, "step_s": 0.0, "compute_s": 0.0, "communication_s": 0.0,
-                                           "waiting_s": 0.0, "data_s": 0.0,
-                                           "collectives": {k: {"s": 0.0, "waiting_s": 0.0} for k in kinds}}
-                                       for r in ranks}
+    rows: dict[int, dict[str, Any]] = {
+        r: {
+            "rank": r,
+            "step_s": 0.0,
+            "compute_s": 0.0,
+            "communication_s": 0.0,
+            "waiting_s": 0.0,
+            "data_s": 0.0,
+            "collectives": {k: {"s": 0.0, "waiting_s": 0.0} for k in kinds},
+        }
+        for r in ranks
+    }
     n = len(common)
     for s in common:
         floor = min(per[r][s]["collectives_s"] for r in ranks)
@@ -203,17 +243,21 @@ def analyse(traces: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "per_step": {str(r): {str(s): _rounded(per[r][s]) for s in sorted(per[r])} for r in ranks},
         **verdict,
         "definitions": {
-            "compute": "training thread outside collectives and data loading: operators, Python, sleeps",
+            "compute": "training thread outside collectives and data loading: operators, Python, "
+            "sleeps",
             "communication": "inside collectives, the least any rank spent in that step",
-            "waiting": "inside collectives beyond the least any rank spent in that step (waiting for peers)",
+            "waiting": "inside collectives beyond the least any rank spent in that step (waiting "
+            "for peers)",
             "data": "inside ptops/data ranges (fetching the batch)",
         },
     }
 
 
 def _rounded(d: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (round(v, 6) if isinstance(v, float) else _rounded(v) if isinstance(v, Mapping) else v)
-            for k, v in d.items()}
+    return {
+        k: (round(v, 6) if isinstance(v, float) else _rounded(v) if isinstance(v, Mapping) else v)
+        for k, v in d.items()
+    }
 
 
 def _verdict(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,12 +265,21 @@ def _verdict(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     totals = {p: statistics.fmean(r[f"{p}_s"] for r in per_rank) for p in PARTS}
     biggest = max(PARTS, key=lambda p: totals[p])
     share = totals[biggest] / mean_step if mean_step > 0 else 0.0
-    out: dict[str, Any] = {"slow_rank": None, "slow_part": None, "excess_s": None, "peers_wait_in": None,
-                           "peers_wait_s": None, "biggest_part": biggest, "biggest_share": round(share, 4)}
+    out: dict[str, Any] = {
+        "slow_rank": None,
+        "slow_part": None,
+        "excess_s": None,
+        "peers_wait_in": None,
+        "peers_wait_s": None,
+        "biggest_part": biggest,
+        "biggest_share": round(share, 4),
+    }
     if len(per_rank) > 1:
         slow = max(per_rank, key=lambda r: r["outside_collectives_s"])
         peers = [r for r in per_rank if r is not slow]
-        excess = slow["outside_collectives_s"] - statistics.median(r["outside_collectives_s"] for r in peers)
+        excess = slow["outside_collectives_s"] - statistics.median(
+            r["outside_collectives_s"] for r in peers
+        )
         if excess >= max(SLOW_MIN_S, SLOW_MIN_FRACTION * mean_step):
             d_compute = slow["compute_s"] - statistics.median(r["compute_s"] for r in peers)
             d_data = slow["data_s"] - statistics.median(r["data_s"] for r in peers)
@@ -239,16 +292,31 @@ def _verdict(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             peers_wait = statistics.fmean(r["waiting_s"] for r in peers)
             if where is not None and wait_by_kind[where] <= 0:
                 where = None
-            out.update(slow_rank=slow["rank"], slow_part=part, excess_s=round(excess, 4), peers_wait_in=where,
-                       peers_wait_s=round(peers_wait, 4))
-            tail = (f"its peers wait in {where}: {peers_wait:.2f} s/step" if where
-                    else f"its peers wait {peers_wait:.2f} s/step")
-            out["verdict"] = (f"rank {slow['rank']} is the slow rank: +{excess:.2f} s/step outside collectives, "
-                              f"in {part} ({tail})")
+            out.update(
+                slow_rank=slow["rank"],
+                slow_part=part,
+                excess_s=round(excess, 4),
+                peers_wait_in=where,
+                peers_wait_s=round(peers_wait, 4),
+            )
+            tail = (
+                f"its peers wait in {where}: {peers_wait:.2f} s/step"
+                if where
+                else f"its peers wait {peers_wait:.2f} s/step"
+            )
+            out["verdict"] = (
+                f"rank {slow['rank']} is the slow rank: +{excess:.2f} s/step outside collectives, "
+                f"in {part} ({tail})"
+            )
             return out
-        spread = max(r["outside_collectives_s"] for r in per_rank) - min(r["outside_collectives_s"] for r in per_rank)
-        out["verdict"] = (f"no slow rank (outside collectives the ranks are within {spread:.3f} s/step of each other); "
-                          f"the step goes mostly to {_words(biggest)} ({share:.0%})")
+        spread = max(r["outside_collectives_s"] for r in per_rank) - min(
+            r["outside_collectives_s"] for r in per_rank
+        )
+        out["verdict"] = (
+            f"no slow rank (outside collectives the ranks are within {spread:.3f} s/step of each "
+            "other); "
+            f"the step goes mostly to {_words(biggest)} ({share:.0%})"
+        )
     else:
         out["verdict"] = f"one rank: the step goes mostly to {_words(biggest)} ({share:.0%})"
     return out
@@ -298,17 +366,26 @@ def write_summary(folder: Path, report: Mapping[str, Any]) -> Path:
 def render(report: Mapping[str, Any]) -> str:
     steps: list[int] = list(report.get("steps") or [])
     span = f"steps {steps[0]}..{steps[-1]} ({len(steps)})" if steps else "no steps"
-    lines = [f"profile {report.get('id', '?')}: {span}, ranks {', '.join(map(str, report.get('ranks', [])))}; "
-             "seconds per step (share of the step)"]
-    lines.append(f"{'rank':>4}  {'step':>7}  {'compute':>14}  {'communication':>14}  {'waiting':>14}  {'data':>14}")
+    lines = [
+        f"profile {report.get('id', '?')}: {span}, ranks "
+        f"{', '.join(map(str, report.get('ranks', [])))}; "
+        "seconds per step (share of the step)"
+    ]
+    lines.append(
+        f"{'rank':>4}  {'step':>7}  {'compute':>14}  {'communication':>14}  {'waiting':>14}  "
+        f"{'data':>14}"
+    )
     for r in report.get("per_rank", []):
         step = r["step_s"] or 0.0
 
         def cell(v: float) -> str:
             return f"{v:7.3f} {v / step:5.0%}" if step > 0 else f"{v:7.3f}      "
 
-        lines.append(f"{r['rank']:>4}  {step:7.3f}  {cell(r['compute_s']):>14}  {cell(r['communication_s']):>14}  "
-                     f"{cell(r['waiting_s']):>14}  {cell(r['data_s']):>14}")
+        lines.append(
+            f"{r['rank']:>4}  {step:7.3f}  {cell(r['compute_s']):>14}  "
+            f"{cell(r['communication_s']):>14}  "
+            f"{cell(r['waiting_s']):>14}  {cell(r['data_s']):>14}"
+        )
     lines.append(str(report.get("verdict", "")))
     traces = report.get("traces") or {}
     if traces:
@@ -316,4 +393,3 @@ def render(report: Mapping[str, Any]) -> str:
     if report.get("summary"):
         lines.append(f"summary: {report['summary']}")
     return "\n".join(lines)
-

@@ -24,12 +24,33 @@ _PYSPY_THREAD = re.compile(r'^Thread (?P<id>\d+) \((?P<state>[^)]*)\): "(?P<name
 _SOURCE = re.compile(r"^# source: (?P<src>.*)$")
 
 # files whose frames are plumbing, not the place a person wants named
-_PLUMBING = ("<frozen", "/threading.py", "/runpy.py", "/selectors.py", "/socket.py", "/queue.py",
-             "torch/_ops.py", "torch/_library/", "torch/utils/_pytree.py", "c10d_logger.py",
-             "elastic/multiprocessing/errors")
+_PLUMBING = (
+    "<frozen",
+    "/threading.py",
+    "/runpy.py",
+    "/selectors.py",
+    "/socket.py",
+    "/queue.py",
+    "torch/_ops.py",
+    "torch/_library/",
+    "torch/utils/_pytree.py",
+    "c10d_logger.py",
+    "elastic/multiprocessing/errors",
+)
 # a frame in one of these means the rank is inside (waiting in) a collective
-_COLLECTIVE = ("wait_tensor", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
-               "_functional_collectives", "distributed_c10d", "all_to_all", "send", "recv")
+_COLLECTIVE = (
+    "wait_tensor",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "_functional_collectives",
+    "distributed_c10d",
+    "all_to_all",
+    "send",
+    "recv",
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +89,8 @@ class RankStack:
 
 
 def _short(path: str) -> str:
-    """Path without the machine's prefix: from the package root (site-packages/, ptops folders) on."""
+    """Path without the machine's prefix: from the package root (site-packages/, ptops folders)
+    on."""
     p = path.replace("\\", "/")
     if "site-packages/" in p:
         return p.split("site-packages/", 1)[1]
@@ -78,7 +100,7 @@ def _short(path: str) -> str:
     for root in ("ops/", "recipes/", "faultinject/", "monitors/", "ckpt/", "diagnostics/"):
         i = p.find("/" + root)
         if i >= 0:
-            return p[i + 1:]
+            return p[i + 1 :]
     return p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] if p.count("/") >= 2 else p
 
 
@@ -111,9 +133,14 @@ def parse(text: str, rank: int) -> RankStack:
         else:
             m = _TB_FRAME.match(raw)
             if m:
-                threads[-1][2].append(Frame(m.group("func"), _short(m.group("file")), int(m.group("line"))))
+                threads[-1][2].append(
+                    Frame(m.group("func"), _short(m.group("file")), int(m.group("line")))
+                )
     if not threads:
-        note = next((ln.lstrip("# ").strip() for ln in text.splitlines() if ln.startswith("# no stack")), None)
+        note = next(
+            (ln.lstrip("# ").strip() for ln in text.splitlines() if ln.startswith("# no stack")),
+            None,
+        )
         return RankStack(rank, src, note=note or "no stack in the file")
     main = next((t for t in threads if t[0] == "MainThread"), threads[0])
     return RankStack(rank, src, main[2], state=main[1])
@@ -137,7 +164,8 @@ def read_attempt(stack_dir: Path) -> dict[int, RankStack]:
 
 
 def analyse(stack_dir: Path, blamed: list[int] | None = None) -> dict[str, Any] | None:
-    """Ranks grouped by identical main-thread stack and the odd rank(s) out; None without stack files.
+    """Ranks grouped by identical main-thread stack and the odd rank(s) out; None without stack
+    files.
 
     The odd group: the one not waiting in a collective when the others are (everyone waits for it),
     else the smallest group; a tie goes to the ranks the hang event blamed.
@@ -152,10 +180,17 @@ def analyse(stack_dir: Path, blamed: list[int] | None = None) -> dict[str, Any] 
     rows = []
     for key, ranks in groups.items():
         s = stacks[ranks[0]]
-        rows.append({"ranks": ranks, "frame": str(s.top) if s.top else None,
-                     "in_collective": s.in_collective if s.frames else False,
-                     "sources": sorted({stacks[r].source or "?" for r in ranks}),
-                     "state": s.state, "note": s.note, "depth": len(s.frames)})
+        rows.append(
+            {
+                "ranks": ranks,
+                "frame": str(s.top) if s.top else None,
+                "in_collective": s.in_collective if s.frames else False,
+                "sources": sorted({stacks[r].source or "?" for r in ranks}),
+                "state": s.state,
+                "note": s.note,
+                "depth": len(s.frames),
+            }
+        )
     odd = None
     if len(rows) > 1:
         not_coll = [g for g in rows if not g["in_collective"] and g["frame"]]
@@ -165,5 +200,9 @@ def analyse(stack_dir: Path, blamed: list[int] | None = None) -> dict[str, Any] 
         odd = next((g for g in cands if set(g["ranks"]) & set(blamed)), cands[0])
     elif blamed and rows[0]["frame"]:
         odd = None  # every rank in the same place: nobody is odd
-    return {"dir": stack_dir.name, "groups": rows, "odd": odd,
-            "frames": {str(r): [str(f) for f in s.frames[-6:]] for r, s in stacks.items()}}
+    return {
+        "dir": stack_dir.name,
+        "groups": rows,
+        "odd": odd,
+        "frames": {str(r): [str(f) for f in s.frames[-6:]] for r, s in stacks.items()},
+    }

@@ -1,4 +1,5 @@
-"""Chaos scenarios: inject a fault into a real supervised run and check it heals to the fault-free result.
+"""Chaos scenarios: inject a fault into a real supervised run and check it heals to the fault-free
+result.
 
 A scenario is a recipe, one or more fault specs and the event kinds that count as
 the fault being *detected*. For each scenario the runner:
@@ -28,8 +29,9 @@ the fault being *detected*. For each scenario the runner:
    - **no_lost_data**: every step 1..N has a final rank-0 metrics record with a
      finite loss, and the final checkpoint (step N) verifies (deep);
    - **no_orphans**: no process of the run is left;
-   - **ranks_from**: each launch's ``warm`` / ``cold`` (the ``launch`` event). Crash scenarios run with
-     ``warm_spare=true``; a restart that went cold although the run kept a warm pool is a problem.
+   - **ranks_from**: each launch's ``warm`` / ``cold`` (the ``launch`` event). Crash scenarios run
+     with ``warm_spare=true``; a restart that went cold although the run kept a warm pool is a
+     problem.
 
    A scenario passes when its fault fired, the last launch exited 0 with the run
    ``completed``, it was detected (where detection is expected), there is no lost
@@ -80,7 +82,10 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "oom": (("oom:rank=0,step=6",), ("crash",)),
     # a corrupt checkpoint only matters when a restart needs it: crash after it so the restart
     # must notice the damage, quarantine it and fall back to the previous good checkpoint
-    "corrupt-ckpt": (("corrupt-ckpt:step=8,mode=flip", "crash:rank=1,step=10"), ("checkpoint_invalid",)),
+    "corrupt-ckpt": (
+        ("corrupt-ckpt:step=8,mode=flip", "crash:rank=1,step=10"),
+        ("checkpoint_invalid",),
+    ),
     "enospc": (("enospc:step=8",), ("checkpoint_failed", "crash")),
     # a rank killed in the middle of a save: the half-written step-8 is never committed; the
     # restart quarantines it (or, TRL, passes over it) and resumes from step 4
@@ -93,18 +98,19 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # transient (attempt 1 only): replaying the same data is the comparison that can be bit-identical.
 KIND_SETS: dict[str, tuple[str, ...]] = {
     "nan": ("monitors.rollback.skip_batches=0",),
-    # a crash's restart should be a fast one: its ranks forked from the warm pool, which `auto` leaves off on
-    # small boxes; a restart that went cold although the pool was on is a problem (``cold_restarts``)
+    # a crash's restart should be a fast one: its ranks forked from the warm pool, which `auto`
+    # leaves off on small boxes; a restart that went cold although the pool was on is a problem
+    # (``cold_restarts``)
     "crash": ("supervisor.restart.warm_spare=true",),
 }
-# why a launch of a run that keeps a warm pool may still start cold (the launch event's cold_why); any other
-# reason (the pool exited, or never became ready) is a failed fast restart
+# why a launch of a run that keeps a warm pool may still start cold (the launch event's cold_why);
+# any other reason (the pool exited, or never became ready) is a failed fast restart
 COLD_OK = ("no_pool", "pool_not_started", "pool_declined", "stopping")
 ALL_KINDS = tuple(KIND_SCENARIOS)
 # The default matrix: every fault kind on these tiny recipes (TorchTitan and TRL's SFT, DPO and GRPO
-# trainers; each kind applies to both engines: the faults act through the probe and the checkpoint layer,
-# which both adapters share). Not every shipped tiny recipe: the others run with ``--recipe NAME``.
-# ``ptops chaos --help`` names these from this tuple (tests/test_chaos.py checks it).
+# trainers; each kind applies to both engines: the faults act through the probe and the checkpoint
+# layer, which both adapters share). Not every shipped tiny recipe: the others run with ``--recipe
+# NAME``. ``ptops chaos --help`` names these from this tuple (tests/test_chaos.py checks it).
 TINY_RECIPES = ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny")
 DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES}
 
@@ -112,17 +118,32 @@ DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES
 def default_recipes_help() -> str:
     """What ``--recipe``'s default covers, in words, from the same table ``select`` uses."""
     names = list(DEFAULT_MATRIX)
-    return (f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: "
-            f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops recipes` "
-            "lists, with --recipe NAME).")
+    return (
+        f"Default: the default matrix, every fault kind on these {len(names)} tiny recipes: "
+        f"{', '.join(names)} (not every shipped tiny recipe: run any other, e.g. one `ptops "
+        "recipes` "
+        "lists, with --recipe NAME)."
+    )
+
+
 TRL_KINDS = ALL_KINDS
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)
 RECIPE_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
-    (r, "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10") for r in TINY_RECIPES if r.startswith("trl")
+    (r, "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10")
+    for r in TINY_RECIPES
+    if r.startswith("trl")
 }
 DETECT_KINDS_ANY = (
-    "crash", "hang", "straggler", "anomaly", "checkpoint_failed", "checkpoint_invalid", "stopped", "adopt", "rollback",
-)  # fmt: skip
+    "crash",
+    "hang",
+    "straggler",
+    "anomaly",
+    "checkpoint_failed",
+    "checkpoint_invalid",
+    "stopped",
+    "adopt",
+    "rollback",
+)
 RELAUNCH_CODES = (143, 128 + 9, -9, -15)  # preempted, supervisor killed: what a requeue reruns
 MAX_RELAUNCHES = 3
 PROGRESS_EVERY_S = 15.0
@@ -145,8 +166,18 @@ class Scenario:
 
     def launch_argv(self, run_dir: Path, faults: bool = True) -> list[str]:
         # --no-mlflow: the exporters are not under test, and their start-up would blur the timings
-        argv = [sys.executable, "-m", "ptops", "launch", self.recipe_path or self.recipe, "--supervise", "--run-dir", str(run_dir), "--json",
-                "--no-mlflow"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "ptops",
+            "launch",
+            self.recipe_path or self.recipe,
+            "--supervise",
+            "--run-dir",
+            str(run_dir),
+            "--json",
+            "--no-mlflow",
+        ]
         for s in self.sets:
             argv += ["--set", s]
         if faults:
@@ -190,22 +221,35 @@ class Result:
 
 
 # ---------------------------------------------------------------- selection
-def scenario_for(recipe: str, kind: str, faults: tuple[str, ...] | None = None, recipe_path: str = "") -> Scenario:
+def scenario_for(
+    recipe: str, kind: str, faults: tuple[str, ...] | None = None, recipe_path: str = ""
+) -> Scenario:
     if faults is None:
         if kind not in KIND_SCENARIOS:
-            raise ScenarioError(f"unknown scenario kind {kind!r} (expected one of: {', '.join(ALL_KINDS)}, or a fault spec)")
+            raise ScenarioError(
+                f"unknown scenario kind {kind!r} (expected one of: {', '.join(ALL_KINDS)}, or a "
+                "fault spec)"
+            )
         faults = RECIPE_OVERRIDES.get((recipe, kind), KIND_SCENARIOS[kind][0])
         detect = KIND_SCENARIOS[kind][1]
         name = f"{recipe}/{kind}"
     else:
         detect = KIND_SCENARIOS.get(kind, ((), DETECT_KINDS_ANY))[1]
         name = f"{recipe}/{','.join(faults)}" if len(faults) > 1 else f"{recipe}/{faults[0]}"
-    return Scenario(name=name, recipe=recipe, kind=kind, faults=tuple(faults), detect=tuple(detect),
-                    extra_sets=KIND_SETS.get(kind, ()), recipe_path=recipe_path)
+    return Scenario(
+        name=name,
+        recipe=recipe,
+        kind=kind,
+        faults=tuple(faults),
+        detect=tuple(detect),
+        extra_sets=KIND_SETS.get(kind, ()),
+        recipe_path=recipe_path,
+    )
 
 
 def _resolve(recipe: str) -> tuple[str, str]:
-    """``titan-tiny``, ``recipes/titan-tiny.toml`` or an absolute path -> (short name, file): the launch's resolver."""
+    """``titan-tiny``, ``recipes/titan-tiny.toml`` or an absolute path -> (short name, file): the
+    launch's resolver."""
     from ptops.recipes.schema import RecipeError, resolve
 
     try:
@@ -248,9 +292,16 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
             targets = [rec]
         else:
             what = text
-            targets = recipes or [r for r in DEFAULT_MATRIX if what in DEFAULT_MATRIX[r]] or list(DEFAULT_MATRIX)
+            targets = (
+                recipes
+                or [r for r in DEFAULT_MATRIX if what in DEFAULT_MATRIX[r]]
+                or list(DEFAULT_MATRIX)
+            )
         if not what:
-            raise ScenarioError(f"--scenario {s!r}: expected RECIPE/KIND, KIND or a fault spec (e.g. titan-tiny/crash)")
+            raise ScenarioError(
+                f"--scenario {s!r}: expected RECIPE/KIND, KIND or a fault spec (e.g. "
+                "titan-tiny/crash)"
+            )
         for rec in targets:
             if ":" in what:
                 specs = tuple(x.strip() for x in what.split(";") if x.strip())
@@ -292,20 +343,30 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[str, ...]) -> dict[str, Any]:
+def analyze(
+    events: list[dict], metrics: list[dict], steps: int, detect: tuple[str, ...]
+) -> dict[str, Any]:
     """Pure: timings and data checks from a run's records (see the module docstring)."""
     out: dict[str, Any] = {}
     view = reduce(events)
-    # a hold is a pause some scenarios take before their fault, not the fault: timings start at the fault
-    faults = [e for e in events if e.get("kind") == EventKind.FAULT_INJECTED and not str(e.get("fault", "")).startswith("hold")]
+    # a hold is a pause some scenarios take before their fault, not the fault: timings start at the
+    # fault
+    faults = [
+        e
+        for e in events
+        if e.get("kind") == EventKind.FAULT_INJECTED
+        and not str(e.get("fault", "")).startswith("hold")
+    ]
     out["fired"] = bool(faults)
     out["restarts"] = view.restarts
     launches = [e for e in events if e.get("kind") == EventKind.LAUNCH]
     out["ranks_from"] = [str(e.get("ranks_from") or "cold") for e in launches]
     out["cold_restarts"] = [
-        f"attempt {e.get('attempt')} started cold although the run keeps a warm pool ({e.get('cold_why')}: "
+        f"attempt {e.get('attempt')} started cold although the run keeps a warm pool "
+        f"({e.get('cold_why')}: "
         f"{e.get('cold_detail', '')})"
-        for e in launches if e.get("warm_pool") and e.get("ranks_from") == "cold" and e.get("cold_why") not in COLD_OK
+        for e in launches
+        if e.get("warm_pool") and e.get("ranks_from") == "cold" and e.get("cold_why") not in COLD_OK
     ]
     out["state"] = view.end["kind"] if view.end else None
     r0 = [m for m in metrics if m.get("rank") == 0 and isinstance(m.get("step"), int)]
@@ -319,7 +380,11 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
     bad_loss = [s for s in range(1, steps + 1) if s in final and not _finite(final[s].get("loss"))]
     out["missing_steps"] = missing
     out["nonfinite_steps"] = bad_loss
-    out["steps_recomputed"] = max(0, len([m for m in r0 if 1 <= m["step"] <= steps]) - len([s for s in final if 1 <= s <= steps]))
+    out["steps_recomputed"] = max(
+        0,
+        len([m for m in r0 if 1 <= m["step"] <= steps])
+        - len([s for s in final if 1 <= s <= steps]),
+    )
     out["detected_by"] = out["detect_s"] = out["recover_s"] = None
     if not faults:
         return out
@@ -330,7 +395,9 @@ def analyze(events: list[dict], metrics: list[dict], steps: int, detect: tuple[s
             out["detected_by"] = e["kind"]
             out["detect_s"] = round(float(e["ts"]) - t0, 2)
             break
-    later = [m for m in r0 if int(m.get("attempt") or 1) > fault_attempt and float(m.get("ts", 0)) >= t0]
+    later = [
+        m for m in r0 if int(m.get("attempt") or 1) > fault_attempt and float(m.get("ts", 0)) >= t0
+    ]
     if later:
         out["recover_s"] = round(min(float(m["ts"]) for m in later) - t0, 2)
     return out
@@ -390,7 +457,8 @@ class Runner:
         self.baselines: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
 
     def _wait(self, proc: subprocess.Popen, run_dir: Path, label: str) -> int:
-        """Wait for the launch, with a progress line from the run's status.json every PROGRESS_EVERY_S."""
+        """Wait for the launch, with a progress line from the run's status.json every
+        PROGRESS_EVERY_S."""
         deadline = time.monotonic() + self.launch_timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -405,13 +473,17 @@ class Runner:
                     f"step {st.get('step', 0)}/{st.get('total_steps', '?')}"
                 )
 
-    def _launch(self, argv: list[str], log: Path, run_dir: Path | None = None, label: str = "") -> int:
+    def _launch(
+        self, argv: list[str], log: Path, run_dir: Path | None = None, label: str = ""
+    ) -> int:
         env = dict(os.environ)
         env.update(self.env or {})
         with open(log, "ab") as out:
             out.write(f"\n$ {' '.join(argv)}\n".encode())
             out.flush()
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
             try:
                 if run_dir is None:
                     return proc.wait(timeout=self.launch_timeout_s)
@@ -419,7 +491,9 @@ class Runner:
             except subprocess.TimeoutExpired:
                 _stop(proc)
                 return 124
-            except KeyboardInterrupt:  # Ctrl-C on chaos: the launch runs in its own session; stop it too
+            except (
+                KeyboardInterrupt
+            ):  # Ctrl-C on chaos: the launch runs in its own session; stop it too
                 _stop(proc)
                 raise
 
@@ -431,16 +505,32 @@ class Runner:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.progress(f"{sc.recipe}/baseline: fault-free run -> {run_dir}")
         t0 = time.monotonic()
-        rc = self._launch(sc.launch_argv(run_dir, faults=False), run_dir.parent / "baseline.log", run_dir, f"{sc.recipe}/baseline")
+        rc = self._launch(
+            sc.launch_argv(run_dir, faults=False),
+            run_dir.parent / "baseline.log",
+            run_dir,
+            f"{sc.recipe}/baseline",
+        )
         wall = time.monotonic() - t0
         steps = _steps(sc)
-        dig, problem = digest_of(run_dir, steps) if rc == 0 else (None, f"baseline launch exited {rc}")
+        dig, problem = (
+            digest_of(run_dir, steps) if rc == 0 else (None, f"baseline launch exited {rc}")
+        )
         metrics = _read_jsonl(run_dir / "metrics.jsonl")
-        step_s = [m.get("step_s") for m in metrics if m.get("rank") == 0 and _finite(m.get("step_s"))]
-        b = {"run_dir": str(run_dir), "exit_code": rc, "digest": dig, "problem": problem, "wall_s": round(wall, 1),
-             "median_step_s": round(sorted(step_s)[len(step_s) // 2], 4) if step_s else None}  # fmt: skip
+        step_s = [
+            m.get("step_s") for m in metrics if m.get("rank") == 0 and _finite(m.get("step_s"))
+        ]
+        b = {
+            "run_dir": str(run_dir),
+            "exit_code": rc,
+            "digest": dig,
+            "problem": problem,
+            "wall_s": round(wall, 1),
+            "median_step_s": round(sorted(step_s)[len(step_s) // 2], 4) if step_s else None,
+        }
         self.progress(
-            f"{sc.recipe}/baseline: " + (f"digest {dig[:12]} in {wall:.0f} s" if dig else f"FAILED ({problem})")
+            f"{sc.recipe}/baseline: "
+            + (f"digest {dig[:12]} in {wall:.0f} s" if dig else f"FAILED ({problem})")
         )
         self.baselines[key] = b
         return b
@@ -451,9 +541,17 @@ class Runner:
         slug = sc.name.split("/", 1)[1].replace(":", "_").replace(",", "_").replace("=", "")
         run_dir = self.work_dir / sc.recipe / slug
         log = self.work_dir / sc.recipe / f"{slug}.log"
-        res = Result(scenario=sc.name, recipe=sc.recipe, kind=sc.kind, faults=list(sc.faults), run_dir=str(run_dir))
+        res = Result(
+            scenario=sc.name,
+            recipe=sc.recipe,
+            kind=sc.kind,
+            faults=list(sc.faults),
+            run_dir=str(run_dir),
+        )
         res.baseline_digest = base.get("digest")
-        self.progress(f"{sc.name}: launching with {' '.join('--fault ' + f for f in sc.faults)} -> {run_dir}")
+        self.progress(
+            f"{sc.name}: launching with {' '.join('--fault ' + f for f in sc.faults)} -> {run_dir}"
+        )
         t0 = time.monotonic()
         argv = sc.launch_argv(run_dir)
         while True:
@@ -461,7 +559,10 @@ class Runner:
             res.launches += 1
             res.exit_codes.append(rc)
             if rc in RELAUNCH_CODES and res.launches <= MAX_RELAUNCHES:
-                self.progress(f"{sc.name}: launch exited {rc} ({_why(rc)}); relaunching the same command to resume")
+                self.progress(
+                    f"{sc.name}: launch exited {rc} ({_why(rc)}); relaunching the same command "
+                    "to resume"
+                )
                 continue
             break
         res.wall_s = round(time.monotonic() - t0, 1)
@@ -475,8 +576,18 @@ class Runner:
         events = _read_jsonl(run_dir / "events.jsonl")
         metrics = _read_jsonl(run_dir / "metrics.jsonl")
         a = analyze(events, metrics, steps, sc.detect)
-        for k in ("fired", "detected_by", "detect_s", "recover_s", "steps_recomputed", "restarts", "state", "final_step",
-                  "final_loss", "ranks_from"):
+        for k in (
+            "fired",
+            "detected_by",
+            "detect_s",
+            "recover_s",
+            "steps_recomputed",
+            "restarts",
+            "state",
+            "final_step",
+            "final_loss",
+            "ranks_from",
+        ):
             setattr(res, k, a[k])
         res.problems += a["cold_restarts"]
         if not res.fired:
@@ -512,7 +623,8 @@ class Runner:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to the launch's process group (the supervisor tears its job down), SIGKILL after 30 s."""
+    """SIGINT to the launch's process group (the supervisor tears its job down), SIGKILL after 30
+    s."""
     try:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=30)
@@ -537,7 +649,9 @@ def _why(rc: int) -> str:
     row = exitcodes.describe(rc)
     if row is not None:
         return row.name
-    return {124: "chaos launch timeout", 137: "SIGKILL", -9: "SIGKILL", -15: "SIGTERM"}.get(rc, "error")
+    return {124: "chaos launch timeout", 137: "SIGKILL", -9: "SIGKILL", -15: "SIGTERM"}.get(
+        rc, "error"
+    )
 
 
 def _ranges(steps: list[int]) -> str:
@@ -561,15 +675,19 @@ def summary_line(r: Result) -> str:
     verdict = "PASS" if r.passed else "FAIL"
     dig = {True: "digest = baseline", False: "digest DIFFERS", None: "digest ?"}[r.digest_equal]
     line = (
-        f"{verdict}  detect {_fmt_s(r.detect_s)} ({r.detected_by or 'none'}), recover {_fmt_s(r.recover_s)}, "
-        f"recomputed {r.steps_recomputed}, {dig}, {'no lost data' if r.no_lost_data else 'DATA LOST'}, {r.wall_s:.0f} s"
+        f"{verdict}  detect {_fmt_s(r.detect_s)} ({r.detected_by or 'none'}), recover "
+        f"{_fmt_s(r.recover_s)}, "
+        f"recomputed {r.steps_recomputed}, {dig}, "
+        f"{'no lost data' if r.no_lost_data else 'DATA LOST'}, {r.wall_s:.0f} s"
     )
     if r.problems:
         line += "; " + "; ".join(r.problems)
     return line
 
 
-def run_all(scenarios: list[Scenario], work_dir: Path, progress: Callable[[str], None] | None = None, **kw) -> dict[str, Any]:
+def run_all(
+    scenarios: list[Scenario], work_dir: Path, progress: Callable[[str], None] | None = None, **kw
+) -> dict[str, Any]:
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(work_dir, 0o700)

@@ -82,9 +82,12 @@ class Injector:
         # consumed at the same hook, so that every rank answers ``pending`` / ``sync_save_wanted``
         # alike (a save that one rank makes synchronous and another asynchronous deadlocks).
         self._shadow: list[tuple[Fault, bool]] = [
-            (f, False) for f in faults
-            if f.kind in ONE_RANK_KINDS and not self._for_rank(f) and (f.attempt == 0 or f.attempt == attempt)
-        ]  # fmt: skip
+            (f, False)
+            for f in faults
+            if f.kind in ONE_RANK_KINDS
+            and not self._for_rank(f)
+            and (f.attempt == 0 or f.attempt == attempt)
+        ]
         self._slow_left: dict[int, tuple[float, int]] = {}
         self._leak_mb = 0.0  # leak: MB more kept at every step's start, from its step on
         self._leaked: list[bytes] = []
@@ -137,15 +140,20 @@ class Injector:
 
     @staticmethod
     def _due(f: Fault, live: bool, kinds: tuple[str, ...], step: int, phase: str = "step") -> bool:
-        where = "step" if f.kind == "hold" else f.params.get("phase", "step")  # hold's phase names its pause
-        return (f.kind in kinds and where == phase
-                and (step == f.step or (live and step >= f.step)))
+        where = (
+            "step" if f.kind == "hold" else f.params.get("phase", "step")
+        )  # hold's phase names its pause
+        return f.kind in kinds and where == phase and (step == f.step or (live and step >= f.step))
 
     def _take(self, kinds: tuple[str, ...], step: int, phase: str = "step") -> list[Fault]:
         with self._lock:
             fired = [f for f, live in self._pending if self._due(f, live, kinds, step, phase)]
-            self._pending = [(f, live) for f, live in self._pending if not self._due(f, live, kinds, step, phase)]
-            self._shadow = [(f, live) for f, live in self._shadow if not self._due(f, live, kinds, step, phase)]
+            self._pending = [
+                (f, live) for f, live in self._pending if not self._due(f, live, kinds, step, phase)
+            ]
+            self._shadow = [
+                (f, live) for f, live in self._shadow if not self._due(f, live, kinds, step, phase)
+            ]
         return fired
 
     # ------------------------------------------------------------ hooks
@@ -169,11 +177,14 @@ class Injector:
                 getattr(self, "_" + f.kind.replace("-", "_"))(f, step)
 
     def on_startup(self, section: str) -> None:
-        """``probe.startup(section)``: a ``hang:phase=SECTION`` fault stops the rank in that start-up section;
-        ``misrendezvous`` acts at ``import`` (before the engine and its process group)."""
+        """``probe.startup(section)``: a ``hang:phase=SECTION`` fault stops the rank in that
+        start-up section; ``misrendezvous`` acts at ``import`` (before the engine and its process
+        group)."""
+
         def due(f: Fault) -> bool:
-            return ((f.kind == "hang" and f.params.get("phase") == section)
-                    or (f.kind == "misrendezvous" and section == "import"))
+            return (f.kind == "hang" and f.params.get("phase") == section) or (
+                f.kind == "misrendezvous" and section == "import"
+            )
 
         with self._lock:
             fired = [f for f, _ in self._pending if due(f)]
@@ -250,7 +261,9 @@ class Injector:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._released.wait(min(left, 0.1) if on_commit else left)  # a commit is seen on disk: poll it
+                self._released.wait(
+                    min(left, 0.1) if on_commit else left
+                )  # a commit is seen on disk: poll it
         if self.on_release:
             self.on_release(step, time.monotonic() - t0, by)
 
@@ -288,22 +301,34 @@ class Injector:
                 if left <= 0:
                     break
                 self._skipped.wait(left)
-        _warn(f"fault {f}: the commit of step {step} goes on "
-              f"({'a later save was skipped' if on_skip and any(s > step for s in self._skips) else 'time'})")
+        why = (
+            "a later save was skipped" if on_skip and any(s > step for s in self._skips) else "time"
+        )
+        _warn(f"fault {f}: the commit of step {step} goes on ({why})")
 
     def _misrendezvous(self, f: Fault, step: int) -> None:
-        """A rank whose rendezvous endpoint fell back to localhost: its own store on a free port, world
-        size 1. The probe keeps the launcher's world size, so the supervisor sees the mismatch
+        """A rank whose rendezvous endpoint fell back to localhost: its own store on a free port,
+        world size 1. The probe keeps the launcher's world size, so the supervisor sees the mismatch
         (``misconfigured``)."""
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        os.environ.update(
+            {
+                "WORLD_SIZE": "1",
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        _warn(f"fault {f}: rank {self.rank} forms a world of one (its own store on 127.0.0.1:{port})")
+        _warn(
+            f"fault {f}: rank {self.rank} forms a world of one (its own store on 127.0.0.1:{port})"
+        )
 
     def _slow(self, f: Fault, step: int) -> None:
         seconds = float(f.params.get("seconds", 1.0))
@@ -344,7 +369,9 @@ class Injector:
         if not target:
             _warn(f"fault {f}: no supervisor to kill (not a supervised run); ignored")
             return
-        time.sleep(0.5)  # the supervisor pumps its channel every 0.2 s: let it record fault_injected first
+        time.sleep(
+            0.5
+        )  # the supervisor pumps its channel every 0.2 s: let it record fault_injected first
         try:
             os.kill(target, signal.SIGKILL)
         except ProcessLookupError:
@@ -358,9 +385,16 @@ class Injector:
         if committed(find_checkpoint(self.run_dir, step)):
             self._do_corrupt(f, step)
         else:
-            threading.Thread(target=self._corrupt_when_committed, args=(f, step), name="ptops-corrupt", daemon=True).start()
+            threading.Thread(
+                target=self._corrupt_when_committed,
+                args=(f, step),
+                name="ptops-corrupt",
+                daemon=True,
+            ).start()
 
-    def _corrupt_when_committed(self, f: Fault, step: int, timeout_s: float = COMMIT_WAIT_S) -> None:
+    def _corrupt_when_committed(
+        self, f: Fault, step: int, timeout_s: float = COMMIT_WAIT_S
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not committed(find_checkpoint(self.run_dir, step)):
             time.sleep(0.1)
@@ -400,7 +434,8 @@ def pick_victim(ckpt: Path, rank: int = 0) -> Path | None:
 
 
 def corrupt_file(path: Path, mode: str = "truncate") -> None:
-    """``truncate``: cut to half its size; ``flip``: invert FLIP_BYTES bytes in the middle (size unchanged)."""
+    """``truncate``: cut to half its size; ``flip``: invert FLIP_BYTES bytes in the middle (size
+    unchanged)."""
     size = path.stat().st_size
     with open(path, "r+b") as fh:
         if mode == "flip":
@@ -416,8 +451,11 @@ def corrupt_file(path: Path, mode: str = "truncate") -> None:
         os.fsync(fh.fileno())
 
 
-def corrupt_checkpoint(run_dir: Path | None, step: int, rank: int = 0, mode: str = "truncate") -> Path | None:
-    """Damage one shard of the checkpoint of ``step`` in ``run_dir``; returns the file, or None if none."""
+def corrupt_checkpoint(
+    run_dir: Path | None, step: int, rank: int = 0, mode: str = "truncate"
+) -> Path | None:
+    """Damage one shard of the checkpoint of ``step`` in ``run_dir``; returns the file, or None if
+    none."""
     ckpt = find_checkpoint(run_dir, step)
     if ckpt is None:
         return None

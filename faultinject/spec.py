@@ -95,7 +95,7 @@ leak           rank, attempt, step, mb                     from ``step`` (defaul
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
 wrong type each raise :class:`FaultSpecError` with one line naming the spec,
 the key and what was expected.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -113,8 +113,22 @@ _INT, _FLOAT, _STR = "int", "float", "str"
 
 # kind -> {key: type}; "step" is required for every kind below
 KINDS: dict[str, dict[str, str]] = {
-    "crash": {"step": _INT, "rank": _INT, "attempt": _INT, "code": _INT, "signal": _STR, "phase": _STR},
-    "hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR, "phase": _STR},
+    "crash": {
+        "step": _INT,
+        "rank": _INT,
+        "attempt": _INT,
+        "code": _INT,
+        "signal": _STR,
+        "phase": _STR,
+    },
+    "hang": {
+        "step": _INT,
+        "rank": _INT,
+        "attempt": _INT,
+        "seconds": _FLOAT,
+        "mode": _STR,
+        "phase": _STR,
+    },
     "slow": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "steps": _INT},
     "nan": {"step": _INT, "rank": _INT, "attempt": _INT},
     "oom": {"step": _INT, "rank": _INT, "attempt": _INT},
@@ -122,7 +136,14 @@ KINDS: dict[str, dict[str, str]] = {
     "kill-supervisor": {"step": _INT, "attempt": _INT},
     "enospc": {"step": _INT, "rank": _INT, "attempt": _INT},
     "corrupt-ckpt": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
-    "hold": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR, "phase": _STR},
+    "hold": {
+        "step": _INT,
+        "rank": _INT,
+        "attempt": _INT,
+        "seconds": _FLOAT,
+        "until": _STR,
+        "phase": _STR,
+    },
     "release": {"rank": _INT, "attempt": _INT},
     "slow-save": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR},
     "misrendezvous": {"rank": _INT, "attempt": _INT},
@@ -131,10 +152,14 @@ KINDS: dict[str, dict[str, str]] = {
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
 HOLD_UNTIL = ("release", "committed")
-HOLD_PHASES = ("hold", "eval")  # eval: the pause is declared as the engine's evaluation (its own hang budget)
+HOLD_PHASES = (
+    "hold",
+    "eval",
+)  # eval: the pause is declared as the engine's evaluation (its own hang budget)
 # Kinds that only make sense in a live run (``ptops inject``), not at launch.
 LIVE_ONLY_KINDS = ("release",)
-# Kinds that act before the first step (start-up), so only at launch: injected live they could never fire.
+# Kinds that act before the first step (start-up), so only at launch: injected live they could never
+# fire.
 LAUNCH_ONLY_KINDS = ("misrendezvous",)
 SLOW_SAVE_DEFAULT_S = 10.0  # slow-save without until
 LEAK_DEFAULT_MB = 64.0  # leak without mb: MB kept per step
@@ -142,7 +167,10 @@ SLOW_SAVE_UNTIL = ("skipped",)
 HANG_MODES = ("sleep", "stop")
 # where a hang fires: the start of ``step`` (default), or a start-up section (no step then)
 HANG_PHASES = ("step", "import", "rendezvous", "build", "load")
-CRASH_PHASES = ("step", "save")  # where a crash fires: start of the step (default), middle of its save
+CRASH_PHASES = (
+    "step",
+    "save",
+)  # where a crash fires: start of the step (default), middle of its save
 CORRUPT_MODES = ("truncate", "flip")
 # Kinds that one rank carries out for the whole job: rank 0 unless ``rank=`` says otherwise.
 ONE_RANK_KINDS = ("preempt", "kill-supervisor", "corrupt-ckpt")
@@ -158,7 +186,9 @@ class Fault:
     text: str = ""
 
     def applies(self, rank: int, attempt: int) -> bool:
-        return (self.rank is None or self.rank == rank) and (self.attempt == 0 or self.attempt == attempt)
+        return (self.rank is None or self.rank == rank) and (
+            self.attempt == 0 or self.attempt == attempt
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,7 +216,9 @@ def _convert(spec: str, key: str, raw: str, kind: str) -> Any:
             return float(raw)
     except ValueError:
         expected = "an integer" if kind == _INT else "a number"
-        raise FaultSpecError(f"fault {spec!r}: key '{key}': expected {expected}, got {raw!r}") from None
+        raise FaultSpecError(
+            f"fault {spec!r}: key '{key}': expected {expected}, got {raw!r}"
+        ) from None
     return raw
 
 
@@ -194,11 +226,15 @@ def parse(spec: str) -> Fault:
     """Parse one ``KIND[:key=value,...]`` spec."""
     text = spec.strip()
     if not text:
-        raise FaultSpecError("fault '': empty spec (expected KIND[:key=value,...], e.g. crash:rank=1,step=12)")
+        raise FaultSpecError(
+            "fault '': empty spec (expected KIND[:key=value,...], e.g. crash:rank=1,step=12)"
+        )
     kind, _, rest = text.partition(":")
     kind = kind.strip()
     if kind not in KINDS:
-        raise FaultSpecError(f"fault {spec!r}: unknown kind {kind!r} (expected one of: {', '.join(KINDS)})")
+        raise FaultSpecError(
+            f"fault {spec!r}: unknown kind {kind!r} (expected one of: {', '.join(KINDS)})"
+        )
     allowed = KINDS[kind]
     values: dict[str, Any] = {}
     if rest.strip():
@@ -206,21 +242,31 @@ def parse(spec: str) -> Fault:
             key, sep, raw = item.partition("=")
             key, raw = key.strip(), raw.strip()
             if not sep or not key or not raw:
-                raise FaultSpecError(f"fault {spec!r}: bad item {item.strip()!r} (expected key=value, e.g. step=12)")
+                raise FaultSpecError(
+                    f"fault {spec!r}: bad item {item.strip()!r} (expected key=value, e.g. step=12)"
+                )
             if key not in allowed:
                 raise FaultSpecError(
-                    f"fault {spec!r}: key '{key}': unknown key for {kind} (expected one of: {', '.join(allowed)})"
+                    f"fault {spec!r}: key '{key}': unknown key for {kind} (expected one of: "
+                    f"{', '.join(allowed)})"
                 )
             if key in values:
                 raise FaultSpecError(f"fault {spec!r}: key '{key}': given twice")
             values[key] = _convert(spec, key, raw, allowed[key])
     elif ":" in text:
-        raise FaultSpecError(f"fault {spec!r}: nothing after ':' (expected key=value, e.g. {kind}:step=12)")
+        raise FaultSpecError(
+            f"fault {spec!r}: nothing after ':' (expected key=value, e.g. {kind}:step=12)"
+        )
     startup_hang = kind == "hang" and values.get("phase", "step") != "step"
     if kind == "hang" and values.get("phase", "step") not in HANG_PHASES:
-        raise FaultSpecError(f"fault {spec!r}: key 'phase': expected one of {', '.join(HANG_PHASES)} (got {values['phase']!r})")
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'phase': expected one of {', '.join(HANG_PHASES)} (got "
+            f"{values['phase']!r})"
+        )
     if startup_hang and "step" in values:
-        raise FaultSpecError(f"fault {spec!r}: key 'step': a start-up hang (phase={values['phase']}) has no step")
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'step': a start-up hang (phase={values['phase']}) has no step"
+        )
     if startup_hang:
         values["step"] = 1  # unused: it fires in the start-up section
     if kind == "leak":
@@ -229,7 +275,9 @@ def parse(spec: str) -> Fault:
             raise FaultSpecError(f"fault {spec!r}: key 'mb': must be > 0 (got {values['mb']})")
     for key in REQUIRED:
         if key in allowed and key not in values:
-            raise FaultSpecError(f"fault {spec!r}: key '{key}': missing (required, e.g. {kind}:step=12)")
+            raise FaultSpecError(
+                f"fault {spec!r}: key '{key}': missing (required, e.g. {kind}:step=12)"
+            )
     step = values.pop("step", 0)
     if "step" in allowed and step < 1:
         raise FaultSpecError(f"fault {spec!r}: key 'step': must be >= 1 (got {step})")
@@ -238,25 +286,40 @@ def parse(spec: str) -> Fault:
         raise FaultSpecError(f"fault {spec!r}: key 'rank': must be >= 0 (got {rank})")
     attempt = values.pop("attempt", 1)
     if attempt < 0:
-        raise FaultSpecError(f"fault {spec!r}: key 'attempt': must be >= 0 (0 = every attempt; got {attempt})")
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'attempt': must be >= 0 (0 = every attempt; got {attempt})"
+        )
     if "seconds" in values and values["seconds"] < 0:
-        raise FaultSpecError(f"fault {spec!r}: key 'seconds': must be >= 0 (got {values['seconds']})")
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'seconds': must be >= 0 (got {values['seconds']})"
+        )
     if "steps" in values and values["steps"] < 1:
         raise FaultSpecError(f"fault {spec!r}: key 'steps': must be >= 1 (got {values['steps']})")
     if kind == "hang" and values.get("mode", "sleep") not in HANG_MODES:
-        raise FaultSpecError(f"fault {spec!r}: key 'mode': expected one of {', '.join(HANG_MODES)} (got {values['mode']!r})")
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'mode': expected one of {', '.join(HANG_MODES)} (got "
+            f"{values['mode']!r})"
+        )
     if kind == "corrupt-ckpt" and values.get("mode", "truncate") not in CORRUPT_MODES:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'mode': expected one of {', '.join(CORRUPT_MODES)} (got {values['mode']!r})"
+            f"fault {spec!r}: key 'mode': expected one of {', '.join(CORRUPT_MODES)} (got "
+            f"{values['mode']!r})"
         )
     if kind == "crash" and values.get("phase", "step") not in CRASH_PHASES:
         raise FaultSpecError(
-            f"fault {spec!r}: key 'phase': expected one of {', '.join(CRASH_PHASES)} (got {values['phase']!r})"
+            f"fault {spec!r}: key 'phase': expected one of {', '.join(CRASH_PHASES)} (got "
+            f"{values['phase']!r})"
         )
     if kind == "hold" and values.get("phase", "hold") not in HOLD_PHASES:
-        raise FaultSpecError(f"fault {spec!r}: key 'phase': expected one of {', '.join(HOLD_PHASES)} (got {values['phase']!r})")
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'phase': expected one of {', '.join(HOLD_PHASES)} (got "
+            f"{values['phase']!r})"
+        )
     if kind == "hold" and values.get("until", "release") not in HOLD_UNTIL:
-        raise FaultSpecError(f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got {values['until']!r})")
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'until': expected one of {', '.join(HOLD_UNTIL)} (got "
+            f"{values['until']!r})"
+        )
     if kind == "slow-save" and "until" in values and values["until"] not in SLOW_SAVE_UNTIL:
         raise FaultSpecError(
             f"fault {spec!r}: key 'until': expected one of {', '.join(SLOW_SAVE_UNTIL)} "
@@ -266,7 +329,10 @@ def parse(spec: str) -> Fault:
         name = values["signal"].upper()
         name = name if name.startswith("SIG") else "SIG" + name
         if not isinstance(getattr(_signal, name, None), _signal.Signals):
-            raise FaultSpecError(f"fault {spec!r}: key 'signal': unknown signal {values['signal']!r} (e.g. KILL, TERM, SEGV)")
+            raise FaultSpecError(
+                f"fault {spec!r}: key 'signal': unknown signal {values['signal']!r} (e.g. KILL, "
+                "TERM, SEGV)"
+            )
         values["signal"] = name
     if "code" in values and "signal" in values:
         raise FaultSpecError(f"fault {spec!r}: keys 'code' and 'signal': give one, not both")
@@ -279,7 +345,8 @@ def parse_all(specs: list[str] | tuple[str, ...]) -> list[Fault]:
     for f in faults:
         if f.kind in LIVE_ONLY_KINDS:
             raise FaultSpecError(
-                f"fault {f.text!r}: {f.kind} acts on a live run only (ptops inject RUN_DIR {f.kind}), not at launch"
+                f"fault {f.text!r}: {f.kind} acts on a live run only (ptops inject RUN_DIR "
+                f"{f.kind}), not at launch"
             )
     return faults
 
@@ -296,7 +363,9 @@ def parse_live(spec: str) -> Fault:
 
 
 def format_spec(fault: Fault) -> str:
-    has_step = "step" in KINDS.get(fault.kind, {"step": _INT}) and fault.params.get("phase", "step") in ("step", "save")
+    has_step = "step" in KINDS.get(fault.kind, {"step": _INT}) and fault.params.get(
+        "phase", "step"
+    ) in ("step", "save")
     items = [f"step={fault.step}"] if has_step else []
     if fault.rank is not None:
         items.append(f"rank={fault.rank}")

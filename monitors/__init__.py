@@ -1,4 +1,5 @@
-"""Monitors: pure functions of the metric-record stream (no ptops imports, no torch, no I/O, no clock).
+"""Monitors: pure functions of the metric-record stream (no ptops imports, no torch, no I/O, no
+clock).
 
     from ptops.monitors import MonitorsSection, build_monitors, replay
     findings = replay(records, build_monitors(MonitorsSection()))
@@ -11,7 +12,6 @@ The same objects run live in the supervisor and offline over a run's ``metrics.j
 from __future__ import annotations
 
 from .base import Finding, Monitor, RankedMonitor, fast_entries, number, replay
-from .shared import SharedRankedMonitor
 from .config import (
     ACTIONS,
     EntropyCollapseConfig,
@@ -29,6 +29,15 @@ from .config import (
 )
 from .memory import MemoryMonitor
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
+from .registry import (
+    FAMILIES,
+    MONITOR_CLASSES,
+    MONITOR_NAMES,
+    MONITORS,
+    RUNBOOKS,
+    MonitorInfo,
+    monitors_for_runbook,
+)
 from .rl import (
     EntropyCollapseMonitor,
     KLDriftMonitor,
@@ -36,12 +45,13 @@ from .rl import (
     RewardHackingMonitor,
     StaleRolloutMonitor,
 )
-from .registry import FAMILIES, MONITOR_CLASSES, MONITOR_NAMES, MONITORS, RUNBOOKS, MonitorInfo, monitors_for_runbook
+from .shared import SharedRankedMonitor
 from .straggler import StragglerMonitor
 
 
 def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
-    """Fresh monitor objects for every enabled monitor of a ``[monitors]`` section (defaults when None)."""
+    """Fresh monitor objects for every enabled monitor of a ``[monitors]`` section (defaults when
+    None)."""
     section = section or MonitorsSection()
     if not section.enabled:
         return []
@@ -57,7 +67,8 @@ def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
 
 
 class MonitorConfigError(ValueError):
-    """A monitor that cannot be built from its ``[monitors.<name>]`` settings (callers name the file)."""
+    """A monitor that cannot be built from its ``[monitors.<name>]`` settings (callers name the
+    file)."""
 
     def __init__(self, monitor: str, error: Exception):
         super().__init__(f"{type(error).__name__}: {error}")
@@ -65,13 +76,43 @@ class MonitorConfigError(ValueError):
 
 
 __all__ = [
-    "ACTIONS", "FAMILIES", "MONITOR_CLASSES", "MONITOR_NAMES", "MONITORS", "RUNBOOKS", "MonitorInfo",
+    "ACTIONS",
+    "FAMILIES",
+    "MONITOR_CLASSES",
+    "MONITOR_NAMES",
+    "MONITORS",
+    "RUNBOOKS",
+    "MonitorInfo",
     "monitors_for_runbook",
-    "Finding", "Monitor", "MonitorConfigError", "RankedMonitor", "SharedRankedMonitor", "build_monitors", "fast_entries", "number", "replay",
-    "MonitorsSection", "RollbackPolicy", "StragglerConfig", "NanConfig", "LossSpikeConfig",
-    "GradExplosionConfig", "EntropyCollapseConfig", "KLDriftConfig", "RewardHackingConfig",
-    "ModeCollapseConfig", "StaleRolloutConfig", "MemoryConfig",
-    "StragglerMonitor", "NaNMonitor", "LossSpikeMonitor", "GradExplosionMonitor",
-    "EntropyCollapseMonitor", "KLDriftMonitor", "RewardHackingMonitor", "ModeCollapseMonitor",
-    "StaleRolloutMonitor", "MemoryMonitor",
+    "Finding",
+    "Monitor",
+    "MonitorConfigError",
+    "RankedMonitor",
+    "SharedRankedMonitor",
+    "build_monitors",
+    "fast_entries",
+    "number",
+    "replay",
+    "MonitorsSection",
+    "RollbackPolicy",
+    "StragglerConfig",
+    "NanConfig",
+    "LossSpikeConfig",
+    "GradExplosionConfig",
+    "EntropyCollapseConfig",
+    "KLDriftConfig",
+    "RewardHackingConfig",
+    "ModeCollapseConfig",
+    "StaleRolloutConfig",
+    "MemoryConfig",
+    "StragglerMonitor",
+    "NaNMonitor",
+    "LossSpikeMonitor",
+    "GradExplosionMonitor",
+    "EntropyCollapseMonitor",
+    "KLDriftMonitor",
+    "RewardHackingMonitor",
+    "ModeCollapseMonitor",
+    "StaleRolloutMonitor",
+    "MemoryMonitor",
 ]

@@ -27,6 +27,7 @@ SEVERITIES = ("info", "warning", "critical")
 # ``resolved`` (the all-clear: severity ``info``; nothing to act on).
 PHASES = ("open", "escalate", "resolved")
 
+
 @dataclass(frozen=True)
 class Finding:
     """One thing a monitor saw.
@@ -62,7 +63,9 @@ class Finding:
 
     def __post_init__(self) -> None:
         if not self.family:
-            from .registry import FAMILIES  # the registry imports the monitors, which import this module
+            from .registry import (
+                FAMILIES,
+            )  # the registry imports the monitors, which import this module
 
             object.__setattr__(self, "family", FAMILIES.get(self.monitor, self.monitor))
 
@@ -82,11 +85,24 @@ class Finding:
         """
         value = self.to_dict()["value"]
         if self.monitor == "straggler":
-            ev = {"kind": "straggler", "rank": self.rank, "ratio": value, "step": self.step,
-                  "detail": self.detail, "severity": self.severity}
+            ev = {
+                "kind": "straggler",
+                "rank": self.rank,
+                "ratio": value,
+                "step": self.step,
+                "detail": self.detail,
+                "severity": self.severity,
+            }
         else:
-            ev = {"kind": "anomaly", "monitor": self.monitor, "step": self.step, "value": value,
-                  "detail": self.detail, "severity": self.severity, "rank": self.rank}
+            ev = {
+                "kind": "anomaly",
+                "monitor": self.monitor,
+                "step": self.step,
+                "value": value,
+                "detail": self.detail,
+                "severity": self.severity,
+                "rank": self.rank,
+            }
         if self.phase is not None:
             ev["episode"] = self.episode
             ev["phase"] = self.phase
@@ -97,11 +113,10 @@ class Finding:
 class Monitor(Protocol):
     """A monitor eats records one at a time and says what it saw.
 
-    ``feed`` must be cheap (it runs for every record of every rank), must not
-    raise on odd records (missing keys, strings, None) and must be
-    deterministic: the same records in the same order give the same findings.
-    ``reset`` forgets everything (a new run). Optional: ``feed_at(record, keys, step, rank)``, the same
-    findings from a record already parsed (see :func:`fast_entries`).
+    ``feed`` must be cheap (it runs for every record of every rank), must not raise on odd records
+    (missing keys, strings, None) and must be deterministic: the same records in the same order give
+    the same findings. ``reset`` forgets everything (a new run). Optional: ``feed_at(record, keys,
+    step, rank)``, the same findings from a record already parsed (see :func:`fast_entries`).
     """
 
     name: str
@@ -113,7 +128,9 @@ class Monitor(Protocol):
     # optional: ``flush() -> list[Finding]`` scores anything buffered (end of a stream)
 
 
-def replay(records: Iterable[Mapping[str, Any]], monitors: Iterable[Monitor], flush: bool = True) -> list[Finding]:
+def replay(
+    records: Iterable[Mapping[str, Any]], monitors: Iterable[Monitor], flush: bool = True
+) -> list[Finding]:
     """Feed every record to every monitor, in order; all findings in the order they fired.
 
     With ``flush`` (default) monitors that buffer across ranks (straggler) score
@@ -147,10 +164,10 @@ def replay(records: Iterable[Mapping[str, Any]], monitors: Iterable[Monitor], fl
 
 
 def fast_entries(monitors: Iterable[Monitor]) -> list:
-    """Each monitor's ``feed_at(record, keys, step, rank)`` (the record parsed once for all of them: its
-    ``keys()`` and :func:`step_and_rank`, step not None), or an adapter to ``feed(record)`` for a monitor
-    without one. ``replay`` and the supervisor's ``MonitorFeed`` call these; a record without a step goes
-    to ``feed`` (every monitor here ignores it)."""
+    """Each monitor's ``feed_at(record, keys, step, rank)`` (the record parsed once for all of them:
+    its ``keys()`` and :func:`step_and_rank`, step not None), or an adapter to ``feed(record)`` for
+    a monitor without one. ``replay`` and the supervisor's ``MonitorFeed`` call these; a record
+    without a step goes to ``feed`` (every monitor here ignores it)."""
     out = []
     for m in monitors:
         f = getattr(m, "feed_at", None)
@@ -161,8 +178,8 @@ def fast_entries(monitors: Iterable[Monitor]) -> list:
 
 
 def _feed_overridden(m: Any) -> bool:
-    """Whether ``feed`` was redefined below the class that defines ``feed_at`` (or on the object): then
-    ``feed`` is what the monitor means, and the fast entry would skip it."""
+    """Whether ``feed`` was redefined below the class that defines ``feed_at`` (or on the object):
+    then ``feed`` is what the monitor means, and the fast entry would skip it."""
     if "feed" in getattr(m, "__dict__", ()):
         return True
     mro = type(m).__mro__
@@ -177,12 +194,22 @@ def _plain_entry(feed: Any) -> Any:
 
 # ---------------------------------------------------------------- helpers shared by the monitors
 
-_NONFINITE = {"nan": math.nan, "+nan": math.nan, "-nan": math.nan, "inf": math.inf, "+inf": math.inf,
-              "infinity": math.inf, "+infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
+_NONFINITE = {
+    "nan": math.nan,
+    "+nan": math.nan,
+    "-nan": math.nan,
+    "inf": math.inf,
+    "+inf": math.inf,
+    "infinity": math.inf,
+    "+infinity": math.inf,
+    "-inf": -math.inf,
+    "-infinity": -math.inf,
+}
 
 
 def number(value: Any) -> float | None:
-    """A metric value as a float: NaN/Inf strings become NaN/Inf floats; None, bools and junk become None."""
+    """A metric value as a float: NaN/Inf strings become NaN/Inf floats; None, bools and junk become
+    None."""
     t = type(value)
     if t is float:  # the common case first: this runs several times per record per monitor
         return value
@@ -220,9 +247,11 @@ def raw_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> Any:
     return v
 
 
-def finite_floats(record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]) -> tuple:
-    """:func:`finite_of` of each spelled key, as a tuple (a shared monitor's inputs); a float under the
-    first spelling is taken without a call (the common case)."""
+def finite_floats(
+    record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]
+) -> tuple:
+    """:func:`finite_of` of each spelled key, as a tuple (a shared monitor's inputs); a float under
+    the first spelling is taken without a call (the common case)."""
     out = []
     for sp in spellings:
         v = record.get(sp[0])
@@ -248,7 +277,9 @@ def finite_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> fl
     return v if v is not None and math.isfinite(v) else None
 
 
-def first_finite(record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]) -> tuple[str | None, float | None]:
+def first_finite(
+    record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]
+) -> tuple[str | None, float | None]:
     """:func:`first_number` over :func:`spelled` keys."""
     for sp in spellings:
         v = finite_of(record, sp)
@@ -258,7 +289,8 @@ def first_finite(record: Mapping[str, Any], spellings: tuple[tuple[str, str | No
 
 
 def lookup(record: Mapping[str, Any], key: str) -> tuple[bool, Any]:
-    """(present, raw value) for ``key``; ``a/b/c`` also matches the adapter's sanitised ``a_b_c``."""
+    """(present, raw value) for ``key``; ``a/b/c`` also matches the adapter's sanitised
+    ``a_b_c``."""
     if key in record:
         return True, record[key]
     alt = key.replace("/", "_")
@@ -392,11 +424,13 @@ class StepSeries:
 
 
 class SortedSeries(StepSeries):
-    """A :class:`StepSeries` that also keeps its values, and the absolute step-to-step changes, sorted.
+    """A :class:`StepSeries` that also keeps its values, and the absolute step-to-step changes,
+    sorted.
 
     Why: the numeric monitors take a median or a quantile of the trailing window on every record;
     sorting 50 values per record per rank was most of their cost. Insertion and removal by bisection
-    keep the same multiset that ``sorted(values)`` would give, so medians and quantiles are bit-identical.
+    keep the same multiset that ``sorted(values)`` would give, so medians and quantiles are
+    bit-identical.
     """
 
     __slots__ = ("sorted", "diffs")
@@ -515,19 +549,24 @@ class RankedMonitor:
     def _rewind(self, state: Any, step: int) -> None:
         """Forget everything at or after ``step`` (the run is redoing it)."""
 
-    def _check(self, state: Any, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:  # pragma: no cover
+    def _check(
+        self, state: Any, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:  # pragma: no cover
         raise NotImplementedError
 
-    _gate: frozenset | tuple | None = None  # a record with none of these keys changes nothing: return at once
+    _gate: frozenset | tuple | None = (
+        None  # a record with none of these keys changes nothing: return at once
+    )
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]:
         step, rank = step_and_rank(record)  # the live path parses once for every monitor: feed_at
         return [] if step is None else self.feed_at(record, record.keys(), step, rank)
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
-        """``feed`` with what every monitor would parse given once: ``keys`` is ``record.keys()``, ``step``
-        and ``rank`` are :func:`step_and_rank`'s (``step`` not None). Why: the supervisor feeds each record
-        to every monitor; parsing it once for all (``feed_all``, ``MonitorFeed``) saves ~0.3 µs a monitor."""
+        """``feed`` with what every monitor would parse given once: ``keys`` is ``record.keys()``,
+        ``step`` and ``rank`` are :func:`step_and_rank`'s (``step`` not None). Why: the supervisor
+        feeds each record to every monitor; parsing it once for all (``feed_all``, ``MonitorFeed``)
+        saves ~0.3 µs a monitor."""
         gate = self._gate
         if gate is not None and keys.isdisjoint(gate):
             return []
@@ -546,17 +585,38 @@ class RankedMonitor:
             self._last_step[rank] = step
         return self._check(state, record, step, rank)
 
-    # Whether a record at an already-seen step means the run went back (resume, rollback): every record
-    # (None), or only one with any of these keys (a monitor fed side records, evals between steps, narrows it)
+    # Whether a record at an already-seen step means the run went back (resume, rollback): every
+    # record (None), or only one with any of these keys (a monitor fed side records, evals between
+    # steps, narrows it)
     _rewind_keys: frozenset | tuple | None = None
 
-    def _emit(self, out: list[Finding], record: Mapping[str, Any], step: int, rank: int, kind: str,
-              value: float | None, detail: str, severity: Severity) -> None:
+    def _emit(
+        self,
+        out: list[Finding],
+        record: Mapping[str, Any],
+        step: int,
+        rank: int,
+        kind: str,
+        value: float | None,
+        detail: str,
+        severity: Severity,
+    ) -> None:
         key = (step, kind)
         if key in self._fired:
             return
         self._fired[key] = rank
-        out.append(Finding(self.name, step, value, detail, severity, rank, record_attempt(record), record_ts(record)))
+        out.append(
+            Finding(
+                self.name,
+                step,
+                value,
+                detail,
+                severity,
+                rank,
+                record_attempt(record),
+                record_ts(record),
+            )
+        )
 
 
-# ---------------------------------------------------------------- one state for the ranks that agree
+# --------------------------------------------------------------- one state for the ranks that agree

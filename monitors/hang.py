@@ -68,46 +68,87 @@ class HangConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    multiplier: float = Field(10.0, gt=1, description="a section is hung after this many times its p99 duration in this run ...")
-    floor_s: float = Field(5.0, gt=0, description="... but never sooner than this (steps, data fetches)")
+    multiplier: float = Field(
+        10.0,
+        gt=1,
+        description="a section is hung after this many times its p99 duration in this run ...",
+    )
+    floor_s: float = Field(
+        5.0, gt=0, description="... but never sooner than this (steps, data fetches)"
+    )
     window: int | None = Field(
-        None, ge=1,
-        description="older recipes: the step budget is also never below multiplier x the longest of the last "
+        None,
+        ge=1,
+        description="older recipes: the step budget is also never below multiplier x the longest "
+        "of the last "
         "`window` steps (unset: the run's p99 alone)",
     )
     startup_s: float = Field(
-        600.0, gt=0, description="cap on each start-up section's first-occurrence budget (launch, import, ...)"
+        600.0,
+        gt=0,
+        description="cap on each start-up section's first-occurrence budget (launch, import, ...)",
     )
-    launch_s: float = Field(120.0, gt=0, description="first-occurrence budget: attempt start to a rank's hello")
-    import_s: float = Field(300.0, gt=0, description="first-occurrence budget: the engine's imports (torch, ...)")
+    launch_s: float = Field(
+        120.0, gt=0, description="first-occurrence budget: attempt start to a rank's hello"
+    )
+    import_s: float = Field(
+        300.0, gt=0, description="first-occurrence budget: the engine's imports (torch, ...)"
+    )
     rendezvous_s: float = Field(
-        60.0, gt=0, description="first-occurrence budget: process group init, counted once every rank reached it"
+        60.0,
+        gt=0,
+        description="first-occurrence budget: process group init, counted once every rank "
+        "reached it",
     )
-    build_s: float = Field(300.0, gt=0, description="first-occurrence budget: model / trainer build")
-    load_s: float = Field(600.0, gt=0, description="first-occurrence budget: checkpoint load until the first step begins")
+    build_s: float = Field(
+        300.0, gt=0, description="first-occurrence budget: model / trainer build"
+    )
+    load_s: float = Field(
+        600.0,
+        gt=0,
+        description="first-occurrence budget: checkpoint load until the first step begins",
+    )
     first_step_s: float = Field(
-        300.0, gt=0, description="first-occurrence budget: an attempt's first step (warm-up, compilation)"
+        300.0,
+        gt=0,
+        description="first-occurrence budget: an attempt's first step (warm-up, compilation)",
     )
     startup_floor_s: float = Field(
-        20.0, gt=0, description="floor of the learned start-up budgets (import, rendezvous, build, load, first step)"
+        20.0,
+        gt=0,
+        description="floor of the learned start-up budgets (import, rendezvous, build, load, "
+        "first step)",
     )
     checkpoint_s: float = Field(
-        600.0, gt=0,
-        description="first-occurrence budget of a checkpoint save (and of the final save / shutdown, always)",
+        600.0,
+        gt=0,
+        description="first-occurrence budget of a checkpoint save (and of the final save / "
+        "shutdown, always)",
     )
-    checkpoint_floor_s: float = Field(60.0, gt=0, description="floor of the learned checkpoint budget")
-    eval_s: float = Field(1800.0, gt=0, description="first-occurrence budget of a declared eval pause")
+    checkpoint_floor_s: float = Field(
+        60.0, gt=0, description="floor of the learned checkpoint budget"
+    )
+    eval_s: float = Field(
+        1800.0, gt=0, description="first-occurrence budget of a declared eval pause"
+    )
     eval_floor_s: float = Field(60.0, gt=0, description="floor of the learned eval budget")
     ping_stale_s: float = Field(
-        4.0, gt=0,
-        description="a rank that sends nothing, not even its liveness pings (every supervisor.heartbeat_s), for "
+        4.0,
+        gt=0,
+        description="a rank that sends nothing, not even its liveness pings (every "
+        "supervisor.heartbeat_s), for "
         "max(this, the step budget) is unresponsive: named as the culprit, stacks from py-spy",
     )
     startup_ping_stale_s: float = Field(
-        60.0, gt=0, description="the same during start-up (imports of C extensions can hold the GIL for seconds)"
+        60.0,
+        gt=0,
+        description="the same during start-up (imports of C extensions can hold the GIL for "
+        "seconds)",
     )
     total_steps: int | None = Field(
-        None, exclude=True, description="the run's train.steps, filled in by the supervisor (not a recipe key)"
+        None,
+        exclude=True,
+        description="the run's train.steps, filled in by the supervisor (not a recipe key)",
     )
 
     def first_budget(self, section: str) -> float:
@@ -119,7 +160,9 @@ class HangConfig(BaseModel):
     def floor(self, section: str) -> float:
         if section in STARTUP_SECTIONS or section == "first_step":
             return self.startup_floor_s
-        return {"checkpoint": self.checkpoint_floor_s, "eval": self.eval_floor_s}.get(section, self.floor_s)
+        return {"checkpoint": self.checkpoint_floor_s, "eval": self.eval_floor_s}.get(
+            section, self.floor_s
+        )
 
 
 # ---------------------------------------------------------------- durations
@@ -189,7 +232,9 @@ class Durations:
 class Learned:
     """What the run has learned of each section's durations; carried from attempt to attempt."""
 
-    sections: dict[str, Durations] = field(default_factory=lambda: {s: Durations() for s in SECTIONS})
+    sections: dict[str, Durations] = field(
+        default_factory=lambda: {s: Durations() for s in SECTIONS}
+    )
 
     def add(self, section: str, seconds: float) -> None:
         self.sections[section].add(seconds)
@@ -202,7 +247,11 @@ class Learned:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """JSON-able: section -> {n, p99} for the sections seen (events, benchmarks)."""
-        return {s: {"n": d.n, "p99": round(d.quantile(0.99) or 0.0, 4)} for s, d in self.sections.items() if d.n}
+        return {
+            s: {"n": d.n, "p99": round(d.quantile(0.99) or 0.0, 4)}
+            for s, d in self.sections.items()
+            if d.n
+        }
 
 
 @dataclass(frozen=True)
@@ -214,7 +263,9 @@ class HangFinding:
     phase: str
     timeout_s: float
     why: str  # "unresponsive" | "behind" | "all"
-    section: str = ""  # the budget that ran out (startup section, first_step, step, checkpoint, ...)
+    section: str = (
+        ""  # the budget that ran out (startup section, first_step, step, checkpoint, ...)
+    )
 
     def as_event(self, attempt: int) -> dict:
         return {
@@ -253,7 +304,9 @@ class HangMonitor:
     world_size: int
     start_ts: float
     config: HangConfig = field(default_factory=HangConfig)
-    learned: Learned = field(default_factory=Learned)  # pass the previous attempt's to keep what it learned
+    learned: Learned = field(
+        default_factory=Learned
+    )  # pass the previous attempt's to keep what it learned
 
     def __post_init__(self) -> None:
         self.ranks: dict[int, _Rank] = {r: self._new_rank() for r in range(self.world_size)}
@@ -261,12 +314,19 @@ class HangMonitor:
         # own pace (a peer 20 s slower to import on a loaded host is not hung)
         self.prior = self.learned.copy()
         w = self.config.window
-        self._recent = [0.0] * w if w else []  # ring of the last `window` step times (older recipes)
+        self._recent = (
+            [0.0] * w if w else []
+        )  # ring of the last `window` step times (older recipes)
         self._recent_i = 0
-        self.resumed_at = self.start_ts  # the end of the last declared pause: budgets count from here
+        self.resumed_at = (
+            self.start_ts
+        )  # the end of the last declared pause: budgets count from here
         self._rdv_entered: dict[int, float] = {}
         self._rdv_version = 0  # bumped when a rank enters the rendezvous, exits or appears
-        self._rdv_memo: tuple[int, float | None] = (-1, None)  # (version, _all_in_rendezvous()): O(1), not O(ranks)
+        self._rdv_memo: tuple[int, float | None] = (
+            -1,
+            None,
+        )  # (version, _all_in_rendezvous()): O(1), not O(ranks)
         self._check_memo: dict | None = None  # section budgets during one check()
 
     def _new_rank(self) -> _Rank:
@@ -311,13 +371,24 @@ class HangMonitor:
                 new_section = rec.get("section") or "import"
                 if new_section not in STARTUP_SECTIONS:
                     new_section = "import"
-                pos = (-1, STARTUP_SECTIONS.index(new_section))  # before any step; later sections ahead
+                pos = (
+                    -1,
+                    STARTUP_SECTIONS.index(new_section),
+                )  # before any step; later sections ahead
             elif phase == "checkpoint":
                 pos, new_section = (step, _STAGE["checkpoint"]), "checkpoint"
             elif phase in PAUSES:
-                pos, new_section = (step - 1, _STAGE["end"]), phase  # step n-1 done, step n not begun
-            elif phase == "data":  # the batch of step n; before the attempt's first step: part of it
-                pos, new_section = (step - 1, _STAGE["end"]), "data" if st.steps_done else "first_step"
+                pos, new_section = (
+                    (step - 1, _STAGE["end"]),
+                    phase,
+                )  # step n-1 done, step n not begun
+            elif (
+                phase == "data"
+            ):  # the batch of step n; before the attempt's first step: part of it
+                pos, new_section = (
+                    (step - 1, _STAGE["end"]),
+                    "data" if st.steps_done else "first_step",
+                )
             elif rec.get("stage") == "begin":
                 pos = (step, _STAGE["begin"])
                 new_section = "first_step" if st.steps_done == 0 else "step"
@@ -329,11 +400,15 @@ class HangMonitor:
             return
         # the section that ends here: learn its duration (steps learn from step_s, holds have none)
         if new_section != section or phase != st.phase:
-            if section in ("checkpoint", "eval", "data") or (section in STARTUP_SECTIONS and section != "launch"):
+            if section in ("checkpoint", "eval", "data") or (
+                section in STARTUP_SECTIONS and section != "launch"
+            ):
                 begun = st.since
                 if section == "rendezvous":
                     begun = max(begun, self._all_in_rendezvous() or begun)
-                self.learned.add(section, ts - max(begun, self.resumed_at if section != "eval" else begun))
+                self.learned.add(
+                    section, ts - max(begun, self.resumed_at if section != "eval" else begun)
+                )
             elif section == "launch" and new_section != "launch":
                 self.learned.add("launch", ts - self.start_ts)
             st.since = ts
@@ -347,8 +422,9 @@ class HangMonitor:
 
     def _all_in_rendezvous(self) -> float | None:
         """When the last live rank reached the rendezvous (None while one is still before it).
-        Remembered until a rank enters, exits or appears: every rank leaving the rendezvous and every
-        check asks, which made start-up O(ranks^2) (8,192 ranks: ~50 s per check, bench/scale_load.py)."""
+        Remembered until a rank enters, exits or appears: every rank leaving the rendezvous and
+        every check asks, which made start-up O(ranks^2) (8,192 ranks: ~50 s per check,
+        bench/scale_load.py)."""
         version, value = self._rdv_memo
         if version == self._rdv_version:
             return value
@@ -370,7 +446,9 @@ class HangMonitor:
     # ------------------------------------------------------------ budgets
     def section_timeout(self, section: str, _fallback: bool = False) -> float:
         memo = self._check_memo
-        if memo is not None:  # inside check(): nothing it depends on changes, so once per section, not per rank
+        if (
+            memo is not None
+        ):  # inside check(): nothing it depends on changes, so once per section, not per rank
             key = (section, _fallback)
             hit = memo.get(key)
             if hit is None:
@@ -380,8 +458,8 @@ class HangMonitor:
 
     def _section_timeout(self, section: str, _fallback: bool = False) -> float:
         c = self.config
-        # a start-up section is judged by earlier attempts; as a fallback (step 2 judged by the first
-        # step) this attempt's durations count too
+        # a start-up section is judged by earlier attempts; as a fallback (step 2 judged by the
+        # first step) this attempt's durations count too
         startup = (section in STARTUP_SECTIONS or section == "first_step") and not _fallback
         p99 = (self.prior if startup else self.learned).p99(section)
         if p99 is None and section in _FALLBACK:  # no history yet: the slower section it follows
@@ -420,7 +498,12 @@ class HangMonitor:
             return since + t, t, "startup", section
         if section == "checkpoint":
             if c.total_steps is not None and st.step >= c.total_steps:
-                return since + c.checkpoint_s, c.checkpoint_s, "checkpoint", "checkpoint"  # the final save: never learned
+                return (
+                    since + c.checkpoint_s,
+                    c.checkpoint_s,
+                    "checkpoint",
+                    "checkpoint",
+                )  # the final save: never learned
             t = self.section_timeout("checkpoint")
             return since + t, t, "checkpoint", "checkpoint"
         if section == EVAL:
@@ -440,8 +523,9 @@ class HangMonitor:
         return max(self.step_timeout(), self.config.ping_stale_s)
 
     def _unresponsive_past_step_timeout(self, rank: int, now: float) -> bool:
-        """A rank that sends nothing at all, not even pings: judged by the step budget in every phase
-        but the start-up (a stopped rank inside a checkpoint save must not get the long save budget)."""
+        """A rank that sends nothing at all, not even pings: judged by the step budget in every
+        phase but the start-up (a stopped rank inside a checkpoint save must not get the long save
+        budget)."""
         st = self.ranks[rank]
         if st.last_seen is None:
             return False
@@ -486,7 +570,9 @@ class HangMonitor:
         first = min(culprits, key=lambda r: self.ranks[r].last_progress)
         judged = next((r for r in culprits if r in stalled), stalled[0])
         deadline, timeout, phase, section = self._budget(judged)
-        if (pausing and judged not in pausing) or now <= deadline:  # stalled by the unresponsive rule
+        if (
+            pausing and judged not in pausing
+        ) or now <= deadline:  # stalled by the unresponsive rule
             timeout, phase = self._stale_after(self.ranks[judged]), f"unresponsive in {phase}"
         return HangFinding(
             ranks=culprits,

@@ -81,9 +81,10 @@ class NaNMonitor(SharedRankedMonitor):
         state.bad.clear()
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        """Per key what ``_apply`` reads: True (a finite number), None (a None), the text of a non-finite
-        value ("nan", "inf", "-inf"), or ``_MISSING`` (absent, or no number: skipped alike). A text, not the
-        float, so that a NaN equals a NaN: ranks that log the same bad value keep sharing one state."""
+        """Per key what ``_apply`` reads: True (a finite number), None (a None), the text of a
+        non-finite value ("nan", "inf", "-inf"), or ``_MISSING`` (absent, or no number: skipped
+        alike). A text, not the float, so that a NaN equals a NaN: ranks that log the same bad value
+        keep sharing one state."""
         out = []
         for _, sp in self._keys:
             raw = record.get(sp[0], _MISSING)  # raw_of, inlined
@@ -96,9 +97,12 @@ class NaNMonitor(SharedRankedMonitor):
             out.append(_MISSING if v is None else True if v - v == 0.0 else repr(v))
         return tuple(out)
 
-    def _apply(self, st: _NaNState, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _NaNState, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         if inputs == self._all_finite and not st.bad and len(st.numeric) == self._nkeys:
-            return []  # the common case: every key seen numeric, none bad, all finite now (nothing changes)
+            # the common case: every key seen numeric, none bad, all finite now (nothing changes)
+            return []
         out: list[Finding] = []
         for (key, _), x in zip(self._keys, inputs):
             if x is True:  # finite
@@ -154,8 +158,12 @@ class LossSpikeMonitor(SharedRankedMonitor):
     def __init__(self, cfg: LossSpikeConfig | None = None) -> None:
         self.cfg = cfg or LossSpikeConfig()
         self._key = spelled(self.cfg.key)
-        self._lockstep_keys = tuple([k for k in self._key if k])  # _inputs: these values and whether "reward" is a key
-        self._idle_key = "reward" if self.cfg.skip_rl else None  # feed_at's RL path: what Lockstep repeats
+        self._lockstep_keys = tuple(
+            [k for k in self._key if k]
+        )  # _inputs: these values and whether "reward" is a key
+        self._idle_key = (
+            "reward" if self.cfg.skip_rl else None
+        )  # feed_at's RL path: what Lockstep repeats
         super().__init__()
 
     def _new_state(self) -> list[Any]:
@@ -165,8 +173,8 @@ class LossSpikeMonitor(SharedRankedMonitor):
         st[0].rewind(step)
         st[1] = False
 
-    # feed_at below: an RL record advances no state (its inputs are no value) unless it rewinds, which a
-    # record Lockstep moves on never does; otherwise the follower path
+    # feed_at below: an RL record advances no state (its inputs are no value) unless it rewinds,
+    # which a record Lockstep moves on never does; otherwise the follower path
     _lockstep = True
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
@@ -174,7 +182,9 @@ class LossSpikeMonitor(SharedRankedMonitor):
             m = self._members.get(rank)
             if m is not None:
                 last = m[2]
-                if last is None or step > last:  # and no rewind: no transition, nothing but the last step
+                if (
+                    last is None or step > last
+                ):  # and no rewind: no transition, nothing but the last step
                     m[2] = step
                     return []
         return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
@@ -184,7 +194,9 @@ class LossSpikeMonitor(SharedRankedMonitor):
             return _NO_VALUE
         return (finite_of(record, self._key),)
 
-    def _apply(self, st: list[Any], inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: list[Any], inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         x = inputs[0]
         if x is None:
             return []
@@ -193,15 +205,26 @@ class LossSpikeMonitor(SharedRankedMonitor):
         out: list[Finding] = []
         if step > cfg.warmup_steps and len(series) >= cfg.min_history:
             ref = series.values
-            level = median(ref[-cfg.level_window:])
-            noise = median_sorted(series.diffs) / math.sqrt(2)  # MAD-like noise of one value; blind to slow trends
+            level = median(ref[-cfg.level_window :])
+            noise = median_sorted(series.diffs) / math.sqrt(
+                2
+            )  # MAD-like noise of one value; blind to slow trends
             scale = 1.4826 * max(noise, 1e-3 * abs(level), 1e-12)
             z = (x - level) / scale
             spike = z >= cfg.z_threshold and (x - level) >= cfg.min_rel_jump * abs(level)
             if spike and not st[1]:
-                self._emit(out, record, step, rank, "spike", z,
-                           f"{cfg.key} {_fmt(x)} vs recent level {_fmt(level)} (robust z {z:.1f} >= {cfg.z_threshold:g}, "
-                           f"noise from the last {len(ref)} steps)", "warning")
+                self._emit(
+                    out,
+                    record,
+                    step,
+                    rank,
+                    "spike",
+                    z,
+                    f"{cfg.key} {_fmt(x)} vs recent level {_fmt(level)} (robust z {z:.1f} >= "
+                    f"{cfg.z_threshold:g}, "
+                    f"noise from the last {len(ref)} steps)",
+                    "warning",
+                )
             st[1] = spike
         series.append(step, x)
         return out
@@ -242,7 +265,9 @@ class GradExplosionMonitor(SharedRankedMonitor):
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         return (finite_of(record, self._key),)
 
-    def _apply(self, st: list[Any], inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: list[Any], inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         x = inputs[0]
         if x is None:
             return []
@@ -258,8 +283,11 @@ class GradExplosionMonitor(SharedRankedMonitor):
             ref = quantile_sorted(series.sorted, cfg.reference_quantile)
             if ref > 0 and x >= cfg.ratio * ref:
                 value = x / ref
-                detail = (f"{cfg.key} {_fmt(x)} is {value:.1f}x the trailing p{round(cfg.reference_quantile * 100)} "
-                          f"{_fmt(ref)} (>= {cfg.ratio:g}x, last {len(series)} steps)")
+                detail = (
+                    f"{cfg.key} {_fmt(x)} is {value:.1f}x the trailing "
+                    f"p{round(cfg.reference_quantile * 100)} "
+                    f"{_fmt(ref)} (>= {cfg.ratio:g}x, last {len(series)} steps)"
+                )
         exploding = detail is not None
         if exploding and not st[1]:
             self._emit(out, record, step, rank, "explosion", value, detail or "", "critical")

@@ -1,4 +1,5 @@
-"""The monitor registry: every monitor's name, class, config class, family and runbook, declared once.
+"""The monitor registry: every monitor's name, class, config class, family and runbook, declared
+once.
 
 ``[monitors]`` (``config.MonitorsSection``), ``build_monitors``, the Prometheus
 exporter's monitor labels, ``diagnose``'s runbook links and the alert rules' monitor
@@ -25,7 +26,13 @@ from .config import (
 )
 from .memory import MemoryMonitor
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
-from .rl import EntropyCollapseMonitor, KLDriftMonitor, ModeCollapseMonitor, RewardHackingMonitor, StaleRolloutMonitor
+from .rl import (
+    EntropyCollapseMonitor,
+    KLDriftMonitor,
+    ModeCollapseMonitor,
+    RewardHackingMonitor,
+    StaleRolloutMonitor,
+)
 from .straggler import StragglerMonitor
 
 
@@ -43,18 +50,21 @@ def _info(monitor: type, config: type, family: str, runbook: str) -> MonitorInfo
 
 
 # In the order they run (and are listed).
-MONITORS: dict[str, MonitorInfo] = {m.name: m for m in (
-    _info(StragglerMonitor, StragglerConfig, "straggler", "StragglerRank"),
-    _info(NaNMonitor, NanConfig, "numeric", "TrainingNaN"),
-    _info(LossSpikeMonitor, LossSpikeConfig, "numeric", "LossSpike"),
-    _info(GradExplosionMonitor, GradExplosionConfig, "numeric", "LossSpike"),
-    _info(EntropyCollapseMonitor, EntropyCollapseConfig, "rl", "EntropyCollapse"),
-    _info(KLDriftMonitor, KLDriftConfig, "rl", "KLDrift"),
-    _info(RewardHackingMonitor, RewardHackingConfig, "rl", "RewardHacking"),
-    _info(ModeCollapseMonitor, ModeCollapseConfig, "rl", "EntropyCollapse"),
-    _info(StaleRolloutMonitor, StaleRolloutConfig, "rl", "StaleRollouts"),
-    _info(MemoryMonitor, MemoryConfig, "memory", "MemoryForecast"),
-)}
+MONITORS: dict[str, MonitorInfo] = {
+    m.name: m
+    for m in (
+        _info(StragglerMonitor, StragglerConfig, "straggler", "StragglerRank"),
+        _info(NaNMonitor, NanConfig, "numeric", "TrainingNaN"),
+        _info(LossSpikeMonitor, LossSpikeConfig, "numeric", "LossSpike"),
+        _info(GradExplosionMonitor, GradExplosionConfig, "numeric", "LossSpike"),
+        _info(EntropyCollapseMonitor, EntropyCollapseConfig, "rl", "EntropyCollapse"),
+        _info(KLDriftMonitor, KLDriftConfig, "rl", "KLDrift"),
+        _info(RewardHackingMonitor, RewardHackingConfig, "rl", "RewardHacking"),
+        _info(ModeCollapseMonitor, ModeCollapseConfig, "rl", "EntropyCollapse"),
+        _info(StaleRolloutMonitor, StaleRolloutConfig, "rl", "StaleRollouts"),
+        _info(MemoryMonitor, MemoryConfig, "memory", "MemoryForecast"),
+    )
+}
 
 MONITOR_NAMES: tuple[str, ...] = tuple(MONITORS)
 MONITOR_CLASSES: dict[str, type] = {n: m.monitor for n, m in MONITORS.items()}

@@ -1,4 +1,5 @@
-"""RL health for TRL GRPO / DPO style runs: one small monitor per failure mode, reported as episodes.
+"""RL health for TRL GRPO / DPO style runs: one small monitor per failure mode, reported as
+episodes.
 
 The keys are TRL's (``entropy``, ``kl``, ``reward``, ``frac_reward_zero_std``,
 ``completions/mean_length``, ``clip_ratio/region_mean``); the ptops TRL adapter
@@ -27,9 +28,19 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-from .base import (Finding, RankedMonitor, finite_floats, finite_of, first_finite, first_number, get_number, median,
-                   record_attempt, record_ts, spelled)
-from .shared import SharedRankedMonitor
+from .base import (
+    Finding,
+    RankedMonitor,
+    finite_floats,
+    finite_of,
+    first_finite,
+    first_number,
+    get_number,
+    median,
+    record_attempt,
+    record_ts,
+    spelled,
+)
 from .config import (
     EntropyCollapseConfig,
     KLDriftConfig,
@@ -37,15 +48,18 @@ from .config import (
     RewardHackingConfig,
     StaleRolloutConfig,
 )
+from .shared import SharedRankedMonitor
 
 
 def _finite(record: Mapping[str, Any], key: str) -> float | None:
-    """The finite number under ``key`` (either spelling), else None (slow path: keys spelled per call)."""
+    """The finite number under ``key`` (either spelling), else None (slow path: keys spelled per
+    call)."""
     return finite_of(record, spelled(key))
 
 
 def _spellings(*keys: str | None) -> tuple[str, ...]:
-    """Both spellings of each key (TRL's ``a/b`` and the adapter's ``a_b``), for a cheap presence test."""
+    """Both spellings of each key (TRL's ``a/b`` and the adapter's ``a_b``), for a cheap presence
+    test."""
     out: list[str] = []
     for k in keys:
         if k:
@@ -147,7 +161,8 @@ class _Fit:
 
 
 class _Tri:
-    """Running sums of (x, a, b) over the last ``n`` points: r(x,a), r(x,b), r(a,b), slope of b on x."""
+    """Running sums of (x, a, b) over the last ``n`` points: r(x,a), r(x,b), r(a,b), slope of b on
+    x."""
 
     __slots__ = ("n", "q", "x", "a", "b", "xx", "aa", "bb", "xa", "xb", "ab")
 
@@ -175,10 +190,20 @@ class _Tri:
         self.ab -= a * b
 
     def add(self, x: float, a: float, b: float) -> None:
-        # one method with locals (no _sub call): this runs several times per record; each sum sees the
-        # same operations in the same order as subtract-then-add, so the sums are bit-identical
+        # one method with locals (no _sub call): this runs several times per record; each sum sees
+        # the same operations in the same order as subtract-then-add, so the sums are bit-identical
         q = self.q
-        sx, sa, sb, sxx, saa, sbb, sxa, sxb, sab = self.x, self.a, self.b, self.xx, self.aa, self.bb, self.xa, self.xb, self.ab
+        sx, sa, sb, sxx, saa, sbb, sxa, sxb, sab = (
+            self.x,
+            self.a,
+            self.b,
+            self.xx,
+            self.aa,
+            self.bb,
+            self.xa,
+            self.xb,
+            self.ab,
+        )
         if len(q) >= self.n:
             ox, oa, ob = q.popleft()
             sx -= ox
@@ -252,7 +277,8 @@ class _Tri:
         return self._t(self.b, self.bb, self.xb)
 
     def z(self, col: str, sigma: float) -> float:
-        """The slope of column ``col`` ("a" or "b") on x over its standard error for a known noise ``sigma``."""
+        """The slope of column ``col`` ("a" or "b") on x over its standard error for a known noise
+        ``sigma``."""
         k = len(self.q)
         ssxx = (k * self.xx - self.x * self.x) / k if k else 0.0
         if k < 2 or ssxx <= 0:
@@ -273,8 +299,9 @@ class _Tri:
 
 
 class _Noise:
-    """A series' noise from its second differences: a steady trend cancels out (E[d2^2] = 6 sigma^2 for
-    independent noise), so a score that rises or falls does not look noisy; one kink adds one term."""
+    """A series' noise from its second differences: a steady trend cancels out (E[d2^2] = 6 sigma^2
+    for independent noise), so a score that rises or falls does not look noisy; one kink adds one
+    term."""
 
     __slots__ = ("prev", "ss", "n")
 
@@ -345,10 +372,9 @@ class _RL(RankedMonitor):
     keys: tuple[str, ...] = ()  # a record carrying none of these is not this monitor's
     _own: tuple[str, ...] = ()
 
-    # ``_gate`` and ``_rewind_keys``: ``_own`` (set in each monitor's __init__). A record with none of the monitor's keys
-    # (pre-training, SFT, an eval) changes nothing: no rewind (``_rewinds`` needs one of them), no value
-    # to read; one C-level test instead of a feed.
-
+    # ``_gate`` and ``_rewind_keys``: ``_own`` (set in each monitor's __init__). A record with none
+    # of the monitor's keys (pre-training, SFT, an eval) changes nothing: no rewind (``_rewinds``
+    # needs one of them), no value to read; one C-level test instead of a feed.
 
     def _new_state(self) -> _St:
         return _St()
@@ -356,13 +382,25 @@ class _RL(RankedMonitor):
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
 
-    # each RL monitor's ``_rewinds``: only a record with its own training key rewinds (an eval record
-    # logged before, after or between training steps never does)
+    # each RL monitor's ``_rewinds``: only a record with its own training key rewinds (an eval
+    # record logged before, after or between training steps never does)
 
-    def _report(self, out: list[Finding], st: _St, record: Mapping[str, Any], step: int, rank: int, phase: str,
-                level: int, value: float | None, detail: str, cleared: str) -> None:
-        """Report the step's episode transition (``st.ep.update`` said which), once across ranks. The
-        monitors build their texts only when there is a transition: no string work on a quiet step."""
+    def _report(
+        self,
+        out: list[Finding],
+        st: _St,
+        record: Mapping[str, Any],
+        step: int,
+        rank: int,
+        phase: str,
+        level: int,
+        value: float | None,
+        detail: str,
+        cleared: str,
+    ) -> None:
+        """Report the step's episode transition (``st.ep.update`` said which), once across ranks.
+        The monitors build their texts only when there is a transition: no string work on a quiet
+        step."""
         if self._silent:
             return
         key = (step, f"{phase}#{st.ep.n}")
@@ -379,12 +417,25 @@ class _RL(RankedMonitor):
             if key in self._fired:
                 return
         self._fired[key] = rank
-        out.append(Finding(self.name, step, value, text, severity, rank, record_attempt(record), record_ts(record),
-                           episode=st.ep.n, phase=phase))
+        out.append(
+            Finding(
+                self.name,
+                step,
+                value,
+                text,
+                severity,
+                rank,
+                record_attempt(record),
+                record_ts(record),
+                episode=st.ep.n,
+                phase=phase,
+            )
+        )
 
 
 class _SharedRL(_RL, SharedRankedMonitor):
-    """An RL monitor whose ranks share one state while their inputs agree (TRL logs gathered values)."""
+    """An RL monitor whose ranks share one state while their inputs agree (TRL logs gathered
+    values)."""
 
 
 _NO_VALUE = (None,)
@@ -435,7 +486,9 @@ class EntropyCollapseMonitor(_SharedRL):
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
         self._gate = self._rewind_keys = self._own
-        self._set_raw_keys(self.cfg.key, self.cfg.reward_key)  # a follower compares two raw values, no _inputs call
+        self._set_raw_keys(
+            self.cfg.key, self.cfg.reward_key
+        )  # a follower compares two raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -450,7 +503,6 @@ class EntropyCollapseMonitor(_SharedRL):
         st.below = 0  # consecutive values under project_gate_frac x early level
         st.cui = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum u, sum r, sum uu, sum ur (u = e^H)
         return st
-
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -474,8 +526,10 @@ class EntropyCollapseMonitor(_SharedRL):
         b = (sr - slope * su) / n
         if slope >= 0:
             return ""
-        return (f"; R = -a*e^H + b fitted on {n} steps (a={-slope:.3g}, b={b:.3g}): "
-                f"reward tops out near {b + slope:.3g} once entropy is spent")
+        return (
+            f"; R = -a*e^H + b fitted on {n} steps (a={-slope:.3g}, b={b:.3g}): "
+            f"reward tops out near {b + slope:.3g} once entropy is spent"
+        )
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         x = record.get(self._key[0])  # finite_of, its common case (a finite float) inlined
@@ -488,7 +542,9 @@ class EntropyCollapseMonitor(_SharedRL):
             r = finite_of(record, self._reward)
         return (x, r)
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         cfg = self.cfg
         x = inputs[0]
         if x is None or step <= cfg.warmup_steps:
@@ -518,8 +574,9 @@ class EntropyCollapseMonitor(_SharedRL):
         rel = cur / base
         collapsed = rel < cfg.collapse_frac
         # momentum is judged only on values already under the gate (the first two there are the drop
-        # itself): a dip that dropped and stopped has a flat bottom there, a collapse keeps falling -
-        # significantly (t of the slope), so that noise on a flat bottom does not look like a decline
+        # itself): a dip that dropped and stopped has a flat bottom there, a collapse keeps falling
+        # - significantly (t of the slope), so that noise on a flat bottom does not look like a
+        # decline
         if x < cfg.project_gate_frac * base:
             st.below += 1
             if st.below > 2:
@@ -528,8 +585,13 @@ class EntropyCollapseMonitor(_SharedRL):
             st.below = 0
             st.short.clear()
         eta = None
-        if not collapsed and rel < cfg.project_gate_frac and len(st.long.q) >= cfg.window \
-                and len(st.short.q) >= cfg.short_window and st.short.tstat() <= -cfg.momentum_t:
+        if (
+            not collapsed
+            and rel < cfg.project_gate_frac
+            and len(st.long.q) >= cfg.window
+            and len(st.short.q) >= cfg.short_window
+            and st.short.tstat() <= -cfg.momentum_t
+        ):
             bl, bs = st.long.slope(), st.short.slope()
             if bl < 0 and bs < 0:
                 target = math.log(cfg.floor_frac * base)
@@ -545,19 +607,36 @@ class EntropyCollapseMonitor(_SharedRL):
             return out
         if level == 2:
             value = rel
-            detail = (f"{cfg.key} {cur:.4g} is {rel:.0%} of its early level {base:.4g} "
-                      f"(< {cfg.collapse_frac:.0%}): collapsed")
+            detail = (
+                f"{cfg.key} {cur:.4g} is {rel:.0%} of its early level {base:.4g} "
+                f"(< {cfg.collapse_frac:.0%}): collapsed"
+            )
         elif level == 1:
             value = eta
             rate = 1 - math.exp(st.long.slope())
-            detail = (f"{cfg.key} {cur:.4g} ({rel:.0%} of early level {base:.4g}) falls {rate:.1%}/step: forecast "
-                      f"to reach {cfg.floor_frac * base:.4g} ({cfg.floor_frac:.0%}) at step {step + math.ceil(eta)} "
-                      f"(in ~{eta:.0f} steps, horizon {cfg.horizon})" + self._cui(st))
+            detail = (
+                f"{cfg.key} {cur:.4g} ({rel:.0%} of early level {base:.4g}) falls "
+                f"{rate:.1%}/step: forecast "
+                f"to reach {cfg.floor_frac * base:.4g} ({cfg.floor_frac:.0%}) at step "
+                f"{step + math.ceil(eta)} "
+                f"(in ~{eta:.0f} steps, horizon {cfg.horizon})" + self._cui(st)
+            )
         else:
             value, detail = rel, ""
-        self._report(out, st, record, step, rank, phase, level, value, detail,
-                     f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse forecast "
-                      f"for {cfg.clear_steps} steps")
+        self._report(
+            out,
+            st,
+            record,
+            step,
+            rank,
+            phase,
+            level,
+            value,
+            detail,
+            f"{cfg.key} {cur:.4g} back to {rel:.0%} of its early level {base:.4g}, no collapse "
+            "forecast "
+            f"for {cfg.clear_steps} steps",
+        )
         return out
 
 
@@ -599,7 +678,6 @@ class KLDriftMonitor(_SharedRL):
         st.prev = None
         return st
 
-
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
         while st.smooth and st.smooth[-1][0] >= step:
@@ -612,7 +690,9 @@ class KLDriftMonitor(_SharedRL):
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         return (finite_of(record, self._key),)
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         cfg = self.cfg
         x = inputs[0]
         if x is None:
@@ -648,12 +728,25 @@ class KLDriftMonitor(_SharedRL):
             value, detail = cur, f"{cfg.key} {cur:.4g} over the budget {cfg.budget:g}"
         elif trending:
             value = b
-            detail = (f"{cfg.key} growing steadily: {start:.3g} -> {end:.3g} over steps {int(st.fit.q[0][0])}-{step} "
-                      f"(+{b:.3g}/step, {st.nups / max(1, len(st.ups)):.0%} of steps up)")
+            detail = (
+                f"{cfg.key} growing steadily: {start:.3g} -> {end:.3g} over steps "
+                f"{int(st.fit.q[0][0])}-{step} "
+                f"(+{b:.3g}/step, {st.nups / max(1, len(st.ups)):.0%} of steps up)"
+            )
         else:
             value, detail = x, ""
-        self._report(out, st, record, step, rank, phase, level, value, detail,
-                     f"{cfg.key} {x:.4g} under budget and not growing for {cfg.clear_steps} steps")
+        self._report(
+            out,
+            st,
+            record,
+            step,
+            rank,
+            phase,
+            level,
+            value,
+            detail,
+            f"{cfg.key} {x:.4g} under budget and not growing for {cfg.clear_steps} steps",
+        )
         return out
 
 
@@ -701,7 +794,9 @@ class RewardHackingMonitor(_SharedRL):
         self._proxy = (self.cfg.verifier_key,) if self.cfg.verifier_key else ()
         self._evals = tuple(k for k in self._heldout if k not in self._proxy)
         self._prefix = self.cfg.heldout_prefix
-        self._plain: set = set()  # record keys seen that are no held-out eval (neither prefixed nor listed)
+        self._plain: set = (
+            set()
+        )  # record keys seen that are no held-out eval (neither prefixed nor listed)
         self._eval_spellings = frozenset(_spellings(*self._evals))
         self._own = _spellings(self.cfg.reward_key)
         self._reward = spelled(self.cfg.reward_key)
@@ -736,9 +831,10 @@ class RewardHackingMonitor(_SharedRL):
         st.h_quiet = True
         st.h_detail = ""
         st.h_value = None
-        st.h_src = None  # "proxy" (verifier_key) or "eval" (a held-out eval; once seen, the only source)
+        st.h_src = (
+            None  # "proxy" (verifier_key) or "eval" (a held-out eval; once seen, the only source)
+        )
         return st
-
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -750,31 +846,40 @@ class RewardHackingMonitor(_SharedRL):
         st.lpairs.rewind(step)
         st.racc, st.rn = 0.0, 0
         st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
-        st.noise_h.prev = tuple(p[2] for p in list(st.pairs.q)[-2:])  # its sums stay: the same score
+        st.noise_h.prev = tuple(
+            p[2] for p in list(st.pairs.q)[-2:]
+        )  # its sums stay: the same score
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
     _lockstep = True  # feed_at below: a function of the keys, then the follower path
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
-        # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see _RL.feed)
+        # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see
+        # _RL.feed)
         noeval = keys <= self._plain
         if noeval and keys.isdisjoint(self._quick):
             return []
-        self._raw_ok = noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
+        self._raw_ok = (
+            noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
+        )
         return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
-        """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply`` reads.
-        The eval score is a held-out eval (``heldout_keys``, else the record's first ``heldout_prefix``
-        key); the proxy is read only without one."""
+        """(reward, eval key, eval score, proxy key, proxy score, coupled values...): all ``_apply``
+        reads. The eval score is a held-out eval (``heldout_keys``, else the record's first
+        ``heldout_prefix`` key); the proxy is read only without one."""
         r = finite_of(record, self._reward)
         ek = ev = pk = pv = None
-        if not record.keys() <= self._plain:  # a key not known to be plain: maybe an eval (one C set test)
+        if (
+            not record.keys() <= self._plain
+        ):  # a key not known to be plain: maybe an eval (one C set test)
             ek, ev = first_number(record, self._evals)
             if ev is None and self._prefix:
                 ek, ev = self._prefixed(record)
-        if ev is None and self._proxy:  # first_number over the one proxy key, its spellings computed once
+        if (
+            ev is None and self._proxy
+        ):  # first_number over the one proxy key, its spellings computed once
             pv = finite_of(record, self._proxy_sp)
             if pv is not None:
                 pk = self._proxy[0]
@@ -783,9 +888,9 @@ class RewardHackingMonitor(_SharedRL):
         return (r, ek, ev, pk, pv) + finite_floats(record, self._coupled_sp)
 
     def _heldout_value(self, st: _St, inputs: tuple) -> tuple[str | None, float | None]:
-        """The held-out eval score when the record has one, else the verifier proxy - until a rank's first
-        eval, which switches that rank to evals for good (the proxy's pairs are dropped: a different score
-        on a different scale)."""
+        """The held-out eval score when the record has one, else the verifier proxy - until a rank's
+        first eval, which switches that rank to evals for good (the proxy's pairs are dropped: a
+        different score on a different scale)."""
         v = inputs[2]
         if v is not None:
             if st.h_src != "eval":
@@ -801,9 +906,9 @@ class RewardHackingMonitor(_SharedRL):
         return k, v
 
     def _prefixed(self, record: Mapping[str, Any]) -> tuple[str | None, float | None]:
-        """The record's first ``heldout_prefix`` key with a finite value. Keys found to be neither an eval
-        spelling nor prefixed join ``_plain``, so a record without an eval is ruled out by one subset test
-        in C (``_heldout_value``), not a Python loop over its keys."""
+        """The record's first ``heldout_prefix`` key with a finite value. Keys found to be neither
+        an eval spelling nor prefixed join ``_plain``, so a record without an eval is ruled out by
+        one subset test in C (``_heldout_value``), not a Python loop over its keys."""
         plain, prefix, evals = self._plain, self._prefix, self._eval_spellings
         found: tuple[str | None, float | None] = (None, None)
         for key in record:
@@ -814,12 +919,15 @@ class RewardHackingMonitor(_SharedRL):
                     v = get_number(record, key)
                     if v is not None and math.isfinite(v):
                         found = (key, v)
-            elif key not in evals and len(plain) < 4096:  # bounded: record keys are a small vocabulary
+            elif (
+                key not in evals and len(plain) < 4096
+            ):  # bounded: record keys are a small vocabulary
                 plain.add(key)
         return found
 
     def heldout_source(self, rank: int = 0) -> tuple[str | None, str | None]:
-        """("eval" | "proxy" | None, the key last read) for a rank: what the held-out rules compare against."""
+        """("eval" | "proxy" | None, the key last read) for a rank: what the held-out rules compare
+        against."""
         st = self._state_of(rank)
         return (st.h_src, st.h_key) if st is not None else (None, None)
 
@@ -842,44 +950,65 @@ class RewardHackingMonitor(_SharedRL):
         st.h_quiet = True
         if step > cfg.warmup_steps and len(p.q) >= cfg.min_points:
             rc, vc = p.r_xa(), p.r_xb()
-            # the all-clear needs signs of health (the reward stopped climbing, or the held-out score
-            # follows it), not only a noisy stretch where the evidence fell short of a finding
+            # the all-clear needs signs of health (the reward stopped climbing, or the held-out
+            # score follows it), not only a noisy stretch where the evidence fell short of a finding
             st.h_quiet = rc < 0.5 * cfg.trend_corr or vc > 0
-            # the reward up and the held-out score down by so many standard errors, each series' noise
-            # from its second differences (``_Noise``): a few sparse values still give a confident slope
-            # where their own residuals (1-2 degrees of freedom) would not. The noise estimate from n
-            # differences is itself noisy: the held-out bar is the t quantile for n degrees of freedom (its
-            # Cornish-Fisher approximation), not the normal one
+            # the reward up and the held-out score down by so many standard errors, each series'
+            # noise from its second differences (``_Noise``): a few sparse values still give a
+            # confident slope where their own residuals (1-2 degrees of freedom) would not. The
+            # noise estimate from n differences is itself noisy: the held-out bar is the t quantile
+            # for n degrees of freedom (its Cornish-Fisher approximation), not the normal one
             n = st.noise_h.n
             z = zl = 0.0
             if n >= cfg.noise_values:
-                fall = cfg.fall_z * (1 + (cfg.fall_z ** 2 + 1) / (4 * n))
+                fall = cfg.fall_z * (1 + (cfg.fall_z**2 + 1) / (4 * n))
                 sh = st.noise_h.sigma()
                 z, zl = p.z("b", sh), lp.z("b", sh)
-                climbs = st.rfit.tstat() >= cfg.rise_t  # the reward climbs now, not only across the span
+                climbs = (
+                    st.rfit.tstat() >= cfg.rise_t
+                )  # the reward climbs now, not only across the span
                 if climbs and rc >= cfg.trend_corr and vc <= -cfg.trend_corr and z <= -fall:
                     level = 2
-                elif (climbs and len(lp.q) >= 2 * cfg.min_points and lp.r_xa() >= cfg.trend_corr
-                      and zl <= -fall):
+                elif (
+                    climbs
+                    and len(lp.q) >= 2 * cfg.min_points
+                    and lp.r_xa() >= cfg.trend_corr
+                    and zl <= -fall
+                ):
                     level = 2  # a slower fall: twice the span
-            if not level and rc >= cfg.diverge_corr and vc <= cfg.flat_corr and len(p.q) >= 2 * cfg.min_points:
+            if (
+                not level
+                and rc >= cfg.diverge_corr
+                and vc <= cfg.flat_corr
+                and len(p.q) >= 2 * cfg.min_points
+            ):
                 level = 1  # held-out flat: weaker evidence than a fall, twice the values
             if level:
                 first, last = p.q[0], p.q[-1]
                 how = "falls" if level == 2 else "does not follow"
-                st.h_detail = (f"{cfg.reward_key} rising ({first[1]:.3g} -> {last[1]:.3g}, r={rc:.2f}) while held-out "
-                               f"{st.h_key} {how} ({first[2]:.3g} -> {last[2]:.3g}, r={vc:.2f}, slope "
-                               f"{min(z, zl):.1f} standard errors) over steps {int(first[0])}-{step} ({len(p)} "
-                               "held-out values" + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")"))
+                st.h_detail = (
+                    f"{cfg.reward_key} rising ({first[1]:.3g} -> {last[1]:.3g}, r={rc:.2f}) "
+                    "while held-out "
+                    f"{st.h_key} {how} ({first[2]:.3g} -> {last[2]:.3g}, r={vc:.2f}, slope "
+                    f"{min(z, zl):.1f} standard errors) over steps {int(first[0])}-{step} "
+                    f"({len(p)} "
+                    "held-out values"
+                    + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")")
+                )
                 st.h_value = vc
-        st.h_conf = st.h_conf + 1 if level >= 1 else 0  # consecutive evaluations at warning or worse
+        st.h_conf = (
+            st.h_conf + 1 if level >= 1 else 0
+        )  # consecutive evaluations at warning or worse
         st.h_conf2 = st.h_conf2 + 1 if level >= 2 else 0  # ... at critical
-        # confirmation costs at most ``confirm_steps`` steps: a sparse score's next value is far away
-        # (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does not make it sparse)
+        # confirmation costs at most ``confirm_steps`` steps: a sparse score's next value is far
+        # away (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does
+        # not make it sparse)
         need = max(1, min(cfg.confirm, 1 + cfg.confirm_steps // max(1, st.h_min)))
         st.h_level = 2 if st.h_conf2 >= need else 1 if st.h_conf >= need + 1 else 0
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         cfg = self.cfg
         r = inputs[0]
         hk, hv = self._heldout_value(st, inputs)
@@ -907,7 +1036,11 @@ class RewardHackingMonitor(_SharedRL):
             return []
         level = st.h_level
         value, detail = st.h_value, st.h_detail
-        rising = step > cfg.warmup_steps and len(st.rfit.q) >= cfg.window and st.rfit.corr() >= cfg.trend_corr
+        rising = (
+            step > cfg.warmup_steps
+            and len(st.rfit.q) >= cfg.window
+            and st.rfit.corr() >= cfg.trend_corr
+        )
         coupled_of = st.coupled
         for i, (k, sp) in enumerate(self._coupled, 5):
             t = coupled_of[k]
@@ -917,19 +1050,41 @@ class RewardHackingMonitor(_SharedRL):
             coupled = False
             if rising and y is not None and len(t.q) >= cfg.window:
                 start, end = t.b_line()
-                growth = (end - start) / abs(start) if abs(start) > 1e-9 else (math.inf if end > start else 0.0)
+                growth = (
+                    (end - start) / abs(start)
+                    if abs(start) > 1e-9
+                    else (math.inf if end > start else 0.0)
+                )
                 rk = t.r_ab()
-                coupled = t.r_xb() >= cfg.trend_corr and rk >= cfg.coupling_corr and growth >= cfg.min_growth
+                coupled = (
+                    t.r_xb() >= cfg.trend_corr
+                    and rk >= cfg.coupling_corr
+                    and growth >= cfg.min_growth
+                )
             st.cconf[k] = st.cconf[k] + 1 if coupled else 0
             if st.cconf[k] >= cfg.confirm and level < 1:
                 level, value = 1, t.r_ab()
-                detail = (f"{cfg.reward_key} rising ({t.q[0][1]:.3g} -> {r:.3g}) together with {k} "
-                          f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps {int(t.q[0][0])}-{step}")
+                detail = (
+                    f"{cfg.reward_key} rising ({t.q[0][1]:.3g} -> {r:.3g}) together with {k} "
+                    f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps "
+                    f"{int(t.q[0][0])}-{step}"
+                )
         out: list[Finding] = []
         phase = st.ep.update(level, level == 0 and st.h_quiet, cfg.clear_steps)
         if phase is not None:
-            self._report(out, st, record, step, rank, phase, level, value, detail,
-                         f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for {cfg.clear_steps} steps")
+            self._report(
+                out,
+                st,
+                record,
+                step,
+                rank,
+                phase,
+                level,
+                value,
+                detail,
+                f"{cfg.reward_key} and the held-out score agree again, no coupled rise, for "
+                f"{cfg.clear_steps} steps",
+            )
         return out
 
 
@@ -959,7 +1114,9 @@ class ModeCollapseMonitor(_SharedRL):
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
         self._noop = (None, None)
         self._gate = self._rewind_keys = self._own
-        self._set_raw_keys(self.cfg.key, self.cfg.distinct_key)  # a follower compares raw values, no _inputs call
+        self._set_raw_keys(
+            self.cfg.key, self.cfg.distinct_key
+        )  # a follower compares raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -971,7 +1128,6 @@ class ModeCollapseMonitor(_SharedRL):
         st.base = None
         st.dlow = False
         return st
-
 
     def _rewind(self, st: _St, step: int) -> None:
         st.ep.forget()
@@ -991,7 +1147,9 @@ class ModeCollapseMonitor(_SharedRL):
             x = finite_of(record, self._key)
         return (x, finite_of(record, self._distinct) if self._distinct else None)
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         cfg = self.cfg
         out: list[Finding] = []
         if step <= cfg.warmup_steps:
@@ -1020,16 +1178,29 @@ class ModeCollapseMonitor(_SharedRL):
             return out
         if full:
             value = median([v for _, v in st.z])
-            detail = (f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps ({int(st.z[0][0])}-{step}): "
-                      f"every group's completions get the same reward, no learning signal")
+            detail = (
+                f"{cfg.key} >= {cfg.threshold:g} for {cfg.window} steps "
+                f"({int(st.z[0][0])}-{step}): "
+                f"every group's completions get the same reward, no learning signal"
+            )
         elif st.dlow:
             cur = _median_small(st.d)
             value = cur / st.base
             detail = f"{cfg.distinct_key} {cur:.4g} is {value:.0%} of its early level {st.base:.4g}"
         else:
             value, detail = x, ""
-        self._report(out, st, record, step, rank, phase, level, value, detail,
-                     f"groups get different rewards again for {cfg.clear_steps} steps")
+        self._report(
+            out,
+            st,
+            record,
+            step,
+            rank,
+            phase,
+            level,
+            value,
+            detail,
+            f"groups get different rewards again for {cfg.clear_steps} steps",
+        )
         return out
 
 
@@ -1055,7 +1226,9 @@ class StaleRolloutMonitor(_SharedRL):
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
         self._sp0 = self._keys[0] if self._keys else (None, None)
         self._gate = self._rewind_keys = self._own
-        self._lockstep_keys = tuple(s for sp in self._keys for s in sp if s)  # (Lockstep compares their values)
+        self._lockstep_keys = tuple(
+            s for sp in self._keys for s in sp if s
+        )  # (Lockstep compares their values)
         self._noop = (None, None)
         super().__init__()
 
@@ -1070,17 +1243,30 @@ class StaleRolloutMonitor(_SharedRL):
             return sp[0], float(v)
         return first_finite(record, self._keys)
 
-    def _apply(self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int) -> list[Finding]:
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
         key, lag = inputs
         if lag is None:
             return []
         stale = lag > self.cfg.max_lag
         if not stale and not st.ep.level:
-            return []  # within the bound, no episode open: update() would change nothing (quiet is 0 then)
+            # within the bound, no episode open: update() would change nothing (quiet is 0 then)
+            return []
         out: list[Finding] = []
         phase = st.ep.update(1 if stale else 0, not stale, self.cfg.clear_steps)
         if phase is not None:
-            self._report(out, st, record, step, rank, phase, 1 if stale else 0, lag,
-                         f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
-                         f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps")
+            self._report(
+                out,
+                st,
+                record,
+                step,
+                rank,
+                phase,
+                1 if stale else 0,
+                lag,
+                f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} "
+                "steps old",
+                f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps",
+            )
         return out

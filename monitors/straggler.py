@@ -85,7 +85,8 @@ class StragglerMonitor:
         self._step_name = c.step_key + ("~wait" if c.step_s_mode == "wait_inferred" else "")
         self._step_key = c.step_key
         self._step_on = c.step_s_mode != "off"
-        # every spelling of each key group: a record with none of a group skips its lookups (one C test)
+        # every spelling of each key group: a record with none of a group skips its lookups (one C
+        # test)
         self._busy_any = frozenset(k for sp in self._busy for k in sp if k)
         self._wait_any = frozenset(k for sp in self._wait for k in sp if k)
         self._data_any = frozenset(k for sp in self._data for k in sp if k)
@@ -99,9 +100,13 @@ class StragglerMonitor:
         self._last: dict[int, int] = {}
         self._floor = -(1 << 62)  # steps <= floor are scored (or given up)
         self._pending: dict[int, dict[int, tuple[dict[str, float], Mapping[str, Any]]]] = {}
-        self._hist: dict[str, dict[int, _Hist]] = {}  # signal -> rank -> its last ``window`` scored steps
+        self._hist: dict[
+            str, dict[int, _Hist]
+        ] = {}  # signal -> rank -> its last ``window`` scored steps
         self._latched: set[tuple[int, str]] = set()
-        self._newest = -(1 << 62)  # max(self._last.values()), kept as _last changes (was O(ranks) a record)
+        self._newest = -(
+            1 << 62
+        )  # max(self._last.values()), kept as _last changes (was O(ranks) a record)
         self._expected_memo: tuple[tuple, set[int]] | None = None
 
     # ------------------------------------------------------------ signals
@@ -156,17 +161,23 @@ class StragglerMonitor:
         pend = pending.get(step)
         if pend is None:
             pend = pending[step] = {}
-        if keys.isdisjoint(self._special):  # step_s alone (most records): _signals' last branch, inlined
+        if keys.isdisjoint(
+            self._special
+        ):  # step_s alone (most records): _signals' last branch, inlined
             step_s = record.get(self._step_key)
             if type(step_s) is not float:
                 step_s = number(step_s)
-            sig = {self._step_name: step_s} if step_s is not None and step_s == step_s and step_s != _INF and \
-                self._step_on else {}
+            sig = (
+                {self._step_name: step_s}
+                if step_s is not None and step_s == step_s and step_s != _INF and self._step_on
+                else {}
+            )
         else:
             sig = self._signals(record, keys)
         pend[rank] = (sig, record)
         if len(pending) == 1 and step == self._newest and self._world is None:
-            return []  # only this step pending, nothing past it yet: not complete, not lagging (most records)
+            # only this step pending, nothing past it yet: not complete, not lagging (most records)
+            return []
         return self._score_ready()
 
     def flush(self) -> list[Finding]:
@@ -190,7 +201,8 @@ class StragglerMonitor:
 
     def _expected(self) -> set[int]:
         if self._world is not None:
-            # _known only grows between resets: (world, its size) names the set; built once, not per record
+            # _known only grows between resets: (world, its size) names the set; built once, not per
+            # record
             key = (self._world, len(self._known))
             memo = self._expected_memo
             if memo is None or memo[0] != key:
@@ -209,9 +221,13 @@ class StragglerMonitor:
         world = self._world
         for s in sorted(pending):
             ranks = pending[s]
-            # the length first; then ``keys() >=`` tests expected's members in the dict (issubset of a dict would
-            # build a set of it)
-            complete = len(ranks) >= len(expected) and ranks.keys() >= expected and (newest > s or world is not None)
+            # the length first; then ``keys() >=`` tests expected's members in the dict (issubset of
+            # a dict would build a set of it)
+            complete = (
+                len(ranks) >= len(expected)
+                and ranks.keys() >= expected
+                and (newest > s or world is not None)
+            )
             if complete or newest >= s + lag or len(pending) > _MAX_PENDING:
                 out.extend(self._score(s))
             else:
@@ -229,7 +245,9 @@ class StragglerMonitor:
         cfg = self.cfg
         window = cfg.window
         thr = self._thr
-        need = window - window // 2  # a median over the window reaches thr only if this many values do
+        need = (
+            window - window // 2
+        )  # a median over the window reaches thr only if this many values do
         latched = self._latched
         names: set[str] = set()
         for sig, _ in ranks.values():
@@ -246,9 +264,9 @@ class StragglerMonitor:
             hist = self._hist.get(name)
             if hist is None:
                 hist = self._hist[name] = {}
-            # the median of the others (srt without one v) takes two values (three for an odd count), picked by
-            # where v sorts (bisect_left(srt, v) > mid  <=>  srt[mid] < v); computed once here. With a NaN the
-            # order means nothing: then _median_without for each rank
+            # the median of the others (srt without one v) takes two values (three for an odd
+            # count), picked by where v sorts (bisect_left(srt, v) > mid <=> srt[mid] < v); computed
+            # once here. With a NaN the order means nothing: then _median_without for each rank
             plain = all(x == x for x in srt)
             if plain:
                 sm = srt[mid]
@@ -256,13 +274,18 @@ class StragglerMonitor:
                     above, below = sm, srt[mid + 1]
                 elif n > 1:
                     sl = srt[mid - 1]
-                    above, at, below = 0.5 * (sl + sm), 0.5 * (sl + srt[mid + 1]), 0.5 * (sm + srt[mid + 1])
+                    above, at, below = (
+                        0.5 * (sl + sm),
+                        0.5 * (sl + srt[mid + 1]),
+                        0.5 * (sm + srt[mid + 1]),
+                    )
             for r, v in vals.items():
                 if not plain:
                     others = _median_without(srt, v)
                 elif odd:
                     others = above if sm < v else below
-                else:  # (i > mid: above; i == mid: at; i < mid: below, as the inlined bisect had it)
+                # (i > mid: above; i == mid: at; i < mid: below, as the inlined bisect had it)
+                else:
                     others = above if sm < v else at if sl < v else below
                 if inferred:  # the others waited for r: their step is longer than r's
                     ratio = others / v if v > 0 else (_INF if others > 0 else 1.0)
@@ -289,13 +312,14 @@ class StragglerMonitor:
                     h.nnan += 1
                 if len(q) < window:
                     continue
-                # most steps of a healthy run: too few ratios past thr for the median to be (a NaN ratio
-                # sorts anywhere: then the median decides)
+                # most steps of a healthy run: too few ratios past thr for the median to be (a NaN
+                # ratio sorts anywhere: then the median decides)
                 if h.nge < need and not h.nnan:
                     slow = False
                 else:
                     med_ratio = median([x[1] for x in h.q])
-                    # the excess is needed only when the ratio passes (most steps of a healthy run it does not)
+                    # the excess is needed only when the ratio passes (most steps of a healthy run
+                    # it does not)
                     slow = med_ratio >= thr and median([x[2] for x in h.q]) >= cfg.min_excess_s
                 if not slow:
                     if latched:
@@ -309,22 +333,38 @@ class StragglerMonitor:
                 rec = ranks[r][1]
                 first = h.q[0][0]
                 if inferred:
-                    detail = (f"rank {r}: the other ranks' {cfg.step_key} is {med_ratio:.2f}x its own "
-                              f"(+{med_excess:.3f} s, median over steps {first}-{s}): they wait for rank {r} in the "
-                              f"collectives; its slowness lies outside its measured step (data loading, host stall)")
+                    detail = (
+                        f"rank {r}: the other ranks' {cfg.step_key} is {med_ratio:.2f}x its own "
+                        f"(+{med_excess:.3f} s, median over steps {first}-{s}): they wait for "
+                        f"rank {r} in the "
+                        "collectives; its slowness lies outside its measured step (data "
+                        "loading, host stall)"
+                    )
                     signal = cfg.step_key
                 else:
-                    detail = (f"rank {r}: {name} is {med_ratio:.2f}x the other ranks' median "
-                              f"(+{med_excess:.3f} s, median over steps {first}-{s})")
+                    detail = (
+                        f"rank {r}: {name} is {med_ratio:.2f}x the other ranks' median "
+                        f"(+{med_excess:.3f} s, median over steps {first}-{s})"
+                    )
                     signal = name
-                out.append(Finding("straggler", s, med_ratio, f"{detail} [signal {signal}]", "warning", r,
-                                   record_attempt(rec), record_ts(rec)))
+                out.append(
+                    Finding(
+                        "straggler",
+                        s,
+                        med_ratio,
+                        f"{detail} [signal {signal}]",
+                        "warning",
+                        r,
+                        record_attempt(rec),
+                        record_ts(rec),
+                    )
+                )
         return out
 
 
 class _Hist:
-    """One rank's last ``window`` scored steps of one signal, (step, ratio, excess), with how many ratios
-    reach ``thr`` (and how many are NaN), kept as values enter and leave."""
+    """One rank's last ``window`` scored steps of one signal, (step, ratio, excess), with how many
+    ratios reach ``thr`` (and how many are NaN), kept as values enter and leave."""
 
     __slots__ = ("q", "thr", "nge", "nnan")
 

@@ -1,19 +1,19 @@
 """``ptops.rank``: the small public API of your own training script under ptops.
 
-A script needs none of it to be supervised (``ptops launch --supervise -- python train.py``: crash and
-hang detection with stacks, restarts, goodput, diagnose). With it, the script also gets step records
-(monitors, numeric rollback), checkpoints ptops verifies and resumes from exactly, and a save when the
-run is preempted or stopped::
+A script needs none of it to be supervised (``ptops launch --supervise -- python train.py``: crash
+and hang detection with stacks, restarts, goodput, diagnose). With it, the script also gets step
+records (monitors, numeric rollback), checkpoints ptops verifies and resumes from exactly, and a
+save when the run is preempted or stopped::
 
     import ptops.rank as pr
 
-    start = pr.resume(model, optimizer)                # last saved step (0: fresh); model, optimizer, RNG
+    start = pr.resume(model, optimizer)         # last saved step (0: fresh); model, optimizer, RNG
     for step in range(start + 1, steps + 1):
-        pr.start_step(step)                            # faults, liveness, a rollback's skipped batches
-        x, y = batch(pr.batch_index(step))             # the data position: step-based, rollbacks counted
-        loss = pr.loss(loss_fn(model(x), y))           # (chaos: a `nan` fault poisons it here)
+        pr.start_step(step)                     # faults, liveness, a rollback's skipped batches
+        x, y = batch(pr.batch_index(step))      # the data position: step-based, rollbacks counted
+        loss = pr.loss(loss_fn(model(x), y))    # (chaos: a `nan` fault poisons it here)
         ...backward, optimizer.step()...
-        pr.end_step(step, loss=loss, grad_norm=gn)     # the step's record (any scalar metrics)
+        pr.end_step(step, loss=loss, grad_norm=gn)  # the step's record (any scalar metrics)
         pr.checkpoint(step, model, optimizer, last=step == steps)  # when due: interval, last, stop
         if pr.should_stop():                           # preemption / Ctrl-C: saved above, leave now
             break
@@ -35,13 +35,31 @@ from typing import Any
 from ptops.ckpt import SaveTransaction, resume_point
 from ptops.recipes.rollback import RollbackInfo
 
-__all__ = ["supervised", "resume", "start_step", "batch_index", "loss", "end_step", "checkpoint",
-           "should_stop", "rollback", "lr_factor", "rank", "world_size"]
+__all__ = [
+    "supervised",
+    "resume",
+    "start_step",
+    "batch_index",
+    "loss",
+    "end_step",
+    "checkpoint",
+    "should_stop",
+    "rollback",
+    "lr_factor",
+    "rank",
+    "world_size",
+]
 
 _probe: Any = None  # the rank's probe (bound by the script engine, ptops.recipes.script.run)
 _recipe: Any = None
-_state: dict[str, Any] = {"api": False, "first_step": None, "skipped": 0, "step": 0, "stop": False,
-                          "rollback": None}
+_state: dict[str, Any] = {
+    "api": False,
+    "first_step": None,
+    "skipped": 0,
+    "step": 0,
+    "stop": False,
+    "rollback": None,
+}
 
 
 def _bind(probe: Any, recipe: Any) -> None:
@@ -106,7 +124,9 @@ def _any_rank(flag: bool) -> bool:
 
 def _ckpt_root(ckpt_dir: str | os.PathLike | None) -> Path:
     if _probe is not None:
-        return _probe.run.checkpoints  # the run directory's: the supervisor verifies and resumes from it
+        return (
+            _probe.run.checkpoints
+        )  # the run directory's: the supervisor verifies and resumes from it
     return Path(ckpt_dir or "checkpoints")
 
 
@@ -132,13 +152,24 @@ def _state_dict(model: Any, optimizer: Any, extra: dict | None) -> dict[str, Any
 
     msd, osd = get_state_dict(model, optimizer)
     r = rank()
-    return {"model": msd, "optimizer": osd,
-            "train_state": {"skipped": torch.tensor(_state["skipped"]),
-                            f"rng_{r}": torch.get_rng_state(), f"extra_{r}": dict(extra or {})}}
+    return {
+        "model": msd,
+        "optimizer": osd,
+        "train_state": {
+            "skipped": torch.tensor(_state["skipped"]),
+            f"rng_{r}": torch.get_rng_state(),
+            f"extra_{r}": dict(extra or {}),
+        },
+    }
 
 
-def resume(model: Any, optimizer: Any, *, extra: dict | None = None,
-           ckpt_dir: str | os.PathLike | None = None) -> int:
+def resume(
+    model: Any,
+    optimizer: Any,
+    *,
+    extra: dict | None = None,
+    ckpt_dir: str | os.PathLike | None = None,
+) -> int:
     """Load the newest good checkpoint into ``model``, ``optimizer``, this rank's RNG and ``extra``
     (a dict updated in place); return its step (0 when there is none: a fresh start). Call it after
     the model, the optimizer and the process group exist, before the first step."""
@@ -151,8 +182,12 @@ def resume(model: Any, optimizer: Any, *, extra: dict | None = None,
     root = _ckpt_root(ckpt_dir)
     found: list[Any] = [None]
     if rank() == 0:  # one rank decides (it may quarantine or adopt), every rank loads the same
+
         def invalid(**info: Any) -> None:
-            _log(f"checkpoint {info['path']} is not good ({info['reason']}); moved to {info['moved_to']}")
+            _log(
+                f"checkpoint {info['path']} is not good ({info['reason']}); moved to "
+                f"{info['moved_to']}"
+            )
             _event("checkpoint_invalid", **info)
 
         entry = resume_point(root, deep=True, on_invalid=invalid, world_size=world_size())
@@ -200,15 +235,28 @@ def start_step(step: int) -> None:
         _state["first_step"] = step
         info = rollback()
         if info is not None and abs(info.lr_factor - 1.0) > 1e-12:
-            _event("rollback_applied", what="lr", step=step, lr_factor=info.lr_factor,
-                   from_step=info.from_step, to_step=info.to_step)
+            _event(
+                "rollback_applied",
+                what="lr",
+                step=step,
+                lr_factor=info.lr_factor,
+                from_step=info.from_step,
+                to_step=info.to_step,
+            )
     info = rollback()
     n = info.batches_to_skip(step, _state["first_step"], position_in_checkpoint=True) if info else 0
     if n:
         _state["skipped"] += n
         _log(f"rollback: skipped {n} batch(es) before step {step}")
-        _event("rollback_applied", what="skip", step=step, skip_batches=n, batches_dropped=n,
-               from_step=info.from_step, to_step=info.to_step)
+        _event(
+            "rollback_applied",
+            what="skip",
+            step=step,
+            skip_batches=n,
+            batches_dropped=n,
+            from_step=info.from_step,
+            to_step=info.to_step,
+        )
     _state["step"] = step
     _state["t0"] = time.monotonic()
     if _probe is not None:
@@ -237,29 +285,45 @@ def end_step(step: int, *, loss: Any = None, **metrics: Any) -> None:
     rec: dict[str, Any] = {"loss": loss, **metrics}
     if "step_s" not in rec and "t0" in _state:
         rec["step_s"] = time.monotonic() - _state["t0"]
-    _probe.step(int(step), {k: (float(v.item()) if hasattr(v, "item") else v) for k, v in rec.items()})
+    _probe.step(
+        int(step), {k: (float(v.item()) if hasattr(v, "item") else v) for k, v in rec.items()}
+    )
 
 
 def _interval() -> int:
     return int(_recipe.checkpoint.interval) if _recipe is not None else 0
 
 
-def checkpoint(step: int, model: Any, optimizer: Any, *, last: bool = False, every: int = 10,
-               extra: dict | None = None, ckpt_dir: str | os.PathLike | None = None) -> bool:
-    """Save when due: every ``every`` steps (under ptops: the recipe's ``checkpoint.interval``), at the
-    ``last`` step, or when the supervisor asks for a save before stopping (every rank agrees). Returns
-    True when a checkpoint was committed. A failed save (disk full, ...) does not end training unless
-    it was the last one."""
+def checkpoint(
+    step: int,
+    model: Any,
+    optimizer: Any,
+    *,
+    last: bool = False,
+    every: int = 10,
+    extra: dict | None = None,
+    ckpt_dir: str | os.PathLike | None = None,
+) -> bool:
+    """Save when due: every ``every`` steps (under ptops: the recipe's ``checkpoint.interval``), at
+    the ``last`` step, or when the supervisor asks for a save before stopping (every rank agrees).
+    Returns True when a checkpoint was committed. A failed save (disk full, ...) does not end
+    training unless it was the last one."""
     step = int(step)
     interval = _interval() or int(every)
-    stop = _any_rank(bool(_probe is not None and _probe.stop_requested)) if _probe is not None else False
+    stop = (
+        _any_rank(bool(_probe is not None and _probe.stop_requested))
+        if _probe is not None
+        else False
+    )
     _state["stop"] = stop
     if not (last or stop or (interval > 0 and step % interval == 0)):
         return False
     ok, error = save(step, model, optimizer, extra=extra, ckpt_dir=ckpt_dir)
     if not ok and (last or stop):
-        raise RuntimeError(f"the {'last' if last else 'on-request'} checkpoint (step {step}) could not be "
-                           f"saved: {error}; the last good checkpoint is the newest one committed")
+        raise RuntimeError(
+            f"the {'last' if last else 'on-request'} checkpoint (step {step}) could not be "
+            f"saved: {error}; the last good checkpoint is the newest one committed"
+        )
     return ok
 
 
@@ -269,21 +333,43 @@ def should_stop() -> bool:
     return bool(_state["stop"])
 
 
-def save(step: int, model: Any, optimizer: Any, *, extra: dict | None = None,
-         ckpt_dir: str | os.PathLike | None = None) -> tuple[bool, str | None]:
+def save(
+    step: int,
+    model: Any,
+    optimizer: Any,
+    *,
+    extra: dict | None = None,
+    ckpt_dir: str | os.PathLike | None = None,
+) -> tuple[bool, str | None]:
     """One checkpoint of ``step`` now (all ranks call it): ``(committed, error)``."""
     import torch.distributed.checkpoint as dcp
 
     root = _ckpt_root(ckpt_dir)
     keep = int(_recipe.checkpoint.keep) if _recipe is not None else 3
-    txn = SaveTransaction(root, step, name=f"step-{int(step)}", leader=rank() == 0, agree=_any_rank,
-                          world_size=world_size(), keep=keep)
+    txn = SaveTransaction(
+        root,
+        step,
+        name=f"step-{int(step)}",
+        leader=rank() == 0,
+        agree=_any_rank,
+        world_size=world_size(),
+        keep=keep,
+    )
     t0 = time.monotonic()
-    txn.run(lambda path: dcp.save(_state_dict(model, optimizer, extra), checkpoint_id=str(path)),
-            probe=_probe)
+    txn.run(
+        lambda path: dcp.save(_state_dict(model, optimizer, extra), checkpoint_id=str(path)),
+        probe=_probe,
+    )
     total = round(time.monotonic() - t0, 4)
     if txn.ok:
-        _event("checkpoint", step=int(step), path=str(txn.path), blocking_s=total, total_s=total, mode="sync")
+        _event(
+            "checkpoint",
+            step=int(step),
+            path=str(txn.path),
+            blocking_s=total,
+            total_s=total,
+            mode="sync",
+        )
     else:
         _log(f"step-{step}: checkpoint FAILED, not committed ({txn.error})")
         _event("checkpoint_failed", step=int(step), path=str(txn.path), error=txn.error)

@@ -27,15 +27,18 @@ from typing import Callable
 
 ASSETS_VERSION = 1
 WORDS = (
-    "the a one small large red blue green model token step rank loss grad check point save load node "
-    "train run job time fast slow data batch layer head sum mean value check good bad new old this that "
+    "the a one small large red blue green model token step rank loss grad check point save load "
+    "node "
+    "train run job time fast slow data batch layer head sum mean value check good bad new old "
+    "this that "
     "when then after before every each run stops goes waits learns writes reads keeps moves"
 ).split()
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% "
+    "endgeneration %}{{ '\n' }}"
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endif %}"
@@ -75,7 +78,12 @@ def arithmetic_pairs(n: int, seed: int) -> list[tuple[str, str]]:
 def chat_dataset(n: int = 256, seed: int = 1) -> list[dict]:
     """SFT conversations: ``{"messages": [...]}`` rows."""
     return [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"The answer is {a}."}]}
+        {
+            "messages": [
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": f"The answer is {a}."},
+            ]
+        }
         for q, a in arithmetic_pairs(n, seed)
     ]
 
@@ -98,7 +106,10 @@ def preference_dataset(n: int = 256, seed: int = 2) -> list[dict]:
 
 def prompt_dataset(n: int = 256, seed: int = 3) -> list[dict]:
     """GRPO rows: ``{"prompt", "answer"}``; the reward checks the answer (verifiable)."""
-    return [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in arithmetic_pairs(n, seed)]
+    return [
+        {"prompt": [{"role": "user", "content": q}], "answer": a}
+        for q, a in arithmetic_pairs(n, seed)
+    ]
 
 
 def _train_tokenizer(vocab_size: int, out: Path) -> None:
@@ -152,15 +163,19 @@ def sha256_file(path: Path) -> str:
 
 
 def _manifest(path: Path) -> dict:
-    files = {str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(path.rglob("*")) if p.is_file() and p.name != MARKER}
+    files = {
+        str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
     return {"assets_version": ASSETS_VERSION, "files": files}
 
 
 def untrusted(path: Path) -> str | None:
-    """Why the entry at ``path`` cannot be used as is (None: usable). The marker is a manifest written
-    only after the asset passed its check, so bytes that match it are the bytes that loaded; a bare
-    marker (written before assets checked themselves, e.g. by a rank that saved no weights) is not."""
+    """Why the entry at ``path`` cannot be used as is (None: usable). The marker is a manifest
+    written only after the asset passed its check, so bytes that match it are the bytes that loaded;
+    a bare marker (written before assets checked themselves, e.g. by a rank that saved no weights)
+    is not."""
     if not path.exists():
         return "missing"
     try:
@@ -185,18 +200,24 @@ def quarantine(path: Path, reason: str) -> Path:
     """Move a bad entry aside (kept for a look, never loaded) so that it is rebuilt."""
     qdir = path.parent / QUARANTINE
     qdir.mkdir(parents=True, exist_ok=True)
-    dest = qdir / f"{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    dest = (
+        qdir / f"{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    )
     os.rename(path, dest)
     (dest / "QUARANTINED").write_text(reason + "\n")
-    print(f"[ptops.assets] quarantined {path} -> {dest}: {reason}; rebuilding", file=sys.stderr, flush=True)
+    print(
+        f"[ptops.assets] quarantined {path} -> {dest}: {reason}; rebuilding",
+        file=sys.stderr,
+        flush=True,
+    )
     return dest
 
 
 @contextmanager
 def _build_lock(root: Path, name: str):
-    """One builder per asset and cache: an exclusive ``flock`` that others (ranks, runs) wait on; the
-    kernel drops it when its holder dies. Where the file system has no locks, the check before the
-    rename still keeps incomplete entries out."""
+    """One builder per asset and cache: an exclusive ``flock`` that others (ranks, runs) wait on;
+    the kernel drops it when its holder dies. Where the file system has no locks, the check before
+    the rename still keeps incomplete entries out."""
     locks = root / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -211,11 +232,11 @@ def _build_lock(root: Path, name: str):
 
 
 def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path], None]) -> Path:
-    """The cache entry ``name``: used when it matches its manifest, else built by one process while the
-    others wait. ``builder(tmp)`` writes into a temporary folder, ``check(tmp)`` must load it (raise on
-    anything missing), then the manifest marks it complete and one rename publishes it. An entry that
-    does not match its manifest is quarantined and rebuilt, never trusted; one of an older ptops (a bare
-    marker) is kept only if it passes the check."""
+    """The cache entry ``name``: used when it matches its manifest, else built by one process while
+    the others wait. ``builder(tmp)`` writes into a temporary folder, ``check(tmp)`` must load it
+    (raise on anything missing), then the manifest marks it complete and one rename publishes it. An
+    entry that does not match its manifest is quarantined and rebuilt, never trusted; one of an
+    older ptops (a bare marker) is kept only if it passes the check."""
     root = cache_root() / f"v{ASSETS_VERSION}"
     final = root / name
     if untrusted(final) is None:
@@ -229,16 +250,20 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
             return final
         if final.exists():
             quarantine(final, reason)
-        for stale in root.glob(f".{name}-{'?' * 8}"):  # mkdtemp folders of builders that died (we hold
-            shutil.rmtree(stale, ignore_errors=True)     # the lock: nobody else builds this name)
+        for stale in root.glob(
+            f".{name}-{'?' * 8}"
+        ):  # mkdtemp folders of builders that died (we hold
+            shutil.rmtree(stale, ignore_errors=True)  # the lock: nobody else builds this name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
             builder(tmp)
             try:
                 check(tmp)
             except Exception as e:  # noqa: BLE001 - any load error means incomplete
-                raise AssetError(f"asset {name}: the fresh build fails its check, not cached: "
-                                 f"{type(e).__name__}: {e}") from e
+                raise AssetError(
+                    f"asset {name}: the fresh build fails its check, not cached: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             _mark_complete(tmp)
             try:
                 os.rename(tmp, final)
@@ -259,8 +284,11 @@ def _adopted(path: Path, check: Callable[[Path], None]) -> bool:
     except Exception:  # noqa: BLE001 - any load error: not adopted (quarantined by the caller)
         return False
     _mark_complete(path)
-    print(f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept", file=sys.stderr,
-          flush=True)
+    print(
+        f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept",
+        file=sys.stderr,
+        flush=True,
+    )
     return True
 
 
@@ -287,8 +315,9 @@ def _check_tokenizer(path: Path) -> None:
 
 def tokenizer_dir(vocab_size: int = 512) -> Path:
     """A folder with ``tokenizer.json`` (+ HF config and chat template) for ``vocab_size``."""
-    return build_once(f"tokenizer-{vocab_size}", lambda out: _train_tokenizer(vocab_size, out),
-                      _check_tokenizer)
+    return build_once(
+        f"tokenizer-{vocab_size}", lambda out: _train_tokenizer(vocab_size, out), _check_tokenizer
+    )
 
 
 def digest_dir(path: Path) -> str:

@@ -35,18 +35,21 @@ class Engine:
     entry: str  # "package.module:function" called as function(recipe, probe) inside every rank
     check: CrossCheck | None = None
     description: str = ""
-    # "module:function" -> (recipe) -> [sidecar dicts] (ops/supervisor/sidecar.py); imported in the CLI: keep it light
+    # "module:function" -> (recipe) -> [sidecar dicts] (ops/supervisor/sidecar.py); imported in the
+    # CLI: keep it light
     sidecars: str | None = None
-    # a folder of <name>.toml recipes this engine ships (`ptops launch NAME`); ptops' own names win a clash
+    # a folder of <name>.toml recipes this engine ships (`ptops launch NAME`); ptops' own names win
+    # a clash
     recipes_dir: str | os.PathLike | None = None
-    # the run is complete when every rank exits 0, whatever step it reached (a user's script decides its
-    # own length; the recipe's train.steps then only sizes the progress line)
+    # the run is complete when every rank exits 0, whatever step it reached (a user's script decides
+    # its own length; the recipe's train.steps then only sizes the progress line)
     complete_on_exit: bool = False
 
 
 @dataclass(frozen=True)
 class NotLoaded:
-    """A plugin entry point that gave no engine: refused (name taken or invalid) or broken (it raised)."""
+    """A plugin entry point that gave no engine: refused (name taken or invalid) or broken (it
+    raised)."""
 
     name: str  # the entry point's name
     provider: str  # "distribution version"
@@ -57,7 +60,9 @@ class NotLoaded:
 _ENGINES: dict[str, Engine] = {}
 _PROVIDERS: dict[str, str] = {}  # engine name -> "distribution version"
 _NOT_LOADED: list[NotLoaded] = []
-_RESERVED: set[str] = set()  # names an engine cannot take (the recipe's own sections: train, launch, ...)
+_RESERVED: set[str] = (
+    set()
+)  # names an engine cannot take (the recipe's own sections: train, launch, ...)
 _discovered = False
 _loading: str | None = None  # provider of the plugin being loaded now
 
@@ -73,7 +78,12 @@ def _ptops_provider() -> str:
 
 
 def _name_problem(name: Any) -> str | None:
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_") or name != name.lower():
+    if (
+        not isinstance(name, str)
+        or not name.isidentifier()
+        or name.startswith("_")
+        or name != name.lower()
+    ):
         return f"engine name {name!r} is not a lowercase identifier (it is the recipe's [section])"
     if name in _RESERVED:
         return f"engine name {name!r} is a recipe section of ptops itself"
@@ -98,7 +108,8 @@ def register(engine: Engine) -> Engine:
 
 
 def _shape_problem(engine: Any) -> str | None:
-    """What a plugin's Engine gets wrong that would otherwise fail later, inside the schema or every rank."""
+    """What a plugin's Engine gets wrong that would otherwise fail later, inside the schema or every
+    rank."""
     from pydantic import BaseModel
 
     if not (isinstance(engine.section, type) and issubclass(engine.section, BaseModel)):
@@ -124,13 +135,16 @@ def builtin_names() -> list[str]:
 
 
 def installed() -> list[tuple[str, str]]:
-    """(engine name, "distribution version") of ptops' own engines and every plugin entry point that does not
-    take a built-in name, read from the installed metadata without importing any plugin: for ``--help``."""
+    """(engine name, "distribution version") of ptops' own engines and every plugin entry point that
+    does not take a built-in name, read from the installed metadata without importing any plugin:
+    for ``--help``."""
     own = builtin_names()
     found = [(name, _ptops_provider()) for name in own]
     for ep in metadata.entry_points(group=GROUP):
         if ep.name not in own:
-            found.append((ep.name, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"))
+            found.append(
+                (ep.name, f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?")
+            )
     return found
 
 
@@ -154,8 +168,10 @@ def _load_plugins() -> None:
                 register(obj)
             added = set(_ENGINES) - before
             if ep.name not in added:
-                raise _Refused(f"entry point {ep.name!r} registered no engine of that name "
-                               f"(registered: {', '.join(sorted(added)) or 'none'})")
+                raise _Refused(
+                    f"entry point {ep.name!r} registered no engine of that name "
+                    f"(registered: {', '.join(sorted(added)) or 'none'})"
+                )
         except (Exception, SystemExit) as e:  # noqa: BLE001 - a plugin must never break ptops
             for name in set(_ENGINES) - before:
                 del _ENGINES[name]
@@ -167,12 +183,14 @@ def _load_plugins() -> None:
 
 
 def discover() -> None:
-    """Import every engine sub-package of ``ptops.recipes`` once (their ``__init__`` registers), then the
-    plugins of the ``ptops.engines`` entry point group."""
+    """Import every engine sub-package of ``ptops.recipes`` once (their ``__init__`` registers),
+    then the plugins of the ``ptops.engines`` entry point group."""
     global _discovered
     if _discovered:
         return
-    _discovered = True  # first: a plugin that asks for the registry while it loads gets what is there so far
+    _discovered = (
+        True  # first: a plugin that asks for the registry while it loads gets what is there so far
+    )
     import ptops.recipes as pkg
 
     try:
@@ -180,13 +198,16 @@ def discover() -> None:
             if mod.ispkg:
                 importlib.import_module(f"{pkg.__name__}.{mod.name}")
     except BaseException:
-        _discovered = False  # ptops' own engine failed to import: a real error, raised on every call
+        _discovered = (
+            False  # ptops' own engine failed to import: a real error, raised on every call
+        )
         raise
     _load_plugins()
 
 
 def reserve(names: set[str] | frozenset[str] | Any) -> None:
-    """Names no plugin engine may take (the schema's own sections); a plugin that took one is dropped."""
+    """Names no plugin engine may take (the schema's own sections); a plugin that took one is
+    dropped."""
     _RESERVED.update(names)
     for name in [n for n in _ENGINES if n in _RESERVED and _PROVIDERS.get(n) != _ptops_provider()]:
         del _ENGINES[name]
@@ -212,7 +233,8 @@ def not_loaded() -> list[NotLoaded]:
 
 
 def recipe_dirs() -> list[Path]:
-    """The folders of recipes the engines ship, in engine-name order (ptops' own folder is the schema's)."""
+    """The folders of recipes the engines ship, in engine-name order (ptops' own folder is the
+    schema's)."""
     return [Path(e.recipes_dir) for e in engines().values() if e.recipes_dir is not None]
 
 

@@ -79,7 +79,8 @@ class RollbackInfo:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "RollbackInfo | None":
-        """The rollback this attempt must honour, or None (also None for a malformed value, with a warning)."""
+        """The rollback this attempt must honour, or None (also None for a malformed value, with a
+        warning)."""
         raw = (os.environ if environ is None else environ).get(ENV, "").strip()
         if not raw:
             return None
@@ -91,7 +92,9 @@ class RollbackInfo:
             print(f"[ptops] ignoring malformed {ENV}={raw!r}: {e}", file=sys.stderr, flush=True)
             return None
 
-    def batches_to_skip(self, step: int, first_step: int, position_in_checkpoint: bool = True) -> int:
+    def batches_to_skip(
+        self, step: int, first_step: int, position_in_checkpoint: bool = True
+    ) -> int:
         """Optimizer steps' worth of batches to discard before training ``step`` in an attempt
         whose first trained step is ``first_step``.
 

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ptops.monitors import MonitorConfigError, build_monitors
 from ptops.monitors.config import MonitorsSection
-from ptops.recipes import engines as _engines
 from ptops.monitors.hang import HangConfig
+from ptops.recipes import engines as _engines
 
 RECIPES_DIR = Path(__file__).resolve().parent
 
@@ -37,13 +37,19 @@ class TrainSection(_Strict):
     steps: int = Field(20, ge=1, description="optimizer steps in the whole run")
     seed: int = Field(42, description="seed for model init, data order and dropout")
     data_file: str = Field(
-        "", description="SFT: train on these chat rows (JSONL of {\"messages\": [...]}) instead of the built-in set "
+        "",
+        description='SFT: train on these chat rows (JSONL of {"messages": [...]}) instead of the '
+        "built-in set "
         "(a rejection-sampling pipeline stage writes it)",
     )
     init_from: str = Field(
-        "", description="start from these weights (a checkpoint folder, or a run directory meaning its latest good "
-        "checkpoint; verified first): weights only, before step 0 - a fresh optimizer, schedule and step count "
-        "(TRL and TorchTitan recipes; a pipeline stage's input). A resumed run continues from its own checkpoint instead",
+        "",
+        description="start from these weights (a checkpoint folder, or a run directory meaning "
+        "its latest good "
+        "checkpoint; verified first): weights only, before step 0 - a fresh optimizer, schedule "
+        "and step count "
+        "(TRL and TorchTitan recipes; a pipeline stage's input). A resumed run continues from "
+        "its own checkpoint instead",
     )
 
 
@@ -59,37 +65,67 @@ class CheckpointSection(_Strict):
 
 
 class EvalSection(_Strict):
-    """``[eval]``: a held-out evaluation in the training loop; results are ``eval/<name>`` keys on the
-    step's metrics record (monitors, alerts, exporters and pipeline gates read them)."""
+    """``[eval]``: a held-out evaluation in the training loop; results are ``eval/<name>`` keys on
+    the step's metrics record (monitors, alerts, exporters and pipeline gates read them)."""
 
     set: Literal["arithmetic"] = Field(
-        "arithmetic", description="the held-out set: `arithmetic` (questions none of the recipe's training sets "
+        "arithmetic",
+        description="the held-out set: `arithmetic` (questions none of the recipe's training sets "
         "holds, greedy answers graded by the verifier)",
     )
-    name: str = Field("heldout", pattern=r"^[A-Za-z0-9_]+$", description="the record key is eval/<name>")
-    interval: int = Field(0, ge=0, description="evaluate every N steps and at the final step; 0 = off")
+    name: str = Field(
+        "heldout", pattern=r"^[A-Za-z0-9_]+$", description="the record key is eval/<name>"
+    )
+    interval: int = Field(
+        0, ge=0, description="evaluate every N steps and at the final step; 0 = off"
+    )
     size: int = Field(16, ge=1, le=1024, description="held-out examples per evaluation")
     max_new_tokens: int = Field(8, ge=1, description="greedy tokens generated per example")
 
 
 class RestartConfig(_Strict):
-    """``[supervisor.restart]``: when a failed attempt (crash, hang, early exit) is restarted, and when not."""
+    """``[supervisor.restart]``: when a failed attempt (crash, hang, early exit) is restarted, and
+    when not."""
 
-    max_restarts: int = Field(10, ge=0, description="restarts in the whole run (across supervisors); then stop (exit 1)")
-    backoff_s: float = Field(1.0, ge=0, description="delay before restarting an attempt that made no progress (newer good checkpoint); doubles with each such attempt in a row (an attempt that made progress restarts at once)")
+    max_restarts: int = Field(
+        10, ge=0, description="restarts in the whole run (across supervisors); then stop (exit 1)"
+    )
+    backoff_s: float = Field(
+        1.0,
+        ge=0,
+        description="delay before restarting an attempt that made no progress (newer good "
+        "checkpoint); doubles with each such attempt in a row (an attempt that made progress "
+        "restarts at once)",
+    )
     backoff_max_s: float = Field(60.0, ge=0, description="longest delay before a restart")
-    storm_restarts: int = Field(5, ge=1, description="this many failures within storm_window_min is a restart storm (exit 3)")
-    storm_window_min: float = Field(10.0, gt=0, description="window of the restart-storm rule, minutes")
+    storm_restarts: int = Field(
+        5,
+        ge=1,
+        description="this many failures within storm_window_min is a restart storm (exit 3)",
+    )
+    storm_window_min: float = Field(
+        10.0, gt=0, description="window of the restart-storm rule, minutes"
+    )
     no_progress_attempts: int = Field(
-        3, ge=1, description="stop (exit 3) after this many attempts in a row without a newer good checkpoint"
+        3,
+        ge=1,
+        description="stop (exit 3) after this many attempts in a row without a newer good "
+        "checkpoint",
     )
     warm_spare: bool | Literal["auto"] = Field(
-        "auto", description="keep a warm pool (one process that imports the engine alongside the first attempt's "
-        "ranks); a restart's ranks are forked from it, without a new torchrun, instead of importing torch "
-        "and the engine again (a restart that finds it still importing waits for it; the launch event says "
-        "ranks_from warm or cold, and why) (ops/rank/warm.py, warmlaunch.py); TorchTitan imports everything "
-        "ahead, other engines torch only. `auto`: on when the machine has the cores for it (at least 2 x "
-        "launch.nproc + 2: the pool's import then does not slow the first attempt), off on small boxes and under Slurm",
+        "auto",
+        description="keep a warm pool (one process that imports the engine alongside the first "
+        "attempt's "
+        "ranks); a restart's ranks are forked from it, without a new torchrun, instead of "
+        "importing torch "
+        "and the engine again (a restart that finds it still importing waits for it; the launch "
+        "event says "
+        "ranks_from warm or cold, and why) (ops/rank/warm.py, warmlaunch.py); TorchTitan imports "
+        "everything "
+        "ahead, other engines torch only. `auto`: on when the machine has the cores for it (at "
+        "least 2 x "
+        "launch.nproc + 2: the pool's import then does not slow the first attempt), off on small "
+        "boxes and under Slurm",
     )
 
     def warm_pool_wanted(self, nproc: int, cpus: int | None) -> bool:
@@ -100,12 +136,13 @@ class RestartConfig(_Strict):
 
 
 class HealthConfig(_Strict):
-    """``[supervisor.health]``: checks before attempt 1 and each restart (ops/supervisor/health.py)."""
+    """``[supervisor.health]``: checks before attempt 1 and each restart (supervisor/health.py)."""
 
     enabled: bool = Field(True, description="false = no checks before attempts")
     min_free_mb: float = Field(
-        1024.0, ge=0,
-        description="free space the checkpoint directory needs (and at least twice the newest checkpoint)",
+        1024.0,
+        ge=0,
+        description="free space the checkpoint directory needs (and twice the newest checkpoint)",
     )
     # the names of ops/supervisor/health.py's CHECKS (tests/test_health.py keeps the two equal)
     skip: list[Literal["checkpoint_space", "checkpoint_writable", "rendezvous", "gpus"]] = Field(
@@ -117,36 +154,93 @@ class HealthConfig(_Strict):
 
 
 class SupervisorSection(_Strict):
-    """``[supervisor]``: how ``ptops launch`` watches (and, with ``--supervise``, restarts) a run (all optional)."""
+    """``[supervisor]``: how ``ptops launch`` watches (and, with ``--supervise``, restarts) a run
+    (all optional)."""
 
-    channel_host: str = Field("127.0.0.1", description="address the supervisor's channel listens on (0.0.0.0 for multi-node)")
+    channel_host: str = Field(
+        "127.0.0.1",
+        description="address the supervisor's channel listens on (0.0.0.0 for multi-node)",
+    )
     channel_port: int = Field(0, ge=0, le=65535, description="channel port; 0 picks a free one")
-    channel_advertise: str = Field("", description="host name ranks connect to; empty = channel_host (its hostname for 0.0.0.0)")
-    heartbeat_s: float = Field(1.0, gt=0, description="rank liveness ping interval (keep well below hang.ping_stale_s)")
-    stack_timeout_s: float = Field(5.0, gt=0, description="wait this long for a rank to send its stacks before using py-spy / faulthandler")
-    grace_s: float = Field(30.0, ge=0, description="Ctrl-C / SIGTERM: time the ranks get to checkpoint (engines that support it) before they are stopped")
-    kill_timeout_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down")
-    restart: RestartConfig = Field(RestartConfig(), description="restart policy (``ptops launch --supervise`` only)")
+    channel_advertise: str = Field(
+        "",
+        description="host name ranks connect to; empty = channel_host (its hostname for 0.0.0.0)",
+    )
+    heartbeat_s: float = Field(
+        1.0, gt=0, description="rank liveness ping interval (keep well below hang.ping_stale_s)"
+    )
+    stack_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="wait this long for a rank to send its stacks before using py-spy / "
+        "faulthandler",
+    )
+    grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="Ctrl-C / SIGTERM: time the ranks get to checkpoint (engines that support "
+        "it) before they are stopped",
+    )
+    kill_timeout_s: float = Field(
+        10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down"
+    )
+    restart: RestartConfig = Field(
+        RestartConfig(), description="restart policy (``ptops launch --supervise`` only)"
+    )
     hang: HangConfig = Field(HangConfig(), description="hang budgets (monitors/hang.py)")
     health: HealthConfig = Field(HealthConfig(), description="health checks before each attempt")
 
 
 class SlurmSection(_Strict):
-    """``[slurm]``: how ``ptops launch --supervise --slurm`` asks Slurm for nodes (CLI flags override)."""
+    """``[slurm]``: how ``ptops launch --supervise --slurm`` asks Slurm for nodes (CLI flags
+    override)."""
 
-    nodes: int = Field(1, ge=1, le=4096, description="nodes the ranks run on (launch.nproc ranks per node)")
-    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs per node (--gpus-per-node; sets launch.nproc); 0: no GPU request")
-    spare_nodes: int = Field(0, ge=0, le=64, description="extra nodes held in the allocation to replace blamed nodes without requeueing")
+    nodes: int = Field(
+        1, ge=1, le=4096, description="nodes the ranks run on (launch.nproc ranks per node)"
+    )
+    gpus_per_node: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="GPUs per node (--gpus-per-node; sets launch.nproc); 0: no GPU request",
+    )
+    spare_nodes: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="extra nodes held in the allocation to replace blamed nodes without requeueing",
+    )
     partition: str = Field("", description="--partition; empty: the cluster's default")
     time: str = Field("", description="--time (e.g. 04:00:00); empty: the partition's default")
     account: str = Field("", description="--account")
     qos: str = Field("", description="--qos")
-    signal_s: int = Field(120, ge=10, description="--signal=B:USR1@S: seconds before the time limit the supervisor is warned (save, then requeue)")
+    signal_s: int = Field(
+        120,
+        ge=10,
+        description="--signal=B:USR1@S: seconds before the time limit the supervisor is warned "
+        "(save, then requeue)",
+    )
     exclude: list[str] = Field(default_factory=list, description="nodes never to use (--exclude)")
-    node_strikes: int = Field(2, ge=1, description="failed attempts blamed on one node before it is replaced by a spare (or the job requeued without it)")
-    preempt_grace_s: float = Field(60.0, gt=0, description="on the warning signal: how long the ranks get to save before the requeue")
-    upstream_timeout_s: float = Field(10.0, gt=0, description="a node agent kills its ranks when it hears nothing from the supervisor this long (a cut link)")
-    sbatch_args: list[str] = Field(default_factory=list, description="extra #SBATCH options, e.g. [\"--mem=0\"]")
+    node_strikes: int = Field(
+        2,
+        ge=1,
+        description="failed attempts blamed on one node before it is replaced by a spare (or the "
+        "job requeued without it)",
+    )
+    preempt_grace_s: float = Field(
+        60.0,
+        gt=0,
+        description="on the warning signal: how long the ranks get to save before the requeue",
+    )
+    upstream_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a node agent kills its ranks when it hears nothing from the supervisor this "
+        "long (a cut link)",
+    )
+    sbatch_args: list[str] = Field(
+        default_factory=list, description='extra #SBATCH options, e.g. ["--mem=0"]'
+    )
 
 
 # Flat ``[supervisor]`` keys of earlier versions -> where they live now (one clear line, exit 2).
@@ -179,8 +273,11 @@ class RecipeBase(_Strict):
         return section
 
 
-# One optional section per registered engine: [titan], [trl], ... (a plugin cannot take a name of the base's)
-_engines.reserve({n for n in dir(RecipeBase) if not n.startswith("_")} | set(RecipeBase.model_fields))
+# One optional section per registered engine: [titan], [trl], ... (a plugin cannot take a name of
+# the base's)
+_engines.reserve(
+    {n for n in dir(RecipeBase) if not n.startswith("_")} | set(RecipeBase.model_fields)
+)
 Recipe = create_model(
     "Recipe",
     __base__=RecipeBase,
@@ -189,19 +286,24 @@ Recipe = create_model(
 
 
 def resolve_path(recipe: str | Path) -> Path:
-    """A path, or the bare name of a shipped recipe (``titan-tiny``, or one an engine plugin ships)."""
+    """A path, or the bare name of a shipped recipe (``titan-tiny``, or one an engine plugin
+    ships)."""
     p = Path(recipe)
     if p.is_file():
         return p
     shipped = shipped_recipes().get(str(recipe)) if not p.suffix and len(p.parts) == 1 else None
     if shipped is not None:
         return shipped
-    raise RecipeError(f"{recipe}: recipe file not found (expected a TOML file or one of: {', '.join(shipped_names())})")
+    raise RecipeError(
+        f"{recipe}: recipe file not found (expected a TOML file or one of: "
+        f"{', '.join(shipped_names())})"
+    )
 
 
 @dataclass(frozen=True)
 class RecipeRef:
-    """What every command makes of a RECIPE argument: its short name (run and scenario names) and file."""
+    """What every command makes of a RECIPE argument: its short name (run and scenario names) and
+    file."""
 
     name: str
     path: Path
@@ -213,7 +315,8 @@ def resolve(recipe: str | Path) -> RecipeRef:
 
 
 def shipped_recipes() -> dict[str, Path]:
-    """Recipe name -> file: ptops' own, then each engine's ``recipes_dir`` (a name taken keeps its first file)."""
+    """Recipe name -> file: ptops' own, then each engine's ``recipes_dir`` (a name taken keeps its
+    first file)."""
     found: dict[str, Path] = {}
     for folder in (RECIPES_DIR, *_engines.recipe_dirs()):
         for p in sorted(folder.glob("*.toml")):
@@ -254,14 +357,17 @@ _UNION_TAGS = {"bool", "int", "float", "str"}
 
 
 def _union_tag(part: Any) -> bool:
-    """A loc element pydantic adds for the member of a union (``bool``, ``literal['auto']``), not a key."""
+    """A loc element pydantic adds for the member of a union (``bool``, ``literal['auto']``), not a
+    key."""
     return str(part) in _UNION_TAGS or str(part).startswith(("literal[", "function-"))
 
 
 def _explain(exc: ValidationError, origin: str) -> RecipeError:
     errors = exc.errors()
     err = errors[0]
-    if len(errors) > 1 and all(e["loc"][:-1] == err["loc"][:-1] and _union_tag(e["loc"][-1]) for e in errors):
+    if len(errors) > 1 and all(
+        e["loc"][:-1] == err["loc"][:-1] and _union_tag(e["loc"][-1]) for e in errors
+    ):
         # a value of a union (`bool | "auto"`): one line, every accepted form
         wants = [e["msg"].lower().removeprefix("input should be ").split(", ")[0] for e in errors]
         err = {**err, "loc": err["loc"][:-1], "msg": "input should be " + " or ".join(wants)}
@@ -272,7 +378,10 @@ def _explain(exc: ValidationError, origin: str) -> RecipeError:
     if kind == "missing":
         return RecipeError(f"{origin}: key '{key}': missing (required)")
     got = err.get("input")
-    got_s = f" (got {json.dumps(got) if isinstance(got, (str, int, float, bool)) else type(got).__name__})"
+    got_s = (
+        " (got "
+        f"{json.dumps(got) if isinstance(got, (str, int, float, bool)) else type(got).__name__})"
+    )
     return RecipeError(f"{origin}: key '{key}': {err['msg'].lower()}{got_s}")
 
 
@@ -294,10 +403,13 @@ def load(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tup
 
 
 def command_recipe_toml(command: list[str], cwd: str | Path) -> str:
-    """The recipe ``ptops launch [options] -- COMMAND...`` runs (engine ``script``), as TOML text: the run
-    directory keeps it as ``recipe.toml``, so ``ptops launch RUN/recipe.toml`` runs it again."""
+    """The recipe ``ptops launch [options] -- COMMAND...`` runs (engine ``script``), as TOML text:
+    the run directory keeps it as ``recipe.toml``, so ``ptops launch RUN/recipe.toml`` runs it
+    again."""
     if not command or not command[0].strip():
-        raise RecipeError("ptops launch -- COMMAND: the command after -- is empty (e.g. -- python train.py)")
+        raise RecipeError(
+            "ptops launch -- COMMAND: the command after -- is empty (e.g. -- python train.py)"
+        )
     py = next((a for a in command if a.endswith(".py")), None)
     stem = Path(py).stem if py else Path(command[0]).name
     if py and Path(py).parent.name not in ("", "."):
@@ -307,8 +419,10 @@ def command_recipe_toml(command: list[str], cwd: str | Path) -> str:
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem).strip("-.") or "script"
     words = ", ".join(json.dumps(a) for a in command)
     about = json.dumps("ptops launch -- " + " ".join(command))
-    return (f'name = {json.dumps(name)}\nengine = "script"\ndescription = {about}\n\n'
-            f"[script]\ncommand = [{words}]\ncwd = {json.dumps(str(Path(cwd).resolve()))}\n")
+    return (
+        f'name = {json.dumps(name)}\nengine = "script"\ndescription = {about}\n\n'
+        f"[script]\ncommand = [{words}]\ncwd = {json.dumps(str(Path(cwd).resolve()))}\n"
+    )
 
 
 def _check_moved(data: dict, origin: str) -> None:
@@ -325,7 +439,9 @@ def validate(data: dict, origin: str) -> Recipe:
     engine = data.get("engine")
     if engine not in registered:
         expected = " or ".join(json.dumps(n) for n in registered)
-        raise RecipeError(f"{origin}: key 'engine': unknown engine {json.dumps(engine)} (expected {expected})")
+        raise RecipeError(
+            f"{origin}: key 'engine': unknown engine {json.dumps(engine)} (expected {expected})"
+        )
     _check_moved(data, origin)
     data = dict(data)
     data.setdefault(engine, {})
@@ -335,32 +451,52 @@ def validate(data: dict, origin: str) -> Recipe:
         raise _explain(e, origin) from None
     for other in registered:
         if other != engine and getattr(recipe, other) is not None:
-            raise RecipeError(f"{origin}: key '{other}': section does not apply to engine \"{engine}\"")
+            raise RecipeError(
+                f"{origin}: key '{other}': section does not apply to engine \"{engine}\""
+            )
     if recipe.supervisor.hang.total_steps is not None:
-        raise RecipeError(f"{origin}: key 'supervisor.hang.total_steps': not a recipe key (the supervisor sets it from train.steps)")
-    build_monitors_of(recipe.monitors, origin)  # a [monitors] config no monitor accepts is bad input, not silence
+        raise RecipeError(
+            f"{origin}: key 'supervisor.hang.total_steps': not a recipe key (the supervisor sets "
+            "it from train.steps)"
+        )
+    build_monitors_of(
+        recipe.monitors, origin
+    )  # a [monitors] config no monitor accepts is bad input, not silence
     _check_cross_keys(recipe, origin)
     return recipe
 
 
 def build_monitors_of(section: MonitorsSection, origin: str) -> list:
-    """The monitors of a ``[monitors]`` section, or one :class:`RecipeError` naming the monitor that cannot be built."""
+    """The monitors of a ``[monitors]`` section, or one :class:`RecipeError` naming the monitor that
+    cannot be built."""
     try:
         return build_monitors(section)
     except MonitorConfigError as e:
-        raise RecipeError(f"{origin}: key 'monitors.{e.monitor}': the monitor cannot be built with these settings ({e})") from None
+        raise RecipeError(
+            f"{origin}: key 'monitors.{e.monitor}': the monitor cannot be built with these "
+            f"settings ({e})"
+        ) from None
 
 
-# keys only some engines implement: engine -> keys (a recipe that sets one elsewhere is bad input, not silence)
-ENGINE_ONLY = {"train.init_from": ("trl", "titan"), "eval.interval": ("trl",), "train.data_file": ("trl",)}
+# keys only some engines implement: engine -> keys (a recipe that sets one elsewhere is bad input,
+# not silence)
+ENGINE_ONLY = {
+    "train.init_from": ("trl", "titan"),
+    "eval.interval": ("trl",),
+    "train.data_file": ("trl",),
+}
 
 
 def _check_cross_keys(recipe: Recipe, origin: str) -> None:
-    """The engine's rules that span sections, caught here rather than as a traceback inside every rank."""
+    """The engine's rules that span sections, caught here rather than as a traceback inside every
+    rank."""
     for key, engines in ENGINE_ONLY.items():
         section, _, field = key.partition(".")
         if getattr(getattr(recipe, section), field) and recipe.engine not in engines:
-            raise RecipeError(f"{origin}: key '{key}': not supported by engine \"{recipe.engine}\" (only {', '.join(engines)})")
+            raise RecipeError(
+                f"{origin}: key '{key}': not supported by engine \"{recipe.engine}\" (only "
+                f"{', '.join(engines)})"
+            )
     check = _engines.get(recipe.engine).check
     problem = check(recipe) if check is not None else None
     if problem is not None:

@@ -1,4 +1,5 @@
-"""One Markdown runbook per alert and finding: ``runbooks/<Name>.md`` (``ptops runbook NAME`` prints one).
+"""One Markdown runbook per alert and finding: ``runbooks/<Name>.md`` (``ptops runbook NAME`` prints
+one).
 
 Convention for the commands in a runbook (``tests/test_runbooks_run.py`` enforces it):
 
@@ -13,6 +14,7 @@ Convention for the commands in a runbook (``tests/test_runbooks_run.py`` enforce
   ``# act: <why>``. Use it for commands that act (resume, requeue, drain or exclude a node, kill),
   need a live process (``py-spy dump --pid``), or need the alert's host (``nvidia-smi``, ``dmesg``)
   or another run.
-- A shell fence tagged otherwise (```` ```sh ````, ```` ```console ````, ```` ```bash foo ````) or an
-  untagged fence is an error: nothing is skipped silently. Non-shell fences (```` ```toml ````) are text.
+- A shell fence tagged otherwise (```` ```sh ````, ```` ```console ````, ```` ```bash foo ````) or
+  an untagged fence is an error: nothing is skipped silently. Non-shell fences (```` ```toml ````)
+  are text.
 """

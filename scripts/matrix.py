@@ -1,27 +1,28 @@
 #!/usr/bin/env python3
 """The version matrix: ptops beside the oldest and the newest torch/TRL/transformers it declares.
 
-    python3 scripts/matrix.py                 # both ends (~30 min on 2 cores); the table -> bench/README.md
+    python3 scripts/matrix.py  # both ends (~30 min on 2 cores); the table -> bench/README.md
     python3 scripts/matrix.py --end oldest    # one end
     python3 scripts/matrix.py --list          # what each end would install, then exit
     python3 scripts/matrix.py --table         # the last run's table
 
-Each end is a venv, ``.venv-matrix-END``, set up as a user's image is: first a torch of the end's version, the
-registry's own build (a CUDA build even on this CPU box), then this checkout's ``ptops[trl,dev]`` (plus
-``[titan]`` where TorchTitan imports on that torch) without the project's lock. The end then proves:
+Each end is a venv, ``.venv-matrix-END``, set up as a user's image is: first a torch of the end's
+version, the registry's own build (a CUDA build even on this CPU box), then this checkout's
+``ptops[trl,dev]`` (plus ``[titan]`` where TorchTitan imports on that torch) without the project's
+lock. The end then proves:
   1. the torch that was there is untouched (same version, same RECORD digest: same build);
   2. ``pip install --dry-run ptops[trl]`` in that venv lists no torch;
-  3. the engine-agnostic tests and the TRL recipes' crash-resume digest tests pass (TorchTitan's too where it
-     imports).
-The oldest end is pyproject.toml's lower bounds, read from it, so a bound cannot drift from what ran; the newest
-is what pip resolves from the ranges today. Results go to ``bench/results/matrix.json``;
-``tests/test_packaging.py`` fails when a declared lower bound is not the one the last matrix run used.
+  3. the engine-agnostic tests and the TRL recipes' crash-resume digest tests pass (TorchTitan's too
+     where it imports).
+The oldest end is pyproject.toml's lower bounds, read from it, so a bound cannot drift from what
+ran; the newest is what pip resolves from the ranges today. Results go to
+``bench/results/matrix.json``; ``tests/test_packaging.py`` fails when a declared lower bound is not
+the one the last matrix run used.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -34,13 +35,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "matrix.json"
 # the packages whose ends the matrix pins; the rest of an extra resolves freely within its range
-MATRIX_PACKAGES = ("torch", "trl", "transformers", "peft", "accelerate", "datasets", "tokenizers",
-                   "torchtitan", "torchao")
-ENGINE_AGNOSTIC = ["tests/test_monitors.py", "tests/test_monitors_fast.py", "tests/test_monitors_replay.py",
-                   "tests/test_ckpt.py", "tests/test_runrecord.py", "tests/test_faultspec.py",
-                   "tests/test_faultinject_units.py", "tests/test_policy_units.py", "tests/test_supervisor_units.py",
-                   "tests/test_engines.py", "tests/test_recipe_input.py", "tests/test_packaging.py",
-                   "tests/test_architecture.py"]
+MATRIX_PACKAGES = (
+    "torch",
+    "trl",
+    "transformers",
+    "peft",
+    "accelerate",
+    "datasets",
+    "tokenizers",
+    "torchtitan",
+    "torchao",
+)
+ENGINE_AGNOSTIC = [
+    "tests/test_monitors.py",
+    "tests/test_monitors_fast.py",
+    "tests/test_monitors_replay.py",
+    "tests/test_ckpt.py",
+    "tests/test_runrecord.py",
+    "tests/test_faultspec.py",
+    "tests/test_faultinject_units.py",
+    "tests/test_policy_units.py",
+    "tests/test_supervisor_units.py",
+    "tests/test_engines.py",
+    "tests/test_recipe_input.py",
+    "tests/test_packaging.py",
+    "tests/test_architecture.py",
+]
 TRL_DIGEST = ["tests/test_trl_train.py"]  # SFT/DPO/GRPO on 2 ranks, kill + resume bit-identical
 TITAN = ["tests/test_titan_train.py"]
 
@@ -50,7 +70,8 @@ def extras() -> dict[str, list[str]]:
 
 
 def lower_bounds() -> dict[str, str]:
-    """``name -> version`` of every ``>=`` bound that the engine extras declare for a matrix package."""
+    """``name -> version`` of every ``>=`` bound that the engine extras declare for a matrix
+    package."""
     found: dict[str, str] = {}
     for reqs in extras().values():
         for req in reqs:
@@ -61,7 +82,9 @@ def lower_bounds() -> dict[str, str]:
                 spec = spec.strip()
                 if spec.startswith(">="):
                     name, ver = m.group(1).lower(), spec[2:].strip()
-                    if name == "torch":  # titan and trl may differ: the oldest torch any extra admits
+                    if (
+                        name == "torch"
+                    ):  # titan and trl may differ: the oldest torch any extra admits
                         ver = min(found.get(name, ver), ver, key=_version_key)
                     found[name] = ver
     return found
@@ -74,8 +97,14 @@ def _version_key(v: str) -> tuple[int, ...]:
 def plan(end: str) -> dict:
     if end == "oldest":
         pins = lower_bounds()
-        return {"torch": f"torch=={pins['torch']}", "pins": {k: v for k, v in pins.items() if k != "torch"}}
-    return {"torch": "torch", "pins": {}}  # newest: the newest release the ranges (and this machine's cap) admit
+        return {
+            "torch": f"torch=={pins['torch']}",
+            "pins": {k: v for k, v in pins.items() if k != "torch"},
+        }
+    return {
+        "torch": "torch",
+        "pins": {},
+    }  # newest: the newest release the ranges (and this machine's cap) admit
 
 
 def sh(cmd: list[str], log, **kw) -> subprocess.CompletedProcess:
@@ -85,20 +114,27 @@ def sh(cmd: list[str], log, **kw) -> subprocess.CompletedProcess:
 
 
 def torch_identity(py: Path) -> dict:
-    code = ("import importlib.metadata as m, hashlib, pathlib, json; d = m.distribution('torch'); "
-            "rec = pathlib.Path(d._path, 'RECORD').read_bytes(); "
-            "print(json.dumps({'version': d.version, 'record_sha256': hashlib.sha256(rec).hexdigest()}))")
+    code = (
+        "import importlib.metadata as m, hashlib, pathlib, json; d = m.distribution('torch'); "
+        "rec = pathlib.Path(d._path, 'RECORD').read_bytes(); "
+        "print(json.dumps({'version': d.version, 'record_sha256': "
+        "hashlib.sha256(rec).hexdigest()}))"
+    )
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def versions(py: Path) -> dict[str, str | None]:
-    code = ("import importlib.metadata as m, json; out = {}\n"
-            f"for n in {list(MATRIX_PACKAGES)!r}:\n"
-            "    try: out[n] = m.version(n)\n"
-            "    except m.PackageNotFoundError: out[n] = None\n"
-            "print(json.dumps(out))")
-    return json.loads(subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout)
+    code = (
+        "import importlib.metadata as m, json; out = {}\n"
+        f"for n in {list(MATRIX_PACKAGES)!r}:\n"
+        "    try: out[n] = m.version(n)\n"
+        "    except m.PackageNotFoundError: out[n] = None\n"
+        "print(json.dumps(out))"
+    )
+    return json.loads(
+        subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout
+    )
 
 
 def run_end(end: str, log_dir: Path) -> dict:
@@ -106,7 +142,11 @@ def run_end(end: str, log_dir: Path) -> dict:
     py = venv / "bin" / "python"
     log_path = log_dir / f"matrix-{end}.log"
     p = plan(end)
-    result: dict = {"end": end, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "log": str(log_path)}
+    result: dict = {
+        "end": end,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "log": str(log_path),
+    }
     t0 = time.monotonic()
 
     def step(msg: str) -> None:
@@ -131,40 +171,110 @@ def run_end(end: str, log_dir: Path) -> dict:
         if rc != 0:
             return {**result, "ok": False, "failed": "pip install ptops[trl,dev]"}
         titan_req = f"{REPO}[titan,trl,dev]"
-        # [titan] only where its torch range admits the torch that is there (it must not change torch)
-        dry = subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
-                              "-c", str(constraints), "-e", titan_req], capture_output=True, text=True, env=env)
+        # [titan] only where its torch range admits the torch that is there (it must not change
+        # torch)
+        dry = subprocess.run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--quiet",
+                "--report",
+                "-",
+                "-c",
+                str(constraints),
+                "-e",
+                titan_req,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         titan = dry.returncode == 0 and not any(
-            i["metadata"]["name"].lower() == "torch" for i in json.loads(dry.stdout or "{}").get("install", []))
+            i["metadata"]["name"].lower() == "torch"
+            for i in json.loads(dry.stdout or "{}").get("install", [])
+        )
         if titan:
-            titan = sh([*pip, "-c", str(constraints), "-e", titan_req], log, env=env).returncode == 0
+            titan = (
+                sh([*pip, "-c", str(constraints), "-e", titan_req], log, env=env).returncode == 0
+            )
         after = torch_identity(py)
         result["torch_after"] = after
         result["torch_untouched"] = before == after
         step("pip install --dry-run ptops[trl]: does it want another torch?")
-        dry = subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
-                              f"{REPO}[trl]"], capture_output=True, text=True, env=env)
+        dry = subprocess.run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--quiet",
+                "--report",
+                "-",
+                f"{REPO}[trl]",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         wanted = [i["metadata"]["name"] for i in json.loads(dry.stdout or "{}").get("install", [])]
-        result["dry_run_installs_torch"] = any(n.lower() == "torch" for n in wanted) if dry.returncode == 0 else None
+        result["dry_run_installs_torch"] = (
+            any(n.lower() == "torch" for n in wanted) if dry.returncode == 0 else None
+        )
         result["versions"] = versions(py)
-        titan_imports = titan and subprocess.run(
-            [str(py), "-c", "import torchtitan.train"], capture_output=True).returncode == 0
+        titan_imports = (
+            titan
+            and subprocess.run(
+                [str(py), "-c", "import torchtitan.train"], capture_output=True
+            ).returncode
+            == 0
+        )
         result["titan_imports"] = bool(titan_imports)
         tests = ENGINE_AGNOSTIC + TRL_DIGEST + (TITAN if titan_imports else [])
-        step(f"pytest: {len(tests)} modules" + ("" if titan_imports else " (TorchTitan does not install/import here)"))
+        step(
+            f"pytest: {len(tests)} modules"
+            + ("" if titan_imports else " (TorchTitan does not install/import here)")
+        )
         junit = log_dir / f"matrix-{end}-junit.xml"
         t1 = time.monotonic()
         # the one test that reads this script's results cannot pass before they are written
-        own = ["--deselect", "tests/test_packaging.py::test_declared_bounds_are_the_ones_the_matrix_ran"]
+        own = [
+            "--deselect",
+            "tests/test_packaging.py::test_declared_bounds_are_the_ones_the_matrix_ran",
+        ]
         marks = ["-m", "not chaos_full" + ("" if titan_imports else " and not titan")]
-        rc = sh([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "900", "--junitxml",
-                 str(junit), *marks, *own, *tests], log, cwd=REPO, env=env).returncode
+        rc = sh(
+            [
+                str(py),
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--timeout",
+                "900",
+                "--junitxml",
+                str(junit),
+                *marks,
+                *own,
+                *tests,
+            ],
+            log,
+            cwd=REPO,
+            env=env,
+        ).returncode
         result["pytest_s"] = round(time.monotonic() - t1, 1)
         result["pytest_rc"] = rc
         result["tests"] = tests
         result["counts"] = _junit_counts(junit)
-    result["ok"] = bool(result.get("torch_untouched") and result.get("dry_run_installs_torch") is False
-                        and result.get("pytest_rc") == 0)
+    result["ok"] = bool(
+        result.get("torch_untouched")
+        and result.get("dry_run_installs_torch") is False
+        and result.get("pytest_rc") == 0
+    )
     result["wall_s"] = round(time.monotonic() - t0, 1)
     step("PASS" if result["ok"] else "FAIL")
     return result
@@ -175,36 +285,63 @@ def _junit_counts(path: Path) -> dict:
         text = path.read_text()
     except OSError:
         return {}
-    m = re.search(r'<testsuite [^>]*errors="(\d+)" failures="(\d+)" skipped="(\d+)" tests="(\d+)"', text)
+    m = re.search(
+        r'<testsuite [^>]*errors="(\d+)" failures="(\d+)" skipped="(\d+)" tests="(\d+)"', text
+    )
     if not m:
         return {}
     errors, failures, skipped, tests = map(int, m.groups())
-    return {"passed": tests - errors - failures - skipped, "failed": failures + errors, "skipped": skipped}
+    return {
+        "passed": tests - errors - failures - skipped,
+        "failed": failures + errors,
+        "skipped": skipped,
+    }
 
 
 def table(results: dict) -> str:
-    rows = ["| end | torch (before = after) | trl | transformers | peft | accelerate | TorchTitan | "
-            "dry run wants torch | tests | result |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| end | torch (before = after) | trl | transformers | peft | accelerate | TorchTitan | "
+        "dry run wants torch | tests | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for end in ("oldest", "newest"):
         r = results.get(end)
         if not r:
             continue
         v = r.get("versions", {})
-        torch = f"{r.get('torch_before', {}).get('version')} ({'same build' if r.get('torch_untouched') else 'CHANGED'})"
-        titan = v.get("torchtitan") if r.get("titan_imports") else "not run: [titan]'s torch range excludes this torch"
+        torch = (
+            f"{r.get('torch_before', {}).get('version')} "
+            f"({'same build' if r.get('torch_untouched') else 'CHANGED'})"
+        )
+        titan = (
+            v.get("torchtitan")
+            if r.get("titan_imports")
+            else "not run: [titan]'s torch range excludes this torch"
+        )
         c = r.get("counts", {})
-        tests = f"{c.get('passed', '?')} passed, {c.get('failed', '?')} failed ({r.get('pytest_s', '?')} s)"
-        rows.append(f"| {end} | {torch} | {v.get('trl')} | {v.get('transformers')} | {v.get('peft')} | "
-                    f"{v.get('accelerate')} | {titan} | {r.get('dry_run_installs_torch')} | {tests} | "
-                    f"{'PASS' if r.get('ok') else 'FAIL'} |")
+        tests = (
+            f"{c.get('passed', '?')} passed, {c.get('failed', '?')} failed "
+            f"({r.get('pytest_s', '?')} s)"
+        )
+        rows.append(
+            f"| {end} | {torch} | {v.get('trl')} | {v.get('transformers')} | {v.get('peft')} | "
+            f"{v.get('accelerate')} | {titan} | {r.get('dry_run_installs_torch')} | {tests} | "
+            f"{'PASS' if r.get('ok') else 'FAIL'} |"
+        )
     return "\n".join(rows)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--end", choices=["oldest", "newest", "all"], default="all")
     ap.add_argument("--list", action="store_true", help="print what each end installs and exit")
-    ap.add_argument("--table", action="store_true", help="print the last run's table (bench/results/matrix.json)")
+    ap.add_argument(
+        "--table",
+        action="store_true",
+        help="print the last run's table (bench/results/matrix.json)",
+    )
     args = ap.parse_args()
     ends = ["oldest", "newest"] if args.end == "all" else [args.end]
     if args.list:
@@ -218,8 +355,12 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     for end in ends:
         result = run_end(end, log_dir)
-        (log_dir / f"matrix-{end}.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # the other end may have run meanwhile
+        (log_dir / f"matrix-{end}.json").write_text(
+            json.dumps(result, indent=2, sort_keys=True) + "\n"
+        )
+        results = (
+            json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        )  # the other end may have run meanwhile
         results[end] = result
         results["declared_lower_bounds"] = lower_bounds()
         RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")

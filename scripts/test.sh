@@ -7,4 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --servers
+# lint first (pyproject [tool.ruff]): seconds, and a formatting slip should not wait for an hour of tests
+.venv/bin/ruff check --output-format concise . && .venv/bin/ruff format --check . \
+  || { echo "lint: run \`.venv/bin/ruff format . && .venv/bin/ruff check --fix .\`" >&2; exit 1; }
 exec .venv/bin/python -m pytest -ra --durations=30 --timeout 900 -n 0 --dist loadfile --no-loadscope-reorder "$@"

@@ -1,5 +1,6 @@
-"""One rank of ``tests/test_recipes_clean_cache.py::test_asset_built_under_a_process_group_is_complete``:
-2 ranks in a real gloo group build the tiny TRL model asset in one empty ``PTOPS_CACHE``.
+"""One rank of
+``tests/test_recipes_clean_cache.py::test_asset_built_under_a_process_group_is_complete``: 2 ranks
+in a real gloo group build the tiny TRL model asset in one empty ``PTOPS_CACHE``.
 
 - ``alone``: rank 1 builds while rank 0 waits at a barrier (the GKD teacher's case: a non-main rank,
   process group up, is the builder), then rank 0 takes it from the cache;
@@ -9,6 +10,7 @@ Each rank writes OUT/rankR.json: the folders it got and a digest of the weights 
 
     python tests/assets_worker.py RANK OUT
 """
+
 from __future__ import annotations
 
 import hashlib

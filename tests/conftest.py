@@ -10,13 +10,20 @@ REPO = Path(__file__).resolve().parent.parent
 PTOPS = [sys.executable, "-m", "ptops"]
 
 
-def run_ptops(*args: str, timeout: float = 600, env: dict | None = None, check: bool = False) -> subprocess.CompletedProcess:
+def run_ptops(
+    *args: str, timeout: float = 600, env: dict | None = None, check: bool = False
+) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.run([*PTOPS, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    proc = subprocess.run(
+        [*PTOPS, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"ptops {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        raise AssertionError(
+            f"ptops {' '.join(args)} exited "
+            f"{proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
     return proc
 
 
@@ -31,7 +38,8 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def have(request):
-    """Look up a program; under CI a missing program is a failure, elsewhere a skip with a reason."""
+    """Look up a program; under CI a missing program is a failure, elsewhere a skip with a
+    reason."""
 
     def _have(program: str) -> str:
         path = shutil.which(program)
@@ -55,7 +63,8 @@ def faulted_runs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """One real 3-node Slurm (scripts/slurm_cluster.sh) shared by every Slurm test; removed at the end."""
+    """One real 3-node Slurm (scripts/slurm_cluster.sh) shared by every Slurm test; removed at the
+    end."""
     from slurm_cluster import Cluster
 
     cluster = Cluster.start(nodes=3)
@@ -65,40 +74,100 @@ def slurm_cluster():
         cluster.stop()
 
 
-# ---------------------------------------------------------------- two workers (scripts/test.sh: -n 2)
-# pytest-xdist with --dist loadfile: a module's tests stay on one worker, so its module fixtures (real runs)
-# are made once. (loadgroup would also join modules, but with pytest 9 it does not group at all: tried.)
-# What several modules share is shared through the workers' common temp folder instead: faulted runs
-# (tests/faulted.py) and the `machine_lock` below. The Slurm cluster has one module, test_slurm.py.
+# -------------------------------------------------------------- two workers (scripts/test.sh: -n 2)
+# pytest-xdist with --dist loadfile: a module's tests stay on one worker, so its module fixtures
+# (real runs) are made once. (loadgroup would also join modules, but with pytest 9 it does not group
+# at all: tried.) What several modules share is shared through the workers' common temp folder
+# instead: faulted runs (tests/faulted.py) and the `machine_lock` below. The Slurm cluster has one
+# module, test_slurm.py.
 
-# modules handed out first, longest first (a fresh clone's --durations): a long one last would leave the
-# other worker idle at the end; the rest follow in collection order
+# modules handed out first, longest first (a fresh clone's --durations): a long one last would leave
+# the other worker idle at the end; the rest follow in collection order
 LONGEST_FIRST = [
-    "test_ckpt_e2e", "test_slurm", "test_diagnose_incidents", "test_trl_catalogue", "test_gpu_check", "test_pipeline",
-    "test_install", "test_trl_grpo_rewards_train", "test_chaos", "test_byo_script", "test_supervisor_real",
-    "test_titan_train", "test_hang_budgets", "test_trl_rewards", "test_code_forgery",
+    "test_ckpt_e2e",
+    "test_slurm",
+    "test_diagnose_incidents",
+    "test_trl_catalogue",
+    "test_gpu_check",
+    "test_pipeline",
+    "test_install",
+    "test_trl_grpo_rewards_train",
+    "test_chaos",
+    "test_byo_script",
+    "test_supervisor_real",
+    "test_titan_train",
+    "test_hang_budgets",
+    "test_trl_rewards",
+    "test_code_forgery",
 ]
 
 
+# The extended run: tests that leave the default run (CI's) because a default test covers the same
+# path and they only repeat it for another recipe or driver; each says which default test covers
+# it. Run them with `bash scripts/test.sh -m extended` before resolving an issue that touches what
+# they name (the TRL recipes, the GPU check's drivers). Every entry must name a test that exists.
+EXTENDED = {
+    "tests/test_trl_catalogue.py::test_lora_sft_trains_adapters_and_resumes_exactly": (
+        "the TRL adapter's crash-resume: test_trl_train (SFT kill/resume), test_supervisor_real"
+    ),
+    "tests/test_trl_catalogue.py::test_reward_model_trains_and_resumes_exactly": (
+        "the TRL adapter's crash-resume: test_trl_train, test_trl_grpo_rewards_train (code)"
+    ),
+    (
+        "tests/test_trl_catalogue.py::"
+        "test_rloo_trains_with_the_verifiable_reward_and_resumes_exactly"
+    ): "RL with a verifiable reward, crashed and resumed: test_grpo_code_trains_and_resumes_...",
+    "tests/test_trl_grpo_rewards_train.py::test_grpo_math_trains_and_resumes_exactly": (
+        "the GRPO reward path: test_grpo_code_trains_and_resumes_exactly; the math verifier: "
+        "test_trl_rewards"
+    ),
+    "tests/test_trl_grpo_rewards_train.py::test_grpo_judge_trains_and_resumes_exactly": (
+        "the GRPO reward path: test_grpo_code_trains_and_resumes_exactly; judge: test_trl_rewards"
+    ),
+    "tests/test_gpu_check.py::test_gpu_check_driver_on_cpu_smoke": (
+        "titan crash/hang/async save: faulted runs (tests/faulted.py); the one-call driver and its "
+        "stages: test_script_stage_driver_on_cpu_smoke, test_a_stage_over_its_budget_is_cut_..."
+    ),
+    "tests/test_gpu_check.py::test_trl_gpu_check_driver_on_cpu_smoke": (
+        "trl-sft-tiny crash and exact resume: test_supervisor_real, test_trl_train"
+    ),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
 
     def module(item) -> str:
         return item.nodeid.split("::")[0].rpartition("/")[2].removesuffix(".py")
 
-    items.sort(key=lambda it: rank.get(module(it), len(rank)))  # stable: a module's own order is kept
+    # stable: a module's own order is kept
+    items.sort(key=lambda it: rank.get(module(it), len(rank)))
+    seen = set()
+    for item in items:
+        if item.nodeid in EXTENDED:
+            item.add_marker(pytest.mark.extended)
+            seen.add(item.nodeid)
+    files = {it.nodeid.split("::")[0] for it in items}
+    stale = [n for n in EXTENDED if n.split("::")[0] in files and n not in seen]
+    if stale and not (config.option.keyword or config.args != config.getini("testpaths")):
+        raise pytest.UsageError(
+            f"tests/conftest.py EXTENDED names tests that do not exist: {stale}"
+        )
 
 
 def shared_dir(tmp_path_factory) -> Path:
-    """A folder every worker of this session sees (its own temp folder when there are no workers)."""
+    """A folder every worker of this session sees (its own temp folder when there are no
+    workers)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="module")
 def sandbox_lock(tmp_path_factory):
-    """Held for a whole module that runs the code sandbox or asserts that none of its processes is left
-    anywhere: with two workers, one module's sandboxes would be the other's "left over" processes."""
+    """Held for a whole module that runs the code sandbox or asserts that none of its processes is
+    left anywhere: with two workers, one module's sandboxes would be the other's "left over"
+    processes."""
     import fcntl
 
     with open(shared_dir(tmp_path_factory) / "sandbox.lock", "w") as lock:

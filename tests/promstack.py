@@ -75,8 +75,13 @@ class WebhookReceiver:
 
     def alerts(self, name: str | None = None, status: str = "firing") -> list[tuple[float, dict]]:
         """(receipt time, alert) for every alert received, optionally of one name and status."""
-        return [(ts, a) for ts, body in list(self.received) for a in body.get("alerts", [])
-                if (name is None or a["labels"].get("alertname") == name) and (status is None or a["status"] == status)]
+        return [
+            (ts, a)
+            for ts, body in list(self.received)
+            for a in body.get("alerts", [])
+            if (name is None or a["labels"].get("alertname") == name)
+            and (status is None or a["status"] == status)
+        ]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -84,7 +89,11 @@ class WebhookReceiver:
 
 
 def alertmanager_binary(have) -> str:
-    return shutil.which("prometheus-alertmanager") or shutil.which("alertmanager") or have("prometheus-alertmanager")
+    return (
+        shutil.which("prometheus-alertmanager")
+        or shutil.which("alertmanager")
+        or have("prometheus-alertmanager")
+    )
 
 
 class PromStack:
@@ -98,32 +107,85 @@ class PromStack:
         self.hook = WebhookReceiver()
         try:
             self.am_port = free_port()
-            (self.tmp / "am.yml").write_text(yaml.safe_dump({
-                "route": {"receiver": "hook", "group_by": ["alertname", "run"], "group_wait": "1s",
-                          "group_interval": "1s", "repeat_interval": "1h"},
-                "receivers": [{"name": "hook", "webhook_configs": [{"url": self.hook.url, "send_resolved": False}]}],
-            }))
-            self.procs.append(subprocess.Popen(
-                [alertmanager, f"--config.file={self.tmp / 'am.yml'}", f"--storage.path={self.tmp / 'am-data'}",
-                 f"--web.listen-address=127.0.0.1:{self.am_port}", "--cluster.listen-address="],
-                stdout=open(self.tmp / "am.log", "w"), stderr=subprocess.STDOUT))
+            (self.tmp / "am.yml").write_text(
+                yaml.safe_dump(
+                    {
+                        "route": {
+                            "receiver": "hook",
+                            "group_by": ["alertname", "run"],
+                            "group_wait": "1s",
+                            "group_interval": "1s",
+                            "repeat_interval": "1h",
+                        },
+                        "receivers": [
+                            {
+                                "name": "hook",
+                                "webhook_configs": [{"url": self.hook.url, "send_resolved": False}],
+                            }
+                        ],
+                    }
+                )
+            )
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        alertmanager,
+                        f"--config.file={self.tmp / 'am.yml'}",
+                        f"--storage.path={self.tmp / 'am-data'}",
+                        f"--web.listen-address=127.0.0.1:{self.am_port}",
+                        "--cluster.listen-address=",
+                    ],
+                    stdout=open(self.tmp / "am.log", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
             self.prom_port = free_port()
             shutil.copy(rules_file, self.tmp / "ptops-rules.yml")
-            (self.tmp / "prometheus.yml").write_text(yaml.safe_dump({
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": [str(self.tmp / "ptops-rules.yml")],
-                "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{self.am_port}"]}]}]},
-                "scrape_configs": [{"job_name": "ptops", "static_configs": [{"targets": list(targets)}]}],
-            }))
-            self.procs.append(subprocess.Popen(
-                [prometheus, f"--config.file={self.tmp / 'prometheus.yml'}", f"--storage.tsdb.path={self.tmp / 'prom-data'}",
-                 f"--web.listen-address=127.0.0.1:{self.prom_port}", "--rules.alert.resend-delay=1s"],
-                stdout=open(self.tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT))
+            (self.tmp / "prometheus.yml").write_text(
+                yaml.safe_dump(
+                    {
+                        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                        "rule_files": [str(self.tmp / "ptops-rules.yml")],
+                        "alerting": {
+                            "alertmanagers": [
+                                {"static_configs": [{"targets": [f"127.0.0.1:{self.am_port}"]}]}
+                            ]
+                        },
+                        "scrape_configs": [
+                            {"job_name": "ptops", "static_configs": [{"targets": list(targets)}]}
+                        ],
+                    }
+                )
+            )
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        prometheus,
+                        f"--config.file={self.tmp / 'prometheus.yml'}",
+                        f"--storage.tsdb.path={self.tmp / 'prom-data'}",
+                        f"--web.listen-address=127.0.0.1:{self.prom_port}",
+                        "--rules.alert.resend-delay=1s",
+                    ],
+                    stdout=open(self.tmp / "prometheus.log", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
             self.url = f"http://127.0.0.1:{self.prom_port}"
-            wait_for(lambda: urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).status == 200, 30,
-                     "prometheus ready")
-            wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{self.am_port}/-/ready", timeout=2).status == 200,
-                     30, "alertmanager ready")
+            wait_for(
+                lambda: urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).status == 200,
+                30,
+                "prometheus ready",
+            )
+            wait_for(
+                lambda: (
+                    urllib.request.urlopen(
+                        f"http://127.0.0.1:{self.am_port}/-/ready", timeout=2
+                    ).status
+                    == 200
+                ),
+                30,
+                "alertmanager ready",
+            )
         except BaseException:
             self.close()
             raise
@@ -133,12 +195,16 @@ class PromStack:
         params = {"query": q}
         if at is not None:
             params["time"] = repr(at)
-        return get_json(f"{self.url}/api/v1/query?" + urllib.parse.urlencode(params))["data"]["result"]
+        return get_json(f"{self.url}/api/v1/query?" + urllib.parse.urlencode(params))["data"][
+            "result"
+        ]
 
     def query_range(self, q: str, start: float, end: float, step: float = 1.0) -> list[dict]:
         """Range query (what a Grafana panel sends): the result matrix."""
         params = {"query": q, "start": repr(start), "end": repr(end), "step": repr(step)}
-        return get_json(f"{self.url}/api/v1/query_range?" + urllib.parse.urlencode(params))["data"]["result"]
+        return get_json(f"{self.url}/api/v1/query_range?" + urllib.parse.urlencode(params))["data"][
+            "result"
+        ]
 
     def close(self) -> None:
         for p in self.procs:

@@ -1,10 +1,12 @@
-"""One rank of ``tests/test_staging.py::test_qkv_split_after_staging_writes_what_the_hook_writes`` (2 ranks,
-gloo, FSDP2 on a tiny torchtitan llama3 with fused QKV): the state dict staged with the split done after the
-copy (``QkvSplit``) against torchtitan's own hook (``ModelWrapper.state_dict``), tensor by tensor, then both
-saved with DCP into OUT/new and OUT/old for the test to compare file by file.
+"""One rank of ``tests/test_staging.py::test_qkv_split_after_staging_writes_what_the_hook_writes``
+(2 ranks, gloo, FSDP2 on a tiny torchtitan llama3 with fused QKV): the state dict staged with the
+split done after the copy (``QkvSplit``) against torchtitan's own hook
+(``ModelWrapper.state_dict``), tensor by tensor, then both saved with DCP into OUT/new and OUT/old
+for the test to compare file by file.
 
     python tests/qkvsplit_worker.py RANK OUT
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +24,11 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from ptops.recipes.titan.registry import tiny_llama3
     from ptops.recipes.titan.qkvsplit import QkvSplit
+    from ptops.recipes.titan.registry import tiny_llama3
     from ptops.recipes.titan.staging import FlatStager
+
+    # isort: split
     from torchtitan.components.checkpointer.base import ModelWrapper
 
     torch.manual_seed(0)
@@ -38,7 +42,9 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     wrapper = ModelWrapper(model)
     pg = dist.new_group(backend="gloo")
-    with torch.no_grad():  # training moved on: the hook outputs in ModelWrapper's cache are stale now
+    with (
+        torch.no_grad()
+    ):  # training moved on: the hook outputs in ModelWrapper's cache are stale now
         for p in model.parameters():
             p.mul_(1.5).add_(0.25)
 
@@ -60,7 +66,11 @@ def main() -> None:
         for k, v in old.items():
             n = new[k]
             if isinstance(v, DTensor):
-                if type(n) is not DTensor or n._spec != v._spec or not torch.equal(n._local_tensor, v._local_tensor):
+                if (
+                    type(n) is not DTensor
+                    or n._spec != v._spec
+                    or not torch.equal(n._local_tensor, v._local_tensor)
+                ):
                     bad.append(k)
         report["mismatched"] = bad
         report["checked"] = sum(isinstance(v, DTensor) for v in old.values())

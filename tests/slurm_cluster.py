@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
@@ -38,9 +37,15 @@ class Cluster:
             _missing("a multi-node Slurm on one machine needs root (network namespaces)")
         for prog in ("slurmctld", "slurmd", "sbatch", "munged", "nsenter", "unshare", "ip"):
             if shutil.which(prog) is None:
-                _missing(f"{prog} is not installed (bash scripts/setup.sh installs Slurm from Debian)")
-        out = subprocess.run(["bash", str(SCRIPT), "up", "--nodes", str(nodes)], capture_output=True, text=True,
-                             timeout=120)
+                _missing(
+                    f"{prog} is not installed (bash scripts/setup.sh installs Slurm from Debian)"
+                )
+        out = subprocess.run(
+            ["bash", str(SCRIPT), "up", "--nodes", str(nodes)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if out.returncode != 0:
             raise AssertionError(f"slurm_cluster.sh up failed:\n{out.stdout}\n{out.stderr}")
         return cls(nodes, {"SLURM_CONF": str(STATE / "slurm.conf")})
@@ -49,11 +54,17 @@ class Cluster:
         subprocess.run(["bash", str(SCRIPT), "down"], capture_output=True, text=True, timeout=120)
 
     def run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **self.env})
+        return subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **self.env},
+        )
 
     def link(self, node: str, up: bool) -> None:
-        """Cut (or restore) a node's network, as a failed NIC or switch port: its veth on the bridge."""
+        """Cut (or restore) a node's network, as a failed NIC or switch port: its veth on the
+        bridge."""
         subprocess.run(["ip", "link", "set", f"pv-{node}", "up" if up else "down"], check=True)
 
     def resume(self, node: str) -> None:

@@ -12,7 +12,12 @@ ALLOWED: dict[str, set[str]] = {
     "ops/runrecord": set(),
     "monitors": set(),
     "ckpt": set(),
-    "faultinject": {"ckpt", "ops/runrecord", "ops/supervisor", "recipes"},  # the last three: chaos.py only
+    "faultinject": {
+        "ckpt",
+        "ops/runrecord",
+        "ops/supervisor",
+        "recipes",
+    },  # the last three: chaos.py only
     "ops/rank": {"ops/runrecord", "faultinject", "recipes"},  # recipes: entry.py finds the engine
     "recipes": {"ops/runrecord", "ckpt", "monitors"},
     "ops/supervisor": {"ops/runrecord", "ops/rank", "monitors", "ckpt", "faultinject", "recipes"},
@@ -20,7 +25,13 @@ ALLOWED: dict[str, set[str]] = {
     "ops/node": {"ops/rank", "ops/supervisor"},  # the wire format; procs and py-spy helpers
     "ops/slurm": {"ops/runrecord", "ops/rank", "ops/supervisor", "faultinject", "recipes"},
     "diagnostics": {"ops/runrecord", "monitors", "ckpt"},
-    "ops/pipeline": {"ops/runrecord", "ckpt", "recipes", "faultinject", "ops/obs"},  # stages run as `ptops launch` subprocesses
+    "ops/pipeline": {
+        "ops/runrecord",
+        "ckpt",
+        "recipes",
+        "faultinject",
+        "ops/obs",
+    },  # stages run as `ptops launch` subprocesses
 }
 CHAOS_ONLY = {"ops/runrecord", "ops/supervisor", "recipes"}
 FOLDERS = [*ALLOWED, "ops/cli"]
@@ -50,9 +61,13 @@ def test_every_folder_imports_only_what_the_map_allows():
                 owner = _owner(mod)
                 if owner is None or owner == folder:
                     continue
-                ok = owner in allowed and (folder != "faultinject" or owner not in CHAOS_ONLY or path.name == "chaos.py")
+                ok = owner in allowed and (
+                    folder != "faultinject" or owner not in CHAOS_ONLY or path.name == "chaos.py"
+                )
                 if not ok:
-                    bad.append(f"{path.relative_to(REPO)} imports {mod} ({folder} may not import {owner})")
+                    bad.append(
+                        f"{path.relative_to(REPO)} imports {mod} ({folder} may not import {owner})"
+                    )
     assert not bad, "\n".join(bad)
 
 
@@ -64,7 +79,8 @@ def test_the_map_names_every_folder_and_every_folder_exists():
 
 
 def test_the_planner_is_pure():
-    """recipes/plan.py imports nothing of ptops and no torch: ``ptops plan`` and the CLI stay light."""
+    """recipes/plan.py imports nothing of ptops and no torch: ``ptops plan`` and the CLI stay
+    light."""
     path = REPO / "recipes" / "plan.py"
     assert _imports(path) == set()
     mods = set()
@@ -91,16 +107,24 @@ def _hook_names(folders: list[Path]) -> list[str]:
     hits = []
     for folder in folders:
         for path in sorted(folder.rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts and TEST_HOOK.encode() in path.read_bytes():
+            if (
+                path.is_file()
+                and "__pycache__" not in path.parts
+                and TEST_HOOK.encode() in path.read_bytes()
+            ):
                 lines = path.read_text(errors="replace").splitlines()
-                hits += [f"{path.relative_to(folder.parent)}:{i}: {ln.strip()}"
-                         for i, ln in enumerate(lines, 1) if TEST_HOOK in ln]
+                hits += [
+                    f"{path.relative_to(folder.parent)}:{i}: {ln.strip()}"
+                    for i, ln in enumerate(lines, 1)
+                    if TEST_HOOK in ln
+                ]
     return hits
 
 
 def test_no_test_hooks_in_production_folders(tmp_path):
-    """Test-only switches (``PTOPS_TEST_*`` environment names) stay out of what ships: a test holds a run
-    with a fault kind a user could use too (``faultinject/spec.py``), or does its trick in the test."""
+    """Test-only switches (``PTOPS_TEST_*`` environment names) stay out of what ships: a test holds
+    a run with a fault kind a user could use too (``faultinject/spec.py``), or does its trick in the
+    test."""
     folders = _production_folders()
     names = {p.relative_to(REPO).as_posix() for p in folders}
     assert {"ops", "recipes", "faultinject", "ptops", "scripts"} <= names, names
@@ -110,4 +134,6 @@ def test_no_test_hooks_in_production_folders(tmp_path):
     planted.write_text(f'X = "{TEST_HOOK}SOMETHING"\n')
     assert len(_hook_names([planted.parent])) == 1
     hits = _hook_names(folders)
-    assert not hits, "test hooks in production code (a fault kind, or keep it in tests/):\n" + "\n".join(hits)
+    assert not hits, (
+        "test hooks in production code (a fault kind, or keep it in tests/):\n" + "\n".join(hits)
+    )

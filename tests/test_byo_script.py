@@ -1,15 +1,18 @@
-"""Your own training script under ptops (issue 22, point 3): ``ptops launch --supervise -- python train.py``.
+"""Your own training script under ptops (issue 22, point 3): ``ptops launch --supervise -- python
+train.py``.
 
 Real runs, 2 gloo ranks on CPU, made once for the module, three at a time (6 runs in all):
 
 - the README's first command (examples/fsdp2, 12 steps, uninterrupted): the FSDP2 reference digest;
-- examples/fsdp2 with a crash (rank 1, step 6) and, in attempt 2, a SIGSTOP (rank 0, step 10), shipped hang
-  settings: restarted twice, final digest = the reference's;
-- examples/accelerate: its reference (plain torchrun, no ptops: the script runs on its own) and the same
-  faulted run plus a preemption in attempt 3 (saved on request, exit 143, relaunched: resumed exactly);
+- examples/fsdp2 with a crash (rank 1, step 6) and, in attempt 2, a SIGSTOP (rank 0, step 10),
+  shipped hang settings: restarted twice, final digest = the reference's;
+- examples/accelerate: its reference (plain torchrun, no ptops: the script runs on its own) and the
+  same faulted run plus a preemption in attempt 3 (saved on request, exit 143, relaunched: resumed
+  exactly);
 - examples/fsdp2 with a NaN loss at step 5: rolled back to step 4, lr x 0.5, completed;
-- a script with no ptops API at all: a crash in attempt 1 and a Python hang in attempt 2 (at optimizer
-  steps, which ptops counts without the API); restarted, the hang diagnosed with the script's stack.
+- a script with no ptops API at all: a crash in attempt 1 and a Python hang in attempt 2 (at
+  optimizer steps, which ptops counts without the API); restarted, the hang diagnosed with the
+  script's stack.
 
 Nothing races the clock: every fault fires at a step boundary the ranks reach themselves, and every
 checkpoint a restart needs is committed synchronously before the step that fails.
@@ -19,8 +22,8 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -29,14 +32,28 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from conftest import PTOPS, REPO, run_ptops
+
 from ptops.ops.supervisor.launcher import free_port
 
-FAST = ["--no-mlflow", "--set", "supervisor.restart.backoff_s=0.2"]  # hang settings stay the shipped ones
-WARM = ["--set", "supervisor.restart.warm_spare=true"]  # restarts fork ranks with torch imported (2-core box)
-CHAOS = [*WARM, "--set", "checkpoint.interval=4", "--fault", "crash:rank=1,step=6",
-         "--fault", "hang:rank=0,step=10,mode=stop,attempt=2"]
+FAST = [
+    "--no-mlflow",
+    "--set",
+    "supervisor.restart.backoff_s=0.2",
+]  # hang settings stay the shipped ones
+WARM = [
+    "--set",
+    "supervisor.restart.warm_spare=true",
+]  # restarts fork ranks with torch imported (2-core box)
+CHAOS = [
+    *WARM,
+    "--set",
+    "checkpoint.interval=4",
+    "--fault",
+    "crash:rank=1,step=6",
+    "--fault",
+    "hang:rank=0,step=10,mode=stop,attempt=2",
+]
 
 
 def _events(run: Path) -> list[dict]:
@@ -75,15 +92,15 @@ def readme_first_launch() -> list[str]:
 
 
 def _readme_argv(run: Path) -> list[str]:
-    """The README's first command, as written, from the repository root; only its run directory moves to
-    the test's folder, and MLflow is off."""
+    """The README's first command, as written, from the repository root; only its run directory
+    moves to the test's folder, and MLflow is off."""
     argv = readme_first_launch()
     assert argv[:2] == ["ptops", "launch"] and "--" in argv
     cut = argv.index("--")
     opts, command = argv[2:cut], argv[cut:]
     if "--run-dir" in opts:
         i = opts.index("--run-dir")
-        del opts[i:i + 2]
+        del opts[i : i + 2]
     return [*PTOPS, "launch", *opts, "--run-dir", str(run), "--no-mlflow", *command]
 
 
@@ -120,34 +137,74 @@ def runs(tmp_path_factory):
     script.write_text(textwrap.dedent(NO_API))
     plan = {  # the longest first
         "fsdp2-faulted": _launch_argv(root / "fsdp2-faulted", *CHAOS, command=FSDP2),
-        # ... and a preemption in attempt 3 (SIGTERM at step 9; the ranks are held before step 10 until the
-        # stop request reaches them): every rank saves step 9 or 10 on request, the launch exits 143, the
-        # same command again resumes
-        "accel-faulted": _launch_argv(root / "accel-faulted", *CHAOS, "--fault", "preempt:step=9,attempt=3",
-                                      "--fault", "hold:step=10,attempt=3", command=ACCEL),
-        "no-api": _launch_argv(root / "no-api", *WARM, "--fault", "crash:rank=1,step=3",
-                               "--fault", "hang:rank=0,step=4,attempt=2",
-                               command=["python", str(script), "6"]),
-        "fsdp2-nan": _launch_argv(root / "fsdp2-nan", *WARM, "--set", "checkpoint.interval=2",
-                                  "--set", "monitors.rollback.lr_scale=0.5", "--fault", "nan:step=5",
-                                  command=["python", "examples/fsdp2/train.py", "--steps", "6"]),
+        # ... and a preemption in attempt 3 (SIGTERM at step 9; the ranks are held before step 10
+        # until the stop request reaches them): every rank saves step 9 or 10 on request, the launch
+        # exits 143, the same command again resumes
+        "accel-faulted": _launch_argv(
+            root / "accel-faulted",
+            *CHAOS,
+            "--fault",
+            "preempt:step=9,attempt=3",
+            "--fault",
+            "hold:step=10,attempt=3",
+            command=ACCEL,
+        ),
+        "no-api": _launch_argv(
+            root / "no-api",
+            *WARM,
+            "--fault",
+            "crash:rank=1,step=3",
+            "--fault",
+            "hang:rank=0,step=4,attempt=2",
+            command=["python", str(script), "6"],
+        ),
+        "fsdp2-nan": _launch_argv(
+            root / "fsdp2-nan",
+            *WARM,
+            "--set",
+            "checkpoint.interval=2",
+            "--set",
+            "monitors.rollback.lr_scale=0.5",
+            "--fault",
+            "nan:step=5",
+            command=["python", "examples/fsdp2/train.py", "--steps", "6"],
+        ),
         "fsdp2-ref": _readme_argv(root / "fsdp2-ref"),
-        # the Accelerate reference runs without ptops at all (plain torchrun, in its own folder): the script
-        # stays runnable on its own, its checkpoints land in ./checkpoints with the same layout
-        "accel-ref": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                      "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                      str(REPO / "examples" / "accelerate" / "train.py"), *ACCEL[2:]],
+        # the Accelerate reference runs without ptops at all (plain torchrun, in its own folder):
+        # the script stays runnable on its own, its checkpoints land in ./checkpoints with the same
+        # layout
+        "accel-ref": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(REPO / "examples" / "accelerate" / "train.py"),
+            *ACCEL[2:],
+        ],
     }
     (root / "accel-ref").mkdir()
 
     def one(name: str) -> subprocess.CompletedProcess:
         cwd = root / name if name == "accel-ref" else REPO
-        run = lambda: subprocess.run(plan[name], cwd=cwd, capture_output=True, text=True, timeout=900,  # noqa: E731
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        run = lambda: subprocess.run(  # noqa: E731
+            plan[name],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         proc = run()
         if name == "accel-faulted":  # preempted: the same command again resumes the run
             first = proc
-            assert first.returncode == 143, f"accel-faulted: exit {first.returncode}\n{first.stderr[-4000:]}"
+            assert first.returncode == 143, (
+                f"accel-faulted: exit {first.returncode}\n{first.stderr[-4000:]}"
+            )
             proc = run()
         return proc
 
@@ -201,7 +258,8 @@ def test_accelerate_recovers_crash_and_sigstop_to_the_reference_digest(runs):
     plain = _ok(runs, "accel-ref")
     assert sorted(p.name for p in (plain / "checkpoints").glob("step-*")) == ["step-10", "step-12"]
     run = _ok(runs, "accel-faulted")
-    # the preemption: a save on request (step 9 or 10, neither an interval step), a stop, a resume from it
+    # the preemption: a save on request (step 9 or 10, neither an interval step), a stop, a resume
+    # from it
     stopped = [e["step"] for e in _kinds(run, "stopped")]
     assert len(stopped) == 1 and stopped[0] in (9, 10), _kinds(run, "stopped")
     assert stopped[0] in [e["step"] for e in _kinds(run, "checkpoint") if e.get("attempt") == 3]
@@ -233,9 +291,11 @@ def test_a_script_without_the_api_is_restarted_and_its_hang_diagnosed_with_stack
     hang = [i for i in rep["incidents"] if i["kind"] == "hang"]
     assert len(hang) == 1 and hang[0]["rank"] == 0 and hang[0]["runbook"] == "TrainingHang", hang
     frames = hang[0]["details"]["stacks"]["frames"]
-    # the stuck rank's stack: the script's own line (its optimizer.step, where ptops counts the step), then
-    # the fault; the other rank waits in the script's all_reduce
-    assert any("plain_train.py" in f for f in frames["0"]) and frames["0"][-1].startswith("_hang"), frames
+    # the stuck rank's stack: the script's own line (its optimizer.step, where ptops counts the
+    # step), then the fault; the other rank waits in the script's all_reduce
+    assert any("plain_train.py" in f for f in frames["0"]) and frames["0"][-1].startswith(
+        "_hang"
+    ), frames
     assert any("plain_train.py" in f for f in frames["1"]), frames
     assert frames["1"][-1].startswith("all_reduce"), frames
 
@@ -252,11 +312,28 @@ def test_cli_help_and_errors():
     assert both.exit_code == 2 and "not both" in both.output
     none = cli.invoke(app, ["launch"])
     assert none.exit_code == 2 and "-- python train.py" in none.output
-    dry = cli.invoke(app, ["launch", "--dry-run", "--set", "launch.nproc=3",
-                           "--", "python", "-u", "my_train.py", "--x"])
+    dry = cli.invoke(
+        app,
+        [
+            "launch",
+            "--dry-run",
+            "--set",
+            "launch.nproc=3",
+            "--",
+            "python",
+            "-u",
+            "my_train.py",
+            "--x",
+        ],
+    )
     assert dry.exit_code == 0, dry.output
-    rec = json.loads(dry.output[:dry.output.rindex("}") + 1])
-    assert rec["engine"] == "script" and rec["script"]["command"] == ["python", "-u", "my_train.py", "--x"]
+    rec = json.loads(dry.output[: dry.output.rindex("}") + 1])
+    assert rec["engine"] == "script" and rec["script"]["command"] == [
+        "python",
+        "-u",
+        "my_train.py",
+        "--x",
+    ]
     assert rec["launch"]["nproc"] == 3 and rec["name"] == "my_train"
     assert rec["script"]["cwd"] == str(Path.cwd())
 
@@ -264,14 +341,23 @@ def test_cli_help_and_errors():
 def test_python_target_parsing():
     from ptops.recipes.script.run import python_target
 
-    assert python_target(["python", "-u", "train.py", "--lr", "1"]) == ("path", "train.py", ["--lr", "1"])
-    assert python_target(["python3", "-X", "dev", "-m", "pkg.train", "a"]) == ("module", "pkg.train", ["a"])
+    assert python_target(["python", "-u", "train.py", "--lr", "1"]) == (
+        "path",
+        "train.py",
+        ["--lr", "1"],
+    )
+    assert python_target(["python3", "-X", "dev", "-m", "pkg.train", "a"]) == (
+        "module",
+        "pkg.train",
+        ["a"],
+    )
     assert python_target(["python", "-c", "print(1)"]) == ("code", "print(1)", [])
     assert python_target(["bash", "run.sh"]) is None
 
 
 def test_public_rank_api_imports_only_ckpt_and_the_rollback_contract():
-    """ptops/rank.py (ARCHITECTURE.md): ptops.ckpt and ptops.recipes.rollback (stdlib only), nothing else."""
+    """ptops/rank.py (ARCHITECTURE.md): ptops.ckpt and ptops.recipes.rollback (stdlib only), nothing
+    else."""
     tree = ast.parse((REPO / "ptops" / "rank.py").read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -279,7 +365,8 @@ def test_public_rank_api_imports_only_ckpt_and_the_rollback_contract():
 
 
 def test_one_save_path_runs_the_probe_hooks_in_order_and_aborts_a_failed_save(tmp_path):
-    """``SaveTransaction.run`` (ckpt/lifecycle.py): what every engine's save does around its writer."""
+    """``SaveTransaction.run`` (ckpt/lifecycle.py): what every engine's save does around its
+    writer."""
     from ptops.ckpt import SaveTransaction, latest_good
 
     calls: list[str] = []

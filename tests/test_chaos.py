@@ -1,13 +1,12 @@
 """``ptops chaos`` against real supervised training (tiny models, 2 CPU ranks, gloo).
 
-CI runs a subset that fits the time budget (~3 min on 2 cores): TorchTitan crash
-(held before the crash until the async save of step 4 is committed, so the restart point is
-one value, not a race), corrupt checkpoint + crash (fall back past the damaged checkpoint), supervisor
-SIGKILL (relaunch adopts), and TRL SFT preemption (SIGTERM, save on request,
-relaunch resumes). The full default matrix (every fault kind on the 4 tiny recipes of
-``faultinject.chaos.DEFAULT_MATRIX``: titan-tiny, trl-sft-tiny, trl-dpo-tiny, trl-grpo-tiny; 40 scenarios;
-the other shipped tiny recipes run with ``--recipe``) is behind the ``chaos_full`` marker:
-scripts/test.sh -m chaos_full
+CI runs a subset that fits the time budget (~3 min on 2 cores): TorchTitan crash (held before the
+crash until the async save of step 4 is committed, so the restart point is one value, not a race),
+corrupt checkpoint + crash (fall back past the damaged checkpoint), supervisor SIGKILL (relaunch
+adopts), and TRL SFT preemption (SIGTERM, save on request, relaunch resumes). The full default
+matrix (every fault kind on the 4 tiny recipes of ``faultinject.chaos.DEFAULT_MATRIX``: titan-tiny,
+trl-sft-tiny, trl-dpo-tiny, trl-grpo-tiny; 40 scenarios; the other shipped tiny recipes run with
+``--recipe``) is behind the ``chaos_full`` marker: scripts/test.sh -m chaos_full
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
+
 from ptops.faultinject.chaos import DEFAULT_MATRIX
 
 # The crash scenario's own faults plus a hold: without it the crash at the start of step 6 races the
@@ -35,7 +34,9 @@ def events(run: str | Path, kind: str) -> list[dict]:
 
 
 def chaos(tmp_path: Path, *args: str, timeout: float = 1800) -> tuple[dict, str]:
-    proc = run_ptops("chaos", "--work-dir", str(tmp_path / "chaos"), "--json", *args, timeout=timeout)
+    proc = run_ptops(
+        "chaos", "--work-dir", str(tmp_path / "chaos"), "--json", *args, timeout=timeout
+    )
     assert proc.stdout.strip(), proc.stderr
     report = json.loads(proc.stdout)
     failed = {r["scenario"]: r["problems"] for r in report["scenarios"] if not r["passed"]}
@@ -55,7 +56,9 @@ def test_chaos_ci_subset(tmp_path):
     from junitparser import JUnitXml
 
     (suite,) = list(JUnitXml.fromfile(str(tmp_path / "chaos-junit.xml")))
-    assert [c.name for c in suite] == CI_NAMES and suite.failures == sum(not r["passed"] for r in res.values())
+    assert [c.name for c in suite] == CI_NAMES and suite.failures == sum(
+        not r["passed"] for r in res.values()
+    )
     assert list(res) == CI_NAMES
     failed = {n: r["problems"] for n, r in res.items() if not r["passed"]}
     assert not failed, f"{failed}\n{err}"
@@ -70,23 +73,29 @@ def test_chaos_ci_subset(tmp_path):
 
     crash = res[CRASH_NAME]
     assert crash["detected_by"] == "crash" and crash["restarts"] == 1 and crash["launches"] == 1
-    # both ranks held before step 6 until step 4's save was committed (by "committed", not the bound);
-    # then rank 1 crashed: the restart resumes from that committed step-4 checkpoint and redoes step 5
+    # both ranks held before step 6 until step 4's save was committed (by "committed", not the
+    # bound); then rank 1 crashed: the restart resumes from that committed step-4 checkpoint and
+    # redoes step 5
     released = events(crash["run_dir"], "hold_released")
-    assert sorted(e["rank"] for e in released) == [0, 1] and {e["by"] for e in released} == {"committed"}
+    assert sorted(e["rank"] for e in released) == [0, 1] and {e["by"] for e in released} == {
+        "committed"
+    }
     ckpt4 = [e for e in events(crash["run_dir"], "checkpoint") if e["step"] == 4]
     assert len(ckpt4) == 1 and ckpt4[0]["mode"] == "async"
     restart = events(crash["run_dir"], "restart")[0]
     assert restart["from_step"] == 4 and crash["steps_recomputed"] == 1, (restart, crash)
-    # crash scenarios keep a warm pool (chaos.KIND_SETS): the restart's ranks were forked from it (issue 27)
+    # crash scenarios keep a warm pool (chaos.KIND_SETS): the restart's ranks were forked from it
+    # (issue 27)
     assert crash["ranks_from"] == ["cold", "warm"], crash
-    assert all(set(r["ranks_from"]) == {"cold"} for n, r in res.items() if n != CRASH_NAME), res  # auto: off here
+    assert all(set(r["ranks_from"]) == {"cold"} for n, r in res.items() if n != CRASH_NAME), (
+        res
+    )  # auto: off here
 
     corrupt = res["titan-tiny/corrupt-ckpt"]
     invalid = events(corrupt["run_dir"], "checkpoint_invalid")
     assert any(e["path"].endswith("step-8") and "distcp" in e["reason"] for e in invalid), invalid
-    # fell back past the damaged step-8 to step-4: committed before the save of step 8 began (one save
-    # at a time: the adapter waits for the one in flight), and kept (checkpoint.keep = 3)
+    # fell back past the damaged step-8 to step-4: committed before the save of step 8 began (one
+    # save at a time: the adapter waits for the one in flight), and kept (checkpoint.keep = 3)
     restart = events(corrupt["run_dir"], "restart")[0]
     assert restart["from_step"] == 4, restart
     assert corrupt["steps_recomputed"] == 9 - 4  # crashed at the start of step 10
@@ -105,7 +114,8 @@ def test_chaos_ci_subset(tmp_path):
 
 def test_chaos_help_names_exactly_the_recipes_of_the_default_matrix():
     """``ptops chaos --help`` says which recipes the default covers, and they are the ones it runs:
-    the help's tiny recipe names equal the default selection's recipes (``--list`` without --recipe)."""
+    the help's tiny recipe names equal the default selection's recipes (``--list`` without
+    --recipe)."""
     import re
 
     from ptops.faultinject.chaos import select
@@ -117,13 +127,15 @@ def test_chaos_help_names_exactly_the_recipes_of_the_default_matrix():
     assert default <= tiny
     proc = run_ptops("chaos", "--help", timeout=60)
     assert proc.returncode == 0, proc.stderr
-    options = proc.stdout[proc.stdout.index("Options"):]  # the option's own help, not the examples
-    recipe_help = options[options.index("--recipe"):options.index("--scenario")]
+    options = proc.stdout[proc.stdout.index("Options") :]  # the option's own help, not the examples
+    recipe_help = options[options.index("--recipe") : options.index("--scenario")]
     text = " ".join(re.sub(r"-\n\s*", "-", recipe_help).split())  # the help wraps at hyphens too
     named = set(re.findall(r"[a-z0-9-]+-tiny\b", text))
     assert named == default, (named, default)
     assert f"these {len(default)} tiny recipes" in text
-    assert ("not every shipped tiny recipe" in text) == (default != tiny)  # never "every" when it is not
+    assert ("not every shipped tiny recipe" in text) == (
+        default != tiny
+    )  # never "every" when it is not
     listed = run_ptops("chaos", "--list", timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert {line.split("/")[0] for line in listed.stdout.splitlines() if line.strip()} == default

@@ -29,11 +29,11 @@ from ptops.ckpt import (
     checkpoint_path,
     commit,
     digest,
+    is_writing,
     latest_good,
     list_checkpoints,
     prune,
     quarantine,
-    is_writing,
     read_latest,
     resume_point,
     shard_files,
@@ -112,7 +112,7 @@ DCP_GEN = textwrap.dedent(
             m(torch.randn(2, 8)).sum().backward(); opt.step(); opt.zero_grad()
             dcp.save(titan_sd(m, opt, step), checkpoint_id=f"{out}/run/checkpoints/step-{step}")
         mp.spawn(worker, args=(2, f"{out}/run/checkpoints/step-3", f"{out}/two/step-3", port), nprocs=2)
-    """
+    """  # noqa: E501
 )
 
 HF_GEN = textwrap.dedent(
@@ -132,7 +132,7 @@ HF_GEN = textwrap.dedent(
     args = TrainingArguments(output_dir=sys.argv[1], max_steps=4, save_steps=2, per_device_train_batch_size=2,
                              use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True)
     Trainer(model=Qwen2ForCausalLM(cfg), args=args, train_dataset=DS()).train()
-    """
+    """  # noqa: E501
 )
 
 
@@ -141,17 +141,32 @@ def made(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckgen")
     (base / "dcp_gen.py").write_text(DCP_GEN)
     (base / "hf_gen.py").write_text(HF_GEN)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     import socket
 
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
         port = so.getsockname()[1]
-    p1 = subprocess.Popen([sys.executable, str(base / "dcp_gen.py"), str(base), str(port)], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    p2 = subprocess.Popen([sys.executable, str(base / "hf_gen.py"), str(base / "hf" / "checkpoints")], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p1 = subprocess.Popen(
+        [sys.executable, str(base / "dcp_gen.py"), str(base), str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    p2 = subprocess.Popen(
+        [sys.executable, str(base / "hf_gen.py"), str(base / "hf" / "checkpoints")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out1, _ = p1.communicate(timeout=240)
     out2, _ = p2.communicate(timeout=240)
     assert p1.returncode == 0, out1[-3000:]
@@ -200,8 +215,13 @@ def _files(problems):
 
 # ------------------------------------------------------------------ DCP verify --
 
+
 def test_dcp_real_checkpoints_verify(made):
-    for p in [made / "run/checkpoints/step-1", made / "run/checkpoints/step-3", made / "two/step-3"]:
+    for p in [
+        made / "run/checkpoints/step-1",
+        made / "run/checkpoints/step-3",
+        made / "two/step-3",
+    ]:
         r = verify(p)
         assert r.ok, r.problems
         assert r.kind == "dcp" and r.step == int(p.name.split("-")[1])
@@ -267,8 +287,9 @@ def test_flipped_bytes_with_manifest(dcp_run, made):
 
 
 def test_background_verifier_reports_good_and_damaged_commits(dcp_run):
-    """What the saving rank runs after each commit: verdicts arrive from a background thread, a damaged
-    checkpoint names its file, a pruned one is not reported, and close() lets the last one finish."""
+    """What the saving rank runs after each commit: verdicts arrive from a background thread, a
+    damaged checkpoint names its file, a pruned one is not reported, and close() lets the last one
+    finish."""
     from ptops.ckpt import BackgroundVerifier
 
     root = dcp_run / "checkpoints"
@@ -277,7 +298,9 @@ def test_background_verifier_reports_good_and_damaged_commits(dcp_run):
     write_manifest(bad, 3, 1, {})
     _flip_mid(bad / "__0_0.distcp")
     heard: list = []
-    v = BackgroundVerifier(lambda step, path, ok, reason, s: heard.append((step, path.name, ok, reason)))
+    v = BackgroundVerifier(
+        lambda step, path, ok, reason, s: heard.append((step, path.name, ok, reason))
+    )
     v.submit(1, good)
     assert v.wait_idle(60)
     v.submit(3, bad)
@@ -296,10 +319,16 @@ def test_flipped_tensor_bytes_without_manifest_crc(dcp_run):
 
     ck = dcp_run / "checkpoints/step-3"
     md = read_metadata(ck)
-    info = next(v for k, v in md.storage_data.items() if k.fqn == "optimizer.state.a.weight.exp_avg")
+    info = next(
+        v for k, v in md.storage_data.items() if k.fqn == "optimizer.state.a.weight.exp_avg"
+    )
     _flip_mid(ck / info.relative_path, info.offset + info.length // 2)
     r = verify(ck)
-    assert not r.ok and r.problems[0]["file"] == info.relative_path and "CRC" in r.problems[0]["reason"]
+    assert (
+        not r.ok
+        and r.problems[0]["file"] == info.relative_path
+        and "CRC" in r.problems[0]["reason"]
+    )
 
 
 def test_deleted_metadata_and_partial_save(dcp_run):
@@ -309,7 +338,11 @@ def test_deleted_metadata_and_partial_save(dcp_run):
     shutil.copytree(root / "step-3", partial)
     (partial / ".metadata").unlink()
     r = verify(partial)
-    assert not r.ok and r.problems[0]["file"] == ".metadata" and "incomplete" in r.problems[0]["reason"]
+    assert (
+        not r.ok
+        and r.problems[0]["file"] == ".metadata"
+        and "incomplete" in r.problems[0]["reason"]
+    )
     # catalog falls back to the previous valid one
     ents = list_checkpoints(root)
     assert [e.step for e in ents] == [4, 3, 2, 1]
@@ -329,7 +362,9 @@ def test_metadata_unsafe_pickle_refused(dcp_run, tmp_path):
 
     (ck / ".metadata").write_bytes(pickle.dumps(Evil()))
     r = verify(ck)
-    assert not r.ok and r.problems[0]["file"] == ".metadata" and "refusing" in r.problems[0]["reason"]
+    assert (
+        not r.ok and r.problems[0]["file"] == ".metadata" and "refusing" in r.problems[0]["reason"]
+    )
     assert not marker.exists()
 
 
@@ -348,13 +383,16 @@ def test_corrupt_newest_catalog_and_quarantine(dcp_run):
     assert not (root / "step-3").exists()
     assert new.parent == root / "invalid" and new.name.startswith("step-3-")
     assert sorted(p.name for p in new.iterdir()) == sorted(files_before + ["ptops-quarantine.json"])
-    assert json.loads((new / "ptops-quarantine.json").read_text())["reason"].startswith("hash mismatch")
+    assert json.loads((new / "ptops-quarantine.json").read_text())["reason"].startswith(
+        "hash mismatch"
+    )
     # LATEST named step-3: moved back to the newest good one
     assert read_latest(root) == root / "step-2"
     assert [e.step for e in list_checkpoints(root)] == [2, 1]
 
 
 # ------------------------------------------------------------------ TRL verify --
+
 
 def test_trl_real_checkpoints(hf_run):
     root = hf_run / "checkpoints"
@@ -381,7 +419,10 @@ def test_trl_other_breakages(hf_run):
     st["global_step"] = 3
     (ck / "trainer_state.json").write_text(json.dumps(st))
     r = verify(ck)
-    assert _files(r.problems) == ["trainer_state.json"] and "global_step is 3" in r.problems[0]["reason"]
+    assert (
+        _files(r.problems) == ["trainer_state.json"]
+        and "global_step is 3" in r.problems[0]["reason"]
+    )
     (ck / "trainer_state.json").unlink()
     assert "written last" in verify(ck).problems[0]["reason"]
     ck2 = root / "checkpoint-2"
@@ -403,15 +444,16 @@ def test_trl_flip_with_manifest(hf_run):
 
 # ------------------------------------------------------------------- retention --
 
+
 def test_retention(dcp_run):
     root = dcp_run / "checkpoints"
     for s in range(4, 9):
         shutil.copytree(root / "step-3", root / f"step-{s}")
     for s in range(1, 9):
         _age(root / f"step-{s}")
-    (root / "LATEST").write_text("step-2\n")          # pointer at an old one: keep it
-    (root / "step-5" / ".writing").write_text("x")    # a save in flight
-    (root / "step-8" / ".metadata").unlink()          # newest is a killed save: invalid, kept
+    (root / "LATEST").write_text("step-2\n")  # pointer at an old one: keep it
+    (root / "step-5" / ".writing").write_text("x")  # a save in flight
+    (root / "step-8" / ".metadata").unlink()  # newest is a killed save: invalid, kept
     _age(root / "step-8")
     shutil.copytree(root / "step-3", root / "step-9")  # fresh: may be being written right now
     os.utime(root / "step-9" / "__0_0.distcp")
@@ -441,6 +483,7 @@ def test_retention_never_deletes_latest_good(dcp_run):
 
 # ---------------------------------------------------------------------- digest --
 
+
 def test_digest_independent_of_sharding(made):
     d1 = digest(made / "run/checkpoints/step-3")
     d2 = digest(made / "two/step-3")  # FSDP2 on 2 gloo ranks, 2 .distcp files
@@ -457,6 +500,7 @@ def test_digest_independent_of_sharding(made):
 def test_digest_ignores_non_model_state(made, tmp_path):
     """train_state / lr_scheduler / dataloader are excluded: same tensors, same digest."""
     import torch.distributed.checkpoint as dcp
+
     from ptops.ckpt.digest import iter_dcp_tensors
 
     src = made / "run/checkpoints/step-3"
@@ -482,17 +526,22 @@ def test_digest_trl_layout_independent(hf_run):
     sd = load_file(ck / "model.safetensors")
     keys = sorted(sd)
     half = len(keys) // 2
-    parts = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    parts = {
+        "model-00001-of-00002.safetensors": keys[:half],
+        "model-00002-of-00002.safetensors": keys[half:],
+    }
     for fn, ks in parts.items():
         save_file({k: sd[k].contiguous() for k in ks}, ck / fn, metadata={"format": "pt"})
     (ck / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": {k: fn for fn, ks in parts.items() for k in ks}}))
+        json.dumps({"metadata": {}, "weight_map": {k: fn for fn, ks in parts.items() for k in ks}})
+    )
     (ck / "model.safetensors").unlink()
     assert verify(ck).ok
     assert digest(ck) == d
 
 
 # ------------------------------------------------------------- lifecycle API --
+
 
 def _commit_all(root: Path, steps) -> None:
     for s in steps:
@@ -503,9 +552,9 @@ def _commit_all(root: Path, steps) -> None:
 def test_resume_point_quarantines_newer_invalid_and_returns_newest_valid(dcp_run):
     root = dcp_run / "checkpoints"
     _commit_all(root, (1, 2, 3))
-    _flip_mid(root / "step-3" / "__0_0.distcp")           # sizes unchanged: only the hashes see it
+    _flip_mid(root / "step-3" / "__0_0.distcp")  # sizes unchanged: only the hashes see it
     shutil.copytree(root / "step-2", root / "step-4")
-    (root / "step-4" / ".metadata").unlink()              # a killed save
+    (root / "step-4" / ".metadata").unlink()  # a killed save
     (root / "step-4" / "ptops-manifest.json").unlink()
     reported = []
     good = resume_point(dcp_run, on_invalid=lambda **kw: reported.append(kw))
@@ -530,10 +579,15 @@ def test_resume_point_quarantines_newer_invalid_and_returns_newest_valid(dcp_run
 def test_resume_point_adopts_a_complete_save_killed_before_its_commit(dcp_run):
     root = dcp_run / "checkpoints"
     _commit_all(root, (1, 2))
-    (root / "step-3" / ".writing").write_text("123 0.0\n")  # DCP finished (.metadata), commit never ran
+    (root / "step-3" / ".writing").write_text(
+        "123 0.0\n"
+    )  # DCP finished (.metadata), commit never ran
     assert not verify(root / "step-3").ok
     assert resume_point(root, adopt=False).step == 3
-    assert read_latest(root) == root / "step-2" and not (root / "step-3" / "ptops-manifest.json").exists()
+    assert (
+        read_latest(root) == root / "step-2"
+        and not (root / "step-3" / "ptops-manifest.json").exists()
+    )
     good = resume_point(root, world_size=1, versions={"torch": "x"})
     assert good.step == 3 and good.has_manifest and "adopted" in good.reason
     man = json.loads((root / "step-3" / "ptops-manifest.json").read_text())
@@ -545,8 +599,12 @@ def test_resume_point_trl_needs_every_ranks_rng_state_without_a_manifest(hf_run)
     root = hf_run / "checkpoints"
     # checkpoint-4 killed before rank 1 wrote its RNG state: used only when nothing else is good
     (root / "checkpoint-4" / "rng_state.pth").rename(root / "checkpoint-4" / "rng_state_0.pth")
-    shutil.copy2(root / "checkpoint-4" / "rng_state_0.pth", root / "checkpoint-2" / "rng_state_0.pth")
-    shutil.copy2(root / "checkpoint-4" / "rng_state_0.pth", root / "checkpoint-2" / "rng_state_1.pth")
+    shutil.copy2(
+        root / "checkpoint-4" / "rng_state_0.pth", root / "checkpoint-2" / "rng_state_0.pth"
+    )
+    shutil.copy2(
+        root / "checkpoint-4" / "rng_state_0.pth", root / "checkpoint-2" / "rng_state_1.pth"
+    )
     assert resume_point(root, world_size=2, adopt=False).step == 2
     shutil.rmtree(root / "checkpoint-2")
     fallback = resume_point(root, world_size=2, adopt=False)
@@ -630,7 +688,10 @@ def test_save_transaction_failure_never_looks_saved(dcp_run):
     # retention never deletes a failed save (left for quarantine)
     rep = prune(root, keep_last=1, min_age_s=0)
     assert rep.deleted == ["step-2", "step-1"]
-    assert all(".writing" in rep.kept[f"step-{s}"] for s in (4, 5, 6)) and "LATEST" in rep.kept["step-3"]
+    assert (
+        all(".writing" in rep.kept[f"step-{s}"] for s in (4, 5, 6))
+        and "LATEST" in rep.kept["step-3"]
+    )
     reported = []
     assert resume_point(root, on_invalid=lambda **kw: reported.append(kw)).step == 3
     assert [Path(r["path"]).name for r in reported] == ["step-6", "step-5", "step-4"]
@@ -646,7 +707,10 @@ def test_save_transaction_on_two_ranks(made):
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-3", "step-4"]  # step-2 pruned
     assert read_latest(root) == root / "step-3"
     man = json.loads((root / "step-3" / "ptops-manifest.json").read_text())
-    assert man["world_size"] == 2 and len([f for f in man["files"] if f["path"].endswith(".distcp")]) == 2
+    assert (
+        man["world_size"] == 2
+        and len([f for f in man["files"] if f["path"].endswith(".distcp")]) == 2
+    )
     assert verify(root / "step-3").ok and not verify(root / "step-4").ok
     assert digest(root / "step-3") == digest(made / "run/checkpoints/step-3")
 
@@ -689,9 +753,13 @@ def test_ckpt_imports_nothing_of_ptops():
                 root_mod = m.split(".")[0]
                 assert root_mod != "ptops", f"{f.name}: imports {m}"
                 if id(node) in top:
-                    assert root_mod in sys.stdlib_module_names or root_mod == "__future__", f"{f.name}: {m} at import time"
+                    assert root_mod in sys.stdlib_module_names or root_mod == "__future__", (
+                        f"{f.name}: {m} at import time"
+                    )
                 else:
-                    assert root_mod in sys.stdlib_module_names or root_mod in allowed_lazy, f"{f.name}: imports {m}"
+                    assert root_mod in sys.stdlib_module_names or root_mod in allowed_lazy, (
+                        f"{f.name}: imports {m}"
+                    )
 
 
 def test_nothing_outside_ckpt_imports_its_private_modules():
@@ -711,6 +779,7 @@ def test_nothing_outside_ckpt_imports_its_private_modules():
 
 # ------------------------------------------------------------------------- CLI --
 
+
 def test_cli(made, dcp_run, tmp_path):
     from typer.testing import CliRunner
 
@@ -729,7 +798,9 @@ def test_cli(made, dcp_run, tmp_path):
     assert runner.invoke(app, ["verify", str(root / "step-3")]).exit_code == 0
     _flip_mid(root / "step-3" / "__0_0.distcp")
     r = runner.invoke(app, ["verify", str(root / "step-3")])
-    assert r.exit_code == 1 and "__0_0.distcp" in r.output and len(r.output.strip().splitlines()) == 1
+    assert (
+        r.exit_code == 1 and "__0_0.distcp" in r.output and len(r.output.strip().splitlines()) == 1
+    )
     r = runner.invoke(app, ["verify", str(root / "step-3"), "--json"])
     assert r.exit_code == 1 and json.loads(r.output)["problems"][0]["file"] == "__0_0.distcp"
     r = runner.invoke(app, ["verify", str(tmp_path / "nope")])

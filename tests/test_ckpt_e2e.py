@@ -62,8 +62,16 @@ def _logs(run_dir: Path) -> str:
     return "\n".join(out) or "(no rank logs)"
 
 
-def launch(run_dir: Path, recipe: str, sets: list[str], *, faults: tuple[str, ...] = (), supervise: bool = False,
-           env: dict[str, str] | None = None, expect: int = 0) -> subprocess.CompletedProcess:
+def launch(
+    run_dir: Path,
+    recipe: str,
+    sets: list[str],
+    *,
+    faults: tuple[str, ...] = (),
+    supervise: bool = False,
+    env: dict[str, str] | None = None,
+    expect: int = 0,
+) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "ptops", "launch", recipe, "--run-dir", str(run_dir)]
     for s in sets:
         argv += ["--set", s]
@@ -71,16 +79,26 @@ def launch(run_dir: Path, recipe: str, sets: list[str], *, faults: tuple[str, ..
         argv += ["--fault", f]
     if supervise:
         argv += ["--supervise"]
-    proc = subprocess.run(argv, cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(
+        argv, cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=TIMEOUT
+    )
     if proc.returncode != expect:
-        raise AssertionError(f"ptops launch {recipe} {sets} {faults} exited {proc.returncode} (expected {expect})\n"
-                             f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}\n{_logs(run_dir)}")
+        raise AssertionError(
+            f"ptops launch {recipe} {sets} {faults} exited {proc.returncode} (expected {expect})\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}\n{_logs(run_dir)}"
+        )
     return proc
 
 
 def ptops(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ptops", *args], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ptops", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:
@@ -98,7 +116,11 @@ def latest(run_dir: Path) -> str:
 
 
 def rank0_steps(run_dir: Path, attempt: int) -> list[int]:
-    return [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["rank"] == 0 and r.get("attempt") == attempt]
+    return [
+        r["step"]
+        for r in read_jsonl(run_dir / "metrics.jsonl")
+        if r["rank"] == 0 and r.get("attempt") == attempt
+    ]
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -150,15 +172,20 @@ def test_titan_commit_protocol_and_one_event_per_save(titan_base):
 
 
 def test_titan_save_while_the_previous_is_writing_is_skipped_and_recorded(titan_base, tmp_path):
-    """The step-2 async save is held "still writing" (``slow-save:step=2,until=skipped``: its commit waits
-    until a later save is skipped): the step-4 save is skipped on both ranks (``checkpoint_skipped``), never
-    queued behind it; the final step 8 saves; training is the same (digest equal to the uninterrupted run).
-    Step 6 is saved, or skipped too when step 2's commit (released by the skip) took longer than two steps
-    on a loaded machine: both are right, and each save is either skipped or committed, never both."""
+    """The step-2 async save is held "still writing" (``slow-save:step=2,until=skipped``: its commit
+    waits until a later save is skipped): the step-4 save is skipped on both ranks
+    (``checkpoint_skipped``), never queued behind it; the final step 8 saves; training is the same
+    (digest equal to the uninterrupted run). Step 6 is saved, or skipped too when step 2's commit
+    (released by the skip) took longer than two steps on a loaded machine: both are right, and each
+    save is either skipped or committed, never both."""
     _, want = titan_base
     run = tmp_path / "skip"
-    launch(run, TITAN, [f"train.steps={STEPS}", "checkpoint.interval=2"],
-           faults=("slow-save:step=2,until=skipped",))
+    launch(
+        run,
+        TITAN,
+        [f"train.steps={STEPS}", "checkpoint.interval=2"],
+        faults=("slow-save:step=2,until=skipped",),
+    )
     fired = events(run, "fault_injected")
     assert sorted((e["rank"], e["step"]) for e in fired) == [(0, 2), (1, 2)], fired
     sk = [(e["step"], e["writing_step"], e["rank"]) for e in events(run, "checkpoint_skipped")]
@@ -172,8 +199,9 @@ def test_titan_save_while_the_previous_is_writing_is_skipped_and_recorded(titan_
 
 
 def test_titan_async_checkpoint_equals_a_sync_one(titan_base, tmp_path):
-    """The async save of step 4 (staged by the adapter's persistent stager, ``FlatStager`` on a CPU) holds
-    the same model and optimizer tensors as a synchronous save of the same step, and so does the end."""
+    """The async save of step 4 (staged by the adapter's persistent stager, ``FlatStager`` on a CPU)
+    holds the same model and optimizer tensors as a synchronous save of the same step, and so does
+    the end."""
     base, want = titan_base
     # the base run's async save split the fused QKV after the staging copy, off the training thread
     assert [e.get("qkv_split") for e in events(base, "checkpoint")] == ["background", None]
@@ -185,16 +213,19 @@ def test_titan_async_checkpoint_equals_a_sync_one(titan_base, tmp_path):
 
 
 def test_titan_async_qkv_split_off_the_training_thread_writes_the_same_files(titan_base, tmp_path):
-    """The async save with the fused-QKV split after the staging copy (``recipes/titan/qkvsplit.py``) writes
-    the files torchtitan's own hook writes (``PTOPS_CKPT_QKV_SPLIT=inline``): shard files byte for byte, the
-    same ``.metadata`` entries in the same order; the event says where blocking went."""
+    """The async save with the fused-QKV split after the staging copy
+    (``recipes/titan/qkvsplit.py``) writes the files torchtitan's own hook writes
+    (``PTOPS_CKPT_QKV_SPLIT=inline``): shard files byte for byte, the same ``.metadata`` entries in
+    the same order; the event says where blocking went."""
     import pickle
 
     base, _ = titan_base
     run = tmp_path / "inline"
     launch(run, TITAN, TITAN_SETS, env={"PTOPS_CKPT_QKV_SPLIT": "inline"})
     ck = events(run, "checkpoint")
-    assert [(e["mode"], e.get("qkv_split")) for e in ck] == [("async", "inline"), ("sync", None)], ck
+    assert [(e["mode"], e.get("qkv_split")) for e in ck] == [("async", "inline"), ("sync", None)], (
+        ck
+    )
     bg = events(base, "checkpoint")[0]
     for e in (ck[0], bg):
         parts = [e[k] for k in ("prep_s", "state_dict_s", "call_s", "wait_s")]
@@ -216,7 +247,9 @@ def test_titan_verify_names_the_corrupted_file(titan_base, tmp_path, how):
     run, _ = titan_base
     ck = tmp_path / "step-8"
     shutil.copytree(run / "checkpoints" / "step-8", ck)
-    victim = {"truncate": "__1_0.distcp", "flip": "__0_0.distcp", "delete_metadata": ".metadata"}[how]
+    victim = {"truncate": "__1_0.distcp", "flip": "__0_0.distcp", "delete_metadata": ".metadata"}[
+        how
+    ]
     if how == "truncate":
         truncate(ck / victim)
     elif how == "flip":
@@ -236,7 +269,11 @@ def test_titan_rerun_with_bad_final_checkpoint_redoes_the_lost_steps(titan_base,
     flip_bytes(run / "checkpoints" / "step-8" / "__1_0.distcp")
     launch(run, TITAN, TITAN_SETS, supervise=True)
     inv = events(run, "checkpoint_invalid")
-    assert len(inv) == 1 and Path(inv[0]["path"]).name == "step-8" and "__1_0.distcp" in inv[0]["reason"], inv
+    assert (
+        len(inv) == 1
+        and Path(inv[0]["path"]).name == "step-8"
+        and "__1_0.distcp" in inv[0]["reason"]
+    ), inv
     assert Path(inv[0]["moved_to"]).parent.name == "invalid"
     assert events(run, "launch")[-1]["from_step"] == 4
     assert rank0_steps(run, 2) == [5, 6, 7, 8]
@@ -290,7 +327,11 @@ def test_titan_kill_in_save_never_becomes_latest(titan_faulty, titan_base):
     assert snap["latest"] == "step-4"  # the half-written step-6 never got LATEST
     assert snap["step6_verify"] == 1
     assert not any(e["kind"] == "checkpoint" and e["step"] == 6 for e in snap["events"])
-    killed = [e for e in snap["events"] if e["kind"] == "fault_injected" and e["fault"].startswith("crash")]
+    killed = [
+        e
+        for e in snap["events"]
+        if e["kind"] == "fault_injected" and e["fault"].startswith("crash")
+    ]
     assert [(e["rank"], e["step"]) for e in killed] == [(1, 6)], killed
     # the rerun did not resume from it: quarantined, back to step-4, steps 5-8 redone
     inv = [e for e in events(run, "checkpoint_invalid") if Path(e["path"]).name == "step-6"]
@@ -306,8 +347,14 @@ def _wait_held(run: Path, nranks: int, proc: subprocess.Popen, timeout: float = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"launch ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
-        held = {e.get("rank") for e in events(run, "fault_injected") if str(e.get("fault", "")).startswith("hold")}
+            raise AssertionError(
+                f"launch ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+            )
+        held = {
+            e.get("rank")
+            for e in events(run, "fault_injected")
+            if str(e.get("fault", "")).startswith("hold")
+        }
         if len(held) >= nranks:
             return
         time.sleep(0.2)
@@ -318,7 +365,9 @@ def _wait_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 180)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"launch ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            raise AssertionError(
+                f"launch ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+            )
         try:
             done = [r for r in read_jsonl(run / "metrics.jsonl") if r["rank"] == 0]
         except FileNotFoundError:
@@ -335,11 +384,23 @@ def test_titan_stop_request_checkpoints_current_step_and_resumes(tmp_path):
     step 4 (not raced against the run's end); the stop request ends the hold."""
     run = tmp_path / "stop"
     sets = ["train.steps=30", "checkpoint.interval=1000"]
-    argv = [sys.executable, "-m", "ptops", "launch", TITAN, "--run-dir", str(run), "--supervise",
-            "--fault", "hold:step=4"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ptops",
+        "launch",
+        TITAN,
+        "--run-dir",
+        str(run),
+        "--supervise",
+        "--fault",
+        "hold:step=4",
+    ]
     for s in sets:
         argv += ["--set", s]
-    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait_steps(run, 3, proc)
         _wait_held(run, 2, proc)
@@ -377,10 +438,17 @@ def test_trl_missing_optimizer_verify_and_rerun(trl_base, tmp_path):
     run = copy_run(base, tmp_path / "noopt")
     (run / "checkpoints" / "checkpoint-8" / "optimizer.pt").unlink()
     res = ptops("ckpt", "verify", str(run / "checkpoints" / "checkpoint-8"))
-    assert res.returncode == 1 and "optimizer.pt" in res.stdout + res.stderr, (res.stdout, res.stderr)
+    assert res.returncode == 1 and "optimizer.pt" in res.stdout + res.stderr, (
+        res.stdout,
+        res.stderr,
+    )
     launch(run, TRL, TRL_SETS)
     inv = events(run, "checkpoint_invalid")
-    assert len(inv) == 1 and Path(inv[0]["path"]).name == "checkpoint-8" and "optimizer.pt" in inv[0]["reason"], inv
+    assert (
+        len(inv) == 1
+        and Path(inv[0]["path"]).name == "checkpoint-8"
+        and "optimizer.pt" in inv[0]["reason"]
+    ), inv
     assert rank0_steps(run, 2) == [5, 6, 7, 8]
     assert latest(run) == "checkpoint-8"
     assert digest(run) == want
@@ -390,7 +458,9 @@ def test_trl_enospc_save_fails_and_training_goes_on(trl_base, tmp_path):
     run = tmp_path / "enospc"
     launch(run, TRL, [f"train.steps={STEPS}", "checkpoint.interval=2"], faults=("enospc:step=4",))
     failed = events(run, "checkpoint_failed")
-    assert [e["step"] for e in failed] == [4] and "No space left on device" in failed[0]["error"], failed
+    assert [e["step"] for e in failed] == [4] and "No space left on device" in failed[0]["error"], (
+        failed
+    )
     assert [e["step"] for e in events(run, "checkpoint")] == [2, 6, 8]
     assert latest(run) == "checkpoint-8"
     assert digest(run) == trl_base[1]

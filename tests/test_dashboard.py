@@ -16,8 +16,16 @@ import yaml
 from ptops.ops.obs import dashboard
 from ptops.ops.obs.alerts import ALERTS
 
-REQUIRED_ROWS = ["Run overview", "Throughput", "Loss and grad norm", "Checkpoints", "Restarts and incidents",
-                 "Stragglers by rank", "RL health", "GPU"]
+REQUIRED_ROWS = [
+    "Run overview",
+    "Throughput",
+    "Loss and grad norm",
+    "Checkpoints",
+    "Restarts and incidents",
+    "Stragglers by rank",
+    "RL health",
+    "GPU",
+]
 
 
 def test_dashboard_model():
@@ -46,16 +54,25 @@ def test_every_dashboard_and_grafana_rule_query_is_valid_promql(tmp_path, have):
     for i, r in enumerate(group["rules"]):
         for q in r["data"]:
             if q["datasourceUid"] != "__expr__":
-                rules.append({"record": f"ptops_grafana_rule_check_{i}_{q['refId']}", "expr": q["model"]["expr"]})
+                rules.append(
+                    {
+                        "record": f"ptops_grafana_rule_check_{i}_{q['refId']}",
+                        "expr": q["model"]["expr"],
+                    }
+                )
     f = tmp_path / "exprs.yml"
     f.write_text(yaml.safe_dump({"groups": [{"name": "check", "rules": rules}]}))
-    p = subprocess.run([promtool, "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [promtool, "check", "rules", str(f)], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"SUCCESS: {len(rules)} rules found" in p.stdout
 
 
 def test_grafana_rules_mirror_prometheus_rules():
-    group = dashboard.alert_rule_group(datasource_uid="ds1", folder_uid="f1", runbook_base="https://rb.example")
+    group = dashboard.alert_rule_group(
+        datasource_uid="ds1", folder_uid="f1", runbook_base="https://rb.example"
+    )
     assert group["title"] == dashboard.RULE_GROUP and group["folderUid"] == "f1"
     by_title = {r["title"]: r for r in group["rules"]}
     assert list(by_title) == [a.name for a in ALERTS]
@@ -74,13 +91,22 @@ def test_grafana_rules_mirror_prometheus_rules():
 def test_shipped_provisioning_is_current():
     for rel, text in dashboard.provisioning_files().items():
         path = dashboard.SHIPPED_PROVISIONING / rel
-        assert path.is_file(), f"missing {path}: run `ptops dashboard --provisioning ops/obs/grafana/provisioning`"
-        assert path.read_text() == text, f"{path} is stale: run `ptops dashboard --provisioning ops/obs/grafana/provisioning`"
+        assert path.is_file(), (
+            f"missing {path}: run `ptops dashboard --provisioning ops/obs/grafana/provisioning`"
+        )
+        assert path.read_text() == text, (
+            f"{path} is stale: run `ptops dashboard --provisioning ops/obs/grafana/provisioning`"
+        )
     ds = yaml.safe_load((dashboard.SHIPPED_PROVISIONING / "datasources/ptops.yml").read_text())
     assert ds["datasources"][0]["uid"] == dashboard.DATASOURCE_UID
-    rules = yaml.safe_load((dashboard.SHIPPED_PROVISIONING / "alerting/ptops-rules.yml").read_text())
+    rules = yaml.safe_load(
+        (dashboard.SHIPPED_PROVISIONING / "alerting/ptops-rules.yml").read_text()
+    )
     assert [r["title"] for r in rules["groups"][0]["rules"]] == [a.name for a in ALERTS]
-    assert all(r["data"][0]["datasourceUid"] == dashboard.DATASOURCE_UID for r in rules["groups"][0]["rules"])
+    assert all(
+        r["data"][0]["datasourceUid"] == dashboard.DATASOURCE_UID
+        for r in rules["groups"][0]["rules"]
+    )
 
 
 def test_cli_dashboard_and_provisioning(tmp_path):
@@ -91,8 +117,16 @@ def test_cli_dashboard_and_provisioning(tmp_path):
     res = CliRunner().invoke(make_app(), ["dashboard"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["uid"] == dashboard.DASHBOARD_UID
-    res = CliRunner().invoke(make_app(), ["dashboard", "--provisioning", str(tmp_path / "prov"),
-                                          "--prometheus-url", "http://prom:9090"])
+    res = CliRunner().invoke(
+        make_app(),
+        [
+            "dashboard",
+            "--provisioning",
+            str(tmp_path / "prov"),
+            "--prometheus-url",
+            "http://prom:9090",
+        ],
+    )
     assert res.exit_code == 0, res.output
     ds = yaml.safe_load((tmp_path / "prov/datasources/ptops.yml").read_text())
     assert ds["datasources"][0]["url"] == "http://prom:9090"
@@ -120,7 +154,9 @@ class FakeGrafana(BaseHTTPRequestHandler):
     def _record(self):
         n = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(n)) if n else None
-        self.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body})
+        self.requests.append(
+            {"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body}
+        )
         return body
 
     def do_GET(self):
@@ -136,7 +172,9 @@ class FakeGrafana(BaseHTTPRequestHandler):
             self.folders.add(body["uid"])
             return self._reply(200, {"uid": body["uid"], "title": body["title"]})
         if self.path == "/api/dashboards/db":
-            return self._reply(200, {"uid": body["dashboard"]["uid"], "status": "success", "version": 1})
+            return self._reply(
+                200, {"uid": body["dashboard"]["uid"], "status": "success", "version": 1}
+            )
         return self._reply(404, {"message": "not found"})
 
     def do_PUT(self):
@@ -163,14 +201,19 @@ def test_grafana_push_sends_folder_dashboard_and_rule_group(fake_grafana):
 
     url, reqs = fake_grafana
     for attempt in (1, 2):  # the second push finds the folder and overwrites the rest (idempotent)
-        res = CliRunner().invoke(make_app(), ["grafana", "push", "--url", url, "--token", "glsa_T0KEN"])
+        res = CliRunner().invoke(
+            make_app(), ["grafana", "push", "--url", url, "--token", "glsa_T0KEN"]
+        )
         assert res.exit_code == 0, res.output
         assert "14 alert rules" in res.stdout
     calls = [(r["method"], r["path"]) for r in reqs]
     assert calls == [
-        ("GET", "/api/folders/ptops"), ("POST", "/api/folders"), ("POST", "/api/dashboards/db"),
+        ("GET", "/api/folders/ptops"),
+        ("POST", "/api/folders"),
+        ("POST", "/api/dashboards/db"),
         ("PUT", "/api/v1/provisioning/folder/ptops/rule-groups/ptops"),
-        ("GET", "/api/folders/ptops"), ("POST", "/api/dashboards/db"),
+        ("GET", "/api/folders/ptops"),
+        ("POST", "/api/dashboards/db"),
         ("PUT", "/api/v1/provisioning/folder/ptops/rule-groups/ptops"),
     ]
     for r in reqs:
@@ -180,13 +223,19 @@ def test_grafana_push_sends_folder_dashboard_and_rule_group(fake_grafana):
     dash = reqs[2]["body"]
     assert dash["folderUid"] == "ptops" and dash["overwrite"] is True
     assert dash["dashboard"]["uid"] == dashboard.DASHBOARD_UID
-    assert len([p for p in dash["dashboard"]["panels"] if p["type"] != "row"]) == len(dashboard.PANELS)
+    assert len([p for p in dash["dashboard"]["panels"] if p["type"] != "row"]) == len(
+        dashboard.PANELS
+    )
     rg = reqs[3]
     assert rg["headers"].get("X-Disable-Provenance") == "true"
-    assert rg["body"]["title"] == "ptops" and rg["body"]["interval"] == dashboard.RULE_GROUP_INTERVAL_S
+    assert (
+        rg["body"]["title"] == "ptops" and rg["body"]["interval"] == dashboard.RULE_GROUP_INTERVAL_S
+    )
     assert [r["title"] for r in rg["body"]["rules"]] == [a.name for a in ALERTS]
-    assert all(r["folderUID"] == "ptops" and r["data"][0]["datasourceUid"] == "ptops-prometheus"
-               for r in rg["body"]["rules"])
+    assert all(
+        r["folderUID"] == "ptops" and r["data"][0]["datasourceUid"] == "ptops-prometheus"
+        for r in rg["body"]["rules"]
+    )
 
 
 def test_grafana_push_failure_is_one_clear_line(fake_grafana):
@@ -194,7 +243,9 @@ def test_grafana_push_failure_is_one_clear_line(fake_grafana):
 
     from ptops.ops.cli.obs import make_app
 
-    res = CliRunner().invoke(make_app(), ["grafana", "push", "--url", "http://127.0.0.1:1", "--token", "t"])
+    res = CliRunner().invoke(
+        make_app(), ["grafana", "push", "--url", "http://127.0.0.1:1", "--token", "t"]
+    )
     assert res.exit_code == 1
     assert res.output.startswith("error: grafana push to http://127.0.0.1:1 failed:")
     assert len(res.output.strip().splitlines()) == 1

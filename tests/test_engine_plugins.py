@@ -1,11 +1,12 @@
-"""Engines from other distributions: the test builds and installs two small ones (``pip install --target``)
-and runs the real ``ptops`` with them on ``PYTHONPATH``.
+"""Engines from other distributions: the test builds and installs two small ones (``pip install
+--target``) and runs the real ``ptops`` with them on ``PYTHONPATH``.
 
-* ``ptops-toy-engine``: engine ``toy`` (entry point ``toy = "ptops_toy_engine:ENGINE"``), a 2-layer MLP
-  on 2 gloo ranks that reports through the probe and saves with ``ptops.ckpt.SaveTransaction`` + DCP,
-  and ships ``toy-tiny`` (and a ``titan-tiny`` that must lose to ptops' own);
-* ``ptops-bad-plugins``: entry points ``trl`` and ``train`` (a name of ptops' own: refused before its code
-  runs), ``sneaky`` (an Engine named ``titan``: refused after) and ``boom`` (its import raises).
+* ``ptops-toy-engine``: engine ``toy`` (entry point ``toy = "ptops_toy_engine:ENGINE"``), a 2-layer
+  MLP on 2 gloo ranks that reports through the probe and saves with ``ptops.ckpt.SaveTransaction`` +
+  DCP, and ships ``toy-tiny`` (and a ``titan-tiny`` that must lose to ptops' own);
+* ``ptops-bad-plugins``: entry points ``trl`` and ``train`` (a name of ptops' own: refused before
+  its code runs), ``sneaky`` (an Engine named ``titan``: refused after) and ``boom`` (its import
+  raises).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_ptops
 
 VERSION = "0.1.0"
@@ -149,9 +149,9 @@ def main(recipe, probe):
                           "step_s": took, "tokens_per_s": cfg.batch * world / max(took, 1e-9)})
         if step % recipe.checkpoint.interval == 0 or step == recipe.train.steps:
             _save(step, model, recipe, probe, root, rank, world)
-'''
+'''  # noqa: E501
 
-TOY_TINY = '''
+TOY_TINY = """
 name = "toy-tiny"
 engine = "toy"
 description = "a 2-layer MLP regression on 2 gloo ranks (an engine from another package)"
@@ -168,12 +168,12 @@ keep = 2
 
 [toy]
 hidden = 16
-'''
+"""
 
 # same name as a recipe ptops ships: ptops' own must win
 TOY_TITAN_TINY = 'name = "titan-tiny"\nengine = "toy"\ndescription = "SHADOW"\n'
 
-SHADOW_INIT = '''
+SHADOW_INIT = """
 from pydantic import BaseModel
 from ptops.recipes.engines import Engine
 
@@ -184,12 +184,14 @@ class Section(BaseModel):
 
 TRL = Engine(name="trl", section=Section, entry="ptops_shadow:main", description="SHADOW trl")
 TITAN = Engine(name="titan", section=Section, entry="ptops_shadow:main", description="SHADOW titan")
-'''
+"""
 
 BROKEN_INIT = 'raise RuntimeError("boom: this plugin fails at import on purpose")\n'
 
 
-def _dist(root: Path, name: str, package: str, files: dict[str, str], entry_points: dict[str, str]) -> Path:
+def _dist(
+    root: Path, name: str, package: str, files: dict[str, str], entry_points: dict[str, str]
+) -> Path:
     d = root / name
     packages = sorted({rel.split("/")[0] for rel in files if rel.endswith("/__init__.py")})
     eps = "\n".join(f'{k} = "{v}"' for k, v in entry_points.items())
@@ -225,23 +227,55 @@ def _dist(root: Path, name: str, package: str, files: dict[str, str], entry_poin
 def plugins(tmp_path_factory):
     """The two distributions, built and installed once into one ``--target`` folder."""
     root = tmp_path_factory.mktemp("engine-plugins")
-    toy = _dist(root / "src", "ptops-toy-engine", "ptops_toy_engine", {
-        "ptops_toy_engine/__init__.py": TOY_INIT,
-        "ptops_toy_engine/train.py": TOY_TRAIN,
-        "ptops_toy_engine/recipes/toy-tiny.toml": TOY_TINY,
-        "ptops_toy_engine/recipes/titan-tiny.toml": TOY_TITAN_TINY,
-    }, {"toy": "ptops_toy_engine:ENGINE"})
-    bad = _dist(root / "src", "ptops-bad-plugins", "ptops_shadow", {
-        "ptops_shadow/__init__.py": SHADOW_INIT, "ptops_broken/__init__.py": BROKEN_INIT,
-    }, {"trl": "ptops_shadow:TRL", "sneaky": "ptops_shadow:TITAN", "boom": "ptops_broken",
-        "train": "ptops_shadow:TRL"})
+    toy = _dist(
+        root / "src",
+        "ptops-toy-engine",
+        "ptops_toy_engine",
+        {
+            "ptops_toy_engine/__init__.py": TOY_INIT,
+            "ptops_toy_engine/train.py": TOY_TRAIN,
+            "ptops_toy_engine/recipes/toy-tiny.toml": TOY_TINY,
+            "ptops_toy_engine/recipes/titan-tiny.toml": TOY_TITAN_TINY,
+        },
+        {"toy": "ptops_toy_engine:ENGINE"},
+    )
+    bad = _dist(
+        root / "src",
+        "ptops-bad-plugins",
+        "ptops_shadow",
+        {
+            "ptops_shadow/__init__.py": SHADOW_INIT,
+            "ptops_broken/__init__.py": BROKEN_INIT,
+        },
+        {
+            "trl": "ptops_shadow:TRL",
+            "sneaky": "ptops_shadow:TITAN",
+            "boom": "ptops_broken",
+            "train": "ptops_shadow:TRL",
+        },
+    )
     site = root / "site"
     # offline, with this environment's setuptools (a Python 3.11 venv has it); else pip fetches one
     local = ["--no-index", "--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *local,
-         "--no-deps", "--target", str(site), str(toy), str(bad)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            *local,
+            "--no-deps",
+            "--target",
+            str(site),
+            str(toy),
+            str(bad),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert (site / "ptops_toy_engine" / "recipes" / "toy-tiny.toml").is_file()
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
@@ -275,24 +309,41 @@ def test_recipes_lists_plugin_engines_their_recipes_and_what_did_not_load(plugin
         assert engines[name].split()[1] == "ptops" and "SHADOW" not in engines[name]
     recipes = {line.split()[0]: line.split()[1] for line in _section(proc.stdout, "recipes")}
     assert recipes["toy-tiny"] == "toy"
-    assert recipes["titan-tiny"] == "titan" and "SHADOW" not in proc.stdout  # ptops' own recipe won the name
+    assert (
+        recipes["titan-tiny"] == "titan" and "SHADOW" not in proc.stdout
+    )  # ptops' own recipe won the name
     skipped = _section(proc.stdout, "engine plugins not loaded")
     assert len(skipped) == 4, skipped
     by_name = {line.split()[0]: line for line in skipped}
     bad = f"(ptops-bad-plugins {VERSION}): refused:"
     assert by_name["trl"] == f"trl {bad} engine 'trl' is already provided by ptops {VERSION}"
-    assert by_name["sneaky"] == f"sneaky {bad} engine 'titan' is already provided by ptops {VERSION}"
-    assert by_name["train"] == f"train {bad} engine name 'train' is a recipe section of ptops itself"
-    assert by_name["boom"] == (f"boom (ptops-bad-plugins {VERSION}): broken: "
-                               "RuntimeError: boom: this plugin fails at import on purpose")
-    as_json = json.loads(run_ptops("recipes", "--json", env=_env(plugins), timeout=120, check=True).stdout)
-    assert {"name": "toy", "provider": f"ptops-toy-engine {VERSION}",
-            "description": "a 2-layer MLP regression on gloo ranks"} in as_json["engines"]
+    assert (
+        by_name["sneaky"] == f"sneaky {bad} engine 'titan' is already provided by ptops {VERSION}"
+    )
+    assert (
+        by_name["train"] == f"train {bad} engine name 'train' is a recipe section of ptops itself"
+    )
+    assert by_name["boom"] == (
+        f"boom (ptops-bad-plugins {VERSION}): broken: "
+        "RuntimeError: boom: this plugin fails at import on purpose"
+    )
+    as_json = json.loads(
+        run_ptops("recipes", "--json", env=_env(plugins), timeout=120, check=True).stdout
+    )
+    assert {
+        "name": "toy",
+        "provider": f"ptops-toy-engine {VERSION}",
+        "description": "a 2-layer MLP regression on gloo ranks",
+    } in as_json["engines"]
     toy = next(r for r in as_json["recipes"] if r["name"] == "toy-tiny")
     assert toy["engine"] == "toy"
     assert toy["path"] == str(plugins["site"] / "ptops_toy_engine" / "recipes" / "toy-tiny.toml")
     assert sorted((p["name"], p["why"]) for p in as_json["not_loaded"]) == [
-        ("boom", "broken"), ("sneaky", "refused"), ("train", "refused"), ("trl", "refused")]
+        ("boom", "broken"),
+        ("sneaky", "refused"),
+        ("train", "refused"),
+        ("trl", "refused"),
+    ]
 
 
 def test_help_names_installed_engines_without_importing_them(plugins):
@@ -325,16 +376,27 @@ print(json.dumps(out))
 
 
 def test_plugin_section_and_cross_check_validate_like_the_builtins(plugins):
-    bad = run_ptops("launch", "toy-tiny", "--dry-run", "--set", "toy.hidden=0", env=_env(plugins),
-                    timeout=120)
+    bad = run_ptops(
+        "launch", "toy-tiny", "--dry-run", "--set", "toy.hidden=0", env=_env(plugins), timeout=120
+    )
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "key 'toy.hidden': input should be greater than or equal to 1 (got 0)" in bad.stderr
-    proc = subprocess.run([sys.executable, "-c", CHECKS], env={**os.environ, **_env(plugins)}, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECKS],
+        env={**os.environ, **_env(plugins)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["titan-tiny"] == str(REPO / "recipes" / "titan-tiny.toml")  # ptops' own file, not the plugin's
-    assert {"titan", "trl", "toy"} <= set(out["fields"]) and not {"sneaky", "boom"} & set(out["fields"])
+    assert out["titan-tiny"] == str(
+        REPO / "recipes" / "titan-tiny.toml"
+    )  # ptops' own file, not the plugin's
+    assert {"titan", "trl", "toy"} <= set(out["fields"]) and not {"sneaky", "boom"} & set(
+        out["fields"]
+    )
     # the plugin's own cross-key check
     assert out["toy.batch=3"].endswith("toy-tiny.toml: key 'toy.batch': must be even (got 3)")
     assert out['trl.trainer="sft"'].endswith("key 'trl': section does not apply to engine \"toy\"")
@@ -346,11 +408,24 @@ def test_plugin_section_and_cross_check_validate_like_the_builtins(plugins):
 
 @pytest.fixture(scope="module")
 def toy_run(plugins):
-    """One supervised run of the plugin's recipe: rank 1 crashes at step 3, the supervisor resumes at 2."""
+    """One supervised run of the plugin's recipe: rank 1 crashes at step 3, the supervisor resumes
+    at 2."""
     run = plugins["root"] / "toy-run"
-    proc = run_ptops("launch", "toy-tiny", "--supervise", "--run-dir", str(run), "--no-mlflow", "--json",
-                     "--set", "train.steps=4", "--fault", "crash:rank=1,step=3", env=_env(plugins),
-                     timeout=300)
+    proc = run_ptops(
+        "launch",
+        "toy-tiny",
+        "--supervise",
+        "--run-dir",
+        str(run),
+        "--no-mlflow",
+        "--json",
+        "--set",
+        "train.steps=4",
+        "--fault",
+        "crash:rank=1,step=3",
+        env=_env(plugins),
+        timeout=300,
+    )
     return proc, run
 
 

@@ -13,13 +13,18 @@ from ptops.recipes.schema import RecipeError, load
 
 
 def _records(eval_trend: float | None, proxy_trend: float, steps: int = 60, every: int = 5):
-    """Reward rising 0.1 -> 0.9 every step; the proxy ``rewards/verifier/mean`` on every step record with
-    ``proxy_trend`` per step; ``eval/heldout`` (+ ``eval/heldout_exact``) on every ``every``-th step's record."""
+    """Reward rising 0.1 -> 0.9 every step; the proxy ``rewards/verifier/mean`` on every step record
+    with ``proxy_trend`` per step; ``eval/heldout`` (+ ``eval/heldout_exact``) on every ``every``-th
+    step's record."""
     out = []
     for s in range(1, steps + 1):
         wobble = 0.01 * math.sin(s * 1.7)
-        rec = {"step": s, "rank": 0, "reward": 0.1 + 0.8 * s / steps + wobble,
-               "rewards/verifier/mean": 0.5 + proxy_trend * s + wobble}
+        rec = {
+            "step": s,
+            "rank": 0,
+            "reward": 0.1 + 0.8 * s / steps + wobble,
+            "rewards/verifier/mean": 0.5 + proxy_trend * s + wobble,
+        }
         if eval_trend is not None and s % every == 0:
             rec["eval/heldout"] = 0.8 + eval_trend * s + 0.5 * wobble
             rec["eval/heldout_exact"] = 0.0
@@ -44,9 +49,12 @@ def test_falling_heldout_eval_is_hacking_even_when_the_proxy_agrees_with_the_rew
 
 
 def test_a_rising_heldout_eval_overrides_a_falling_proxy():
-    """The proxy alone says hacking; the held-out eval says the policy got better: no held-out finding."""
+    """The proxy alone says hacking; the held-out eval says the policy got better: no held-out
+    finding."""
     _, proxy_only = _findings(_records(eval_trend=None, proxy_trend=-0.01))
-    assert any("rewards/verifier/mean" in f.detail for f in proxy_only), "the proxy rule itself must work"
+    assert any("rewards/verifier/mean" in f.detail for f in proxy_only), (
+        "the proxy rule itself must work"
+    )
     mon, found = _findings(_records(eval_trend=+0.002, proxy_trend=-0.01))
     assert not [f for f in found if "held-out" in f.detail], [f.detail for f in found]
     assert mon.heldout_source(0)[0] == "eval"
@@ -63,10 +71,14 @@ def test_eval_section_schema():
     rec, _ = load("trl-grpo-tiny", ["eval.interval=5", "eval.name=math"])
     assert rec.eval.interval == 5 and rec.eval.name == "math"
     assert load("trl-sft-tiny")[0].eval.interval == 0  # off unless asked for
-    with pytest.raises(RecipeError, match=r"key 'eval.interval': not supported by engine \"titan\""):
+    with pytest.raises(
+        RecipeError, match=r"key 'eval.interval': not supported by engine \"titan\""
+    ):
         load("titan-tiny", ["eval.interval=5"])
     assert load("titan-tiny", ["train.init_from=/x"])[0].train.init_from == "/x"
-    with pytest.raises(RecipeError, match=r"key 'train.init_from': not together with titan.initial_load_path"):
+    with pytest.raises(
+        RecipeError, match=r"key 'train.init_from': not together with titan.initial_load_path"
+    ):
         load("titan-tiny", ["train.init_from=/x", "titan.initial_load_path=/y"])
     with pytest.raises(RecipeError, match=r"eval.name"):
         load("trl-sft-tiny", ["eval.name=bad/name"])
@@ -79,14 +91,17 @@ def test_heldout_set_is_held_out():
     rec, _ = load("trl-grpo-tiny", ["eval.interval=5", "eval.size=24"])
     rows = heldout_rows(rec)
     assert len(rows) == 24
-    trained = {q for seed in (1, 2, 3) for q, _ in assets.arithmetic_pairs(rec.trl.dataset_size, seed)}
+    trained = {
+        q for seed in (1, 2, 3) for q, _ in assets.arithmetic_pairs(rec.trl.dataset_size, seed)
+    }
     asked = [r["prompt"][0]["content"] for r in rows]
     assert not set(asked) & trained and len(set(asked)) == len(asked)
 
 
 def test_eval_in_the_loop_leaves_training_and_exact_resume_unchanged(tmp_path):
-    """Real SFT runs (4 steps): with a held-out eval every 2 steps, and with it plus a crash at step 3
-    (supervised restart from step 2), the final checkpoint has the digest of a run without eval."""
+    """Real SFT runs (4 steps): with a held-out eval every 2 steps, and with it plus a crash at step
+    3 (supervised restart from step 2), the final checkpoint has the digest of a run without
+    eval."""
     import os
     import subprocess
     import sys
@@ -98,7 +113,16 @@ def test_eval_in_the_loop_leaves_training_and_exact_resume_unchanged(tmp_path):
     base = ["train.steps=4", "checkpoint.interval=2"]
 
     def launch(name, extra, *flags):
-        cmd = [sys.executable, "-m", "ptops", "launch", "trl-sft-tiny", "--run-dir", str(tmp_path / name), "--no-mlflow"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ptops",
+            "launch",
+            "trl-sft-tiny",
+            "--run-dir",
+            str(tmp_path / name),
+            "--no-mlflow",
+        ]
         for o in base + extra:
             cmd += ["--set", o]
         p = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True, timeout=600)
@@ -122,8 +146,19 @@ def test_eval_records_become_a_prometheus_gauge():
     e = PrometheusExporter("r", "t", nvml=False)
     e.observe_metric({"step": 1, "rank": 0, "loss": 1.0, "ts": 1.0})
     assert "ptops_eval_score" not in e.text()  # no eval, no family
-    e.observe_metric({"step": 2, "rank": 0, "loss": 1.0, "eval/heldout": 0.25, "eval/heldout_exact": 0.0, "ts": 2.0})
-    e.observe_metric({"step": 2, "rank": 1, "loss": 1.0, "eval/heldout": 0.9, "ts": 2.0})  # rank 0's counts
+    e.observe_metric(
+        {
+            "step": 2,
+            "rank": 0,
+            "loss": 1.0,
+            "eval/heldout": 0.25,
+            "eval/heldout_exact": 0.0,
+            "ts": 2.0,
+        }
+    )
+    e.observe_metric(
+        {"step": 2, "rank": 1, "loss": 1.0, "eval/heldout": 0.9, "ts": 2.0}
+    )  # rank 0's counts
     text = e.text()
     assert 'ptops_eval_score{name="heldout",recipe="t",run="r"} 0.25' in text, text
     assert 'ptops_eval_score{name="heldout_exact",recipe="t",run="r"} 0.0' in text

@@ -62,11 +62,10 @@ def test_the_doc_page_is_the_table():
 
 
 def test_the_readme_and_launch_help_name_the_codes():
-    readme = (REPO / "README.md").read_text()
-    assert (
-        "docs/exit-codes.md" in readme and "4 misconfigured" in readme and "5 resubmitted" in readme
-    )
-    assert "exit 3 (do not requeue)" not in readme  # the resubmit is 5 now
+    cli = (REPO / "docs" / "cli.md").read_text()
+    assert "docs/exit-codes.md" in cli and "4 misconfigured" in cli and "5 resubmitted" in cli
+    assert "docs/exit-codes.md" in (REPO / "README.md").read_text()
+    assert "exit 3 (do not requeue)" not in (REPO / "docs" / "slurm.md").read_text()  # resubmit: 5
 
 
 def test_outcomes_map_to_their_codes():
@@ -135,7 +134,7 @@ def test_a_plain_launch_that_crashes_is_1_and_the_summary_says_requeue(ptops, tm
 
 
 def test_misconfigured_names_itself_in_the_summary(tmp_path, capsys):
-    """The summary line a person reads for a 4 (the real trigger is test_hang_budgets' world of one)."""
+    """The summary line a person reads for a 4 (real trigger: test_hang_budgets' world of one)."""
     from ptops.ops.cli.launch import print_summary
 
     s = {

@@ -25,7 +25,14 @@ def samples(exporter: PrometheusExporter) -> dict[tuple, float]:
     out = {}
     for fam in text_string_to_metric_families(exporter.text()):
         for s in fam.samples:
-            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run", "recipe"))))] = s.value
+            out[
+                (
+                    s.name,
+                    tuple(
+                        sorted((k, v) for k, v in s.labels.items() if k not in ("run", "recipe"))
+                    ),
+                )
+            ] = s.value
     return out
 
 
@@ -68,9 +75,12 @@ def test_replay_of_a_restarted_run(titan):
     assert s[("ptops_checkpoint_age_seconds", ())] == pytest.approx(events[-1]["ts"] + 10.0 - ck_ts)
     assert s[("ptops_run_state", (("state", "completed"),))] == 1
     assert s[("ptops_run_state", (("state", "running"),))] == 0
-    assert s[("ptops_step_duration_seconds_count", ())] == 9  # rank 0: steps 1-6 of attempt 1, 6-8 redone in attempt 2
+    assert (
+        s[("ptops_step_duration_seconds_count", ())] == 9
+    )  # rank 0: steps 1-6 of attempt 1, 6-8 redone in attempt 2
     assert s[("ptops_last_event_timestamp_seconds", (("kind", "restart"),))] == pytest.approx(
-        [ev for ev in events if ev["kind"] == "restart"][0]["ts"])
+        [ev for ev in events if ev["kind"] == "restart"][0]["ts"]
+    )
     # the straggler finding is within the 300 s TTL at this clock (10 s after the end): still listed
     assert s[("ptops_straggler_ratio", (("rank", "1"),))] == pytest.approx(1.8)
 
@@ -85,8 +95,20 @@ def test_goodput_counts_each_step_once(titan):
     assert e.goodput() == pytest.approx(sum(final.values()) / wall)
     assert samples(e)[("ptops_goodput_ratio", ())] == pytest.approx(sum(final.values()) / wall)
     assert samples(e)[("ptops_productive_seconds", ())] == pytest.approx(sum(final.values()))
-    lost = {labels[0][1]: v for (name, labels), v in samples(e).items() if name == "ptops_goodput_lost_seconds"}
-    assert set(lost) == {"startup", "detection", "restart", "recomputed", "checkpoint_blocking", "shutdown", "other"}
+    lost = {
+        labels[0][1]: v
+        for (name, labels), v in samples(e).items()
+        if name == "ptops_goodput_lost_seconds"
+    }
+    assert set(lost) == {
+        "startup",
+        "detection",
+        "restart",
+        "recomputed",
+        "checkpoint_blocking",
+        "shutdown",
+        "other",
+    }
     assert lost["recomputed"] > 0 and lost["restart"] > 0  # this trace has a crash and redone steps
     assert sum(final.values()) + sum(lost.values()) == pytest.approx(wall)
 
@@ -107,15 +129,39 @@ def test_nonfinite_hang_and_states():
     assert s[("ptops_run_state", (("state", "starting"),))] == 1
     assert ("ptops_loss", ()) not in s  # no fake zero before the first step
     e.observe_event({"ts": 10.0, "kind": "launch", "attempt": 1})
-    e.observe_metric({"step": 1, "rank": 0, "attempt": 1, "loss": "nan", "grad_norm": "inf", "step_s": 0.1, "ts": 11.0})
-    e.observe_metric({"step": 1, "rank": 1, "attempt": 1, "loss": "nan", "grad_norm": 1.0, "step_s": 0.1, "ts": 11.0})
+    e.observe_metric(
+        {
+            "step": 1,
+            "rank": 0,
+            "attempt": 1,
+            "loss": "nan",
+            "grad_norm": "inf",
+            "step_s": 0.1,
+            "ts": 11.0,
+        }
+    )
+    e.observe_metric(
+        {
+            "step": 1,
+            "rank": 1,
+            "attempt": 1,
+            "loss": "nan",
+            "grad_norm": 1.0,
+            "step_s": 0.1,
+            "ts": 11.0,
+        }
+    )
     s = samples(e)
     assert math.isnan(s[("ptops_loss", ())])
     assert s[("ptops_grad_norm", ())] == math.inf
-    assert s[("ptops_nonfinite_total", (("metric", "loss"),))] == 1  # two ranks, one step: counted once
+    assert (
+        s[("ptops_nonfinite_total", (("metric", "loss"),))] == 1
+    )  # two ranks, one step: counted once
     assert s[("ptops_nonfinite_total", (("metric", "grad_norm"),))] == 1
     assert s[("ptops_last_nonfinite_timestamp_seconds", ())] == 11.0
-    e.observe_event({"ts": 20.0, "kind": "hang", "attempt": 1, "ranks": [1], "step": 2, "silent_s": 9.0})
+    e.observe_event(
+        {"ts": 20.0, "kind": "hang", "attempt": 1, "ranks": [1], "step": 2, "silent_s": 9.0}
+    )
     s = samples(e)
     assert s[("ptops_run_state", (("state", "hung"),))] == 1 and s[("ptops_hangs_total", ())] == 1
     e.observe_event({"ts": 21.0, "kind": "restart", "attempt": 2, "from_step": 0, "reason": "hang"})
@@ -136,7 +182,9 @@ def test_label_cardinality_is_bounded():
     for rank in range(100):
         e.observe_metric({"step": 1, "rank": rank, "step_s": 0.1, "tokens_per_s": 1.0})
         e.observe_event({"kind": "straggler", "rank": rank, "ratio": 1.5})
-    assert samples(e)[("ptops_tokens_per_second", ())] == 100.0  # every rank counts, even past the label cap
+    assert (
+        samples(e)[("ptops_tokens_per_second", ())] == 100.0
+    )  # every rank counts, even past the label cap
     for i in range(200):
         e.observe_event({"kind": "restart", "attempt": 2, "reason": f"reason{i} with details {i}"})
         e.observe_event({"kind": "anomaly", "monitor": f"m{i}"})
@@ -144,7 +192,13 @@ def test_label_cardinality_is_bounded():
     s = samples(e)
     ranks = {dict(k[1]).get("rank") for k in s if k[0] == "ptops_rank_step_duration_seconds"}
     assert ranks == {"0", "1", "2", "3"}
-    assert {dict(k[1])["rank"] for k in s if k[0] == "ptops_stragglers_total"} == {"0", "1", "2", "3", "other"}
+    assert {dict(k[1])["rank"] for k in s if k[0] == "ptops_stragglers_total"} == {
+        "0",
+        "1",
+        "2",
+        "3",
+        "other",
+    }
     assert len([k for k in s if k[0] == "ptops_restarts_total"]) <= 33
     assert len([k for k in s if k[0] == "ptops_anomalies_total"]) <= 33
     assert len([k for k in s if k[0] == "ptops_events_total"]) <= 33
@@ -174,7 +228,10 @@ def test_follow_tails_and_waits_for_torn_lines(tmp_path):
         with open(run / "events.jsonl", "a") as fh:
             fh.write(json.dumps({"ts": time.time(), "kind": "launch", "attempt": 1}) + "\n")
         with open(run / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps({"step": 1, "rank": 0, "attempt": 1, "loss": 5.0, "ts": time.time()}) + "\n")
+            fh.write(
+                json.dumps({"step": 1, "rank": 0, "attempt": 1, "loss": 5.0, "ts": time.time()})
+                + "\n"
+            )
             fh.write('{"step": 2, "rank": 0, "loss": 4.')  # a writer mid-line
             fh.flush()
             deadline = time.time() + 5
@@ -245,30 +302,52 @@ class FakeNvml(types.SimpleNamespace):
         super().__init__()
         self.events = [types.SimpleNamespace(device="h1", eventData=79)]
 
-    def nvmlInit(self): pass
-    def nvmlShutdown(self): pass
-    def nvmlDeviceGetCount(self): return 2
-    def nvmlDeviceGetHandleByIndex(self, i): return f"h{i}"
-    def nvmlEventSetCreate(self): return "es"
-    def nvmlEventSetFree(self, es): pass
-    def nvmlDeviceRegisterEvents(self, h, t, es): pass
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return f"h{i}"
+
+    def nvmlEventSetCreate(self):
+        return "es"
+
+    def nvmlEventSetFree(self, es):
+        pass
+
+    def nvmlDeviceRegisterEvents(self, h, t, es):
+        pass
 
     def nvmlEventSetWait_v2(self, es, timeout):
         if self.events:
             return self.events.pop()
         raise self.NVMLError("timeout")
 
-    def nvmlDeviceGetUtilizationRates(self, h): return types.SimpleNamespace(gpu=87, memory=40)
-    def nvmlDeviceGetMemoryInfo(self, h): return types.SimpleNamespace(used=40 * 2**30, total=141 * 2**30)
-    def nvmlDeviceGetTemperature(self, h, s): return 71
-    def nvmlDeviceGetPowerUsage(self, h): return 650000
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return types.SimpleNamespace(gpu=87, memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return types.SimpleNamespace(used=40 * 2**30, total=141 * 2**30)
+
+    def nvmlDeviceGetTemperature(self, h, s):
+        return 71
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 650000
 
     def nvmlDeviceGetClockInfo(self, h, c):
         raise self.NVMLError("not supported")  # a field the GPU lacks is skipped
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, h): return 0x8 if h == "h1" else 0x1
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return 0x8 if h == "h1" else 0x1
 
-    def nvmlDeviceGetTotalEccErrors(self, h, t, c): return 3 if (h == "h1" and t == 1) else 0
+    def nvmlDeviceGetTotalEccErrors(self, h, t, c):
+        return 3 if (h == "h1" and t == 1) else 0
 
 
 def test_nvml_present_path_with_a_fake_library():
@@ -279,12 +358,16 @@ def test_nvml_present_path_with_a_fake_library():
     assert util == {"0": 0.87, "1": 0.87}
     assert "ptops_gpu_sm_clock_hertz" not in fams
     assert {s.labels["gpu"]: s.value for s in fams["ptops_gpu_power_watts"].samples}["0"] == 650.0
-    ecc = {(s.labels["gpu"], s.labels["type"]): s.value for s in fams["ptops_gpu_ecc_errors"].samples}
+    ecc = {
+        (s.labels["gpu"], s.labels["type"]): s.value for s in fams["ptops_gpu_ecc_errors"].samples
+    }
     assert ecc[("1", "uncorrected")] == 3 and ecc[("0", "uncorrected")] == 0
     xid = {s.labels["gpu"]: s.value for s in fams["ptops_gpu_xid_errors"].samples}
     assert xid == {"0": 0, "1": 1}
     assert [s.value for s in fams["ptops_gpu_last_xid"].samples] == [79]
-    thr = {(s.labels["gpu"], s.labels["reason"]): s.value for s in fams["ptops_gpu_throttle"].samples}
+    thr = {
+        (s.labels["gpu"], s.labels["reason"]): s.value for s in fams["ptops_gpu_throttle"].samples
+    }
     assert thr[("1", "hw_slowdown")] == 1 and thr[("0", "hw_slowdown")] == 0
     c.close()
 
@@ -292,19 +375,58 @@ def test_nvml_present_path_with_a_fake_library():
 def test_finding_episodes_open_and_close_and_the_all_clear_is_no_finding():
     e = PrometheusExporter("r", "t", clock=lambda: 100.0, nvml=False)
     e.observe_event({"ts": 1, "kind": "launch", "attempt": 1})
-    e.observe_event({"ts": 10, "kind": "anomaly", "monitor": "entropy_collapse", "step": 5, "value": 30, "detail": "w",
-                     "severity": "warning", "episode": 1, "phase": "open"})
+    e.observe_event(
+        {
+            "ts": 10,
+            "kind": "anomaly",
+            "monitor": "entropy_collapse",
+            "step": 5,
+            "value": 30,
+            "detail": "w",
+            "severity": "warning",
+            "episode": 1,
+            "phase": "open",
+        }
+    )
     s = samples(e)
     key = ("ptops_finding_episode_open", (("monitor", "entropy_collapse"),))
     assert s[key] == 1 and s[("ptops_anomalies_total", (("monitor", "entropy_collapse"),))] == 1
-    e.observe_event({"ts": 50, "kind": "anomaly", "monitor": "entropy_collapse", "step": 40, "value": 0.9,
-                     "detail": "all clear", "severity": "info", "episode": 1, "phase": "resolved"})
+    e.observe_event(
+        {
+            "ts": 50,
+            "kind": "anomaly",
+            "monitor": "entropy_collapse",
+            "step": 40,
+            "value": 0.9,
+            "detail": "all clear",
+            "severity": "info",
+            "episode": 1,
+            "phase": "resolved",
+        }
+    )
     s = samples(e)
     assert s[key] == 0
-    assert s[("ptops_anomalies_total", (("monitor", "entropy_collapse"),))] == 1  # the all-clear is not a finding
-    assert s[("ptops_anomaly_last_timestamp_seconds", (("monitor", "entropy_collapse"),))] == 10  # nor re-fires alerts
-    e.observe_event({"ts": 60, "kind": "anomaly", "monitor": "entropy_collapse", "step": 50, "value": 30, "detail": "w",
-                     "severity": "warning", "episode": 2, "phase": "open"})
+    assert (
+        s[("ptops_anomalies_total", (("monitor", "entropy_collapse"),))] == 1
+    )  # the all-clear is not a finding
+    assert (
+        s[("ptops_anomaly_last_timestamp_seconds", (("monitor", "entropy_collapse"),))] == 10
+    )  # nor re-fires alerts
+    e.observe_event(
+        {
+            "ts": 60,
+            "kind": "anomaly",
+            "monitor": "entropy_collapse",
+            "step": 50,
+            "value": 30,
+            "detail": "w",
+            "severity": "warning",
+            "episode": 2,
+            "phase": "open",
+        }
+    )
     assert samples(e)[key] == 1
-    e.observe_event({"ts": 70, "kind": "launch", "attempt": 2})  # the monitors start the attempt with no episode open
+    e.observe_event(
+        {"ts": 70, "kind": "launch", "attempt": 2}
+    )  # the monitors start the attempt with no episode open
     assert samples(e)[key] == 0

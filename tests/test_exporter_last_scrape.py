@@ -27,7 +27,9 @@ def test_last_scrape_waits_for_a_scrape_that_sees_the_end():
         _scrape(port)  # a scraper is there (two scrapes: its interval is known)
         ex.observe_event({"ts": time.time(), "kind": "completed", "step": 16})
         seen: list[str] = []
-        t = threading.Thread(target=lambda: (time.sleep(0.3), seen.append(_scrape(port))), daemon=True)
+        t = threading.Thread(
+            target=lambda: (time.sleep(0.3), seen.append(_scrape(port))), daemon=True
+        )
         t.start()
         t0 = time.monotonic()
         assert ex.last_scrape() is True

@@ -1,4 +1,5 @@
-"""Fault injectors' trigger logic (right rank / step / attempt, once) and the chaos runner's pure parts.
+"""Fault injectors' trigger logic (right rank / step / attempt, once) and the chaos runner's pure
+parts.
 
 No training here: effects that would end the process (os.kill, os._exit) are
 replaced by recorders; sleeps are recorded instead of slept.
@@ -38,7 +39,13 @@ def fx(monkeypatch):
 
 def make(specs, rank=0, attempt=1, run_dir=None):
     fired = []
-    inj = Injector([parse(s) for s in specs], rank, attempt, lambda f, step: fired.append((f.kind, step)), run_dir=run_dir)
+    inj = Injector(
+        [parse(s) for s in specs],
+        rank,
+        attempt,
+        lambda f, step: fired.append((f.kind, step)),
+        run_dir=run_dir,
+    )
     return inj, fired
 
 
@@ -116,7 +123,11 @@ def test_before_step_kinds_fire_at_their_rank_step_attempt_only(fx, kind):
         inj, fired = make([spec], rank=rank, attempt=attempt)
         try:
             drive(inj)
-        except (SystemExit, MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        except (
+            SystemExit,
+            MemoryError,
+            RuntimeError,
+        ) as e:  # torch.OutOfMemoryError is a RuntimeError
             assert kind in ("crash", "oom"), e
             assert inj.pending == []
         assert fired == expect, (rank, attempt)
@@ -124,7 +135,9 @@ def test_before_step_kinds_fire_at_their_rank_step_attempt_only(fx, kind):
 
 def test_crash_kills_itself_with_sigkill_or_exits_with_code(fx):
     inj, fired = make(["crash:step=3"])
-    with pytest.raises(SystemExit):  # the recorded SIGKILL did not kill: the injector falls back to _exit(1)
+    with pytest.raises(
+        SystemExit
+    ):  # the recorded SIGKILL did not kill: the injector falls back to _exit(1)
         drive(inj, range(1, 6))
     assert fired == [("crash", 3)] and fx.kills[0][1] == signal.SIGKILL and fx.exits == [1]
     fx.exits.clear()
@@ -230,7 +243,10 @@ def test_corrupt_modes_and_victim_choice(tmp_path):
     trl.mkdir()
     (trl / "model.safetensors").write_bytes(b"a" * 500)
     (trl / "optimizer.pt").write_bytes(b"b" * 900)
-    assert corrupt_checkpoint(tmp_path, 4).name == "optimizer.pt" and (trl / "optimizer.pt").stat().st_size == 450
+    assert (
+        corrupt_checkpoint(tmp_path, 4).name == "optimizer.pt"
+        and (trl / "optimizer.pt").stat().st_size == 450
+    )
     assert corrupt_checkpoint(tmp_path, 99) is None
 
 
@@ -249,16 +265,30 @@ def test_live_fault_fires_at_next_opportunity_once(fx):
 # ------------------------------------------------------------ chaos runner, pure parts
 def test_select_scenarios():
     names = [s.name for s in chaos.select()]
-    assert len(names) == 4 * 10 and "titan-tiny/kill-supervisor" in names and "trl-grpo-tiny/preempt" in names
-    assert {n.split("/")[0] for n in names} == {"titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny"}
+    assert (
+        len(names) == 4 * 10
+        and "titan-tiny/kill-supervisor" in names
+        and "trl-grpo-tiny/preempt" in names
+    )
+    assert {n.split("/")[0] for n in names} == {
+        "titan-tiny",
+        "trl-sft-tiny",
+        "trl-dpo-tiny",
+        "trl-grpo-tiny",
+    }
     for recipe in ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny"):
         sc = chaos.select([], [f"{recipe}/crash-in-save"])[0]
         assert sc.faults == ("crash:phase=save,rank=1,step=8",) and sc.detect == ("crash",)
         assert sc.faults[0] and parse(sc.faults[0]).step % chaos.INTERVAL == 0  # a step that saves
-    assert [s.name for s in chaos.select(["trl-sft-tiny"])] == [f"trl-sft-tiny/{k}" for k in chaos.TRL_KINDS]
+    assert [s.name for s in chaos.select(["trl-sft-tiny"])] == [
+        f"trl-sft-tiny/{k}" for k in chaos.TRL_KINDS
+    ]
     sc = chaos.select([], ["titan-tiny/crash:rank=0,step=3"])
     assert sc[0].faults == ("crash:rank=0,step=3",) and sc[0].detect == ("crash",)
-    assert [s.name for s in chaos.select(["titan-tiny", "trl-sft-tiny"], ["hang"])] == ["titan-tiny/hang", "trl-sft-tiny/hang"]
+    assert [s.name for s in chaos.select(["titan-tiny", "trl-sft-tiny"], ["hang"])] == [
+        "titan-tiny/hang",
+        "trl-sft-tiny/hang",
+    ]
     for bad in ("titan-tiny/explode", "titan-tiny/crash:stp=3", "titan-tiny/"):
         with pytest.raises(chaos.ScenarioError):
             chaos.select([], [bad])
@@ -269,7 +299,14 @@ def test_select_scenarios():
 def test_analyze_timings_and_data_checks():
     ev = [
         {"ts": 100.0, "kind": "launch", "attempt": 1},
-        {"ts": 110.0, "kind": "fault_injected", "fault": "crash:rank=1,step=6", "rank": 1, "step": 6, "attempt": 1},
+        {
+            "ts": 110.0,
+            "kind": "fault_injected",
+            "fault": "crash:rank=1,step=6",
+            "rank": 1,
+            "step": 6,
+            "attempt": 1,
+        },
         {"ts": 111.5, "kind": "crash", "attempt": 1, "rank": 1},
         {"ts": 112.0, "kind": "restart", "attempt": 2, "from_step": 4},
         {"ts": 130.0, "kind": "completed", "step": 8},
@@ -289,15 +326,36 @@ def test_analyze_timings_and_data_checks():
 
 
 def test_a_cold_restart_of_a_run_with_a_warm_pool_is_a_chaos_problem():
-    """Issue 27: the crash scenarios run with ``warm_spare=true`` and fail when a restart went cold because the
-    pool was gone or never ready; a first launch (or a relaunched supervisor's) is cold by design."""
-    assert "supervisor.restart.warm_spare=true" in chaos.select([], ["titan-tiny/crash"])[0].launch_argv(chaos.Path("/r"))
-    cold1 = {"ts": 1.0, "kind": "launch", "attempt": 1, "warm_pool": True, "ranks_from": "cold",
-             "cold_why": "pool_not_started"}
-    warm2 = {"ts": 2.0, "kind": "launch", "attempt": 2, "warm_pool": True, "ranks_from": "warm", "warm_wait_s": 0.0}
+    """Issue 27: the crash scenarios run with ``warm_spare=true`` and fail when a restart went cold
+    because the pool was gone or never ready; a first launch (or a relaunched supervisor's) is cold
+    by design."""
+    assert "supervisor.restart.warm_spare=true" in chaos.select([], ["titan-tiny/crash"])[
+        0
+    ].launch_argv(chaos.Path("/r"))
+    cold1 = {
+        "ts": 1.0,
+        "kind": "launch",
+        "attempt": 1,
+        "warm_pool": True,
+        "ranks_from": "cold",
+        "cold_why": "pool_not_started",
+    }
+    warm2 = {
+        "ts": 2.0,
+        "kind": "launch",
+        "attempt": 2,
+        "warm_pool": True,
+        "ranks_from": "warm",
+        "warm_wait_s": 0.0,
+    }
     a = chaos.analyze([cold1, warm2], [], 8, ("crash",))
     assert a["ranks_from"] == ["cold", "warm"] and a["cold_restarts"] == []
-    gone = dict(warm2, ranks_from="cold", cold_why="pool_exited", cold_detail="the pool exited with code -9: ...")
+    gone = dict(
+        warm2,
+        ranks_from="cold",
+        cold_why="pool_exited",
+        cold_detail="the pool exited with code -9: ...",
+    )
     a = chaos.analyze([cold1, gone], [], 8, ("crash",))
     assert a["ranks_from"] == ["cold", "cold"] and len(a["cold_restarts"]) == 1
     assert "attempt 2" in a["cold_restarts"][0] and "pool_exited" in a["cold_restarts"][0]
@@ -308,13 +366,18 @@ def test_a_cold_restart_of_a_run_with_a_warm_pool_is_a_chaos_problem():
 def test_fault_spec_error_names_the_spec_in_chaos_cli(ptops):
     proc = ptops("chaos", "--scenario", "titan-tiny/crash:step=zero", "--list")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and "key 'step'" in proc.stderr and "integer" in proc.stderr
+    assert (
+        proc.stderr.strip().count("\n") == 0
+        and "key 'step'" in proc.stderr
+        and "integer" in proc.stderr
+    )
     listed = ptops("chaos", "--list", "--recipe", "trl-sft-tiny", check=True).stdout
     assert json.dumps("trl-sft-tiny/preempt")[1:-1] in listed
 
 
 def test_corrupt_waits_for_an_async_save_to_commit(fx, tmp_path):
-    """A save still writing (``.writing`` marker) is damaged only once committed, off the training thread."""
+    """A save still writing (``.writing`` marker) is damaged only once committed, off the training
+    thread."""
     import threading
 
     d = _fake_dcp(tmp_path, 8)
@@ -331,7 +394,8 @@ def test_corrupt_waits_for_an_async_save_to_commit(fx, tmp_path):
 
 
 def test_every_rank_agrees_on_a_sync_save_for_corrupt_ckpt(fx, tmp_path):
-    """Rank 0 corrupts, rank 1 does not; both must want the save of step 8 synchronous, and neither after it."""
+    """Rank 0 corrupts, rank 1 does not; both must want the save of step 8 synchronous, and neither
+    after it."""
     _fake_dcp(tmp_path, 8)
     ranks = [make(["corrupt-ckpt:step=8"], rank=r, run_dir=tmp_path)[0] for r in (0, 1)]
     live = [make([], rank=r, run_dir=tmp_path)[0] for r in (0, 1)]
@@ -354,15 +418,39 @@ def test_chaos_junit_is_valid_junit_with_one_case_per_scenario(tmp_path):
     from ptops.faultinject.junit import to_junit
 
     report = {
-        "work_dir": "/tmp/chaos", "passed": False, "wall_s": 98.5,
+        "work_dir": "/tmp/chaos",
+        "passed": False,
+        "wall_s": 98.5,
         "baselines": {"titan-tiny": {"digest": "abc123", "run_dir": "x"}},
         "scenarios": [
-            {"scenario": "titan-tiny/crash", "recipe": "titan-tiny", "kind": "crash", "faults": ["crash:rank=1,step=6"],
-             "passed": True, "problems": [], "detect_s": 1.3, "recover_s": 8.7, "steps_recomputed": 1,
-             "detected_by": "crash", "digest_equal": True, "wall_s": 40.2, "run_dir": "/tmp/chaos/a"},
-            {"scenario": "titan-tiny/hang", "recipe": "titan-tiny", "kind": "hang", "faults": ["hang:rank=0,step=6"],
-             "passed": False, "problems": ["digest <differs> & \"final\" step 11 != 12"], "detect_s": None,
-             "recover_s": None, "digest_equal": False, "wall_s": 58.3, "run_dir": "/tmp/chaos/b"},
+            {
+                "scenario": "titan-tiny/crash",
+                "recipe": "titan-tiny",
+                "kind": "crash",
+                "faults": ["crash:rank=1,step=6"],
+                "passed": True,
+                "problems": [],
+                "detect_s": 1.3,
+                "recover_s": 8.7,
+                "steps_recomputed": 1,
+                "detected_by": "crash",
+                "digest_equal": True,
+                "wall_s": 40.2,
+                "run_dir": "/tmp/chaos/a",
+            },
+            {
+                "scenario": "titan-tiny/hang",
+                "recipe": "titan-tiny",
+                "kind": "hang",
+                "faults": ["hang:rank=0,step=6"],
+                "passed": False,
+                "problems": ['digest <differs> & "final" step 11 != 12'],
+                "detect_s": None,
+                "recover_s": None,
+                "digest_equal": False,
+                "wall_s": 58.3,
+                "run_dir": "/tmp/chaos/b",
+            },
         ],
     }
     path = tmp_path / "junit.xml"
@@ -374,13 +462,22 @@ def test_chaos_junit_is_valid_junit_with_one_case_per_scenario(tmp_path):
     assert suite.tests == 2 and suite.failures == 1
     cases = {c.name: c for c in suite}
     assert set(cases) == {"titan-tiny/crash", "titan-tiny/hang"}
-    assert cases["titan-tiny/crash"].is_passed and cases["titan-tiny/crash"].classname == "ptops.chaos.titan-tiny"
-    def props(case) -> dict[str, str]:  # testcase-level <properties> (pytest's record_property shape)
+    assert (
+        cases["titan-tiny/crash"].is_passed
+        and cases["titan-tiny/crash"].classname == "ptops.chaos.titan-tiny"
+    )
+
+    def props(
+        case,
+    ) -> dict[str, str]:  # testcase-level <properties> (pytest's record_property shape)
         return {p.get("name"): p.get("value") for p in case._elem.iter("property")}
 
-    assert props(cases["titan-tiny/crash"])["detect_s"] == "1.3" and props(cases["titan-tiny/crash"])["recover_s"] == "8.7"
+    assert (
+        props(cases["titan-tiny/crash"])["detect_s"] == "1.3"
+        and props(cases["titan-tiny/crash"])["recover_s"] == "8.7"
+    )
     assert props(cases["titan-tiny/crash"])["digest_equal"] == "true"
     assert "recover_s" not in props(cases["titan-tiny/hang"])  # unknown: left out, not "None"
     (failure,) = [r for r in cases["titan-tiny/hang"].result if isinstance(r, Failure)]
-    assert failure.message == "digest <differs> & \"final\" step 11 != 12"
+    assert failure.message == 'digest <differs> & "final" step 11 != 12'
     assert cases["titan-tiny/hang"].time == 58.3

@@ -35,9 +35,15 @@ def test_attempt_rules():
 
 
 def test_roundtrip_env_and_format():
-    faults = [parse("crash:rank=1,step=12"), parse("slow:step=2,seconds=0.25,steps=3"), parse("crash:step=2,signal=term")]
+    faults = [
+        parse("crash:rank=1,step=12"),
+        parse("slow:step=2,seconds=0.25,steps=3"),
+        parse("crash:step=2,signal=term"),
+    ]
     assert from_env(to_env(faults)) == faults
-    assert parse(format_spec(faults[1])) == Fault("slow", 2, None, 1, {"seconds": 0.25, "steps": 3}, format_spec(faults[1]))
+    assert parse(format_spec(faults[1])) == Fault(
+        "slow", 2, None, 1, {"seconds": 0.25, "steps": 3}, format_spec(faults[1])
+    )
     assert faults[2].params["signal"] == "SIGTERM"
     assert from_env("") == [] and from_env(None) == []
 
@@ -64,7 +70,10 @@ def test_roundtrip_env_and_format():
         ("crash:step=3,signal=BOGUS", ["key 'signal'", "unknown signal"]),
         ("crash:step=3,code=2,signal=TERM", ["give one, not both"]),
         ("crash:step=3,phase=load", ["key 'phase'", "step, save", "'load'"]),
-        ("hang:step=3,phase=save", ["key 'phase'", "expected one of step, import, rendezvous, build, load"]),
+        (
+            "hang:step=3,phase=save",
+            ["key 'phase'", "expected one of step, import, rendezvous, build, load"],
+        ),
         ("hang:step=3,phase=build", ["key 'step'", "start-up hang (phase=build) has no step"]),
         ("slow:step=3,seconds=-1", ["key 'seconds'", ">= 0"]),
         ("preempt:step=3,rank=1", ["key 'rank'", "unknown key for preempt"]),
@@ -100,7 +109,8 @@ def test_slow_save_and_misrendezvous_parse_and_round_trip():
 
 
 def test_misrendezvous_is_launch_only():
-    """It acts before the first step: injected live it could never fire, so ``ptops inject`` refuses it."""
+    """It acts before the first step: injected live it could never fire, so ``ptops inject`` refuses
+    it."""
     from ptops.faultinject.spec import parse_all, parse_live
 
     assert parse_all(["misrendezvous:rank=1"])[0].kind == "misrendezvous"
@@ -114,8 +124,15 @@ def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
 
     from ptops.faultinject.inject import Injector
 
-    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    env = {
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     fired = []
@@ -124,7 +141,9 @@ def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
     assert os.environ["WORLD_SIZE"] == "2" and fired == []  # rank 0 is not named
     inj = Injector([parse("misrendezvous:rank=1")], 1, 1, lambda f, s: fired.append(f.kind))
     inj.on_startup("build")
-    assert os.environ["WORLD_SIZE"] == "2" and fired == []  # it acts before the engine's import only
+    assert (
+        os.environ["WORLD_SIZE"] == "2" and fired == []
+    )  # it acts before the engine's import only
     inj.on_startup("import")
     assert fired == ["misrendezvous"]
     got = [os.environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")]
@@ -134,15 +153,18 @@ def test_misrendezvous_rewrites_the_rendezvous_env_at_import_only(monkeypatch):
 
 
 def test_slow_save_until_skipped_waits_for_a_later_skip():
-    """The commit of the save of step 2 waits until a later save is skipped (also one skipped before the
-    wait began); a skip of an earlier step does not end it; without ``until`` it waits its seconds."""
+    """The commit of the save of step 2 waits until a later save is skipped (also one skipped before
+    the wait began); a skip of an earlier step does not end it; without ``until`` it waits its
+    seconds."""
     import threading
     import time
 
     from ptops.faultinject.inject import Injector
 
     fired = []
-    inj = Injector([parse("slow-save:step=2,until=skipped,seconds=30")], 0, 1, lambda f, s: fired.append(s))
+    inj = Injector(
+        [parse("slow-save:step=2,until=skipped,seconds=30")], 0, 1, lambda f, s: fired.append(s)
+    )
     inj.before_commit(1)
     assert fired == []  # not its step
     t = threading.Thread(target=inj.before_commit, args=(2,))
@@ -165,9 +187,11 @@ def test_slow_save_until_skipped_waits_for_a_later_skip():
 
 
 def test_readme_fault_table_names_every_kind():
+    """The fault table lives in docs/faults.md (the README links to it)."""
     from conftest import REPO
+
     from ptops.faultinject.spec import KINDS
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "faults.md").read_text()
     missing = [k for k in KINDS if f"| `{k}` |" not in text]
-    assert not missing, f"README fault table lacks {missing}"
+    assert not missing, f"docs/faults.md fault table lacks {missing}"

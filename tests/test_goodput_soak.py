@@ -1,6 +1,7 @@
-"""The goodput soak's fault plan (``bench/goodput_soak.py``): the same faults, at the same steps, for
-every peer, and keyed to the right torchrun/ft worker group. No training here (the soak itself is a
-benchmark); the ft peer's worker is checked to wrap the probe's per-step hook without running it."""
+"""The goodput soak's fault plan (``bench/goodput_soak.py``): the same faults, at the same steps,
+for every peer, and keyed to the right torchrun/ft worker group. No training here (the soak itself
+is a benchmark); the ft peer's worker is checked to wrap the probe's per-step hook without running
+it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _soak():
     sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("goodput_soak", REPO / "bench" / "goodput_soak.py")
+    spec = importlib.util.spec_from_file_location(
+        "goodput_soak", REPO / "bench" / "goodput_soak.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -33,11 +36,17 @@ def test_plan_is_the_seeds_and_every_kind_comes_once_per_round():
 
 def test_up_front_faults_match_the_plan_steps_and_follow_the_worker_groups():
     g = _soak()
-    plan = [(10.0, "slow", 0), (10.0, "crash", 1), (10.0, "nan", 0), (10.0, "hang_stop", 1), (10.0, "hang", 0)]
+    plan = [
+        (10.0, "slow", 0),
+        (10.0, "crash", 1),
+        (10.0, "nan", 0),
+        (10.0, "hang_stop", 1),
+        (10.0, "hang", 0),
+    ]
     steps = g.plan_steps(plan, 0.1)
     assert [s for s, _, _, _ in steps] == [100, 200, 300, 400, 500]
-    # a crash, a NaN (torchtitan's finite-loss check kills the rank) or a hang ends a torchrun/ft worker
-    # group: the faults after it belong to the next one
+    # a crash, a NaN (torchtitan's finite-loss check kills the rank) or a hang ends a torchrun/ft
+    # worker group: the faults after it belong to the next one
     assert [a for _, _, _, a in steps] == [1, 1, 2, 3, 4]
     faults = g.up_front(plan, 0.1)
     assert [str(f) for f in faults] == [
@@ -56,7 +65,8 @@ def test_goodput_counts_a_steps_last_execution_and_not_a_nan_step(tmp_path):
         '{"rank": 0, "step": 1, "step_s": 1.0, "loss": 2.0}',
         '{"rank": 0, "step": 2, "step_s": 5.0, "loss": 2.0}',
         '{"rank": 1, "step": 2, "step_s": 9.0, "loss": 2.0}',
-        '{"rank": 0, "step": 2, "step_s": 2.0, "loss": 1.5}',  # redone after a restart: this one counts
+        # redone after a restart: this one counts
+        '{"rank": 0, "step": 2, "step_s": 2.0, "loss": 1.5}',
         '{"rank": 0, "step": 3, "step_s": 4.0, "loss": "nan"}',
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(recs) + "\n")
@@ -67,9 +77,15 @@ def test_goodput_counts_a_steps_last_execution_and_not_a_nan_step(tmp_path):
 
 def test_fired_counts_a_fault_of_every_rank_once_per_worker_group():
     g = _soak()
-    ev = [{"kind": "fault_injected", "fault": "nan:step=5", "attempt": 1, "rank": r, "ts": 3.0} for r in (0, 1)]
+    ev = [
+        {"kind": "fault_injected", "fault": "nan:step=5", "attempt": 1, "rank": r, "ts": 3.0}
+        for r in (0, 1)
+    ]
     ev.append({"kind": "fault_injected", "fault": "nan:step=5", "attempt": 2, "rank": 0, "ts": 9.0})
-    assert g.fired(ev, 1.0) == [{"t": 2.0, "fault": "nan:step=5"}, {"t": 8.0, "fault": "nan:step=5"}]
+    assert g.fired(ev, 1.0) == [
+        {"t": 2.0, "fault": "nan:step=5"},
+        {"t": 8.0, "fault": "nan:step=5"},
+    ]
 
 
 def test_step_tail_reads_only_new_lines_and_waits_for_a_whole_line(tmp_path):

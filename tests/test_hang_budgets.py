@@ -30,7 +30,9 @@ def run_steps(m: HangMonitor, first: int, last: int, t: float, dt, ranks=None) -
     for s in range(first, last + 1):
         for r in ranks if ranks is not None else list(m.ranks):
             d = dt(r) if callable(dt) else dt
-            m.observe({"kind": "beat", "rank": r, "step": s, "phase": "step", "stage": "begin", "ts": t})
+            m.observe(
+                {"kind": "beat", "rank": r, "step": s, "phase": "step", "stage": "begin", "ts": t}
+            )
             m.observe({"kind": "metrics", "rank": r, "step": s, "step_s": d, "ts": t + d})
         t += max(dt(r) for r in m.ranks) if callable(dt) else dt
     return t
@@ -44,10 +46,14 @@ def ping(m: HangMonitor, t0: float, t1: float, ranks=None, every: float = 1.0) -
         t += every
 
 
-def startup(m: HangMonitor, t: float, sections=("import", "rendezvous", "build", "load"), dt=1.0, ranks=None) -> float:
+def startup(
+    m: HangMonitor, t: float, sections=("import", "rendezvous", "build", "load"), dt=1.0, ranks=None
+) -> float:
     for sec in sections:
         for r in ranks if ranks is not None else list(m.ranks):
-            m.observe({"kind": "beat", "rank": r, "step": 0, "phase": "startup", "section": sec, "ts": t})
+            m.observe(
+                {"kind": "beat", "rank": r, "step": 0, "phase": "startup", "section": sec, "ts": t}
+            )
         t += dt
     return t
 
@@ -92,9 +98,13 @@ def test_slow_first_step_is_no_hang_and_does_not_inflate_the_step_budget():
     m = HangMonitor(2, 0.0, DEFAULTS)
     t = startup(m, 0.0)
     for r in (0, 1):
-        m.observe({"kind": "beat", "rank": r, "step": 1, "phase": "step", "stage": "begin", "ts": t})
+        m.observe(
+            {"kind": "beat", "rank": r, "step": 1, "phase": "step", "stage": "begin", "ts": t}
+        )
     ping(m, t, t + 250)
-    no_hang_until(m, t, t + 250, step=5)  # a 250 s first step (compilation): first-occurrence budget 300 s
+    no_hang_until(
+        m, t, t + 250, step=5
+    )  # a 250 s first step (compilation): first-occurrence budget 300 s
     for r in (0, 1):
         m.observe({"kind": "metrics", "rank": r, "step": 1, "step_s": 250.0, "ts": t + 250})
     t = run_steps(m, 2, 20, t + 250, 0.1)
@@ -124,7 +134,9 @@ def test_declared_eval_pause_is_no_hang_for_the_pausing_rank_nor_its_waiting_pee
     m = HangMonitor(2, 0.0, DEFAULTS)
     t = run_steps(m, 1, 10, startup(m, 0.0), 0.1)
     m.observe({"kind": "beat", "rank": 0, "step": 11, "phase": "eval", "ts": t})  # rank 0 evaluates
-    m.observe({"kind": "beat", "rank": 1, "step": 11, "phase": "step", "stage": "begin", "ts": t})  # rank 1 waits
+    m.observe(
+        {"kind": "beat", "rank": 1, "step": 11, "phase": "step", "stage": "begin", "ts": t}
+    )  # rank 1 waits
     ping(m, t, t + 900)
     no_hang_until(m, t, t + 900, step=5)
     m.observe({"kind": "beat", "rank": 0, "step": 11, "phase": "step", "ts": t + 900})  # pause over
@@ -171,7 +183,9 @@ def test_stalled_step_found_within_10x_p99_or_5s():
         t = run_steps(m, i, i, t, d)
     bound = max(10 * p99(times[1:]), 5.0)  # step 1 is the first-step section
     # rank 0 stops before step 61; rank 1 began it and blocks in the collective (both keep pinging)
-    m.observe({"kind": "beat", "rank": 1, "step": 61, "phase": "step", "stage": "begin", "ts": t + 0.01})
+    m.observe(
+        {"kind": "beat", "rank": 1, "step": 61, "phase": "step", "stage": "begin", "ts": t + 0.01}
+    )
     ping(m, t, t + 30, every=0.5)
     assert m.step_timeout() <= bound
     assert m.check(t + m.step_timeout() - 0.01) is None
@@ -188,10 +202,14 @@ def test_silent_rank_found_within_5s_of_its_last_message_in_step_and_checkpoint(
                 m.observe({"kind": "beat", "rank": r, "step": 20, "phase": "checkpoint", "ts": t})
         ping(m, t, t + 60, ranks=[0])
         ping(m, t, t + 2, ranks=[1])  # SIGSTOP at t + 2.x: its last ping was at t + 2
-        if phase == "checkpoint":  # the save's own budget is long: only the liveness rule can find it
+        if (
+            phase == "checkpoint"
+        ):  # the save's own budget is long: only the liveness rule can find it
             assert m.check(t + 2 + 4.99) is None
         f = m.check(t + 2 + 5.01)
-        assert f is not None and f.ranks == [1] and f.why == "unresponsive" and f.timeout_s == 5.0, phase
+        assert (
+            f is not None and f.ranks == [1] and f.why == "unresponsive" and f.timeout_s == 5.0
+        ), phase
 
 
 @pytest.mark.parametrize("section", ["import", "rendezvous", "build", "load"])
@@ -201,13 +219,21 @@ def test_stalled_startup_section_found_from_what_the_first_attempt_took(section)
     run_steps(a1, 1, 3, t, 0.2)
     learned = a1.learned
     assert learned.p99(section) == pytest.approx(1.5, rel=0.05)
-    # attempt 2: rank 1 stops in `section` (alive, pinging); rank 0 goes on to the rendezvous and waits
+    # attempt 2: rank 1 stops in `section` (alive, pinging); rank 0 goes on to the rendezvous and
+    # waits
     a2 = HangMonitor(2, 100.0, DEFAULTS, learned=learned)
     order = ["import", "rendezvous", "build", "load"]
     upto = order[: order.index(section) + 1]
     t = startup(a2, 101.0, upto, dt=1.0, ranks=[1])
-    startup(a2, 101.0, order[: max(2, order.index(section) + 1)] if section != "import" else ("import", "rendezvous"),
-            dt=1.0, ranks=[0])
+    startup(
+        a2,
+        101.0,
+        order[: max(2, order.index(section) + 1)]
+        if section != "import"
+        else ("import", "rendezvous"),
+        dt=1.0,
+        ranks=[0],
+    )
     stuck_at = t - 1.0
     ping(a2, 101, stuck_at + 100)
     budget = max(DEFAULTS.startup_floor_s, 10 * 1.5)  # 20 s, not 600
@@ -224,8 +250,9 @@ def test_stalled_startup_section_found_from_what_the_first_attempt_took(section)
 
 def test_startup_without_history_uses_the_bounded_first_budgets():
     c = DEFAULTS
-    assert [c.first_budget(s) for s in ("launch", "import", "rendezvous", "build", "load", "first_step")] == [
-        120.0, 300.0, 60.0, 300.0, 600.0, 300.0]
+    assert [
+        c.first_budget(s) for s in ("launch", "import", "rendezvous", "build", "load", "first_step")
+    ] == [120.0, 300.0, 60.0, 300.0, 600.0, 300.0]
     assert HangConfig(startup_s=30).first_budget("load") == 30  # the old key caps them all
     m = HangMonitor(2, 0.0, c)
     startup(m, 1.0, ("import", "rendezvous", "build"))  # both ranks stop in build at t=3
@@ -261,7 +288,9 @@ def test_a_section_that_ended_in_the_same_read_is_learned_as_short():
     the next attempt judges its load by the floor, not by the 600 s first-occurrence budget."""
     a1 = HangMonitor(2, 0.0, DEFAULTS)
     t = startup(a1, 0.0, ("import", "rendezvous", "build", "load"), dt=1.0)
-    t = run_steps(a1, 1, 1, t - 1.0, 0.3)  # the first step's beat arrives with the load beat: load 0 s
+    t = run_steps(
+        a1, 1, 1, t - 1.0, 0.3
+    )  # the first step's beat arrives with the load beat: load 0 s
     assert a1.learned.p99("load") is not None
     a2 = HangMonitor(2, 100.0, DEFAULTS, learned=a1.learned)
     assert a2.section_timeout("load") == DEFAULTS.startup_floor_s
@@ -271,7 +300,7 @@ def test_a_section_that_ended_in_the_same_read_is_learned_as_short():
     assert d.quantile() is None
 
 
-# ---------------------------------------------------------------- the probe's eval pause, end to end
+# --------------------------------------------------------------- the probe's eval pause, end to end
 
 
 def test_probe_eval_pause_reaches_the_monitor_as_a_declared_pause(tmp_path):
@@ -280,7 +309,9 @@ def test_probe_eval_pause_reaches_the_monitor_as_a_declared_pause(tmp_path):
     from ptops.ops.supervisor.channel import ChannelServer
 
     server = ChannelServer()
-    probe = Probe(tmp_path, 0, 1, world_size=1, channel=server.address(), token=server.token, heartbeat_s=30)
+    probe = Probe(
+        tmp_path, 0, 1, world_size=1, channel=server.address(), token=server.token, heartbeat_s=30
+    )
     try:
         probe.startup("build")
         probe.world(1, 0)
@@ -298,7 +329,14 @@ def test_probe_eval_pause_reaches_the_monitor_as_a_declared_pause(tmp_path):
         t = 1.0
         for msg in got[1:]:
             if msg.get("t") == "beat":
-                m.observe({"kind": "beat", "rank": 0, "ts": t, **{k: msg.get(k) for k in ("step", "phase", "stage", "section")}})
+                m.observe(
+                    {
+                        "kind": "beat",
+                        "rank": 0,
+                        "ts": t,
+                        **{k: msg.get(k) for k in ("step", "phase", "stage", "section")},
+                    }
+                )
                 t += 100.0  # each phase lasts 100 s: the eval pause too, under its own budget
         assert m.learned.p99("eval") == pytest.approx(100.0, rel=0.05)
     finally:
@@ -310,13 +348,20 @@ def test_probe_eval_pause_reaches_the_monitor_as_a_declared_pause(tmp_path):
 
 
 def _events(run, kind):
-    return [e for e in (json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip())
-            if e["kind"] == kind]
+    return [
+        e
+        for e in (
+            json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()
+        )
+        if e["kind"] == kind
+    ]
 
 
 def _step_p99(run, attempt_max=None):
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return p99([r["step_s"] for r in recs if isinstance(r.get("step_s"), (int, float)) and r["step"] > 1])
+    return p99(
+        [r["step_s"] for r in recs if isinstance(r.get("step_s"), (int, float)) and r["step"] > 1]
+    )
 
 
 def test_real_hangs_found_with_the_shipped_defaults(faulted_runs):
@@ -341,17 +386,36 @@ def test_real_hangs_found_with_the_shipped_defaults(faulted_runs):
 
 
 def test_world_of_one_stops_the_run_at_once(tmp_path, ptops):
-    """A rank that inits its process group alone (``misrendezvous:rank=1``: its own store, world size 1)
-    makes the supervisor fail the run with one ``misconfigured`` event: no restart, no orphans."""
+    """A rank that inits its process group alone (``misrendezvous:rank=1``: its own store, world
+    size 1) makes the supervisor fail the run with one ``misconfigured`` event: no restart, no
+    orphans."""
     from ptops.ops.supervisor.procs import run_processes
 
     run = tmp_path / "run"
-    proc = ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=50",
-                 "--no-mlflow", "--fault", "misrendezvous:rank=1", timeout=600)
+    proc = ptops(
+        "launch",
+        "titan-tiny",
+        "--supervise",
+        "--run-dir",
+        str(run),
+        "--set",
+        "train.steps=50",
+        "--no-mlflow",
+        "--fault",
+        "misrendezvous:rank=1",
+        timeout=600,
+    )
     assert proc.returncode == 4, proc.stderr  # misconfigured: do not requeue (docs/exit-codes.md)
-    assert [(e["rank"], e["fault"]) for e in _events(run, "fault_injected")] == [(1, "misrendezvous:rank=1")]
+    assert [(e["rank"], e["fault"]) for e in _events(run, "fault_injected")] == [
+        (1, "misrendezvous:rank=1")
+    ]
     mis = _events(run, "misconfigured")
-    assert len(mis) == 1 and mis[0]["rank"] == 1 and mis[0]["world_size"] == 1 and mis[0]["expected_world_size"] == 2
+    assert (
+        len(mis) == 1
+        and mis[0]["rank"] == 1
+        and mis[0]["world_size"] == 1
+        and mis[0]["expected_world_size"] == 2
+    )
     assert "world of one" in mis[0]["reason"]
     assert [e["attempt"] for e in _events(run, "launch")] == [1]
     assert not _events(run, "restart") and "world of one" in _events(run, "failed")[0]["reason"]
@@ -368,8 +432,14 @@ def test_hold_fault_declared_as_eval_reaches_the_probe_as_an_eval_pause(tmp_path
     from ptops.faultinject.spec import parse
 
     seen = []
-    inj = Injector([parse("hold:step=3,seconds=0.05,phase=eval")], 0, 1, lambda f, s: None,
-                   on_hold=lambda step, phase="hold": seen.append((step, phase)), on_release=lambda *a: seen.append("end"))
+    inj = Injector(
+        [parse("hold:step=3,seconds=0.05,phase=eval")],
+        0,
+        1,
+        lambda f, s: None,
+        on_hold=lambda step, phase="hold": seen.append((step, phase)),
+        on_release=lambda *a: seen.append("end"),
+    )
     inj.before_step(2)
     assert seen == []
     t = threading.Thread(target=inj.before_step, args=(3,))
@@ -377,7 +447,13 @@ def test_hold_fault_declared_as_eval_reaches_the_probe_as_an_eval_pause(tmp_path
     t.join(10)
     assert seen == [(3, "eval"), "end"]
     plain = []
-    inj = Injector([parse("hold:step=1,seconds=0.01")], 0, 1, lambda f, s: None, on_hold=lambda step: plain.append(step))
+    inj = Injector(
+        [parse("hold:step=1,seconds=0.01")],
+        0,
+        1,
+        lambda f, s: None,
+        on_hold=lambda step: plain.append(step),
+    )
     inj.before_step(1)
     assert plain == [1]
 
@@ -389,14 +465,32 @@ def test_startup_hang_found_from_the_first_attempts_durations(tmp_path, ptops):
     from ptops.ops.supervisor.procs import run_processes
 
     run = tmp_path / "run"
-    proc = ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--set", "train.steps=4",
-                 "--set", "checkpoint.interval=2", "--set", "supervisor.restart.backoff_s=0.5", "--no-mlflow",
-                 "--fault", "crash:rank=1,step=2", "--fault", "hang:phase=load,rank=1,attempt=2", timeout=900)
+    proc = ptops(
+        "launch",
+        "titan-tiny",
+        "--supervise",
+        "--run-dir",
+        str(run),
+        "--set",
+        "train.steps=4",
+        "--set",
+        "checkpoint.interval=2",
+        "--set",
+        "supervisor.restart.backoff_s=0.5",
+        "--no-mlflow",
+        "--fault",
+        "crash:rank=1,step=2",
+        "--fault",
+        "hang:phase=load,rank=1,attempt=2",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr
     hangs = _events(run, "hang")
     assert len(hangs) == 1, proc.stderr
     h = hangs[0]
-    assert h["attempt"] == 2 and h["phase"] == "startup" and h["section"] == "load" and 1 in h["ranks"]
+    assert (
+        h["attempt"] == 2 and h["phase"] == "startup" and h["section"] == "load" and 1 in h["ranks"]
+    )
     assert DEFAULTS.startup_floor_s <= h["timeout_s"] < DEFAULTS.load_s  # learned, far below 600 s
     assert [e["attempt"] for e in _events(run, "launch")] == [1, 2, 3] and _events(run, "completed")
     assert run_processes(run) == []
@@ -420,11 +514,19 @@ def test_supervisor_hands_sections_and_world_reports_on(tmp_path):
             return "127.0.0.1:1"
 
     rec, _ = load("titan-tiny", ["launch.nproc=2"])
-    sup = Supervisor(rec, RunDir(tmp_path / "run").create(), [], out=io.StringIO(), strategy="temporary")
+    sup = Supervisor(
+        rec, RunDir(tmp_path / "run").create(), [], out=io.StringIO(), strategy="temporary"
+    )
     sup.server, sup.attempt, sup.misconfigured = _Server(), 1, None
     sup.monitor = HangMonitor(2, 0.0, rec.supervisor.hang)
-    peers = [Peer(cid=r, sock=None, hello={"role": "rank", "rank": r, "attempt": 1, "pid": 100 + r, "host": "h"})
-             for r in (0, 1)]
+    peers = [
+        Peer(
+            cid=r,
+            sock=None,
+            hello={"role": "rank", "rank": r, "attempt": 1, "pid": 100 + r, "host": "h"},
+        )
+        for r in (0, 1)
+    ]
     for p in peers:
         sup.handle(p, {"t": "_hello"}, 1.0)
         sup.handle(p, {"t": "beat", "step": 0, "phase": "startup", "section": "rendezvous"}, 2.0)
@@ -433,11 +535,16 @@ def test_supervisor_hands_sections_and_world_reports_on(tmp_path):
     assert sup.misconfigured is None
     sup.handle(peers[1], {"t": "world", "world_size": 1, "rank": 0, "host": "h"}, 3.0)
     m = sup.misconfigured
-    assert m["rank"] == 1 and m["world_size"] == 1 and m["expected_world_size"] == 2 and "world of one" in m["reason"]
+    assert (
+        m["rank"] == 1
+        and m["world_size"] == 1
+        and m["expected_world_size"] == 2
+        and "world of one" in m["reason"]
+    )
 
 
 def test_second_step_of_a_fresh_run_is_judged_by_its_first_step():
     m = HangMonitor(2, 0.0, DEFAULTS)
-    t = run_steps(m, 1, 1, startup(m, 0.0), 3.0)  # only the first step is known
+    run_steps(m, 1, 1, startup(m, 0.0), 3.0)  # only the first step is known
     assert m.step_timeout() == pytest.approx(30.0, rel=0.05)  # 10 x the first step, not 300 s
     assert m.section_timeout("data") == m.step_timeout()

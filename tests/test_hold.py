@@ -1,4 +1,5 @@
-"""The ``hold`` fault (a declared pause before a step) and ``release``: spec, injector, hang monitor.
+"""The ``hold`` fault (a declared pause before a step) and ``release``: spec, injector, hang
+monitor.
 
 Live tests hold a run until what they wait for has been observed, then release it; these pin
 the three pieces that makes work without a run: the grammar, the rank side (stops before the
@@ -15,7 +16,15 @@ import pytest
 
 from ptops.faultinject import inject
 from ptops.faultinject.inject import Injector
-from ptops.faultinject.spec import HOLD_DEFAULT_S, FaultSpecError, format_spec, from_env, parse, parse_all, to_env
+from ptops.faultinject.spec import (
+    HOLD_DEFAULT_S,
+    FaultSpecError,
+    format_spec,
+    from_env,
+    parse,
+    parse_all,
+    to_env,
+)
 from ptops.monitors.hang import HangConfig, HangMonitor
 
 # ---------------------------------------------------------------- spec
@@ -28,13 +37,18 @@ def test_hold_spec():
     f = parse("hold:step=3,rank=1,seconds=2.5")
     assert (f.rank, f.params) == (1, {"seconds": 2.5})
     assert parse(format_spec(f)).params == f.params and from_env(to_env([f])) == [f]
-    assert HOLD_DEFAULT_S >= 300  # a forgotten hold ends by itself, but not before a slow test observed it
+    assert (
+        HOLD_DEFAULT_S >= 300
+    )  # a forgotten hold ends by itself, but not before a slow test observed it
 
 
 def test_release_spec_has_no_step():
     f = parse("release")
     assert (f.kind, f.step, f.rank) == ("release", 0, None)
-    assert format_spec(f) == "release" and format_spec(parse("release:attempt=2")) == "release:attempt=2"
+    assert (
+        format_spec(f) == "release"
+        and format_spec(parse("release:attempt=2")) == "release:attempt=2"
+    )
     assert parse("release:rank=1").rank == 1
 
 
@@ -110,7 +124,11 @@ def test_hold_ends_by_itself_after_seconds():
     t0 = time.monotonic()
     r.inj.before_step(2)
     assert time.monotonic() - t0 >= 0.2
-    assert [e[:3] for e in r.log] == [("fault_injected", "hold", 2), ("hold", 2), ("released", 2, "timeout")]
+    assert [e[:3] for e in r.log] == [
+        ("fault_injected", "hold", 2),
+        ("hold", 2),
+        ("released", 2, "timeout"),
+    ]
     assert r.log[-1][3] >= 0.2
 
 
@@ -144,15 +162,21 @@ def test_a_hold_injected_after_a_release_holds_again():
 
 
 def test_until_committed_waits_for_the_save_in_flight(tmp_path, monkeypatch):
-    """``hold:until=committed`` ends once the last save this rank began lost its ``.writing`` marker."""
+    """``hold:until=committed`` ends once the last save this rank began lost its ``.writing``
+    marker."""
     ckpt = tmp_path / "checkpoints" / "step-4"
     ckpt.mkdir(parents=True)
     (ckpt / ".writing").touch()  # the async save of step 4 is in flight
     log: list[tuple] = []
-    inj = Injector([parse("crash:step=6,code=3"), parse("hold:step=6,until=committed,seconds=30")], 0, 1,
-                   emit=lambda f, step: log.append(("fault_injected", f.kind, step)), run_dir=tmp_path,
-                   on_hold=lambda step: log.append(("hold", step)),
-                   on_release=lambda step, held_s, by: log.append(("released", step, by)))
+    inj = Injector(
+        [parse("crash:step=6,code=3"), parse("hold:step=6,until=committed,seconds=30")],
+        0,
+        1,
+        emit=lambda f, step: log.append(("fault_injected", f.kind, step)),
+        run_dir=tmp_path,
+        on_hold=lambda step: log.append(("hold", step)),
+        on_release=lambda step, held_s, by: log.append(("released", step, by)),
+    )
     inj.on_checkpoint(4)
     inj.after_checkpoint(4)
 
@@ -196,9 +220,23 @@ def test_until_errors():
 def test_chaos_timings_start_at_the_fault_not_at_a_hold():
     from ptops.faultinject.chaos import analyze
 
-    events = [{"ts": 10.0, "kind": "fault_injected", "fault": "hold:step=6,until=committed", "rank": 0, "step": 6},
-              {"ts": 14.0, "kind": "fault_injected", "fault": "crash:rank=1,step=6", "rank": 1, "step": 6},
-              {"ts": 15.0, "kind": "crash", "attempt": 1, "rank": 1}]
+    events = [
+        {
+            "ts": 10.0,
+            "kind": "fault_injected",
+            "fault": "hold:step=6,until=committed",
+            "rank": 0,
+            "step": 6,
+        },
+        {
+            "ts": 14.0,
+            "kind": "fault_injected",
+            "fault": "crash:rank=1,step=6",
+            "rank": 1,
+            "step": 6,
+        },
+        {"ts": 15.0, "kind": "crash", "attempt": 1, "rank": 1},
+    ]
     a = analyze(events, [], 12, ("crash",))
     assert a["fired"] and a["detected_by"] == "crash" and a["detect_s"] == 1.0
     assert not analyze(events[:1], [], 12, ("crash",))["fired"]  # a hold alone is no fault
@@ -216,7 +254,16 @@ def _steps(m: HangMonitor, upto: int, t: float = 0.0, dt: float = 1.0) -> float:
     for s in range(1, upto + 1):
         t += dt
         for r in m.ranks:
-            m.observe({"kind": "beat", "rank": r, "step": s, "phase": "step", "stage": "begin", "ts": t - dt / 2})
+            m.observe(
+                {
+                    "kind": "beat",
+                    "rank": r,
+                    "step": s,
+                    "phase": "step",
+                    "stage": "begin",
+                    "ts": t - dt / 2,
+                }
+            )
             m.observe({"kind": "metrics", "rank": r, "step": s, "step_s": dt / 2, "ts": t})
     return t
 
@@ -235,7 +282,9 @@ def test_every_rank_held_and_pinging_is_no_hang():
     for r in (0, 1):
         m.observe({"kind": "beat", "rank": r, "step": 10, "phase": "hold", "ts": t + 0.1})
     _ping(m, t, t + 1000)
-    assert m.check(t + 1000) is None  # far past the 5 s step budget, the startup and checkpoint budgets
+    assert (
+        m.check(t + 1000) is None
+    )  # far past the 5 s step budget, the startup and checkpoint budgets
     assert m.budget(0)[2] == "hold"
 
 
@@ -247,7 +296,12 @@ def test_a_held_rank_that_stops_pinging_is_a_hang():
     _ping(m, t, t + 60, ranks=[0])
     _ping(m, t, t + 3, ranks=[1])  # rank 1 goes silent (SIGSTOP, host gone) while held
     f = m.check(t + 60)
-    assert f is not None and f.ranks == [1] and f.why == "unresponsive" and f.phase == "unresponsive in hold"
+    assert (
+        f is not None
+        and f.ranks == [1]
+        and f.why == "unresponsive"
+        and f.phase == "unresponsive in hold"
+    )
     assert f.timeout_s == 5.0 and f.as_event(2)["timeout_s"] == 5.0
 
 
@@ -255,11 +309,15 @@ def test_peers_of_a_held_rank_are_not_hung_and_budgets_restart_at_release():
     m = _mon()
     t = _steps(m, 9)
     m.observe({"kind": "beat", "rank": 1, "step": 10, "phase": "hold", "ts": t})  # rank=1 only
-    m.observe({"kind": "beat", "rank": 0, "step": 10, "phase": "step", "stage": "begin", "ts": t})  # waits in a collective
+    m.observe(
+        {"kind": "beat", "rank": 0, "step": 10, "phase": "step", "stage": "begin", "ts": t}
+    )  # waits in a collective
     _ping(m, t, t + 100)
     assert m.check(t + 100) is None
     # release at t+100: rank 1 begins step 10; rank 0, blocked since t, gets a fresh step budget
-    m.observe({"kind": "beat", "rank": 1, "step": 10, "phase": "step", "stage": "begin", "ts": t + 100})
+    m.observe(
+        {"kind": "beat", "rank": 1, "step": 10, "phase": "step", "stage": "begin", "ts": t + 100}
+    )
     _ping(m, t + 100, t + 104)
     assert m.check(t + 104) is None
     # and a real hang after the release is still found, within the step budget
@@ -276,7 +334,9 @@ def test_a_hold_at_the_first_step_of_an_attempt_is_no_startup_hang():
     _ping(m, 10.0, 200.0)
     assert m.check(200.0) is None  # past startup_s: the hold, not the start-up, is what they do
     for r in (0, 1):
-        m.observe({"kind": "beat", "rank": r, "step": 9, "phase": "step", "stage": "begin", "ts": 200.0})
+        m.observe(
+            {"kind": "beat", "rank": r, "step": 9, "phase": "step", "stage": "begin", "ts": 200.0}
+        )
     _ping(m, 200.0, 229.0)
     assert m.check(229.0) is None  # the start-up budget counts again from the release
     _ping(m, 229.0, 232.0)

@@ -1,10 +1,11 @@
 """``pip install ptops[trl]`` beside a torch that is already there leaves that torch as it was.
 
-A cluster's image has its own torch, often a CUDA build; installing ptops must not replace it. The module's venv
-is such an image: the registry's torch 2.14.1 (newer than the lock's 2.13.0, and another build: CUDA where the
-lock's is +cpu) installed first, then this checkout's ``ptops[trl]`` as a user installs it (a built wheel, no
-lock). The older end (torch 2.11.0, a 3 GB download) is installed the same way by ``scripts/matrix.py``, whose
-results ``tests/test_packaging.py`` checks; the resolution for it is checked here with pip's own resolver.
+A cluster's image has its own torch, often a CUDA build; installing ptops must not replace it. The
+module's venv is such an image: the registry's torch 2.14.1 (newer than the lock's 2.13.0, and
+another build: CUDA where the lock's is +cpu) installed first, then this checkout's ``ptops[trl]``
+as a user installs it (a built wheel, no lock). The older end (torch 2.11.0, a 3 GB download) is
+installed the same way by ``scripts/matrix.py``, whose results ``tests/test_packaging.py`` checks;
+the resolution for it is checked here with pip's own resolver.
 """
 
 from __future__ import annotations
@@ -16,33 +17,48 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 NEWER_TORCH = "2.14.1"
 
 
 def _pip(py: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}  # a user's pip: no project lock
-    return subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    env = {
+        k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"
+    }  # a user's pip: no project lock
+    return subprocess.run(
+        [str(py), "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _torch_identity(py: Path) -> dict:
-    code = ("import importlib.metadata as m, hashlib, pathlib, json; d = m.distribution('torch'); "
-            "print(json.dumps({'version': d.version, "
-            "'record': hashlib.sha256(pathlib.Path(d._path, 'RECORD').read_bytes()).hexdigest()}))")
-    return json.loads(subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout)
+    code = (
+        "import importlib.metadata as m, hashlib, pathlib, json; d = m.distribution('torch'); "
+        "print(json.dumps({'version': d.version, "
+        "'record': hashlib.sha256(pathlib.Path(d._path, 'RECORD').read_bytes()).hexdigest()}))"
+    )
+    return json.loads(
+        subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout
+    )
 
 
 def _source(dest: Path) -> Path:
-    """This checkout's files as a user's source tree: pip builds a local directory in place (``build/``), which
-    must not land in the repository the other tests scan."""
+    """This checkout's files as a user's source tree: pip builds a local directory in place
+    (``build/``), which must not land in the repository the other tests scan."""
     import shutil
 
     skip = {".git", "build", "runs", "__pycache__"}
-    shutil.copytree(REPO, dest, ignore=lambda d, names: [n for n in names if n in skip or n.startswith(".venv")
-                                                         or n.endswith(".egg-info")])
+    shutil.copytree(
+        REPO,
+        dest,
+        ignore=lambda d, names: [
+            n for n in names if n in skip or n.startswith(".venv") or n.endswith(".egg-info")
+        ],
+    )
     return dest
 
 
@@ -53,7 +69,9 @@ def image(tmp_path_factory):
     src = _source(root / "ptops-src")
     subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True)
     py = root / "venv" / "bin" / "python"
-    got = _pip(py, "install", "-q", "--no-compile", f"torch=={NEWER_TORCH}")  # no .pyc: minutes on 2 cores
+    got = _pip(
+        py, "install", "-q", "--no-compile", f"torch=={NEWER_TORCH}"
+    )  # no .pyc: minutes on 2 cores
     assert got.returncode == 0, got.stdout + got.stderr
     before = _torch_identity(py)
     got = _pip(py, "install", "-q", "--no-compile", f"{src}[trl]")
@@ -70,9 +88,25 @@ def test_installing_ptops_trl_leaves_the_images_torch_untouched(image):
 def test_a_supervised_trl_recipe_completes_on_the_images_torch(image, tmp_path):
     py, _ = image
     run = tmp_path / "run"
-    proc = subprocess.run([str(py.parent / "ptops"), "launch", "trl-sft-tiny", "--supervise", "--no-mlflow",
-                           "--run-dir", str(run), "--set", "train.steps=3", "--set", "checkpoint.interval=2"],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            str(py.parent / "ptops"),
+            "launch",
+            "trl-sft-tiny",
+            "--supervise",
+            "--no-mlflow",
+            "--run-dir",
+            str(run),
+            "--set",
+            "train.steps=3",
+            "--set",
+            "checkpoint.interval=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["kind"] == "completed"] == [3]
@@ -83,13 +117,20 @@ def test_a_supervised_trl_recipe_completes_on_the_images_torch(image, tmp_path):
 
 
 def test_resolver_keeps_an_older_torch_for_the_trl_extra(tmp_path):
-    """pip's resolver decides from installed metadata: a venv whose torch 2.11.0+cu130 is known to pip (its
-    dist-info; the 3 GB of libraries do not change the decision) gets no torch from ``ptops[trl]``. (The titan
-    extra's torch bound, 2.13, is the lock's: tests/test_packaging.py.)"""
+    """pip's resolver decides from installed metadata: a venv whose torch 2.11.0+cu130 is known to
+    pip (its dist-info; the 3 GB of libraries do not change the decision) gets no torch from
+    ``ptops[trl]``. (The titan extra's torch bound, 2.13, is the lock's:
+    tests/test_packaging.py.)"""
     subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
     py = tmp_path / "venv" / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     info = site / "torch-2.11.0+cu130.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
@@ -98,8 +139,13 @@ def test_resolver_keeps_an_older_torch_for_the_trl_extra(tmp_path):
     src = _source(tmp_path / "ptops-src")
     got = _pip(py, "install", "--dry-run", "--quiet", "--report", "-", f"{src}[trl]")
     assert got.returncode == 0, got.stderr[-3000:]
-    wanted = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(got.stdout)["install"]}
+    wanted = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"]
+        for i in json.loads(got.stdout)["install"]
+    }
     assert "trl" in wanted and "transformers" in wanted  # the extra did resolve
     assert "torch" not in wanted, f"ptops[trl] would replace torch 2.11: {wanted.get('torch')}"
-    cuda = [n for n in wanted if n.startswith(("nvidia-", "cuda-", "triton")) and n != "nvidia-ml-py"]
+    cuda = [
+        n for n in wanted if n.startswith(("nvidia-", "cuda-", "triton")) and n != "nvidia-ml-py"
+    ]
     assert cuda == [], f"ptops[trl] would bring CUDA libraries: {cuda}"

@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
 
 from ptops.faultinject.inject import Injector

@@ -12,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from ptops.ops.obs.mlflow_export import MlflowExporter, default_tracking_uri, flatten
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -27,11 +26,14 @@ def test_restarted_run_is_one_mlflow_run_with_every_step(tmp_path):
     run = runs / "obs-titan"
     shutil.copytree(DATA / "obs-titan", run)
     (run / "checkpoints" / "step-8").mkdir(parents=True)
-    (run / "checkpoints" / "step-8" / "ptops-manifest.json").write_text('{"version": 1, "step": 8, "files": []}')
+    (run / "checkpoints" / "step-8" / "ptops-manifest.json").write_text(
+        '{"version": 1, "step": 8, "files": []}'
+    )
     events, metrics = read(run / "events.jsonl"), read(run / "metrics.jsonl")
     cut = next(i for i, e in enumerate(events) if e["kind"] == "restart") + 1
 
-    # attempt 1 (the supervisor that dies after the restart decision), then attempt 2 (a new supervisor)
+    # attempt 1 (the supervisor that dies after the restart decision), then attempt 2 (a new
+    # supervisor)
     t0 = time.monotonic()
     first = MlflowExporter(run)
     for e in events[:cut]:
@@ -83,8 +85,9 @@ def test_restarted_run_is_one_mlflow_run_with_every_step(tmp_path):
     # artifacts: incident summary and the checkpoint manifests
     arts = {a.path for a in client.list_artifacts(r.info.run_id, "ptops")}
     assert {"ptops/incident_summary.json", "ptops/incident_summary.md", "ptops/checkpoints"} <= arts
-    assert [a.path for a in client.list_artifacts(r.info.run_id, "ptops/checkpoints/step-8")] == \
-        ["ptops/checkpoints/step-8/ptops-manifest.json"]
+    assert [a.path for a in client.list_artifacts(r.info.run_id, "ptops/checkpoints/step-8")] == [
+        "ptops/checkpoints/step-8/ptops-manifest.json"
+    ]
 
 
 def _closed_port() -> int:
@@ -135,15 +138,23 @@ def test_slow_mlflow_is_bounded(tmp_path, monkeypatch):
     try:
         for step in range(1000):
             ex.observe_metric({"step": step, "rank": 0, "loss": 1.0})
-            ex.observe_metric({"step": step, "rank": 1, "loss": 1.0})  # other ranks are not exported at all
+            ex.observe_metric(
+                {"step": step, "rank": 1, "loss": 1.0}
+            )  # other ranks are not exported at all
         assert not answered.is_set(), "feeding waited for the store"
         assert ex.dropped == 950
         assert not ex.close(timeout=0.5)
-        assert not answered.is_set(), "close() waited for the store instead of giving up after its timeout"
+        assert not answered.is_set(), (
+            "close() waited for the store instead of giving up after its timeout"
+        )
     finally:
         gate.set()
 
 
 def test_flatten():
-    assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2], "f": None}) == \
-        {"a.b": "1", "a.c.d": "x", "e": "[1, 2]", "f": "None"}
+    assert flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2], "f": None}) == {
+        "a.b": "1",
+        "a.c.d": "x",
+        "e": "[1, 2]",
+        "f": "None",
+    }

@@ -1,6 +1,6 @@
-"""The fast entry (``feed_at``: the record parsed once for all monitors, what ``replay`` and the supervisor's
-``MonitorFeed`` call) gives the same findings as ``feed(record)`` per monitor, on every recorded trace and on
-the replay corpus (rewound, garbled, late and diverging streams)."""
+"""The fast entry (``feed_at``: the record parsed once for all monitors, what ``replay`` and the
+supervisor's ``MonitorFeed`` call) gives the same findings as ``feed(record)`` per monitor, on every
+recorded trace and on the replay corpus (rewound, garbled, late and diverging streams)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def test_fast_entry_gives_the_findings_of_plain_feed():
 
 
 class _Counting(StragglerMonitor):
-    """A monitor that redefines ``feed``: the fast path must call it, not the inherited ``feed_at``."""
+    """A monitor that redefines ``feed``: the fast path must call it, not the inherited
+    ``feed_at``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,4 +73,6 @@ def test_a_redefined_feed_and_a_record_without_step_go_to_feed():
     feed.feed({"rank": 0, "step_s": 1.0})  # no step: plain feed, which ignores it
     assert m.fed == 3 and feed.errors == {}
     plain = StragglerMonitor()
-    assert fast_entries([plain])[0] == plain.feed_at  # the fast entry itself when feed is not redefined
+    assert (
+        fast_entries([plain])[0] == plain.feed_at
+    )  # the fast entry itself when feed is not redefined

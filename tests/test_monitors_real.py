@@ -1,4 +1,5 @@
-"""Monitors over traces recorded from real tiny runs (tests/data/traces/*-s<seed>.jsonl): healthy runs are silent.
+"""Monitors over traces recorded from real tiny runs (tests/data/traces/*-s<seed>.jsonl): healthy
+runs are silent.
 
 The traces are the real runs' metrics.jsonl trimmed to the keys the monitors read
 (tests/data/traces/record.py says how they were made). A ``slow`` test records a
@@ -45,7 +46,8 @@ def test_recorded_healthy_run_has_no_findings(path):
 
 @pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
 def test_recorded_run_with_injected_nan_is_caught(path):
-    """The same real trace with the loss poisoned on every rank at its 3/4 step: found at that step."""
+    """The same real trace with the loss poisoned on every rank at its 3/4 step: found at that
+    step."""
     recs = _load(path)
     last = max(r["step"] for r in recs)
     bad = (3 * last) // 4
@@ -57,8 +59,21 @@ def test_recorded_run_with_injected_nan_is_caught(path):
 @pytest.mark.slow
 def test_real_tiny_run_diagnoses_clean(tmp_path, ptops):
     run = tmp_path / "run"
-    ptops("launch", "trl-sft-tiny", "--run-dir", str(run), "--set", "train.steps=15", check=True, timeout=600)
+    ptops(
+        "launch",
+        "trl-sft-tiny",
+        "--run-dir",
+        str(run),
+        "--set",
+        "train.steps=15",
+        check=True,
+        timeout=600,
+    )
     from ptops.diagnostics.diagnose import diagnose
 
     rep = diagnose(run)
-    assert rep["last_step"] == 15 and rep["findings"] == [] and rep["events_summary"]["state"] == "completed"
+    assert (
+        rep["last_step"] == 15
+        and rep["findings"] == []
+        and rep["events_summary"]["state"] == "completed"
+    )

@@ -1,4 +1,5 @@
-"""Replay equality: the monitors' findings on recorded runs and synthetic traces equal the stored ones.
+"""Replay equality: the monitors' findings on recorded runs and synthetic traces equal the stored
+ones.
 
 Why: the monitors' hot paths are tuned for speed (issue 12: <= 10 us per record); a faster
 monitor must say exactly what the old one said. ``tests/data/monitors_golden.json`` holds the
@@ -45,10 +46,14 @@ def corpus() -> dict[str, list[dict]]:
         out[f"grpo8-{seed}"] = synth.grpo(300, seed, ranks=8)
     rng = random.Random(7)
     for seed in range(3):
-        for base in (synth.generate("loss_spike", seed=seed), synth.grpo(200, seed, ranks=2, inject="entropy_collapse"),
-                     synth.pretrain(200, seed, ranks=3, inject="straggler_wait"),
-                     synth.grpo(200, seed, ranks=2, inject="reward_hacking"),
-                     synth.grpo(200, seed, ranks=2, inject="kl_drift"), synth.grpo(200, seed, ranks=2, inject="mode_collapse")):
+        for base in (
+            synth.generate("loss_spike", seed=seed),
+            synth.grpo(200, seed, ranks=2, inject="entropy_collapse"),
+            synth.pretrain(200, seed, ranks=3, inject="straggler_wait"),
+            synth.grpo(200, seed, ranks=2, inject="reward_hacking"),
+            synth.grpo(200, seed, ranks=2, inject="kl_drift"),
+            synth.grpo(200, seed, ranks=2, inject="mode_collapse"),
+        ):
             a, b = sorted(rng.sample(range(len(base)), 2))
             rewound = base[:b] + [dict(r, attempt=2) for r in base[a:]]  # a restart redoes steps
             out[f"rewind-{seed}-{len(out)}"] = rewound
@@ -78,7 +83,9 @@ def corpus() -> dict[str, list[dict]]:
 
 
 def findings(recs: list[dict], flush: bool) -> list[dict]:
-    return json.loads(json.dumps([f.to_dict() for f in replay(recs, build_monitors(), flush=flush)]))
+    return json.loads(
+        json.dumps([f.to_dict() for f in replay(recs, build_monitors(), flush=flush)])
+    )
 
 
 def test_findings_equal_the_stored_ones():
@@ -91,34 +98,50 @@ def test_findings_equal_the_stored_ones():
         pytest.fail("golden written; rerun without PTOPS_WRITE_GOLDEN")
     want = json.loads(GOLDEN.read_text())
     assert sorted(got) == sorted(want)
-    assert sum(len(v) for v in want.values()) > 300  # the corpus does find things: equality is not vacuous
+    assert (
+        sum(len(v) for v in want.values()) > 300
+    )  # the corpus does find things: equality is not vacuous
     for name in want:
         assert got[name] == want[name], name
 
 
 # ---------------------------------------------------------------- ranks that share one state
 
+
 def _shuffled(recs: list[dict], rng: random.Random) -> list[dict]:
-    """The same records with one rank's stream delayed by a few steps (a live supervisor reads the ranks'
-    streams as they come): followers fall several transitions behind the shared state."""
+    """The same records with one rank's stream delayed by a few steps (a live supervisor reads the
+    ranks' streams as they come): followers fall several transitions behind the shared state."""
     late = max(r["rank"] for r in recs if isinstance(r.get("rank"), int))
     lag = rng.randint(2, 9)
     out, held = [], []
     for r in recs:
         (held if r.get("rank") == late else out).append(r)
-        if held and isinstance(r.get("step"), int) and isinstance(held[0].get("step"), int) \
-                and r["step"] - held[0]["step"] >= lag:
+        if (
+            held
+            and isinstance(r.get("step"), int)
+            and isinstance(held[0].get("step"), int)
+            and r["step"] - held[0]["step"] >= lag
+        ):
             out.append(held.pop(0))
     return out + held
 
 
 def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
-    """One rank's values drift from a random step on (a rank-local loss, a per-rank reward): its state must
-    split from the shared one exactly where it diverges."""
+    """One rank's values drift from a random step on (a rank-local loss, a per-rank reward): its
+    state must split from the shared one exactly where it diverges."""
     rank = rng.choice(sorted({r["rank"] for r in recs if isinstance(r.get("rank"), int)}))
     at = rng.randint(1, max(r["step"] for r in recs if isinstance(r.get("step"), int)))
-    keys = ["loss", "grad_norm", "entropy", "kl", "reward", "completions_mean_length", "frac_reward_zero_std",
-            "policy_lag", "rewards_verifier_mean"]
+    keys = [
+        "loss",
+        "grad_norm",
+        "entropy",
+        "kl",
+        "reward",
+        "completions_mean_length",
+        "frac_reward_zero_std",
+        "policy_lag",
+        "rewards_verifier_mean",
+    ]
     out = []
     for r in recs:
         if r.get("rank") == rank and isinstance(r.get("step"), int) and r["step"] >= at:
@@ -131,12 +154,21 @@ def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
 
 
 def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
-    """Followers equal to the step's first rank but for what only a strict look tells apart (for the live
-    path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1 or True for
-    1.0, an extra key (a held-out eval, an unknown key), a key missing, the other spelling of a key, the same
-    step twice from one rank (a rewind)."""
-    keys = ["loss", "grad_norm", "entropy", "kl", "reward", "completions_mean_length", "frac_reward_zero_std",
-            "rewards_verifier_mean", "clip_ratio_region_mean"]
+    """Followers equal to the step's first rank but for what only a strict look tells apart (for the
+    live path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1
+    or True for 1.0, an extra key (a held-out eval, an unknown key), a key missing, the other
+    spelling of a key, the same step twice from one rank (a rewind)."""
+    keys = [
+        "loss",
+        "grad_norm",
+        "entropy",
+        "kl",
+        "reward",
+        "completions_mean_length",
+        "frac_reward_zero_std",
+        "rewards_verifier_mean",
+        "clip_ratio_region_mean",
+    ]
     out = []
     for r in recs:
         r = dict(r)
@@ -149,8 +181,12 @@ def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
     traps = []
     for r in out:
         if r["rank"] != 0:
-            r.update({k: v for k, v in lead[r["step"]].items() if k not in ("rank", "step_s", "ts")})
-            if r["step"] % 7 == 0 and rng.random() < 0.5:  # equal to the leader's 0.0 / 1.0, not the same
+            r.update(
+                {k: v for k, v in lead[r["step"]].items() if k not in ("rank", "step_s", "ts")}
+            )
+            if (
+                r["step"] % 7 == 0 and rng.random() < 0.5
+            ):  # equal to the leader's 0.0 / 1.0, not the same
                 k = rng.choice([k for k in keys if k in r])
                 r[k] = -0.0 if r[k] == 0.0 else rng.choice([1, True])
             elif rng.random() < 0.15:
@@ -179,14 +215,16 @@ def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
 
 
 def _restart_after_finding(recs: list[dict]) -> list[dict] | None:
-    """A restart just after the stream's first finding, with the last rank's records a few steps late: the
-    rank that fired rewinds (its once-per-step entry goes) before the late rank feeds the step that fired,
-    which must then fire again for it, as its own state would."""
+    """A restart just after the stream's first finding, with the last rank's records a few steps
+    late: the rank that fired rewinds (its once-per-step entry goes) before the late rank feeds the
+    step that fired, which must then fire again for it, as its own state would."""
     f = [x for x in replay(recs, build_monitors(), flush=False) if x.monitor != "straggler"]
     if not f:
         return None
     s0 = f[0].step
-    out = [r for r in recs if r["step"] <= s0 + 1] + [dict(r, attempt=2) for r in recs if r["step"] >= s0 - 3]
+    out = [r for r in recs if r["step"] <= s0 + 1] + [
+        dict(r, attempt=2) for r in recs if r["step"] >= s0 - 3
+    ]
     late = max(r["rank"] for r in recs)
     held, res = [], []
     for r in out:
@@ -200,26 +238,37 @@ def _sharing_corpus() -> dict[str, list[dict]]:
     rng = random.Random(11)
     out: dict[str, list[dict]] = {}
     for seed in range(1):
-        bases = [synth.pretrain(250, seed, ranks=4, with_busy=True, with_data=True),
-                 synth.pretrain(250, seed, ranks=4, inject="loss_spike", at=180),
-                 synth.pretrain(250, seed, ranks=4, inject="nan", at=120),
-                 synth.pretrain(250, seed, ranks=4, inject="none_nan", at=140),
-                 synth.grpo(250, seed, ranks=4), synth.grpo(250, seed, ranks=4, inject="entropy_collapse", at=150),
-                 synth.grpo(250, seed, ranks=4, inject="reward_hacking", at=200),
-                 synth.grpo(250, seed, ranks=4, inject="kl_drift", at=220),
-                 synth.grpo(250, seed, ranks=4, inject="mode_collapse", at=180),
-                 synth.grpo(250, seed, ranks=4, inject="stale_rollout", at=150)]
+        bases = [
+            synth.pretrain(250, seed, ranks=4, with_busy=True, with_data=True),
+            synth.pretrain(250, seed, ranks=4, inject="loss_spike", at=180),
+            synth.pretrain(250, seed, ranks=4, inject="nan", at=120),
+            synth.pretrain(250, seed, ranks=4, inject="none_nan", at=140),
+            synth.grpo(250, seed, ranks=4),
+            synth.grpo(250, seed, ranks=4, inject="entropy_collapse", at=150),
+            synth.grpo(250, seed, ranks=4, inject="reward_hacking", at=200),
+            synth.grpo(250, seed, ranks=4, inject="kl_drift", at=220),
+            synth.grpo(250, seed, ranks=4, inject="mode_collapse", at=180),
+            synth.grpo(250, seed, ranks=4, inject="stale_rollout", at=150),
+        ]
         for i, base in enumerate(bases):
             a, b = sorted(rng.sample(range(len(base)), 2))
             rewound = base[:b] + [dict(r, attempt=2) for r in base[a:]]
             again = _restart_after_finding(base)
             if again is not None:
                 out[f"{seed}-{i}-restart-after-finding"] = again
-            for name, recs in (("plain", base), ("rewound", rewound), ("late", _shuffled(base, rng)),
-                               ("rewound-late", _shuffled(rewound, rng)),
-                               ("diverged", _diverged(base, rng)), ("diverged-late", _shuffled(_diverged(rewound, rng), rng))):
+            for name, recs in (
+                ("plain", base),
+                ("rewound", rewound),
+                ("late", _shuffled(base, rng)),
+                ("rewound-late", _shuffled(rewound, rng)),
+                ("diverged", _diverged(base, rng)),
+                ("diverged-late", _shuffled(_diverged(rewound, rng), rng)),
+            ):
                 out[f"{seed}-{i}-{name}"] = recs
-    for every, ranks_with in ((10, (0, 1)), (25, (0,))):  # held-out evals on the step's record (TRL's [eval])
+    for every, ranks_with in (
+        (10, (0, 1)),
+        (25, (0,)),
+    ):  # held-out evals on the step's record (TRL's [eval])
         recs = []
         for r in synth.grpo(250, 3, ranks=2, inject="reward_hacking", at=120):
             if r["step"] % every == 0 and r["rank"] in ranks_with:
@@ -253,18 +302,26 @@ def _dump(x):
 
 
 def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
-    """Ranks whose inputs agree share one state (monitors/shared.py SharedRankedMonitor): the findings, texts
-    and ranks included, equal those of the same monitors with a state per rank, on streams where ranks
-    arrive late, diverge at a random step, rewind, carry garbage; with checkpoints every few transitions
-    (the shipped interval is 1,024, longer than these streams) so that forks rebuild from them."""
+    """Ranks whose inputs agree share one state (monitors/shared.py SharedRankedMonitor): the
+    findings, texts and ranks included, equal those of the same monitors with a state per rank, on
+    streams where ranks arrive late, diverge at a random step, rewind, carry garbage; with
+    checkpoints every few transitions (the shipped interval is 1,024, longer than these streams) so
+    that forks rebuild from them."""
     import ptops.monitors.shared as shared
-
     from ptops.monitors import SharedRankedMonitor as Shared
 
     shared_kinds = [m for m in build_monitors() if isinstance(m, Shared)]
     # straggler alone keeps a state per rank (its signals differ by rank by nature)
-    assert {m.name for m in shared_kinds} == {"nan", "loss_spike", "grad_explosion", "entropy_collapse", "kl_drift",
-                                              "reward_hacking", "mode_collapse", "stale_rollout"}
+    assert {m.name for m in shared_kinds} == {
+        "nan",
+        "loss_spike",
+        "grad_explosion",
+        "entropy_collapse",
+        "kl_drift",
+        "reward_hacking",
+        "mode_collapse",
+        "stale_rollout",
+    }
     for log_max in (1024, 16):
         monkeypatch.setattr(shared, "_LOG_MAX", log_max)
         forks = 0
@@ -277,8 +334,8 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
                     m.share = False
             want = [f.to_dict() for f in replay(recs, alone)]
             assert json.loads(json.dumps(got)) == json.loads(json.dumps(want)), (log_max, name)
-            # the live path: MonitorFeed moves a rank that repeats the step's leader on in every shared state at
-            # once (monitors/shared.py Lockstep); the same findings and states
+            # the live path: MonitorFeed moves a rank that repeats the step's leader on in every
+            # shared state at once (monitors/shared.py Lockstep); the same findings and states
             live = build_monitors()
             feed = MonitorFeed(live)
             got_live = [f for r in recs for f in feed.feed(r)[0]]
@@ -287,13 +344,24 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
                     got_live.extend(m.flush())
             assert not feed.errors, (name, feed.errors)
             got_live = [f.to_dict() for f in got_live]
-            assert json.loads(json.dumps(got_live)) == json.loads(json.dumps(want)), (log_max, name, "live")
+            assert json.loads(json.dumps(got_live)) == json.loads(json.dumps(want)), (
+                log_max,
+                name,
+                "live",
+            )
             for m in mons + live:
                 if isinstance(m, Shared):
                     forks += sum(1 for mm in m._members.values() if mm[0].log is None)
                     own = next(a for a in alone if a.name == m.name)
-                    for rank in list(m._members):  # every rank's state (rebuilt when behind) is what its own is
-                        assert _dump(m._state_of(rank)) == _dump(own._state_of(rank)), (log_max, name, m.name, rank)
+                    for rank in list(
+                        m._members
+                    ):  # every rank's state (rebuilt when behind) is what its own is
+                        assert _dump(m._state_of(rank)) == _dump(own._state_of(rank)), (
+                            log_max,
+                            name,
+                            m.name,
+                            rank,
+                        )
                         if getattr(m, "heldout_source", None):
                             assert m.heldout_source(rank) == own.heldout_source(rank)
         assert forks > 0  # the corpus does split states (and rebuild them), not only share them

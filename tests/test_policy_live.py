@@ -1,4 +1,5 @@
-"""The [monitors] policy on real training (tiny models, 2 CPU ranks, gloo), under the real supervisor.
+"""The [monitors] policy on real training (tiny models, 2 CPU ranks, gloo), under the real
+supervisor.
 
 - titan-tiny, NaN at step 12 (nan action = rollback, the default): the finding wins over the
   "Loss is not finite" crash torchtitan raises right after; the run rolls back to step 10, skips
@@ -20,8 +21,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
+
 from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE
 
 pytestmark = pytest.mark.slow
@@ -30,12 +31,18 @@ STEPS = ["--set", "train.steps=16", "--set", "checkpoint.interval=5"]
 
 
 def events(run: Path, kind: str | None = None) -> list[dict]:
-    out = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    out = [
+        json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()
+    ]
     return [e for e in out if kind is None or e["kind"] == kind]
 
 
 def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def test_titan_nan_rolls_back_to_the_checkpoint_before_the_anomaly(faulted_runs):
@@ -79,10 +86,25 @@ def test_titan_slow_rank_is_a_straggler_and_exclude_node_is_recorded(faulted_run
 def test_grpo_gameable_reward_is_flagged_as_reward_hacking(tmp_path):
     run = tmp_path / "run"
     # the recipe's action for the monitor is stop: the finding must end the run while it trains
-    proc = run_ptops("launch", "trl-grpo-tiny", "--supervise", "--run-dir", str(run), "--no-mlflow",
-                     "--set", "train.steps=40", "--set", "checkpoint.interval=40",
-                     "--set", 'trl.reward="length"', "--set", "trl.lr=0.03",
-                     "--set", 'monitors.reward_hacking.action="stop"', "--json")
+    proc = run_ptops(
+        "launch",
+        "trl-grpo-tiny",
+        "--supervise",
+        "--run-dir",
+        str(run),
+        "--no-mlflow",
+        "--set",
+        "train.steps=40",
+        "--set",
+        "checkpoint.interval=40",
+        "--set",
+        'trl.reward="length"',
+        "--set",
+        "trl.lr=0.03",
+        "--set",
+        'monitors.reward_hacking.action="stop"',
+        "--json",
+    )
     assert proc.returncode == EXIT_NO_REQUEUE, (proc.returncode, proc.stderr[-2000:])
     recs = [r for r in metrics(run) if r["rank"] == 0]
     assert all("rewards_verifier_mean" in r for r in recs)  # the held-out verifier is logged
@@ -93,7 +115,9 @@ def test_grpo_gameable_reward_is_flagged_as_reward_hacking(tmp_path):
     # the action was taken: the supervisor stopped the run on that finding, before its last step
     (failed,) = events(run, "failed")
     assert failed["monitor"] == "reward_hacking" and failed["step"] == hack[0]["step"], failed
-    assert failed["reason"].startswith("stopped by policy") and failed["exit_code"] == EXIT_NO_REQUEUE
+    assert (
+        failed["reason"].startswith("stopped by policy") and failed["exit_code"] == EXIT_NO_REQUEUE
+    )
     assert max(r["step"] for r in recs) < 40 and not events(run, "completed")
     diag = run_ptops("diagnose", str(run), "--json")
     assert diag.returncode == 0, diag.stderr

@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from promstack import PromStack, wait_for
-from ptops.ops.obs import dashboard
-from ptops.ops.obs import PrometheusExporter, follow
+
+from ptops.ops.obs import PrometheusExporter, dashboard, follow
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -30,7 +29,10 @@ def write_live(src: Path, dst: Path, skip_kinds=("completed",), pace_s: float = 
     """Append a recorded run's records to dst in time order, with timestamps moved to now."""
     events = [json.loads(x) for x in (src / "events.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (src / "metrics.jsonl").read_text().splitlines()]
-    recs = sorted([(e["ts"], 0, e) for e in events] + [(m["ts"], 1, m) for m in metrics], key=lambda t: (t[0], t[1]))
+    recs = sorted(
+        [(e["ts"], 0, e) for e in events] + [(m["ts"], 1, m) for m in metrics],
+        key=lambda t: (t[0], t[1]),
+    )
     for _, is_metric, rec in recs:
         if not is_metric and rec["kind"] in skip_kinds:
             continue
@@ -61,8 +63,13 @@ def stack(tmp_path_factory, have):
         # prometheus (shipped rules) -> alertmanager -> webhook receiver
         servers = PromStack(tmp, [f"127.0.0.1:{p}" for p in ports.values()], have)
         query = servers.query
-        # both exporters scraped once before the runs start writing: counters start at 0 in Prometheus
-        wait_for(lambda: len([r for r in query("ptops_up") if r["value"][1] == "1"]) == 2, 30, "first scrapes")
+        # both exporters scraped once before the runs start writing: counters start at 0 in
+        # Prometheus
+        wait_for(
+            lambda: len([r for r in query("ptops_up") if r["value"][1] == "1"]) == 2,
+            30,
+            "first scrapes",
+        )
         t0 = time.monotonic()
         writers = [threading.Thread(target=write_live, args=(DATA / n, runs[n])) for n in runs]
         for w in writers:
@@ -70,19 +77,38 @@ def stack(tmp_path_factory, have):
         for w in writers:
             w.join()
         # everything written is in Prometheus: last titan step and the redo's rates
-        wait_for(lambda: any(r["value"][1] == "8" for r in query('ptops_step{run="obs-titan-live"}')), 30,
-                 "titan step 8 scraped")
+        wait_for(
+            lambda: any(r["value"][1] == "8" for r in query('ptops_step{run="obs-titan-live"}')),
+            30,
+            "titan step 8 scraped",
+        )
         wait_for(lambda: query('ptops_rl_entropy{run="obs-grpo-live"}'), 30, "grpo entropy scraped")
-        # rate()-based panels need two scrapes of a series: the ~1.5 s of writing may hold one scrape of
-        # it or several. Wait until every panel answers (the test below asserts it and names the
-        # empty ones), rather than query at the first scrape that saw the last record.
+        # rate()-based panels need two scrapes of a series: the ~1.5 s of writing may hold one
+        # scrape of it or several. Wait until every panel answers (the test below asserts it and
+        # names the empty ones), rather than query at the first scrape that saw the last record.
         try:
-            wait_for(lambda: not [e for p, e in dashboard.panel_exprs(substitute=True) if p.needs != "gpu" and not query(e)],
-                     30, "every dashboard query answered", step=0.5)
+            wait_for(
+                lambda: (
+                    not [
+                        e
+                        for p, e in dashboard.panel_exprs(substitute=True)
+                        if p.needs != "gpu" and not query(e)
+                    ]
+                ),
+                30,
+                "every dashboard query answered",
+                step=0.5,
+            )
         except AssertionError:
             pass
-        yield {"prom": servers.url, "query": query, "runs": runs, "tmp": tmp, "hook": servers.hook,
-               "feed_s": time.monotonic() - t0}
+        yield {
+            "prom": servers.url,
+            "query": query,
+            "runs": runs,
+            "tmp": tmp,
+            "hook": servers.hook,
+            "feed_s": time.monotonic() - t0,
+        }
     finally:
         if servers is not None:
             servers.close()
@@ -116,8 +142,19 @@ def test_hang_reaches_the_webhook_through_alertmanager(stack):
     rd = stack["runs"]["obs-titan"]
     t_hang = time.time()
     with open(rd / "events.jsonl", "a") as f:
-        f.write(json.dumps({"ts": t_hang, "kind": "hang", "attempt": 2, "ranks": [1], "step": 9, "silent_s": 30.0})
-                + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "ts": t_hang,
+                    "kind": "hang",
+                    "attempt": 2,
+                    "ranks": [1],
+                    "step": 9,
+                    "silent_s": 30.0,
+                }
+            )
+            + "\n"
+        )
 
     hook = stack["hook"]
 
@@ -133,5 +170,7 @@ def test_hang_reaches_the_webhook_through_alertmanager(stack):
     print(f"\nhang event -> webhook: {latency:.1f}s (rule for: 10s, scrape/eval 1s, group_wait 1s)")
     assert latency < 60
     # nothing from the grpo run (healthy) is paging as a hang
-    assert not any(a["labels"].get("run") == "obs-grpo-live" and a["labels"]["alertname"] == "TrainingHang"
-                   for _, a in hook.alerts(status=None))
+    assert not any(
+        a["labels"].get("run") == "obs-grpo-live" and a["labels"]["alertname"] == "TrainingHang"
+        for _, a in hook.alerts(status=None)
+    )

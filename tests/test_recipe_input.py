@@ -37,7 +37,9 @@ def test_missing_recipe_file(ptops, tmp_path):
 
 def test_unknown_key(ptops, tmp_path):
     p = write(tmp_path, GOOD + "[checkpoint]\nintervall = 3\n")
-    assert_one_clear_line(ptops("launch", str(p), "--dry-run"), str(p), "checkpoint.intervall", "unknown key")
+    assert_one_clear_line(
+        ptops("launch", str(p), "--dry-run"), str(p), "checkpoint.intervall", "unknown key"
+    )
 
 
 def test_wrong_type(ptops, tmp_path):
@@ -47,17 +49,23 @@ def test_wrong_type(ptops, tmp_path):
 
 def test_unknown_engine(ptops, tmp_path):
     p = write(tmp_path, GOOD.replace('"titan"', '"megatron"'))
-    assert_one_clear_line(ptops("launch", str(p), "--dry-run"), str(p), "engine", "megatron", '"titan" or "trl"')
+    assert_one_clear_line(
+        ptops("launch", str(p), "--dry-run"), str(p), "engine", "megatron", '"titan" or "trl"'
+    )
 
 
 def test_bad_set_syntax(ptops, tmp_path):
     p = write(tmp_path, GOOD)
-    assert_one_clear_line(ptops("launch", str(p), "--set", "train.steps", "--dry-run"), "train.steps", "KEY=VALUE")
+    assert_one_clear_line(
+        ptops("launch", str(p), "--set", "train.steps", "--dry-run"), "train.steps", "KEY=VALUE"
+    )
 
 
 def test_set_unknown_key_names_key(ptops, tmp_path):
     p = write(tmp_path, GOOD)
-    assert_one_clear_line(ptops("launch", str(p), "--set", "train.stepz=3", "--dry-run"), "train.stepz", "unknown key")
+    assert_one_clear_line(
+        ptops("launch", str(p), "--set", "train.stepz=3", "--dry-run"), "train.stepz", "unknown key"
+    )
 
 
 def test_invalid_toml(ptops, tmp_path):
@@ -67,7 +75,9 @@ def test_invalid_toml(ptops, tmp_path):
 
 def test_set_overrides_and_types(tmp_path):
     p = write(tmp_path, GOOD)
-    rec, _ = load(p, ["train.steps=30", "checkpoint.interval=4", "titan.parallelism.tp=2", "titan.lr=1e-3"])
+    rec, _ = load(
+        p, ["train.steps=30", "checkpoint.interval=4", "titan.parallelism.tp=2", "titan.lr=1e-3"]
+    )
     assert rec.train.steps == 30 and rec.checkpoint.interval == 4
     assert rec.titan.parallelism.tp == 2 and rec.titan.lr == 1e-3
 
@@ -109,9 +119,9 @@ def test_resume_with_different_recipe_refused(ptops, tmp_path):
 
 
 def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
+    from ptops.ops.runrecord.rundir import RunDir
     from ptops.ops.supervisor.launcher import prepare_run
     from ptops.recipes.schema import from_json
-    from ptops.ops.runrecord.rundir import RunDir
 
     p = write(tmp_path, GOOD)
     rec, path = load(p)
@@ -123,8 +133,8 @@ def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
 
 
 def test_second_launcher_on_same_run_dir_refused(ptops, tmp_path):
-    from ptops.ops.supervisor.launcher import prepare_run
     from ptops.ops.runrecord.lock import acquire, release
+    from ptops.ops.supervisor.launcher import prepare_run
 
     p = write(tmp_path, GOOD)
     rec, path = load(p)
@@ -146,26 +156,38 @@ def test_grpo_generations_must_divide_the_batch(ptops):
 
 @pytest.mark.parametrize(
     "old,new",
-    [("hang_floor_s", "supervisor.hang.floor_s"), ("unresponsive_s", "supervisor.hang.ping_stale_s"),
-     ("startup_timeout_s", "supervisor.hang.startup_s"), ("max_restarts", "supervisor.restart.max_restarts"),
-     ("storm_window_min", "supervisor.restart.storm_window_min")],
+    [
+        ("hang_floor_s", "supervisor.hang.floor_s"),
+        ("unresponsive_s", "supervisor.hang.ping_stale_s"),
+        ("startup_timeout_s", "supervisor.hang.startup_s"),
+        ("max_restarts", "supervisor.restart.max_restarts"),
+        ("storm_window_min", "supervisor.restart.storm_window_min"),
+    ],
 )
 def test_old_flat_supervisor_key_names_its_new_place(ptops, tmp_path, old, new):
     p = write(tmp_path, GOOD + f"[supervisor]\n{old} = 5\n")
-    assert_one_clear_line(ptops("launch", str(p), "--dry-run"), str(p), f"key 'supervisor.{old}': moved to '{new}'")
+    assert_one_clear_line(
+        ptops("launch", str(p), "--dry-run"), str(p), f"key 'supervisor.{old}': moved to '{new}'"
+    )
 
 
 def test_old_flat_supervisor_key_in_set(ptops, tmp_path):
     p = write(tmp_path, GOOD)
     proc = ptops("launch", str(p), "--set", "supervisor.backoff_s=0.5", "--dry-run")
-    assert_one_clear_line(proc, "--set supervisor.backoff_s=0.5", "moved to 'supervisor.restart.backoff_s'")
+    assert_one_clear_line(
+        proc, "--set supervisor.backoff_s=0.5", "moved to 'supervisor.restart.backoff_s'"
+    )
 
 
 def test_nested_supervisor_keys_in_toml(tmp_path):
-    p = write(tmp_path, GOOD + "[supervisor.hang]\nfloor_s = 7\n[supervisor.restart]\nbackoff_s = 0.25\n")
+    p = write(
+        tmp_path, GOOD + "[supervisor.hang]\nfloor_s = 7\n[supervisor.restart]\nbackoff_s = 0.25\n"
+    )
     rec, _ = load(p)
     assert rec.supervisor.hang.floor_s == 7 and rec.supervisor.restart.backoff_s == 0.25
-    assert rec.supervisor.hang.multiplier == 10.0 and rec.supervisor.restart.max_restarts == 10  # defaults kept
+    assert (
+        rec.supervisor.hang.multiplier == 10.0 and rec.supervisor.restart.max_restarts == 10
+    )  # defaults kept
     with pytest.raises(RecipeError, match=r"key 'supervisor.hang.total_steps': not a recipe key"):
         load(p, ["supervisor.hang.total_steps=3"])
 
@@ -194,7 +216,9 @@ def test_run_directory_of_the_flat_spelling_still_resumes(tmp_path):
 def test_a_union_value_is_one_line_naming_every_accepted_form(ptops, tmp_path):
     p = write(tmp_path, GOOD)
     proc = ptops("launch", str(p), "--dry-run", "--set", "supervisor.restart.warm_spare=maybe")
-    assert_one_clear_line(proc, str(p), "key 'supervisor.restart.warm_spare':", "a valid boolean or 'auto'", '"maybe"')
+    assert_one_clear_line(
+        proc, str(p), "key 'supervisor.restart.warm_spare':", "a valid boolean or 'auto'", '"maybe"'
+    )
 
 
 def test_warm_spare_auto_wants_the_cores_for_the_pool(tmp_path):

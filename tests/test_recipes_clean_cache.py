@@ -1,12 +1,12 @@
-"""A newcomer's first run: every tiny shipped recipe launches alone on an empty asset cache, and the cache
-never holds an entry that does not load (issue 27, item 1).
+"""A newcomer's first run: every tiny shipped recipe launches alone on an empty asset cache, and the
+cache never holds an entry that does not load (issue 27, item 1).
 
-The GKD recipe's built-in teacher was built by both ranks after the process group existed; transformers
-saved weights and config.json on rank 0 only, rank 1 won the rename, and the cache kept a model folder
-with tokenizer files alone, marked complete, for every later run. Here: each recipe gets its own empty
-``PTOPS_CACHE`` and a plain 2-rank ``ptops launch`` (2 steps); two gloo ranks build one asset (a non-main
-rank alone, then both at once); a poisoned entry (marked complete, no config.json) is quarantined and
-rebuilt; a build that fails its own check is never marked complete.
+The GKD recipe's built-in teacher was built by both ranks after the process group existed;
+transformers saved weights and config.json on rank 0 only, rank 1 won the rename, and the cache kept
+a model folder with tokenizer files alone, marked complete, for every later run. Here: each recipe
+gets its own empty ``PTOPS_CACHE`` and a plain 2-rank ``ptops launch`` (2 steps); two gloo ranks
+build one asset (a non-main rank alone, then both at once); a poisoned entry (marked complete, no
+config.json) is quarantined and rebuilt; a build that fails its own check is never marked complete.
 
 The default run launches one tiny recipe per set of cached assets (BUILDS); the other tiny recipes
 (FULL, the same entries as trl-sft-tiny) launch on their own clean caches with
@@ -38,10 +38,22 @@ STEPS = 2
 BUILDS = {
     "titan-tiny": {"tokenizer-512"},
     "trl-gkd-tiny": {"tokenizer-512", "trl-qwen2-h64-l2-a4-v512-s0", "trl-qwen2-h64-l2-a4-v512-s1"},
-    "trl-grpo-judge-tiny": {"tokenizer-512", "trl-qwen2-h64-l2-a4-v512-s0", "trl-qwen2-h64-l2-a4-v512-s1234"},
+    "trl-grpo-judge-tiny": {
+        "tokenizer-512",
+        "trl-qwen2-h64-l2-a4-v512-s0",
+        "trl-qwen2-h64-l2-a4-v512-s1234",
+    },
 }
-FULL = {"trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny", "trl-grpo-math-tiny", "trl-grpo-code-tiny",
-        "trl-lora-sft-tiny", "trl-reward-tiny", "trl-rloo-tiny"}  # tokenizer-512 and the s0 policy
+FULL = {
+    "trl-sft-tiny",
+    "trl-dpo-tiny",
+    "trl-grpo-tiny",
+    "trl-grpo-math-tiny",
+    "trl-grpo-code-tiny",
+    "trl-lora-sft-tiny",
+    "trl-reward-tiny",
+    "trl-rloo-tiny",
+}  # tokenizer-512 and the s0 policy
 
 
 def _children_cpu() -> float:
@@ -55,8 +67,9 @@ def _entries(cache: Path) -> list[Path]:
 
 
 def test_the_tiny_list_is_what_ptops_recipes_lists():
-    out = subprocess.run([str(BIN / "ptops"), "recipes"], capture_output=True, text=True, timeout=120,
-                         cwd=REPO)
+    out = subprocess.run(
+        [str(BIN / "ptops"), "recipes"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr
     names = [line.split()[0] for line in out.stdout.splitlines() if line.split()]
     listed = [n for n in names if "-tiny" in n]
@@ -66,7 +79,8 @@ def test_the_tiny_list_is_what_ptops_recipes_lists():
 
 def _marks(recipe: str) -> list:
     return ([] if recipe in BUILDS else [pytest.mark.clean_cache_full]) + (
-        [pytest.mark.titan] if recipe.startswith("titan") else [])
+        [pytest.mark.titan] if recipe.startswith("titan") else []
+    )
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=_marks(r)) for r in TINY])
@@ -75,14 +89,30 @@ def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
     env = {**os.environ, "PTOPS_CACHE": str(cache), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("PTOPS_RANK_LOGS", None)
     t0, cpu0 = time.monotonic(), _children_cpu()
-    proc = subprocess.run([str(BIN / "ptops"), "launch", recipe, "--run-dir", str(run_dir),
-                           "--set", f"train.steps={STEPS}"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(BIN / "ptops"),
+            "launch",
+            recipe,
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"train.steps={STEPS}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     took, cpu = time.monotonic() - t0, _children_cpu() - cpu0
-    logs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}"
-                     for p in sorted((run_dir / "logs" / "attempt-1").glob("rank-*.log")))
-    assert proc.returncode == 0, (f"{recipe}: exit {proc.returncode} after {took:.0f} s\n"
-                                  f"{proc.stderr[-2000:]}\n{logs}")
+    logs = "\n".join(
+        f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}"
+        for p in sorted((run_dir / "logs" / "attempt-1").glob("rank-*.log"))
+    )
+    assert proc.returncode == 0, (
+        f"{recipe}: exit {proc.returncode} after {took:.0f} s\n{proc.stderr[-2000:]}\n{logs}"
+    )
     done = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "completed"]
     assert [e.get("step") for e in done] == [STEPS], done
     from ptops.recipes.assets import untrusted
@@ -97,13 +127,24 @@ def test_tiny_recipe_launches_alone_on_a_clean_cache(recipe, tmp_path):
 
 
 def test_asset_built_under_a_process_group_is_complete(tmp_path):
-    """Two real gloo ranks (tests/assets_worker.py) share one empty cache: rank 1 alone builds a model while
-    rank 0 waits, then both build another at once. Every entry is complete, loads, and both ranks load the
-    same weights from the same folder."""
+    """Two real gloo ranks (tests/assets_worker.py) share one empty cache: rank 1 alone builds a
+    model while rank 0 waits, then both build another at once. Every entry is complete, loads, and
+    both ranks load the same weights from the same folder."""
     worker = Path(__file__).with_name("assets_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PTOPS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(tmp_path)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PTOPS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(r), str(tmp_path)],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -115,9 +156,13 @@ def test_asset_built_under_a_process_group_is_complete(tmp_path):
         assert untrusted(path) is None, (key, untrusted(path))
         config = json.loads((path / "config.json").read_text())
         assert config["model_type"] == "qwen2" and (path / "model.safetensors").stat().st_size > 0
-    assert r0["digests"]["alone"] != r0["digests"]["both"]  # two seeds, two models: not one folder twice
+    assert (
+        r0["digests"]["alone"] != r0["digests"]["both"]
+    )  # two seeds, two models: not one folder twice
     assert not (tmp_path / "cache" / "v1" / ".quarantine").exists()
-    assert not list((tmp_path / "cache" / "v1").glob(".trl-*")), "a builder's temporary folder was left"
+    assert not list((tmp_path / "cache" / "v1").glob(".trl-*")), (
+        "a builder's temporary folder was left"
+    )
 
 
 @pytest.fixture
@@ -133,7 +178,8 @@ def _tiny():
 
 
 def _poison_like_issue_27(entry: Path) -> None:
-    """What the non-main rank published: tokenizer files and a bare marker, no weights, no config.json."""
+    """What the non-main rank published: tokenizer files and a bare marker, no weights, no
+    config.json."""
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         (entry / name).unlink()
     (entry / ".complete").write_text("ok\n")
@@ -153,7 +199,9 @@ def test_poisoned_entry_is_quarantined_and_rebuilt(cache):
     _poison_like_issue_27(entry)
     assert model_dir(_tiny(), seed=7) == entry  # rebuilt in place of the poisoned one
     got = load_model(entry).state_dict()
-    assert sorted(got) == sorted(want) and all(got[k].equal(want[k]) for k in want)  # same seed, same model
+    assert sorted(got) == sorted(want) and all(
+        got[k].equal(want[k]) for k in want
+    )  # same seed, same model
     (quarantined,) = (cache / ".quarantine").iterdir()
     assert quarantined.name.startswith(entry.name + "-")
     assert not (quarantined / "config.json").exists() and (quarantined / "tokenizer.json").exists()
@@ -161,7 +209,8 @@ def test_poisoned_entry_is_quarantined_and_rebuilt(cache):
 
 
 def test_entry_of_an_older_ptops_is_kept_only_if_it_loads(cache):
-    """A bare marker (older ptops) over a good entry: checked by loading, kept in place with a manifest."""
+    """A bare marker (older ptops) over a good entry: checked by loading, kept in place with a
+    manifest."""
     from ptops.recipes.assets import untrusted
     from ptops.recipes.trl.model import model_dir
 
@@ -169,7 +218,9 @@ def test_entry_of_an_older_ptops_is_kept_only_if_it_loads(cache):
     (entry / ".complete").write_text("ok\n")
     inode = (entry / "model.safetensors").stat().st_ino
     assert model_dir(_tiny(), seed=9) == entry and untrusted(entry) is None
-    assert (entry / "model.safetensors").stat().st_ino == inode and not (cache / ".quarantine").exists()
+    assert (entry / "model.safetensors").stat().st_ino == inode and not (
+        cache / ".quarantine"
+    ).exists()
 
 
 def test_entry_changed_after_its_check_is_not_trusted(cache):
@@ -192,9 +243,14 @@ def test_entry_changed_after_its_check_is_not_trusted(cache):
     tok = tokenizer_dir()
     (tok / "tokenizer.json").write_text("{}")
     assert untrusted(tokenizer_dir()) is None
-    reasons = sorted((q / "QUARANTINED").read_text().strip() for q in (cache / ".quarantine").iterdir())
-    assert reasons == ["config.json is missing", "model.safetensors differs from its manifest",
-                       "tokenizer.json differs from its manifest"]
+    reasons = sorted(
+        (q / "QUARANTINED").read_text().strip() for q in (cache / ".quarantine").iterdir()
+    )
+    assert reasons == [
+        "config.json is missing",
+        "model.safetensors differs from its manifest",
+        "tokenizer.json differs from its manifest",
+    ]
 
 
 def test_a_build_that_fails_its_check_is_never_marked_complete(cache):
@@ -219,8 +275,8 @@ def test_a_dead_builders_temporary_folder_is_swept(cache):
 
 
 def test_the_model_check_refuses_a_missing_weight(cache, tmp_path):
-    """Loading is the check: a weight file short of one tensor loads with transformers' fresh init, and
-    the check refuses it (a half-written model is not complete)."""
+    """Loading is the check: a weight file short of one tensor loads with transformers' fresh init,
+    and the check refuses it (a half-written model is not complete)."""
     import shutil
 
     from safetensors.torch import load_file, save_file

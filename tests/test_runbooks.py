@@ -33,17 +33,25 @@ def _alert_runbooks() -> set[str]:
     out = set()
     for rule in rule_dicts():
         m = LINK.search(rule["annotations"]["runbook_url"])
-        assert m, f"alert {rule['alert']}: runbook_url {rule['annotations']['runbook_url']!r} names no runbook"
+        assert m, (
+            f"alert {rule['alert']}: runbook_url {rule['annotations']['runbook_url']!r} names no "
+            "runbook"
+        )
         out.add(m.group(1))
     return out
 
 
 def _linked_in_tracked_files() -> set[str]:
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     out = set()
     for name in files:
         p = REPO / name
-        if p.suffix not in (".py", ".md", ".yml", ".yaml", ".json", ".toml", ".sh") or not p.is_file():
+        if (
+            p.suffix not in (".py", ".md", ".yml", ".yaml", ".json", ".toml", ".sh")
+            or not p.is_file()
+        ):
             continue
         out |= set(LINK.findall(p.read_text(errors="replace")))
     return out
@@ -59,13 +67,17 @@ def _used_runbooks() -> dict[str, set[str]]:
     }
 
 
-@pytest.mark.parametrize("source", ["alert rules", "monitor registry", "event vocabulary", "diagnose",
-                                    "links in tracked files"])
+@pytest.mark.parametrize(
+    "source",
+    ["alert rules", "monitor registry", "event vocabulary", "diagnose", "links in tracked files"],
+)
 def test_every_runbook_used_has_a_file(source):
     names = _used_runbooks()[source]
     assert names, f"{source}: found no runbook names at all (the collector is broken)"
     missing = sorted(n for n in names if not (REPO / "runbooks" / f"{n}.md").is_file())
-    assert not missing, f"{source} names runbooks with no file: {', '.join(f'runbooks/{n}.md' for n in missing)}"
+    assert not missing, (
+        f"{source} names runbooks with no file: {', '.join(f'runbooks/{n}.md' for n in missing)}"
+    )
 
 
 def test_the_collectors_see_what_they_should():
@@ -79,8 +91,11 @@ def test_the_collectors_see_what_they_should():
 
 
 def test_every_monitor_has_a_runbook_and_a_config_field():
-    section_monitors = {k for k, f in MonitorsSection.model_fields.items() if hasattr(f.annotation, "model_fields")
-                        and "action" in f.annotation.model_fields}
+    section_monitors = {
+        k
+        for k, f in MonitorsSection.model_fields.items()
+        if hasattr(f.annotation, "model_fields") and "action" in f.annotation.model_fields
+    }
     assert section_monitors == set(MONITORS), "monitors/registry.py and MonitorsSection disagree"
     for name, info in MONITORS.items():
         assert info.monitor.name == name
@@ -101,4 +116,6 @@ def test_findings_name_an_existing_runbook(tmp_path, fault):
     assert mine, f"{fault}: no {monitor} finding"
     for f in mine:
         assert f["runbook"], f"{monitor} finding without a runbook"
-        assert (REPO / "runbooks" / f"{f['runbook']}.md").is_file(), f"runbooks/{f['runbook']}.md is missing"
+        assert (REPO / "runbooks" / f"{f['runbook']}.md").is_file(), (
+            f"runbooks/{f['runbook']}.md is missing"
+        )

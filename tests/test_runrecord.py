@@ -1,4 +1,5 @@
-"""The run-record layer: the JSONL tail reader, the event vocabulary and the events -> state reducer."""
+"""The run-record layer: the JSONL tail reader, the event vocabulary and the events -> state
+reducer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- the tail reader
+
 
 def test_tail_reads_growth_between_reads(tmp_path):
     p = tmp_path / "m.jsonl"
@@ -74,7 +76,9 @@ def test_progress_follow_uses_offsets(tmp_path):
 
     p = tmp_path / "metrics.jsonl"
     prog = Progress(total=4, stream=io.StringIO(), live=False, plain_every_s=0)
-    p.write_text('{"rank":1,"step":1,"loss":9}\n{"rank":0,"step":1,"loss":2.5}\ngarbage\n{"rank":0,"step":2')
+    p.write_text(
+        '{"rank":1,"step":1,"loss":9}\n{"rank":0,"step":1,"loss":2.5}\ngarbage\n{"rank":0,"step":2'
+    )
     off = prog.follow(p, 0)
     assert prog.step == 1 and prog.loss == 2.5
     assert off == len(p.read_bytes()) - len('{"rank":0,"step":2')
@@ -86,20 +90,34 @@ def test_progress_follow_uses_offsets(tmp_path):
 
 # ---------------------------------------------------------------- the vocabulary
 
+
 def test_every_kind_has_a_spec_and_values_are_the_design_strings():
     assert set(ev.SPECS) == set(EventKind)
-    design = {"launch": ["attempt"], "checkpoint": ["step", "path", "blocking_s", "total_s"],
-              "checkpoint_invalid": ["path", "reason"], "fault_injected": ["fault", "rank", "step"],
-              "crash": ["attempt", "rank", "exit_code"], "hang": ["attempt", "ranks", "step", "silent_s"],
-              "straggler": ["rank", "ratio"], "anomaly": ["monitor", "step", "value", "detail"],
-              "restart": ["attempt", "from_step", "reason"], "rollback": ["from_step", "to_step", "reason"],
-              "completed": ["step"], "failed": ["reason"]}
+    design = {
+        "launch": ["attempt"],
+        "checkpoint": ["step", "path", "blocking_s", "total_s"],
+        "checkpoint_invalid": ["path", "reason"],
+        "fault_injected": ["fault", "rank", "step"],
+        "crash": ["attempt", "rank", "exit_code"],
+        "hang": ["attempt", "ranks", "step", "silent_s"],
+        "straggler": ["rank", "ratio"],
+        "anomaly": ["monitor", "step", "value", "detail"],
+        "restart": ["attempt", "from_step", "reason"],
+        "rollback": ["from_step", "to_step", "reason"],
+        "completed": ["step"],
+        "failed": ["reason"],
+    }
     for kind, fields in design.items():
         assert list(ev.SPECS[EventKind(kind)].required) == fields, kind
     assert {str(k) for k in ev.END_KINDS} == {"completed", "failed", "stopped"}
     assert {str(s) for s in ev.END_KINDS} <= {str(s) for s in ev.TERMINAL_STATES}
     # kinds nobody writes are gone
-    for dead in ("checkpoint_saved", "checkpoint_committed", "checkpoint_save_failed", "interrupted"):
+    for dead in (
+        "checkpoint_saved",
+        "checkpoint_committed",
+        "checkpoint_save_failed",
+        "interrupted",
+    ):
         assert dead not in {str(k) for k in EventKind}
 
 
@@ -111,18 +129,27 @@ def test_missing_fields():
 
 def _literal_event_kinds() -> set[str]:
     """Kinds written anywhere in the source tree: ``X.event("kind", ...)`` (a literal) or
-    ``X.event(EventKind.NAME, ...)`` (a name that must exist: a misspelt one is reported as ``EventKind.NAME``)."""
+    ``X.event(EventKind.NAME, ...)`` (a name that must exist: a misspelt one is reported as
+    ``EventKind.NAME``)."""
     out = set()
     for root in ("ops", "recipes", "faultinject", "diagnostics", "ckpt", "monitors"):
         for path in (REPO / root).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "event"
-                        and node.args):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "event"
+                    and node.args
+                ):
                     continue
                 arg = node.args[0]
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     out.add(arg.value)
-                elif isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "EventKind":
+                elif (
+                    isinstance(arg, ast.Attribute)
+                    and isinstance(arg.value, ast.Name)
+                    and arg.value.id == "EventKind"
+                ):
                     member = EventKind.__members__.get(arg.attr)
                     out.add(str(member) if member is not None else f"EventKind.{arg.attr}")
     return out
@@ -135,16 +162,21 @@ def test_every_kind_written_in_the_tree_is_in_the_vocabulary():
 
 
 def test_monitor_findings_are_events_of_the_vocabulary():
-    """The supervisor writes ``Finding.to_event()`` as is: its kind and fields must be the vocabulary's."""
+    """The supervisor writes ``Finding.to_event()`` as is: its kind and fields must be the
+    vocabulary's."""
     from ptops.monitors import Finding
 
-    for f in (Finding("straggler", 7, 1.6, "rank 1 slow", rank=1), Finding("nan", 3, float("nan"), "loss nan", "critical", 0)):
+    for f in (
+        Finding("straggler", 7, 1.6, "rank 1 slow", rank=1),
+        Finding("nan", 3, float("nan"), "loss nan", "critical", 0),
+    ):
         rec = {"ts": 1.0, **f.to_event()}
         assert missing_fields(rec) == [], rec
         assert ev.kind_of(rec) in ev.MONITOR_FINDING_KINDS
 
 
 # ---------------------------------------------------------------- the reducer
+
 
 def _e(kind: str, ts: float, **f) -> dict:
     return {"ts": ts, "kind": kind, **f}
@@ -185,7 +217,11 @@ def test_reduce_mid_run_and_after_a_crash():
 
 
 def test_reduce_failed_then_resumed_is_running_again():
-    events = [_e("launch", 1, attempt=1), _e("failed", 2, reason="crash loop"), _e("launch", 3, attempt=2)]
+    events = [
+        _e("launch", 1, attempt=1),
+        _e("failed", 2, reason="crash loop"),
+        _e("launch", 3, attempt=2),
+    ]
     v = reduce(events)
     assert v.state == RunState.RUNNING and v.end is None and v.reason is None
     assert reduce(events[:2]).state == RunState.FAILED and reduce(events[:2]).reason == "crash loop"
@@ -193,7 +229,14 @@ def test_reduce_failed_then_resumed_is_running_again():
 
 def test_reduce_empty_garbage_and_unknown_kinds():
     assert reduce([]).state == RunState.NEW
-    v = reduce([{"kind": "launch", "attempt": "x"}, "junk", {"no": "kind"}, {"kind": "whatever", "ts": "nan"}])
+    v = reduce(
+        [
+            {"kind": "launch", "attempt": "x"},
+            "junk",
+            {"no": "kind"},
+            {"kind": "whatever", "ts": "nan"},
+        ]
+    )
     assert v.launches == 1 and v.attempt == 0 and v.state == RunState.RUNNING
     assert v.counts == {"launch": 1, "unknown": 1, "whatever": 1}
     # an end event without a launch (a supervisor that failed before launching) still ends the run
@@ -208,6 +251,7 @@ def test_next_state_never_reopens_an_ended_run():
 
 
 # ---------------------------------------------------------------- status on the reducer
+
 
 def _run(tmp_path: Path, events: list[dict], status: dict | None = None) -> Path:
     run = RunDir(tmp_path / "run").create()
@@ -234,8 +278,12 @@ def test_status_of_a_dead_supervisor(tmp_path):
     """status.json says running, but no process holds the lock: dead, with the resume hint."""
     from ptops.ops.runrecord.status import collect
 
-    st = {"state": "running", "attempt": 1, "supervisor_pid": 999999,
-          "ranks": [{"rank": 0, "pid": 1, "host": "h"}]}
+    st = {
+        "state": "running",
+        "attempt": 1,
+        "supervisor_pid": 999999,
+        "ranks": [{"rank": 0, "pid": 1, "host": "h"}],
+    }
     s = collect(_run(tmp_path, CRASH_RESTART_COMPLETE[:4], st))
     assert s["state"] == "dead" and not s["supervisor_alive"] and s["supervisor_pid"] is None
     assert s["ranks"] == [] and "ptops launch --supervise" in s["hint"]
@@ -259,11 +307,14 @@ def test_status_text_is_rendered_by_the_cli(tmp_path):
     from ptops.ops.runrecord.status import collect
 
     text = render(collect(_run(tmp_path, CRASH_RESTART_COMPLETE)))
-    assert ": completed" in text and "restarts 1" in text and "finding" in text and "anomaly" in text
+    assert (
+        ": completed" in text and "restarts 1" in text and "finding" in text and "anomaly" in text
+    )
 
 
 def test_runrecord_imports_nothing_of_ptops():
-    """The bottom layer: its own modules (relative, or ptops.ops.runrecord.*) and the stdlib only."""
+    """The bottom layer: its own modules (relative, or ptops.ops.runrecord.*) and the stdlib
+    only."""
     for path in (REPO / "ops" / "runrecord").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -272,7 +323,9 @@ def test_runrecord_imports_nothing_of_ptops():
                 mod = node.names[0].name
             else:
                 continue
-            assert not mod.startswith("ptops") or mod.startswith("ptops.ops.runrecord"), f"{path.name} imports {mod}"
+            assert not mod.startswith("ptops") or mod.startswith("ptops.ops.runrecord"), (
+                f"{path.name} imports {mod}"
+            )
 
 
 def test_the_exporter_state_is_the_reducers_at_every_event():
@@ -285,7 +338,9 @@ def test_the_exporter_state_is_the_reducers_at_every_event():
     seen = []
     for i, e in enumerate(CRASH_RESTART_COMPLETE):
         exp.observe_event(e)
-        fam = next(f for f in text_string_to_metric_families(exp.text()) if f.name == "ptops_run_state")
+        fam = next(
+            f for f in text_string_to_metric_families(exp.text()) if f.name == "ptops_run_state"
+        )
         on = [smp.labels["state"] for smp in fam.samples if smp.value == 1.0]
         assert on == [reduce(CRASH_RESTART_COMPLETE[: i + 1]).event_state], e
         seen.append(on[0])
@@ -293,21 +348,40 @@ def test_the_exporter_state_is_the_reducers_at_every_event():
 
 
 def test_goodput_accounts_for_every_second_of_a_crash_and_restart():
-    """Goodput = productive / wall, and where the rest went, from events and rank-0 records alone."""
+    """Goodput = productive / wall, and where the rest went, from events and rank-0 records
+    alone."""
     from ptops.ops.runrecord.goodput import account
 
     t = 1000.0
     events = [
         {"ts": t, "kind": "launch", "attempt": 1},
-        {"ts": t + 10.5, "kind": "checkpoint", "rank": 0, "attempt": 1, "step": 2, "blocking_s": 0.5},
+        {
+            "ts": t + 10.5,
+            "kind": "checkpoint",
+            "rank": 0,
+            "attempt": 1,
+            "step": 2,
+            "blocking_s": 0.5,
+        },
         {"ts": t + 14.0, "kind": "crash", "attempt": 1, "rank": 1},  # last step ended at t+13
         {"ts": t + 16.0, "kind": "launch", "attempt": 2},
         {"ts": t + 30.0, "kind": "completed", "attempt": 2},
     ]
-    rec = lambda step, att, end, dur=1.0: {"step": step, "rank": 0, "attempt": att, "ts": t + end, "step_s": dur}  # noqa: E731
-    records = [rec(1, 1, 10), rec(2, 1, 11), rec(3, 1, 13),  # startup 9 s; 1 s gap (the 0.5 s save + 0.5 s other)
-               {**rec(1, 1, 10), "rank": 1},  # other ranks do not count
-               rec(3, 2, 25), rec(4, 2, 26)]  # attempt 2: startup 8 s; step 3 done again
+    rec = lambda step, att, end, dur=1.0: {  # noqa: E731
+        "step": step,
+        "rank": 0,
+        "attempt": att,
+        "ts": t + end,
+        "step_s": dur,
+    }
+    records = [
+        rec(1, 1, 10),
+        rec(2, 1, 11),
+        rec(3, 1, 13),  # startup 9 s; 1 s gap (the 0.5 s save + 0.5 s other)
+        {**rec(1, 1, 10), "rank": 1},  # other ranks do not count
+        rec(3, 2, 25),
+        rec(4, 2, 26),
+    ]  # attempt 2: startup 8 s; step 3 done again
     g = account(events, records)
     assert g["wall_s"] == 30.0 and g["productive_s"] == 4.0 and g["ratio"] == round(4 / 30, 4)
     lost = g["lost_s"]
@@ -329,12 +403,18 @@ def test_goodput_accounts_for_every_second_of_a_crash_and_restart():
         live.record(r)
     for e in events:
         live.event(e)
-    assert live.summary()["lost_s"] == pytest.approx(lost) and live.summary()["ratio"] == pytest.approx(4 / 30)
+    assert live.summary()["lost_s"] == pytest.approx(lost) and live.summary()[
+        "ratio"
+    ] == pytest.approx(4 / 30)
 
 
 def test_goodput_of_a_live_run_runs_to_now_and_an_empty_run_has_none():
     from ptops.ops.runrecord.goodput import account
 
     assert account([], [])["ratio"] is None
-    g = account([{"ts": 0.0, "kind": "launch", "attempt": 1}], [{"step": 1, "rank": 0, "attempt": 1, "ts": 5.0, "step_s": 1.0}], now=10.0)
+    g = account(
+        [{"ts": 0.0, "kind": "launch", "attempt": 1}],
+        [{"step": 1, "rank": 0, "attempt": 1, "ts": 5.0, "step_s": 1.0}],
+        now=10.0,
+    )
     assert g["wall_s"] == 10.0 and g["lost_s"]["startup"] == 4.0 and g["lost_s"]["other"] == 5.0

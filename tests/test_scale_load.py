@@ -21,10 +21,33 @@ RANKS, PER_NODE, STEPS, VICTIM = 64, 8, 4, 37
 def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     p = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "scale_load.py"), "--ranks", str(RANKS), "--per-node", str(PER_NODE),
-         "--step-s", "0.5", "--steps", str(STEPS), "--victim", str(VICTIM), "--victim-step", str(STEPS),
-         "--peers", "block", "--work", str(tmp_path), "--json", str(out), "--timeout", "240"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "bench" / "scale_load.py"),
+            "--ranks",
+            str(RANKS),
+            "--per-node",
+            str(PER_NODE),
+            "--step-s",
+            "0.5",
+            "--steps",
+            str(STEPS),
+            "--victim",
+            str(VICTIM),
+            "--victim-step",
+            str(STEPS),
+            "--peers",
+            "block",
+            "--work",
+            str(tmp_path),
+            "--json",
+            str(out),
+            "--timeout",
+            "240",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -42,7 +65,8 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
     assert sorted(steps) == list(range(RANKS))
     assert all(sorted(s) == list(range(1, STEPS + 1)) for s in steps.values()), steps
 
-    # the silent rank is the hang's culprit; its stacks came from its node agent, the others' over the channel
+    # the silent rank is the hang's culprit; its stacks came from its node agent, the others' over
+    # the channel
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     hang = next(e for e in events if e["kind"] == "hang")
     assert hang["ranks"] == [VICTIM] and hang["why"] == "unresponsive"
@@ -55,7 +79,8 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
 
 def test_rendezvous_memo_follows_every_change() -> None:
     """The hang monitor remembers when every live rank reached the rendezvous (it was O(ranks) per
-    question, O(ranks^2) per start-up); the memo must change whenever a rank enters, exits or appears."""
+    question, O(ranks^2) per start-up); the memo must change whenever a rank enters, exits or
+    appears."""
     from ptops.monitors.hang import HangConfig, HangMonitor
 
     def truth(m: HangMonitor) -> float | None:
@@ -64,21 +89,45 @@ def test_rendezvous_memo_follows_every_change() -> None:
     m = HangMonitor(50, 0.0, HangConfig())
     seen = []
     for r in range(50):
-        m.observe({"kind": "beat", "rank": r, "step": 0, "phase": "startup", "section": "import", "ts": 1.0})
+        m.observe(
+            {
+                "kind": "beat",
+                "rank": r,
+                "step": 0,
+                "phase": "startup",
+                "section": "import",
+                "ts": 1.0,
+            }
+        )
     for r in range(50):
-        m.observe({"kind": "beat", "rank": r, "step": 0, "phase": "startup", "section": "rendezvous", "ts": 2.0 + r})
+        m.observe(
+            {
+                "kind": "beat",
+                "rank": r,
+                "step": 0,
+                "phase": "startup",
+                "section": "rendezvous",
+                "ts": 2.0 + r,
+            }
+        )
         seen.append(m._all_in_rendezvous())
         assert seen[-1] == truth(m)
     assert seen[:49] == [None] * 49 and seen[49] == 51.0
-    m.observe({"kind": "beat", "rank": 50, "step": 0, "phase": "startup", "section": "import", "ts": 60.0})  # a rank appears
+    m.observe(
+        {"kind": "beat", "rank": 50, "step": 0, "phase": "startup", "section": "import", "ts": 60.0}
+    )  # a rank appears
     assert m._all_in_rendezvous() is None and truth(m) is None
     m.observe({"kind": "exit", "rank": 50, "ts": 61.0})  # ... and leaves
     assert m._all_in_rendezvous() == truth(m) == 51.0
-    m.observe({"kind": "exit", "rank": 49, "ts": 62.0})  # the last to arrive leaves: the latest is now rank 48's
+    m.observe(
+        {"kind": "exit", "rank": 49, "ts": 62.0}
+    )  # the last to arrive leaves: the latest is now rank 48's
     assert m._all_in_rendezvous() == truth(m) == 50.0
     # the per-check budget memo gives the same finding as computing every budget per rank
     for r in range(49):
-        m.observe({"kind": "beat", "rank": r, "step": 1, "phase": "step", "stage": "begin", "ts": 70.0})
+        m.observe(
+            {"kind": "beat", "rank": r, "step": 1, "phase": "step", "stage": "begin", "ts": 70.0}
+        )
         m.observe({"kind": "metrics", "rank": r, "step": 1, "step_s": 1.0, "ts": 71.0})
     m.observe({"kind": "beat", "rank": 3, "step": 2, "phase": "step", "stage": "begin", "ts": 72.0})
     for now in (72.0, 200.0, 400.0, 800.0):
@@ -104,7 +153,12 @@ def test_straggler_bookkeeping_matches_a_full_recount() -> None:
                 step = max(1, step - rnd.randrange(4))  # a restart redoes steps
             elif rnd.random() < 0.3:
                 step += 1
-            rec = {"step": step, "rank": rnd.randrange(n + 1), "step_s": rnd.choice([1.0, 1.2, 0.3]), "attempt": 1}
+            rec = {
+                "step": step,
+                "rank": rnd.randrange(n + 1),
+                "step_s": rnd.choice([1.0, 1.2, 0.3]),
+                "attempt": 1,
+            }
             if rnd.random() < 0.1:
                 rec["world_size"] = n
             m.feed(rec)

@@ -24,7 +24,7 @@ from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 from ptops.ops.supervisor.procs import alive
 from ptops.ops.supervisor.sidecar import Sidecar, SidecarSpec, healthy, run_sidecars
 
-FAKE = textwrap.dedent('''
+FAKE = textwrap.dedent("""
     import http.server, os, subprocess, sys
     port, state = int(sys.argv[1]), sys.argv[2]
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # same process group
@@ -40,7 +40,7 @@ FAKE = textwrap.dedent('''
     if os.path.exists(os.path.join(state, "never")):
         import time; time.sleep(600)
     http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-''')
+""")  # noqa: E501
 
 
 def _port() -> int:
@@ -67,14 +67,19 @@ class Fake:
         self.port = _port()
         self.run = RunDir(tmp / "run")
         self.run.path.mkdir()
-        self.spec = SidecarSpec(name="vllm", argv=[sys.executable, str(tmp / "fake_server.py"), str(self.port),
-                                                     str(self.state)],
-                                health_url=f"http://127.0.0.1:{self.port}/health", interval_s=0.2,
-                                **{"health_timeout_s": 30.0, "grace_s": 2.0, **spec})
+        self.spec = SidecarSpec(
+            name="vllm",
+            argv=[sys.executable, str(tmp / "fake_server.py"), str(self.port), str(self.state)],
+            health_url=f"http://127.0.0.1:{self.port}/health",
+            interval_s=0.2,
+            **{"health_timeout_s": 30.0, "grace_s": 2.0, **spec},
+        )
 
     def pids(self) -> list[tuple[int, int]]:
         f = self.state / "pids"
-        return [tuple(map(int, ln.split())) for ln in f.read_text().splitlines()] if f.exists() else []
+        return (
+            [tuple(map(int, ln.split())) for ln in f.read_text().splitlines()] if f.exists() else []
+        )
 
     def events(self, kind: str | None = None) -> list[dict]:
         return [e for e in read_jsonl(self.run.events) if kind is None or e["kind"] == kind]
@@ -86,9 +91,13 @@ def test_start_death_restart_and_stop(tmp_path):
     sc.start()
     try:
         assert healthy(fake.spec.health_url)
-        (server, worker), = fake.pids()
+        ((server, worker),) = fake.pids()
         (started,) = fake.events("sidecar_started")
-        assert started["pid"] == sc.proc.pid and started["restarts"] == 0 and missing_fields(started) == []
+        assert (
+            started["pid"] == sc.proc.pid
+            and started["restarts"] == 0
+            and missing_fields(started) == []
+        )
         # the server dies: recorded as an incident, restarted, healthy again
         os.kill(server, signal.SIGKILL)
         _until(lambda: fake.events("sidecar_restarted"), "sidecar_restarted")
@@ -128,7 +137,10 @@ def test_restarts_spent_gives_up(tmp_path):
 def test_never_healthy_fails_the_start_cleanly(tmp_path):
     fake = Fake(tmp_path, health_timeout_s=2.0)
     (fake.state / "never").touch()
-    with pytest.raises(RuntimeError, match=r"sidecar vllm: no answer from http://127\.0\.0\.1:\d+/health within 2 s"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"sidecar vllm: no answer from http://127\.0\.0\.1:\d+/health within 2 s",
+    ):
         with run_sidecars([vars(fake.spec)], fake.run.path, fake.run.event):
             pytest.fail("the body must not run")
     (died,) = fake.events("sidecar_died")
@@ -137,7 +149,7 @@ def test_never_healthy_fails_the_start_cleanly(tmp_path):
         assert not alive(server) and not alive(worker)
 
 
-OWNER = textwrap.dedent('''
+OWNER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     from ptops.ops.runrecord.rundir import RunDir
@@ -148,7 +160,7 @@ OWNER = textwrap.dedent('''
     sc.start()
     print("READY", sc.proc.pid, flush=True)
     time.sleep(600)
-''')
+""")
 
 
 def test_no_orphan_when_the_owner_is_killed(tmp_path):
@@ -157,17 +169,23 @@ def test_no_orphan_when_the_owner_is_killed(tmp_path):
     fake = Fake(tmp_path)
     script = tmp_path / "owner.py"
     script.write_text(OWNER)
-    owner = subprocess.Popen([sys.executable, str(script), json.dumps(vars(fake.spec)), str(fake.run.path)],
-                             stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(vars(fake.spec)), str(fake.run.path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = owner.stdout.readline()
         assert line.startswith("READY"), line
         guard = int(line.split()[1])
-        (server, worker), = fake.pids()
+        ((server, worker),) = fake.pids()
         assert alive(guard) and alive(server) and alive(worker)
         owner.kill()
         owner.wait()
-        _until(lambda: not any(alive(p) for p in (guard, server, worker)), "guard, server and worker gone")
+        _until(
+            lambda: not any(alive(p) for p in (guard, server, worker)),
+            "guard, server and worker gone",
+        )
     finally:
         if owner.poll() is None:
             owner.kill()
@@ -175,18 +193,23 @@ def test_no_orphan_when_the_owner_is_killed(tmp_path):
 
 
 def test_launch_side_specs_come_from_the_engine():
-    """The TRL engine's hook: no server without a GPU (the ranks fall back), none for other trainers."""
+    """The TRL engine's hook: no server without a GPU (the ranks fall back), none for other
+    trainers."""
     from ptops.recipes.engines import sidecar_specs
     from ptops.recipes.schema import load
 
     assert sidecar_specs(load("trl-grpo-tiny")[0]) == []
-    assert sidecar_specs(load("trl-grpo-tiny", ['trl.vllm.mode="server"'])[0]) == []  # this CPU machine
+    assert (
+        sidecar_specs(load("trl-grpo-tiny", ['trl.vllm.mode="server"'])[0]) == []
+    )  # this CPU machine
     assert sidecar_specs(load("titan-tiny")[0]) == []
 
 
 def test_launch_keeps_sidecars_for_the_whole_launch(tmp_path, monkeypatch):
-    """``ptops launch``'s path (ops/cli/launch.py): the engine's sidecars are healthy while the attempts
-    run and gone after; one that never answers fails the launch with a ``failed`` event and exit 1."""
+    """``ptops launch``'s path (ops/cli/launch.py): the engine's sidecars are healthy while the
+    attempts run and gone after; one that never answers fails the launch with a ``failed`` event and
+    exit
+    1."""
     import ptops.recipes.engines as engines
     from ptops.ops.cli.launch import _with_sidecars
     from ptops.recipes.schema import load
@@ -208,7 +231,9 @@ def test_launch_keeps_sidecars_for_the_whole_launch(tmp_path, monkeypatch):
         assert not alive(pid)
     (fake.state / "never").touch()
     fake.spec.health_timeout_s = 1.0
-    assert _with_sidecars(rec, fake.run, fd, lambda: pytest.fail("the attempts must not start")) == 1
+    assert (
+        _with_sidecars(rec, fake.run, fd, lambda: pytest.fail("the attempts must not start")) == 1
+    )
     (failed,) = fake.events("failed")
     assert failed["reason"].startswith("sidecar vllm: no answer") and missing_fields(failed) == []
     for server, worker in fake.pids():

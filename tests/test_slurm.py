@@ -1,9 +1,10 @@
-"""Supervised multi-node runs on a real Slurm 22.05 (3 slurmd nodes in network namespaces, one machine).
+"""Supervised multi-node runs on a real Slurm 22.05 (3 slurmd nodes in network namespaces, one
+machine).
 
-One cluster for the session (``slurm_cluster`` fixture); 1 rank per node, titan-tiny on CPU/gloo. Every
-run is held by ``hold:`` faults until what the test waits for is observed, never raced against the
-clock; several checks share one run. Each recovered run must end with the digest of the same world
-size launched locally (the shared ``reference`` faulted run: 2 ranks, 16 steps).
+One cluster for the session (``slurm_cluster`` fixture); 1 rank per node, titan-tiny on CPU/gloo.
+Every run is held by ``hold:`` faults until what the test waits for is observed, never raced against
+the clock; several checks share one run. Each recovered run must end with the digest of the same
+world size launched locally (the shared ``reference`` faulted run: 2 ranks, 16 steps).
 """
 
 from __future__ import annotations
@@ -16,15 +17,25 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
 from faulted import STEPS
 
 pytestmark = pytest.mark.slurm
 
-TWO_NODES = ["--supervise", "--slurm", "--nodes", "2", "--set", "launch.nproc=1", *STEPS, "--no-mlflow",
-             "--set", "supervisor.kill_timeout_s=3",
-             "--set", "supervisor.restart.backoff_s=0.5"]
+TWO_NODES = [
+    "--supervise",
+    "--slurm",
+    "--nodes",
+    "2",
+    "--set",
+    "launch.nproc=1",
+    *STEPS,
+    "--no-mlflow",
+    "--set",
+    "supervisor.kill_timeout_s=3",
+    "--set",
+    "supervisor.restart.backoff_s=0.5",
+]
 WAIT_S = 420  # an upper bound that only a broken run reaches; every wait ends on an observed event
 
 
@@ -37,18 +48,30 @@ def events(run: Path, kind: str | None = None) -> list[dict]:
 
 
 def submit(cluster, run: Path, *args: str, env: dict | None = None) -> str:
-    out = run_ptops("launch", "titan-tiny", "--run-dir", str(run), *TWO_NODES, *args, "--json",
-                    env={**cluster.env, **(env or {})}, timeout=120)
+    out = run_ptops(
+        "launch",
+        "titan-tiny",
+        "--run-dir",
+        str(run),
+        *TWO_NODES,
+        *args,
+        "--json",
+        env={**cluster.env, **(env or {})},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["job_id"]
 
 
 def job_output(run: Path) -> str:
-    return "\n".join(p.read_text(errors="replace") for p in sorted((run / "slurm").glob("job-*.out")))
+    return "\n".join(
+        p.read_text(errors="replace") for p in sorted((run / "slurm").glob("job-*.out"))
+    )
 
 
 def wait_for(cluster, run: Path, job: str, what, label: str) -> list[dict]:
-    """Poll the run's events until ``what(events)`` is truthy; fail at once if the job left the queue."""
+    """Poll the run's events until ``what(events)`` is truthy; fail at once if the job left the
+    queue."""
     deadline = time.monotonic() + WAIT_S
     while True:
         evs = events(run)
@@ -57,7 +80,9 @@ def wait_for(cluster, run: Path, job: str, what, label: str) -> list[dict]:
             return got
         q = cluster.run("squeue", "-h", "-j", job, "-o", "%T")
         if q.returncode == 0 and not q.stdout.strip() and not what(events(run)):
-            raise AssertionError(f"job {job} left the queue before {label}:\n{job_output(run)[-4000:]}")
+            raise AssertionError(
+                f"job {job} left the queue before {label}:\n{job_output(run)[-4000:]}"
+            )
         if time.monotonic() > deadline:
             raise AssertionError(f"no {label} within {WAIT_S} s:\n{job_output(run)[-4000:]}")
         time.sleep(0.2)
@@ -74,8 +99,18 @@ def wait_job_gone(cluster, job: str) -> None:
 
 
 def held(evs: list[dict], attempt: int, n: int = 2) -> bool:
-    return len([e for e in evs if e["kind"] == "fault_injected" and str(e.get("fault", "")).startswith("hold")
-                and e.get("attempt") == attempt]) >= n
+    return (
+        len(
+            [
+                e
+                for e in evs
+                if e["kind"] == "fault_injected"
+                and str(e.get("fault", "")).startswith("hold")
+                and e.get("attempt") == attempt
+            ]
+        )
+        >= n
+    )
 
 
 def status(run: Path) -> dict:
@@ -103,14 +138,17 @@ def run_pids(run: Path) -> list[int]:
                 stat = Path(f"/proc/{name}/stat").read_bytes()
             except OSError:
                 continue
-            if want in env and stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X"):
+            if want in env and stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X"):
                 pids.append(int(name))
     return pids
 
 
 def agent_pid(run: Path, attempt: int, node: str) -> int:
-    want = [b"PTOPS_RUN_DIR=" + str(run.resolve()).encode(), f"PTOPS_ATTEMPT={attempt}".encode(),
-            f"SLURMD_NODENAME={node}".encode()]
+    want = [
+        b"PTOPS_RUN_DIR=" + str(run.resolve()).encode(),
+        f"PTOPS_ATTEMPT={attempt}".encode(),
+        f"SLURMD_NODENAME={node}".encode(),
+    ]
     for pid in run_pids(run):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -127,7 +165,7 @@ def gone(pid: int, within_s: float = 15.0) -> bool:
     while time.monotonic() < deadline:
         try:
             stat = Path(f"/proc/{pid}/stat").read_bytes()
-            if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X"):
+            if stat[stat.rindex(b")") + 2 :][:1] in (b"Z", b"X"):
                 return True
         except OSError:
             return True
@@ -142,12 +180,21 @@ def reference_digest(faulted_runs):
     return digest(ref.run)
 
 
-def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(slurm_cluster, tmp_path, reference_digest):
-    """Through sbatch on 2 nodes: rank 1 (node n2) SIGKILLs itself at step 12 -> a new srun step in the
-    same allocation (no requeue), completed, digest equal to the local 2-rank run; status shows the job."""
+def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(
+    slurm_cluster, tmp_path, reference_digest
+):
+    """Through sbatch on 2 nodes: rank 1 (node n2) SIGKILLs itself at step 12 -> a new srun step in
+    the same allocation (no requeue), completed, digest equal to the local 2-rank run; status shows
+    the job."""
     run = tmp_path / "run"
-    job = submit(slurm_cluster, run, "--fault", "crash:rank=1,step=12",
-                 "--fault", "hold:step=12,until=committed,seconds=120")
+    job = submit(
+        slurm_cluster,
+        run,
+        "--fault",
+        "crash:rank=1,step=12",
+        "--fault",
+        "hold:step=12,until=committed,seconds=120",
+    )
     wait_for(slurm_cluster, run, job, lambda evs: held(evs, 1), "both ranks running")
     st = status(run)
     assert {r["host"] for r in st["ranks"]} == {"n1", "n2"}, st  # one rank per node, really on both
@@ -165,28 +212,45 @@ def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(slurm_cluster, tm
     assert len(crash) == 1 and crash[0]["rank"] == 1 and crash[0]["host"] == "n2", crash
     launches = events(run, "launch")
     assert [e["attempt"] for e in launches] == [1, 2] and {e["job_id"] for e in launches} == {job}
-    assert len(events(run, "slurm_allocation")) == 1  # restarted inside the allocation, not requeued
+    assert (
+        len(events(run, "slurm_allocation")) == 1
+    )  # restarted inside the allocation, not requeued
     assert events(run, "node_blamed")[0]["node"] == "n2"  # one strike (limit 2): same nodes again
     assert not events(run, "node_replaced")
     assert digest(run) == reference_digest
     assert run_pids(run) == []
 
 
-def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(slurm_cluster, tmp_path, reference_digest):
-    """Attempt 1: rank 1 on n2 SIGSTOPped -> hang found, its stacks taken by n2's node agent (py-spy there).
-    Attempt 2: n2's node agent SIGKILLed -> its rank dies with it, the attempt restarts. Attempt 3 completes
-    digest-equal."""
+def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(
+    slurm_cluster, tmp_path, reference_digest
+):
+    """Attempt 1: rank 1 on n2 SIGSTOPped -> hang found, its stacks taken by n2's node agent (py-spy
+    there). Attempt 2: n2's node agent SIGKILLed -> its rank dies with it, the attempt restarts.
+    Attempt 3 completes digest-equal."""
     run = tmp_path / "run"
-    # kill_timeout_s=10: the supervisor's own teardown (which would kill every rank of the run) waits that
-    # long after the agent's connection drops, so a rank gone before then went with its agent
-    job = submit(slurm_cluster, run, "--set", "slurm.node_strikes=5", "--set", "supervisor.kill_timeout_s=10",
-                 "--fault", "hold:step=8", "--fault", "hold:step=8,attempt=2")
+    # kill_timeout_s=10: the supervisor's own teardown (which would kill every rank of the run)
+    # waits that long after the agent's connection drops, so a rank gone before then went with its
+    # agent
+    job = submit(
+        slurm_cluster,
+        run,
+        "--set",
+        "slurm.node_strikes=5",
+        "--set",
+        "supervisor.kill_timeout_s=10",
+        "--fault",
+        "hold:step=8",
+        "--fault",
+        "hold:step=8,attempt=2",
+    )
     wait_for(slurm_cluster, run, job, lambda evs: held(evs, 1), "attempt 1 held")
     victim = next(r for r in status(run)["ranks"] if r["rank"] == 1)
     assert victim["host"] == "n2"
     os.kill(victim["pid"], signal.SIGSTOP)
     release(slurm_cluster, run)
-    hang = wait_for(slurm_cluster, run, job, lambda evs: [e for e in evs if e["kind"] == "hang"], "the hang")[0]
+    hang = wait_for(
+        slurm_cluster, run, job, lambda evs: [e for e in evs if e["kind"] == "hang"], "the hang"
+    )[0]
     assert hang["ranks"] == [1], hang
     stack = (run / "stacks" / "attempt-1" / "rank-1.txt").read_text()
     assert stack.startswith("# source: node agent n2: py-spy"), stack[:300]
@@ -204,34 +268,59 @@ def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(slurm_c
     assert evs[-1]["kind"] == "completed", job_output(run)[-3000:]
     crash = [e for e in events(run, "crash") if e["attempt"] == 2]
     assert crash and crash[0]["rank"] == 1, events(run, "crash")
-    assert rank1_gone < crash[0]["ts"] - 5, "rank 1 died in the supervisor's teardown, not with its agent"
+    assert rank1_gone < crash[0]["ts"] - 5, (
+        "rank 1 died in the supervisor's teardown, not with its agent"
+    )
     assert [e["attempt"] for e in events(run, "launch")] == [1, 2, 3]
     assert digest(run) == reference_digest
     assert run_pids(run) == []
 
 
-def test_link_down_blames_the_node_and_a_spare_replaces_it(slurm_cluster, tmp_path, reference_digest):
-    """3 nodes for 2 (--spare-nodes 1), one strike: n2's link set down while held -> its rank is silent
-    (found within the hang budget), n2 blamed and replaced by n3; the run ends digest-equal."""
+def test_link_down_blames_the_node_and_a_spare_replaces_it(
+    slurm_cluster, tmp_path, reference_digest
+):
+    """3 nodes for 2 (--spare-nodes 1), one strike: n2's link set down while held -> its rank is
+    silent (found within the hang budget), n2 blamed and replaced by n3; the run ends
+    digest-equal."""
     run = tmp_path / "run"
-    job = submit(slurm_cluster, run, "--spare-nodes", "1", "--set", "slurm.node_strikes=1",
-                 "--set", "slurm.upstream_timeout_s=6", "--fault", "hold:step=8")
+    job = submit(
+        slurm_cluster,
+        run,
+        "--spare-nodes",
+        "1",
+        "--set",
+        "slurm.node_strikes=1",
+        "--set",
+        "slurm.upstream_timeout_s=6",
+        "--fault",
+        "hold:step=8",
+    )
     wait_for(slurm_cluster, run, job, lambda evs: held(evs, 1), "attempt 1 held")
     alloc = events(run, "slurm_allocation")[0]
     assert alloc["nodes"] == ["n1", "n2", "n3"] and alloc["spares"] == ["n3"], alloc
     cut_at = time.time()
     slurm_cluster.link("n2", up=False)
     try:
-        replaced = wait_for(slurm_cluster, run, job, lambda evs: [e for e in evs if e["kind"] == "node_replaced"],
-                            "the node replaced")[0]
+        replaced = wait_for(
+            slurm_cluster,
+            run,
+            job,
+            lambda evs: [e for e in evs if e["kind"] == "node_replaced"],
+            "the node replaced",
+        )[0]
     finally:
         slurm_cluster.link("n2", up=True)
     assert replaced["node"] == "n2" and replaced["by"] == "n3", replaced
     hang = events(run, "hang")[0]
     assert hang["ranks"] == [1] and hang["found_ts"] - cut_at <= hang["timeout_s"] + 2.0, hang
     assert events(run, "node_blamed")[0]["node"] == "n2"
-    second = wait_for(slurm_cluster, run, job, lambda evs: [e for e in evs if e["kind"] == "launch"
-                                                            and e["attempt"] == 2], "attempt 2")
+    second = wait_for(
+        slurm_cluster,
+        run,
+        job,
+        lambda evs: [e for e in evs if e["kind"] == "launch" and e["attempt"] == 2],
+        "attempt 2",
+    )
     assert second[0]["nodes"] == ["n1", "n3"], second
     wait_job_gone(slurm_cluster, job)
     assert events(run)[-1]["kind"] == "completed", job_output(run)[-3000:]
@@ -240,21 +329,30 @@ def test_link_down_blames_the_node_and_a_spare_replaces_it(slurm_cluster, tmp_pa
 
 
 def test_preemption_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, reference_digest):
-    """Slurm's warning signal (what --signal=B:USR1@S sends, here at once with scancel --batch): every
-    rank saves at the next step boundary, the job requeues itself, the rerun resumes from that save."""
+    """Slurm's warning signal (what --signal=B:USR1@S sends, here at once with scancel --batch):
+    every rank saves at the next step boundary, the job requeues itself, the rerun resumes from that
+    save."""
     run = tmp_path / "run"
     job = submit(slurm_cluster, run, "--fault", "hold:step=7")
     wait_for(slurm_cluster, run, job, lambda evs: held(evs, 1), "attempt 1 held")
     out = slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
     assert out.returncode == 0, out.stderr
-    wait_for(slurm_cluster, run, job, lambda evs: [e for e in evs if e["kind"] == "completed"], "completion")
+    wait_for(
+        slurm_cluster,
+        run,
+        job,
+        lambda evs: [e for e in evs if e["kind"] == "completed"],
+        "completion",
+    )
     wait_job_gone(slurm_cluster, job)
     pre = events(run, "preempted")
     assert len(pre) == 1 and pre[0]["saved_step"] == 7, pre  # the step boundary after the hold
     rq = events(run, "slurm_requeue")
     assert rq and rq[0]["how"] == "requeue" and rq[0]["job_id"] == job
     allocs = events(run, "slurm_allocation")
-    assert [a["restart_count"] for a in allocs] == [0, 1], allocs  # SLURM_RESTART_COUNT in the rerun
+    assert [a["restart_count"] for a in allocs] == [0, 1], (
+        allocs
+    )  # SLURM_RESTART_COUNT in the rerun
     launches = events(run, "launch")
     assert [e["attempt"] for e in launches] == [1, 2] and launches[1]["from_step"] == 7, launches
     assert not events(run, "crash") and not events(run, "restart")
@@ -262,8 +360,8 @@ def test_preemption_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, 
 
 
 def test_world_of_one_is_caught_at_startup_and_scancel_leaves_nothing(slurm_cluster, tmp_path):
-    """A rank that formed a world of one (rendezvous fell back to localhost) stops the attempt with one
-    line; then a held job scancelled leaves no process of its run on any node."""
+    """A rank that formed a world of one (rendezvous fell back to localhost) stops the attempt with
+    one line; then a held job scancelled leaves no process of its run on any node."""
     run = tmp_path / "one"
     job = submit(slurm_cluster, run, "--fault", "misrendezvous:rank=1")
     wait_job_gone(slurm_cluster, job)
@@ -284,5 +382,7 @@ def test_world_of_one_is_caught_at_startup_and_scancel_leaves_nothing(slurm_clus
     while run_pids(run2) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert run_pids(run2) == []
-    left = subprocess.run(["pgrep", "-f", "ptops.ops.slurm.inside " + str(run2)], capture_output=True, text=True)
+    left = subprocess.run(
+        ["pgrep", "-f", "ptops.ops.slurm.inside " + str(run2)], capture_output=True, text=True
+    )
     assert left.stdout.strip() == ""

@@ -1,5 +1,6 @@
 """The batch-step supervisor's decisions between attempts, without a cluster: node strikes, spare
-replacement, and the resubmit with --exclude when no spare is left (a stand-in ``sbatch`` on PATH)."""
+replacement, and the resubmit with --exclude when no spare is left (a stand-in ``sbatch`` on
+PATH)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,11 @@ def test_world_is_nodes_times_ranks_per_node_and_spares_are_held_back(tmp_path):
     sup = _sup(tmp_path, ["n1", "n2", "n3"], "slurm.spare_nodes=1")
     assert sup.world == 2 and sup.active == ["n1", "n2"] and sup.spares == ["n3"]
     cmd = sup.attempt_command(1, {})
-    assert cmd.argv[0] == "srun" and "--nodelist=n1,n2" in cmd.argv and "--ntasks-per-node=1" in cmd.argv
+    assert (
+        cmd.argv[0] == "srun"
+        and "--nodelist=n1,n2" in cmd.argv
+        and "--ntasks-per-node=1" in cmd.argv
+    )
     assert cmd.argv[-1] == "ptops.ops.node.agent"
     assert cmd.env["PTOPS_NODE_MASTER"] == "n1" and cmd.env["PTOPS_NODE_NNODES"] == "2"
     assert sup.cfg.channel_host == "0.0.0.0"  # agents on other nodes must reach the channel
@@ -49,7 +54,11 @@ def test_strikes_then_a_spare_replaces_the_node(tmp_path):
     assert sup.after_outcome(hang) is None
     assert sup.active == ["n1", "n3"] and sup.spares == []
     ev = [e for e in sup.run.read_events() if e["kind"] in ("node_blamed", "node_replaced")]
-    assert [(e["kind"], e["node"]) for e in ev] == [("node_blamed", "n2"), ("node_blamed", "n2"), ("node_replaced", "n2")]
+    assert [(e["kind"], e["node"]) for e in ev] == [
+        ("node_blamed", "n2"),
+        ("node_blamed", "n2"),
+        ("node_replaced", "n2"),
+    ]
     assert ev[-1]["by"] == "n3"
     # ranks on several nodes (a job-wide hang): no node is blamed
     assert sup.after_outcome(Outcome("hang", "hang", {"ranks": [0, 1]})) is None
@@ -65,7 +74,9 @@ def test_no_spare_left_resubmits_without_the_node_and_exits_resubmitted(tmp_path
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     sup = _sup(tmp_path, ["n1", "n2"], "slurm.node_strikes=1")
-    code = sup.after_outcome(Outcome("crash", "crash: rank 1 exited 1", {"rank": 1, "exit_code": 1}))
+    code = sup.after_outcome(
+        Outcome("crash", "crash: rank 1 exited 1", {"rank": 1, "exit_code": 1})
+    )
     assert code == 5  # resubmitted: do not requeue this job (docs/exit-codes.md)
     args = log.read_text().split()
     assert args[:2] == ["--parsable", "--exclude=n2"] and args[-1].endswith("slurm/job.sbatch")
@@ -83,14 +94,25 @@ def test_strikes_survive_a_requeue(tmp_path):
 
 
 def test_a_straggler_exclude_node_is_acted_on_under_slurm(tmp_path):
-    """policy's exclude_node (straggler) becomes a strike; at the limit a spare takes the node's place from
-    the next attempt, and the exclude_node event says it was acted on."""
+    """policy's exclude_node (straggler) becomes a strike; at the limit a spare takes the node's
+    place from the next attempt, and the exclude_node event says it was acted on."""
     from types import SimpleNamespace
 
-    sup = _sup(tmp_path, ["n1", "n2", "n3"], "slurm.spare_nodes=1", "slurm.node_strikes=1",
-               'monitors.straggler.action="exclude_node"')
-    finding = SimpleNamespace(monitor="straggler", rank=1, step=9, severity="warning", phase=None,
-                              detail="rank 1 2.0x slower than the median")
+    sup = _sup(
+        tmp_path,
+        ["n1", "n2", "n3"],
+        "slurm.spare_nodes=1",
+        "slurm.node_strikes=1",
+        'monitors.straggler.action="exclude_node"',
+    )
+    finding = SimpleNamespace(
+        monitor="straggler",
+        rank=1,
+        step=9,
+        severity="warning",
+        phase=None,
+        detail="rank 1 2.0x slower than the median",
+    )
     d = sup.findings.policy.decide(finding)
     assert d.effect.record == "exclude_node"
     sup.findings.on_finding(finding, 1, sup.rank_host)

@@ -1,5 +1,6 @@
-"""``FlatStager`` (the titan adapter's CPU staging copy): the staged state is the source bit for bit,
-save after save, while its buffers are reused; DTensors keep their spec; DCP writes what was staged."""
+"""``FlatStager`` (the titan adapter's CPU staging copy): the staged state is the source bit for
+bit, save after save, while its buffers are reused; DTensors keep their spec; DCP writes what was
+staged."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ def _state(seed: int) -> dict:
         "model.w": torch.nn.Parameter(w, requires_grad=False),
         "model.wt": w.t(),  # a strided view of the same storage
         "model.b": torch.randn(5, generator=g).to(torch.bfloat16),
-        "optimizer": {"state.exp_avg": nan, "state.step": torch.tensor(float(seed)),
-                      "param_groups": [{"lr": 1e-3 * seed, "betas": (0.9, 0.95)}]},
+        "optimizer": {
+            "state.exp_avg": nan,
+            "state.step": torch.tensor(float(seed)),
+            "param_groups": [{"lr": 1e-3 * seed, "betas": (0.9, 0.95)}],
+        },
         "train_state": {"step": seed, "name": "x"},
         "ints": torch.arange(7, dtype=torch.int64) * seed,
     }
@@ -36,7 +40,9 @@ def _assert_equal(staged: dict, src: dict) -> None:
         if isinstance(v, torch.Tensor):
             assert type(s) is torch.Tensor and s.dtype == v.dtype and s.shape == v.shape
             assert _bits(s) == _bits(v), k
-            assert s.untyped_storage().data_ptr() != v.untyped_storage().data_ptr(), "a copy, not the source"
+            assert s.untyped_storage().data_ptr() != v.untyped_storage().data_ptr(), (
+                "a copy, not the source"
+            )
         elif isinstance(v, dict):
             _assert_equal(s, v)
         else:
@@ -52,7 +58,8 @@ def test_staged_copy_is_bit_exact_across_saves_with_buffers_reused():
         ptrs = {k: v.data_ptr() for k, v in first.items() if isinstance(v, torch.Tensor)}
         keep = {k: _bits(v) for k, v in first.items() if isinstance(v, torch.Tensor)}
 
-        # training changes the state in place between the saves (same shapes: the buffers are reused)
+        # training changes the state in place between the saves (same shapes: the buffers are
+        # reused)
         src2 = _state(2)
         with torch.no_grad():
             for k in ("model.w", "model.b", "ints"):
@@ -65,7 +72,9 @@ def test_staged_copy_is_bit_exact_across_saves_with_buffers_reused():
         second = st.stage(src).result()
         _assert_equal(second, src)
         assert {k: v.data_ptr() for k, v in second.items() if isinstance(v, torch.Tensor)} == ptrs
-        assert second["optimizer"]["param_groups"] is not src["optimizer"]["param_groups"]  # deep-copied
+        assert (
+            second["optimizer"]["param_groups"] is not src["optimizer"]["param_groups"]
+        )  # deep-copied
         assert second["model.wt"].stride() == src["model.wt"].stride()
 
         # a tensor whose shape changed gets a new buffer, still exact
@@ -82,13 +91,25 @@ def test_dcp_async_save_writes_what_was_staged(tmp_path):
     st = FlatStager()
     try:
         for step in (1, 2):  # the second save reuses the buffers
-            src = {"w": torch.randn(128, 16), "opt": {"m": torch.randn(16)}, "step": torch.tensor(step)}
-            res = dcp.async_save(src, checkpoint_id=str(tmp_path / f"s{step}"), no_dist=True, async_stager=st)
+            src = {
+                "w": torch.randn(128, 16),
+                "opt": {"m": torch.randn(16)},
+                "step": torch.tensor(step),
+            }
+            res = dcp.async_save(
+                src, checkpoint_id=str(tmp_path / f"s{step}"), no_dist=True, async_stager=st
+            )
             res.staging_completion.result()
             res.upload_completion.result()
-            back = {"w": torch.zeros(128, 16), "opt": {"m": torch.zeros(16)}, "step": torch.tensor(0)}
+            back = {
+                "w": torch.zeros(128, 16),
+                "opt": {"m": torch.zeros(16)},
+                "step": torch.tensor(0),
+            }
             dcp.load(back, checkpoint_id=str(tmp_path / f"s{step}"), no_dist=True)
-            assert _bits(back["w"]) == _bits(src["w"]) and _bits(back["opt"]["m"]) == _bits(src["opt"]["m"])
+            assert _bits(back["w"]) == _bits(src["w"]) and _bits(back["opt"]["m"]) == _bits(
+                src["opt"]["m"]
+            )
             assert int(back["step"]) == step
     finally:
         st.close()
@@ -108,7 +129,9 @@ def test_dtensor_local_shard_staged_with_the_same_spec():
         src = {"w": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])}
         staged = st.stage(src).result()
         d = staged["w"]
-        assert type(d) is DTensor and d._spec == src["w"]._spec and d.placements == src["w"].placements
+        assert (
+            type(d) is DTensor and d._spec == src["w"]._spec and d.placements == src["w"].placements
+        )
         assert _bits(d._local_tensor) == _bits(src["w"]._local_tensor)
         with torch.no_grad():
             src["w"]._local_tensor.add_(1.0)
@@ -122,10 +145,11 @@ def test_dtensor_local_shard_staged_with_the_same_spec():
 
 
 def test_qkv_split_after_staging_writes_what_the_hook_writes(tmp_path):
-    """2 real gloo ranks, FSDP2, a tiny torchtitan llama3 with fused QKV (tests/qkvsplit_worker.py): the async
-    path's split after the staging copy (``QkvSplit.finish``) gives torchtitan's hook's keys, order, DTensor
-    specs and values (the hook's cached outputs being stale), and DCP writes the same files from both (the
-    ``.metadata`` differs only in its save id and path). A model without fused QKV gets no plan."""
+    """2 real gloo ranks, FSDP2, a tiny torchtitan llama3 with fused QKV (tests/qkvsplit_worker.py):
+    the async path's split after the staging copy (``QkvSplit.finish``) gives torchtitan's hook's
+    keys, order, DTensor specs and values (the hook's cached outputs being stale), and DCP writes
+    the same files from both (the ``.metadata`` differs only in its save id and path). A model
+    without fused QKV gets no plan."""
     import json
     import os
     import pickle
@@ -135,15 +159,25 @@ def test_qkv_split_after_staging_writes_what_the_hook_writes(tmp_path):
 
     worker = Path(__file__).with_name("qkvsplit_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(r), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     for r in (0, 1):
         rep = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert rep["plan"], rep["why"]
-        assert rep["unsplit_keys"] == ["layers.0.attention.qkv_linear.wqkv.weight",
-                                       "layers.1.attention.qkv_linear.wqkv.weight"], rep
+        assert rep["unsplit_keys"] == [
+            "layers.0.attention.qkv_linear.wqkv.weight",
+            "layers.1.attention.qkv_linear.wqkv.weight",
+        ], rep
         assert rep["same_order"] and rep["mismatched"] == [] and rep["checked"] > 6, rep
         assert rep["plain_model"] == "no fused qkv", rep
     new, old = tmp_path / "new", tmp_path / "old"
@@ -155,29 +189,39 @@ def test_qkv_split_after_staging_writes_what_the_hook_writes(tmp_path):
     a, b = (pickle.loads((d / ".metadata").read_bytes()) for d in (new, old))
     assert list(a.state_dict_metadata.items()) == list(b.state_dict_metadata.items())
     assert a.storage_data == b.storage_data and a.planner_data == b.planner_data
-    assert {"layers.0.attention.qkv_linear.wq.weight", "layers.1.attention.qkv_linear.wv.weight"} <= set(
-        a.state_dict_metadata)
+    assert {
+        "layers.0.attention.qkv_linear.wq.weight",
+        "layers.1.attention.qkv_linear.wv.weight",
+    } <= set(a.state_dict_metadata)
 
 
 def test_a_fault_that_fires_in_a_save_keeps_that_save_from_being_skipped():
-    """An interval save is skipped while the previous async save still writes, unless a pending fault needs
-    it: committed (corrupt-ckpt, hold until committed) or begun (enospc, crash:phase=save). Otherwise, on a
-    slow box, the fault would silently never fire (a chaos scenario or a test waiting for it would fail)."""
+    """An interval save is skipped while the previous async save still writes, unless a pending
+    fault needs it: committed (corrupt-ckpt, hold until committed) or begun (enospc,
+    crash:phase=save). Otherwise, on a slow box, the fault would silently never fire (a chaos
+    scenario or a test waiting for it would fail)."""
     import importlib
     from types import SimpleNamespace
 
     from ptops.faultinject.spec import Fault
-    importlib.import_module("ptops.recipes.titan.registry")  # applies the CPU compatibility layer first
+
+    importlib.import_module(
+        "ptops.recipes.titan.registry"
+    )  # applies the CPU compatibility layer first
     from ptops.recipes.titan.trainer import _fault_waits_for_save
 
     def waits(fault: Fault, step: int) -> bool:
-        return _fault_waits_for_save(SimpleNamespace(injector=SimpleNamespace(pending=[fault])), step)
+        return _fault_waits_for_save(
+            SimpleNamespace(injector=SimpleNamespace(pending=[fault])), step
+        )
 
     assert waits(Fault("crash", 6, rank=1, params={"phase": "save"}), 6)
     assert waits(Fault("enospc", 8), 8)
     assert waits(Fault("corrupt-ckpt", 10), 4)
     assert waits(Fault("hold", 9, params={"until": "committed"}), 2)
-    assert not waits(Fault("crash", 6, rank=1, params={"phase": "save"}), 4)  # not due yet: 4 may be skipped
+    assert not waits(
+        Fault("crash", 6, rank=1, params={"phase": "save"}), 4
+    )  # not due yet: 4 may be skipped
     assert not waits(Fault("crash", 6, rank=1), 6)  # a crash before the step: not inside the save
     assert not waits(Fault("enospc", 8), 6)
     assert not _fault_waits_for_save(None, 6)

@@ -1,4 +1,5 @@
-"""Supervisor pieces without training: restart policy, hang monitor, channel, dispatch, blame, injectors, lock, status."""
+"""Supervisor pieces without training: restart policy, hang monitor, channel, dispatch, blame,
+injectors, lock, status."""
 
 import dataclasses
 import io
@@ -15,7 +16,14 @@ from ptops.faultinject.inject import Injector
 from ptops.faultinject.spec import parse
 from ptops.monitors.hang import HangConfig, HangMonitor
 from ptops.ops.rank.channel import ChannelClient
-from ptops.ops.supervisor.blame import GOODBYE, KILLED_PEER_RACE_S, NO_GOODBYE, Bad, Blame, root_cause
+from ptops.ops.supervisor.blame import (
+    GOODBYE,
+    KILLED_PEER_RACE_S,
+    NO_GOODBYE,
+    Bad,
+    Blame,
+    root_cause,
+)
 from ptops.ops.supervisor.channel import ChannelServer
 from ptops.ops.supervisor.policy import EXIT_FAILED, EXIT_NO_REQUEUE, Failure, RestartPolicy
 from ptops.recipes.schema import RestartConfig
@@ -24,7 +32,9 @@ from ptops.recipes.schema import RestartConfig
 
 
 def test_backoff_doubles_without_progress_and_is_capped():
-    p = RestartPolicy(RestartConfig(backoff_s=1, backoff_max_s=5, storm_restarts=100, no_progress_attempts=100))
+    p = RestartPolicy(
+        RestartConfig(backoff_s=1, backoff_max_s=5, storm_restarts=100, no_progress_attempts=100)
+    )
     delays = []
     for i in range(6):
         d = p.decide(Failure(ts=1000 * i, start_step=10, good_step=10, reason="x"))
@@ -41,14 +51,21 @@ def test_backoff_doubles_without_progress_and_is_capped():
 def test_storm_stops_with_do_not_requeue():
     p = RestartPolicy(RestartConfig(storm_restarts=3, storm_window_min=1, no_progress_attempts=100))
     steps = iter(range(0, 1000, 10))
+
     def fail(ts):
         s = next(steps)
         return p.decide(Failure(ts=ts, start_step=s, good_step=s + 10, reason="boom"))
+
     assert fail(0).action == "restart"
     assert fail(100).action == "restart"  # first one is outside the window now
     assert fail(130).action == "restart"
     d = fail(150)  # 100, 130, 150 within 60 s
-    assert d.action == "stop" and d.exit_code == EXIT_NO_REQUEUE and "storm" in d.reason and "boom" in d.reason
+    assert (
+        d.action == "stop"
+        and d.exit_code == EXIT_NO_REQUEUE
+        and "storm" in d.reason
+        and "boom" in d.reason
+    )
 
 
 def test_no_progress_stops_after_k_attempts():
@@ -57,7 +74,12 @@ def test_no_progress_stops_after_k_attempts():
     assert p.decide(Failure(100, start_step=10, good_step=10)).action == "restart"
     assert p.decide(Failure(200, start_step=10, good_step=10)).action == "restart"
     d = p.decide(Failure(300, start_step=10, good_step=10))
-    assert d.action == "stop" and d.exit_code == EXIT_NO_REQUEUE and "no progress" in d.reason and "step 10" in d.reason
+    assert (
+        d.action == "stop"
+        and d.exit_code == EXIT_NO_REQUEUE
+        and "no progress" in d.reason
+        and "step 10" in d.reason
+    )
 
 
 def test_max_restarts_is_plain_failure():
@@ -65,7 +87,11 @@ def test_max_restarts_is_plain_failure():
     for i in range(2):
         assert p.decide(Failure(1000 * i, start_step=i, good_step=i + 1)).action == "restart"
     d = p.decide(Failure(5000, start_step=2, good_step=3))
-    assert d.action == "stop" and d.exit_code == EXIT_FAILED and "supervisor.restart.max_restarts=2" in d.reason
+    assert (
+        d.action == "stop"
+        and d.exit_code == EXIT_FAILED
+        and "supervisor.restart.max_restarts=2" in d.reason
+    )
 
 
 def test_policy_history_from_events():
@@ -82,10 +108,15 @@ def test_policy_history_from_events():
 def test_temporary_strategy_never_restarts():
     """A plain launch: the first failure ends the run (exit 1), whatever the restart budget says."""
     p = RestartPolicy(RestartConfig(max_restarts=10), strategy="temporary")
-    d = p.decide(Failure(0, start_step=0, good_step=10, reason="crash: rank 1 exited -9 at step 12"))
+    d = p.decide(
+        Failure(0, start_step=0, good_step=10, reason="crash: rank 1 exited -9 at step 12")
+    )
     assert d.action == "stop" and d.exit_code == EXIT_FAILED
     assert "crash: rank 1 exited -9" in d.reason and "no restart" in d.reason
-    assert RestartPolicy.from_events(RestartConfig(), [], "temporary").decide(Failure(0, 0, 0)).action == "stop"
+    assert (
+        RestartPolicy.from_events(RestartConfig(), [], "temporary").decide(Failure(0, 0, 0)).action
+        == "stop"
+    )
 
 
 # ---------------------------------------------------------------- hang monitor
@@ -94,7 +125,9 @@ def test_temporary_strategy_never_restarts():
 def _steps(mon, rank, first, last, t0, dt):
     t = t0
     for s in range(first, last + 1):
-        mon.observe({"kind": "beat", "rank": rank, "step": s, "phase": "step", "stage": "begin", "ts": t})
+        mon.observe(
+            {"kind": "beat", "rank": rank, "step": s, "phase": "step", "stage": "begin", "ts": t}
+        )
         t += dt
         mon.observe({"kind": "metrics", "rank": rank, "step": s, "step_s": dt, "ts": t})
     return t
@@ -150,18 +183,27 @@ def test_culprit_is_the_rank_behind():
     mon = HangMonitor(2, 0.0, HangConfig(floor_s=2, ping_stale_s=100))
     t = max(_steps(mon, r, 1, 7, 1.0, 0.1) for r in (0, 1))
     # rank 1 entered step 8 and waits in a collective; rank 0 hangs before step 8 begins
-    mon.observe({"kind": "beat", "rank": 1, "step": 8, "phase": "step", "stage": "begin", "ts": t + 0.01})
+    mon.observe(
+        {"kind": "beat", "rank": 1, "step": 8, "phase": "step", "stage": "begin", "ts": t + 0.01}
+    )
     for k in range(1, 10):
         for r in (0, 1):
             mon.observe({"kind": "ping", "rank": r, "ts": t + k * 0.5})
     f = mon.check(t + 3)
-    assert f.ranks == [0] and f.why == "behind" and f.step == 7 and f.silent_s == pytest.approx(3, abs=0.1)
+    assert (
+        f.ranks == [0]
+        and f.why == "behind"
+        and f.step == 7
+        and f.silent_s == pytest.approx(3, abs=0.1)
+    )
     ev = f.as_event(attempt=2)
     assert ev["attempt"] == 2 and ev["ranks"] == [0] and ev["step"] == 7
 
 
 def test_exited_rank_is_not_watched():
-    mon = HangMonitor(2, 0.0, HangConfig(floor_s=2, ping_stale_s=100, total_steps=5, checkpoint_s=30))
+    mon = HangMonitor(
+        2, 0.0, HangConfig(floor_s=2, ping_stale_s=100, total_steps=5, checkpoint_s=30)
+    )
     t = max(_steps(mon, r, 1, 5, 1.0, 0.1) for r in (0, 1))
     mon.observe({"kind": "exit", "rank": 1, "ts": t})
     for k in range(1, 40):
@@ -177,7 +219,12 @@ def test_channel_roundtrip_and_auth():
     server = ChannelServer()
     try:
         got = []
-        client = ChannelClient(server.address(), server.token, {"role": "rank", "rank": 3, "attempt": 1}, on_message=got.append)
+        client = ChannelClient(
+            server.address(),
+            server.token,
+            {"role": "rank", "rank": 3, "attempt": 1},
+            on_message=got.append,
+        )
         client.send({"t": "beat", "step": 1})
         peer, hello, _ = server.inbox.get(timeout=5)
         assert hello["t"] == "_hello" and hello["rank"] == 3 and "token" not in hello
@@ -204,7 +251,8 @@ def test_probe_dies_when_supervisor_channel_closes(tmp_path):
     code = (
         "import time\n"
         "from ptops.ops.rank.probe import Probe\n"
-        f"p = Probe({str(tmp_path)!r}, 0, 1, channel={server.address()!r}, token={server.token!r}, heartbeat_s=0.2)\n"
+        f"p = Probe({str(tmp_path)!r}, 0, 1, channel={server.address()!r}, "
+        f"token={server.token!r}, heartbeat_s=0.2)\n"
         "p.startup()\n"
         "time.sleep(60)\n"
     )
@@ -223,7 +271,16 @@ def test_probe_dies_when_supervisor_channel_closes(tmp_path):
 
 def test_injector_fires_once_at_its_step_and_emits_first():
     emitted = []
-    inj = Injector([parse("nan:step=3"), parse("slow:rank=0,step=2,seconds=0.05,steps=2"), parse("crash:rank=1,step=2")], 0, 1, lambda f, s: emitted.append((f.kind, s)))
+    inj = Injector(
+        [
+            parse("nan:step=3"),
+            parse("slow:rank=0,step=2,seconds=0.05,steps=2"),
+            parse("crash:rank=1,step=2"),
+        ],
+        0,
+        1,
+        lambda f, s: emitted.append((f.kind, s)),
+    )
     assert not inj.should_poison(2) and inj.should_poison(3) and not inj.should_poison(3)
     t = time.monotonic()
     inj.before_step(2)
@@ -244,7 +301,13 @@ def test_live_injected_fault_fires_at_next_step_when_past():
 
 
 def test_enospc_and_corrupt(tmp_path):
-    inj = Injector([parse("enospc:step=5"), parse("corrupt-ckpt:step=10")], 0, 1, lambda f, s: None, run_dir=tmp_path)
+    inj = Injector(
+        [parse("enospc:step=5"), parse("corrupt-ckpt:step=10")],
+        0,
+        1,
+        lambda f, s: None,
+        run_dir=tmp_path,
+    )
     with pytest.raises(OSError) as exc:
         inj.on_checkpoint(5)
     assert exc.value.errno == 28
@@ -259,7 +322,8 @@ def test_enospc_and_corrupt(tmp_path):
 def test_crash_fault_kills_the_process(tmp_path):
     code = (
         "from ptops.ops.rank.probe import Probe\n"
-        f"p = Probe({str(tmp_path)!r}, 1, 1, faults={json.dumps(json.dumps([parse('crash:rank=1,step=2').to_dict()]))})\n"
+        f"p = Probe({str(tmp_path)!r}, 1, 1, "
+        f"faults={json.dumps(json.dumps([parse('crash:rank=1,step=2').to_dict()]))})\n"
         "p.before_step(1); p.before_step(2); print('survived')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -282,7 +346,16 @@ def test_lock_is_exclusive_and_dies_with_holder(tmp_path):
     release(fd)
     assert holder(tmp_path) is None
     # a holder killed with SIGKILL releases it
-    p = subprocess.Popen([sys.executable, "-c", f"from ptops.ops.runrecord.lock import acquire; acquire({str(tmp_path)!r}); import time; print('ok', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from ptops.ops.runrecord.lock import acquire; acquire({str(tmp_path)!r}); import "
+            "time; print('ok', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout.readline().strip() == "ok"
     with pytest.raises(LockedError):
         acquire(tmp_path, wait_s=0.1)
@@ -297,10 +370,24 @@ def test_status_marks_a_dead_supervisor(tmp_path, ptops):
 
     run = RunDir(tmp_path / "run").create()
     run.event("launch", attempt=1, supervised=True)
-    write_status(run, {"state": "running", "step": 3, "attempt": 1, "supervisor_pid": 999999, "ranks": [{"rank": 0, "pid": 5, "host": "h"}]})
+    write_status(
+        run,
+        {
+            "state": "running",
+            "step": 3,
+            "attempt": 1,
+            "supervisor_pid": 999999,
+            "ranks": [{"rank": 0, "pid": 5, "host": "h"}],
+        },
+    )
     proc = ptops("status", str(run.path), "--json", check=True)
     s = json.loads(proc.stdout)
-    assert s["state"] == "dead" and s["supervisor_pid"] is None and s["ranks"] == [] and "resume" in s["hint"]
+    assert (
+        s["state"] == "dead"
+        and s["supervisor_pid"] is None
+        and s["ranks"] == []
+        and "resume" in s["hint"]
+    )
     assert oct(os.stat(run.path / "status.json").st_mode & 0o777) == "0o600"
     bad = ptops("status", str(tmp_path / "nope"))
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
@@ -321,13 +408,16 @@ def test_recipe_supervisor_section_validates(ptops):
 
 
 def test_nested_supervisor_defaults_are_the_models_own():
-    """Defaults are written once: the recipe's sections are the models the policy and hang monitor take."""
+    """Defaults are written once: the recipe's sections are the models the policy and hang monitor
+    take."""
     from ptops.monitors.hang import HangConfig
     from ptops.recipes.schema import SupervisorSection, load
 
     rec, _ = load("titan-tiny")
     assert rec.supervisor.hang == HangConfig() and rec.supervisor.restart == RestartConfig()
-    assert SupervisorSection().hang.floor_s == 5.0 and SupervisorSection().restart.max_restarts == 10
+    assert (
+        SupervisorSection().hang.floor_s == 5.0 and SupervisorSection().restart.max_restarts == 10
+    )
     for model in (HangConfig, RestartConfig):
         for name, f in model.model_fields.items():
             assert f.description, f"{model.__name__}.{name} has no description"
@@ -355,14 +445,23 @@ Root Cause (first observed failure):
 
 
 def test_root_cause_is_not_torchruns_sigtermed_survivor():
-    """torchrun blames the rank with the earliest error file; the SIGKILLed rank never writes one."""
+    """torchrun blames the rank with the earliest error file; the SIGKILLed rank never writes
+    one."""
     assert root_cause(None, TORCHRUN_FAILURES, 1) == (1, -9, "torchrun")
 
 
 def test_root_cause_prefers_the_channel():
     first = Bad(1, None, NO_GOODBYE, 100.0)
-    assert root_cause(first, TORCHRUN_FAILURES, 1) == (1, -9, NO_GOODBYE)  # exit code from torchrun's log
-    assert root_cause(Bad(0, 3, GOODBYE, 100.0), TORCHRUN_FAILURES, 1) == (0, 3, GOODBYE)  # its own goodbye's code
+    assert root_cause(first, TORCHRUN_FAILURES, 1) == (
+        1,
+        -9,
+        NO_GOODBYE,
+    )  # exit code from torchrun's log
+    assert root_cause(Bad(0, 3, GOODBYE, 100.0), TORCHRUN_FAILURES, 1) == (
+        0,
+        3,
+        GOODBYE,
+    )  # its own goodbye's code
 
 
 def test_root_cause_without_any_report_is_torchruns_exit_code():
@@ -381,7 +480,9 @@ def test_killed_rank_beats_the_peer_whose_error_it_caused():
 def test_late_silent_exit_does_not_steal_the_blame():
     b = Blame()
     b.note(0, 1, GOODBYE, 100.0)  # rank 0 raised a real error
-    b.note(1, None, NO_GOODBYE, 100.0 + KILLED_PEER_RACE_S * 6)  # rank 1 SIGTERMed by torchrun later
+    b.note(
+        1, None, NO_GOODBYE, 100.0 + KILLED_PEER_RACE_S * 6
+    )  # rank 1 SIGTERMed by torchrun later
     assert root_cause(b.first, TORCHRUN_FAILURES, 1)[0] == 0
 
 
@@ -425,7 +526,17 @@ def _dispatch_sup(tmp_path):
 def _peer(rank, attempt=1, role="rank"):
     from ptops.ops.supervisor.channel import Peer
 
-    return Peer(cid=rank or 0, sock=None, hello={"role": role, "rank": rank, "attempt": attempt, "pid": 100 + (rank or 0), "host": "h"})
+    return Peer(
+        cid=rank or 0,
+        sock=None,
+        hello={
+            "role": role,
+            "rank": rank,
+            "attempt": attempt,
+            "pid": 100 + (rank or 0),
+            "host": "h",
+        },
+    )
 
 
 def test_dispatch_table_routes_and_counts_unknown_types(tmp_path):
@@ -445,7 +556,9 @@ def test_dispatch_table_routes_and_counts_unknown_types(tmp_path):
     sup.handle(_peer(None, role="control"), {"t": "reboot"}, 2.2)
     assert sup.unknown_messages == {"rank:telepathy": 2, "control:reboot": 1}
     assert sup.out.getvalue().count("unknown type 'telepathy'") == 1  # said once, not per message
-    sup.handle(_peer(0, attempt=0), {"t": "metrics", "rec": {"step": 99}}, 3.0)  # a straggler of attempt 0
+    sup.handle(
+        _peer(0, attempt=0), {"t": "metrics", "rec": {"step": 99}}, 3.0
+    )  # a straggler of attempt 0
     assert sup.step == 3 and sup.unknown_messages == {"rank:telepathy": 2, "control:reboot": 1}
     sup.handle(_peer(None, role="control"), {"t": "status"}, 3.0)
     assert sup.server.sent[-1][1] == {"ok": True, "state": "running", "attempt": 1, "step": 3}
@@ -456,7 +569,7 @@ def test_dispatch_table_routes_and_counts_unknown_types(tmp_path):
     assert sup.ranks[0].exit_code == 1 and sup.ranks[1].gone_ts == 4.05
 
 
-# ---------------------------------------------------------------- monitors: a broken config, a raising monitor
+# ----------------------------------------------------- monitors: a broken config, a raising monitor
 
 
 class _Boom:
@@ -478,7 +591,9 @@ def test_monitor_that_raises_is_recorded_once_and_the_others_go_on():
 
     feed = MonitorFeed([_Boom(), _Echo()])
     findings, errors = feed.feed({"step": 1})
-    assert findings == [("finding", 1)] and [(n, str(e)) for n, e in errors] == [("boom", "odd record")]
+    assert findings == [("finding", 1)] and [(n, str(e)) for n, e in errors] == [
+        ("boom", "odd record")
+    ]
     findings, errors = feed.feed({"step": 2})
     assert findings == [("finding", 2)] and errors == [] and feed.errors == {"boom": 2}
 
@@ -502,11 +617,19 @@ def test_broken_monitor_config_is_a_recipe_error(monkeypatch, tmp_path):
         def __init__(self, cfg):
             raise ValueError("window must exceed level_window")
 
-    monkeypatch.setitem(monitors.MONITORS, "loss_spike", dataclasses.replace(monitors.MONITORS["loss_spike"], monitor=Picky))
-    with pytest.raises(RecipeError, match=r"^r.toml: key 'monitors.loss_spike': .*window must exceed level_window"):
+    monkeypatch.setitem(
+        monitors.MONITORS,
+        "loss_spike",
+        dataclasses.replace(monitors.MONITORS["loss_spike"], monitor=Picky),
+    )
+    with pytest.raises(
+        RecipeError, match=r"^r.toml: key 'monitors.loss_spike': .*window must exceed level_window"
+    ):
         monitorfeed.build(MonitorsSection(), "r.toml")
     # switched off, it is not built at all
-    assert monitorfeed.build(MonitorsSection.model_validate({"loss_spike": {"enabled": False}}), "r.toml")
+    assert monitorfeed.build(
+        MonitorsSection.model_validate({"loss_spike": {"enabled": False}}), "r.toml"
+    )
     with pytest.raises(RecipeError):  # the Supervisor refuses too (callers other than the CLI)
         _dispatch_sup(tmp_path)
 
@@ -521,10 +644,18 @@ def test_broken_monitor_config_exits_2_at_launch(monkeypatch, tmp_path):
         def __init__(self, cfg):
             raise ValueError("no such key")
 
-    monkeypatch.setitem(monitors.MONITORS, "nan", dataclasses.replace(monitors.MONITORS["nan"], monitor=Picky))
-    res = CliRunner().invoke(app, ["launch", "titan-tiny", "--run-dir", str(tmp_path / "run"), "--no-mlflow"])
+    monkeypatch.setitem(
+        monitors.MONITORS, "nan", dataclasses.replace(monitors.MONITORS["nan"], monitor=Picky)
+    )
+    res = CliRunner().invoke(
+        app, ["launch", "titan-tiny", "--run-dir", str(tmp_path / "run"), "--no-mlflow"]
+    )
     assert res.exit_code == 2, res.output
-    assert "error: " in res.output and "titan-tiny.toml: key 'monitors.nan'" in res.output and "no such key" in res.output
+    assert (
+        "error: " in res.output
+        and "titan-tiny.toml: key 'monitors.nan'" in res.output
+        and "no such key" in res.output
+    )
     assert not (tmp_path / "run").exists()  # nothing started, no run directory made
 
 
@@ -532,8 +663,8 @@ def test_broken_monitor_config_exits_2_at_launch(monkeypatch, tmp_path):
 
 
 def test_mlflow_setup_lines_stay_out_of_the_launch_output(tmp_path):
-    """MLflow's "Creating initial MLflow database tables..." (and alembic's notes) must not land in the
-    progress output; our own warning lines still may."""
+    """MLflow's "Creating initial MLflow database tables..." (and alembic's notes) must not land in
+    the progress output; our own warning lines still may."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.json").write_text('{"name": "t", "engine": "titan"}')
@@ -546,11 +677,14 @@ def test_mlflow_setup_lines_stay_out_of_the_launch_output(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "mlflow.db").exists()  # the tables were created, quietly
-    assert "Creating initial MLflow database tables" not in proc.stderr and " INFO " not in proc.stderr, proc.stderr
+    assert (
+        "Creating initial MLflow database tables" not in proc.stderr and " INFO " not in proc.stderr
+    ), proc.stderr
 
 
 def test_a_group_restarted_by_plain_torchrun_is_a_new_attempt(monkeypatch):
-    """Records and attempt-1-only faults of a worker group torchrun restarted itself are told apart."""
+    """Records and attempt-1-only faults of a worker group torchrun restarted itself are told
+    apart."""
     from ptops.ops.rank.probe import attempt_from_env
 
     monkeypatch.setenv("PTOPS_ATTEMPT", "3")
@@ -562,9 +696,9 @@ def test_a_group_restarted_by_plain_torchrun_is_a_new_attempt(monkeypatch):
 
 
 def test_exit_code_of_an_unreaped_rank_is_read_from_the_kernel():
-    """A dead rank's status before torchrun reaps it (what the supervisor reads instead of waiting for
-    torchrun's 0.5 s monitor interval): a signal death as minus the signal, an exit as its code; a live
-    or reaped process gives None."""
+    """A dead rank's status before torchrun reaps it (what the supervisor reads instead of waiting
+    for torchrun's 0.5 s monitor interval): a signal death as minus the signal, an exit as its code;
+    a live or reaped process gives None."""
     from ptops.ops.supervisor.procs import zombie_exit_code
 
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -573,7 +707,10 @@ def test_exit_code_of_an_unreaped_rank_is_read_from_the_kernel():
         assert zombie_exit_code(killed.pid) is None  # alive
         killed.send_signal(signal.SIGKILL)
         for _ in range(200):  # neither is reaped (no wait() yet): both stay zombies
-            if zombie_exit_code(killed.pid) is not None and zombie_exit_code(exited.pid) is not None:
+            if (
+                zombie_exit_code(killed.pid) is not None
+                and zombie_exit_code(exited.pid) is not None
+            ):
                 break
             time.sleep(0.05)
         assert zombie_exit_code(killed.pid) == -signal.SIGKILL

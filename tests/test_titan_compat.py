@@ -24,9 +24,12 @@ def applied():
 
 def _check(name: str) -> None:
     patch = next(p for p in compat.PATCHES if p.name == name)
-    assert patch.applied(), f"compat patch {name} did not apply (did torchtitan/torch move what it patches?)"
+    assert patch.applied(), (
+        f"compat patch {name} did not apply (did torchtitan/torch move what it patches?)"
+    )
     assert patch.needed(), (
-        f"compat patch {name} is no longer needed with the installed torch/torchtitan: remove it from "
+        f"compat patch {name} is no longer needed with the installed torch/torchtitan: remove it "
+        "from "
         "ptops/recipes/titan/compat.py"
     )
 
@@ -51,12 +54,15 @@ def test_stub_minimal_async_ep_kernels():
 def test_point_device_at_cpu():
     _check("point_device_at_cpu")
     import torch
-
     from torchtitan.components import metrics
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils
 
-    assert utils.device_type == "cpu" and dist_utils.device_type == "cpu" and metrics.device_type == "cpu"
+    assert (
+        utils.device_type == "cpu"
+        and dist_utils.device_type == "cpu"
+        and metrics.device_type == "cpu"
+    )
     assert utils.get_local_device() == torch.device("cpu")
     dm = utils.device_module
     dm.set_device(torch.device("cpu"))
@@ -93,7 +99,10 @@ def test_chat_template_generation_tags():
     from torchtitan.components.tokenizer import BaseTokenizer
 
     tok = types.SimpleNamespace()
-    BaseTokenizer.set_chat_template(tok, "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    BaseTokenizer.set_chat_template(
+        tok,
+        "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}",
+    )
     assert tok._chat_template.render(messages=[{"content": "hi"}]) == "hi"
 
 
@@ -105,4 +114,6 @@ def test_sdpa_instead_of_flex():
     spec = tiny_llama3(dim=32, n_layers=1, n_heads=2, vocab_size=128, seq_len=16)
     assert compat.sdpa_instead_of_flex_applied(spec.model), "model config still uses FlexAttention"
     assert not list(spec.model.traverse(FlexAttention.Config, recurse=True))
-    assert compat.sdpa_instead_of_flex_needed(), "FlexAttention now has a CPU backward: SDPA swap can go"
+    assert compat.sdpa_instead_of_flex_needed(), (
+        "FlexAttention now has a CPU backward: SDPA swap can go"
+    )

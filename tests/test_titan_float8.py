@@ -11,11 +11,20 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ptops
 
-F8 = ["--set", "titan.float8.enabled=true", "--set", "titan.float8.emulate=true",
-      "--set", "train.steps=16", "--set", "checkpoint.interval=5", "--no-mlflow", "--json"]
+F8 = [
+    "--set",
+    "titan.float8.enabled=true",
+    "--set",
+    "titan.float8.emulate=true",
+    "--set",
+    "train.steps=16",
+    "--set",
+    "checkpoint.interval=5",
+    "--no-mlflow",
+    "--json",
+]
 
 
 def _digest(run: Path) -> str:
@@ -33,9 +42,19 @@ def _losses(run: Path) -> dict[int, float]:
 def float8_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("float8")
     ref = run_ptops("launch", "titan-tiny", "--run-dir", str(root / "ref"), *F8, timeout=900)
-    crash = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(root / "crash"), *F8,
-                      "--fault", "crash:rank=1,step=12", "--fault", "hold:step=12,until=committed,seconds=120",
-                      timeout=900)
+    crash = run_ptops(
+        "launch",
+        "titan-tiny",
+        "--supervise",
+        "--run-dir",
+        str(root / "crash"),
+        *F8,
+        "--fault",
+        "crash:rank=1,step=12",
+        "--fault",
+        "hold:step=12,until=committed,seconds=120",
+        timeout=900,
+    )
     return root / "ref", ref, root / "crash", crash
 
 
@@ -45,7 +64,9 @@ def test_float8_emulated_trains_and_recovers_exactly(float8_runs):
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert crash.returncode == 0, crash.stderr[-3000:]
     # the ranks really ran Float8Linear (torchtitan logs the swap)
-    logs = "".join(p.read_text(errors="replace") for p in (ref_dir / "logs").rglob("*") if p.is_file())
+    logs = "".join(
+        p.read_text(errors="replace") for p in (ref_dir / "logs").rglob("*") if p.is_file()
+    )
     assert "Float8 training active" in logs or "Swapped to Float8Linear" in logs
     losses = _losses(ref_dir)
     assert losses[16] < losses[1] - 0.3, losses
@@ -56,10 +77,24 @@ def test_float8_emulated_trains_and_recovers_exactly(float8_runs):
 
 @pytest.mark.slow
 def test_activation_checkpointing_from_the_recipe_trains(tmp_path):
-    """[titan.activation_checkpoint] mode reaches TorchTitan (its FullAC wraps every block) and training runs."""
+    """[titan.activation_checkpoint] mode reaches TorchTitan (its FullAC wraps every block) and
+    training runs."""
     run = tmp_path / "ac"
-    proc = run_ptops("launch", "titan-tiny", "--run-dir", str(run), "--set", 'titan.activation_checkpoint.mode="full"',
-                     "--set", "train.steps=6", "--set", "checkpoint.interval=3", "--no-mlflow", "--json", timeout=900)
+    proc = run_ptops(
+        "launch",
+        "titan-tiny",
+        "--run-dir",
+        str(run),
+        "--set",
+        'titan.activation_checkpoint.mode="full"',
+        "--set",
+        "train.steps=6",
+        "--set",
+        "checkpoint.interval=3",
+        "--no-mlflow",
+        "--json",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (run / "logs" / "attempt-1" / "rank-0.log").read_text(errors="replace")
     assert "Applied FullAC activation checkpointing" in log

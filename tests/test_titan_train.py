@@ -58,11 +58,19 @@ def _logs(run_dir: Path) -> str:
 
 
 def launch(run_dir: Path, sets: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_argv(run_dir, sets), cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT)
+    proc = subprocess.run(
+        _argv(run_dir, sets),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"ptops launch {sets} exited {proc.returncode}\n{proc.stdout[-2000:]}\n"
-                             f"{proc.stderr[-2000:]}\n{_logs(run_dir)}")
+        raise AssertionError(
+            f"ptops launch {sets} exited {proc.returncode}\n{proc.stdout[-2000:]}\n"
+            f"{proc.stderr[-2000:]}\n{_logs(run_dir)}"
+        )
     return proc
 
 
@@ -77,7 +85,12 @@ def assert_trained(run_dir: Path, steps: int) -> None:
         assert sorted(by_step) == list(range(1, steps + 1)), (rank, sorted(by_step), _logs(run_dir))
         for step, r in by_step.items():
             for key in ("loss", "grad_norm", "lr", "step_s", "tokens_per_s"):
-                assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (rank, step, key, r[key])
+                assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (
+                    rank,
+                    step,
+                    key,
+                    r[key],
+                )
             assert 0 < r["loss"] < 20
     # both ranks agree on the global loss
     assert [r["loss"] for r in final_metrics_by_step(records, 0).values()] == [
@@ -132,8 +145,14 @@ def test_fsdp_trains_and_checkpoints(fsdp_run):
 
 def test_kill_and_resume_is_bit_identical(runs, fsdp_run):
     d = runs / "resume"
-    proc = subprocess.Popen(_argv(d, FSDP_SETS), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        _argv(d, FSDP_SETS),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     marker = d / "checkpoints" / f"step-{INTERVAL}" / ".metadata"
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     try:
@@ -162,5 +181,8 @@ def test_kill_and_resume_is_bit_identical(runs, fsdp_run):
     ref = {rank: final_metrics_by_step(metrics(fsdp_run), rank) for rank in (0, 1)}
     for r in resumed:
         want = ref[r["rank"]][r["step"]]
-        assert (r["loss"], r["grad_norm"], r["lr"]) == (want["loss"], want["grad_norm"], want["lr"]), (
-            r["step"], r["rank"], r["loss"], want["loss"])
+        assert (r["loss"], r["grad_norm"], r["lr"]) == (
+            want["loss"],
+            want["grad_norm"],
+            want["lr"],
+        ), (r["step"], r["rank"], r["loss"], want["loss"])

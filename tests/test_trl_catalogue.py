@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_trl_train import NPROC, _ckpts, _ok, launch
 
 from ptops.ops.runrecord.rundir import final_metrics_by_step, read_jsonl
-from test_trl_train import NPROC, _ckpts, _ok, launch
 
 STEPS = 4
 OVERRIDES = [f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep=3"]
@@ -58,7 +58,9 @@ def _assert_exact(resumed: Path, reference: Path) -> None:
             assert got[step]["loss"] == want[step]["loss"], (rank, step)
             assert got[step]["grad_norm"] == want[step]["grad_norm"], (rank, step)
     assert _digest(resumed) == _digest(reference)
-    assert _digest(resumed / "checkpoints" / f"checkpoint-{STEPS}") != _digest(resumed / "checkpoints" / "checkpoint-2")
+    assert _digest(resumed / "checkpoints" / f"checkpoint-{STEPS}") != _digest(
+        resumed / "checkpoints" / "checkpoint-2"
+    )
 
 
 def _finite(v) -> bool:
@@ -97,7 +99,12 @@ def test_lora_sft_trains_adapters_and_resumes_exactly(lora):
     keys = [k for k in header if k != "__metadata__"]
     assert keys and all("lora_" in k for k in keys), keys[:4]
     cfg = json.loads((ck / "adapter_config.json").read_text())
-    assert cfg["r"] == 8 and sorted(cfg["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert cfg["r"] == 8 and sorted(cfg["target_modules"]) == [
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "v_proj",
+    ]
     rows = _rows(lora.reference)
     assert rows[STEPS]["loss"] < rows[1]["loss"], "LoRA SFT loss did not go down"
     _assert_exact(lora.resumed, lora.reference)
@@ -114,10 +121,14 @@ def reward(tmp_path_factory):
 def test_reward_model_trains_and_resumes_exactly(reward):
     ck = reward.reference / "checkpoints" / f"checkpoint-{STEPS}"
     cfg = json.loads((ck / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen2ForSequenceClassification"] and cfg.get("num_labels", 1) == 1
+    assert (
+        cfg["architectures"] == ["Qwen2ForSequenceClassification"] and cfg.get("num_labels", 1) == 1
+    )
     for rank in range(NPROC):
         for step, row in _rows(reward.reference, rank).items():
-            assert 0.0 <= row["accuracy"] <= 1.0 and _finite(row["margin"]) and _finite(row["loss"]), (rank, step)
+            assert (
+                0.0 <= row["accuracy"] <= 1.0 and _finite(row["margin"]) and _finite(row["loss"])
+            ), (rank, step)
     _assert_exact(reward.resumed, reward.reference)
 
 
@@ -132,7 +143,13 @@ def rloo(tmp_path_factory):
 def test_rloo_trains_with_the_verifiable_reward_and_resumes_exactly(rloo):
     for rank in range(NPROC):
         for step, row in _rows(rloo.reference, rank).items():
-            for key in ("reward", "rewards_correct_mean", "rewards_format_mean", "kl", "completions_mean_length"):
+            for key in (
+                "reward",
+                "rewards_correct_mean",
+                "rewards_format_mean",
+                "kl",
+                "completions_mean_length",
+            ):
                 assert _finite(row.get(key)), (rank, step, key)
             assert 0.0 <= row["rewards_correct_mean"] <= 1.0
     _assert_exact(rloo.resumed, rloo.reference)
@@ -157,7 +174,12 @@ def test_gkd_distils_from_the_teacher_run_and_resumes_exactly(gkd, teacher_run):
     want = teacher_run / "checkpoints" / "checkpoint-2"
     want_digest = _digest(want)
     ev = _events(gkd.reference, "teacher")
-    assert len(ev) == 1 and ev[0]["path"] == str(want) and ev[0]["digest"] == want_digest and ev[0]["step"] == 2
+    assert (
+        len(ev) == 1
+        and ev[0]["path"] == str(want)
+        and ev[0]["digest"] == want_digest
+        and ev[0]["step"] == 2
+    )
     assert ev[0]["pinned"] is False
     # the resumed attempt reads the pinned teacher again and says so
     ev = _events(gkd.resumed, "teacher")
@@ -174,8 +196,8 @@ def test_gkd_distils_from_the_teacher_run_and_resumes_exactly(gkd, teacher_run):
 
 
 def test_teacher_resolution_and_pinning(teacher_run, tmp_path):
-    """A run directory resolves to its newest verified checkpoint; a changed pinned teacher is refused;
-    a reward model is not a teacher."""
+    """A run directory resolves to its newest verified checkpoint; a changed pinned teacher is
+    refused; a reward model is not a teacher."""
     import shutil
 
     from ptops.recipes.trl.catalogue import TeacherError, pin_teacher, resolve_teacher
@@ -201,7 +223,9 @@ def test_teacher_resolution_and_pinning(teacher_run, tmp_path):
     assert first["pinned"] is False and first["step"] == 2
     again = pin_teacher(str(src), run)
     assert again["pinned"] is True and again["digest"] == first["digest"]
-    weights = src / "model.safetensors"  # one weight's last byte changed: still readable, other weights
+    weights = (
+        src / "model.safetensors"
+    )  # one weight's last byte changed: still readable, other weights
     raw = bytearray(weights.read_bytes())
     raw[-1] ^= 0x01
     weights.write_bytes(bytes(raw))
@@ -246,25 +270,49 @@ def test_vllm_config_kwargs_fall_back_without_a_gpu(capsys, monkeypatch):
     assert vllm.config_kwargs(rec.trl, probe) == {"use_vllm": False}
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "generate path" in out[0] and "colocate" in out[0]
-    assert [k for k, _ in probe.events] == ["vllm_fallback"] and probe.events[0][1]["mode"] == "colocate"
+    assert [k for k, _ in probe.events] == ["vllm_fallback"] and probe.events[0][1][
+        "mode"
+    ] == "colocate"
     monkeypatch.setenv("RANK", "1")
     assert vllm.config_kwargs(rec.trl, P()) == {"use_vllm": False} and capsys.readouterr().out == ""
-    assert vllm.sidecar_specs(load("trl-grpo-tiny", ['trl.vllm.mode="server"'])[0]) == []  # no GPU: no server
+    assert (
+        vllm.sidecar_specs(load("trl-grpo-tiny", ['trl.vllm.mode="server"'])[0]) == []
+    )  # no GPU: no server
     # as on a GPU node with vllm installed
     monkeypatch.setattr(vllm, "unavailable", lambda in_rank=True: None)
     kw = vllm.config_kwargs(rec.trl, probe)
-    assert kw["use_vllm"] is True and kw["vllm_mode"] == "colocate" and kw["vllm_gpu_memory_utilization"] == 0.3
-    srv, _ = load("trl-grpo-tiny", ['trl.vllm.mode="server"', "trl.vllm.port=8123", "trl.vllm.server_gpus=[2]"])
+    assert (
+        kw["use_vllm"] is True
+        and kw["vllm_mode"] == "colocate"
+        and kw["vllm_gpu_memory_utilization"] == 0.3
+    )
+    srv, _ = load(
+        "trl-grpo-tiny",
+        ['trl.vllm.mode="server"', "trl.vllm.port=8123", "trl.vllm.server_gpus=[2]"],
+    )
     kw = vllm.config_kwargs(srv.trl, probe)
-    assert (kw["vllm_mode"], kw["vllm_server_port"], kw["vllm_server_host"]) == ("server", 8123, "127.0.0.1")
+    assert (kw["vllm_mode"], kw["vllm_server_port"], kw["vllm_server_host"]) == (
+        "server",
+        8123,
+        "127.0.0.1",
+    )
     (spec,) = vllm.sidecar_specs(srv)
     assert spec["argv"][1:3] == ["vllm-serve", "--model"] and "8123" in spec["argv"]
-    assert spec["env"] == {"CUDA_VISIBLE_DEVICES": "2"} and spec["health_url"] == "http://127.0.0.1:8123/health"
+    assert (
+        spec["env"] == {"CUDA_VISIBLE_DEVICES": "2"}
+        and spec["health_url"] == "http://127.0.0.1:8123/health"
+    )
     # the GRPOConfig accepts exactly these options (TRL's own integration)
     from trl import GRPOConfig
 
-    cfg = GRPOConfig(output_dir="/tmp/unused", use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                     report_to=[], **vllm.config_kwargs(srv.trl, probe))
+    cfg = GRPOConfig(
+        output_dir="/tmp/unused",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        report_to=[],
+        **vllm.config_kwargs(srv.trl, probe),
+    )
     assert cfg.use_vllm and cfg.vllm_mode == "server" and cfg.vllm_server_port == 8123
 
 

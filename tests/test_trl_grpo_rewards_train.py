@@ -1,4 +1,5 @@
-"""GRPO with the math, judge and code rewards really trains on CPU (2 ranks, gloo) and recovers exactly.
+"""GRPO with the math, judge and code rewards really trains on CPU (2 ranks, gloo) and recovers
+exactly.
 
 Per recipe, two runs shared through a module fixture: an uninterrupted one, and one whose rank 0
 is SIGKILLed as step 3 begins (checkpoint 2 committed) and then rerun on the same directory. The
@@ -12,10 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import PTOPS, REPO
-from ptops.ops.runrecord.rundir import read_jsonl
 from test_trl_train import NPROC, _by_rank, _ckpts, _ok, launch
+
+from ptops.ops.runrecord.rundir import read_jsonl
 
 # the code sandbox's processes are machine-wide: one such module at a time (conftest.sandbox_lock)
 pytestmark = pytest.mark.usefixtures("sandbox_lock")
@@ -26,12 +27,15 @@ KINDS = ("math", "judge", "code")
 
 
 def _digest(path: Path, cli: bool = False) -> str:
-    """``ptops ckpt digest PATH`` (the CLI once, in-process otherwise: the same function, no torch start-up)."""
+    """``ptops ckpt digest PATH`` (the CLI once, in-process otherwise: the same function, no torch
+    start-up)."""
     if not cli:
         from ptops.ckpt import digest
 
         return digest(path)
-    proc = subprocess.run([*PTOPS, "ckpt", "digest", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*PTOPS, "ckpt", "digest", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip().split()[-1]
 
@@ -92,7 +96,11 @@ def _check(pair: Pair, reward_keys: tuple[str, ...], cli: bool = False) -> dict:
 
 def test_grpo_math_trains_and_resumes_exactly(math_pair):
     src = _check(math_pair, ("rewards_math_mean", "rewards_format_mean"), cli=True)
-    assert src["reward"] == "math" and src["funcs"] == ["math", "format"] and src["weights"] == [1.0, 0.2]
+    assert (
+        src["reward"] == "math"
+        and src["funcs"] == ["math", "format"]
+        and src["weights"] == [1.0, 0.2]
+    )
 
 
 def test_grpo_judge_trains_and_resumes_exactly(judge_pair):
@@ -111,10 +119,21 @@ def test_grpo_judge_trains_and_resumes_exactly(judge_pair):
 
 
 def test_grpo_code_trains_and_resumes_exactly(code_pair):
-    src = _check(code_pair, ("rewards_code_mean", "rewards_code_format_mean", "sandbox_runs", "sandbox_killed"))
-    assert src["sandbox"]["network"] == "netns" and src["sandbox"]["pidns"] and src["sandbox"]["uid"] >= 200_000
+    src = _check(
+        code_pair,
+        ("rewards_code_mean", "rewards_code_format_mean", "sandbox_runs", "sandbox_killed"),
+    )
+    assert (
+        src["sandbox"]["network"] == "netns"
+        and src["sandbox"]["pidns"]
+        and src["sandbox"]["uid"] >= 200_000
+    )
     assert src["sandbox_limits"]["cpu_s"] == 2
-    # the sandbox really ran every completion of every step (and the replay ran the same: compared above)
+    # the sandbox really ran every completion of every step (and the replay ran the same: compared
+    # above)
     ref = _by_rank(code_pair.reference)
-    assert all(ref[r][s]["sandbox_runs"] > 0 and ref[r][s]["sandbox_failed"] == 0
-               for r in range(NPROC) for s in range(1, STEPS + 1))
+    assert all(
+        ref[r][s]["sandbox_runs"] > 0 and ref[r][s]["sandbox_failed"] == 0
+        for r in range(NPROC)
+        for s in range(1, STEPS + 1)
+    )

@@ -59,7 +59,11 @@ MATH_CASES = [
     ("What is 1 times 7?", "7", 0.0),
     ("What is 1 times 7? Put the final answer in \\boxed{}.", "7", 0.0),
     ("What is 1 times 7? It is 7", "7", 1.0),
-    ("What is 1 times 7? Put the final answer in \\boxed{}. So \\boxed{7}", "7", 1.0),  # echoed empty box
+    (
+        "What is 1 times 7? Put the final answer in \\boxed{}. So \\boxed{7}",
+        "7",
+        1.0,
+    ),  # echoed empty box
     (r"Put it in \boxed{} like this: \boxed{7}", "7", 1.0),
     # adversarial: what reaches sympy is whitelisted (never evaluated as Python), no exponent bombs
     (r"\boxed{__import__('os').system('touch /tmp/ptops-pwned')}", "0", 0.0),
@@ -72,7 +76,9 @@ MATH_CASES = [
 def test_math_verifier_table(completion, answer, reward):
     assert math_verifier([completion], [answer], prompts=[Q]) == [reward]
     # conversational completions read the same
-    assert math_verifier([[{"role": "assistant", "content": completion}]], [answer], prompts=[Q]) == [reward]
+    assert math_verifier(
+        [[{"role": "assistant", "content": completion}]], [answer], prompts=[Q]
+    ) == [reward]
 
 
 def test_math_verifier_never_runs_the_answer():
@@ -116,23 +122,26 @@ def _fuzz_module():
 
 
 def test_math_verifier_fuzz():
-    """Adversarial answers (hedges, spam, huge numbers and expressions, unicode digits, LaTeX tricks,
-    prompt echo, near misses; bench/math_verifier_fuzz.py): never a wrong pass, honest spellings pass,
-    bounded CPU time per call (a hang or a quadratic scan would blow it)."""
+    """Adversarial answers (hedges, spam, huge numbers and expressions, unicode digits, LaTeX
+    tricks, prompt echo, near misses; bench/math_verifier_fuzz.py): never a wrong pass, honest
+    spellings pass, bounded CPU time per call (a hang or a quadratic scan would blow it)."""
     res = _fuzz_module().run(640, seed=23)
     assert res["wrong_passes"] == 0, res["wrong_examples"]
     assert res["honest_passed"] == res["honest_cases"] == 40
     assert res["cpu_ms_max"] < 500, res
 
 
-@pytest.mark.parametrize("completion,answer", [
-    ("\\boxed{" * 50_000 + "7", "7"),  # quadratic before: every open box scanned to the end
-    ("\\boxed{1e999999999}", "1"),  # Fraction would build the number
-    ("\\boxed{\u0667}", "7"),  # an Arabic-Indic 7: digits are ASCII only
-    ("\\boxed{2\u2077}", "27"),  # 2 to the 7th, which NFKC would read as 27
-    ("\\boxed{8}" + " " * 40_000 + "\\boxed{7}", "7"),  # a hedge padded past a window: too long
-    ("\\boxed{8 \\boxed{7}", "7"),  # a box left open
-])
+@pytest.mark.parametrize(
+    "completion,answer",
+    [
+        ("\\boxed{" * 50_000 + "7", "7"),  # quadratic before: every open box scanned to the end
+        ("\\boxed{1e999999999}", "1"),  # Fraction would build the number
+        ("\\boxed{\u0667}", "7"),  # an Arabic-Indic 7: digits are ASCII only
+        ("\\boxed{2\u2077}", "27"),  # 2 to the 7th, which NFKC would read as 27
+        ("\\boxed{8}" + " " * 40_000 + "\\boxed{7}", "7"),  # a hedge padded past a window: too long
+        ("\\boxed{8 \\boxed{7}", "7"),  # a box left open
+    ],
+)
 def test_math_verifier_adversarial_answers(completion, answer):
     t0 = time.process_time()
     assert math_verifier([completion], [answer]) == [0.0]
@@ -195,13 +204,17 @@ def _hostile(code: str, canary: Path, listener: socket.socket, namespaces: bool 
 
 
 HOSTILE = {
-    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except "
+    "OSError:\n        pass\n",
     "infinite_loop": "while True:\n    pass\n",
     "rm_rf_canary": "import shutil\nshutil.rmtree({canary!r}, ignore_errors=True)\n",
-    "rm_rf_shell": "import os\ntry:\n    os.system('rm -rf {canary}')\nexcept Exception:\n    pass\n",
-    "rm_rf_root": "import shutil\ntry:\n    shutil.rmtree('/', ignore_errors=True)\nexcept Exception:\n    pass\n",
+    "rm_rf_shell": "import os\ntry:\n    os.system('rm -rf {canary}')\nexcept Exception:\n    "
+    "pass\n",
+    "rm_rf_root": "import shutil\ntry:\n    shutil.rmtree('/', ignore_errors=True)\nexcept "
+    "Exception:\n    pass\n",
     "memory_bomb": "chunks = []\nwhile True:\n    chunks.append(bytearray(64 * 1024 * 1024))\n",
-    "socket": "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')\nexcept Exception:\n    pass\n",
+    "socket": "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), "
+    "timeout=2).sendall(b'x')\nexcept Exception:\n    pass\n",
     "kill_parent": "import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept Exception:\n    pass\n",
     "exit_early": "import os\nos._exit(0)\n",
 }
@@ -214,18 +227,26 @@ def test_sandbox_hostile_completion_costs_zero_and_nothing_more(name, canary, li
     iso = res.isolation
     assert iso["network"] == "netns" and iso["pidns"] and iso["mountns"] and iso["uid"] >= UID_BASE
     assert iso["fs"] == "private"
-    # a fork bomb ends on the wall clock, or (its parent given enough CPU: a quiet machine) on RLIMIT_CPU's SIGKILL
-    expected = {"fork_bomb": {"killed", "timeout"}, "infinite_loop": {"killed", "timeout"}, "memory_bomb": {"ok"},
-                "exit_early": {"no_result"}}.get(name, {"hostile"})
+    # a fork bomb ends on the wall clock, or (its parent given enough CPU: a quiet machine) on
+    # RLIMIT_CPU's SIGKILL
+    expected = {
+        "fork_bomb": {"killed", "timeout"},
+        "infinite_loop": {"killed", "timeout"},
+        "memory_bomb": {"ok"},
+        "exit_early": {"no_result"},
+    }.get(name, {"hostile"})
     assert res.status in expected, res
 
 
-@pytest.mark.parametrize("code", [
-    "import sys\nprint('0' * 32, 2, 2, '-')\nsys.stdout.flush()\n",  # a result line of its own
-    "import sys\nsys.exit(0)\n",
-    "AssertionError = type('AssertionError', (Exception,), {})\n",  # a redefined AssertionError
-    "import builtins\nbuiltins.AssertionError = KeyError\n",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys\nprint('0' * 32, 2, 2, '-')\nsys.stdout.flush()\n",  # a result line of its own
+        "import sys\nsys.exit(0)\n",
+        "AssertionError = type('AssertionError', (Exception,), {})\n",  # a redefined AssertionError
+        "import builtins\nbuiltins.AssertionError = KeyError\n",
+    ],
+)
 def test_sandbox_forgeries_do_not_pass_failing_asserts(code):
     res = run_code(code, ["assert False", "assert 1 == 2"], LIMITS)
     assert res.reward == 0.0 and res.passed == 0, res
@@ -237,7 +258,11 @@ def test_sandbox_fallback_without_namespaces(name, canary, listener):
     network, fork and new programs; the result says which isolation was used."""
     code = HOSTILE[name].format(canary=str(canary), port=listener.getsockname()[1])
     res = _hostile(code, canary, listener, namespaces=False)
-    assert res.isolation["network"] == "audit-hook" and not res.isolation["netns"] and not res.isolation["pidns"]
+    assert (
+        res.isolation["network"] == "audit-hook"
+        and not res.isolation["netns"]
+        and not res.isolation["pidns"]
+    )
     # the bomb's loop swallows the refusal (PermissionError is an OSError) until its CPU limit
     assert res.status in ({"killed", "timeout"} if name == "fork_bomb" else {"hostile"}), res
 
@@ -269,14 +294,26 @@ def test_sandbox_for_a_trainer_that_is_not_root(listener):
 
     python = sb.sandbox_python(root=True)
     port = listener.getsockname()[1]
-    codes = {"ok": "x = 1", "fork_bomb": HOSTILE["fork_bomb"], "socket": HOSTILE["socket"].format(port=port),
-             "loop": HOSTILE["infinite_loop"]}
-    proc = subprocess.run([python, "-I", "-c", _AS_TRAINER, sb.__file__, json.dumps(codes)],
-                          capture_output=True, text=True, timeout=300)
+    codes = {
+        "ok": "x = 1",
+        "fork_bomb": HOSTILE["fork_bomb"],
+        "socket": HOSTILE["socket"].format(port=port),
+        "loop": HOSTILE["infinite_loop"],
+    }
+    proc = subprocess.run(
+        [python, "-I", "-c", _AS_TRAINER, sb.__file__, json.dumps(codes)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["ok-True"][:2] == ["ok", 1.0] and out["ok-False"][:2] == ["ok", 1.0]
-    assert out["ok-True"][2]["userns"] and out["ok-True"][2]["network"] == "netns" and out["ok-True"][2]["uid"] is None
+    assert (
+        out["ok-True"][2]["userns"]
+        and out["ok-True"][2]["network"] == "netns"
+        and out["ok-True"][2]["uid"] is None
+    )
     assert out["ok-False"][2]["network"] == "audit-hook"
     # a root of its own in the user namespace too (no capability left after exec to leave it)
     assert out["ok-True"][2]["fs"] == "private" and out["ok-False"][2]["fs"] == "host"
@@ -298,9 +335,12 @@ def _uid_of(pid: str) -> int | None:
 
 
 def test_sandbox_kernel_layer_holds_when_the_audit_hook_is_bypassed(canary):
-    """ctypes goes around the audit hook (reward-wise a known limit); the uid still cannot touch the canary."""
-    code = (f"import ctypes\nlibc = ctypes.CDLL(None)\nr1 = libc.unlink(b'{canary}/keep.txt')\n"
-            f"r2 = libc.rmdir(b'{canary}')\nfd = libc.open(b'{canary}/new', 0o101, 0o644)\n")
+    """ctypes goes around the audit hook (reward-wise a known limit); the uid still cannot touch the
+    canary."""
+    code = (
+        f"import ctypes\nlibc = ctypes.CDLL(None)\nr1 = libc.unlink(b'{canary}/keep.txt')\n"
+        f"r2 = libc.rmdir(b'{canary}')\nfd = libc.open(b'{canary}/new', 0o101, 0o644)\n"
+    )
     res = run_code(code, ["assert r1 == -1 and r2 == -1 and fd == -1"], LIMITS)
     assert res.status == "ok" and res.reward == 1.0, res  # every call failed (EACCES)
     assert (canary / "keep.txt").exists() and not (canary / "new").exists()
@@ -311,11 +351,16 @@ def test_sandbox_scores_fraction_of_asserts():
     code = "def add(a, b):\n    return a + b if a >= 0 else 0\n"
     tests = ["assert add(1, 2) == 3", "assert add(-1, 2) == 1", "assert add(2, 2) == 4"]
     res = run_code(code, tests, LIMITS)
-    assert (res.status, res.passed, res.total) == ("ok", 2, 3) and res.reward == pytest.approx(2 / 3)
+    assert (res.status, res.passed, res.total) == ("ok", 2, 3) and res.reward == pytest.approx(
+        2 / 3
+    )
     # writing in its own work dir (cwd = HOME) is fine
-    res = run_code("import os\nopen('a.txt', 'w').write('x')\nos.mkdir('d')\n"
-                   "ok = 'a.txt' in os.listdir('.') and os.environ['HOME'] == os.getcwd()\n",
-                   ["assert ok is True"], LIMITS)
+    res = run_code(
+        "import os\nopen('a.txt', 'w').write('x')\nos.mkdir('d')\n"
+        "ok = 'a.txt' in os.listdir('.') and os.environ['HOME'] == os.getcwd()\n",
+        ["assert ok is True"],
+        LIMITS,
+    )
     assert res.status == "ok" and res.reward == 1.0, res
     # deterministic in outcome: the same code scores the same
     again = [run_code(code, tests, LIMITS).reward for _ in range(3)]
@@ -330,11 +375,19 @@ def test_code_reward_runs_every_completion():
     reward = CodeReward(LIMITS)
     good = "```python\ndef add(a, b):\n    return a + b\n```"
     logged = []
-    got = reward([good, "the a red", "def add(a, b): return 0"], [rows[0]["tests"]] * 3,
-                 log_metric=lambda k, v: logged.append((k, v)))
+    got = reward(
+        [good, "the a red", "def add(a, b): return 0"],
+        [rows[0]["tests"]] * 3,
+        log_metric=lambda k, v: logged.append((k, v)),
+    )
     assert got == [1.0, 0.0, 0.0] and [r.status for r in reward.last] == ["ok", "ok", "ok"]
-    assert dict(logged) == {"sandbox/runs": 3.0, "sandbox/killed": 0.0, "sandbox/hostile": 0.0,
-                            "sandbox/failed": 0.0, "sandbox/forged": 0.0}
+    assert dict(logged) == {
+        "sandbox/runs": 3.0,
+        "sandbox/killed": 0.0,
+        "sandbox/hostile": 0.0,
+        "sandbox/failed": 0.0,
+        "sandbox/forged": 0.0,
+    }
     assert extract_code(good).startswith("def add") and code_format([good, "x y"]) == [1.0, 0.0]
 
 
@@ -366,7 +419,11 @@ def test_judge_scores_are_pure_and_leave_the_rng_alone(judge_section):
     assert all(0.0 < x < 1.0 for x in a) and a[0] == a[2] and a[0] != a[1]
     assert reward(prompts=prompts[:1], completions=comps[1:2]) == [a[1]]  # independent of the batch
     ident = judge.identity()
-    assert ident["judge_kind"] == "lm" and len(ident["judge_digest"]) == 64 and ident["judge_params"] > 0
+    assert (
+        ident["judge_kind"] == "lm"
+        and len(ident["judge_digest"]) == 64
+        and ident["judge_params"] > 0
+    )
 
 
 def test_reward_model_judge_from_a_checkpoint_dir_and_a_pinned_digest(judge_section, tmp_path):
@@ -387,7 +444,9 @@ def test_reward_model_judge_from_a_checkpoint_dir_and_a_pinned_digest(judge_sect
         (tmp_path / "rm" / f).write_bytes((src / f).read_bytes())
     section = judge_section.model_copy(update={"path": str(tmp_path / "rm")})
     judge = load_judge(section)
-    assert judge.kind == "rm" and judge.digest == weights_digest(tmp_path / "rm") != weights_digest(src)
+    assert judge.kind == "rm" and judge.digest == weights_digest(tmp_path / "rm") != weights_digest(
+        src
+    )
     s = judge.score("What is 2 plus 2?", "4")
     assert 0.0 < s < 1.0 and judge.score("What is 2 plus 2?", "4") == s
     with pytest.raises(JudgeError, match="expect_digest: the judge at .* has digest .*, not abc"):
@@ -396,7 +455,7 @@ def test_reward_model_judge_from_a_checkpoint_dir_and_a_pinned_digest(judge_sect
         load_judge(section.model_copy(update={"path": str(tmp_path)}))
 
 
-# ---------------------------------------------------------------- recipes and the reward_source event
+# -------------------------------------------------------------- recipes and the reward_source event
 
 
 @pytest.mark.parametrize("kind", ["math", "judge", "code"])
@@ -408,14 +467,18 @@ def test_reward_recipes_validate(kind):
     prod, _ = load(f"trl-grpo-{kind}-7b-h100")
     for rec in (tiny, prod):
         assert rec.trl.trainer == "grpo" and rec.trl.reward == kind and check_recipe(rec) is None
-    assert prod.launch.nproc == 8 and prod.trl.model.hidden_size == 3584 and prod.trl.model.num_layers == 28
+    assert (
+        prod.launch.nproc == 8
+        and prod.trl.model.hidden_size == 3584
+        and prod.trl.model.num_layers == 28
+    )
     with pytest.raises(RecipeError, match="key 'trl.reward'"):
         load(f"trl-grpo-{kind}-tiny", ["trl.reward=vibes"])
 
 
 def test_production_siblings_pass_dry_run():
-    """``ptops launch RECIPE --dry-run`` (what it checks for TRL recipes beyond the schema comes with the
-    trainers' part of issue 14)."""
+    """``ptops launch RECIPE --dry-run`` (what it checks for TRL recipes beyond the schema comes
+    with the trainers' part of issue 14)."""
     from conftest import run_ptops
 
     for kind in ("math", "judge", "code"):
@@ -425,9 +488,10 @@ def test_production_siblings_pass_dry_run():
 
 
 def test_reward_recipes_are_listed_in_the_readme():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The recipe table lives in docs/recipes.md (the README links to it)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "recipes.md").read_text()
     for kind in ("math", "judge", "code"):
-        assert f"`trl-grpo-{kind}-tiny`" in readme and f"`trl-grpo-{kind}-7b-h100`" in readme
+        assert f"`trl-grpo-{kind}-tiny`" in page and f"`trl-grpo-{kind}-7b-h100`" in page
 
 
 def test_reward_setup_reports_its_source():
@@ -445,7 +509,11 @@ def test_reward_setup_reports_its_source():
     funcs, weights = reward_setup("code", section=rec.trl, probe=Probe())
     assert [f.__name__ for f in funcs] == ["code", "code_format"] and weights == [1.0, 0.2]
     kind, fields = events[-1]
-    assert kind == "reward_source" and fields["reward"] == "code" and fields["sandbox"]["network"] == "netns"
+    assert (
+        kind == "reward_source"
+        and fields["reward"] == "code"
+        and fields["sandbox"]["network"] == "netns"
+    )
     funcs, weights = reward_setup("math", section=rec.trl, probe=Probe())
     assert events[-1][1]["funcs"] == ["math", "format"]
     from ptops.ops.runrecord.events import RANK_KINDS, SPECS, EventKind

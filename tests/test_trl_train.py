@@ -1,10 +1,10 @@
 """TRL SFT, DPO and GRPO really train on CPU: 2 torchrun ranks (gloo DDP), tiny Qwen2 model.
 
-No mocks; every run goes through ``ptops launch`` (plain, unsupervised) and the
-real rank probe, fault injection included. Each launch costs ~10-20 s (``import trl`` in every rank), so runs are
-shared through module-scoped fixtures: one SFT run (also the uninterrupted
-reference for resume), one DPO run, one GRPO run, and one SFT run killed after a
-checkpoint and rerun on the same directory.
+No mocks; every run goes through ``ptops launch`` (plain, unsupervised) and the real rank probe,
+fault injection included. Each launch costs ~10-20 s (``import trl`` in every rank), so runs are
+shared through module-scoped fixtures: one SFT run (also the uninterrupted reference for resume),
+one DPO run, one GRPO run, and one SFT run killed after a checkpoint and rerun on the same
+directory.
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ STEPS = 6
 INTERVAL = 2  # saves 2, 4, 6
 KEEP = 2  # retention leaves 4 and 6
 KILL_AFTER = 4
-SFT_OVERRIDES = [f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", f"checkpoint.keep={KEEP}"]
+SFT_OVERRIDES = [
+    f"train.steps={STEPS}",
+    f"checkpoint.interval={INTERVAL}",
+    f"checkpoint.keep={KEEP}",
+]
 
 
 def _tail(path: Path, n: int = 3000) -> str:
@@ -36,7 +40,9 @@ def _tail(path: Path, n: int = 3000) -> str:
         return "(no log)"
 
 
-def launch(recipe: str, run_dir: Path, overrides: list[str], attempt: int = 1, faults: list[str] = ()):
+def launch(
+    recipe: str, run_dir: Path, overrides: list[str], attempt: int = 1, faults: list[str] = ()
+):
     """``ptops launch RECIPE --run-dir D --set ...`` (plain, unsupervised); rerun on D resumes."""
     cmd = [str(BIN / "ptops"), "launch", recipe, "--run-dir", str(run_dir)]
     for o in overrides:
@@ -47,13 +53,16 @@ def launch(recipe: str, run_dir: Path, overrides: list[str], attempt: int = 1, f
     env.pop("PTOPS_RANK_LOGS", None)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     logs = "\n".join(
-        f"--- rank {k} ---\n{_tail(run_dir / 'logs' / f'attempt-{attempt}' / f'rank-{k}.log')}" for k in range(NPROC)
+        f"--- rank {k} ---\n{_tail(run_dir / 'logs' / f'attempt-{attempt}' / f'rank-{k}.log')}"
+        for k in range(NPROC)
     )
     return proc, logs
 
 
 def _ok(proc, logs: str) -> None:
-    assert proc.returncode == 0, f"ptops launch exit {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-2000:]}\n{logs}"
+    assert proc.returncode == 0, (
+        f"ptops launch exit {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-2000:]}\n{logs}"
+    )
 
 
 def _by_rank(run_dir: Path) -> dict[int, dict[int, dict]]:
@@ -132,7 +141,14 @@ def test_grpo_trains_on_two_ranks(grpo_run):
     by_rank = _check_common(grpo_run, 4)
     for rank in range(NPROC):
         for step, row in by_rank[rank].items():
-            for key in ("reward", "reward_std", "kl", "entropy", "frac_reward_zero_std", "completions_mean_length"):
+            for key in (
+                "reward",
+                "reward_std",
+                "kl",
+                "entropy",
+                "frac_reward_zero_std",
+                "completions_mean_length",
+            ):
                 assert key in row, f"rank {rank} step {step}: no {key}"
             assert _finite(row["reward"]) and _finite(row["entropy"]) and _finite(row["kl"])
             assert 0 < row["completions_mean_length"] <= 16
@@ -143,7 +159,9 @@ def test_sft_kill_and_resume_is_bit_identical(sft_run, tmp_path_factory):
     d = tmp_path_factory.mktemp("sft-killed")
     overrides = SFT_OVERRIDES
     # rank 0 is SIGKILLed as step 5 begins: checkpoint-4 is committed, step 5 never finishes
-    proc, logs = launch("trl-sft-tiny", d, overrides, faults=[f"crash:rank=0,step={KILL_AFTER + 1}"])
+    proc, logs = launch(
+        "trl-sft-tiny", d, overrides, faults=[f"crash:rank=0,step={KILL_AFTER + 1}"]
+    )
     assert proc.returncode != 0, f"the killed run exited 0\n{logs}"
     assert _ckpts(d) == [2, KILL_AFTER], logs
     assert max(_by_rank(d)[0]) == KILL_AFTER
@@ -158,8 +176,14 @@ def test_sft_kill_and_resume_is_bit_identical(sft_run, tmp_path_factory):
             expected = step > KILL_AFTER and 2 or 1
             assert resumed[rank][step]["attempt"] == expected
             assert resumed[rank][step]["loss"] == reference[rank][step]["loss"], (rank, step)
-            assert resumed[rank][step]["rank_loss"] == reference[rank][step]["rank_loss"], (rank, step)
-            assert resumed[rank][step]["grad_norm"] == reference[rank][step]["grad_norm"], (rank, step)
+            assert resumed[rank][step]["rank_loss"] == reference[rank][step]["rank_loss"], (
+                rank,
+                step,
+            )
+            assert resumed[rank][step]["grad_norm"] == reference[rank][step]["grad_norm"], (
+                rank,
+                step,
+            )
 
 
 # ---- cheap checks of the adapter's helpers (no torch import)
@@ -214,14 +238,18 @@ def test_metric_names_are_sanitised():
 def test_grpo_reward_is_verifiable():
     from ptops.recipes.trl.rewards import correct, format
 
-    completions = [[{"role": "assistant", "content": "The answer is 12."}], [{"role": "assistant", "content": "no"}]]
+    completions = [
+        [{"role": "assistant", "content": "The answer is 12."}],
+        [{"role": "assistant", "content": "no"}],
+    ]
     assert correct(completions, answer=["12", "3"]) == [1.0, 0.0]
     assert correct(["it is 7 or 9"], answer=["9"]) == [1.0]
     assert format(completions) == [1.0, 0.0]
 
 
 def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
-    """One rank, in this process: before_step/phase order, forced final save, should_poison -> NaN loss."""
+    """One rank, in this process: before_step/phase order, forced final save, should_poison -> NaN
+    loss."""
     from ptops.ops.rank.probe import Probe
     from ptops.recipes.schema import load as load_recipe
 
@@ -248,7 +276,9 @@ def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
 
     from ptops.recipes.trl.run import main
 
-    recipe, _ = load_recipe("trl-sft-tiny", ["train.steps=3", "checkpoint.interval=5", "launch.nproc=1"])
+    recipe, _ = load_recipe(
+        "trl-sft-tiny", ["train.steps=3", "checkpoint.interval=5", "launch.nproc=1"]
+    )
     main(recipe, SpyProbe(tmp_path, rank=0, attempt=1, world_size=1))
 
     rows = final_metrics_by_step(list(read_jsonl(tmp_path / "metrics.jsonl")), 0)
@@ -261,7 +291,8 @@ def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
 
 
 def test_stop_request_checkpoints_and_returns(tmp_path, monkeypatch):
-    """Under a supervisor, Ctrl-C asks the ranks to save: the adapter saves at the step's end and returns."""
+    """Under a supervisor, Ctrl-C asks the ranks to save: the adapter saves at the step's end and
+    returns."""
     from ptops.ops.rank.probe import Probe
     from ptops.recipes.schema import load as load_recipe
 
@@ -281,7 +312,9 @@ def test_stop_request_checkpoints_and_returns(tmp_path, monkeypatch):
 
     from ptops.recipes.trl.run import main
 
-    recipe, _ = load_recipe("trl-sft-tiny", ["train.steps=5", "checkpoint.interval=4", "launch.nproc=1"])
+    recipe, _ = load_recipe(
+        "trl-sft-tiny", ["train.steps=5", "checkpoint.interval=4", "launch.nproc=1"]
+    )
     main(recipe, StoppedProbe(tmp_path, rank=0, attempt=1, world_size=1))
     rows = final_metrics_by_step(list(read_jsonl(tmp_path / "metrics.jsonl")), 0)
     assert sorted(rows) == [1, 2]

@@ -1,6 +1,7 @@
-"""Warm spare ranks (ops/rank/warm.py): a rank handed to the pool behaves, to torchrun and the supervisor,
-like the rank itself: same stdout/env/argv/cwd, same exit status (a signal death included), signals
-forwarded, and the warm child dies with the thin rank. No torch here: the pool's child runs a stub."""
+"""Warm spare ranks (ops/rank/warm.py): a rank handed to the pool behaves, to torchrun and the
+supervisor, like the rank itself: same stdout/env/argv/cwd, same exit status (a signal death
+included), signals forwarded, and the warm child dies with the thin rank. No torch here: the pool's
+child runs a stub."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-
 
 import pytest
 
@@ -53,7 +53,7 @@ POOL = textwrap.dedent("""
             time.sleep(0.1)
 
     warm.serve(sys.argv[1], "stub", target=stub)
-""")
+""")  # noqa: E501
 
 THIN = textwrap.dedent("""
     import sys
@@ -66,9 +66,13 @@ THIN = textwrap.dedent("""
 @pytest.fixture
 def pool(tmp_path):
     name = f"ptops-warm-test-{secrets.token_hex(6)}"
-    proc = subprocess.Popen([sys.executable, "-c", POOL, name], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", POOL, name], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     line = proc.stdout.readline()
-    assert line.startswith("[ptops.warm] ") and " ready " in line, f"the pool did not come up: {line!r}"
+    assert line.startswith("[ptops.warm] ") and " ready " in line, (
+        f"the pool did not come up: {line!r}"
+    )
     yield name
     proc.kill()
     proc.wait()
@@ -78,8 +82,13 @@ def thin(name: str | None, tmp_path: Path, stub: str, **env: str) -> subprocess.
     e = dict(os.environ, STUB=stub, MARK="m1", PIDFILE=str(tmp_path / "pid"), **env)
     if name:
         e["PTOPS_WARM_SOCKET"] = name
-    return subprocess.Popen([sys.executable, "-c", THIN, "a", "b"], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", THIN, "a", "b"],
+        cwd=tmp_path,
+        env=e,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_file(p: Path, proc: subprocess.Popen) -> int:
@@ -137,21 +146,39 @@ def test_the_child_dies_with_the_thin_rank(pool, tmp_path):
 def launcher(name: str, tmp_path: Path, stub: str, nproc: int = 3, **env: str) -> subprocess.Popen:
     """``ops/rank/warmlaunch.py`` with the stub pool; its fallback (no pool) prints FALLBACK."""
     e = dict(os.environ, STUB=stub, PIDFILE=str(tmp_path / "pid"), PTOPS_WARM_SOCKET=name, **env)
-    argv = [sys.executable, "-m", "ptops.ops.rank.warmlaunch", "--nproc", str(nproc), "--port", "29999", "--",
-            sys.executable, "-c", "print('FALLBACK')"]
-    return subprocess.Popen(argv, cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "ptops.ops.rank.warmlaunch",
+        "--nproc",
+        str(nproc),
+        "--port",
+        "29999",
+        "--",
+        sys.executable,
+        "-c",
+        "print('FALLBACK')",
+    ]
+    return subprocess.Popen(
+        argv, cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def test_warm_launch_all_ranks_exit_zero(pool, tmp_path):
     p = launcher(pool, tmp_path, "exit", CODE="0")
     out = p.communicate(timeout=60)[0]
     assert p.returncode == 0 and "3 ranks forked from the warm pool" in out, out
-    assert sorted(f.name for f in tmp_path.glob("pid-exit-*")) == ["pid-exit-0", "pid-exit-1", "pid-exit-2"]
+    assert sorted(f.name for f in tmp_path.glob("pid-exit-*")) == [
+        "pid-exit-0",
+        "pid-exit-1",
+        "pid-exit-2",
+    ]
 
 
 def test_warm_launch_reports_the_failed_rank_as_torchrun_does_and_stops_the_others(pool, tmp_path):
-    """The supervisor reads the failed rank from torchrun's own line (ops/supervisor/attempt.py); the
-    others get the rank environment torchrun gives them and are stopped (SIGTERM) after the failure."""
+    """The supervisor reads the failed rank from torchrun's own line (ops/supervisor/attempt.py);
+    the others get the rank environment torchrun gives them and are stopped (SIGTERM) after the
+    failure."""
     from ptops.ops.supervisor.attempt import _WORKER_FAILED
 
     p = launcher(pool, tmp_path, "rank", CODE="5")
@@ -170,13 +197,26 @@ def test_warm_launch_without_a_pool_becomes_its_torchrun_fallback(tmp_path):
 
 
 def _warm_restart(run: Path, recipe: str, sets: list[str], crash_step: int) -> list[dict]:
-    """A supervised run with ``warm_spare`` and a crash of rank 1 at ``crash_step``; returns its events (the run
-    must complete). No hold until the pool is ready: a restart that finds it still importing waits for it."""
+    """A supervised run with ``warm_spare`` and a crash of rank 1 at ``crash_step``; returns its
+    events (the run must complete). No hold until the pool is ready: a restart that finds it still
+    importing waits for it."""
     from conftest import run_ptops
 
-    p = run_ptops("launch", recipe, "--supervise", "--run-dir", str(run), *sets, "--set",
-                  "supervisor.restart.warm_spare=true", "--fault", f"crash:rank=1,step={crash_step}", "--json",
-                  "--no-mlflow", timeout=900)
+    p = run_ptops(
+        "launch",
+        recipe,
+        "--supervise",
+        "--run-dir",
+        str(run),
+        *sets,
+        "--set",
+        "supervisor.restart.warm_spare=true",
+        "--fault",
+        f"crash:rank=1,step={crash_step}",
+        "--json",
+        "--no-mlflow",
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
 
@@ -185,17 +225,22 @@ def _assert_warm_attempt_2(run: Path) -> None:
     for r in (0, 1):  # attempt 1 started cold (no pool yet), the restart's ranks were forked warm
         cold = (run / "logs" / "attempt-1" / f"rank-{r}.log").read_text(errors="replace")
         warm = (run / "logs" / "attempt-2" / f"rank-{r}.log").read_text(errors="replace")
-        assert "warm rank: forked from pool" not in cold and "warm rank: forked from pool" in warm, warm[:2000]
+        assert (
+            "warm rank: forked from pool" not in cold and "warm rank: forked from pool" in warm
+        ), warm[:2000]
     launched = (run / "logs" / "attempt-2" / "torchrun.log").read_text(errors="replace")
-    assert "2 ranks forked from the warm pool" in launched, launched[:2000]  # no torchrun for the restart
+    assert "2 ranks forked from the warm pool" in launched, launched[
+        :2000
+    ]  # no torchrun for the restart
     ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
     assert [e["ranks_from"] for e in ev if e["kind"] == "launch"] == ["cold", "warm"]
 
 
 @pytest.mark.slow
 def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
-    """The same for a TRL trainer (accelerate reads torchrun's environment, which the launcher sets): the
-    restart's ranks are forked from the pool and the final weights equal an uninterrupted run's."""
+    """The same for a TRL trainer (accelerate reads torchrun's environment, which the launcher
+    sets): the restart's ranks are forked from the pool and the final weights equal an uninterrupted
+    run's."""
     from conftest import run_ptops
 
     from ptops.ckpt import digest
@@ -214,23 +259,26 @@ def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
 
 
 def test_titan_restart_from_a_warm_pool_is_exact_and_leaves_nothing(faulted_runs):
-    """The shared faulted crash run (tests/faulted.py: titan-tiny, ``warm_spare=true``, rank 1 crashes at step
-    12): the restart's ranks come from the pool (their logs have no engine import, no torchrun started them),
-    the run completes with the reference digest, and no process of the run is left. The pool is not waited
-    for before the crash: it imports alongside attempt 1, and a restart that still finds it importing waits."""
+    """The shared faulted crash run (tests/faulted.py: titan-tiny, ``warm_spare=true``, rank 1
+    crashes at step 12): the restart's ranks come from the pool (their logs have no engine import,
+    no torchrun started them), the run completes with the reference digest, and no process of the
+    run is left. The pool is not waited for before the crash: it imports alongside attempt 1, and a
+    restart that still finds it importing waits."""
     from ptops.ckpt import digest
     from ptops.ops.supervisor.procs import run_processes
 
     ref, crash = faulted_runs.get("reference"), faulted_runs.get("crash")
     assert ref.proc.returncode == 0 and crash.proc.returncode == 0, crash.proc.stderr[-3000:]
     _assert_warm_attempt_2(crash.run)
-    assert digest(crash.run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
+    assert digest(crash.run / "checkpoints" / "step-16") == digest(
+        ref.run / "checkpoints" / "step-16"
+    )
     assert run_processes(crash.run) == []
 
 
 def test_the_pool_checks_that_a_forked_child_can_run_and_finds_no_gpu_problem_on_cpu():
-    """The pool's fork check (a GPU pool whose children could not use CUDA serves nothing): a child's
-    failure is seen, and on this CPU-only machine there is no CUDA problem to report."""
+    """The pool's fork check (a GPU pool whose children could not use CUDA serves nothing): a
+    child's failure is seen, and on this CPU-only machine there is no CUDA problem to report."""
     from ptops.ops.rank.warm import cuda_fork_problem, forked_child_status
 
     def fails() -> None:
@@ -241,8 +289,9 @@ def test_the_pool_checks_that_a_forked_child_can_run_and_finds_no_gpu_problem_on
     assert cuda_fork_problem() == ""
 
 
-# ---------------------------------------------------------------- the supervisor's side: where a restart's ranks come from
-# A pool that is still importing (issue 27): it binds its socket only once GO exists, then serves like the real one.
+# ----------------------------------------- the supervisor's side: where a restart's ranks come from
+# A pool that is still importing (issue 27): it binds its socket only once GO exists, then serves
+# like the real one.
 SLOW_POOL = textwrap.dedent("""
     import os, sys, time
     from ptops.ops.rank import warm
@@ -266,8 +315,13 @@ def _slow_pool(tmp_path: Path, how: str = "serve"):
     pool = WarmPool(None, SimpleNamespace(path=tmp_path))
     go = tmp_path / "go"
     with open(pool.log, "ab") as log:
-        pool.proc = subprocess.Popen([sys.executable, "-c", SLOW_POOL, pool.name, str(go), how], cwd=REPO,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        pool.proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_POOL, pool.name, str(go), how],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     pool.started_at = time.monotonic()
     while "importing" not in pool.log.read_text():
         assert pool.proc.poll() is None, pool.log.read_text()
@@ -276,8 +330,9 @@ def _slow_pool(tmp_path: Path, how: str = "serve"):
 
 
 def test_a_restart_waits_for_a_pool_that_is_still_importing_and_comes_warm(tmp_path):
-    """The pool is started (importing) but not listening: the restart waits for it instead of going cold
-    next to it, and is told warm once it answers (the readiness probe does not disturb the pool)."""
+    """The pool is started (importing) but not listening: the restart waits for it instead of going
+    cold next to it, and is told warm once it answers (the readiness probe does not disturb the
+    pool)."""
     import threading
 
     pool, go = _slow_pool(tmp_path)
@@ -314,7 +369,9 @@ def test_a_pool_that_exited_or_hangs_or_declined_means_cold_with_why(tmp_path):
     pool.proc.kill()
     pool.proc.wait()
     cold = pool.source(300, lambda: False)
-    assert cold["cold_why"] == "pool_exited" and "-9" in cold["cold_detail"] and pool.wanted, cold  # replaced later
+    assert cold["cold_why"] == "pool_exited" and "-9" in cold["cold_detail"] and pool.wanted, (
+        cold
+    )  # replaced later
 
     pool, go = _slow_pool(tmp_path / "gpu", "decline")
     go.touch()

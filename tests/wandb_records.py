@@ -1,9 +1,10 @@
 """Read back what W&B wrote offline: the records of a run's ``.wandb`` transaction log.
 
 wandb 0.31 ships no Python reader (the Go core writes the file). The format is LevelDB's log format
-behind a 7-byte header (``:W&B``, magic 0xBEE1, version): 32 KiB blocks of chunks, each with a 7-byte
-header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last); a chunk's payload is (part of) one
-``wandb_internal_pb2.Record``. Checksums are not verified: a damaged chunk fails to parse instead.
+behind a 7-byte header (``:W&B``, magic 0xBEE1, version): 32 KiB blocks of chunks, each with a
+7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last); a chunk's payload is
+(part of) one ``wandb_internal_pb2.Record``. Checksums are not verified: a damaged chunk fails to
+parse instead.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ def records(path: Path) -> list:
         if left < HEADER:  # the block's tail is padding
             i += left
             continue
-        _crc, length, typ = struct.unpack("<IHB", data[i:i + HEADER])
+        _crc, length, typ = struct.unpack("<IHB", data[i : i + HEADER])
         if length == 0 and typ == 0:  # zero padding to the block's end
             i += left
             continue
-        chunk = data[i + HEADER:i + HEADER + length]
+        chunk = data[i + HEADER : i + HEADER + length]
         i += HEADER + length
         if typ == FULL:
             buf = chunk

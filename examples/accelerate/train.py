@@ -1,10 +1,10 @@
 """A Hugging Face Accelerate training script, ready for ``ptops launch``.
 
-Runs as is with ``torchrun --nproc-per-node 2 examples/accelerate/train.py`` (``Accelerator(cpu=True)``
-trains as gloo DDP on CPU; drop ``--cpu`` on GPUs) and under
-``ptops launch --supervise -- python examples/accelerate/train.py --cpu``. The ``pr.*`` lines are the
-whole ptops API (``ptops.rank``): without them ptops still restarts the script on a crash or hang;
-with them a restart resumes exactly (model, optimizer, RNG, data position), NaNs roll back, and a
+Runs as is with ``torchrun --nproc-per-node 2 examples/accelerate/train.py``
+(``Accelerator(cpu=True)`` trains as gloo DDP on CPU; drop ``--cpu`` on GPUs) and under ``ptops
+launch --supervise -- python examples/accelerate/train.py --cpu``. The ``pr.*`` lines are the whole
+ptops API (``ptops.rank``): without them ptops still restarts the script on a crash or hang; with
+them a restart resumes exactly (model, optimizer, RNG, data position), NaNs roll back, and a
 preemption saves first. ptops' checkpoints take the place of ``accelerator.save_state``.
 """
 
@@ -37,10 +37,12 @@ def main() -> None:
 
     accelerator = Accelerator(cpu=args.cpu)
     set_seed(args.seed)  # the same initial weights on every rank
-    net = nn.Sequential(nn.Linear(args.dim, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    net = nn.Sequential(
+        nn.Linear(args.dim, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1)
+    )
     optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = accelerator.prepare(net, optim)
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank = accelerator.process_index
 
     start = pr.resume(model, optim)  # the wrapped model, the optimizer Accelerate wraps
     for group in optim.param_groups:
@@ -48,7 +50,9 @@ def main() -> None:
     for step in range(start + 1, args.steps + 1):
         pr.start_step(step)
         x, y = batch(pr.batch_index(step), args.seed, rank, dim=args.dim)
-        loss = pr.loss(nn.functional.mse_loss(model(x.to(accelerator.device)), y.to(accelerator.device)))
+        loss = pr.loss(
+            nn.functional.mse_loss(model(x.to(accelerator.device)), y.to(accelerator.device))
+        )
         optimizer.zero_grad()
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)

@@ -41,7 +41,9 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = nn.Sequential(nn.Linear(args.dim, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    model = nn.Sequential(
+        nn.Linear(args.dim, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1)
+    )
     model.to(device)
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -53,7 +55,9 @@ def main() -> None:
                 m.set_force_sum_reduction_for_comms(True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
-    start = pr.resume(model, optimizer)  # 0 on a fresh start; else the step of the checkpoint loaded
+    start = pr.resume(
+        model, optimizer
+    )  # 0 on a fresh start; else the step of the checkpoint loaded
     for group in optimizer.param_groups:
         group["lr"] = args.lr * pr.lr_factor()  # smaller after a numeric rollback
     for step in range(start + 1, args.steps + 1):
@@ -67,7 +71,9 @@ def main() -> None:
         optimizer.step()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        pr.end_step(step, loss=mean_loss / world, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"])
+        pr.end_step(
+            step, loss=mean_loss / world, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"]
+        )
         pr.checkpoint(step, model, optimizer, last=step == args.steps)
         if pr.should_stop():  # the supervisor asked for a save and a stop (preemption, Ctrl-C)
             break

@@ -19,15 +19,52 @@ from ptops.ops.cli.errors import fail
 
 
 def chaos_cmd(
-    recipe: Annotated[list[str], typer.Option("--recipe", help="Recipe to run scenarios on (repeatable). " + default_recipes_help())] = [],
-    scenario: Annotated[list[str], typer.Option("--scenario", help="RECIPE/KIND (titan-tiny/crash), KIND (every selected recipe) or a fault spec, e.g. titan-tiny/hang:rank=1,step=5 (repeatable). Default: the recipe's default matrix.")] = [],
-    work_dir: Annotated[Optional[Path], typer.Option("--work-dir", help="Where the run directories go. Default: runs/chaos-<timestamp>.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout (progress still goes to stderr).")] = False,
-    list_only: Annotated[bool, typer.Option("--list", help="List the selected scenarios and their faults; run nothing.")] = False,
-    launch_timeout: Annotated[float, typer.Option("--launch-timeout", help="Seconds one launch may take before it is stopped.")] = 600.0,
-    junit: Annotated[Optional[Path], typer.Option("--junit", help="Also write a JUnit XML file (one test case per scenario; detect/recover times as properties) for GitLab CI, GitHub Actions, Jenkins.")] = None,
+    recipe: Annotated[
+        list[str],
+        typer.Option(
+            "--recipe", help="Recipe to run scenarios on (repeatable). " + default_recipes_help()
+        ),
+    ] = [],
+    scenario: Annotated[
+        list[str],
+        typer.Option(
+            "--scenario",
+            help="RECIPE/KIND (titan-tiny/crash), KIND (every selected recipe) or a fault spec, "
+            "e.g. titan-tiny/hang:rank=1,step=5 (repeatable). Default: the recipe's default "
+            "matrix.",
+        ),
+    ] = [],
+    work_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--work-dir", help="Where the run directories go. Default: runs/chaos-<timestamp>."
+        ),
+    ] = None,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Print the report as JSON on stdout (progress still goes to stderr)."
+        ),
+    ] = False,
+    list_only: Annotated[
+        bool,
+        typer.Option("--list", help="List the selected scenarios and their faults; run nothing."),
+    ] = False,
+    launch_timeout: Annotated[
+        float,
+        typer.Option("--launch-timeout", help="Seconds one launch may take before it is stopped."),
+    ] = 600.0,
+    junit: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--junit",
+            help="Also write a JUnit XML file (one test case per scenario; detect/recover times "
+            "as properties) for GitLab CI, GitHub Actions, Jenkins.",
+        ),
+    ] = None,
 ) -> None:
-    """Inject faults into real supervised runs; report detection, recovery and whether the result equals a fault-free run.
+    """Inject faults into real supervised runs; report detection, recovery and whether the result
+    equals a fault-free run.
 
     For each scenario: a supervised launch with the fault (relaunched like a requeue
     when preempted or when its supervisor was killed), and once per recipe a
@@ -51,7 +88,10 @@ def chaos_cmd(
     if list_only:
         for sc in scenarios:
             extra = "".join(f" --set {x}" for x in sc.extra_sets)
-            typer.echo(f"{sc.name:28s} {' '.join('--fault ' + f for f in sc.faults)}{extra}   detect: {', '.join(sc.detect)}")
+            typer.echo(
+                f"{sc.name:28s} {' '.join('--fault ' + f for f in sc.faults)}{extra}   detect: "
+                f"{', '.join(sc.detect)}"
+            )
         return
     if junit is not None and not junit.parent.is_dir():
         fail(f"--junit {junit}: folder {junit.parent} does not exist")
@@ -83,13 +123,21 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 150)  # piped: no squeezed columns
+    console = Console(
+        file=sys.stdout, width=None if sys.stdout.isatty() else 150
+    )  # piped: no squeezed columns
     t = Table(title=f"ptops chaos: {report['work_dir']}", show_lines=False)
     for col, kw in (
-        ("scenario", {}), ("result", {}), ("detected by", {}), ("detect", {"justify": "right"}),
-        ("recover", {"justify": "right"}), ("recomputed", {"justify": "right"}), ("digest = baseline", {}),
-        ("no lost data", {}), ("wall", {"justify": "right"}),
-    ):  # fmt: skip
+        ("scenario", {}),
+        ("result", {}),
+        ("detected by", {}),
+        ("detect", {"justify": "right"}),
+        ("recover", {"justify": "right"}),
+        ("recomputed", {"justify": "right"}),
+        ("digest = baseline", {}),
+        ("no lost data", {}),
+        ("wall", {"justify": "right"}),
+    ):
         t.add_column(col, **kw)
     fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
     for r in report["scenarios"]:
@@ -107,10 +155,15 @@ def print_table(report: dict) -> None:
     console.print(t)
     for r in report["scenarios"]:
         if r["problems"]:
-            console.print(f"[red]{r['scenario']}[/red]: " + "; ".join(r["problems"]), highlight=False)
+            console.print(
+                f"[red]{r['scenario']}[/red]: " + "; ".join(r["problems"]), highlight=False
+            )
     n = len(report["scenarios"])
     ok = sum(1 for r in report["scenarios"] if r["passed"])
-    console.print(f"{ok}/{n} passed in {report['wall_s']:.0f} s; run directories and chaos-report.json under {report['work_dir']}")
+    console.print(
+        f"{ok}/{n} passed in {report['wall_s']:.0f} s; run directories and chaos-report.json "
+        f"under {report['work_dir']}"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -1,10 +1,12 @@
-"""``ptops diagnose RUN_DIR [--json] [--attempt K] [--since T] [--baseline OTHER]... [--html OUT]``: the on-call report.
+"""``ptops diagnose RUN_DIR [--json] [--attempt K] [--since T] [--baseline OTHER]... [--html OUT]``:
+the on-call report.
 
 Wiring (ops/cli/app.py)::
 
     @app.command()
-    def diagnose(run_dir: Path, json_out: bool = ..., attempt: int | None = ..., since: str | None = ...,
-                 baseline: list[Path] | None = ..., html_out: Path | None = ...):
+    def diagnose(run_dir: Path, json_out: bool = ..., attempt: int | None = ...,
+                 since: str | None = ..., baseline: list[Path] | None = ...,
+                 html_out: Path | None = ...):
         from ptops.ops.cli.diagnose import diagnose_command
         raise typer.Exit(diagnose_command(run_dir, json_out, attempt, since, baseline, html_out))
 
@@ -30,20 +32,31 @@ EXIT_BAD_INPUT = 2
 _MAX_TIMELINE = 40
 
 
-def diagnose_command(run_dir: Path, json_out: bool, attempt: int | None = None, since: str | None = None,
-                     baseline: list[Path] | None = None, html_out: Path | None = None) -> int:
-    """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit code.
-    With ``html_out`` also write the self-contained HTML page there."""
+def diagnose_command(
+    run_dir: Path,
+    json_out: bool,
+    attempt: int | None = None,
+    since: str | None = None,
+    baseline: list[Path] | None = None,
+    html_out: Path | None = None,
+) -> int:
+    """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit
+    code. With ``html_out`` also write the self-contained HTML page there."""
     from ptops.diagnostics.diagnose import DiagnoseError, diagnose, parse_since
 
     if html_out is not None and Path(html_out).is_dir():
-        print(f"error: --html {html_out}: is a directory (expected a file path, e.g. report.html)", file=sys.stderr)
+        print(
+            f"error: --html {html_out}: is a directory (expected a file path, e.g. report.html)",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     try:
         if attempt is not None and attempt < 1:
             raise DiagnoseError(f"--attempt {attempt}: attempts are numbered from 1")
         since_ts = parse_since(since) if since is not None else None
-        report = diagnose(Path(run_dir), attempt=attempt, since=since_ts, baselines=list(baseline or []) or None)
+        report = diagnose(
+            Path(run_dir), attempt=attempt, since=since_ts, baselines=list(baseline or []) or None
+        )
     except DiagnoseError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -71,7 +84,8 @@ def _runbook_href(name: str) -> str | None:
 
 
 def write_html(run_dir: Path, report: dict[str, Any], out: Path) -> str | None:
-    """Render and write the page; the error line on failure, else None (a note on stderr says where)."""
+    """Render and write the page; the error line on failure, else None (a note on stderr says
+    where)."""
     from ptops.diagnostics.html import render
     from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
@@ -108,24 +122,37 @@ def _print_human(r: dict[str, Any]) -> None:
     if not console.is_terminal:
         console = Console(highlight=False, width=160)  # pipes and files: do not wrap at 80
     s = r["events_summary"]
-    head = (f"{r['run_dir']}  recipe {r['recipe'] or '?'}  state {s['state']}  last step {r['last_step']}  "
-            f"attempts {s['attempts']}  ranks {','.join(map(str, r['ranks'])) or '-'}  "
-            f"monitors config: {r['config']}")
+    head = (
+        f"{r['run_dir']}  recipe {r['recipe'] or '?'}  state {s['state']}  last step "
+        f"{r['last_step']}  "
+        f"attempts {s['attempts']}  ranks {','.join(map(str, r['ranks'])) or '-'}  "
+        f"monitors config: {r['config']}"
+    )
     console.print(head, markup=False)
     if s.get("reason"):
         console.print(f"  reason: {s['reason']}", markup=False)
     bits = [f"{k} {v}" for k, v in sorted(s["counts"].items())]
-    console.print(f"  events: {', '.join(bits) or 'none'}; last good checkpoint step: {s['last_checkpoint_step']}", markup=False)
+    console.print(
+        f"  events: {', '.join(bits) or 'none'}; last good checkpoint step: "
+        f"{s['last_checkpoint_step']}",
+        markup=False,
+    )
     g = r.get("goodput") or {}
     if g.get("ratio") is not None:
         lost = sorted(((v, k) for k, v in g["lost_s"].items() if v >= 0.05), reverse=True)
         where = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for v, k in lost) or "nothing"
-        console.print(f"  goodput: {g['ratio']:.0%} of {g['wall_s']:.1f} s productive; lost: {where}", markup=False)
+        console.print(
+            f"  goodput: {g['ratio']:.0%} of {g['wall_s']:.1f} s productive; lost: {where}",
+            markup=False,
+        )
     for note in r["notes"]:
         console.print(f"  note: {note}", markup=False)
     f = r.get("filters") or {}
     if f.get("attempt") is not None or f.get("since") is not None:
-        console.print(f"  showing: attempt {f.get('attempt') or 'all'}, since {_when(f.get('since'))}", markup=False)
+        console.print(
+            f"  showing: attempt {f.get('attempt') or 'all'}, since {_when(f.get('since'))}",
+            markup=False,
+        )
     _print_incidents(console, r.get("incidents") or [])
     if r.get("baseline"):
         _print_baseline(console, r["baseline"])
@@ -137,17 +164,40 @@ def _print_human(r: dict[str, Any]) -> None:
         for col in ("step", "rank", "monitor", "value", "severity", "runbook", "detail"):
             t.add_column(col, overflow="fold")
         for f in findings:
-            rank = "-" if f["rank"] is None else str(f["rank"]) + (f"@{f['host']}" if f.get("host") else "")
-            src = "" if f["source"] == "replay" and not f["live"] else (" (live)" if f["live"] else " (event)")
-            t.add_row(*(Text(x) for x in (_value(f["step"]), rank, f["monitor"] + src, _value(f["value"]),
-                                          f["severity"], f["runbook"] or "-", f["detail"])))
+            rank = (
+                "-"
+                if f["rank"] is None
+                else str(f["rank"]) + (f"@{f['host']}" if f.get("host") else "")
+            )
+            src = (
+                ""
+                if f["source"] == "replay" and not f["live"]
+                else (" (live)" if f["live"] else " (event)")
+            )
+            t.add_row(
+                *(
+                    Text(x)
+                    for x in (
+                        _value(f["step"]),
+                        rank,
+                        f["monitor"] + src,
+                        _value(f["value"]),
+                        f["severity"],
+                        f["runbook"] or "-",
+                        f["detail"],
+                    )
+                )
+            )
         console.print(t)
         books = sorted({f["runbook"] for f in findings if f["runbook"]})
         if books:
             console.print("Runbooks: " + ", ".join(f"ptops runbook {b}" for b in books))
     tl = r["timeline"]
     if tl:
-        console.print(f"Timeline ({len(tl)} entries{', last ' + str(_MAX_TIMELINE) if len(tl) > _MAX_TIMELINE else ''}):")
+        console.print(
+            f"Timeline ({len(tl)} "
+            f"entries{', last ' + str(_MAX_TIMELINE) if len(tl) > _MAX_TIMELINE else ''}):"
+        )
         for e in tl[-_MAX_TIMELINE:]:
             step = f"step {e['step']}" if e["step"] is not None else ""
             what = e["what"] if len(e["what"]) <= 150 else e["what"][:147] + "..."
@@ -163,19 +213,33 @@ def _print_incidents(console: Any, incs: list[dict[str, Any]]) -> None:
         return
     console.print(f"{len(incs)} incident(s):", markup=False)
     for i in incs:
-        where = ", ".join(x for x in (
-            f"attempt {i['attempt']}" if i["attempt"] is not None else "",
-            f"step {i['step']}" if i["step"] is not None else "",
-            (f"rank {i['rank']}" if i["rank"] is not None else
-             (f"ranks {','.join(map(str, i['ranks']))}" if i["ranks"] else "")),
-            f"host {i['host']}" if i["host"] else "") if x)
-        console.print(f"\n#{i['id']} [{i['severity'].upper()}] {i['kind']}: {i['title']}", markup=False)
-        span = _when(i["ts"]) + (f"-{_when(i['ts_end'])}" if i["ts_end"] and _when(i["ts_end"]) != _when(i["ts"]) else "")
+        where = ", ".join(
+            x
+            for x in (
+                f"attempt {i['attempt']}" if i["attempt"] is not None else "",
+                f"step {i['step']}" if i["step"] is not None else "",
+                (
+                    f"rank {i['rank']}"
+                    if i["rank"] is not None
+                    else (f"ranks {','.join(map(str, i['ranks']))}" if i["ranks"] else "")
+                ),
+                f"host {i['host']}" if i["host"] else "",
+            )
+            if x
+        )
+        console.print(
+            f"\n#{i['id']} [{i['severity'].upper()}] {i['kind']}: {i['title']}", markup=False
+        )
+        span = _when(i["ts"]) + (
+            f"-{_when(i['ts_end'])}" if i["ts_end"] and _when(i["ts_end"]) != _when(i["ts"]) else ""
+        )
         console.print(f"   when {span}  {where}", markup=False)
         for line in i["evidence"][:_EVIDENCE_LINES]:
             console.print(f"   | {line}", markup=False)
         if len(i["evidence"]) > _EVIDENCE_LINES:
-            console.print(f"   | ... {len(i['evidence']) - _EVIDENCE_LINES} more (--json)", markup=False)
+            console.print(
+                f"   | ... {len(i['evidence']) - _EVIDENCE_LINES} more (--json)", markup=False
+            )
         if i["action"]:
             console.print(f"   supervisor: {i['action']}", markup=False)
         if i["runbook"]:
@@ -184,30 +248,63 @@ def _print_incidents(console: Any, incs: list[dict[str, Any]]) -> None:
 
 
 def _print_baseline(console: Any, b: dict[str, Any]) -> None:
-    verdict = (f"DIVERGES from step {b['first_divergent_step']}" if b["diverged"]
-               else "within seed-to-seed noise")
+    verdict = (
+        f"DIVERGES from step {b['first_divergent_step']}"
+        if b["diverged"]
+        else "within seed-to-seed noise"
+    )
     names = ", ".join(b.get("baselines") or [str(b["run_dir"])])
-    console.print(f"Baseline {names}: {verdict} (compared: {', '.join(b['compared']) or 'nothing'})", markup=False)
+    console.print(
+        f"Baseline {names}: {verdict} (compared: {', '.join(b['compared']) or 'nothing'})",
+        markup=False,
+    )
     for m, d in b["per_metric"].items():
         if "noise" not in d:
             console.print(f"  {m}: {d.get('note')}", markup=False)
             continue
-        first = f"first divergent step {d['first_divergent_step']}" if d["diverged"] else "no divergence"
-        console.print(f"  {m}: {first}; noise {d['noise']:.3g}, largest gap {d['max_z']:+.1f} noise at step "
-                      f"{d['max_z_step']}; final {d['final']:.4g} vs {d['baseline_final']:.4g}", markup=False)
+        first = (
+            f"first divergent step {d['first_divergent_step']}"
+            if d["diverged"]
+            else "no divergence"
+        )
+        console.print(
+            f"  {m}: {first}; noise {d['noise']:.3g}, largest gap {d['max_z']:+.1f} noise at step "
+            f"{d['max_z_step']}; final {d['final']:.4g} vs {d['baseline_final']:.4g}",
+            markup=False,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="ptops diagnose", description="What happened in a run, which rank, which runbook.")
+    p = argparse.ArgumentParser(
+        prog="ptops diagnose", description="What happened in a run, which rank, which runbook."
+    )
     p.add_argument("run_dir", type=Path)
     p.add_argument("--json", dest="json_out", action="store_true", help="print the report as JSON")
-    p.add_argument("--attempt", type=int, default=None, help="only this attempt's incidents, findings, timeline")
-    p.add_argument("--since", default=None, help="only what happened after T (ISO time, or 10m / 2h ago)")
-    p.add_argument("--baseline", type=Path, action="append", default=None,
-                   help="compare loss/grad-norm/reward curves with this reference run (repeatable)")
-    p.add_argument("--html", dest="html_out", type=Path, default=None, help="also write a self-contained HTML report")
+    p.add_argument(
+        "--attempt",
+        type=int,
+        default=None,
+        help="only this attempt's incidents, findings, timeline",
+    )
+    p.add_argument(
+        "--since", default=None, help="only what happened after T (ISO time, or 10m / 2h ago)"
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        action="append",
+        default=None,
+        help="compare loss/grad-norm/reward curves with this reference run (repeatable)",
+    )
+    p.add_argument(
+        "--html",
+        dest="html_out",
+        type=Path,
+        default=None,
+        help="also write a self-contained HTML report",
+    )
     a = p.parse_args(argv)
     return diagnose_command(a.run_dir, a.json_out, a.attempt, a.since, a.baseline, a.html_out)
 

@@ -20,16 +20,19 @@ import typer
 
 from ptops.ops.cli.errors import fail
 
-TOLERANCE = 0.10  # planner parameter bytes vs the fake-backend's measured rank-0 shard (README)
+TOLERANCE = 0.10  # planner param bytes vs the fake-backend's rank-0 shard (docs/recipes.md)
 
 
 def _size(b: float) -> str:
     return f"{b / 1024**3:.3f} GiB" if b >= 1024**3 else f"{b / 1024**2:.3f} MiB"
 
 
-def engine_dry_run(module: str, rec, args: list[str], path: Path, what: str, env: dict | None = None) -> dict:
-    """Run an engine's dry-run ``module`` on the recipe in a subprocess (torch and the engine stay out of
-    the CLI process) and return its ``PTOPS_DRYRUN`` result; a timeout or a death is one error line."""
+def engine_dry_run(
+    module: str, rec, args: list[str], path: Path, what: str, env: dict | None = None
+) -> dict:
+    """Run an engine's dry-run ``module`` on the recipe in a subprocess (torch and the engine stay
+    out of the CLI process) and return its ``PTOPS_DRYRUN`` result; a timeout or a death is one
+    error line."""
     from ptops.recipes.schema import dump_json
 
     timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
@@ -39,18 +42,27 @@ def engine_dry_run(module: str, rec, args: list[str], path: Path, what: str, env
         penv = dict(os.environ, PTOPS_RUN_DIR=tmp, **(env or {}))
         penv.setdefault("OMP_NUM_THREADS", "1")
         try:
-            proc = subprocess.run([sys.executable, "-m", module, str(rj), *args],
-                                  capture_output=True, text=True, timeout=timeout, env=penv)
+            proc = subprocess.run(
+                [sys.executable, "-m", module, str(rj), *args],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=penv,
+            )
         except subprocess.TimeoutExpired:
             fail(f"{path}: {what} did not finish in {timeout:.0f} s (PTOPS_DRYRUN_TIMEOUT_S)")
-    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("PTOPS_DRYRUN ")), None)
+    line = next(
+        (x for x in reversed(proc.stdout.splitlines()) if x.startswith("PTOPS_DRYRUN ")), None
+    )
     if line is None:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         fail(f"{path}: {what} died (exit {proc.returncode}): {tail}")
     return json.loads(line.removeprefix("PTOPS_DRYRUN "))
 
 
-def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None, json_out: bool) -> dict:
+def titan_dry_run(
+    rec, path: Path, nodes: int | None, gpus_per_node: int | None, json_out: bool
+) -> dict:
     from ptops.recipes.plan import PlanError, fit_problem, plan
     from ptops.recipes.titan.config import degrees, world_of
 
@@ -58,10 +70,19 @@ def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None,
     world = world_of(rec, nodes, gpus_per_node)
     n_nodes = nodes if nodes is not None else (t.target.nodes if t.target else 1)
     gpu = t.target.gpu if t.target else "h100"
-    report: dict = {"recipe": rec.name, "world": world, "nodes": n_nodes, "gpu": gpu, "schema": "ok"}
+    report: dict = {
+        "recipe": rec.name,
+        "world": world,
+        "nodes": n_nodes,
+        "gpu": gpu,
+        "schema": "ok",
+    }
     degs, problem = degrees(rec, world)
     if problem is not None:
-        fail(f"{path}: key 'titan.parallelism': {problem} ({n_nodes} nodes x {world // n_nodes} GPUs)")
+        fail(
+            f"{path}: key 'titan.parallelism': {problem} ({n_nodes} nodes x {world // n_nodes} "
+            "GPUs)"
+        )
     report["degrees"] = degs
     try:
         p = plan(rec, gpu, world, n_nodes)
@@ -73,12 +94,21 @@ def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None,
     report["plan_memory_gib"] = round(p["memory"]["total_gib"], 2)
     report["plan_param_bytes_per_gpu"] = int(p["memory"]["params_gib"] * 1024**3)
     if not json_out:
-        typer.echo(f"dry run: {rec.name} for {world} ranks ({n_nodes} nodes x {world // n_nodes} {gpu})")
+        typer.echo(
+            f"dry run: {rec.name} for {world} ranks ({n_nodes} nodes x {world // n_nodes} {gpu})"
+        )
         typer.echo("  schema       ok")
         typer.echo("  degrees      ok: " + " ".join(f"{k}={v}" for k, v in degs.items()))
-        typer.echo(f"  memory       ok: planner {p['memory']['total_gib']:.1f} of {p['memory']['gpu_gib']:.1f} GiB per GPU"
-                   + ("" if t.target else f" (no titan.target: a {gpu} assumed)") + " (`ptops plan` for the breakdown)")
-        typer.echo(f"  torchtitan   building the real parallelisation for {world} ranks on a fake backend (CPU)...")
+        typer.echo(
+            f"  memory       ok: planner {p['memory']['total_gib']:.1f} of "
+            f"{p['memory']['gpu_gib']:.1f} GiB per GPU"
+            + ("" if t.target else f" (no titan.target: a {gpu} assumed)")
+            + " (`ptops plan` for the breakdown)"
+        )
+        typer.echo(
+            f"  torchtitan   building the real parallelisation for {world} ranks on a fake "
+            "backend (CPU)..."
+        )
     what = f"TorchTitan fake-backend dry run for {world} ranks"
     res = engine_dry_run("ptops.recipes.titan.dryrun", rec, [str(world)], path, what)
     if not res.get("ok"):
@@ -91,15 +121,27 @@ def titan_dry_run(rec, path: Path, nodes: int | None, gpus_per_node: int | None,
     report["torchtitan"] = res
     if not json_out:
         m = res["mesh"]
-        typer.echo(f"  torchtitan   ok in {res['seconds']} s: mesh " + " ".join(f"{k}={v}" for k, v in m.items())
-                   + f"; {res['model']} ({res['rank0_params']:,} params), {res['float8_modules']} Float8Linear,"
-                   f" {res['model_parts']} model part(s), optimizer built")
-        typer.echo(f"  param bytes  rank 0 holds {_size(measured)}; planner {_size(planned)}"
-                   f" (x{ratio:.3f}; tolerance {TOLERANCE:.0%}{'' if res['within_tolerance'] else ': OUTSIDE'})")
-        typer.echo(f"  process peak {res['peak_rss_gib']:.2f} GiB RSS (TorchTitan's memory report on CPU)")
+        typer.echo(
+            f"  torchtitan   ok in {res['seconds']} s: mesh "
+            + " ".join(f"{k}={v}" for k, v in m.items())
+            + f"; {res['model']} ({res['rank0_params']:,} params), {res['float8_modules']} "
+            "Float8Linear,"
+            f" {res['model_parts']} model part(s), optimizer built"
+        )
+        typer.echo(
+            f"  param bytes  rank 0 holds {_size(measured)}; planner {_size(planned)}"
+            f" (x{ratio:.3f}; tolerance "
+            f"{TOLERANCE:.0%}{'' if res['within_tolerance'] else ': OUTSIDE'})"
+        )
+        typer.echo(
+            f"  process peak {res['peak_rss_gib']:.2f} GiB RSS (TorchTitan's memory report on CPU)"
+        )
         for item in res["not_checked"]:
             typer.echo(f"  not checked  {item}")
         if t.parallelism.cp > 1:
-            typer.echo("  not checked  CP on CPU: the CP mesh and wrappers were built, but CP attention cannot run on CPU"
-                       " (no DTensor strategy for CPU SDPA); scripts/gpu_check.sh runs it on a GPU")
+            typer.echo(
+                "  not checked  CP on CPU: the CP mesh and wrappers were built, but CP attention "
+                "cannot run on CPU"
+                " (no DTensor strategy for CPU SDPA); scripts/gpu_check.sh runs it on a GPU"
+            )
     return report

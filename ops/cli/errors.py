@@ -1,4 +1,5 @@
-"""The one way a ``ptops`` command fails: one ``error:`` line on stderr and an exit code (2: bad input)."""
+"""The one way a ``ptops`` command fails: one ``error:`` line on stderr and an exit code (2: bad
+input)."""
 
 from __future__ import annotations
 

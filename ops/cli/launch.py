@@ -30,7 +30,9 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
     )
     t0 = time.monotonic()
     progress = Progress(rec.train.steps)
-    sup = Supervisor(rec, run, faults, progress=progress, strategy="permanent" if supervise else "temporary")
+    sup = Supervisor(
+        rec, run, faults, progress=progress, strategy="permanent" if supervise else "temporary"
+    )
     code = _with_sidecars(rec, run, lock_fd, lambda: sup.run_all(lock_fd=lock_fd))
     progress.close()
     summary = summarize(run, time.monotonic() - t0, code)
@@ -42,7 +44,8 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
 
 
 def _with_sidecars(rec, run, lock_fd: int, body) -> int:
-    """The engine's sidecars (e.g. ``trl vllm-serve``) live for the whole launch, across attempts."""
+    """The engine's sidecars (e.g. ``trl vllm-serve``) live for the whole launch, across
+    attempts."""
     from ptops.recipes.engines import sidecar_specs
 
     specs = sidecar_specs(rec)
@@ -64,7 +67,8 @@ def _with_sidecars(rec, run, lock_fd: int, body) -> int:
 
 
 def summarize(run, wall_s: float, code: int) -> dict:
-    """The end-of-launch summary, from the run directory (the same for plain and supervised runs)."""
+    """The end-of-launch summary, from the run directory (the same for plain and supervised
+    runs)."""
     from ptops.ckpt import latest_good
     from ptops.ops.runrecord.events import EventKind as K
     from ptops.ops.runrecord.events import reduce
@@ -91,7 +95,9 @@ def summarize(run, wall_s: float, code: int) -> dict:
         "faults_injected": count(K.FAULT_INJECTED),
         "last_good_checkpoint": good,
         "checkpoints": sorted(p.name for p in run.checkpoints.glob("*") if p.is_dir()),
-        "stacks": sorted(str(p) for p in (run.path / "stacks").glob("attempt-*")) if (run.path / "stacks").exists() else [],
+        "stacks": sorted(str(p) for p in (run.path / "stacks").glob("attempt-*"))
+        if (run.path / "stacks").exists()
+        else [],
         "wall_s": round(wall_s, 2),
     }
 
@@ -99,7 +105,8 @@ def summarize(run, wall_s: float, code: int) -> dict:
 def print_summary(s: dict) -> None:
     e = lambda m: typer.echo(m, err=True)  # noqa: E731
     e(
-        f"{s['state']} (exit {s['exit_code']}): step {s['step']}, loss {s['loss']}, attempts {s['attempts']}, "
+        f"{s['state']} (exit {s['exit_code']}): step {s['step']}, loss {s['loss']}, attempts "
+        f"{s['attempts']}, "
         f"restarts {s['restarts']} (crashes {s['crashes']}, hangs {s['hangs']}), {s['wall_s']} s"
     )
     if s["reason"]:
@@ -115,5 +122,7 @@ def print_summary(s: dict) -> None:
     row = exitcodes.describe(s["exit_code"]) if s["exit_code"] else None
     if row is not None:  # the table's word for a scheduler and a person (docs/exit-codes.md)
         look = row.code in (exitcodes.NO_PROGRESS, exitcodes.MISCONFIGURED)
-        e(f"  exit {row.code} ({row.name}): requeue: {row.requeue}"
-          + ("; a person must look (ptops status / ptops diagnose)" if look else ""))
+        e(
+            f"  exit {row.code} ({row.name}): requeue: {row.requeue}"
+            + ("; a person must look (ptops status / ptops diagnose)" if look else "")
+        )

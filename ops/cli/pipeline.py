@@ -1,4 +1,5 @@
-"""``ptops pipeline PIPELINE.toml``: supervised stages with verified hand-offs (ops/pipeline does the work)."""
+"""``ptops pipeline PIPELINE.toml``: supervised stages with verified hand-offs (ops/pipeline does
+the work)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,39 @@ from ptops.ops.cli.errors import fail
 
 
 def pipeline_cmd(
-    file: Annotated[Path, typer.Argument(help="Pipeline TOML file: a name and [[stage]] tables (name, recipe, set, faults, input, gate).")],
-    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Pipeline directory (stages under stages/NN-name); rerunning on it resumes. Default: runs/<name>-<timestamp>.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the final pipeline status as JSON on stdout.")] = False,
-    mlflow_uri: Annotated[Optional[str], typer.Option("--mlflow-uri", help="MLflow tracking URI. Default: sqlite:///<parent of the pipeline dir>/mlflow.db.")] = None,
-    mlflow: Annotated[bool, typer.Option("--mlflow/--no-mlflow", help="Lineage in MLflow: a parent run, a nested child run per stage, digests as tags/params.")] = True,
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="Pipeline TOML file: a name and [[stage]] tables (name, recipe, set, faults, "
+            "input, gate)."
+        ),
+    ],
+    run_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--run-dir",
+            help="Pipeline directory (stages under stages/NN-name); rerunning on it resumes. "
+            "Default: runs/<name>-<timestamp>.",
+        ),
+    ] = None,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the final pipeline status as JSON on stdout.")
+    ] = False,
+    mlflow_uri: Annotated[
+        Optional[str],
+        typer.Option(
+            "--mlflow-uri",
+            help="MLflow tracking URI. Default: sqlite:///<parent of the pipeline dir>/mlflow.db.",
+        ),
+    ] = None,
+    mlflow: Annotated[
+        bool,
+        typer.Option(
+            "--mlflow/--no-mlflow",
+            help="Lineage in MLflow: a parent run, a nested child run per stage, digests as "
+            "tags/params.",
+        ),
+    ] = True,
 ) -> None:
     """Run training stages in order, each a supervised launch starting from the verified final
     checkpoint of the stage it names, each optionally gated on a metric.
@@ -34,8 +63,8 @@ def pipeline_cmd(
     its own last good checkpoint.
 
     Ctrl-C / SIGINT / SIGTERM (handled even when started with SIGINT ignored, e.g. under nohup): the
-    running stage is told once (it checkpoints and stops; a second signal stops it now), then exit 130.
-    If the pipeline is killed outright (SIGKILL), the kernel sends its running stage SIGTERM
+    running stage is told once (it checkpoints and stops; a second signal stops it now), then exit
+    130. If the pipeline is killed outright (SIGKILL), the kernel sends its running stage SIGTERM
     (PR_SET_PDEATHSIG): the stage saves and stops, and a rerun resumes it.
 
     Exit 0: all stages completed; 1: a stage failed or a gate stopped it; 3: a stage said do not
@@ -53,15 +82,25 @@ def pipeline_cmd(
         pipe = load(file)
     except PipelineError as e:
         fail(str(e))
-    target = run_dir or Path("runs") / f"{pipe.model.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    typer.echo(f"ptops pipeline: {pipe.model.name} ({len(pipe.stages)} stages) -> {target}", err=True)
+    target = (
+        run_dir or Path("runs") / f"{pipe.model.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    )
+    typer.echo(
+        f"ptops pipeline: {pipe.model.name} ({len(pipe.stages)} stages) -> {target}", err=True
+    )
     try:
         outcome = PipelineRunner(pipe, target, mlflow=mlflow, mlflow_uri=mlflow_uri).run()
     except PipelineError as e:
         fail(str(e))
     status = collect(target)
     if json_out:
-        typer.echo(json.dumps({**status, "exit_code": outcome.code, "message": outcome.message}, indent=2, default=str))
+        typer.echo(
+            json.dumps(
+                {**status, "exit_code": outcome.code, "message": outcome.message},
+                indent=2,
+                default=str,
+            )
+        )
     else:
         typer.echo(render(status), err=True)
     if outcome.code == 0:

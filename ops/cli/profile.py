@@ -43,17 +43,25 @@ def _check_run_dir(run_dir: Path) -> None:
 
 
 def request(run_dir: Path, steps: int) -> dict[str, Any]:
-    """Ask the live supervisor for a profile; its answer (id, start_step, ranks) or one error line."""
+    """Ask the live supervisor for a profile; its answer (id, start_step, ranks) or one error
+    line."""
     from ptops.ops.rank.channel import ChannelClient, read_info
     from ptops.ops.runrecord.lock import holder
 
     if holder(run_dir) is None:
-        fail(f"{run_dir}: no live supervisor (the run is not running; `ptops profile` needs a live run, "
-             f"or --id to analyse a capture already taken)")
+        fail(
+            f"{run_dir}: no live supervisor (the run is not running; `ptops profile` needs a "
+            "live run, "
+            f"or --id to analyse a capture already taken)"
+        )
     try:
         info = read_info(run_dir / "supervisor" / "channel.json")
-        client = ChannelClient(info["address"], info["token"], {"role": "control", "pid": os.getpid()},
-                               connect_timeout=5)
+        client = ChannelClient(
+            info["address"],
+            info["token"],
+            {"role": "control", "pid": os.getpid()},
+            connect_timeout=5,
+        )
         answer = client.request({"t": "profile", "steps": int(steps)}, timeout=10)
         client.close()
     except (OSError, ValueError, KeyError, ConnectionError) as e:
@@ -63,7 +71,9 @@ def request(run_dir: Path, steps: int) -> dict[str, Any]:
     return answer
 
 
-def wait(run_dir: Path, answer: dict[str, Any], timeout_s: float, quiet: bool = False) -> dict[int, dict[str, Any]]:
+def wait(
+    run_dir: Path, answer: dict[str, Any], timeout_s: float, quiet: bool = False
+) -> dict[int, dict[str, Any]]:
     """Every rank's ``profile_captured`` event for this request; one error line when a rank fails,
     the attempt or the run ends first, or ``timeout_s`` passes."""
     from ptops.ops.runrecord.events import END_KINDS, EventKind
@@ -94,41 +104,66 @@ def wait(run_dir: Path, answer: dict[str, Any], timeout_s: float, quiet: bool = 
                 seen_request = True
             if not seen_request:
                 continue
-            if kind in (EventKind.PROFILE_CAPTURED, EventKind.PROFILE_FAILED) and e.get("id") == pid:
+            if (
+                kind in (EventKind.PROFILE_CAPTURED, EventKind.PROFILE_FAILED)
+                and e.get("id") == pid
+            ):
                 rank = int(fields.get("rank", -1))
                 if kind == EventKind.PROFILE_FAILED:
-                    fail(f"{run_dir}: rank {rank} could not profile ({fields.get('error')}); traces so far "
-                         f"in {run_dir / 'profiles' / pid}")
+                    fail(
+                        f"{run_dir}: rank {rank} could not profile ({fields.get('error')}); "
+                        "traces so far "
+                        f"in {run_dir / 'profiles' / pid}"
+                    )
                 captured[rank] = fields
                 waiting.discard(rank)
                 if not quiet:
                     part = " (partial: the rank left early)" if fields.get("partial") else ""
-                    _say(f"rank {rank}: captured steps {fields.get('first_step')}.."
-                         f"{int(fields.get('first_step', 0)) + int(fields.get('steps', 0)) - 1}"
-                         f" ({int(fields.get('bytes') or 0) / 1e6:.1f} MB){part}; waiting for {sorted(waiting) or 'none'}")
+                    _say(
+                        f"rank {rank}: captured steps {fields.get('first_step')}.."
+                        f"{int(fields.get('first_step', 0)) + int(fields.get('steps', 0)) - 1}"
+                        f" ({int(fields.get('bytes') or 0) / 1e6:.1f} MB){part}; waiting for "
+                        f"{sorted(waiting) or 'none'}"
+                    )
             elif kind == EventKind.LAUNCH and int(e.get("attempt", 0)) > attempt and waiting:
-                fail(f"{run_dir}: attempt {attempt} ended before ranks {sorted(waiting)} captured profile {pid} "
-                     f"(steps {first}..{last}); see `ptops diagnose {run_dir}`")
+                fail(
+                    f"{run_dir}: attempt {attempt} ended before ranks {sorted(waiting)} captured "
+                    f"profile {pid} "
+                    f"(steps {first}..{last}); see `ptops diagnose {run_dir}`"
+                )
             elif kind in END_KINDS and waiting:
-                fail(f"{run_dir}: the run ended ({kind}) before ranks {sorted(waiting)} captured profile {pid} "
-                     f"(steps {first}..{last})")
+                fail(
+                    f"{run_dir}: the run ended ({kind}) before ranks {sorted(waiting)} captured "
+                    f"profile {pid} "
+                    f"(steps {first}..{last})"
+                )
         if not waiting:
             break
         now = time.monotonic()
         if now >= deadline:
-            fail(f"{run_dir}: ranks {sorted(waiting)} did not capture profile {pid} within {timeout_s:g} s: "
-                 f"{where()}, the profile covers steps {first}..{last} (held or hung? `ptops status {run_dir}`)")
+            fail(
+                f"{run_dir}: ranks {sorted(waiting)} did not capture profile {pid} within "
+                f"{timeout_s:g} s: "
+                f"{where()}, the profile covers steps {first}..{last} (held or hung? `ptops "
+                f"status {run_dir}`)"
+            )
         if holder(run_dir) is None:
             for e in tail.records():  # the last words of a supervisor that just ended
                 if e.get("kind") == EventKind.PROFILE_CAPTURED and e.get("id") == pid:
                     captured[int(e.get("rank", -1))] = e
                     waiting.discard(int(e.get("rank", -1)))
             if waiting:
-                fail(f"{run_dir}: the supervisor exited before ranks {sorted(waiting)} captured profile {pid}")
+                fail(
+                    f"{run_dir}: the supervisor exited before ranks {sorted(waiting)} captured "
+                    f"profile {pid}"
+                )
             break
         if not quiet and now >= next_note:
             next_note = now + PROGRESS_EVERY_S
-            _say(f"waiting for ranks {sorted(waiting)}: {where()}, the profile covers steps {first}..{last}")
+            _say(
+                f"waiting for ranks {sorted(waiting)}: {where()}, the profile covers steps "
+                f"{first}..{last}"
+            )
         time.sleep(0.2)
     return captured
 
@@ -148,9 +183,17 @@ def _load_capture(run_dir: Path, pid: str) -> tuple[dict[str, Any], dict[int, di
         elif e.get("kind") == EventKind.PROFILE_CAPTURED:
             captured[int(e.get("rank", -1))] = e
     if req is None:
-        known = sorted({e.get("id") for e in read_jsonl(run_dir / "events.jsonl")
-                        if e.get("kind") == EventKind.PROFILE_REQUESTED})
-        fail(f"{run_dir}: no profile {pid!r} in events.jsonl (profiles: {', '.join(known) or 'none'})")
+        known = sorted(
+            {
+                e.get("id")
+                for e in read_jsonl(run_dir / "events.jsonl")
+                if e.get("kind") == EventKind.PROFILE_REQUESTED
+            }
+        )
+        fail(
+            f"{run_dir}: no profile {pid!r} in events.jsonl (profiles: "
+            f"{', '.join(known) or 'none'})"
+        )
     if not captured:
         fail(f"{run_dir}: profile {pid}: no rank captured a trace")
     return req, captured
@@ -159,18 +202,24 @@ def _load_capture(run_dir: Path, pid: str) -> tuple[dict[str, Any], dict[int, di
 def analyse(run_dir: Path, pid: str, captured: dict[int, dict[str, Any]]) -> dict[str, Any]:
     from ptops.diagnostics.profile import TraceError, analyse_files, write_summary
 
-    paths = {rank: run_dir / str(ev.get("path") or f"profiles/{pid}/rank-{rank}.json")
-             for rank, ev in sorted(captured.items())}
+    paths = {
+        rank: run_dir / str(ev.get("path") or f"profiles/{pid}/rank-{rank}.json")
+        for rank, ev in sorted(captured.items())
+    }
     try:
         report = analyse_files(paths)
     except TraceError as e:
         fail(f"{run_dir}: {e}")
     report["id"] = pid
     report["run_dir"] = str(run_dir)
-    report["traces"] = {str(r): str(p.relative_to(run_dir)) if p.is_relative_to(run_dir) else str(p)
-                        for r, p in paths.items()}
+    report["traces"] = {
+        str(r): str(p.relative_to(run_dir)) if p.is_relative_to(run_dir) else str(p)
+        for r, p in paths.items()
+    }
     try:
-        report["summary"] = str(write_summary(run_dir / "profiles" / pid, report).relative_to(run_dir))
+        report["summary"] = str(
+            write_summary(run_dir / "profiles" / pid, report).relative_to(run_dir)
+        )
     except OSError as e:  # a read-only copy of a run directory: the breakdown still prints
         report["summary"] = None
         _say(f"could not write the summary ({e})")
@@ -179,12 +228,29 @@ def analyse(run_dir: Path, pid: str, captured: dict[int, dict[str, Any]]) -> dic
 
 def profile_cmd(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a live supervised run.")],
-    steps: Annotated[int, typer.Option("--steps", min=1, max=100, help="Steps to trace on every rank (the same steps on all).")] = 5,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the breakdown as one JSON object (also in profiles/<id>/summary.json).")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to wait for every rank's trace.")] = 120.0,
-    pid: Annotated[Optional[str], typer.Option("--id", help="Analyse a capture already taken (profiles/<ID>/), live or not.")] = None,
+    steps: Annotated[
+        int,
+        typer.Option(
+            "--steps", min=1, max=100, help="Steps to trace on every rank (the same steps on all)."
+        ),
+    ] = 5,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the breakdown as one JSON object (also in profiles/<id>/summary.json).",
+        ),
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=1.0, help="Seconds to wait for every rank's trace.")
+    ] = 120.0,
+    pid: Annotated[
+        Optional[str],
+        typer.Option("--id", help="Analyse a capture already taken (profiles/<ID>/), live or not."),
+    ] = None,
 ) -> None:
-    """Trace N steps of every rank of a live run with the torch profiler and name the slow part and the slow rank.
+    """Trace N steps of every rank of a live run with the torch profiler and name the slow part and
+    the slow rank.
 
     No restart: the supervisor forwards the request over its channel, every rank traces the same
     steps and writes profiles/<id>/rank-R.json (Chrome trace: open in Perfetto or chrome://tracing).

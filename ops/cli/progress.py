@@ -11,11 +11,17 @@ from ptops.ops.runrecord.jsonl import JsonlTail
 
 def _fmt_s(seconds: float) -> str:
     seconds = max(0, int(seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+    return (
+        f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+        if seconds >= 3600
+        else f"{seconds // 60}:{seconds % 60:02d}"
+    )
 
 
 class Progress:
-    def __init__(self, total: int, stream=None, live: bool | None = None, plain_every_s: float = 5.0):
+    def __init__(
+        self, total: int, stream=None, live: bool | None = None, plain_every_s: float = 5.0
+    ):
         self.total = total
         self.stream = stream or sys.stderr
         self.live = self.stream.isatty() if live is None else live
@@ -56,7 +62,10 @@ class Progress:
     def line(self, now: float) -> str:
         loss = f"{self.loss:.4f}" if isinstance(self.loss, (int, float)) else str(self.loss)
         tps = f"{self.tps:,.0f}" if isinstance(self.tps, (int, float)) else "-"
-        return f"step {self.step}/{self.total}  loss {loss}  tok/s {tps}  elapsed {_fmt_s(now - self.start)}  eta {self.eta(now)}"
+        return (
+            f"step {self.step}/{self.total}  loss {loss}  tok/s {tps}  elapsed "
+            f"{_fmt_s(now - self.start)}  eta {self.eta(now)}"
+        )
 
     def render(self, now: float) -> None:
         if self.live:

@@ -1,4 +1,5 @@
-"""``ptops status``'s human view of :func:`ptops.ops.runrecord.status.collect` (the data stays in the run-record layer)."""
+"""``ptops status``'s human view of :func:`ptops.ops.runrecord.status.collect` (the data stays in
+the run-record layer)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,33 @@ def render(s: dict[str, Any]) -> str:
     ck = s.get("last_good_checkpoint")
     lines = [
         f"{s['run_dir']}: {s['state']}",
-        f"  step {s['step']}{total}, attempt {s['attempt']}, restarts {s['restarts']}, loss {s.get('loss')}",
-        f"  last good checkpoint: {'step ' + str(ck['step']) + ' (' + ck['path'] + ')' if ck else 'none'}",
-        f"  supervisor: {'pid ' + str(s['supervisor_pid']) if s['supervisor_alive'] else 'not running'}",
+        f"  step {s['step']}{total}, attempt {s['attempt']}, restarts {s['restarts']}, loss "
+        f"{s.get('loss')}",
+        "  last good checkpoint: "
+        f"{'step ' + str(ck['step']) + ' (' + ck['path'] + ')' if ck else 'none'}",
+        "  supervisor: "
+        f"{'pid ' + str(s['supervisor_pid']) if s['supervisor_alive'] else 'not running'}",
     ]
     g = s.get("goodput") or {}
     if g.get("ratio") is not None:
         lost = sorted(((v, k) for k, v in g["lost_s"].items() if v >= 0.05), reverse=True)
         where = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for v, k in lost) or "nothing lost"
-        lines.append(f"  goodput: {g['ratio']:.0%} of {g['wall_s']:.1f} s productive; lost: {where}")
+        lines.append(
+            f"  goodput: {g['ratio']:.0%} of {g['wall_s']:.1f} s productive; lost: {where}"
+        )
     sl = s.get("slurm")
     if sl:
-        lines.append(f"  slurm job {sl.get('job_id')} ({sl.get('state')})"
-                     + (f" on {','.join(sl['nodes'])}" if sl.get("nodes") else "")
-                     + (f"; attempt nodes {','.join(sl['active'])}" if sl.get("active") else "")
-                     + (f"; spares {','.join(sl['spares'])}" if sl.get("spares") else "")
-                     + (f"; requeues {sl['restart_count']}" if sl.get("restart_count") else ""))
+        lines.append(
+            f"  slurm job {sl.get('job_id')} ({sl.get('state')})"
+            + (f" on {','.join(sl['nodes'])}" if sl.get("nodes") else "")
+            + (f"; attempt nodes {','.join(sl['active'])}" if sl.get("active") else "")
+            + (f"; spares {','.join(sl['spares'])}" if sl.get("spares") else "")
+            + (f"; requeues {sl['restart_count']}" if sl.get("restart_count") else "")
+        )
     if s.get("ranks"):
-        lines.append("  ranks: " + ", ".join(f"{r['rank']}=pid {r['pid']}@{r['host']}" for r in s["ranks"]))
+        lines.append(
+            "  ranks: " + ", ".join(f"{r['rank']}=pid {r['pid']}@{r['host']}" for r in s["ranks"])
+        )
     for f in s.get("open_findings", []):
         detail = {k: v for k, v in f.items() if k not in ("ts", "kind")}
         when = time.strftime("%H:%M:%S", time.localtime(f.get("ts", 0)))

@@ -31,7 +31,8 @@ def status_cmd(
     run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """State, step, attempt, last good checkpoint, open findings, supervisor pid and live ranks of a run.
+    """State, step, attempt, last good checkpoint, open findings, supervisor pid and live ranks of a
+    run.
 
     Works on a live run (reads the supervisor's status.json) and after the fact. On a pipeline
     directory (`ptops pipeline`): the pipeline's state and every stage's state, steps, input and
@@ -39,7 +40,8 @@ def status_cmd(
     Example:  ptops status runs/demo --json
     """
     if (Path(run_dir) / "pipeline.json").is_file():  # a `ptops pipeline` directory
-        from ptops.ops.pipeline.status import collect as pipeline_status, render as render_pipeline
+        from ptops.ops.pipeline.status import collect as pipeline_status
+        from ptops.ops.pipeline.status import render as render_pipeline
 
         p = pipeline_status(run_dir)
         typer.echo(json.dumps(p, indent=2, default=str) if json_out else render_pipeline(p))
@@ -58,8 +60,16 @@ def status_cmd(
 
 
 def inject_cmd(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory of a live run (plain or --supervise).")],
-    spec: Annotated[str, typer.Argument(help="Fault spec, e.g. hang:rank=0,step=30 (the step may be past: fires at the next), or release (ends a hold).")],
+    run_dir: Annotated[
+        Path, typer.Argument(help="Run directory of a live run (plain or --supervise).")
+    ],
+    spec: Annotated[
+        str,
+        typer.Argument(
+            help="Fault spec, e.g. hang:rank=0,step=30 (the step may be past: fires at the "
+            "next), or release (ends a hold)."
+        ),
+    ],
 ) -> None:
     """Inject a fault into a live run (sent to its ranks over the supervisor's channel).
 
@@ -76,17 +86,25 @@ def inject_cmd(
     from ptops.ops.runrecord.lock import holder
 
     if holder(Path(run_dir)) is None:
-        fail(f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops launch`)", 1)
+        fail(
+            f"{run_dir}: no live supervisor (the run is not running: launch it with `ptops "
+            "launch`)",
+            1,
+        )
     try:
         info = read_info(info_path)
-        client = ChannelClient(info["address"], info["token"], {"role": "control", "pid": 0}, connect_timeout=5)
+        client = ChannelClient(
+            info["address"], info["token"], {"role": "control", "pid": 0}, connect_timeout=5
+        )
         answer = client.request({"t": "inject", "spec": spec}, timeout=10)
         client.close()
     except (OSError, ValueError, KeyError, ConnectionError) as e:
         fail(f"{run_dir}: cannot reach the supervisor ({e})", 1)
     if not answer.get("ok"):
         fail(str(answer.get("error")), 2)
-    typer.echo(f"injected {answer['fault']} into attempt {answer['attempt']} (ranks {answer['ranks']})")
+    typer.echo(
+        f"injected {answer['fault']} into attempt {answer['attempt']} (ranks {answer['ranks']})"
+    )
 
 
 def register(app: typer.Typer) -> None:

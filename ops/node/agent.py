@@ -1,4 +1,5 @@
-"""The node agent: one per node and attempt (``srun --ntasks-per-node=1 python -m ptops.ops.node.agent``).
+"""The node agent: one per node and attempt (``srun --ntasks-per-node=1 python -m
+ptops.ops.node.agent``).
 
 Why it exists: the supervisor runs on one node; the ranks of the other nodes must still reach it,
 be stopped with it, and have their stacks read where they live. The agent, per node:
@@ -82,10 +83,18 @@ class Agent:
         self._listen.listen(256)
         self._listen.setblocking(False)
         self.up = ChannelClient(
-            env[ENV_ADDRESS], env[ENV_TOKEN],
-            {"role": ROLE_NODE, "node": self.node, "node_rank": self.node_rank, "pid": os.getpid(),
-             "host": self.node, "attempt": self.attempt},
-            on_message=self._from_supervisor, on_eof=lambda: self.stop("the supervisor's connection closed"),
+            env[ENV_ADDRESS],
+            env[ENV_TOKEN],
+            {
+                "role": ROLE_NODE,
+                "node": self.node,
+                "node_rank": self.node_rank,
+                "pid": os.getpid(),
+                "host": self.node,
+                "attempt": self.attempt,
+            },
+            on_message=self._from_supervisor,
+            on_eof=lambda: self.stop("the supervisor's connection closed"),
             connect_timeout=30.0,
         )
 
@@ -113,8 +122,11 @@ class Agent:
         from pathlib import Path
 
         self.proc = procs.spawn(argv, env, Path(path))
-        log(f"node rank {self.node_rank}/{self.nnodes}: torchrun pid {self.proc.pid} ({nproc} rank(s)), "
-            f"rendezvous {self.env['PTOPS_NODE_MASTER']}:{self.env['PTOPS_NODE_PORT']}")
+        log(
+            f"node rank {self.node_rank}/{self.nnodes}: torchrun pid {self.proc.pid} ({nproc} "
+            "rank(s)), "
+            f"rendezvous {self.env['PTOPS_NODE_MASTER']}:{self.env['PTOPS_NODE_PORT']}"
+        )
 
     def kill_ranks(self) -> None:
         if self.proc is None:
@@ -209,8 +221,11 @@ class Agent:
                     except json.JSONDecodeError:
                         hello = None
                     tok = str((hello or {}).get("token", "")) if isinstance(hello, dict) else ""
-                    if not isinstance(hello, dict) or hello.get("t") != "hello" or \
-                            not hmac.compare_digest(tok.encode(), self.local_token.encode()):
+                    if (
+                        not isinstance(hello, dict)
+                        or hello.get("t") != "hello"
+                        or not hmac.compare_digest(tok.encode(), self.local_token.encode())
+                    ):
                         drop(cid, conn)
                         break
                     hello.pop("token", None)
@@ -226,7 +241,9 @@ class Agent:
         rc: int | None = None
         next_ka = 0.0
         while not self.done.is_set():
-            if time.monotonic() >= next_ka:  # the supervisor tells a cut link from a quiet node by these
+            if (
+                time.monotonic() >= next_ka
+            ):  # the supervisor tells a cut link from a quiet node by these
                 next_ka = time.monotonic() + KEEPALIVE_S
                 self.up.send({"t": KEEPALIVE})
             rc = self.proc.poll()

@@ -14,9 +14,17 @@ from ptops.ops.runrecord.follow import follow
 
 
 class LiveExporters:
-    def __init__(self, run_dir: Path, metrics_port: int | None, mlflow_uri: str | None, mlflow: bool,
-                 out=None, wandb: bool = False, wandb_project: str | None = None,
-                 wandb_entity: str | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        metrics_port: int | None,
+        mlflow_uri: str | None,
+        mlflow: bool,
+        out=None,
+        wandb: bool = False,
+        wandb_project: str | None = None,
+        wandb_entity: str | None = None,
+    ):
         self.out = out or sys.stderr
         self.followers = []
         self.prom = None
@@ -27,7 +35,9 @@ class LiveExporters:
             self.prom = PrometheusExporter.for_run_dir(run_dir)
             self.port = self.prom.serve(metrics_port)
             self.followers.append(follow(run_dir, self.prom))
-            print(f"ptops: Prometheus metrics on http://127.0.0.1:{self.port}/metrics", file=self.out)
+            print(
+                f"ptops: Prometheus metrics on http://127.0.0.1:{self.port}/metrics", file=self.out
+            )
         if mlflow:
             from ptops.ops.obs.mlflow_export import MlflowExporter
 
@@ -38,12 +48,16 @@ class LiveExporters:
         if wandb:
             from ptops.ops.obs.wandb_export import WandbExporter, mode_for
 
-            # from the start: wandb.json's cursor skips what an earlier attempt's exporter already wrote
+            # from the start: wandb.json's cursor skips what an earlier attempt's exporter already
+            # wrote
             mode = mode_for(wandb_project, wandb_entity)
             self.wandb = WandbExporter(run_dir, wandb_project, wandb_entity, mode=mode)
             self.followers.append(follow(run_dir, self.wandb))
-            where = "W&B offline files in " + str(Path(run_dir) / "wandb") if mode == "offline" else \
-                f"W&B project {wandb_entity + '/' if wandb_entity else ''}{self.wandb.project}"
+            where = (
+                "W&B offline files in " + str(Path(run_dir) / "wandb")
+                if mode == "offline"
+                else f"W&B project {wandb_entity + '/' if wandb_entity else ''}{self.wandb.project}"
+            )
             print(f"ptops: {where}", file=self.out)
 
     def close(self, timeout: float = 15.0) -> None:
@@ -51,11 +65,19 @@ class LiveExporters:
             f.stop()
         if self.mlflow is not None:
             if not self.mlflow.close(timeout):
-                print(f"ptops: MLflow export incomplete ({self.mlflow.dropped} records dropped, last error: {self.mlflow.last_error})", file=self.out)
+                print(
+                    f"ptops: MLflow export incomplete ({self.mlflow.dropped} records dropped, "
+                    f"last error: {self.mlflow.last_error})",
+                    file=self.out,
+                )
         if self.wandb is not None:
             if not self.wandb.close(max(timeout, 30.0)):
-                print(f"ptops: W&B export incomplete ({self.wandb.dropped} records dropped, last error: "
-                      f"{self.wandb.last_error})", file=self.out)
+                print(
+                    f"ptops: W&B export incomplete ({self.wandb.dropped} records dropped, last "
+                    "error: "
+                    f"{self.wandb.last_error})",
+                    file=self.out,
+                )
         if self.prom is not None:
             self.prom.last_scrape()  # the followers' final poll is in: let Prometheus see the end
             self.prom.close()

@@ -43,7 +43,11 @@ from ptops.ops.runrecord.jsonl import read_jsonl
 log = logging.getLogger("ptops.exporters.mlflow")
 
 # end event kind (END_KINDS) -> MLflow run status
-TERMINAL = {EventKind.COMPLETED: "FINISHED", EventKind.FAILED: "FAILED", EventKind.STOPPED: "KILLED"}
+TERMINAL = {
+    EventKind.COMPLETED: "FINISHED",
+    EventKind.FAILED: "FAILED",
+    EventKind.STOPPED: "KILLED",
+}
 SKIP_METRIC_KEYS = {"step", "rank", "attempt", "ts"}
 MAX_BATCH_METRICS = 1000  # MLflow log_batch limit
 
@@ -119,7 +123,9 @@ class MlflowExporter(QueuedExporter):
     def _main(self) -> None:
         try:
             self._client = self._connect()
-        except Exception as e:  # MLflow down/misconfigured: drain and count, never raise into training
+        except (
+            Exception
+        ) as e:  # MLflow down/misconfigured: drain and count, never raise into training
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"
             log.warning("MLflow export disabled for %s: %s", self.run_dir, self.last_error)
@@ -155,8 +161,12 @@ class MlflowExporter(QueuedExporter):
                 except queue.Empty:
                     item = None
             if pending_metrics or pending_tags:
-                if stop or finalize or len(pending_metrics) >= MAX_BATCH_METRICS or \
-                        time.monotonic() - last_flush >= self.flush_interval_s:
+                if (
+                    stop
+                    or finalize
+                    or len(pending_metrics) >= MAX_BATCH_METRICS
+                    or time.monotonic() - last_flush >= self.flush_interval_s
+                ):
                     self._flush(pending_metrics, pending_tags)
                     pending_metrics, pending_tags = [], {}
                     last_flush = time.monotonic()
@@ -189,21 +199,28 @@ class MlflowExporter(QueuedExporter):
                 for k, v in run.data.tags.items():  # continue the event counts of earlier attempts
                     if k.startswith("ptops.events.") and k.endswith(".count"):
                         try:
-                            self._event_counts[k[len("ptops.events."):-len(".count")]] = int(v)
+                            self._event_counts[k[len("ptops.events.") : -len(".count")]] = int(v)
                         except ValueError:
                             pass
                 if run.info.status != "RUNNING":
                     client.update_run(self.run_id, status="RUNNING")
                 return client
             except Exception as e:
-                log.warning("stored MLflow run %s not found (%s); starting a new one", stored.get("run_id"), e)
+                log.warning(
+                    "stored MLflow run %s not found (%s); starting a new one",
+                    stored.get("run_id"),
+                    e,
+                )
         recipe = self._recipe()
         name = self.experiment or recipe.get("name") or "ptops"
         exp = client.get_experiment_by_name(name)
         if exp is None:
             try:
-                art = (Path(self.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri() \
-                    if self.tracking_uri.startswith("sqlite:///") else None
+                art = (
+                    (Path(self.tracking_uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
+                    if self.tracking_uri.startswith("sqlite:///")
+                    else None
+                )
                 exp_id = client.create_experiment(name, artifact_location=art)
             except Exception:  # created meanwhile by another process
                 exp = client.get_experiment_by_name(name)
@@ -212,15 +229,23 @@ class MlflowExporter(QueuedExporter):
                 exp_id = exp.experiment_id
         else:
             exp_id = exp.experiment_id
-        run = client.create_run(exp_id, run_name=self.run_dir.name,
-                                tags={"ptops.run_dir": str(self.run_dir.resolve()),
-                                      "ptops.recipe": str(recipe.get("name", "")),
-                                      "ptops.engine": str(recipe.get("engine", ""))})
+        run = client.create_run(
+            exp_id,
+            run_name=self.run_dir.name,
+            tags={
+                "ptops.run_dir": str(self.run_dir.resolve()),
+                "ptops.recipe": str(recipe.get("name", "")),
+                "ptops.engine": str(recipe.get("engine", "")),
+            },
+        )
         self.run_id = run.info.run_id
         tmp = state_file.with_suffix(".json.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"run_id": self.run_id, "experiment_id": exp_id, "tracking_uri": self.tracking_uri}, f)
+            json.dump(
+                {"run_id": self.run_id, "experiment_id": exp_id, "tracking_uri": self.tracking_uri},
+                f,
+            )
         os.replace(tmp, state_file)
         params = flatten(recipe)
         if params:
@@ -228,7 +253,7 @@ class MlflowExporter(QueuedExporter):
 
             items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items())]
             for i in range(0, len(items), 100):
-                client.log_batch(self.run_id, params=items[i:i + 100])
+                client.log_batch(self.run_id, params=items[i : i + 100])
         return client
 
     def _metrics_of(self, rec: Mapping[str, Any]) -> list:
@@ -253,8 +278,10 @@ class MlflowExporter(QueuedExporter):
     def _tags_of(self, ev: Mapping[str, Any]) -> dict[str, str]:
         kind = str(ev.get("kind") or "unknown")
         n = self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
-        tags = {f"ptops.events.{kind}.count": str(n),
-                f"ptops.events.{kind}.last": json.dumps(ev, default=str)[:4000]}
+        tags = {
+            f"ptops.events.{kind}.count": str(n),
+            f"ptops.events.{kind}.last": json.dumps(ev, default=str)[:4000],
+        }
         if kind == EventKind.LAUNCH and ev.get("attempt") is not None:
             tags["ptops.attempt"] = str(ev["attempt"])
         sp = spec(kind)
@@ -270,13 +297,18 @@ class MlflowExporter(QueuedExporter):
         try:
             tag_items = [RunTag(k, v) for k, v in tags.items()]
             for i in range(0, max(len(metrics), 1), MAX_BATCH_METRICS):
-                self._client.log_batch(self.run_id, metrics=metrics[i:i + MAX_BATCH_METRICS],
-                                       tags=tag_items if i == 0 else [])
+                self._client.log_batch(
+                    self.run_id,
+                    metrics=metrics[i : i + MAX_BATCH_METRICS],
+                    tags=tag_items if i == 0 else [],
+                )
             self.logged_metrics += len(metrics)
         except Exception as e:
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"
-            log.warning("MLflow log_batch failed (%d metrics lost): %s", len(metrics), self.last_error)
+            log.warning(
+                "MLflow log_batch failed (%d metrics lost): %s", len(metrics), self.last_error
+            )
 
     def _finalize(self, terminal: bool) -> None:
         if self._finalized:
@@ -285,9 +317,13 @@ class MlflowExporter(QueuedExporter):
         try:
             summary = incident_summary(events)
             self._client.log_dict(self.run_id, summary, "ptops/incident_summary.json")
-            self._client.log_text(self.run_id, summary_markdown(summary), "ptops/incident_summary.md")
+            self._client.log_text(
+                self.run_id, summary_markdown(summary), "ptops/incident_summary.md"
+            )
             for manifest in sorted((self.run_dir / "checkpoints").glob("*/ptops-manifest.json")):
-                self._client.log_artifact(self.run_id, str(manifest), f"ptops/checkpoints/{manifest.parent.name}")
+                self._client.log_artifact(
+                    self.run_id, str(manifest), f"ptops/checkpoints/{manifest.parent.name}"
+                )
             if terminal:
                 end = reduce(events).end
                 status = TERMINAL.get((end or {}).get("kind"), "FINISHED")
@@ -311,14 +347,26 @@ def incident_summary(events: list[dict]) -> dict:
 
 
 def summary_markdown(s: dict) -> str:
-    lines = ["# ptops incident summary", "", f"- final state: **{s['state']}**", f"- attempts: {s['attempts']}"]
+    lines = [
+        "# ptops incident summary",
+        "",
+        f"- final state: **{s['state']}**",
+        f"- attempts: {s['attempts']}",
+    ]
     ck = s.get("last_good_checkpoint")
-    lines.append(f"- last good checkpoint: step {ck.get('step')} ({ck.get('path')})" if ck else "- no checkpoint")
+    lines.append(
+        f"- last good checkpoint: step {ck.get('step')} ({ck.get('path')})"
+        if ck
+        else "- no checkpoint"
+    )
     lines += ["", "| time (UTC) | kind | details |", "|---|---|---|"]
     for e in s["incidents"]:
         ts = e.get("ts")
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) if isinstance(ts, (int, float)) and \
-            math.isfinite(ts) else "?"
+        when = (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+            if isinstance(ts, (int, float)) and math.isfinite(ts)
+            else "?"
+        )
         details = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("ts", "kind"))
         lines.append(f"| {when} | {e.get('kind')} | {details} |")
     return "\n".join(lines) + "\n"

@@ -99,17 +99,36 @@ class NvmlCollector:
             return cls(name, doc, labels=[*names, *extra])
 
         util = fam(GaugeMetricFamily, "ptops_gpu_utilization_ratio", "GPU busy fraction (0-1).")
-        mem_util = fam(GaugeMetricFamily, "ptops_gpu_memory_utilization_ratio", "Memory controller busy fraction.")
+        mem_util = fam(
+            GaugeMetricFamily,
+            "ptops_gpu_memory_utilization_ratio",
+            "Memory controller busy fraction.",
+        )
         used = fam(GaugeMetricFamily, "ptops_gpu_memory_used_bytes", "GPU memory used.")
         total = fam(GaugeMetricFamily, "ptops_gpu_memory_total_bytes", "GPU memory total.")
         temp = fam(GaugeMetricFamily, "ptops_gpu_temperature_celsius", "GPU core temperature.")
         power = fam(GaugeMetricFamily, "ptops_gpu_power_watts", "GPU power draw.")
         clock = fam(GaugeMetricFamily, "ptops_gpu_sm_clock_hertz", "SM clock.")
-        thr_mask = fam(GaugeMetricFamily, "ptops_gpu_throttle_reasons", "Clock throttle reasons bitmask.")
-        thr = fam(GaugeMetricFamily, "ptops_gpu_throttle", "1 while a clock throttle reason is active.", ["reason"])
-        ecc = fam(CounterMetricFamily, "ptops_gpu_ecc_errors", "ECC errors since driver load.", ["type"])
-        xid = fam(CounterMetricFamily, "ptops_gpu_xid_errors", "Critical XID events seen by this exporter.")
-        last_xid = fam(GaugeMetricFamily, "ptops_gpu_last_xid", "Code of the latest critical XID event.")
+        thr_mask = fam(
+            GaugeMetricFamily, "ptops_gpu_throttle_reasons", "Clock throttle reasons bitmask."
+        )
+        thr = fam(
+            GaugeMetricFamily,
+            "ptops_gpu_throttle",
+            "1 while a clock throttle reason is active.",
+            ["reason"],
+        )
+        ecc = fam(
+            CounterMetricFamily, "ptops_gpu_ecc_errors", "ECC errors since driver load.", ["type"]
+        )
+        xid = fam(
+            CounterMetricFamily,
+            "ptops_gpu_xid_errors",
+            "Critical XID events seen by this exporter.",
+        )
+        last_xid = fam(
+            GaugeMetricFamily, "ptops_gpu_last_xid", "Code of the latest critical XID event."
+        )
 
         def read(fn, *args):
             try:
@@ -139,22 +158,43 @@ class NvmlCollector:
                 if c is not None:
                     clock.add_metric(lv, c * 1e6)
                 fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-                    nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+                    nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+                )
                 mask = read(fn, h) if fn else None
                 if mask is not None:
                     thr_mask.add_metric(lv, float(mask))
                     for bit, reason in THROTTLE_REASONS.items():
                         thr.add_metric([*lv, reason], 1.0 if mask & bit else 0.0)
-                for kind, err_type in (("corrected", getattr(nv, "NVML_MEMORY_ERROR_TYPE_CORRECTED", 0)),
-                                       ("uncorrected", getattr(nv, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1))):
-                    v = read(nv.nvmlDeviceGetTotalEccErrors, h, err_type, getattr(nv, "NVML_VOLATILE_ECC", 0))
+                for kind, err_type in (
+                    ("corrected", getattr(nv, "NVML_MEMORY_ERROR_TYPE_CORRECTED", 0)),
+                    ("uncorrected", getattr(nv, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1)),
+                ):
+                    v = read(
+                        nv.nvmlDeviceGetTotalEccErrors,
+                        h,
+                        err_type,
+                        getattr(nv, "NVML_VOLATILE_ECC", 0),
+                    )
                     if v is not None:
                         ecc.add_metric([*lv, kind], float(v))
                 if self._event_set is not None:
                     xid.add_metric(lv, float(self._xid_count.get(i, 0)))
                     if i in self._last_xid:
                         last_xid.add_metric(lv, float(self._last_xid[i]))
-        for f in (util, mem_util, used, total, temp, power, clock, thr_mask, thr, ecc, xid, last_xid):
+        for f in (
+            util,
+            mem_util,
+            used,
+            total,
+            temp,
+            power,
+            clock,
+            thr_mask,
+            thr,
+            ecc,
+            xid,
+            last_xid,
+        ):
             if f.samples:
                 yield f
 

@@ -36,16 +36,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ptops.monitors.base import number  # the probe's "nan"/"inf" encoding, decoded in one place
 from ptops.monitors.registry import MONITORS
+from ptops.ops.runrecord.events import (
+    END_KINDS,
+    EXPORTED_STATES,
+    TERMINAL_STATES,
+    EventKind,
+    RunState,
+    next_state,
+)
 from ptops.ops.runrecord.goodput import Goodput
-from ptops.ops.runrecord.events import END_KINDS, EXPORTED_STATES, TERMINAL_STATES, EventKind, RunState, next_state
 
 log = logging.getLogger("ptops.exporters.prometheus")
 
 # The monitors' names: pre-initialised at 0 so rate()/increase() see the first finding.
 KNOWN_MONITORS = tuple(MONITORS)
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-RL_KEYS = {"entropy": "ptops_rl_entropy", "kl": "ptops_rl_kl", "reward": "ptops_rl_reward",
-           "reward_std": "ptops_rl_reward_std"}
+RL_KEYS = {
+    "entropy": "ptops_rl_entropy",
+    "kl": "ptops_rl_kl",
+    "reward": "ptops_rl_reward",
+    "reward_std": "ptops_rl_reward_std",
+}
 MAX_LABEL_VALUES = 32  # per free-form label (reason, monitor, kind)
 
 
@@ -83,7 +94,9 @@ class _State:
         self.attempt = 0
         self.state: str | None = "starting"
         self.step: int | None = None
-        self.scalars: dict[str, float] = {}  # ptops_loss, ptops_grad_norm, ptops_learning_rate, ptops_rl_*
+        self.scalars: dict[
+            str, float
+        ] = {}  # ptops_loss, ptops_grad_norm, ptops_learning_rate, ptops_rl_*
         self.tps: dict[int, tuple[int, float]] = {}  # rank -> (attempt, tokens/s)
         self.rank_step_s: dict[str, float] = {}
         self.hist = [0] * (len(STEP_BUCKETS) + 1)
@@ -91,13 +104,22 @@ class _State:
         self.hist_count = 0
         self.good = Goodput()  # productive time and where the rest went (ops/runrecord/goodput.py)
         self.restarts: dict[str, int] = {}
-        self.counts: dict[str, int] = {"crashes": 0, "hangs": 0, "rollbacks": 0, "faults_injected": 0,
-                                       "checkpoint_save_failures": 0, "checkpoint_invalid": 0, "checkpoints": 0}
+        self.counts: dict[str, int] = {
+            "crashes": 0,
+            "hangs": 0,
+            "rollbacks": 0,
+            "faults_injected": 0,
+            "checkpoint_save_failures": 0,
+            "checkpoint_invalid": 0,
+            "checkpoints": 0,
+        }
         self.stragglers: dict[str, int] = {}
         self.straggler_ratio: dict[str, tuple[float, float]] = {}  # rank -> (ratio, ts)
         self.anomalies: dict[str, int] = {m: 0 for m in KNOWN_MONITORS if m != "straggler"}
         self.anomaly_ts: dict[str, float] = {}
-        self.episode_open: dict[str, int] = {}  # monitor -> 1 while an episode is open (opened, not yet all-clear)
+        self.episode_open: dict[
+            str, int
+        ] = {}  # monitor -> 1 while an episode is open (opened, not yet all-clear)
         self.nonfinite: dict[str, int] = {"loss": 0, "grad_norm": 0}
         self.nonfinite_seen: set[tuple] = set()
         self.last_nonfinite_ts: float | None = None
@@ -145,7 +167,9 @@ class PrometheusExporter:
         if nvml:
             from ptops.ops.obs.nvml import NvmlCollector
 
-            self.nvml = NvmlCollector({"run": self.run, "recipe": self.recipe, "host": socket.gethostname()})
+            self.nvml = NvmlCollector(
+                {"run": self.run, "recipe": self.recipe, "host": socket.gethostname()}
+            )
             self.registry.register(self.nvml)
         self._server = None
         self._thread = None
@@ -154,7 +178,8 @@ class PrometheusExporter:
 
     @classmethod
     def for_run_dir(cls, run_dir: str | Path, **kwargs: Any) -> "PrometheusExporter":
-        """An exporter labelled after a run directory (run = its name, recipe = recipe.json's name)."""
+        """An exporter labelled after a run directory (run = its name, recipe = recipe.json's
+        name)."""
         run_dir = Path(run_dir)
         return cls(run_dir.name, recipe_name(run_dir), **kwargs)
 
@@ -210,7 +235,9 @@ class PrometheusExporter:
             elif kind == EventKind.ANOMALY:
                 m = self._monitor_label(_slug(event.get("monitor")))
                 phase = event.get("phase")
-                if phase == "resolved":  # an episode's all-clear: closes it; not a finding to count or alert on
+                if (
+                    phase == "resolved"
+                ):  # an episode's all-clear: closes it; not a finding to count or alert on
                     s.episode_open[m] = 0
                 else:
                     s.anomalies[m] = s.anomalies.get(m, 0) + 1
@@ -270,15 +297,26 @@ class PrometheusExporter:
             if rank != 0:
                 return
             s.step = step
-            for key, name in (("loss", "ptops_loss"), ("grad_norm", "ptops_grad_norm"), ("lr", "ptops_learning_rate"),
-                              *RL_KEYS.items()):
+            for key, name in (
+                ("loss", "ptops_loss"),
+                ("grad_norm", "ptops_grad_norm"),
+                ("lr", "ptops_learning_rate"),
+                *RL_KEYS.items(),
+            ):
                 v = number(record.get(key))
                 if v is not None:
                     s.scalars[name] = v
-            for key, value in record.items():  # held-out evals ([eval]): eval/<name>, on the steps that ran one
+            for (
+                key,
+                value,
+            ) in record.items():  # held-out evals ([eval]): eval/<name>, on the steps that ran one
                 if key[:5] == "eval/":
                     v = number(value)
-                    if v is not None and math.isfinite(v) and (key[5:] in s.evals or len(s.evals) < MAX_LABEL_VALUES):
+                    if (
+                        v is not None
+                        and math.isfinite(v)
+                        and (key[5:] in s.evals or len(s.evals) < MAX_LABEL_VALUES)
+                    ):
                         s.evals[key[5:]] = v
             if step_s is not None and math.isfinite(step_s) and step_s >= 0:
                 i = 0
@@ -297,8 +335,9 @@ class PrometheusExporter:
     # ------------------------------------------------------------------ computed values
 
     def goodput(self, now: float | None = None) -> float | None:
-        """Productive training time / wall time since the first launch (``ops/runrecord/goodput.py``):
-        a step redone after a restart or rollback counts once; wall time ends at the run's end event."""
+        """Productive training time / wall time since the first launch
+        (``ops/runrecord/goodput.py``): a step redone after a restart or rollback counts once; wall
+        time ends at the run's end event."""
         with self._lock:
             return self._s.good.summary(self.clock() if now is None else now)["ratio"]
 
@@ -311,7 +350,9 @@ class PrometheusExporter:
         base = [self.run, self.recipe]
         with self._lock:
             s = self._s
-            good = s.good.summary(now)  # under the same lock as the other values: one consistent scrape
+            good = s.good.summary(
+                now
+            )  # under the same lock as the other values: one consistent scrape
             goodput = good["ratio"]
 
             def gauge(name: str, doc: str, value: float | None, unit: str = ""):
@@ -333,89 +374,271 @@ class PrometheusExporter:
 
             out = [
                 gauge("ptops_up", "1 while this exporter serves the run.", 1),
-                gauge("ptops_attempt", "Current attempt number (1 = first launch; absent before it).",
-                      s.attempt or None),
+                gauge(
+                    "ptops_attempt",
+                    "Current attempt number (1 = first launch; absent before it).",
+                    s.attempt or None,
+                ),
                 gauge("ptops_step", "Latest optimizer step reported by rank 0.", s.step),
-                gauge("ptops_loss", "Training loss at the latest step (rank 0).", s.scalars.get("ptops_loss")),
-                gauge("ptops_grad_norm", "Gradient norm at the latest step (rank 0).", s.scalars.get("ptops_grad_norm")),
-                gauge("ptops_learning_rate", "Learning rate at the latest step (rank 0).",
-                      s.scalars.get("ptops_learning_rate")),
+                gauge(
+                    "ptops_loss",
+                    "Training loss at the latest step (rank 0).",
+                    s.scalars.get("ptops_loss"),
+                ),
+                gauge(
+                    "ptops_grad_norm",
+                    "Gradient norm at the latest step (rank 0).",
+                    s.scalars.get("ptops_grad_norm"),
+                ),
+                gauge(
+                    "ptops_learning_rate",
+                    "Learning rate at the latest step (rank 0).",
+                    s.scalars.get("ptops_learning_rate"),
+                ),
             ]
             cur_tps = [v for (a, v) in s.tps.values() if a >= s.attempt]
-            out.append(gauge("ptops_tokens_per_second", "Training throughput: latest tokens/s summed over the ranks "
-                             "of the current attempt.", sum(cur_tps) if cur_tps else None))
-            h = HistogramMetricFamily("ptops_step_duration_seconds", "Optimizer step wall time (rank 0).",
-                                      labels=base_names, unit="seconds")
+            out.append(
+                gauge(
+                    "ptops_tokens_per_second",
+                    "Training throughput: latest tokens/s summed over the ranks "
+                    "of the current attempt.",
+                    sum(cur_tps) if cur_tps else None,
+                )
+            )
+            h = HistogramMetricFamily(
+                "ptops_step_duration_seconds",
+                "Optimizer step wall time (rank 0).",
+                labels=base_names,
+                unit="seconds",
+            )
             cum, buckets = 0, []
             for le, n in zip((*(repr(b) for b in STEP_BUCKETS), "+Inf"), s.hist):
                 cum += n
                 buckets.append((le, cum))
             h.add_metric(base, buckets, s.hist_sum)
             out.append(h)
-            out.append(labelled(GaugeMetricFamily, "ptops_rank_step_duration_seconds",
-                                "Latest step wall time per rank (capped ranks).", "rank", s.rank_step_s))
+            out.append(
+                labelled(
+                    GaugeMetricFamily,
+                    "ptops_rank_step_duration_seconds",
+                    "Latest step wall time per rank (capped ranks).",
+                    "rank",
+                    s.rank_step_s,
+                )
+            )
             for key, name in RL_KEYS.items():
                 out.append(gauge(name, f"RL: latest {key} (rank 0).", s.scalars.get(name)))
-            out.append(labelled(GaugeMetricFamily, "ptops_eval_score", "Latest held-out eval score eval/<name> "
-                                "(rank 0; recipes with [eval]).", "name", s.evals))
+            out.append(
+                labelled(
+                    GaugeMetricFamily,
+                    "ptops_eval_score",
+                    "Latest held-out eval score eval/<name> (rank 0; recipes with [eval]).",
+                    "name",
+                    s.evals,
+                )
+            )
 
-            restarts = CounterMetricFamily("ptops_restarts", "Restarts by the supervisor, by reason.",
-                                           labels=[*base_names, "reason"])
+            restarts = CounterMetricFamily(
+                "ptops_restarts",
+                "Restarts by the supervisor, by reason.",
+                labels=[*base_names, "reason"],
+            )
             for reason in sorted(s.restarts):
                 restarts.add_metric([*base, reason], s.restarts[reason])
             out.append(restarts)
             out.append(counter("ptops_crashes", "Rank crashes seen.", s.counts["crashes"]))
             out.append(counter("ptops_hangs", "Hangs detected.", s.counts["hangs"]))
-            out.append(counter("ptops_rollbacks", "Rollbacks to an earlier checkpoint.", s.counts["rollbacks"]))
-            out.append(counter("ptops_faults_injected", "Faults injected on purpose (chaos).", s.counts["faults_injected"]))
-            out.append(labelled(CounterMetricFamily, "ptops_stragglers", "Straggler findings by rank.", "rank",
-                                s.stragglers))
-            live = {r: v for r, (v, t) in s.straggler_ratio.items() if now - t <= self.straggler_ttl_s}
-            out.append(labelled(GaugeMetricFamily, "ptops_straggler_ratio",
-                                "Latest straggler ratio (rank step time / median) for ranks reported as stragglers "
-                                f"in the last {self.straggler_ttl_s:g} s.", "rank", live))
-            out.append(labelled(CounterMetricFamily, "ptops_anomalies", "Monitor findings by monitor.", "monitor",
-                                s.anomalies))
-            out.append(labelled(GaugeMetricFamily, "ptops_anomaly_last_timestamp_seconds",
-                                "Unix time of the latest finding per monitor.", "monitor", s.anomaly_ts))
-            out.append(labelled(GaugeMetricFamily, "ptops_finding_episode_open",
-                                "1 while a monitor's finding episode is open (reported, no all-clear yet).", "monitor",
-                                s.episode_open))
-            out.append(labelled(CounterMetricFamily, "ptops_nonfinite", "Steps whose metric was NaN/Inf.", "metric",
-                                s.nonfinite))
-            out.append(gauge("ptops_last_nonfinite_timestamp_seconds", "Unix time of the latest NaN/Inf loss or "
-                             "grad norm.", s.last_nonfinite_ts))
-            out.append(labelled(CounterMetricFamily, "ptops_events", "events.jsonl records by kind.", "kind", s.events))
-            out.append(labelled(GaugeMetricFamily, "ptops_last_event_timestamp_seconds",
-                                "Unix time of the latest event per kind.", "kind", s.event_ts))
+            out.append(
+                counter(
+                    "ptops_rollbacks", "Rollbacks to an earlier checkpoint.", s.counts["rollbacks"]
+                )
+            )
+            out.append(
+                counter(
+                    "ptops_faults_injected",
+                    "Faults injected on purpose (chaos).",
+                    s.counts["faults_injected"],
+                )
+            )
+            out.append(
+                labelled(
+                    CounterMetricFamily,
+                    "ptops_stragglers",
+                    "Straggler findings by rank.",
+                    "rank",
+                    s.stragglers,
+                )
+            )
+            live = {
+                r: v for r, (v, t) in s.straggler_ratio.items() if now - t <= self.straggler_ttl_s
+            }
+            out.append(
+                labelled(
+                    GaugeMetricFamily,
+                    "ptops_straggler_ratio",
+                    "Latest straggler ratio (rank step time / median) for ranks reported as "
+                    "stragglers "
+                    f"in the last {self.straggler_ttl_s:g} s.",
+                    "rank",
+                    live,
+                )
+            )
+            out.append(
+                labelled(
+                    CounterMetricFamily,
+                    "ptops_anomalies",
+                    "Monitor findings by monitor.",
+                    "monitor",
+                    s.anomalies,
+                )
+            )
+            out.append(
+                labelled(
+                    GaugeMetricFamily,
+                    "ptops_anomaly_last_timestamp_seconds",
+                    "Unix time of the latest finding per monitor.",
+                    "monitor",
+                    s.anomaly_ts,
+                )
+            )
+            out.append(
+                labelled(
+                    GaugeMetricFamily,
+                    "ptops_finding_episode_open",
+                    "1 while a monitor's finding episode is open (reported, no all-clear yet).",
+                    "monitor",
+                    s.episode_open,
+                )
+            )
+            out.append(
+                labelled(
+                    CounterMetricFamily,
+                    "ptops_nonfinite",
+                    "Steps whose metric was NaN/Inf.",
+                    "metric",
+                    s.nonfinite,
+                )
+            )
+            out.append(
+                gauge(
+                    "ptops_last_nonfinite_timestamp_seconds",
+                    "Unix time of the latest NaN/Inf loss or grad norm.",
+                    s.last_nonfinite_ts,
+                )
+            )
+            out.append(
+                labelled(
+                    CounterMetricFamily,
+                    "ptops_events",
+                    "events.jsonl records by kind.",
+                    "kind",
+                    s.events,
+                )
+            )
+            out.append(
+                labelled(
+                    GaugeMetricFamily,
+                    "ptops_last_event_timestamp_seconds",
+                    "Unix time of the latest event per kind.",
+                    "kind",
+                    s.event_ts,
+                )
+            )
 
-            out.append(gauge("ptops_checkpoint_blocking_seconds", "Training time blocked by the latest checkpoint.",
-                             s.ckpt.get("blocking_s")))
-            out.append(gauge("ptops_checkpoint_total_seconds", "Total time of the latest checkpoint save.",
-                             s.ckpt.get("total_s")))
+            out.append(
+                gauge(
+                    "ptops_checkpoint_blocking_seconds",
+                    "Training time blocked by the latest checkpoint.",
+                    s.ckpt.get("blocking_s"),
+                )
+            )
+            out.append(
+                gauge(
+                    "ptops_checkpoint_total_seconds",
+                    "Total time of the latest checkpoint save.",
+                    s.ckpt.get("total_s"),
+                )
+            )
             age_from = s.ckpt.get("ts", s.first_launch_ts)
-            out.append(gauge("ptops_checkpoint_age_seconds", "Seconds since the latest good checkpoint (since the "
-                             "first launch while there is none).", None if age_from is None else max(0.0, now - age_from)))
-            out.append(gauge("ptops_checkpoint_last_good_step", "Step of the latest good checkpoint.",
-                             s.ckpt.get("step")))
-            out.append(counter("ptops_checkpoints", "Good checkpoints written.", s.counts["checkpoints"]))
-            out.append(counter("ptops_checkpoint_save_failures", "Checkpoint saves that failed.",
-                               s.counts["checkpoint_save_failures"]))
-            out.append(counter("ptops_checkpoint_invalid", "Checkpoints found invalid (corrupt/incomplete).",
-                               s.counts["checkpoint_invalid"]))
+            out.append(
+                gauge(
+                    "ptops_checkpoint_age_seconds",
+                    "Seconds since the latest good checkpoint (since the "
+                    "first launch while there is none).",
+                    None if age_from is None else max(0.0, now - age_from),
+                )
+            )
+            out.append(
+                gauge(
+                    "ptops_checkpoint_last_good_step",
+                    "Step of the latest good checkpoint.",
+                    s.ckpt.get("step"),
+                )
+            )
+            out.append(
+                counter("ptops_checkpoints", "Good checkpoints written.", s.counts["checkpoints"])
+            )
+            out.append(
+                counter(
+                    "ptops_checkpoint_save_failures",
+                    "Checkpoint saves that failed.",
+                    s.counts["checkpoint_save_failures"],
+                )
+            )
+            out.append(
+                counter(
+                    "ptops_checkpoint_invalid",
+                    "Checkpoints found invalid (corrupt/incomplete).",
+                    s.counts["checkpoint_invalid"],
+                )
+            )
 
-            out.append(gauge("ptops_goodput_ratio", "Productive step time (each step's final execution) / wall time "
-                             "since the first launch.", goodput))
-            out.append(gauge("ptops_productive_seconds", "Sum of the durations of each step's final execution.",
-                             good["productive_s"] if s.hist_count else None))
-            out.append(labelled(GaugeMetricFamily, "ptops_goodput_lost_seconds", "Wall time not spent in productive "
-                                "steps, by cause (startup, detection, restart, recomputed, checkpoint_blocking, "
-                                "shutdown, other).", "cause", good["lost_s"] if good["ratio"] is not None else {}))
-            out.append(gauge("ptops_start_timestamp_seconds", "Unix time of the first launch.", s.first_launch_ts))
-            out.append(gauge("ptops_last_progress_timestamp_seconds", "Unix time of the latest step record or launch.",
-                             s.last_progress_ts))
-            st = GaugeMetricFamily("ptops_run_state", "1 for the run's current state, 0 for the others.",
-                                   labels=[*base_names, "state"])
+            out.append(
+                gauge(
+                    "ptops_goodput_ratio",
+                    "Productive step time (each step's final execution) / wall time "
+                    "since the first launch.",
+                    goodput,
+                )
+            )
+            out.append(
+                gauge(
+                    "ptops_productive_seconds",
+                    "Sum of the durations of each step's final execution.",
+                    good["productive_s"] if s.hist_count else None,
+                )
+            )
+            out.append(
+                labelled(
+                    GaugeMetricFamily,
+                    "ptops_goodput_lost_seconds",
+                    "Wall time not spent in productive "
+                    "steps, by cause (startup, detection, restart, recomputed, "
+                    "checkpoint_blocking, "
+                    "shutdown, other).",
+                    "cause",
+                    good["lost_s"] if good["ratio"] is not None else {},
+                )
+            )
+            out.append(
+                gauge(
+                    "ptops_start_timestamp_seconds",
+                    "Unix time of the first launch.",
+                    s.first_launch_ts,
+                )
+            )
+            out.append(
+                gauge(
+                    "ptops_last_progress_timestamp_seconds",
+                    "Unix time of the latest step record or launch.",
+                    s.last_progress_ts,
+                )
+            )
+            st = GaugeMetricFamily(
+                "ptops_run_state",
+                "1 for the run's current state, 0 for the others.",
+                labels=[*base_names, "state"],
+            )
             for name in EXPORTED_STATES:
                 st.add_metric([*base, str(name)], 1.0 if s.state == name else 0.0)
             out.append(st)
@@ -432,7 +655,8 @@ class PrometheusExporter:
         return generate_latest(self.registry).decode()
 
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``addr:port`` (0 = a free port) in a daemon thread; return the port."""
+        """Serve ``/metrics`` on ``addr:port`` (0 = a free port) in a daemon thread; return the
+        port."""
         from prometheus_client import start_http_server
 
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)

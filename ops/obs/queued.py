@@ -39,7 +39,8 @@ class QueuedExporter:
         raise NotImplementedError
 
     def _recipe(self) -> dict:
-        """The run's recipe as recorded (``recipe.json``), or {} when it is missing or unreadable."""
+        """The run's recipe as recorded (``recipe.json``), or {} when it is missing or
+        unreadable."""
         try:
             return json.loads((self.run_dir / "recipe.json").read_text())
         except (OSError, ValueError):

@@ -1,30 +1,34 @@
-"""Weights & Biases exporter: one W&B run per ptops run directory, continued across restarts and reruns.
+"""Weights & Biases exporter: one W&B run per ptops run directory, continued across restarts and
+reruns.
 
-``WandbExporter(run_dir, project=None, entity=None, mode="offline")`` is fed like the MLflow exporter
-(``observe_event`` / ``observe_metric``, from the same follower). All W&B work happens in a background
-thread behind a bounded queue: a slow or broken W&B fills the queue and new records are dropped and
-counted (``dropped``), never blocking the caller. ``close(timeout)`` flushes what it can in time.
+``WandbExporter(run_dir, project=None, entity=None, mode="offline")`` is fed like the MLflow
+exporter (``observe_event`` / ``observe_metric``, from the same follower). All W&B work happens in a
+background thread behind a bounded queue: a slow or broken W&B fills the queue and new records are
+dropped and counted (``dropped``), never blocking the caller. ``close(timeout)`` flushes what it can
+in time.
 
 What lands in W&B:
 - config: the recipe (``recipe.json``) and the run directory;
-- history: one row per rank-0 ``metrics.jsonl`` record (rank 0 only, as MLflow): its numeric keys plus
-  ``step`` (the training step) and ``attempt``. ``step`` is the x-axis of every chart
+- history: one row per rank-0 ``metrics.jsonl`` record (rank 0 only, as MLflow): its numeric keys
+  plus ``step`` (the training step) and ``attempt``. ``step`` is the x-axis of every chart
   (``define_metric``); W&B's own ``_step`` only counts rows, because a restart redoes steps and W&B
   steps may not go back (the redone rows keep both values, as in MLflow);
-- alerts (``run.alert``): each incident (an event kind with a severity), finding, restart and rollback;
-  offline they are kept in the run's ``.wandb`` file;
-- summary: ``ptops/state``, ``ptops/attempt``, ``ptops/events/<kind>/count``, ``ptops/last_checkpoint``;
-- at the end (or close): the table ``ptops/incidents`` (every event of the incident summary, read from the
-  run directory like MLflow's ``incident_summary``);
-- checkpoints: each ``checkpoint`` event is a version of the artifact ``ckpt-<run id>`` (type ``model``,
-  aliases ``step-N`` and ``latest``) holding *references* (``file://``) to the checkpoint's files: no
-  copy and no read of the weights (``checksum=False``).
+- alerts (``run.alert``): each incident (an event kind with a severity), finding, restart and
+  rollback; offline they are kept in the run's ``.wandb`` file;
+- summary: ``ptops/state``, ``ptops/attempt``, ``ptops/events/<kind>/count``,
+  ``ptops/last_checkpoint``;
+- at the end (or close): the table ``ptops/incidents`` (every event of the incident summary, read
+  from the run directory like MLflow's ``incident_summary``);
+- checkpoints: each ``checkpoint`` event is a version of the artifact ``ckpt-<run id>`` (type
+  ``model``, aliases ``step-N`` and ``latest``) holding *references* (``file://``) to the
+  checkpoint's files: no copy and no read of the weights (``checksum=False``).
 
 Files go under ``RUN_DIR/wandb/`` (offline: ``offline-run-*/run-<id>.wandb``; ``wandb sync`` uploads
 them). ``RUN_DIR/wandb.json`` keeps the W&B run id (derived from the run directory's path) and, per
-destination, how many events and rank-0 metric records were exported: every attempt's exporter and every
-``ptops export --wandb`` rerun resumes the same run (``resume="allow"``) and logs only what is new.
-Offline mode never touches the network; online mode never prompts for a login (no credentials: an error).
+destination, how many events and rank-0 metric records were exported: every attempt's exporter and
+every ``ptops export --wandb`` rerun resumes the same run (``resume="allow"``) and logs only what is
+new. Offline mode never touches the network; online mode never prompts for a login (no credentials:
+an error).
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def run_id_for(run_dir: str | Path) -> str:
 
 
 def mode_for(project: str | None, entity: str | None) -> str:
-    """Offline unless the user named a project or entity (and ``WANDB_MODE`` does not say offline)."""
+    """Offline unless the user named a project or entity (and ``WANDB_MODE`` does not say
+    offline)."""
     if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
         return "offline"
     return "online" if (project or entity) else "offline"
@@ -121,10 +126,14 @@ class WandbExporter(QueuedExporter):
         self._state.setdefault("destinations", {})
         c = self._state["destinations"].get(self.dest) or {}
         # what earlier exporters of this destination already wrote: skip it, go on after it
-        self._cursor = {"events": int(c.get("events", 0)), "metrics": int(c.get("metrics", 0)),
-                        "next_step": int(c.get("next_step", 0)),
-                        "finalized_events": c.get("finalized_events"),
-                        "project": self.project, "entity": self.entity}
+        self._cursor = {
+            "events": int(c.get("events", 0)),
+            "metrics": int(c.get("metrics", 0)),
+            "next_step": int(c.get("next_step", 0)),
+            "finalized_events": c.get("finalized_events"),
+            "project": self.project,
+            "entity": self.entity,
+        }
         self._seen = {"events": 0, "metrics": 0}
         self._counts: dict[str, int] = dict(c.get("counts", {}))
         self._dirty = False
@@ -165,16 +174,32 @@ class WandbExporter(QueuedExporter):
         if self.mode == "online":
             self._check_credentials(wandb)
         settings = wandb.Settings(
-            mode=self.mode, silent=True, console="off", x_disable_stats=True, x_disable_meta=True,
-            x_disable_machine_info=True, disable_git=True, save_code=False, x_save_requirements=False,
-            allow_offline_artifacts=True)
+            mode=self.mode,
+            silent=True,
+            console="off",
+            x_disable_stats=True,
+            x_disable_meta=True,
+            x_disable_machine_info=True,
+            disable_git=True,
+            save_code=False,
+            x_save_requirements=False,
+            allow_offline_artifacts=True,
+        )
         wandb_dir = self.run_dir / "wandb"
         wandb_dir.mkdir(mode=0o700, exist_ok=True)
         self._run = wandb.init(
-            project=self.project, entity=self.entity, id=self.run_id, resume="allow", name=self.run_dir.name,
-            dir=str(self.run_dir), settings=settings, job_type="train", reinit="create_new",
+            project=self.project,
+            entity=self.entity,
+            id=self.run_id,
+            resume="allow",
+            name=self.run_dir.name,
+            dir=str(self.run_dir),
+            settings=settings,
+            job_type="train",
+            reinit="create_new",
             config={"ptops": {"run_dir": str(self.run_dir.resolve()), "recipe": self.recipe}},
-            allow_val_change=True)
+            allow_val_change=True,
+        )
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step", step_sync=True)
         self._state["project"], self._state["entity"] = self.project, self.entity
@@ -188,12 +213,16 @@ class WandbExporter(QueuedExporter):
         try:
             from wandb.sdk.lib.wbauth import authenticate_session
 
-            auth = authenticate_session(host=wandb.Settings().base_url, source="ptops", prompt=False)
+            auth = authenticate_session(
+                host=wandb.Settings().base_url, source="ptops", prompt=False
+            )
         except ImportError:
             return  # another wandb: let init decide
         if auth is None:
-            raise RuntimeError("no W&B credentials: set WANDB_API_KEY or run `wandb login` "
-                               "(or export offline and `wandb sync` later)")
+            raise RuntimeError(
+                "no W&B credentials: set WANDB_API_KEY or run `wandb login` "
+                "(or export offline and `wandb sync` later)"
+            )
 
     def _metric(self, rec: dict) -> None:
         self._seen["metrics"] += 1
@@ -253,11 +282,17 @@ class WandbExporter(QueuedExporter):
         kind = ev.get("kind")
         # the event's own severity (a monitor finding's; "info" for an all-clear), else its kind's
         level = {"critical": wandb.AlertLevel.ERROR, "warning": wandb.AlertLevel.WARN}.get(
-            str(ev.get("severity") or severity or "warning"), wandb.AlertLevel.INFO)
-        where = ", ".join(f"{k} {ev[k]}" for k in ("attempt", "step", "rank") if ev.get(k) is not None)
+            str(ev.get("severity") or severity or "warning"), wandb.AlertLevel.INFO
+        )
+        where = ", ".join(
+            f"{k} {ev[k]}" for k in ("attempt", "step", "rank") if ev.get(k) is not None
+        )
         details = {k: v for k, v in ev.items() if k not in ("ts", "kind")}
-        run.alert(title=f"ptops {self.run_dir.name}: {kind}" + (f" ({where})" if where else ""),
-                  text=json.dumps(details, default=str)[:3000], level=level)
+        run.alert(
+            title=f"ptops {self.run_dir.name}: {kind}" + (f" ({where})" if where else ""),
+            text=json.dumps(details, default=str)[:3000],
+            level=level,
+        )
 
     def _checkpoint(self, run, ev: dict) -> None:
         import wandb
@@ -278,13 +313,13 @@ class WandbExporter(QueuedExporter):
         run.log_artifact(art, aliases=aliases)
 
     def _checkpoint_path(self, recorded: Any) -> Path | None:
-        """Where the checkpoint is now: the rank records absolute paths, and a run directory that was moved
-        or copied since holds it under its own ``checkpoints/``."""
+        """Where the checkpoint is now: the rank records absolute paths, and a run directory that
+        was moved or copied since holds it under its own ``checkpoints/``."""
         if not recorded:
             return None
         p = Path(str(recorded))
         here = self.run_dir / "checkpoints" / p.name
-        for cand in ([here, p] if p.is_absolute() else [self.run_dir / p, here]):
+        for cand in [here, p] if p.is_absolute() else [self.run_dir / p, here]:
             if cand.exists():
                 return cand.resolve()
         return None
@@ -298,19 +333,39 @@ class WandbExporter(QueuedExporter):
         rows = []
         for e in summary["incidents"]:
             ts = e.get("ts")
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) if isinstance(ts, (int, float)) else ""
+            when = (
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+                if isinstance(ts, (int, float))
+                else ""
+            )
             sp = spec(str(e.get("kind")))
-            detail = {k: v for k, v in e.items() if k not in ("ts", "kind", "attempt", "step", "rank")}
-            rows.append([when, ts, e.get("attempt"), e.get("kind"), e.get("step"), e.get("rank"),
-                         e.get("severity") or (sp.severity if sp is not None else None),
-                         json.dumps(detail, default=str)])
+            detail = {
+                k: v for k, v in e.items() if k not in ("ts", "kind", "attempt", "step", "rank")
+            }
+            rows.append(
+                [
+                    when,
+                    ts,
+                    e.get("attempt"),
+                    e.get("kind"),
+                    e.get("step"),
+                    e.get("rank"),
+                    e.get("severity") or (sp.severity if sp is not None else None),
+                    json.dumps(detail, default=str),
+                ]
+            )
         import wandb
 
         table = wandb.Table(columns=INCIDENT_COLUMNS, data=rows, allow_mixed_types=True)
         run.log({"ptops/incidents": table}, step=self._cursor["next_step"])
         self._cursor["next_step"] += 1
-        run.summary.update({"ptops/state": summary["state"], "ptops/attempts": summary["attempts"],
-                            "ptops/incident_count": len(rows)})
+        run.summary.update(
+            {
+                "ptops/state": summary["state"],
+                "ptops/attempts": summary["attempts"],
+                "ptops/incident_count": len(rows),
+            }
+        )
         self._cursor["finalized_events"] = len(events)
         if terminal:
             self._finish(exit_code=0 if summary["state"] == EventKind.COMPLETED else 1)

@@ -1,1 +1,2 @@
-"""``ptops pipeline``: supervised training stages with verified hand-offs (spec, runner, status, lineage)."""
+"""``ptops pipeline``: supervised training stages with verified hand-offs (spec, runner, status,
+lineage)."""

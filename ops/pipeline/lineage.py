@@ -1,4 +1,5 @@
-"""MLflow lineage of a pipeline: one parent run, one nested child run per stage, inputs and outputs by digest.
+"""MLflow lineage of a pipeline: one parent run, one nested child run per stage, inputs and outputs
+by digest.
 
 The parent lives in the pipeline directory's ``mlflow.json``; each child is created here (tag
 ``mlflow.parentRunId``, the stage's recipe as params, its input digest as a param) and written to
@@ -64,25 +65,45 @@ class Lineage:
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(self.name)
         if exp is None:
-            art = (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri() \
-                if self.uri.startswith("sqlite:///") else None
+            art = (
+                (Path(self.uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
+                if self.uri.startswith("sqlite:///")
+                else None
+            )
             self.experiment_id = self.client.create_experiment(self.name, artifact_location=art)
         else:
             self.experiment_id = exp.experiment_id
         run_id = _stored(self.dir / "mlflow.json", self.uri)
         if run_id is None:
-            run = self.client.create_run(self.experiment_id, run_name=self.dir.name, tags={
-                "ptops.pipeline": self.name, "ptops.run_dir": str(self.dir.resolve()), "ptops.kind": "pipeline"})
+            run = self.client.create_run(
+                self.experiment_id,
+                run_name=self.dir.name,
+                tags={
+                    "ptops.pipeline": self.name,
+                    "ptops.run_dir": str(self.dir.resolve()),
+                    "ptops.kind": "pipeline",
+                },
+            )
             run_id = run.info.run_id
-            _write(self.dir / "mlflow.json", {"run_id": run_id, "experiment_id": self.experiment_id,
-                                              "tracking_uri": self.uri})
+            _write(
+                self.dir / "mlflow.json",
+                {"run_id": run_id, "experiment_id": self.experiment_id, "tracking_uri": self.uri},
+            )
         else:
             self.client.update_run(run_id, status="RUNNING")
         self.parent = run_id
 
-    def child(self, stage: str, index: int, stage_dir: Path, recipe: dict, input_stage: str | None,
-              input_digest: str | None) -> str | None:
-        """The stage's MLflow run (created once, nested under the parent), stored where its launch finds it."""
+    def child(
+        self,
+        stage: str,
+        index: int,
+        stage_dir: Path,
+        recipe: dict,
+        input_stage: str | None,
+        input_digest: str | None,
+    ) -> str | None:
+        """The stage's MLflow run (created once, nested under the parent), stored where its launch
+        finds it."""
         if self.client is None:
             return None
         try:
@@ -91,18 +112,32 @@ class Lineage:
                 return run_id
             from mlflow.entities import Param
 
-            run = self.client.create_run(self.experiment_id, run_name=f"{index + 1:02d}-{stage}", tags={
-                "mlflow.parentRunId": self.parent, "ptops.pipeline": self.name, "ptops.stage": stage,
-                "ptops.run_dir": str(stage_dir.resolve()), "ptops.recipe": str(recipe.get("name", "")),
-                "ptops.engine": str(recipe.get("engine", "")), "ptops.input_stage": input_stage or "",
-                "ptops.input_digest": input_digest or ""})
+            run = self.client.create_run(
+                self.experiment_id,
+                run_name=f"{index + 1:02d}-{stage}",
+                tags={
+                    "mlflow.parentRunId": self.parent,
+                    "ptops.pipeline": self.name,
+                    "ptops.stage": stage,
+                    "ptops.run_dir": str(stage_dir.resolve()),
+                    "ptops.recipe": str(recipe.get("name", "")),
+                    "ptops.engine": str(recipe.get("engine", "")),
+                    "ptops.input_stage": input_stage or "",
+                    "ptops.input_digest": input_digest or "",
+                },
+            )
             run_id = run.info.run_id
-            params = flatten(recipe) | {"ptops.input_stage": input_stage or "", "ptops.input_digest": input_digest or ""}
+            params = flatten(recipe) | {
+                "ptops.input_stage": input_stage or "",
+                "ptops.input_digest": input_digest or "",
+            }
             items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items())]
             for i in range(0, len(items), 100):
-                self.client.log_batch(run_id, params=items[i:i + 100])
-            _write(stage_dir / "mlflow.json", {"run_id": run_id, "experiment_id": self.experiment_id,
-                                               "tracking_uri": self.uri})
+                self.client.log_batch(run_id, params=items[i : i + 100])
+            _write(
+                stage_dir / "mlflow.json",
+                {"run_id": run_id, "experiment_id": self.experiment_id, "tracking_uri": self.uri},
+            )
             self.client.set_tag(self.parent, f"ptops.stage.{stage}.run_id", run_id)
             return run_id
         except Exception as e:  # noqa: BLE001

@@ -1,4 +1,5 @@
-"""``ptops status PIPE_DIR``: the pipeline's state and every stage's (state, steps, digests, gate), from the records."""
+"""``ptops status PIPE_DIR``: the pipeline's state and every stage's (state, steps, digests, gate),
+from the records."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from ptops.ops.pipeline.runner import SNAPSHOT, stage_dirs
 from ptops.ops.runrecord.lock import holder
 from ptops.ops.runrecord.rundir import RunDir
 
-_END = {"pipeline_completed": "completed", "pipeline_failed": "failed", "pipeline_stopped": "stopped"}
+_END = {
+    "pipeline_completed": "completed",
+    "pipeline_failed": "failed",
+    "pipeline_stopped": "stopped",
+}
 
 
 def collect(pipe_dir: Path) -> dict[str, Any]:
@@ -39,13 +44,27 @@ def collect(pipe_dir: Path) -> dict[str, Any]:
         completed = last.get((name, "stage_completed"))
         gate = last.get((name, "gate"))
         row: dict[str, Any] = {
-            "index": i + 1, "name": name, "recipe": s["recipe"], "run_dir": str(sdir), "state": "pending",
-            "step": 0, "total_steps": s.get("steps"), "input_stage": s.get("input"),
-            "input_digest": (started or {}).get("input_digest"), "digest": (completed or {}).get("digest"),
+            "index": i + 1,
+            "name": name,
+            "recipe": s["recipe"],
+            "run_dir": str(sdir),
+            "state": "pending",
+            "step": 0,
+            "total_steps": s.get("steps"),
+            "input_stage": s.get("input"),
+            "input_digest": (started or {}).get("input_digest"),
+            "digest": (completed or {}).get("digest"),
             "checkpoint": (completed or {}).get("checkpoint"),
-            "gate": None if s.get("gate") is None else {
-                "metric": s["gate"]["metric"], "op": s["gate"]["op"], "threshold": s["gate"]["value"],
-                "value": (gate or {}).get("value"), "step": (gate or {}).get("step"), "passed": (gate or {}).get("passed")},
+            "gate": None
+            if s.get("gate") is None
+            else {
+                "metric": s["gate"]["metric"],
+                "op": s["gate"]["op"],
+                "threshold": s["gate"]["value"],
+                "value": (gate or {}).get("value"),
+                "step": (gate or {}).get("step"),
+                "passed": (gate or {}).get("passed"),
+            },
         }
         if (sdir / "recipe.json").exists() or (sdir / "events.jsonl").exists():
             try:
@@ -61,8 +80,14 @@ def collect(pipe_dir: Path) -> dict[str, Any]:
         if gate is not None and gate.get("passed") is False:
             row["state"] = "gate_failed"
         stages.append(row)
-    return {"pipeline_dir": str(pipe), "name": snap["name"], "state": state, "reason": reason,
-            "pipeline_pid": holder(pipe), "stages": stages}
+    return {
+        "pipeline_dir": str(pipe),
+        "name": snap["name"],
+        "state": state,
+        "reason": reason,
+        "pipeline_pid": holder(pipe),
+        "stages": stages,
+    }
 
 
 def render(s: dict[str, Any]) -> str:
@@ -87,4 +112,3 @@ def render(s: dict[str, Any]) -> str:
     if s.get("reason"):
         lines.append(f"  reason: {s['reason']}")
     return "\n".join(lines)
-

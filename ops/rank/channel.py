@@ -40,7 +40,7 @@ Frames on that connection (one JSON object per line, as everywhere):
 
 The agent forwards a rank's line without re-encoding it (``relay_frame``), so a relay costs one
 JSON parse on the supervisor, as a direct connection does.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -71,8 +71,9 @@ def relay_frame(cid: int, raw: bytes) -> bytes:
 
 
 def take_lines(buf: bytearray) -> Iterator[bytes]:
-    """The complete lines in ``buf``, each removed before it is yielded (a partial line stays for the
-    next ``recv``). Every end of the channel reads its stream this way: rank, node agent, supervisor."""
+    """The complete lines in ``buf``, each removed before it is yielded (a partial line stays for
+    the next ``recv``). Every end of the channel reads its stream this way: rank, node agent,
+    supervisor."""
     while True:
         i = buf.find(b"\n")
         if i < 0:
@@ -119,7 +120,9 @@ class ChannelClient:
             except OSError as e:
                 last = e
                 if time.monotonic() >= deadline:
-                    raise ConnectionError(f"cannot reach the supervisor channel at {address}: {last}") from None
+                    raise ConnectionError(
+                        f"cannot reach the supervisor channel at {address}: {last}"
+                    ) from None
                 time.sleep(0.2)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -130,7 +133,9 @@ class ChannelClient:
         self.send({"t": "hello", "token": token, **hello})
         self._reader: threading.Thread | None = None
         if on_message is not None or on_eof is not None:
-            self._reader = threading.Thread(target=self._read_loop, name="ptops-probe-reader", daemon=True)
+            self._reader = threading.Thread(
+                target=self._read_loop, name="ptops-probe-reader", daemon=True
+            )
             self._reader.start()
 
     def send(self, obj: dict[str, Any]) -> bool:
@@ -208,7 +213,8 @@ class ChannelClient:
 
 
 def write_info(path: Path, address: str, token: str, pid: int) -> None:
-    """``RUN_DIR/supervisor/channel.json``: address + token for ``ptops inject`` (0600 in a 0700 dir)."""
+    """``RUN_DIR/supervisor/channel.json``: address + token for ``ptops inject`` (0600 in a 0700
+    dir)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
     tmp = path.with_suffix(".tmp")

@@ -37,7 +37,8 @@ def _prctl(option: int, arg: int) -> bool:
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:
-    """SIGKILL this process when its parent dies (Linux), plus a polling watchdog for other kernels."""
+    """SIGKILL this process when its parent dies (Linux), plus a polling watchdog for other
+    kernels."""
     parent = os.getppid() if expected_parent is None else expected_parent
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent or parent == 1:  # the parent died before prctl took effect
@@ -75,20 +76,22 @@ def main() -> None:
     die_with_parent()
     from ptops.ops.rank import warm
 
-    warm.handoff()  # a warm pool (engine already imported) runs this rank and we mirror it; else cold
+    # a warm pool (engine already imported) runs this rank and we mirror it; else cold
+    warm.handoff()
     run_rank()
 
 
 def run_rank() -> None:
     """This rank's life, in this process (cold) or in a warm pool's child (``ops/rank/warm.py``)."""
-    # Yama: let the supervisor (py-spy) read our stacks; on a node of a multi-node run, the node agent
+    # Yama: let the supervisor (py-spy) read our stacks; on a node of a multi-node run, the node
+    # agent
     tracer = int(os.environ.get("PTOPS_PTRACER_PID") or os.environ.get("PTOPS_SUPERVISOR_PID") or 0)
     if tracer:
         _prctl(PR_SET_PTRACER, tracer)
 
     from ptops.ops.rank.probe import Probe, attempt_from_env
-    from ptops.recipes.schema import from_json
     from ptops.ops.runrecord.rundir import RunDir
+    from ptops.recipes.schema import from_json
 
     run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
     rank = int(os.environ.get("RANK", "0"))
@@ -103,7 +106,8 @@ def run_rank() -> None:
     recipe = from_json(run.recipe_json.read_text())
     probe = Probe.from_env()
     try:
-        # what follows is the engine's import (torch, torchtitan, transformers); misrendezvous acts here
+        # what follows is the engine's import (torch, torchtitan, transformers); misrendezvous acts
+        # here
         probe.startup("import")
         from ptops.recipes.engines import entry_point
 
@@ -120,10 +124,11 @@ def run_rank() -> None:
 
 
 def _exit_done() -> None:
-    """A finished rank leaves without the interpreter's teardown. Its work is committed and reported by
-    now; what teardown adds is C++ destructors of torch's process-group threads, which once aborted a
-    finished rank (SIGABRT, "terminate called without an active exception", fresh clone 2026-11-30):
-    torchrun then SIGTERMs its peers and a completed attempt turns into a crash and a restart."""
+    """A finished rank leaves without the interpreter's teardown. Its work is committed and reported
+    by now; what teardown adds is C++ destructors of torch's process-group threads, which once
+    aborted a finished rank (SIGABRT, "terminate called without an active exception", fresh clone
+    2026-11-30): torchrun then SIGTERMs its peers and a completed attempt turns into a crash and a
+    restart."""
     import logging
 
     logging.shutdown()

@@ -74,7 +74,9 @@ def dump_stacks() -> str:
     """Every thread's Python stack, most recent call last (like faulthandler, but with names)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     me = threading.get_ident()
-    out = [f"# pid {os.getpid()} host {socket.gethostname()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}"]
+    out = [
+        f"# pid {os.getpid()} host {socket.gethostname()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+    ]
     frames = sys._current_frames()
     # the main thread first: that is where the training loop is
     order = sorted(frames, key=lambda ident: (ident != threading.main_thread().ident, ident))
@@ -89,7 +91,8 @@ def flight_recorder_dump() -> bytes | None:
     """The flight-recorder trace (pickle bytes) of this rank's collectives; None without one.
 
     NCCL records with ``TORCH_NCCL_TRACE_BUFFER_SIZE``; gloo too (torch >= 2.8) with
-    ``TORCH_FR_BUFFER_SIZE``. The supervisor sets both; ``diagnostics/flightrec.py`` reads the dumps."""
+    ``TORCH_FR_BUFFER_SIZE``. The supervisor sets both; ``diagnostics/flightrec.py`` reads the
+    dumps."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -109,13 +112,16 @@ def flight_recorder_dump() -> bytes | None:
 
 
 def attempt_from_env() -> int:
-    """The worker group's attempt: the supervisor's ``PTOPS_ATTEMPT`` plus torchrun's own restart count.
+    """The worker group's attempt: the supervisor's ``PTOPS_ATTEMPT`` plus torchrun's own restart
+    count.
 
-    Under ptops, torchrun runs with ``--max-restarts 0`` (the supervisor restarts), so the count is 0;
-    under a plain ``torchrun --max-restarts N`` a restarted group is a new attempt too, so its records
-    and its faults (which fire in attempt 1 only) are told apart from the group that failed.
+    Under ptops, torchrun runs with ``--max-restarts 0`` (the supervisor restarts), so the count is
+    0; under a plain ``torchrun --max-restarts N`` a restarted group is a new attempt too, so its
+    records and its faults (which fire in attempt 1 only) are told apart from the group that failed.
     """
-    return int(os.environ.get("PTOPS_ATTEMPT", "1")) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return int(os.environ.get("PTOPS_ATTEMPT", "1")) + int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0
+    )
 
 
 class Probe:
@@ -145,10 +151,18 @@ class Probe:
         self._stop_requested = threading.Event()
         self._accepts_stop = False
         self._closing = False
-        self._capture = None  # a ptops profile request (ops/rank/profiler.Capture), set by the channel thread
+        self._capture = (
+            None  # a ptops profile request (ops/rank/profiler.Capture), set by the channel thread
+        )
         self.injector = Injector(
-            from_env(faults), rank, attempt, self._emit_fault, run_dir=self.run.path, on_hang_stop=self._stop_pinging,
-            on_hold=self._on_hold, on_release=self._on_release,
+            from_env(faults),
+            rank,
+            attempt,
+            self._emit_fault,
+            run_dir=self.run.path,
+            on_hang_stop=self._stop_pinging,
+            on_hold=self._on_hold,
+            on_release=self._on_release,
         )
         self.client = None
         self._pinging = threading.Event()
@@ -171,7 +185,9 @@ class Probe:
             )
             _keepalive(self.client.sock)
             self._pinging.set()
-            threading.Thread(target=self._ping_loop, args=(heartbeat_s,), name="ptops-probe-ping", daemon=True).start()
+            threading.Thread(
+                target=self._ping_loop, args=(heartbeat_s,), name="ptops-probe-ping", daemon=True
+            ).start()
 
     @classmethod
     def from_env(cls) -> "Probe":
@@ -204,8 +220,11 @@ class Probe:
 
     def world(self, world_size: int, rank: int) -> None:
         """What the process group really is (after its init): a rank in a world of one, or of a
-        size other than the launcher asked for, is a misconfiguration the supervisor stops at once."""
-        self._send({"t": "world", "world_size": int(world_size), "rank": int(rank), "host": self.host})
+        size other than the launcher asked for, is a misconfiguration the supervisor stops at
+        once."""
+        self._send(
+            {"t": "world", "world_size": int(world_size), "rank": int(rank), "host": self.host}
+        )
 
     @contextlib.contextmanager
     def pause(self, phase: str = "eval", step: int | None = None):
@@ -219,7 +238,8 @@ class Probe:
             self.phase("step", step)
 
     def phase(self, phase: str, step: int) -> None:
-        """Heartbeat with a phase (step / data / checkpoint / eval); fault hooks of saves fire here."""
+        """Heartbeat with a phase (step / data / checkpoint / eval); fault hooks of saves fire
+        here."""
         prev = self._phase
         self._phase, self._step = phase, int(step)
         self._send({"t": "beat", "step": int(step), "phase": phase})
@@ -252,7 +272,9 @@ class Probe:
             record[key] = None
         if metrics.get("step_s") is None:
             record["step_s"] = now - self._last_step_end
-        record.update(memory_sample())  # RSS, its limit, CUDA where initialised (an engine's own keys win)
+        record.update(
+            memory_sample()
+        )  # RSS, its limit, CUDA where initialised (an engine's own keys win)
         for key, value in metrics.items():
             record[key] = _clean(value)
         record["ts"] = time.time()
@@ -295,7 +317,8 @@ class Probe:
         return self.injector.should_poison(int(step))
 
     def event(self, kind: str, **fields: Any) -> None:
-        """A rank-side event (e.g. ``checkpoint_failed``): over the channel when supervised, else straight to events.jsonl."""
+        """A rank-side event (e.g. ``checkpoint_failed``): over the channel when supervised, else
+        straight to events.jsonl."""
         fields = {"rank": self.rank, "attempt": self.attempt, **fields}
         if self.client is not None:
             self._send({"t": "event", "kind": kind, "fields": fields})
@@ -328,25 +351,42 @@ class Probe:
             self.client.send(msg)
 
     def _emit_fault(self, fault, step: int) -> None:
-        fields = {"fault": str(fault), "rank": self.rank, "step": int(step), "attempt": self.attempt}
+        fields = {
+            "fault": str(fault),
+            "rank": self.rank,
+            "step": int(step),
+            "attempt": self.attempt,
+        }
         if self.client is not None:
             self._send({"t": "fault", **fields})
         else:
             self.run.event("fault_injected", **fields)
-        print(f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}", file=sys.stderr, flush=True)
+        print(
+            f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _on_hold(self, step: int, phase: str = "hold") -> None:
         # a declared pause: the pings go on, and the phase tells the hang monitor it is no hang
         # (``eval``: as an engine's evaluation, judged by the learned eval budget)
         self._phase, self._step = phase, int(step)
         self._send({"t": "beat", "step": int(step), "phase": phase})
-        print(f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject RUN_DIR release`)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject "
+            "RUN_DIR release`)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _on_release(self, step: int, held_s: float, by: str) -> None:
         self.event("hold_released", step=int(step), held_s=round(held_s, 3), by=by)
-        print(f"[ptops.probe rank {self.rank}] released after {held_s:.1f} s ({by}); step {step} begins",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ptops.probe rank {self.rank}] released after {held_s:.1f} s ({by}); step {step} "
+            "begins",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _stop_pinging(self) -> None:
         self._pinging.clear()
@@ -388,17 +428,27 @@ class Probe:
         pid = str(msg.get("id") or "")
         current = self._capture
         if current is not None and not current.done:
-            self.event("profile_failed", id=pid, error=f"this rank is busy with profile {current.id}")
+            self.event(
+                "profile_failed", id=pid, error=f"this rank is busy with profile {current.id}"
+            )
             return
-        self._capture = Capture(pid, int(msg.get("start_step", 0)), int(msg.get("steps", 1)), self.run.path,
-                                self.rank, self.event)
+        self._capture = Capture(
+            pid,
+            int(msg.get("start_step", 0)),
+            int(msg.get("steps", 1)),
+            self.run.path,
+            self.rank,
+            self.event,
+        )
 
     def _on_eof(self) -> None:
         if self._closing:
             return
         # The supervisor is gone (killed, or its host is): do not outlive it.
         try:
-            os.write(2, f"[ptops.probe rank {self.rank}] supervisor channel closed; exiting\n".encode())
+            os.write(
+                2, f"[ptops.probe rank {self.rank}] supervisor channel closed; exiting\n".encode()
+            )
         except OSError:
             pass
         os.kill(os.getpid(), signal.SIGKILL)

@@ -55,8 +55,15 @@ def _private_dirs(path: Path, top: Path) -> None:
 class Capture:
     """One profile request on one rank: armed, then running, then done (reported once)."""
 
-    def __init__(self, profile_id: str, start_step: int, steps: int, run_dir: Path, rank: int,
-                 report: Callable[..., None]):
+    def __init__(
+        self,
+        profile_id: str,
+        start_step: int,
+        steps: int,
+        run_dir: Path,
+        rank: int,
+        report: Callable[..., None],
+    ):
         self.id = profile_id
         self.start_step = int(start_step)
         self.steps = max(1, int(steps))
@@ -99,7 +106,8 @@ class Capture:
         return record_function(f"ptops/{what}")
 
     def finish(self, steps_done: int, partial: bool = False) -> None:
-        """Stop, write the trace, report ``profile_captured`` (``partial``: the rank is leaving early)."""
+        """Stop, write the trace, report ``profile_captured`` (``partial``: the rank is leaving
+        early)."""
         if self.done or self._prof is None:
             return
         self._end_step_range()
@@ -116,21 +124,32 @@ class Capture:
             prof.export_chrome_trace(str(tmp))
             os.chmod(tmp, PRIVATE_FILE)
             os.replace(tmp, path)
-            self.report("profile_captured", id=self.id, first_step=self.first_step, steps=int(steps_done),
-                        path=str(path.relative_to(self.run_dir)), bytes=path.stat().st_size,
-                        wall_s=round(wall_s, 4), export_s=round(time.monotonic() - t0, 4),
-                        pause_s=round(time.monotonic() - t_end, 4), partial=partial)
+            self.report(
+                "profile_captured",
+                id=self.id,
+                first_step=self.first_step,
+                steps=int(steps_done),
+                path=str(path.relative_to(self.run_dir)),
+                bytes=path.stat().st_size,
+                wall_s=round(wall_s, 4),
+                export_s=round(time.monotonic() - t0, 4),
+                pause_s=round(time.monotonic() - t_end, 4),
+                partial=partial,
+            )
         except Exception as e:  # noqa: BLE001
             self._fail(f"{type(e).__name__}: {e}")
 
     def close(self, step: int) -> None:
-        """The rank is leaving: a running capture keeps the steps it has (partial), an armed one fails."""
+        """The rank is leaving: a running capture keeps the steps it has (partial), an armed one
+        fails."""
         if self.done:
             return
         if self._prof is not None:
             self.finish(max(0, step - self.first_step + 1), partial=True)
         else:
-            self._fail(f"the rank left at step {step}, before the profile's first step {self.start_step}")
+            self._fail(
+                f"the rank left at step {step}, before the profile's first step {self.start_step}"
+            )
 
     # ------------------------------------------------------------ internals
     def _start(self, step: int) -> None:
@@ -140,7 +159,9 @@ class Capture:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        prof = profile(activities=activities, record_shapes=False, profile_memory=False, with_stack=False)
+        prof = profile(
+            activities=activities, record_shapes=False, profile_memory=False, with_stack=False
+        )
         prof.start()
         self._prof, self.first_step, self._t0 = prof, int(step), time.monotonic()
         self._begin_step_range(step)
@@ -164,4 +185,3 @@ class Capture:
             with contextlib.suppress(Exception):
                 prof.stop()
         self.report("profile_failed", id=self.id, error=error[:500], first_step=self.first_step)
-

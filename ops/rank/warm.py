@@ -1,27 +1,31 @@
-"""Warm spare ranks: one process per node that has already imported the engine forks each rank of a restart.
+"""Warm spare ranks: one process per node that has already imported the engine forks each rank of a
+restart.
 
-Why: after a crash, most of the time back to training is start-up: every new rank imports torch and the
-engine (TorchTitan: 10-20 s on an idle 2-core box, 30+ s when busy). The supervisor starts this *warm pool*
-once per run (``[supervisor.restart] warm_spare = true``), alongside the first attempt's ranks; it imports
-the engine and waits. A rank that torchrun starts (``ops/rank/entry.py``) hands itself over: it sends its
-environment, argv, working directory and stdin/stdout/stderr to the pool, the pool forks a child that
-already has the engine imported and runs the rank there, and the thin rank that torchrun watches mirrors
-that child: signals it receives are forwarded, and it exits with the child's status (a SIGKILLed child
-makes it SIGKILL itself, so torchrun and the supervisor see what they would have seen).
+Why: after a crash, most of the time back to training is start-up: every new rank imports torch and
+the engine (TorchTitan: 10-20 s on an idle 2-core box, 30+ s when busy). The supervisor starts this
+*warm pool* once per run (``[supervisor.restart] warm_spare = true``), alongside the first attempt's
+ranks; it imports the engine and waits. A rank that torchrun starts (``ops/rank/entry.py``) hands
+itself over: it sends its environment, argv, working directory and stdin/stdout/stderr to the pool,
+the pool forks a child that already has the engine imported and runs the rank there, and the thin
+rank that torchrun watches mirrors that child: signals it receives are forwarded, and it exits with
+the child's status (a SIGKILLed child makes it SIGKILL itself, so torchrun and the supervisor see
+what they would have seen).
 
-A restart that comes while the pool is still importing waits for it (``ops/supervisor/warmpool.py``) rather
-than starting cold: a cold start would import the same modules from nothing while competing with the pool for
-the same cores (issue 27: on 2 busy cores the pool needed ~30 s after the first step; a crash 8 s in went cold
-and was no faster than the first start). A connection that sends nothing is the supervisor's readiness probe.
+A restart that comes while the pool is still importing waits for it (``ops/supervisor/warmpool.py``)
+rather than starting cold: a cold start would import the same modules from nothing while competing
+with the pool for the same cores (issue 27: on 2 busy cores the pool needed ~30 s after the first
+step; a crash 8 s in went cold and was no faster than the first start). A connection that sends
+nothing is the supervisor's readiness probe.
 
-No orphans: the pool dies with the supervisor (``PR_SET_PDEATHSIG``, and the supervisor kills it at the
-end); each child dies with the pool (``PR_SET_PDEATHSIG``) and with its thin rank (a pidfd watch); the
-children carry the run's ``PTOPS_RUN_DIR`` like every rank, so the supervisor's sweeps find them. When the
-pool is not listening yet (still importing) or is gone, the rank starts cold as before.
+No orphans: the pool dies with the supervisor (``PR_SET_PDEATHSIG``, and the supervisor kills it at
+the end); each child dies with the pool (``PR_SET_PDEATHSIG``) and with its thin rank (a pidfd
+watch); the children carry the run's ``PTOPS_RUN_DIR`` like every rank, so the supervisor's sweeps
+find them. When the pool is not listening yet (still importing) or is gone, the rank starts cold as
+before.
 
-Protocol (an abstract Unix socket ``\\0<PTOPS_WARM_SOCKET>``): the rank sends an 8-byte length with its
-three fds (SCM_RIGHTS), then that many bytes of JSON ``{env, argv, cwd, pid}``; the pool answers one JSON
-line ``{"pid": child}`` and, when the child ends, one line ``{"status": waitstatus}``.
+Protocol (an abstract Unix socket ``\\0<PTOPS_WARM_SOCKET>``): the rank sends an 8-byte length with
+its three fds (SCM_RIGHTS), then that many bytes of JSON ``{env, argv, cwd, pid}``; the pool answers
+one JSON line ``{"pid": child}`` and, when the child ends, one line ``{"status": waitstatus}``.
 """
 
 from __future__ import annotations
@@ -40,20 +44,29 @@ from typing import Any
 ENV_SOCKET = "PTOPS_WARM_SOCKET"
 ENV_CHILD = "PTOPS_WARM_POOL"  # set in a warm child: its pool's pid
 WARM_LINE = "[ptops.entry] warm rank: forked from pool {pool} with the engine imported"
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGCONT,
+)
 
 
 # ----------------------------------------------------------------------------- the requester's side
 def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.socket, Any, int]:
-    """Ask the pool ``name`` for one child running ``argv`` with ``env`` (and this process' cwd and stdio);
-    the child dies with this process. Returns the connection, an unbuffered reader of it (the child's
-    status line comes on it later; unbuffered, so nothing of it hides in a buffer from a ``select`` on the
-    socket) and the child's pid. Raises ``OSError`` / ``ValueError`` / ``KeyError`` when no pool answers, or it
-    starts no child."""
+    """Ask the pool ``name`` for one child running ``argv`` with ``env`` (and this process' cwd and
+    stdio); the child dies with this process. Returns the connection, an unbuffered reader of it
+    (the child's status line comes on it later; unbuffered, so nothing of it hides in a buffer from
+    a ``select`` on the socket) and the child's pid. Raises ``OSError`` / ``ValueError`` /
+    ``KeyError`` when no pool answers, or it starts no child."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect("\0" + name)
-        body = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}).encode()
+        body = json.dumps(
+            {"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}
+        ).encode()
         socket.send_fds(s, [struct.pack("!Q", len(body))], [0, 1, 2])
         s.sendall(body)
         f = s.makefile("rb", buffering=0)
@@ -67,10 +80,10 @@ def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.soc
     return s, f, child
 
 
-# ----------------------------------------------------------------------------- the rank's side (thin)
+# --------------------------------------------------------------------------- the rank's side (thin)
 def handoff() -> None:
-    """In a rank torchrun started: run this rank in a warm child and exit with its status (never returns),
-    or return at once when no pool answers (the rank then starts cold)."""
+    """In a rank torchrun started: run this rank in a warm child and exit with its status (never
+    returns), or return at once when no pool answers (the rank then starts cold)."""
     name = os.environ.get(ENV_SOCKET)
     if not name:
         return
@@ -100,7 +113,10 @@ def handoff() -> None:
         os._exit(1)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught: nothing to reset
+        if sig not in (
+            signal.SIGKILL,
+            signal.SIGSTOP,
+        ):  # those two cannot be caught: nothing to reset
             signal.signal(sig, signal.SIG_DFL)
         sys.stdout.flush()
         os.kill(os.getpid(), sig)
@@ -110,7 +126,8 @@ def handoff() -> None:
 
 # ----------------------------------------------------------------------------- the pool
 def say(msg: str) -> None:
-    """One line of ``supervisor/warm.log``, stamped: its order against the run's events must be readable."""
+    """One line of ``supervisor/warm.log``, stamped: its order against the run's events must be
+    readable."""
     print(f"[ptops.warm] {time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
@@ -145,9 +162,9 @@ def cuda_fork_problem() -> str:
     """Why the ranks forked from this pool could not use the GPUs, or "" (no GPU, or they can).
 
     Checked once, with a real forked child, because the pool has imported torch and the engine, and
-    anything in them that initialised CUDA here would make every warm rank fail at its first CUDA call
-    (a restart loop, not a fast restart). A pool that fails the check serves nothing: the launcher then
-    starts torchrun (``ops/rank/warmlaunch.py``)."""
+    anything in them that initialised CUDA here would make every warm rank fail at its first CUDA
+    call (a restart loop, not a fast restart). A pool that fails the check serves nothing: the
+    launcher then starts torchrun (``ops/rank/warmlaunch.py``)."""
     import torch
 
     try:
@@ -165,15 +182,16 @@ def cuda_fork_problem() -> str:
 
 
 def serve(name: str, engine: str, target: Any = None) -> None:
-    """The pool's main loop: single-threaded (it forks), reaping children and reporting their status.
-    ``target`` (tests): what a child runs instead of the rank (``entry.run_rank``)."""
+    """The pool's main loop: single-threaded (it forks), reaping children and reporting their
+    status. ``target`` (tests): what a child runs instead of the rank (``entry.run_rank``)."""
     from ptops.ops.rank.entry import die_with_parent
 
     t0 = time.monotonic()
     die_with_parent()  # the supervisor
     if target is None:
-        # torch.cuda.is_available() (TorchTitan calls it at import) would otherwise initialise the CUDA
-        # driver here, and a child forked after that cannot use CUDA; NVML answers the same question
+        # torch.cuda.is_available() (TorchTitan calls it at import) would otherwise initialise the
+        # CUDA driver here, and a child forked after that cannot use CUDA; NVML answers the same
+        # question
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         preload(engine)
         why = cuda_fork_problem()
@@ -185,7 +203,9 @@ def serve(name: str, engine: str, target: Any = None) -> None:
     srv.listen(64)
     say(f"pool {os.getpid()} ready ({engine}) after {time.monotonic() - t0:.1f} s")
     waiting: dict[int, socket.socket] = {}  # child pid -> its requester's connection
-    exits: dict[int, int] = {}  # pidfd -> child pid: a child's exit is reported the moment it happens
+    exits: dict[
+        int, int
+    ] = {}  # pidfd -> child pid: a child's exit is reported the moment it happens
     while True:
         ready, _, _ = select.select([srv, *exits], [], [], 1.0)
         if srv in ready:
@@ -234,7 +254,8 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 def _start(srv: socket.socket, conn: socket.socket, target: Any = None) -> int | None:
-    """Fork the child a request asks for; None for a readiness probe (a connection closed unsaid)."""
+    """Fork the child a request asks for; None for a readiness probe (a connection closed
+    unsaid)."""
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
     if not head and not fds:
         return None

@@ -1,16 +1,19 @@
-"""A restart's ranks forked straight from the warm pool: what torchrun does for one node, without torchrun.
+"""A restart's ranks forked straight from the warm pool: what torchrun does for one node, without
+torchrun.
 
-Why: with a warm pool (``ops/rank/warm.py``) a restart still paid for a new torchrun (it imports torch,
-~1-2 s idle and several seconds on a busy box, then its rendezvous and a 0.5 s monitor interval) before
-its ranks could be handed to the pool. For one node, all torchrun adds is the ranks' environment and
-watching them, so this light process (no torch) does both: it asks the pool for ``--nproc`` children with
-the environment torchrun would give them (rank 0 hosts the store on ``MASTER_PORT``), and stands where
-torchrun stood for the supervisor:
+Why: with a warm pool (``ops/rank/warm.py``) a restart still paid for a new torchrun (it imports
+torch, ~1-2 s idle and several seconds on a busy box, then its rendezvous and a 0.5 s monitor
+interval) before its ranks could be handed to the pool. For one node, all torchrun adds is the
+ranks' environment and watching them, so this light process (no torch) does both: it asks the pool
+for ``--nproc`` children with the environment torchrun would give them (rank 0 hosts the store on
+``MASTER_PORT``), and stands where torchrun stood for the supervisor:
 
-- on the first child that fails it writes torchrun's own line, ``failed (exitcode: N) local_rank: R``
-  (``ops/supervisor/attempt.py`` reads it), stops the others and exits 1; it exits 0 when all do;
-- SIGTERM/SIGINT are forwarded to the children; each child dies with this process (the pool's pidfd watch
-  on the requester) and with the pool (``PR_SET_PDEATHSIG``), and carries the run's ``PTOPS_RUN_DIR``.
+- on the first child that fails it writes torchrun's own line, ``failed (exitcode: N) local_rank:
+  R`` (``ops/supervisor/attempt.py`` reads it), stops the others and exits 1; it exits 0 when all
+  do;
+- SIGTERM/SIGINT are forwarded to the children; each child dies with this process (the pool's pidfd
+  watch on the requester) and with the pool (``PR_SET_PDEATHSIG``), and carries the run's
+  ``PTOPS_RUN_DIR``.
 
 When the pool does not answer (not ready yet, or gone) it becomes the torchrun command it was given
 (``os.execv``), so an attempt always starts.
@@ -35,7 +38,8 @@ STOP_GRACE_S = 5.0  # torchrun's: SIGTERM to the others, then SIGKILL
 
 
 def rank_env(base: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
-    """The environment torchrun gives local rank ``rank`` of a one-node world (static rendezvous)."""
+    """The environment torchrun gives local rank ``rank`` of a one-node world (static
+    rendezvous)."""
     env = dict(base)
     env.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
@@ -71,8 +75,11 @@ def launch(nproc: int, port: int, fallback: list[str]) -> int:
             started.append(request(name, rank_env(dict(os.environ), rank, nproc, port), entry))
     except (OSError, ValueError, KeyError) as e:
         _kill([pid for _, _, pid in started], signal.SIGKILL)
-        print(f"[ptops.warmlaunch] the warm pool did not answer ({type(e).__name__}: {e}); starting torchrun",
-              flush=True)
+        print(
+            f"[ptops.warmlaunch] the warm pool did not answer ({type(e).__name__}: {e}); "
+            "starting torchrun",
+            flush=True,
+        )
         os.execv(fallback[0], fallback)
     pids = [pid for _, _, pid in started]
     print(f"[ptops.warmlaunch] {nproc} ranks forked from the warm pool: pids {pids}", flush=True)
@@ -100,8 +107,11 @@ def launch(nproc: int, port: int, fallback: list[str]) -> int:
             s.close()
             if code != 0 and failed is None:
                 failed = (rank, code)
-                print(f"[ptops.warmlaunch] failed (exitcode: {code}) local_rank: {rank} (pid: {pids[rank]})",
-                      flush=True)
+                print(
+                    f"[ptops.warmlaunch] failed (exitcode: {code}) local_rank: {rank} (pid: "
+                    f"{pids[rank]})",
+                    flush=True,
+                )
                 others = [pids[r] for r, _ in live.values()]
                 _kill(others, signal.SIGTERM)
                 _stop_rest(live, files, time.monotonic() + STOP_GRACE_S)
@@ -124,7 +134,7 @@ def _stop_rest(live: dict, files: dict, deadline: float) -> None:
 
 def main(argv: list[str]) -> int:
     sep = argv.index("--")
-    opts, fallback = argv[:sep], argv[sep + 1:]
+    opts, fallback = argv[:sep], argv[sep + 1 :]
     nproc = int(opts[opts.index("--nproc") + 1])
     port = int(opts[opts.index("--port") + 1])
     return launch(nproc, port, fallback)

@@ -85,25 +85,41 @@ class RunState(StrEnum):
 
 
 # A supervisor writes these into status.json while it works; without a lock holder they mean "dead".
-LIVE_STATES = frozenset({RunState.STARTING, RunState.RUNNING, RunState.CHECKPOINTING, RunState.RESTARTING,
-                         RunState.COLLECTING_STACKS, RunState.STOPPING})
+LIVE_STATES = frozenset(
+    {
+        RunState.STARTING,
+        RunState.RUNNING,
+        RunState.CHECKPOINTING,
+        RunState.RESTARTING,
+        RunState.COLLECTING_STACKS,
+        RunState.STOPPING,
+    }
+)
 TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.STOPPED})
 # The ``ptops_run_state{state=...}`` series, in exposition order (alert rules select on them).
-EXPORTED_STATES = (RunState.STARTING, RunState.RUNNING, RunState.HUNG, RunState.CRASHED, RunState.RESTARTING,
-                   RunState.ROLLING_BACK, RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
+EXPORTED_STATES = (
+    RunState.STARTING,
+    RunState.RUNNING,
+    RunState.HUNG,
+    RunState.CRASHED,
+    RunState.RESTARTING,
+    RunState.ROLLING_BACK,
+    RunState.COMPLETED,
+    RunState.FAILED,
+    RunState.STOPPED,
+)
 
 
 @dataclass(frozen=True)
 class EventSpec:
     """One kind: its fields, and what readers make of it.
 
-    ``required``: always written (design.md's contract where it names the kind);
-    ``optional``: written by some writers or some of the time.
-    ``state``: the run state an event of this kind moves the run to (exporters' view).
-    ``finding``: ``ptops status`` lists it as an open finding of the live attempt.
-    ``severity``: an incident in its own right for ``diagnose`` (None: not one).
-    ``summary``: listed in the MLflow incident summary.
-    ``runbook``: ``runbooks/<name>.md`` for it (monitor findings get theirs from the monitor registry).
+    ``required``: always written (design.md's contract where it names the kind); ``optional``:
+    written by some writers or some of the time. ``state``: the run state an event of this kind
+    moves the run to (exporters' view). ``finding``: ``ptops status`` lists it as an open finding of
+    the live attempt. ``severity``: an incident in its own right for ``diagnose`` (None: not one).
+    ``summary``: listed in the MLflow incident summary. ``runbook``: ``runbooks/<name>.md`` for it
+    (monitor findings get theirs from the monitor registry).
     """
 
     required: tuple[str, ...] = ()
@@ -120,132 +136,330 @@ K = EventKind
 _RANK = ("rank", "attempt")  # the probe stamps every rank-side event with these
 
 SPECS: dict[EventKind, EventSpec] = {
-    K.LAUNCH: EventSpec(("attempt",), ("supervised", "nproc", "from_step", "supervisor_pid", "faults",
-                                       "ranks_from", "warm_pool", "warm_wait_s", "cold_why", "cold_detail"),
-                        state=RunState.RUNNING,
-                        doc="an attempt's ranks were started; ranks_from: \"warm\" (forked from the run's warm "
-                        "pool, after warm_wait_s waiting for its import) or \"cold\" (torchrun; cold_why: "
-                        "no_pool, pool_not_started, pool_exited, pool_not_ready, pool_declined, stopping)"),
-    K.CHECKPOINT: EventSpec(("step", "path", "blocking_s", "total_s"),
-                            ("mode", "prep_s", "state_dict_s", "call_s", "wait_s", "qkv_split", *_RANK),
-                            doc="a checkpoint was committed (sent by rank 0 after its commit)"),
-    K.CHECKPOINT_SKIPPED: EventSpec(("step",), ("writing_step", "writing_s", *_RANK),
-                                    doc="an interval save was skipped: the previous async save was still being "
-                                    "written (one writer; never queued)"),
-    K.CHECKPOINT_VERIFIED: EventSpec(("step", "path"), ("verify_s", *_RANK),
-                                     doc="rank 0 read a committed checkpoint back in the background and it verified"),
-    K.CHECKPOINT_INVALID: EventSpec(("path", "reason"), ("moved_to", "step", "found_by", *_RANK), finding=True,
-                                    severity="critical", summary=True, runbook="CheckpointCorrupt",
-                                    doc="a checkpoint failed verification and was set aside"),
-    K.CHECKPOINT_FAILED: EventSpec(("step", "path", "error", "final"), _RANK, severity="warning", summary=True,
-                                   runbook="CheckpointSaveFailing", doc="a checkpoint save failed, nothing committed"),
-    K.FAULT_INJECTED: EventSpec(("fault", "rank", "step"), ("attempt",), summary=True,
-                                doc="an injected fault fired in a rank"),
-    K.INJECT: EventSpec(("fault", "attempt", "ranks"), doc="`ptops inject` armed a fault in a live attempt"),
-    K.CRASH: EventSpec(("attempt", "rank", "exit_code"), ("step", "host", "how"), state=RunState.CRASHED,
-                       finding=True, severity="critical", summary=True, runbook="TrainingCrashLoop",
-                       doc="a rank exited non-zero (rank: the blamed one)"),
-    K.EARLY_EXIT: EventSpec(("attempt", "step"), severity="critical", runbook="TrainingCrashLoop",
-                            doc="torchrun exited 0 before the last step"),
-    K.HANG: EventSpec(("attempt", "ranks", "step", "silent_s"),
-                      ("phase", "section", "timeout_s", "stalled", "why", "stacks", "stack_sources", "stacks_s",
-                       "teardown_s", "found_ts"),
-                      state=RunState.HUNG, finding=True, severity="critical", summary=True, runbook="TrainingHang",
-                      doc="ranks made no progress past their budget; stacks were collected"),
-    K.MISCONFIGURED: EventSpec(("attempt", "reason"), ("rank", "host", "world_size", "expected_world_size"),
-                               finding=True, severity="critical", summary=True, runbook="TrainingCrashLoop",
-                               doc="ranks formed a process group other than the launcher asked for (e.g. worlds "
-                               "of one): the run fails at once, a restart cannot fix it"),
-    K.STRAGGLER: EventSpec(("rank", "ratio"), ("step", "detail", "severity", "attempt"), finding=True, summary=True,
-                           doc="the straggler monitor's finding"),
-    K.ANOMALY: EventSpec(("monitor", "step", "value", "detail"), ("severity", "rank", "attempt", "episode", "phase"),
-                         finding=True, summary=True,
-                         doc="a metric monitor's finding (runbook: the monitor registry's); episode monitors add "
-                         "episode and phase (open | escalate | resolved: the all-clear, severity info, closes "
-                         "the episode's open findings)"),
-    K.MONITOR_ERROR: EventSpec(("monitor", "error"), ("step", "rank", "attempt"), severity="warning", summary=True,
-                               doc="a monitor raised on a record; it is reported once and the others keep running"),
-    K.RESTART: EventSpec(("attempt", "from_step", "reason"), ("prev_from_step", "delay_s"),
-                         state=RunState.RESTARTING, summary=True,
-                         doc="the supervisor relaunches (attempt: the next one)"),
-    K.ROLLBACK: EventSpec(("from_step", "to_step", "reason"),
-                          ("monitor", "attempt", "next_attempt", "to_path", "skip_batches", "skip_at_step",
-                           "lr_scale", "lr_factor", "count"),
-                          state=RunState.ROLLING_BACK, finding=True, summary=True,
-                          doc="a monitor finding sends the run back to an earlier checkpoint"),
-    K.ROLLBACK_APPLIED: EventSpec(("what", "step"), ("lr_factor", "lr", "skip_batches", "batches_dropped",
-                                                    "from_step", "to_step", *_RANK),
-                                  doc="the engine applied a rollback's lr scale or batch skip"),
-    K.EXCLUDE_NODE: EventSpec(("attempt", "rank", "host", "step", "reason"), ("acted", "note"),
-                              doc="a straggler policy asked to exclude a node (recorded)"),
-    K.ADOPT: EventSpec(("previous_supervisor_pid", "last_attempt"),
-                       doc="a new supervisor took over a run whose supervisor died"),
-    K.ORPHANS_KILLED: EventSpec(("pids",), doc="leftover processes of the run were killed before a launch"),
+    K.LAUNCH: EventSpec(
+        ("attempt",),
+        (
+            "supervised",
+            "nproc",
+            "from_step",
+            "supervisor_pid",
+            "faults",
+            "ranks_from",
+            "warm_pool",
+            "warm_wait_s",
+            "cold_why",
+            "cold_detail",
+        ),
+        state=RunState.RUNNING,
+        doc="an attempt's ranks were started; ranks_from: \"warm\" (forked from the run's warm "
+        'pool, after warm_wait_s waiting for its import) or "cold" (torchrun; cold_why: '
+        "no_pool, pool_not_started, pool_exited, pool_not_ready, pool_declined, stopping)",
+    ),
+    K.CHECKPOINT: EventSpec(
+        ("step", "path", "blocking_s", "total_s"),
+        ("mode", "prep_s", "state_dict_s", "call_s", "wait_s", "qkv_split", *_RANK),
+        doc="a checkpoint was committed (sent by rank 0 after its commit)",
+    ),
+    K.CHECKPOINT_SKIPPED: EventSpec(
+        ("step",),
+        ("writing_step", "writing_s", *_RANK),
+        doc="an interval save was skipped: the previous async save was still being "
+        "written (one writer; never queued)",
+    ),
+    K.CHECKPOINT_VERIFIED: EventSpec(
+        ("step", "path"),
+        ("verify_s", *_RANK),
+        doc="rank 0 read a committed checkpoint back in the background and it verified",
+    ),
+    K.CHECKPOINT_INVALID: EventSpec(
+        ("path", "reason"),
+        ("moved_to", "step", "found_by", *_RANK),
+        finding=True,
+        severity="critical",
+        summary=True,
+        runbook="CheckpointCorrupt",
+        doc="a checkpoint failed verification and was set aside",
+    ),
+    K.CHECKPOINT_FAILED: EventSpec(
+        ("step", "path", "error", "final"),
+        _RANK,
+        severity="warning",
+        summary=True,
+        runbook="CheckpointSaveFailing",
+        doc="a checkpoint save failed, nothing committed",
+    ),
+    K.FAULT_INJECTED: EventSpec(
+        ("fault", "rank", "step"),
+        ("attempt",),
+        summary=True,
+        doc="an injected fault fired in a rank",
+    ),
+    K.INJECT: EventSpec(
+        ("fault", "attempt", "ranks"), doc="`ptops inject` armed a fault in a live attempt"
+    ),
+    K.CRASH: EventSpec(
+        ("attempt", "rank", "exit_code"),
+        ("step", "host", "how"),
+        state=RunState.CRASHED,
+        finding=True,
+        severity="critical",
+        summary=True,
+        runbook="TrainingCrashLoop",
+        doc="a rank exited non-zero (rank: the blamed one)",
+    ),
+    K.EARLY_EXIT: EventSpec(
+        ("attempt", "step"),
+        severity="critical",
+        runbook="TrainingCrashLoop",
+        doc="torchrun exited 0 before the last step",
+    ),
+    K.HANG: EventSpec(
+        ("attempt", "ranks", "step", "silent_s"),
+        (
+            "phase",
+            "section",
+            "timeout_s",
+            "stalled",
+            "why",
+            "stacks",
+            "stack_sources",
+            "stacks_s",
+            "teardown_s",
+            "found_ts",
+        ),
+        state=RunState.HUNG,
+        finding=True,
+        severity="critical",
+        summary=True,
+        runbook="TrainingHang",
+        doc="ranks made no progress past their budget; stacks were collected",
+    ),
+    K.MISCONFIGURED: EventSpec(
+        ("attempt", "reason"),
+        ("rank", "host", "world_size", "expected_world_size"),
+        finding=True,
+        severity="critical",
+        summary=True,
+        runbook="TrainingCrashLoop",
+        doc="ranks formed a process group other than the launcher asked for (e.g. worlds "
+        "of one): the run fails at once, a restart cannot fix it",
+    ),
+    K.STRAGGLER: EventSpec(
+        ("rank", "ratio"),
+        ("step", "detail", "severity", "attempt"),
+        finding=True,
+        summary=True,
+        doc="the straggler monitor's finding",
+    ),
+    K.ANOMALY: EventSpec(
+        ("monitor", "step", "value", "detail"),
+        ("severity", "rank", "attempt", "episode", "phase"),
+        finding=True,
+        summary=True,
+        doc="a metric monitor's finding (runbook: the monitor registry's); episode monitors add "
+        "episode and phase (open | escalate | resolved: the all-clear, severity info, closes "
+        "the episode's open findings)",
+    ),
+    K.MONITOR_ERROR: EventSpec(
+        ("monitor", "error"),
+        ("step", "rank", "attempt"),
+        severity="warning",
+        summary=True,
+        doc="a monitor raised on a record; it is reported once and the others keep running",
+    ),
+    K.RESTART: EventSpec(
+        ("attempt", "from_step", "reason"),
+        ("prev_from_step", "delay_s"),
+        state=RunState.RESTARTING,
+        summary=True,
+        doc="the supervisor relaunches (attempt: the next one)",
+    ),
+    K.ROLLBACK: EventSpec(
+        ("from_step", "to_step", "reason"),
+        (
+            "monitor",
+            "attempt",
+            "next_attempt",
+            "to_path",
+            "skip_batches",
+            "skip_at_step",
+            "lr_scale",
+            "lr_factor",
+            "count",
+        ),
+        state=RunState.ROLLING_BACK,
+        finding=True,
+        summary=True,
+        doc="a monitor finding sends the run back to an earlier checkpoint",
+    ),
+    K.ROLLBACK_APPLIED: EventSpec(
+        ("what", "step"),
+        ("lr_factor", "lr", "skip_batches", "batches_dropped", "from_step", "to_step", *_RANK),
+        doc="the engine applied a rollback's lr scale or batch skip",
+    ),
+    K.EXCLUDE_NODE: EventSpec(
+        ("attempt", "rank", "host", "step", "reason"),
+        ("acted", "note"),
+        doc="a straggler policy asked to exclude a node (recorded)",
+    ),
+    K.ADOPT: EventSpec(
+        ("previous_supervisor_pid", "last_attempt"),
+        doc="a new supervisor took over a run whose supervisor died",
+    ),
+    K.ORPHANS_KILLED: EventSpec(
+        ("pids",), doc="leftover processes of the run were killed before a launch"
+    ),
     K.RECIPE_UPDATED: EventSpec(("first_change",), doc="a relaunch runs a changed recipe"),
-    K.STAGE_INPUT: EventSpec(("pipeline", "stage", "input_stage", "input_checkpoint", "input_digest"),
-                             ("index", "run_dir", "resumed", "refs"),
-                             doc="a `ptops pipeline` stage: the verified checkpoint (and digest) it starts from"),
-    K.HOLD_RELEASED: EventSpec(("rank", "attempt", "step", "held_s", "by"),
-                               doc="a rank held by a `hold` fault went on (by: release | committed | timeout)"),
-    K.PROFILE_REQUESTED: EventSpec(("id", "attempt", "start_step", "steps", "ranks"), ("dir",),
-                                   doc="`ptops profile` asked every rank for a profiler trace of `steps` steps "
-                                       "from `start_step` (traces in profiles/<id>/)"),
-    K.PROFILE_CAPTURED: EventSpec(("id", "rank", "attempt", "first_step", "steps", "path"),
-                                  ("bytes", "wall_s", "export_s", "pause_s", "partial"),
-                                  doc="a rank wrote its profiler trace (path: relative to the run directory; "
-                                      "partial: the rank left before the last step; pause_s: what stopping and writing the trace held the rank)"),
-    K.PROFILE_FAILED: EventSpec(("id", "rank", "attempt", "error"), ("first_step",),
-                                doc="a rank could not take its part of a profile (training went on)"),
-    K.REWARD_SOURCE: EventSpec(("reward",), ("funcs", "weights", "judge_path", "judge_kind", "judge_digest",
-                                              "judge_params", "sandbox", "sandbox_limits", *_RANK),
-                               doc="what a GRPO run's reward is: its functions and weights, the judge's identity "
-                                   "(path, sha256 of its weights) or the code sandbox's isolation"),
-    K.SLURM_SUBMITTED: EventSpec(("job_id", "script"), ("nodes", "spare_nodes", "exclude"),
-                                 doc="`ptops launch --slurm` submitted the run (sbatch --parsable)"),
-    K.SLURM_ALLOCATION: EventSpec(("job_id", "nodes"), ("restart_count", "batch_host", "active", "spares"),
-                                  doc="the batch step's supervisor started in its allocation (nodes: all of them; "
-                                      "restart_count: SLURM_RESTART_COUNT, 1 after the first requeue)"),
-    K.NODE_BLAMED: EventSpec(("attempt", "node", "strikes", "reason"), ("ranks", "limit"),
-                             doc="a failed attempt's ranks were all on one node: a strike against it"),
-    K.NODE_REPLACED: EventSpec(("attempt", "node", "by"), ("spares_left",),
-                               doc="a node with strikes >= the limit is swapped for a spare node of the allocation "
-                                   "(from attempt: the next one)"),
-    K.PREEMPTED: EventSpec(("attempt", "signal"), ("step", "saved_step"),
-                           doc="Slurm's warning signal (--signal=B:USR1@S): the ranks saved at a step boundary"),
-    K.SLURM_REQUEUE: EventSpec(("job_id", "reason"), ("exclude", "new_job_id", "how"),
-                               doc="the job goes back to the queue (how: requeue = scontrol requeue; resubmit = "
-                                   "sbatch --exclude of the blamed nodes)"),
-    K.SIDECAR_STARTED: EventSpec(("name", "pid"), ("restarts", "argv"),
-                                 doc="a sidecar process of the run (e.g. the vLLM server) answered its health check"),
-    K.SIDECAR_DIED: EventSpec(("name", "exit_code"), ("reason", "restarts", "gave_up"), severity="critical",
-                              summary=True, doc="a sidecar exited or stopped answering its health check (gave_up: "
-                              "its restarts are spent, it stays down)"),
-    K.SIDECAR_RESTARTED: EventSpec(("name", "pid", "restarts"), summary=True,
-                                   doc="a dead sidecar was started again and is healthy"),
-    K.TEACHER: EventSpec(("path", "digest", "step"), ("spec", "pinned", *_RANK),
-                         doc="the distillation teacher checkpoint a run reads (pinned by its first attempt)"),
-    K.VLLM_FALLBACK: EventSpec(("mode", "reason"), _RANK,
-                               doc="[trl.vllm] asked for vLLM but it cannot run here: TRL's generate path instead"),
-    K.COMPLETED: EventSpec(("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"),
-    K.HEALTH_CHECK: EventSpec(("attempt", "ok", "checks"), ("failed",),
-                              doc="the checks before an attempt (ops/supervisor/health.py): checks "
-                              "[{name, ok, detail}] (ok null: does not apply here), failed: the names "
-                              "that failed; a failure ends the run (failed, exit 1) before any rank starts"),
-    K.FAILED: EventSpec(("reason",), ("attempt", "exit_code"), state=RunState.FAILED, severity="critical",
-                        summary=True, doc="the run gave up (reason names the cause)"),
-    K.STOPPED: EventSpec((), ("attempt", "signal", "step", "reason"), state=RunState.STOPPED,
-                         doc="the run was stopped by a signal"),
+    K.STAGE_INPUT: EventSpec(
+        ("pipeline", "stage", "input_stage", "input_checkpoint", "input_digest"),
+        ("index", "run_dir", "resumed", "refs"),
+        doc="a `ptops pipeline` stage: the verified checkpoint (and digest) it starts from",
+    ),
+    K.HOLD_RELEASED: EventSpec(
+        ("rank", "attempt", "step", "held_s", "by"),
+        doc="a rank held by a `hold` fault went on (by: release | committed | timeout)",
+    ),
+    K.PROFILE_REQUESTED: EventSpec(
+        ("id", "attempt", "start_step", "steps", "ranks"),
+        ("dir",),
+        doc="`ptops profile` asked every rank for a profiler trace of `steps` steps "
+        "from `start_step` (traces in profiles/<id>/)",
+    ),
+    K.PROFILE_CAPTURED: EventSpec(
+        ("id", "rank", "attempt", "first_step", "steps", "path"),
+        ("bytes", "wall_s", "export_s", "pause_s", "partial"),
+        doc="a rank wrote its profiler trace (path: relative to the run directory; "
+        "partial: the rank left before the last step; pause_s: what stopping and writing the "
+        "trace held the rank)",
+    ),
+    K.PROFILE_FAILED: EventSpec(
+        ("id", "rank", "attempt", "error"),
+        ("first_step",),
+        doc="a rank could not take its part of a profile (training went on)",
+    ),
+    K.REWARD_SOURCE: EventSpec(
+        ("reward",),
+        (
+            "funcs",
+            "weights",
+            "judge_path",
+            "judge_kind",
+            "judge_digest",
+            "judge_params",
+            "sandbox",
+            "sandbox_limits",
+            *_RANK,
+        ),
+        doc="what a GRPO run's reward is: its functions and weights, the judge's identity "
+        "(path, sha256 of its weights) or the code sandbox's isolation",
+    ),
+    K.SLURM_SUBMITTED: EventSpec(
+        ("job_id", "script"),
+        ("nodes", "spare_nodes", "exclude"),
+        doc="`ptops launch --slurm` submitted the run (sbatch --parsable)",
+    ),
+    K.SLURM_ALLOCATION: EventSpec(
+        ("job_id", "nodes"),
+        ("restart_count", "batch_host", "active", "spares"),
+        doc="the batch step's supervisor started in its allocation (nodes: all of them; "
+        "restart_count: SLURM_RESTART_COUNT, 1 after the first requeue)",
+    ),
+    K.NODE_BLAMED: EventSpec(
+        ("attempt", "node", "strikes", "reason"),
+        ("ranks", "limit"),
+        doc="a failed attempt's ranks were all on one node: a strike against it",
+    ),
+    K.NODE_REPLACED: EventSpec(
+        ("attempt", "node", "by"),
+        ("spares_left",),
+        doc="a node with strikes >= the limit is swapped for a spare node of the allocation "
+        "(from attempt: the next one)",
+    ),
+    K.PREEMPTED: EventSpec(
+        ("attempt", "signal"),
+        ("step", "saved_step"),
+        doc="Slurm's warning signal (--signal=B:USR1@S): the ranks saved at a step boundary",
+    ),
+    K.SLURM_REQUEUE: EventSpec(
+        ("job_id", "reason"),
+        ("exclude", "new_job_id", "how"),
+        doc="the job goes back to the queue (how: requeue = scontrol requeue; resubmit = "
+        "sbatch --exclude of the blamed nodes)",
+    ),
+    K.SIDECAR_STARTED: EventSpec(
+        ("name", "pid"),
+        ("restarts", "argv"),
+        doc="a sidecar process of the run (e.g. the vLLM server) answered its health check",
+    ),
+    K.SIDECAR_DIED: EventSpec(
+        ("name", "exit_code"),
+        ("reason", "restarts", "gave_up"),
+        severity="critical",
+        summary=True,
+        doc="a sidecar exited or stopped answering its health check (gave_up: "
+        "its restarts are spent, it stays down)",
+    ),
+    K.SIDECAR_RESTARTED: EventSpec(
+        ("name", "pid", "restarts"),
+        summary=True,
+        doc="a dead sidecar was started again and is healthy",
+    ),
+    K.TEACHER: EventSpec(
+        ("path", "digest", "step"),
+        ("spec", "pinned", *_RANK),
+        doc="the distillation teacher checkpoint a run reads (pinned by its first attempt)",
+    ),
+    K.VLLM_FALLBACK: EventSpec(
+        ("mode", "reason"),
+        _RANK,
+        doc="[trl.vllm] asked for vLLM but it cannot run here: TRL's generate path instead",
+    ),
+    K.COMPLETED: EventSpec(
+        ("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"
+    ),
+    K.HEALTH_CHECK: EventSpec(
+        ("attempt", "ok", "checks"),
+        ("failed",),
+        doc="the checks before an attempt (ops/supervisor/health.py): checks [{name, ok, detail}] "
+        "(ok null: does not apply here), failed: the names that failed; a failure ends the run "
+        "(failed, exit 1) before any rank starts",
+    ),
+    K.FAILED: EventSpec(
+        ("reason",),
+        ("attempt", "exit_code"),
+        state=RunState.FAILED,
+        severity="critical",
+        summary=True,
+        doc="the run gave up (reason names the cause)",
+    ),
+    K.STOPPED: EventSpec(
+        (),
+        ("attempt", "signal", "step", "reason"),
+        state=RunState.STOPPED,
+        doc="the run was stopped by a signal",
+    ),
 }
 del K
 
 # Kinds that end a run; each one's value is also its terminal state.
 END_KINDS = frozenset({EventKind.COMPLETED, EventKind.FAILED, EventKind.STOPPED})
 # Kinds a rank may report itself over the channel (the supervisor records only these).
-RANK_KINDS = frozenset({EventKind.CHECKPOINT, EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_INVALID,
-                        EventKind.CHECKPOINT_SKIPPED, EventKind.CHECKPOINT_VERIFIED,
-                        EventKind.ROLLBACK_APPLIED, EventKind.HOLD_RELEASED, EventKind.PROFILE_CAPTURED,
-                        EventKind.PROFILE_FAILED, EventKind.REWARD_SOURCE,
-                        EventKind.TEACHER, EventKind.VLLM_FALLBACK})
+RANK_KINDS = frozenset(
+    {
+        EventKind.CHECKPOINT,
+        EventKind.CHECKPOINT_FAILED,
+        EventKind.CHECKPOINT_INVALID,
+        EventKind.CHECKPOINT_SKIPPED,
+        EventKind.CHECKPOINT_VERIFIED,
+        EventKind.ROLLBACK_APPLIED,
+        EventKind.HOLD_RELEASED,
+        EventKind.PROFILE_CAPTURED,
+        EventKind.PROFILE_FAILED,
+        EventKind.REWARD_SOURCE,
+        EventKind.TEACHER,
+        EventKind.VLLM_FALLBACK,
+    }
+)
 # Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).
 MONITOR_FINDING_KINDS = frozenset({EventKind.STRAGGLER, EventKind.ANOMALY})
 FINDING_KINDS = frozenset(k for k, s in SPECS.items() if s.finding)
@@ -291,13 +505,17 @@ def next_state(state: str | None, event: Mapping[str, Any]) -> str | None:
 class RunView:
     """What the events alone say about a run (``reduce``)."""
 
-    state: str = RunState.NEW  # the end kind of the latest attempt; running after a launch; new without one
+    state: str = (
+        RunState.NEW
+    )  # the end kind of the latest attempt; running after a launch; new without one
     event_state: str | None = None  # next_state folded over every event (exporters' view)
     attempt: int = 0  # the highest launched attempt
     launches: int = 0
     restarts: int = 0
     end: dict[str, Any] | None = None  # the end event of the latest attempt (None while it runs)
-    open_findings: list[dict[str, Any]] = field(default_factory=list)  # finding events since the last launch
+    open_findings: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # finding events since the last launch
     counts: dict[str, int] = field(default_factory=dict)  # kind -> events
     last_checkpoint: dict[str, Any] | None = None  # the latest ``checkpoint`` event
     first_ts: float | None = None
@@ -351,8 +569,14 @@ def reduce(events: Iterable[Mapping[str, Any]]) -> RunView:
             v.last_checkpoint = dict(e)
         if kind in FINDING_KINDS and v.launches:
             if e.get("phase") == "resolved":  # an all-clear closes its episode's findings
-                v.open_findings = [f for f in v.open_findings
-                                   if not (f.get("monitor") == e.get("monitor") and f.get("episode") == e.get("episode"))]
+                v.open_findings = [
+                    f
+                    for f in v.open_findings
+                    if not (
+                        f.get("monitor") == e.get("monitor")
+                        and f.get("episode") == e.get("episode")
+                    )
+                ]
             else:
                 v.open_findings.append(dict(e))
     return v

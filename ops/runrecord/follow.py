@@ -1,4 +1,5 @@
-"""Following a run directory: its ``events.jsonl`` and ``metrics.jsonl`` fed to sinks, in time order.
+"""Following a run directory: its ``events.jsonl`` and ``metrics.jsonl`` fed to sinks, in time
+order.
 
 A sink is any object with ``observe_event(record)`` and ``observe_metric(record)``
 (the Prometheus and MLflow exporters). Data flows one way: the sinks read the run
@@ -27,7 +28,8 @@ def _ts(rec: dict[str, Any]) -> float:
 
 
 def feed(sinks: Iterable[Any], events: list[dict], metrics: list[dict]) -> int:
-    """Feed one batch of both files, merged by ``ts`` (events first on a tie); returns how many records."""
+    """Feed one batch of both files, merged by ``ts`` (events first on a tie); returns how many
+    records."""
     merged = [(_ts(e), 0, i, e) for i, e in enumerate(events)]
     merged += [(_ts(m), 1, i, m) for i, m in enumerate(metrics)]
     merged.sort(key=lambda t: (t[0], t[1], t[2]))
@@ -43,7 +45,13 @@ def feed(sinks: Iterable[Any], events: list[dict], metrics: list[dict]) -> int:
 class Follower(threading.Thread):
     """Tails ``events.jsonl`` and ``metrics.jsonl`` of a run directory into sinks."""
 
-    def __init__(self, run_dir: str | Path, sinks: Iterable[Any], poll_s: float = 0.5, from_start: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        sinks: Iterable[Any],
+        poll_s: float = 0.5,
+        from_start: bool = True,
+    ):
         super().__init__(name="ptops-follow", daemon=True)
         run_dir = Path(run_dir)
         self.run_dir = run_dir
@@ -74,8 +82,11 @@ class Follower(threading.Thread):
             self.join(timeout)
 
 
-def follow(run_dir: str | Path, *sinks: Any, poll_s: float = 0.5, from_start: bool = True) -> Follower:
-    """Start tailing a run directory into ``sinks``; the records already there are fed before it returns."""
+def follow(
+    run_dir: str | Path, *sinks: Any, poll_s: float = 0.5, from_start: bool = True
+) -> Follower:
+    """Start tailing a run directory into ``sinks``; the records already there are fed before it
+    returns."""
     f = Follower(run_dir, sinks, poll_s=poll_s, from_start=from_start)
     f.poll_once()
     f.start()

@@ -8,9 +8,10 @@ Where the time goes, per attempt (rank 0's records; every step is one collective
 
 - **productive**: the duration (``step_s``) of each step's final execution;
 - **recomputed**: earlier executions of a step that was trained again after a restart or rollback;
-- **startup**: launch -> the start of the attempt's first step (imports, rendezvous, model build, load);
-- **detection**: the end of the attempt's last step -> the event that ended it (crash, hang, rollback,
-  early exit, preemption): the time a failure went unnoticed;
+- **startup**: launch -> the start of the attempt's first step (imports, rendezvous, model build,
+  load);
+- **detection**: the end of the attempt's last step -> the event that ended it (crash, hang,
+  rollback, early exit, preemption): the time a failure went unnoticed;
 - **restart**: that event -> the next launch (stack collection, kill, backoff, checkpoint checks);
 - **checkpoint_blocking**: training blocked by checkpoint saves (``blocking_s`` of each commit);
 - **shutdown**: the end of the last step -> ``completed`` (the final save, process exit);
@@ -23,9 +24,19 @@ import math
 from typing import Any, Mapping
 
 # events that end an attempt: the failure was seen at this event's time
-ATTEMPT_ENDS = frozenset({"crash", "hang", "rollback", "early_exit", "misconfigured", "stopped", "failed"})
+ATTEMPT_ENDS = frozenset(
+    {"crash", "hang", "rollback", "early_exit", "misconfigured", "stopped", "failed"}
+)
 TERMINAL = frozenset({"completed", "failed", "stopped"})
-CAUSES = ("startup", "detection", "restart", "recomputed", "checkpoint_blocking", "shutdown", "other")
+CAUSES = (
+    "startup",
+    "detection",
+    "restart",
+    "recomputed",
+    "checkpoint_blocking",
+    "shutdown",
+    "other",
+)
 
 
 def _num(v: Any) -> float | None:
@@ -97,7 +108,8 @@ class Goodput:
             self._first_ts = ts - dur
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
-        """``{"ratio", "wall_s", "productive_s", "lost_s": {cause: s}}``; ratio None before anything ran."""
+        """``{"ratio", "wall_s", "productive_s", "lost_s": {cause: s}}``; ratio None before anything
+        ran."""
         starts = [*self.launch.values(), *([self._first_ts] if self._first_ts is not None else [])]
         start = min(starts) if starts else None
         end = self.end_ts if self.end_ts is not None else now
@@ -106,11 +118,19 @@ class Goodput:
         wall = (end - start) if (start is not None and end is not None) else 0.0
         lost = dict.fromkeys(CAUSES, 0.0)
         lost["recomputed"] = self.recomputed_s
-        # a save after the attempt's last step (the final save) is part of its shutdown, not counted twice
-        lost["checkpoint_blocking"] = sum(b for a, ts, b in self.saves if ts <= self.last_end.get(a, math.inf))
+        # a save after the attempt's last step (the final save) is part of its shutdown, not counted
+        # twice
+        lost["checkpoint_blocking"] = sum(
+            b for a, ts, b in self.saves if ts <= self.last_end.get(a, math.inf)
+        )
         attempts = sorted(self.launch)
         for i, a in enumerate(attempts):
-            launched, first, last, ended = self.launch[a], self.first_start.get(a), self.last_end.get(a), self.ended.get(a)
+            launched, first, last, ended = (
+                self.launch[a],
+                self.first_start.get(a),
+                self.last_end.get(a),
+                self.ended.get(a),
+            )
             if first is not None:
                 lost["startup"] += max(0.0, first - launched)
             elif ended is not None:
@@ -125,7 +145,9 @@ class Goodput:
             last = self.last_end.get(attempts[-1])
             if last is not None:
                 lost["shutdown"] += max(0.0, self.end_ts - last)  # final save, process exit
-        lost["other"] = max(0.0, wall - self.productive_s - sum(v for k, v in lost.items() if k != "other"))
+        lost["other"] = max(
+            0.0, wall - self.productive_s - sum(v for k, v in lost.items() if k != "other")
+        )
         return {
             "ratio": max(0.0, min(1.0, self.productive_s / wall)) if wall > 0 else None,
             "wall_s": wall,
@@ -134,14 +156,20 @@ class Goodput:
         }
 
 
-def account(events: list[Mapping[str, Any]], records: list[Mapping[str, Any]], now: float | None = None) -> dict[str, Any]:
-    """The whole run's goodput from its files (``now`` for a run still going; else it ends at its last
-    record), rounded for people (ratio to 4 places, seconds to ms)."""
+def account(
+    events: list[Mapping[str, Any]], records: list[Mapping[str, Any]], now: float | None = None
+) -> dict[str, Any]:
+    """The whole run's goodput from its files (``now`` for a run still going; else it ends at its
+    last record), rounded for people (ratio to 4 places, seconds to ms)."""
     g = Goodput()
     for e in events:
         g.event(e)
     for r in records:
         g.record(r)
     out = g.summary(now)
-    return {"ratio": None if out["ratio"] is None else round(out["ratio"], 4), "wall_s": round(out["wall_s"], 3),
-            "productive_s": round(out["productive_s"], 3), "lost_s": {k: round(v, 3) for k, v in out["lost_s"].items()}}
+    return {
+        "ratio": None if out["ratio"] is None else round(out["ratio"], 4),
+        "wall_s": round(out["wall_s"], 3),
+        "productive_s": round(out["productive_s"], 3),
+        "lost_s": {k: round(v, 3) for k, v in out["lost_s"].items()},
+    }

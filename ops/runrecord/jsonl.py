@@ -29,8 +29,9 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 class JsonlAppender:
     """:func:`append_jsonl` for the supervisor's per-record path: the same line, one ``write`` on an
-    ``O_APPEND`` file, but the file stays open (an open + close per record was the largest single cost
-    of a record at 1,024 simulated ranks: ``bench/scale_load.py``). Opened on first use; ``close()`` at the end."""
+    ``O_APPEND`` file, but the file stays open (an open + close per record was the largest single
+    cost of a record at 1,024 simulated ranks: ``bench/scale_load.py``). Opened on first use;
+    ``close()`` at the end."""
 
     def __init__(self, path: Path):
         self.path = path

@@ -21,7 +21,8 @@ def lock_path(run_dir: Path) -> Path:
 
 
 def acquire(run_dir: Path, wait_s: float = 1.0) -> int:
-    """Take the lock; returns the fd to keep open. Raises :class:`LockedError` with one clear line."""
+    """Take the lock; returns the fd to keep open. Raises :class:`LockedError` with one clear
+    line."""
     path = lock_path(run_dir)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + wait_s

@@ -15,7 +15,15 @@ from typing import Any
 from .events import reduce
 from .jsonl import PRIVATE_FILE, JsonlTail, append_jsonl, read_jsonl
 
-__all__ = ["PRIVATE_DIR", "PRIVATE_FILE", "JsonlTail", "RunDir", "append_jsonl", "final_metrics_by_step", "read_jsonl"]
+__all__ = [
+    "PRIVATE_DIR",
+    "PRIVATE_FILE",
+    "JsonlTail",
+    "RunDir",
+    "append_jsonl",
+    "final_metrics_by_step",
+    "read_jsonl",
+]
 
 PRIVATE_DIR = 0o700
 
@@ -71,7 +79,9 @@ class RunDir:
         return reduce(read_jsonl(self.events)).attempt
 
 
-def final_metrics_by_step(records: list[dict[str, Any]], rank: int = 0) -> dict[int, dict[str, Any]]:
+def final_metrics_by_step(
+    records: list[dict[str, Any]], rank: int = 0
+) -> dict[int, dict[str, Any]]:
     """The record that counts for each step: the last one written (a resumed run redoes steps)."""
     out: dict[int, dict[str, Any]] = {}
     for r in records:

@@ -1,4 +1,5 @@
-"""``status.json`` (rewritten atomically by the supervisor) and the data of ``ptops status`` (its text: ``ops/cli/status_view.py``).
+"""``status.json`` (rewritten atomically by the supervisor) and the data of ``ptops status`` (its
+text: ``ops/cli/status_view.py``).
 
 ``ptops status`` never trusts a stale file: it checks whether a supervisor still
 holds ``supervisor.lock``; when none does, a "running" status becomes "dead"
@@ -52,8 +53,14 @@ def slurm_view(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         if kind == "slurm_submitted":
             out.update(job_id=e.get("job_id"), state="submitted")
         elif kind == "slurm_allocation":
-            out.update(job_id=e.get("job_id"), nodes=e.get("nodes"), restart_count=e.get("restart_count"),
-                       batch_host=e.get("batch_host"), spares=e.get("spares"), state="allocated")
+            out.update(
+                job_id=e.get("job_id"),
+                nodes=e.get("nodes"),
+                restart_count=e.get("restart_count"),
+                batch_host=e.get("batch_host"),
+                spares=e.get("spares"),
+                state="allocated",
+            )
         elif kind == "launch" and "nodes" in e:
             out.update(active=e.get("nodes"), spares=e.get("spares"))
         elif kind == "node_replaced":
@@ -67,12 +74,15 @@ def slurm_view(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything ``ptops status`` reports, as one dict. The caller names the last good checkpoint
-    (``ptops.ckpt.latest_good``): which checkpoint is good is the checkpoint layer's call, not the record's."""
+    (``ptops.ckpt.latest_good``): which checkpoint is good is the checkpoint layer's call, not the
+    record's."""
     run = RunDir(Path(run_dir))
     if not run.path.is_dir():
         raise FileNotFoundError(f"{run.path}: no such run directory")
     if not run.events.exists() and not run.recipe_json.exists():
-        raise FileNotFoundError(f"{run.path}: not a ptops run directory (no events.jsonl or recipe.json)")
+        raise FileNotFoundError(
+            f"{run.path}: not a ptops run directory (no events.jsonl or recipe.json)"
+        )
     events = run.read_events()
     st = read_status_file(run)
     records = run.read_metrics()
@@ -115,5 +125,8 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
     if slurm:
         out["slurm"] = slurm
     if state == RunState.DEAD:
-        out["hint"] = f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch --supervise <recipe> --run-dir {run.path}"
+        out["hint"] = (
+            f"the supervisor (pid {st.get('supervisor_pid')}) is gone; resume with: ptops launch "
+            f"--supervise <recipe> --run-dir {run.path}"
+        )
     return out

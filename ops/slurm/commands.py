@@ -1,4 +1,5 @@
-"""Slurm driven through its commands (``sbatch``, ``srun``, ``scontrol``, ``squeue``): parsable text only.
+"""Slurm driven through its commands (``sbatch``, ``srun``, ``scontrol``, ``squeue``): parsable text
+only.
 
 Why commands and not a library: pyslurm does not build against Debian's Slurm 22.05, and the
 commands are what an on-call engineer would type. Every call has a timeout and raises
@@ -18,7 +19,9 @@ class SlurmError(RuntimeError):
 
 def _run(argv: list[str], timeout: float = 30.0) -> str:
     if shutil.which(argv[0]) is None:
-        raise SlurmError(f"{argv[0]} not found: is Slurm's client installed (apt-get install slurm-client)?")
+        raise SlurmError(
+            f"{argv[0]} not found: is Slurm's client installed (apt-get install slurm-client)?"
+        )
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

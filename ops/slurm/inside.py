@@ -1,4 +1,5 @@
-"""The supervisor of a Slurm job's batch step: ``python -m ptops.ops.slurm.inside RUN_DIR [--fault SPEC]...``.
+"""The supervisor of a Slurm job's batch step: ``python -m ptops.ops.slurm.inside RUN_DIR [--fault
+SPEC]...``.
 
 It is the ordinary :class:`~ptops.ops.supervisor.core.Supervisor` (same records, monitors, hang
 detection, restart policy) with the launch hooks filled in for Slurm:
@@ -59,9 +60,14 @@ class SlurmSupervisor(Supervisor):
         self.job_id = job_id
         self.n_nodes, self.per_node, _ = world(recipe)
         self.world = self.n_nodes * self.per_node
-        # the agents of other nodes must reach the channel: listen on all addresses (token-authenticated)
-        self.cfg = self.cfg.model_copy(update={"channel_host": "0.0.0.0",
-                                               "channel_advertise": self.cfg.channel_advertise or _address_of_this_node()})
+        # the agents of other nodes must reach the channel: listen on all addresses
+        # (token-authenticated)
+        self.cfg = self.cfg.model_copy(
+            update={
+                "channel_host": "0.0.0.0",
+                "channel_advertise": self.cfg.channel_advertise or _address_of_this_node(),
+            }
+        )
         self.strikes: dict[str, int] = {}
         for e in run.read_events():  # strikes survive a requeue: a bad node stays bad
             if e.get("kind") == EventKind.NODE_BLAMED:
@@ -70,26 +76,31 @@ class SlurmSupervisor(Supervisor):
         usable = [n for n in allocation if n not in bad]
         self.allocation = allocation
         self.active = usable[: self.n_nodes]
-        self.spares = usable[self.n_nodes:]
+        self.spares = usable[self.n_nodes :]
         self.preempting = False
         self.stop_extra: dict = {}
         self.findings.exclude_node = self._exclude_straggler
-        self.warm = None  # the ranks run on other nodes, started by their node agents (no warm pool there yet)
-        self.no_warm_why = "no warm pool under Slurm: each node agent starts its ranks through torchrun"
+        # the ranks run on other nodes, started by their node agents (no warm pool there yet)
+        self.warm = None
+        self.no_warm_why = (
+            "no warm pool under Slurm: each node agent starts its ranks through torchrun"
+        )
 
     # ------------------------------------------------------------ the attempt as an srun step
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
         base = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
         n = len(self.active)
         port = self.recipe.launch.master_port or random.randint(20000, 39999)
-        base.env.update({
-            "PTOPS_NODE_NPROC": str(self.per_node),
-            "PTOPS_NODE_NNODES": str(n),
-            "PTOPS_NODE_MASTER": self.active[0],
-            "PTOPS_NODE_PORT": str(port),
-            "PTOPS_NODE_LOG_DIR": str(self.run.logs(attempt).resolve()),
-            "PTOPS_NODE_UPSTREAM_TIMEOUT_S": str(self.slurm.upstream_timeout_s),
-        })
+        base.env.update(
+            {
+                "PTOPS_NODE_NPROC": str(self.per_node),
+                "PTOPS_NODE_NNODES": str(n),
+                "PTOPS_NODE_MASTER": self.active[0],
+                "PTOPS_NODE_PORT": str(port),
+                "PTOPS_NODE_LOG_DIR": str(self.run.logs(attempt).resolve()),
+                "PTOPS_NODE_UPSTREAM_TIMEOUT_S": str(self.slurm.upstream_timeout_s),
+            }
+        )
         argv = [
             "srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={','.join(self.active)}", f"--job-name=ptops-attempt-{attempt}",
@@ -99,7 +110,8 @@ class SlurmSupervisor(Supervisor):
         return launcher.RankCommand(argv, base.env)
 
     def unreaped_exit_code(self, rank: int) -> int | None:
-        return None  # the rank's pid is on its node, not here: wait for torchrun's line in the srun output
+        # the rank's pid is on its node, not here: wait for torchrun's line in the srun output
+        return None
 
     def rendezvous_addresses(self) -> list[tuple[str, int]]:
         """The attempt's first node: every node's torchrun dials it (static rendezvous)."""
@@ -109,8 +121,8 @@ class SlurmSupervisor(Supervisor):
         return {"nodes": list(self.active), "spares": list(self.spares), "job_id": self.job_id}
 
     def attempt_cleanup(self, attempt: int) -> None:
-        """Every node agent of the attempt kills its ranks (those behind a cut link do so on their own
-        once the supervisor's keepalives stop reaching them)."""
+        """Every node agent of the attempt kills its ranks (those behind a cut link do so on their
+        own once the supervisor's keepalives stop reaching them)."""
         agents = [p for p in self.node_peers.values() if int(p.hello.get("attempt", -1)) == attempt]
         for p in agents:
             if not p.hello.get("gone_ts"):
@@ -128,14 +140,19 @@ class SlurmSupervisor(Supervisor):
         return None
 
     def _exclude_straggler(self, node: str, reason: str) -> str | None:
-        """A straggler monitor's ``exclude_node``: a strike; at the limit a spare takes the node's place
-        from the next attempt (training goes on meanwhile; no restart just for this)."""
+        """A straggler monitor's ``exclude_node``: a strike; at the limit a spare takes the node's
+        place from the next attempt (training goes on meanwhile; no restart just for this)."""
         if node not in self.active:
             return None
         before = list(self.active)
-        self._strike(node, [r.rank for r in self.ranks.values() if r.host == node], f"straggler: {reason}")
+        self._strike(
+            node, [r.rank for r in self.ranks.values() if r.host == node], f"straggler: {reason}"
+        )
         if self.active != before:
-            return f"strike {self.strikes[node]}; replaced by spare {self.active[before.index(node)]} from the next attempt"
+            return (
+                f"strike {self.strikes[node]}; replaced by spare "
+                f"{self.active[before.index(node)]} from the next attempt"
+            )
         return f"strike {self.strikes[node]} of {self.slurm.node_strikes} against {node}"
 
     def _strike(self, node: str, ranks: list, reason: str) -> bool:
@@ -143,25 +160,45 @@ class SlurmSupervisor(Supervisor):
         and no spare is left (the caller resubmits without it)."""
         self.strikes[node] = self.strikes.get(node, 0) + 1
         limit = self.slurm.node_strikes
-        self.event(EventKind.NODE_BLAMED, attempt=self.attempt, node=node, strikes=self.strikes[node],
-                   reason=reason, ranks=sorted(r for r in ranks if r is not None), limit=limit)
+        self.event(
+            EventKind.NODE_BLAMED,
+            attempt=self.attempt,
+            node=node,
+            strikes=self.strikes[node],
+            reason=reason,
+            ranks=sorted(r for r in ranks if r is not None),
+            limit=limit,
+        )
         self.say(f"node {node}: strike {self.strikes[node]} of {limit} ({reason[:80]})")
         if self.strikes[node] < limit:
             return False
         if self.spares:
             spare = self.spares.pop(0)
             self.active[self.active.index(node)] = spare
-            self.event(EventKind.NODE_REPLACED, attempt=self.attempt, node=node, by=spare, spares_left=len(self.spares))
-            self.say(f"node {node} replaced by spare {spare} from the next attempt ({len(self.spares)} spare(s) left)")
+            self.event(
+                EventKind.NODE_REPLACED,
+                attempt=self.attempt,
+                node=node,
+                by=spare,
+                spares_left=len(self.spares),
+            )
+            self.say(
+                f"node {node} replaced by spare {spare} from the next attempt "
+                f"({len(self.spares)} spare(s) left)"
+            )
             return False
         return True
 
     def _blame_node(self, outcome: Outcome) -> int | None:
-        ranks = outcome.detail.get("ranks") if outcome.kind == "hang" else [outcome.detail.get("rank")]
+        ranks = (
+            outcome.detail.get("ranks") if outcome.kind == "hang" else [outcome.detail.get("rank")]
+        )
         hosts = {self.rank_host(r) for r in (ranks or []) if r is not None}
         hosts.discard(None)
         if len(hosts) != 1:
-            return None  # no rank, or ranks on several nodes: not a node's fault as far as we can tell
+            return (
+                None  # no rank, or ranks on several nodes: not a node's fault as far as we can tell
+            )
         node = hosts.pop()
         if node not in self.active:
             return None
@@ -170,16 +207,31 @@ class SlurmSupervisor(Supervisor):
         return self._resubmit_without(node)
 
     def _resubmit_without(self, node: str) -> int | None:
-        bad = sorted({n for n, k in self.strikes.items() if k >= self.slurm.node_strikes} | set(self.slurm.exclude))
+        bad = sorted(
+            {n for n, k in self.strikes.items() if k >= self.slurm.node_strikes}
+            | set(self.slurm.exclude)
+        )
         script = self.run.path / "slurm" / SCRIPT_NAME
         try:
             new = commands.submit(str(script), [f"--exclude={','.join(bad)}"])
         except commands.SlurmError as e:
-            self.say(f"node {node} is blamed and no spare is left, but resubmitting failed: {e}; restarting in place")
+            self.say(
+                f"node {node} is blamed and no spare is left, but resubmitting failed: {e}; "
+                "restarting in place"
+            )
             return None
-        self.event(EventKind.SLURM_REQUEUE, job_id=self.job_id, new_job_id=new, how="resubmit", exclude=bad,
-                   reason=f"node {node} blamed {self.strikes[node]} time(s) and no spare node left")
-        self.say(f"no spare node left: resubmitted as job {new} without {','.join(bad)}; this job ends (exit 5)")
+        self.event(
+            EventKind.SLURM_REQUEUE,
+            job_id=self.job_id,
+            new_job_id=new,
+            how="resubmit",
+            exclude=bad,
+            reason=f"node {node} blamed {self.strikes[node]} time(s) and no spare node left",
+        )
+        self.say(
+            f"no spare node left: resubmitted as job {new} without {','.join(bad)}; this job "
+            "ends (exit 5)"
+        )
         self.state = RunState.RESTARTING
         self.reason = f"resubmitted as Slurm job {new} without {','.join(bad)}"
         self.write_status(force=True)
@@ -188,16 +240,27 @@ class SlurmSupervisor(Supervisor):
     def _requeue_after_preemption(self) -> int | None:
         saved = (self.good or {}).get("step")
         self.good = self._good_checkpoint_for_restart()
-        self.event(EventKind.PREEMPTED, attempt=self.attempt, signal="USR1", step=self.step,
-                   saved_step=(self.good or {}).get("step"))
+        self.event(
+            EventKind.PREEMPTED,
+            attempt=self.attempt,
+            signal="USR1",
+            step=self.step,
+            saved_step=(self.good or {}).get("step"),
+        )
         try:
             commands.requeue(self.job_id)
         except commands.SlurmError as e:
             self.say(f"preempted, but scontrol requeue failed: {e}")
             return None  # the run ends stopped; rerunning the launch resumes it
-        self.event(EventKind.SLURM_REQUEUE, job_id=self.job_id, how="requeue",
-                   reason=f"warning signal: saved at step {(self.good or {}).get('step', saved)}")
-        self.say(f"preempted: saved at step {(self.good or {}).get('step')}, job {self.job_id} requeued")
+        self.event(
+            EventKind.SLURM_REQUEUE,
+            job_id=self.job_id,
+            how="requeue",
+            reason=f"warning signal: saved at step {(self.good or {}).get('step', saved)}",
+        )
+        self.say(
+            f"preempted: saved at step {(self.good or {}).get('step')}, job {self.job_id} requeued"
+        )
         self.state = RunState.RESTARTING
         self.reason = "requeued after the Slurm warning signal"
         self.write_status(force=True)
@@ -215,12 +278,20 @@ class SlurmSupervisor(Supervisor):
     def run_all(self, lock_fd: int | None = None) -> int:
         old = signal.signal(signal.SIGUSR1, self._on_usr1)
         try:
-            self.event(EventKind.SLURM_ALLOCATION, job_id=self.job_id, nodes=self.allocation,
-                       restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
-                       batch_host=socket.gethostname(), active=self.active, spares=self.spares)
+            self.event(
+                EventKind.SLURM_ALLOCATION,
+                job_id=self.job_id,
+                nodes=self.allocation,
+                restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+                batch_host=socket.gethostname(),
+                active=self.active,
+                spares=self.spares,
+            )
             if len(self.active) < self.n_nodes:
-                self.say(f"only {len(self.active)} usable node(s) in the allocation {self.allocation}, "
-                         f"{self.n_nodes} needed")
+                self.say(
+                    f"only {len(self.active)} usable node(s) in the allocation {self.allocation}, "
+                    f"{self.n_nodes} needed"
+                )
                 code = self._resubmit_without(sorted(self.strikes)[0]) if self.strikes else None
                 if code is not None:
                     return code
@@ -230,8 +301,10 @@ class SlurmSupervisor(Supervisor):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ptops.ops.slurm.inside",
-                                 description="The supervisor of a ptops Slurm job (run by its sbatch script).")
+    ap = argparse.ArgumentParser(
+        prog="python -m ptops.ops.slurm.inside",
+        description="The supervisor of a ptops Slurm job (run by its sbatch script).",
+    )
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--fault", action="append", default=[])
     args = ap.parse_args(argv)
@@ -243,7 +316,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {run.recipe_json}: {e}", file=sys.stderr)
         sys.exit(2)
     job_id = os.environ.get("SLURM_JOB_ID", "")
-    allocation = commands.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [socket.gethostname()]
+    allocation = commands.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or [
+        socket.gethostname()
+    ]
     try:
         lock_fd = acquire(run.path)
     except LockedError as e:
@@ -251,7 +326,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     sup = SlurmSupervisor(recipe, run, faults, allocation, job_id)
     code = sup.run_all(lock_fd)
-    print(f"ptops: supervisor of job {job_id} exits {code} ({sup.state}: {sup.reason or 'ok'})", file=sys.stderr, flush=True)
+    print(
+        f"ptops: supervisor of job {job_id} exits {code} ({sup.state}: {sup.reason or 'ok'})",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.exit(code)
 
 

@@ -1,4 +1,5 @@
-"""The sbatch script of a supervised multi-node run: written into the run directory, printed by ``--dry-run``.
+"""The sbatch script of a supervised multi-node run: written into the run directory, printed by
+``--dry-run``.
 
 Why these directives (each one is checked by ``tests/test_slurm_dryrun.py``):
 
@@ -28,7 +29,9 @@ def world(recipe) -> tuple[int, int, int]:
     return s.nodes, per_node, s.spare_nodes
 
 
-def script(recipe, run_dir: Path, faults: list[str], python: str | None = None, cwd: Path | None = None) -> str:
+def script(
+    recipe, run_dir: Path, faults: list[str], python: str | None = None, cwd: Path | None = None
+) -> str:
     s = recipe.slurm
     nodes, per_node, spares = world(recipe)
     run_dir = Path(run_dir).resolve()
@@ -43,7 +46,12 @@ def script(recipe, run_dir: Path, faults: list[str], python: str | None = None, 
     ]
     if s.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
-    for flag, value in (("partition", s.partition), ("time", s.time), ("account", s.account), ("qos", s.qos)):
+    for flag, value in (
+        ("partition", s.partition),
+        ("time", s.time),
+        ("account", s.account),
+        ("qos", s.qos),
+    ):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
     lines += [
@@ -63,7 +71,8 @@ def script(recipe, run_dir: Path, faults: list[str], python: str | None = None, 
     lines += [
         "",
         "export PYTHONUNBUFFERED=1",
-        "# exec: the supervisor is the batch shell, so Slurm's USR1 (B:) and scancel's TERM reach it",
+        "# exec: the supervisor is the batch shell, so Slurm's USR1 (B:) and scancel's TERM "
+        "reach it",
         "exec " + " ".join(shlex.quote(a) for a in args),
         "",
     ]

@@ -1,4 +1,5 @@
-"""Findings -> effects: carries out what :mod:`ptops.ops.supervisor.policy` decided for a monitor finding.
+"""Findings -> effects: carries out what :mod:`ptops.ops.supervisor.policy` decided for a monitor
+finding.
 
 Per monitor, ``[monitors.<name>] action`` (``MonitorsSection.action_for``; the table of
 effects is ``policy.FINDING_EFFECTS``):
@@ -39,13 +40,19 @@ from ptops.monitors.config import MonitorsSection
 from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.supervisor.outcome import Outcome
-from ptops.ops.supervisor.policy import EXIT_NO_REQUEUE, FindingDecision, FindingPolicy, plan_rollback
+from ptops.ops.supervisor.policy import (
+    EXIT_NO_REQUEUE,
+    FindingDecision,
+    FindingPolicy,
+    plan_rollback,
+)
 from ptops.recipes.rollback import ENV as ENV_ROLLBACK
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """After a halting finding: exit with ``exit_code``, or (None) run the next attempt from ``good``."""
+    """After a halting finding: exit with ``exit_code``, or (None) run the next attempt from
+    ``good``."""
 
     state: str
     reason: str
@@ -54,32 +61,59 @@ class Verdict:
 
 
 class FindingActions:
-    def __init__(self, section: MonitorsSection | None, run: RunDir, say: Callable[[str], None],
-                 record_only: bool = False):
+    def __init__(
+        self,
+        section: MonitorsSection | None,
+        run: RunDir,
+        say: Callable[[str], None],
+        record_only: bool = False,
+    ):
         self.run = run
         self.say = say
         self.policy = FindingPolicy.from_events(section, run.read_events(), record_only)
         self.pending: FindingDecision | None = None  # the halting decision of the live attempt
-        # (host, reason) -> what was done, or None: the launch backend's way to exclude a node (Slurm)
+        # (host, reason) -> what was done, or None: the launch backend's way to exclude a node
+        # (Slurm)
         self.exclude_node: Callable[[str, str], str | None] | None = None
 
     def on_finding(self, finding: Any, attempt: int, host_of: Callable[[int], str | None]) -> None:
-        """After the finding's own event: act on it. The first halting decision of an attempt wins."""
+        """After the finding's own event: act on it. The first halting decision of an attempt
+        wins."""
         d = self.policy.decide(finding)
         if d.effect.record == "exclude_node":
             host = host_of(finding.rank) if finding.rank is not None else None
-            note = self.exclude_node(host, d.reason) if self.exclude_node is not None and host else None
-            self.run.event(EventKind.EXCLUDE_NODE, attempt=attempt, rank=finding.rank, host=host, step=d.step,
-                           reason=d.reason, acted=note is not None,
-                           note=note or "recorded only: a local launch cannot exclude a node (a --slurm launch acts on it)")
-            self.say(f"straggler rank {finding.rank} on {host}: exclude_node "
-                     + (f"acted on: {note}" if note else "recorded (a local launch cannot exclude a node)"))
+            note = (
+                self.exclude_node(host, d.reason)
+                if self.exclude_node is not None and host
+                else None
+            )
+            self.run.event(
+                EventKind.EXCLUDE_NODE,
+                attempt=attempt,
+                rank=finding.rank,
+                host=host,
+                step=d.step,
+                reason=d.reason,
+                acted=note is not None,
+                note=note
+                or "recorded only: a local launch cannot exclude a node (a --slurm launch acts "
+                "on it)",
+            )
+            self.say(
+                f"straggler rank {finding.rank} on {host}: exclude_node "
+                + (
+                    f"acted on: {note}"
+                    if note
+                    else "recorded (a local launch cannot exclude a node)"
+                )
+            )
         if d.effect.halts and self.pending is None:
             self.pending = d
             self.say(f"{d.monitor} finding at step {d.step} -> {d.action}")
 
     def attempt_env(self) -> dict[str, str]:
-        """Extra rank environment for the next attempt (the run's latest rollback, if any); clears ``pending``."""
+        """Extra rank environment for the next attempt (the run's latest rollback, if any); clears
+        ``pending``."""
         self.pending = None
         env = self.policy.last_env()
         return {ENV_ROLLBACK: env} if env else {}
@@ -88,16 +122,27 @@ class FindingActions:
         """The attempt ends on the pending halting decision (the caller tears the ranks down)."""
         d = self.pending
         assert d is not None
-        return Outcome(d.action, d.reason, {"monitor": d.monitor, "step": d.step, "rank": d.rank, "attempt": attempt})
+        return Outcome(
+            d.action,
+            d.reason,
+            {"monitor": d.monitor, "step": d.step, "rank": d.rank, "attempt": attempt},
+        )
 
     def _entries(self) -> list[tuple[int, str, bool]]:
         try:
-            return [(e.step, e.path, bool(e.ok)) for e in list_checkpoints(self.run.checkpoints, deep=False)]
+            return [
+                (e.step, e.path, bool(e.ok))
+                for e in list_checkpoints(self.run.checkpoints, deep=False)
+            ]
         except FileNotFoundError:
             return []
 
-    def after_attempt(self, outcome: Outcome, attempt: int,
-                      restart_checkpoint: Callable[[], dict[str, Any] | None]) -> Verdict:
+    def after_attempt(
+        self,
+        outcome: Outcome,
+        attempt: int,
+        restart_checkpoint: Callable[[], dict[str, Any] | None],
+    ) -> Verdict:
         """``stop`` -> an exit code; ``rollback`` -> the checkpoint to restart from, or an exit code
         when ``max_rollbacks`` is spent. ``restart_checkpoint``: the supervisor's deep pick (it
         quarantines newer bad ones), used when the shallow catalog and the hashes disagree."""
@@ -108,10 +153,18 @@ class FindingActions:
             if outcome.kind == "stop":
                 reason = f"stopped by policy: {outcome.reason}"
             else:
-                reason = (f"rollback refused: {len(pol.rollbacks)} rollbacks already "
-                          f"(monitors.rollback.max_rollbacks={pol.max_rollbacks}); last: {outcome.reason}")
-            self.run.event(EventKind.FAILED, reason=reason, attempt=attempt, exit_code=EXIT_NO_REQUEUE,
-                           monitor=d.monitor if d else None, step=d.step if d else None)
+                reason = (
+                    f"rollback refused: {len(pol.rollbacks)} rollbacks already "
+                    f"(monitors.rollback.max_rollbacks={pol.max_rollbacks}); last: {outcome.reason}"
+                )
+            self.run.event(
+                EventKind.FAILED,
+                reason=reason,
+                attempt=attempt,
+                exit_code=EXIT_NO_REQUEUE,
+                monitor=d.monitor if d else None,
+                step=d.step if d else None,
+            )
             self.say(f"giving up: {reason}")
             return Verdict(RunState.FAILED, reason, exit_code=EXIT_NO_REQUEUE)
         plan = plan_rollback(self._entries(), d.step, pol, outcome.reason)
@@ -122,21 +175,47 @@ class FindingActions:
             except (OSError, FileNotFoundError) as e:
                 self.say(f"could not move {path} aside: {e}")
                 dest = None
-            self.run.event(EventKind.CHECKPOINT_INVALID, path=path, reason=why, moved_to=str(dest) if dest else None)
+            self.run.event(
+                EventKind.CHECKPOINT_INVALID,
+                path=path,
+                reason=why,
+                moved_to=str(dest) if dest else None,
+            )
         if plan.to_path is not None and not verify(plan.to_path, deep=True).ok:
-            # the shallow catalog said good, the hashes disagree: let the restart logic pick (and quarantine)
+            # the shallow catalog said good, the hashes disagree: let the restart logic pick (and
+            # quarantine)
             good = restart_checkpoint()
-            plan = plan_rollback([(int((good or {}).get("step", 0)), (good or {}).get("path"), True)]
-                                 if good else [], d.step, pol, outcome.reason)
+            plan = plan_rollback(
+                [(int((good or {}).get("step", 0)), (good or {}).get("path"), True)]
+                if good
+                else [],
+                d.step,
+                pol,
+                outcome.reason,
+            )
         else:
             good = {"step": plan.to_step, "path": plan.to_path} if plan.to_path else None
-        ev = self.run.event(EventKind.ROLLBACK, from_step=plan.from_step, to_step=plan.to_step, reason=outcome.reason,
-                            monitor=d.monitor, attempt=attempt, next_attempt=attempt + 1, to_path=plan.to_path,
-                            skip_batches=plan.info.skip_batches, skip_at_step=plan.info.skip_at_step,
-                            lr_scale=plan.info.lr_scale, lr_factor=plan.info.lr_factor, count=plan.info.count)
+        ev = self.run.event(
+            EventKind.ROLLBACK,
+            from_step=plan.from_step,
+            to_step=plan.to_step,
+            reason=outcome.reason,
+            monitor=d.monitor,
+            attempt=attempt,
+            next_attempt=attempt + 1,
+            to_path=plan.to_path,
+            skip_batches=plan.info.skip_batches,
+            skip_at_step=plan.info.skip_at_step,
+            lr_scale=plan.info.lr_scale,
+            lr_factor=plan.info.lr_factor,
+            count=plan.info.count,
+        )
         pol.rollbacks.append(ev)
         lr = "" if math.isclose(plan.info.lr_factor, 1.0) else f", lr x{plan.info.lr_factor:g}"
-        self.say(f"rolling back from step {plan.from_step} to "
-                 + (f"checkpoint step {plan.to_step}" if plan.to_path else "scratch")
-                 + f" (skip {plan.info.skip_batches} batch(es) before step {plan.info.skip_at_step}{lr}): {outcome.reason}")
+        self.say(
+            f"rolling back from step {plan.from_step} to "
+            + (f"checkpoint step {plan.to_step}" if plan.to_path else "scratch")
+            + f" (skip {plan.info.skip_batches} batch(es) before step "
+            f"{plan.info.skip_at_step}{lr}): {outcome.reason}"
+        )
         return Verdict(RunState.RESTARTING, f"rollback: {outcome.reason}", good=good)

@@ -25,12 +25,11 @@ from ptops.ops.supervisor.blame import Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import fatal_startup_error
 
-
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
-# the hang check walks every rank (8,192 ranks: 30-70 ms); it may take at most this share of the loop,
-# else the handlers fall behind, and a backlog older than the budget reads as a hang of every rank
-# (bench/scale_load.py). Small worlds check every CHECK_S as before.
+# the hang check walks every rank (8,192 ranks: 30-70 ms); it may take at most this share of the
+# loop, else the handlers fall behind, and a backlog older than the budget reads as a hang of every
+# rank (bench/scale_load.py). Small worlds check every CHECK_S as before.
 CHECK_SHARE = 0.1
 
 
@@ -56,17 +55,26 @@ class AttemptMixin:
         if self.faults:
             extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
         extra.update(self.findings.attempt_env())  # PTOPS_ROLLBACK after a rollback
-        extra[RESUME_ENV] = (self.good or {}).get("path") or ""  # verified by the supervisor: the ranks do not again
+        extra[RESUME_ENV] = (self.good or {}).get(
+            "path"
+        ) or ""  # verified by the supervisor: the ranks do not again
         for key, value in (
             ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
-            ("TORCH_FR_BUFFER_SIZE", "2000"),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
+            (
+                "TORCH_FR_BUFFER_SIZE",
+                "2000",
+            ),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
             ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
             ("TORCH_FR_DUMP_TEMP_FILE", str(stack_dir / "flight_recorder_rank_")),
         ):
             if key not in os.environ:
                 extra[key] = value
         # attempt_command may say warm
-        self.ranks_from = {"ranks_from": "cold", "cold_why": "no_pool", "cold_detail": self.no_warm_why}
+        self.ranks_from = {
+            "ranks_from": "cold",
+            "cold_why": "no_pool",
+            "cold_detail": self.no_warm_why,
+        }
         cmd = self.attempt_command(attempt, extra)
         from_step = (self.good or {}).get("step", 0)
         self.step = from_step  # the engine resumes there; steps after it are redone
@@ -86,15 +94,23 @@ class AttemptMixin:
         self.monitor = HangMonitor(
             self.world,
             t0,
-            # a script decides its own length: no step is "the last" (its final save is judged as any save)
-            self.cfg.hang.model_copy(update={"total_steps": None if completes_on_exit(self.recipe)
-                                             else self.recipe.train.steps}),
-            learned=self.learned,  # section durations of the earlier attempts: start-up judged in seconds
+            # a script decides its own length: no step is "the last" (its final save is judged as
+            # any save)
+            self.cfg.hang.model_copy(
+                update={
+                    "total_steps": None
+                    if completes_on_exit(self.recipe)
+                    else self.recipe.train.steps
+                }
+            ),
+            # section durations of the earlier attempts: start-up judged in seconds
+            learned=self.learned,
         )
         self.state = RunState.STARTING
         self.proc = procs.spawn(cmd.argv, cmd.env, self.run.logs(attempt) / "torchrun.log")
         if self.warm is not None and self.warm.wanted:
-            self.warm.start()  # imports alongside this attempt's ranks: ready for a crash soon after they train
+            # imports alongside this attempt's ranks: ready for a crash soon after they train
+            self.warm.start()
         self.write_status(force=True)
         bad_since: float | None = None
         next_check = 0.0
@@ -106,7 +122,9 @@ class AttemptMixin:
                     return Outcome("interrupted", f"signal {self.stop_signal}")
                 if self.misconfigured is not None:
                     return self.on_misconfigured(attempt)
-                if self.findings.pending is not None:  # wins over the crash a NaN causes right after
+                if (
+                    self.findings.pending is not None
+                ):  # wins over the crash a NaN causes right after
                     return self.findings.end_attempt(attempt)
                 rc = self.proc.poll()
                 if rc is not None:
@@ -115,26 +133,37 @@ class AttemptMixin:
                         return self.findings.end_attempt(attempt)
                     return self._after_exit(rc, attempt)
                 if self.blame.first is not None:
-                    # torchrun notices within its monitor interval and stops the others; give it a moment
+                    # torchrun notices within its monitor interval and stops the others; give it a
+                    # moment
                     bad_since = bad_since or time.monotonic()
                     code = self._torchrun_exit_code(attempt, self.blame.first.rank)
                     if code is None:
                         code = self.unreaped_exit_code(self.blame.first.rank)
                     if code is not None:
-                        # torchrun has logged (or the kernel holds) the first bad rank's exit code, all the crash
-                        # event needs; torchrun's own shutdown (stopping the others, its summary) takes seconds more
+                        # torchrun has logged (or the kernel holds) the first bad rank's exit code,
+                        # all the crash event needs; torchrun's own shutdown (stopping the others,
+                        # its summary) takes seconds more
                         if self.blame.first.exit_code is None:
                             self.blame.first = dataclasses.replace(self.blame.first, exit_code=code)
                         procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
                         rc = self.proc.returncode
                         return self._after_exit(rc if rc not in (None, 0) else 1, attempt)
                     if time.monotonic() - bad_since > self.cfg.kill_timeout_s:
-                        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=self.cfg.kill_timeout_s)
-                        return self._after_exit(self.proc.returncode if self.proc.returncode is not None else -9, attempt)
+                        procs.teardown(
+                            self.proc,
+                            self.run.path,
+                            self._rank_pids(),
+                            grace_s=self.cfg.kill_timeout_s,
+                        )
+                        return self._after_exit(
+                            self.proc.returncode if self.proc.returncode is not None else -9,
+                            attempt,
+                        )
                     continue
-                # one cadence ahead: a budget that runs out before the next check is declared now, so a
-                # finding is never later than its budget (at most CHECK_S earlier) while checks cost
-                # under CHECK_SHARE of CHECK_S; later by at most the stretched cadence when they cost more
+                # one cadence ahead: a budget that runs out before the next check is declared now,
+                # so a finding is never later than its budget (at most CHECK_S earlier) while checks
+                # cost under CHECK_SHARE of CHECK_S; later by at most the stretched cadence when
+                # they cost more
                 now = time.monotonic()
                 if now < next_check:
                     self.write_status()
@@ -142,7 +171,9 @@ class AttemptMixin:
                 finding = self.monitor.check(now + CHECK_S)
                 next_check = now + (time.monotonic() - now) / CHECK_SHARE
                 if finding is not None:
-                    finding = dataclasses.replace(finding, silent_s=max(0.0, finding.silent_s - CHECK_S))
+                    finding = dataclasses.replace(
+                        finding, silent_s=max(0.0, finding.silent_s - CHECK_S)
+                    )
                     return self.on_hang(finding, attempt, stack_dir)
                 self.write_status()
         finally:
@@ -154,25 +185,30 @@ class AttemptMixin:
                 if left:
                     procs.teardown(None, self.run.path, left, grace_s=0)
 
-    # ------------------------------------------------------------ launch backend hooks (ops/slurm overrides them)
+    # ---------------------------------------------- launch backend hooks (ops/slurm overrides them)
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
-        """The process that runs one attempt's ranks: local torchrun here, or the warm pool's launcher once the
-        pool is up (a restart); ``srun`` + node agents in Slurm."""
+        """The process that runs one attempt's ranks: local torchrun here, or the warm pool's
+        launcher once the pool is up (a restart); ``srun`` + node agents in Slurm."""
         cmd = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
         if self.warm is None:
             return cmd
-        # a pool still importing is waited for: a cold start would compete with it for the same cores
-        self.ranks_from = self.warm.source(self.cfg.hang.import_s, lambda: self.stop_signal is not None)
+        # a pool still importing is waited for: a cold start would compete with it for the same
+        # cores
+        self.ranks_from = self.warm.source(
+            self.cfg.hang.import_s, lambda: self.stop_signal is not None
+        )
         if self.ranks_from["ranks_from"] == "warm":
-            # only a warm attempt names the pool: a cold attempt's ranks (torchrun) must not hand off to a pool
-            # that became ready meanwhile, or the launch event would say cold for ranks forked warm
+            # only a warm attempt names the pool: a cold attempt's ranks (torchrun) must not hand
+            # off to a pool that became ready meanwhile, or the launch event would say cold for
+            # ranks forked warm
             warm_cmd = launcher.RankCommand(cmd.argv, {**cmd.env, **self.warm.env()})
             return self.warm.launch_command(warm_cmd, self.recipe.launch.nproc)
         return cmd
 
     def unreaped_exit_code(self, rank: int) -> int | None:
-        """A dead rank's exit code before torchrun reaps it (``procs.zombie_exit_code``): the rank is a
-        child of this machine's torchrun. Slurm: ranks live on other nodes, their pids mean nothing here."""
+        """A dead rank's exit code before torchrun reaps it (``procs.zombie_exit_code``): the rank
+        is a child of this machine's torchrun. Slurm: ranks live on other nodes, their pids mean
+        nothing here."""
         info = self.ranks.get(rank)
         return procs.zombie_exit_code(info.pid) if info is not None and info.pid > 0 else None
 
@@ -181,7 +217,8 @@ class AttemptMixin:
         return {}
 
     def attempt_cleanup(self, attempt: int) -> None:
-        """Before the attempt's processes are torn down (Slurm: tell every node agent to kill its ranks)."""
+        """Before the attempt's processes are torn down (Slurm: tell every node agent to kill its
+        ranks)."""
 
     def on_misconfigured(self, attempt: int) -> Outcome:
         ev = self.misconfigured
@@ -201,17 +238,29 @@ class AttemptMixin:
             return Outcome("early_exit", reason)
         rank, code, how = self._root_cause(attempt)
         host = self.rank_host(rank) or self.host
-        self.event(EventKind.CRASH, attempt=attempt, rank=rank, exit_code=code, step=self.step, host=host, how=how)
+        self.event(
+            EventKind.CRASH,
+            attempt=attempt,
+            rank=rank,
+            exit_code=code,
+            step=self.step,
+            host=host,
+            how=how,
+        )
         err = self.ranks[rank].error if rank in self.ranks else None
         desc = f"rank {rank} exited {code}" + (f" ({err})" if err else "") + f" at step {self.step}"
-        self.say(f"crash: {desc}; logs: {self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}")
+        self.say(
+            f"crash: {desc}; logs: "
+            f"{self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}"
+        )
         info = self.ranks.get(rank) if rank is not None else None
         fatal = fatal_startup_error(err, began_step=info is None or info.step > 0)
         return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code, "fatal": fatal})
 
     def _torchrun_exit_code(self, attempt: int, rank: int) -> int | None:
-        """The exit code torchrun logged for ``rank`` as soon as it saw it fail (``failed (exitcode: N)
-        local_rank: R``; one node per torchrun here, so the local rank is the rank), else None."""
+        """The exit code torchrun logged for ``rank`` as soon as it saw it fail (``failed (exitcode:
+        N) local_rank: R``; one node per torchrun here, so the local rank is the rank), else
+        None."""
         try:
             text = (self.run.logs(attempt) / "torchrun.log").read_text(errors="replace")
         except OSError:
@@ -231,7 +280,8 @@ class AttemptMixin:
 
 
 def completes_on_exit(recipe) -> bool:
-    """An engine whose ranks decide the run's length (a user's script): exit 0 everywhere is completion."""
+    """An engine whose ranks decide the run's length (a user's script): exit 0 everywhere is
+    completion."""
     from ptops.recipes.engines import get
 
     return get(recipe.engine).complete_on_exit

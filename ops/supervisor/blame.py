@@ -46,7 +46,9 @@ class Blame:
         "connection closed by peer", raised within milliseconds of the kill."""
         if self.first is None:
             self.first = Bad(rank, code, how, ts)
-        elif self.first.how == GOODBYE and code is None and ts - self.first.ts <= KILLED_PEER_RACE_S:
+        elif (
+            self.first.how == GOODBYE and code is None and ts - self.first.ts <= KILLED_PEER_RACE_S
+        ):
             self.first = Bad(rank, code, how, ts)
 
 
@@ -55,7 +57,9 @@ def torchrun_failures(log_text: str) -> list[tuple[int, int]]:
     return [(int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(log_text)]
 
 
-def root_cause(first: Bad | None, log_text: str, torchrun_rc: int | None) -> tuple[int | None, int | None, str]:
+def root_cause(
+    first: Bad | None, log_text: str, torchrun_rc: int | None
+) -> tuple[int | None, int | None, str]:
     """(rank, exit code, how it was determined) of the rank that failed first."""
     failures = torchrun_failures(log_text)
     if first is not None:

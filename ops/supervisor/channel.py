@@ -18,8 +18,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptops.ops.rank.channel import (KEEPALIVE, KEEPALIVE_S, MAX_LINE, RELAY, RELAY_GONE, ROLE_NODE, encode,
-                                    new_token, take_lines)
+from ptops.ops.rank.channel import (
+    KEEPALIVE,
+    KEEPALIVE_S,
+    MAX_LINE,
+    RELAY,
+    RELAY_GONE,
+    ROLE_NODE,
+    encode,
+    new_token,
+    take_lines,
+)
 
 
 @dataclass
@@ -35,7 +44,9 @@ class Peer:
     via: "Peer | None" = None  # a relayed rank: the node agent's connection it arrives on
     sub: int = 0  # a relayed rank: the agent's number for it
     subs: dict = field(default_factory=dict)  # a node agent: sub -> its virtual peers
-    last_rx: float = 0.0  # monotonic time of the last bytes from this connection (a node's keepalives)
+    last_rx: float = (
+        0.0  # monotonic time of the last bytes from this connection (a node's keepalives)
+    )
 
     @property
     def role(self) -> str:
@@ -103,7 +114,9 @@ class ChannelServer:
             sock, _ = self._listen.accept()
         except OSError:
             return
-        sock.settimeout(10.0)  # a send to a peer behind a cut link fails instead of blocking forever
+        sock.settimeout(
+            10.0
+        )  # a send to a peer behind a cut link fails instead of blocking forever
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._next += 1
         peer = Peer(self._next, sock)
@@ -111,7 +124,8 @@ class ChannelServer:
         self._sel.register(sock, selectors.EVENT_READ, peer)
 
     def _keepalive(self) -> None:
-        """Node agents kill their ranks when the supervisor goes silent (a network cut gives no EOF)."""
+        """Node agents kill their ranks when the supervisor goes silent (a network cut gives no
+        EOF)."""
         for peer in list(self._peers.values()):
             if peer.authed and peer.role == ROLE_NODE:
                 self.send(peer, {"t": KEEPALIVE})
@@ -157,7 +171,9 @@ class ChannelServer:
                 continue
             if not peer.authed:
                 tok = str(msg.get("token", ""))
-                if msg.get("t") != "hello" or not hmac.compare_digest(tok.encode(), self.token.encode()):
+                if msg.get("t") != "hello" or not hmac.compare_digest(
+                    tok.encode(), self.token.encode()
+                ):
                     peer.authed = False
                     self._drop(peer)
                     return
@@ -188,7 +204,9 @@ class ChannelServer:
         if not isinstance(msg, dict):
             return
         if vp is None:
-            if msg.get("t") != "hello":  # the agent checked the rank's token; the first line is its hello
+            if (
+                msg.get("t") != "hello"
+            ):  # the agent checked the rank's token; the first line is its hello
                 return
             self._next += 1
             hello = {k: v for k, v in msg.items() if k != "token"}
@@ -211,7 +229,9 @@ class ChannelServer:
             return False
 
     def peers(self, role: str | None = None) -> list[Peer]:
-        return [p for p in list(self._peers.values()) if p.authed and (role is None or p.role == role)]
+        return [
+            p for p in list(self._peers.values()) if p.authed and (role is None or p.role == role)
+        ]
 
     def nodes(self) -> list[Peer]:
         """The connected node agents."""

@@ -47,6 +47,7 @@ from ptops.monitors.hang import HangMonitor, Learned
 from ptops.ops.rank.channel import write_info
 from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
 from ptops.ops.runrecord.jsonl import JsonlAppender
+from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
 from ptops.ops.supervisor import exitcodes, health, launcher, monitorfeed, procs
@@ -55,11 +56,17 @@ from ptops.ops.supervisor.attempt import AttemptMixin, completes_on_exit
 from ptops.ops.supervisor.blame import Blame
 from ptops.ops.supervisor.channel import ChannelServer
 from ptops.ops.supervisor.hangs import HangMixin
-from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.supervisor.messages import MessagesMixin, RankInfo
 from ptops.ops.supervisor.outcome import Outcome
-from ptops.ops.supervisor.policy import (EXIT_DONE, EXIT_FAILED, EXIT_MISCONFIGURED, HALTING, Failure,
-                                         RestartPolicy, Strategy)
+from ptops.ops.supervisor.policy import (
+    EXIT_DONE,
+    EXIT_FAILED,
+    EXIT_MISCONFIGURED,
+    HALTING,
+    Failure,
+    RestartPolicy,
+    Strategy,
+)
 from ptops.ops.supervisor.stop import StopMixin
 from ptops.ops.supervisor.warmpool import WarmPool
 from ptops.recipes.schema import Recipe
@@ -68,8 +75,15 @@ __all__ = ["Outcome", "RankInfo", "Supervisor"]
 
 
 class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
-    def __init__(self, recipe: Recipe, run: RunDir, faults: list[Fault], progress=None, out=None,
-                 strategy: Strategy = "permanent"):
+    def __init__(
+        self,
+        recipe: Recipe,
+        run: RunDir,
+        faults: list[Fault],
+        progress=None,
+        out=None,
+        strategy: Strategy = "permanent",
+    ):
         self.recipe = recipe
         self.run = run
         self.cfg = recipe.supervisor
@@ -89,12 +103,20 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.learned = Learned()  # hang sections' durations, kept across attempts
         self.misconfigured: dict[str, Any] | None = None
         self.stacks_replies: dict[int, dict] = {}
-        self.node_peers: dict[str, Any] = {}  # node name -> its agent's channel peer (multi-node attempts)
-        self.node_stacks: dict[int, dict] = {}  # rank -> stacks its node agent took (py-spy on that node)
+        self.node_peers: dict[
+            str, Any
+        ] = {}  # node name -> its agent's channel peer (multi-node attempts)
+        self.node_stacks: dict[
+            int, dict
+        ] = {}  # rank -> stacks its node agent took (py-spy on that node)
         self.stop_acks: dict[int, dict] = {}
         self.blame = Blame()
-        self.unknown_messages: dict[str, int] = {}  # "role:type" -> count of messages no handler takes
-        self.profiling: dict[str, Any] | None = None  # the `ptops profile` request in flight (messages._on_profile)
+        self.unknown_messages: dict[
+            str, int
+        ] = {}  # "role:type" -> count of messages no handler takes
+        self.profiling: dict[str, Any] | None = (
+            None  # the `ptops profile` request in flight (messages._on_profile)
+        )
         self.ckpt_started: dict[int, float] = {}
         self.last_status = 0.0
         self.host = socket.gethostname()
@@ -102,21 +124,34 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.reason = ""
         self.world = recipe.launch.nproc
         self.t_start = time.monotonic()
-        # a monitor config that cannot be built is a RecipeError here (the CLI exits 2 before anything starts)
-        self.feed = monitorfeed.MonitorFeed(monitorfeed.build(recipe.monitors, str(run.recipe_toml)))
-        self.metrics_out = JsonlAppender(run.metrics)  # held open: metrics.jsonl takes a line per rank per step
-        self.findings = FindingActions(recipe.monitors, run, self.say, record_only=not self.supervised)
+        # a monitor config that cannot be built is a RecipeError here (the CLI exits 2 before
+        # anything starts)
+        self.feed = monitorfeed.MonitorFeed(
+            monitorfeed.build(recipe.monitors, str(run.recipe_toml))
+        )
+        self.metrics_out = JsonlAppender(
+            run.metrics
+        )  # held open: metrics.jsonl takes a line per rank per step
+        self.findings = FindingActions(
+            recipe.monitors, run, self.say, record_only=not self.supervised
+        )
         # warm spare ranks for restarts (a plain launch never restarts: no pool)
         wanted = self.cfg.restart.warm_pool_wanted(recipe.launch.nproc, os.cpu_count())
         self.warm = WarmPool(recipe, run) if wanted and self.supervised else None
         self.no_warm_why = (  # the launch event's cold_detail when there is no pool
-            "" if self.warm is not None else "a plain launch never restarts" if not self.supervised
-            else f"warm_spare={self.cfg.restart.warm_spare!r} ({os.cpu_count()} cores, launch.nproc "
-            f"{recipe.launch.nproc}; auto wants 2 x nproc + 2)")
+            ""
+            if self.warm is not None
+            else "a plain launch never restarts"
+            if not self.supervised
+            else f"warm_spare={self.cfg.restart.warm_spare!r} ({os.cpu_count()} cores, "
+            "launch.nproc "
+            f"{recipe.launch.nproc}; auto wants 2 x nproc + 2)"
+        )
 
     @property
     def supervised(self) -> bool:
-        """True when failed attempts are restarted (``--supervise``); a plain launch only watches."""
+        """True when failed attempts are restarted (``--supervise``); a plain launch only
+        watches."""
         return self.strategy == "permanent"
 
     def rank_host(self, rank: int | None) -> str | None:
@@ -126,9 +161,18 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
     def feed_monitors(self, rec: dict[str, Any]) -> None:
         findings, errors = self.feed.feed(rec)
         for name, e in errors:
-            self.event(EventKind.MONITOR_ERROR, attempt=self.attempt, monitor=name, step=rec.get("step"),
-                       rank=rec.get("rank"), error=f"{type(e).__name__}: {e}")
-            self.say(f"monitor {name} raised on a record ({type(e).__name__}: {e}); the other monitors go on")
+            self.event(
+                EventKind.MONITOR_ERROR,
+                attempt=self.attempt,
+                monitor=name,
+                step=rec.get("step"),
+                rank=rec.get("rank"),
+                error=f"{type(e).__name__}: {e}",
+            )
+            self.say(
+                f"monitor {name} raised on a record ({type(e).__name__}: {e}); the other "
+                "monitors go on"
+            )
         for f in findings:
             ev = f.to_event()
             kind = ev.pop("kind", EventKind.ANOMALY)
@@ -173,18 +217,26 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
 
     # ------------------------------------------------------------ entry
     def run_all(self, lock_fd: int | None = None) -> int:
-        """Run to the end; returns the exit code. Takes the run directory's lock unless given its fd."""
+        """Run to the end; returns the exit code. Takes the run directory's lock unless given its
+        fd."""
         if lock_fd is None:
             lock_fd = acquire(self.run.path)  # LockedError -> the caller exits 2
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
                 return self._run_locked()
-            except Exception as e:  # a bug here must still leave a truthful run directory and no processes
+            except (
+                Exception
+            ) as e:  # a bug here must still leave a truthful run directory and no processes
                 traceback.print_exc()
                 self.state = RunState.FAILED
                 self.reason = f"supervisor error: {type(e).__name__}: {e}"
-                self.event(EventKind.FAILED, reason=self.reason, attempt=self.attempt, exit_code=EXIT_FAILED)
+                self.event(
+                    EventKind.FAILED,
+                    reason=self.reason,
+                    attempt=self.attempt,
+                    exit_code=EXIT_FAILED,
+                )
                 return EXIT_FAILED
         finally:
             try:
@@ -208,8 +260,15 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         prev = read_status_file(self.run)
         self.attempt = self.run.last_attempt()
         if prev.get("state") is not None and prev.get("state") not in TERMINAL_STATES:
-            self.event(EventKind.ADOPT, previous_supervisor_pid=prev.get("supervisor_pid"), last_attempt=self.attempt)
-            self.say(f"adopting {self.run.path} (previous supervisor pid {prev.get('supervisor_pid')} is gone)")
+            self.event(
+                EventKind.ADOPT,
+                previous_supervisor_pid=prev.get("supervisor_pid"),
+                last_attempt=self.attempt,
+            )
+            self.say(
+                f"adopting {self.run.path} (previous supervisor pid {prev.get('supervisor_pid')} "
+                "is gone)"
+            )
         orphans = procs.run_processes(self.run.path)
         if orphans:
             procs.teardown(None, self.run.path, orphans, grace_s=2)
@@ -224,14 +283,22 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             self.step = done
             self.say("already complete (its script exited 0 on every rank); nothing to do")
             return EXIT_DONE
-        if done >= self.recipe.train.steps and self.good and self.good["step"] >= self.recipe.train.steps:
+        if (
+            done >= self.recipe.train.steps
+            and self.good
+            and self.good["step"] >= self.recipe.train.steps
+        ):
             self.state = RunState.COMPLETED
             self.step = done
-            self.say(f"already complete (step {done}, checkpoint {self.good['path']}); nothing to do")
+            self.say(
+                f"already complete (step {done}, checkpoint {self.good['path']}); nothing to do"
+            )
             return EXIT_DONE
         self.server = ChannelServer(self.cfg.channel_host, self.cfg.channel_port)
         address = self.server.address(self.cfg.channel_advertise)
-        write_info(self.run.path / "supervisor" / "channel.json", address, self.server.token, os.getpid())
+        write_info(
+            self.run.path / "supervisor" / "channel.json", address, self.server.token, os.getpid()
+        )
         policy = RestartPolicy.from_events(self.cfg.restart, self.run.read_events(), self.strategy)
         while True:
             self.attempt += 1
@@ -241,14 +308,18 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 return unhealthy
             outcome = self.run_attempt(self.attempt)
             early = self.after_outcome(outcome)
-            if early is not None:  # the launch backend ends this supervisor (Slurm: requeued, resubmitted)
+            if (
+                early is not None
+            ):  # the launch backend ends this supervisor (Slurm: requeued, resubmitted)
                 return early
             if outcome.kind == "completed":
                 self.state = RunState.COMPLETED
                 self.event(EventKind.COMPLETED, step=self.step, attempt=self.attempt)
                 return EXIT_DONE
             if outcome.kind in HALTING:  # a monitor finding's stop / rollback
-                verdict = self.findings.after_attempt(outcome, self.attempt, self._good_checkpoint_for_restart)
+                verdict = self.findings.after_attempt(
+                    outcome, self.attempt, self._good_checkpoint_for_restart
+                )
                 self.state, self.reason = verdict.state, verdict.reason
                 if verdict.exit_code is not None:
                     return verdict.exit_code
@@ -258,27 +329,48 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             if outcome.kind == "misconfigured":  # a restart would form the same wrong world again
                 self.state = RunState.FAILED
                 self.reason = outcome.reason
-                self.event(EventKind.FAILED, reason=outcome.reason, attempt=self.attempt,
-                           exit_code=EXIT_MISCONFIGURED)
+                self.event(
+                    EventKind.FAILED,
+                    reason=outcome.reason,
+                    attempt=self.attempt,
+                    exit_code=EXIT_MISCONFIGURED,
+                )
                 self.say(f"giving up: {outcome.reason}")
                 return EXIT_MISCONFIGURED
             if outcome.kind == "interrupted":
                 sig = self.stop_signal or signal.SIGTERM
                 self.state = RunState.STOPPED
                 self.reason = f"interrupted by {signal.Signals(sig).name}"
-                self.event(EventKind.STOPPED, attempt=self.attempt, signal=int(sig), step=self.step, reason=self.reason)
+                self.event(
+                    EventKind.STOPPED,
+                    attempt=self.attempt,
+                    signal=int(sig),
+                    step=self.step,
+                    reason=self.reason,
+                )
                 return exitcodes.stopped(int(sig))
-            if self.supervised:  # a plain launch never restarts: its checkpoints stay as they are for the next launch
+            # a plain launch never restarts: its checkpoints stay as they are for the next launch
+            if self.supervised:
                 self.good = self._good_checkpoint_for_restart()
             good_step = (self.good or {}).get("step", 0)
             decision = policy.decide(
-                Failure(ts=time.time(), start_step=start_step, good_step=good_step, reason=outcome.reason,
-                        fatal=outcome.detail.get("fatal", ""))
+                Failure(
+                    ts=time.time(),
+                    start_step=start_step,
+                    good_step=good_step,
+                    reason=outcome.reason,
+                    fatal=outcome.detail.get("fatal", ""),
+                )
             )
             if decision.action == "stop":
                 self.state = RunState.FAILED
                 self.reason = decision.reason
-                self.event(EventKind.FAILED, reason=decision.reason, attempt=self.attempt, exit_code=decision.exit_code)
+                self.event(
+                    EventKind.FAILED,
+                    reason=decision.reason,
+                    attempt=self.attempt,
+                    exit_code=decision.exit_code,
+                )
                 self.say(f"giving up: {decision.reason}")
                 return decision.exit_code
             self.state = RunState.RESTARTING
@@ -302,34 +394,51 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 if self.stop_signal is not None:
                     sig = self.stop_signal
                     self.state = RunState.STOPPED
-                    self.event(EventKind.STOPPED, attempt=self.attempt, signal=int(sig), step=self.step, reason="interrupted during restart backoff")
+                    self.event(
+                        EventKind.STOPPED,
+                        attempt=self.attempt,
+                        signal=int(sig),
+                        step=self.step,
+                        reason="interrupted during restart backoff",
+                    )
                     return exitcodes.stopped(int(sig))
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def rendezvous_addresses(self) -> list[tuple[str, int]]:
-        """What the attempt's ranks will dial for their rendezvous (local: torchrun on this host)."""
+        """What the attempt's ranks dial for their rendezvous (local: torchrun on this host)."""
         return [("127.0.0.1", self.recipe.launch.master_port or 29500)]
 
     def health_gate(self, attempt: int) -> int | None:
-        """The checks before an attempt (``ops/supervisor/health.py``): one ``health_check`` event; a
-        failed check ends the run before any rank starts (exit 1: the node is at fault, not the job)."""
+        """The checks before an attempt (``ops/supervisor/health.py``): one ``health_check`` event;
+        a failed check ends the run before any rank starts (exit 1: the node is at fault, not the
+        job)."""
         cfg = self.cfg.health
         if not cfg.enabled:
             return None
         ctx = health.Context(
-            ckpt_dir=self.run.checkpoints, min_free_mb=cfg.min_free_mb,
+            ckpt_dir=self.run.checkpoints,
+            min_free_mb=cfg.min_free_mb,
             newest_ckpt=Path(self.good["path"]) if self.good and self.good.get("path") else None,
-            rendezvous=self.rendezvous_addresses(), timeout_s=cfg.rendezvous_timeout_s,
-            expected_gpus=self.recipe.slurm.gpus_per_node or None, nproc=self.recipe.launch.nproc)
+            rendezvous=self.rendezvous_addresses(),
+            timeout_s=cfg.rendezvous_timeout_s,
+            expected_gpus=self.recipe.slurm.gpus_per_node or None,
+            nproc=self.recipe.launch.nproc,
+        )
         results = health.run_checks(ctx, cfg.skip)
         failed = [r for r in results if r.ok is False]
-        self.event(EventKind.HEALTH_CHECK, attempt=attempt, ok=not failed,
-                   checks=[r.to_dict() for r in results], failed=[r.name for r in failed])
+        self.event(
+            EventKind.HEALTH_CHECK,
+            attempt=attempt,
+            ok=not failed,
+            checks=[r.to_dict() for r in results],
+            failed=[r.name for r in failed],
+        )
         if not failed:
             return None
         self.state = RunState.FAILED
         self.reason = "health check failed before attempt {}: {}".format(
-            attempt, "; ".join(f"{r.name}: {r.detail}" for r in failed))
+            attempt, "; ".join(f"{r.name}: {r.detail}" for r in failed)
+        )
         self.event(EventKind.FAILED, reason=self.reason, attempt=attempt, exit_code=EXIT_FAILED)
         self.say(f"giving up: {self.reason}")
         return EXIT_FAILED
@@ -341,11 +450,21 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
 
     def _good_checkpoint_for_restart(self) -> dict[str, Any] | None:
         """Where the next attempt resumes: ``ptops.ckpt.resume_point`` (deep check; newer bad ones
-        quarantined and reported); the ranks take it from PTOPS_RESUME_FROM without verifying again."""
+        quarantined and reported); the ranks take it from PTOPS_RESUME_FROM without verifying
+        again."""
+
         def report(**invalid: Any) -> None:
             self.event(EventKind.CHECKPOINT_INVALID, **invalid)
-            self.say(f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to {invalid['moved_to']}")
+            self.say(
+                f"checkpoint {invalid['path']} is not good ({invalid['reason']}); moved to "
+                f"{invalid['moved_to']}"
+            )
 
-        entry = resume_point(self.run.checkpoints, deep=True, on_invalid=report, world_size=self.world,
-                             trust_env=False)
+        entry = resume_point(
+            self.run.checkpoints,
+            deep=True,
+            on_invalid=report,
+            world_size=self.world,
+            trust_env=False,
+        )
         return None if entry is None else entry.ref()

@@ -1,4 +1,4 @@
-"""The exit codes of ``ptops launch`` (plain or ``--supervise``, local or the Slurm batch step): one table.
+"""The exit codes of ``ptops launch`` (plain or ``--supervise``, local or Slurm): one table.
 
 Why one table: a scheduler, a wrapper script and a person at 03:00 each act on the code alone, and
 every path that ends a run (the run loop, the restart policy, finding actions, the Slurm hooks, the
@@ -29,7 +29,7 @@ STOPPED_SIGTERM = 143
 class ExitCode:
     code: int
     name: str
-    requeue: str  # what a scheduler should do: "no (done)" | "yes" | "no" | "no (already resubmitted)" | ...
+    requeue: str  # what a scheduler should do: "yes", "no", "no (done)", ...
     means: str  # when ptops exits with it
     nvrx: str  # what NVIDIA's ft_launcher does in the same situation
 

@@ -27,14 +27,20 @@ class HangMixin:
         self.say(
             f"hang: rank(s) {finding.ranks} made no progress for {finding.silent_s:.1f} s "
             f"(timeout {finding.timeout_s:.1f} s, {finding.phase}"
-            + (f" {finding.section}" if finding.section and finding.section not in finding.phase else "")
+            + (
+                f" {finding.section}"
+                if finding.section and finding.section not in finding.phase
+                else ""
+            )
             + f", step {finding.step}); collecting stacks"
         )
         found_ts = time.time()
         t0 = time.monotonic()
         notes = self.collect_stacks(stack_dir)
         ev = finding.as_event(attempt)
-        ev["found_ts"] = round(found_ts, 3)  # when the budget ran out (the event is written after the stacks)
+        ev["found_ts"] = round(
+            found_ts, 3
+        )  # when the budget ran out (the event is written after the stacks)
         ev["stacks"] = str(stack_dir)
         ev["stack_sources"] = notes
         ev["stacks_s"] = round(time.monotonic() - t0, 2)
@@ -43,20 +49,34 @@ class HangMixin:
         ev["teardown_s"] = round(time.monotonic() - t1, 2)
         self.event(EventKind.HANG, **ev)
         self.step = max(self.step, launcher.completed_step(self.run))
-        return Outcome("hang", f"hang: rank(s) {finding.ranks} silent {finding.silent_s:.0f} s at step {finding.step}", ev)
+        return Outcome(
+            "hang",
+            f"hang: rank(s) {finding.ranks} silent {finding.silent_s:.0f} s at step {finding.step}",
+            ev,
+        )
 
     def collect_stacks(self, stack_dir: Path) -> dict[str, str]:
-        """Every rank's stacks into ``stack_dir/rank-R.txt``; returns rank -> how it was obtained."""
+        """Every rank's stacks into ``stack_dir/rank-R.txt``; returns rank -> how it was
+        obtained."""
         stack_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(stack_dir, 0o700)
         self.stacks_replies = {}
         asked = []
         now = time.monotonic()
         for info in self.ranks.values():
-            seen = self.monitor.ranks.get(info.rank).last_seen if self.monitor and info.rank in self.monitor.ranks else None
+            seen = (
+                self.monitor.ranks.get(info.rank).last_seen
+                if self.monitor and info.rank in self.monitor.ranks
+                else None
+            )
             if seen is not None and now - seen > self.cfg.hang.ping_stale_s:
-                continue  # not even pinging (stopped, or stuck in C holding the GIL): go straight to py-spy
-            if info.peer is not None and info.gone_ts is None and self.server.send(info.peer, {"cmd": "stacks", "id": info.rank}):
+                # not even pinging (stopped, or stuck in C holding the GIL): go straight to py-spy
+                continue
+            if (
+                info.peer is not None
+                and info.gone_ts is None
+                and self.server.send(info.peer, {"cmd": "stacks", "id": info.rank})
+            ):
                 asked.append(info.rank)
         deadline = time.monotonic() + self.cfg.stack_timeout_s
         while time.monotonic() < deadline and not all(r in self.stacks_replies for r in asked):
@@ -67,11 +87,15 @@ class HangMixin:
             path = stack_dir / f"rank-{rank}.txt"
             reply = self.stacks_replies.get(rank)
             if reply is not None:
-                stacks.write_private(path, f"# source: channel (the rank's own dump)\n{reply.get('text', '')}")
+                stacks.write_private(
+                    path, f"# source: channel (the rank's own dump)\n{reply.get('text', '')}"
+                )
                 notes[str(rank)] = "channel"
                 fr = reply.get("flight_recorder_b64")
                 if fr:
-                    stacks.write_private(stack_dir / f"rank-{rank}.flight_recorder", base64.b64decode(fr))
+                    stacks.write_private(
+                        stack_dir / f"rank-{rank}.flight_recorder", base64.b64decode(fr)
+                    )
                 continue
             info = self.ranks.get(rank)
             if rank in remote:
@@ -80,21 +104,29 @@ class HangMixin:
                     note = f"node agent {got.get('node')}: {got.get('note')}"
                     stacks.write_private(path, f"# source: {note}\n{got['text']}")
                 else:
-                    note = f"node agent {remote[rank]}: " + ((got or {}).get("note") or "no answer (node unreachable?)")
+                    note = f"node agent {remote[rank]}: " + (
+                        (got or {}).get("note") or "no answer (node unreachable?)"
+                    )
                     stacks.write_private(path, f"# no stack: {note}\n")
                 notes[str(rank)] = note
                 continue
             if info is None:
-                stacks.write_private(path, "# no stack: this rank never connected to the supervisor\n")
+                stacks.write_private(
+                    path, "# no stack: this rank never connected to the supervisor\n"
+                )
                 notes[str(rank)] = "never connected"
                 continue
             if info.host not in (self.host, "localhost") or not procs.alive(info.pid):
-                stacks.write_private(path, f"# no stack: rank unreachable (pid {info.pid} on {info.host})\n")
+                stacks.write_private(
+                    path, f"# no stack: rank unreachable (pid {info.pid} on {info.host})\n"
+                )
                 notes[str(rank)] = "unreachable"
                 continue
             text, note = stacks.with_py_spy(info.pid)
             if text is None:
-                text2, note2 = stacks.with_faulthandler(info.pid, self.run.logs(self.attempt) / f"rank-{rank}.stacks")
+                text2, note2 = stacks.with_faulthandler(
+                    info.pid, self.run.logs(self.attempt) / f"rank-{rank}.stacks"
+                )
                 note = f"{note}; {note2}"
                 text = text2
             stacks.write_private(path, f"# source: {note}\n{text or ''}")
@@ -105,7 +137,8 @@ class HangMixin:
 
     def _ask_node_agents(self, answered: list[int]) -> dict[int, str]:
         """Ranks on other nodes that did not answer over the channel: their node agent runs py-spy
-        where they live. Returns rank -> node for every rank asked that way (answers in ``node_stacks``)."""
+        where they live. Returns rank -> node for every rank asked that way (answers in
+        ``node_stacks``)."""
         self.node_stacks = {}
         by_node: dict[str, dict[str, int]] = {}
         peers = {}
@@ -119,16 +152,24 @@ class HangMixin:
         now = time.monotonic()
         for node, pids in by_node.items():
             out.update({int(r): node for r in pids})
-            if now - peers[node].last_rx > self.cfg.hang.ping_stale_s:  # no keepalive: a cut link, do not wait
+            if (
+                now - peers[node].last_rx > self.cfg.hang.ping_stale_s
+            ):  # no keepalive: a cut link, do not wait
                 for r in pids:
-                    self.node_stacks[int(r)] = {"text": None, "node": node,
-                                                "note": f"node unreachable (silent {now - peers[node].last_rx:.0f} s)"}
+                    self.node_stacks[int(r)] = {
+                        "text": None,
+                        "node": node,
+                        "note": f"node unreachable (silent {now - peers[node].last_rx:.0f} s)",
+                    }
                 continue
             self.server.send(peers[node], {"cmd": "pystacks", "id": self.attempt, "pids": pids})
-        deadline = time.monotonic() + self.cfg.stack_timeout_s + 20.0  # py-spy's own timeout is 20 s
+        deadline = (
+            time.monotonic() + self.cfg.stack_timeout_s + 20.0
+        )  # py-spy's own timeout is 20 s
         while out and time.monotonic() < deadline and not all(r in self.node_stacks for r in out):
-            if any(p.hello.get("gone_ts") for p in peers.values() if p is not None) and \
-                    all(r in self.node_stacks or peers[out[r]].hello.get("gone_ts") for r in out):
+            if any(p.hello.get("gone_ts") for p in peers.values() if p is not None) and all(
+                r in self.node_stacks or peers[out[r]].hello.get("gone_ts") for r in out
+            ):
                 break
             self.pump(0.1)
         return out

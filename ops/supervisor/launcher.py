@@ -16,9 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 from ptops.ops.runrecord.events import EventKind
-from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
-
+from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 
 # Sections that change how a run is watched, not what it computes: a resume may retune them.
 OPERATIONAL_SECTIONS = {"supervisor", "monitors", "slurm"}
@@ -50,7 +49,8 @@ def prepare_run(recipe: Recipe, recipe_path: Path, run_dir: Path) -> RunDir:
         if a != b:
             diff = _first_difference(a, b)
             raise RecipeError(
-                f"{run.recipe_json}: key {diff.split(' ')[0]}: this run directory holds a different recipe "
+                f"{run.recipe_json}: key {diff.split(' ')[0]}: this run directory holds a "
+                "different recipe "
                 f"({diff}); resume it with the same recipe and --set values, or use a new --run-dir"
             )
         if stored != recipe:  # retuned watchdogs on resume: allowed, and recorded
@@ -78,7 +78,9 @@ class RankCommand:
     env: dict[str, str]
 
 
-def rank_command(recipe: Recipe, run: RunDir, attempt: int, extra_env: dict[str, str] | None = None) -> RankCommand:
+def rank_command(
+    recipe: Recipe, run: RunDir, attempt: int, extra_env: dict[str, str] | None = None
+) -> RankCommand:
     port = recipe.launch.master_port or free_port()
     argv = [
         sys.executable, "-m", "torch.distributed.run",

@@ -1,4 +1,5 @@
-"""The channel: every message a rank or a control client sends, and what the supervisor does with it.
+"""The channel: every message a rank or a control client sends, and what the supervisor does with
+it.
 
 Why a table: a message type names one handler method (:data:`RANK_HANDLERS`,
 :data:`CONTROL_HANDLERS`), so "what happens on a ``beat``" is one short method to
@@ -39,7 +40,8 @@ class RankInfo:
     step_s: float | None = None  # its last step's duration
 
 
-# message type -> handler method name (``t`` of the message; ``_hello``/``_eof`` come from the server)
+# message type -> handler method name (``t`` of the message; ``_hello``/``_eof`` come from the
+# server)
 RANK_HANDLERS = {
     "_hello": "_on_hello",
     "beat": "_on_beat",
@@ -70,8 +72,9 @@ PROFILE_MAX_STEPS = 100
 PROFILE_LEAD_S = 1.0  # a profile request must reach every rank before the step it starts at
 
 
-def profile_start(rank_steps: list[int], step_s: float | None, lead_s: float = PROFILE_LEAD_S,
-                  min_margin: int = 2) -> int:
+def profile_start(
+    rank_steps: list[int], step_s: float | None, lead_s: float = PROFILE_LEAD_S, min_margin: int = 2
+) -> int:
     """The step every rank starts profiling at: past the furthest rank by ``min_margin`` steps,
     or by ``lead_s`` worth of steps when steps are fast, so the request reaches every rank first
     (a rank it reaches late starts at its next step and says so; the analysis keeps the steps
@@ -120,7 +123,9 @@ class MessagesMixin:
 
     # ------------------------------------------------------------ control clients (ptops inject)
     def _on_status(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
-        self.server.send(peer, {"ok": True, "state": self.state, "attempt": self.attempt, "step": self.step})
+        self.server.send(
+            peer, {"ok": True, "state": self.state, "attempt": self.attempt, "step": self.step}
+        )
 
     def _on_inject(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         try:
@@ -129,7 +134,9 @@ class MessagesMixin:
             self.server.send(peer, {"ok": False, "error": str(e)})
             return
         if self.state not in (RunState.STARTING, RunState.RUNNING, RunState.CHECKPOINTING):
-            self.server.send(peer, {"ok": False, "error": f"no live attempt to inject into (state {self.state})"})
+            self.server.send(
+                peer, {"ok": False, "error": f"no live attempt to inject into (state {self.state})"}
+            )
             return
         fault = Fault(fault.kind, fault.step, fault.rank, self.attempt, fault.params, fault.text)
         sent = []
@@ -137,11 +144,17 @@ class MessagesMixin:
             if info.peer is not None and info.gone_ts is None:
                 if self.server.send(info.peer, {"cmd": "fault", "fault": fault.to_dict()}):
                     sent.append(info.rank)
-        self.event(EventKind.INJECT, fault=format_spec(fault), attempt=self.attempt, ranks=sorted(sent))
-        self.server.send(peer, {"ok": True, "attempt": self.attempt, "ranks": sorted(sent), "fault": str(fault)})
+        self.event(
+            EventKind.INJECT, fault=format_spec(fault), attempt=self.attempt, ranks=sorted(sent)
+        )
+        self.server.send(
+            peer, {"ok": True, "attempt": self.attempt, "ranks": sorted(sent), "fault": str(fault)}
+        )
 
     def _on_profile(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
-        """``ptops profile``: one start step for every rank, forwarded; the ranks report back as events."""
+        """``ptops profile``: one start step for every rank, forwarded; the ranks report back as
+        events."""
+
         def refuse(error: str) -> None:
             self.server.send(peer, {"ok": False, "error": error})
 
@@ -153,38 +166,74 @@ class MessagesMixin:
             return refuse(f"steps: expected 1..{PROFILE_MAX_STEPS}, got {steps}")
         if self.state not in (RunState.RUNNING, RunState.CHECKPOINTING):
             return refuse(f"no live attempt to profile (state {self.state})")
-        live = sorted((i for i in self.ranks.values() if i.peer is not None and i.gone_ts is None),
-                      key=lambda i: i.rank)
+        live = sorted(
+            (i for i in self.ranks.values() if i.peer is not None and i.gone_ts is None),
+            key=lambda i: i.rank,
+        )
         if len(live) < self.world:
-            return refuse(f"only {len(live)} of {self.world} ranks of attempt {self.attempt} are connected; "
-                          "try again once all have started")
+            return refuse(
+                f"only {len(live)} of {self.world} ranks of attempt {self.attempt} are connected; "
+                "try again once all have started"
+            )
         busy = self.profiling
         if busy and busy["attempt"] == self.attempt and busy["waiting"]:
-            return refuse(f"profile {busy['id']} (steps {busy['start_step']}..{busy['start_step'] + busy['steps'] - 1}) "
-                          f"is still being captured by ranks {sorted(busy['waiting'])}")
+            return refuse(
+                f"profile {busy['id']} (steps "
+                f"{busy['start_step']}..{busy['start_step'] + busy['steps'] - 1}) "
+                f"is still being captured by ranks {sorted(busy['waiting'])}"
+            )
         times = [i.step_s for i in live if i.step_s]
         start = profile_start([i.step for i in live], statistics.median(times) if times else None)
         total = int(self.recipe.train.steps)
         if start + steps > total:
             at = max(i.step for i in live)
-            return refuse(f"the run is at step {at} of {total}: too few steps left to profile {steps} steps "
-                          f"from step {start} (the window must end before the last step)")
+            return refuse(
+                f"the run is at step {at} of {total}: too few steps left to profile {steps} steps "
+                f"from step {start} (the window must end before the last step)"
+            )
         pid = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         cmd = {"cmd": "profile", "id": pid, "start_step": start, "steps": steps}
         sent = [i.rank for i in live if self.server.send(i.peer, cmd)]
-        self.profiling = {"id": pid, "attempt": self.attempt, "start_step": start, "steps": steps,
-                          "waiting": set(sent)}
-        self.event(EventKind.PROFILE_REQUESTED, id=pid, attempt=self.attempt, start_step=start, steps=steps,
-                   ranks=sent, dir=f"profiles/{pid}")
+        self.profiling = {
+            "id": pid,
+            "attempt": self.attempt,
+            "start_step": start,
+            "steps": steps,
+            "waiting": set(sent),
+        }
+        self.event(
+            EventKind.PROFILE_REQUESTED,
+            id=pid,
+            attempt=self.attempt,
+            start_step=start,
+            steps=steps,
+            ranks=sent,
+            dir=f"profiles/{pid}",
+        )
         self.say(f"profile {pid}: ranks {sent} trace steps {start}..{start + steps - 1}")
-        self.server.send(peer, {"ok": True, "id": pid, "attempt": self.attempt, "start_step": start, "steps": steps,
-                                "ranks": sent, "dir": f"profiles/{pid}", "total_steps": total})
+        self.server.send(
+            peer,
+            {
+                "ok": True,
+                "id": pid,
+                "attempt": self.attempt,
+                "start_step": start,
+                "steps": steps,
+                "ranks": sent,
+                "dir": f"profiles/{pid}",
+                "total_steps": total,
+            },
+        )
 
     # ------------------------------------------------------------ ranks
     def _on_hello(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         hello, rank = peer.hello, peer.rank
-        self.ranks[rank] = RankInfo(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")), peer)
-        self.monitor.observe({"kind": "beat", "rank": rank, "step": 0, "phase": "startup", "ts": ts})
+        self.ranks[rank] = RankInfo(
+            rank, int(hello.get("pid", 0)), str(hello.get("host", "?")), peer
+        )
+        self.monitor.observe(
+            {"kind": "beat", "rank": rank, "step": 0, "phase": "startup", "ts": ts}
+        )
         if self.state == RunState.STARTING and len(self.ranks) >= self.world:
             self.state = RunState.RUNNING
         self.write_status(force=len(self.ranks) >= self.world)
@@ -196,8 +245,17 @@ class MessagesMixin:
         info = self.ranks.get(rank)
         if info is not None:
             info.step = max(info.step, step)
-        self.monitor.observe({"kind": "beat", "rank": rank, "step": step, "phase": phase, "stage": msg.get("stage"),
-                              "section": msg.get("section"), "ts": ts})
+        self.monitor.observe(
+            {
+                "kind": "beat",
+                "rank": rank,
+                "step": step,
+                "phase": phase,
+                "stage": msg.get("stage"),
+                "section": msg.get("section"),
+                "ts": ts,
+            }
+        )
         if rank == 0:
             self._checkpoint_beat(phase, step, ts)
 
@@ -214,11 +272,15 @@ class MessagesMixin:
         host = str(msg.get("host") or peer.hello.get("host", "?"))
         what = "a world of one" if size == 1 else f"a world of {size}"
         self.misconfigured = {
-            "attempt": self.attempt, "rank": peer.rank, "host": host, "world_size": size,
+            "attempt": self.attempt,
+            "rank": peer.rank,
+            "host": host,
+            "world_size": size,
             "expected_world_size": self.world,
-            "reason": f"rank {peer.rank} on {host} formed {what} (as rank {rank}) but the launcher started "
-                      f"{self.world} ranks: check the rendezvous endpoint (MASTER_ADDR / --rdzv-endpoint) "
-                      f"and nproc x nodes",
+            "reason": f"rank {peer.rank} on {host} formed {what} (as rank {rank}) but the "
+            "launcher started "
+            f"{self.world} ranks: check the rendezvous endpoint (MASTER_ADDR / --rdzv-endpoint) "
+            f"and nproc x nodes",
         }
 
     def _on_metrics(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
@@ -228,9 +290,19 @@ class MessagesMixin:
         info = self.ranks.get(rank)
         if info is not None:
             info.step = max(info.step, int(rec.get("step") or 0))
-            info.step_s = rec.get("step_s") if isinstance(rec.get("step_s"), (int, float)) else info.step_s
+            info.step_s = (
+                rec.get("step_s") if isinstance(rec.get("step_s"), (int, float)) else info.step_s
+            )
         self.feed_monitors(rec)
-        self.monitor.observe({"kind": "metrics", "rank": rank, "step": rec.get("step", 0), "step_s": rec.get("step_s"), "ts": ts})
+        self.monitor.observe(
+            {
+                "kind": "metrics",
+                "rank": rank,
+                "step": rec.get("step", 0),
+                "step_s": rec.get("step_s"),
+                "ts": ts,
+            }
+        )
         if rank == 0:
             self.step = int(rec.get("step", self.step))
             if self.state == RunState.STARTING:
@@ -241,7 +313,9 @@ class MessagesMixin:
     def _on_fault(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         fields = {k: msg.get(k) for k in ("fault", "rank", "step", "attempt")}
         self.event(EventKind.FAULT_INJECTED, **fields)
-        self.say(f"fault injected: {fields['fault']} on rank {fields['rank']} at step {fields['step']}")
+        self.say(
+            f"fault injected: {fields['fault']} on rank {fields['rank']} at step {fields['step']}"
+        )
 
     def _on_ignored(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         pass
@@ -252,7 +326,11 @@ class MessagesMixin:
             fields = msg.get("fields") or {}
             self.event(kind, **fields)
             busy = self.profiling
-            if kind in (EventKind.PROFILE_CAPTURED, EventKind.PROFILE_FAILED) and busy and busy["id"] == fields.get("id"):
+            if (
+                kind in (EventKind.PROFILE_CAPTURED, EventKind.PROFILE_FAILED)
+                and busy
+                and busy["id"] == fields.get("id")
+            ):
                 busy["waiting"].discard(peer.rank)
             if kind == EventKind.CHECKPOINT and fields.get("path"):
                 # the engine's own event, sent after its commit: the one source of ``checkpoint``

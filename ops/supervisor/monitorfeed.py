@@ -13,23 +13,25 @@ from typing import Any
 
 from ptops.monitors import fast_entries
 from ptops.monitors.base import step_and_rank
-from ptops.monitors.shared import Lockstep
 from ptops.monitors.config import MonitorsSection
+from ptops.monitors.shared import Lockstep
 from ptops.recipes.schema import build_monitors_of
 
 
 def build(section: MonitorsSection | None, origin: str) -> list:
-    """Fresh monitors of a ``[monitors]`` section, or :class:`RecipeError` naming the monitor that fails
-    (the schema's own check: a recipe that loaded builds here too)."""
+    """Fresh monitors of a ``[monitors]`` section, or :class:`RecipeError` naming the monitor that
+    fails (the schema's own check: a recipe that loaded builds here too)."""
     return build_monitors_of(section or MonitorsSection(), origin)
 
 
 @dataclass
 class MonitorFeed:
-    """Feeds each metric record to every monitor; a monitor that raises is reported once, never dropped silently.
+    """Feeds each metric record to every monitor; a monitor that raises is reported once, never
+    dropped silently.
 
-    Why the fast path: the record is parsed once for all monitors (its keys, step and rank, handed to each
-    monitor's ``feed_at``; see ``ptops.monitors.fast_entries``) instead of once per monitor in ``feed``.
+    Why the fast path: the record is parsed once for all monitors (its keys, step and rank, handed
+    to each monitor's ``feed_at``; see ``ptops.monitors.fast_entries``) instead of once per monitor
+    in ``feed``.
     """
 
     monitors: list
@@ -37,7 +39,8 @@ class MonitorFeed:
 
     def __post_init__(self) -> None:
         self._calls: list = []
-        self._of: list = []  # the monitors ``_calls`` was built for (``monitors`` may be changed in place)
+        # the monitors ``_calls`` was built for (``monitors`` may be changed in place)
+        self._of: list = []
         self._lock: Lockstep | None = None
 
     def feed(self, rec: dict[str, Any]) -> tuple[list, list[tuple[str, Exception]]]:
@@ -55,11 +58,14 @@ class MonitorFeed:
                 self._lock = None
         calls = self._calls
         lock = self._lock
-        if step is None:  # no step: each monitor's plain feed (the monitors here ignore such a record)
+        if (
+            step is None
+        ):  # no step: each monitor's plain feed (the monitors here ignore such a record)
             calls = [(m, _plain(m)) for m, _ in calls]
             lock = None
         elif lock is not None:
-            # a rank that reports what the step's first rank did: the shared states move it on at once
+            # a rank that reports what the step's first rank did: the shared states move it on at
+            # once
             rest = lock.follow(rec, keys, step, rank)
             if rest is not None:
                 calls = rest

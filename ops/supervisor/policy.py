@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from ptops.monitors.config import MonitorsSection
-from ptops.ops.supervisor import exitcodes
 from ptops.ops.runrecord.events import EventKind
+from ptops.ops.supervisor import exitcodes
 from ptops.recipes.rollback import RollbackInfo, skip_start
 from ptops.recipes.schema import RestartConfig
 
@@ -65,7 +65,10 @@ def fatal_startup_error(error: str | None, began_step: bool) -> str:
     kind = (error or "").split(":", 1)[0].strip()
     if began_step or kind not in FATAL_STARTUP_ERRORS:
         return ""
-    return f"{kind} before the first step: a restart would fail the same way (fix the environment or code, then rerun)"
+    return (
+        f"{kind} before the first step: a restart would fail the same way (fix the "
+        "environment or code, then rerun)"
+    )
 
 
 @dataclass(frozen=True)
@@ -98,10 +101,15 @@ class RestartPolicy:
         c = self.config
         self.history.append(failure)
         if self.strategy == "temporary":
-            return Decision("stop", f"{failure.reason} (plain launch: no restart; --supervise restarts)",
-                            exit_code=EXIT_FAILED)
+            return Decision(
+                "stop",
+                f"{failure.reason} (plain launch: no restart; --supervise restarts)",
+                exit_code=EXIT_FAILED,
+            )
         if failure.fatal:
-            return Decision("stop", f"{failure.reason}; {failure.fatal}", exit_code=EXIT_MISCONFIGURED)
+            return Decision(
+                "stop", f"{failure.reason}; {failure.fatal}", exit_code=EXIT_MISCONFIGURED
+            )
         restarts_so_far = len(self.history) - 1
         in_window = [f for f in self.history if failure.ts - f.ts <= c.storm_window_min * 60]
         if len(in_window) >= c.storm_restarts:
@@ -116,24 +124,29 @@ class RestartPolicy:
             return Decision(
                 "stop",
                 f"no progress: {streak} attempts in a row failed without a newer good checkpoint "
-                f"than step {failure.good_step} (supervisor.restart.no_progress_attempts={c.no_progress_attempts}); "
+                f"than step {failure.good_step} "
+                f"(supervisor.restart.no_progress_attempts={c.no_progress_attempts}); "
                 f"last: {failure.reason}",
                 exit_code=EXIT_NO_REQUEUE,
             )
         if restarts_so_far >= c.max_restarts:
             return Decision(
                 "stop",
-                f"gave up after {restarts_so_far} restarts (supervisor.restart.max_restarts={c.max_restarts}); "
+                f"gave up after {restarts_so_far} restarts "
+                f"(supervisor.restart.max_restarts={c.max_restarts}); "
                 f"last: {failure.reason}",
                 exit_code=EXIT_FAILED,
             )
-        # an attempt that made progress restarts at once (a waiting supervisor only lengthens the outage);
-        # attempts that fail without progress back off: backoff_s, doubling with each one, capped
+        # an attempt that made progress restarts at once (a waiting supervisor only lengthens the
+        # outage); attempts that fail without progress back off: backoff_s, doubling with each one,
+        # capped
         delay = 0.0 if streak == 0 else min(c.backoff_max_s, c.backoff_s * (2 ** (streak - 1)))
         return Decision("restart", failure.reason, delay_s=delay)
 
     @classmethod
-    def from_events(cls, config: RestartConfig, events: list[dict], strategy: Strategy = "permanent") -> "RestartPolicy":
+    def from_events(
+        cls, config: RestartConfig, events: list[dict], strategy: Strategy = "permanent"
+    ) -> "RestartPolicy":
         """Rebuild the history from earlier ``restart`` events (a supervisor that adopts a run)."""
         history = []
         for e in events:
@@ -154,17 +167,23 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class Effect:
-    """What the supervisor does for one ``[monitors]`` action (the finding's own event is always written)."""
+    """What the supervisor does for one ``[monitors]`` action (the finding's own event is always
+    written)."""
 
-    halts: bool  # the attempt ends (torn down), then :func:`actions.FindingActions.after_attempt` decides
+    # the attempt ends (torn down), then :func:`actions.FindingActions.after_attempt` decides
+    halts: bool
     record: str | None = None  # an extra event kind to write
 
 
 FINDING_EFFECTS: dict[str, Effect] = {
     "alert": Effect(halts=False),
-    "stop": Effect(halts=True),  # failed, exit 3: rerunning the same recipe walks into the same finding
+    "stop": Effect(
+        halts=True
+    ),  # failed, exit 3: rerunning the same recipe walks into the same finding
     "rollback": Effect(halts=True),  # back to the newest good checkpoint before the finding's step
-    "exclude_node": Effect(halts=False, record="exclude_node"),  # recorded only: no launcher excludes nodes yet
+    "exclude_node": Effect(
+        halts=False, record="exclude_node"
+    ),  # recorded only: no launcher excludes nodes yet
 }
 HALTING = tuple(a for a, e in FINDING_EFFECTS.items() if e.halts)
 
@@ -198,9 +217,14 @@ class FindingPolicy:
     record_only: bool = False
 
     @classmethod
-    def from_events(cls, section: MonitorsSection | None, events: Iterable[dict],
-                    record_only: bool = False) -> "FindingPolicy":
-        return cls(section or MonitorsSection(), [e for e in events if e.get("kind") == EventKind.ROLLBACK], record_only)
+    def from_events(
+        cls, section: MonitorsSection | None, events: Iterable[dict], record_only: bool = False
+    ) -> "FindingPolicy":
+        return cls(
+            section or MonitorsSection(),
+            [e for e in events if e.get("kind") == EventKind.ROLLBACK],
+            record_only,
+        )
 
     def decide(self, finding: Any) -> FindingDecision:
         action = "alert" if self.record_only else self.section.action_for(finding.monitor)
@@ -210,7 +234,9 @@ class FindingPolicy:
             action = "alert"  # only a straggler names a node; the schema allows it nowhere else
         if action not in FINDING_EFFECTS:
             action = "alert"
-        return FindingDecision(action, finding.monitor, int(finding.step), finding_reason(finding), finding.rank)
+        return FindingDecision(
+            action, finding.monitor, int(finding.step), finding_reason(finding), finding.rank
+        )
 
     @property
     def max_rollbacks(self) -> int:
@@ -245,8 +271,9 @@ class RollbackPlan:
     info: RollbackInfo
 
 
-def plan_rollback(entries: Iterable[tuple[int, str, bool]], anomaly_step: int, policy: FindingPolicy,
-                  reason: str) -> RollbackPlan:
+def plan_rollback(
+    entries: Iterable[tuple[int, str, bool]], anomaly_step: int, policy: FindingPolicy, reason: str
+) -> RollbackPlan:
     """Which checkpoint to roll back to: the newest good one strictly before ``anomaly_step``.
 
     ``entries``: (step, path, ok) of the checkpoints on disk. Every checkpoint at or after the

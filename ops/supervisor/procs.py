@@ -40,7 +40,8 @@ def die_with_parent() -> None:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children by /proc's PPid), so a whole tree can be killed."""
+    """Every live descendant of ``pid`` (children by /proc's PPid), so a whole tree can be
+    killed."""
     children: dict[int, list[int]] = {}
     try:
         names = os.listdir("/proc")
@@ -52,7 +53,7 @@ def descendants(pid: int) -> list[int]:
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 stat = f.read()
-            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(name))
@@ -86,13 +87,15 @@ def _environ(pid: int) -> bytes:
         return b""
 
 
-# Processes of this supervisor that carry the run's PTOPS_RUN_DIR but outlive an attempt (the warm pool,
-# ops/supervisor/warmpool.py): sweeps between attempts leave them; the supervisor stops them at its end.
+# Processes of this supervisor that carry the run's PTOPS_RUN_DIR but outlive an attempt (the warm
+# pool, ops/supervisor/warmpool.py): sweeps between attempts leave them; the supervisor stops them
+# at its end.
 KEEP: set[int] = set()
 
 
 def run_processes(run_dir: Path, exclude: set[int] | None = None) -> list[int]:
-    """Pids of live processes whose environment has ``PTOPS_RUN_DIR`` = this run (same user or root)."""
+    """Pids of live processes whose environment has ``PTOPS_RUN_DIR`` = this run (same user or
+    root)."""
     want = b"PTOPS_RUN_DIR=" + str(Path(run_dir).resolve()).encode()
     skip = {os.getpid()} | KEEP | (exclude or set())
     out = []
@@ -121,9 +124,10 @@ def is_zombie(pid: int) -> bool:
 
 
 def zombie_exit_code(pid: int) -> int | None:
-    """The exit code of ``pid`` if it has exited and its parent has not reaped it yet, as torchrun reports it
-    (minus the signal for a signal death), else None. Why: torchrun reaps a dead rank only at its monitor
-    interval (0.5 s); the kernel has the status in ``/proc/PID/stat`` (field 52, Linux >= 3.5) until then."""
+    """The exit code of ``pid`` if it has exited and its parent has not reaped it yet, as torchrun
+    reports it (minus the signal for a signal death), else None. Why: torchrun reaps a dead rank
+    only at its monitor interval (0.5 s); the kernel has the status in ``/proc/PID/stat`` (field 52,
+    Linux >= 3.5) until then."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -161,7 +165,9 @@ def killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def teardown(proc: subprocess.Popen | None, run_dir: Path, rank_pids: list[int], grace_s: float) -> list[int]:
+def teardown(
+    proc: subprocess.Popen | None, run_dir: Path, rank_pids: list[int], grace_s: float
+) -> list[int]:
     """Stop torchrun and every rank of this run: SIGTERM (+SIGCONT), wait ``grace_s``, then SIGKILL.
 
     ``grace_s=0`` kills at once (a hung attempt). Returns the pids that needed SIGKILL.

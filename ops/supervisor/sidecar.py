@@ -48,7 +48,9 @@ class SidecarSpec:
     health_timeout_s: float = 600.0
     max_restarts: int = 3
     interval_s: float = 1.0  # between liveness/health polls
-    unhealthy_after: int = 3  # consecutive failed health checks of a live sidecar before it is restarted
+    unhealthy_after: int = (
+        3  # consecutive failed health checks of a live sidecar before it is restarted
+    )
     grace_s: float = 10.0
 
     @classmethod
@@ -79,8 +81,9 @@ def _marked(run_dir: Path) -> list[int]:
 
 
 def kill_leftovers(run_dir: Path, wait_s: float = 5.0) -> list[int]:
-    """Processes of ``run_dir``'s sidecars still alive (a worker its server left, or sidecars that outlived
-    their owner): SIGKILLed, waited for (a signalled process is not gone yet), their pids returned."""
+    """Processes of ``run_dir``'s sidecars still alive (a worker its server left, or sidecars that
+    outlived their owner): SIGKILLed, waited for (a signalled process is not gone yet), their pids
+    returned."""
     pids = _marked(run_dir)
     signal_all(pids, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
@@ -92,7 +95,13 @@ def kill_leftovers(run_dir: Path, wait_s: float = 5.0) -> list[int]:
 class Sidecar:
     """One sidecar: :meth:`start` (blocks until healthy), a watcher thread, :meth:`stop`."""
 
-    def __init__(self, spec: SidecarSpec, run_dir: Path, emit: Callable[..., Any], log_dir: Path | None = None):
+    def __init__(
+        self,
+        spec: SidecarSpec,
+        run_dir: Path,
+        emit: Callable[..., Any],
+        log_dir: Path | None = None,
+    ):
         self.spec, self.run_dir, self.emit = spec, Path(run_dir), emit
         self.log = (log_dir or self.run_dir / "logs" / "sidecars") / f"{spec.name}.log"
         self.proc: subprocess.Popen | None = None
@@ -110,7 +119,11 @@ class Sidecar:
         with open(self.log, "ab") as out:
             return subprocess.Popen(
                 [sys.executable, "-m", "ptops.ops.supervisor.sidecar", "--", *self.spec.argv],
-                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def _wait_healthy(self, proc: subprocess.Popen) -> str | None:
@@ -130,8 +143,13 @@ class Sidecar:
             self.proc = proc
         why = self._wait_healthy(proc)
         if why is None:
-            self.emit("sidecar_started", name=self.spec.name, pid=proc.pid, restarts=self.restarts,
-                      argv=self.spec.argv)
+            self.emit(
+                "sidecar_started",
+                name=self.spec.name,
+                pid=proc.pid,
+                restarts=self.restarts,
+                argv=self.spec.argv,
+            )
         return why
 
     def start(self) -> None:
@@ -143,10 +161,18 @@ class Sidecar:
         if why is not None:
             self._kill()
             kill_leftovers(self.run_dir)  # its workers too, before the caller hears that it failed
-            self.emit("sidecar_died", name=self.spec.name, exit_code=self._code(), reason=why, restarts=0,
-                      gave_up=True)
+            self.emit(
+                "sidecar_died",
+                name=self.spec.name,
+                exit_code=self._code(),
+                reason=why,
+                restarts=0,
+                gave_up=True,
+            )
             raise RuntimeError(f"sidecar {self.spec.name}: {why} (log: {self.log})")
-        self._thread = threading.Thread(target=self._watch, name=f"sidecar-{self.spec.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, name=f"sidecar-{self.spec.name}", daemon=True
+        )
         self._thread.start()
 
     def _code(self) -> int | None:
@@ -184,8 +210,14 @@ class Sidecar:
             fails = 0
             self._kill()
             give_up = self.restarts >= self.spec.max_restarts
-            self.emit("sidecar_died", name=self.spec.name, exit_code=self._code(), reason=reason,
-                      restarts=self.restarts, gave_up=give_up)
+            self.emit(
+                "sidecar_died",
+                name=self.spec.name,
+                exit_code=self._code(),
+                reason=reason,
+                restarts=self.restarts,
+                gave_up=give_up,
+            )
             if give_up:
                 self.gave_up = True
                 return
@@ -193,12 +225,23 @@ class Sidecar:
                 self.restarts += 1
                 why = self._launch()
                 if why is None:
-                    self.emit("sidecar_restarted", name=self.spec.name, pid=self.proc.pid, restarts=self.restarts)
+                    self.emit(
+                        "sidecar_restarted",
+                        name=self.spec.name,
+                        pid=self.proc.pid,
+                        restarts=self.restarts,
+                    )
                     break
                 self._kill()
                 give_up = self.restarts >= self.spec.max_restarts
-                self.emit("sidecar_died", name=self.spec.name, exit_code=self._code(), reason=why,
-                          restarts=self.restarts, gave_up=give_up)
+                self.emit(
+                    "sidecar_died",
+                    name=self.spec.name,
+                    exit_code=self._code(),
+                    reason=why,
+                    restarts=self.restarts,
+                    gave_up=give_up,
+                )
                 if give_up:
                     self.gave_up = True
                     return
@@ -212,7 +255,9 @@ class Sidecar:
 
 
 @contextlib.contextmanager
-def run_sidecars(specs: list[dict[str, Any]], run_dir: Path, emit: Callable[..., Any]) -> Iterator[list[Sidecar]]:
+def run_sidecars(
+    specs: list[dict[str, Any]], run_dir: Path, emit: Callable[..., Any]
+) -> Iterator[list[Sidecar]]:
     """Start every sidecar (healthy) before the body, stop them all after it, whatever happens."""
     started: list[Sidecar] = []
     try:
@@ -244,7 +289,9 @@ def _guard(argv: list[str]) -> int:
         done.set()
         killpg(child.pid, signal.SIGTERM)
         deadline = time.monotonic() + float(os.environ.get("PTOPS_SIDECAR_GRACE_S", "10"))
-        while alive(child.pid) and time.monotonic() < deadline:  # not child.wait(): main may hold its lock
+        while (
+            alive(child.pid) and time.monotonic() < deadline
+        ):  # not child.wait(): main may hold its lock
             time.sleep(0.05)
         killpg(child.pid, signal.SIGKILL)
         os._exit(128 + signum)

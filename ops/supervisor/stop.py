@@ -28,18 +28,30 @@ class StopMixin:
         name = signal.Signals(self.stop_signal).name
         live = [i for i in self.ranks.values() if i.peer is not None and i.gone_ts is None]
         for info in live:
-            self.server.send(info.peer, {"cmd": "stop", "reason": name, **getattr(self, "stop_extra", {})})
+            self.server.send(
+                info.peer, {"cmd": "stop", "reason": name, **getattr(self, "stop_extra", {})}
+            )
         deadline = time.monotonic() + min(2.0, self.cfg.grace_s)
         while time.monotonic() < deadline and len(self.stop_acks) < len(live) and self._signals < 2:
             self.pump(0.1, drain=True)
-        supported = bool(self.stop_acks) and all(a.get("supported") for a in self.stop_acks.values())
+        supported = bool(self.stop_acks) and all(
+            a.get("supported") for a in self.stop_acks.values()
+        )
         if supported and self.cfg.grace_s > 0:
-            self.say(f"{name}: asking the ranks to checkpoint (up to {self.cfg.grace_s:g} s; again to stop now)")
+            self.say(
+                f"{name}: asking the ranks to checkpoint (up to {self.cfg.grace_s:g} s; again to "
+                "stop now)"
+            )
             deadline = time.monotonic() + self.cfg.grace_s
             while time.monotonic() < deadline and self.proc.poll() is None and self._signals < 2:
                 self.pump(0.1, drain=True)
         else:
-            self.say(f"{name}: the engine cannot checkpoint on request; stopping (last good checkpoint: {(self.good or {}).get('step', 'none')})")
-        procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=min(self.cfg.kill_timeout_s, 5.0))
+            self.say(
+                f"{name}: the engine cannot checkpoint on request; stopping (last good "
+                f"checkpoint: {(self.good or {}).get('step', 'none')})"
+            )
+        procs.teardown(
+            self.proc, self.run.path, self._rank_pids(), grace_s=min(self.cfg.kill_timeout_s, 5.0)
+        )
         self.pump(0.2, drain=True)
         self.step = max(self.step, launcher.completed_step(self.run))

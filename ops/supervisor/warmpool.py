@@ -1,19 +1,20 @@
-"""The warm pool of a supervised run (``[supervisor.restart] warm_spare``): started once, kept across attempts.
+"""The warm pool of a supervised run (``[supervisor.restart] warm_spare``): started once, kept
+across attempts.
 
-Why: a restart's ranks otherwise import torch and the engine again (most of the time from a crash to the
-next productive step). The pool (``ops/rank/warm.py``) imports them once, in the background, started with
-the first attempt's ranks; the ranks of every later attempt are forked from it, without a new torchrun
-(``launch_command``). It carries the run's ``PTOPS_RUN_DIR`` (so its children are found by the supervisor's
-sweeps) but is kept out of the sweeps between attempts (``procs.KEEP``); it dies with the supervisor
-(``PR_SET_PDEATHSIG``) and is stopped at the supervisor's end.
+Why: a restart's ranks otherwise import torch and the engine again (most of the time from a crash to
+the next productive step). The pool (``ops/rank/warm.py``) imports them once, in the background,
+started with the first attempt's ranks; the ranks of every later attempt are forked from it, without
+a new torchrun (``launch_command``). It carries the run's ``PTOPS_RUN_DIR`` (so its children are
+found by the supervisor's sweeps) but is kept out of the sweeps between attempts (``procs.KEEP``);
+it dies with the supervisor (``PR_SET_PDEATHSIG``) and is stopped at the supervisor's end.
 
 Each attempt asks ``source()`` where its ranks come from; the answer goes into the ``launch`` event
-(``ranks_from``; ``cold_why`` and ``cold_detail`` when cold). Issue 27: the pool used to start after the
-first step and needed 30-35 s to import on two busy cores, so a crash 8 s in found nothing listening
-(warm.log said "ready" 22 s after the restart) and the restart went cold, competing with that import. Now
-the pool imports alongside the first attempt's ranks, and a restart that still finds it importing waits
-for it (up to ``[supervisor.hang] import_s`` from its start) rather than importing everything again next to
-it. A pool that exited is replaced when the next attempt starts.
+(``ranks_from``; ``cold_why`` and ``cold_detail`` when cold). Issue 27: the pool used to start after
+the first step and needed 30-35 s to import on two busy cores, so a crash 8 s in found nothing
+listening (warm.log said "ready" 22 s after the restart) and the restart went cold, competing with
+that import. Now the pool imports alongside the first attempt's ranks, and a restart that still
+finds it importing waits for it (up to ``[supervisor.hang] import_s`` from its start) rather than
+importing everything again next to it. A pool that exited is replaced when the next attempt starts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class WarmPool:
         self.log = Path(run.path) / "supervisor" / "warm.log"
 
     def env(self) -> dict[str, str]:
-        """What a warm attempt's launcher needs to find the pool (a cold attempt's ranks are not told of it)."""
+        """What a warm attempt's launcher needs to find the pool (a cold attempt's ranks are not
+        told of it)."""
         return {ENV_SOCKET: self.name}
 
     @property
@@ -49,21 +51,35 @@ class WarmPool:
 
     @property
     def wanted(self) -> bool:
-        """Start one (again): none runs, and none declined (a GPU its forked children could not use)."""
+        """Start one (again): none runs, and none declined (a GPU its forked children could not
+        use)."""
         return self.proc is None and not self.declined
 
     def launch_command(self, cmd: launcher.RankCommand, nproc: int) -> launcher.RankCommand:
-        """An attempt's ranks forked straight from the pool (``ops/rank/warmlaunch.py``) instead of a new
-        torchrun; the torchrun command stays its fallback when the pool does not answer."""
+        """An attempt's ranks forked straight from the pool (``ops/rank/warmlaunch.py``) instead of
+        a new torchrun; the torchrun command stays its fallback when the pool does not answer."""
         port = cmd.argv[cmd.argv.index("--master-port") + 1]
-        argv = [sys.executable, "-m", "ptops.ops.rank.warmlaunch", "--nproc", str(nproc), "--port", port, "--", *cmd.argv]
+        argv = [
+            sys.executable,
+            "-m",
+            "ptops.ops.rank.warmlaunch",
+            "--nproc",
+            str(nproc),
+            "--port",
+            port,
+            "--",
+            *cmd.argv,
+        ]
         return launcher.RankCommand(argv, cmd.env)
 
     def start(self) -> None:
         env = launcher.rank_command(self.recipe, self.run, 0).env
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = procs.spawn([sys.executable, "-m", "ptops.ops.rank.warm", self.name, self.recipe.engine], env,
-                                self.log)
+        self.proc = procs.spawn(
+            [sys.executable, "-m", "ptops.ops.rank.warm", self.name, self.recipe.engine],
+            env,
+            self.log,
+        )
         self.started_at = time.monotonic()
         procs.KEEP.add(self.proc.pid)
 
@@ -77,13 +93,16 @@ class WarmPool:
         return True  # closed without a request: the pool takes it for a probe
 
     def source(self, budget_s: float, stop: Callable[[], bool]) -> dict:
-        """Where the next attempt's ranks come from: ``{"ranks_from": "warm", "warm_wait_s": S}``, or
-        ``{"ranks_from": "cold", "cold_why": CODE, "cold_detail": TEXT}``. Waits while the pool is still
-        importing, until it answers, exits, ``budget_s`` after its start has passed, or ``stop()``."""
+        """Where the next attempt's ranks come from: ``{"ranks_from": "warm", "warm_wait_s": S}``,
+        or ``{"ranks_from": "cold", "cold_why": CODE, "cold_detail": TEXT}``. Waits while the pool
+        is still importing, until it answers, exits, ``budget_s`` after its start has passed, or
+        ``stop()``."""
         if self.declined:
             return _cold("pool_declined", self.declined)
         if self.proc is None:
-            return _cold("pool_not_started", "the pool starts with this attempt's ranks (none ran before)")
+            return _cold(
+                "pool_not_started", "the pool starts with this attempt's ranks (none ran before)"
+            )
         t0 = time.monotonic()
         while True:
             rc = self.proc.poll()
@@ -98,7 +117,10 @@ class WarmPool:
             if stop():
                 return _cold("stopping", "the supervisor was asked to stop while the pool imported")
             if time.monotonic() - self.started_at > budget_s:
-                detail = f"the pool was still importing {time.monotonic() - self.started_at:.0f} s after its start"
+                detail = (
+                    f"the pool was still importing {time.monotonic() - self.started_at:.0f} "
+                    "s after its start"
+                )
                 self.stop()  # hung: it must not compete with the cold start; a new one starts later
                 return _cold("pool_not_ready", detail)
             time.sleep(0.05)

@@ -13,7 +13,8 @@ register(
         section=ScriptSection,
         entry="ptops.recipes.script.run:main",
         check=check,
-        description="your own training script (python train.py ..., or any command), with the optional "
+        description="your own training script (python train.py ..., or any command), with the "
+        "optional "
         "ptops.rank API for step records, exact resume and rollback",
         complete_on_exit=True,
     )

@@ -7,10 +7,10 @@ on request and faulthandler's SIGUSR1 file, py-spy, the flight recorder, the per
 
 Without any change to the script, each optimizer step is a step: global ``torch.optim`` hooks send
 ``probe.before_step`` / ``probe.step`` around the first optimizer's ``step()`` (faults such as
-``crash:step=S`` and ``hang:step=S`` fire there, goodput and the hang monitor see steps). Steps count
-from 1 in each attempt: a script that does not resume restarts from scratch. Until the first step, the
-script's own set-up is judged as the rank's ``import`` start-up section. A script that uses
-:mod:`ptops.rank` reports its own steps (the hooks then stand aside) and resumes exactly.
+``crash:step=S`` and ``hang:step=S`` fire there, goodput and the hang monitor see steps). Steps
+count from 1 in each attempt: a script that does not resume restarts from scratch. Until the first
+step, the script's own set-up is judged as the rank's ``import`` start-up section. A script that
+uses :mod:`ptops.rank` reports its own steps (the hooks then stand aside) and resumes exactly.
 
 Any other program runs as a child process (in its own process group, killed with the rank):
 crash detection and restarts apply, hang detection only through its exit (no stacks, no steps).
@@ -31,7 +31,8 @@ _PYTHON_FLAGS_WITH_ARG = {"-W", "-X", "-Q"}
 
 
 def python_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
-    """("path" | "module" | "code", target, args) when ``argv`` is a Python interpreter running one."""
+    """("path" | "module" | "code", target, args) when ``argv`` is a Python interpreter running
+    one."""
     prog = Path(argv[0]).name
     if not (prog.startswith("python") or argv[0] == sys.executable):
         return None
@@ -41,21 +42,24 @@ def python_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
         if a in ("-m", "-c"):
             if i + 1 >= len(argv):
                 return None
-            return ("module" if a == "-m" else "code"), argv[i + 1], argv[i + 2:]
+            return ("module" if a == "-m" else "code"), argv[i + 1], argv[i + 2 :]
         if a in _PYTHON_FLAGS_WITH_ARG:
             i += 2
             continue
         if a.startswith("-") and a != "-":
             i += 1  # -u, -O, -B...: one-word flags of the interpreter, which is already running
             continue
-        return "path", a, argv[i + 1:]
+        return "path", a, argv[i + 1 :]
     return None
 
 
 def _optimizer_beats(probe: Any) -> None:
     """Each ``step()`` of the first optimizer seen is a step of the run (no API needed)."""
     try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
     except ImportError:
         return
     import time
@@ -76,8 +80,13 @@ def _optimizer_beats(probe: Any) -> None:
         if api._reports_steps() or state["owner"] != id(opt):
             return
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
-        probe.step(state["n"], {"lr": float(lr) if isinstance(lr, (int, float)) else None,
-                                "step_s": time.monotonic() - state["t0"]})
+        probe.step(
+            state["n"],
+            {
+                "lr": float(lr) if isinstance(lr, (int, float)) else None,
+                "step_s": time.monotonic() - state["t0"],
+            },
+        )
 
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)
@@ -128,8 +137,12 @@ def main(recipe: Any, probe: Any) -> None:
     api._bind(probe, recipe)
     argv = list(sec.command)
     target = python_target(argv)
-    print(f"[ptops.script rank {probe.rank}] running {' '.join(argv)} in {os.getcwd()} "
-          f"({'in this process' if target else 'as a child process'})", file=sys.stderr, flush=True)
+    print(
+        f"[ptops.script rank {probe.rank}] running {' '.join(argv)} in {os.getcwd()} "
+        f"({'in this process' if target else 'as a child process'})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         if target is None:
             _run_child(argv)

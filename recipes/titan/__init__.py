@@ -9,6 +9,7 @@ register(
         section=TitanSection,
         entry="ptops.recipes.titan.run:main",
         check=check,
-        description="TorchTitan pre-training / full-parameter SFT (FSDP2, TP, PP, CP, EP, float8, AC, compile)",
+        description="TorchTitan pre-training / full-parameter SFT (FSDP2, TP, PP, CP, EP, "
+        "float8, AC, compile)",
     )
 )

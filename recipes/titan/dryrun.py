@@ -1,12 +1,12 @@
 """TorchTitan's fake-backend dry run of a recipe for a declared world, in one CPU process.
 
 ``python -m ptops.recipes.titan.dryrun RECIPE_JSON WORLD`` builds the recipe's real TorchTitan
-trainer (``registry.trainer_config``) with ``comm.mode=fake_backend`` and ``NGPU=WORLD``: the
-device mesh of every parallel dimension, the model (rank 0's shard, left on the meta device
-unless ``PTOPS_DRYRUN_MATERIALIZE=1`` materialises it on CPU), the float8 module swap (emulated: no SM89 here), activation checkpointing and compile
-wrappers, the parallelisation (FSDP2 / TP / PP / CP / EP) and the optimizer. It runs no step.
-It prints one JSON line: what was checked, what was not, and rank 0's measured parameter
-bytes (the planner's memory estimate is compared with them).
+trainer (``registry.trainer_config``) with ``comm.mode=fake_backend`` and ``NGPU=WORLD``: the device
+mesh of every parallel dimension, the model (rank 0's shard, left on the meta device unless
+``PTOPS_DRYRUN_MATERIALIZE=1`` materialises it on CPU), the float8 module swap (emulated: no SM89
+here), activation checkpointing and compile wrappers, the parallelisation (FSDP2 / TP / PP / CP /
+EP) and the optimizer. It runs no step. It prints one JSON line: what was checked, what was not, and
+rank 0's measured parameter bytes (the planner's memory estimate is compared with them).
 
 Run as a subprocess by ``ptops launch --dry-run`` (bounded time; torch stays out of the CLI).
 """
@@ -23,10 +23,14 @@ import traceback
 from pathlib import Path
 
 NOT_CHECKED = [
-    "weights stay on the meta device unless PTOPS_DRYRUN_MATERIALIZE=1 (shapes and sharding are real; values are not)",
-    "no forward/backward step runs: activation memory, CP attention numerics and fp8 kernels are not exercised",
-    "float8 is built in emulation (CPU has no SM89): the same Float8Linear modules and sharding, not the kernels",
-    "torch.compile wrappers are applied but nothing is compiled (compilation happens at the first step)",
+    "weights stay on the meta device unless PTOPS_DRYRUN_MATERIALIZE=1 (shapes and sharding are "
+    "real; values are not)",
+    "no forward/backward step runs: activation memory, CP attention numerics and fp8 kernels are "
+    "not exercised",
+    "float8 is built in emulation (CPU has no SM89): the same Float8Linear modules and sharding, "
+    "not the kernels",
+    "torch.compile wrappers are applied but nothing is compiled (compilation happens at the "
+    "first step)",
     "only rank 0 of the simulated world is built (other pipeline stages and expert shards are not)",
     "collectives go to a fake process group: NCCL, bandwidth and timeouts are not exercised",
 ]
@@ -43,6 +47,7 @@ def run(recipe_json: str, world: int) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
     from ptops.recipes.titan import registry  # applies the CPU compatibility layer first
+    # isort: split
 
     import torch
     from torch.distributed.tensor import DTensor
@@ -75,18 +80,34 @@ def run(recipe_json: str, world: int) -> dict:
             local += t.numel() * t.element_size()
             total += p.numel()
     n_opt = sum(len(o.param_groups) for o in trainer.optimizers.optimizers)
-    f8 = sum(1 for part in trainer.model_parts for m in part.modules() if type(m).__name__ == "Float8Linear")
+    f8 = sum(
+        1
+        for part in trainer.model_parts
+        for m in part.modules()
+        if type(m).__name__ == "Float8Linear"
+    )
     if recipe.titan.float8.enabled and f8 == 0:
-        raise ValueError("titan.float8.enabled but TorchTitan swapped no Linear to Float8Linear (check filter_fqns)")
+        raise ValueError(
+            "titan.float8.enabled but TorchTitan swapped no Linear to Float8Linear (check "
+            "filter_fqns)"
+        )
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    rotate = str(getattr(_cp_options.rotate_method, "name", _cp_options.rotate_method)).lower()  # all_gather
+    rotate = str(
+        getattr(_cp_options.rotate_method, "name", _cp_options.rotate_method)
+    ).lower()  # all_gather
     mem = trainer.metrics_processor.device_memory_monitor.get_peak_stats()
     out = {
         "ok": True,
         "world": world,
-        "mesh": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp, "pp": pd.pp,
-                 "cp": pd.cp, "ep": pd.ep},
+        "mesh": {
+            "dp_replicate": pd.dp_replicate,
+            "dp_shard": pd.dp_shard,
+            "tp": pd.tp,
+            "pp": pd.pp,
+            "cp": pd.cp,
+            "ep": pd.ep,
+        },
         "model": f"{cfg.model_spec.name} {cfg.model_spec.flavor}",
         "model_parts": len(trainer.model_parts),
         "rank0_params": total,
@@ -94,13 +115,22 @@ def run(recipe_json: str, world: int) -> dict:
         "float8_modules": f8,
         "cp_rotate_method": rotate,
         "optimizer_param_groups": n_opt,
-        "titan_peak_memory_gib": mem.max_reserved_gib,  # CPU: the process's peak RSS (compat.CpuDeviceModule)
+        # CPU: the process's peak RSS (compat.CpuDeviceModule)
+        "titan_peak_memory_gib": mem.max_reserved_gib,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
         "seconds": round(time.monotonic() - t0, 1),
         "materialized": materialize,
-        "checked": ["device mesh for the declared world", "model build", "float8 swap (emulated)",
-                    "activation checkpointing", "compile wrapping", "parallelize (FSDP2/TP/PP/CP/EP)",
-                    "optimizer", "LR scheduler", "dataloader"],
+        "checked": [
+            "device mesh for the declared world",
+            "model build",
+            "float8 swap (emulated)",
+            "activation checkpointing",
+            "compile wrapping",
+            "parallelize (FSDP2/TP/PP/CP/EP)",
+            "optimizer",
+            "LR scheduler",
+            "dataloader",
+        ],
         "not_checked": NOT_CHECKED,
     }
     torch.distributed.destroy_process_group()
@@ -114,8 +144,12 @@ def main() -> None:
         out = run(recipe_json, world)
     except Exception as e:  # noqa: BLE001 - reported as one line by the CLI
         tb = traceback.format_exc().strip().splitlines()
-        out = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-               "where": tb[-3:] if len(tb) > 3 else tb}
+        out = {
+            "ok": False,
+            "error": f"{type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+            "where": tb[-3:] if len(tb) > 3 else tb,
+        }
     sys.stdout.flush()
     print("PTOPS_DRYRUN " + json.dumps(out), flush=True)
     os._exit(0)  # no teardown of half-built trainers or fake process groups

@@ -18,7 +18,7 @@ from ptops.recipes.titan import compat
 
 compat.apply()
 
-from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
 from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.config.configs import CommConfig, DebugConfig  # noqa: E402
@@ -70,7 +70,9 @@ def tiny_llama3(dim: int, n_layers: int, n_heads: int, vocab_size: int, seq_len:
             dim=dim,
             n_heads=n_heads,
             hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=64),
-            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max(seq_len, 256), theta=500000, scaling="llama"),
+            rope=ComplexRoPE.Config(
+                dim=dim // n_heads, max_seq_len=max(seq_len, 256), theta=500000, scaling="llama"
+            ),
             attn_backend="flex",
         ),
     )
@@ -92,7 +94,10 @@ def converters(recipe: Any, *, dry_run: bool = False) -> list:
     ``dry_run``: the fake-backend check on a machine without SM89 swaps the modules in emulation
     (same Float8Linear modules and sharding, no fp8 kernels).
     """
-    from torchtitan.components.quantization import Float8GroupedExpertsConverter, Float8LinearConverter
+    from torchtitan.components.quantization import (
+        Float8GroupedExpertsConverter,
+        Float8LinearConverter,
+    )
 
     t = recipe.titan
     f8 = t.float8
@@ -114,7 +119,8 @@ def converters(recipe: Any, *, dry_run: bool = False) -> list:
 
 
 def model_spec(recipe: Any, *, dry_run: bool = False) -> ModelSpec:
-    """The recipe's model: a flavor of TorchTitan's registry, or the small llama3 (SDPA, CPU-trainable)."""
+    """The recipe's model: a flavor of TorchTitan's registry, or the small llama3 (SDPA,
+    CPU-trainable)."""
     t = recipe.titan
     m = t.model
     conv = converters(recipe, dry_run=dry_run)
@@ -138,7 +144,8 @@ def activation_checkpoint(recipe: Any) -> Any:
 
 
 def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> ProbeTrainer.Config:
-    """The torchtitan job config of a ptops titan recipe: every ``[titan]`` key onto its TorchTitan field."""
+    """The torchtitan job config of a ptops titan recipe: every ``[titan]`` key onto its TorchTitan
+    field."""
     from torchtitan.config import CompileConfig
     from torchtitan.models.common.config_utils import decoder_vocab_size
 
@@ -155,7 +162,9 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
 
         init_dir = str(weights_dir(recipe))
     spec = model_spec(recipe, dry_run=dry_run)
-    if par.cp > 1:  # torch's own CP option (TorchTitan 0.3.0 has no config field for it); process-global
+    if (
+        par.cp > 1
+    ):  # torch's own CP option (TorchTitan 0.3.0 has no config field for it); process-global
         from torch.distributed.tensor.experimental._attention import set_rotate_method
 
         set_rotate_method(par.cp_rotate_method)
@@ -163,11 +172,14 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
     on_cpu = not compat._has_accelerator()
     async_mode = "disabled"
     if t.async_checkpoint:
-        async_mode = "async_with_pinned_mem" if (t.pinned_memory_checkpoint and not on_cpu) else "async"
+        async_mode = (
+            "async_with_pinned_mem" if (t.pinned_memory_checkpoint and not on_cpu) else "async"
+        )
     return ProbeTrainer.Config(
         model_spec=spec,
         # a dry run reads no real tokenizer or corpus: the local ones stand in (no step runs)
-        hf_assets_path=(t.hf_assets_path and not dry_run and t.hf_assets_path) or str(tokenizer_dir(m.vocab_size)),
+        hf_assets_path=(t.hf_assets_path and not dry_run and t.hf_assets_path)
+        or str(tokenizer_dir(m.vocab_size)),
         dump_folder=str(run_dir / "titan"),
         loss=PoisonableCrossEntropyLoss.Config(global_vocab_size=vocab),
         optimizer=default_adamw(lr=t.lr),
@@ -184,7 +196,8 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
             disable_cuda_graphs=compat.CPU_FLAGS["training.disable_cuda_graphs"],
         ),
         dataloader=HuggingFaceTextDataLoader.Config(
-            dataset=(not dry_run and t.dataset) or register_local_text_dataset(recipe.train.seed), infinite=True
+            dataset=(not dry_run and t.dataset) or register_local_text_dataset(recipe.train.seed),
+            infinite=True,
         ),
         metrics=ProbeMetricsProcessor.Config(log_freq=1, disable_color_printing=True),
         parallelism=ParallelismConfig(
@@ -198,7 +211,9 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
             pipeline_parallel_first_stage_less_layers=0,
             pipeline_parallel_last_stage_less_layers=0,
             context_parallel_degree=par.cp,
-            context_parallel_load_balancer=None if par.cp_load_balancer == "none" else par.cp_load_balancer,
+            context_parallel_load_balancer=None
+            if par.cp_load_balancer == "none"
+            else par.cp_load_balancer,
             expert_parallel_degree=par.ep,
             spmd_backend=compat.CPU_FLAGS["parallelism.spmd_backend"],
         ),
@@ -216,8 +231,9 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
         activation_checkpoint=activation_checkpoint(recipe),
         compile=CompileConfig(enable=t.compile.enable, components=list(t.compile.components)),
         validator=Validator.Config(enable=False),
-        # the flight recorder's size: torchtitan overrides TORCH_FR_BUFFER_SIZE with it, so it passes on the
-        # supervisor's setting (hang analysis: diagnostics/flightrec.py; gloo records too)
+        # the flight recorder's size: torchtitan overrides TORCH_FR_BUFFER_SIZE with it, so it
+        # passes on the supervisor's setting (hang analysis: diagnostics/flightrec.py; gloo records
+        # too)
         comm=CommConfig(trace_buf_size=_fr_buffer_size(), train_timeout_seconds=t.train_timeout_s),
         debug=DebugConfig(seed=recipe.train.seed, deterministic=t.deterministic),
     )

@@ -75,12 +75,30 @@ def on_step(trainer: Any, data_iterator: Any, step: int, probe: Any) -> None:
     if step == first and abs(info.lr_factor - 1.0) > 1e-12:
         lrs = _scale_lr(trainer, info.lr_factor)
         if probe is not None and _rank() == 0:
-            probe.event("rollback_applied", what="lr", step=step, lr_factor=info.lr_factor, lr=lrs[0] if lrs else None,
-                        from_step=info.from_step, to_step=info.to_step)
+            probe.event(
+                "rollback_applied",
+                what="lr",
+                step=step,
+                lr_factor=info.lr_factor,
+                lr=lrs[0] if lrs else None,
+                from_step=info.from_step,
+                to_step=info.to_step,
+            )
     n = info.batches_to_skip(step, first, position_in_checkpoint=True)
     if n:
         dropped = _skip(trainer, data_iterator, n)
-        print(f"[ptops.titan rank {_rank()}] rollback: skipped {dropped} batch(es) before step {step}", flush=True)
+        print(
+            f"[ptops.titan rank {_rank()}] rollback: skipped {dropped} batch(es) before step "
+            f"{step}",
+            flush=True,
+        )
         if probe is not None and _rank() == 0:
-            probe.event("rollback_applied", what="skip", step=step, skip_batches=n, batches_dropped=dropped,
-                        from_step=info.from_step, to_step=info.to_step)
+            probe.event(
+                "rollback_applied",
+                what="skip",
+                step=step,
+                skip_batches=n,
+                batches_dropped=dropped,
+                from_step=info.from_step,
+                to_step=info.to_step,
+            )

@@ -29,16 +29,23 @@ CONFIG = "ptops_recipe"
 
 
 def titan_argv() -> list[str]:
-    return ["--module", REGISTRY, "--config", CONFIG, *shlex.split(os.environ.get("PTOPS_TITAN_ARGS", ""))]
+    return [
+        "--module",
+        REGISTRY,
+        "--config",
+        CONFIG,
+        *shlex.split(os.environ.get("PTOPS_TITAN_ARGS", "")),
+    ]
 
 
 def preload() -> None:
-    """What a warm spare rank imports ahead of its attempt (``ops/rank/warm.py``): the rest of ``main``
-    then finds torch, torchtitan and the adapter already imported."""
+    """What a warm spare rank imports ahead of its attempt (``ops/rank/warm.py``): the rest of
+    ``main`` then finds torch, torchtitan and the adapter already imported."""
     from ptops.recipes.titan import compat
 
     compat.apply()
     from ptops.recipes.titan import registry, trainer  # noqa: F401
+    # isort: split
 
     import torchtitan.train  # noqa: F401
 

@@ -1,23 +1,28 @@
-"""``FlatStager``: the async checkpoint's CPU staging copy as one batched copy into buffers that persist.
+"""``FlatStager``: the async checkpoint's CPU staging copy as one batched copy into buffers that
+persist.
 
-DCP's ``DefaultStager`` deep-copies the state dict tensor by tensor (``new_empty`` + ``set_`` + a storage
-copy each, in Python); with ~1,400 tensors that is 40-50 ms per save over a plain memcpy (bench/README.md).
-This stager keeps one CPU buffer per state-dict path, allocated and touched once, and refills all of them
-with ONE ``torch._foreach_copy_`` per save, in a background thread (the ``AsyncStager`` protocol that
-``dcp.async_save(..., async_stager=)`` accepts: ``stage`` returns a Future of the staged dict).
+DCP's ``DefaultStager`` deep-copies the state dict tensor by tensor (``new_empty`` + ``set_`` + a
+storage copy each, in Python); with ~1,400 tensors that is 40-50 ms per save over a plain memcpy
+(bench/README.md). This stager keeps one CPU buffer per state-dict path, allocated and touched once,
+and refills all of them with ONE ``torch._foreach_copy_`` per save, in a background thread (the
+``AsyncStager`` protocol that ``dcp.async_save(..., async_stager=)`` accepts: ``stage`` returns a
+Future of the staged dict).
 
-Handled exactly: plain tensors and ``nn.Parameter`` (staged as plain tensors: DCP writes their values),
-DTensors (their local shard is staged and re-wrapped with the same ``DTensorSpec``, as DefaultStager's
-deep copy keeps it), nested dicts / lists / tuples; other values are deep-copied. Anything else that is a
-tensor (ShardedTensor, other subclasses) goes through DCP's own ``StateDictStager`` (with its storage cache).
-CPU only: the adapter keeps DefaultStager (pinned memory, a CUDA stream) when CUDA is available.
+Handled exactly: plain tensors and ``nn.Parameter`` (staged as plain tensors: DCP writes their
+values), DTensors (their local shard is staged and re-wrapped with the same ``DTensorSpec``, as
+DefaultStager's deep copy keeps it), nested dicts / lists / tuples; other values are deep-copied.
+Anything else that is a tensor (ShardedTensor, other subclasses) goes through DCP's own
+``StateDictStager`` (with its storage cache). CPU only: the adapter keeps DefaultStager (pinned
+memory, a CUDA stream) when CUDA is available.
 
-The buffers are reused: a staged dict is valid until the next ``stage`` call. The adapter never stages
-while the previous save is still writing (``ProbeCheckpointManager._skip_busy``).
+The buffers are reused: a staged dict is valid until the next ``stage`` call. The adapter never
+stages while the previous save is still writing (``ProbeCheckpointManager._skip_busy``).
 
-``stage_then`` is the same copy followed, on the same background thread, by a function of the staged dict
-(the fused-QKV split, ``qkvsplit.py``): the writer waits for both, training only for the copy (``copied``).
+``stage_then`` is the same copy followed, on the same background thread, by a function of the staged
+dict (the fused-QKV split, ``qkvsplit.py``): the writer waits for both, training only for the copy
+(``copied``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,7 +41,11 @@ class FlatStager:
 
     def __init__(self, threaded: bool = True) -> None:
         self._bufs: dict[tuple, torch.Tensor] = {}
-        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptops-stage") if threaded else None
+        self._exec = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptops-stage")
+            if threaded
+            else None
+        )
         self._future: Future | None = None
         self._fallback: Any = None
 
@@ -47,8 +56,8 @@ class FlatStager:
         return self._future
 
     def stage_then(self, state_dict: dict, then: Any = None) -> tuple[Future, Future]:
-        """(copied, done): the copy, then ``then(staged)`` on the stager's thread; ``done`` holds its result
-        (the staged dict itself without ``then``)."""
+        """(copied, done): the copy, then ``then(staged)`` on the stager's thread; ``done`` holds
+        its result (the staged dict itself without ``then``)."""
         copied: Future = Future()
         done: Future = Future()
 
@@ -94,9 +103,14 @@ class FlatStager:
 
     def _buffer(self, path: tuple, src: torch.Tensor) -> torch.Tensor:
         buf = self._bufs.get(path)
-        if buf is None or buf.dtype != src.dtype or buf.shape != src.shape or buf.stride() != src.stride():
-            # preserve_format keeps the strides of a dense tensor (contiguous otherwise); fill once so
-            # the pages are faulted in now, not during the first timed copy
+        if (
+            buf is None
+            or buf.dtype != src.dtype
+            or buf.shape != src.shape
+            or buf.stride() != src.stride()
+        ):
+            # preserve_format keeps the strides of a dense tensor (contiguous otherwise); fill once
+            # so the pages are faulted in now, not during the first timed copy
             buf = torch.empty_like(src, device="cpu", memory_format=torch.preserve_format)
             buf.copy_(src)
             self._bufs[path] = buf
@@ -119,8 +133,11 @@ class FlatStager:
                 return DTensor(buf, x._spec, requires_grad=False)
             return self._fallback_stager().stage(x)
         if isinstance(x, dict):
-            return type(x)((k, self._walk(v, path + (k,), dsts, srcs)) for k, v in x.items()) \
-                if type(x) is dict else self._dict_like(x, path, dsts, srcs)
+            return (
+                type(x)((k, self._walk(v, path + (k,), dsts, srcs)) for k, v in x.items())
+                if type(x) is dict
+                else self._dict_like(x, path, dsts, srcs)
+            )
         if type(x) in (list, tuple):
             return type(x)(self._walk(v, path + (i,), dsts, srcs) for i, v in enumerate(x))
         return copy.deepcopy(x)

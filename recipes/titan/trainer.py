@@ -30,9 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.checkpoint.api import CheckpointException
-
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.loss import CrossEntropyLoss
@@ -66,7 +64,6 @@ def register_local_text_dataset(seed: int = 0) -> str:
     also fixes the data order.
     """
     from datasets import Dataset
-
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
@@ -181,15 +178,19 @@ class _Save:
     error: str = ""
     done: Any = None  # threading.Event, set when committed or failed
     txn: Any = None  # ptops.ckpt.SaveTransaction
-    staged: Any = None  # threading.Event, set once blocking_s is final (the background staging copy is done)
+    staged: Any = (
+        None  # threading.Event, set once blocking_s is final (the background staging copy is done)
+    )
     waiting: bool = False  # training is waiting for the staging copy right now
-    # where blocking_s went (the checkpoint event's breakdown): agreement + transaction begin, the state
-    # dict, the save call, the wait for the staging copy before the optimizer step
+    # where blocking_s went (the checkpoint event's breakdown): agreement + transaction begin, the
+    # state dict, the save call, the wait for the staging copy before the optimizer step
     prep_s: float | None = None
     state_dict_s: float | None = None
     call_s: float | None = None
     wait_s: float = 0.0
-    qkv_split: str | None = None  # "background" (qkvsplit.py) or "inline" (torchtitan's hook, training thread)
+    qkv_split: str | None = (
+        None  # "background" (qkvsplit.py) or "inline" (torchtitan's hook, training thread)
+    )
 
 
 class ProbeCheckpointManager(CheckpointManager):
@@ -236,10 +237,16 @@ class ProbeCheckpointManager(CheckpointManager):
         self._inflight: _Save | None = None
         self._agree_pg: Any = None
         self._closed = False
-        self._cpu_stager: Any = None  # one stager for every async save (_stager): its staging buffers persist
-        self._split_plan: Any = None  # _qkv_split: None = not decided yet, False = not for this model
+        self._cpu_stager: Any = (
+            None  # one stager for every async save (_stager): its staging buffers persist
+        )
+        self._split_plan: Any = (
+            None  # _qkv_split: None = not decided yet, False = not for this model
+        )
         self._write_exec: Any = None  # _writer: the async saves' write thread
-        self.skipped: list[int] = []  # interval saves skipped because the previous one was still writing
+        self.skipped: list[
+            int
+        ] = []  # interval saves skipped because the previous one was still writing
         self._verifier = _verifier()
         self._stage_lock = threading.Lock()
         super().__init__(config, **kwargs)
@@ -277,7 +284,9 @@ class ProbeCheckpointManager(CheckpointManager):
         """Rank 0: the step to resume from (-1: none); see ``ptops.recipes.resume``."""
         from ptops.recipes.resume import resume_entry
 
-        entry = resume_entry(self.folder, probe=get_probe(), world_size=_world(), versions=_versions(), log=_log)
+        entry = resume_entry(
+            self.folder, probe=get_probe(), world_size=_world(), versions=_versions(), log=_log
+        )
         return -1 if entry is None else entry.step
 
     def _load(self, step: int = -1) -> bool:
@@ -301,7 +310,9 @@ class ProbeCheckpointManager(CheckpointManager):
         the files must be complete by then, so save synchronously."""
         inj = getattr(probe, "injector", None)
         try:
-            return any(f.kind == "corrupt-ckpt" and f.step <= step for f in (inj.pending if inj else []))
+            return any(
+                f.kind == "corrupt-ckpt" and f.step <= step for f in (inj.pending if inj else [])
+            )
         except Exception:  # noqa: BLE001
             return False
 
@@ -318,9 +329,19 @@ class ProbeCheckpointManager(CheckpointManager):
             return False
         self._wait_inflight()  # one save at a time; the previous one is committed (or failed) first
         path = Path(self._create_checkpoint_id(curr_step))
-        txn = SaveTransaction(path.parent, curr_step, name=path.name, leader=_rank() == 0, agree=self.agree_any,
-                              world_size=_world(), versions=_versions(), keep=self.ptops_keep)
-        rec = _Save(step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event(), txn=txn)
+        txn = SaveTransaction(
+            path.parent,
+            curr_step,
+            name=path.name,
+            leader=_rank() == 0,
+            agree=self.agree_any,
+            world_size=_world(),
+            versions=_versions(),
+            keep=self.ptops_keep,
+        )
+        rec = _Save(
+            step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event(), txn=txn
+        )
         self.records.append(rec)
         err: BaseException | None = None
         t_call: float | None = None
@@ -338,12 +359,16 @@ class ProbeCheckpointManager(CheckpointManager):
                 probe.in_save(curr_step)  # crash:phase=save fires here: the save never completes
             pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
             use_async = (
-                (self.async_mode == AsyncMode.ASYNC or pinned) and not final and not self._sync_wanted(probe, curr_step)
+                (self.async_mode == AsyncMode.ASYNC or pinned)
+                and not final
+                and not self._sync_wanted(probe, curr_step)
             )
             rec.is_async = use_async
             try:
                 if last_step and not forced:
-                    self._save_last_step(curr_step)  # honours last_save_model_only / last_save_in_hf
+                    self._save_last_step(
+                        curr_step
+                    )  # honours last_save_model_only / last_save_in_hf
                 else:
                     rec.prep_s = time.monotonic() - t0
                     t_sd = time.monotonic()
@@ -352,24 +377,39 @@ class ProbeCheckpointManager(CheckpointManager):
                     if states is None:
                         split = None
                         states = self._flattened_model_states_sd()
-                    rec.qkv_split = ("background" if split is not None else "inline") if use_async else None
+                    rec.qkv_split = (
+                        ("background" if split is not None else "inline") if use_async else None
+                    )
                     t_call = time.monotonic()
                     rec.state_dict_s = t_call - t_sd
-                    if use_async and pinned:  # GPU only: stage to pinned host memory in a process, then write
+                    if (
+                        use_async and pinned
+                    ):  # GPU only: stage to pinned host memory in a process, then write
                         if self.stager is None:
-                            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                            from torch.distributed.checkpoint.staging import (
+                                DefaultStager,
+                                StagingOptions,
+                            )
 
-                            self.stager = DefaultStager(StagingOptions(
-                                use_pinned_memory=True, use_shared_memory=True,
-                                use_async_staging=True, use_non_blocking_copy=True))
-                        result = self.dcp_save(states, checkpoint_id=str(path), async_mode=self.async_mode)
+                            self.stager = DefaultStager(
+                                StagingOptions(
+                                    use_pinned_memory=True,
+                                    use_shared_memory=True,
+                                    use_async_staging=True,
+                                    use_non_blocking_copy=True,
+                                )
+                            )
+                        result = self.dcp_save(
+                            states, checkpoint_id=str(path), async_mode=self.async_mode
+                        )
                         self.staging_future = result.staging_completion
                         self.save_future = result.upload_completion
                     elif use_async:
-                        # a persistent stager: the staging copy reuses the buffers of the previous save (no
-                        # allocation per save) and runs in a background thread, overlapped with the next
-                        # step's forward/backward; training waits for it only before the optimizer step
-                        # (_maybe_wait_for_staging), and that wait is counted in blocking_s
+                        # a persistent stager: the staging copy reuses the buffers of the previous
+                        # save (no allocation per save) and runs in a background thread, overlapped
+                        # with the next step's forward/backward; training waits for it only before
+                        # the optimizer step (_maybe_wait_for_staging), and that wait is counted in
+                        # blocking_s
                         import torch.distributed.checkpoint as dcp
 
                         from ptops.recipes.titan.staging import FlatStager
@@ -377,19 +417,33 @@ class ProbeCheckpointManager(CheckpointManager):
                         stager = self._stager()
                         rec.staged = threading.Event()
                         if isinstance(stager, FlatStager):
-                            copied, staged = stager.stage_then(_stateful_to_state_dict(states),
-                                                               split.finish if split is not None else None)
+                            copied, staged = stager.stage_then(
+                                _stateful_to_state_dict(states),
+                                split.finish if split is not None else None,
+                            )
                             self.staging_future = copied
-                            self.save_future = self._writer().submit(_save_staged, staged, str(path), self.pg)
+                            self.save_future = self._writer().submit(
+                                _save_staged, staged, str(path), self.pg
+                            )
                         else:
-                            result = dcp.async_save(states, checkpoint_id=str(path), process_group=self.pg,
-                                                    async_stager=stager)
+                            result = dcp.async_save(
+                                states,
+                                checkpoint_id=str(path),
+                                process_group=self.pg,
+                                async_stager=stager,
+                            )
                             self.staging_future = result.staging_completion
                             self.save_future = result.upload_completion
-                        self.staging_future.add_done_callback(lambda f, rec=rec: self._staging_done(rec))
+                        self.staging_future.add_done_callback(
+                            lambda f, rec=rec: self._staging_done(rec)
+                        )
                     else:
-                        self.dcp_save(states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED,
-                                      enable_garbage_collection=True)
+                        self.dcp_save(
+                            states,
+                            checkpoint_id=str(path),
+                            async_mode=AsyncMode.DISABLED,
+                            enable_garbage_collection=True,
+                        )
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
                 err = e
             rec.blocking_s = time.monotonic() - t0
@@ -446,13 +500,31 @@ class ProbeCheckpointManager(CheckpointManager):
             _log(f"retention failed: {rec.txn.prune_error}")
         probe = get_probe()
         if probe is not None:
-            extra = {k: round(v, 4) for k, v in (("prep_s", rec.prep_s), ("state_dict_s", rec.state_dict_s),
-                                                  ("call_s", rec.call_s), ("wait_s", rec.wait_s)) if v is not None}
+            extra = {
+                k: round(v, 4)
+                for k, v in (
+                    ("prep_s", rec.prep_s),
+                    ("state_dict_s", rec.state_dict_s),
+                    ("call_s", rec.call_s),
+                    ("wait_s", rec.wait_s),
+                )
+                if v is not None
+            }
             if rec.qkv_split is not None:
                 extra["qkv_split"] = rec.qkv_split
-            probe.event("checkpoint", step=rec.step, path=str(rec.path), blocking_s=round(rec.blocking_s, 4),
-                        total_s=round(rec.total_s, 4), mode="async" if rec.is_async else "sync", **extra)
-        _log(f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total {rec.total_s:.3f}s)")
+            probe.event(
+                "checkpoint",
+                step=rec.step,
+                path=str(rec.path),
+                blocking_s=round(rec.blocking_s, 4),
+                total_s=round(rec.total_s, 4),
+                mode="async" if rec.is_async else "sync",
+                **extra,
+            )
+        _log(
+            f"checkpoint step-{rec.step} committed (blocking {rec.blocking_s:.3f}s, total "
+            f"{rec.total_s:.3f}s)"
+        )
         self._verifier.submit(rec.step, rec.path)
 
     def _failed(self, rec: _Save, err: Any) -> bool:
@@ -464,18 +536,26 @@ class ProbeCheckpointManager(CheckpointManager):
         _log(f"checkpoint step-{rec.step} FAILED, not committed ({rec.error})")
         probe = get_probe()
         if probe is not None and _rank() == 0:
-            probe.event("checkpoint_failed", step=rec.step, path=str(rec.path), error=rec.error, final=rec.final)
+            probe.event(
+                "checkpoint_failed",
+                step=rec.step,
+                path=str(rec.path),
+                error=rec.error,
+                final=rec.final,
+            )
         if rec.final:
             self.failed_final = rec
             raise RuntimeError(
-                f"the {'final' if self.stop_step != rec.step else 'on-request'} checkpoint (step {rec.step}) "
-                f"could not be saved: {rec.error}; the last good checkpoint is the newest one committed"
+                f"the {'final' if self.stop_step != rec.step else 'on-request'} checkpoint (step "
+                f"{rec.step}) "
+                f"could not be saved: {rec.error}; the last good checkpoint is the newest one "
+                "committed"
             )
         return False
 
     def _maybe_wait_for_staging(self) -> None:
-        """Training waits here (before the optimizer step changes the state) for the background staging
-        copy of the last async save; the wait is part of that save's ``blocking_s``."""
+        """Training waits here (before the optimizer step changes the state) for the background
+        staging copy of the last async save; the wait is part of that save's ``blocking_s``."""
         fut, self.staging_future = self.staging_future, None
         rec = self._inflight
         if fut is None:
@@ -495,19 +575,22 @@ class ProbeCheckpointManager(CheckpointManager):
                 rec.staged.set()
 
     def _staging_done(self, rec: _Save) -> None:
-        """The staging copy is done. If training is not waiting for it now, it will not wait later either
-        (the wait returns at once), so ``blocking_s`` is final: the commit need not wait for the training
-        thread (which a held or slow step would delay)."""
+        """The staging copy is done. If training is not waiting for it now, it will not wait later
+        either (the wait returns at once), so ``blocking_s`` is final: the commit need not wait for
+        the training thread (which a held or slow step would delay)."""
         with self._stage_lock:
             if not rec.waiting:
                 rec.staged.set()
 
     def _qkv_split(self) -> Any:
-        """The fused-QKV split plan for the CPU async path (``qkvsplit.QkvSplit``), or None: built at the first
-        async save and agreed by every rank (its gathers are collectives), then kept for the run."""
+        """The fused-QKV split plan for the CPU async path (``qkvsplit.QkvSplit``), or None: built
+        at the first async save and agreed by every rank (its gathers are collectives), then kept
+        for the run."""
         if self._split_plan is None:
             plan, why = None, "CUDA: DefaultStager path"
-            if os.environ.get("PTOPS_CKPT_QKV_SPLIT") == "inline":  # A/B and an escape hatch: torchtitan's hook
+            if (
+                os.environ.get("PTOPS_CKPT_QKV_SPLIT") == "inline"
+            ):  # A/B and an escape hatch: torchtitan's hook
                 why = "PTOPS_CKPT_QKV_SPLIT=inline"
             elif not torch.cuda.is_available():
                 from ptops.recipes.titan.qkvsplit import QkvSplit
@@ -520,41 +603,58 @@ class ProbeCheckpointManager(CheckpointManager):
             if anyone_not and plan is not None:
                 plan, why = None, "another rank cannot split in the background"
             self._split_plan = plan if plan is not None else False
-            _log("async checkpoint: fused-qkv split " + ("after the staging copy, off the training thread"
-                                                         if plan is not None else f"in the state dict ({why})"))
+            _log(
+                "async checkpoint: fused-qkv split "
+                + (
+                    "after the staging copy, off the training thread"
+                    if plan is not None
+                    else f"in the state dict ({why})"
+                )
+            )
         return self._split_plan or None
 
     def _writer(self) -> Any:
-        """The thread that writes async saves (one save in flight): ``dcp.async_save`` starts a new one per save."""
+        """The thread that writes async saves (one save in flight): ``dcp.async_save`` starts a new
+        one per save."""
         if self._write_exec is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._write_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptops-ckpt-write")
+            self._write_exec = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ptops-ckpt-write"
+            )
         return self._write_exec
 
     def _stager(self) -> Any:
-        """One stager for the whole run (its buffers persist). On a CPU ``FlatStager``: one batched copy
-        per save, ~1.0x a memcpy where DefaultStager's per-tensor deep copy is ~1.4x (bench/README.md).
-        With CUDA, DefaultStager as before (pinned buffers, a copy stream)."""
+        """One stager for the whole run (its buffers persist). On a CPU ``FlatStager``: one batched
+        copy per save, ~1.0x a memcpy where DefaultStager's per-tensor deep copy is ~1.4x
+        (bench/README.md). With CUDA, DefaultStager as before (pinned buffers, a copy stream)."""
         if self._cpu_stager is None:
             if torch.cuda.is_available():
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-                self._cpu_stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                    use_non_blocking_copy=True))
+                self._cpu_stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=True,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=True,
+                    )
+                )
             else:
                 from ptops.recipes.titan.staging import FlatStager
 
                 self._cpu_stager = FlatStager()
-            _log(f"async checkpoint staging: {type(self._cpu_stager).__name__}, buffers kept across saves")
+            _log(
+                f"async checkpoint staging: {type(self._cpu_stager).__name__}, buffers kept "
+                "across saves"
+            )
         return self._cpu_stager
 
     def _skip_busy(self, probe: Any, step: int) -> bool:
-        """An interval save that comes while the previous async save is still writing (on any rank) is
-        skipped and recorded (``checkpoint_skipped``), never queued: one writer, and the staging buffers
-        are not overwritten under it. A save a fault waits for (``corrupt-ckpt``, ``hold:until=committed``)
-        is never skipped."""
+        """An interval save that comes while the previous async save is still writing (on any rank)
+        is skipped and recorded (``checkpoint_skipped``), never queued: one writer, and the staging
+        buffers are not overwritten under it. A save a fault waits for (``corrupt-ckpt``,
+        ``hold:until=committed``) is never skipped."""
         rec = self._inflight
         busy = rec is not None and rec.done is not None and not rec.done.is_set()
         any_busy, any_waits = self._agree_flags(busy, _fault_waits_for_save(probe, step))
@@ -562,11 +662,20 @@ class ProbeCheckpointManager(CheckpointManager):
             return False
         self.skipped.append(int(step))
         if probe is not None:
-            probe.save_skipped(int(step))  # ends a slow-save:until=skipped of the save still writing
-        _log(f"checkpoint step-{step} skipped: step-{rec.step if rec else '?'} is still being written")
+            probe.save_skipped(
+                int(step)
+            )  # ends a slow-save:until=skipped of the save still writing
+        _log(
+            f"checkpoint step-{step} skipped: step-{rec.step if rec else '?'} is still being "
+            "written"
+        )
         if probe is not None and _rank() == 0:
-            probe.event("checkpoint_skipped", step=int(step), writing_step=rec.step if rec else None,
-                        writing_s=round(time.monotonic() - rec.t0, 3) if rec else None)
+            probe.event(
+                "checkpoint_skipped",
+                step=int(step),
+                writing_step=rec.step if rec else None,
+                writing_s=round(time.monotonic() - rec.t0, 3) if rec else None,
+            )
         return True
 
     def _wait_inflight(self, timeout: float | None = None) -> None:
@@ -591,7 +700,9 @@ class ProbeCheckpointManager(CheckpointManager):
         self._closed = True
         self._wait_inflight(timeout=120.0)
         self._verifier.close(timeout=120.0)
-        if self._write_exec is not None:  # idle after _wait_inflight; never wait here on a stuck write
+        if (
+            self._write_exec is not None
+        ):  # idle after _wait_inflight; never wait here on a stuck write
             self._write_exec.shutdown(wait=False)
             self._write_exec = None
         if self._cpu_stager is not None:
@@ -601,51 +712,69 @@ class ProbeCheckpointManager(CheckpointManager):
 
 
 def _stateful_to_state_dict(states: dict) -> dict:
-    """What ``dcp.async_save`` does first on the caller's thread (``Stateful`` values -> their state dicts),
-    without its logging wrapper around every entry (~0.1 ms each: a message dict built for a NullHandler)."""
+    """What ``dcp.async_save`` does first on the caller's thread (``Stateful`` values -> their state
+    dicts), without its logging wrapper around every entry (~0.1 ms each: a message dict built for a
+    NullHandler)."""
     from torch.distributed.checkpoint.stateful import Stateful
 
-    # a tensor is never Stateful; the Protocol check (getattr_static) is the slow part for the ~50 entries
-    return {k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
-            for k, v in states.items()}
+    # a tensor is never Stateful; the Protocol check (getattr_static) is the slow part for the ~50
+    # entries
+    return {
+        k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
+        for k, v in states.items()
+    }
 
 
 def _save_staged(staged: Any, checkpoint_id: str, pg: Any) -> Any:
-    """The write thread: what ``dcp.async_save``'s thread runs (its ``save_wrapper``): wait for the staged
-    dict, then ``dcp.save`` of it on the checkpoint's process group."""
+    """The write thread: what ``dcp.async_save``'s thread runs (its ``save_wrapper``): wait for the
+    staged dict, then ``dcp.save`` of it on the checkpoint's process group."""
     import torch.distributed.checkpoint as dcp
 
     return dcp.save(staged.result(), checkpoint_id=checkpoint_id, process_group=pg)
 
 
 def _verifier() -> Any:
-    """Rank 0's background read-back verification of every committed checkpoint (``ptops.ckpt``), with
-    its verdicts as events: ``checkpoint_verified``, or ``checkpoint_invalid`` (an alert) naming the file."""
+    """Rank 0's background read-back verification of every committed checkpoint (``ptops.ckpt``),
+    with its verdicts as events: ``checkpoint_verified``, or ``checkpoint_invalid`` (an alert)
+    naming the file."""
     from ptops.ckpt import BackgroundVerifier
 
     def report(step: int, path: Path, ok: bool, reason: str, verify_s: float) -> None:
         probe = get_probe()
         if ok:
             if probe is not None:
-                probe.event("checkpoint_verified", step=step, path=str(path), verify_s=round(verify_s, 4))
+                probe.event(
+                    "checkpoint_verified", step=step, path=str(path), verify_s=round(verify_s, 4)
+                )
             return
         _log(f"checkpoint step-{step} FAILED its background verification: {reason}")
         if probe is not None:
-            probe.event("checkpoint_invalid", path=str(path), reason=reason, step=step, found_by="background_verify")
+            probe.event(
+                "checkpoint_invalid",
+                path=str(path),
+                reason=reason,
+                step=step,
+                found_by="background_verify",
+            )
 
     return BackgroundVerifier(report)
 
 
 def _fault_waits_for_save(probe: Any, step: int) -> bool:
-    """A pending fault that needs this step's save: committed (``corrupt-ckpt``, ``hold:until=committed``), or
-    begun, because it fires inside it (``enospc``, ``crash:phase=save``, due at this step or before). Skipping
-    that save while the previous one still writes would skip the fault, on a slow box only."""
+    """A pending fault that needs this step's save: committed (``corrupt-ckpt``,
+    ``hold:until=committed``), or begun, because it fires inside it (``enospc``,
+    ``crash:phase=save``, due at this step or before). Skipping that save while the previous one
+    still writes would skip the fault, on a slow box only."""
     inj = getattr(probe, "injector", None)
     try:
-        for f in (inj.pending if inj else []):
-            if f.kind == "corrupt-ckpt" or (f.kind == "hold" and f.params.get("until") == "committed"):
+        for f in inj.pending if inj else []:
+            if f.kind == "corrupt-ckpt" or (
+                f.kind == "hold" and f.params.get("until") == "committed"
+            ):
                 return True
-            if f.step <= step and (f.kind == "enospc" or (f.kind == "crash" and f.params.get("phase") == "save")):
+            if f.step <= step and (
+                f.kind == "enospc" or (f.kind == "crash" and f.params.get("phase") == "save")
+            ):
                 return True
     except Exception:  # noqa: BLE001
         return False
@@ -655,7 +784,12 @@ def _fault_waits_for_save(probe: Any, step: int) -> bool:
 # --------------------------------------------------------------------------- #
 def _metric_name(key: str) -> str:
     """torchtitan names (``memory/max_reserved(GiB)``) -> flat snake names."""
-    out = key.replace("(%)", "_pct").replace("(GiB)", "_gib").replace("(s)", "_s").replace("(tps)", "_tps")
+    out = (
+        key.replace("(%)", "_pct")
+        .replace("(GiB)", "_gib")
+        .replace("(s)", "_s")
+        .replace("(tps)", "_tps")
+    )
     for ch in "/()% ":
         out = out.replace(ch, "_")
     while "__" in out:
@@ -699,7 +833,8 @@ class ProbeTrainer(Trainer):
             )
 
     def init_distributed(self):
-        """Start-up progress around the process group's init (the rendezvous), and what it formed."""
+        """Start-up progress around the process group's init (the rendezvous), and what it
+        formed."""
         probe = get_probe()
         if probe is not None:
             probe.startup("rendezvous")
@@ -716,9 +851,13 @@ class ProbeTrainer(Trainer):
         if probe is not None:
             probe.before_step(step)
             _POISON = bool(probe.should_poison(step))
-            if getattr(probe, "profiling", False):  # `ptops profile`: batches fetched inside a ptops/data range
+            if getattr(
+                probe, "profiling", False
+            ):  # `ptops profile`: batches fetched inside a ptops/data range
                 data_iterator = _MarkedBatches(data_iterator, probe)
-        from ptops.recipes.titan import rollback as _rollback  # PTOPS_ROLLBACK: lr factor, skipped batches
+        from ptops.recipes.titan import (
+            rollback as _rollback,
+        )  # PTOPS_ROLLBACK: lr factor, skipped batches
 
         _rollback.on_step(self, data_iterator, step, probe)
         begin = time.perf_counter()
@@ -726,8 +865,15 @@ class ProbeTrainer(Trainer):
             super().train_step(data_iterator)
         except RuntimeError as e:
             if probe is not None and "not finite" in str(e):
-                probe.step(step, {"loss": math.nan, "grad_norm": math.nan,
-                                  "step_s": time.perf_counter() - begin, "error": "loss_not_finite"})
+                probe.step(
+                    step,
+                    {
+                        "loss": math.nan,
+                        "grad_norm": math.nan,
+                        "step_s": time.perf_counter() - begin,
+                        "error": "loss_not_finite",
+                    },
+                )
             raise
         finally:
             _POISON = False
@@ -748,7 +894,11 @@ class ProbeTrainer(Trainer):
             self.ptops_stopped_at = step
             if isinstance(ckpt, ProbeCheckpointManager):
                 ckpt.stop_step = step
-            print(f"[ptops.titan rank {_rank()}] stop requested: checkpointing step {step} and stopping", flush=True)
+            print(
+                f"[ptops.titan rank {_rank()}] stop requested: checkpointing step {step} and "
+                "stopping",
+                flush=True,
+            )
 
     def should_continue_training(self) -> bool:
         return super().should_continue_training() and self.ptops_stopped_at is None

@@ -9,7 +9,8 @@ register(
         section=TrlSection,
         entry="ptops.recipes.trl.run:main",
         check=check_recipe,
-        description="Hugging Face TRL post-training (SFT, DPO, GRPO, LoRA SFT, reward model, RLOO, GKD)",
+        description="Hugging Face TRL post-training (SFT, DPO, GRPO, LoRA SFT, reward model, "
+        "RLOO, GKD)",
         sidecars="ptops.recipes.trl.vllm:sidecars",
     )
 )

@@ -35,14 +35,18 @@ class TeacherError(ValueError):
 
 
 def resolve_teacher(spec: str) -> Path:
-    """A checkpoint folder as is (verified deep); a run directory or a checkpoints folder: its newest
-    good checkpoint (deep-verified)."""
+    """A checkpoint folder as is (verified deep); a run directory or a checkpoints folder: its
+    newest good checkpoint (deep-verified)."""
     from ptops.ckpt import detect_kind, latest_good, verify
 
     p = Path(spec).expanduser()
     if not p.exists():
         raise TeacherError(f"[trl].teacher: {p} not found (a run directory or a checkpoint folder)")
-    if (p / "trainer_state.json").is_file() or detect_kind(p) == "trl" and p.name.startswith("checkpoint-"):
+    if (
+        (p / "trainer_state.json").is_file()
+        or detect_kind(p) == "trl"
+        and p.name.startswith("checkpoint-")
+    ):
         res = verify(p, deep=True)  # a checkpoint folder
         if not res.ok:
             raise TeacherError(f"[trl].teacher: {p} fails verification: {res.reason}")
@@ -77,16 +81,26 @@ def pin_teacher(spec: str, run_dir: Path) -> dict[str, Any]:
         try:
             now = teacher_digest(path)
         except Exception as e:  # noqa: BLE001 - a damaged file: torch/safetensors errors of any type
-            raise TeacherError(f"[trl].teacher: the pinned teacher {path} cannot be read: {type(e).__name__}: {e}")
+            raise TeacherError(
+                f"[trl].teacher: the pinned teacher {path} cannot be read: {type(e).__name__}: {e}"
+            )
         if now != pin["digest"]:
-            raise TeacherError(f"[trl].teacher: the pinned teacher {path} changed (digest {now[:12]}, "
-                               f"pinned {pin['digest'][:12]}); refusing to resume against other weights")
+            raise TeacherError(
+                f"[trl].teacher: the pinned teacher {path} changed (digest {now[:12]}, "
+                f"pinned {pin['digest'][:12]}); refusing to resume against other weights"
+            )
         return {**pin, "pinned": True}
     path = resolve_teacher(spec)
     cfg = path / "config.json"
     archs = json.loads(cfg.read_text()).get("architectures") or [] if cfg.is_file() else []
-    if archs and not any(a.endswith("ForCausalLM") for a in archs) and not (path / "adapter_config.json").is_file():
-        raise TeacherError(f"[trl].teacher: {path} holds a {archs[0]}, not a causal LM (a reward model's run?)")
+    if (
+        archs
+        and not any(a.endswith("ForCausalLM") for a in archs)
+        and not (path / "adapter_config.json").is_file()
+    ):
+        raise TeacherError(
+            f"[trl].teacher: {path} holds a {archs[0]}, not a causal LM (a reward model's run?)"
+        )
     step = None
     state = path / "trainer_state.json"
     if state.is_file():
@@ -99,7 +113,8 @@ def pin_teacher(spec: str, run_dir: Path) -> dict[str, Any]:
 
 
 def frozen_dtype(sec) -> str:
-    """Weights that never train (LoRA's base, the teacher): bf16 on GPUs with ``trl.bf16``, else fp32."""
+    """Weights that never train (LoRA's base, the teacher): bf16 on GPUs with ``trl.bf16``, else
+    fp32."""
     from ptops.recipes.trl.run import _cuda
 
     return "bfloat16" if sec.bf16 and _cuda() else "float32"
@@ -112,20 +127,27 @@ def load_teacher(path: Path, dtype: str = "float32"):
     if (path / "adapter_config.json").is_file() and not any(path.glob("model*.safetensors")):
         from peft import AutoPeftModelForCausalLM
 
-        return AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                        local_files_only=True).merge_and_unload()
+        return AutoPeftModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, local_files_only=True
+        ).merge_and_unload()
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
 
 
 def _teacher(recipe, probe, run_dir: Path):
-    """(teacher model, pin) agreed by all ranks: rank 0 resolves and pins, the others read its answer."""
+    """(teacher model, pin) agreed by all ranks: rank 0 resolves and pins, the others read its
+    answer."""
     from ptops.recipes.trl.model import load_model, model_dir
 
     sec = recipe.trl
     if sec.teacher is None:
         dims = sec.teacher_model or sec.model
         path = model_dir(dims, seed=dims.seed + 1)
-        return load_model(path, frozen_dtype(sec)), {"path": str(path), "digest": None, "step": None, "builtin": True}
+        return load_model(path, frozen_dtype(sec)), {
+            "path": str(path),
+            "digest": None,
+            "step": None,
+            "builtin": True,
+        }
     from ptops.recipes.trl.run import _dist
 
     dist = _dist()
@@ -144,10 +166,19 @@ def _teacher(recipe, probe, run_dir: Path):
     if "error" in pin:
         raise TeacherError(pin["error"])
     if rank0:
-        print(f"[ptops.trl rank 0] teacher {pin['path']} (digest {str(pin['digest'])[:16]}, step {pin['step']}"
-              + (", pinned by an earlier attempt)" if pin.get("pinned") else ")"), flush=True)
-        probe.event("teacher", path=pin["path"], digest=pin["digest"], step=pin["step"], spec=pin["spec"],
-                    pinned=bool(pin.get("pinned")))
+        print(
+            f"[ptops.trl rank 0] teacher {pin['path']} (digest {str(pin['digest'])[:16]}, step "
+            f"{pin['step']}" + (", pinned by an earlier attempt)" if pin.get("pinned") else ")"),
+            flush=True,
+        )
+        probe.event(
+            "teacher",
+            path=pin["path"],
+            digest=pin["digest"],
+            step=pin["step"],
+            spec=pin["spec"],
+            pinned=bool(pin.get("pinned")),
+        )
     return load_teacher(Path(pin["path"]), frozen_dtype(sec)), pin
 
 
@@ -172,16 +203,26 @@ def trl_config(recipe, args: dict[str, Any], extra: dict[str, Any] | None = None
         from ptops.recipes.trl.rewards import REWARD_WEIGHTS
 
         return RLOOConfig(
-            **args, num_generations=sec.num_generations, max_completion_length=sec.max_completion_length,
-            beta=sec.beta, temperature=sec.temperature, reward_weights=list(REWARD_WEIGHTS),
-            log_completions=False, **extra,
+            **args,
+            num_generations=sec.num_generations,
+            max_completion_length=sec.max_completion_length,
+            beta=sec.beta,
+            temperature=sec.temperature,
+            reward_weights=list(REWARD_WEIGHTS),
+            log_completions=False,
+            **extra,
         )
     if sec.trainer == "gkd":
         from trl.experimental.gkd import GKDConfig
 
         return GKDConfig(
-            **args, max_length=sec.max_length, temperature=sec.temperature, lmbda=sec.lmbda, beta=sec.jsd_beta,
-            max_new_tokens=sec.max_completion_length, seq_kd=False,
+            **args,
+            max_length=sec.max_length,
+            temperature=sec.temperature,
+            lmbda=sec.lmbda,
+            beta=sec.jsd_beta,
+            max_new_tokens=sec.max_completion_length,
+            seq_kd=False,
         )
     raise ValueError(f"[trl].trainer: {sec.trainer!r} is not a catalogue trainer")
 
@@ -190,14 +231,22 @@ def lora_config(sec):
     from peft import LoraConfig
 
     lo = sec.lora
-    return LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=list(lo.target_modules),
-                      task_type="CAUSAL_LM", bias="none")
+    return LoraConfig(
+        r=lo.r,
+        lora_alpha=lo.alpha,
+        lora_dropout=lo.dropout,
+        target_modules=list(lo.target_modules),
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
 
 
 # ---------------------------------------------------------------- trainers
 
 
-def build(recipe, probe, run, args: dict[str, Any], tokenizer, policy: str, make_cls, callbacks: list):
+def build(
+    recipe, probe, run, args: dict[str, Any], tokenizer, policy: str, make_cls, callbacks: list
+):
     """The trainer of a catalogue recipe; ``make_cls(base)`` is run.py's ptops subclass factory."""
     import torch
     from datasets import Dataset
@@ -213,8 +262,12 @@ def build(recipe, probe, run, args: dict[str, Any], tokenizer, policy: str, make
         torch.manual_seed(recipe.train.seed)  # the adapters' initial A matrices
         data = Dataset.from_list(assets.chat_dataset(sec.dataset_size))
         return make_cls(SFTTrainer)(
-            model=model, args=trl_config(recipe, args), train_dataset=data, processing_class=tokenizer,
-            callbacks=callbacks, peft_config=lora_config(sec),
+            model=model,
+            args=trl_config(recipe, args),
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            peft_config=lora_config(sec),
         )
     if sec.trainer == "reward":
         from trl import RewardTrainer
@@ -222,7 +275,10 @@ def build(recipe, probe, run, args: dict[str, Any], tokenizer, policy: str, make
         model = load_reward_model(policy, sec.model.seed)
         data = Dataset.from_list(assets.preference_dataset(sec.dataset_size))
         return make_cls(RewardTrainer)(
-            model=model, args=trl_config(recipe, args), train_dataset=data, processing_class=tokenizer,
+            model=model,
+            args=trl_config(recipe, args),
+            train_dataset=data,
+            processing_class=tokenizer,
             callbacks=callbacks,
         )
     if sec.trainer == "rloo":
@@ -234,18 +290,28 @@ def build(recipe, probe, run, args: dict[str, Any], tokenizer, policy: str, make
         config = trl_config(recipe, args, vllm.config_kwargs(sec, probe))
         data = Dataset.from_list(assets.prompt_dataset(sec.dataset_size))
         return make_cls(RLOOTrainer)(
-            model=load_model(policy), reward_funcs=list(REWARD_FUNCS), args=config, train_dataset=data,
-            processing_class=tokenizer, callbacks=callbacks,
+            model=load_model(policy),
+            reward_funcs=list(REWARD_FUNCS),
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=callbacks,
         )
     if sec.trainer == "gkd":
         from trl.experimental.gkd import GKDTrainer
 
         config = trl_config(recipe, args)
-        _ = config.device  # transformers starts the process group here: rank 0 alone pins the teacher
+        _ = (
+            config.device
+        )  # transformers starts the process group here: rank 0 alone pins the teacher
         teacher, _pin = _teacher(recipe, probe, Path(run.path))
         data = Dataset.from_list(assets.chat_dataset(sec.dataset_size))
         return make_cls(GKDTrainer)(
-            model=load_model(policy), teacher_model=teacher, args=config, train_dataset=data,
-            processing_class=tokenizer, callbacks=callbacks,
+            model=load_model(policy),
+            teacher_model=teacher,
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=callbacks,
         )
     raise ValueError(f"[trl].trainer: {sec.trainer!r} is not a catalogue trainer")

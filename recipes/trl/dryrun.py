@@ -1,11 +1,12 @@
-"""``ptops launch TRL-RECIPE --dry-run``'s build, in a subprocess of the CLI (torch stays out of it).
+"""``ptops launch TRL-RECIPE --dry-run``'s build, in a subprocess of the CLI (torch stays out of
+it).
 
 ``python -m ptops.recipes.trl.dryrun RECIPE.json WORLD`` prints one ``PTOPS_DRYRUN {json}`` line:
 
-- the recipe's stated architecture as a transformers config, the model instantiated on the
-  *meta* device (no weights, no download): exact parameter count; a reward model gets its
-  one-score head; LoRA adapters applied with peft (target modules must exist; trainable count);
-  a GKD teacher (``trl.teacher_model``) built the same way, its vocabulary checked against the student's;
+- the recipe's stated architecture as a transformers config, the model instantiated on the *meta*
+  device (no weights, no download): exact parameter count; a reward model gets its one-score head;
+  LoRA adapters applied with peft (target modules must exist; trainable count); a GKD teacher
+  (``trl.teacher_model``) built the same way, its vocabulary checked against the student's;
 - the TRL config object the run would build (SFTConfig / RewardConfig / RLOOConfig / GRPOConfig /
   GKDConfig, with the ``[trl.vllm]`` options as on a GPU node with vLLM), so TRL's own
   argument checks run;
@@ -71,14 +72,23 @@ def _trl_config(recipe, out: str) -> Any:
         return DPOConfig(**args, max_length=sec.max_length, beta=sec.beta)
     from trl import GRPOConfig
 
-    return GRPOConfig(**args, num_generations=sec.num_generations, max_completion_length=sec.max_completion_length,
-                      beta=sec.beta, temperature=sec.temperature, **vkw)
+    return GRPOConfig(
+        **args,
+        num_generations=sec.num_generations,
+        max_completion_length=sec.max_completion_length,
+        beta=sec.beta,
+        temperature=sec.temperature,
+        **vkw,
+    )
 
 
 def check(recipe, world: int, gpu_gib: float) -> dict[str, Any]:
     sec = recipe.trl
     t0 = time.monotonic()
-    res: dict[str, Any] = {"ok": True, "not_checked": ["activation memory (sequence length x batch) is not modelled"]}
+    res: dict[str, Any] = {
+        "ok": True,
+        "not_checked": ["activation memory (sequence length x batch) is not modelled"],
+    }
     model = _meta_model(sec.model, reward=sec.trainer == "reward")
     n = _count(model)
     res["model"] = type(model).__name__
@@ -91,12 +101,19 @@ def check(recipe, world: int, gpu_gib: float) -> dict[str, Any]:
 
         peft_model = get_peft_model(model, lora_config(sec))  # raises if no target module matches
         trainable = _count(peft_model, trainable_only=True)
-        res["lora_modules"] = sorted({name.rsplit(".", 1)[-1] for name, _ in peft_model.named_modules()
-                                      if name.endswith(tuple(sec.lora.target_modules)) and "lora" not in name})
+        res["lora_modules"] = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, _ in peft_model.named_modules()
+                if name.endswith(tuple(sec.lora.target_modules)) and "lora" not in name
+            }
+        )
     res["trainable_params"] = trainable
     shard = world if sec.fsdp else 1
-    mem = {"weights_gib": (2 if sec.bf16 else 4) * (n - trainable) / shard / GIB,
-           "trainable_gib": 16 * trainable / shard / GIB}  # fp32 weights + grads + AdamW m, v
+    mem = {
+        "weights_gib": (2 if sec.bf16 else 4) * (n - trainable) / shard / GIB,
+        "trainable_gib": 16 * trainable / shard / GIB,
+    }  # fp32 weights + grads + AdamW m, v
     if sec.trainer in ("rloo", "grpo", "dpo") and sec.beta > 0:
         mem["reference_gib"] = 2 * n / shard / GIB
     if sec.trainer == "gkd":
@@ -105,11 +122,15 @@ def check(recipe, world: int, gpu_gib: float) -> dict[str, Any]:
         res["teacher_model"] = type(teacher).__name__
         res["teacher_params"] = _count(teacher)
         if teacher.config.vocab_size != model.config.vocab_size:
-            raise ValueError(f"trl.teacher_model: vocabulary {teacher.config.vocab_size} differs from the "
-                             f"student's {model.config.vocab_size} (they share a tokenizer)")
+            raise ValueError(
+                f"trl.teacher_model: vocabulary {teacher.config.vocab_size} differs from the "
+                f"student's {model.config.vocab_size} (they share a tokenizer)"
+            )
         mem["teacher_gib"] = 2 * res["teacher_params"] / shard / GIB
-        res["not_checked"].append(f"the teacher checkpoint itself ({sec.teacher or 'built-in tiny teacher'}): "
-                                  "resolved, verified and pinned when the run starts")
+        res["not_checked"].append(
+            f"the teacher checkpoint itself ({sec.teacher or 'built-in tiny teacher'}): "
+            "resolved, verified and pinned when the run starts"
+        )
     if sec.vllm is not None:
         v = sec.vllm
         if v.mode == "colocate":
@@ -118,9 +139,11 @@ def check(recipe, world: int, gpu_gib: float) -> dict[str, Any]:
             server_weights = 2 * n / v.tensor_parallel_size / GIB
             res["vllm_server_weights_gib_per_gpu"] = round(server_weights, 2)
             if server_weights > v.gpu_memory_utilization * gpu_gib:
-                raise ValueError(f"trl.vllm: the server's bf16 weights ({server_weights:.1f} GiB per GPU at "
-                                 f"tensor_parallel_size {v.tensor_parallel_size}) exceed gpu_memory_utilization "
-                                 f"{v.gpu_memory_utilization} x {gpu_gib:.0f} GiB")
+                raise ValueError(
+                    f"trl.vllm: the server's bf16 weights ({server_weights:.1f} GiB per GPU at "
+                    f"tensor_parallel_size {v.tensor_parallel_size}) exceed gpu_memory_utilization "
+                    f"{v.gpu_memory_utilization} x {gpu_gib:.0f} GiB"
+                )
     res["memory_gib"] = {k: round(v, 2) for k, v in mem.items()}
     res["memory_total_gib"] = round(sum(mem.values()), 2)
     res["gpu_gib"] = gpu_gib

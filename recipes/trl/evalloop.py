@@ -55,20 +55,35 @@ def make(recipe, tokenizer, probe) -> Callable[[Any, int], dict[str, float]]:
             was_training = net.training
             net.eval()
             try:
-                texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
-                         for r in rows]
+                texts = [
+                    tokenizer.apply_chat_template(
+                        r["prompt"], tokenize=False, add_generation_prompt=True
+                    )
+                    for r in rows
+                ]
                 side = tokenizer.padding_side
                 tokenizer.padding_side = "left"
-                batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                batch = tokenizer(
+                    texts, return_tensors="pt", padding=True, add_special_tokens=False
+                )
                 tokenizer.padding_side = side
-                out = net.generate(**batch, max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                                   pad_token_id=tokenizer.pad_token_id)
-                answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+                out = net.generate(
+                    **batch,
+                    max_new_tokens=cfg.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+                answers = tokenizer.batch_decode(
+                    out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+                )
             finally:
                 net.train(was_training)
         want = [r["answer"] for r in rows]
         graded = verifier(answers, want)
         exact = correct(answers, want)
-        return {f"eval/{cfg.name}": sum(graded) / len(graded), f"eval/{cfg.name}_exact": sum(exact) / len(exact)}
+        return {
+            f"eval/{cfg.name}": sum(graded) / len(graded),
+            f"eval/{cfg.name}_exact": sum(exact) / len(exact),
+        }
 
     return evaluate

@@ -1,4 +1,5 @@
-"""The LLM-judge reward (RLAIF) of ``[trl] reward = "judge"``: a small local model scores completions.
+"""The LLM-judge reward (RLAIF) of ``[trl] reward = "judge"``: a small local model scores
+completions.
 
 The judge is loaded once per rank, in-process, before training starts (loading under
 ``torch.random.fork_rng`` so that it never moves the training RNG: a resumed run must draw
@@ -44,9 +45,12 @@ def judge_dir(section) -> Path:
 
 
 def weights_digest(path: Path) -> str:
-    """sha256 over config.json and the weight files (names and bytes, sorted): the judge's identity."""
+    """sha256 over config.json and the weight files (names and bytes, sorted): the judge's
+    identity."""
     h = hashlib.sha256()
-    files = [path / "config.json"] + sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    files = [path / "config.json"] + sorted(
+        p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)
+    )
     for f in files:
         h.update(f.name.encode() + b"\0")
         with open(f, "rb") as fh:
@@ -61,8 +65,10 @@ def judge_kind(path: Path) -> str:
         return "rm"
     if any(a.endswith("ForCausalLM") for a in archs):
         return "lm"
-    raise JudgeError(f"[trl.judge] path {path}: architectures {archs} are neither *ForCausalLM nor "
-                     "*ForSequenceClassification")
+    raise JudgeError(
+        f"[trl.judge] path {path}: architectures {archs} are neither *ForCausalLM nor "
+        "*ForSequenceClassification"
+    )
 
 
 def _text(x) -> str:
@@ -76,7 +82,11 @@ class Judge:
 
     def __init__(self, path: Path, max_chars: int = 2000) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+            AutoTokenizer,
+        )
 
         self.path = Path(path)
         self.kind = judge_kind(self.path)
@@ -84,7 +94,9 @@ class Judge:
         self.digest = weights_digest(self.path)
         with torch.random.fork_rng(devices=[]):
             cls = AutoModelForSequenceClassification if self.kind == "rm" else AutoModelForCausalLM
-            self.model = cls.from_pretrained(str(self.path), dtype="float32", local_files_only=True).eval()
+            self.model = cls.from_pretrained(
+                str(self.path), dtype="float32", local_files_only=True
+            ).eval()
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -96,13 +108,19 @@ class Judge:
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def identity(self) -> dict:
-        return {"judge_path": str(self.path), "judge_kind": self.kind, "judge_digest": self.digest,
-                "judge_params": self.params}
+        return {
+            "judge_path": str(self.path),
+            "judge_kind": self.kind,
+            "judge_digest": self.digest,
+            "judge_params": self.params,
+        }
 
     def _ids(self, messages: list[dict], generation_prompt: bool):
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            text = tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
         else:
             text = "\n".join(m["content"] for m in messages)
         return tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -113,7 +131,9 @@ class Judge:
         q, a = _text(prompt), _text(completion)[: self.max_chars]
         with torch.inference_mode():
             if self.kind == "rm":
-                ids = self._ids([{"role": "user", "content": q}, {"role": "assistant", "content": a}], False)
+                ids = self._ids(
+                    [{"role": "user", "content": q}, {"role": "assistant", "content": a}], False
+                )
                 return float(torch.sigmoid(self.model(input_ids=ids).logits[0, 0]))
             ids = self._ids([{"role": "user", "content": QUESTION.format(q=q, a=a)}], True)
             logits = self.model(input_ids=ids).logits[0, -1]
@@ -122,7 +142,8 @@ class Judge:
 
 
 class JudgeReward:
-    """The GRPO reward function (TRL calls it with prompts and completions; logged as ``rewards/judge``)."""
+    """The GRPO reward function (TRL calls it with prompts and completions; logged as
+    ``rewards/judge``)."""
 
     __name__ = "judge"
 
@@ -137,6 +158,8 @@ def load_judge(section) -> Judge:
     """The ``[trl.judge]`` judge, checked against ``expect_digest`` when the recipe pins one."""
     judge = Judge(judge_dir(section), max_chars=section.max_chars)
     if section.expect_digest and judge.digest != section.expect_digest:
-        raise JudgeError(f"[trl.judge] expect_digest: the judge at {judge.path} has digest {judge.digest}, "
-                         f"not {section.expect_digest} (a different judge than the recipe names)")
+        raise JudgeError(
+            f"[trl.judge] expect_digest: the judge at {judge.path} has digest {judge.digest}, "
+            f"not {section.expect_digest} (a different judge than the recipe names)"
+        )
     return judge

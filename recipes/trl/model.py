@@ -22,7 +22,9 @@ def _config_dict(dims: TrlModel, tok_dir: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     heads = dims.num_heads
     if dims.hidden_size % heads:
-        raise ValueError(f"[trl].model: hidden_size {dims.hidden_size} is not divisible by num_heads {heads}")
+        raise ValueError(
+            f"[trl].model: hidden_size {dims.hidden_size} is not divisible by num_heads {heads}"
+        )
     return dict(
         vocab_size=len(tok),
         hidden_size=dims.hidden_size,
@@ -51,9 +53,9 @@ def _build(dims: TrlModel, seed: int, out: Path) -> None:
     model.generation_config = GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
     )
-    # Once a process group exists, transformers writes weights and config.json on global rank 0 only;
-    # this process holds the asset's build lock (rank 1, or local rank 0 of another node, may be the
-    # builder), so it is the process that saves.
+    # Once a process group exists, transformers writes weights and config.json on global rank 0
+    # only; this process holds the asset's build lock (rank 1, or local rank 0 of another node, may
+    # be the builder), so it is the process that saves.
     model.should_save_on_this_rank = lambda is_main_process: is_main_process
     model.save_pretrained(str(out), safe_serialization=True, is_main_process=True)
     AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
@@ -67,14 +69,18 @@ def _build(dims: TrlModel, seed: int, out: Path) -> None:
 
 def model_dir(dims: TrlModel, seed: int = 0) -> Path:
     """Folder with a ``from_pretrained``-loadable tiny Qwen2 model and its tokenizer."""
-    name = f"trl-qwen2-h{dims.hidden_size}-l{dims.num_layers}-a{dims.num_heads}-v{dims.vocab_size}-s{seed}"
-    return build_once(name, lambda out: _rng_kept(_build, dims, seed, out),
-                      lambda out: _rng_kept(_check, out))
+    name = (
+        f"trl-qwen2-h{dims.hidden_size}-l{dims.num_layers}-a{dims.num_heads}"
+        f"-v{dims.vocab_size}-s{seed}"
+    )
+    return build_once(
+        name, lambda out: _rng_kept(_build, dims, seed, out), lambda out: _rng_kept(_check, out)
+    )
 
 
 def _rng_kept(fn, *args) -> None:
-    """Building seeds torch: the caller's RNG must not depend on whether the cache was empty (a judge
-    built on a fresh cache moved the training RNG; a warm cache did not)."""
+    """Building seeds torch: the caller's RNG must not depend on whether the cache was empty (a
+    judge built on a fresh cache moved the training RNG; a warm cache did not)."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
@@ -86,13 +92,17 @@ def _check(path: Path) -> None:
     model, info = _load(path, "float32", output_loading_info=True)
     missing = [k for k in info.get("missing_keys") or () if k not in _tied(model)]
     if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
-        raise AssetError(f"{path}: weights do not match the model (missing {missing[:3]}, "
-                         f"unexpected {list(info.get('unexpected_keys') or ())[:3]})")
+        raise AssetError(
+            f"{path}: weights do not match the model (missing {missing[:3]}, "
+            f"unexpected {list(info.get('unexpected_keys') or ())[:3]})"
+        )
     load_tokenizer(path)
 
 
 def _tied(model) -> set[str]:
-    return set(getattr(model, "_tied_weights_keys", None) or ())  # a list, or a dict keyed by the tied name
+    return set(
+        getattr(model, "_tied_weights_keys", None) or ()
+    )  # a list, or a dict keyed by the tied name
 
 
 def _load(path: Path, dtype: str, **kw):
@@ -138,7 +148,8 @@ def hf_config(dims: TrlModel, num_labels: int | None = None):
 
 
 def policy_dir(dims: TrlModel) -> str:
-    """What ``from_pretrained`` loads: the production weights when the recipe names them, else the tiny model."""
+    """What ``from_pretrained`` loads: the production weights when the recipe names them, else the
+    tiny model."""
     return dims.pretrained if dims.pretrained else str(model_dir(dims, seed=dims.seed))
 
 

@@ -50,12 +50,14 @@ def format(completions, **_: object) -> list[float]:  # noqa: A001 - the name sh
 
 
 def length(completions, **_: object) -> list[float]:
-    """Gameable: completion length in characters / 64 (no cap). Pays for verbosity, not for answers."""
+    """Gameable: completion length in characters / 64 (no cap). Pays for verbosity, not for
+    answers."""
     return [len(_text(c)) / 64.0 for c in completions]
 
 
 def verifier(completions, answer, **_: object) -> list[float]:
-    """Held-out graded correctness: 1 - |last number - answer| / 40, floored at 0; 0 without a number."""
+    """Held-out graded correctness: 1 - |last number - answer| / 40, floored at 0; 0 without a
+    number."""
     out = []
     for completion, expected in zip(completions, answer):
         numbers = _NUMBER.findall(_text(completion))
@@ -81,7 +83,8 @@ _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _SQRT = re.compile(r"\\sqrt\s*\{([^{}]*)\}")
 _TEXT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}")
-# what sympy may see: numbers, single-letter symbols, sqrt, pi, + - * / ^ ( ); nothing that reaches Python
+# what sympy may see: numbers, single-letter symbols, sqrt, pi, + - * / ^ ( ); nothing that reaches
+# Python
 _SAFE_EXPR = re.compile(r"^[0-9a-z+\-*/^(). ]{1,64}$")
 _NAMES = re.compile(r"[a-z]+")
 _ALLOWED_NAMES = {"sqrt", "pi"}
@@ -108,7 +111,7 @@ def boxed_answers(text: str) -> list[str]:
     for m in _BOXED.finditer(text):
         end = close.get(m.end() - 1)
         if end is not None:
-            out.append(text[m.end(): end].strip())
+            out.append(text[m.end() : end].strip())
     return out
 
 
@@ -152,7 +155,9 @@ def extract_answer(completion, prompt=None) -> tuple[str | None, str]:
     boxes = [b for b in every if b]
     if boxes:
         distinct = list(dict.fromkeys(normalise_answer(b) for b in boxes))
-        if len(distinct) > MAX_BOXES or any(not answers_equal(b, distinct[-1]) for b in distinct[:-1]):
+        if len(distinct) > MAX_BOXES or any(
+            not answers_equal(b, distinct[-1]) for b in distinct[:-1]
+        ):
             return None, "ambiguous"
         return boxes[-1], "boxed"
     found = _ANSWER_IS.findall(rest)
@@ -200,11 +205,12 @@ def _as_fraction(s: str):
 
 def _sympy_expr(s: str):
     """A sympy expression of a whitelisted answer, or None. Never evaluates anything else: only
-    numbers, single-letter symbols, sqrt, pi and arithmetic pass, with one small exponent at most."""
+    numbers, single-letter symbols, sqrt, pi and arithmetic pass, with one small exponent at
+    most."""
     if not _SAFE_EXPR.match(s) or re.search(r"[a-z)]\.", s) or re.search(r"\d{13,}", s):
         return None
-    # Python number syntax the tokenizer would read: 1e999999 (a float sympy then expands for minutes),
-    # 0x1f, 0b1, 0o7, 1j
+    # Python number syntax the tokenizer would read: 1e999999 (a float sympy then expands for
+    # minutes), 0x1f, 0b1, 0o7, 1j
     if re.search(r"[0-9.][ej]|(?<![0-9])0[xob]", s):
         return None
     if any(len(n) > 1 and n not in _ALLOWED_NAMES for n in _NAMES.findall(s)):
@@ -232,8 +238,9 @@ def _sympy_expr(s: str):
 
 
 def answers_equal(got: str, want: str) -> bool:
-    """Exact equality of two final answers: as fractions (``0.5`` == ``1/2`` == ``\\frac{1}{2}``), else
-    symbolically with sympy when it is installed (``2x+1`` == ``1+2*x``), else as normalised text."""
+    """Exact equality of two final answers: as fractions (``0.5`` == ``1/2`` == ``\\frac{1}{2}``),
+    else symbolically with sympy when it is installed (``2x+1`` == ``1+2*x``), else as normalised
+    text."""
     a, b = normalise_answer(got), normalise_answer(want)
     if a == b and a:
         return True
@@ -250,7 +257,8 @@ def answers_equal(got: str, want: str) -> bool:
             diff = ea - eb
             if diff == 0 or sympy.expand(diff) == 0:
                 return True
-            # simplify only what is small: its cost grows fast with the expression (bounded time per call)
+            # simplify only what is small: its cost grows fast with the expression (bounded time per
+            # call)
             return sympy.count_ops(diff) <= 12 and bool(sympy.simplify(diff) == 0)
         except Exception:  # noqa: BLE001
             return False
@@ -258,7 +266,8 @@ def answers_equal(got: str, want: str) -> bool:
 
 
 def math_verifier(completions, answer, prompts=None, **_: object) -> list[float]:
-    """1.0 when the completion's final answer (:func:`extract_answer`) equals the row's ``answer``, else 0.0."""
+    """1.0 when the completion's final answer (:func:`extract_answer`) equals the row's ``answer``,
+    else 0.0."""
     prompts = prompts if prompts is not None else [None] * len(completions)
     out = []
     for completion, expected, prompt in zip(completions, answer, prompts):
@@ -281,7 +290,10 @@ def math_dataset(n: int = 256, seed: int = 5) -> list[dict]:
     for i in range(n):
         kind = i % 3
         if kind == 0:
-            a, b = Fraction(rng.randint(1, 9), rng.randint(2, 9)), Fraction(rng.randint(1, 9), rng.randint(2, 9))
+            a, b = (
+                Fraction(rng.randint(1, 9), rng.randint(2, 9)),
+                Fraction(rng.randint(1, 9), rng.randint(2, 9)),
+            )
             q, ans = f"What is {a} + {b}?", a + b
         elif kind == 1:
             a, b = rng.randint(1, 40) / 4, rng.randint(1, 40) / 4
@@ -289,10 +301,13 @@ def math_dataset(n: int = 256, seed: int = 5) -> list[dict]:
         else:
             a, b = rng.randint(2, 12), rng.randint(2, 12)
             q, ans = f"What is {a * b} divided by {b}?", Fraction(a)
-        rows.append({"prompt": [{"role": "user", "content": q + " Put the final answer in \\boxed{}."}],
-                     "answer": str(ans)})
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": q + " Put the final answer in \\boxed{}."}],
+                "answer": str(ans),
+            }
+        )
     return rows
-
 
 
 # ---------------------------------------------------------------- code reward
@@ -334,10 +349,11 @@ class CodeReward:
     """Fraction of the row's ``tests`` (assert statements) that pass when the completion's code runs
     in :func:`ptops.recipes.trl.sandbox.run_code`: each assert is split, its call runs inside, its
     expected value stays here and the comparison is made here on strictly decoded plain data (the
-    threat model: ``docs/rewards.md``). Every completion runs, even one that does not parse (it scores
-    0 there): one path for all, and the sandbox is exercised from the first step of a tiny run.
-    ``workers`` sandboxes run at once (as root: each has a uid of its own; otherwise one at a time,
-    since RLIMIT_NPROC would count the others). ``last`` keeps the latest results for logging."""
+    threat model: ``docs/rewards.md``). Every completion runs, even one that does not parse (it
+    scores 0 there): one path for all, and the sandbox is exercised from the first step of a tiny
+    run. ``workers`` sandboxes run at once (as root: each has a uid of its own; otherwise one at a
+    time, since RLIMIT_NPROC would count the others). ``last`` keeps the latest results for
+    logging."""
 
     __name__ = "code"
 
@@ -363,20 +379,28 @@ class CodeReward:
                 self.last = list(pool.map(lambda j: run_code(j[0], j[1], self.limits), jobs))
         else:
             self.last = [run_code(code, t, self.limits) for code, t in jobs]
-        if callable(log_metric):  # per step: how many ran, and how many ended badly (sandbox_* records)
+        if callable(
+            log_metric
+        ):  # per step: how many ran, and how many ended badly (sandbox_* records)
             log_metric("sandbox/runs", float(len(self.last)))
-            log_metric("sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last)))
+            log_metric(
+                "sandbox/killed", float(sum(r.status in ("killed", "timeout") for r in self.last))
+            )
             log_metric("sandbox/hostile", float(sum(r.status == "hostile" for r in self.last)))
-            log_metric("sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last)))
-            # a result channel tampered with (extra or malformed records, or none after an exit 0): no honest
-            # solution does that, so a policy learning to forge shows here before anywhere else
+            log_metric(
+                "sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last))
+            )
+            # a result channel tampered with (extra or malformed records, or none after an exit 0):
+            # no honest solution does that, so a policy learning to forge shows here before anywhere
+            # else
             forged = sum(r.status in ("malformed", "no_result") for r in self.last)
             log_metric("sandbox/forged", float(forged))
         return [r.reward for r in self.last]
 
 
 def _example_args(rng, n_shown: int, n_hidden: int) -> tuple[list, list]:
-    """Distinct argument pairs: the first ``n_shown`` go in the prompt, the rest are the hidden tests."""
+    """Distinct argument pairs: the first ``n_shown`` go in the prompt, the rest are the hidden
+    tests."""
     seen: list = []
     while len(seen) < n_shown + n_hidden:
         a = (rng.randint(-9, 9), rng.randint(-9, 9))
@@ -386,9 +410,9 @@ def _example_args(rng, n_shown: int, n_hidden: int) -> tuple[list, list]:
 
 
 def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
-    """GRPO rows ``{"prompt", "examples", "tests"}``: write a two-argument function. The prompt shows
-    two ``examples`` (asserts, for reference); the reward runs the three hidden ``tests`` on other
-    inputs, so a completion that special-cases the shown inputs scores low."""
+    """GRPO rows ``{"prompt", "examples", "tests"}``: write a two-argument function. The prompt
+    shows two ``examples`` (asserts, for reference); the reward runs the three hidden ``tests`` on
+    other inputs, so a completion that special-cases the shown inputs scores low."""
     import random
 
     rng = random.Random(seed)
@@ -399,16 +423,25 @@ def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
         examples = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in shown]
         tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in hidden]
         eg = "; ".join(f"{name}({a}, {b}) == {fn(a, b)}" for a, b in shown)
-        rows.append({"prompt": [{"role": "user", "content": f"Write a Python function {sig} that {does}. "
-                                                        f"For example: {eg}."}],
-                     "examples": examples, "tests": tests})
+        rows.append(
+            {
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": f"Write a Python function {sig} that {does}. For example: {eg}.",
+                    }
+                ],
+                "examples": examples,
+                "tests": tests,
+            }
+        )
     return check_code_rows(rows)
 
 
 def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
     """The rows, once every test assert splits into a call and an expected value (see
-    :func:`ptops.recipes.trl.sandbox.split_assert`) and no graded call is shown in the prompt or among
-    the row's ``examples``; else ValueError with one line naming the row and the assert."""
+    :func:`ptops.recipes.trl.sandbox.split_assert`) and no graded call is shown in the prompt or
+    among the row's ``examples``; else ValueError with one line naming the row and the assert."""
     from ptops.recipes.trl.sandbox import AssertRefused, split_assert
 
     def probes(asserts, i: int) -> set[str]:
@@ -428,13 +461,16 @@ def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
         prompt = re.sub(r"\s+", "", _prompt_text(row.get("prompt")))
         for p in sorted(hidden):
             if "(" in p and (p in shown or re.sub(r"\s+", "", p) in prompt):
-                raise ValueError(f"{source} row {i}: the graded call {p} is shown in the prompt "
-                                 "(tests must be hidden)")
+                raise ValueError(
+                    f"{source} row {i}: the graded call {p} is shown in the prompt "
+                    "(tests must be hidden)"
+                )
     return rows
 
 
 def reward_dataset(section, n: int | None = None) -> list[dict]:
-    """The GRPO rows the recipe's reward reads: arithmetic (correct, length, judge), math or code."""
+    """The GRPO rows the recipe's reward reads: arithmetic (correct, length, judge), math or
+    code."""
     from ptops.recipes import assets
 
     n = n if n is not None else section.dataset_size
@@ -449,7 +485,9 @@ REWARD_FUNCS = [correct, format]
 REWARD_WEIGHTS = [1.0, 0.2]
 
 
-def reward_setup(reward: str = "correct", with_verifier: bool = False, section=None, probe=None) -> tuple[list, list[float]]:
+def reward_setup(
+    reward: str = "correct", with_verifier: bool = False, section=None, probe=None
+) -> tuple[list, list[float]]:
     """(reward functions, weights) for ``[trl] reward`` / ``[trl] verifier``.
 
     ``correct``: correctness + 0.2 x format (the default). ``length``: the gameable length
@@ -485,8 +523,15 @@ def reward_setup(reward: str = "correct", with_verifier: bool = False, section=N
         source["sandbox"] = isolation_available()
         source["sandbox_limits"] = section.sandbox.model_dump() if section is not None else {}
     else:
-        raise ValueError(f"[trl].reward: unknown reward {reward!r} (expected correct, length, math, judge or code)")
+        raise ValueError(
+            f"[trl].reward: unknown reward {reward!r} (expected correct, length, math, judge or "
+            "code)"
+        )
     if probe is not None and getattr(probe, "rank", 0) == 0:
-        probe.event("reward_source", **source, weights=weights,
-                    funcs=[getattr(f, "__name__", type(f).__name__) for f in funcs])
+        probe.event(
+            "reward_source",
+            **source,
+            weights=weights,
+            funcs=[getattr(f, "__name__", type(f).__name__) for f in funcs],
+        )
     return funcs, weights

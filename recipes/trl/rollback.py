@@ -1,4 +1,5 @@
-"""TRL / transformers side of a rollback (``PTOPS_ROLLBACK``, contract in :mod:`ptops.recipes.rollback`).
+"""TRL / transformers side of a rollback (``PTOPS_ROLLBACK``, contract in
+:mod:`ptops.recipes.rollback`).
 
 - ``lr_factor``: :func:`callbacks` returns a ``TrainerCallback`` whose
   ``on_train_begin`` (after transformers loaded the optimizer and scheduler from
@@ -65,8 +66,15 @@ def callbacks(probe: Any) -> list:
                     if "initial_lr" in group:
                         group["initial_lr"] = base
             if _is_rank0(state):
-                probe.event("rollback_applied", what="lr", step=int(state.global_step) + 1, lr_factor=rb.lr_factor,
-                            lr=lrs[0] if lrs else base, from_step=rb.from_step, to_step=rb.to_step)
+                probe.event(
+                    "rollback_applied",
+                    what="lr",
+                    step=int(state.global_step) + 1,
+                    lr_factor=rb.lr_factor,
+                    lr=lrs[0] if lrs else base,
+                    from_step=rb.from_step,
+                    to_step=rb.to_step,
+                )
 
     return [RollbackLR()]
 
@@ -89,6 +97,13 @@ def skip(trainer: Any, epoch_iterator: Any, num_batches: int, probe: Any) -> int
             break
         dropped += 1
     if trainer.state.is_world_process_zero:
-        probe.event("rollback_applied", what="skip", step=step, skip_batches=n, batches_dropped=dropped,
-                    from_step=rb.from_step, to_step=rb.to_step)
+        probe.event(
+            "rollback_applied",
+            what="skip",
+            step=step,
+            skip_batches=n,
+            batches_dropped=dropped,
+            from_step=rb.from_step,
+            to_step=rb.to_step,
+        )
     return dropped

@@ -57,7 +57,13 @@ _KEY_RE = re.compile(r"[^A-Za-z0-9_.]+")
 # transformers' names -> the probe's names
 _RENAME = {"learning_rate": "lr"}
 # end-of-training summary keys: not a step record
-_SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
+_SUMMARY_KEYS = {
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "total_flos",
+    "train_loss",
+}
 
 
 def _log(msg: str) -> None:
@@ -122,7 +128,8 @@ class _StepTally:
 
 
 class _SaveState:
-    """The save in progress on this rank, shared by the trainer's ``_save_checkpoint`` and the callback."""
+    """The save in progress on this rank, shared by the trainer's ``_save_checkpoint`` and the
+    callback."""
 
     def __init__(self, keep: int = 3) -> None:
         self.keep = keep
@@ -160,9 +167,14 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
             step = self.state.global_step
             device = self.args.device
             txn = SaveTransaction(
-                Path(self.args.output_dir), step, name=f"checkpoint-{step}", leader=self.is_world_process_zero(),
-                agree=lambda failed: bool(_failed_ranks(failed, device)), world_size=self.args.world_size,
-                versions=_versions(), keep=saves.keep,
+                Path(self.args.output_dir),
+                step,
+                name=f"checkpoint-{step}",
+                leader=self.is_world_process_zero(),
+                agree=lambda failed: bool(_failed_ranks(failed, device)),
+                world_size=self.args.world_size,
+                versions=_versions(),
+                keep=saves.keep,
             )
             saves.step, saves.t0, saves.txn = step, time.monotonic(), txn
             err: BaseException | None = None
@@ -179,11 +191,15 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
                 err = e
                 _log(f"checkpoint-{step}: save failed on this rank: {type(e).__name__}: {e}")
             if err is None:
-                probe.before_commit(step)  # slow-save: the commit waits (a sync save blocks training)
+                probe.before_commit(
+                    step
+                )  # slow-save: the commit waits (a sync save blocks training)
             txn.commit(err)
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
-            from ptops.recipes.trl import rollback  # PTOPS_ROLLBACK: drop the skipped window's batches
+            from ptops.recipes.trl import (
+                rollback,
+            )  # PTOPS_ROLLBACK: drop the skipped window's batches
 
             probe.phase("data", self.state.global_step + 1)
             with probe.mark("data"):  # `ptops profile`: a ptops/data range (a no-op otherwise)
@@ -252,7 +268,8 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
                 control.should_training_stop = True
             if state.global_step >= state.max_steps:
                 control.should_save = True  # always checkpoint the final step
-            # the probe's checkpoint phase starts in PtopsTrainer._save_checkpoint (after on_log's record)
+            # the probe's checkpoint phase starts in PtopsTrainer._save_checkpoint (after on_log's
+            # record)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
@@ -273,7 +290,9 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
             metrics["tokens"] = tally.tokens
             metrics["tokens_per_s"] = tally.tokens / step_s if step_s and step_s > 0 else None
             metrics["rank_loss"] = tally.rank_loss()
-            if heldout is not None:  # [eval]: eval/<name> keys on this step's record (recipes/trl/evalloop.py)
+            if (
+                heldout is not None
+            ):  # [eval]: eval/<name> keys on this step's record (recipes/trl/evalloop.py)
                 metrics.update(heldout(kwargs.get("model"), step))
             probe.step(step, metrics)
 
@@ -285,27 +304,44 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
             final = step >= state.max_steps or self.stopped_at == step
             txn = saves.txn if saves.step == step else None
             path = txn.path if txn is not None else Path(args.output_dir) / f"checkpoint-{step}"
-            err = "the save of this step never started" if txn is None else (None if txn.ok else txn.error)
+            err = (
+                "the save of this step never started"
+                if txn is None
+                else (None if txn.ok else txn.error)
+            )
             total = time.monotonic() - saves.t0 if txn is not None else 0.0
             if err is not None:
                 saves.failures.append({"step": step, "error": err, "final": final})
-                _log(f"checkpoint-{step} FAILED, not committed ({err}); training goes on" if not final
-                     else f"checkpoint-{step} FAILED, not committed ({err})")
+                _log(
+                    f"checkpoint-{step} FAILED, not committed ({err}); training goes on"
+                    if not final
+                    else f"checkpoint-{step} FAILED, not committed ({err})"
+                )
                 if state.is_world_process_zero:
-                    probe.event("checkpoint_failed", step=step, path=str(path), error=err, final=final)
+                    probe.event(
+                        "checkpoint_failed", step=step, path=str(path), error=err, final=final
+                    )
             elif state.is_world_process_zero:
                 if txn.pruned:
                     _log(f"retention: deleted {', '.join(txn.pruned)}")
                 if txn.prune_error:
                     _log(f"retention failed: {txn.prune_error}")
                 # a synchronous save: training was blocked for all of it
-                probe.event("checkpoint", step=step, path=str(path), blocking_s=round(total, 4),
-                            total_s=round(total, 4), mode="sync")
+                probe.event(
+                    "checkpoint",
+                    step=step,
+                    path=str(path),
+                    blocking_s=round(total, 4),
+                    total_s=round(total, 4),
+                    mode="sync",
+                )
             probe.phase("step", step)
             if err is not None and final:
                 raise RuntimeError(
-                    f"the {'final' if self.stopped_at != step else 'on-request'} checkpoint (step {step}) "
-                    f"could not be saved: {err}; the last good checkpoint is the newest one committed"
+                    f"the {'final' if self.stopped_at != step else 'on-request'} checkpoint "
+                    f"(step {step}) "
+                    f"could not be saved: {err}; the last good checkpoint is the newest one "
+                    "committed"
                 )
 
     return ProbeCallback()
@@ -316,39 +352,52 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
 
 def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
     sec = recipe.trl  # on a GPU: one per rank (LOCAL_RANK), NCCL; without one: CPU and gloo
-    return dict(
-        output_dir=str(out_dir),
-        max_steps=recipe.train.steps,
-        seed=recipe.train.seed,
-        learning_rate=sec.lr,
-        per_device_train_batch_size=sec.per_device_batch_size,
-        gradient_accumulation_steps=sec.grad_accum,
-        max_grad_norm=sec.max_grad_norm,
-        use_cpu=not _cuda(),
-        full_determinism=_cuda(),  # deterministic kernels: recovery stays exact on a GPU too
-        bf16=bool(sec.bf16 and _cuda()),
-        fp16=False,
-        logging_steps=1,
-        logging_nan_inf_filter=False,  # a NaN loss must reach the monitors, not be averaged away
-        report_to=[],
-        save_strategy="steps",
-        save_steps=recipe.checkpoint.interval,
-        save_total_limit=None,  # retention is ptops.ckpt.prune after each commit (never the last good one)
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        ddp_find_unused_parameters=False,
-        # TRL defaults gradient checkpointing on; a 100k-parameter model only pays the recompute
-        activation_checkpointing=sec.activation_checkpointing,
-    ) | ({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda() else {}) \
-      | fsdp_args(sec, _cuda())
+    return (
+        dict(
+            output_dir=str(out_dir),
+            max_steps=recipe.train.steps,
+            seed=recipe.train.seed,
+            learning_rate=sec.lr,
+            per_device_train_batch_size=sec.per_device_batch_size,
+            gradient_accumulation_steps=sec.grad_accum,
+            max_grad_norm=sec.max_grad_norm,
+            use_cpu=not _cuda(),
+            full_determinism=_cuda(),  # deterministic kernels: recovery stays exact on a GPU too
+            bf16=bool(sec.bf16 and _cuda()),
+            fp16=False,
+            logging_steps=1,
+            # a NaN loss must reach the monitors, not be averaged away
+            logging_nan_inf_filter=False,
+            report_to=[],
+            save_strategy="steps",
+            save_steps=recipe.checkpoint.interval,
+            # retention is ptops.ckpt.prune after each commit (never the last good one)
+            save_total_limit=None,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            ddp_find_unused_parameters=False,
+            # TRL defaults gradient checkpointing on; a 100k-parameter model only pays the recompute
+            activation_checkpointing=sec.activation_checkpointing,
+        )
+        | (
+            {"ddp_backend": "gloo"}
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda()
+            else {}
+        )
+        | fsdp_args(sec, _cuda())
+    )
 
 
 def fsdp_args(sec, on_gpu: bool) -> dict[str, Any]:
-    """``[trl] fsdp = true``: transformers' FSDP full shard, wrapped per decoder layer (GPU only)."""
+    """``[trl] fsdp = true``: transformers' FSDP full shard, wrapped per decoder layer (GPU
+    only)."""
     if not (sec.fsdp and on_gpu):
         return {}
     layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}[sec.model.arch]
-    return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"transformer_layer_cls_to_wrap": [layer]}}
+    return {
+        "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {"transformer_layer_cls_to_wrap": [layer]},
+    }
 
 
 def _cuda() -> bool:
@@ -364,7 +413,11 @@ def build_trainer(recipe, probe, run: RunDir):
     from ptops.recipes.trl.model import load_model, load_tokenizer, model_dir
 
     sec = recipe.trl
-    mdir = model_dir(sec.model, seed=sec.model.seed) if not sec.model.pretrained else Path(sec.model.pretrained)
+    mdir = (
+        model_dir(sec.model, seed=sec.model.seed)
+        if not sec.model.pretrained
+        else Path(sec.model.pretrained)
+    )
     tokenizer = load_tokenizer(mdir)
     # train.init_from (a pipeline stage's input): its verified weights replace the initial ones
     from ptops.recipes import init_from
@@ -382,24 +435,44 @@ def build_trainer(recipe, probe, run: RunDir):
     from ptops.recipes.trl import catalogue
 
     if sec.trainer in catalogue.TRAINERS:  # LoRA SFT, reward model, RLOO, GKD
-        return catalogue.build(recipe, probe, run, args, tokenizer, str(wdir),
-                               lambda base: _make_trainer_class(base, probe, tally, saves), callbacks)
+        return catalogue.build(
+            recipe,
+            probe,
+            run,
+            args,
+            tokenizer,
+            str(wdir),
+            lambda base: _make_trainer_class(base, probe, tally, saves),
+            callbacks,
+        )
     model = load_model(wdir)
 
     if sec.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        config = SFTConfig(**args, max_length=sec.max_length, packing=False, assistant_only_loss=True)
-        from ptops.recipes.trl import rejection  # train.data_file: a rejection-sampling stage's kept rows
+        config = SFTConfig(
+            **args, max_length=sec.max_length, packing=False, assistant_only_loss=True
+        )
+        from ptops.recipes.trl import (
+            rejection,
+        )  # train.data_file: a rejection-sampling stage's kept rows
 
         data = Dataset.from_list(rejection.rows(recipe) or assets.chat_dataset(sec.dataset_size))
         cls = _make_trainer_class(SFTTrainer, probe, tally, saves)
-        return cls(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
+        return cls(
+            model=model,
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+        )
 
     if sec.trainer == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        config = DPOConfig(**args, max_length=sec.max_length, beta=sec.beta, precompute_ref_log_probs=False)
+        config = DPOConfig(
+            **args, max_length=sec.max_length, beta=sec.beta, precompute_ref_log_probs=False
+        )
         data = Dataset.from_list(assets.preference_dataset(sec.dataset_size))
         ref_model = load_model(wdir)  # the reference is the policy's starting point
         cls = _make_trainer_class(DPOTrainer, probe, tally, saves)
@@ -418,8 +491,11 @@ def build_trainer(recipe, probe, run: RunDir):
         from ptops.recipes.trl import vllm
         from ptops.recipes.trl.rewards import reward_dataset, reward_setup
 
-        # [trl] reward picks the functions and the rows they read (rewards.py); rank 0 reports reward_source
-        reward_funcs, reward_weights = reward_setup(sec.reward, sec.verifier, section=sec, probe=probe)
+        # [trl] reward picks the functions and the rows they read (rewards.py); rank 0 reports
+        # reward_source
+        reward_funcs, reward_weights = reward_setup(
+            sec.reward, sec.verifier, section=sec, probe=probe
+        )
 
         config = GRPOConfig(
             **args,
@@ -428,7 +504,9 @@ def build_trainer(recipe, probe, run: RunDir):
             beta=sec.beta,
             temperature=sec.temperature,
             reward_weights=reward_weights,
-            **vllm.config_kwargs(sec, probe),  # [trl.vllm]; falls back to generate (one line) without a GPU
+            **vllm.config_kwargs(
+                sec, probe
+            ),  # [trl.vllm]; falls back to generate (one line) without a GPU
             log_completions=False,
         )
         data = Dataset.from_list(reward_dataset(sec))
@@ -452,7 +530,9 @@ def choose_resume(run: RunDir, world: int, probe: Any = None) -> Path | None:
     def pick() -> str:
         from ptops.recipes.resume import resume_entry
 
-        entry = resume_entry(run.checkpoints, probe=probe, world_size=world, versions=_versions(), log=_log)
+        entry = resume_entry(
+            run.checkpoints, probe=probe, world_size=world, versions=_versions(), log=_log
+        )
         return entry.path if entry is not None else ""
 
     dist = _dist()
@@ -474,12 +554,15 @@ def main(recipe, probe) -> None:
         ("TRANSFORMERS_OFFLINE", "1"),
         ("TOKENIZERS_PARALLELISM", "false"),
         ("HF_HUB_DISABLE_TELEMETRY", "1"),
-        # report_to=[]: ranks report through the probe; importing mlflow here only costs ~1-3 s per rank
+        # report_to=[]: ranks report through the probe; importing mlflow here only costs ~1-3 s per
+        # rank
         ("DISABLE_MLFLOW_INTEGRATION", "TRUE"),
     ):
         os.environ.setdefault(key, value)
     # TRL 1.16 still calls transformers' deprecated gradient_checkpointing names on every save
-    warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*gradient_checkpointing.* is deprecated", category=FutureWarning
+    )
     run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
     run.checkpoints.mkdir(parents=True, exist_ok=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -504,5 +587,12 @@ def main(recipe, probe) -> None:
         # (same path as a regular save: guarded save, commit, events; raises if it fails)
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
         trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
-    stopped = next((cb.stopped_at for cb in trainer.callback_handler.callbacks if hasattr(cb, "stopped_at")), None)
-    _log(f"stopped on request at step {final}" if stopped is not None else f"finished at step {final}")
+    stopped = next(
+        (cb.stopped_at for cb in trainer.callback_handler.callbacks if hasattr(cb, "stopped_at")),
+        None,
+    )
+    _log(
+        f"stopped on request at step {final}"
+        if stopped is not None
+        else f"finished at step {final}"
+    )

@@ -83,7 +83,7 @@ Which isolation was used is reported in every result (``isolation``) and by the
 trainer's ``reward_source`` event. The launcher (this file run as a script, standard
 library only) is a separate process because the training rank is multi-threaded: namespaces
 and uids are set in a fresh single-threaded process, never with ``preexec_fn``.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -104,7 +104,11 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 32, 4096, 0x4000, 1 << 18, 1 << 21
-ST_NOATIME, ST_NODIRATIME, ST_RELATIME = 1024, 2048, 4096  # statvfs f_flag bits (the MS_ values but relatime)
+ST_NOATIME, ST_NODIRATIME, ST_RELATIME = (
+    1024,
+    2048,
+    4096,
+)  # statvfs f_flag bits (the MS_ values but relatime)
 PR_SET_PDEATHSIG = 1
 UID_BASE = 200_000  # sandbox uid = UID_BASE + the launcher's pid: unique among live sandboxes
 OUTPUT_CAP = 1024 * 1024  # the harness's result records; beyond it the run is void
@@ -132,7 +136,8 @@ class Result:
     wall_s: float = 0.0  # launcher-measured, harness start to reap
 
 
-# what a result may be: plain data of exact types, bounded (the encoder inside and the decoder outside)
+# what a result may be: plain data of exact types, bounded (the encoder inside and the decoder
+# outside)
 MAX_DEPTH = 16
 MAX_NODES = 10_000
 MAX_STR = 10_000
@@ -140,7 +145,7 @@ MAX_INT_BITS = 3_400  # ~1,000 decimal digits
 MAX_INT_DIGITS = 1_024
 
 
-# ---------------------------------------------------------------- asserts: call inside, expected outside
+# ----------------------------------------------------------- asserts: call inside, expected outside
 
 
 class AssertRefused(ValueError):
@@ -150,9 +155,10 @@ class AssertRefused(ValueError):
 
 @dataclass(frozen=True)
 class Clause:
-    """One check of an assert: ``probe`` (source run inside the sandbox) and how its decoded value is
-    judged outside: ``eq`` / ``is`` / ``in`` against ``expected``, ``truthy`` / ``falsy``, or ``close``
-    (``math.isclose`` with ``tol`` = (rel_tol, abs_tol), or ``abs(probe - expected) < tol[1]``)."""
+    """One check of an assert: ``probe`` (source run inside the sandbox) and how its decoded value
+    is judged outside: ``eq`` / ``is`` / ``in`` against ``expected``, ``truthy`` / ``falsy``, or
+    ``close`` (``math.isclose`` with ``tol`` = (rel_tol, abs_tol), or ``abs(probe - expected) <
+    tol[1]``)."""
 
     probe: str
     kind: str
@@ -161,8 +167,23 @@ class Clause:
 
 
 _WRAPS = {"set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "sorted": sorted}
-_SAFE_INSIDE = ("Call", "Name", "Attribute", "Subscript", "Slice", "keyword", "Starred", "Constant",
-                "Tuple", "List", "Set", "Dict", "Load", "BinOp", "UnaryOp")
+_SAFE_INSIDE = (
+    "Call",
+    "Name",
+    "Attribute",
+    "Subscript",
+    "Slice",
+    "keyword",
+    "Starred",
+    "Constant",
+    "Tuple",
+    "List",
+    "Set",
+    "Dict",
+    "Load",
+    "BinOp",
+    "UnaryOp",
+)
 _REACHES = ("Name", "Call", "Attribute", "Subscript")
 
 
@@ -171,7 +192,8 @@ class _NotExpected(Exception):
 
 
 def plain_ok(v, depth: int = 0, _count: list | None = None) -> bool:
-    """Whether ``v`` is plain data of the whitelist (exact types, bounded depth, size, digits; finite)."""
+    """Whether ``v`` is plain data of the whitelist (exact types, bounded depth, size, digits;
+    finite)."""
     import math
 
     count = _count if _count is not None else [0]
@@ -190,7 +212,9 @@ def plain_ok(v, depth: int = 0, _count: list | None = None) -> bool:
     if t in (list, tuple, set, frozenset):
         return all(plain_ok(x, depth + 1, count) for x in v)
     if t is dict:
-        return all(plain_ok(k, depth + 1, count) and plain_ok(x, depth + 1, count) for k, x in v.items())
+        return all(
+            plain_ok(k, depth + 1, count) and plain_ok(x, depth + 1, count) for k, x in v.items()
+        )
     return False
 
 
@@ -211,13 +235,16 @@ def _expected(node):
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         raise _NotExpected from None
     if not plain_ok(v):
-        raise AssertRefused(f"the expected value {ast.unparse(node)[:80]} is not plain bounded data")
+        raise AssertRefused(
+            f"the expected value {ast.unparse(node)[:80]} is not plain bounded data"
+        )
     return v
 
 
 def _inside(node, src: str) -> str:
     """The probe's source, after checking that nothing in it compares or computes with a value the
-    completion controls (that would move the comparison, and the expected value, into the sandbox)."""
+    completion controls (that would move the comparison, and the expected value, into the
+    sandbox)."""
     import ast
 
     for sub in ast.walk(node):
@@ -225,12 +252,17 @@ def _inside(node, src: str) -> str:
         if isinstance(sub, (ast.expr_context, ast.operator, ast.unaryop)):
             continue
         if name not in _SAFE_INSIDE:
-            raise AssertRefused(f"cannot grade {src!r}: {name} in the checked expression would run inside "
-                                "the sandbox")
+            raise AssertRefused(
+                f"cannot grade {src!r}: {name} in the checked expression would run inside "
+                "the sandbox"
+            )
         reaches = isinstance(sub, (ast.BinOp, ast.UnaryOp)) and any(
-            type(x).__name__ in _REACHES for x in ast.walk(sub))
+            type(x).__name__ in _REACHES for x in ast.walk(sub)
+        )
         if reaches:
-            raise AssertRefused(f"cannot grade {src!r}: arithmetic on a value the completion controls")
+            raise AssertRefused(
+                f"cannot grade {src!r}: arithmetic on a value the completion controls"
+            )
     return ast.unparse(node)
 
 
@@ -255,18 +287,31 @@ def _clauses(node, src: str) -> list[Clause]:
             except _NotExpected:
                 why = "neither side of == is a literal expected value"
                 raise AssertRefused(f"cannot grade {src!r}: {why}") from None
-        singleton = isinstance(right, ast.Constant) and any(right.value is k for k in (None, True, False))
+        singleton = isinstance(right, ast.Constant) and any(
+            right.value is k for k in (None, True, False)
+        )
         if isinstance(op, ast.Is) and singleton:
             return [Clause(_inside(left, src), "is", right.value)]
         if isinstance(op, ast.In):
             try:
                 return [Clause(_inside(left, src), "in", _expected(right))]
             except _NotExpected:
-                raise AssertRefused(f"cannot grade {src!r}: `in` needs a literal container") from None
-        is_abs = (isinstance(left, ast.Call) and isinstance(left.func, ast.Name) and left.func.id == "abs"
-                  and len(left.args) == 1 and not left.keywords)
-        if (isinstance(op, (ast.Lt, ast.LtE)) and is_abs
-                and isinstance(left.args[0], ast.BinOp) and isinstance(left.args[0].op, ast.Sub)):
+                raise AssertRefused(
+                    f"cannot grade {src!r}: `in` needs a literal container"
+                ) from None
+        is_abs = (
+            isinstance(left, ast.Call)
+            and isinstance(left.func, ast.Name)
+            and left.func.id == "abs"
+            and len(left.args) == 1
+            and not left.keywords
+        )
+        if (
+            isinstance(op, (ast.Lt, ast.LtE))
+            and is_abs
+            and isinstance(left.args[0], ast.BinOp)
+            and isinstance(left.args[0].op, ast.Sub)
+        ):
             a, b = left.args[0].left, left.args[0].right
             try:
                 tol = _expected(right)
@@ -280,8 +325,10 @@ def _clauses(node, src: str) -> list[Clause]:
             if not all(type(x) in (int, float) for x in (tol, want)):
                 raise AssertRefused(f"cannot grade {src!r}: a tolerance check on non-numbers")
             return [Clause(probe, "close", want, ("lt" if isinstance(op, ast.Lt) else "le", tol))]
-        raise AssertRefused(f"cannot grade {src!r}: only ==, `is` None/True/False, `in` and "
-                            "abs(x - y) < tol comparisons (an `!=` or an order pays for a wrong answer)")
+        raise AssertRefused(
+            f"cannot grade {src!r}: only ==, `is` None/True/False, `in` and "
+            "abs(x - y) < tol comparisons (an `!=` or an order pays for a wrong answer)"
+        )
     if isinstance(node, ast.Call) and _is_isclose(node.func):
         kw = {k.arg: k.value for k in node.keywords}
         if len(node.args) != 2 or set(kw) - {"rel_tol", "abs_tol"}:
@@ -307,15 +354,19 @@ def _is_isclose(func) -> bool:
 
     if isinstance(func, ast.Name):
         return func.id == "isclose"
-    return (isinstance(func, ast.Attribute) and func.attr == "isclose" and isinstance(func.value, ast.Name)
-            and func.value.id in ("math", "cmath", "pytest"))
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "isclose"
+        and isinstance(func.value, ast.Name)
+        and func.value.id in ("math", "cmath", "pytest")
+    )
 
 
 def split_assert(src: str) -> tuple[Clause, ...]:
-    """``assert CALL == EXPECTED`` (either side; ``and`` of several; ``assert CALL``; ``assert not CALL``;
-    ``CALL is None/True/False``; ``CALL in LITERAL``; ``math.isclose(CALL, EXPECTED, ...)``;
-    ``abs(CALL - EXPECTED) < TOL``) as clauses whose probes run inside and whose expected values stay
-    here. Anything else raises :class:`AssertRefused` (one line naming the assert)."""
+    """``assert CALL == EXPECTED`` (either side; ``and`` of several; ``assert CALL``; ``assert not
+    CALL``; ``CALL is None/True/False``; ``CALL in LITERAL``; ``math.isclose(CALL, EXPECTED, ...)``;
+    ``abs(CALL - EXPECTED) < TOL``) as clauses whose probes run inside and whose expected values
+    stay here. Anything else raises :class:`AssertRefused` (one line naming the assert)."""
     import ast
 
     try:
@@ -328,8 +379,8 @@ def split_assert(src: str) -> tuple[Clause, ...]:
 
 
 def split_tests(tests) -> list[tuple[Clause, ...]]:
-    """Every assert of a row split (:func:`split_assert`); raises :class:`AssertRefused` on the first
-    one that cannot be."""
+    """Every assert of a row split (:func:`split_assert`); raises :class:`AssertRefused` on the
+    first one that cannot be."""
     return [_split_cached(str(t)) for t in tests]
 
 
@@ -368,7 +419,9 @@ def decode_result(line: str):
         return f
 
     try:
-        return json.loads(line, parse_constant=bad_constant, parse_int=parse_int, parse_float=parse_float)
+        return json.loads(
+            line, parse_constant=bad_constant, parse_int=parse_int, parse_float=parse_float
+        )
     except RecursionError:
         raise ValueError("too deep") from None
 
@@ -389,7 +442,7 @@ def plain_value(tree, depth: int = 0, _count: list | None = None):
     if t is list:
         return [plain_value(x, depth + 1, count) for x in tree]
     if t is dict and len(tree) == 1:
-        (tag, body), = tree.items()
+        ((tag, body),) = tree.items()
         if tag == "b" and type(body) is str and len(body) <= 2 * MAX_STR:
             return bytes.fromhex(body)
         if type(body) is list:
@@ -441,7 +494,7 @@ def _harness(code: str, probes: list[str]) -> str:
     parent decodes it strictly and compares it with expected values that never entered the sandbox.
     An audit hook refuses, and marks as hostile (reward 0), what a solution never needs: the
     network, new programs, signals to anything but its own children, writes outside the work dir."""
-    return f'''import sys, os, json
+    return f"""import sys, os, json
 _STRICT = False
 {_GUARD_MARK}
 def _install(_flag, _strict=_STRICT):
@@ -549,11 +602,12 @@ def _main(_W=os.write, _exit=os._exit, _dumps=json.dumps, _compile=compile, _eva
         _b = _b[_W(_fd, _b):]
     _exit(0)
 _main()
-'''
+"""  # noqa: E501
 
 
 _GUARD_MARK = "# <guard>"
-# Without a network namespace the harness is stricter (no seccomp: a weaker guard, reported as such).
+# Without a network namespace the harness is stricter (no seccomp: a weaker guard, reported as
+# such).
 _GUARD = "_STRICT = True"
 
 
@@ -593,50 +647,77 @@ def _try(libc, fn: str, *args) -> bool:
     return getattr(libc, fn)(*args) == 0
 
 
-# ---------------------------------------------------------------- the launcher (a process of its own)
+# -------------------------------------------------------------- the launcher (a process of its own)
 
 
 def _launch(cfg: dict) -> dict:
-    """Runs in a fresh single-threaded process: isolate, fork the harness, wait, clean up, report."""
+    """Runs in a fresh single-threaded process: isolate, fork the harness, wait, clean up,
+    report."""
     import resource
 
     work, limits = cfg["work"], cfg["limits"]
-    iso = {"uid": None, "userns": False, "netns": False, "pidns": False, "mountns": False, "network": "none"}
+    iso = {
+        "uid": None,
+        "userns": False,
+        "netns": False,
+        "pidns": False,
+        "mountns": False,
+        "network": "none",
+    }
     root = os.geteuid() == 0
     tmp_private = False  # a fresh tmpfs on /tmp: where the private root is built
     libc = _libc() if sys.platform.startswith("linux") else None
     uid = UID_BASE + os.getpid() if root else os.getuid()
     if cfg["python"] is None:
-        raise RuntimeError("no Python interpreter the sandbox uid can execute (tried this one and /usr/bin/python3)")
+        raise RuntimeError(
+            "no Python interpreter the sandbox uid can execute (tried this one and "
+            "/usr/bin/python3)"
+        )
     if root:
         iso["uid"] = uid
         os.chown(work, uid, uid)
-        _kill_uid(uid)  # a leftover of an earlier sandbox with the same uid (cannot happen; belt and braces)
+        _kill_uid(
+            uid
+        )  # a leftover of an earlier sandbox with the same uid (cannot happen; belt and braces)
     if libc is not None and root and cfg.get("namespaces", True):
         iso["netns"] = _try(libc, "unshare", CLONE_NEWNET)
         iso["pidns"] = _try(libc, "unshare", CLONE_NEWPID)
-        if _try(libc, "unshare", CLONE_NEWNS) and _try(libc, "mount", None, b"/", None, MS_REC | MS_PRIVATE, None):
+        if _try(libc, "unshare", CLONE_NEWNS) and _try(
+            libc, "mount", None, b"/", None, MS_REC | MS_PRIVATE, None
+        ):
             iso["mountns"] = True
             for d in ("/tmp", "/var/tmp", "/dev/shm"):
                 if os.path.isdir(d):
                     opts = f"size={limits['file_mb'] * 2}m,mode=1777".encode()
-                    ok = _try(libc, "mount", b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+                    ok = _try(
+                        libc, "mount", b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts
+                    )
                     tmp_private = tmp_private or (ok and d == "/tmp")
     elif libc is not None and cfg.get("namespaces", True):
-        # not root: an unprivileged user namespace still gives no network, a pid namespace and a mount
-        # namespace for a root of its own; the trainer's uid maps to itself, so the harness (not uid 0
-        # in the namespace) loses every capability at exec and cannot leave that root
+        # not root: an unprivileged user namespace still gives no network, a pid namespace and a
+        # mount namespace for a root of its own; the trainer's uid maps to itself, so the harness
+        # (not uid 0 in the namespace) loses every capability at exec and cannot leave that root
         if _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS):
             iso["userns"] = iso["netns"] = iso["pidns"] = True
             gid = os.getgid()
             try:
-                maps = (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1"))
+                maps = (
+                    ("uid_map", f"{uid} {uid} 1"),
+                    ("setgroups", "deny"),
+                    ("gid_map", f"{gid} {gid} 1"),
+                )
                 for name, text in maps:
                     with open(f"/proc/self/{name}", "w") as f:
                         f.write(text)
                 if _try(libc, "mount", None, b"/", None, MS_REC | MS_PRIVATE, None) and _try(
-                        libc, "mount", b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV,
-                        f"size={limits['file_mb'] * 2}m,mode=1777".encode()):
+                    libc,
+                    "mount",
+                    b"tmpfs",
+                    b"/tmp",
+                    b"tmpfs",
+                    MS_NOSUID | MS_NODEV,
+                    f"size={limits['file_mb'] * 2}m,mode=1777".encode(),
+                ):
                     iso["mountns"] = tmp_private = True
             except OSError:
                 pass
@@ -678,10 +759,17 @@ def _launch(cfg: dict) -> dict:
             os.dup2(devnull, 2)
             os.setsid()
             if iso["pidns"] and iso["mountns"] and _try(libc, "unshare", CLONE_NEWNS):
-                # its own /proc (sees only its namespace), in a mount namespace of its own so that the
-                # launcher's /proc stays the host's
-                _try(libc, "mount", b"proc", f"{view or ''}/proc".encode(), b"proc",
-                     MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+                # its own /proc (sees only its namespace), in a mount namespace of its own so that
+                # the launcher's /proc stays the host's
+                _try(
+                    libc,
+                    "mount",
+                    b"proc",
+                    f"{view or ''}/proc".encode(),
+                    b"proc",
+                    MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                    None,
+                )
             if view:
                 os.chroot(view)
             os.chdir(inside)
@@ -697,15 +785,28 @@ def _launch(cfg: dict) -> dict:
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
-            # counted per uid: as root the uid is the sandbox's own, so the count is the sandbox's; else
-            # the trainer's tasks are counted too, and the sandbox gets max_procs on top of them
+            # counted per uid: as root the uid is the sandbox's own, so the count is the sandbox's;
+            # else the trainer's tasks are counted too, and the sandbox gets max_procs on top of
+            # them
             resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
             if libc is not None:
-                libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher dies -> so does the harness
+                libc.prctl(
+                    PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0
+                )  # the launcher dies -> so does the harness
             os.umask(0o077)
-            env = {"HOME": inside, "TMPDIR": inside, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
-                   "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-            os.execve(cfg["python"], [cfg["python"], "-I", "-S", "-B", os.path.join(inside, "main.py")], env)
+            env = {
+                "HOME": inside,
+                "TMPDIR": inside,
+                "PATH": "/usr/bin:/bin",
+                "LANG": "C.UTF-8",
+                "PYTHONDONTWRITEBYTECODE": "1",
+                "PYTHONHASHSEED": "0",
+            }
+            os.execve(
+                cfg["python"],
+                [cfg["python"], "-I", "-S", "-B", os.path.join(inside, "main.py")],
+                env,
+            )
         finally:
             os._exit(127)
     os.close(out_w)
@@ -719,20 +820,28 @@ def _launch(cfg: dict) -> dict:
         timed_out = True
         _kill(pid)
         status_code = _reap(pid, time.monotonic() + 5.0)
-    if not iso["pidns"]:  # what is left of its session: children that outlived the harness (a member keeps the id)
+    if not iso[
+        "pidns"
+    ]:  # what is left of its session: children that outlived the harness (a member keeps the id)
         _kill(pid, group_only=True)
     if root:
         _kill_uid(uid)
-    return {"out": out.decode("utf-8", "replace"), "timed_out": timed_out, "wait_status": status_code,
-            "wall_s": round(time.monotonic() - t0, 3), "isolation": iso}
+    return {
+        "out": out.decode("utf-8", "replace"),
+        "timed_out": timed_out,
+        "wait_status": status_code,
+        "wall_s": round(time.monotonic() - t0, 3),
+        "isolation": iso,
+    }
 
 
 def _private_root(libc, work: str, python: str) -> tuple[str, str]:
     """A root of the harness's own, on the fresh tmpfs /tmp: read-only, nosuid binds of what the
     interpreter needs (``/usr`` and its links, the interpreter's prefix, ``ld.so.cache``), the
-    null/zero/urandom devices, an empty ``/proc`` and ``/tmp`` with the work dir. None of the trainer's
-    files (the repository, caches, data sets with their expected values, run directories) is in it.
-    Returns (root, work dir inside it); OSError when a mount fails (the caller keeps the host's view)."""
+    null/zero/urandom devices, an empty ``/proc`` and ``/tmp`` with the work dir. None of the
+    trainer's files (the repository, caches, data sets with their expected values, run directories)
+    is in it. Returns (root, work dir inside it); OSError when a mount fails (the caller keeps the
+    host's view)."""
     view = "/tmp/.ptops-root"
     os.makedirs(view, mode=0o755)
 
@@ -749,8 +858,9 @@ def _private_root(libc, work: str, python: str) -> tuple[str, str]:
             return
         # read-only, nosuid, nodev on top of the source's flags (a user namespace may not drop them)
         have = os.statvfs(src).f_flag
-        keep = (have & (MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC | ST_NOATIME | ST_NODIRATIME)
-                | (MS_RELATIME if have & ST_RELATIME else 0))
+        keep = have & (
+            MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC | ST_NOATIME | ST_NODIRATIME
+        ) | (MS_RELATIME if have & ST_RELATIME else 0)
         flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep
         if not _try(libc, "mount", None, dst.encode(), None, flags, None):
             raise OSError(f"read-only {src}")
@@ -817,7 +927,9 @@ def _reap(pid: int, deadline: float) -> int | None:
 
 
 def _kill(pid: int, group_only: bool = False) -> None:
-    for target in (-pid,) if group_only else (-pid, pid):  # its group, then itself (pid 1 of its namespace: all of it)
+    for target in (
+        (-pid,) if group_only else (-pid, pid)
+    ):  # its group, then itself (pid 1 of its namespace: all of it)
         try:
             os.kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -870,12 +982,16 @@ def _pids_of(uid: int) -> list[int]:
 # ---------------------------------------------------------------- the caller's side
 
 
-def run_code(code: str, tests: list[str], limits: Limits = Limits(), namespaces: bool = True) -> Result:
-    """Run ``code`` in a sandbox, then the call side of each of ``tests`` (assert statements, split by
-    :func:`split_assert`); the results are decoded and judged here. Never raises for what the code
-    does; raises :class:`AssertRefused` for an assert it cannot split (check the data when it loads).
+def run_code(
+    code: str, tests: list[str], limits: Limits = Limits(), namespaces: bool = True
+) -> Result:
+    """Run ``code`` in a sandbox, then the call side of each of ``tests`` (assert statements, split
+    by :func:`split_assert`); the results are decoded and judged here. Never raises for what the
+    code does; raises :class:`AssertRefused` for an assert it cannot split (check the data when it
+    loads).
 
-    ``namespaces=False`` takes the fallback path (as where unshare is not permitted): tests use it."""
+    ``namespaces=False`` takes the fallback path (as where unshare is not permitted): tests use
+    it."""
     if not tests:
         return Result(status="no_tests")
     checks = split_tests(tests)
@@ -883,15 +999,35 @@ def run_code(code: str, tests: list[str], limits: Limits = Limits(), namespaces:
     # under /tmp: a directory the sandbox uid can reach (a private TMPDIR may not be)
     work = tempfile.mkdtemp(prefix="ptops-sandbox-", dir="/tmp" if os.path.isdir("/tmp") else None)
     os.chmod(work, 0o700)
-    cfg = {"work": work, "limits": asdict(limits), "program": _harness(code, probes),
-           "python": sandbox_python(), "namespaces": namespaces}
+    cfg = {
+        "work": work,
+        "limits": asdict(limits),
+        "program": _harness(code, probes),
+        "python": sandbox_python(),
+        "namespaces": namespaces,
+    }
     try:
         proc = subprocess.run(
-            [os.path.realpath(sys.executable), "-I", "-S", "-B", os.path.abspath(__file__), "--launch"],
-            input=json.dumps(cfg), capture_output=True, text=True, timeout=float(limits.wall_s) + 30.0,
-            start_new_session=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            [
+                os.path.realpath(sys.executable),
+                "-I",
+                "-S",
+                "-B",
+                os.path.abspath(__file__),
+                "--launch",
+            ],
+            input=json.dumps(cfg),
+            capture_output=True,
+            text=True,
+            timeout=float(limits.wall_s) + 30.0,
+            start_new_session=True,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         )
-        report = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else None
+        report = (
+            json.loads(proc.stdout.strip().splitlines()[-1])
+            if proc.returncode == 0 and proc.stdout.strip()
+            else None
+        )
     except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
         report, proc = None, e
     finally:
@@ -903,8 +1039,8 @@ def run_code(code: str, tests: list[str], limits: Limits = Limits(), namespaces:
 
 
 def _records(out: str, n: int) -> tuple[list | None, str]:
-    """The n result records and the end record's flag, or (None, why): any line out of place (missing,
-    extra, out of order, not strict plain data) voids the whole run."""
+    """The n result records and the end record's flag, or (None, why): any line out of place
+    (missing, extra, out of order, not strict plain data) voids the whole run."""
     lines = out.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -914,8 +1050,12 @@ def _records(out: str, n: int) -> tuple[list | None, str]:
     try:
         for i, line in enumerate(lines[:n]):
             rec = decode_result(line)
-            if type(rec) is not dict or type(rec.get("i")) is not int or rec["i"] != i \
-                    or rec.get("ok") not in (True, False):
+            if (
+                type(rec) is not dict
+                or type(rec.get("i")) is not int
+                or rec["i"] != i
+                or rec.get("ok") not in (True, False)
+            ):
                 return None, f"record {i} malformed"
             if rec["ok"]:
                 if set(rec) != {"i", "ok", "v"}:
@@ -928,8 +1068,12 @@ def _records(out: str, n: int) -> tuple[list | None, str]:
         end = decode_result(lines[n])
     except (ValueError, TypeError) as e:
         return None, f"undecodable record: {str(e)[:80]}"
-    if type(end) is not dict or set(end) != {"end", "flag"} or end["end"] != n \
-            or type(end["flag"]) is not str:
+    if (
+        type(end) is not dict
+        or set(end) != {"end", "flag"}
+        or end["end"] != n
+        or type(end["flag"]) is not str
+    ):
         return None, "end record malformed"
     return values + [end["flag"]], ""
 

@@ -43,25 +43,39 @@ def unavailable(in_rank: bool = True) -> str | None:
 
 
 def config_kwargs(sec, probe=None) -> dict[str, Any]:
-    """GRPOConfig / RLOOConfig keyword arguments for ``[trl.vllm]`` (``use_vllm=False`` on fallback)."""
+    """GRPOConfig / RLOOConfig keyword arguments for ``[trl.vllm]`` (``use_vllm=False`` on
+    fallback)."""
     v = sec.vllm
     if v is None:
         return {"use_vllm": False}
     reason = unavailable(in_rank=True)
     if reason is not None:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"[ptops.trl] vLLM {v.mode} mode unavailable ({reason}): generating with TRL's generate path",
-                  flush=True)
+            print(
+                f"[ptops.trl] vLLM {v.mode} mode unavailable ({reason}): generating with TRL's "
+                "generate path",
+                flush=True,
+            )
             if probe is not None:
                 probe.event("vllm_fallback", mode=v.mode, reason=reason)
         return {"use_vllm": False}
-    kw: dict[str, Any] = {"use_vllm": True, "vllm_mode": v.mode,
-                          "vllm_tensor_parallel_size": v.tensor_parallel_size}
+    kw: dict[str, Any] = {
+        "use_vllm": True,
+        "vllm_mode": v.mode,
+        "vllm_tensor_parallel_size": v.tensor_parallel_size,
+    }
     if v.mode == "colocate":
-        kw |= {"vllm_gpu_memory_utilization": v.gpu_memory_utilization, "vllm_max_model_length": v.max_model_length}
+        kw |= {
+            "vllm_gpu_memory_utilization": v.gpu_memory_utilization,
+            "vllm_max_model_length": v.max_model_length,
+        }
     else:
-        kw |= {"vllm_server_host": v.host, "vllm_server_port": v.port, "vllm_group_port": v.group_port,
-               "vllm_server_timeout": v.health_timeout_s}
+        kw |= {
+            "vllm_server_host": v.host,
+            "vllm_server_port": v.port,
+            "vllm_group_port": v.group_port,
+            "vllm_server_timeout": v.health_timeout_s,
+        }
     return kw
 
 
@@ -75,15 +89,28 @@ def server_argv(sec, resolve: bool = True) -> list[str]:
 
         model = policy_dir(sec.model) if resolve else "<the tiny model folder>"
     trl_bin = Path(sys.executable).parent / "trl"
-    argv = [str(trl_bin) if trl_bin.exists() else "trl", "vllm-serve", "--model", model,
-            "--host", v.host, "--port", str(v.port), "--tensor-parallel-size", str(v.tensor_parallel_size),
-            "--gpu-memory-utilization", str(v.gpu_memory_utilization)]
+    argv = [
+        str(trl_bin) if trl_bin.exists() else "trl",
+        "vllm-serve",
+        "--model",
+        model,
+        "--host",
+        v.host,
+        "--port",
+        str(v.port),
+        "--tensor-parallel-size",
+        str(v.tensor_parallel_size),
+        "--gpu-memory-utilization",
+        str(v.gpu_memory_utilization),
+    ]
     if v.max_model_length:
         argv += ["--max-model-len", str(v.max_model_length)]
     return argv
 
 
-def sidecar_specs(recipe, check_available: bool = True, resolve: bool = True) -> list[dict[str, Any]]:
+def sidecar_specs(
+    recipe, check_available: bool = True, resolve: bool = True
+) -> list[dict[str, Any]]:
     """The run's sidecar processes (plain dicts, read by ``ptops.ops.supervisor.sidecar``)."""
     sec = recipe.trl
     if sec is None or sec.vllm is None or sec.vllm.mode != "server":
@@ -92,9 +119,16 @@ def sidecar_specs(recipe, check_available: bool = True, resolve: bool = True) ->
         return []  # the ranks fall back (and say so); nothing to serve
     v = sec.vllm
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, v.server_gpus))} if v.server_gpus else {}
-    return [{"name": "vllm", "argv": server_argv(sec, resolve), "env": env,
-             "health_url": f"http://{v.host}:{v.port}/health", "health_timeout_s": v.health_timeout_s,
-             "max_restarts": v.max_restarts}]
+    return [
+        {
+            "name": "vllm",
+            "argv": server_argv(sec, resolve),
+            "env": env,
+            "health_url": f"http://{v.host}:{v.port}/health",
+            "health_timeout_s": v.health_timeout_s,
+            "max_restarts": v.max_restarts,
+        }
+    ]
 
 
 def sidecars(recipe) -> list[dict[str, Any]]:

@@ -51,126 +51,169 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "TrainingHang",
         'max by (run, recipe) (ptops_run_state{state="hung"}) == 1\n'
-        f'or\nmax by (run, recipe) (time() - ptops_last_event_timestamp_seconds{{kind="{EventKind.HANG}"}}) < 900',
-        "10s", "critical",
+        "or\nmax by (run, recipe) (time() - "
+        f'ptops_last_event_timestamp_seconds{{kind="{EventKind.HANG}"}}) < 900',
+        "10s",
+        "critical",
         "Run {{ $labels.run }} hung",
-        "The supervisor detected a hang in run {{ $labels.run }} ({{ $labels.recipe }}): at least one rank stopped "
-        "reporting steps. It restarts the job by itself when policy allows; if the run is still hung, act now.",
+        "The supervisor detected a hang in run {{ $labels.run }} ({{ $labels.recipe }}): at "
+        "least one rank stopped "
+        "reporting steps. It restarts the job by itself when policy allows; if the run is still "
+        "hung, act now.",
     ),
     Alert(
         "TrainingCrashLoop",
         "changes(ptops_attempt[30m]) >= 3\nor\nincrease(ptops_crashes_total[30m]) >= 3",
-        "1m", "critical",
+        "1m",
+        "critical",
         "Run {{ $labels.run }} is crash-looping",
-        "Run {{ $labels.run }} ({{ $labels.recipe }}) restarted or crashed 3 or more times in 30 minutes: "
+        "Run {{ $labels.run }} ({{ $labels.recipe }}) restarted or crashed 3 or more times in 30 "
+        "minutes: "
         "restarts are not fixing the cause (bad node, bad checkpoint, bad data, OOM).",
     ),
     Alert(
         "TrainingStalled",
         "(time() - ptops_last_progress_timestamp_seconds) > 600\n"
         f"and on (run, recipe)\n({_ACTIVE})",
-        "2m", "critical",
+        "2m",
+        "critical",
         "Run {{ $labels.run }} made no progress for 10 minutes",
         "Run {{ $labels.run }} ({{ $labels.recipe }}) is not finished but reported no step for "
-        "{{ $value | humanizeDuration }}. The supervisor may be dead, or ranks are stuck before the first step.",
+        "{{ $value | humanizeDuration }}. The supervisor may be dead, or ranks are stuck before "
+        "the first step.",
     ),
     Alert(
         "CheckpointStale",
-        'ptops_checkpoint_age_seconds > 3600\nand on (run, recipe)\nptops_run_state{state="running"} == 1',
-        "5m", "warning",
+        "ptops_checkpoint_age_seconds > 3600\nand on (run, "
+        'recipe)\nptops_run_state{state="running"} == 1',
+        "5m",
+        "warning",
         "Run {{ $labels.run }} has no checkpoint for over an hour",
-        "The latest good checkpoint of run {{ $labels.run }} is {{ $value | humanizeDuration }} old while the run "
+        "The latest good checkpoint of run {{ $labels.run }} is {{ $value | humanizeDuration }} "
+        "old while the run "
         "is training: a crash now loses that much work.",
     ),
     Alert(
         "CheckpointSaveFailing",
-        f'max by (run, recipe) (time() - ptops_last_event_timestamp_seconds{{kind="{EventKind.CHECKPOINT_FAILED}"}}) < 1800',
-        "30s", "critical",
+        "max by (run, recipe) (time() - "
+        f'ptops_last_event_timestamp_seconds{{kind="{EventKind.CHECKPOINT_FAILED}"}}) < 1800',
+        "30s",
+        "critical",
         "Checkpoint saves fail in run {{ $labels.run }}",
-        "A checkpoint save failed in run {{ $labels.run }} ({{ $labels.recipe }}) in the last 30 minutes "
+        "A checkpoint save failed in run {{ $labels.run }} ({{ $labels.recipe }}) in the last 30 "
+        "minutes "
         "(disk full, permissions, storage down). The last good checkpoint is getting older.",
     ),
     Alert(
         "CheckpointCorrupt",
-        f'max by (run, recipe) (time() - ptops_last_event_timestamp_seconds{{kind="{EventKind.CHECKPOINT_INVALID}"}}) < 3600',
-        "10s", "critical",
+        "max by (run, recipe) (time() - "
+        f'ptops_last_event_timestamp_seconds{{kind="{EventKind.CHECKPOINT_INVALID}"}}) < 3600',
+        "10s",
+        "critical",
         "Invalid checkpoint in run {{ $labels.run }}",
-        "A checkpoint of run {{ $labels.run }} failed verification against its manifest (missing, truncated or "
+        "A checkpoint of run {{ $labels.run }} failed verification against its manifest "
+        "(missing, truncated or "
         "altered shard). ptops falls back to the previous good checkpoint; find out why it broke.",
     ),
     Alert(
         "StragglerRank",
         "max by (run, recipe, rank) (ptops_straggler_ratio) > 1.2",
-        "1m", "warning",
+        "1m",
+        "warning",
         "Rank {{ $labels.rank }} straggles in run {{ $labels.run }}",
-        "Rank {{ $labels.rank }} of run {{ $labels.run }} is {{ $value | printf \"%.2f\" }}x slower than the median "
+        'Rank {{ $labels.rank }} of run {{ $labels.run }} is {{ $value | printf "%.2f" }}x '
+        "slower than the median "
         "rank; every collective waits for it.",
     ),
     Alert(
         "TrainingNaN",
         "max by (run, recipe) (time() - ptops_last_nonfinite_timestamp_seconds) < 900\n"
-        f'or\nmax by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("TrainingNaN")}}}) < 900',
-        "10s", "critical",
+        "or\nmax by (run, recipe) (time() - "
+        f"ptops_anomaly_last_timestamp_seconds{{{_monitors('TrainingNaN')}}}) < 900",
+        "10s",
+        "critical",
         "NaN/Inf loss or gradient in run {{ $labels.run }}",
-        "Run {{ $labels.run }} ({{ $labels.recipe }}) produced a non-finite loss or grad norm. Training past this "
+        "Run {{ $labels.run }} ({{ $labels.recipe }}) produced a non-finite loss or grad norm. "
+        "Training past this "
         "point is wasted; ptops rolls back to the last good checkpoint when policy says so.",
     ),
     Alert(
         "LossSpike",
-        f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("LossSpike")}}}) < 900\n'
+        "max by (run, recipe) (time() - "
+        f"ptops_anomaly_last_timestamp_seconds{{{_monitors('LossSpike')}}}) < 900\n"
         "or\nptops_loss > on (run, recipe) (3 * (quantile_over_time(0.5, ptops_loss[30m]) > 0.1))",
-        "30s", "warning",
+        "30s",
+        "warning",
         "Loss spike in run {{ $labels.run }}",
         "The loss (or grad norm) of run {{ $labels.run }} jumped far above its recent level.",
     ),
     Alert(
         "EntropyCollapse",
-        f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("EntropyCollapse")}}}) < 900\n'
-        f'or\nmax by (run, recipe) (ptops_finding_episode_open{{{_monitors("EntropyCollapse")}}}) == 1\n'
+        "max by (run, recipe) (time() - "
+        f"ptops_anomaly_last_timestamp_seconds{{{_monitors('EntropyCollapse')}}}) < 900\n"
+        "or\nmax by (run, recipe) "
+        f"(ptops_finding_episode_open{{{_monitors('EntropyCollapse')}}}) == 1\n"
         "or\nptops_rl_entropy < 0.1 * max_over_time(ptops_rl_entropy[1h])",
-        "5m", "warning",
+        "5m",
+        "warning",
         "Policy entropy collapsed in run {{ $labels.run }}",
-        "The policy of RL run {{ $labels.run }} became (nearly) deterministic: entropy fell below a tenth of its "
+        "The policy of RL run {{ $labels.run }} became (nearly) deterministic: entropy fell "
+        "below a tenth of its "
         "recent maximum, or the entropy/mode-collapse monitor fired. Exploration has stopped.",
     ),
     Alert(
         "KLDrift",
-        f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("KLDrift")}}}) < 900\n'
-        f'or\nmax by (run, recipe) (ptops_finding_episode_open{{{_monitors("KLDrift")}}}) == 1\n'
+        "max by (run, recipe) (time() - "
+        f"ptops_anomaly_last_timestamp_seconds{{{_monitors('KLDrift')}}}) < 900\n"
+        f"or\nmax by (run, recipe) (ptops_finding_episode_open{{{_monitors('KLDrift')}}}) == 1\n"
         "or\nptops_rl_kl > 1",
-        "5m", "warning",
+        "5m",
+        "warning",
         "KL to the reference drifts in run {{ $labels.run }}",
-        "The KL divergence of RL run {{ $labels.run }} from its reference model is high or rising fast "
-        "({{ $value }}): the policy is moving away from the reference faster than the KL penalty allows.",
+        "The KL divergence of RL run {{ $labels.run }} from its reference model is high or "
+        "rising fast "
+        "({{ $value }}): the policy is moving away from the reference faster than the KL penalty "
+        "allows.",
     ),
     Alert(
         "RewardHacking",
-        f'max by (run, recipe) (time() - ptops_anomaly_last_timestamp_seconds{{{_monitors("RewardHacking")}}}) < 1800\n'
-        f'or\nmax by (run, recipe) (ptops_finding_episode_open{{{_monitors("RewardHacking")}}}) == 1\n'
+        "max by (run, recipe) (time() - "
+        f"ptops_anomaly_last_timestamp_seconds{{{_monitors('RewardHacking')}}}) < 1800\n"
+        f"or\nmax by (run, recipe) (ptops_finding_episode_open{{{_monitors('RewardHacking')}}}) "
+        "== 1\n"
         "or\n(deriv(ptops_rl_reward[15m]) > 0\n and on (run, recipe) deriv(ptops_rl_kl[15m]) > 0\n"
         " and on (run, recipe) ptops_rl_reward_std < 0.05)",
-        "10m", "warning",
+        "10m",
+        "warning",
         "Possible reward hacking in run {{ $labels.run }}",
-        "Reward of RL run {{ $labels.run }} rises while KL grows and the reward spread across completions collapses, "
+        "Reward of RL run {{ $labels.run }} rises while KL grows and the reward spread across "
+        "completions collapses, "
         "or the reward-hacking monitor fired: the policy may be exploiting the reward function.",
     ),
     Alert(
         "GoodputLow",
-        "ptops_goodput_ratio < 0.5\nand on (run, recipe) (time() - ptops_start_timestamp_seconds) > 3600\n"
+        "ptops_goodput_ratio < 0.5\nand on (run, recipe) (time() - "
+        "ptops_start_timestamp_seconds) > 3600\n"
         f"and on (run, recipe)\n({_ACTIVE})",
-        "30m", "warning",
+        "30m",
+        "warning",
         "Goodput of run {{ $labels.run }} is below 50%",
-        "Less than half of the wall time of run {{ $labels.run }} since its launch went into steps that count "
-        "({{ $value | humanizePercentage }}): restarts, redone steps, startup and checkpoint stalls eat the rest.",
+        "Less than half of the wall time of run {{ $labels.run }} since its launch went into "
+        "steps that count "
+        "({{ $value | humanizePercentage }}): restarts, redone steps, startup and checkpoint "
+        "stalls eat the rest.",
     ),
     Alert(
         "GPUErrors",
         'increase(ptops_gpu_ecc_errors_total{type="uncorrected"}[15m]) > 0\n'
         "or\nincrease(ptops_gpu_xid_errors_total[15m]) > 0\n"
-        'or\nptops_gpu_throttle{reason=~"hw_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"} == 1',
-        "1m", "critical",
+        'or\nptops_gpu_throttle{reason=~"hw_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"} '
+        "== 1",
+        "1m",
+        "critical",
         "GPU {{ $labels.gpu }} on {{ $labels.host }} reports hardware errors",
-        "GPU {{ $labels.gpu }} on host {{ $labels.host }} (run {{ $labels.run }}) reports uncorrected ECC errors, "
+        "GPU {{ $labels.gpu }} on host {{ $labels.host }} (run {{ $labels.run }}) reports "
+        "uncorrected ECC errors, "
         "critical XID events or hardware slowdown. Drain the node.",
     ),
 )
@@ -179,7 +222,9 @@ ALERT_NAMES = tuple(a.name for a in ALERTS)
 
 
 def runbook_base_url(base: str | None = None) -> str:
-    return (base or os.environ.get("PTOPS_RUNBOOK_BASE_URL") or DEFAULT_RUNBOOK_BASE_URL).rstrip("/")
+    return (base or os.environ.get("PTOPS_RUNBOOK_BASE_URL") or DEFAULT_RUNBOOK_BASE_URL).rstrip(
+        "/"
+    )
 
 
 def runbook_url(name: str, base: str | None = None) -> str:
@@ -189,17 +234,19 @@ def runbook_url(name: str, base: str | None = None) -> str:
 def rule_dicts(base: str | None = None) -> list[dict]:
     out = []
     for a in ALERTS:
-        out.append({
-            "alert": a.name,
-            "expr": a.expr,
-            "for": a.for_,
-            "labels": {"severity": a.severity, **a.labels},
-            "annotations": {
-                "summary": a.summary,
-                "description": a.description,
-                "runbook_url": runbook_url(a.name, base),
-            },
-        })
+        out.append(
+            {
+                "alert": a.name,
+                "expr": a.expr,
+                "for": a.for_,
+                "labels": {"severity": a.severity, **a.labels},
+                "annotations": {
+                    "summary": a.summary,
+                    "description": a.description,
+                    "runbook_url": runbook_url(a.name, base),
+                },
+            }
+        )
     return out
 
 
@@ -224,10 +271,14 @@ def render_rules(base: str | None = None) -> str:
 
     doc = {"groups": [{"name": GROUP, "rules": rule_dicts(base)}]}
     header = (
-        "# ptops alert rules for Prometheus (generated by `ptops alerts` from ops/obs/alerts/__init__.py, module ptops.ops.obs.alerts).\n"
-        f"# runbook_url base: {runbook_base_url(base)} (set PTOPS_RUNBOOK_BASE_URL or --runbook-base-url).\n"
+        "# ptops alert rules for Prometheus (generated by `ptops alerts` from "
+        "ops/obs/alerts/__init__.py, module ptops.ops.obs.alerts).\n"
+        f"# runbook_url base: {runbook_base_url(base)} (set PTOPS_RUNBOOK_BASE_URL or "
+        "--runbook-base-url).\n"
     )
-    return header + yaml.dump(doc, Dumper=_literal_yaml(), sort_keys=False, width=120, allow_unicode=True)
+    return header + yaml.dump(
+        doc, Dumper=_literal_yaml(), sort_keys=False, width=120, allow_unicode=True
+    )
 
 
 def shipped_rules() -> str:

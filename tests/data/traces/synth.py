@@ -1,4 +1,5 @@
-"""Synthetic metric traces with known ground truth, for tests/test_monitors*.py and bench/monitors_bench.py.
+"""Synthetic metric traces with known ground truth, for tests/test_monitors*.py and
+bench/monitors_bench.py.
 
 Every generator is deterministic in ``seed`` and returns ``metrics.jsonl``-style
 records (one per step per rank, ranks interleaved as the probe writes them).
@@ -12,20 +13,51 @@ import math
 import random
 from typing import Any
 
-PRETRAIN_FAULTS = ("nan", "none_nan", "loss_spike", "grad_explosion", "straggler_busy", "straggler_wait", "straggler_data")
-RL_FAULTS = ("entropy_collapse", "kl_drift", "reward_hacking", "length_hacking", "mode_collapse", "stale_rollout")
+PRETRAIN_FAULTS = (
+    "nan",
+    "none_nan",
+    "loss_spike",
+    "grad_explosion",
+    "straggler_busy",
+    "straggler_wait",
+    "straggler_data",
+)
+RL_FAULTS = (
+    "entropy_collapse",
+    "kl_drift",
+    "reward_hacking",
+    "length_hacking",
+    "mode_collapse",
+    "stale_rollout",
+)
 
 # the monitor each fault must trigger
 FAULT_MONITOR = {
-    "nan": "nan", "none_nan": "nan", "loss_spike": "loss_spike", "grad_explosion": "grad_explosion",
-    "straggler_busy": "straggler", "straggler_wait": "straggler", "straggler_data": "straggler",
-    "entropy_collapse": "entropy_collapse", "kl_drift": "kl_drift", "reward_hacking": "reward_hacking",
-    "length_hacking": "reward_hacking", "mode_collapse": "mode_collapse", "stale_rollout": "stale_rollout",
+    "nan": "nan",
+    "none_nan": "nan",
+    "loss_spike": "loss_spike",
+    "grad_explosion": "grad_explosion",
+    "straggler_busy": "straggler",
+    "straggler_wait": "straggler",
+    "straggler_data": "straggler",
+    "entropy_collapse": "entropy_collapse",
+    "kl_drift": "kl_drift",
+    "reward_hacking": "reward_hacking",
+    "length_hacking": "reward_hacking",
+    "mode_collapse": "mode_collapse",
+    "stale_rollout": "stale_rollout",
 }
 
 
-def pretrain(steps: int = 200, seed: int = 0, ranks: int = 2, inject: str | None = None, at: int = 100,
-             with_busy: bool = False, with_data: bool = False) -> list[dict[str, Any]]:
+def pretrain(
+    steps: int = 200,
+    seed: int = 0,
+    ranks: int = 2,
+    inject: str | None = None,
+    at: int = 100,
+    with_busy: bool = False,
+    with_data: bool = False,
+) -> list[dict[str, Any]]:
     """A decaying LM loss, a grad norm, per-rank step times (TRL-style begin->end step_s)."""
     rng = random.Random(seed)
     out: list[dict[str, Any]] = []
@@ -50,9 +82,16 @@ def pretrain(steps: int = 200, seed: int = 0, ranks: int = 2, inject: str | None
         arrive = [slow_pre[r] + compute[r] for r in range(ranks)]
         done = max(arrive) + 0.01
         for r in range(ranks):
-            rec: dict[str, Any] = {"step": step, "rank": r, "attempt": 1, "loss": round(loss, 6),
-                                   "grad_norm": round(gn, 6), "lr": 3e-4, "tokens_per_s": 1000.0,
-                                   "step_s": round(done - slow_pre[r], 6)}
+            rec: dict[str, Any] = {
+                "step": step,
+                "rank": r,
+                "attempt": 1,
+                "loss": round(loss, 6),
+                "grad_norm": round(gn, 6),
+                "lr": 3e-4,
+                "tokens_per_s": 1000.0,
+                "step_s": round(done - slow_pre[r], 6),
+            }
             if with_busy:
                 rec["compute_s"] = round(compute[r], 6)
             if with_data or inject == "straggler_data":
@@ -66,8 +105,11 @@ def pretrain(steps: int = 200, seed: int = 0, ranks: int = 2, inject: str | None
     return out
 
 
-def grpo(steps: int = 200, seed: int = 0, ranks: int = 2, inject: str | None = None, at: int = 100) -> list[dict[str, Any]]:
-    """TRL GRPO keys (sanitised spelling, as the ptops adapter writes them) for a healthy, slowly improving run."""
+def grpo(
+    steps: int = 200, seed: int = 0, ranks: int = 2, inject: str | None = None, at: int = 100
+) -> list[dict[str, Any]]:
+    """TRL GRPO keys (sanitised spelling, as the ptops adapter writes them) for a healthy, slowly
+    improving run."""
     rng = random.Random(seed)
     out: list[dict[str, Any]] = []
     entropy0 = 1.6
@@ -99,18 +141,33 @@ def grpo(steps: int = 200, seed: int = 0, ranks: int = 2, inject: str | None = N
         loss = rng.gauss(0, 0.01)
         gn = 0.5 + abs(rng.gauss(0, 0.1)) if fzs < 1 else 0.01
         for r in range(ranks):
-            out.append({
-                "step": step, "rank": r, "attempt": 1, "loss": round(loss, 6), "grad_norm": round(gn, 6),
-                "lr": 1e-6, "step_s": round(0.3 + rng.gauss(0, 0.01), 6), "tokens_per_s": 500.0,
-                "entropy": round(entropy, 6), "kl": round(kl, 6), "reward": round(reward, 6),
-                "reward_std": 0.2, "frac_reward_zero_std": round(fzs, 6),
-                "completions_mean_length": round(length, 3), "clip_ratio_region_mean": round(clip, 6),
-                "rewards_verifier_mean": round(verifier, 6), "policy_lag": lag,
-            })
+            out.append(
+                {
+                    "step": step,
+                    "rank": r,
+                    "attempt": 1,
+                    "loss": round(loss, 6),
+                    "grad_norm": round(gn, 6),
+                    "lr": 1e-6,
+                    "step_s": round(0.3 + rng.gauss(0, 0.01), 6),
+                    "tokens_per_s": 500.0,
+                    "entropy": round(entropy, 6),
+                    "kl": round(kl, 6),
+                    "reward": round(reward, 6),
+                    "reward_std": 0.2,
+                    "frac_reward_zero_std": round(fzs, 6),
+                    "completions_mean_length": round(length, 3),
+                    "clip_ratio_region_mean": round(clip, 6),
+                    "rewards_verifier_mean": round(verifier, 6),
+                    "policy_lag": lag,
+                }
+            )
     return out
 
 
-def generate(fault: str | None, seed: int = 0, steps: int = 200, at: int = 100) -> list[dict[str, Any]]:
+def generate(
+    fault: str | None, seed: int = 0, steps: int = 200, at: int = 100
+) -> list[dict[str, Any]]:
     if fault is None or fault in PRETRAIN_FAULTS:
         return pretrain(steps, seed, inject=fault, at=at, with_busy=fault == "straggler_busy")
     return grpo(steps, seed, inject=fault, at=at)
