@@ -44,6 +44,7 @@ that step has already passed, at the next opportunity.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import threading
@@ -409,9 +410,8 @@ class Injector:
 
 
 def _warn(msg: str) -> None:
-    import sys
-
-    print(f"[ptops.faultinject] {msg}", file=sys.stderr, flush=True)
+    # ptops.ops.runrecord.ranklog's format (its handler is on "ptops.rank"); no import of ptops here
+    logging.getLogger("ptops.rank.faultinject").warning("%s", msg)
 
 
 def committed(ckpt: Path | None) -> bool:

@@ -136,9 +136,10 @@ def _event(kind: str, **fields: Any) -> None:
 
 
 def _log(msg: str) -> None:
-    import sys
+    import logging
 
-    print(f"[ptops.rank {rank()}] {msg}", file=sys.stderr, flush=True)
+    # ptops.ops.runrecord.ranklog's one format ("[ptops.rank rank R] ..."), set up by the probe
+    logging.getLogger("ptops.rank.rank").info("%s", msg)
 
 
 # ---------------------------------------------------------------- state

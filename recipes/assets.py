@@ -17,13 +17,14 @@ import json
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
+
+from ptops.ops.runrecord import ranklog
 
 ASSETS_VERSION = 1
 WORDS = (
@@ -205,11 +206,7 @@ def quarantine(path: Path, reason: str) -> Path:
     )
     os.rename(path, dest)
     (dest / "QUARANTINED").write_text(reason + "\n")
-    print(
-        f"[ptops.assets] quarantined {path} -> {dest}: {reason}; rebuilding",
-        file=sys.stderr,
-        flush=True,
-    )
+    ranklog.get("assets").warning("quarantined %s -> %s: %s; rebuilding", path, dest, reason)
     return dest
 
 
@@ -284,11 +281,7 @@ def _adopted(path: Path, check: Callable[[Path], None]) -> bool:
     except Exception:  # noqa: BLE001 - any load error: not adopted (quarantined by the caller)
         return False
     _mark_complete(path)
-    print(
-        f"[ptops.assets] checked {path} (built by an older ptops): it loads; kept",
-        file=sys.stderr,
-        flush=True,
-    )
+    ranklog.get("assets").info("checked %s (built by an older ptops): it loads; kept", path)
     return True
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ptops.ckpt import detect_kind, latest_good, verify
+from ptops.ops.runrecord import ranklog
 
 
 class InitFromError(ValueError):
@@ -44,5 +45,5 @@ def weights_dir(recipe) -> Path | None:
     if not spec:
         return None
     path = resolve(spec)
-    print(f"[ptops.init_from] weights from {path} (verified)", flush=True)  # into each rank's log
+    ranklog.get("init_from").info("weights from %s (verified)", path)  # into each rank's log
     return path

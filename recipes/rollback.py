@@ -87,9 +87,9 @@ class RollbackInfo:
         try:
             return cls.from_dict(json.loads(raw))
         except (ValueError, KeyError, TypeError) as e:
-            import sys
+            from ptops.ops.runrecord import ranklog
 
-            print(f"[ptops] ignoring malformed {ENV}={raw!r}: {e}", file=sys.stderr, flush=True)
+            ranklog.get("rollback").warning("ignoring malformed %s=%r: %s", ENV, raw, e)
             return None
 
     def batches_to_skip(

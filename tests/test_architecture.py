@@ -137,3 +137,38 @@ def test_no_test_hooks_in_production_folders(tmp_path):
     assert not hits, (
         "test hooks in production code (a fault kind, or keep it in tests/):\n" + "\n".join(hits)
     )
+
+
+# rank-side code whose stdout is a protocol or a program's output, not a log line
+PRINT_OK = {
+    "recipes/titan/dryrun.py": "the PTOPS_DRYRUN result line the CLI parses",
+    "recipes/trl/dryrun.py": "the PTOPS_DRYRUN result line the CLI parses",
+    "recipes/trl/rejection.py": "a command-line tool: its JSON result and one error line",
+    "recipes/trl/sandbox.py": "the sandbox launcher's JSON answer to its parent",
+    "ops/rank/warmlaunch.py": "torchrun's lines, mimicked: the supervisor reads their exit codes",
+}
+
+
+def _prints(paths: list[Path]) -> list[str]:
+    import ast
+
+    hits = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                hits.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return hits
+
+
+def test_rank_side_code_logs_through_ranklog():
+    """What ptops says inside a rank goes through ``ops/runrecord/ranklog.py`` (one format:
+    ``[ptops.COMPONENT rank R] message``), not ``print``: one format to grep at 03:00."""
+    rank_side = [*(REPO / "ops" / "rank").glob("*.py"), *(REPO / "recipes").rglob("*.py")]
+    rank_side += [REPO / "faultinject" / "inject.py", REPO / "ptops" / "rank.py"]
+    paths = [p for p in rank_side if p.relative_to(REPO).as_posix() not in PRINT_OK]
+    assert len(paths) > 20 and all(p.exists() for p in paths)
+    assert all((REPO / p).exists() for p in PRINT_OK)
+    hits = _prints(paths)
+    assert not hits, "print in rank-side code (use ptops.ops.runrecord.ranklog):\n" + "\n".join(
+        hits
+    )

@@ -210,7 +210,10 @@ def test_each_stage_starts_from_the_previous_stages_verified_final_checkpoint(ma
         own = [e for e in events(sdir) if e["kind"] == "stage_input"]
         assert own and all(e["input_digest"] == completed[inp]["digest"] for e in own)
         log = (sdir / "logs" / "attempt-1" / "rank-0.log").read_text()
-        assert f"[ptops.init_from] weights from {completed[inp]['checkpoint']} (verified)" in log
+        assert (
+            f"[ptops.init_from rank 0] weights from {completed[inp]['checkpoint']} (verified)"
+            in log
+        )
     out = json.loads(main["second"].stdout)
     assert out["state"] == "completed" and out["exit_code"] == 0
     assert [s["digest"] for s in out["stages"]] == [
@@ -431,7 +434,9 @@ def test_a_titan_stage_starts_from_the_previous_stages_dcp_checkpoint(tmp_path):
     ].endswith("step-4")
     s1, s2 = (pipe / "stages" / d for d in ("01-pretrain", "02-continue"))
     log = (s2 / "logs" / "attempt-1" / "rank-0.log").read_text()
-    assert f"[ptops.init_from] weights from {done['pretrain']['checkpoint']} (verified)" in log
+    assert (
+        f"[ptops.init_from rank 0] weights from {done['pretrain']['checkpoint']} (verified)" in log
+    )
     first = {
         d: next(
             r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["rank"] == 0 and r["step"] == 1

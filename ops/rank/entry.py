@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from ptops.ops.runrecord import ranklog
+
 PR_SET_PDEATHSIG = 1
 PR_SET_PTRACER = 0x59616D61
 
@@ -102,7 +104,7 @@ def run_rank() -> None:
     from ptops.ops.rank.warm import ENV_CHILD, WARM_LINE
 
     if os.environ.get(ENV_CHILD):
-        print(WARM_LINE.format(pool=os.environ[ENV_CHILD]), file=sys.stderr, flush=True)
+        ranklog.get("entry").info(WARM_LINE.format(pool=os.environ[ENV_CHILD]))
     recipe = from_json(run.recipe_json.read_text())
     probe = Probe.from_env()
     try:

@@ -56,9 +56,12 @@ from pathlib import Path
 from typing import Any
 
 from ptops.ops.rank.memory import sample as memory_sample
+from ptops.ops.runrecord import ranklog
 from ptops.ops.runrecord.rundir import RunDir, append_jsonl
 
 REQUIRED_KEYS = ("loss", "grad_norm", "lr", "step_s", "tokens_per_s")
+
+_LOG = ranklog.get("probe")
 
 
 def _clean(value: Any) -> Any:
@@ -361,32 +364,18 @@ class Probe:
             self._send({"t": "fault", **fields})
         else:
             self.run.event("fault_injected", **fields)
-        print(
-            f"[ptops.probe rank {self.rank}] injecting fault {fault} at step {step}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _LOG.info("injecting fault %s at step %s", fault, step)
 
     def _on_hold(self, step: int, phase: str = "hold") -> None:
         # a declared pause: the pings go on, and the phase tells the hang monitor it is no hang
         # (``eval``: as an engine's evaluation, judged by the learned eval budget)
         self._phase, self._step = phase, int(step)
         self._send({"t": "beat", "step": int(step), "phase": phase})
-        print(
-            f"[ptops.probe rank {self.rank}] holding before step {step} (until `ptops inject "
-            "RUN_DIR release`)",
-            file=sys.stderr,
-            flush=True,
-        )
+        _LOG.info("holding before step %s (until `ptops inject RUN_DIR release`)", step)
 
     def _on_release(self, step: int, held_s: float, by: str) -> None:
         self.event("hold_released", step=int(step), held_s=round(held_s, 3), by=by)
-        print(
-            f"[ptops.probe rank {self.rank}] released after {held_s:.1f} s ({by}); step {step} "
-            "begins",
-            file=sys.stderr,
-            flush=True,
-        )
+        _LOG.info("released after %.1f s (%s); step %s begins", held_s, by, step)
 
     def _stop_pinging(self) -> None:
         self._pinging.clear()

@@ -41,9 +41,11 @@ import threading
 import time
 from typing import Any
 
+from ptops.ops.runrecord import ranklog
+
 ENV_SOCKET = "PTOPS_WARM_SOCKET"
 ENV_CHILD = "PTOPS_WARM_POOL"  # set in a warm child: its pool's pid
-WARM_LINE = "[ptops.entry] warm rank: forked from pool {pool} with the engine imported"
+WARM_LINE = "warm rank: forked from pool {pool} with the engine imported"
 FORWARDED = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -128,7 +130,7 @@ def handoff() -> None:
 def say(msg: str) -> None:
     """One line of ``supervisor/warm.log``, stamped: its order against the run's events must be
     readable."""
-    print(f"[ptops.warm] {time.strftime('%H:%M:%S')} {msg}", flush=True)
+    ranklog.get("warm").info("%s %s", time.strftime("%H:%M:%S"), msg)
 
 
 def preload(engine: str) -> None:

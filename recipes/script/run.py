@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ptops.ops.runrecord import ranklog
+
 _PYTHON_FLAGS_WITH_ARG = {"-W", "-X", "-Q"}
 
 
@@ -137,11 +139,11 @@ def main(recipe: Any, probe: Any) -> None:
     api._bind(probe, recipe)
     argv = list(sec.command)
     target = python_target(argv)
-    print(
-        f"[ptops.script rank {probe.rank}] running {' '.join(argv)} in {os.getcwd()} "
-        f"({'in this process' if target else 'as a child process'})",
-        file=sys.stderr,
-        flush=True,
+    ranklog.get("script").info(
+        "running %s in %s (%s)",
+        " ".join(argv),
+        os.getcwd(),
+        "in this process" if target else "as a child process",
     )
     try:
         if target is None:

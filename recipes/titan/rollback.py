@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ptops.ops.runrecord import ranklog
 from ptops.recipes.rollback import RollbackInfo
 
 _STATE: dict[str, Any] = {}
@@ -87,11 +88,7 @@ def on_step(trainer: Any, data_iterator: Any, step: int, probe: Any) -> None:
     n = info.batches_to_skip(step, first, position_in_checkpoint=True)
     if n:
         dropped = _skip(trainer, data_iterator, n)
-        print(
-            f"[ptops.titan rank {_rank()}] rollback: skipped {dropped} batch(es) before step "
-            f"{step}",
-            flush=True,
-        )
+        ranklog.get("titan").info("rollback: skipped %s batch(es) before step %s", dropped, step)
         if probe is not None and _rank() == 0:
             probe.event(
                 "rollback_applied",

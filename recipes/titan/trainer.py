@@ -37,6 +37,8 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.trainer import Trainer
 
+from ptops.ops.runrecord import ranklog
+
 DATASET_NAME = "ptops_text"
 
 # The probe of this process; set by ``ptops.recipes.titan.run.main``. Without
@@ -148,7 +150,7 @@ def _world() -> int:
 
 
 def _log(msg: str) -> None:
-    print(f"[ptops.titan rank {_rank()}] {msg}", flush=True)
+    ranklog.get("titan").info("%s", msg)
 
 
 def _err_text(err: Any) -> str:
@@ -894,11 +896,7 @@ class ProbeTrainer(Trainer):
             self.ptops_stopped_at = step
             if isinstance(ckpt, ProbeCheckpointManager):
                 ckpt.stop_step = step
-            print(
-                f"[ptops.titan rank {_rank()}] stop requested: checkpointing step {step} and "
-                "stopping",
-                flush=True,
-            )
+            _log(f"stop requested: checkpointing step {step} and stopping")
 
     def should_continue_training(self) -> bool:
         return super().should_continue_training() and self.ptops_stopped_at is None

@@ -24,6 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ptops.ops.runrecord import ranklog
+
 TRAINERS = ("lora_sft", "reward", "rloo", "gkd")
 
 
@@ -166,10 +168,12 @@ def _teacher(recipe, probe, run_dir: Path):
     if "error" in pin:
         raise TeacherError(pin["error"])
     if rank0:
-        print(
-            f"[ptops.trl rank 0] teacher {pin['path']} (digest {str(pin['digest'])[:16]}, step "
-            f"{pin['step']}" + (", pinned by an earlier attempt)" if pin.get("pinned") else ")"),
-            flush=True,
+        ranklog.get("trl").info(
+            "teacher %s (digest %s, step %s%s",
+            pin["path"],
+            str(pin["digest"])[:16],
+            pin["step"],
+            ", pinned by an earlier attempt)" if pin.get("pinned") else ")",
         )
         probe.event(
             "teacher",

@@ -51,6 +51,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ptops.ops.runrecord import ranklog
 from ptops.ops.runrecord.rundir import RunDir
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9_.]+")
@@ -67,7 +68,7 @@ _SUMMARY_KEYS = {
 
 
 def _log(msg: str) -> None:
-    print(f"[ptops.trl rank {os.environ.get('RANK', '0')}] {msg}", flush=True)
+    ranklog.get("trl").info("%s", msg)
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ptops.ops.runrecord import ranklog
+
 
 def _gpu_visible() -> bool:
     """The launcher's cheap check (no torch import): an NVIDIA device node is present."""
@@ -51,10 +53,8 @@ def config_kwargs(sec, probe=None) -> dict[str, Any]:
     reason = unavailable(in_rank=True)
     if reason is not None:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(
-                f"[ptops.trl] vLLM {v.mode} mode unavailable ({reason}): generating with TRL's "
-                "generate path",
-                flush=True,
+            ranklog.get("trl").info(
+                "vLLM %s mode unavailable (%s): generating with TRL's generate path", v.mode, reason
             )
             if probe is not None:
                 probe.event("vllm_fallback", mode=v.mode, reason=reason)
