@@ -4,6 +4,11 @@ checkpoint (`SaveTransaction`), manifest/commit protocol, verification, catalog,
 retention and content digest. Imports only the stdlib at import time; torch is imported
 inside the functions that need it. Nothing outside this package imports its private
 modules (`_util`, `_dcpmeta`): what others need is exported here.
+
+What the folder holds: the checkpoint lifecycle (`lifecycle.py`: `resume_point`, `SaveTransaction`,
+layout helpers), manifest/commit, verify, catalog, quarantine, retention, digest; `background.py`:
+`BackgroundVerifier` (read-back verification of each commit, off the training thread). May import
+(of ptops): nothing.
 """
 
 from ._util import MANIFEST_NAME, detect_kind

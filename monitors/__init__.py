@@ -7,6 +7,11 @@ clock).
 The same objects run live in the supervisor and offline over a run's ``metrics.jsonl``
 (``ptops diagnose``): ``m.feed(record)`` per record, or, where every monitor gets the record,
 ``feed_at(record, keys, step, rank)`` with the record parsed once for all (``fast_entries``).
+
+What the folder holds: pure monitors (straggler, numeric, RL, hang), their `[monitors]` config, the
+registry (`registry.py`: name, class, config, runbook); the contract and helpers (`base.py`); one
+state for ranks that report the same values, and `Lockstep` (`shared.py`). May import (of ptops):
+nothing.
 """
 
 from __future__ import annotations

@@ -17,4 +17,11 @@ Convention for the commands in a runbook (``tests/test_runbooks_run.py`` enforce
 - A shell fence tagged otherwise (```` ```sh ````, ```` ```console ````, ```` ```bash foo ````) or
   an untagged fence is an error: nothing is skipped silently. Non-shell fences (```` ```toml ````)
   are text.
+
+What the folder holds: one Markdown runbook per alert and finding; a test fails when a name used
+anywhere has no file. Command convention (`runbooks/__init__.py`): the reader sets `RUN`; a `bash`
+block block runs as written (values derived with `jq`) and `tests/test_runbooks_run.py` runs it
+against a real faulted run; a `bash act` block block (first line `# act: why`) acts, or needs a live
+pid or the alert's host, and is not run; any other shell fence fails the test. May import (of
+ptops): —.
 """

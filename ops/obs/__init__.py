@@ -7,6 +7,12 @@ supervisor calls them as it writes; ``follow(run_dir, ...)`` tails a run
 directory and feeds any number of sinks (``ptops.ops.runrecord.follow``).
 
 Heavy imports (mlflow, pynvml) stay inside the modules that need them.
+
+What the folder holds: Prometheus exporter, MLflow exporter, W&B exporter (`wandb_export.py`:
+offline files in `RUN_DIR/wandb/`, `wandb.json` keeps the run id and how far it exported; it and
+MLflow's write in a thread behind `queued.py`'s `QueuedExporter`: the caller only enqueues, a full
+queue drops and counts), NVML, alert rules (`alerts/`), Grafana dashboard and provisioning
+(`grafana/`). May import (of ptops): runrecord, monitors (names).
 """
 
 from __future__ import annotations

@@ -8,4 +8,11 @@ reader.
 - ``rundir``: the paths of a run directory; ``status``: ``status.json`` and ``ptops status``'s data.
 
 Imports nothing else of ptops (design.md), so every layer above may read the record.
+
+What the folder holds: the run directory: paths (`rundir.py`), the event/state vocabulary and the
+reducer (`events.py`), the JSONL writer and tail reader (`jsonl.py`), followers for exporters
+(`follow.py`), `status.json` (`status.py`), the run lock (`lock.py`), the goodput account
+(`goodput.py`: productive time and where the rest went, for status, diagnose and the exporter
+alike), the one format of what ptops writes into a rank's log (`ranklog.py`: every rank-side part
+logs through it, no `print`; `tests/test_architecture.py` checks). May import (of ptops): nothing.
 """
