@@ -22,6 +22,7 @@ from ptops.diagnostics import crash as crashes
 from ptops.diagnostics import flightrec
 from ptops.diagnostics import stacks as hangstacks
 from ptops.diagnostics.memcurve import about_memory, curve_lines, memory_curve
+from ptops.ops.runrecord.events import is_all_clear
 
 # anomaly findings of one monitor closer than this many steps are one episode
 EPISODE_GAP_STEPS = 10
@@ -658,8 +659,8 @@ class _Builder:
     def _rl(self, ep, attempt) -> None:
         # an episode's all-clear (phase "resolved") ends it; the incident is the warning/escalation
         # before it
-        clear = next((f for f in ep if f.get("phase") == "resolved"), None)
-        body = [f for f in ep if f.get("phase") != "resolved"] or ep
+        clear = next((f for f in ep if is_all_clear(f)), None)
+        body = [f for f in ep if not is_all_clear(f)] or ep
         s0, s1, t0, t1, sev = self._span(body)
         m = body[0]["monitor"]
         tail = f" (all clear at step {clear['step']})" if clear is not None else ""

@@ -42,6 +42,7 @@ from ptops.ops.runrecord.events import (
     TERMINAL_STATES,
     EventKind,
     RunState,
+    is_all_clear,
     next_state,
 )
 from ptops.ops.runrecord.goodput import Goodput
@@ -235,9 +236,7 @@ class PrometheusExporter:
             elif kind == EventKind.ANOMALY:
                 m = self._monitor_label(_slug(event.get("monitor")))
                 phase = event.get("phase")
-                if (
-                    phase == "resolved"
-                ):  # an episode's all-clear: closes it; not a finding to count or alert on
+                if is_all_clear(event):
                     s.episode_open[m] = 0
                 else:
                     s.anomalies[m] = s.anomalies.get(m, 0) + 1

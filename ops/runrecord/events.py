@@ -463,6 +463,19 @@ RANK_KINDS = frozenset(
 # Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).
 MONITOR_FINDING_KINDS = frozenset({EventKind.STRAGGLER, EventKind.ANOMALY})
 FINDING_KINDS = frozenset(k for k, s in SPECS.items() if s.finding)
+ALL_CLEAR = "resolved"  # the phase of an episode's last finding
+
+
+def is_all_clear(finding: Any) -> bool:
+    """An episode's all-clear (a finding event or a monitor's Finding of phase ``resolved``,
+    severity info): it closes its episode's findings and is never acted on, counted or alerted on.
+    The one place this rule is written (the reducer, the policy, the exporter, diagnose)."""
+    phase = (
+        finding.get("phase") if isinstance(finding, Mapping) else getattr(finding, "phase", None)
+    )
+    return phase == ALL_CLEAR
+
+
 INCIDENT_KINDS = frozenset(k for k, s in SPECS.items() if s.severity)
 SUMMARY_KINDS = frozenset(k for k, s in SPECS.items() if s.summary)
 
@@ -568,7 +581,7 @@ def reduce(events: Iterable[Mapping[str, Any]]) -> RunView:
         elif kind == EventKind.CHECKPOINT:
             v.last_checkpoint = dict(e)
         if kind in FINDING_KINDS and v.launches:
-            if e.get("phase") == "resolved":  # an all-clear closes its episode's findings
+            if is_all_clear(e):
                 v.open_findings = [
                     f
                     for f in v.open_findings

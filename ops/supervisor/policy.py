@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from ptops.monitors.config import MonitorsSection
-from ptops.ops.runrecord.events import EventKind
+from ptops.ops.runrecord.events import EventKind, is_all_clear
 from ptops.ops.supervisor import exitcodes
 from ptops.recipes.rollback import RollbackInfo, skip_start
 from ptops.recipes.schema import RestartConfig
@@ -228,8 +228,8 @@ class FindingPolicy:
 
     def decide(self, finding: Any) -> FindingDecision:
         action = "alert" if self.record_only else self.section.action_for(finding.monitor)
-        if getattr(finding, "phase", None) == "resolved":
-            action = "alert"  # an all-clear ends an episode: recorded, never acted on
+        if is_all_clear(finding):
+            action = "alert"  # recorded, never acted on
         if action == "exclude_node" and finding.monitor != "straggler":
             action = "alert"  # only a straggler names a node; the schema allows it nowhere else
         if action not in FINDING_EFFECTS:
