@@ -268,13 +268,14 @@ def test_vllm_config_kwargs_fall_back_without_a_gpu(capsys, monkeypatch):
     rec, _ = load("trl-grpo-tiny", ['trl.vllm.mode="colocate"'])
     probe = P()
     assert vllm.config_kwargs(rec.trl, probe) == {"use_vllm": False}
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "generate path" in out[0] and "colocate" in out[0]
+    out = capsys.readouterr().err.strip().splitlines()  # the rank's log line (ranklog: stderr)
+    assert len(out) == 1 and out[0].startswith("[ptops.trl rank 0] vLLM colocate mode unavailable")
+    assert "generate path" in out[0]
     assert [k for k, _ in probe.events] == ["vllm_fallback"] and probe.events[0][1][
         "mode"
     ] == "colocate"
     monkeypatch.setenv("RANK", "1")
-    assert vllm.config_kwargs(rec.trl, P()) == {"use_vllm": False} and capsys.readouterr().out == ""
+    assert vllm.config_kwargs(rec.trl, P()) == {"use_vllm": False} and capsys.readouterr().err == ""
     assert (
         vllm.sidecar_specs(load("trl-grpo-tiny", ['trl.vllm.mode="server"'])[0]) == []
     )  # no GPU: no server
