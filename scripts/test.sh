@@ -2,8 +2,8 @@
 # Sets up ptops and runs its test suite (real TorchTitan and TRL training on CPU).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k titan, or -n 2 for two pytest-xdist workers
 # (--dist loadfile is set; tests/conftest.py hands out the longest modules first). One process by default:
-# on a 2-core machine two workers saturate the CPU and test_hang_budgets' learned load budget was lost once
-# (fresh clone 2026-12-01: the hang was found by the 600 s first-occurrence budget); see the issue 27 note.
+# on a 2-core machine two workers saturate the CPU and buy little (docs/history.md). `-m extended` runs the
+# tests that repeat a default test's path (tests/conftest.py EXTENDED); docs/development.md lists the markers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --servers
