@@ -67,9 +67,9 @@ THIN = textwrap.dedent("""
 def pool(tmp_path):
     name = f"ptops-warm-test-{secrets.token_hex(6)}"
     proc = subprocess.Popen(
-        [sys.executable, "-c", POOL, name], cwd=REPO, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", POOL, name], cwd=REPO, stderr=subprocess.PIPE, text=True
     )
-    line = proc.stdout.readline()
+    line = proc.stderr.readline()  # the pool's log lines (ranklog: stderr; warm.log has both)
     assert line.startswith("[ptops.warm] ") and " ready " in line, (
         f"the pool did not come up: {line!r}"
     )
