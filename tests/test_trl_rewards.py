@@ -403,6 +403,23 @@ def judge_section():
     return rec.trl.judge
 
 
+def _reward_model_dir(judge_section, out, seed: int) -> None:
+    """A one-label sequence classifier of the tiny judge's config (random init, ``seed``) with its
+    tokenizer: what a reward-model stage leaves, as a judge directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from ptops.recipes.trl.judge import judge_dir
+
+    src = judge_dir(judge_section)
+    cfg = AutoConfig.from_pretrained(str(src))
+    cfg.num_labels = 1
+    torch.manual_seed(seed)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(str(out))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out / f).write_bytes((src / f).read_bytes())
+
+
 def test_judge_scores_are_pure_and_leave_the_rng_alone(judge_section):
     import torch
 
@@ -430,19 +447,10 @@ def test_judge_scores_are_pure_and_leave_the_rng_alone(judge_section):
 def test_reward_model_judge_from_a_checkpoint_dir_and_a_pinned_digest(judge_section, tmp_path):
     """A reward-model stage's output (*ForSequenceClassification) serves as the judge; its digest
     names it, and a recipe pinning another digest refuses it."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     from ptops.recipes.trl.judge import JudgeError, judge_dir, load_judge, weights_digest
 
     src = judge_dir(judge_section)
-    cfg = AutoConfig.from_pretrained(str(src))
-    cfg.num_labels = 1
-    torch.manual_seed(3)
-    rm = AutoModelForSequenceClassification.from_config(cfg)
-    rm.save_pretrained(str(tmp_path / "rm"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (tmp_path / "rm" / f).write_bytes((src / f).read_bytes())
+    _reward_model_dir(judge_section, tmp_path / "rm", seed=3)
     section = judge_section.model_copy(update={"path": str(tmp_path / "rm")})
     judge = load_judge(section)
     assert judge.kind == "rm" and judge.digest == weights_digest(tmp_path / "rm") != weights_digest(
@@ -497,18 +505,9 @@ def test_addressing_the_judge_never_scores_higher_than_the_same_answer_without(
 ):
     """Over pairs (an answer; the same answer plus words to the grader), for the LLM judge and a
     reward-model judge: the addressed one never scores higher, and the share is logged."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from ptops.recipes.trl.judge import JudgeReward, load_judge
 
-    from ptops.recipes.trl.judge import JudgeReward, judge_dir, load_judge
-
-    src = judge_dir(judge_section)
-    cfg = AutoConfig.from_pretrained(str(src))
-    cfg.num_labels = 1
-    torch.manual_seed(5)
-    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(str(tmp_path / "rm"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (tmp_path / "rm" / f).write_bytes((src / f).read_bytes())
+    _reward_model_dir(judge_section, tmp_path / "rm", seed=5)
     judges = [
         load_judge(judge_section),
         load_judge(judge_section.model_copy(update={"path": str(tmp_path / "rm")})),
