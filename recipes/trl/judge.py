@@ -130,34 +130,31 @@ def _sentences(text: str) -> list[str]:
     return [m.group(0) for m in _SENTENCE.finditer(text) if m.group(0)]
 
 
-def addresses_grader(text: str, controls=()) -> bool:
-    """Words to the grader (``ADDRESSED``), or a control string of the judge's tokenizer (a
-    completion has no business opening or closing a turn)."""
-    return any(c in text for c in controls) or any(ADDRESSED.search(x) for x in _sentences(text))
-
-
 def unaddressed(text: str, controls=()) -> list[str]:
-    """The completion without the words that address the grader, three ways: each such sentence
-    dropped; each cut from the words to its end (an answer and an address may share a sentence);
-    everything from the first such words (or control string) on. The score is the least of the
-    completion's and these."""
+    """The completion without the words that address the grader (``ADDRESSED``) or a control
+    string of the judge's tokenizer (a completion has no business opening or closing a turn), three
+    ways: each such sentence dropped; each cut from the words to its end (an answer and an address
+    may share a sentence); everything from the first such words (or control string) on. Empty when
+    the completion has none: it is judged as it is. Else its score is the least of its own and
+    these."""
 
     def tidy(parts) -> str:
         return re.sub(r"[ \t]{2,}", " ", "".join(parts)).strip().rstrip("\"'`").strip()
 
     sentences = _sentences(text)
-    dropped = tidy(x for x in sentences if not ADDRESSED.search(x))
-    cut = tidy(x[: m.start()] if (m := ADDRESSED.search(x)) else x for x in sentences)
-    first, at = len(text), 0
-    for x in sentences:
-        if m := ADDRESSED.search(x):
-            first = min(first, at + m.start())
+    hits = [ADDRESSED.search(x) for x in sentences]  # once per sentence
+    starts = [text.index(c) for c in controls if isinstance(c, str) and len(c) > 1 and c in text]
+    at = 0
+    for x, m in zip(sentences, hits):
+        if m:
+            starts.append(at + m.start())
             break
         at += len(x)
-    for c in controls:
-        if isinstance(c, str) and len(c) > 1 and c in text:
-            first = min(first, text.index(c))
-    return list(dict.fromkeys((dropped, cut, tidy(text[:first]))))
+    if not starts:
+        return []
+    dropped = tidy(x for x, m in zip(sentences, hits) if not m)
+    cut = tidy(x[: m.start()] if m else x for x, m in zip(sentences, hits))
+    return list(dict.fromkeys((dropped, cut, tidy(text[: min(starts)]))))
 
 
 class Judge:
@@ -237,9 +234,9 @@ class Judge:
         """In [0, 1]; a completion that addresses the grader scores no higher than without it."""
         text = _text(completion)[: self.max_chars]  # what the judge would read of it
         score = self._score(prompt, text)
-        if addresses_grader(text, self.controls):
+        bare = unaddressed(text, self.controls)
+        if bare:
             self.addressed += 1
-            bare = unaddressed(text, self.controls)
             score = min([score, *(self._score(prompt, b) for b in bare)])
         return score
 
