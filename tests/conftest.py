@@ -13,9 +13,10 @@ PTOPS = [sys.executable, "-m", "ptops"]
 def run_ptops(
     *args: str, timeout: float = 600, env: dict | None = None, check: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess, as a user would."""
+    """Run the real CLI in a subprocess, as a user would (``env``: a value of None unsets)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
+    full_env = {k: v for k, v in full_env.items() if v is not None}
     proc = subprocess.run(
         [*PTOPS, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
     )
@@ -34,6 +35,62 @@ def ptops():
 
 def pytest_report_header(config):
     return [f"ptops repo: {REPO}", f"CI={os.environ.get('CI', '')}"]
+
+
+# ------------------------------------------------------------------- the session's standing pools
+# Most of a small launch is its ranks importing torch and the engine (~10 CPU-s each here): the
+# session keeps one `ptops warm` (titan and trl pools) and every launch starts its ranks from it,
+# the first attempt included. Tests of the cold path (torchrun, the run's own pool) say
+# `pytest.mark.cold`, on the test or the module; PTOPS_TESTS_COLD=1 runs everything cold.
+STANDING = "PTOPS_STANDING_POOL"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def standing_pool(tmp_path_factory):
+    if os.environ.get("PTOPS_TESTS_COLD") == "1":
+        os.environ.pop(STANDING, None)
+        yield None
+        return
+    name = f"ptops-tests-{os.getpid()}"
+    logs = tmp_path_factory.mktemp("warm")
+    proc = subprocess.Popen(
+        [*PTOPS, "warm", "titan", "trl", "--name", name, "--log-dir", str(logs), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+    )
+    line = proc.stdout.readline()  # `--json`: one line once both pools answer, EOF if they fail
+    if not line:
+        proc.wait()
+        raise RuntimeError(
+            f"`ptops warm` exited {proc.returncode} before its pools were ready: {logs}"
+        )
+    os.environ[STANDING] = name
+    yield name
+    os.environ.pop(STANDING, None)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _cold_scope(node):
+    """Without the standing pool while ``node`` (a module or a test marked ``cold``) runs."""
+    if node.get_closest_marker("cold") is None or STANDING not in os.environ:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(STANDING)
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cold_module(request, standing_pool):
+    yield from _cold_scope(request.node)
+
+
+@pytest.fixture(autouse=True)
+def _cold_test(request, _cold_module):
+    yield from _cold_scope(request.node)
 
 
 @pytest.fixture(scope="session")

@@ -44,6 +44,8 @@ FAST_HANG = [
 # the hang run uses the shipped hang defaults (issue 12: detection needs no tuning); only the
 # backoff is short
 DEFAULT_HANG = ["--set", "supervisor.restart.backoff_s=0.5"]
+# cold, whichever test asks first: the crash run keeps the run's own pool (test_warm reads it)
+COLD = {"PTOPS_STANDING_POOL": None}
 HOLD_COMMITTED = "hold:step=12,until=committed,seconds=120"
 
 KINDS = ("reference", "crash", "hang", "nan", "straggler", "corrupt")
@@ -76,6 +78,7 @@ def _launch(run: Path, *args: str) -> subprocess.CompletedProcess:
         *args,
         "--json",
         timeout=900,
+        env=COLD,
     )
 
 
@@ -98,6 +101,7 @@ def _hang(run: Path) -> tuple[subprocess.CompletedProcess, dict]:
             "--json",
         ],
         cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "PTOPS_STANDING_POOL"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -140,6 +144,7 @@ def make(kind: str, run: Path) -> Faulted:
             "--no-mlflow",
             "--json",
             timeout=900,
+            env=COLD,
         )
         return Faulted(run, proc, {})
     if kind == "crash":

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import PTOPS, REPO, run_ptops
 
-pytestmark = pytest.mark.slow
+# the default path, torchrun and the run's own pool, not the session's standing pool
+pytestmark = [pytest.mark.slow, pytest.mark.cold]
 
 STEPS = ["--set", "train.steps=16", "--set", "checkpoint.interval=5"]
 FAST_HANG = [

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cold  # the run's own pool and torchrun are what these test
+
 REPO = Path(__file__).resolve().parent.parent
 
 POOL = textwrap.dedent("""
@@ -45,6 +47,10 @@ POOL = textwrap.dedent("""
             os.rename(mine + ".tmp", mine)
             while True:
                 time.sleep(0.1)
+        if how == "exec":  # no Python left in the child: its own watchdog thread is gone too
+            with open(os.environ["PIDFILE"], "w") as f:
+                f.write(str(os.getpid()))
+            os.execv("/bin/sleep", ["sleep", "600"])
         if how == "term":
             signal.signal(signal.SIGTERM, lambda *a: (print("child got SIGTERM", flush=True), os._exit(7)))
         with open(os.environ["PIDFILE"], "w") as f:
@@ -141,6 +147,28 @@ def test_the_child_dies_with_the_thin_rank(pool, tmp_path):
         time.sleep(0.05)
     else:
         raise AssertionError(f"warm child {child} outlived its thin rank")
+
+
+def test_the_pool_kills_a_child_whose_requester_is_gone(pool, tmp_path):
+    """The layer that bounds a standing pool's children (no run directory for sweeps to find):
+    the child here exec'd away its own watchdog, so only the pool can end it."""
+    p = thin(pool, tmp_path, "exec")
+    child = _wait_file(tmp_path / "pid", p)
+    for _ in range(100):  # the exec is done when the child's command line is sleep's
+        if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep"):
+            break
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    for _ in range(200):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        raise AssertionError(f"warm child {child} outlived its requester")
 
 
 def launcher(name: str, tmp_path: Path, stub: str, nproc: int = 3, **env: str) -> subprocess.Popen:

@@ -505,6 +505,10 @@ from ptops.ops.cli.pipeline import register as _register_pipeline  # noqa: E402
 
 _register_pipeline(app)
 
+from ptops.ops.cli.warm import register as _register_warm  # noqa: E402
+
+_register_warm(app)
+
 
 def main() -> None:
     try:

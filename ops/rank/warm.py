@@ -23,9 +23,16 @@ watch); the children carry the run's ``PTOPS_RUN_DIR`` like every rank, so the s
 find them. When the pool is not listening yet (still importing) or is gone, the rank starts cold as
 before.
 
+A *standing* pool (``ptops warm ENGINE``) is the same loop started by hand, outside any run: on a
+workstation or in a test session, every launch whose ``PTOPS_WARM_POOL`` names it starts its first
+attempt warm too (``ops/supervisor/warmpool.py``). It carries no run directory, so the supervisor's
+sweeps do not see its children; what bounds them is the requester: the pool SIGKILLs a child the
+moment the connection of the rank (or ``warmlaunch``) that asked for it closes.
+
 Protocol (an abstract Unix socket ``\\0<PTOPS_WARM_SOCKET>``): the rank sends an 8-byte length with
 its three fds (SCM_RIGHTS), then that many bytes of JSON ``{env, argv, cwd, pid}``; the pool answers
-one JSON line ``{"pid": child}`` and, when the child ends, one line ``{"status": waitstatus}``.
+one JSON line ``{"pid": child}`` and, when the child ends, one line ``{"status": waitstatus}``. A
+length of 0 without fds asks what the pool is (:func:`describe`): one JSON line, then it closes.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ from ptops.ops.runrecord import ranklog
 
 ENV_SOCKET = "PTOPS_WARM_SOCKET"
 ENV_CHILD = "PTOPS_WARM_POOL"  # set in a warm child: its pool's pid
+ENV_STANDING = "PTOPS_STANDING_POOL"  # `ptops warm`: NAME (each engine at NAME-ENGINE)
+# read once, at import (libgomp's thread count, huggingface_hub's and transformers' offline flags):
+# a child keeps its pool's values whatever its request says, so a launch must match them
+IMPORT_ENV = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 WARM_LINE = "warm rank: forked from pool {pool} with the engine imported"
 FORWARDED = (
     signal.SIGTERM,
@@ -80,6 +91,35 @@ def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.soc
         s.close()
         raise
     return s, f, child
+
+
+def describe(name: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """What the pool ``name`` imported and with what (:func:`identity`); raises ``OSError`` /
+    ``ValueError`` when none answers."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect("\0" + name)
+        s.sendall(struct.pack("!Q", 0))
+        line = s.makefile("rb").readline()
+    out = json.loads(line)
+    if not isinstance(out, dict):
+        raise ValueError(f"the pool answered {line[:200]!r}")
+    return out
+
+
+def identity(engine: str) -> dict[str, Any]:
+    """What a forked child inherits and cannot change afterwards: the interpreter, the ptops code
+    it imported, the engine, and the environment read at import (:data:`IMPORT_ENV`). A launch
+    uses a standing pool only when all of them match its own."""
+    import ptops
+
+    return {
+        "pid": os.getpid(),
+        "engine": engine,
+        "python": sys.executable,
+        "ptops": os.path.dirname(os.path.abspath(ptops.__file__)),
+        "env": {k: os.environ.get(k, "") for k in IMPORT_ENV},
+    }
 
 
 # --------------------------------------------------------------------------- the rank's side (thin)
@@ -203,22 +243,22 @@ def serve(name: str, engine: str, target: Any = None) -> None:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind("\0" + name)
     srv.listen(64)
+    me = identity(engine)
     say(f"pool {os.getpid()} ready ({engine}) after {time.monotonic() - t0:.1f} s")
     waiting: dict[int, socket.socket] = {}  # child pid -> its requester's connection
-    exits: dict[
-        int, int
-    ] = {}  # pidfd -> child pid: a child's exit is reported the moment it happens
+    exits: dict[int, int] = {}  # pidfd -> child pid: a child's exit is reported at once
     while True:
-        ready, _, _ = select.select([srv, *exits], [], [], 1.0)
+        asked = {conn.fileno(): pid for pid, conn in waiting.items() if conn.fileno() >= 0}
+        ready, _, _ = select.select([srv, *exits, *asked], [], [], 1.0)
         if srv in ready:
             conn, _ = srv.accept()
             try:
-                child = _start(srv, conn, target)
+                child = _start(srv, conn, target, me)
             except Exception as e:  # noqa: BLE001 - a bad request must not end the pool
                 say(f"request failed: {type(e).__name__}: {e}")
                 conn.close()
             else:
-                if child is None:  # a readiness probe
+                if child is None:  # a readiness probe, or a question answered
                     conn.close()
                     continue
                 waiting[child] = conn
@@ -229,6 +269,8 @@ def serve(name: str, engine: str, target: Any = None) -> None:
         for fd in [fd for fd in ready if fd in exits]:
             os.close(fd)
             del exits[fd]
+        for fd in [fd for fd in ready if fd in asked]:
+            _requester_gone(waiting[asked[fd]], asked[fd])
         while waiting:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -245,6 +287,23 @@ def serve(name: str, engine: str, target: Any = None) -> None:
                 conn.close()
 
 
+def _requester_gone(conn: socket.socket, child: int) -> None:
+    """A requester never sends after its request: a readable connection is a closed one (the thin
+    rank or ``warmlaunch`` died), and its child must not outlive it."""
+    try:
+        gone = conn.recv(4096, socket.MSG_DONTWAIT) == b""  # bytes after a request: dropped
+    except BlockingIOError:
+        return
+    except OSError:
+        gone = True
+    if gone:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+        conn.close()  # its status, when reaped, goes nowhere
+
+
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
     out = b""
     while len(out) < n:
@@ -255,11 +314,16 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return out
 
 
-def _start(srv: socket.socket, conn: socket.socket, target: Any = None) -> int | None:
+def _start(
+    srv: socket.socket, conn: socket.socket, target: Any = None, me: dict | None = None
+) -> int | None:
     """Fork the child a request asks for; None for a readiness probe (a connection closed
-    unsaid)."""
+    unsaid) or a question (:func:`describe`)."""
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
     if not head and not fds:
+        return None
+    if head == struct.pack("!Q", 0) and not fds:
+        conn.sendall(json.dumps(me or {}).encode() + b"\n")
         return None
     if len(head) != 8 or len(fds) != 3:
         raise ValueError("bad handoff header")

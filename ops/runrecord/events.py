@@ -147,13 +147,15 @@ SPECS: dict[EventKind, EventSpec] = {
             "ranks_from",
             "warm_pool",
             "warm_wait_s",
+            "standing_pool",
             "cold_why",
             "cold_detail",
         ),
         state=RunState.RUNNING,
         doc="an attempt's ranks were started; ranks_from: \"warm\" (forked from the run's warm "
-        'pool, after warm_wait_s waiting for its import) or "cold" (torchrun; cold_why: '
-        "no_pool, pool_not_started, pool_exited, pool_not_ready, pool_declined, stopping)",
+        "pool, after warm_wait_s waiting for its import, or from the standing_pool of `ptops "
+        'warm`) or "cold" (torchrun; cold_why: no_pool, pool_not_started, pool_exited, '
+        "pool_not_ready, pool_declined, stopping, standing_pool_gone, standing_pool_differs)",
     ),
     K.CHECKPOINT: EventSpec(
         ("step", "path", "blocking_s", "total_s"),

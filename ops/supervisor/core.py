@@ -45,6 +45,7 @@ from ptops.ckpt import resume_point
 from ptops.faultinject.spec import Fault
 from ptops.monitors.hang import HangMonitor, Learned
 from ptops.ops.rank.channel import write_info
+from ptops.ops.rank.warm import ENV_STANDING
 from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
 from ptops.ops.runrecord.jsonl import JsonlAppender
 from ptops.ops.runrecord.lock import acquire, release
@@ -138,6 +139,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         # warm spare ranks for restarts (a plain launch never restarts: no pool)
         wanted = self.cfg.restart.warm_pool_wanted(recipe.launch.nproc, os.cpu_count())
         self.warm = WarmPool(recipe, run) if wanted and self.supervised else None
+        if os.environ.get(ENV_STANDING):  # `ptops warm`: every attempt, the first too
+            self.warm = WarmPool(recipe, run, standing=os.environ[ENV_STANDING])
         self.no_warm_why = (  # the launch event's cold_detail when there is no pool
             ""
             if self.warm is not None

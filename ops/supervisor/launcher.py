@@ -92,22 +92,24 @@ def rank_command(
         "--monitor-interval", "0.5",
         "-m", "ptops.ops.rank.entry",
     ]  # fmt: skip
-    env = dict(os.environ)
-    env.update(
-        {
-            "PTOPS_RUN_DIR": str(run.path.resolve()),
-            "PTOPS_ATTEMPT": str(attempt),
-            "OMP_NUM_THREADS": str(recipe.launch.omp_num_threads),
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONFAULTHANDLER": "1",
-        }
-    )
+    env = {**os.environ, **rank_constants(recipe.launch.omp_num_threads)}
+    env.update({"PTOPS_RUN_DIR": str(run.path.resolve()), "PTOPS_ATTEMPT": str(attempt)})
     env.update(extra_env or {})
     return RankCommand(argv, env)
+
+
+def rank_constants(omp_num_threads: int) -> dict[str, str]:
+    """The environment every rank gets whatever its run; a standing warm pool (``ptops warm``)
+    imports under it too, so its children match a cold rank."""
+    return {
+        "OMP_NUM_THREADS": str(omp_num_threads),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
 
 
 def completed_step(run: RunDir) -> int:

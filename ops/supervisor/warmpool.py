@@ -15,6 +15,11 @@ listening (warm.log said "ready" 22 s after the restart) and the restart went co
 that import. Now the pool imports alongside the first attempt's ranks, and a restart that still
 finds it importing waits for it (up to ``[supervisor.hang] import_s`` from its start) rather than
 importing everything again next to it. A pool that exited is replaced when the next attempt starts.
+
+A *standing* pool (``ptops warm``, named by ``PTOPS_STANDING_POOL``) is not the run's: the run
+neither starts nor stops it, and every attempt, the first included, asks it (:meth:`source`) whether
+it imported the same interpreter, ptops, engine and import-time environment as this launch; a pool
+that is gone or differs means a cold start that says why.
 """
 
 from __future__ import annotations
@@ -27,14 +32,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ptops.ops.rank.warm import ENV_SOCKET
+from ptops.ops.rank.warm import ENV_SOCKET, IMPORT_ENV, describe, identity
 from ptops.ops.supervisor import launcher, procs
 
 
 class WarmPool:
-    def __init__(self, recipe, run) -> None:
+    def __init__(self, recipe, run, standing: str = "") -> None:
         self.recipe, self.run = recipe, run
-        self.name = f"ptops-warm-{secrets.token_hex(8)}"
+        self.standing = f"{standing}-{recipe.engine}" if standing else ""
+        self.name = self.standing or f"ptops-warm-{secrets.token_hex(8)}"
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
         self.declined = ""  # the pool's own "no warm pool: ..." (exit 0): not started again
@@ -53,7 +59,7 @@ class WarmPool:
     def wanted(self) -> bool:
         """Start one (again): none runs, and none declined (a GPU its forked children could not
         use)."""
-        return self.proc is None and not self.declined
+        return self.proc is None and not self.declined and not self.standing
 
     def launch_command(self, cmd: launcher.RankCommand, nproc: int) -> launcher.RankCommand:
         """An attempt's ranks forked straight from the pool (``ops/rank/warmlaunch.py``) instead of
@@ -97,6 +103,8 @@ class WarmPool:
         or ``{"ranks_from": "cold", "cold_why": CODE, "cold_detail": TEXT}``. Waits while the pool
         is still importing, until it answers, exits, ``budget_s`` after its start has passed, or
         ``stop()``."""
+        if self.standing:
+            return self._standing_source()
         if self.declined:
             return _cold("pool_declined", self.declined)
         if self.proc is None:
@@ -125,6 +133,24 @@ class WarmPool:
                 return _cold("pool_not_ready", detail)
             time.sleep(0.05)
 
+    def _standing_source(self) -> dict:
+        try:
+            pool = describe(self.name)
+        except (OSError, ValueError) as e:
+            why = f"no standing pool answers at {self.name} ({type(e).__name__}: {e})"
+            return _cold("standing_pool_gone", why)
+        ours = identity(self.recipe.engine)
+        env = launcher.rank_command(self.recipe, self.run, 0).env
+        ours["env"] = {k: env.get(k, "") for k in IMPORT_ENV}
+        differ = [
+            f"{k}: pool {pool.get(k)!r}, this launch {ours[k]!r}"
+            for k in ("engine", "python", "ptops", "env")
+            if pool.get(k) != ours[k]
+        ]
+        if differ:
+            return _cold("standing_pool_differs", f"{self.name}: " + "; ".join(differ))
+        return {"ranks_from": "warm", "warm_wait_s": 0.0, "standing_pool": self.name}
+
     def _last_line(self) -> str:
         try:
             lines = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
@@ -138,7 +164,7 @@ class WarmPool:
         self.proc = None
 
     def stop(self) -> None:
-        if self.proc is None:
+        if self.proc is None:  # a standing pool is never ours to stop
             return
         procs.killpg(self.proc.pid, 9)
         procs.signal_all([self.proc.pid], 9)  # also when it is not a group leader

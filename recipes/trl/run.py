@@ -546,6 +546,16 @@ def choose_resume(run: RunDir, world: int, probe: Any = None) -> Path | None:
     return Path(chosen) if chosen else None
 
 
+def preload() -> None:
+    """What a warm pool imports ahead of a rank (``ops/rank/warm.py``): torch, transformers,
+    datasets, peft and TRL's trainers, most of a TRL rank's start-up (bench/README.md)."""
+    import datasets  # noqa: F401
+    import peft  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import transformers  # noqa: F401
+    from trl import DPOTrainer, GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer  # noqa: F401
+
+
 def main(recipe, probe) -> None:
     from ptops.ckpt import checkpoint_path
 

@@ -1,0 +1,62 @@
+"""`ptops warm`: a standing pool forks the ranks of every attempt of a launch that names it, and
+they end where cold ranks end; a launch the pool does not fit starts cold and says why."""
+
+import json
+from pathlib import Path
+
+from conftest import run_ptops
+from faulted import HOLD_COMMITTED, STEPS
+
+from ptops.ckpt import digest
+from ptops.ops.rank.warm import WARM_LINE
+from ptops.ops.runrecord.rundir import RunDir
+from ptops.ops.supervisor.warmpool import WarmPool
+from ptops.recipes.schema import load
+
+
+def _launches(run: Path) -> list[dict]:
+    ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    return [e for e in ev if e["kind"] == "launch"]
+
+
+def test_a_crashed_run_from_the_standing_pool_ends_where_a_cold_run_ends(
+    standing_pool, faulted_runs, tmp_path
+):
+    assert standing_pool, "the session's standing pool is off (PTOPS_TESTS_COLD=1)"
+    ref = faulted_runs.get("reference")  # cold: torchrun, no pool
+    run = tmp_path / "run"
+    p = run_ptops(
+        "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--no-mlflow",
+        "--fault", "crash:rank=1,step=12", "--fault", HOLD_COMMITTED, "--json", timeout=900,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    pool = f"{standing_pool}-titan"
+    got = [(e["attempt"], e["ranks_from"], e.get("standing_pool")) for e in _launches(run)]
+    assert got == [(1, "warm", pool), (2, "warm", pool)], got
+    assert digest(run / "checkpoints" / "step-16") == digest(ref.run / "checkpoints" / "step-16")
+    for attempt in (1, 2):
+        log = (run / "logs" / f"attempt-{attempt}" / "rank-0.log").read_text(errors="replace")
+        assert WARM_LINE.split("{")[0] in log, log[-2000:]
+
+
+def test_a_launch_the_pool_does_not_fit_starts_cold_and_says_why(standing_pool, tmp_path):
+    assert standing_pool, "the session's standing pool is off (PTOPS_TESTS_COLD=1)"
+    run = RunDir(tmp_path / "run")
+    fits, _ = load("titan-tiny")
+    assert WarmPool(fits, run, standing=standing_pool).source(5, lambda: False) == {
+        "ranks_from": "warm",
+        "warm_wait_s": 0.0,
+        "standing_pool": f"{standing_pool}-titan",
+    }
+    threads, _ = load("titan-tiny", ["launch.omp_num_threads=2"])
+    got = WarmPool(threads, run, standing=standing_pool).source(5, lambda: False)
+    assert got["ranks_from"] == "cold" and got["cold_why"] == "standing_pool_differs", got
+    assert "OMP_NUM_THREADS" in got["cold_detail"] and "'2'" in got["cold_detail"], got
+    gone = WarmPool(fits, run, standing=f"{standing_pool}-none").source(5, lambda: False)
+    assert gone["cold_why"] == "standing_pool_gone" and "-none-titan" in gone["cold_detail"], gone
+
+
+def test_ptops_warm_refuses_an_unknown_engine_in_one_line():
+    p = run_ptops("warm", "nosuch", env={"PTOPS_STANDING_POOL": None}, timeout=120)
+    assert p.returncode == 2 and "unknown engine 'nosuch'" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
