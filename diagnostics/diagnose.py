@@ -28,7 +28,8 @@ is stable; keys are only ever added::
                      "runbook": str | null} ],
       "notes": [str],
       "incidents": [ {"id": int, "kind": "crash" | "hang" | "numeric" | "straggler" | "rl" |
-                      "checkpoint" | "preempt" | "stop" | "failed" | "monitor", "title": str,
+                      "checkpoint" | "preempt" | "stop" | "failed" | "monitor" | "sdc",
+                      "title": str,
                       "severity": "critical" | "warning" | "info", "ts": float | null,
                       "ts_end": float | null, "attempt": int | null, "step": int | null,
                       "rank": int | null, "ranks": [int], "host": str | null, "evidence": [str],

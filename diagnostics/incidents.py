@@ -497,7 +497,7 @@ class _Builder:
             key = (
                 fam,
                 f["attempt"],
-                f["rank"] if fam == "straggler" else None,
+                f["rank"] if fam in ("straggler", "sdc") else None,
                 f["monitor"] if fam == "rl" else None,
             )
             eps = groups.setdefault(key, [])
@@ -522,9 +522,9 @@ class _Builder:
                 eps.append([f])
         for (fam, attempt, _r, _m), eps in groups.items():
             for ep in eps:
-                getattr(self, f"_{fam}" if fam in ("numeric", "straggler", "rl") else "_other")(
-                    ep, attempt
-                )
+                getattr(
+                    self, f"_{fam}" if fam in ("numeric", "straggler", "rl", "sdc") else "_other"
+                )(ep, attempt)
 
     def _span(self, ep):
         steps = [f["step"] for f in ep if isinstance(f["step"], int)]
@@ -654,6 +654,79 @@ class _Builder:
                 else None
             ),
             details={"max_ratio": max(vals, default=None), "last_step": s1, "findings": len(ep)},
+        )
+
+    def _sdc(self, ep, attempt) -> None:
+        """Silent data corruption: the rank, its node, the kind (at rest / replicas) and whether
+        it was a one-off or a bad device, and what the policy did about it."""
+        s0, _s1, t0, t1, _sev = self._span(ep)
+        f = ep[0]
+        rank = f["rank"]
+        head = str(f["detail"]).split(":", 1)[0].split()  # "at_rest persistent: rank 1 ..."
+        kind = head[0] if head else "sdc"
+        persistent = "persistent" in head
+        ex = next(
+            (
+                e
+                for e in self.events
+                if e.get("kind") == "exclude_node"
+                and e.get("rank") == rank
+                and _attempt_of(e, self.launches) == attempt
+            ),
+            None,
+        )
+        host = (ex or {}).get("host") or self.hosts.get(rank) if rank is not None else None
+        rb = next(
+            (
+                e
+                for e in self.events
+                if e.get("kind") == "rollback"
+                and e.get("monitor") == "sdc"
+                and _attempt_of(e, self.launches) == attempt
+            ),
+            None,
+        )
+        failed = next(
+            (
+                e
+                for e in self.events
+                if e.get("kind") == "failed" and _attempt_of(e, self.launches) == attempt
+            ),
+            None,
+        )
+        action = f"gave up: {failed.get('reason')}" if failed is not None else None
+        if rb is not None:
+            action = (
+                f"rolled back exactly from step {rb.get('from_step')} to checkpoint step "
+                f"{rb.get('to_step')} (checkpoints from step {rb.get('from_step')} on set aside)"
+            )
+        if ex is not None:
+            action = f"node {ex.get('host')} struck (acted: {ex.get('acted', False)})" + (
+                f"; {action}" if action else ""
+            )
+        who = f"rank {rank}" + (f" on {host}" if host else "") if rank is not None else "a replica"
+        self.add(
+            "sdc",
+            f"silent data corruption ({kind}, {'persistent' if persistent else 'transient'}) on "
+            f"{who} at step {s0}{f' (attempt {attempt})' if attempt else ''}"[:200],
+            "critical",
+            ts=t0,
+            ts_end=t1,
+            attempt=attempt,
+            step=s0,
+            rank=rank,
+            host=host,
+            evidence=[x["detail"] for x in ep[:3]],
+            runbook=f["runbook"],
+            action=action,
+            details={
+                "kind": kind,
+                "persistent": persistent,
+                "caught_in_attempts": f["value"],
+                "rollback": {k: rb.get(k) for k in ("from_step", "to_step", "to_path")}
+                if rb
+                else None,
+            },
         )
 
     def _rl(self, ep, attempt) -> None:

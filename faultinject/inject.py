@@ -22,6 +22,9 @@ The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
   commit is next; an async save calls it on its commit thread): slow-save, which waits
   there; ``on_skip(step)`` (``probe.save_skipped``: a save skipped because the previous
   one is still writing) ends a ``slow-save:until=skipped``
+- ``flip_bits(step, tensors)`` (``probe.flip_bits``: the adapter calls it before the step,
+  after ``before_step``, with a function that lists its tensors): bitflip, once or (``persistent``)
+  before every step from its own
 - ``on_startup("import")`` also: misrendezvous (the rank's rendezvous env is rewritten
   before the engine is imported, so its process group is a world of one)
 
@@ -49,8 +52,9 @@ import os
 import signal
 import threading
 import time
+import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ptops.ckpt import checkpoint_path, is_writing, shard_files
 from ptops.faultinject.spec import HOLD_DEFAULT_S, ONE_RANK_KINDS, SLOW_SAVE_DEFAULT_S, Fault
@@ -58,6 +62,16 @@ from ptops.faultinject.spec import HOLD_DEFAULT_S, ONE_RANK_KINDS, SLOW_SAVE_DEF
 BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor", "hold", "leak")
 FLIP_BYTES = 64
 COMMIT_WAIT_S = 60.0
+# bitflip: which exponent bit (counted from the exponent's lowest bit). Bit 4 scales the value by
+# 2^16 or 2^-16: enough to matter, and finite for any weight (|x| < 2^111 in float32/bfloat16).
+FLIP_EXPONENT_BIT = 4
+# dtype -> (integer view, mantissa bits, exponent bits)
+_FLOAT_LAYOUT = {
+    "torch.float32": ("int32", 23, 8),
+    "torch.bfloat16": ("int16", 7, 8),
+    "torch.float16": ("int16", 10, 5),
+    "torch.float64": ("int64", 52, 11),
+}
 
 
 class Injector:
@@ -100,6 +114,7 @@ class Injector:
         self._last_save: int | None = None  # the step of the last save this rank began
         self._skipped = threading.Condition()
         self._skips: list[int] = []  # steps whose save was skipped (another one still writing)
+        self._flipping: set[int] = set()  # id() of persistent bitflips that fired (emitted once)
 
     def _for_rank(self, f: Fault) -> bool:
         if f.kind in ONE_RANK_KINDS and f.rank is None:
@@ -199,6 +214,33 @@ class Injector:
         for f in self._take(("slow-save",), step):
             self.emit(f, step)
             self._slow_save(f, step)
+
+    def flip_bits(self, step: int, tensors: Callable[[str], list[tuple[str, Any]]]) -> list[str]:
+        """``bitflip`` faults due before ``step``: one bit of one element of one of this rank's
+        tensors (``tensors(target)`` lists them, named, in a stable order). A persistent one stays
+        pending and flips again before every later step. Returns what was flipped (for the log)."""
+        with self._lock:
+            due = [
+                (f, live)
+                for f, live in self._pending
+                if f.kind == "bitflip"
+                and (
+                    step == f.step
+                    or (step > f.step and (live or f.params.get("mode") == "persistent"))
+                )
+            ]
+            keep = [(f, live) for f, live in due if f.params.get("mode") == "persistent"]
+            self._pending = [p for p in self._pending if p not in due] + keep
+        done = []
+        for f, _ in due:
+            if id(f) not in self._flipping:
+                self.emit(f, step)
+                if f.params.get("mode") == "persistent":
+                    self._flipping.add(id(f))
+            what = flip_one_bit(tensors(f.params.get("target", "param")), f, step)
+            _warn(f"fault {f}: {what}")
+            done.append(what)
+        return done
 
     def on_skip(self, step: int) -> None:
         """A save of ``step`` was skipped because the previous one was still writing."""
@@ -464,3 +506,29 @@ def corrupt_checkpoint(
         return None
     corrupt_file(victim, mode)
     return victim
+
+
+def flip_one_bit(named: list[tuple[str, Any]], fault: Fault, step: int) -> str:
+    """Flip exponent bit ``FLIP_EXPONENT_BIT`` of one element of one floating tensor of ``named``,
+    in place. The tensor and element are a hash of the spec (and of ``step`` for a persistent
+    fault, which so hits a new element each time): the same spec flips the same bit."""
+    import torch
+
+    floats = [(n, t) for n, t in named if str(t.dtype) in _FLOAT_LAYOUT and t.numel() > 0]
+    if not floats:
+        return "no floating tensor to flip"
+    key = f"{fault.kind}:{fault.rank}:{fault.step}:{fault.params.get('target', 'param')}"
+    if fault.params.get("mode") == "persistent":
+        key += f":{step}"
+    h = zlib.crc32(key.encode())
+    name, tensor = floats[h % len(floats)]
+    flat = tensor.detach().view(-1)
+    index = zlib.crc32(key.encode()[::-1]) % flat.numel()
+    int_dtype, mantissa, _ = _FLOAT_LAYOUT[str(tensor.dtype)]
+    bit = mantissa + FLIP_EXPONENT_BIT
+    with torch.no_grad():
+        before = float(flat[index])
+        ints = flat.view(getattr(torch, int_dtype))
+        ints[index] ^= 1 << bit
+        after = float(flat[index])
+    return f"flipped bit {bit} of element {index} of {name} ({before:.6g} -> {after:.6g})"

@@ -90,6 +90,19 @@ leak           rank, attempt, step, mb                     from ``step`` (defaul
                                                            keeps it (written, so resident): its RSS
                                                            climbs linearly towards the limit, as a
                                                            leak does (the memory monitor's forecast)
+bitflip        step (req), rank, attempt, target, mode     silent data corruption: before ``step``
+                                                           (between steps, at rest) the rank (default
+                                                           0) flips exponent bit 4 (x/÷ 2^16: stays
+                                                           finite) of one element of one of its own
+                                                           tensors, ``target=param`` (default) or
+                                                           ``optim`` (optimizer state); the tensor
+                                                           and element follow from the spec (same
+                                                           spec, same flip). ``mode=persistent``: a
+                                                           bad device, again before every step from
+                                                           ``step`` on and in every attempt (unless
+                                                           ``attempt=`` says otherwise); the adapter
+                                                           hands its tensors to
+                                                           ``probe.flip_bits(step, tensors)``
 =============  ==========================================  =========================================
 
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
@@ -148,6 +161,7 @@ KINDS: dict[str, dict[str, str]] = {
     "slow-save": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "until": _STR},
     "misrendezvous": {"rank": _INT, "attempt": _INT},
     "leak": {"step": _INT, "rank": _INT, "attempt": _INT, "mb": _FLOAT},
+    "bitflip": {"step": _INT, "rank": _INT, "attempt": _INT, "target": _STR, "mode": _STR},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
@@ -164,6 +178,8 @@ LAUNCH_ONLY_KINDS = ("misrendezvous",)
 SLOW_SAVE_DEFAULT_S = 10.0  # slow-save without until
 LEAK_DEFAULT_MB = 64.0  # leak without mb: MB kept per step
 SLOW_SAVE_UNTIL = ("skipped",)
+BITFLIP_TARGETS = ("param", "optim")
+BITFLIP_MODES = ("transient", "persistent")
 HANG_MODES = ("sleep", "stop")
 # where a hang fires: the start of ``step`` (default), or a start-up section (no step then)
 HANG_PHASES = ("step", "import", "rendezvous", "build", "load")
@@ -273,6 +289,20 @@ def parse(spec: str) -> Fault:
         values.setdefault("step", 1)  # a leak runs from the start unless told
         if values.setdefault("mb", LEAK_DEFAULT_MB) <= 0:
             raise FaultSpecError(f"fault {spec!r}: key 'mb': must be > 0 (got {values['mb']})")
+    if kind == "bitflip":
+        values.setdefault("rank", 0)  # one rank's device lies
+        if values.get("target", "param") not in BITFLIP_TARGETS:
+            raise FaultSpecError(
+                f"fault {spec!r}: key 'target': expected one of {', '.join(BITFLIP_TARGETS)} "
+                f"(got {values['target']!r})"
+            )
+        if values.get("mode", "transient") not in BITFLIP_MODES:
+            raise FaultSpecError(
+                f"fault {spec!r}: key 'mode': expected one of {', '.join(BITFLIP_MODES)} "
+                f"(got {values['mode']!r})"
+            )
+        if values.get("mode") == "persistent":
+            values.setdefault("attempt", 0)  # a bad device stays bad across restarts
     for key in REQUIRED:
         if key in allowed and key not in values:
             raise FaultSpecError(

@@ -8,10 +8,10 @@ The same objects run live in the supervisor and offline over a run's ``metrics.j
 (``ptops diagnose``): ``m.feed(record)`` per record, or, where every monitor gets the record,
 ``feed_at(record, keys, step, rank)`` with the record parsed once for all (``fast_entries``).
 
-What the folder holds: pure monitors (straggler, numeric, RL, hang), their `[monitors]` config, the
-registry (`registry.py`: name, class, config, runbook); the contract and helpers (`base.py`); one
-state for ranks that report the same values, and `Lockstep` (`shared.py`). May import (of ptops):
-nothing.
+What the folder holds: pure monitors (straggler, numeric, RL, hang, memory, silent data
+corruption), their `[monitors]` config, the registry (`registry.py`: name, class, config,
+runbook); the contract and helpers (`base.py`); one state for ranks that report the same values,
+and `Lockstep` (`shared.py`). May import (of ptops): nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from .config import (
     NanConfig,
     RewardHackingConfig,
     RollbackPolicy,
+    SdcConfig,
     StaleRolloutConfig,
     StragglerConfig,
 )
@@ -50,6 +51,7 @@ from .rl import (
     RewardHackingMonitor,
     StaleRolloutMonitor,
 )
+from .sdc import SdcMonitor
 from .shared import SharedRankedMonitor
 from .straggler import StragglerMonitor
 
@@ -120,4 +122,6 @@ __all__ = [
     "ModeCollapseMonitor",
     "StaleRolloutMonitor",
     "MemoryMonitor",
+    "SdcConfig",
+    "SdcMonitor",
 ]

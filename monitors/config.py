@@ -477,6 +477,26 @@ class MemoryConfig(_Strict):
     )
 
 
+class SdcConfig(_Strict):
+    """Silent data corruption: exact fingerprints of each rank's state (see sdc.py and
+    recipes/sdc.py)."""
+
+    enabled: bool = True
+    action: Action = Field(
+        "rollback",
+        description="rollback: to the newest checkpoint before the corruption, replaying the same "
+        "data at the same LR (exact: the run ends as an uninterrupted one would); a rank caught "
+        "again in a later attempt (a bad device) strikes its node",
+    )
+    every: int = Field(
+        10,
+        ge=0,
+        description="ranks fingerprint their parameters and optimizer state after the optimizer "
+        "step of every `every`-th step and again at the start of the next one (0 = off); the "
+        "cost is two reads of the rank's state per `every` steps",
+    )
+
+
 class MonitorsSection(_Strict):
     """``[monitors]``: which monitors run, their thresholds, and what the supervisor does on a
     finding."""
@@ -493,6 +513,7 @@ class MonitorsSection(_Strict):
     mode_collapse: ModeCollapseConfig = ModeCollapseConfig()
     stale_rollout: StaleRolloutConfig = StaleRolloutConfig()
     memory: MemoryConfig = MemoryConfig()
+    sdc: SdcConfig = SdcConfig()
 
     def action_for(self, monitor: str) -> str:
         """The policy action for a finding of ``monitor`` (``alert`` for monitors this section does

@@ -21,6 +21,7 @@ from .config import (
     ModeCollapseConfig,
     NanConfig,
     RewardHackingConfig,
+    SdcConfig,
     StaleRolloutConfig,
     StragglerConfig,
 )
@@ -33,6 +34,7 @@ from .rl import (
     RewardHackingMonitor,
     StaleRolloutMonitor,
 )
+from .sdc import SdcMonitor
 from .straggler import StragglerMonitor
 
 
@@ -41,7 +43,7 @@ class MonitorInfo:
     name: str  # the ``[monitors]`` key, ``Finding.monitor`` and the ``monitor`` label
     monitor: type
     config: type
-    family: str  # straggler | numeric | rl | memory
+    family: str  # straggler | numeric | rl | memory | sdc
     runbook: str  # runbooks/<runbook>.md
 
 
@@ -63,6 +65,7 @@ MONITORS: dict[str, MonitorInfo] = {
         _info(ModeCollapseMonitor, ModeCollapseConfig, "rl", "EntropyCollapse"),
         _info(StaleRolloutMonitor, StaleRolloutConfig, "rl", "StaleRollouts"),
         _info(MemoryMonitor, MemoryConfig, "memory", "MemoryForecast"),
+        _info(SdcMonitor, SdcConfig, "sdc", "SilentDataCorruption"),
     )
 }
 

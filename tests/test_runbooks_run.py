@@ -44,6 +44,7 @@ MAPPING = {
     "GoodputLow": "crash",  # restarts and redone steps
     "LossSpike": "nan",
     "MemoryForecast": "crash",  # any run: every rank records its memory each step
+    "SilentDataCorruption": "crash",  # any run: the sdc checks run on every titan run
     "StragglerRank": "straggler",
     "TrainingCrashLoop": "crash",
     "TrainingHang": "hang",

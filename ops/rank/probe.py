@@ -3,9 +3,9 @@
 Adapters call ``probe.startup(section)`` as start-up goes on (``import`` is sent by the rank
 entry; the adapters add ``rendezvous``, ``build``, ``load``) and ``probe.world(size, rank)`` once
 the process group exists (the supervisor stops a run whose ranks formed worlds of the wrong
-size), ``probe.before_step(step)`` at the start of
-every optimizer step, ``probe.should_poison(step)`` (multiply the loss by NaN
-when True), ``probe.step(step, metrics)`` after it, and
+size), ``probe.before_step(step)`` at the start of every optimizer step (then
+``probe.flip_bits(step, tensors)``, the ``bitflip`` fault's hook), ``probe.should_poison(step)``
+(multiply the loss by NaN when True), ``probe.step(step, metrics)`` after it, and
 ``probe.phase("checkpoint", step)`` / ``probe.phase("step", step)`` around saves,
 optionally ``probe.phase("data", step)`` before fetching a step's batch, and
 ``with probe.pause("eval", step):`` around a pause the engine declares (evaluation): each
@@ -300,6 +300,12 @@ class Probe:
         self.injector.before_step(int(step))
         self._phase, self._step = "step", int(step)
         self._send({"t": "beat", "step": int(step), "phase": "step", "stage": "begin"})
+
+    def flip_bits(self, step: int, tensors) -> list[str]:
+        """Called by the adapter right after ``before_step``, with ``tensors(target)`` listing this
+        rank's (name, local tensor) pairs for ``param`` or ``optim``: a ``bitflip`` fault due here
+        flips one bit of one of them (silent data corruption between steps)."""
+        return self.injector.flip_bits(int(step), tensors)
 
     @property
     def profiling(self) -> bool:

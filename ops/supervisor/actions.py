@@ -21,6 +21,11 @@ effects is ``policy.FINDING_EFFECTS``):
   Training goes on. A local launch records it only (``acted: false``); a ``--slurm`` launch sets
   :attr:`FindingActions.exclude_node` (``ops/slurm/inside.py``): a strike against the node, which
   is replaced by a spare from the next attempt once it has ``[slurm] node_strikes``.
+- silent data corruption (``sdc``): its rollback is exact (no batch skipped, the LR as it was:
+  ``policy.EXACT_ROLLBACK``). A rank caught again in a later attempt (``policy.persistent_sdc``)
+  is a bad device: ``exclude_node`` as above, then a rollback when the launcher acted (a spare
+  takes the node's place) or ``stop`` when it cannot (a local launch would restart onto the same
+  device).
 
 A plain ``ptops launch`` builds :class:`FindingActions` with ``record_only``: findings are
 events, nothing more.
@@ -41,9 +46,11 @@ from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import (
+    EXACT_ROLLBACK,
     EXIT_NO_REQUEUE,
     FindingDecision,
     FindingPolicy,
+    persistent_sdc,
     plan_rollback,
 )
 from ptops.recipes.rollback import ENV as ENV_ROLLBACK
@@ -78,7 +85,7 @@ class FindingActions:
 
     def on_finding(self, finding: Any, attempt: int, host_of: Callable[[int], str | None]) -> None:
         """After the finding's own event: act on it. The first halting decision of an attempt
-        wins."""
+        wins (silent data corruption outranks the others: it is their cause)."""
         d = self.policy.decide(finding)
         if d.effect.record == "exclude_node":
             host = host_of(finding.rank) if finding.rank is not None else None
@@ -100,14 +107,25 @@ class FindingActions:
                 "on it)",
             )
             self.say(
-                f"straggler rank {finding.rank} on {host}: exclude_node "
+                f"{'straggler' if d.monitor == 'straggler' else d.monitor} rank {finding.rank} on "
+                f"{host}: exclude_node "
                 + (
                     f"acted on: {note}"
                     if note
                     else "recorded (a local launch cannot exclude a node)"
                 )
             )
-        if d.effect.halts and self.pending is None:
+            if persistent_sdc(finding):
+                # a bad device: roll back onto the spare that replaces it, or stop (the same device)
+                d = FindingDecision(
+                    "rollback" if note else "stop", d.monitor, d.step, d.reason, d.rank
+                )
+        # the first halting decision of an attempt wins, but corruption outranks what it causes
+        # (a loss spike or NaN from a flipped weight, reported by another rank a moment earlier)
+        if d.effect.halts and (
+            self.pending is None
+            or (d.monitor in EXACT_ROLLBACK and self.pending.monitor not in EXACT_ROLLBACK)
+        ):
             self.pending = d
             self.say(f"{d.monitor} finding at step {d.step} -> {d.action}")
 
@@ -167,7 +185,8 @@ class FindingActions:
             )
             self.say(f"giving up: {reason}")
             return Verdict(RunState.FAILED, reason, exit_code=EXIT_NO_REQUEUE)
-        plan = plan_rollback(self._entries(), d.step, pol, outcome.reason)
+        exact = d.monitor in EXACT_ROLLBACK
+        plan = plan_rollback(self._entries(), d.step, pol, outcome.reason, exact)
         why = f"after anomaly at step {d.step}"
         for path in plan.quarantine:
             try:
@@ -192,6 +211,7 @@ class FindingActions:
                 d.step,
                 pol,
                 outcome.reason,
+                exact,
             )
         else:
             good = {"step": plan.to_step, "path": plan.to_path} if plan.to_path else None

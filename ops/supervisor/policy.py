@@ -12,7 +12,9 @@ restarted supervisor rebuilds their history from ``events.jsonl``:
   ``ptops launch``: same watch, same records, no restart).
 - :class:`FindingPolicy` and :data:`FINDING_EFFECTS`: a monitor finding (NaN, loss spike,
   straggler, RL) -> ``alert | stop | rollback | exclude_node``, per monitor
-  (``[monitors.<name>] action``); :func:`plan_rollback` says where a rollback goes.
+  (``[monitors.<name>] action``); :func:`plan_rollback` says where a rollback goes (exactly,
+  without skipping data or scaling the LR, for silent data corruption: :data:`EXACT_ROLLBACK`).
+  A persistent ``sdc`` finding (the same rank caught in two attempts) becomes ``exclude_node``.
   ``ptops.ops.supervisor.actions`` carries the decisions out. A rollback is not a
   failure for the restart policy: it neither counts toward ``max_restarts`` nor the
   storm / no-progress rules (``monitors.rollback.max_rollbacks`` bounds it).
@@ -201,6 +203,21 @@ class FindingDecision:
         return FINDING_EFFECTS[self.action]
 
 
+# Monitors whose rollback replays the same data at the same LR: the fault was the hardware's, not
+# the data's or the schedule's, so the run must end exactly as an uninterrupted one would.
+EXACT_ROLLBACK = ("sdc",)
+
+
+def persistent_sdc(f: Any) -> bool:
+    """A rank caught corrupting its state in more than one attempt (``monitors/sdc.py``: value =
+    attempts that caught it): a bad device, not a one-off upset."""
+    return (
+        getattr(f, "monitor", None) == "sdc"
+        and getattr(f, "rank", None) is not None
+        and (getattr(f, "value", None) or 0) > 1
+    )
+
+
 def finding_reason(f: Any) -> str:
     return f"{f.monitor} at step {f.step}: {f.detail}"
 
@@ -232,6 +249,8 @@ class FindingPolicy:
             action = "alert"  # recorded, never acted on
         if action == "exclude_node" and finding.monitor != "straggler":
             action = "alert"  # only a straggler names a node; the schema allows it nowhere else
+        if action != "alert" and persistent_sdc(finding):
+            action = "exclude_node"  # its node is struck (FindingActions decides what follows)
         if action not in FINDING_EFFECTS:
             action = "alert"
         return FindingDecision(
@@ -245,12 +264,13 @@ class FindingPolicy:
     def rollback_allowed(self) -> bool:
         return len(self.rollbacks) < self.max_rollbacks
 
-    def lr_factor(self) -> float:
-        """Absolute LR factor after one more rollback (product of every rollback's lr_scale)."""
+    def lr_factor(self, scale: float | None = None) -> float:
+        """Absolute LR factor after one more rollback (product of every rollback's lr_scale);
+        ``scale``: this rollback's, instead of ``rollback.lr_scale``."""
         f = 1.0
         for e in self.rollbacks:
             f *= float(e.get("lr_scale", 1.0) or 1.0)
-        return f * float(self.section.rollback.lr_scale)
+        return f * float(self.section.rollback.lr_scale if scale is None else scale)
 
     def last_env(self) -> str | None:
         """``PTOPS_ROLLBACK`` for the next attempt: the latest rollback of the run, if any."""
@@ -272,25 +292,32 @@ class RollbackPlan:
 
 
 def plan_rollback(
-    entries: Iterable[tuple[int, str, bool]], anomaly_step: int, policy: FindingPolicy, reason: str
+    entries: Iterable[tuple[int, str, bool]],
+    anomaly_step: int,
+    policy: FindingPolicy,
+    reason: str,
+    exact: bool = False,
 ) -> RollbackPlan:
     """Which checkpoint to roll back to: the newest good one strictly before ``anomaly_step``.
 
     ``entries``: (step, path, ok) of the checkpoints on disk. Every checkpoint at or after the
     anomaly step is to be quarantined, good or not (its state already holds the anomaly).
+    ``exact`` (:data:`EXACT_ROLLBACK`): no batch skipped, the LR not scaled again.
     """
     rows = sorted(entries, key=lambda e: e[0], reverse=True)
     quarantine = [path for step, path, _ in rows if step >= anomaly_step]
     target = next(((step, path) for step, path, ok in rows if ok and step < anomaly_step), None)
     to_step, to_path = target if target else (0, None)
     rb = policy.section.rollback
+    skip = 0 if exact else int(rb.skip_batches)
+    scale = 1.0 if exact else float(rb.lr_scale)
     info = RollbackInfo(
         from_step=int(anomaly_step),
         to_step=int(to_step),
-        skip_batches=int(rb.skip_batches),
-        skip_at_step=skip_start(anomaly_step, to_step, rb.skip_batches),
-        lr_scale=float(rb.lr_scale),
-        lr_factor=policy.lr_factor(),
+        skip_batches=skip,
+        skip_at_step=skip_start(anomaly_step, to_step, skip),
+        lr_scale=scale,
+        lr_factor=policy.lr_factor(scale),
         count=len(policy.rollbacks) + 1,
         reason=reason,
     )

@@ -829,10 +829,31 @@ class ProbeTrainer(Trainer):
         probe = get_probe()
         if probe is not None:
             probe.startup("load")  # train() loads the checkpoint first, then the first step begins
+        self.ptops_sdc = self._state_checks(probe)
         if isinstance(self.metrics_processor, ProbeMetricsProcessor):
             self.metrics_processor.pp_has_last_stage = (
                 self.pp_has_last_stage if self.parallel_dims.pp_enabled else True
             )
+
+    def _state_checks(self, probe: Any) -> Any:
+        """The silent-data-corruption checks of this rank (``recipes/sdc.py``): its own shards of
+        the model and optimizer state, so never comparable across ranks (``replicated`` False)."""
+        if probe is None:
+            return None
+        from ptops.recipes import sdc
+        from ptops.recipes.titan import registry
+
+        def params() -> sdc.Named:
+            return [
+                (f"{i}.{n}", sdc.local(p))
+                for i, part in enumerate(self.model_parts)
+                for n, p in part.named_parameters()
+            ]
+
+        def optims() -> sdc.Named:
+            return sdc.optim_tensors(list(getattr(self.optimizers, "optimizers", [])))
+
+        return sdc.StateChecks(sdc.every_of(registry._recipe()), probe, params, optims)
 
     def init_distributed(self):
         """Start-up progress around the process group's init (the rendezvous), and what it
@@ -852,6 +873,8 @@ class ProbeTrainer(Trainer):
         step = self.step
         if probe is not None:
             probe.before_step(step)
+            if self.ptops_sdc is not None:
+                self.ptops_sdc.before_step(step)  # bitflip faults, then the at-rest check
             _POISON = bool(probe.should_poison(step))
             if getattr(
                 probe, "profiling", False
@@ -881,7 +904,10 @@ class ProbeTrainer(Trainer):
             _POISON = False
         step_s = time.perf_counter() - begin
         if probe is not None:
-            probe.step(step, self._step_record(step, step_s))
+            record = self._step_record(step, step_s)
+            if self.ptops_sdc is not None:
+                record.update(self.ptops_sdc.after_step(step))  # fingerprint after the optimizer
+            probe.step(step, record)
             self._agree_stop(probe, step)
 
     def _agree_stop(self, probe: Any, step: int) -> None:

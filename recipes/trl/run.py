@@ -230,8 +230,12 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldout=None):
+def _make_callback(
+    probe, tally: _StepTally, keep: int, saves: _SaveState, heldout=None, sdc_every: int = 0
+):
     from transformers import TrainerCallback
+
+    from ptops.recipes import sdc
 
     class ProbeCallback(TrainerCallback):
         def __init__(self) -> None:
@@ -239,11 +243,36 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
             self._step_s: float | None = None
             self._recorded: set[int] = set()
             self.stopped_at: int | None = None
+            self._model: Any = None
+            self._optimizer: Any = None
+            # silent data corruption (recipes/sdc.py): DDP ranks hold the same state, so their
+            # fingerprints must agree (FSDP shards do not)
+            self.sdc: Any = None
+            self._sdc_keys: dict[str, Any] = {}
+
+        def _params(self) -> sdc.Named:
+            model = self._model
+            return [] if model is None else [(n, p) for n, p in model.named_parameters()]
+
+        def _optims(self) -> sdc.Named:
+            opt = self._optimizer
+            return [] if opt is None else sdc.optim_tensors([getattr(opt, "optimizer", opt)])
 
         def on_step_begin(self, args, state, control, **kwargs):
             tally.reset()
             self._step_s = None
             probe.before_step(state.global_step + 1)
+            self._model = kwargs.get("model", self._model)
+            self._optimizer = kwargs.get("optimizer", self._optimizer)
+            if self.sdc is None:
+                self.sdc = sdc.StateChecks(
+                    sdc_every,
+                    probe,
+                    self._params,
+                    self._optims,
+                    replicated=not getattr(args, "fsdp", None),
+                )
+            self.sdc.before_step(state.global_step + 1)  # bitflip faults, then the at-rest check
             self._t0 = time.monotonic()
 
         def _stop_agreed(self, args) -> bool:
@@ -262,6 +291,8 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
 
         def on_step_end(self, args, state, control, **kwargs):
             self._step_s = time.monotonic() - self._t0
+            if self.sdc is not None:  # after the optimizer step; the record goes out in on_log
+                self._sdc_keys = self.sdc.after_step(state.global_step)
             if state.global_step < state.max_steps and self._stop_agreed(args):
                 _log(f"stop requested: checkpointing step {state.global_step} and stopping")
                 self.stopped_at = state.global_step
@@ -291,6 +322,8 @@ def _make_callback(probe, tally: _StepTally, keep: int, saves: _SaveState, heldo
             metrics["tokens"] = tally.tokens
             metrics["tokens_per_s"] = tally.tokens / step_s if step_s and step_s > 0 else None
             metrics["rank_loss"] = tally.rank_loss()
+            metrics.update(self._sdc_keys)
+            self._sdc_keys = {}
             if (
                 heldout is not None
             ):  # [eval]: eval/<name> keys on this step's record (recipes/trl/evalloop.py)
@@ -429,7 +462,13 @@ def build_trainer(recipe, probe, run: RunDir):
     tally = _StepTally()
     saves = _SaveState(recipe.checkpoint.keep)
     heldout = evalloop.make(recipe, tokenizer, probe)
-    callbacks = [_make_callback(probe, tally, recipe.checkpoint.keep, saves, heldout)]
+    from ptops.recipes.sdc import every_of
+
+    callbacks = [
+        _make_callback(
+            probe, tally, recipe.checkpoint.keep, saves, heldout, sdc_every=every_of(recipe)
+        )
+    ]
     from ptops.recipes.trl import rollback
 
     callbacks += rollback.callbacks(probe)  # PTOPS_ROLLBACK: lr factor after a rollback

@@ -1,0 +1,133 @@
+"""Silent data corruption: a rank's state changed where nothing may change it.
+
+Why: a device that flips bits does not crash; its weights go wrong and every later checkpoint is
+"valid". The ranks fingerprint their own state exactly (``recipes/sdc.py``); this monitor reads
+two record keys:
+
+- ``sdc_rest`` (at rest): how many of the rank's tensors changed between the end of the previous
+  step (after its optimizer) and the start of this one. Any change is corruption on that rank
+  (``kind at_rest``). The checkpoint of the previous step was written inside that window, so it is
+  not proven clean: the finding's ``step`` is the previous step (the rollback goes to a
+  checkpoint strictly before it);
+- ``sdc_fp`` (replicas, DDP): the fingerprint after the optimizer step, the same on every rank
+  that holds the same state. Ranks that disagree at a step are corrupt (``kind replica``); the
+  rank named is the one outside the majority (with two ranks there is none: ``rank`` is None),
+  judged once every rank seen in the attempt has reported the step.
+  The finding's ``step`` is the last step at which they agreed in this attempt (or the one before
+  the attempt's first record).
+
+One finding per rank (or per disagreement) and attempt: the attempt is torn down on it. A rank
+caught in an earlier attempt too is ``persistent`` (a bad device, not a one-off upset): the
+policy then strikes its node. ``Finding.value`` is how many attempts caught that rank (1:
+transient so far). The detail starts with ``at_rest`` or ``replica`` and ``transient`` or
+``persistent``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .base import Finding, record_attempt, record_ts, step_and_rank
+from .config import SdcConfig
+
+
+class SdcMonitor:
+    name = "sdc"
+
+    def __init__(self, config: SdcConfig | None = None) -> None:
+        self.config = config or SdcConfig()
+        self.reset()
+
+    def reset(self) -> None:
+        self._caught: dict[Any, set[Any]] = {}  # rank (None: a pair) -> attempts that caught it
+        self._done: set[tuple[Any, Any]] = set()  # (attempt, rank) already reported
+        self._fps: dict[tuple[Any, int], dict[int, str]] = {}  # (attempt, step) -> rank -> fp
+        self._agreed: dict[Any, int] = {}  # attempt -> last step all ranks agreed
+        self._first: dict[Any, int] = {}  # attempt -> its first step seen
+        self._ranks: dict[Any, set[int]] = {}  # attempt -> the ranks that reported in it
+
+    def _finding(
+        self, kind: str, step: int, rank: int | None, attempt: Any, rec: Mapping, what: str
+    ) -> list[Finding]:
+        if (attempt, rank) in self._done:
+            return []
+        self._done.add((attempt, rank))
+        seen = self._caught.setdefault(rank, set())
+        seen.add(attempt)
+        persistent = len(seen) > 1
+        how = "persistent" if persistent else "transient"
+        who = f"rank {rank}" if rank is not None else "a rank (two replicas: which one is unknown)"
+        detail = f"{kind} {how}: {who} {what}" + (
+            f"; caught again in attempt {attempt} (a bad device)" if persistent else ""
+        )
+        return [
+            Finding(
+                self.name,
+                step,
+                float(len(seen)),
+                detail,
+                "critical",
+                rank=rank,
+                attempt=attempt,
+                ts=record_ts(rec),
+            )
+        ]
+
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:
+        step, rank = step_and_rank(record)
+        if step is None:
+            return []
+        attempt = record_attempt(record)
+        self._first.setdefault(attempt, step)
+        self._ranks.setdefault(attempt, set()).add(rank)
+        out: list[Finding] = []
+        changed = record.get("sdc_rest")
+        if isinstance(changed, int) and changed > 0:
+            tensor = record.get("sdc_rest_tensor") or "?"
+            out += self._finding(
+                "at_rest",
+                step - 1,
+                rank,
+                attempt,
+                record,
+                f"changed {changed} tensor(s) ({tensor}) between the end of step {step - 1} and "
+                f"the start of step {step}, outside its optimizer",
+            )
+        fp = record.get("sdc_fp")
+        if isinstance(fp, str):
+            out += self._replica(attempt, step, rank, fp, record)
+        return out
+
+    def _replica(self, attempt: Any, step: int, rank: int, fp: str, rec: Mapping) -> list[Finding]:
+        if len(self._fps) > 64:  # a few steps in flight at most: forget the oldest
+            for key in sorted(self._fps, key=lambda k: k[1])[:32]:
+                del self._fps[key]
+        group = self._fps.setdefault((attempt, step), {})
+        group[rank] = fp
+        if not self._ranks[attempt] <= group.keys():
+            return []  # judged once every rank of the attempt has reported the step
+        values = set(group.values())
+        if len(values) == 1:
+            if len(group) > 1:
+                self._agreed[attempt] = max(self._agreed.get(attempt, 0), step)
+            return []
+        counts: dict[str, list[int]] = {}
+        for r, v in sorted(group.items()):
+            counts.setdefault(v, []).append(r)
+        ranked = sorted(counts.values(), key=len, reverse=True)
+        odd = None
+        if len(ranked[0]) > len(ranked[1]) and sum(len(x) for x in ranked[1:]) == 1:
+            odd = ranked[1][0]
+        since = self._agreed.get(attempt, self._first[attempt] - 1)
+        what = (
+            f"holds state that its replicas do not at step {step} (fingerprints by rank: "
+            + ", ".join(f"{r}={v}" for r, v in sorted(group.items()))
+            + f"; last agreed at step {since})"
+        )
+        # the pair (None) or the odd rank is reported once per attempt
+        return self._finding("replica", since, odd, attempt, rec, what)
+
+    def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
+        if "sdc_rest" not in keys and "sdc_fp" not in keys:
+            return []
+        return self.feed(record)

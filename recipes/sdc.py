@@ -1,0 +1,160 @@
+"""Silent data corruption, rank side: exact fingerprints of a rank's own training state.
+
+Why: a device that flips a bit in memory does not crash; the weights go wrong and every checkpoint
+after it is "good". Two cheap checks, both from one fingerprint (each tensor's integer view summed
+in int64: any single flipped bit changes its sum by +-2^b, so it is always seen):
+
+- at rest: every ``every`` steps the rank fingerprints its parameters and optimizer state right
+  after its optimizer step and again at the start of the next step. Nothing may change them in
+  between (the checkpoint save only reads them), so a difference is a change outside the
+  optimizer, on this rank: the record of that next step says ``sdc_rest`` (how many tensors
+  changed; 0 when checked and equal) and ``sdc_rest_tensor`` (the first one). Works for FSDP
+  shards and DDP replicas alike;
+- replicas: where every rank holds the same state (DDP: ``replicated=True``), the after-step
+  fingerprint goes into the step's record as ``sdc_fp`` (hex); the ``sdc`` monitor compares the
+  ranks (``monitors/sdc.py``).
+
+``sdc_s`` in a record is the time the checks took for it (not part of ``step_s``).
+
+The adapter calls ``before_step(step)`` right after ``probe.before_step`` (the ``bitflip`` fault
+hook, ``probe.flip_bits``, is called from here: it flips between steps, where the check looks)
+and merges ``after_step(step)`` into the step's metrics. ``every`` is ``[monitors.sdc] every``
+(0 or the monitor off: nothing is computed). Imports torch lazily.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+_INT_VIEW = {"torch.float32": "int32", "torch.bfloat16": "int16", "torch.float16": "int16"}
+_INT_VIEW.update({"torch.float64": "int64"})
+MASK64 = (1 << 64) - 1
+
+Named = list[tuple[str, Any]]
+
+
+def local(t: Any) -> Any:
+    """A DTensor's local shard (FSDP2), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def tensor_sum(t: Any) -> int:
+    """The exact int64 sum of the tensor's bits read as integers (wrapping), as a Python int."""
+    import torch
+
+    t = t.detach()
+    view = _INT_VIEW.get(str(t.dtype))
+    if view is not None:
+        ints = t.contiguous().view(getattr(torch, view))
+    elif t.dtype.is_floating_point or t.dtype.is_complex:
+        ints = t.contiguous().view(torch.uint8)
+    else:
+        ints = t
+    return int(ints.sum(dtype=torch.int64)) & MASK64
+
+
+def fingerprint(named: Named) -> list[int]:
+    """One exact sum per tensor, in ``named``'s order."""
+    return [tensor_sum(t) for _, t in named]
+
+
+def total(sums: list[int]) -> str:
+    """The state's fingerprint: the sums combined by position (16 hex digits)."""
+    acc = 0
+    for i, s in enumerate(sums):
+        acc = (acc * 1000003 + s + i) & MASK64
+    return f"{acc:016x}"
+
+
+def optim_tensors(optimizers: list[Any]) -> Named:
+    """Every tensor of the optimizers' state, named by (optimizer, group, param, key), in their
+    parameter order."""
+    out: Named = []
+    for o, opt in enumerate(optimizers):
+        state = getattr(opt, "state", {})
+        for g, group in enumerate(getattr(opt, "param_groups", [])):
+            for p, param in enumerate(group.get("params", [])):
+                for key, value in sorted((state.get(param) or {}).items()):
+                    if hasattr(value, "dtype") and hasattr(value, "numel"):
+                        out.append((f"optim{o}.g{g}.p{p}.{key}", local(value)))
+    return out
+
+
+class StateChecks:
+    """One rank's at-rest and replica checks (see the module docstring).
+
+    ``params()`` and ``optims()`` list the rank's named local tensors (called at check steps only);
+    ``probe`` is the rank probe (its ``flip_bits`` hook runs before each step)."""
+
+    def __init__(
+        self,
+        every: int,
+        probe: Any,
+        params: Callable[[], Named],
+        optims: Callable[[], Named],
+        replicated: bool = False,
+    ):
+        self.every = max(0, int(every))
+        self.probe = probe
+        self.params, self.optims = params, optims
+        self.replicated = replicated
+        self._after: tuple[int, list[int], list[str]] | None = None  # (step, sums, names)
+        self._keys: dict[str, Any] = {}
+        self._spent = 0.0  # seconds the checks took since the last record (``sdc_s``)
+
+    def tensors(self, target: str = "all") -> Named:
+        if target == "param":
+            return self.params()
+        if target == "optim":
+            return self.optims()
+        return self.params() + self.optims()
+
+    def before_step(self, step: int) -> None:
+        """The fault hook first (a flip lands between steps), then the at-rest comparison with the
+        fingerprint taken at the end of the previous step (if that step was a check step)."""
+        flip = getattr(self.probe, "flip_bits", None)
+        if flip is not None:
+            flip(step, self.tensors)
+        after, self._after = self._after, None
+        self._keys = {}
+        if after is None or after[0] != step - 1:
+            return
+        t0 = time.perf_counter()
+        named = self.tensors()
+        now = fingerprint(named)
+        names = [n for n, _ in named]
+        if names != after[2]:
+            return  # the state's layout changed (optimizer state created lazily): not comparable
+        changed = [n for n, a, b in zip(names, after[1], now) if a != b]
+        self._keys = {"sdc_rest": len(changed)}
+        if changed:
+            self._keys["sdc_rest_tensor"] = changed[0]
+        self._spent += time.perf_counter() - t0
+
+    def after_step(self, step: int) -> dict[str, Any]:
+        """Record keys for ``step``: the at-rest verdict of its start, and at a check step the
+        fingerprint after the optimizer (kept for the next start; ``sdc_fp`` when replicated)."""
+        keys, self._keys = self._keys, {}
+        if self.every and step % self.every == 0:
+            t0 = time.perf_counter()
+            named = self.tensors()
+            sums = fingerprint(named)
+            self._after = (step, sums, [n for n, _ in named])
+            if self.replicated:
+                keys["sdc_fp"] = total(sums)
+            self._spent += time.perf_counter() - t0
+        if self._spent:
+            keys["sdc_s"] = round(self._spent, 6)  # the checks' cost, outside ``step_s``
+            self._spent = 0.0
+        return keys
+
+
+def every_of(recipe: Any) -> int:
+    """``[monitors.sdc] every`` of the recipe, 0 when the monitors or the sdc monitor are off."""
+    section = getattr(recipe, "monitors", None)
+    sdc = getattr(section, "sdc", None)
+    if section is None or sdc is None or not section.enabled or not sdc.enabled:
+        return 0
+    return int(sdc.every)

@@ -1,0 +1,121 @@
+"""Silent data corruption on real training (titan-tiny: FSDP2 over 2 CPU ranks, gloo), under the
+real supervisor, with the default cadence (``monitors.sdc.every = 10``: the at-rest window after
+step 10).
+
+- transient: rank 1 flips one bit of one of its parameter shards before step 11. The at-rest check
+  of step 11 catches it on rank 1; the policy rolls back exactly to step 5 (the step-10
+  checkpoint, written after the last clean fingerprint, is set aside) and the run ends with the
+  digest of the uninterrupted reference run (tests/faulted.py).
+- persistent (a bad device: a new flip before every step from 11, in every attempt): caught in
+  attempt 1, rolled back, caught again on the same rank in attempt 2; the node is struck
+  (``exclude_node``, recorded only: a local launch cannot replace it) and the run stops (exit 3).
+  ``ptops diagnose`` names the rank, the node, the kind and "persistent".
+
+Every attempt is held before step 13 (``hold``), so the run never races past the finding: the
+supervisor acts on the record of step 11 while the ranks wait. ~45 s + ~50 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_ptops
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["--set", "train.steps=16", "--set", "checkpoint.interval=5"]
+
+
+def events(run: Path, kind: str | None = None) -> list[dict]:
+    out = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    return [e for e in out if kind is None or e["kind"] == kind]
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def launch(run: Path, *faults: str) -> subprocess.CompletedProcess:
+    args = [a for f in faults for a in ("--fault", f)]
+    return run_ptops(
+        "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--no-mlflow",
+        *args, "--json", timeout=900,
+    )  # fmt: skip
+
+
+def final_digest(run: Path) -> str:
+    from ptops.ckpt import digest
+
+    return digest(run / "checkpoints" / "step-16")
+
+
+@pytest.fixture(scope="module")
+def transient(tmp_path_factory):
+    run = tmp_path_factory.mktemp("sdc") / "transient"
+    return run, launch(run, "bitflip:rank=1,step=11", "hold:step=13,seconds=120")
+
+
+@pytest.fixture(scope="module")
+def persistent(tmp_path_factory):
+    run = tmp_path_factory.mktemp("sdc") / "persistent"
+    return run, launch(
+        run, "bitflip:rank=1,step=11,mode=persistent", "hold:step=13,seconds=120,attempt=0"
+    )
+
+
+def test_transient_flip_is_caught_on_its_rank_and_recovers_to_the_reference_digest(
+    transient, faulted_runs
+):
+    run, proc = transient
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["state"] == "completed" and summary["attempts"] == 2
+    (flip,) = [e for e in events(run, "fault_injected") if e["fault"].startswith("bitflip")]
+    assert (flip["rank"], flip["step"], flip["attempt"]) == (1, 11, 1)
+    (found,) = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
+    assert (found["rank"], found["step"], found["severity"]) == (1, 10, "critical")
+    assert found["detail"].startswith("at_rest transient: rank 1")
+    # what the ranks recorded: rank 1's state changed at rest, rank 0's did not
+    rest = {
+        (r["attempt"], r["step"], r["rank"]): r["sdc_rest"] for r in metrics(run) if "sdc_rest" in r
+    }
+    assert rest[(1, 11, 1)] == 1 and rest[(1, 11, 0)] == 0
+    assert rest[(2, 11, 1)] == 0 and rest[(2, 11, 0)] == 0  # attempt 2: clean
+    (rb,) = events(run, "rollback")
+    assert (rb["from_step"], rb["to_step"], rb["monitor"]) == (10, 5, "sdc")
+    assert rb["skip_batches"] == 0 and rb["lr_factor"] == 1.0  # exact: same data, same LR
+    invalid = [e for e in events(run, "checkpoint_invalid") if "after anomaly" in e["reason"]]
+    assert any(e["path"].endswith("step-10") for e in invalid), invalid
+    assert events(run, "launch")[1]["from_step"] == 5
+    ref = faulted_runs.get("reference")
+    assert ref.proc.returncode == 0, ref.proc.stderr
+    assert final_digest(run) == final_digest(ref.run)
+    # diagnose: rank, node, kind
+    diag = json.loads(run_ptops("diagnose", str(run), "--json", check=True).stdout)
+    (inc,) = [i for i in diag["incidents"] if i["kind"] == "sdc"]
+    assert inc["rank"] == 1 and inc["host"] == socket.gethostname()
+    assert inc["details"]["kind"] == "at_rest" and inc["details"]["persistent"] is False
+    assert inc["runbook"] == "SilentDataCorruption" and "checkpoint step 5" in inc["action"]
+
+
+def test_persistent_flip_is_caught_again_strikes_the_node_and_stops(persistent):
+    run, proc = persistent
+    assert proc.returncode == 3, proc.stderr
+    found = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
+    assert [(e["rank"], e["step"], e["attempt"]) for e in found] == [(1, 10, 1), (1, 10, 2)]
+    assert "persistent" in found[1]["detail"] and found[1]["value"] == 2
+    (ex,) = events(run, "exclude_node")
+    assert (ex["rank"], ex["host"], ex["acted"]) == (1, socket.gethostname(), False)
+    (failed,) = events(run, "failed")
+    assert "sdc" in failed["reason"] and failed["exit_code"] == 3
+    assert len(events(run, "rollback")) == 1  # once; the second time is the device, not the data
+    diag = json.loads(run_ptops("diagnose", str(run), "--json", check=True).stdout)
+    incs = [i for i in diag["incidents"] if i["kind"] == "sdc"]
+    assert [i["details"]["persistent"] for i in incs] == [False, True]
+    last = incs[-1]
+    assert last["rank"] == 1 and last["host"] == socket.gethostname()
+    assert "persistent" in last["title"] and "struck" in last["action"]
