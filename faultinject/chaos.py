@@ -92,6 +92,11 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "crash-in-save": (("crash:phase=save,rank=1,step=8",), ("crash",)),
     "preempt": (("preempt:step=6",), ("stopped",)),
     "kill-supervisor": (("kill-supervisor:step=6",), ("adopt",)),
+    # silent data corruption: rank 1 flips a bit of a parameter before step 11, in the at-rest
+    # window the default cadence checks (monitors.sdc.every=10); the exact rollback to step 8 must
+    # end on the baseline's digest. Held before step 12 so the run cannot finish (and commit its
+    # corrupt final checkpoint) before the supervisor acts on step 11's record.
+    "bitflip": (("bitflip:rank=1,step=11", "hold:step=12,seconds=60"), ("anomaly", "rollback")),
 }
 # A NaN rollback skips the poisoned step's batch by default (monitors.rollback.skip_batches=1): a
 # deliberate change of the data order, so the result cannot equal the baseline. The injected NaN is
