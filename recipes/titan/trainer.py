@@ -2,7 +2,9 @@
 
 - ``ProbeTrainer``: a ``Trainer`` subclass (own nested ``Config``) that calls the
   rank probe at the start and end of each optimizer step and arms the NaN
-  fault hook.
+  fault hook; its silent-data-corruption checks (``recipes/sdc.py``: the rank's shards
+  fingerprinted after the optimizer step and at the next step's start, where the ``bitflip``
+  fault flips) run there too.
 - ``ProbeMetricsProcessor``: a ``MetricsProcessor`` subclass whose logger hands
   torchtitan's per-step metrics to the trainer (every rank, not just rank 0).
 - ``ProbeCheckpointManager``: torchtitan's DCP ``CheckpointManager`` with ptops'

@@ -35,7 +35,12 @@ What the adapter guarantees:
   uninterrupted run; newer invalid checkpoints are quarantined
   (``checkpoints/invalid/``) and reported as ``checkpoint_invalid {path, reason}``;
 - under a supervisor, a stop request (Ctrl-C / SIGTERM of the supervisor) is
-  agreed on by all ranks at the end of a step, which then checkpoints and returns.
+  agreed on by all ranks at the end of a step, which then checkpoints and returns;
+- silent data corruption (``recipes/sdc.py``): every ``[monitors.sdc] every`` steps each rank
+  fingerprints its parameters and optimizer state in ``on_step_end`` and again in the next
+  ``on_step_begin`` (``sdc_rest``), and, DDP replicas being equal, records the fingerprint
+  (``sdc_fp``) for the ``sdc`` monitor to compare; ``on_step_begin`` is also where the
+  ``bitflip`` fault flips (``probe.flip_bits``).
 
 Faults (crash, hang, nan, enospc, corrupt-ckpt, ...) come through the probe's
 hooks; the adapter has no fault code of its own.
