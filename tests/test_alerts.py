@@ -206,6 +206,22 @@ CASES: dict[str, list[tuple]] = {
         ("flat loss", "10s", [s("ptops_loss", "2x15")], "140s", []),
         ("GRPO loss near zero", "10s", [s("ptops_loss", "0.001x9 0.01x5")], "140s", []),
     ],
+    "SilentDataCorruption": [
+        (
+            "sdc monitor",
+            "10s",
+            [s("ptops_anomaly_last_timestamp_seconds", "0x20", 'monitor="sdc"')],
+            "60s",
+            [({}, "60")],
+        ),
+        (
+            "other monitors only",
+            "10s",
+            [s("ptops_anomaly_last_timestamp_seconds", "0x20", 'monitor="nan"')],
+            "60s",
+            [],
+        ),
+    ],
     "EntropyCollapse": [
         (
             "entropy to 5% of max",
@@ -414,6 +430,7 @@ def test_every_alert_has_for_severity_annotations_and_runbook():
         "RewardHacking",
         "GoodputLow",
         "GPUErrors",
+        "SilentDataCorruption",
     }
     assert set(ALERT_NAMES) == want
     doc = yaml.safe_load(RULES_FILE.read_text())

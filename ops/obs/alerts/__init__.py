@@ -191,6 +191,18 @@ ALERTS: tuple[Alert, ...] = (
         "or the reward-hacking monitor fired: the policy may be exploiting the reward function.",
     ),
     Alert(
+        "SilentDataCorruption",
+        "max by (run, recipe) (time() - "
+        f"ptops_anomaly_last_timestamp_seconds{{{_monitors('SilentDataCorruption')}}}) < 3600",
+        "10s",
+        "critical",
+        "Silent data corruption in run {{ $labels.run }}",
+        "A rank of run {{ $labels.run }} ({{ $labels.recipe }}) had its parameters or optimizer "
+        "state changed outside its optimizer (or its replicas disagree): a device is lying. "
+        "ptops rolled back to a clean checkpoint; if the same rank is caught again, drain its "
+        "node.",
+    ),
+    Alert(
         "GoodputLow",
         "ptops_goodput_ratio < 0.5\nand on (run, recipe) (time() - "
         "ptops_start_timestamp_seconds) > 3600\n"
