@@ -11,6 +11,11 @@ step 10).
   (``exclude_node``, recorded only: a local launch cannot replace it) and the run stops (exit 3).
   ``ptops diagnose`` names the rank, the node, the kind and "persistent".
 
+- replicas (trl-sft-tiny: DDP over 2 ranks): rank 1 flips before step 13, outside any at-rest
+  window; the ranks' fingerprints at step 20 disagree (which rank lies is unknown with two), the
+  run rolls back exactly to step 5 (the last agreement was at step 10) and ends with the digest of
+  an uninterrupted run of the same recipe.
+
 Every attempt is held before step 13 (``hold``), so the run never races past the finding: the
 supervisor acts on the record of step 11 while the ranks wait; the transient run is also held before
 step 11 until the save of step 10 is committed (the checkpoint to set aside is then always on disk).
@@ -41,18 +46,20 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def launch(run: Path, *faults: str) -> subprocess.CompletedProcess:
+def launch(
+    run: Path, *faults: str, recipe: str = "titan-tiny", steps: list[str] = STEPS
+) -> subprocess.CompletedProcess:
     args = [a for f in faults for a in ("--fault", f)]
     return run_ptops(
-        "launch", "titan-tiny", "--supervise", "--run-dir", str(run), *STEPS, "--no-mlflow",
+        "launch", recipe, "--supervise", "--run-dir", str(run), *steps, "--no-mlflow",
         *args, "--json", timeout=900,
     )  # fmt: skip
 
 
-def final_digest(run: Path) -> str:
+def final_digest(run: Path, name: str = "step-16") -> str:
     from ptops.ckpt import digest
 
-    return digest(run / "checkpoints" / "step-16")
+    return digest(run / "checkpoints" / name)
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +135,38 @@ def test_persistent_flip_is_caught_again_strikes_the_node_and_stops(persistent):
     last = incs[-1]
     assert last["rank"] == 1 and last["host"] == socket.gethostname()
     assert "persistent" in last["title"] and "struck" in last["action"]
+
+
+TRL_STEPS = ["--set", "train.steps=24", "--set", "checkpoint.interval=5"]
+
+
+@pytest.fixture(scope="module")
+def trl_replicas(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sdc-trl")
+    ref = launch(base / "reference", recipe="trl-sft-tiny", steps=TRL_STEPS)
+    assert ref.returncode == 0, ref.stderr
+    run = base / "flip"
+    proc = launch(
+        run,
+        "bitflip:rank=1,step=13",
+        "hold:step=21,seconds=120",
+        recipe="trl-sft-tiny",
+        steps=TRL_STEPS,
+    )
+    return base / "reference", run, proc
+
+
+def test_trl_replicas_disagree_and_the_run_recovers_to_the_reference_digest(trl_replicas):
+    ref, run, proc = trl_replicas
+    assert proc.returncode == 0, proc.stderr
+    fps = {(r["attempt"], r["step"], r["rank"]): r["sdc_fp"] for r in metrics(run) if "sdc_fp" in r}
+    assert fps[(1, 10, 0)] == fps[(1, 10, 1)] and fps[(1, 20, 0)] != fps[(1, 20, 1)]
+    assert fps[(2, 20, 0)] == fps[(2, 20, 1)]  # after the rollback: replicas again
+    rest = [r["sdc_rest"] for r in metrics(run) if "sdc_rest" in r]
+    assert rest and not any(rest)  # the flip came outside the at-rest windows (after 10, 20)
+    (found,) = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
+    assert found["rank"] is None and found["step"] == 10
+    assert found["detail"].startswith("replica transient") and "at step 20" in found["detail"]
+    (rb,) = events(run, "rollback")
+    assert (rb["from_step"], rb["to_step"], rb["skip_batches"]) == (10, 5, 0)
+    assert final_digest(run, "checkpoint-24") == final_digest(ref, "checkpoint-24")
