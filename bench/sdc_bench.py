@@ -11,9 +11,9 @@ per step at cadence N: that / N; the share is against the median ``step_s`` of t
 titan-tiny (FSDP2 shards, at rest only) and trl-sft-tiny (DDP: at rest plus the replica
 fingerprint).
 
-Time to catch (``catch_*``), at the default cadence (every 10), each a supervised run held before
-the step after the one it should be caught at (so the supervisor's reaction is what is measured,
-not a race with the end of the run):
+Time to catch (``catch_*``), checked every 10 steps (``monitors.sdc.every=10``), each a supervised
+run held before the step after the one it should be caught at (so the supervisor's reaction is
+what is measured, not a race with the end of the run):
 
 - ``catch_at_rest_transient``: titan-tiny, rank 1 flips a parameter bit before step 11 (in the
   window after step 10);
@@ -89,7 +89,8 @@ def cost(work: Path, recipe: str, steps: int) -> dict:
 
 def catch(work: Path, name: str, recipe: str, steps: int, faults: list[str]) -> dict:
     run = work / name
-    rc = launch(run, recipe, [f"train.steps={steps}", "checkpoint.interval=5"], faults)
+    sets = [f"train.steps={steps}", "checkpoint.interval=5", "monitors.sdc.every=10"]
+    rc = launch(run, recipe, sets, faults)
     events = read(run / "events.jsonl")
     flips = [e for e in events if e["kind"] == "fault_injected" and "bitflip" in e["fault"]]
     found = [e for e in events if e["kind"] == "anomaly" and e.get("monitor") == "sdc"]

@@ -93,7 +93,7 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "preempt": (("preempt:step=6",), ("stopped",)),
     "kill-supervisor": (("kill-supervisor:step=6",), ("adopt",)),
     # silent data corruption: rank 1 flips a bit of a parameter before step 11, in the at-rest
-    # window the default cadence checks (monitors.sdc.every=10); the exact rollback to step 8 must
+    # window after step 10 (KIND_SETS: monitors.sdc.every=10); the exact rollback to step 8 must
     # end on the baseline's digest. Held before step 12 so the run cannot finish (and commit its
     # corrupt final checkpoint) before the supervisor acts on step 11's record.
     "bitflip": (("bitflip:rank=1,step=11", "hold:step=12,seconds=60"), ("anomaly", "rollback")),
@@ -107,6 +107,9 @@ KIND_SETS: dict[str, tuple[str, ...]] = {
     # leaves off on small boxes; a restart that went cold although the pool was on is a problem
     # (``cold_restarts``)
     "crash": ("supervisor.restart.warm_spare=true",),
+    # the flip before step 11 lands in the at-rest window after step 10 at this cadence, whatever
+    # the default
+    "bitflip": ("monitors.sdc.every=10",),
 }
 # why a launch of a run that keeps a warm pool may still start cold (the launch event's cold_why);
 # any other reason (the pool exited, or never became ready) is a failed fast restart

@@ -1,6 +1,6 @@
 """Silent data corruption on real training (titan-tiny: FSDP2 over 2 CPU ranks, gloo), under the
-real supervisor, with the default cadence (``monitors.sdc.every = 10``: the at-rest window after
-step 10).
+real supervisor, checked every 10 steps (``monitors.sdc.every = 10``: the at-rest windows after
+steps 10 and 20).
 
 - transient: rank 1 flips one bit of one of its parameter shards before step 11. The at-rest check
   of step 11 catches it on rank 1; the policy rolls back exactly to step 5 (the step-10
@@ -34,7 +34,9 @@ from conftest import run_ptops
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["--set", "train.steps=16", "--set", "checkpoint.interval=5"]
+# the cadence is set, not the default's: the flips are placed in (or outside) its windows
+EVERY = ["--set", "monitors.sdc.every=10"]
+STEPS = ["--set", "train.steps=16", "--set", "checkpoint.interval=5", *EVERY]
 
 
 def events(run: Path, kind: str | None = None) -> list[dict]:
@@ -137,7 +139,7 @@ def test_persistent_flip_is_caught_again_strikes_the_node_and_stops(persistent):
     assert "persistent" in last["title"] and "struck" in last["action"]
 
 
-TRL_STEPS = ["--set", "train.steps=24", "--set", "checkpoint.interval=5"]
+TRL_STEPS = ["--set", "train.steps=24", "--set", "checkpoint.interval=5", *EVERY]
 
 
 @pytest.fixture(scope="module")
