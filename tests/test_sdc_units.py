@@ -210,6 +210,7 @@ def test_finding_actions_stop_a_local_run_on_a_persistent_rank(tmp_path):
     assert acts.pending.action == "stop"  # a local launch cannot replace the node
     (ex,) = [e for e in run.read_events() if e["kind"] == "exclude_node"]
     assert (ex["rank"], ex["host"], ex["acted"]) == (1, "node-a", False)
+    (tmp_path / "s").mkdir()
     slurm = FindingActions(MonitorsSection(), RunDir(tmp_path / "s"), said.append)
     slurm.exclude_node = lambda host, why: f"strike 1 against {host}"
     slurm.on_finding(again, 2, lambda r: "node-a")
