@@ -675,7 +675,21 @@ class _Builder:
             ),
             None,
         )
-        host = (ex or {}).get("host") or self.hosts.get(rank) if rank is not None else None
+        seen = next(  # the live finding's event: the host as the attempt knew it
+            (
+                e.get("host")
+                for e in self.events
+                if e.get("kind") == "anomaly"
+                and e.get("monitor") == "sdc"
+                and e.get("rank") == rank
+                and _attempt_of(e, self.launches) == attempt
+                and e.get("host")
+            ),
+            None,
+        )
+        host = None
+        if rank is not None:
+            host = (ex or {}).get("host") or seen or self.hosts.get(rank)
         rb = next(
             (
                 e

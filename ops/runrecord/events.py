@@ -255,12 +255,12 @@ SPECS: dict[EventKind, EventSpec] = {
     ),
     K.ANOMALY: EventSpec(
         ("monitor", "step", "value", "detail"),
-        ("severity", "rank", "attempt", "episode", "phase"),
+        ("severity", "rank", "attempt", "episode", "phase", "host"),
         finding=True,
         summary=True,
         doc="a metric monitor's finding (runbook: the monitor registry's); episode monitors add "
         "episode and phase (open | escalate | resolved: the all-clear, severity info, closes "
-        "the episode's open findings)",
+        "the episode's open findings); host: the named rank's, as the live attempt knew it",
     ),
     K.MONITOR_ERROR: EventSpec(
         ("monitor", "error"),

@@ -179,6 +179,9 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         for f in findings:
             ev = f.to_event()
             kind = ev.pop("kind", EventKind.ANOMALY)
+            host = self.rank_host(f.rank) if kind == EventKind.ANOMALY else None
+            if host:  # where the rank ran: diagnose names it after the attempt's ranks are gone
+                ev["host"] = host
             self.event(kind, attempt=self.attempt, **ev)
             self.findings.on_finding(f, self.attempt, self.rank_host)  # [monitors] policy
 
