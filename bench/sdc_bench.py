@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "sdc_bench.json"))
     ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--cost-only", action="store_true", help="skip the time-to-catch runs")
     a = ap.parse_args()
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="sdc-bench-"))
     out: dict = {"work_dir": str(work), "cost": [], "catch": []}
@@ -143,6 +144,8 @@ def main() -> None:
             ["bitflip:rank=1,step=13", "hold:step=21,seconds=60"],
         ),
     ):
+        if a.cost_only:
+            break
         out["catch"].append(catch(work, name, recipe, steps, faults))
         print(json.dumps(out["catch"][-1]), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -174,7 +174,7 @@ def test_monitor_is_registered_with_its_runbook_and_default_cadence():
     names = [m.name for m in build_monitors(MonitorsSection())]
     assert "sdc" in names
     section = MonitorsSection()
-    assert section.sdc.every == 10 and section.action_for("sdc") == "rollback"
+    assert section.sdc.every == 25 and section.action_for("sdc") == "rollback"
 
 
 def test_policy_rolls_back_exactly_and_strikes_a_persistent_rank():
