@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT_EVERY = 25  # monitors/config.py SdcConfig.every
 
 
 def read(path: Path) -> list[dict]:
@@ -77,6 +78,8 @@ def cost(work: Path, recipe: str, steps: int) -> dict:
         "step_ms": round(step_s * 1e3, 2),
         "share_every_1_pct": round(100 * per_check / step_s, 3),
         "share_every_10_pct": round(100 * per_check / 10 / step_s, 3),
+        "default_every": DEFAULT_EVERY,
+        "share_default_pct": round(100 * per_check / DEFAULT_EVERY / step_s, 3),
         "replica_fp": any("sdc_fp" in r for r in recs),
         # a fault-free run must never be caught: the fingerprints are exact, so any is a bug
         "false_positives": sum(

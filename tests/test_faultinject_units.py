@@ -266,7 +266,7 @@ def test_live_fault_fires_at_next_opportunity_once(fx):
 def test_select_scenarios():
     names = [s.name for s in chaos.select()]
     assert (
-        len(names) == 4 * 10
+        len(names) == 4 * 11
         and "titan-tiny/kill-supervisor" in names
         and "trl-grpo-tiny/preempt" in names
     )
