@@ -37,7 +37,7 @@ from typing import Any, Mapping
 from ptops.ops.obs.queued import FINALIZE as _FINALIZE
 from ptops.ops.obs.queued import STOP as _STOP
 from ptops.ops.obs.queued import QueuedExporter
-from ptops.ops.runrecord.events import SUMMARY_KINDS, EventKind, reduce, spec
+from ptops.ops.runrecord.events import SUMMARY_KINDS, EventKind, Reducer, reduce
 from ptops.ops.runrecord.jsonl import read_jsonl
 
 log = logging.getLogger("ptops.exporters.mlflow")
@@ -109,7 +109,8 @@ class MlflowExporter(QueuedExporter):
         self.flush_interval_s = flush_interval_s
         self.logged_metrics = 0
         self.run_id: str | None = None
-        self._event_counts: dict[str, int] = {}
+        self._reducer = Reducer()  # the one reading of events (ops/runrecord/events.py)
+        self._earlier_counts: dict[str, int] = {}  # event counts of earlier exporter processes
         self._finalized = False
         self._ready = threading.Event()
         super().__init__(queue_size, "ptops-mlflow")
@@ -199,7 +200,8 @@ class MlflowExporter(QueuedExporter):
                 for k, v in run.data.tags.items():  # continue the event counts of earlier attempts
                     if k.startswith("ptops.events.") and k.endswith(".count"):
                         try:
-                            self._event_counts[k[len("ptops.events.") : -len(".count")]] = int(v)
+                            kind = k[len("ptops.events.") : -len(".count")]
+                            self._earlier_counts[kind] = int(v)
                         except ValueError:
                             pass
                 if run.info.status != "RUNNING":
@@ -277,16 +279,18 @@ class MlflowExporter(QueuedExporter):
 
     def _tags_of(self, ev: Mapping[str, Any]) -> dict[str, str]:
         kind = str(ev.get("kind") or "unknown")
-        n = self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
+        v = self._reducer.view
+        had = v.state_events
+        self._reducer.add(ev)
+        n = self._earlier_counts.get(kind, 0) + v.counts[kind]
         tags = {
             f"ptops.events.{kind}.count": str(n),
             f"ptops.events.{kind}.last": json.dumps(ev, default=str)[:4000],
         }
         if kind == EventKind.LAUNCH and ev.get("attempt") is not None:
             tags["ptops.attempt"] = str(ev["attempt"])
-        sp = spec(kind)
-        if sp is not None and sp.state is not None:
-            tags["ptops.state"] = str(sp.state)
+        if v.state_events > had and v.event_state is not None:  # this event carried a state
+            tags["ptops.state"] = str(v.event_state)
         return tags
 
     def _flush(self, metrics: list, tags: dict[str, str]) -> None:
