@@ -248,8 +248,8 @@ def test_grpo_reward_is_verifiable():
 
 
 def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
-    """One rank, in this process: before_step/phase order, forced final save, should_poison -> NaN
-    loss."""
+    """One rank, in this process: before_step/phase order, forced final save, a ``nan`` fault
+    (``probe.faults.should_poison``) -> NaN loss."""
     from ptops.ops.rank.probe import Probe
     from ptops.recipes.schema import load as load_recipe
 
@@ -271,15 +271,15 @@ def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
         def phase(self, phase, step):
             calls.append((phase, step))
 
-        def should_poison(self, step):
-            return step == 2
-
     from ptops.recipes.trl.run import main
 
     recipe, _ = load_recipe(
         "trl-sft-tiny", ["train.steps=3", "checkpoint.interval=5", "launch.nproc=1"]
     )
-    main(recipe, SpyProbe(tmp_path, rank=0, attempt=1, world_size=1))
+    from ptops.faultinject.spec import parse, to_env
+
+    nan2 = to_env([parse("nan:step=2")])
+    main(recipe, SpyProbe(tmp_path, rank=0, attempt=1, world_size=1, faults=nan2))
 
     rows = final_metrics_by_step(list(read_jsonl(tmp_path / "metrics.jsonl")), 0)
     assert _finite(rows[1]["loss"])
@@ -303,12 +303,21 @@ def test_stop_request_checkpoints_and_returns(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PTOPS_FAULTS"):
         monkeypatch.delenv(key, raising=False)
 
+    from ptops.ops.rank.probe import StopProtocol
+
     class StoppedProbe(Probe):
         supervised = True  # as if a supervisor's channel were attached
 
-        @property
-        def stop_requested(self):
-            return self._step >= 2
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            probe = self
+
+            class AskedAtStep2(StopProtocol):
+                @property
+                def requested(self):
+                    return probe._step >= 2
+
+            self.stop = AskedAtStep2()
 
     from ptops.recipes.trl.run import main
 

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -65,6 +66,58 @@ def _quiet_third_party_loggers() -> None:
 def default_tracking_uri(run_dir: str | Path) -> str:
     root = Path(run_dir).resolve().parent
     return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def seed_sqlite_store(uri: str) -> bool:
+    """A new SQLite store starts as a copy of an empty one MLflow made and migrated once, kept in
+    the cache per MLflow version: creating and migrating the tables costs ~3 CPU-s at every first
+    launch in a folder (bench/README.md). Never replaces a store that exists or appears meanwhile;
+    a cached copy that does not look like an MLflow store is rebuilt, not used. True when it
+    seeded ``uri``."""
+    if not uri.startswith("sqlite:///"):
+        return False
+    target = Path(uri[len("sqlite:///") :])
+    if target.exists():
+        return False
+    import mlflow
+
+    from ptops.ops.runrecord.cache import cache_root
+
+    empty = cache_root() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
+    if not _looks_like_a_store(empty):
+        from mlflow.tracking import MlflowClient
+
+        empty.parent.mkdir(parents=True, exist_ok=True)
+        tmp = empty.with_name(f".{empty.name}.{os.getpid()}.tmp")
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()  # creates, migrates
+        os.replace(tmp, empty)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(empty, tmp)
+        os.link(tmp, target)  # fails if the store appeared meanwhile: that one is kept
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _looks_like_a_store(path: Path) -> bool:
+    import sqlite3
+
+    if not path.is_file():
+        return False
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            version = db.execute("SELECT version_num FROM alembic_version").fetchone()
+            db.execute("SELECT experiment_id FROM experiments LIMIT 1").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return False
+    return bool(version and version[0])
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -186,6 +239,7 @@ class MlflowExporter(QueuedExporter):
         from mlflow.tracking import MlflowClient
 
         _quiet_third_party_loggers()
+        seed_sqlite_store(self.tracking_uri)
         client = MlflowClient(tracking_uri=self.tracking_uri)
         state_file = self.run_dir / "mlflow.json"
         stored = None
