@@ -32,6 +32,7 @@ import queue
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -88,7 +89,8 @@ def seed_sqlite_store(uri: str) -> bool:
         from mlflow.tracking import MlflowClient
 
         empty.parent.mkdir(parents=True, exist_ok=True)
-        tmp = empty.with_name(f".{empty.name}.{os.getpid()}.tmp")
+        # a name of its own: MLflow keeps one store per URI for the life of the process
+        tmp = empty.with_name(f".{empty.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()  # creates, migrates
         os.replace(tmp, empty)
     target.parent.mkdir(parents=True, exist_ok=True)
