@@ -152,7 +152,7 @@ def main() -> int:
             row[f"{k}_total_s"] = statistics.median(r[k]["total_s"] for r in rs)
             row[f"{k}_first_step_s"] = statistics.median(r[k]["first_step_s"] for r in rs)
         for k in ("ptops_cold/torchrun", "ptops_standing/torchrun"):
-            row[k] = statistics.median(r[k] for r in rs)
+            row[k] = round(statistics.median(r[k] for r in rs), 3)
         row["digests_equal"] = all(r["digests_equal"] for r in rs)
         row["standing_ranks_from"] = sorted(
             {x for r in rs for x in r["ptops_standing"]["ranks_from"]}
