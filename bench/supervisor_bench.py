@@ -147,8 +147,10 @@ def probe_cost(n: int = 5000) -> dict:
             probe = Probe(run, 0, 1, **kw)
             t0 = time.perf_counter()
             for step in range(1, n + 1):
+                probe.profile.at_step(step)
+                probe.faults.before_step(step)
                 probe.before_step(step)
-                probe.should_poison(step)
+                probe.faults.should_poison(step)
                 probe.step(step, metrics)
             out[f"{mode}_us_per_step"] = (time.perf_counter() - t0) / n * 1e6
             probe.close()

@@ -30,6 +30,7 @@ from .manifest import (
     mark_writing,
     read_latest,
     read_manifest,
+    versions,
     write_manifest,
 )
 from .retention import PruneReport, prune
@@ -58,6 +59,7 @@ __all__ = [
     "mark_writing",
     "read_latest",
     "read_manifest",
+    "versions",
     "write_manifest",
     "PruneReport",
     "prune",

@@ -318,30 +318,45 @@ class SaveTransaction:
                 self.prune_error = _err_text(e)
         return True
 
-    def run(self, write: Callable[[Path], Any], probe: Any = None) -> bool:
-        """The whole save around an engine's ``write(self.path)``, with the probe's save hooks where
-        every engine has them (issue 25: one save path): ``probe.phase("checkpoint")`` (an
-        ``enospc`` fault raises OSError there), :meth:`begin`, ``probe.in_save``
-        (``crash:phase=save``), the write, ``probe.before_commit`` (``slow-save``), :meth:`commit`.
-        The caller reports the outcome and moves the probe back to ``phase("step")``. Returns
-        :attr:`ok`."""
+    def start(self, probe: Any = None) -> bool:
+        """Every engine's opening of a save (issue 25: one save path): ``probe.phase("checkpoint")``
+        and ``probe.faults.on_checkpoint`` (an ``enospc`` fault raises OSError there), then
+        :meth:`begin`, then ``probe.faults.in_save`` (``crash:phase=save``). False when the save
+        cannot begin (every rank alike; :attr:`error` says why)."""
         err: Any = None
         try:
             if probe is not None:
                 probe.phase("checkpoint", self.step)
+                probe.faults.on_checkpoint(self.step)
         except OSError as e:
             err = e
         if not self.begin(err):
             return False
         if probe is not None:
-            probe.in_save(self.step)
+            probe.faults.in_save(self.step)
+        return True
+
+    def finish(self, err: Any = None, probe: Any = None) -> bool:
+        """Every synchronous save's close: ``probe.faults.before_commit`` (``slow-save`` waits
+        there) when this rank wrote its part, then :meth:`commit`. (An async save commits on its
+        own thread: ``recipes/titan/trainer.py``.)"""
+        if err is None and probe is not None:
+            probe.faults.before_commit(self.step)
+        return self.commit(err)
+
+    def run(self, write: Callable[[Path], Any], probe: Any = None) -> bool:
+        """The whole synchronous save around an engine's ``write(self.path)``: :meth:`start`, the
+        write (an exception is a failed save, not a crash), :meth:`finish`. The caller reports the
+        outcome and moves the probe back to ``phase("step")`` (then
+        ``probe.faults.after_checkpoint``). Returns :attr:`ok`."""
+        if not self.start(probe):
+            return False
+        err: Any = None
         try:
             write(self.path)
         except Exception as e:  # noqa: BLE001 - OSError, the engine's own errors: a failed save, not a crash
             err = e
-        if err is None and probe is not None:
-            probe.before_commit(self.step)
-        return self.commit(err)
+        return self.finish(err, probe)
 
     def _fail(self, error: Any) -> bool:
         self.abort(error)

@@ -38,6 +38,20 @@ from ._util import (
 MANIFEST_VERSION = 1
 
 
+def versions(*names: str) -> dict[str, str]:
+    """The versions a manifest records: of each named package already imported (an engine's
+    torch, torchtitan, transformers, ...), read from the loaded module, so nothing is imported
+    for it."""
+    import sys
+
+    out = {}
+    for name in names:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            out[name] = str(getattr(mod, "__version__", "?"))
+    return out
+
+
 class ManifestError(RuntimeError):
     """Raised when a manifest cannot be written or a commit is refused.
     `.problems` holds the verifier's [{file, reason}]."""

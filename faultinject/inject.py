@@ -1,28 +1,30 @@
 """Rank-side fault injectors, driven by the rank probe's hooks.
 
-The probe owns one :class:`Injector`; the engine adapter never sees it. Hooks:
+The probe holds one :class:`Injector` as ``probe.faults``; the engine adapter calls its hooks next
+to the probe's beats they belong to (``ops/rank/probe.py``), and asks it what a save must do
+(``sync_save_wanted``, ``waits_for_save``) instead of naming fault kinds. Hooks:
 
 - ``before_step(step)`` (start of an optimizer step): crash, hang, slow, oom,
   preempt, kill-supervisor, hold
-- ``on_startup(section)`` (``probe.startup(section)``): hang with ``phase=SECTION``
+- ``on_startup(section)`` (after ``probe.startup(section)``): hang with ``phase=SECTION``
 - ``should_poison(step)``: nan
-- ``on_checkpoint(step)`` (``probe.phase("checkpoint", step)``): enospc (and it
+- ``on_checkpoint(step)`` (after ``probe.phase("checkpoint", step)``): enospc (and it
   notes the save a ``hold:until=committed`` waits for). The
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
   ``checkpoint_failed`` and carries on (an adapter without one crashes, and the
   supervisor restarts it: also survivable).
-- ``in_save(step)`` (``probe.in_save(step)``: every rank has begun the save of
+- ``in_save(step)`` (every rank has begun the save of
   ``step``, the folder is marked, this rank has not handed its part to the engine):
   crash with ``phase=save``. Earlier would be a plain crash; later races the engine's
   background writer, which may finish the save within the emission grace below and
   leave a complete (adoptable) checkpoint instead of a half-written one
-- ``after_checkpoint(step)`` (first ``probe.phase("step", step)`` after it, i.e.
+- ``after_checkpoint(step)`` (after the first ``probe.phase("step", step)`` after it, i.e.
   once the save is complete and committed): corrupt-ckpt
-- ``before_commit(step)`` (``probe.before_commit``: the save's files are written, its
+- ``before_commit(step)`` (the save's files are written, its
   commit is next; an async save calls it on its commit thread): slow-save, which waits
-  there; ``on_skip(step)`` (``probe.save_skipped``: a save skipped because the previous
+  there; ``on_skip(step)`` (a save skipped because the previous
   one is still writing) ends a ``slow-save:until=skipped``
-- ``flip_bits(step, tensors)`` (``probe.flip_bits``: the adapter calls it before the step,
+- ``flip_bits(step, tensors)`` (``probe.faults.flip_bits``: the adapter calls it before the step,
   after ``before_step``, with a function that lists its tensors): bitflip, once or (``persistent``)
   before every step from its own
 - ``on_startup("import")`` also: misrendezvous (the rank's rendezvous env is rewritten
@@ -153,6 +155,11 @@ class Injector:
                 f.kind == "corrupt-ckpt" and (step == f.step or (live and step >= f.step))
                 for f, live in self._pending + self._shadow
             )
+
+    def waits_for_save(self, step: int) -> bool:
+        """A pending fault needs the save of ``step`` (:func:`waits_for_save`): an adapter must not
+        skip it because the previous save still writes."""
+        return waits_for_save(self.pending, step)
 
     @staticmethod
     def _due(f: Fault, live: bool, kinds: tuple[str, ...], step: int, phase: str = "step") -> bool:
@@ -532,3 +539,18 @@ def flip_one_bit(named: list[tuple[str, Any]], fault: Fault, step: int) -> str:
         ints[index] ^= 1 << bit
         after = float(flat[index])
     return f"flipped bit {bit} of element {index} of {name} ({before:.6g} -> {after:.6g})"
+
+
+def waits_for_save(pending: list[Fault], step: int) -> bool:
+    """A fault that needs this step's save: committed (``corrupt-ckpt``,
+    ``hold:until=committed``), or begun, because it fires inside it (``enospc``,
+    ``crash:phase=save``, due at this step or before). Skipping that save while the previous one
+    still writes would skip the fault, on a slow box only."""
+    for f in pending:
+        if f.kind == "corrupt-ckpt" or (f.kind == "hold" and f.params.get("until") == "committed"):
+            return True
+        if f.step <= step and (
+            f.kind == "enospc" or (f.kind == "crash" and f.params.get("phase") == "save")
+        ):
+            return True
+    return False

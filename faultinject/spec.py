@@ -70,7 +70,7 @@ release        rank, attempt (no step)                     live only (``ptops in
                                                            cancels this attempt's pending ones
 slow-save      step (req), rank, attempt, seconds, until   slow storage: the commit of the save of
                                                            ``step`` waits ``seconds`` (default 10;
-                                                           ``probe.before_commit``, both adapters): an
+                                                           ``probe.faults.before_commit``): an
                                                            async save stays "writing" while training
                                                            goes on, a sync one blocks;
                                                            ``until=skipped``: ends as soon as a later
@@ -102,7 +102,7 @@ bitflip        step (req), rank, attempt, target, mode     silent data corruptio
                                                            ``step`` on and in every attempt (unless
                                                            ``attempt=`` says otherwise); the adapter
                                                            hands its tensors to
-                                                           ``probe.flip_bits(step, tensors)``
+                                                           ``probe.faults.flip_bits(step, tensors)``
 =============  ==========================================  =========================================
 
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the

@@ -179,7 +179,8 @@ def resume(
     if _probe is not None:
         _probe.world(world_size(), rank())
         _probe.startup("load")
-        _probe.accept_stop_requests()
+        _probe.faults.on_startup("load")
+        _probe.stop.accept()  # save_if_due saves and the script returns when the supervisor asks
     root = _ckpt_root(ckpt_dir)
     found: list[Any] = [None]
     if rank() == 0:  # one rank decides (it may quarantine or adopt), every rank loads the same
@@ -261,6 +262,8 @@ def start_step(step: int) -> None:
     _state["step"] = step
     _state["t0"] = time.monotonic()
     if _probe is not None:
+        _probe.profile.at_step(step)  # a capture's boundary comes before the fault hooks
+        _probe.faults.before_step(step)
         _probe.before_step(step)
 
 
@@ -272,7 +275,7 @@ def batch_index(step: int) -> int:
 
 def loss(value: Any) -> Any:
     """Hand the step's loss through ptops (a ``nan`` fault multiplies it by NaN: chaos tests)."""
-    if _probe is not None and _probe.should_poison(_state["step"]):
+    if _probe is not None and _probe.faults.should_poison(_state["step"]):
         return value * float("nan")
     return value
 
@@ -312,7 +315,7 @@ def checkpoint(
     step = int(step)
     interval = _interval() or int(every)
     stop = (
-        _any_rank(bool(_probe is not None and _probe.stop_requested))
+        _any_rank(bool(_probe is not None and _probe.stop.requested))
         if _probe is not None
         else False
     )
@@ -376,4 +379,5 @@ def save(
         _event("checkpoint_failed", step=int(step), path=str(txn.path), error=txn.error)
     if _probe is not None:
         _probe.phase("step", step)
+        _probe.faults.after_checkpoint(step)  # corrupt-ckpt fires once the save is committed
     return txn.ok, txn.error

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ptops.ops.runrecord import ranklog
+from ptops.ops.runrecord.cache import cache_root  # noqa: F401 - also this module's API
 
 ASSETS_VERSION = 1
 WORDS = (
@@ -46,10 +47,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PTOPS_CACHE", Path.home() / ".cache" / "ptops"))
 
 
 def _sentence(rng: random.Random) -> str:

@@ -17,9 +17,9 @@ after it is "good". Two cheap checks, both from one fingerprint (each tensor's b
 ``sdc_s`` in a record is the time the checks took for it (not part of ``step_s``).
 
 The adapter calls ``before_step(step)`` right after ``probe.before_step`` (the ``bitflip`` fault
-hook, ``probe.flip_bits``, is called from here: it flips between steps, where the check looks)
-and merges ``after_step(step)`` into the step's metrics. ``every`` is ``[monitors.sdc] every``
-(0 or the monitor off: nothing is computed). Imports torch lazily.
+hook, ``probe.faults.flip_bits``, is called from here: it flips between steps, where the check
+looks) and merges ``after_step(step)`` into the step's metrics. ``every`` is
+``[monitors.sdc] every`` (0 or the monitor off: nothing is computed). Imports torch lazily.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class StateChecks:
     """One rank's at-rest and replica checks (see the module docstring).
 
     ``params()`` and ``optims()`` list the rank's named local tensors (called at check steps only);
-    ``probe`` is the rank probe (its ``flip_bits`` hook runs before each step)."""
+    ``probe`` is the rank probe (its faults' ``flip_bits`` hook runs before each step)."""
 
     def __init__(
         self,
@@ -125,9 +125,9 @@ class StateChecks:
     def before_step(self, step: int) -> None:
         """The fault hook first (a flip lands between steps), then the at-rest comparison with the
         fingerprint taken at the end of the previous step (if that step was a check step)."""
-        flip = getattr(self.probe, "flip_bits", None)
-        if flip is not None:
-            flip(step, self.tensors)
+        faults = getattr(self.probe, "faults", None)
+        if faults is not None:
+            faults.flip_bits(step, self.tensors)
         after, self._after = self._after, None
         self._keys = {}
         if after is None or after[0] != step - 1:

@@ -39,10 +39,18 @@ def pytest_report_header(config):
 
 # ------------------------------------------------------------------- the session's standing pools
 # Most of a small launch is its ranks importing torch and the engine (~10 CPU-s each here): the
-# session keeps one `ptops warm` (titan and trl pools) and every launch starts its ranks from it,
+# session keeps one `ptops warm` (titan, trl and script pools) and every launch starts its ranks
+# from it,
 # the first attempt included. Tests of the cold path (torchrun, the run's own pool) say
 # `pytest.mark.cold`, on the test or the module; PTOPS_TESTS_COLD=1 runs everything cold.
 STANDING = "PTOPS_STANDING_POOL"
+
+
+def _die_with_pytest() -> None:
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -53,14 +61,16 @@ def standing_pool(tmp_path_factory):
         return
     name = f"ptops-tests-{os.getpid()}"
     logs = tmp_path_factory.mktemp("warm")
+    warm = ["warm", "titan", "trl", "script", "--name", name, "--log-dir", str(logs), "--json"]
     proc = subprocess.Popen(
-        [*PTOPS, "warm", "titan", "trl", "--name", name, "--log-dir", str(logs), "--json"],
+        [*PTOPS, *warm],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=REPO,
+        preexec_fn=_die_with_pytest,  # a killed session leaves no pool behind (pools die with it)
     )
-    line = proc.stdout.readline()  # `--json`: one line once both pools answer, EOF if they fail
+    line = proc.stdout.readline()  # `--json`: one line once every pool answers, EOF if one fails
     if not line:
         proc.wait()
         raise RuntimeError(
@@ -69,6 +79,10 @@ def standing_pool(tmp_path_factory):
     os.environ[STANDING] = name
     yield name
     os.environ.pop(STANDING, None)
+    if proc.poll() is not None:  # launches after its death started cold (slower, still right)
+        import warnings
+
+        warnings.warn(f"the standing pool exited {proc.returncode} during the session: {logs}")
     proc.terminate()
     proc.wait(timeout=30)
 

@@ -44,7 +44,10 @@ FAST_HANG = [
 # the hang run uses the shipped hang defaults (issue 12: detection needs no tuning); only the
 # backoff is short
 DEFAULT_HANG = ["--set", "supervisor.restart.backoff_s=0.5"]
-# cold, whichever test asks first: the crash run keeps the run's own pool (test_warm reads it)
+# cold, whichever test asks first: the reference (the cold baseline test_standing_pool compares
+# with), the crash run, which keeps the run's own pool (test_warm reads it), and the hang run
+# (test_supervisor_real checks it leaves no process with the run's directory, which a standing
+# pool's children do not carry); nan, straggler and corrupt start from the session's standing pool
 COLD = {"PTOPS_STANDING_POOL": None}
 HOLD_COMMITTED = "hold:step=12,until=committed,seconds=120"
 
@@ -66,7 +69,7 @@ def _events(run: Path, kind: str) -> list[dict]:
     return [e for e in out if e["kind"] == kind]
 
 
-def _launch(run: Path, *args: str) -> subprocess.CompletedProcess:
+def _launch(run: Path, *args: str, cold: bool = False) -> subprocess.CompletedProcess:
     return run_ptops(
         "launch",
         "titan-tiny",
@@ -78,7 +81,7 @@ def _launch(run: Path, *args: str) -> subprocess.CompletedProcess:
         *args,
         "--json",
         timeout=900,
-        env=COLD,
+        env=COLD if cold else None,
     )
 
 
@@ -101,10 +104,10 @@ def _hang(run: Path) -> tuple[subprocess.CompletedProcess, dict]:
             "--json",
         ],
         cwd=REPO,
-        env={k: v for k, v in os.environ.items() if k != "PTOPS_STANDING_POOL"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={k: v for k, v in os.environ.items() if k != "PTOPS_STANDING_POOL"},
     )
     try:
         deadline = time.monotonic() + 300
@@ -158,6 +161,7 @@ def make(kind: str, run: Path) -> Faulted:
                 "crash:rank=1,step=12",
                 "--fault",
                 HOLD_COMMITTED,
+                cold=True,
             ),
             {},
         )

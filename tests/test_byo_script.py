@@ -371,13 +371,13 @@ def test_one_save_path_runs_the_probe_hooks_in_order_and_aborts_a_failed_save(tm
 
     calls: list[str] = []
 
-    class Probe:
-        def __init__(self, fail_phase: bool = False) -> None:
-            self.fail_phase = fail_phase
+    class Faults:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
 
-        def phase(self, name: str, step: int) -> None:
-            calls.append(f"phase:{name}:{step}")
-            if self.fail_phase:
+        def on_checkpoint(self, step: int) -> None:
+            calls.append(f"on_checkpoint:{step}")
+            if self.fail:
                 raise OSError(28, "No space left on device")
 
         def in_save(self, step: int) -> None:
@@ -385,6 +385,13 @@ def test_one_save_path_runs_the_probe_hooks_in_order_and_aborts_a_failed_save(tm
 
         def before_commit(self, step: int) -> None:
             calls.append(f"before_commit:{step}")
+
+    class Probe:
+        def __init__(self, fail_phase: bool = False) -> None:
+            self.faults = Faults(fail_phase)
+
+        def phase(self, name: str, step: int) -> None:
+            calls.append(f"phase:{name}:{step}")
 
     def write(path: Path) -> None:
         import torch
@@ -395,12 +402,13 @@ def test_one_save_path_runs_the_probe_hooks_in_order_and_aborts_a_failed_save(tm
 
     ok = SaveTransaction(tmp_path, 2, name="step-2")
     assert ok.run(write, probe=Probe()), ok.error
-    assert calls == ["phase:checkpoint:2", "in_save:2", "write", "before_commit:2"]
+    hooks = ["phase:checkpoint:2", "on_checkpoint:2", "in_save:2", "write", "before_commit:2"]
+    assert calls == hooks
     assert latest_good(tmp_path, deep=True).step == 2
     calls.clear()
     full = SaveTransaction(tmp_path, 4, name="step-4")
     assert not full.run(write, probe=Probe(fail_phase=True)) and "No space left" in full.error
-    assert calls == ["phase:checkpoint:4"]  # nothing written, nothing committed
+    assert calls == ["phase:checkpoint:4", "on_checkpoint:4"]  # nothing written or committed
 
     def broken(path: Path) -> None:
         raise RuntimeError("writer failed")

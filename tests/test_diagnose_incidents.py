@@ -445,7 +445,6 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 
 def test_synthetic_kinds_and_episodes(tmp_path):
-    sys.path.insert(0, str(REPO / "tests" / "data" / "traces"))
     import synth
 
     T0 = 1_800_000_000.0

@@ -83,11 +83,12 @@ def _failed_anywhere(failed):
 
 def _save(step, model, recipe, probe, root, rank, world):
     probe.phase("checkpoint", step)
+    probe.faults.on_checkpoint(step)
     t0 = time.monotonic()
     txn = SaveTransaction(root, step, leader=rank == 0, agree=_failed_anywhere, world_size=world,
                           keep=recipe.checkpoint.keep)
     if txn.begin():
-        probe.in_save(step)
+        probe.faults.in_save(step)
         err = None
         try:
             dcp.save({"model": model.state_dict()}, checkpoint_id=str(txn.path))
@@ -100,6 +101,7 @@ def _save(step, model, recipe, probe, root, rank, world):
         took = round(time.monotonic() - t0, 4)
         probe.event("checkpoint", step=step, path=str(txn.path), blocking_s=took, total_s=took, mode="sync")
     probe.phase("step", step)
+    probe.faults.after_checkpoint(step)
 
 
 def main(recipe, probe):
@@ -128,12 +130,14 @@ def main(recipe, probe):
         start = int(Path(box[0]).name.split("-")[1])
         print(f"toy: resumed from {box[0]}", flush=True)
     for step in range(start + 1, recipe.train.steps + 1):
+        probe.profile.at_step(step)
+        probe.faults.before_step(step)
         probe.before_step(step)
         t0 = time.monotonic()
         g = torch.Generator().manual_seed(recipe.train.seed * 100003 + step * world + rank)
         x = torch.randn(cfg.batch, 4, generator=g)
         loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
-        if probe.should_poison(step):
+        if probe.faults.should_poison(step):
             loss = loss * float("nan")
         opt.zero_grad()
         loss.backward()

@@ -430,3 +430,63 @@ def test_finding_episodes_open_and_close_and_the_all_clear_is_no_finding():
         {"ts": 70, "kind": "launch", "attempt": 2}
     )  # the monitors start the attempt with no episode open
     assert samples(e)[key] == 0
+
+
+def _anomaly(ts: float, episode: int, phase: str, rank: int) -> dict:
+    return {
+        "ts": ts, "kind": "anomaly", "monitor": "loss_spike", "step": int(ts), "value": 1.0,
+        "detail": "d", "severity": "info" if phase == "resolved" else "warning",
+        "episode": episode, "phase": phase, "rank": rank,
+    }  # fmt: skip
+
+
+def test_an_all_clear_closes_its_own_episode_not_the_monitors_other_one():
+    """Episodes are the reducer's (keyed by monitor and episode, as ``ptops status`` sees them): a
+    monitor with two open episodes stays open until both are all-clear."""
+    e = PrometheusExporter("r", "t", clock=lambda: 100.0, nvml=False)
+    key = ("ptops_finding_episode_open", (("monitor", "loss_spike"),))
+    e.observe_event({"ts": 1, "kind": "launch", "attempt": 1})
+    e.observe_event(_anomaly(10, 1, "open", 0))
+    e.observe_event(_anomaly(11, 2, "open", 1))
+    e.observe_event(_anomaly(20, 1, "resolved", 0))
+    assert samples(e)[key] == 1
+    e.observe_event(_anomaly(21, 2, "resolved", 1))
+    assert samples(e)[key] == 0
+    e.observe_event(_anomaly(30, 3, "open", 0))
+    e.observe_event({"ts": 40, "kind": "completed", "attempt": 1, "step": 30})
+    assert samples(e)[key] == 0  # an ended run has no open episode
+
+
+def test_the_exporter_says_what_the_reducer_says():
+    """One reducer (``ops/runrecord/events.py``): the exporter's event counts, restarts and state
+    are its view of the same events."""
+    from ptops.ops.runrecord.events import reduce
+
+    events = [
+        {"ts": 1, "kind": "launch", "attempt": 1},
+        {"ts": 2, "kind": "fault_injected", "fault": "crash:rank=1,step=3", "rank": 1, "step": 3},
+        {"ts": 3, "kind": "crash", "attempt": 1, "rank": 1, "exit_code": -9},
+        {"ts": 4, "kind": "restart", "attempt": 2, "reason": "crash: rank 1", "from_step": 0},
+        {"ts": 5, "kind": "launch", "attempt": 2},
+        {"ts": 6, "kind": "checkpoint", "step": 5, "path": "p", "blocking_s": 0.1, "total_s": 1},
+        {"ts": 7, "kind": "completed", "attempt": 2, "step": 5},
+    ]
+    e = PrometheusExporter("r", "t", clock=lambda: 100.0, nvml=False)
+    for ev in events:
+        e.observe_event(ev)
+    s, v = samples(e), reduce(events)
+    for kind, n in v.counts.items():
+        assert s[("ptops_events_total", (("kind", kind),))] == n
+    assert s[("ptops_restarts_total", (("reason", "crash"),))] == v.restarts == 1
+    assert s[("ptops_run_state", (("state", v.event_state),))] == 1 and v.event_state == "completed"
+    assert s[("ptops_checkpoint_last_good_step", ())] == v.last_checkpoint["step"] == 5
+    assert s[("ptops_attempt", ())] == v.attempt == 2
+    assert s[("ptops_crashes_total", ())] == 1 and s[("ptops_faults_injected_total", ())] == 1
+
+
+def test_every_metric_family_is_declared_once_with_help():
+    from ptops.ops.obs.prometheus import FAMILIES
+
+    names = [f[0] for f in FAMILIES]
+    assert len(names) == len(set(names)), names
+    assert all(f[1] in ("gauge", "counter", "histogram") and f[2].strip() for f in FAMILIES)

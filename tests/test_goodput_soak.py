@@ -6,7 +6,6 @@ it."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 from ptops.faultinject.spec import parse
@@ -15,7 +14,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _soak():
-    sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location(
         "goodput_soak", REPO / "bench" / "goodput_soak.py"
     )

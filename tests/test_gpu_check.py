@@ -171,7 +171,6 @@ def test_gpu_wheels_size_check_refuses_an_oversized_wheelhouse(tmp_path):
 def test_a_stage_over_its_budget_is_cut_with_its_process_group():
     """The check goes on after a stage overruns: it is recorded as cut, and what it started is
     gone."""
-    sys.path.insert(0, str(REPO / "bench"))
     from gpu_check_all import run_stage
 
     code = (
@@ -195,7 +194,6 @@ def test_titan_stage_is_skipped_with_the_import_error(tmp_path, monkeypatch):
     """Where TorchTitan does not import (the H200 image's torch 2.11), the stage records why, not a
     failure. That error cannot happen with this machine's torch, so a package of that name raises
     it."""
-    sys.path.insert(0, str(REPO / "bench"))
     from gpu_check_all import titan_why_not
 
     pkg = tmp_path / "torchtitan"

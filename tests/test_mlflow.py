@@ -158,3 +158,29 @@ def test_flatten():
         "e": "[1, 2]",
         "f": "None",
     }
+
+
+def test_a_new_store_is_seeded_from_the_cache_and_an_odd_cached_copy_is_rebuilt(
+    tmp_path, monkeypatch
+):
+    from mlflow.tracking import MlflowClient
+
+    from ptops.ops.obs.mlflow_export import seed_sqlite_store
+
+    monkeypatch.setenv("PTOPS_CACHE", str(tmp_path / "cache"))
+    first = tmp_path / "a" / "mlflow.db"
+    assert seed_sqlite_store(f"sqlite:///{first}")  # builds the empty store once, then copies it
+    cached = list((tmp_path / "cache" / "mlflow").glob("empty-store-*.db"))
+    assert len(cached) == 1 and first.stat().st_size == cached[0].stat().st_size
+    client = MlflowClient(tracking_uri=f"sqlite:///{first}")
+    run = client.create_run(client.create_experiment("seeded"))
+    client.log_metric(run.info.run_id, "loss", 1.5, step=1)
+    assert client.get_metric_history(run.info.run_id, "loss")[0].value == 1.5
+    assert not seed_sqlite_store(f"sqlite:///{first}")  # an existing store is never replaced
+    assert client.get_run(run.info.run_id).data.metrics == {"loss": 1.5}
+    cached[0].write_bytes(b"not a database")  # an odd cached copy is rebuilt, never used
+    second = tmp_path / "b" / "mlflow.db"
+    assert seed_sqlite_store(f"sqlite:///{second}")
+    names = [e.name for e in MlflowClient(tracking_uri=f"sqlite:///{second}").search_experiments()]
+    assert names == ["Default"] and cached[0].read_bytes()[:15] == b"SQLite format 3"
+    assert not seed_sqlite_store("http://127.0.0.1:1")  # a server store is its own

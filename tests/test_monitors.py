@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import synth  # tests/data/traces (pytest's pythonpath)
 
 from ptops.monitors import (
     EntropyCollapseMonitor,
@@ -31,8 +32,6 @@ from ptops.monitors import (
 )
 
 TRACES = Path(__file__).parent / "data" / "traces"
-sys.path.insert(0, str(TRACES))
-import synth  # noqa: E402
 
 AT = 100
 SEEDS = range(10)

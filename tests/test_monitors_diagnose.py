@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import synth  # tests/data/traces (pytest's pythonpath)
+
 from ptops.diagnostics.diagnose import RUNBOOKS, diagnose
 
 TRACES = Path(__file__).parent / "data" / "traces"
-sys.path.insert(0, str(TRACES))
-import synth  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = 1_800_000_000.0

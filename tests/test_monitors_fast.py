@@ -4,15 +4,10 @@ recorded trace and on the replay corpus (rewound, garbled, late and diverging st
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from replay_corpus import corpus
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_monitors_replay import corpus  # noqa: E402
-
-from ptops.monitors import StragglerMonitor, build_monitors, fast_entries, replay  # noqa: E402
-from ptops.ops.supervisor.monitorfeed import MonitorFeed  # noqa: E402
+from ptops.monitors import StragglerMonitor, build_monitors, fast_entries, replay
+from ptops.ops.supervisor.monitorfeed import MonitorFeed
 
 
 def _plain(recs: list[dict]) -> list[dict]:

@@ -327,7 +327,7 @@ def test_supervisor_refuses_while_ranks_are_missing():
 def _train(capture, steps, *, mark=True):
     import torch
 
-    from ptops.ops.rank.probe import _NULL
+    from ptops.ops.rank.profiler import NULL as _NULL
 
     w = torch.ones(64, 64)
     for s in steps:
@@ -399,17 +399,19 @@ def test_capture_late_start_partial_and_missed(tmp_path):
 
 
 def test_probe_marks_are_free_without_a_capture(tmp_path):
-    from ptops.ops.rank.probe import _NULL, Probe
+    from ptops.ops.rank.probe import Probe
+    from ptops.ops.rank.profiler import NULL as _NULL
 
     probe = Probe(tmp_path, rank=0, attempt=1)
-    assert not probe.profiling and probe.mark("data") is _NULL
-    probe._on_profile({"id": "p4", "start_step": 2, "steps": 1})
-    probe.before_step(1)
-    assert not probe.profiling
-    probe.before_step(2)
-    assert probe.profiling and probe.mark("data") is not _NULL
-    probe.before_step(3)
-    assert not probe.profiling and probe._capture is None
+    prof = probe.profile
+    assert not prof.running and prof.mark("data") is _NULL
+    probe._on_command({"cmd": "profile", "id": "p4", "start_step": 2, "steps": 1})
+    prof.at_step(1)
+    assert not prof.running
+    prof.at_step(2)
+    assert prof.running and prof.mark("data") is not _NULL
+    prof.at_step(3)
+    assert not prof.running and prof.capture is None
     ev = [e for e in probe.run.read_events() if e["kind"] == "profile_captured"]
     assert len(ev) == 1 and ev[0]["first_step"] == 2 and ev[0]["rank"] == 0
 

@@ -3,6 +3,7 @@
 import textwrap
 
 import pytest
+from helpers import assert_one_clear_line
 
 from ptops.recipes.schema import RecipeError, load, parse_override
 
@@ -18,16 +19,6 @@ def write(tmp_path, text, name="r.toml"):
     p = tmp_path / name
     p.write_text(textwrap.dedent(text))
     return p
-
-
-def assert_one_clear_line(proc, *needles):
-    assert proc.returncode == 2, proc.stderr
-    err = proc.stderr.strip()
-    assert "Traceback" not in proc.stderr
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("error: ")
-    for n in needles:
-        assert n in err, (n, err)
 
 
 def test_missing_recipe_file(ptops, tmp_path):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import synth  # tests/data/traces (pytest's pythonpath)
 
 from ptops.diagnostics.diagnose import RUNBOOKS as DIAGNOSE_RUNBOOKS
 from ptops.diagnostics.diagnose import diagnose
@@ -23,8 +23,6 @@ from ptops.ops.obs.alerts import rule_dicts
 from ptops.ops.runrecord.events import SPECS
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "data" / "traces"))
-import synth  # noqa: E402
 
 LINK = re.compile(r"runbooks/([A-Za-z][A-Za-z0-9_]*)\.md")
 

@@ -418,3 +418,12 @@ def test_goodput_of_a_live_run_runs_to_now_and_an_empty_run_has_none():
         now=10.0,
     )
     assert g["wall_s"] == 10.0 and g["lost_s"]["startup"] == 4.0 and g["lost_s"]["other"] == 5.0
+
+
+def test_the_reducer_kept_open_gives_reduce_at_every_prefix():
+    """The exporter adds events one at a time: at each point its view is ``reduce`` of the prefix
+    (pure: same events, same view)."""
+    r = ev.Reducer()
+    for i, e in enumerate(CRASH_RESTART_COMPLETE):
+        r.add(e)
+        assert r.view == reduce(CRASH_RESTART_COMPLETE[: i + 1])

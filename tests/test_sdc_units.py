@@ -84,12 +84,9 @@ def test_fingerprint_sees_one_flip_and_nothing_else():
 class _Probe:
     def __init__(self, faults):
         self.emitted = []
-        self.injector = Injector(
+        self.faults = Injector(
             [parse(f) for f in faults], 0, 1, lambda f, s: self.emitted.append((str(f), s))
         )
-
-    def flip_bits(self, step, tensors):
-        return self.injector.flip_bits(step, tensors)
 
 
 def _checks(faults, every=2, replicated=False, rank_tensors=None):

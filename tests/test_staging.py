@@ -200,20 +200,11 @@ def test_a_fault_that_fires_in_a_save_keeps_that_save_from_being_skipped():
     fault needs it: committed (corrupt-ckpt, hold until committed) or begun (enospc,
     crash:phase=save). Otherwise, on a slow box, the fault would silently never fire (a chaos
     scenario or a test waiting for it would fail)."""
-    import importlib
-    from types import SimpleNamespace
-
+    from ptops.faultinject.inject import waits_for_save
     from ptops.faultinject.spec import Fault
 
-    importlib.import_module(
-        "ptops.recipes.titan.registry"
-    )  # applies the CPU compatibility layer first
-    from ptops.recipes.titan.trainer import _fault_waits_for_save
-
     def waits(fault: Fault, step: int) -> bool:
-        return _fault_waits_for_save(
-            SimpleNamespace(injector=SimpleNamespace(pending=[fault])), step
-        )
+        return waits_for_save([fault], step)
 
     assert waits(Fault("crash", 6, rank=1, params={"phase": "save"}), 6)
     assert waits(Fault("enospc", 8), 8)
@@ -224,4 +215,4 @@ def test_a_fault_that_fires_in_a_save_keeps_that_save_from_being_skipped():
     )  # not due yet: 4 may be skipped
     assert not waits(Fault("crash", 6, rank=1), 6)  # a crash before the step: not inside the save
     assert not waits(Fault("enospc", 8), 6)
-    assert not _fault_waits_for_save(None, 6)
+    assert not waits_for_save([], 6)

@@ -60,3 +60,22 @@ def test_ptops_warm_refuses_an_unknown_engine_in_one_line():
     p = run_ptops("warm", "nosuch", env={"PTOPS_STANDING_POOL": None}, timeout=120)
     assert p.returncode == 2 and "unknown engine 'nosuch'" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_launch_the_pool_does_not_fit_keeps_its_own_pool_and_says_why(standing_pool, tmp_path):
+    """The supervisor asks once, before the first attempt: a pool of another engine (or one that
+    differs) is not used, and the run keeps the warm pool it would have had without one."""
+    import io
+
+    from ptops.ops.supervisor import Supervisor
+
+    assert standing_pool, "the session's standing pool is off (PTOPS_TESTS_COLD=1)"
+    out = io.StringIO()
+    keep = ["supervisor.restart.warm_spare=true", "launch.omp_num_threads=2"]
+    rec, _ = load("titan-tiny", keep)
+    sup = Supervisor(rec, RunDir(tmp_path / "a").create(), [], out=out)
+    assert sup.warm is not None and not sup.warm.standing  # the run's own pool
+    assert "standing warm pool not used (standing_pool_differs)" in out.getvalue()
+    rec, _ = load("titan-tiny")
+    sup = Supervisor(rec, RunDir(tmp_path / "b").create(), [], out=io.StringIO())
+    assert sup.warm is not None and sup.warm.standing == f"{standing_pool}-titan"

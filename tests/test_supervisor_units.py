@@ -324,7 +324,7 @@ def test_crash_fault_kills_the_process(tmp_path):
         "from ptops.ops.rank.probe import Probe\n"
         f"p = Probe({str(tmp_path)!r}, 1, 1, "
         f"faults={json.dumps(json.dumps([parse('crash:rank=1,step=2').to_dict()]))})\n"
-        "p.before_step(1); p.before_step(2); print('survived')\n"
+        "p.faults.before_step(1); p.faults.before_step(2); print('survived')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL and "survived" not in proc.stdout

@@ -9,13 +9,12 @@ the same per-step losses. Runs are shared through module fixtures (each launch c
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_trl_train import NPROC, _ckpts, _ok, launch
+from helpers import NPROC, assert_launched, is_finite, launch, trl_checkpoints
 
 from ptops.ops.runrecord.rundir import final_metrics_by_step, read_jsonl
 
@@ -41,9 +40,9 @@ def _digest(path: Path) -> str:
 def _crash_and_resume(recipe: str, d: Path, overrides: list[str]) -> str:
     proc, logs = launch(recipe, d, overrides, faults=[f"crash:rank=0,step={CRASH_STEP}"])
     assert proc.returncode != 0, f"the killed run exited 0\n{logs}"
-    assert _ckpts(d) == [CRASH_STEP - 1], logs
+    assert trl_checkpoints(d) == [CRASH_STEP - 1], logs
     proc, logs = launch(recipe, d, overrides, attempt=2)
-    _ok(proc, logs)
+    assert_launched(proc, logs)
     log0 = (d / "logs" / "attempt-2" / "rank-0.log").read_text(errors="replace")
     assert f"resuming from {d / 'checkpoints' / f'checkpoint-{CRASH_STEP - 1}'}" in log0, logs
     return logs
@@ -63,10 +62,6 @@ def _assert_exact(resumed: Path, reference: Path) -> None:
     )
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
 class _Pair:
     def __init__(self, reference: Path, resumed: Path, logs: str):
         self.reference, self.resumed, self.logs = reference, resumed, logs
@@ -74,7 +69,7 @@ class _Pair:
 
 def _pair(tmp_path_factory, recipe: str, overrides: list[str]) -> _Pair:
     ref = tmp_path_factory.mktemp(recipe + "-ref")
-    _ok(*launch(recipe, ref, overrides))
+    assert_launched(*launch(recipe, ref, overrides))
     killed = tmp_path_factory.mktemp(recipe + "-killed")
     logs = _crash_and_resume(recipe, killed, overrides)
     return _Pair(ref, killed, logs)
@@ -126,9 +121,8 @@ def test_reward_model_trains_and_resumes_exactly(reward):
     )
     for rank in range(NPROC):
         for step, row in _rows(reward.reference, rank).items():
-            assert (
-                0.0 <= row["accuracy"] <= 1.0 and _finite(row["margin"]) and _finite(row["loss"])
-            ), (rank, step)
+            assert 0.0 <= row["accuracy"] <= 1.0, (rank, step)
+            assert is_finite(row["margin"]) and is_finite(row["loss"]), (rank, step)
     _assert_exact(reward.resumed, reward.reference)
 
 
@@ -150,7 +144,7 @@ def test_rloo_trains_with_the_verifiable_reward_and_resumes_exactly(rloo):
                 "kl",
                 "completions_mean_length",
             ):
-                assert _finite(row.get(key)), (rank, step, key)
+                assert is_finite(row.get(key)), (rank, step, key)
             assert 0.0 <= row["rewards_correct_mean"] <= 1.0
     _assert_exact(rloo.resumed, rloo.reference)
 
@@ -161,7 +155,7 @@ def test_rloo_trains_with_the_verifiable_reward_and_resumes_exactly(rloo):
 @pytest.fixture(scope="module")
 def teacher_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("gkd-teacher")
-    _ok(*launch("trl-sft-tiny", d, ["train.steps=2", "checkpoint.interval=2"]))
+    assert_launched(*launch("trl-sft-tiny", d, ["train.steps=2", "checkpoint.interval=2"]))
     return d
 
 
@@ -188,7 +182,7 @@ def test_gkd_distils_from_the_teacher_run_and_resumes_exactly(gkd, teacher_run):
     pin = json.loads((gkd.resumed / "teacher.json").read_text())
     assert pin["path"] == str(want) and pin["digest"] == want_digest
     for step, row in _rows(gkd.reference).items():
-        assert _finite(row["loss"]) and row["loss"] >= 0, step
+        assert is_finite(row["loss"]) and row["loss"] >= 0, step
     _assert_exact(gkd.resumed, gkd.reference)
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 from conftest import run_ptops
-from test_recipe_input import assert_one_clear_line
+from helpers import assert_one_clear_line
 
 LLAMA3_8B = 8_030_261_248  # Llama-3.1-8B (untied embeddings)
 SIBLINGS = {

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PTOPS, REPO
-from test_trl_train import NPROC, _by_rank, _ckpts, _ok, launch
+from helpers import NPROC, assert_launched, launch, records_by_rank, trl_checkpoints
 
 from ptops.ops.runrecord.rundir import read_jsonl
 
@@ -48,13 +48,13 @@ class Pair:
 def _pair(kind: str, tmp_path_factory) -> Pair:
     recipe = f"trl-grpo-{kind}-tiny"
     ref = tmp_path_factory.mktemp(f"{kind}-ref")
-    _ok(*launch(recipe, ref, OVERRIDES))
+    assert_launched(*launch(recipe, ref, OVERRIDES))
     crashed = tmp_path_factory.mktemp(f"{kind}-crash")
     proc, logs = launch(recipe, crashed, OVERRIDES, faults=["crash:rank=0,step=3"])
     assert proc.returncode != 0, f"the killed run exited 0\n{logs}"
-    assert _ckpts(crashed) == [2], logs
+    assert trl_checkpoints(crashed) == [2], logs
     proc, logs = launch(recipe, crashed, OVERRIDES, attempt=2)
-    _ok(proc, logs)
+    assert_launched(proc, logs)
     assert f"resuming from {crashed / 'checkpoints' / 'checkpoint-2'}" in logs
     return Pair(ref, crashed, logs)
 
@@ -81,7 +81,7 @@ def _sources(run: Path) -> list[dict]:
 def _check(pair: Pair, reward_keys: tuple[str, ...], cli: bool = False) -> dict:
     # the resumed run ends where the uninterrupted one does, bit for bit
     assert _digest(pair.resumed, cli) == _digest(pair.reference, cli)
-    ref, res = _by_rank(pair.reference), _by_rank(pair.resumed)
+    ref, res = records_by_rank(pair.reference), records_by_rank(pair.resumed)
     for rank in range(NPROC):
         assert sorted(ref[rank]) == sorted(res[rank]) == list(range(1, STEPS + 1))
         for step in range(1, STEPS + 1):
@@ -113,7 +113,7 @@ def test_grpo_judge_trains_and_resumes_exactly(judge_pair):
     # the event names the judge that scored: its directory and the sha256 of its weights
     assert src["judge_path"] == str(expected) and src["judge_kind"] == "lm"
     assert src["judge_digest"] == weights_digest(expected) and src["judge_params"] > 0
-    ref = _by_rank(judge_pair.reference)
+    ref = records_by_rank(judge_pair.reference)
     scores = [ref[r][s]["rewards_judge_mean"] for r in range(NPROC) for s in range(1, STEPS + 1)]
     assert all(0.0 < v < 1.0 for v in scores)
 
@@ -131,7 +131,7 @@ def test_grpo_code_trains_and_resumes_exactly(code_pair):
     assert src["sandbox_limits"]["cpu_s"] == 2
     # the sandbox really ran every completion of every step (and the replay ran the same: compared
     # above)
-    ref = _by_rank(code_pair.reference)
+    ref = records_by_rank(code_pair.reference)
     assert all(
         ref[r][s]["sandbox_runs"] > 0 and ref[r][s]["sandbox_failed"] == 0
         for r in range(NPROC)

@@ -9,19 +9,16 @@ directory.
 
 from __future__ import annotations
 
-import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import NPROC, assert_launched, is_finite, launch, records_by_rank, trl_checkpoints
 
 from ptops.ops.runrecord.rundir import final_metrics_by_step, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-NPROC = 2
 STEPS = 6
 INTERVAL = 2  # saves 2, 4, 6
 KEEP = 2  # retention leaves 4 and 6
@@ -33,74 +30,29 @@ SFT_OVERRIDES = [
 ]
 
 
-def _tail(path: Path, n: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return "(no log)"
-
-
-def launch(
-    recipe: str, run_dir: Path, overrides: list[str], attempt: int = 1, faults: list[str] = ()
-):
-    """``ptops launch RECIPE --run-dir D --set ...`` (plain, unsupervised); rerun on D resumes."""
-    cmd = [str(BIN / "ptops"), "launch", recipe, "--run-dir", str(run_dir)]
-    for o in overrides:
-        cmd += ["--set", o]
-    for f in faults:
-        cmd += ["--fault", f]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("PTOPS_RANK_LOGS", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    logs = "\n".join(
-        f"--- rank {k} ---\n{_tail(run_dir / 'logs' / f'attempt-{attempt}' / f'rank-{k}.log')}"
-        for k in range(NPROC)
-    )
-    return proc, logs
-
-
-def _ok(proc, logs: str) -> None:
-    assert proc.returncode == 0, (
-        f"ptops launch exit {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-2000:]}\n{logs}"
-    )
-
-
-def _by_rank(run_dir: Path) -> dict[int, dict[int, dict]]:
-    records = list(read_jsonl(run_dir / "metrics.jsonl"))
-    return {rank: final_metrics_by_step(records, rank) for rank in range(NPROC)}
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def _ckpts(run_dir: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("checkpoint-*"))
-
-
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft")
-    _ok(*launch("trl-sft-tiny", d, SFT_OVERRIDES))
+    assert_launched(*launch("trl-sft-tiny", d, SFT_OVERRIDES))
     return d
 
 
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("dpo")
-    _ok(*launch("trl-dpo-tiny", d, ["train.steps=4"]))
+    assert_launched(*launch("trl-dpo-tiny", d, ["train.steps=4"]))
     return d
 
 
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo")
-    _ok(*launch("trl-grpo-tiny", d, ["train.steps=4"]))
+    assert_launched(*launch("trl-grpo-tiny", d, ["train.steps=4"]))
     return d
 
 
 def _check_common(run_dir: Path, steps: int) -> dict[int, dict[int, dict]]:
-    by_rank = _by_rank(run_dir)
+    by_rank = records_by_rank(run_dir)
     for rank in range(NPROC):
         rows = by_rank[rank]
         assert sorted(rows) == list(range(1, steps + 1)), f"rank {rank}: steps {sorted(rows)}"
@@ -108,18 +60,19 @@ def _check_common(run_dir: Path, steps: int) -> dict[int, dict[int, dict]]:
             assert row["rank"] == rank
             for key in ("loss", "grad_norm", "lr", "step_s", "tokens_per_s"):
                 assert key in row, f"rank {rank} step {step}: no {key}"
-            assert _finite(row["loss"]), f"rank {rank} step {step}: loss {row['loss']!r}"
-            assert _finite(row["grad_norm"]) and _finite(row["lr"]) and row["step_s"] > 0
+            assert is_finite(row["loss"]), f"rank {rank} step {step}: loss {row['loss']!r}"
+            assert is_finite(row["grad_norm"]) and is_finite(row["lr"]) and row["step_s"] > 0
             assert row["tokens_per_s"] > 0
     # a run always checkpoints its final step
-    assert steps in _ckpts(run_dir)
+    assert steps in trl_checkpoints(run_dir)
     return by_rank
 
 
 def test_sft_trains_on_two_ranks(sft_run):
     by_rank = _check_common(sft_run, STEPS)
     assert by_rank[0][STEPS]["loss"] < by_rank[0][1]["loss"], "SFT loss did not go down"
-    assert _ckpts(sft_run) == [4, 6]  # keep=2: checkpoint-2 pruned after checkpoint-6 was committed
+    # keep=2: checkpoint-2 pruned after checkpoint-6 was committed
+    assert trl_checkpoints(sft_run) == [4, 6]
     root = sft_run / "checkpoints"
     assert (root / "LATEST").read_text().strip() == "checkpoint-6"
     from ptops.ckpt import verify
@@ -134,7 +87,7 @@ def test_dpo_trains_on_two_ranks(dpo_run):
     by_rank = _check_common(dpo_run, 4)
     row = by_rank[1][4]
     for key in ("rewards_chosen", "rewards_rejected", "rewards_margins", "logps_chosen"):
-        assert _finite(row[key]), key
+        assert is_finite(row[key]), key
 
 
 def test_grpo_trains_on_two_ranks(grpo_run):
@@ -150,7 +103,7 @@ def test_grpo_trains_on_two_ranks(grpo_run):
                 "completions_mean_length",
             ):
                 assert key in row, f"rank {rank} step {step}: no {key}"
-            assert _finite(row["reward"]) and _finite(row["entropy"]) and _finite(row["kl"])
+            assert is_finite(row["reward"]) and is_finite(row["entropy"]) and is_finite(row["kl"])
             assert 0 < row["completions_mean_length"] <= 16
             assert "rewards_correct_mean" in row and "clip_ratio_region_mean" in row
 
@@ -163,14 +116,14 @@ def test_sft_kill_and_resume_is_bit_identical(sft_run, tmp_path_factory):
         "trl-sft-tiny", d, overrides, faults=[f"crash:rank=0,step={KILL_AFTER + 1}"]
     )
     assert proc.returncode != 0, f"the killed run exited 0\n{logs}"
-    assert _ckpts(d) == [2, KILL_AFTER], logs
-    assert max(_by_rank(d)[0]) == KILL_AFTER
+    assert trl_checkpoints(d) == [2, KILL_AFTER], logs
+    assert max(records_by_rank(d)[0]) == KILL_AFTER
 
     proc, logs = launch("trl-sft-tiny", d, overrides, attempt=2)
-    _ok(proc, logs)
+    assert_launched(proc, logs)
     assert f"resuming from {d / 'checkpoints' / f'checkpoint-{KILL_AFTER}'}" in logs
     resumed = _check_common(d, STEPS)
-    reference = _by_rank(sft_run)
+    reference = records_by_rank(sft_run)
     for rank in range(NPROC):
         for step in range(1, STEPS + 1):
             expected = step > KILL_AFTER and 2 or 1
@@ -248,8 +201,8 @@ def test_grpo_reward_is_verifiable():
 
 
 def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
-    """One rank, in this process: before_step/phase order, forced final save, should_poison -> NaN
-    loss."""
+    """One rank, in this process: before_step/phase order, forced final save, a ``nan`` fault
+    (``probe.faults.should_poison``) -> NaN loss."""
     from ptops.ops.rank.probe import Probe
     from ptops.recipes.schema import load as load_recipe
 
@@ -271,23 +224,23 @@ def test_probe_hooks_and_nan_poison_in_process(tmp_path, monkeypatch):
         def phase(self, phase, step):
             calls.append((phase, step))
 
-        def should_poison(self, step):
-            return step == 2
-
     from ptops.recipes.trl.run import main
 
     recipe, _ = load_recipe(
         "trl-sft-tiny", ["train.steps=3", "checkpoint.interval=5", "launch.nproc=1"]
     )
-    main(recipe, SpyProbe(tmp_path, rank=0, attempt=1, world_size=1))
+    from ptops.faultinject.spec import parse, to_env
+
+    nan2 = to_env([parse("nan:step=2")])
+    main(recipe, SpyProbe(tmp_path, rank=0, attempt=1, world_size=1, faults=nan2))
 
     rows = final_metrics_by_step(list(read_jsonl(tmp_path / "metrics.jsonl")), 0)
-    assert _finite(rows[1]["loss"])
+    assert is_finite(rows[1]["loss"])
     assert rows[2]["loss"] == "nan" and rows[2]["rank_loss"] == "nan"  # the probe keeps NaN visible
     assert [c for c in calls if c[0] == "before"] == [("before", 1), ("before", 2), ("before", 3)]
     # checkpoint only at the final step (3 < interval 5), announced before the save and closed after
     assert calls.index(("checkpoint", 3)) < len(calls) - 1 and calls[-1] == ("step", 3)
-    assert _ckpts(tmp_path) == [3]
+    assert trl_checkpoints(tmp_path) == [3]
 
 
 def test_stop_request_checkpoints_and_returns(tmp_path, monkeypatch):
@@ -303,12 +256,21 @@ def test_stop_request_checkpoints_and_returns(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PTOPS_FAULTS"):
         monkeypatch.delenv(key, raising=False)
 
+    from ptops.ops.rank.probe import StopProtocol
+
     class StoppedProbe(Probe):
         supervised = True  # as if a supervisor's channel were attached
 
-        @property
-        def stop_requested(self):
-            return self._step >= 2
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            probe = self
+
+            class AskedAtStep2(StopProtocol):
+                @property
+                def requested(self):
+                    return probe._step >= 2
+
+            self.stop = AskedAtStep2()
 
     from ptops.recipes.trl.run import main
 
@@ -318,5 +280,5 @@ def test_stop_request_checkpoints_and_returns(tmp_path, monkeypatch):
     main(recipe, StoppedProbe(tmp_path, rank=0, attempt=1, world_size=1))
     rows = final_metrics_by_step(list(read_jsonl(tmp_path / "metrics.jsonl")), 0)
     assert sorted(rows) == [1, 2]
-    assert _ckpts(tmp_path) == [2]
+    assert trl_checkpoints(tmp_path) == [2]
     assert (tmp_path / "checkpoints" / "LATEST").read_text().strip() == "checkpoint-2"

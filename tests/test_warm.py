@@ -139,14 +139,21 @@ def test_the_child_dies_with_the_thin_rank(pool, tmp_path):
     child = _wait_file(tmp_path / "pid", p)
     p.kill()
     p.wait()
-    for _ in range(600):  # the child's pidfd watchdog SIGKILLs it; the pool reaps it
+    # the child's pidfd watchdog SIGKILLs it; the pool reaps it
+    assert _gone(child, 30.0), f"warm child {child} outlived its thin rank"
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    """``pid`` is gone within ``within_s`` (else it is SIGKILLed here, so no test leaks it)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
         try:
-            os.kill(child, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            break
+            return True
         time.sleep(0.05)
-    else:
-        raise AssertionError(f"warm child {child} outlived its thin rank")
+    os.kill(pid, 9)
+    return False
 
 
 def test_the_pool_kills_a_child_whose_requester_is_gone(pool, tmp_path):
@@ -160,15 +167,7 @@ def test_the_pool_kills_a_child_whose_requester_is_gone(pool, tmp_path):
         time.sleep(0.05)
     p.kill()
     p.wait()
-    for _ in range(200):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(child, 9)
-        raise AssertionError(f"warm child {child} outlived its requester")
+    assert _gone(child, 10.0), f"warm child {child} outlived its requester"
 
 
 def launcher(name: str, tmp_path: Path, stub: str, nproc: int = 3, **env: str) -> subprocess.Popen:

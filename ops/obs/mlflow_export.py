@@ -29,15 +29,17 @@ import logging
 import math
 import os
 import queue
+import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
 from ptops.ops.obs.queued import FINALIZE as _FINALIZE
 from ptops.ops.obs.queued import STOP as _STOP
 from ptops.ops.obs.queued import QueuedExporter
-from ptops.ops.runrecord.events import SUMMARY_KINDS, EventKind, reduce, spec
+from ptops.ops.runrecord.events import SUMMARY_KINDS, EventKind, Reducer, reduce
 from ptops.ops.runrecord.jsonl import read_jsonl
 
 log = logging.getLogger("ptops.exporters.mlflow")
@@ -65,6 +67,59 @@ def _quiet_third_party_loggers() -> None:
 def default_tracking_uri(run_dir: str | Path) -> str:
     root = Path(run_dir).resolve().parent
     return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def seed_sqlite_store(uri: str) -> bool:
+    """A new SQLite store starts as a copy of an empty one MLflow made and migrated once, kept in
+    the cache per MLflow version: creating and migrating the tables costs ~3 CPU-s at every first
+    launch in a folder (bench/README.md). Never replaces a store that exists or appears meanwhile;
+    a cached copy that does not look like an MLflow store is rebuilt, not used. True when it
+    seeded ``uri``."""
+    if not uri.startswith("sqlite:///"):
+        return False
+    target = Path(uri[len("sqlite:///") :])
+    if target.exists():
+        return False
+    import mlflow
+
+    from ptops.ops.runrecord.cache import cache_root
+
+    empty = cache_root() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
+    if not _looks_like_a_store(empty):
+        from mlflow.tracking import MlflowClient
+
+        empty.parent.mkdir(parents=True, exist_ok=True)
+        # a name of its own: MLflow keeps one store per URI for the life of the process
+        tmp = empty.with_name(f".{empty.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()  # creates, migrates
+        os.replace(tmp, empty)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(empty, tmp)
+        os.link(tmp, target)  # fails if the store appeared meanwhile: that one is kept
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _looks_like_a_store(path: Path) -> bool:
+    import sqlite3
+
+    if not path.is_file():
+        return False
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            version = db.execute("SELECT version_num FROM alembic_version").fetchone()
+            db.execute("SELECT experiment_id FROM experiments LIMIT 1").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return False
+    return bool(version and version[0])
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -109,7 +164,8 @@ class MlflowExporter(QueuedExporter):
         self.flush_interval_s = flush_interval_s
         self.logged_metrics = 0
         self.run_id: str | None = None
-        self._event_counts: dict[str, int] = {}
+        self._reducer = Reducer()  # the one reading of events (ops/runrecord/events.py)
+        self._earlier_counts: dict[str, int] = {}  # event counts of earlier exporter processes
         self._finalized = False
         self._ready = threading.Event()
         super().__init__(queue_size, "ptops-mlflow")
@@ -185,6 +241,7 @@ class MlflowExporter(QueuedExporter):
         from mlflow.tracking import MlflowClient
 
         _quiet_third_party_loggers()
+        seed_sqlite_store(self.tracking_uri)
         client = MlflowClient(tracking_uri=self.tracking_uri)
         state_file = self.run_dir / "mlflow.json"
         stored = None
@@ -199,7 +256,8 @@ class MlflowExporter(QueuedExporter):
                 for k, v in run.data.tags.items():  # continue the event counts of earlier attempts
                     if k.startswith("ptops.events.") and k.endswith(".count"):
                         try:
-                            self._event_counts[k[len("ptops.events.") : -len(".count")]] = int(v)
+                            kind = k[len("ptops.events.") : -len(".count")]
+                            self._earlier_counts[kind] = int(v)
                         except ValueError:
                             pass
                 if run.info.status != "RUNNING":
@@ -277,16 +335,18 @@ class MlflowExporter(QueuedExporter):
 
     def _tags_of(self, ev: Mapping[str, Any]) -> dict[str, str]:
         kind = str(ev.get("kind") or "unknown")
-        n = self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
+        v = self._reducer.view
+        had = v.state_events
+        self._reducer.add(ev)
+        n = self._earlier_counts.get(kind, 0) + v.counts[kind]
         tags = {
             f"ptops.events.{kind}.count": str(n),
             f"ptops.events.{kind}.last": json.dumps(ev, default=str)[:4000],
         }
         if kind == EventKind.LAUNCH and ev.get("attempt") is not None:
             tags["ptops.attempt"] = str(ev["attempt"])
-        sp = spec(kind)
-        if sp is not None and sp.state is not None:
-            tags["ptops.state"] = str(sp.state)
+        if v.state_events > had and v.event_state is not None:  # this event carried a state
+            tags["ptops.state"] = str(v.event_state)
         return tags
 
     def _flush(self, metrics: list, tags: dict[str, str]) -> None:

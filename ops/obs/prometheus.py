@@ -7,11 +7,13 @@ receives; ``serve(port)`` exposes ``/metrics`` on 127.0.0.1. An offline
 ``ptops export RUN_DIR --port P`` does the same with :func:`follow`, which tails
 the run directory's files (``ptops.ops.runrecord.follow``).
 
-Everything is built at scrape time by one custom collector from a small state
-object under a lock, so values computed "now" (checkpoint age, goodput) are
-exact at scrape, series appear only once they have a value (no fake zeros for a
-loss nobody reported), and the exporter has its own ``CollectorRegistry`` (never
-the process-global one).
+What the events say is the run record's one reducer (``events.Reducer``, kept open:
+each event costs O(1)); what the step records say is this module's ``_Records``.
+Everything is built at scrape time from the table :data:`FAMILIES` (name, type,
+help, label, source) under a lock, so values computed "now" (checkpoint age,
+goodput) are exact at scrape, series appear only once they have a value (no fake
+zeros for a loss nobody reported), and the exporter has its own
+``CollectorRegistry`` (never the process-global one).
 
 Labels: every series carries ``run`` and ``recipe``; per-rank series add
 ``rank`` (capped: ``max_ranks`` distinct ranks, the rest fold into
@@ -37,13 +39,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from ptops.monitors.base import number  # the probe's "nan"/"inf" encoding, decoded in one place
 from ptops.monitors.registry import MONITORS
 from ptops.ops.runrecord.events import (
-    END_KINDS,
     EXPORTED_STATES,
     TERMINAL_STATES,
     EventKind,
+    Reducer,
     RunState,
-    is_all_clear,
-    next_state,
 )
 from ptops.ops.runrecord.goodput import Goodput
 
@@ -90,47 +90,176 @@ class _Capped:
         return "other"
 
 
-class _State:
+class _Records:
+    """What the step records say (rank 0's scalars, every rank's throughput and step time): the
+    exporter's own, as events are the reducer's (``ops/runrecord/events.py``)."""
+
     def __init__(self) -> None:
-        self.attempt = 0
-        self.state: str | None = "starting"
+        self.attempt = 0  # the highest attempt a record came from
+        self.running_after = -1  # ``RunView.state_events`` when a record last said "running"
         self.step: int | None = None
-        self.scalars: dict[
-            str, float
-        ] = {}  # ptops_loss, ptops_grad_norm, ptops_learning_rate, ptops_rl_*
+        self.scalars: dict[str, float] = {}  # ptops_loss, ptops_grad_norm, ..., ptops_rl_*
         self.tps: dict[int, tuple[int, float]] = {}  # rank -> (attempt, tokens/s)
         self.rank_step_s: dict[str, float] = {}
         self.hist = [0] * (len(STEP_BUCKETS) + 1)
         self.hist_sum = 0.0
         self.hist_count = 0
-        self.good = Goodput()  # productive time and where the rest went (ops/runrecord/goodput.py)
-        self.restarts: dict[str, int] = {}
-        self.counts: dict[str, int] = {
-            "crashes": 0,
-            "hangs": 0,
-            "rollbacks": 0,
-            "faults_injected": 0,
-            "checkpoint_save_failures": 0,
-            "checkpoint_invalid": 0,
-            "checkpoints": 0,
-        }
-        self.stragglers: dict[str, int] = {}
-        self.straggler_ratio: dict[str, tuple[float, float]] = {}  # rank -> (ratio, ts)
-        self.anomalies: dict[str, int] = {m: 0 for m in KNOWN_MONITORS if m != "straggler"}
-        self.anomaly_ts: dict[str, float] = {}
-        self.episode_open: dict[
-            str, int
-        ] = {}  # monitor -> 1 while an episode is open (opened, not yet all-clear)
         self.nonfinite: dict[str, int] = {"loss": 0, "grad_norm": 0}
         self.nonfinite_seen: set[tuple] = set()
         self.last_nonfinite_ts: float | None = None
-        self.events: dict[str, int] = {}
-        self.event_ts: dict[str, float] = {}
-        self.ckpt: dict[str, float] = {}  # blocking_s, total_s, step, ts
-        self.first_launch_ts: float | None = None
-        self.end_ts: float | None = None
-        self.last_progress_ts: float | None = None
+        self.first_ts: float | None = None
+        self.last_ts: float | None = None
         self.evals: dict[str, float] = {}  # [eval] eval/<name> -> latest held-out score (rank 0)
+
+
+class _Scrape:
+    """One consistent snapshot for :data:`FAMILIES` (taken under the exporter's lock)."""
+
+    def __init__(self, x: "PrometheusExporter", now: float) -> None:
+        v, r = x._reducer.view, x._r
+        self.v, self.r, self.now, self.ttl = v, r, now, x.straggler_ttl_s
+        self.good = x._good.summary(now)
+        self.attempt = max(v.attempt, v.restart_attempt, r.attempt)
+        if r.running_after == v.state_events and v.event_state not in TERMINAL_STATES:
+            self.state = RunState.RUNNING  # a step record came after the last event with a state
+        else:
+            self.state = v.event_state or x._state_note
+        self.kinds = _capped_sum(v.counts, x._kind_label)
+        self.kind_ts = _capped_max(v.kind_ts, x._kind_label)
+        self.reasons = _capped_sum(v.restart_reasons, x._reason_label)
+        self.anomalies = {m: 0 for m in KNOWN_MONITORS if m != "straggler"}
+        self.anomalies.update(_capped_sum(v.monitor_findings, x._monitor_label))
+        self.anomaly_ts = _capped_max(v.monitor_finding_ts, x._monitor_label)
+        self.episodes = _capped_max(v.episode_open(), x._monitor_label)
+        self.stragglers = {x._rank_label(str(k)): n for k, n in v.stragglers.items()}
+        self.straggler_ratio = {
+            x._rank_label(str(k)): ratio
+            for k, (ratio, ts) in v.straggler_ratio.items()
+            if now - ts <= x.straggler_ttl_s
+        }
+        ck = v.last_checkpoint or {}
+        self.ckpt = {k: _finite(ck.get(k)) for k in ("blocking_s", "total_s")}
+        self.ckpt["step"] = _int(ck.get("step"))
+        self.first_launch_ts = v.first_launch_ts if v.first_launch_ts is not None else r.first_ts
+        self.ckpt_ts = _finite(ck.get("ts"))
+        marks = [t for t in (v.last_launch_ts, r.last_ts) if t is not None]
+        self.last_progress_ts = max(marks) if marks else None
+        self.tps = [tps for (att, tps) in r.tps.values() if att >= self.attempt]
+
+    def histogram(self) -> tuple[list[tuple[str, int]], float]:
+        cum, buckets = 0, []
+        for le, n in zip((*(repr(b) for b in STEP_BUCKETS), "+Inf"), self.r.hist):
+            cum += n
+            buckets.append((le, cum))
+        return buckets, self.r.hist_sum
+
+    def checkpoint_age(self) -> float | None:
+        since = self.ckpt_ts if self.ckpt_ts is not None else self.first_launch_ts
+        return None if since is None else max(0.0, self.now - since)
+
+
+def _finite(value: Any) -> float | None:
+    v = number(value)
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _capped_sum(values: Mapping[str, int], cap: "_Capped") -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k, n in values.items():
+        label = cap(_slug(k))
+        out[label] = out.get(label, 0) + n
+    return out
+
+
+def _capped_max(values: Mapping[str, float], cap: "_Capped") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, t in values.items():
+        label = cap(_slug(k))
+        out[label] = max(t, out.get(label, t))
+    return out
+
+
+def _goodput_lost(x: _Scrape) -> dict[str, float]:
+    return x.good["lost_s"] if x.good["ratio"] is not None else {}
+
+
+G, C, H = "gauge", "counter", "histogram"
+# One table: name, type, help, extra label, and where the value comes from: a number (None: no
+# sample), a {label value: number} dict (or ordered pairs) for the family's one extra label, or for
+# the histogram its (cumulative buckets, sum). A family with no sample is left out of the scrape.
+FAMILIES: tuple[tuple[str, str, str, str | None, Callable[[_Scrape], Any]], ...] = (
+    ("ptops_up", G, "1 while this exporter serves the run.", None, lambda x: 1),
+    ("ptops_attempt", G, "Current attempt number (1 = first launch; absent before it).", None,
+     lambda x: x.attempt or None),
+    ("ptops_step", G, "Latest optimizer step reported by rank 0.", None, lambda x: x.r.step),
+    ("ptops_loss", G, "Training loss at the latest step (rank 0).", None,
+     lambda x: x.r.scalars.get("ptops_loss")),
+    ("ptops_grad_norm", G, "Gradient norm at the latest step (rank 0).", None,
+     lambda x: x.r.scalars.get("ptops_grad_norm")),
+    ("ptops_learning_rate", G, "Learning rate at the latest step (rank 0).", None,
+     lambda x: x.r.scalars.get("ptops_learning_rate")),
+    ("ptops_tokens_per_second", G, "Training throughput: latest tokens/s summed over the ranks of "
+     "the current attempt.", None, lambda x: sum(x.tps) if x.tps else None),
+    ("ptops_step_duration_seconds", H, "Optimizer step wall time (rank 0).", None,
+     lambda x: x.histogram()),
+    ("ptops_rank_step_duration_seconds", G, "Latest step wall time per rank (capped ranks).",
+     "rank", lambda x: x.r.rank_step_s),
+    *(
+        (name, G, f"RL: latest {key} (rank 0).", None,
+         lambda x, name=name: x.r.scalars.get(name))
+        for key, name in RL_KEYS.items()
+    ),
+    ("ptops_eval_score", G, "Latest held-out eval score eval/<name> (rank 0; recipes with [eval]).",
+     "name", lambda x: x.r.evals),
+    ("ptops_restarts", C, "Restarts by the supervisor, by reason.", "reason", lambda x: x.reasons),
+    ("ptops_crashes", C, "Rank crashes seen.", None, lambda x: x.v.counts.get("crash", 0)),
+    ("ptops_hangs", C, "Hangs detected.", None, lambda x: x.v.counts.get("hang", 0)),
+    ("ptops_rollbacks", C, "Rollbacks to an earlier checkpoint.", None,
+     lambda x: x.v.counts.get("rollback", 0)),
+    ("ptops_faults_injected", C, "Faults injected on purpose (chaos).", None,
+     lambda x: x.v.counts.get("fault_injected", 0)),
+    ("ptops_stragglers", C, "Straggler findings by rank.", "rank", lambda x: x.stragglers),
+    ("ptops_straggler_ratio", G, "Latest straggler ratio (rank step time / median) for ranks "
+     "reported as stragglers in the last {ttl:g} s.", "rank", lambda x: x.straggler_ratio),
+    ("ptops_anomalies", C, "Monitor findings by monitor.", "monitor", lambda x: x.anomalies),
+    ("ptops_anomaly_last_timestamp_seconds", G, "Unix time of the latest finding per monitor.",
+     "monitor", lambda x: x.anomaly_ts),
+    ("ptops_finding_episode_open", G, "1 while a monitor's finding episode is open (reported, no "
+     "all-clear yet).", "monitor", lambda x: x.episodes),
+    ("ptops_nonfinite", C, "Steps whose metric was NaN/Inf.", "metric", lambda x: x.r.nonfinite),
+    ("ptops_last_nonfinite_timestamp_seconds", G, "Unix time of the latest NaN/Inf loss or grad "
+     "norm.", None, lambda x: x.r.last_nonfinite_ts),
+    ("ptops_events", C, "events.jsonl records by kind.", "kind", lambda x: x.kinds),
+    ("ptops_last_event_timestamp_seconds", G, "Unix time of the latest event per kind.", "kind",
+     lambda x: x.kind_ts),
+    ("ptops_checkpoint_blocking_seconds", G, "Training time blocked by the latest checkpoint.",
+     None, lambda x: x.ckpt["blocking_s"]),
+    ("ptops_checkpoint_total_seconds", G, "Total time of the latest checkpoint save.", None,
+     lambda x: x.ckpt["total_s"]),
+    ("ptops_checkpoint_age_seconds", G, "Seconds since the latest good checkpoint (since the first "
+     "launch while there is none).", None, lambda x: x.checkpoint_age()),
+    ("ptops_checkpoint_last_good_step", G, "Step of the latest good checkpoint.", None,
+     lambda x: x.ckpt["step"]),
+    ("ptops_checkpoints", C, "Good checkpoints written.", None,
+     lambda x: x.v.counts.get("checkpoint", 0)),
+    ("ptops_checkpoint_save_failures", C, "Checkpoint saves that failed.", None,
+     lambda x: x.v.counts.get("checkpoint_failed", 0)),
+    ("ptops_checkpoint_invalid", C, "Checkpoints found invalid (corrupt/incomplete).", None,
+     lambda x: x.v.counts.get("checkpoint_invalid", 0)),
+    ("ptops_goodput_ratio", G, "Productive step time (each step's final execution) / wall time "
+     "since the first launch.", None, lambda x: x.good["ratio"]),
+    ("ptops_productive_seconds", G, "Sum of the durations of each step's final execution.", None,
+     lambda x: x.good["productive_s"] if x.r.hist_count else None),
+    ("ptops_goodput_lost_seconds", G, "Wall time not spent in productive steps, by cause "
+     "(startup, detection, restart, recomputed, checkpoint_blocking, shutdown, other).", "cause",
+     _goodput_lost),
+    ("ptops_start_timestamp_seconds", G, "Unix time of the first launch.", None,
+     lambda x: x.first_launch_ts),
+    ("ptops_last_progress_timestamp_seconds", G, "Unix time of the latest step record or launch.",
+     None, lambda x: x.last_progress_ts),
+    ("ptops_run_state", G, "1 for the run's current state, 0 for the others.", "state",
+     lambda x: [(str(name), 1.0 if x.state == name else 0.0) for name in EXPORTED_STATES]),
+)  # fmt: skip
 
 
 class PrometheusExporter:
@@ -157,7 +286,10 @@ class PrometheusExporter:
         self.straggler_ttl_s = straggler_ttl_s
         self.clock = clock
         self._lock = threading.Lock()
-        self._s = _State()
+        self._reducer = Reducer()  # what the events say: the one reducer (ops/runrecord/events.py)
+        self._r = _Records()  # what the step records say
+        self._good = Goodput()  # productive time and where the rest went (ops/runrecord/goodput.py)
+        self._state_note = "starting"  # set_state: what no event says yet
         self._rank_label = _Capped(max_ranks)
         self._reason_label = _Capped(MAX_LABEL_VALUES)
         self._monitor_label = _Capped(MAX_LABEL_VALUES, (m for m in KNOWN_MONITORS))
@@ -188,73 +320,12 @@ class PrometheusExporter:
 
     def observe_event(self, event: Mapping[str, Any]) -> None:
         """One ``events.jsonl`` record (``ts`` and ``kind`` always; the kind's fields)."""
-        kind = str(event.get("kind") or "unknown")
         ts = number(event.get("ts"))
         ts = self.clock() if ts is None or not math.isfinite(ts) else ts
+        event = {**event, "ts": ts}
         with self._lock:
-            s = self._s
-            k = self._kind_label(_slug(kind))
-            s.events[k] = s.events.get(k, 0) + 1
-            s.event_ts[k] = max(ts, s.event_ts.get(k, ts))
-            if kind in (EventKind.LAUNCH, *END_KINDS):
-                # monitors forget open episodes when an attempt starts over; an ended run has none
-                s.episode_open = dict.fromkeys(s.episode_open, 0)
-            if kind == EventKind.LAUNCH:
-                att = _int(event.get("attempt"), s.attempt + 1) or 0
-                s.attempt = max(s.attempt, att)
-                s.first_launch_ts = ts if s.first_launch_ts is None else min(s.first_launch_ts, ts)
-                s.end_ts = None
-                s.last_progress_ts = max(ts, s.last_progress_ts or ts)
-            elif kind == EventKind.CHECKPOINT:
-                s.counts["checkpoints"] += 1
-                for key in ("blocking_s", "total_s"):
-                    v = number(event.get(key))
-                    if v is not None and math.isfinite(v):
-                        s.ckpt[key] = v
-                step = _int(event.get("step"))
-                if step is not None:
-                    s.ckpt["step"] = step
-                s.ckpt["ts"] = max(ts, s.ckpt.get("ts", ts))
-            elif kind == EventKind.CHECKPOINT_INVALID:
-                s.counts["checkpoint_invalid"] += 1
-            elif kind == EventKind.CHECKPOINT_FAILED:
-                s.counts["checkpoint_save_failures"] += 1
-            elif kind == EventKind.FAULT_INJECTED:
-                s.counts["faults_injected"] += 1
-            elif kind == EventKind.CRASH:
-                s.counts["crashes"] += 1
-            elif kind == EventKind.HANG:
-                s.counts["hangs"] += 1
-            elif kind == EventKind.STRAGGLER:
-                rank = _int(event.get("rank"))
-                if rank is not None:
-                    r = self._rank_label(str(rank))
-                    s.stragglers[r] = s.stragglers.get(r, 0) + 1
-                    ratio = number(event.get("ratio"))
-                    if ratio is not None and math.isfinite(ratio):
-                        s.straggler_ratio[r] = (ratio, ts)
-            elif kind == EventKind.ANOMALY:
-                m = self._monitor_label(_slug(event.get("monitor")))
-                phase = event.get("phase")
-                if is_all_clear(event):
-                    s.episode_open[m] = 0
-                else:
-                    s.anomalies[m] = s.anomalies.get(m, 0) + 1
-                    s.anomaly_ts[m] = max(ts, s.anomaly_ts.get(m, ts))
-                    if phase is not None:
-                        s.episode_open[m] = 1
-            elif kind == EventKind.RESTART:
-                reason = self._reason_label(_slug(event.get("reason")))
-                s.restarts[reason] = s.restarts.get(reason, 0) + 1
-                att = _int(event.get("attempt"))
-                if att is not None:
-                    s.attempt = max(s.attempt, att)
-            elif kind == EventKind.ROLLBACK:
-                s.counts["rollbacks"] += 1
-            elif kind in END_KINDS:
-                s.end_ts = ts
-            s.good.event({**event, "ts": ts})
-            s.state = next_state(s.state, event)
+            self._reducer.add(event)
+            self._good.event(event)
 
     def observe_metric(self, record: Mapping[str, Any]) -> None:
         """One ``metrics.jsonl`` record (one step of one rank)."""
@@ -265,18 +336,18 @@ class PrometheusExporter:
         ts = number(record.get("ts"))
         ts = self.clock() if ts is None or not math.isfinite(ts) else ts
         with self._lock:
-            s = self._s
-            attempt = _int(record.get("attempt"), s.attempt) or 0
-            if attempt > s.attempt:
-                s.attempt = attempt
-            if attempt >= s.attempt and s.state not in TERMINAL_STATES:
-                s.state = RunState.RUNNING
-            s.last_progress_ts = max(ts, s.last_progress_ts or ts)
-            if s.first_launch_ts is None:
-                s.first_launch_ts = ts
+            s, v = self._r, self._reducer.view
+            current = max(v.attempt, v.restart_attempt, s.attempt)
+            attempt = _int(record.get("attempt"), current) or 0
+            s.attempt = max(s.attempt, attempt)
+            if attempt >= current and v.event_state not in TERMINAL_STATES:
+                s.running_after = v.state_events
+            s.last_ts = max(ts, s.last_ts or ts)
+            if s.first_ts is None:
+                s.first_ts = ts
             for key in ("loss", "grad_norm"):
-                v = number(record.get(key))
-                if v is not None and not math.isfinite(v):
+                val = number(record.get(key))
+                if val is not None and not math.isfinite(val):
                     mark = (key, attempt, step)
                     if mark not in s.nonfinite_seen:
                         s.nonfinite_seen.add(mark)
@@ -284,52 +355,46 @@ class PrometheusExporter:
                             s.nonfinite_seen.clear()
                         s.nonfinite[key] += 1
                         s.last_nonfinite_ts = max(ts, s.last_nonfinite_ts or ts)
-            tps = number(record.get("tokens_per_s"))
-            if tps is not None and math.isfinite(tps):
-                if rank in s.tps or len(s.tps) < 4096:
-                    s.tps[rank] = (attempt, tps)
-            step_s = number(record.get("step_s"))
-            if step_s is not None and math.isfinite(step_s) and step_s >= 0:
+            tps = _finite(record.get("tokens_per_s"))
+            if tps is not None and (rank in s.tps or len(s.tps) < 4096):
+                s.tps[rank] = (attempt, tps)
+            step_s = _finite(record.get("step_s"))
+            if step_s is not None and step_s >= 0:
                 r = self._rank_label(str(rank))
                 if r != "other":
                     s.rank_step_s[r] = step_s
-            if rank != 0:
-                return
-            s.step = step
-            for key, name in (
-                ("loss", "ptops_loss"),
-                ("grad_norm", "ptops_grad_norm"),
-                ("lr", "ptops_learning_rate"),
-                *RL_KEYS.items(),
-            ):
-                v = number(record.get(key))
-                if v is not None:
-                    s.scalars[name] = v
-            for (
-                key,
-                value,
-            ) in record.items():  # held-out evals ([eval]): eval/<name>, on the steps that ran one
-                if key[:5] == "eval/":
-                    v = number(value)
-                    if (
-                        v is not None
-                        and math.isfinite(v)
-                        and (key[5:] in s.evals or len(s.evals) < MAX_LABEL_VALUES)
-                    ):
-                        s.evals[key[5:]] = v
-            if step_s is not None and math.isfinite(step_s) and step_s >= 0:
-                i = 0
-                while i < len(STEP_BUCKETS) and step_s > STEP_BUCKETS[i]:
-                    i += 1
-                s.hist[i] += 1
-                s.hist_sum += step_s
-                s.hist_count += 1
-                s.good.record({**record, "ts": ts, "rank": 0, "step": step})
+            if rank == 0:
+                self._rank0(s, record, step, step_s, ts)
+
+    def _rank0(self, s: _Records, record: Mapping[str, Any], step: int, step_s, ts) -> None:
+        s.step = step
+        for key, name in (
+            ("loss", "ptops_loss"),
+            ("grad_norm", "ptops_grad_norm"),
+            ("lr", "ptops_learning_rate"),
+            *RL_KEYS.items(),
+        ):
+            val = number(record.get(key))
+            if val is not None:
+                s.scalars[name] = val
+        for key, value in record.items():  # held-out evals ([eval]): eval/<name>, when one ran
+            if key[:5] == "eval/":
+                val = _finite(value)
+                if val is not None and (key[5:] in s.evals or len(s.evals) < MAX_LABEL_VALUES):
+                    s.evals[key[5:]] = val
+        if step_s is not None and step_s >= 0:
+            i = 0
+            while i < len(STEP_BUCKETS) and step_s > STEP_BUCKETS[i]:
+                i += 1
+            s.hist[i] += 1
+            s.hist_sum += step_s
+            s.hist_count += 1
+            self._good.record({**record, "ts": ts, "rank": 0, "step": step})
 
     def set_state(self, state: str) -> None:
         """Let the supervisor say what it is doing when no event says it (e.g. ``starting``)."""
         with self._lock:
-            self._s.state = state
+            self._state_note = state
 
     # ------------------------------------------------------------------ computed values
 
@@ -338,311 +403,34 @@ class PrometheusExporter:
         (``ops/runrecord/goodput.py``): a step redone after a restart or rollback counts once; wall
         time ends at the run's end event."""
         with self._lock:
-            return self._s.good.summary(self.clock() if now is None else now)["ratio"]
+            return self._good.summary(self.clock() if now is None else now)["ratio"]
 
     # ------------------------------------------------------------------ exposition
 
     def collect(self):
         started = time.monotonic()
-        now = self.clock()
-        base_names = ["run", "recipe"]
-        base = [self.run, self.recipe]
-        with self._lock:
-            s = self._s
-            good = s.good.summary(
-                now
-            )  # under the same lock as the other values: one consistent scrape
-            goodput = good["ratio"]
-
-            def gauge(name: str, doc: str, value: float | None, unit: str = ""):
-                g = GaugeMetricFamily(name, doc, labels=base_names, unit=unit)
-                if value is not None:
-                    g.add_metric(base, value)
-                return g
-
-            def counter(name: str, doc: str, value: float):
-                c = CounterMetricFamily(name, doc, labels=base_names)
-                c.add_metric(base, value)
-                return c
-
-            def labelled(cls, name: str, doc: str, label: str, values: Mapping[str, float]):
-                m = cls(name, doc, labels=[*base_names, label])
-                for k in sorted(values):
-                    m.add_metric([*base, k], values[k])
-                return m
-
-            out = [
-                gauge("ptops_up", "1 while this exporter serves the run.", 1),
-                gauge(
-                    "ptops_attempt",
-                    "Current attempt number (1 = first launch; absent before it).",
-                    s.attempt or None,
-                ),
-                gauge("ptops_step", "Latest optimizer step reported by rank 0.", s.step),
-                gauge(
-                    "ptops_loss",
-                    "Training loss at the latest step (rank 0).",
-                    s.scalars.get("ptops_loss"),
-                ),
-                gauge(
-                    "ptops_grad_norm",
-                    "Gradient norm at the latest step (rank 0).",
-                    s.scalars.get("ptops_grad_norm"),
-                ),
-                gauge(
-                    "ptops_learning_rate",
-                    "Learning rate at the latest step (rank 0).",
-                    s.scalars.get("ptops_learning_rate"),
-                ),
-            ]
-            cur_tps = [v for (a, v) in s.tps.values() if a >= s.attempt]
-            out.append(
-                gauge(
-                    "ptops_tokens_per_second",
-                    "Training throughput: latest tokens/s summed over the ranks "
-                    "of the current attempt.",
-                    sum(cur_tps) if cur_tps else None,
-                )
-            )
-            h = HistogramMetricFamily(
-                "ptops_step_duration_seconds",
-                "Optimizer step wall time (rank 0).",
-                labels=base_names,
-                unit="seconds",
-            )
-            cum, buckets = 0, []
-            for le, n in zip((*(repr(b) for b in STEP_BUCKETS), "+Inf"), s.hist):
-                cum += n
-                buckets.append((le, cum))
-            h.add_metric(base, buckets, s.hist_sum)
-            out.append(h)
-            out.append(
-                labelled(
-                    GaugeMetricFamily,
-                    "ptops_rank_step_duration_seconds",
-                    "Latest step wall time per rank (capped ranks).",
-                    "rank",
-                    s.rank_step_s,
-                )
-            )
-            for key, name in RL_KEYS.items():
-                out.append(gauge(name, f"RL: latest {key} (rank 0).", s.scalars.get(name)))
-            out.append(
-                labelled(
-                    GaugeMetricFamily,
-                    "ptops_eval_score",
-                    "Latest held-out eval score eval/<name> (rank 0; recipes with [eval]).",
-                    "name",
-                    s.evals,
-                )
-            )
-
-            restarts = CounterMetricFamily(
-                "ptops_restarts",
-                "Restarts by the supervisor, by reason.",
-                labels=[*base_names, "reason"],
-            )
-            for reason in sorted(s.restarts):
-                restarts.add_metric([*base, reason], s.restarts[reason])
-            out.append(restarts)
-            out.append(counter("ptops_crashes", "Rank crashes seen.", s.counts["crashes"]))
-            out.append(counter("ptops_hangs", "Hangs detected.", s.counts["hangs"]))
-            out.append(
-                counter(
-                    "ptops_rollbacks", "Rollbacks to an earlier checkpoint.", s.counts["rollbacks"]
-                )
-            )
-            out.append(
-                counter(
-                    "ptops_faults_injected",
-                    "Faults injected on purpose (chaos).",
-                    s.counts["faults_injected"],
-                )
-            )
-            out.append(
-                labelled(
-                    CounterMetricFamily,
-                    "ptops_stragglers",
-                    "Straggler findings by rank.",
-                    "rank",
-                    s.stragglers,
-                )
-            )
-            live = {
-                r: v for r, (v, t) in s.straggler_ratio.items() if now - t <= self.straggler_ttl_s
-            }
-            out.append(
-                labelled(
-                    GaugeMetricFamily,
-                    "ptops_straggler_ratio",
-                    "Latest straggler ratio (rank step time / median) for ranks reported as "
-                    "stragglers "
-                    f"in the last {self.straggler_ttl_s:g} s.",
-                    "rank",
-                    live,
-                )
-            )
-            out.append(
-                labelled(
-                    CounterMetricFamily,
-                    "ptops_anomalies",
-                    "Monitor findings by monitor.",
-                    "monitor",
-                    s.anomalies,
-                )
-            )
-            out.append(
-                labelled(
-                    GaugeMetricFamily,
-                    "ptops_anomaly_last_timestamp_seconds",
-                    "Unix time of the latest finding per monitor.",
-                    "monitor",
-                    s.anomaly_ts,
-                )
-            )
-            out.append(
-                labelled(
-                    GaugeMetricFamily,
-                    "ptops_finding_episode_open",
-                    "1 while a monitor's finding episode is open (reported, no all-clear yet).",
-                    "monitor",
-                    s.episode_open,
-                )
-            )
-            out.append(
-                labelled(
-                    CounterMetricFamily,
-                    "ptops_nonfinite",
-                    "Steps whose metric was NaN/Inf.",
-                    "metric",
-                    s.nonfinite,
-                )
-            )
-            out.append(
-                gauge(
-                    "ptops_last_nonfinite_timestamp_seconds",
-                    "Unix time of the latest NaN/Inf loss or grad norm.",
-                    s.last_nonfinite_ts,
-                )
-            )
-            out.append(
-                labelled(
-                    CounterMetricFamily,
-                    "ptops_events",
-                    "events.jsonl records by kind.",
-                    "kind",
-                    s.events,
-                )
-            )
-            out.append(
-                labelled(
-                    GaugeMetricFamily,
-                    "ptops_last_event_timestamp_seconds",
-                    "Unix time of the latest event per kind.",
-                    "kind",
-                    s.event_ts,
-                )
-            )
-
-            out.append(
-                gauge(
-                    "ptops_checkpoint_blocking_seconds",
-                    "Training time blocked by the latest checkpoint.",
-                    s.ckpt.get("blocking_s"),
-                )
-            )
-            out.append(
-                gauge(
-                    "ptops_checkpoint_total_seconds",
-                    "Total time of the latest checkpoint save.",
-                    s.ckpt.get("total_s"),
-                )
-            )
-            age_from = s.ckpt.get("ts", s.first_launch_ts)
-            out.append(
-                gauge(
-                    "ptops_checkpoint_age_seconds",
-                    "Seconds since the latest good checkpoint (since the "
-                    "first launch while there is none).",
-                    None if age_from is None else max(0.0, now - age_from),
-                )
-            )
-            out.append(
-                gauge(
-                    "ptops_checkpoint_last_good_step",
-                    "Step of the latest good checkpoint.",
-                    s.ckpt.get("step"),
-                )
-            )
-            out.append(
-                counter("ptops_checkpoints", "Good checkpoints written.", s.counts["checkpoints"])
-            )
-            out.append(
-                counter(
-                    "ptops_checkpoint_save_failures",
-                    "Checkpoint saves that failed.",
-                    s.counts["checkpoint_save_failures"],
-                )
-            )
-            out.append(
-                counter(
-                    "ptops_checkpoint_invalid",
-                    "Checkpoints found invalid (corrupt/incomplete).",
-                    s.counts["checkpoint_invalid"],
-                )
-            )
-
-            out.append(
-                gauge(
-                    "ptops_goodput_ratio",
-                    "Productive step time (each step's final execution) / wall time "
-                    "since the first launch.",
-                    goodput,
-                )
-            )
-            out.append(
-                gauge(
-                    "ptops_productive_seconds",
-                    "Sum of the durations of each step's final execution.",
-                    good["productive_s"] if s.hist_count else None,
-                )
-            )
-            out.append(
-                labelled(
-                    GaugeMetricFamily,
-                    "ptops_goodput_lost_seconds",
-                    "Wall time not spent in productive "
-                    "steps, by cause (startup, detection, restart, recomputed, "
-                    "checkpoint_blocking, "
-                    "shutdown, other).",
-                    "cause",
-                    good["lost_s"] if good["ratio"] is not None else {},
-                )
-            )
-            out.append(
-                gauge(
-                    "ptops_start_timestamp_seconds",
-                    "Unix time of the first launch.",
-                    s.first_launch_ts,
-                )
-            )
-            out.append(
-                gauge(
-                    "ptops_last_progress_timestamp_seconds",
-                    "Unix time of the latest step record or launch.",
-                    s.last_progress_ts,
-                )
-            )
-            st = GaugeMetricFamily(
-                "ptops_run_state",
-                "1 for the run's current state, 0 for the others.",
-                labels=[*base_names, "state"],
-            )
-            for name in EXPORTED_STATES:
-                st.add_metric([*base, str(name)], 1.0 if s.state == name else 0.0)
-            out.append(st)
+        base_names, base = ["run", "recipe"], [self.run, self.recipe]
+        kinds = {G: GaugeMetricFamily, C: CounterMetricFamily, H: HistogramMetricFamily}
+        out = []
+        with self._lock:  # one consistent scrape
+            x = _Scrape(self, self.clock())
+            for name, kind, doc, label, source in FAMILIES:
+                doc = doc.format(ttl=self.straggler_ttl_s) if "{ttl" in doc else doc
+                unit = "seconds" if kind == H else ""
+                family = kinds[kind](name, doc, labels=[*base_names, *([label] if label else [])],
+                                     unit=unit)  # fmt: skip
+                value = source(x)
+                if kind == H:
+                    family.add_metric(base, *value)
+                elif label:  # a dict in label order, or pairs in their own order
+                    pairs = sorted(value.items()) if isinstance(value, Mapping) else value
+                    for k, v in pairs:
+                        family.add_metric([*base, k], v)
+                elif value is not None:
+                    family.add_metric(base, value)
+                out.append(family)
         for family in out:
-            if family.samples or family.type in ("histogram",):
+            if family.samples or family.type == H:
                 yield family
         with self._scraped:
             self._scrapes = [*self._scrapes[-1:], started]

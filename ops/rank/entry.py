@@ -111,6 +111,7 @@ def run_rank() -> None:
         # what follows is the engine's import (torch, torchtitan, transformers); misrendezvous acts
         # here
         probe.startup("import")
+        probe.faults.on_startup("import")  # misrendezvous rewrites the env before the import
         from ptops.recipes.engines import entry_point
 
         entry_point(recipe.engine)(recipe, probe)

@@ -1,15 +1,34 @@
-"""The rank probe: the one object an engine adapter talks to inside a training process.
+"""The rank probe: what an engine adapter talks to inside a training process, in four parts, each
+called by the adapter (or the rank entry) at a point you can see in its code:
 
-Adapters call ``probe.startup(section)`` as start-up goes on (``import`` is sent by the rank
-entry; the adapters add ``rendezvous``, ``build``, ``load``) and ``probe.world(size, rank)`` once
-the process group exists (the supervisor stops a run whose ranks formed worlds of the wrong
-size), ``probe.before_step(step)`` at the start of every optimizer step (then
-``probe.flip_bits(step, tensors)``, the ``bitflip`` fault's hook), ``probe.should_poison(step)``
-(multiply the loss by NaN when True), ``probe.step(step, metrics)`` after it, and
-``probe.phase("checkpoint", step)`` / ``probe.phase("step", step)`` around saves,
-optionally ``probe.phase("data", step)`` before fetching a step's batch, and
-``with probe.pause("eval", step):`` around a pause the engine declares (evaluation): each
-of these has its own hang budget, learned from the run (``ptops.monitors.hang``).
+- **telemetry** (the probe itself): ``startup(section)`` as start-up goes on (``import`` is sent by
+  the rank entry; adapters add ``rendezvous``, ``build``, ``load``), ``world(size, rank)`` once the
+  process group exists (the supervisor stops a run whose ranks formed worlds of the wrong size),
+  ``before_step(step)`` at the start of every optimizer step, ``step(step, metrics)`` after it,
+  ``phase("checkpoint", step)`` / ``phase("step", step)`` around saves, optionally
+  ``phase("data", step)`` before fetching a batch, ``with pause("eval", step):`` around a pause the
+  engine declares, and ``event(kind, ...)``. Each is a beat, a record or an event, nothing else:
+  each phase has its own hang budget, learned from the run (``ptops.monitors.hang``).
+- **faults** (``probe.faults``, the :class:`~ptops.faultinject.inject.Injector`): its hooks,
+  called next to the beats they belong to: ``on_startup(section)``, ``before_step(step)``,
+  ``should_poison(step)`` (multiply the loss by NaN when True), ``on_checkpoint(step)`` when a save
+  begins, ``in_save(step)``, ``before_commit(step)``, ``on_skip(step)``,
+  ``after_checkpoint(step)`` when the step resumes after a save, ``flip_bits(step, tensors)``
+  right after ``before_step`` (the ``bitflip`` fault, where ``recipes/sdc.py`` checks); and its
+  answers (``sync_save_wanted``, ``waits_for_save``), so that adapters name no fault kind.
+- **profiling** (``probe.profile``, :class:`~ptops.ops.rank.profiler.Profiling`): ``at_step(step)``
+  at each step boundary, before the fault hooks; ``with probe.profile.mark("data"):`` around data
+  loading (a no-op unless a ``ptops profile`` capture runs).
+- **the stop protocol** (``probe.stop``, :class:`StopProtocol`): an adapter that can checkpoint on
+  demand calls ``probe.stop.accept()`` once and polls ``probe.stop.requested`` at the end of each
+  step; when it is True it saves and returns. Without that, the supervisor does not wait for a save
+  on Ctrl-C / SIGTERM.
+
+At a step boundary an adapter calls, in this order, ``probe.profile.at_step(step)``,
+``probe.faults.before_step(step)`` and ``probe.before_step(step)``; at a save,
+``probe.phase("checkpoint", step)`` then ``probe.faults.on_checkpoint(step)``, and after it
+``probe.phase("step", step)`` then ``probe.faults.after_checkpoint(step)``
+(``ckpt.SaveTransaction.run`` does the middle of a save for every engine).
 
 Where the records go is the probe's business:
 
@@ -22,22 +41,13 @@ Where the records go is the probe's business:
   liveness ``ping`` every ``PTOPS_HEARTBEAT_S`` seconds (default 1) so the
   supervisor can tell a rank that is alive but stuck from one that is stopped
   or stuck in C code holding the GIL. Commands from the supervisor: ``stacks``
-  (answer with every thread's Python stack), ``stop`` (a save-and-stop request,
-  see below), ``fault`` (a fault injected into the live run; ``release`` ends a
-  ``hold``, during which the rank pings on and reports phase ``hold``), ``profile``
-  (``ptops profile``: a torch profiler trace of N steps from a given step, taken at
-  ``before_step`` boundaries by :mod:`ptops.ops.rank.profiler`; adapters mark data
-  loading with ``with probe.mark("data"):``, a no-op unless a capture runs).
+  (answer with every thread's Python stack), ``stop`` (the stop protocol), ``fault`` (a fault
+  injected into the live run; ``release`` ends a ``hold``, during which the rank pings on and
+  reports phase ``hold``), ``profile`` (``ptops profile``: armed in ``probe.profile``).
 
 Channel EOF means the supervisor is gone: the rank kills itself (the
 supervisor-side half of "no orphans", next to PR_SET_PDEATHSIG in
 ``ops/rank/entry.py``).
-
-Save-on-request: an adapter that can checkpoint on demand calls
-``probe.accept_stop_requests()`` once and polls ``probe.stop_requested`` at the
-end of each step; when it is True it saves (``phase("checkpoint")`` ...
-``phase("step")``) and returns. Without that, the supervisor does not wait for
-a save on Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -141,6 +151,7 @@ class Probe:
     ):
         from ptops.faultinject.inject import Injector
         from ptops.faultinject.spec import from_env
+        from ptops.ops.rank.profiler import Profiling
 
         self.run = RunDir(Path(run_dir))
         self.rank = rank
@@ -151,13 +162,10 @@ class Probe:
         self._last_step_end = time.monotonic()
         self._step = 0
         self._phase = "startup"
-        self._stop_requested = threading.Event()
-        self._accepts_stop = False
         self._closing = False
-        self._capture = (
-            None  # a ptops profile request (ops/rank/profiler.Capture), set by the channel thread
-        )
-        self.injector = Injector(
+        self.stop = StopProtocol()
+        self.profile = Profiling(self.run.path, rank, self.event)
+        self.faults = Injector(
             from_env(faults),
             rank,
             attempt,
@@ -216,10 +224,9 @@ class Probe:
         """Start-up progress: ``import`` (the engine's imports), ``rendezvous`` (process group),
         ``build`` (model / trainer), ``load`` (checkpoint load until the first step): each is
         judged by its own budget, so a rank stuck in one is found in seconds, not at a 600 s
-        start-up timeout. ``hang:phase=SECTION`` faults fire here."""
+        start-up timeout (``probe.faults.on_startup(section)`` comes next, at the call site)."""
         self._phase, self._step = "startup", 0
         self._send({"t": "beat", "step": 0, "phase": "startup", "section": section})
-        self.injector.on_startup(section)
 
     def world(self, world_size: int, rank: int) -> None:
         """What the process group really is (after its init): a rank in a world of one, or of a
@@ -241,31 +248,9 @@ class Probe:
             self.phase("step", step)
 
     def phase(self, phase: str, step: int) -> None:
-        """Heartbeat with a phase (step / data / checkpoint / eval); fault hooks of saves fire
-        here."""
-        prev = self._phase
+        """Heartbeat with a phase (step / data / checkpoint / eval), nothing else."""
         self._phase, self._step = phase, int(step)
         self._send({"t": "beat", "step": int(step), "phase": phase})
-        if phase == "checkpoint":
-            self.injector.on_checkpoint(int(step))
-        elif phase == "step" and prev == "checkpoint":
-            self.injector.after_checkpoint(int(step))
-
-    def in_save(self, step: int) -> None:
-        """Called by the adapter in the middle of a save: every rank has begun it (the folder is
-        marked ``.writing``), this rank has not handed its part to the engine yet, nothing is
-        committed (``crash:phase=save`` fires here: the save can then never complete)."""
-        self.injector.in_save(int(step))
-
-    def before_commit(self, step: int) -> None:
-        """Called by the adapter when this rank's files of the save of ``step`` are written and its
-        commit comes next (an async save: on its commit thread). ``slow-save`` waits here."""
-        self.injector.before_commit(int(step))
-
-    def save_skipped(self, step: int) -> None:
-        """The adapter skipped the save of ``step`` because the previous one was still writing
-        (every rank alike); it ends a ``slow-save:until=skipped``."""
-        self.injector.on_skip(int(step))
 
     def step(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Record one finished optimizer step. Missing required keys are filled with None."""
@@ -290,40 +275,10 @@ class Probe:
         return record
 
     def before_step(self, step: int) -> None:
-        """Called by the adapter at the start of each optimizer step (fault hooks fire here first,
-        inside the step a profile capture measures: the capture's boundary comes before them)."""
-        capture = self._capture
-        if capture is not None:
-            capture.at_step(int(step))
-            if capture.done and self._capture is capture:
-                self._capture = None
-        self.injector.before_step(int(step))
+        """The step's begin beat (after ``probe.profile.at_step`` and ``probe.faults.before_step``,
+        so that a capture measures the fault hooks and a hung hook is found in this step)."""
         self._phase, self._step = "step", int(step)
         self._send({"t": "beat", "step": int(step), "phase": "step", "stage": "begin"})
-
-    def flip_bits(self, step: int, tensors) -> list[str]:
-        """Called by the adapter right after ``before_step``, with ``tensors(target)`` listing this
-        rank's (name, local tensor) pairs for ``param`` or ``optim``: a ``bitflip`` fault due here
-        flips one bit of one of them (silent data corruption between steps)."""
-        return self.injector.flip_bits(int(step), tensors)
-
-    @property
-    def profiling(self) -> bool:
-        """A ``ptops profile`` capture is recording on this rank now."""
-        capture = self._capture
-        return capture is not None and capture.running
-
-    def mark(self, what: str):
-        """``with probe.mark("data"):`` around fetching a batch: a ``ptops/data`` range in a
-        profile trace; a no-op context when no capture runs (the usual case)."""
-        capture = self._capture
-        if capture is None:
-            return _NULL
-        return capture.mark(what)
-
-    def should_poison(self, step: int) -> bool:
-        """True when a ``nan`` fault wants this step's loss poisoned (adapter multiplies by NaN)."""
-        return self.injector.should_poison(int(step))
 
     def event(self, kind: str, **fields: Any) -> None:
         """A rank-side event (e.g. ``checkpoint_failed``): over the channel when supervised, else
@@ -334,19 +289,9 @@ class Probe:
         else:
             self.run.event(kind, **fields)
 
-    def accept_stop_requests(self) -> None:
-        """An adapter that can save on request declares it (see the module docstring)."""
-        self._accepts_stop = True
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop_requested.is_set()
-
     def close(self, code: int = 0, error: str | None = None) -> None:
         """Tell the supervisor this rank is leaving on purpose (``code`` is its exit status)."""
-        capture, self._capture = self._capture, None
-        if capture is not None:
-            capture.close(self._step)
+        self.profile.close(self._step)
         if self.client is None:
             return
         self._closing = True
@@ -401,40 +346,23 @@ class Probe:
                 reply["flight_recorder_b64"] = base64.b64encode(fr).decode()
             self._send(reply)
         elif cmd == "stop":
-            self._stop_requested.set()
-            self._send({"t": "stop_ack", "supported": self._accepts_stop, "step": self._step})
-            if self._accepts_stop or msg.get("release_holds"):
+            accepted = self.stop.request()
+            self._send({"t": "stop_ack", "supported": accepted, "step": self._step})
+            if accepted or msg.get("release_holds"):
                 # a held rank cannot reach the step end where the ranks agree to save: an operator's
                 # stop (or a preemption) outranks a declared pause (the flag is set first, so the
                 # released step sees it)
-                self.injector.release()
+                self.faults.release()
         elif cmd == "fault":
             from ptops.faultinject.spec import Fault
 
             fault = Fault.from_dict(msg["fault"])
-            if self.injector.add(fault):
+            if self.faults.add(fault):
                 self._send({"t": "fault_armed", "fault": str(fault)})
         elif cmd == "profile":
-            self._on_profile(msg)
-
-    def _on_profile(self, msg: dict[str, Any]) -> None:
-        from ptops.ops.rank.profiler import Capture
-
-        pid = str(msg.get("id") or "")
-        current = self._capture
-        if current is not None and not current.done:
-            self.event(
-                "profile_failed", id=pid, error=f"this rank is busy with profile {current.id}"
+            self.profile.start(
+                str(msg.get("id") or ""), int(msg.get("start_step", 0)), int(msg.get("steps", 1))
             )
-            return
-        self._capture = Capture(
-            pid,
-            int(msg.get("start_step", 0)),
-            int(msg.get("steps", 1)),
-            self.run.path,
-            self.rank,
-            self.event,
-        )
 
     def _on_eof(self) -> None:
         if self._closing:
@@ -449,15 +377,26 @@ class Probe:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _Null:
-    def __enter__(self):
-        return None
+class StopProtocol:
+    """Save-on-request (``probe.stop``): the supervisor's ``stop`` command sets the request; an
+    adapter that can save on demand has accepted requests once and polls :attr:`requested` at
+    each step end."""
 
-    def __exit__(self, *exc):
-        return False
+    def __init__(self) -> None:
+        self._requested = threading.Event()
+        self.accepted = False
 
+    def accept(self) -> None:
+        self.accepted = True
 
-_NULL = _Null()
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def request(self) -> bool:
+        """The supervisor asks (channel thread); True when the adapter will save and return."""
+        self._requested.set()
+        return self.accepted
 
 
 def _keepalive(sock: socket.socket) -> None:

@@ -1,16 +1,16 @@
 """One rank's part of ``ptops profile``: a torch profiler trace of N whole steps of a live run.
 
-Why here and not in the adapters: the probe already sees every step boundary of every engine
-(``before_step``), so one capture works for TorchTitan and TRL alike and the supervisor can
-ask every rank for the *same* steps (it picks the first one; :class:`Capture` starts at the
+Why here and not in the adapters: every engine's adapter marks each step boundary
+(``probe.profile.at_step``), so one capture works for TorchTitan and TRL alike and the supervisor
+can ask every rank for the *same* steps (it picks the first one; :class:`Capture` starts at the
 first step boundary at or after it, and says in its report which step that was).
 
-A step here runs from one ``before_step`` to the next, so everything a rank does for a step
+A step here runs from one ``at_step`` to the next, so everything a rank does for a step
 is inside it: the fault hooks (a ``slow`` fault's sleep), data loading, forward/backward, the
 collectives, checkpoint saves and the metrics. The capture starts before the hooks of its
 first step and stops before the hooks of the step after its last, so a ``hold`` placed after
 the window never lands in the trace. Each step is a ``ptops/step#S`` range in the trace and
-data loading a ``ptops/data`` range (adapters mark it with ``probe.mark("data")``), which is
+data loading a ``ptops/data`` range (adapters mark it with ``probe.profile.mark("data")``), which is
 what :mod:`ptops.diagnostics.profile` reads.
 
 The trace goes to ``RUN_DIR/profiles/<id>/rank-R.json`` (Chrome trace format; folders 0700,
@@ -31,6 +31,7 @@ PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
 STEP_RANGE = "ptops/step#"  # + the step number
 DATA_RANGE = "ptops/data"
+NULL = contextlib.nullcontext()  # reusable: a mark costs nothing while no capture runs
 
 
 def trace_path(run_dir: Path, profile_id: str, rank: int) -> Path:
@@ -185,3 +186,48 @@ class Capture:
             with contextlib.suppress(Exception):
                 prof.stop()
         self.report("profile_failed", id=self.id, error=error[:500], first_step=self.first_step)
+
+
+class Profiling:
+    """The probe's profiling part (``probe.profile``): the capture a ``profile`` command armed,
+    advanced by the adapter at each step boundary, before the step's fault hooks."""
+
+    def __init__(self, run_dir: Path, rank: int, report: Callable[..., None]) -> None:
+        self.run_dir, self.rank, self.report = Path(run_dir), rank, report
+        self.capture: Capture | None = None  # set by the channel thread
+
+    def at_step(self, step: int) -> None:
+        capture = self.capture
+        if capture is not None:
+            capture.at_step(int(step))
+            if capture.done and self.capture is capture:
+                self.capture = None
+
+    @property
+    def running(self) -> bool:
+        """A capture is recording on this rank now."""
+        capture = self.capture
+        return capture is not None and capture.running
+
+    def mark(self, what: str):
+        """``with probe.profile.mark("data"):`` around fetching a batch: a ``ptops/data`` range in
+        a trace; a no-op context when no capture runs (the usual case)."""
+        capture = self.capture
+        return NULL if capture is None else capture.mark(what)
+
+    def start(self, profile_id: str, start_step: int, steps: int) -> None:
+        """A ``profile`` command: arm a capture, or report why this rank cannot."""
+        current = self.capture
+        if current is not None and not current.done:
+            self.report(
+                "profile_failed",
+                id=profile_id,
+                error=f"this rank is busy with profile {current.id}",
+            )
+            return
+        self.capture = Capture(profile_id, start_step, steps, self.run_dir, self.rank, self.report)
+
+    def close(self, step: int) -> None:
+        capture, self.capture = self.capture, None
+        if capture is not None:
+            capture.close(step)

@@ -2,7 +2,7 @@
 reader.
 
 - ``events``: ``EventKind``, ``RunState``, ``SPECS`` (fields per kind), ``reduce`` (events ->
-  ``RunView``);
+  ``RunView``) and ``Reducer`` (the same, one event at a time, for live exporters);
 - ``jsonl``: ``append_jsonl`` (the writer), ``JsonlTail`` / ``read_jsonl`` (the reader);
 - ``follow``: a run directory's two JSONL files tailed into sinks (the exporters);
 - ``rundir``: the paths of a run directory; ``status``: ``status.json`` and ``ptops status``'s data.

@@ -11,6 +11,7 @@ Imports nothing of ptops (design.md: ``ops/runrecord/`` is the bottom layer).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Iterable, Mapping
@@ -518,21 +519,29 @@ def next_state(state: str | None, event: Mapping[str, Any]) -> str | None:
 
 @dataclass
 class RunView:
-    """What the events alone say about a run (``reduce``)."""
+    """What the events alone say about a run (:class:`Reducer`): read by ``ptops status``, the
+    launcher, chaos, MLflow and the Prometheus exporter, so each rule is written here once."""
 
-    state: str = (
-        RunState.NEW
-    )  # the end kind of the latest attempt; running after a launch; new without one
+    state: str = RunState.NEW  # the latest attempt's end kind; running after a launch; new before
     event_state: str | None = None  # next_state folded over every event (exporters' view)
+    state_events: int = 0  # events that carried a state (an exporter tells what came after them)
     attempt: int = 0  # the highest launched attempt
+    restart_attempt: int = 0  # the highest attempt a restart event announced
     launches: int = 0
     restarts: int = 0
+    restart_reasons: dict[str, int] = field(default_factory=dict)  # reason -> restarts
     end: dict[str, Any] | None = None  # the end event of the latest attempt (None while it runs)
-    open_findings: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # finding events since the last launch
-    counts: dict[str, int] = field(default_factory=dict)  # kind -> events
+    open_findings: list[dict[str, Any]] = field(default_factory=list)  # since the last launch
+    counts: dict[str, int] = field(default_factory=dict)  # kind -> events, in first-seen order
+    kind_ts: dict[str, float] = field(default_factory=dict)  # kind -> its latest ts
+    monitor_findings: dict[str, int] = field(default_factory=dict)  # anomaly findings per monitor
+    monitor_finding_ts: dict[str, float] = field(default_factory=dict)
+    episode_monitors: dict[str, None] = field(default_factory=dict)  # that ever opened an episode
+    stragglers: dict[int, int] = field(default_factory=dict)  # rank -> straggler findings
+    straggler_ratio: dict[int, tuple[float, float]] = field(default_factory=dict)  # (ratio, ts)
     last_checkpoint: dict[str, Any] | None = None  # the latest ``checkpoint`` event
+    first_launch_ts: float | None = None
+    last_launch_ts: float | None = None
     first_ts: float | None = None
     last_ts: float | None = None
 
@@ -544,6 +553,17 @@ class RunView:
     def reason(self) -> str | None:
         return None if self.end is None else self.end.get("reason")
 
+    def episode_open(self) -> dict[str, int]:
+        """Monitor -> 1 while one of its finding episodes (a finding with a phase) is open in the
+        current attempt, 0 once all-clear, ended or restarted; monitors that never opened one are
+        absent."""
+        live = (
+            set()
+            if self.ended
+            else {f.get("monitor") for f in self.open_findings if f.get("phase") is not None}
+        )
+        return {m: int(m in live) for m in self.episode_monitors}
+
 
 def _as_int(v: Any, default: int = 0) -> int:
     try:
@@ -552,22 +572,35 @@ def _as_int(v: Any, default: int = 0) -> int:
         return default
 
 
-def reduce(events: Iterable[Mapping[str, Any]]) -> RunView:
-    """Fold events, in file order, into a :class:`RunView`. Pure: same events, same view.
+def _ts(e: Mapping[str, Any]) -> float | None:
+    ts = e.get("ts")
+    if isinstance(ts, (int, float)) and not isinstance(ts, bool) and math.isfinite(ts):
+        return float(ts)
+    return None
 
-    An end event counts only when no launch follows it (a resumed run is running again);
-    findings are those of the latest attempt (since the latest launch).
-    """
-    v = RunView()
-    for e in events:
+
+class Reducer:
+    """:func:`reduce` kept open: a live exporter adds events one at a time and reads
+    :attr:`view` at any moment (each event costs O(1) but for an all-clear, which scans the open
+    findings)."""
+
+    def __init__(self) -> None:
+        self.view = RunView()
+
+    def add(self, e: Mapping[str, Any]) -> None:
         if not isinstance(e, Mapping):
-            continue
+            return
+        v = self.view
         kind = str(e.get("kind") or "unknown")
         v.counts[kind] = v.counts.get(kind, 0) + 1
-        ts = e.get("ts")
-        if isinstance(ts, (int, float)) and not isinstance(ts, bool):
+        ts = _ts(e)
+        if ts is not None:
             v.first_ts = ts if v.first_ts is None else min(v.first_ts, ts)
             v.last_ts = ts if v.last_ts is None else max(v.last_ts, ts)
+            v.kind_ts[kind] = max(ts, v.kind_ts.get(kind, ts))
+        s = spec(kind)
+        if s is not None and s.state is not None:
+            v.state_events += 1
         v.event_state = next_state(v.event_state, e)
         if kind == EventKind.LAUNCH:
             v.launches += 1
@@ -575,13 +608,28 @@ def reduce(events: Iterable[Mapping[str, Any]]) -> RunView:
             v.end = None
             v.open_findings = []
             v.state = RunState.RUNNING
+            if ts is not None:
+                v.first_launch_ts = ts if v.first_launch_ts is None else min(v.first_launch_ts, ts)
+                v.last_launch_ts = ts if v.last_launch_ts is None else max(v.last_launch_ts, ts)
         elif kind in END_KINDS:
             v.end = dict(e)
             v.state = kind
         elif kind == EventKind.RESTART:
             v.restarts += 1
+            reason = str(e.get("reason") or "unknown")
+            v.restart_reasons[reason] = v.restart_reasons.get(reason, 0) + 1
+            v.restart_attempt = max(v.restart_attempt, _as_int(e.get("attempt")))
         elif kind == EventKind.CHECKPOINT:
             v.last_checkpoint = dict(e)
+        elif kind == EventKind.STRAGGLER:
+            self._straggler(e, ts)
+        elif kind == EventKind.ANOMALY and not is_all_clear(e):
+            m = str(e.get("monitor") or "unknown")
+            v.monitor_findings[m] = v.monitor_findings.get(m, 0) + 1
+            if ts is not None:
+                v.monitor_finding_ts[m] = max(ts, v.monitor_finding_ts.get(m, ts))
+            if e.get("phase") is not None:
+                v.episode_monitors.setdefault(m, None)
         if kind in FINDING_KINDS and v.launches:
             if is_all_clear(e):
                 v.open_findings = [
@@ -594,4 +642,26 @@ def reduce(events: Iterable[Mapping[str, Any]]) -> RunView:
                 ]
             else:
                 v.open_findings.append(dict(e))
-    return v
+
+    def _straggler(self, e: Mapping[str, Any], ts: float | None) -> None:
+        try:
+            rank = int(e.get("rank"))
+        except (TypeError, ValueError):
+            return
+        v = self.view
+        v.stragglers[rank] = v.stragglers.get(rank, 0) + 1
+        ratio = e.get("ratio")
+        if isinstance(ratio, (int, float)) and math.isfinite(ratio) and ts is not None:
+            v.straggler_ratio[rank] = (float(ratio), ts)
+
+
+def reduce(events: Iterable[Mapping[str, Any]]) -> RunView:
+    """Fold events, in file order, into a :class:`RunView`. Pure: same events, same view.
+
+    An end event counts only when no launch follows it (a resumed run is running again);
+    findings are those of the latest attempt (since the latest launch).
+    """
+    r = Reducer()
+    for e in events:
+        r.add(e)
+    return r.view

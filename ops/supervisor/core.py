@@ -139,8 +139,15 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         # warm spare ranks for restarts (a plain launch never restarts: no pool)
         wanted = self.cfg.restart.warm_pool_wanted(recipe.launch.nproc, os.cpu_count())
         self.warm = WarmPool(recipe, run) if wanted and self.supervised else None
-        if os.environ.get(ENV_STANDING):  # `ptops warm`: every attempt, the first too
-            self.warm = WarmPool(recipe, run, standing=os.environ[ENV_STANDING])
+        if os.environ.get(ENV_STANDING):
+            # `ptops warm`: every attempt, the first too, when a pool of this engine fits this
+            # launch now; else the run's own pool (or none) as without it, and the log says why
+            standing = WarmPool(recipe, run, standing=os.environ[ENV_STANDING])
+            fits = standing.source(0, lambda: True)
+            if fits["ranks_from"] == "warm":
+                self.warm = standing
+            else:
+                self.say(f"standing warm pool not used ({fits['cold_why']}): {fits['cold_detail']}")
         self.no_warm_why = (  # the launch event's cold_detail when there is no pool
             ""
             if self.warm is not None

@@ -76,6 +76,8 @@ def _optimizer_beats(probe: Any) -> None:
         state["owner"] = id(opt)
         state["n"] += 1
         state["t0"] = time.monotonic()
+        probe.profile.at_step(state["n"])
+        probe.faults.before_step(state["n"])
         probe.before_step(state["n"])
 
     def post(opt, args, kwargs):
@@ -127,6 +129,14 @@ def _run_child(argv: list[str]) -> None:
     rc = proc.wait()
     if rc != 0:
         raise SystemExit(rc if rc > 0 else 128 - rc)
+
+
+def preload() -> None:
+    """What a warm pool imports ahead of a script's rank (``ops/rank/warm.py``): torch with its
+    distributed and checkpoint packages (``ptops.rank`` saves through DCP); the script's own
+    imports still run in the rank."""
+    import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
 
 
 def main(recipe: Any, probe: Any) -> None:

@@ -62,8 +62,7 @@ def main(recipe: Any, probe: Any) -> None:
 
     registry.set_recipe(recipe)
     trainer.set_probe(probe)
-    if hasattr(probe, "accept_stop_requests"):
-        probe.accept_stop_requests()
+    probe.stop.accept()  # the trainer saves and returns on a stop request (ProbeTrainer)
 
     import torchtitan.train
 

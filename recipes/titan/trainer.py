@@ -39,6 +39,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.trainer import Trainer
 
+from ptops.ckpt import versions
 from ptops.ops.runrecord import ranklog
 
 DATASET_NAME = "ptops_text"
@@ -163,12 +164,6 @@ def _err_text(err: Any) -> str:
     return text[:1000]
 
 
-def _versions() -> dict[str, str]:
-    import torchtitan
-
-    return {"torch": torch.__version__, "torchtitan": getattr(torchtitan, "__version__", "?")}
-
-
 @dataclass
 class _Save:
     step: int
@@ -191,6 +186,7 @@ class _Save:
     prep_s: float | None = None
     state_dict_s: float | None = None
     call_s: float | None = None
+    call_t0: float | None = None  # when the save call began (call_s is measured from it)
     wait_s: float = 0.0
     qkv_split: str | None = (
         None  # "background" (qkvsplit.py) or "inline" (torchtitan's hook, training thread)
@@ -289,7 +285,11 @@ class ProbeCheckpointManager(CheckpointManager):
         from ptops.recipes.resume import resume_entry
 
         entry = resume_entry(
-            self.folder, probe=get_probe(), world_size=_world(), versions=_versions(), log=_log
+            self.folder,
+            probe=get_probe(),
+            world_size=_world(),
+            versions=versions("torch", "torchtitan"),
+            log=_log,
         )
         return -1 if entry is None else entry.step
 
@@ -309,18 +309,9 @@ class ProbeCheckpointManager(CheckpointManager):
         return super()._load(pick)
 
     # ------------------------------------------------------------ save
-    def _sync_wanted(self, probe: Any, step: int) -> bool:
-        """A ``corrupt-ckpt`` fault for this step fires at the next ``phase("step")``:
-        the files must be complete by then, so save synchronously."""
-        inj = getattr(probe, "injector", None)
-        try:
-            return any(
-                f.kind == "corrupt-ckpt" and f.step <= step for f in (inj.pending if inj else [])
-            )
-        except Exception:  # noqa: BLE001
-            return False
-
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """One save: ``SaveTransaction.start`` (the probe's hooks, begin), one of the writes below,
+        then the commit: here for a sync write, on a commit thread for an async one."""
         from ptops.ckpt import SaveTransaction
 
         forced = self.stop_step is not None and curr_step == self.stop_step and not self.load_only
@@ -340,133 +331,106 @@ class ProbeCheckpointManager(CheckpointManager):
             leader=_rank() == 0,
             agree=self.agree_any,
             world_size=_world(),
-            versions=_versions(),
+            versions=versions("torch", "torchtitan"),
             keep=self.ptops_keep,
         )
         rec = _Save(
             step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event(), txn=txn
         )
         self.records.append(rec)
-        err: BaseException | None = None
-        t_call: float | None = None
         try:
-            try:
-                if probe is not None:
-                    probe.phase("checkpoint", curr_step)  # the enospc fault raises OSError here
-            except OSError as e:
-                err = e
-            if not txn.begin(err):
+            if not txn.start(probe):
                 return self._failed(rec, txn.error)
             if txn.moved_leftover is not None:
                 _log(f"moved leftover {path} to {txn.moved_leftover}")
-            if probe is not None:
-                probe.in_save(curr_step)  # crash:phase=save fires here: the save never completes
-            pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
-            use_async = (
-                (self.async_mode == AsyncMode.ASYNC or pinned)
-                and not final
-                and not self._sync_wanted(probe, curr_step)
-            )
-            rec.is_async = use_async
+            err: BaseException | None = None
             try:
                 if last_step and not forced:
-                    self._save_last_step(
-                        curr_step
-                    )  # honours last_save_model_only / last_save_in_hf
+                    self._save_last_step(curr_step)  # last_save_model_only / last_save_in_hf
                 else:
-                    rec.prep_s = time.monotonic() - t0
-                    t_sd = time.monotonic()
-                    split = self._qkv_split() if use_async and not pinned else None
-                    states = split.states(self.states, MODEL) if split is not None else None
-                    if states is None:
-                        split = None
-                        states = self._flattened_model_states_sd()
-                    rec.qkv_split = (
-                        ("background" if split is not None else "inline") if use_async else None
-                    )
-                    t_call = time.monotonic()
-                    rec.state_dict_s = t_call - t_sd
-                    if (
-                        use_async and pinned
-                    ):  # GPU only: stage to pinned host memory in a process, then write
-                        if self.stager is None:
-                            from torch.distributed.checkpoint.staging import (
-                                DefaultStager,
-                                StagingOptions,
-                            )
-
-                            self.stager = DefaultStager(
-                                StagingOptions(
-                                    use_pinned_memory=True,
-                                    use_shared_memory=True,
-                                    use_async_staging=True,
-                                    use_non_blocking_copy=True,
-                                )
-                            )
-                        result = self.dcp_save(
-                            states, checkpoint_id=str(path), async_mode=self.async_mode
-                        )
-                        self.staging_future = result.staging_completion
-                        self.save_future = result.upload_completion
-                    elif use_async:
-                        # a persistent stager: the staging copy reuses the buffers of the previous
-                        # save (no allocation per save) and runs in a background thread, overlapped
-                        # with the next step's forward/backward; training waits for it only before
-                        # the optimizer step (_maybe_wait_for_staging), and that wait is counted in
-                        # blocking_s
-                        import torch.distributed.checkpoint as dcp
-
-                        from ptops.recipes.titan.staging import FlatStager
-
-                        stager = self._stager()
-                        rec.staged = threading.Event()
-                        if isinstance(stager, FlatStager):
-                            copied, staged = stager.stage_then(
-                                _stateful_to_state_dict(states),
-                                split.finish if split is not None else None,
-                            )
-                            self.staging_future = copied
-                            self.save_future = self._writer().submit(
-                                _save_staged, staged, str(path), self.pg
-                            )
-                        else:
-                            result = dcp.async_save(
-                                states,
-                                checkpoint_id=str(path),
-                                process_group=self.pg,
-                                async_stager=stager,
-                            )
-                            self.staging_future = result.staging_completion
-                            self.save_future = result.upload_completion
-                        self.staging_future.add_done_callback(
-                            lambda f, rec=rec: self._staging_done(rec)
-                        )
-                    else:
-                        self.dcp_save(
-                            states,
-                            checkpoint_id=str(path),
-                            async_mode=AsyncMode.DISABLED,
-                            enable_garbage_collection=True,
-                        )
+                    self._write(rec, final, probe)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
                 err = e
             rec.blocking_s = time.monotonic() - t0
-            if t_call is not None:
-                rec.call_s = time.monotonic() - t_call
-            if use_async and err is None:
+            if rec.call_t0 is not None:
+                rec.call_s = time.monotonic() - rec.call_t0
+            if rec.is_async and err is None:
                 self._inflight = rec
-                fut = self.save_future
-                fut.add_done_callback(lambda f, rec=rec: self._async_done(rec, f))
+                self.save_future.add_done_callback(lambda f, rec=rec: self._async_done(rec, f))
                 return True
-            if probe is not None and err is None:
-                probe.before_commit(curr_step)  # slow-save: a sync save blocks for it
-            if not txn.commit(err):
+            if not txn.finish(err, probe):  # slow-save: a sync save blocks in it
                 return self._failed(rec, txn.error)
             self._committed(rec)
             return True
         finally:
             if probe is not None:
                 probe.phase("step", curr_step)
+                probe.faults.after_checkpoint(curr_step)  # corrupt-ckpt, once it is committed
+
+    def _write(self, rec: _Save, final: bool, probe: Any) -> None:
+        """The state dict, then one of three writes: async with pinned CUDA memory, async on CPU
+        (a persistent stager), or sync (the final save, or a fault that needs the files first)."""
+        pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
+        rec.is_async = (
+            (self.async_mode == AsyncMode.ASYNC or pinned)
+            and not final
+            and not (probe is not None and probe.faults.sync_save_wanted(rec.step))
+        )
+        rec.prep_s = time.monotonic() - rec.t0
+        t_sd = time.monotonic()
+        split = self._qkv_split() if rec.is_async and not pinned else None
+        states = split.states(self.states, MODEL) if split is not None else None
+        if states is None:
+            split = None
+            states = self._flattened_model_states_sd()
+        if rec.is_async:
+            rec.qkv_split = "background" if split is not None else "inline"
+        rec.call_t0 = time.monotonic()
+        rec.state_dict_s = rec.call_t0 - t_sd
+        if rec.is_async and pinned:
+            self._write_async_pinned(rec, states)
+        elif rec.is_async:
+            self._write_async_cpu(rec, states, split)
+        else:
+            self.dcp_save(
+                states,
+                checkpoint_id=str(rec.path),
+                async_mode=AsyncMode.DISABLED,
+                enable_garbage_collection=True,
+            )
+
+    def _write_async_pinned(self, rec: _Save, states: dict) -> None:
+        """GPU only: stage to pinned host memory in a process (torchtitan's path), then write."""
+        if self.stager is None:
+            self.stager = _pinned_stager(use_shared_memory=True)
+        result = self.dcp_save(states, checkpoint_id=str(rec.path), async_mode=self.async_mode)
+        self.staging_future = result.staging_completion
+        self.save_future = result.upload_completion
+
+    def _write_async_cpu(self, rec: _Save, states: dict, split: Any) -> None:
+        """A persistent stager: the staging copy reuses the previous save's buffers (no allocation
+        per save) and runs in a background thread, overlapped with the next step's forward and
+        backward; training waits for it only before the optimizer step
+        (``_maybe_wait_for_staging``), and that wait is counted in ``blocking_s``."""
+        import torch.distributed.checkpoint as dcp
+
+        from ptops.recipes.titan.staging import FlatStager
+
+        stager = self._stager()
+        rec.staged = threading.Event()
+        if isinstance(stager, FlatStager):
+            copied, staged = stager.stage_then(
+                _stateful_to_state_dict(states), split.finish if split is not None else None
+            )
+            self.staging_future = copied
+            self.save_future = self._writer().submit(_save_staged, staged, str(rec.path), self.pg)
+        else:
+            result = dcp.async_save(
+                states, checkpoint_id=str(rec.path), process_group=self.pg, async_stager=stager
+            )
+            self.staging_future = result.staging_completion
+            self.save_future = result.upload_completion
+        self.staging_future.add_done_callback(lambda f, rec=rec: self._staging_done(rec))
 
     def _async_done(self, rec: _Save, fut: Any) -> None:
         exc = fut.exception()
@@ -477,7 +441,7 @@ class ProbeCheckpointManager(CheckpointManager):
             probe = get_probe()
             if probe is not None and exc is None:
                 try:
-                    probe.before_commit(rec.step)  # slow-save: this save stays "writing" meanwhile
+                    probe.faults.before_commit(rec.step)  # slow-save: it stays "writing" meanwhile
                 except Exception as e:  # noqa: BLE001 - a fault hook never costs the commit
                     _log(f"before_commit hook failed: {_err_text(e)}")
             try:
@@ -634,16 +598,7 @@ class ProbeCheckpointManager(CheckpointManager):
         (bench/README.md). With CUDA, DefaultStager as before (pinned buffers, a copy stream)."""
         if self._cpu_stager is None:
             if torch.cuda.is_available():
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                self._cpu_stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=True,
-                        use_shared_memory=False,
-                        use_async_staging=True,
-                        use_non_blocking_copy=True,
-                    )
-                )
+                self._cpu_stager = _pinned_stager(use_shared_memory=False)
             else:
                 from ptops.recipes.titan.staging import FlatStager
 
@@ -661,14 +616,13 @@ class ProbeCheckpointManager(CheckpointManager):
         ``hold:until=committed``) is never skipped."""
         rec = self._inflight
         busy = rec is not None and rec.done is not None and not rec.done.is_set()
-        any_busy, any_waits = self._agree_flags(busy, _fault_waits_for_save(probe, step))
+        waits = probe is not None and probe.faults.waits_for_save(step)
+        any_busy, any_waits = self._agree_flags(busy, waits)
         if not any_busy or any_waits:
             return False
         self.skipped.append(int(step))
         if probe is not None:
-            probe.save_skipped(
-                int(step)
-            )  # ends a slow-save:until=skipped of the save still writing
+            probe.faults.on_skip(int(step))  # ends a slow-save:until=skipped of the one writing
         _log(
             f"checkpoint step-{step} skipped: step-{rec.step if rec else '?'} is still being "
             "written"
@@ -713,6 +667,21 @@ class ProbeCheckpointManager(CheckpointManager):
             self._cpu_stager.close()
             self._cpu_stager = None
         super()._close()
+
+
+def _pinned_stager(use_shared_memory: bool) -> Any:
+    """DCP's DefaultStager with pinned buffers and a copy stream (CUDA); shared memory when the
+    stager hands its buffers to another process (the pinned-memory async mode)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True,
+            use_shared_memory=use_shared_memory,
+            use_async_staging=True,
+            use_non_blocking_copy=True,
+        )
+    )
 
 
 def _stateful_to_state_dict(states: dict) -> dict:
@@ -764,27 +733,6 @@ def _verifier() -> Any:
     return BackgroundVerifier(report)
 
 
-def _fault_waits_for_save(probe: Any, step: int) -> bool:
-    """A pending fault that needs this step's save: committed (``corrupt-ckpt``,
-    ``hold:until=committed``), or begun, because it fires inside it (``enospc``,
-    ``crash:phase=save``, due at this step or before). Skipping that save while the previous one
-    still writes would skip the fault, on a slow box only."""
-    inj = getattr(probe, "injector", None)
-    try:
-        for f in inj.pending if inj else []:
-            if f.kind == "corrupt-ckpt" or (
-                f.kind == "hold" and f.params.get("until") == "committed"
-            ):
-                return True
-            if f.step <= step and (
-                f.kind == "enospc" or (f.kind == "crash" and f.params.get("phase") == "save")
-            ):
-                return True
-    except Exception:  # noqa: BLE001
-        return False
-    return False
-
-
 # --------------------------------------------------------------------------- #
 def _metric_name(key: str) -> str:
     """torchtitan names (``memory/max_reserved(GiB)``) -> flat snake names."""
@@ -802,8 +750,8 @@ def _metric_name(key: str) -> str:
 
 
 class _MarkedBatches:
-    """The same batch iterator, each ``next`` inside ``probe.mark("data")`` (nothing buffered:
-    the batches and their order are the iterator's own)."""
+    """The same batch iterator, each ``next`` inside ``probe.profile.mark("data")`` (nothing
+    buffered: the batches and their order are the iterator's own)."""
 
     def __init__(self, it: Any, probe: Any):
         self.it, self.probe = it, probe
@@ -812,7 +760,7 @@ class _MarkedBatches:
         return self
 
     def __next__(self) -> Any:
-        with self.probe.mark("data"):
+        with self.probe.profile.mark("data"):
             return next(self.it)
 
 
@@ -831,6 +779,7 @@ class ProbeTrainer(Trainer):
         probe = get_probe()
         if probe is not None:
             probe.startup("load")  # train() loads the checkpoint first, then the first step begins
+            probe.faults.on_startup("load")
         self.ptops_sdc = self._state_checks(probe)
         if isinstance(self.metrics_processor, ProbeMetricsProcessor):
             self.metrics_processor.pp_has_last_stage = (
@@ -863,10 +812,12 @@ class ProbeTrainer(Trainer):
         probe = get_probe()
         if probe is not None:
             probe.startup("rendezvous")
+            probe.faults.on_startup("rendezvous")
         dims = super().init_distributed()
         if probe is not None:
             probe.world(_world(), _rank())
             probe.startup("build")
+            probe.faults.on_startup("build")
         return dims
 
     def train_step(self, data_iterator):
@@ -874,13 +825,13 @@ class ProbeTrainer(Trainer):
         probe = get_probe()
         step = self.step
         if probe is not None:
+            probe.profile.at_step(step)  # a capture's boundary comes before the fault hooks
+            probe.faults.before_step(step)
             probe.before_step(step)
             if self.ptops_sdc is not None:
                 self.ptops_sdc.before_step(step)  # bitflip faults, then the at-rest check
-            _POISON = bool(probe.should_poison(step))
-            if getattr(
-                probe, "profiling", False
-            ):  # `ptops profile`: batches fetched inside a ptops/data range
+            _POISON = bool(probe.faults.should_poison(step))
+            if probe.profile.running:  # `ptops profile`: batches fetched inside a ptops/data range
                 data_iterator = _MarkedBatches(data_iterator, probe)
         from ptops.recipes.titan import (
             rollback as _rollback,
@@ -918,7 +869,7 @@ class ProbeTrainer(Trainer):
         if not getattr(probe, "supervised", False) or step >= self.config.training.steps:
             return  # unsupervised: nobody can ask; the final step is saved anyway
         ckpt = self.checkpointer
-        flag = bool(getattr(probe, "stop_requested", False))
+        flag = probe.stop.requested
         agreed = ckpt.agree_any(flag) if isinstance(ckpt, ProbeCheckpointManager) else flag
         if agreed:
             self.ptops_stopped_at = step

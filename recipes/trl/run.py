@@ -9,11 +9,12 @@ What the adapter guarantees:
 
 - per-step records through the probe on every rank (``loss`` is TRL's logged
   value, which transformers averages over ranks; ``rank_loss`` is this rank's own);
-- ``probe.before_step`` before each step, ``probe.should_poison`` turns that
-  step's loss into NaN, ``probe.phase("checkpoint")`` before a save and
-  ``probe.phase("step")`` after it;
+- at each step's begin ``probe.profile.at_step``, ``probe.faults.before_step`` and
+  ``probe.before_step``; ``probe.faults.should_poison`` turns that step's loss into NaN;
+  ``probe.phase("checkpoint")`` and ``probe.faults.on_checkpoint`` before a save,
+  ``probe.phase("step")`` and ``probe.faults.after_checkpoint`` after it;
 - a failed save (ENOSPC, EACCES, EIO, ... including the ``enospc`` fault raised
-  at ``phase("checkpoint")``) does not end training: all ranks agree it failed,
+  at ``faults.on_checkpoint``) does not end training: all ranks agree it failed,
   nothing is committed (the partial ``checkpoint-N`` never gets a manifest nor
   LATEST), rank 0 emits ``checkpoint_failed {step, path, error}`` and the next
   interval tries again; a failed *final* (or on-request) save raises on every
@@ -27,7 +28,7 @@ What the adapter guarantees:
   ``ptops-manifest.json`` (sizes + sha256), moves ``checkpoints/LATEST`` and prunes
   to the newest ``checkpoint.keep`` good ones (transformers' own rotation is off: it
   could delete the last good checkpoint before the new one is committed); the
-  probe's checkpoint phase spans all of it, and ``probe.in_save`` marks the middle
+  probe's checkpoint phase spans all of it, and ``probe.faults.in_save`` marks the middle
   (``crash:phase=save`` fires there);
 - rerunning on the same run directory resumes from :func:`ptops.ckpt.resume_point`
   (the supervisor's verified choice, or the newest *good* checkpoint, chosen on rank
@@ -40,7 +41,7 @@ What the adapter guarantees:
   fingerprints its parameters and optimizer state in ``on_step_end`` and again in the next
   ``on_step_begin`` (``sdc_rest``), and, DDP replicas being equal, records the fingerprint
   (``sdc_fp``) for the ``sdc`` monitor to compare; ``on_step_begin`` is also where the
-  ``bitflip`` fault flips (``probe.flip_bits``).
+  ``bitflip`` fault flips (``probe.faults.flip_bits``).
 
 Faults (crash, hang, nan, enospc, corrupt-ckpt, ...) come through the probe's
 hooks; the adapter has no fault code of its own.
@@ -50,12 +51,12 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+from ptops.ckpt import versions
 from ptops.ops.runrecord import ranklog
 from ptops.ops.runrecord.rundir import RunDir
 
@@ -76,16 +77,10 @@ def _log(msg: str) -> None:
     ranklog.get("trl").info("%s", msg)
 
 
+VERSIONED = ("torch", "transformers", "trl", "accelerate")  # in each checkpoint's manifest
+
+
 # ---------------------------------------------------------------- checkpoints
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for name in ("torch", "transformers", "trl", "accelerate"):
-        mod = sys.modules.get(name)
-        if mod is not None:
-            out[name] = getattr(mod, "__version__", "?")
-    return out
 
 
 # ---------------------------------------------------------------- metrics
@@ -179,28 +174,19 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
                 leader=self.is_world_process_zero(),
                 agree=lambda failed: bool(_failed_ranks(failed, device)),
                 world_size=self.args.world_size,
-                versions=_versions(),
+                versions=versions(*VERSIONED),
                 keep=saves.keep,
             )
             saves.step, saves.t0, saves.txn = step, time.monotonic(), txn
-            err: BaseException | None = None
-            try:
-                probe.phase("checkpoint", step)  # the enospc fault raises OSError here
-            except OSError as e:
-                err = e
-            if not txn.begin(err):
-                return
-            probe.in_save(step)  # crash:phase=save fires here: the save never completes
-            try:
-                super()._save_checkpoint(model, trial)
-            except Exception as e:  # noqa: BLE001 - OSError, torch.save's RuntimeError, safetensors errors
-                err = e
-                _log(f"checkpoint-{step}: save failed on this rank: {type(e).__name__}: {e}")
-            if err is None:
-                probe.before_commit(
-                    step
-                )  # slow-save: the commit waits (a sync save blocks training)
-            txn.commit(err)
+
+            def write(_path: Path) -> None:  # transformers names the folder checkpoint-N itself
+                try:
+                    super(PtopsTrainer, self)._save_checkpoint(model, trial)
+                except Exception as e:  # OSError, torch.save's RuntimeError, safetensors errors
+                    _log(f"checkpoint-{step}: save failed on this rank: {type(e).__name__}: {e}")
+                    raise
+
+            txn.run(write, probe)  # the probe's save hooks, begin, write, commit: every engine's
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             from ptops.recipes.trl import (
@@ -208,7 +194,7 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
             )  # PTOPS_ROLLBACK: drop the skipped window's batches
 
             probe.phase("data", self.state.global_step + 1)
-            with probe.mark("data"):  # `ptops profile`: a ptops/data range (a no-op otherwise)
+            with probe.profile.mark("data"):  # `ptops profile`: a ptops/data range (or a no-op)
                 rollback.skip(self, epoch_iterator, num_batches, probe)
                 return super().get_batch_samples(epoch_iterator, num_batches, device)
 
@@ -219,7 +205,7 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
             if not model.training:
                 return out
             loss = out[0] if isinstance(out, tuple) else out
-            if probe.should_poison(self.state.global_step + 1):
+            if probe.faults.should_poison(self.state.global_step + 1):
                 loss = loss * float("nan")
                 out = (loss, *out[1:]) if isinstance(out, tuple) else loss
             tally.add(loss, _count_tokens(inputs))
@@ -266,7 +252,10 @@ def _make_callback(
         def on_step_begin(self, args, state, control, **kwargs):
             tally.reset()
             self._step_s = None
-            probe.before_step(state.global_step + 1)
+            step = state.global_step + 1
+            probe.profile.at_step(step)  # a capture's boundary comes before the fault hooks
+            probe.faults.before_step(step)
+            probe.before_step(step)
             self._model = kwargs.get("model", self._model)
             self._optimizer = kwargs.get("optimizer", self._optimizer)
             if self.sdc is None:
@@ -277,14 +266,14 @@ def _make_callback(
                     self._optims,
                     replicated=not getattr(args, "fsdp", None),
                 )
-            self.sdc.before_step(state.global_step + 1)  # bitflip faults, then the at-rest check
+            self.sdc.before_step(step)  # bitflip faults, then the at-rest check
             self._t0 = time.monotonic()
 
         def _stop_agreed(self, args) -> bool:
             """All ranks stop at the same step or none does (a lone stop would hang the others)."""
             if not getattr(probe, "supervised", False):
                 return False
-            flag = bool(getattr(probe, "stop_requested", False))
+            flag = probe.stop.requested
             dist = _dist()
             if dist is None:
                 return flag
@@ -375,6 +364,7 @@ def _make_callback(
                     mode="sync",
                 )
             probe.phase("step", step)
+            probe.faults.after_checkpoint(step)  # corrupt-ckpt fires once the save is committed
             if err is not None and final:
                 raise RuntimeError(
                     f"the {'final' if self.stopped_at != step else 'on-request'} checkpoint "
@@ -576,7 +566,7 @@ def choose_resume(run: RunDir, world: int, probe: Any = None) -> Path | None:
         from ptops.recipes.resume import resume_entry
 
         entry = resume_entry(
-            run.checkpoints, probe=probe, world_size=world, versions=_versions(), log=_log
+            run.checkpoints, probe=probe, world_size=world, versions=versions(*VERSIONED), log=_log
         )
         return entry.path if entry is not None else ""
 
@@ -624,12 +614,13 @@ def main(recipe, probe) -> None:
     t0 = time.monotonic()
     # transformers initialises the process group lazily, inside the trainer's build
     probe.startup("build")
+    probe.faults.on_startup("build")
     trainer = build_trainer(recipe, probe, run)
     dist = _dist()
     probe.world(dist.get_world_size() if dist else 1, dist.get_rank() if dist else 0)
     probe.startup("load")
-    if hasattr(probe, "accept_stop_requests"):
-        probe.accept_stop_requests()
+    probe.faults.on_startup("load")
+    probe.stop.accept()  # a stop request: the callback saves the step and training returns
     resume = choose_resume(run, world, probe)
     _log(
         f"{recipe.trl.trainer} trainer ready in {time.monotonic() - t0:.1f}s; "

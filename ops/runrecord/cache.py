@@ -1,0 +1,12 @@
+"""Where ptops keeps what it builds once and reuses on this machine: ``$PTOPS_CACHE`` (default
+``~/.cache/ptops``). The recipes' assets (``recipes/assets.py``) and MLflow's empty store
+(``ops/obs/mlflow_export.py``) live there; both check what they read and rebuild what does not."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PTOPS_CACHE", Path.home() / ".cache" / "ptops"))

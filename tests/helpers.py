@@ -1,0 +1,71 @@
+"""What many tests do: launch a TRL recipe the plain way and read what it left, and check that a
+command failed with one clear line. Imported by name (pyproject: pytest's ``pythonpath``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ptops.ops.runrecord.rundir import final_metrics_by_step, read_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+NPROC = 2  # the tiny TRL recipes' ranks
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def launch(
+    recipe: str, run_dir: Path, overrides: list[str], attempt: int = 1, faults: list[str] = ()
+):
+    """``ptops launch RECIPE --run-dir D --set ...`` (plain, unsupervised); rerun on D resumes."""
+    cmd = [str(BIN / "ptops"), "launch", recipe, "--run-dir", str(run_dir)]
+    for o in overrides:
+        cmd += ["--set", o]
+    for f in faults:
+        cmd += ["--fault", f]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("PTOPS_RANK_LOGS", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    logs = "\n".join(
+        f"--- rank {k} ---\n{tail(run_dir / 'logs' / f'attempt-{attempt}' / f'rank-{k}.log')}"
+        for k in range(NPROC)
+    )
+    return proc, logs
+
+
+def assert_launched(proc, logs: str) -> None:
+    assert proc.returncode == 0, (
+        f"ptops launch exit {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-2000:]}\n{logs}"
+    )
+
+
+def records_by_rank(run_dir: Path) -> dict[int, dict[int, dict]]:
+    records = list(read_jsonl(run_dir / "metrics.jsonl"))
+    return {rank: final_metrics_by_step(records, rank) for rank in range(NPROC)}
+
+
+def is_finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def trl_checkpoints(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("checkpoint-*"))
+
+
+def assert_one_clear_line(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: ")
+    for n in needles:
+        assert n in err, (n, err)
