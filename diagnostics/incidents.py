@@ -621,11 +621,9 @@ class _Builder:
             },
         )
 
-    def _straggler(self, ep, attempt) -> None:
-        s0, s1, t0, t1, sev = self._span(ep)
-        rank = ep[0]["rank"]
-        vals = [f["value"] for f in ep if isinstance(f["value"], (int, float))]
-        ex = next(
+    def _excluded(self, rank, attempt) -> dict | None:
+        """The ``exclude_node`` event the policy recorded for ``rank`` in ``attempt``, if any."""
+        return next(
             (
                 e
                 for e in self.events
@@ -635,6 +633,12 @@ class _Builder:
             ),
             None,
         )
+
+    def _straggler(self, ep, attempt) -> None:
+        s0, s1, t0, t1, sev = self._span(ep)
+        rank = ep[0]["rank"]
+        vals = [f["value"] for f in ep if isinstance(f["value"], (int, float))]
+        ex = self._excluded(rank, attempt)
         ev = [f["detail"] for f in ep[:3]]
         self.add(
             "straggler",
@@ -665,16 +669,7 @@ class _Builder:
         head = str(f["detail"]).split(":", 1)[0].split()  # "at_rest persistent: rank 1 ..."
         kind = head[0] if head else "sdc"
         persistent = "persistent" in head
-        ex = next(
-            (
-                e
-                for e in self.events
-                if e.get("kind") == "exclude_node"
-                and e.get("rank") == rank
-                and _attempt_of(e, self.launches) == attempt
-            ),
-            None,
-        )
+        ex = self._excluded(rank, attempt)
         seen = next(  # the live finding's event: the host as the attempt knew it
             (
                 e.get("host")
