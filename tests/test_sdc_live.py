@@ -139,7 +139,12 @@ def test_persistent_flip_is_caught_again_strikes_the_node_and_stops(persistent):
     assert "persistent" in last["title"] and "struck" in last["action"]
 
 
-TRL_STEPS = ["--set", "train.steps=24", "--set", "checkpoint.interval=5", *EVERY]
+# keep every checkpoint: the step-20 save would otherwise prune checkpoint-5, the rollback's clean
+# target, before or after the supervisor plans the rollback, depending on load (a race)
+TRL_STEPS = [
+    "--set", "train.steps=24", "--set", "checkpoint.interval=5", "--set", "checkpoint.keep=10",
+    *EVERY,
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
