@@ -53,15 +53,9 @@ def _die_with_pytest() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-@pytest.fixture(scope="session", autouse=True)
-def standing_pool(tmp_path_factory):
-    if os.environ.get("PTOPS_TESTS_COLD") == "1":
-        os.environ.pop(STANDING, None)
-        yield None
-        return
-    name = f"ptops-tests-{os.getpid()}"
-    logs = tmp_path_factory.mktemp("warm")
-    warm = ["warm", "titan", "trl", "script", "--name", name, "--log-dir", str(logs), "--json"]
+def start_standing_pool(name: str, logs: Path, engines=("titan", "trl", "script")):
+    """A real `ptops warm` (its pools die with pytest); returns it once every pool answers."""
+    warm = ["warm", *engines, "--name", name, "--log-dir", str(logs), "--json"]
     proc = subprocess.Popen(
         [*PTOPS, *warm],
         stdout=subprocess.PIPE,
@@ -76,15 +70,31 @@ def standing_pool(tmp_path_factory):
         raise RuntimeError(
             f"`ptops warm` exited {proc.returncode} before its pools were ready: {logs}"
         )
-    os.environ[STANDING] = name
-    yield name
-    os.environ.pop(STANDING, None)
+    return proc
+
+
+def stop_standing_pool(proc, logs: Path) -> None:
     if proc.poll() is not None:  # launches after its death started cold (slower, still right)
         import warnings
 
         warnings.warn(f"the standing pool exited {proc.returncode} during the session: {logs}")
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def standing_pool(tmp_path_factory):
+    if os.environ.get("PTOPS_TESTS_COLD") == "1":
+        os.environ.pop(STANDING, None)
+        yield None
+        return
+    name = f"ptops-tests-{os.getpid()}"
+    logs = tmp_path_factory.mktemp("warm")
+    proc = start_standing_pool(name, logs)
+    os.environ[STANDING] = name
+    yield name
+    os.environ.pop(STANDING, None)
+    stop_standing_pool(proc, logs)
 
 
 def _cold_scope(node):

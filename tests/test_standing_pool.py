@@ -2,9 +2,11 @@
 they end where cold ranks end; a launch the pool does not fit starts cold and says why."""
 
 import json
+import os
 from pathlib import Path
 
-from conftest import run_ptops
+import pytest
+from conftest import run_ptops, start_standing_pool, stop_standing_pool
 from faulted import HOLD_COMMITTED, STEPS
 
 from ptops.ckpt import digest
@@ -12,6 +14,21 @@ from ptops.ops.rank.warm import WARM_LINE
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.supervisor.warmpool import WarmPool
 from ptops.recipes.schema import load
+
+
+@pytest.fixture(scope="module")
+def standing_pool(standing_pool, tmp_path_factory):
+    """The session's pool, or (``PTOPS_TESTS_COLD=1``: none) one of this module's own: what these
+    tests check is the standing pool itself."""
+    if standing_pool:
+        yield standing_pool
+        return
+    name, logs = f"ptops-tests-own-{os.getpid()}", tmp_path_factory.mktemp("warm")
+    proc = start_standing_pool(name, logs, engines=("titan",))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PTOPS_STANDING_POOL", name)
+        yield name
+    stop_standing_pool(proc, logs)
 
 
 def _launches(run: Path) -> list[dict]:
@@ -22,7 +39,6 @@ def _launches(run: Path) -> list[dict]:
 def test_a_crashed_run_from_the_standing_pool_ends_where_a_cold_run_ends(
     standing_pool, faulted_runs, tmp_path
 ):
-    assert standing_pool, "the session's standing pool is off (PTOPS_TESTS_COLD=1)"
     ref = faulted_runs.get("reference")  # cold: torchrun, no pool
     run = tmp_path / "run"
     p = run_ptops(
@@ -40,7 +56,6 @@ def test_a_crashed_run_from_the_standing_pool_ends_where_a_cold_run_ends(
 
 
 def test_a_launch_the_pool_does_not_fit_starts_cold_and_says_why(standing_pool, tmp_path):
-    assert standing_pool, "the session's standing pool is off (PTOPS_TESTS_COLD=1)"
     run = RunDir(tmp_path / "run")
     fits, _ = load("titan-tiny")
     assert WarmPool(fits, run, standing=standing_pool).source(5, lambda: False) == {
@@ -69,7 +84,6 @@ def test_a_launch_the_pool_does_not_fit_keeps_its_own_pool_and_says_why(standing
 
     from ptops.ops.supervisor import Supervisor
 
-    assert standing_pool, "the session's standing pool is off (PTOPS_TESTS_COLD=1)"
     out = io.StringIO()
     keep = ["supervisor.restart.warm_spare=true", "launch.omp_num_threads=2"]
     rec, _ = load("titan-tiny", keep)

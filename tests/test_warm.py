@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ptops.ops.rank import warm as warm_mod
+
 pytestmark = pytest.mark.cold  # the run's own pool and torchrun are what these test
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,6 +106,25 @@ def _wait_file(p: Path, proc: subprocess.Popen) -> int:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.05)
     raise AssertionError("the warm child never started")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a request as another user")
+def test_a_request_from_another_user_is_refused_and_starts_nothing(pool, tmp_path):
+    """Anyone on the host can connect to an abstract socket; the pool serves only its own user."""
+    tmp_path.chmod(0o777)
+    p = thin(pool, tmp_path, "exit", CODE="0")
+    p.kill()
+    p.wait()  # the pool answers this one (same user)
+    pid = os.fork()
+    if pid == 0:  # a stranger: another uid asks for a child
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            warm_mod.request(pool, {"STUB": "exit", "CODE": "0"}, ["x"])
+        except (OSError, ValueError, KeyError):
+            os._exit(0)  # refused
+        os._exit(1)  # served
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "a stranger got a warm child"
 
 
 def test_no_pool_means_cold_start(tmp_path):

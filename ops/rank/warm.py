@@ -29,6 +29,9 @@ attempt warm too (``ops/supervisor/warmpool.py``). It carries no run directory, 
 sweeps do not see its children; what bounds them is the requester: the pool SIGKILLs a child the
 moment the connection of the rank (or ``warmlaunch``) that asked for it closes.
 
+Only the pool's own user is served (``SO_PEERCRED``): an abstract socket has no file mode, and a
+request decides what its child runs.
+
 Protocol (an abstract Unix socket ``\\0<PTOPS_WARM_SOCKET>``): the rank sends an 8-byte length with
 its three fds (SCM_RIGHTS), then that many bytes of JSON ``{env, argv, cwd, pid}``; the pool answers
 one JSON line ``{"pid": child}`` and, when the child ends, one line ``{"status": waitstatus}``. A
@@ -319,6 +322,11 @@ def _start(
 ) -> int | None:
     """Fork the child a request asks for; None for a readiness probe (a connection closed
     unsaid) or a question (:func:`describe`)."""
+    peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    if peer_uid != os.getuid():
+        # an abstract socket has no file mode: anyone on the host can connect, and a child runs
+        # whatever the request's env and argv say, as this user
+        raise PermissionError(f"a request from uid {peer_uid}, not this pool's uid {os.getuid()}")
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
     if not head and not fds:
         return None
