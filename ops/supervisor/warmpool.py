@@ -24,6 +24,7 @@ that is gone or differs means a cold start that says why.
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import subprocess
@@ -140,8 +141,8 @@ class WarmPool:
             why = f"no standing pool answers at {self.name} ({type(e).__name__}: {e})"
             return _cold("standing_pool_gone", why)
         ours = identity(self.recipe.engine)
-        env = launcher.rank_command(self.recipe, self.run, 0).env
-        ours["env"] = {k: env.get(k, "") for k in IMPORT_ENV}
+        env = {**os.environ, **launcher.rank_constants(self.recipe.launch.omp_num_threads)}
+        ours["env"] = {k: env.get(k, "") for k in IMPORT_ENV}  # as every rank of this launch
         differ = [
             f"{k}: pool {pool.get(k)!r}, this launch {ours[k]!r}"
             for k in ("engine", "python", "ptops", "env")
