@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -125,6 +126,33 @@ def test_a_request_from_another_user_is_refused_and_starts_nothing(pool, tmp_pat
             os._exit(0)  # refused
         os._exit(1)  # served
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "a stranger got a warm child"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_a_pool_name_taken_by_another_user_gets_no_rank():
+    """The abstract name goes to whoever binds it first: a rank does not hand its stdio, env and
+    token to a pool of another user (it starts cold instead)."""
+    name = f"ptops-warm-squat-{secrets.token_hex(4)}"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind("\0" + name)
+        srv.listen(4)
+        os.write(w, b"x")
+        time.sleep(30)
+        os._exit(0)
+    try:
+        os.read(r, 1)
+        with pytest.raises(PermissionError):
+            warm_mod.describe(name, timeout_s=5)
+        with pytest.raises(PermissionError):
+            warm_mod.request(name, {}, ["x"])
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
 
 
 def test_no_pool_means_cold_start(tmp_path):

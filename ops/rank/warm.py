@@ -29,8 +29,9 @@ attempt warm too (``ops/supervisor/warmpool.py``). It carries no run directory, 
 sweeps do not see its children; what bounds them is the requester: the pool SIGKILLs a child the
 moment the connection of the rank (or ``warmlaunch``) that asked for it closes.
 
-Only the pool's own user is served (``SO_PEERCRED``): an abstract socket has no file mode, and a
-request decides what its child runs.
+Only the pool's own user is served, and ranks hand over only to a pool of their own user
+(``SO_PEERCRED`` both ways): an abstract socket has no file mode and its name goes to whoever binds
+it first, while a request decides what its child runs and carries the rank's stdio and token.
 
 Protocol (an abstract Unix socket ``\\0<PTOPS_WARM_SOCKET>``): the rank sends an 8-byte length with
 its three fds (SCM_RIGHTS), then that many bytes of JSON ``{env, argv, cwd, pid}``; the pool answers
@@ -79,7 +80,7 @@ def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.soc
     ``KeyError`` when no pool answers, or it starts no child."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect("\0" + name)
+        _connect_own(s, name)
         body = json.dumps(
             {"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}
         ).encode()
@@ -96,12 +97,26 @@ def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.soc
     return s, f, child
 
 
+def peer_uid(s: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+
+
+def _connect_own(s: socket.socket, name: str) -> None:
+    """Connect to the pool ``name``, refusing one another user runs: an abstract name can be
+    taken by anyone first, and a request hands over this rank's stdio, env and channel token."""
+    s.connect("\0" + name)
+    uid = peer_uid(s)
+    if uid != os.getuid():
+        raise PermissionError(f"the pool at {name} runs as uid {uid}, not {os.getuid()}")
+
+
 def describe(name: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """What the pool ``name`` imported and with what (:func:`identity`); raises ``OSError`` /
     ``ValueError`` when none answers."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
-        s.connect("\0" + name)
+        _connect_own(s, name)
         s.sendall(struct.pack("!Q", 0))
         line = s.makefile("rb").readline()
     out = json.loads(line)
@@ -322,11 +337,11 @@ def _start(
 ) -> int | None:
     """Fork the child a request asks for; None for a readiness probe (a connection closed
     unsaid) or a question (:func:`describe`)."""
-    peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-    if peer_uid != os.getuid():
+    uid = peer_uid(conn)
+    if uid != os.getuid():
         # an abstract socket has no file mode: anyone on the host can connect, and a child runs
         # whatever the request's env and argv say, as this user
-        raise PermissionError(f"a request from uid {peer_uid}, not this pool's uid {os.getuid()}")
+        raise PermissionError(f"a request from uid {uid}, not this pool's uid {os.getuid()}")
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
     if not head and not fds:
         return None
