@@ -80,7 +80,7 @@ def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.soc
     ``KeyError`` when no pool answers, or it starts no child."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        _connect_own(s, name)
+        connect_own(s, name)
         body = json.dumps(
             {"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}
         ).encode()
@@ -102,7 +102,7 @@ def peer_uid(s: socket.socket) -> int:
     return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
 
 
-def _connect_own(s: socket.socket, name: str) -> None:
+def connect_own(s: socket.socket, name: str) -> None:
     """Connect to the pool ``name``, refusing one another user runs: an abstract name can be
     taken by anyone first, and a request hands over this rank's stdio, env and channel token."""
     s.connect("\0" + name)
@@ -116,7 +116,7 @@ def describe(name: str, timeout_s: float = 5.0) -> dict[str, Any]:
     ``ValueError`` when none answers."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
-        _connect_own(s, name)
+        connect_own(s, name)
         s.sendall(struct.pack("!Q", 0))
         line = s.makefile("rb").readline()
     out = json.loads(line)

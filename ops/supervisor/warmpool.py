@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ptops.ops.rank.warm import ENV_SOCKET, IMPORT_ENV, _connect_own, describe, identity
+from ptops.ops.rank.warm import ENV_SOCKET, IMPORT_ENV, connect_own, describe, identity
 from ptops.ops.supervisor import launcher, procs
 
 
@@ -94,7 +94,7 @@ class WarmPool:
         """The pool listens (it binds its socket only once the engine is imported and checked)."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             try:
-                _connect_own(s, self.name)
+                connect_own(s, self.name)
             except OSError:  # none listens yet, or another user's process took the name
                 return False
         return True  # closed without a request: the pool takes it for a probe
