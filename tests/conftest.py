@@ -82,10 +82,18 @@ def stop_standing_pool(proc, logs: Path) -> None:
     proc.wait(timeout=30)
 
 
+# MLflow costs a launch ~5 s and ~6 CPU-s (its import and the SQLite store's schema check), more
+# than a warm tiny run: it is off (PTOPS_MLFLOW=0) unless a test turns it on (`--mlflow`) or runs
+# cold, which is a user's default path in full.
+MLFLOW = "PTOPS_MLFLOW"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def standing_pool(tmp_path_factory):
+    os.environ[MLFLOW] = "0"
     if os.environ.get("PTOPS_TESTS_COLD") == "1":
         os.environ.pop(STANDING, None)
+        os.environ.pop(MLFLOW, None)
         yield None
         return
     name = f"ptops-tests-{os.getpid()}"
@@ -94,16 +102,18 @@ def standing_pool(tmp_path_factory):
     os.environ[STANDING] = name
     yield name
     os.environ.pop(STANDING, None)
+    os.environ.pop(MLFLOW, None)
     stop_standing_pool(proc, logs)
 
 
 def _cold_scope(node):
     """Without the standing pool while ``node`` (a module or a test marked ``cold``) runs."""
-    if node.get_closest_marker("cold") is None or STANDING not in os.environ:
+    if node.get_closest_marker("cold") is None:
         yield
         return
     with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(STANDING)
+        mp.delenv(STANDING, raising=False)
+        mp.delenv(MLFLOW, raising=False)
         yield
 
 

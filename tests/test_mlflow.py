@@ -184,3 +184,21 @@ def test_a_new_store_is_seeded_from_the_cache_and_an_odd_cached_copy_is_rebuilt(
     names = [e.name for e in MlflowClient(tracking_uri=f"sqlite:///{second}").search_experiments()]
     assert names == ["Default"] and cached[0].read_bytes()[:15] == b"SQLite format 3"
     assert not seed_sqlite_store("http://127.0.0.1:1")  # a server store is its own
+
+
+def test_ptops_mlflow_0_turns_the_export_off_and_the_flag_wins_over_it(tmp_path):
+    """PTOPS_MLFLOW=0 (a CI job's or a shell's setting) keeps a launch out of MLflow; an explicit
+    ``--mlflow`` still exports (the pipeline passes it to its stages for its lineage)."""
+    from conftest import run_ptops
+
+    steps = ("--set", "train.steps=2", "--set", "checkpoint.interval=2")
+    off, on = tmp_path / "off" / "run", tmp_path / "on" / "run"
+    env = {"PTOPS_MLFLOW": "0"}
+    p = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(off), *steps, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not (off / "mlflow.json").exists() and not (off.parent / "mlflow.db").exists()
+    p = run_ptops(
+        "launch", "titan-tiny", "--supervise", "--run-dir", str(on), *steps, "--mlflow", env=env
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (on / "mlflow.json").exists() and (on.parent / "mlflow.db").exists()

@@ -102,6 +102,7 @@ def live(tmp_path_factory, have):
         str(run),
         "--metrics-port",
         str(port),
+        "--mlflow",
         "--mlflow-uri",
         mlflow_uri,
         "--json",

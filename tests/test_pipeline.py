@@ -123,7 +123,7 @@ def main(tmp_path_factory):
     file.write_text(MAIN)
     pipe = root / "pipe"
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    first = pipeline(file, pipe, "--mlflow-uri", uri)
+    first = pipeline(file, pipe, "--mlflow", "--mlflow-uri", uri)  # the session: PTOPS_MLFLOW=0
     stage1 = pipe / "stages" / "01-sft"
     before = (
         {"tree": tree_state(stage1), "events": len(events(stage1))} if stage1.is_dir() else None
@@ -131,7 +131,7 @@ def main(tmp_path_factory):
     dpo_ckpts = sorted(
         p.name for p in (pipe / "stages" / "02-dpo" / "checkpoints").glob("checkpoint-*")
     )
-    second = pipeline(file, pipe, "--mlflow-uri", uri)
+    second = pipeline(file, pipe, "--mlflow", "--mlflow-uri", uri)
     return {
         "root": root,
         "file": file,

@@ -174,7 +174,9 @@ def launch(
         bool,
         typer.Option(
             "--mlflow/--no-mlflow",
-            help="Log params, per-step metrics, events and an incident summary to MLflow.",
+            envvar="PTOPS_MLFLOW",
+            help="Log params, per-step metrics, events and an incident summary to MLflow "
+            "(PTOPS_MLFLOW=0 turns it off for every launch of a shell or a CI job).",
         ),
     ] = True,
     wandb: Annotated[bool, typer.Option("--wandb", help=WANDB_HELP)] = False,

@@ -43,8 +43,9 @@ def pipeline_cmd(
         bool,
         typer.Option(
             "--mlflow/--no-mlflow",
+            envvar="PTOPS_MLFLOW",
             help="Lineage in MLflow: a parent run, a nested child run per stage, digests as "
-            "tags/params.",
+            "tags/params (PTOPS_MLFLOW=0: off).",
         ),
     ] = True,
 ) -> None:

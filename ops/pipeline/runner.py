@@ -475,7 +475,7 @@ class PipelineRunner:
         for f in s.faults:
             cmd += ["--fault", f]
         cmd += (
-            ["--mlflow-uri", self.mlflow_uri]
+            ["--mlflow", "--mlflow-uri", self.mlflow_uri]  # explicit: PTOPS_MLFLOW may say 0
             if self.mlflow and self.mlflow_uri
             else ["--no-mlflow"]
         )
