@@ -71,6 +71,23 @@ def test_a_launch_the_pool_does_not_fit_starts_cold_and_says_why(standing_pool, 
     assert gone["cold_why"] == "standing_pool_gone" and "-none-titan" in gone["cold_detail"], gone
 
 
+def test_a_dry_run_forked_from_the_standing_pool_answers_what_a_cold_one_answers(standing_pool):
+    """`--dry-run` builds the model in a subprocess; with a standing pool that fits, that process
+    is forked from it (seconds, not ~13 CPU-s of imports) and the report is the same."""
+    dry = ("launch", "llama3-8b-h100", "--dry-run", "--json")
+    warm = run_ptops(*dry, timeout=600)
+    cold = run_ptops(*dry, env={"PTOPS_STANDING_POOL": None}, timeout=600)
+    assert warm.returncode == 0 and cold.returncode == 0, warm.stderr + cold.stderr
+    w, c = json.loads(warm.stdout)["torchtitan"], json.loads(cold.stdout)["torchtitan"]
+    assert w.pop("warm_pool") == f"{standing_pool}-titan" and "warm_pool" not in c
+    timing = ("seconds", "peak_rss_gib", "titan_peak_memory_gib")  # this process', not the model's
+    assert {k: v for k, v in w.items() if k not in timing} == {
+        k: v for k, v in c.items() if k not in timing
+    }
+    human = run_ptops("launch", "llama3-8b-h100", "--dry-run", timeout=600)
+    assert f"forked from the standing pool {standing_pool}-titan" in human.stdout, human.stdout
+
+
 def test_ptops_warm_refuses_an_unknown_engine_in_one_line():
     p = run_ptops("warm", "nosuch", env={"PTOPS_STANDING_POOL": None}, timeout=120)
     assert p.returncode == 2 and "unknown engine 'nosuch'" in p.stderr, p.stderr

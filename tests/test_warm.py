@@ -155,6 +155,15 @@ def test_a_pool_name_taken_by_another_user_gets_no_rank():
         os.waitpid(pid, 0)
 
 
+def test_a_pool_runs_no_module_but_ptops_dry_runs_and_keeps_serving(pool, tmp_path):
+    """A request may name a module instead of a rank: only ptops's own dry runs are run."""
+    assert "ptops.recipes.titan.dryrun" in warm_mod.MODULES
+    with pytest.raises(OSError):  # the pool closes the request: no child
+        warm_mod.request(pool, dict(os.environ), ["http.server"], module="http.server")
+    p = thin(pool, tmp_path, "exit", CODE="3")  # the pool still serves ranks
+    assert p.wait(timeout=60) == 3
+
+
 def test_no_pool_means_cold_start(tmp_path):
     p = thin(f"ptops-warm-none-{secrets.token_hex(4)}", tmp_path, "exit", CODE="0")
     assert p.communicate(timeout=60)[0].strip() == "cold" and p.returncode == 0

@@ -27,28 +27,38 @@ def _size(b: float) -> str:
     return f"{b / 1024**3:.3f} GiB" if b >= 1024**3 else f"{b / 1024**2:.3f} MiB"
 
 
-def engine_dry_run(
-    module: str, rec, args: list[str], path: Path, what: str, env: dict | None = None
-) -> dict:
+def engine_dry_run(module: str, rec, args: list[str], path: Path, what: str) -> dict:
     """Run an engine's dry-run ``module`` on the recipe in a subprocess (torch and the engine stay
     out of the CLI process) and return its ``PTOPS_DRYRUN`` result; a timeout or a death is one
-    error line."""
+    error line. With a standing pool (``ptops warm``) that fits, the subprocess is forked from it
+    (``ops/rank/warmrun.py``: seconds instead of ~13 CPU-s of imports) and the result names it
+    (``warm_pool``)."""
+    from ptops.ops.rank import warmrun
+    from ptops.ops.supervisor.launcher import rank_constants
     from ptops.recipes.schema import dump_json
 
     timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
     with tempfile.TemporaryDirectory(prefix="ptops-dryrun-") as tmp:
         rj = Path(tmp) / "recipe.json"
         rj.write_text(dump_json(rec))
-        penv = dict(os.environ, PTOPS_RUN_DIR=tmp, **(env or {}))
-        penv.setdefault("OMP_NUM_THREADS", "1")
+        # a rank's environment (offline hub), one thread: it builds what a rank builds, but here
+        penv = {**os.environ, **rank_constants(1), "PTOPS_RUN_DIR": tmp}
+        pool = warmrun.standing_pool(rec.engine, penv)
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", module, str(rj), *args],
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env=penv,
-            )
+            proc = None
+            if pool:
+                try:
+                    proc = warmrun.run_module(pool, module, [str(rj), *args], penv, timeout)
+                except (OSError, ValueError, KeyError):
+                    pool = ""  # it went away meanwhile: a cold subprocess, as without one
+            if proc is None:
+                proc = subprocess.run(
+                    [sys.executable, "-m", module, str(rj), *args],
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    env=penv,
+                )
         except subprocess.TimeoutExpired:
             fail(f"{path}: {what} did not finish in {timeout:.0f} s (PTOPS_DRYRUN_TIMEOUT_S)")
     line = next(
@@ -57,7 +67,17 @@ def engine_dry_run(
     if line is None:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         fail(f"{path}: {what} died (exit {proc.returncode}): {tail}")
-    return json.loads(line.removeprefix("PTOPS_DRYRUN "))
+    return {
+        **json.loads(line.removeprefix("PTOPS_DRYRUN ")),
+        **({"warm_pool": pool} if pool else {}),
+    }
+
+
+def say_warm(res: dict) -> None:
+    if res.get("warm_pool"):
+        typer.echo(
+            f"  warm         forked from the standing pool {res['warm_pool']} (`ptops warm`)"
+        )
 
 
 def titan_dry_run(
@@ -128,6 +148,7 @@ def titan_dry_run(
             "Float8Linear,"
             f" {res['model_parts']} model part(s), optimizer built"
         )
+        say_warm(res)
         typer.echo(
             f"  param bytes  rank 0 holds {_size(measured)}; planner {_size(planned)}"
             f" (x{ratio:.3f}; tolerance "

@@ -15,7 +15,7 @@ from ptops.ops.cli.errors import fail
 def trl_dry_run(
     rec, path: Path, nodes: int | None, gpus_per_node: int | None, json_out: bool
 ) -> dict:
-    from ptops.ops.cli.dryrun import engine_dry_run
+    from ptops.ops.cli.dryrun import engine_dry_run, say_warm
     from ptops.recipes.plan import GPUS
     from ptops.recipes.trl.vllm import sidecar_specs
 
@@ -49,7 +49,6 @@ def trl_dry_run(
         [str(world), str(gpu_gib)],
         path,
         "TRL dry run",
-        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )
     if not res.get("ok"):
         fail(f"{path}: key 'trl': TRL dry run failed: {res.get('error')}")
@@ -66,6 +65,7 @@ def trl_dry_run(
             f"{res['trainable_params']:,} trainable"
             + (f" (LoRA on {', '.join(res['lora_modules'])})" if res.get("lora_modules") else "")
         )
+        say_warm(res)
         if "teacher_model" in res:
             typer.echo(
                 f"  teacher      ok: {res['teacher_model']} {res['teacher_params']:,} params, "

@@ -61,6 +61,8 @@ ENV_STANDING = "PTOPS_STANDING_POOL"  # `ptops warm`: NAME (each engine at NAME-
 # a child keeps its pool's values whatever its request says, so a launch must match them
 IMPORT_ENV = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 WARM_LINE = "warm rank: forked from pool {pool} with the engine imported"
+# what a request may run besides a rank: ptops's own engine-side dry runs (ops/rank/warmrun.py)
+MODULES = ("ptops.recipes.titan.dryrun", "ptops.recipes.trl.dryrun")
 FORWARDED = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -72,19 +74,25 @@ FORWARDED = (
 
 
 # ----------------------------------------------------------------------------- the requester's side
-def request(name: str, env: dict[str, str], argv: list[str]) -> tuple[socket.socket, Any, int]:
+def request(
+    name: str,
+    env: dict[str, str],
+    argv: list[str],
+    fds: tuple[int, int, int] = (0, 1, 2),
+    module: str = "",
+) -> tuple[socket.socket, Any, int]:
     """Ask the pool ``name`` for one child running ``argv`` with ``env`` (and this process' cwd and
-    stdio); the child dies with this process. Returns the connection, an unbuffered reader of it
-    (the child's status line comes on it later; unbuffered, so nothing of it hides in a buffer from
-    a ``select`` on the socket) and the child's pid. Raises ``OSError`` / ``ValueError`` /
-    ``KeyError`` when no pool answers, or it starts no child."""
+    the stdio ``fds``): a rank, or ``module`` (one of :data:`MODULES`). The child dies with this
+    process. Returns the connection, an unbuffered reader of it (the child's status line comes on
+    it later; unbuffered, so nothing of it hides in a buffer from a ``select`` on the socket) and
+    the child's pid. Raises ``OSError`` / ``ValueError`` / ``KeyError`` when no pool answers, or it
+    starts no child."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connect_own(s, name)
-        body = json.dumps(
-            {"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}
-        ).encode()
-        socket.send_fds(s, [struct.pack("!Q", len(body))], [0, 1, 2])
+        req = {"env": env, "argv": argv, "cwd": os.getcwd(), "pid": os.getpid()}
+        body = json.dumps({**req, "module": module} if module else req).encode()
+        socket.send_fds(s, [struct.pack("!Q", len(body))], list(fds))
         s.sendall(body)
         f = s.makefile("rb", buffering=0)
         first = f.readline()
@@ -123,6 +131,24 @@ def describe(name: str, timeout_s: float = 5.0) -> dict[str, Any]:
     if not isinstance(out, dict):
         raise ValueError(f"the pool answered {line[:200]!r}")
     return out
+
+
+def fits(name: str, engine: str, env: dict[str, str]) -> tuple[str, str]:
+    """``("", "")`` when the pool ``name`` imported what a process of ``engine`` started with
+    ``env`` would import (:func:`identity`), else ``(why, detail)``: ``standing_pool_gone`` (none
+    answers) or ``standing_pool_differs``."""
+    try:
+        pool = describe(name)
+    except (OSError, ValueError) as e:
+        return "standing_pool_gone", f"no standing pool answers at {name} ({type(e).__name__}: {e})"
+    ours = identity(engine)
+    ours["env"] = {k: env.get(k, "") for k in IMPORT_ENV}
+    differ = [
+        f"{k}: pool {pool.get(k)!r}, this launch {ours[k]!r}"
+        for k in ("engine", "python", "ptops", "env")
+        if pool.get(k) != ours[k]
+    ]
+    return ("standing_pool_differs", f"{name}: " + "; ".join(differ)) if differ else ("", "")
 
 
 def identity(engine: str) -> dict[str, Any]:
@@ -351,6 +377,10 @@ def _start(
     if len(head) != 8 or len(fds) != 3:
         raise ValueError("bad handoff header")
     req = json.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]))
+    if req.get("module", "") not in ("", *MODULES):
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"module {req['module']!r} is not one a pool runs")
     pid = os.fork()
     if pid == 0:  # the warm rank
         try:
@@ -387,6 +417,11 @@ def _become(req: dict, fds: list[int], target: Any = None) -> None:
     if os.getppid() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     _die_with(int(req["pid"]))
+    if req.get("module"):  # checked against MODULES before the fork
+        import runpy
+
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        return
     (target or entry.run_rank)()
 
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ptops.ops.rank.warm import ENV_SOCKET, IMPORT_ENV, connect_own, describe, identity
+from ptops.ops.rank.warm import ENV_SOCKET, connect_own, fits
 from ptops.ops.supervisor import launcher, procs
 
 
@@ -135,21 +135,10 @@ class WarmPool:
             time.sleep(0.05)
 
     def _standing_source(self) -> dict:
-        try:
-            pool = describe(self.name)
-        except (OSError, ValueError) as e:
-            why = f"no standing pool answers at {self.name} ({type(e).__name__}: {e})"
-            return _cold("standing_pool_gone", why)
-        ours = identity(self.recipe.engine)
         env = {**os.environ, **launcher.rank_constants(self.recipe.launch.omp_num_threads)}
-        ours["env"] = {k: env.get(k, "") for k in IMPORT_ENV}  # as every rank of this launch
-        differ = [
-            f"{k}: pool {pool.get(k)!r}, this launch {ours[k]!r}"
-            for k in ("engine", "python", "ptops", "env")
-            if pool.get(k) != ours[k]
-        ]
-        if differ:
-            return _cold("standing_pool_differs", f"{self.name}: " + "; ".join(differ))
+        why, detail = fits(self.name, self.recipe.engine, env)  # as every rank of this launch
+        if why:
+            return _cold(why, detail)
         return {"ranks_from": "warm", "warm_wait_s": 0.0, "standing_pool": self.name}
 
     def _last_line(self) -> str:
