@@ -55,6 +55,42 @@ def test_a_crashed_run_from_the_standing_pool_ends_where_a_cold_run_ends(
         assert WARM_LINE.split("{")[0] in log, log[-2000:]
 
 
+def test_the_sweeps_find_the_ranks_a_standing_pool_forked_for_a_run(standing_pool, tmp_path):
+    """A forked child shows the pool's exec environment in /proc/PID/environ; it writes its run's
+    PTOPS_RUN_DIR into the pool's blank slot (ops/rank/environslot.py), so the supervisor's
+    sweeps (and the no-orphan checks of the tests and of `ptops chaos`) see it like a cold rank."""
+    import subprocess
+    import time
+
+    from conftest import PTOPS, REPO
+
+    from ptops.ops.rank.warm import describe
+    from ptops.ops.supervisor.procs import run_processes
+
+    run = tmp_path / "run"
+    args = ["launch", "titan-tiny", "--supervise", "--run-dir", str(run), "--no-mlflow"]
+    args += ["--set", "train.steps=4", "--fault", "hold:step=2,seconds=300"]
+    proc = subprocess.Popen([*PTOPS, *args], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        pool = describe(f"{standing_pool}-titan")["pid"]
+
+        def parent(pid: int) -> int:
+            try:
+                return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                return 0
+
+        deadline = time.monotonic() + 300
+        while len([p for p in run_processes(run) if parent(p) == pool]) < 2:  # both ranks
+            assert proc.poll() is None and time.monotonic() < deadline, run_processes(run)
+            time.sleep(0.2)
+        assert run_ptops("inject", str(run), "release").returncode == 0
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    assert run_processes(run) == []
+
+
 def test_a_launch_the_pool_does_not_fit_starts_cold_and_says_why(standing_pool, tmp_path):
     run = RunDir(tmp_path / "run")
     fits, _ = load("titan-tiny")

@@ -38,9 +38,10 @@ def start_pools(
     name: str, engines: list[str], omp_num_threads: int, log_dir: Path
 ) -> dict[str, subprocess.Popen]:
     """One pool process per engine, importing under the environment every rank gets."""
+    from ptops.ops.rank import environslot
     from ptops.ops.supervisor.launcher import rank_constants
 
-    env = {**os.environ, **rank_constants(omp_num_threads)}
+    env = {**os.environ, **rank_constants(omp_num_threads), **environslot.blank()}
     env.pop("PTOPS_STANDING_POOL", None)
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {}

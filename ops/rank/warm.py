@@ -52,6 +52,7 @@ import threading
 import time
 from typing import Any
 
+from ptops.ops.rank import environslot
 from ptops.ops.runrecord import ranklog
 
 ENV_SOCKET = "PTOPS_WARM_SOCKET"
@@ -63,6 +64,7 @@ IMPORT_ENV = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANS
 WARM_LINE = "warm rank: forked from pool {pool} with the engine imported"
 # what a request may run besides a rank: ptops's own engine-side dry runs (ops/rank/warmrun.py)
 MODULES = ("ptops.recipes.titan.dryrun", "ptops.recipes.trl.dryrun")
+_SLOT: tuple[int, int] | None = None  # environslot.find() in the pool, before any fork
 FORWARDED = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -272,8 +274,10 @@ def serve(name: str, engine: str, target: Any = None) -> None:
     status. ``target`` (tests): what a child runs instead of the rank (``entry.run_rank``)."""
     from ptops.ops.rank.entry import die_with_parent
 
+    global _SLOT
     t0 = time.monotonic()
     die_with_parent()  # the supervisor
+    _SLOT = environslot.find()  # a standing pool's: where a child writes its run (environslot.py)
     if target is None:
         # torch.cuda.is_available() (TorchTitan calls it at import) would otherwise initialise the
         # CUDA driver here, and a child forked after that cannot use CUDA; NVML answers the same
@@ -410,6 +414,8 @@ def _become(req: dict, fds: list[int], target: Any = None) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.environ[ENV_CHILD] = str(os.getppid())  # the pool: the rank's log says it started warm
+    if req["env"].get("PTOPS_RUN_DIR"):  # so the sweeps of its run find it
+        environslot.write(_SLOT, "PTOPS_RUN_DIR", req["env"]["PTOPS_RUN_DIR"])
     sys.argv = list(req["argv"])
     from ptops.ops.rank import entry
 
