@@ -45,9 +45,8 @@ FAST_HANG = [
 # backoff is short
 DEFAULT_HANG = ["--set", "supervisor.restart.backoff_s=0.5"]
 # cold, whichever test asks first: the reference (the cold baseline test_standing_pool compares
-# with), the crash run, which keeps the run's own pool (test_warm reads it), and the hang run
-# (test_supervisor_real checks it leaves no process with the run's directory, which a standing
-# pool's children do not carry); nan, straggler and corrupt start from the session's standing pool
+# with) and the crash run, which keeps the run's own pool (test_warm reads it); hang, nan,
+# straggler and corrupt start from the session's standing pool
 COLD = {"PTOPS_STANDING_POOL": None}
 HOLD_COMMITTED = "hold:step=12,until=committed,seconds=120"
 
@@ -107,7 +106,6 @@ def _hang(run: Path) -> tuple[subprocess.CompletedProcess, dict]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={k: v for k, v in os.environ.items() if k != "PTOPS_STANDING_POOL"},
     )
     try:
         deadline = time.monotonic() + 300

@@ -19,9 +19,6 @@ from conftest import run_ptops
 
 from ptops.faultinject.chaos import DEFAULT_MATRIX
 
-# the chaos digests are checked on the default path (torchrun, the run's own pool)
-pytestmark = pytest.mark.cold
-
 # The crash scenario's own faults plus a hold: without it the crash at the start of step 6 races the
 # async save of step 4 (begun at the end of step 4, committed in the background), and the restart
 # point is 4 or 0 depending on load. Held until that save is committed, the one right answer is 4.

@@ -385,7 +385,6 @@ def test_real_hangs_found_with_the_shipped_defaults(faulted_runs):
         assert ev["found_ts"] <= ev["ts"]  # found, then stacks, then the event
 
 
-@pytest.mark.cold  # it checks no process with the run's directory is left (see conftest)
 def test_world_of_one_stops_the_run_at_once(tmp_path, ptops):
     """A rank that inits its process group alone (``misrendezvous:rank=1``: its own store, world
     size 1) makes the supervisor fail the run with one ``misconfigured`` event: no restart, no
@@ -459,7 +458,6 @@ def test_hold_fault_declared_as_eval_reaches_the_probe_as_an_eval_pause(tmp_path
     assert plain == [1]
 
 
-@pytest.mark.cold  # it checks no process with the run's directory is left (see conftest)
 def test_startup_hang_found_from_the_first_attempts_durations(tmp_path, ptops):
     """Attempt 1 crashes at step 2 (its start-up sections are now known); in attempt 2 rank 1 hangs
     in the checkpoint-load section (``hang:phase=load``): found by the learned load budget,

@@ -35,10 +35,6 @@ from promstack import PromStack, wait_for
 
 from ptops.ops.obs import dashboard
 
-# cold: the shared run's last test checks that no process with the run's directory is left, which
-# a standing pool's children (they carry none) would pass without proving anything
-pytestmark = pytest.mark.cold
-
 STEPS = 16
 INTERVAL = 4
 HANG_STEP = 10

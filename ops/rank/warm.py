@@ -25,9 +25,10 @@ before.
 
 A *standing* pool (``ptops warm ENGINE``) is the same loop started by hand, outside any run: on a
 workstation or in a test session, every launch whose ``PTOPS_WARM_POOL`` names it starts its first
-attempt warm too (``ops/supervisor/warmpool.py``). It carries no run directory, so the supervisor's
-sweeps do not see its children; what bounds them is the requester: the pool SIGKILLs a child the
-moment the connection of the rank (or ``warmlaunch``) that asked for it closes.
+attempt warm too (``ops/supervisor/warmpool.py``). It carries no run directory; a child writes its
+run's into its ``/proc/PID/environ`` (``environslot.py``) so the supervisor's sweeps find it, and
+the pool SIGKILLs a child the moment the connection of the rank (or ``warmlaunch``) that asked for
+it closes.
 
 Only the pool's own user is served, and ranks hand over only to a pool of their own user
 (``SO_PEERCRED`` both ways): an abstract socket has no file mode and its name goes to whoever binds
