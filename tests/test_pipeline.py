@@ -26,8 +26,14 @@ import pytest
 from ptops.ops.runrecord.rundir import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-ENV.pop("PTOPS_RANK_LOGS", None)
+
+
+def env() -> dict[str, str]:
+    """At call time: the session's standing pool and PTOPS_MLFLOW are set after collection."""
+    out = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out.pop("PTOPS_RANK_LOGS", None)
+    return out
+
 
 MAIN = """
 name = "pipe-test"
@@ -89,14 +95,14 @@ def pipeline(file: Path, pipe_dir: Path, *extra: str) -> subprocess.CompletedPro
         "--json",
         *extra,
     ]
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=900)
 
 
 def ptops(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ptops", *args],
         cwd=REPO,
-        env=ENV,
+        env=env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -521,7 +527,7 @@ def signalled(tmp_path_factory):
         # block
         logs = [open(tmp / f"run{n}.{x}", "w") for x in ("out", "err")]
         return subprocess.Popen(
-            cmd, cwd=REPO, env=ENV, stdout=logs[0], stderr=logs[1], text=True, **kw
+            cmd, cwd=REPO, env=env(), stdout=logs[0], stderr=logs[1], text=True, **kw
         )
 
     def gone(pids: list[int], within: float) -> list[int]:
