@@ -37,7 +37,7 @@ from ._util import (
 )
 from .catalog import Entry, _candidates, _mtime, _newest_first, checkpoints_dir, quarantine
 from .manifest import ManifestError, commit, mark_writing, read_latest, write_manifest
-from .retention import prune
+from .retention import prune, sdc_rollback_steps
 from .verify import verify
 
 RESUME_ENV = "PTOPS_RESUME_FROM"
@@ -255,6 +255,7 @@ class SaveTransaction:
         world_size: int = 1,
         versions: dict[str, str] | None = None,
         keep: int = 3,
+        sdc_every: int = 0,
         replace_leftover: bool = True,
     ):
         self.root = Path(root)
@@ -267,6 +268,7 @@ class SaveTransaction:
         self.world_size = int(world_size)
         self.versions = dict(versions or {})
         self.keep = max(1, int(keep))
+        self.sdc_every = max(0, int(sdc_every))  # [monitors.sdc] every: what retention also keeps
         self.replace_leftover = replace_leftover
         self.t0 = time.monotonic()
         self.ok = False
@@ -313,7 +315,10 @@ class SaveTransaction:
         self.ok = True
         if self.leader:
             try:
-                self.pruned = prune(self.root, keep_last=self.keep, min_age_s=0).deleted
+                before = sdc_rollback_steps(self.step, self.sdc_every)
+                self.pruned = prune(
+                    self.root, keep_last=self.keep, keep_before=before, min_age_s=0
+                ).deleted
             except Exception as e:  # noqa: BLE001 - retention failing is not a failed save
                 self.prune_error = _err_text(e)
         return True

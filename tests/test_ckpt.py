@@ -481,6 +481,27 @@ def test_retention_never_deletes_latest_good(dcp_run):
     assert "latest good" in rep.kept["step-2"]
 
 
+def test_retention_keeps_the_target_of_an_sdc_rollback(dcp_run):
+    """Saves every 5 steps, sdc checks every 10 (issue 26): a corruption found at the check of
+    step 20 rolls back to the newest checkpoint strictly before step 10, the last step the
+    replicas agreed on; keep_last=3 alone would have pruned step-5 at the save of step 20."""
+    from ptops.ckpt.retention import sdc_rollback_steps
+
+    root = dcp_run / "checkpoints"
+    for s in (5, 10, 15, 20):
+        shutil.copytree(root / "step-3", root / f"step-{s}")
+        _age(root / f"step-{s}")
+    for s in (1, 2, 3):
+        shutil.rmtree(root / f"step-{s}")
+    (root / "LATEST").write_text("step-20\n")
+    assert sdc_rollback_steps(20, 10) == [20, 10] and sdc_rollback_steps(20, 0) == []
+    assert sdc_rollback_steps(47, 10) == [40, 30, 20]
+    dry = prune(root, keep_last=2, min_age_s=0, dry_run=True)
+    assert dry.deleted == ["step-10", "step-5"]  # without the rule
+    rep = prune(root, keep_last=2, keep_before=sdc_rollback_steps(20, 10), min_age_s=0)
+    assert rep.deleted == ["step-10"] and "sdc rollback" in rep.kept["step-5"], rep.kept
+
+
 # ---------------------------------------------------------------------- digest --
 
 

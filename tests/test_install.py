@@ -3,9 +3,9 @@
 A cluster's image has its own torch, often a CUDA build; installing ptops must not replace it. The
 module's venv is such an image: the registry's torch 2.14.1 (newer than the lock's 2.13.0, and
 another build: CUDA where the lock's is +cpu) installed first, then this checkout's ``ptops[trl]``
-as a user installs it (a built wheel, no lock). The older end (torch 2.11.0, a 3 GB download) is
-installed the same way by ``scripts/matrix.py``, whose results ``tests/test_packaging.py`` checks;
-the resolution for it is checked here with pip's own resolver.
+as a user installs it (its wheel, built once for the module; no lock). The older end (torch
+2.11.0, a 3 GB download) is installed the same way by ``scripts/matrix.py``, whose results
+``tests/test_packaging.py`` checks; the resolution for it is checked here with pip's own resolver.
 """
 
 from __future__ import annotations
@@ -63,10 +63,20 @@ def _source(dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory):
+def wheel(tmp_path_factory) -> Path:
+    """This checkout built once into a wheel, as a user gets ptops from a registry."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = _source(root / "ptops-src")
+    got = _pip(Path(sys.executable), "wheel", "-q", "--no-deps", "-w", str(root / "dist"), str(src))
+    assert got.returncode == 0, got.stdout + got.stderr
+    (whl,) = (root / "dist").glob("ptops-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory, wheel):
     """A venv that already holds torch 2.14.1, then ptops[trl] installed into it."""
     root = tmp_path_factory.mktemp("image")
-    src = _source(root / "ptops-src")
     subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True)
     py = root / "venv" / "bin" / "python"
     got = _pip(
@@ -74,7 +84,7 @@ def image(tmp_path_factory):
     )  # no .pyc: minutes on 2 cores
     assert got.returncode == 0, got.stdout + got.stderr
     before = _torch_identity(py)
-    got = _pip(py, "install", "-q", "--no-compile", f"{src}[trl]")
+    got = _pip(py, "install", "-q", "--no-compile", f"{wheel}[trl]")
     assert got.returncode == 0, got.stdout + got.stderr
     return py, before
 
@@ -116,7 +126,7 @@ def test_a_supervised_trl_recipe_completes_on_the_images_torch(image, tmp_path):
     assert json.loads(manifests[-1].read_text())["versions"]["torch"].startswith(NEWER_TORCH)
 
 
-def test_resolver_keeps_an_older_torch_for_the_trl_extra(tmp_path):
+def test_resolver_keeps_an_older_torch_for_the_trl_extra(tmp_path, wheel):
     """pip's resolver decides from installed metadata: a venv whose torch 2.11.0+cu130 is known to
     pip (its dist-info; the 3 GB of libraries do not change the decision) gets no torch from
     ``ptops[trl]``. (The titan extra's torch bound, 2.13, is the lock's:
@@ -136,8 +146,7 @@ def test_resolver_keeps_an_older_torch_for_the_trl_extra(tmp_path):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
     (info / "INSTALLER").write_text("pip\n")
     (info / "RECORD").write_text("")
-    src = _source(tmp_path / "ptops-src")
-    got = _pip(py, "install", "--dry-run", "--quiet", "--report", "-", f"{src}[trl]")
+    got = _pip(py, "install", "--dry-run", "--quiet", "--report", "-", f"{wheel}[trl]")
     assert got.returncode == 0, got.stderr[-3000:]
     wanted = {
         i["metadata"]["name"].lower(): i["metadata"]["version"]

@@ -27,6 +27,7 @@ from torchtitan.models import llama3  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim  # noqa: E402
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 
+from ptops.recipes.sdc import every_of  # noqa: E402
 from ptops.recipes.titan.trainer import (  # noqa: E402
     PoisonableCrossEntropyLoss,
     ProbeCheckpointManager,
@@ -223,6 +224,7 @@ def trainer_config(recipe: Any, run_dir: Path, *, dry_run: bool = False) -> Prob
             interval=recipe.checkpoint.interval,
             keep_latest_k=0,  # torchtitan's purge is off: ptops.ckpt.prune after each commit
             keep=keep,
+            sdc_every=every_of(recipe),
             async_mode=async_mode,
             last_save_model_only=False,
             initial_load_path=init_dir or (not dry_run and t.initial_load_path) or None,

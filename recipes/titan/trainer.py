@@ -228,9 +228,12 @@ class ProbeCheckpointManager(CheckpointManager):
     class Config(CheckpointManager.Config):
         keep: int = 3
         """ptops retention: the newest ``keep`` good checkpoints stay (never the last good one)."""
+        sdc_every: int = 0
+        """``[monitors.sdc] every``: retention also keeps an sdc rollback's target."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.ptops_keep = max(1, int(getattr(config, "keep", 3)))
+        self.ptops_sdc_every = int(getattr(config, "sdc_every", 0))
         self.stop_step: int | None = None
         self.records: list[_Save] = []
         self.failed_final: _Save | None = None
@@ -333,6 +336,7 @@ class ProbeCheckpointManager(CheckpointManager):
             world_size=_world(),
             versions=versions("torch", "torchtitan"),
             keep=self.ptops_keep,
+            sdc_every=self.ptops_sdc_every,
         )
         rec = _Save(
             step=int(curr_step), path=path, t0=t0, final=final, done=threading.Event(), txn=txn

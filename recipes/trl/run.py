@@ -132,8 +132,9 @@ class _SaveState:
     """The save in progress on this rank, shared by the trainer's ``_save_checkpoint`` and the
     callback."""
 
-    def __init__(self, keep: int = 3) -> None:
+    def __init__(self, keep: int = 3, sdc_every: int = 0) -> None:
         self.keep = keep
+        self.sdc_every = sdc_every  # retention also keeps an sdc rollback's target
         self.step: int | None = None
         self.t0 = 0.0
         self.txn: Any = None  # ptops.ckpt.SaveTransaction of ``step``
@@ -176,6 +177,7 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
                 world_size=self.args.world_size,
                 versions=versions(*VERSIONED),
                 keep=saves.keep,
+                sdc_every=saves.sdc_every,
             )
             saves.step, saves.t0, saves.txn = step, time.monotonic(), txn
 
@@ -455,9 +457,10 @@ def build_trainer(recipe, probe, run: RunDir):
     wdir = init_from.weights_dir(recipe) or mdir
     args = _common_args(recipe, run.checkpoints)
     tally = _StepTally()
-    saves = _SaveState(recipe.checkpoint.keep)
-    heldout = evalloop.make(recipe, tokenizer, probe)
     from ptops.recipes.sdc import every_of
+
+    saves = _SaveState(recipe.checkpoint.keep, every_of(recipe))
+    heldout = evalloop.make(recipe, tokenizer, probe)
 
     callbacks = [
         _make_callback(
