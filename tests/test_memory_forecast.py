@@ -207,8 +207,15 @@ def test_diagnose_shows_the_memory_curve_of_an_oom(leak, ptops):
     assert steps == sorted(steps) and steps[-1] == OOM_STEP - 1 and len(curve) == 12
     assert curve[-1]["mem_rss_mb"] > limit > curve[0]["mem_rss_mb"]  # the climb up to the crash
     assert any(line.startswith("memory of rank 1") for line in crash[0]["evidence"])
+    # beside what `ptops plan` estimated for the recipe on its 2 ranks (a GPU's memory: the line
+    # says this run measured the host's)
+    plan = crash[0]["details"]["plan"]
+    assert (plan["recipe"], plan["world"], plan["measured"]) == ("titan-tiny", 2, "host RSS")
+    assert plan["memory_gib"]["total_gib"] > 0 and plan["measured_gib"] > limit / 1024 * 0.99
+    assert plan["ratio"] == round(plan["measured_gib"] / plan["memory_gib"]["total_gib"], 3)
     human = ptops("diagnose", str(run))
     assert f"step {OOM_STEP - 1}: RSS" in human.stdout, human.stdout[-3000:]
+    assert "ptops plan for titan-tiny on 2 x h100" in human.stdout, human.stdout[-3000:]
 
 
 def test_memory_curve_is_only_for_memory_crashes():

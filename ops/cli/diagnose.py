@@ -43,6 +43,7 @@ def diagnose_command(
     """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit
     code. With ``html_out`` also write the self-contained HTML page there."""
     from ptops.diagnostics.diagnose import DiagnoseError, diagnose, parse_since
+    from ptops.ops.cli.oomplan import add_plan
 
     if html_out is not None and Path(html_out).is_dir():
         print(
@@ -60,6 +61,7 @@ def diagnose_command(
     except DiagnoseError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    add_plan(report, Path(run_dir))  # an OOM beside `ptops plan`'s estimate (titan recipes)
     if html_out is not None:
         err = write_html(Path(run_dir), report, Path(html_out))
         if err:
