@@ -6,7 +6,8 @@ importing torch and TorchTitan or TRL (~10 CPU-s per rank here). A standing pool
 forks the ranks of every launch whose environment names it (``PTOPS_STANDING_POOL``), the first
 attempt included (``ops/rank/warm.py``, ``ops/supervisor/warmpool.py``). A launch whose interpreter,
 ptops, engine or import-time environment differ from the pool's starts cold and its ``launch``
-event says why (``cold_why: standing_pool_differs``).
+event says why (``cold_why: standing_pool_differs``). ``launch --dry-run`` forks its model build
+from the pool too (``ops/rank/warmrun.py``).
 
 Runs in the foreground until Ctrl-C / SIGTERM (the pools die with it). Exit codes: 0 = stopped by a
 signal; 1 = a pool exited (its log is named); 2 = bad input (an unknown engine).
