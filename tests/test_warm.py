@@ -464,3 +464,36 @@ def test_a_pool_that_exited_or_hangs_or_declined_means_cold_with_why(tmp_path):
     cold = pool.source(300, lambda: False)
     assert cold["cold_why"] == "pool_exited" and "cannot use CUDA" in cold["cold_detail"], cold
     assert not pool.wanted and pool.source(300, lambda: False)["cold_why"] == "pool_declined"
+
+
+def test_a_child_writes_its_run_into_the_blank_environ_slot_it_was_started_with(tmp_path):
+    """ops/rank/environslot.py: what /proc/PID/environ shows changes; os.environ does not; a value
+    longer than the slot, or no slot, writes nothing."""
+    code = textwrap.dedent("""
+        import os, sys
+        from ptops.ops.rank import environslot as es
+        slot = es.find()
+        assert slot is not None and slot[1] == len(es.SLOT) + 1 + es.SIZE, slot
+        assert not es.write(slot, "PTOPS_RUN_DIR", "x" * slot[1])  # too long: nothing written
+        assert not es.write(None, "PTOPS_RUN_DIR", "/r")
+        assert es.write(slot, "PTOPS_RUN_DIR", sys.argv[1])
+        shown = open(f"/proc/{os.getpid()}/environ", "rb").read().split(b"\\0")
+        assert ("PTOPS_RUN_DIR=" + sys.argv[1]).encode() in shown, shown[-3:]
+        assert not any(x.startswith(es.SLOT.encode()) for x in shown)
+        assert os.environ[es.SLOT] == "." * es.SIZE  # Python's copy is untouched
+        print("ok")
+    """)
+    from ptops.ops.rank import environslot
+
+    env = {**os.environ, **environslot.blank()}
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+    none = subprocess.run(
+        [sys.executable, "-c", "from ptops.ops.rank import environslot as es; print(es.find())"],
+        env={k: v for k, v in os.environ.items() if k != environslot.SLOT},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert none.stdout.strip() == "None", none.stderr
