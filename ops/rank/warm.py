@@ -379,13 +379,16 @@ def _start(
     if head == struct.pack("!Q", 0) and not fds:
         conn.sendall(json.dumps(me or {}).encode() + b"\n")
         return None
-    if len(head) != 8 or len(fds) != 3:
-        raise ValueError("bad handoff header")
-    req = json.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]))
-    if req.get("module", "") not in ("", *MODULES):
-        for fd in fds:
+    try:
+        if len(head) != 8 or len(fds) != 3:
+            raise ValueError("bad handoff header")
+        req = json.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]))
+        if req.get("module", "") not in ("", *MODULES):
+            raise ValueError(f"module {req['module']!r} is not one a pool runs")
+    except BaseException:
+        for fd in fds:  # a refused request leaves none of the requester's fds open in the pool
             os.close(fd)
-        raise ValueError(f"module {req['module']!r} is not one a pool runs")
+        raise
     pid = os.fork()
     if pid == 0:  # the warm rank
         try:
