@@ -32,7 +32,9 @@ DEFAULT_NAME = "ptops-standing"
 
 
 def pool_command(name: str, engine: str) -> list[str]:
-    return [sys.executable, "-m", "ptops.ops.rank.warm", f"{name}-{engine}", engine]
+    from ptops.ops.rank.warm import standing_name
+
+    return [sys.executable, "-m", "ptops.ops.rank.warm", standing_name(name, engine), engine]
 
 
 def start_pools(
@@ -63,7 +65,7 @@ def wait_ready(
 ) -> dict[str, dict]:
     """Each pool's identity once it answers; raises ``RuntimeError`` naming the first pool that
     exited or did not answer within ``timeout_s`` (or when ``stop()`` says so)."""
-    from ptops.ops.rank.warm import describe
+    from ptops.ops.rank.warm import describe, standing_name
 
     ready: dict[str, dict] = {}
     t0 = time.monotonic()
@@ -74,7 +76,7 @@ def wait_ready(
             if proc.poll() is not None:
                 raise RuntimeError(f"the {engine} pool exited with code {proc.returncode}")
             try:
-                ready[engine] = describe(f"{name}-{engine}", timeout_s=2.0)
+                ready[engine] = describe(standing_name(name, engine), timeout_s=2.0)
             except (OSError, ValueError):
                 continue
             if say is not None:

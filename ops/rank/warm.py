@@ -76,6 +76,11 @@ FORWARDED = (
 )
 
 
+def standing_name(name: str, engine: str) -> str:
+    """Where the standing pool ``name`` (``ptops warm --name``) serves ``engine``."""
+    return f"{name}-{engine}"
+
+
 # ----------------------------------------------------------------------------- the requester's side
 def request(
     name: str,

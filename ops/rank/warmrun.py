@@ -16,7 +16,7 @@ import select
 import subprocess
 import time
 
-from ptops.ops.rank.warm import ENV_STANDING, fits, request
+from ptops.ops.rank.warm import ENV_STANDING, fits, request, standing_name
 
 
 def standing_pool(engine: str, env: dict[str, str]) -> str:
@@ -25,7 +25,7 @@ def standing_pool(engine: str, env: dict[str, str]) -> str:
     name = env.get(ENV_STANDING, "")
     if not name:
         return ""
-    pool = f"{name}-{engine}"
+    pool = standing_name(name, engine)
     why, _ = fits(pool, engine, env)
     return "" if why else pool
 

@@ -33,14 +33,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ptops.ops.rank.warm import ENV_SOCKET, connect_own, fits
+from ptops.ops.rank.warm import ENV_SOCKET, connect_own, fits, standing_name
 from ptops.ops.supervisor import launcher, procs
 
 
 class WarmPool:
     def __init__(self, recipe, run, standing: str = "") -> None:
         self.recipe, self.run = recipe, run
-        self.standing = f"{standing}-{recipe.engine}" if standing else ""
+        self.standing = standing_name(standing, recipe.engine) if standing else ""
         self.name = self.standing or f"ptops-warm-{secrets.token_hex(8)}"
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0

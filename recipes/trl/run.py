@@ -459,13 +459,12 @@ def build_trainer(recipe, probe, run: RunDir):
     tally = _StepTally()
     from ptops.recipes.sdc import every_of
 
-    saves = _SaveState(recipe.checkpoint.keep, every_of(recipe))
+    sdc_every = every_of(recipe)
+    saves = _SaveState(recipe.checkpoint.keep, sdc_every)
     heldout = evalloop.make(recipe, tokenizer, probe)
 
     callbacks = [
-        _make_callback(
-            probe, tally, recipe.checkpoint.keep, saves, heldout, sdc_every=every_of(recipe)
-        )
+        _make_callback(probe, tally, recipe.checkpoint.keep, saves, heldout, sdc_every=sdc_every)
     ]
     from ptops.recipes.trl import rollback
 
