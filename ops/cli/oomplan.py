@@ -10,7 +10,6 @@ the line says. Here, not in ``diagnostics/``: the planner lives with the recipes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ def add_plan(report: dict[str, Any], run_dir: Path) -> None:
     ]
     if not crashes:
         return
-    planned = _plan(Path(run_dir))
+    planned = _plan(Path(run_dir), len(report.get("ranks") or []))
     if planned is None:
         return
     for inc in crashes:
@@ -38,8 +37,12 @@ def add_plan(report: dict[str, Any], run_dir: Path) -> None:
             measured, what = last.get("mem_rss_mb", 0.0) / MIB_PER_GIB, "host RSS"
         total = planned["memory_gib"]["total_gib"]
         ratio = measured / total if total else None
-        inc["details"]["plan"] = {**planned, "measured_gib": round(measured, 3), "measured": what}
-        inc["details"]["plan"]["ratio"] = round(ratio, 3) if ratio is not None else None
+        inc["details"]["plan"] = {
+            **planned,
+            "measured_gib": round(measured, 3),
+            "measured": what,
+            "ratio": round(ratio, 3) if ratio is not None else None,
+        }
         m = planned["memory_gib"]
         line = (
             f"ptops plan for {planned['recipe']} on {planned['world']} x {planned['gpu']}: "
@@ -54,7 +57,9 @@ def add_plan(report: dict[str, Any], run_dir: Path) -> None:
         ev.insert(at, line)
 
 
-def _plan(run_dir: Path) -> dict[str, Any] | None:
+def _plan(run_dir: Path, ranks: int) -> dict[str, Any] | None:
+    """The plan of the run's recipe for its world: ``ranks``, the ranks the report saw in the
+    metrics (every node's, under Slurm too), else the recipe's ``launch.nproc``."""
     from ptops.recipes.plan import PlanError, plan
     from ptops.recipes.schema import from_json
 
@@ -64,7 +69,7 @@ def _plan(run_dir: Path) -> dict[str, Any] | None:
         return None
     if rec.engine != "titan":
         return None
-    world = _world(run_dir) or rec.launch.nproc
+    world = ranks or rec.launch.nproc
     gpu = rec.titan.target.gpu if rec.titan.target else "h100"
     try:
         p = plan(rec, gpu, world, 1 if world <= 8 else None)
@@ -72,20 +77,3 @@ def _plan(run_dir: Path) -> dict[str, Any] | None:
         return None
     mem = {k: round(v, 4) for k, v in p["memory"].items() if k.endswith("_gib")}
     return {"recipe": rec.name, "gpu": gpu, "world": world, "memory_gib": mem}
-
-
-def _world(run_dir: Path) -> int | None:
-    """The ranks of the run's last launch (``launch`` events: nproc per node x nodes)."""
-    world = None
-    try:
-        lines = (run_dir / "events.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(e, dict) and e.get("kind") == "launch" and isinstance(e.get("nproc"), int):
-            world = e["nproc"] * (e["nnodes"] if isinstance(e.get("nnodes"), int) else 1)
-    return world
