@@ -90,12 +90,12 @@ MLFLOW = "PTOPS_MLFLOW"
 
 @pytest.fixture(scope="session", autouse=True)
 def standing_pool(tmp_path_factory):
-    os.environ[MLFLOW] = "0"
     if os.environ.get("PTOPS_TESTS_COLD") == "1":
         os.environ.pop(STANDING, None)
         os.environ.pop(MLFLOW, None)
         yield None
         return
+    os.environ[MLFLOW] = "0"
     name = f"ptops-tests-{os.getpid()}"
     logs = tmp_path_factory.mktemp("warm")
     proc = start_standing_pool(name, logs)
