@@ -407,7 +407,9 @@ class _Builder:
             reason = str(e.get("reason", ""))
             # a failure that ends an attempt already told as a crash/hang is that incident's action
             prior = [
-                i for i in self.out if i["attempt"] == attempt and i["kind"] in ("crash", "hang")
+                i
+                for i in self.out
+                if i["attempt"] == attempt and i["kind"] in ("crash", "hang", "health")
             ]
             if prior:
                 return
@@ -421,6 +423,50 @@ class _Builder:
                 evidence=[reason],
                 runbook=rb,
                 details={"exit_code": e.get("exit_code")},
+            )
+
+    def health(self, e: dict[str, Any]) -> None:
+        """One incident per node that failed its checks before an attempt (every node of a Slurm
+        job is checked, spares too), with what was done: replaced, resubmitted without, gave up."""
+        attempt = e.get("attempt")
+        checks = [c for c in e.get("checks") or [] if isinstance(c, dict) and c.get("ok") is False]
+        nodes = e.get("failed_nodes") or {None: e.get("failed") or []}
+        for node, names in nodes.items():
+            mine = [c for c in checks if c.get("node", node) == node]
+            done = next(
+                (
+                    x
+                    for x in self.events
+                    if x.get("kind") in ("node_replaced", "slurm_requeue", "failed")
+                    and x.get("attempt", attempt) == attempt
+                    and (x.get("kind") != "node_replaced" or x.get("node") == node)
+                    and isinstance(x.get("ts"), (int, float))
+                    and x["ts"] >= (e.get("ts") or 0)
+                ),
+                None,
+            )
+            if done is None:
+                action = None
+            elif done["kind"] == "node_replaced":
+                action = f"replaced by spare {done.get('by')} before attempt {attempt}"
+            elif done["kind"] == "slurm_requeue":
+                action = (
+                    f"resubmitted as job {done.get('new_job_id')} without {done.get('exclude')}"
+                )
+            else:
+                action = f"gave up: {done.get('reason')}"
+            where = f"node {node}" if node is not None else "this node"
+            self.add(
+                "health",
+                f"{where} failed its health check before attempt {attempt}: {', '.join(names)}",
+                "warning" if done is not None and done["kind"] == "node_replaced" else "critical",
+                ts=e.get("ts"),
+                attempt=attempt,
+                host=node,
+                evidence=[f"{c.get('name')}: {c.get('detail')}" for c in mine],
+                runbook=self.runbooks.get("health_check"),
+                action=action,
+                details={"node": node, "checks": names},
             )
 
     def checkpoint(self, e: dict[str, Any]) -> None:
@@ -803,6 +849,8 @@ def build(
             b.crash(e)
         elif k == "hang":
             b.hang(e)
+        elif k == "health_check" and e.get("ok") is False:
+            b.health(e)
         elif k in ("early_exit", "stopped", "failed"):
             b.end(e)
         elif k in ("checkpoint_invalid", "checkpoint_failed"):

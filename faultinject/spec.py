@@ -103,6 +103,15 @@ bitflip        step (req), rank, attempt, target, mode     silent data corruptio
                                                            ``attempt=`` says otherwise); the adapter
                                                            hands its tensors to
                                                            ``probe.faults.flip_bits(step, tensors)``
+clock-skew     node (req), offset_s, attempt (no step)     multi-node (``--slurm``) only: the health
+                                                           check step on ``node`` reads its clock
+                                                           ``offset_s`` seconds (default 30) ahead,
+                                                           as a node whose NTP died does (every
+                                                           node of the test cluster shares one
+                                                           clock); every attempt unless
+                                                           ``attempt=`` says otherwise. Its
+                                                           ``clock_skew`` check fails and the node
+                                                           is replaced before the attempt starts
 =============  ==========================================  =========================================
 
 Parsing is strict: an unknown kind or key, a missing ``step``, a value of the
@@ -162,6 +171,7 @@ KINDS: dict[str, dict[str, str]] = {
     "misrendezvous": {"rank": _INT, "attempt": _INT},
     "leak": {"step": _INT, "rank": _INT, "attempt": _INT, "mb": _FLOAT},
     "bitflip": {"step": _INT, "rank": _INT, "attempt": _INT, "target": _STR, "mode": _STR},
+    "clock-skew": {"node": _STR, "offset_s": _FLOAT, "attempt": _INT},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
@@ -174,7 +184,10 @@ HOLD_PHASES = (
 LIVE_ONLY_KINDS = ("release",)
 # Kinds that act before the first step (start-up), so only at launch: injected live they could never
 # fire.
-LAUNCH_ONLY_KINDS = ("misrendezvous",)
+LAUNCH_ONLY_KINDS = ("misrendezvous", "clock-skew")
+# Kinds that act on a node of a multi-node run (its health check step), not in a rank.
+NODE_KINDS = ("clock-skew",)
+CLOCK_SKEW_DEFAULT_S = 30.0
 SLOW_SAVE_DEFAULT_S = 10.0  # slow-save without until
 LEAK_DEFAULT_MB = 64.0  # leak without mb: MB kept per step
 SLOW_SAVE_UNTIL = ("skipped",)
@@ -303,6 +316,13 @@ def parse(spec: str) -> Fault:
             )
         if values.get("mode") == "persistent":
             values.setdefault("attempt", 0)  # a bad device stays bad across restarts
+    if kind == "clock-skew":
+        if "node" not in values:
+            raise FaultSpecError(
+                f"fault {spec!r}: key 'node': missing (required, e.g. clock-skew:node=n2)"
+            )
+        values.setdefault("offset_s", CLOCK_SKEW_DEFAULT_S)
+        values.setdefault("attempt", 0)  # a node whose clock is off stays off
     for key in REQUIRED:
         if key in allowed and key not in values:
             raise FaultSpecError(

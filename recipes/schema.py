@@ -145,11 +145,25 @@ class HealthConfig(_Strict):
         description="free space the checkpoint directory needs (and twice the newest checkpoint)",
     )
     # the names of ops/supervisor/health.py's CHECKS (tests/test_health.py keeps the two equal)
-    skip: list[Literal["checkpoint_space", "checkpoint_writable", "rendezvous", "gpus"]] = Field(
-        default_factory=list, description="names of checks not to run"
-    )
+    skip: list[
+        Literal["checkpoint_space", "checkpoint_writable", "rendezvous", "gpus", "clock_skew"]
+    ] = Field(default_factory=list, description="names of checks not to run")
     rendezvous_timeout_s: float = Field(
-        2.0, gt=0, description="how long resolving a rendezvous address may take"
+        2.0,
+        gt=0,
+        description="how long resolving a rendezvous address (or a clock answer) may take",
+    )
+    max_clock_skew_s: float = Field(
+        1.0,
+        gt=0,
+        description="multi-node: how far a node's clock may be from the supervisor's (events of "
+        "every node land on one timeline)",
+    )
+    node_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="multi-node: how long the check step on every node may take; a node without "
+        "a report by then fails",
     )
 
 

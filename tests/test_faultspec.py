@@ -80,6 +80,9 @@ def test_roundtrip_env_and_format():
         ("slow-save:step=2,until=later", ["key 'until'", "skipped", "'later'"]),
         ("slow-save:until=skipped", ["key 'step'", "missing"]),
         ("misrendezvous:rank=1,step=3", ["key 'step'", "unknown key for misrendezvous"]),
+        ("clock-skew:offset_s=5", ["key 'node'", "missing", "clock-skew:node=n2"]),
+        ("clock-skew:node=n2,step=3", ["key 'step'", "unknown key for clock-skew"]),
+        ("clock-skew:node=n2,offset_s=late", ["key 'offset_s'", "number"]),
     ],
 )
 def test_bad_specs_give_one_clear_line(spec, words):
@@ -106,6 +109,24 @@ def test_slow_save_and_misrendezvous_parse_and_round_trip():
     m = parse("misrendezvous:rank=1")
     assert (m.kind, m.rank, m.attempt, m.params) == ("misrendezvous", 1, 1, {})
     assert format_spec(m) == "misrendezvous:rank=1" and from_env(to_env([m])) == [m]
+
+
+def test_clock_skew_is_a_node_fault_of_every_attempt_and_needs_slurm(ptops):
+    from ptops.faultinject.spec import parse_live
+
+    f = parse("clock-skew:node=n2")
+    assert (f.kind, f.rank, f.attempt, f.params) == (
+        "clock-skew", None, 0, {"node": "n2", "offset_s": 30.0}
+    )  # fmt: skip
+    assert parse(format_spec(f)) == Fault(f.kind, f.step, None, 0, f.params, format_spec(f))
+    with pytest.raises(FaultSpecError, match="at launch only"):
+        parse_live("clock-skew:node=n2")
+    proc = ptops(
+        "launch", "titan-tiny", "--supervise", "--fault", "clock-skew:node=n2", "--dry-run"
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "add --slurm" in lines[0] and "clock-skew:node=n2" in lines[0]
 
 
 def test_misrendezvous_is_launch_only():

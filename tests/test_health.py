@@ -4,6 +4,7 @@ launch that a failing check ends before any rank starts, with the incident namin
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import typing
 from pathlib import Path
@@ -39,6 +40,7 @@ def test_a_healthy_cpu_node_passes(tmp_path):
     assert (
         r["gpus"].ok is None and "CPU" in r["gpus"].detail
     )  # no NVML on this machine: not applicable
+    assert r["clock_skew"].ok is None  # one node, one clock
     assert not list((tmp_path / "checkpoints").iterdir())  # the write probe cleaned up
 
 
@@ -61,10 +63,8 @@ def test_each_check_fails_on_demand(tmp_path):
     assert r["checkpoint_writable"].ok is False
     r = _by_name(health.run_checks(_ctx(tmp_path, rendezvous=[("no-such-node.invalid", 29500)])))
     assert r["rendezvous"].ok is False and "no-such-node.invalid" in r["rendezvous"].detail
-    assert [x.name for x in health.run_checks(_ctx(tmp_path), skip=["gpus", "rendezvous"])] == [
-        "checkpoint_space",
-        "checkpoint_writable",
-    ]
+    two = health.run_checks(_ctx(tmp_path), skip=["gpus", "rendezvous", "clock_skew"])
+    assert [x.name for x in two] == ["checkpoint_space", "checkpoint_writable"]
 
 
 class _Nvml:
@@ -144,3 +144,177 @@ def test_a_healthy_real_run_records_its_checks(faulted_runs):
     assert [e["attempt"] for e in hcs] == launches and len(launches) >= 2
     assert all(e["ok"] and not e["failed"] for e in hcs)
     assert {c["name"] for c in hcs[0]["checks"]} == set(health.NAMES)
+
+
+# ------------------------------------------------------- clocks, and every node of a Slurm job
+
+
+def test_clock_skew_against_the_supervisors_clock(tmp_path):
+    with health.ClockServer("tok", host="127.0.0.1") as clock:
+        addr = ("127.0.0.1", clock.port)
+        r = _by_name(health.run_checks(_ctx(tmp_path, clock=addr, clock_token="tok")))
+        assert r["clock_skew"].ok is True and "0.0" in r["clock_skew"].detail, r["clock_skew"]
+        late = _ctx(tmp_path, clock=addr, clock_token="tok", clock_offset_s=30.0)
+        r = _by_name(health.run_checks(late))["clock_skew"]
+        assert r.ok is False and "30.0" in r.detail and "ahead of" in r.detail, r
+        offset, half = health.clock_offset(addr, "tok", skew=-5.0)
+        assert abs(offset - 5.0) < 0.05 and 0 <= half < 0.05  # this node behind by 5 s
+        # a request without the token gets no answer: the check fails, it does not pass
+        wrong = _ctx(tmp_path, clock=addr, clock_token="nope", timeout_s=0.2)
+        r = _by_name(health.run_checks(wrong))["clock_skew"]
+        assert r.ok is False and "no answer" in r.detail, r
+
+
+def test_a_nodes_report_is_trusted_only_as_far_as_its_shape():
+    good = health.Result.from_report({"name": "gpus", "ok": None, "detail": "x"})
+    assert good == health.Result("gpus", None, "x")
+    for bad in ({"name": "made_up", "ok": True}, {"name": "gpus", "ok": "yes"}, ["gpus"], None):
+        r = health.Result.from_report(bad)
+        assert r.name == "report" and r.ok is False, bad
+
+
+FAKE_SRUN = """#!/usr/bin/env python3
+# A stand-in for srun: runs the command once per node of --nodelist with SLURMD_NODENAME set, as
+# slurmd does; the nodes named in the file 'dead' beside it never answer.
+import os, subprocess, sys
+from pathlib import Path
+args = sys.argv[1:]
+nodes, i = [], 0
+while args[i].startswith("--"):
+    if args[i].startswith("--nodelist="):
+        nodes = args[i].split("=", 1)[1].split(",")
+    i += 1
+dead_file = Path(__file__).with_name("dead")
+dead = dead_file.read_text().split() if dead_file.exists() else []
+Path(__file__).with_name("srun.args").write_text(" ".join(sys.argv[1:]))
+for n in nodes:
+    if n not in dead:
+        subprocess.run(args[i:], env={**os.environ, "SLURMD_NODENAME": n}, check=True)
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "srun").write_text(FAKE_SRUN)
+    (bindir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {bindir}/sbatch.args\necho '78;c'\n")
+    for f in ("srun", "sbatch"):
+        (bindir / f).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return bindir
+
+
+def _slurm_sup(tmp_path: Path, allocation: list[str], faults: list[str], *sets: str):
+    from ptops.faultinject.spec import parse_all
+    from ptops.ops.slurm.inside import SlurmSupervisor
+    from ptops.ops.slurm.sbatch import write
+    from ptops.ops.supervisor.launcher import prepare_run
+    from ptops.recipes.schema import load, resolve_path
+
+    rec, _ = load("titan-tiny", ["launch.nproc=1", "slurm.nodes=2", *sets])
+    run = prepare_run(rec, resolve_path("titan-tiny"), tmp_path / "run")
+    write(rec, run.path, [])
+    sup = SlurmSupervisor(rec, run, parse_all(faults), allocation, "41")
+    sup.cfg = sup.cfg.model_copy(update={"channel_advertise": "127.0.0.1"})
+    return sup
+
+
+def _events(sup, kind: str) -> list[dict]:
+    return [e for e in sup.run.read_events() if e["kind"] == kind]
+
+
+def test_every_node_and_spare_is_checked_and_a_failing_node_is_swapped_before_the_attempt(
+    tmp_path, fake_slurm
+):
+    """The check step runs on n1, n2 and the spare n3 (one srun); n2's clock reads 30 s ahead
+    (clock-skew fault): n2 is out before attempt 1 (strike limit), n3 takes its place."""
+    sup = _slurm_sup(
+        tmp_path, ["n1", "n2", "n3"], ["clock-skew:node=n2"], "slurm.spare_nodes=1",
+        "supervisor.health.skip=['rendezvous']",
+    )  # fmt: skip
+    assert sup.health_gate(1) is None
+    assert sup.active == ["n1", "n3"] and sup.spares == []
+    assert "--nodelist=n1,n2,n3" in (fake_slurm / "srun.args").read_text()
+    hc = _events(sup, "health_check")[0]
+    assert hc["ok"] is False and hc["nodes"] == ["n1", "n2", "n3"]
+    assert hc["failed_nodes"] == {"n2": ["clock_skew"]} and hc["failed"] == ["clock_skew"]
+    skew = next(c for c in hc["checks"] if c["node"] == "n2" and c["name"] == "clock_skew")
+    assert "30.0" in skew["detail"] and "ahead of" in skew["detail"]
+    assert all(c["ok"] for c in hc["checks"] if c["node"] != "n2" and c["name"] == "clock_skew")
+    blamed = _events(sup, "node_blamed")[0]
+    assert blamed["node"] == "n2" and blamed["strikes"] == blamed["limit"]
+    assert blamed["reason"].startswith("health check: clock_skew:")
+    assert _events(sup, "node_replaced")[0] | {"ts": 0} == {
+        "ts": 0, "kind": "node_replaced", "attempt": 1, "node": "n2", "by": "n3", "spares_left": 0
+    }  # fmt: skip
+    inj = _events(sup, "fault_injected")
+    assert [(e["node"], e["rank"]) for e in inj] == [("n2", None)], inj
+    # the strike survives a requeue: the job's next supervisor leaves n2 out
+    from ptops.ops.slurm.inside import SlurmSupervisor
+
+    again = SlurmSupervisor(sup.recipe, sup.run, [], ["n1", "n2", "n3"], "41")
+    assert again.active == ["n1", "n3"]
+
+
+def test_no_spare_that_passed_resubmits_without_the_node(tmp_path, fake_slurm):
+    """n2 silent (no report) and the spare n3 skewed: none can take n2's place, so the job is
+    resubmitted with --exclude of both (exit 5: do not requeue this one)."""
+    (fake_slurm / "dead").write_text("n2")
+    sup = _slurm_sup(
+        tmp_path, ["n1", "n2", "n3"], ["clock-skew:node=n3,offset_s=-4"], "slurm.spare_nodes=1",
+        "supervisor.health.skip=['rendezvous']", "supervisor.health.node_timeout_s=30",
+    )  # fmt: skip
+    assert sup.health_gate(1) == 5
+    hc = _events(sup, "health_check")[0]
+    assert hc["failed_nodes"] == {"n2": ["report"], "n3": ["clock_skew"]}
+    assert "no report from n2" in next(c for c in hc["checks"] if c["node"] == "n2")["detail"]
+    assert (
+        "behind"
+        in next(c for c in hc["checks"] if c["name"] == "clock_skew" and c["node"] == "n3")[
+            "detail"
+        ]
+    )
+    assert "--exclude=n2,n3" in (fake_slurm / "sbatch.args").read_text()
+    assert _events(sup, "slurm_requeue")[0]["how"] == "resubmit" and not _events(
+        sup, "node_replaced"
+    )
+
+
+def test_every_node_failing_is_the_jobs_fault_not_a_nodes(tmp_path, fake_slurm):
+    """The shared checkpoint storage too small on all nodes: no node is blamed, the run ends
+    (exit 1) as a local one does, naming the check."""
+    sup = _slurm_sup(
+        tmp_path, ["n1", "n2"], [], "supervisor.health.min_free_mb=1e12",
+        "supervisor.health.skip=['rendezvous']",
+    )  # fmt: skip
+    assert sup.health_gate(1) == 1
+    assert not _events(sup, "node_blamed") and not (fake_slurm / "sbatch.args").exists()
+    failed = _events(sup, "failed")[0]
+    assert "checkpoint_space" in failed["reason"] and failed["exit_code"] == 1
+
+
+def test_the_node_check_program_writes_one_report(tmp_path):
+    """``python -m ptops.ops.node.health`` as srun starts it: its node's report file, whole."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "reports"
+    ctx = _ctx(tmp_path, rendezvous=[])
+    spec = {**ctx.to_dict(), "out": str(out), "skip": ["gpus"], "clock_offsets": {"n7": 2.5}}
+    env = {**os.environ, "PTOPS_HEALTH": json.dumps(spec), "SLURMD_NODENAME": "n7"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ptops.ops.node.health"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "n7: ok" in proc.stdout, proc.stdout + proc.stderr
+    report = json.loads((out / "n7.json").read_text())
+    assert report["node"] == "n7" and report["injected"] == ["clock-skew:node=n7,offset_s=2.5"]
+    assert [r["name"] for r in report["results"]] == [
+        "checkpoint_space", "checkpoint_writable", "rendezvous", "clock_skew"
+    ]  # fmt: skip
+    assert [p.name for p in out.iterdir()] == ["n7.json"]  # no temporary file left
+    bad = subprocess.run(
+        [sys.executable, "-m", "ptops.ops.node.health"],
+        env={**env, "SLURMD_NODENAME": "../x"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "cannot name a report file" in bad.stderr

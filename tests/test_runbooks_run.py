@@ -44,6 +44,7 @@ MAPPING = {
     "GoodputLow": "crash",  # restarts and redone steps
     "LossSpike": "nan",
     "MemoryForecast": "crash",  # any run: every rank records its memory each step
+    "NodeUnhealthy": "crash",  # any run: its nodes are checked before every attempt
     "SilentDataCorruption": "crash",  # any run: the sdc checks run on every titan run
     "StragglerRank": "straggler",
     "TrainingCrashLoop": "crash",
@@ -54,6 +55,7 @@ MAPPING = {
 
 # what the output must mention, where that is what the runbook says the commands show
 EXPECT = {
+    "NodeUnhealthy": ["checkpoint_space: ok", "rendezvous: ok"],
     "CheckpointCorrupt": [
         "checkpoint_invalid",
         "step-8",

@@ -269,6 +269,14 @@ def launch(
         )
     if slurm and not supervise:
         fail("--slurm: add --supervise (a Slurm job always runs under the supervisor)")
+    from ptops.faultinject.spec import NODE_KINDS
+
+    for f in faults:
+        if f.kind in NODE_KINDS and not slurm:
+            fail(
+                f"--fault {f.text}: acts on a node of a multi-node run (add --slurm); one node "
+                "has one clock"
+            )
     try:
         if slurm:
             from ptops.ops.cli import slurm as slurm_cli

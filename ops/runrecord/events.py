@@ -193,9 +193,10 @@ SPECS: dict[EventKind, EventSpec] = {
     ),
     K.FAULT_INJECTED: EventSpec(
         ("fault", "rank", "step"),
-        ("attempt",),
+        ("attempt", "node"),
         summary=True,
-        doc="an injected fault fired in a rank",
+        doc="an injected fault fired in a rank (clock-skew: in a node's health check, rank and "
+        "step null)",
     ),
     K.INJECT: EventSpec(
         ("fault", "attempt", "ranks"), doc="`ptops inject` armed a fault in a live attempt"
@@ -422,10 +423,13 @@ SPECS: dict[EventKind, EventSpec] = {
     ),
     K.HEALTH_CHECK: EventSpec(
         ("attempt", "ok", "checks"),
-        ("failed",),
-        doc="the checks before an attempt (ops/supervisor/health.py): checks [{name, ok, detail}] "
-        "(ok null: does not apply here), failed: the names that failed; a failure ends the run "
-        "(failed, exit 1) before any rank starts",
+        ("failed", "nodes", "failed_nodes"),
+        doc="the checks before an attempt (ops/supervisor/health.py) on every node it may use "
+        "(Slurm: spares too): checks [{name, ok, detail, node}] (ok null: does not apply here), "
+        "failed: the names that failed, failed_nodes {node: [names]}; locally a failure ends the "
+        "run (failed, exit 1) before any rank starts, under Slurm the node is replaced by a spare "
+        "that passed (node_blamed, node_replaced) or the job resubmitted without it",
+        runbook="NodeUnhealthy",
     ),
     K.FAILED: EventSpec(
         ("reason",),

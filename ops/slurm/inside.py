@@ -12,6 +12,12 @@ detection, restart policy) with the launch hooks filled in for Slurm:
   (``node_replaced``), and with no spare left the job is resubmitted with ``--exclude`` of every
   blamed node (``slurm_requeue {how: resubmit}``) and this one ends with exit 5 (resubmitted: do
   not requeue this one);
+- before each attempt every node of the allocation, spares included, runs the health checks in one
+  ``srun`` step (``ops/node/health.py``; the clock measured against this supervisor's): a node that
+  fails is out at once (``node_blamed`` at the strike limit) and a spare that passed takes its
+  place (``node_replaced``); with none left the job is resubmitted without it (exit 5); when every
+  node fails the same way the fault is the job's (its shared storage, say), and the run ends
+  (exit 1) as a local one does;
 - Slurm's warning signal (``--signal=B:USR1@S``) asks every rank to save at the next step boundary
   (the same all-agree stop request as Ctrl-C: ``ops/supervisor/stop.py``; held ranks are released),
   waits at most ``[slurm] preempt_grace_s``, then ``scontrol requeue`` (``preempted``,
@@ -22,22 +28,25 @@ detection, restart policy) with the launch hooks filled in for Slurm:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ptops.faultinject.spec import FaultSpecError
 from ptops.faultinject.spec import parse as parse_fault
+from ptops.ops.rank.channel import new_token
 from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.runrecord.lock import LockedError, acquire
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.slurm import commands
 from ptops.ops.slurm.sbatch import SCRIPT_NAME, world
-from ptops.ops.supervisor import launcher
+from ptops.ops.supervisor import health, launcher
 from ptops.ops.supervisor.core import Supervisor
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import EXIT_DONE, EXIT_RESUBMITTED
@@ -116,6 +125,93 @@ class SlurmSupervisor(Supervisor):
     def rendezvous_addresses(self) -> list[tuple[str, int]]:
         """The attempt's first node: every node's torchrun dials it (static rendezvous)."""
         return [(self.active[0], self.recipe.launch.master_port or 29500)] if self.active else []
+
+    # ------------------------------------------------------------ health checks on every node
+    def check_nodes(
+        self, attempt: int, ctx: health.Context, skip: list[str]
+    ) -> dict[str, list[health.Result]]:
+        """One ``srun`` step over the attempt's nodes and the spares (``ops/node/health.py``);
+        each writes its report into the run directory; a node without one failed ``report``."""
+        nodes = self.active + self.spares
+        out = self.run.path / "supervisor" / "health" / f"attempt-{attempt}"
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob("*.json"):  # a requeued job checks its attempt again
+            old.unlink()
+        offsets = {
+            str(f.params["node"]): float(f.params.get("offset_s", 0.0))
+            for f in self.faults
+            if f.kind == "clock-skew" and f.attempt in (0, attempt)
+        }
+        token = new_token()
+        timeout = self.cfg.health.node_timeout_s
+        with health.ClockServer(token) as clock:
+            ctx.clock = (self.cfg.channel_advertise or _address_of_this_node(), clock.port)
+            env = {
+                **launcher.rank_command(self.recipe, self.run, attempt).env,
+                health.NODE_ENV: json.dumps(
+                    {**ctx.to_dict(), "out": str(out.resolve()), "skip": skip,
+                     "clock_offsets": offsets}
+                ),
+                health.NODE_TOKEN_ENV: token,
+            }  # fmt: skip
+            argv = [
+                "srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+                "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
+                f"--job-name=ptops-health-{attempt}", "--kill-on-bad-exit=0", "--export=ALL",
+                "--mem=0", sys.executable, "-m", "ptops.ops.node.health",
+            ]  # fmt: skip
+            try:
+                proc = subprocess.run(
+                    argv, env=env, capture_output=True, text=True, timeout=timeout
+                )
+                tail = (proc.stdout + proc.stderr).strip()[-300:]
+            except subprocess.TimeoutExpired:
+                tail = f"the check step did not end within {timeout:g} s"
+            except OSError as e:
+                tail = f"srun: {e}"
+        by_node: dict[str, list[health.Result]] = {}
+        for node in nodes:
+            try:
+                report = json.loads((out / f"{node}.json").read_text())
+                results = [health.Result.from_report(r) for r in report["results"]]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                miss = f"no report from {node} ({type(e).__name__}); the step said: {tail}"
+                by_node[node] = [health.Result("report", False, miss)]
+                continue
+            by_node[node] = results
+            for text in report.get("injected") or []:
+                self.event(
+                    EventKind.FAULT_INJECTED, fault=str(text)[:200], rank=None, step=None,
+                    attempt=attempt, node=node,
+                )  # fmt: skip
+        return by_node
+
+    def unhealthy(self, attempt: int, why: dict[str, str]) -> int | None:
+        """Failing nodes are out at once; a spare that passed takes an active node's place. Every
+        node failing is the job's fault (shared storage, the rendezvous), not a node's: exit 1."""
+        checked = self.active + self.spares
+        if set(why) >= set(checked):
+            return super().unhealthy(attempt, why)
+        self.spares = [n for n in self.spares if n not in why]
+        for node, reason in why.items():
+            self.strikes[node] = self.slurm.node_strikes
+            self.event(
+                EventKind.NODE_BLAMED, attempt=attempt, node=node, strikes=self.strikes[node],
+                reason=f"health check: {reason}", ranks=[], limit=self.slurm.node_strikes,
+            )  # fmt: skip
+            self.say(f"node {node} failed its health check: {reason[:160]}")
+        for node in [n for n in self.active if n in why]:
+            if not self.spares:
+                code = self._resubmit_without(node)
+                return code if code is not None else super().unhealthy(attempt, why)
+            spare = self.spares.pop(0)
+            self.active[self.active.index(node)] = spare
+            self.event(
+                EventKind.NODE_REPLACED, attempt=attempt, node=node, by=spare,
+                spares_left=len(self.spares),
+            )  # fmt: skip
+            self.say(f"node {node} replaced by spare {spare} ({len(self.spares)} spare(s) left)")
+        return None
 
     def launch_fields(self, attempt: int) -> dict:
         return {"nodes": list(self.active), "spares": list(self.spares), "job_id": self.job_id}

@@ -422,9 +422,9 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         return [("127.0.0.1", self.recipe.launch.master_port or 29500)]
 
     def health_gate(self, attempt: int) -> int | None:
-        """The checks before an attempt (``ops/supervisor/health.py``): one ``health_check`` event;
-        a failed check ends the run before any rank starts (exit 1: the node is at fault, not the
-        job)."""
+        """The checks before an attempt (``ops/supervisor/health.py``) on every node the attempt
+        may use: one ``health_check`` event; what a failure does is the backend's
+        (:meth:`unhealthy`)."""
         cfg = self.cfg.health
         if not cfg.enabled:
             return None
@@ -436,21 +436,45 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             timeout_s=cfg.rendezvous_timeout_s,
             expected_gpus=self.recipe.slurm.gpus_per_node or None,
             nproc=self.recipe.launch.nproc,
+            max_clock_skew_s=cfg.max_clock_skew_s,
         )
-        results = health.run_checks(ctx, cfg.skip)
-        failed = [r for r in results if r.ok is False]
+        by_node = self.check_nodes(attempt, ctx, list(cfg.skip))
+        checks = [
+            {**r.to_dict(), "node": node} for node, results in by_node.items() for r in results
+        ]
+        failed = {
+            node: [r.name for r in results if r.ok is False] for node, results in by_node.items()
+        }
+        failed = {node: names for node, names in failed.items() if names}
         self.event(
             EventKind.HEALTH_CHECK,
             attempt=attempt,
             ok=not failed,
-            checks=[r.to_dict() for r in results],
-            failed=[r.name for r in failed],
+            checks=checks,
+            failed=sorted({n for names in failed.values() for n in names}),
+            nodes=sorted(by_node),
+            failed_nodes=failed,
         )
         if not failed:
             return None
+        why = {
+            node: "; ".join(f"{r.name}: {r.detail}" for r in by_node[node] if r.ok is False)
+            for node in failed
+        }
+        return self.unhealthy(attempt, why)
+
+    def check_nodes(
+        self, attempt: int, ctx: health.Context, skip: list[str]
+    ) -> dict[str, list[health.Result]]:
+        """Each node's results (local: this one, in this process)."""
+        return {socket.gethostname(): health.run_checks(ctx, skip)}
+
+    def unhealthy(self, attempt: int, why: dict[str, str]) -> int | None:
+        """Nodes failed their checks (``why``: node -> what failed). Local: the run ends before any
+        rank starts (exit 1: the node is at fault, not the job)."""
         self.state = RunState.FAILED
         self.reason = "health check failed before attempt {}: {}".format(
-            attempt, "; ".join(f"{r.name}: {r.detail}" for r in failed)
+            attempt, "; ".join(why.values())
         )
         self.event(EventKind.FAILED, reason=self.reason, attempt=attempt, exit_code=EXIT_FAILED)
         self.say(f"giving up: {self.reason}")

@@ -11,21 +11,34 @@ help); the incident names the check.
 
 ``[supervisor.health]`` (``recipes/schema.py::HealthConfig``): ``enabled``, ``min_free_mb`` (free
 space the checkpoint directory needs: at least this, and twice the newest checkpoint's size),
-``skip`` (check names not to run), ``rendezvous_timeout_s``.
+``skip`` (check names not to run), ``rendezvous_timeout_s``, ``max_clock_skew_s``,
+``node_timeout_s``.
+
+Under Slurm the table runs on every node of the allocation, spares included, in one ``srun`` step
+before each attempt (``ops/node/health.py``); the context travels as JSON (:meth:`Context.to_dict`)
+and each node measures its clock against the supervisor's (:class:`ClockServer`, NTP's offset from
+the fastest of a few round trips). A local run has one clock: ``clock_skew`` does not apply.
 """
 
 from __future__ import annotations
 
 import errno
+import hmac
+import json
 import os
 import shutil
 import socket
+import threading
+import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 MB = 1 << 20
+# a node check step's environment (ops/node/health.py): the context as JSON, the clock's token
+NODE_ENV = "PTOPS_HEALTH"
+NODE_TOKEN_ENV = "PTOPS_HEALTH_TOKEN"
 
 
 @dataclass
@@ -44,6 +57,32 @@ class Context:
     )
     nproc: int = 1
     nvml: Any = None  # pynvml or a stand-in; None: imported on demand
+    clock: tuple[str, int] | None = None  # the supervisor's ClockServer; None: one node, one clock
+    clock_token: str = ""
+    max_clock_skew_s: float = 1.0
+    clock_offset_s: float = 0.0  # injected (fault clock-skew): added to this node's clock reading
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a node's check step needs (JSON; no NVML handle, no token: those stay local)."""
+        d = asdict(self)
+        d.pop("nvml"), d.pop("clock_token")
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], token: str = "") -> "Context":
+        return cls(
+            ckpt_dir=Path(d["ckpt_dir"]),
+            min_free_mb=float(d["min_free_mb"]),
+            newest_ckpt=Path(d["newest_ckpt"]) if d.get("newest_ckpt") else None,
+            rendezvous=[(str(h), int(p)) for h, p in d.get("rendezvous") or []],
+            timeout_s=float(d.get("timeout_s", 2.0)),
+            expected_gpus=None if d.get("expected_gpus") is None else int(d["expected_gpus"]),
+            nproc=int(d.get("nproc", 1)),
+            clock=(str(d["clock"][0]), int(d["clock"][1])) if d.get("clock") else None,
+            clock_token=token,
+            max_clock_skew_s=float(d.get("max_clock_skew_s", 1.0)),
+            clock_offset_s=float(d.get("clock_offset_s", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +93,16 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+    @classmethod
+    def from_report(cls, d: Any) -> "Result":
+        """One result from a node's report file (written by a process on another node: trusted
+        only as far as its shape; an unknown name or a wrong type is a failed ``report``)."""
+        if not isinstance(d, dict) or d.get("name") not in NAMES or d.get("ok") not in (
+            True, False, None
+        ):  # fmt: skip
+            return cls("report", False, f"a malformed result in the node's report: {str(d)[:120]}")
+        return cls(str(d["name"]), d["ok"], str(d.get("detail", ""))[:500])
 
 
 def _dir_mb(path: Path) -> float:
@@ -166,6 +215,103 @@ def gpus(ctx: Context) -> tuple[bool | None, str]:
             pass
 
 
+class ClockServer:
+    """The supervisor's clock for ``clock_skew``: a UDP responder that answers a request carrying
+    the token with its ``time.time()`` (runs while the nodes are checked; a request without the
+    token gets no answer)."""
+
+    def __init__(self, token: str, host: str = "0.0.0.0"):
+        self.token = token.encode()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((host, 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="ptops-clock", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, peer = self.sock.recvfrom(512)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            try:
+                req = json.loads(data)
+                ok = hmac.compare_digest(str(req["token"]).encode(), self.token)
+                nonce = str(req["n"])[:64]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if ok:
+                reply = json.dumps({"n": nonce, "t": time.time()}).encode()
+                try:
+                    self.sock.sendto(reply, peer)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+    def __enter__(self) -> "ClockServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def clock_offset(
+    addr: tuple[str, int], token: str, tries: int = 5, timeout_s: float = 1.0, skew: float = 0.0
+) -> tuple[float, float] | None:
+    """(offset, half round trip) of the server's clock minus this node's (plus ``skew``, an
+    injected error), from the fastest of ``tries`` round trips (NTP's estimate); None: no answer."""
+    best: tuple[float, float] | None = None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout_s)
+        for i in range(tries):
+            nonce = f"{uuid.uuid4().hex}-{i}"
+            t0 = time.time() + skew
+            try:
+                s.sendto(json.dumps({"token": token, "n": nonce}).encode(), addr)
+                while True:
+                    data, _ = s.recvfrom(512)
+                    reply = json.loads(data)
+                    if isinstance(reply, dict) and reply.get("n") == nonce:
+                        break
+            except (OSError, ValueError):
+                continue
+            t1 = time.time() + skew
+            server = reply.get("t")
+            if not isinstance(server, (int, float)):
+                continue
+            half = (t1 - t0) / 2
+            sample = (float(server) - (t0 + half), half)
+            if best is None or sample[1] < best[1]:
+                best = sample
+    return best
+
+
+def clock_skew(ctx: Context) -> tuple[bool | None, str]:
+    """This node's clock against the supervisor's: rank events from every node land on one
+    timeline (hang found times, goodput, an incident's order), so a skew reorders what happened."""
+    if ctx.clock is None:
+        return None, "one node, one clock: nothing to compare"
+    got = clock_offset(ctx.clock, ctx.clock_token, timeout_s=ctx.timeout_s, skew=ctx.clock_offset_s)
+    where = f"{ctx.clock[0]}:{ctx.clock[1]}"
+    if got is None:
+        return False, f"no answer from the supervisor's clock at {where} within {ctx.timeout_s:g} s"
+    offset, half = got
+    ok = abs(offset) - half <= ctx.max_clock_skew_s
+    side = "behind" if offset > 0 else "ahead of"
+    return ok, (
+        f"this node's clock is {abs(offset):.3f} s {side} the supervisor's (+-{half * 1000:.1f} "
+        f"ms; at most {ctx.max_clock_skew_s:g} s allowed)"
+    )
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -188,6 +334,11 @@ CHECKS: tuple[Check, ...] = (
         rendezvous,
     ),
     Check("gpus", "a lost device or uncorrected ECC errors crash or corrupt the run", gpus),
+    Check(
+        "clock_skew",
+        "events from a node whose clock is off land out of order on the run's timeline",
+        clock_skew,
+    ),
 )
 NAMES = tuple(c.name for c in CHECKS)
 
