@@ -67,6 +67,20 @@ class Cluster:
         bridge."""
         subprocess.run(["ip", "link", "set", f"pv-{node}", "up" if up else "down"], check=True)
 
+    def mount_tmpfs(self, node: str, path: Path, size: str) -> None:
+        """A small tmpfs over ``path`` in ``node``'s mount namespace only (its slurmd's, which every
+        step on the node inherits): that node alone sees a nearly full filesystem there."""
+        pid = (STATE / f"node-{node}.pid").read_text().strip()
+        subprocess.run(
+            ["nsenter", "--target", pid, "--mount", "--", "mount", "-t", "tmpfs", "-o",
+             f"size={size}", "ptops-test", str(path)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+
+    def umount(self, node: str, path: Path) -> None:
+        pid = (STATE / f"node-{node}.pid").read_text().strip()
+        subprocess.run(["nsenter", "--target", pid, "--mount", "--", "umount", str(path)])
+
     def resume(self, node: str) -> None:
         """Return a node that Slurm marked down to service."""
         self.run("scontrol", "update", f"NodeName={node}", "State=RESUME")

@@ -328,6 +328,42 @@ def test_link_down_blames_the_node_and_a_spare_replaces_it(
     slurm_cluster.resume("n2")
 
 
+def test_a_node_failing_its_health_checks_is_replaced_before_any_rank_starts(
+    slurm_cluster, tmp_path, reference_digest
+):
+    """3 nodes for 2 (--spare-nodes 1). On n2 alone the checkpoint directory is a 1 MiB tmpfs (its
+    mount namespace: a node whose mount went wrong) and its clock reads 30 s ahead (clock-skew):
+    the check step before attempt 1 runs on all three, n2 fails both checks, n3 passed and takes
+    its place; no rank ever starts on n2; the run ends digest-equal; diagnose names n2 and the
+    checks."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    slurm_cluster.mount_tmpfs("n2", run / "checkpoints", "1m")
+    try:
+        job = submit(slurm_cluster, run, "--spare-nodes", "1", "--fault", "clock-skew:node=n2")
+        wait_job_gone(slurm_cluster, job)
+    finally:
+        slurm_cluster.umount("n2", run / "checkpoints")
+    assert events(run)[-1]["kind"] == "completed", job_output(run)[-3000:]
+    hc = events(run, "health_check")
+    assert hc[0]["attempt"] == 1 and hc[0]["nodes"] == ["n1", "n2", "n3"], hc[0]
+    assert hc[0]["failed_nodes"] == {"n2": ["checkpoint_space", "clock_skew"]}, hc[0]
+    space = next(
+        c for c in hc[0]["checks"] if c["node"] == "n2" and c["name"] == "checkpoint_space"
+    )
+    assert space["detail"].split(" MB free")[0] in ("0", "1"), space  # the 1 MiB tmpfs, not /tmp
+    replaced = events(run, "node_replaced")
+    assert [(e["attempt"], e["node"], e["by"]) for e in replaced] == [(1, "n2", "n3")]
+    assert [e["nodes"] for e in events(run, "launch")] == [["n1", "n3"]]
+    assert all(e["ok"] for e in hc[1:])  # later attempts, if any, on healthy nodes
+    assert digest(run) == reference_digest
+    diag = run_ptops("diagnose", str(run), "--json")
+    inc = [i for i in json.loads(diag.stdout)["incidents"] if i["kind"] == "health"]
+    assert len(inc) == 1 and inc[0]["host"] == "n2", inc
+    assert inc[0]["action"] == "replaced by spare n3 before attempt 1"
+    assert inc[0]["runbook"] == "NodeUnhealthy" and "clock_skew" in inc[0]["title"]
+
+
 def test_preemption_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, reference_digest):
     """Slurm's warning signal (what --signal=B:USR1@S sends, here at once with scancel --batch):
     every rank saves at the next step boundary, the job requeues itself, the rerun resumes from that
