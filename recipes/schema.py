@@ -146,7 +146,9 @@ class HealthConfig(_Strict):
     )
     # the names of ops/supervisor/health.py's CHECKS (tests/test_health.py keeps the two equal)
     skip: list[
-        Literal["checkpoint_space", "checkpoint_writable", "rendezvous", "gpus", "clock_skew"]
+        Literal[
+            "checkpoint_space", "checkpoint_writable", "rendezvous", "gpus", "gpu_xid", "clock_skew"
+        ]
     ] = Field(default_factory=list, description="names of checks not to run")
     rendezvous_timeout_s: float = Field(
         2.0,

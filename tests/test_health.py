@@ -63,15 +63,26 @@ def test_each_check_fails_on_demand(tmp_path):
     assert r["checkpoint_writable"].ok is False
     r = _by_name(health.run_checks(_ctx(tmp_path, rendezvous=[("no-such-node.invalid", 29500)])))
     assert r["rendezvous"].ok is False and "no-such-node.invalid" in r["rendezvous"].detail
-    two = health.run_checks(_ctx(tmp_path), skip=["gpus", "rendezvous", "clock_skew"])
+    two = health.run_checks(_ctx(tmp_path), skip=["gpus", "gpu_xid", "rendezvous", "clock_skew"])
     assert [x.name for x in two] == ["checkpoint_space", "checkpoint_writable"]
 
 
 class _Nvml:
     """An NVML stand-in (no GPU on this machine): ``count`` devices, ``ecc`` errors on GPU 1."""
 
-    def __init__(self, count: int, ecc: int = 0):
-        self.count, self.ecc = count, ecc
+    def __init__(self, count: int, ecc: int = 0, pending=0, rows=(0, 0, 0, 0), reasons=0):
+        self.count, self.ecc, self.pending, self.rows, self.reasons = (
+            count, ecc, pending, rows, reasons
+        )  # fmt: skip
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        return self.pending if h == 1 else 0
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        return self.rows if h == 1 else (0, 0, 0, 0)
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return self.reasons if h == 1 else 0x1  # idle: not a fault
 
     def nvmlInit(self):
         pass
@@ -95,6 +106,11 @@ class _Nvml:
         (_Nvml(8), 8, True, "8 GPU(s)"),
         (_Nvml(7), 8, False, "7 GPU(s) visible, 8 expected"),
         (_Nvml(8, ecc=3), 8, False, "GPU 1: 3 uncorrected ECC"),
+        (_Nvml(8, pending=1), 8, False, "GPU 1: retired memory pages pending"),
+        (_Nvml(8, rows=(2, 1, 1, 0)), 8, False, "GPU 1: row remap pending"),
+        (_Nvml(8, rows=(2, 1, 0, 1)), 8, False, "GPU 1: row remapping failed"),
+        (_Nvml(8, reasons=0x40 | 0x4), 8, False, "GPU 1: clocks held down by hw_thermal"),
+        (_Nvml(8, reasons=0x4), 8, True, "no hardware slowdown"),  # a power cap is policy
         (_Nvml(2), None, True, "(2 wanted)"),  # no stated count: launch.nproc
         (_Nvml(0), None, None, "a CPU run"),
     ],
@@ -104,6 +120,37 @@ def test_gpus_through_nvml(tmp_path, nvml, expected, ok, words):
         "gpus"
     ]
     assert r.ok is ok and words in r.detail, r
+
+
+def test_critical_xids_in_the_kernel_log_since_the_last_check(tmp_path):
+    """A kernel log in /dev/kmsg's format: Xid 79 (fallen off the bus) fails the first check of
+    the boot; the next check reads only what came after; a new boot reads its log whole."""
+    log, boot = tmp_path / "kmsg", tmp_path / "boot_id"
+    boot.write_text("boot-a\n")
+    log.write_text(
+        "6,10,100,-;nvidia: module loaded\n"
+        "3,11,200,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=7, GPU has fallen off the bus.\n"
+        " SUBSYSTEM=pci\n"
+    )
+    ctx = _ctx(tmp_path, kmsg=str(log), boot_id_path=str(boot))
+    r = _by_name(health.run_checks(ctx))["gpu_xid"]
+    assert r.ok is False and "Xid 79 on PCI:0000:3b:00 since boot" in r.detail, r
+    assert ctx.xid_seen == ("boot-a", 11)
+    nxt = _ctx(tmp_path, kmsg=str(log), boot_id_path=str(boot), xid_mark=ctx.xid_seen)
+    r = _by_name(health.run_checks(nxt))["gpu_xid"]
+    assert r.ok is True and "no critical XID since the last check" in r.detail, r
+    with open(log, "a") as f:
+        f.write("4,12,300,-;NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception\n")
+    r = _by_name(health.run_checks(nxt))["gpu_xid"]
+    assert r.ok is True and "(1 other)" in r.detail, r  # Xid 13: an application fault
+    boot.write_text("boot-b\n")  # rebooted: the mark of boot-a means nothing now
+    r = _by_name(health.run_checks(nxt))["gpu_xid"]
+    assert r.ok is False and "since boot" in r.detail, r
+    cpu = tmp_path / "cpu-kmsg"
+    cpu.write_text("6,1,1,-;Linux version 6.1\n")
+    r = _by_name(health.run_checks(_ctx(tmp_path, kmsg=str(cpu), boot_id_path=str(boot))))
+    assert r["gpu_xid"].ok is None and "a CPU node" in r["gpu_xid"].detail
+    assert _by_name(health.run_checks(_ctx(tmp_path, expected_gpus=0)))["gpu_xid"].ok is None
 
 
 def test_a_stated_gpu_count_without_nvml_fails(tmp_path):
@@ -310,7 +357,7 @@ def test_the_node_check_program_writes_one_report(tmp_path):
     report = json.loads((out / "n7.json").read_text())
     assert report["node"] == "n7" and report["injected"] == ["clock-skew:node=n7,offset_s=2.5"]
     assert [r["name"] for r in report["results"]] == [
-        "checkpoint_space", "checkpoint_writable", "rendezvous", "clock_skew"
+        "checkpoint_space", "checkpoint_writable", "rendezvous", "gpu_xid", "clock_skew"
     ]  # fmt: skip
     assert [p.name for p in out.iterdir()] == ["n7.json"]  # no temporary file left
     bad = subprocess.run(

@@ -10,10 +10,12 @@ it down and start it again).
 Input (environment, set by ``ops/slurm/inside.py``): ``PTOPS_HEALTH`` (JSON: the
 :class:`~ptops.ops.supervisor.health.Context` of :meth:`~Context.to_dict`, plus ``out`` the
 attempt's report folder, ``skip`` the checks not to run, ``clock_offsets`` {node: seconds} the
-injected ``clock-skew`` faults) and ``PTOPS_HEALTH_TOKEN`` (the clock server's). Output: one file
-``<out>/<node>.json`` (``{"node", "results": [...], "injected": [...]}``), written whole or not at
-all: the run directory is on the shared filesystem a checkpoint needs anyway, and a node whose file
-is missing failed (``report``). The exit code is 0 whatever the checks said.
+injected ``clock-skew`` faults, ``xid_marks`` {node: [boot id, kernel log record]} where each
+node's previous check stopped reading) and ``PTOPS_HEALTH_TOKEN`` (the clock server's).
+Output: one file ``<out>/<node>.json`` (``{"node", "results": [...], "injected": [...],
+"xid_seen"}``), written whole or not at all: the run directory is on the shared filesystem a
+checkpoint needs anyway, and a node whose file is missing failed (``report``). The exit code is 0
+whatever the checks said.
 """
 
 from __future__ import annotations
@@ -41,10 +43,18 @@ def check(env: dict[str, str]) -> dict:
     if not node or "/" in node or node.startswith("."):
         raise ValueError(f"node name {node!r} cannot name a report file")
     offset = float((spec.get("clock_offsets") or {}).get(node, 0.0))
-    ctx = health.Context.from_dict({**spec, "clock_offset_s": offset}, env.get(TOKEN_ENV, ""))
+    mark = (spec.get("xid_marks") or {}).get(node)
+    ctx = health.Context.from_dict(
+        {**spec, "clock_offset_s": offset, "xid_mark": mark}, env.get(TOKEN_ENV, "")
+    )
     results = health.run_checks(ctx, spec.get("skip") or [])
     injected = [f"clock-skew:node={node},offset_s={offset:g}"] if offset else []
-    return {"node": node, "results": [r.to_dict() for r in results], "injected": injected}
+    return {
+        "node": node,
+        "results": [r.to_dict() for r in results],
+        "injected": injected,
+        "xid_seen": ctx.xid_seen,
+    }
 
 
 def main() -> None:

@@ -150,7 +150,7 @@ class SlurmSupervisor(Supervisor):
                 **launcher.rank_command(self.recipe, self.run, attempt).env,
                 health.NODE_ENV: json.dumps(
                     {**ctx.to_dict(), "out": str(out.resolve()), "skip": skip,
-                     "clock_offsets": offsets}
+                     "clock_offsets": offsets, "xid_marks": self.xid_marks}
                 ),
                 health.NODE_TOKEN_ENV: token,
             }  # fmt: skip
@@ -179,6 +179,9 @@ class SlurmSupervisor(Supervisor):
                 by_node[node] = [health.Result("report", False, miss)]
                 continue
             by_node[node] = results
+            seen = report.get("xid_seen")
+            if isinstance(seen, list) and len(seen) == 2 and isinstance(seen[1], int):
+                self.xid_marks[node] = (str(seen[0]), seen[1])
             for text in report.get("injected") or []:
                 self.event(
                     EventKind.FAULT_INJECTED, fault=str(text)[:200], rank=None, step=None,

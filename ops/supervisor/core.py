@@ -91,6 +91,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.faults = faults
         self.progress = progress
         self.out = out or sys.stderr
+        # node -> (boot id, kernel log record) where its last health check stopped reading XIDs
+        self.xid_marks: dict[str, tuple[str, int]] = {}
         self.strategy = strategy
         self.stop_signal: int | None = None
         self._signals = 0
@@ -467,7 +469,12 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self, attempt: int, ctx: health.Context, skip: list[str]
     ) -> dict[str, list[health.Result]]:
         """Each node's results (local: this one, in this process)."""
-        return {socket.gethostname(): health.run_checks(ctx, skip)}
+        host = socket.gethostname()
+        ctx.xid_mark = self.xid_marks.get(host)
+        results = health.run_checks(ctx, skip)
+        if ctx.xid_seen is not None:
+            self.xid_marks[host] = ctx.xid_seen
+        return {host: results}
 
     def unhealthy(self, attempt: int, why: dict[str, str]) -> int | None:
         """Nodes failed their checks (``why``: node -> what failed). Local: the run ends before any

@@ -26,6 +26,7 @@ import errno
 import hmac
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -61,6 +62,10 @@ class Context:
     clock_token: str = ""
     max_clock_skew_s: float = 1.0
     clock_offset_s: float = 0.0  # injected (fault clock-skew): added to this node's clock reading
+    kmsg: str = "/dev/kmsg"  # the kernel log (XIDs); a file in its format in the tests
+    boot_id_path: str = "/proc/sys/kernel/random/boot_id"
+    xid_mark: tuple[str, int] | None = None  # (boot id, last record seen) of the previous check
+    xid_seen: tuple[str, int] | None = None  # set by gpu_xid: the next check's xid_mark
 
     def to_dict(self) -> dict[str, Any]:
         """What a node's check step needs (JSON; no NVML handle, no token: those stay local)."""
@@ -82,6 +87,9 @@ class Context:
             clock_token=token,
             max_clock_skew_s=float(d.get("max_clock_skew_s", 1.0)),
             clock_offset_s=float(d.get("clock_offset_s", 0.0)),
+            kmsg=str(d.get("kmsg") or "/dev/kmsg"),
+            boot_id_path=str(d.get("boot_id_path") or "/proc/sys/kernel/random/boot_id"),
+            xid_mark=(str(d["xid_mark"][0]), int(d["xid_mark"][1])) if d.get("xid_mark") else None,
         )
 
 
@@ -196,23 +204,115 @@ def gpus(ctx: Context) -> tuple[bool | None, str]:
             return None, "NVML sees no GPU: a CPU run"
         if n < want:
             return False, f"{n} GPU(s) visible, {want} expected"
-        bad = []
-        for i in range(n):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
-            try:
-                ecc = nv.nvmlDeviceGetTotalEccErrors(h, 1, 0)  # uncorrected, volatile
-            except Exception:  # noqa: BLE001 - ECC not supported on this device
-                continue
-            if ecc:
-                bad.append(f"GPU {i}: {ecc} uncorrected ECC error(s)")
+        bad = [x for i in range(n) for x in _device_faults(nv, i)]
         if bad:
             return False, "; ".join(bad)
-        return True, f"{n} GPU(s) ({want} wanted), no uncorrected ECC errors"
+        return True, (
+            f"{n} GPU(s) ({want} wanted): no uncorrected ECC errors, no pending page retirement "
+            "or row remap, no hardware slowdown"
+        )
     finally:
         try:
             nv.nvmlShutdown()
         except Exception:  # noqa: BLE001
             pass
+
+
+# hardware clock-slowdown reasons (nvmlClocksEventReason*): a GPU held there straggles the job
+HW_SLOWDOWN = {0x8: "hw_slowdown", 0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown"}
+
+
+def _device_faults(nv: Any, i: int) -> list[str]:
+    """What is wrong with GPU ``i``; each field read on its own (a field a GPU does not support
+    is skipped, not a failure)."""
+    h = nv.nvmlDeviceGetHandleByIndex(i)
+    out = []
+
+    def read(name: str, *args: Any) -> Any:
+        fn = getattr(nv, name, None)
+        try:
+            return None if fn is None else fn(h, *args)
+        except Exception:  # noqa: BLE001 - NVMLError_NotSupported and kin
+            return None
+
+    ecc = read("nvmlDeviceGetTotalEccErrors", 1, 0)  # uncorrected, volatile
+    if ecc:
+        out.append(f"GPU {i}: {ecc} uncorrected ECC error(s)")
+    if read("nvmlDeviceGetRetiredPagesPendingStatus") == 1:
+        out.append(f"GPU {i}: retired memory pages pending (a GPU reset is needed)")
+    rows = read("nvmlDeviceGetRemappedRows")  # (corrected, uncorrected, pending, failed)
+    if isinstance(rows, (tuple, list)) and len(rows) == 4:
+        if rows[3]:
+            out.append(f"GPU {i}: row remapping failed (the GPU needs replacing)")
+        elif rows[2]:
+            out.append(f"GPU {i}: row remap pending (a GPU reset is needed)")
+    reasons = read("nvmlDeviceGetCurrentClocksEventReasons")
+    if reasons is None:
+        reasons = read("nvmlDeviceGetCurrentClocksThrottleReasons")
+    slow = [label for bit, label in HW_SLOWDOWN.items() if int(reasons or 0) & bit]
+    if slow:
+        out.append(f"GPU {i}: clocks held down by {', '.join(slow)}")
+    return out
+
+
+# XIDs that mean the GPU must be reset or the node drained (runbooks/GPUErrors.md)
+CRITICAL_XIDS = (48, 63, 64, 74, 79, 94, 95)
+_XID = re.compile(rb"NVRM: Xid \(([^)]*)\): (\d+)")
+
+
+def _kernel_log(path: str) -> list[tuple[int, bytes]]:
+    """(sequence, message) of every record in the kernel log (``/dev/kmsg`` format:
+    ``prio,seq,usec,flags;message``; a regular file in that format reads the same)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                break  # the end of /dev/kmsg
+            except BrokenPipeError:
+                continue  # a record overwritten while reading: the next one
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(fd)
+    out = []
+    for line in b"".join(chunks).splitlines():
+        head, sep, msg = line.partition(b";")
+        fields = head.split(b",")
+        if sep and len(fields) >= 3 and fields[1].isdigit():
+            out.append((int(fields[1]), msg))
+    return out
+
+
+def gpu_xid(ctx: Context) -> tuple[bool | None, str]:
+    """Critical XID events in the kernel log since this node's last check (the whole boot at the
+    first check of a supervisor): the driver's word that a GPU fell off the bus or lost memory."""
+    if ctx.expected_gpus == 0:
+        return None, "a CPU run: no GPU expected"
+    try:
+        boot = Path(ctx.boot_id_path).read_text().strip()
+        records = _kernel_log(ctx.kmsg)
+    except OSError as e:
+        return None, f"kernel log {ctx.kmsg} not readable here ({e.strerror or e})"
+    since = ctx.xid_mark[1] if ctx.xid_mark and ctx.xid_mark[0] == boot else -1
+    ctx.xid_seen = (boot, max((seq for seq, _ in records), default=since))
+    xids = []
+    for seq, msg in records:
+        m = _XID.search(msg)
+        if m and seq > since:
+            xids.append((m.group(1).decode(errors="replace"), int(m.group(2))))
+    if not xids and not any(b"NVRM" in msg for _, msg in records):
+        if ctx.expected_gpus is None:
+            return None, "no NVIDIA driver messages in the kernel log: a CPU node"
+    crit = [f"Xid {code} on {pci}" for pci, code in xids if code in CRITICAL_XIDS]
+    other = len(xids) - len(crit)
+    window = "since the last check" if since >= 0 else "since boot"
+    if crit:
+        return False, f"{'; '.join(crit[:5])} {window}" + (f" (+{other} other)" if other else "")
+    return True, f"no critical XID {window}" + (f" ({other} other)" if other else "")
 
 
 class ClockServer:
@@ -333,7 +433,17 @@ CHECKS: tuple[Check, ...] = (
         "ranks that cannot reach the rendezvous hang in start-up until a timeout",
         rendezvous,
     ),
-    Check("gpus", "a lost device or uncorrected ECC errors crash or corrupt the run", gpus),
+    Check(
+        "gpus",
+        "a lost device, uncorrected ECC errors or pending memory repairs crash or corrupt the "
+        "run; a GPU held down by hardware slowdown straggles it",
+        gpus,
+    ),
+    Check(
+        "gpu_xid",
+        "a GPU that fell off the bus or lost memory since the last check fails the next attempt",
+        gpu_xid,
+    ),
     Check(
         "clock_skew",
         "events from a node whose clock is off land out of order on the run's timeline",
