@@ -709,12 +709,12 @@ class _Builder:
     def _sdc(self, ep, attempt) -> None:
         """Silent data corruption: the rank, its node, the kind (at rest / replicas) and whether
         it was a one-off or a bad device, and what the policy did about it."""
-        s0, _s1, t0, t1, _sev = self._span(ep)
+        s0, _s1, t0, t1, sev = self._span(ep)
         f = ep[0]
         rank = f["rank"]
         head = str(f["detail"]).split(":", 1)[0].split()  # "at_rest persistent: rank 1 ..."
         kind = head[0] if head else "sdc"
-        persistent = "persistent" in head
+        persistent = any("persistent" in str(x["detail"]).split(":", 1)[0] for x in ep)
         ex = self._excluded(rank, attempt)
         seen = next(  # the live finding's event: the host as the attempt knew it
             (
@@ -759,12 +759,14 @@ class _Builder:
             action = f"node {ex.get('host')} struck (acted: {ex.get('acted', False)})" + (
                 f"; {action}" if action else ""
             )
+        if action is None and kind == "recompute" and not persistent:
+            action = "the corrupt gradients were discarded before the optimizer: no rollback"
         who = f"rank {rank}" + (f" on {host}" if host else "") if rank is not None else "a replica"
         self.add(
             "sdc",
             f"silent data corruption ({kind}, {'persistent' if persistent else 'transient'}) on "
             f"{who} at step {s0}{f' (attempt {attempt})' if attempt else ''}"[:200],
-            "critical",
+            sev,
             ts=t0,
             ts_end=t1,
             attempt=attempt,

@@ -59,7 +59,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ptops.ckpt import checkpoint_path, is_writing, shard_files
-from ptops.faultinject.spec import HOLD_DEFAULT_S, ONE_RANK_KINDS, SLOW_SAVE_DEFAULT_S, Fault
+from ptops.faultinject.spec import (
+    AT_REST,
+    GRAD,
+    HOLD_DEFAULT_S,
+    ONE_RANK_KINDS,
+    SLOW_SAVE_DEFAULT_S,
+    Fault,
+)
 
 BEFORE_STEP = ("crash", "hang", "slow", "oom", "preempt", "kill-supervisor", "hold", "leak")
 FLIP_BYTES = 64
@@ -77,6 +84,9 @@ _FLOAT_LAYOUT = {
 
 
 class Injector:
+    # what flip_bits flips where an engine calls it (the engines do not import faultinject)
+    AT_REST, GRAD = AT_REST, GRAD
+
     def __init__(
         self,
         faults: list[Fault],
@@ -222,15 +232,23 @@ class Injector:
             self.emit(f, step)
             self._slow_save(f, step)
 
-    def flip_bits(self, step: int, tensors: Callable[[str], list[tuple[str, Any]]]) -> list[str]:
-        """``bitflip`` faults due before ``step``: one bit of one element of one of this rank's
-        tensors (``tensors(target)`` lists them, named, in a stable order). A persistent one stays
-        pending and flips again before every later step. Returns what was flipped (for the log)."""
+    def flip_bits(
+        self,
+        step: int,
+        tensors: Callable[[str], list[tuple[str, Any]]],
+        targets: tuple[str, ...] = AT_REST,
+    ) -> list[str]:
+        """``bitflip`` faults of ``targets`` due at ``step``: one bit of one element of one of this
+        rank's tensors (``tensors(target)`` lists them, named, in a stable order). Engines call it
+        between steps with ``AT_REST`` (parameters, optimizer state) and between the backward and
+        the optimizer with ``GRAD``. A persistent one stays pending and flips again at every later
+        step. Returns what was flipped (for the log)."""
         with self._lock:
             due = [
                 (f, live)
                 for f, live in self._pending
                 if f.kind == "bitflip"
+                and f.params.get("target", "param") in targets
                 and (
                     step == f.step
                     or (step > f.step and (live or f.params.get("mode") == "persistent"))

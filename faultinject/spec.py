@@ -95,7 +95,11 @@ bitflip        step (req), rank, attempt, target, mode     silent data corruptio
                                                            0) flips exponent bit 4 (x/÷ 2^16: stays
                                                            finite) of one element of one of its own
                                                            tensors, ``target=param`` (default) or
-                                                           ``optim`` (optimizer state); the tensor
+                                                           ``optim`` (optimizer state); ``grad``: in
+                                                           ``step`` itself, after the backward and
+                                                           before the optimizer (the step's compute
+                                                           went wrong; ``probe.faults.flip_bits(step,
+                                                           tensors, GRAD)``); the tensor
                                                            and element follow from the spec (same
                                                            spec, same flip). ``mode=persistent``: a
                                                            bad device, again before every step from
@@ -191,7 +195,8 @@ CLOCK_SKEW_DEFAULT_S = 30.0
 SLOW_SAVE_DEFAULT_S = 10.0  # slow-save without until
 LEAK_DEFAULT_MB = 64.0  # leak without mb: MB kept per step
 SLOW_SAVE_UNTIL = ("skipped",)
-BITFLIP_TARGETS = ("param", "optim")
+BITFLIP_TARGETS = ("param", "optim", "grad")
+AT_REST, GRAD = ("param", "optim"), ("grad",)  # where an engine calls flip_bits, what it flips
 BITFLIP_MODES = ("transient", "persistent")
 HANG_MODES = ("sleep", "stop")
 # where a hang fires: the start of ``step`` (default), or a start-up section (no step then)

@@ -16,6 +16,15 @@ two record keys:
   The finding's ``step`` is the last step at which they agreed in this attempt (or the one before
   the attempt's first record).
 
+- ``sdc_recheck`` (no replica: FSDP shards): how many of the rank's gradient tensors differed when
+  it computed them again from the same batch and weights (``recheck_every``; 0: equal), and
+  ``sdc_recheck_kept``, which run a third one sided with. A first catch whose corrupt run was
+  outvoted is ``recompute transient`` (warning): the corrupt gradients were discarded before the
+  optimizer, the weights never saw them, nothing to roll back (``policy.contained_sdc``). A rank
+  caught again (or whose three runs all differ) is ``recompute persistent`` (critical): a device
+  that computes wrong between rechecks too, so the finding's ``step`` is the rank's last clean
+  recheck (the rollback goes before it) and the policy strikes its node.
+
 One finding per rank (or per disagreement) and attempt: the attempt is torn down on it. A rank
 caught in an earlier attempt too is ``persistent`` (a bad device, not a one-off upset): the
 policy then strikes its node. ``Finding.value`` is how many attempts caught that rank (1:
@@ -45,6 +54,8 @@ class SdcMonitor:
         self._agreed: dict[Any, int] = {}  # attempt -> last step all ranks agreed
         self._first: dict[Any, int] = {}  # attempt -> its first step seen
         self._ranks: dict[Any, set[int]] = {}  # attempt -> the ranks that reported in it
+        self._rechecked: dict[Any, int] = {}  # rank -> gradient rechecks it failed
+        self._clean: dict[tuple[Any, Any], int] = {}  # (attempt, rank) -> last equal recheck
 
     def _finding(
         self, kind: str, step: int, rank: int | None, attempt: Any, rec: Mapping, what: str
@@ -96,7 +107,49 @@ class SdcMonitor:
         fp = record.get("sdc_fp")
         if isinstance(fp, str):
             out += self._replica(attempt, step, rank, fp, record)
+        differed = record.get("sdc_recheck")
+        if isinstance(differed, int) and differed == 0:
+            self._clean[(attempt, rank)] = step
+        elif isinstance(differed, int) and differed > 0:
+            out += self._recheck(step, rank, attempt, record, differed)
         return out
+
+    def _recheck(
+        self, step: int, rank: int, attempt: Any, rec: Mapping, differed: int
+    ) -> list[Finding]:
+        n = self._rechecked[rank] = self._rechecked.get(rank, 0) + 1
+        kept = rec.get("sdc_recheck_kept")
+        what = (
+            f"rank {rank}'s gradients at step {step} differed when computed again from the same "
+            f"batch and weights ({differed} tensor(s), {rec.get('sdc_recheck_tensor') or '?'})"
+        )
+        if n == 1 and kept in ("recompute", "first"):
+            side = "second" if kept == "recompute" else "first"
+            detail = (
+                f"recompute transient: {what}; a third run sided with the {side}: the corrupt "
+                "ones were discarded before the optimizer (the weights never saw them)"
+            )
+            return [
+                Finding(
+                    self.name, step, 1.0, detail, "warning", rank=rank, attempt=attempt,
+                    ts=record_ts(rec),
+                )
+            ]  # fmt: skip
+        if (attempt, rank) in self._done:
+            return []
+        self._done.add((attempt, rank))
+        since = self._clean.get((attempt, rank), self._first[attempt] - 1)
+        why = "three runs gave three answers" if kept == "none" else f"caught {n} times"
+        detail = (
+            f"recompute persistent: {what}; {why} (a bad device): its weights may hold "
+            f"corruption since its last clean recheck, step {since}"
+        )
+        return [
+            Finding(
+                self.name, since, float(max(n, 2)), detail, "critical", rank=rank,
+                attempt=attempt, ts=record_ts(rec),
+            )
+        ]  # fmt: skip
 
     def _replica(self, attempt: Any, step: int, rank: int, fp: str, rec: Mapping) -> list[Finding]:
         if len(self._fps) > 64:  # a few steps in flight at most: forget the oldest
@@ -128,6 +181,6 @@ class SdcMonitor:
         return self._finding("replica", since, odd, attempt, rec, what)
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
-        if "sdc_rest" not in keys and "sdc_fp" not in keys:
+        if "sdc_rest" not in keys and "sdc_fp" not in keys and "sdc_recheck" not in keys:
             return []
         return self.feed(record)

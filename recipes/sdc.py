@@ -14,6 +14,17 @@ after it is "good". Two cheap checks, both from one fingerprint (each tensor's b
   fingerprint goes into the step's record as ``sdc_fp`` (hex); the ``sdc`` monitor compares the
   ranks (``monitors/sdc.py``).
 
+- recheck (no replica: FSDP shards): every ``recheck_every`` steps, between the backward and the
+  optimizer, every rank fingerprints its gradients, computes them again from the same batch and
+  weights (``rerun``: the adapter's forward-backward and clipping) and compares. A deterministic
+  step gives the same bits; a rank whose bits differ had a fault in one of the two runs, so all
+  ranks run a third time (they agree on it: the backward's collectives need every rank) and the
+  majority stands: the gradients in place after the last run are the majority's whenever there
+  is one, so the corrupt ones are discarded before the weights see them. The record says
+  ``sdc_recheck`` (tensors that differed; 0 when equal), ``sdc_recheck_tensor`` and
+  ``sdc_recheck_kept`` (``recompute``: the first run was wrong; ``first``: the second was;
+  ``none``: three different answers, a device that cannot compute the same thing twice).
+
 ``sdc_s`` in a record is the time the checks took for it (not part of ``step_s``).
 
 The adapter calls ``before_step(step)`` right after ``probe.before_step`` (the ``bitflip`` fault
@@ -106,8 +117,10 @@ class StateChecks:
         params: Callable[[], Named],
         optims: Callable[[], Named],
         replicated: bool = False,
+        recheck_every: int = 0,
     ):
         self.every = max(0, int(every))
+        self.recheck_every = max(0, int(recheck_every))
         self.probe = probe
         self.params, self.optims = params, optims
         self.replicated = replicated
@@ -144,6 +157,39 @@ class StateChecks:
             self._keys["sdc_rest_tensor"] = changed[0]
         self._spent += time.perf_counter() - t0
 
+    def before_optimizer(
+        self,
+        step: int,
+        grads: Callable[[], Named],
+        rerun: Callable[[], None] | None = None,
+        agree: Callable[[bool], bool] = bool,
+    ) -> None:
+        """Between the backward and the optimizer: ``bitflip target=grad`` faults, then at a
+        recheck step the gradients compared with a second computation (``rerun`` recomputes them
+        in place, None where the engine cannot: DDP replicas are compared after the optimizer
+        instead; ``agree`` is true on every rank when any rank's flag is)."""
+        faults = getattr(self.probe, "faults", None)
+        if faults is not None:
+            faults.flip_bits(step, lambda _target: grads(), faults.GRAD)
+        if rerun is None or not (self.recheck_every and step % self.recheck_every == 0):
+            return
+        t0 = time.perf_counter()
+        named = grads()
+        names = [n for n, _ in named]
+        first = fingerprint(named)
+        rerun()
+        second = fingerprint(grads())
+        differ = [n for n, a, b in zip(names, first, second) if a != b]
+        keys: dict[str, Any] = {"sdc_recheck": len(differ)}
+        if agree(bool(differ)):  # a third run, on every rank: its backward's collectives need all
+            rerun()
+            third = fingerprint(grads())
+            if differ:
+                kept = "recompute" if third == second else "first" if third == first else "none"
+                keys.update(sdc_recheck_tensor=differ[0], sdc_recheck_kept=kept)
+        self._keys.update(keys)
+        self._spent += time.perf_counter() - t0
+
     def after_step(self, step: int) -> dict[str, Any]:
         """Record keys for ``step``: the at-rest verdict of its start, and at a check step the
         fingerprint after the optimizer (kept for the next start; ``sdc_fp`` when replicated)."""
@@ -162,10 +208,32 @@ class StateChecks:
         return keys
 
 
-def every_of(recipe: Any) -> int:
-    """``[monitors.sdc] every`` of the recipe, 0 when the monitors or the sdc monitor are off."""
+def grad_tensors(modules: list[Any]) -> Named:
+    """Every parameter's local gradient (FSDP: its shard), named, in the modules' order."""
+    return [
+        (f"{i}.{n}.grad", local(p.grad))
+        for i, m in enumerate(modules)
+        for n, p in m.named_parameters()
+        if p.grad is not None
+    ]
+
+
+def _sdc(recipe: Any) -> Any:
+    """The recipe's ``[monitors.sdc]``, None when the monitors or the sdc monitor are off."""
     section = getattr(recipe, "monitors", None)
     sdc = getattr(section, "sdc", None)
     if section is None or sdc is None or not section.enabled or not sdc.enabled:
-        return 0
-    return int(sdc.every)
+        return None
+    return sdc
+
+
+def every_of(recipe: Any) -> int:
+    """``[monitors.sdc] every`` of the recipe (0 when off)."""
+    sdc = _sdc(recipe)
+    return 0 if sdc is None else int(sdc.every)
+
+
+def recheck_of(recipe: Any) -> int:
+    """``[monitors.sdc] recheck_every`` of the recipe (0 when off)."""
+    sdc = _sdc(recipe)
+    return 0 if sdc is None else int(sdc.recheck_every)

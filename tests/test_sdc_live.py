@@ -85,6 +85,63 @@ def persistent(tmp_path_factory):
     )
 
 
+# gradients computed again every 5 steps (FSDP shards have no replica to compare with)
+RECHECK = [*STEPS, "--set", "monitors.sdc.recheck_every=5"]
+
+
+@pytest.fixture(scope="module")
+def grad_flips(tmp_path_factory):
+    """A gradient flip once at step 10 (a recheck step), and a bad device that flips a gradient
+    at every step from 8 (steps 8-9 unseen: no recheck there); held before step 16 so the run
+    never ends before the supervisor acts on step 15's record."""
+    base = tmp_path_factory.mktemp("sdc-grad")
+    once = launch(base / "once", "bitflip:rank=1,step=10,target=grad", steps=RECHECK)
+    bad = launch(
+        base / "bad", "bitflip:rank=1,step=8,target=grad,mode=persistent",
+        "hold:step=16,seconds=120,attempt=0", steps=RECHECK,
+    )  # fmt: skip
+    return (base / "once", once), (base / "bad", bad)
+
+
+def test_gradient_flip_is_outvoted_before_the_optimizer_no_rollback_digest_equal(
+    grad_flips, faulted_runs
+):
+    (run, proc), _ = grad_flips
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        json.loads(proc.stdout)["attempts"] == 1
+    )  # nothing to roll back: the weights never saw it
+    rechecks = {(r["step"], r["rank"]): r for r in metrics(run) if r.get("sdc_recheck") is not None}
+    assert sorted(rechecks) == [(s, r) for s in (5, 10, 15) for r in (0, 1)]
+    assert [k for k, r in rechecks.items() if r["sdc_recheck"]] == [(10, 1)]  # clean steps: equal
+    assert rechecks[(10, 1)]["sdc_recheck_kept"] == "recompute"
+    (found,) = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
+    assert (found["rank"], found["step"], found["severity"]) == (1, 10, "warning")
+    assert found["detail"].startswith("recompute transient: rank 1's gradients at step 10")
+    assert not events(run, "rollback")
+    ref = faulted_runs.get("reference")
+    assert final_digest(run) == final_digest(ref.run)
+    diag = json.loads(run_ptops("diagnose", str(run), "--json", check=True).stdout)
+    (inc,) = [i for i in diag["incidents"] if i["kind"] == "sdc"]
+    assert inc["rank"] == 1 and inc["host"] == socket.gethostname() and inc["severity"] == "warning"
+    assert inc["details"]["kind"] == "recompute" and "no rollback" in inc["action"]
+
+
+def test_a_device_that_flips_gradients_every_step_is_caught_twice_and_struck(grad_flips):
+    _, (run, proc) = grad_flips
+    assert proc.returncode == 3, proc.stderr
+    found = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
+    assert [(e["rank"], e["step"], e["severity"]) for e in found] == [
+        (1, 10, "warning"),  # contained at the step-10 recheck
+        (1, 5, "critical"),  # caught again at 15: back before its last clean recheck, step 5
+    ]
+    assert found[1]["detail"].startswith("recompute persistent") and found[1]["value"] == 2
+    (ex,) = events(run, "exclude_node")
+    assert (ex["rank"], ex["host"], ex["acted"]) == (1, socket.gethostname(), False)
+    (failed,) = events(run, "failed")
+    assert "recompute persistent" in failed["reason"] and failed["exit_code"] == 3
+
+
 def test_transient_flip_is_caught_on_its_rank_and_recovers_to_the_reference_digest(
     transient, faulted_runs
 ):

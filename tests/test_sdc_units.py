@@ -18,7 +18,12 @@ from ptops.faultinject.inject import FLIP_EXPONENT_BIT, Injector, flip_one_bit
 from ptops.faultinject.spec import FaultSpecError, format_spec, parse
 from ptops.monitors import MonitorsSection, build_monitors, replay
 from ptops.monitors.sdc import SdcMonitor
-from ptops.ops.supervisor.policy import FindingPolicy, persistent_sdc, plan_rollback
+from ptops.ops.supervisor.policy import (
+    FindingPolicy,
+    contained_sdc,
+    persistent_sdc,
+    plan_rollback,
+)
 from ptops.recipes import sdc
 
 
@@ -31,7 +36,7 @@ def test_bitflip_spec_defaults_and_errors():
     assert (again.rank, again.step, again.attempt, again.params) == (1, 3, 0, p.params)
     assert parse("bitflip:rank=1,step=3,mode=persistent,attempt=2").attempt == 2
     for bad, words in (
-        ("bitflip:step=3,target=grad", "key 'target'"),
+        ("bitflip:step=3,target=disk", "key 'target'"),
         ("bitflip:step=3,mode=every", "key 'mode'"),
         ("bitflip:rank=1", "key 'step'"),
     ):
@@ -136,6 +141,94 @@ def test_replicated_ranks_put_their_fingerprint_in_the_record():
     ra, rb = _run(a, range(1, 5)), _run(b, range(1, 5))
     assert ra[2]["sdc_fp"] == rb[2]["sdc_fp"]  # same state, same fingerprint
     assert ra[4]["sdc_fp"] != rb[4]["sdc_fp"]  # the flip before step 4 shows after it
+
+
+class _Grads:
+    """A rank's gradients computed from its weights and a batch, deterministically; ``noisy``
+    runs add a different error each time (a device that cannot compute the same thing twice)."""
+
+    def __init__(self, noisy: bool = False):
+        self.w = _named()[0][1]
+        self.grads = [("0.w.grad", torch.zeros_like(self.w))]
+        self.noisy, self.runs = noisy, 0
+
+    def compute(self):
+        self.runs += 1
+        g = self.w * 3.0 + 0.5
+        if self.noisy:
+            g = g + self.runs * 1e-3
+        self.grads[0][1].copy_(g)
+
+
+def _recheck_run(faults, steps, noisy=False, recheck_every=2):
+    probe = _Probe(faults)
+    g = _Grads(noisy)
+    checks = sdc.StateChecks(
+        0, probe, lambda: [], lambda: [], recheck_every=recheck_every
+    )  # at rest off: the recheck alone
+    votes = []
+    out = {}
+    for step in steps:
+        checks.before_step(step)
+        g.compute()  # the step's backward
+        checks.before_optimizer(
+            step, lambda: g.grads, g.compute, lambda flag: votes.append(flag) or flag
+        )
+        clean = g.w * 3.0 + 0.5
+        out[step] = {**checks.after_step(step), "_clean": bool(torch.equal(g.grads[0][1], clean))}
+    return out, probe, votes
+
+
+def test_recheck_catches_a_gradient_flip_and_keeps_the_clean_gradients():
+    recs, probe, votes = _recheck_run(["bitflip:rank=0,step=4,target=grad"], range(1, 7))
+    assert recs[2]["sdc_recheck"] == 0 and "sdc_recheck_kept" not in recs[2]
+    assert recs[4]["sdc_recheck"] == 1 and recs[4]["sdc_recheck_tensor"] == "0.w.grad"
+    assert recs[4]["sdc_recheck_kept"] == "recompute"  # the flipped first run was outvoted
+    assert all(r["_clean"] for r in recs.values())  # the optimizer never saw the flipped value
+    assert "sdc_recheck" not in recs[3] and "sdc_recheck" not in recs[5]  # not recheck steps
+    assert votes == [False, True, False]  # a third run only where a rank disagreed
+    assert probe.emitted == [("bitflip:rank=0,step=4,target=grad", 4)]
+    # the flip lands between the backward and the optimizer, never at rest
+    at_rest, probe2, _ = _checks(["bitflip:rank=0,step=2,target=grad"], every=1)
+    assert _run(at_rest, range(1, 4))[2]["sdc_rest"] == 0 and not probe2.emitted
+
+
+def test_recheck_of_a_flip_outside_its_steps_is_missed_and_says_so_by_cadence():
+    recs, _, _ = _recheck_run(["bitflip:rank=0,step=3,target=grad"], range(1, 5))
+    assert recs[3].get("sdc_recheck") is None and not recs[3]["_clean"]  # step 3: not rechecked
+    assert recs[4]["sdc_recheck"] == 0  # the sample: step 4's own compute was clean
+
+
+def test_recheck_of_a_device_that_never_agrees_keeps_none():
+    recs, _, _ = _recheck_run([], range(1, 3), noisy=True)
+    assert recs[2]["sdc_recheck"] == 1 and recs[2]["sdc_recheck_kept"] == "none"
+
+
+def test_monitor_recheck_contained_then_persistent_and_what_the_policy_does():
+    records = [rec(s, r, sdc_recheck=0) for s in (5, 10) for r in (0, 1)]
+    records += [
+        rec(15, 0, sdc_recheck=0),
+        rec(15, 1, sdc_recheck=2, sdc_recheck_tensor="0.w.grad", sdc_recheck_kept="recompute"),
+        rec(20, 0, sdc_recheck=0),
+        rec(20, 1, sdc_recheck=1, sdc_recheck_tensor="0.w.grad", sdc_recheck_kept="recompute"),
+    ]
+    found = replay(records, [SdcMonitor()])
+    assert [(f.step, f.rank, f.value, f.severity) for f in found] == [
+        (15, 1, 1.0, "warning"),
+        (10, 1, 2.0, "critical"),  # a bad device: back before its last clean recheck (step 10)
+    ]
+    assert found[0].detail.startswith("recompute transient: rank 1's gradients at step 15")
+    assert "discarded before the optimizer" in found[0].detail
+    assert found[1].detail.startswith("recompute persistent") and "step 10" in found[1].detail
+    pol = FindingPolicy(MonitorsSection())
+    assert contained_sdc(found[0]) and pol.decide(found[0]).action == "alert"
+    assert not contained_sdc(found[1]) and pol.decide(found[1]).action == "exclude_node"
+    (none,) = replay(
+        [rec(4, 0, sdc_recheck=0), rec(8, 0, sdc_recheck=3, sdc_recheck_kept="none")],
+        [SdcMonitor()],
+    )
+    assert none.severity == "critical" and "three answers" in none.detail and none.step == 4
+    assert pol.decide(none).action == "exclude_node"
 
 
 def rec(step, rank, attempt=1, **kw):

@@ -14,7 +14,8 @@ restarted supervisor rebuilds their history from ``events.jsonl``:
   straggler, RL) -> ``alert | stop | rollback | exclude_node``, per monitor
   (``[monitors.<name>] action``); :func:`plan_rollback` says where a rollback goes (exactly,
   without skipping data or scaling the LR, for silent data corruption: :data:`EXACT_ROLLBACK`).
-  A persistent ``sdc`` finding (the same rank caught in two attempts) becomes ``exclude_node``.
+  A persistent ``sdc`` finding (the same rank caught in two attempts) becomes ``exclude_node``;
+  a contained one (corrupt gradients outvoted before the optimizer) is only recorded.
   ``ptops.ops.supervisor.actions`` carries the decisions out. A rollback is not a
   failure for the restart policy: it neither counts toward ``max_restarts`` nor the
   storm / no-progress rules (``monitors.rollback.max_rollbacks`` bounds it).
@@ -218,6 +219,14 @@ def persistent_sdc(f: Any) -> bool:
     )
 
 
+def contained_sdc(f: Any) -> bool:
+    """Corrupt gradients caught by a recheck and outvoted before the optimizer
+    (``monitors/sdc.py``): the weights never saw them, so nothing is rolled back."""
+    return getattr(f, "monitor", None) == "sdc" and str(getattr(f, "detail", "")).startswith(
+        "recompute transient"
+    )
+
+
 def finding_reason(f: Any) -> str:
     return f"{f.monitor} at step {f.step}: {f.detail}"
 
@@ -245,7 +254,7 @@ class FindingPolicy:
 
     def decide(self, finding: Any) -> FindingDecision:
         action = "alert" if self.record_only else self.section.action_for(finding.monitor)
-        if is_all_clear(finding):
+        if is_all_clear(finding) or contained_sdc(finding):
             action = "alert"  # recorded, never acted on
         if action == "exclude_node" and finding.monitor != "straggler":
             action = "alert"  # only a straggler names a node; the schema allows it nowhere else

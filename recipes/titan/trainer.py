@@ -785,6 +785,9 @@ class ProbeTrainer(Trainer):
             probe.startup("load")  # train() loads the checkpoint first, then the first step begins
             probe.faults.on_startup("load")
         self.ptops_sdc = self._state_checks(probe)
+        self.ptops_fwd: list[tuple[tuple, dict]] = []  # this step's forward-backward calls
+        if self.ptops_sdc is not None:
+            self.optimizers.register_step_pre_hook(self._before_optimizer)
         if isinstance(self.metrics_processor, ProbeMetricsProcessor):
             self.metrics_processor.pp_has_last_stage = (
                 self.pp_has_last_stage if self.parallel_dims.pp_enabled else True
@@ -808,7 +811,48 @@ class ProbeTrainer(Trainer):
         def optims() -> sdc.Named:
             return sdc.optim_tensors(list(getattr(self.optimizers, "optimizers", [])))
 
-        return sdc.StateChecks(sdc.every_of(registry._recipe()), probe, params, optims)
+        recipe = registry._recipe()
+        return sdc.StateChecks(
+            sdc.every_of(recipe), probe, params, optims, recheck_every=sdc.recheck_of(recipe)
+        )
+
+    def forward_backward_step(self, *args: Any, **kwargs: Any) -> Any:
+        """torchtitan's, its inputs kept for the step's recheck (references: alive all step)."""
+        self.ptops_fwd.append((args, kwargs))
+        return super().forward_backward_step(*args, **kwargs)
+
+    def _before_optimizer(self, *_hook: Any) -> None:
+        """The optimizers' step pre-hook (after the backward and the clipping): gradient bit
+        flips, then the recheck (``recipes/sdc.py``)."""
+        from ptops.recipes import sdc
+
+        ckpt = self.checkpointer
+        agree = ckpt.agree_any if isinstance(ckpt, ProbeCheckpointManager) else bool
+        self.ptops_sdc.before_optimizer(
+            self.step, lambda: sdc.grad_tensors(self.model_parts), self._recompute_grads, agree
+        )
+
+    def _recompute_grads(self) -> None:
+        """The step's gradients again, from the same batches and weights: torchtitan's
+        train_step between its data fetch and its optimizer step (zero, forward-backward per
+        accumulation group, clip), nothing logged."""
+        import torch
+        from torchtitan.distributed import utils as dist_utils
+
+        self.optimizers.zero_grad(
+            set_to_none=getattr(self.config.training, "disable_cuda_graphs", True)
+        )
+        with torch.enable_grad():
+            for args, kwargs in self.ptops_fwd:
+                super().forward_backward_step(*args, **kwargs)
+        pd = self.parallel_dims
+        dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()],
+            self.config.training.max_norm,
+            foreach=True,
+            pp_mesh=pd.get_optional_mesh("pp"),
+            ep_enabled=pd.ep_enabled,
+        )
 
     def init_distributed(self):
         """Start-up progress around the process group's init (the rendezvous), and what it
@@ -828,6 +872,7 @@ class ProbeTrainer(Trainer):
         global _POISON
         probe = get_probe()
         step = self.step
+        self.ptops_fwd = []
         if probe is not None:
             probe.profile.at_step(step)  # a capture's boundary comes before the fault hooks
             probe.faults.before_step(step)

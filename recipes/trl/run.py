@@ -271,6 +271,13 @@ def _make_callback(
             self.sdc.before_step(step)  # bitflip faults, then the at-rest check
             self._t0 = time.monotonic()
 
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            # gradient bit flips (no recheck here: DDP replicas compare their state after it)
+            if self.sdc is not None and self._model is not None:
+                self.sdc.before_optimizer(
+                    state.global_step + 1, lambda: sdc.grad_tensors([self._model])
+                )
+
         def _stop_agreed(self, args) -> bool:
             """All ranks stop at the same step or none does (a lone stop would hang the others)."""
             if not getattr(probe, "supervised", False):
