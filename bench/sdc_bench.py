@@ -22,6 +22,17 @@ what is measured, not a race with the end of the run):
 - ``catch_replica``: trl-sft-tiny, rank 1 flips before step 13 (outside any at-rest window): only
   the replicas' fingerprints at step 20 can see it.
 
+Gradient recheck (FSDP shards: ``monitors.sdc.recheck_every``; ``--recheck-only``: these alone):
+
+- ``cost_recheck``: titan-tiny with ``recheck_every=2`` (at rest off): the rechecked steps'
+  ``sdc_s`` (the second forward-backward, the clipping and the gradients' fingerprints; inside
+  ``step_s``, unlike the at-rest check) against the median ``step_s`` of the other steps;
+- ``catch_recheck_transient``: rank 1 flips a gradient bit at step 10, a recheck step
+  (``recheck_every=5``): outvoted in that step, no rollback;
+- ``catch_recheck_persistent``: a gradient flip at every step from 11: contained at 15, caught
+  again at 20 (the node struck; the run stops, exit 3). Flips between rechecks are not seen: the
+  recheck samples steps.
+
 Each: the ``fault_injected`` -> ``anomaly {monitor: sdc}`` time (wall clock, the supervisor's
 receive time) and steps (the anomaly's record step minus the fault's step), and for the persistent
 one the second catch.
@@ -90,9 +101,35 @@ def cost(work: Path, recipe: str, steps: int) -> dict:
     }
 
 
-def catch(work: Path, name: str, recipe: str, steps: int, faults: list[str]) -> dict:
+def cost_recheck(work: Path, steps: int) -> dict:
+    run = work / "cost-recheck"
+    sets = [f"train.steps={steps}", "monitors.sdc.every=0", "monitors.sdc.recheck_every=2"]
+    rc = launch(run, "titan-tiny", sets, [])
+    recs = [r for r in read(run / "metrics.jsonl") if r.get("step", 0) > 3]
+    checked = [float(r["sdc_s"]) for r in recs if r.get("sdc_recheck") is not None]
+    plain = [float(r["step_s"]) for r in recs if r.get("sdc_recheck") is None and "step_s" in r]
+    if not checked or not plain:
+        return {"recipe": "titan-tiny", "rc": rc, "error": "no recheck / plain records"}
+    per, step_s = statistics.median(checked), statistics.median(plain)
+    default = 125  # monitors/config.py SdcConfig.recheck_every
+    return {
+        "recipe": "titan-tiny",
+        "rc": rc,
+        "rechecks": len(checked),
+        "recheck_ms": round(per * 1e3, 2),
+        "step_ms": round(step_s * 1e3, 2),
+        "recheck_vs_step": round(per / step_s, 3),
+        "default_recheck_every": default,
+        "share_default_pct": round(100 * per / default / step_s, 3),
+        "false_positives": sum(1 for r in recs if r.get("sdc_recheck")),
+    }
+
+
+def catch(
+    work: Path, name: str, recipe: str, steps: int, faults: list[str], sets: tuple = ()
+) -> dict:
     run = work / name
-    sets = [f"train.steps={steps}", "checkpoint.interval=5", "monitors.sdc.every=10"]
+    sets = [f"train.steps={steps}", "checkpoint.interval=5", "monitors.sdc.every=10", *sets]
     rc = launch(run, recipe, sets, faults)
     events = read(run / "events.jsonl")
     flips = [e for e in events if e["kind"] == "fault_injected" and "bitflip" in e["fault"]]
@@ -125,10 +162,24 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "sdc_bench.json"))
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--cost-only", action="store_true", help="skip the time-to-catch runs")
+    ap.add_argument("--recheck-only", action="store_true", help="the gradient recheck runs only")
     a = ap.parse_args()
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="sdc-bench-"))
     out: dict = {"work_dir": str(work), "cost": [], "catch": []}
-    for recipe in ("titan-tiny", "trl-sft-tiny"):
+    out["cost"].append(cost_recheck(work, a.steps))
+    print(json.dumps(out["cost"][-1]), flush=True)
+    recheck = ("monitors.sdc.recheck_every=5",)
+    for name, faults in (
+        ("catch_recheck_transient", ["bitflip:rank=1,step=10,target=grad"]),
+        (
+            "catch_recheck_persistent",
+            ["bitflip:rank=1,step=11,target=grad,mode=persistent", "hold:step=21,seconds=60"],
+        ),
+    ):
+        if not a.cost_only:
+            out["catch"].append(catch(work, name, "titan-tiny", 24, faults, recheck))
+            print(json.dumps(out["catch"][-1]), flush=True)
+    for recipe in () if a.recheck_only else ("titan-tiny", "trl-sft-tiny"):
         out["cost"].append(cost(work, recipe, a.steps))
         print(json.dumps(out["cost"][-1]), flush=True)
     hold = "hold:step=12,seconds=60"
@@ -147,7 +198,7 @@ def main() -> None:
             ["bitflip:rank=1,step=13", "hold:step=21,seconds=60"],
         ),
     ):
-        if a.cost_only:
+        if a.cost_only or a.recheck_only:
             break
         out["catch"].append(catch(work, name, recipe, steps, faults))
         print(json.dumps(out["catch"][-1]), flush=True)
