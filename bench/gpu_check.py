@@ -10,8 +10,8 @@ four, so that torch.compile runs four times in all and the check stays under 10 
                 SIGKILLed at step 15 (held until the step-10 save commits), then in attempt 2 rank 0
                 hangs at step 25: detection and restart times of each, completed after two restarts
 
-Without a CUDA GPU it prints one line and exits 0 (tests/test_gpu_check.py). Never run on a GPU in
-the session that wrote it: the first GPU session should run it and keep its JSON.
+Without a CUDA GPU it prints one line and exits 0 (tests/install/test_gpu_check.py). Never run on a
+GPU in the session that wrote it: the first GPU session should run it and keep its JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "bench" / "gpu_check.toml"
 OUT = REPO / "bench" / "results" / "gpu_check.json"
 # --cpu-smoke: the same two runs and figures on titan-tiny (2 CPU ranks, float8 emulated, no compile
-# or pinned memory) so the driver itself is tested without a GPU (tests/test_gpu_check.py)
+# or pinned memory) so the driver itself is tested without a GPU (tests/install/test_gpu_check.py)
 SMOKE_SETS = [
     "train.steps=30",
     "checkpoint.interval=5",

@@ -4,8 +4,8 @@ save), and their final weights compared (``ptops ckpt digest``): is recovery exa
 Writes bench/results/gpu_check_trl.json.
 
 Runs where the TorchTitan check cannot (an image whose torch is older than TorchTitan 0.3.0 needs).
-``--cpu-smoke`` runs the same driver on CPU (tests/test_gpu_check.py); without a GPU and without
-``--cpu-smoke`` it prints one line and exits 0.
+``--cpu-smoke`` runs the same driver on CPU (tests/install/test_gpu_check.py); without a GPU and
+without ``--cpu-smoke`` it prints one line and exits 0.
 """
 
 from __future__ import annotations

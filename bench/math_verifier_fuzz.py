@@ -10,7 +10,8 @@ own.
     .venv/bin/python bench/math_verifier_fuzz.py [--n 3000] [--seed 0] [--json OUT]
 
 prints one line: cases, wrong passes, honest passes / honest cases, per-call CPU p50 / p99 / max
-(ms). ``tests/test_trl_rewards.py::test_math_verifier_fuzz`` runs a smaller draw of the same cases.
+(ms). ``tests/trl/test_trl_rewards.py::test_math_verifier_fuzz`` runs a smaller draw of the same
+cases.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ ALL_KINDS = tuple(KIND_SCENARIOS)
 # The default matrix: every fault kind on these tiny recipes (TorchTitan and TRL's SFT, DPO and GRPO
 # trainers; each kind applies to both engines: the faults act through the probe and the checkpoint
 # layer, which both adapters share). Not every shipped tiny recipe: the others run with ``--recipe
-# NAME``. ``ptops chaos --help`` names these from this tuple (tests/test_chaos.py checks it).
+# NAME``. ``ptops chaos --help`` names these from this tuple (tests/chaos/test_chaos.py checks it).
 TINY_RECIPES = ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny")
 DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES}
 

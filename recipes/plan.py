@@ -3,9 +3,9 @@ ptops).
 
 ``plan(recipe, gpu, gpus, nodes)`` reads a validated recipe (duck-typed: ``recipe.titan``,
 ``recipe.checkpoint``, ``recipe.train``) and returns a JSON-ready dict: the exact parameter count
-(the same as TorchTitan's model built on the meta device: tests/test_plan.py), per-GPU memory,
-communication per step per parallel dimension, step time and MFU, checkpoint size and write time,
-and the checkpoint interval from Young/Daly. Every hardware figure is in :data:`GPUS` with its
+(the same as TorchTitan's model built on the meta device: tests/engines/test_plan.py), per-GPU
+memory, communication per step per parallel dimension, step time and MFU, checkpoint size and write
+time, and the checkpoint interval from Young/Daly. Every hardware figure is in :data:`GPUS` with its
 source; every modelling assumption is in :data:`ASSUMPTIONS` and printed with the plan.
 """
 

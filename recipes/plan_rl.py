@@ -2,11 +2,11 @@
 a step takes, and the GPU split between generation and training it implies. Pure, like ``plan.py``.
 
 The policy is the recipe's own model (``[trl.model]``: a Qwen2-shaped decoder with tied embeddings,
-as ``recipes/trl/model.py`` builds it); its parameter count is exact (tests/test_plan.py builds the
-model). Generation is modelled as vLLM does it: a prefill of the prompts (compute bound), then
-decode steps in which every running sequence emits one token and each step reads the weights once
-plus every running sequence's KV cache (memory-bandwidth bound), with as many sequences running at
-once as the KV cache left after the weights holds. Training is 6N FLOPs per token of prompt +
+as ``recipes/trl/model.py`` builds it); its parameter count is exact (tests/engines/test_plan.py
+builds the model). Generation is modelled as vLLM does it: a prefill of the prompts (compute bound),
+then decode steps in which every running sequence emits one token and each step reads the weights
+once plus every running sequence's KV cache (memory-bandwidth bound), with as many sequences running
+at once as the KV cache left after the weights holds. Training is 6N FLOPs per token of prompt +
 completion, plus 2N for the reference model's forward when beta > 0.
 """
 

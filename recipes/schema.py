@@ -144,7 +144,8 @@ class HealthConfig(_Strict):
         ge=0,
         description="free space the checkpoint directory needs (and twice the newest checkpoint)",
     )
-    # the names of ops/supervisor/health.py's CHECKS (tests/test_health.py keeps the two equal)
+    # the names of ops/supervisor/health.py's CHECKS (tests/supervisor/test_health.py keeps the two
+    # equal)
     skip: list[
         Literal[
             "checkpoint_space", "checkpoint_writable", "rendezvous", "gpus", "gpu_xid", "clock_skew"

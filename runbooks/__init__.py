@@ -1,7 +1,7 @@
 """One Markdown runbook per alert and finding: ``runbooks/<Name>.md`` (``ptops runbook NAME`` prints
 one).
 
-Convention for the commands in a runbook (``tests/test_runbooks_run.py`` enforces it):
+Convention for the commands in a runbook (``tests/diagnose/test_runbooks_run.py`` enforces it):
 
 - The reader sets ``RUN`` once (``export RUN=runs/NAME``); every other value a command needs (the
   attempt N, the rank R, a pid, the latest or the bad checkpoint) is derived in the block from
@@ -20,8 +20,8 @@ Convention for the commands in a runbook (``tests/test_runbooks_run.py`` enforce
 
 What the folder holds: one Markdown runbook per alert and finding; a test fails when a name used
 anywhere has no file. Command convention (`runbooks/__init__.py`): the reader sets `RUN`; a `bash`
-block block runs as written (values derived with `jq`) and `tests/test_runbooks_run.py` runs it
-against a real faulted run; a `bash act` block block (first line `# act: why`) acts, or needs a live
-pid or the alert's host, and is not run; any other shell fence fails the test. May import (of
-ptops): —.
+block block runs as written (values derived with `jq`) and `tests/diagnose/test_runbooks_run.py`
+runs it against a real faulted run; a `bash act` block block (first line `# act: why`) acts, or
+needs a live pid or the alert's host, and is not run; any other shell fence fails the test. May
+import (of ptops): —.
 """

@@ -16,8 +16,8 @@ lock. The end then proves:
      where it imports).
 The oldest end is pyproject.toml's lower bounds, read from it, so a bound cannot drift from what
 ran; the newest is what pip resolves from the ranges today. Results go to
-``bench/results/matrix.json``; ``tests/test_packaging.py`` fails when a declared lower bound is not
-the one the last matrix run used.
+``bench/results/matrix.json``; ``tests/install/test_packaging.py`` fails when a declared lower bound
+is not the one the last matrix run used.
 """
 
 from __future__ import annotations
@@ -47,22 +47,22 @@ MATRIX_PACKAGES = (
     "torchao",
 )
 ENGINE_AGNOSTIC = [
-    "tests/test_monitors.py",
-    "tests/test_monitors_fast.py",
-    "tests/test_monitors_replay.py",
-    "tests/test_ckpt.py",
-    "tests/test_runrecord.py",
-    "tests/test_faultspec.py",
-    "tests/test_faultinject_units.py",
-    "tests/test_policy_units.py",
-    "tests/test_supervisor_units.py",
-    "tests/test_engines.py",
-    "tests/test_recipe_input.py",
-    "tests/test_packaging.py",
-    "tests/test_architecture.py",
+    "tests/monitors/test_monitors.py",
+    "tests/monitors/test_monitors_fast.py",
+    "tests/monitors/test_monitors_replay.py",
+    "tests/ckpt/test_ckpt.py",
+    "tests/supervisor/test_runrecord.py",
+    "tests/chaos/test_faultspec.py",
+    "tests/chaos/test_faultinject_units.py",
+    "tests/supervisor/test_policy_units.py",
+    "tests/supervisor/test_supervisor_units.py",
+    "tests/engines/test_engines.py",
+    "tests/engines/test_recipe_input.py",
+    "tests/install/test_packaging.py",
+    "tests/install/test_architecture.py",
 ]
-TRL_DIGEST = ["tests/test_trl_train.py"]  # SFT/DPO/GRPO on 2 ranks, kill + resume bit-identical
-TITAN = ["tests/test_titan_train.py"]
+TRL_DIGEST = ["tests/trl/test_trl_train.py"]  # SFT/DPO/GRPO on 2 ranks, kill + resume bit-identical
+TITAN = ["tests/engines/test_titan_train.py"]
 
 
 def extras() -> dict[str, list[str]]:
@@ -243,7 +243,7 @@ def run_end(end: str, log_dir: Path) -> dict:
         # the one test that reads this script's results cannot pass before they are written
         own = [
             "--deselect",
-            "tests/test_packaging.py::test_declared_bounds_are_the_ones_the_matrix_ran",
+            "tests/install/test_packaging.py::test_declared_bounds_are_the_ones_the_matrix_ran",
         ]
         marks = ["-m", "not chaos_full" + ("" if titan_imports else " and not titan")]
         rc = sh(

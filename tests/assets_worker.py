@@ -1,6 +1,6 @@
 """One rank of
-``tests/test_recipes_clean_cache.py::test_asset_built_under_a_process_group_is_complete``: 2 ranks
-in a real gloo group build the tiny TRL model asset in one empty ``PTOPS_CACHE``.
+``tests/install/test_recipes_clean_cache.py::test_asset_built_under_a_process_group_is_complete``:
+2 ranks in a real gloo group build the tiny TRL model asset in one empty ``PTOPS_CACHE``.
 
 - ``alone``: rank 1 builds while rank 0 waits at a barrier (the GKD teacher's case: a non-main rank,
   process group up, is the builder), then rank 0 takes it from the cache;

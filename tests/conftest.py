@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+# tests/ holds the helpers, data/, snapshots/ and the worker scripts; the test modules are one
+# folder below, by concern (tests/supervisor/, tests/obs/, ...): paths come from here, not __file__
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 PTOPS = [sys.executable, "-m", "ptops"]
 
 
@@ -198,28 +201,28 @@ LONGEST_FIRST = [
 # it. Run them with `bash scripts/test.sh -m extended` before resolving an issue that touches what
 # they name (the TRL recipes, the GPU check's drivers). Every entry must name a test that exists.
 EXTENDED = {
-    "tests/test_trl_catalogue.py::test_lora_sft_trains_adapters_and_resumes_exactly": (
+    "tests/trl/test_trl_catalogue.py::test_lora_sft_trains_adapters_and_resumes_exactly": (
         "the TRL adapter's crash-resume: test_trl_train (SFT kill/resume), test_supervisor_real"
     ),
-    "tests/test_trl_catalogue.py::test_reward_model_trains_and_resumes_exactly": (
+    "tests/trl/test_trl_catalogue.py::test_reward_model_trains_and_resumes_exactly": (
         "the TRL adapter's crash-resume: test_trl_train, test_trl_grpo_rewards_train (code)"
     ),
     (
-        "tests/test_trl_catalogue.py::"
+        "tests/trl/test_trl_catalogue.py::"
         "test_rloo_trains_with_the_verifiable_reward_and_resumes_exactly"
     ): "RL with a verifiable reward, crashed and resumed: test_grpo_code_trains_and_resumes_...",
-    "tests/test_trl_grpo_rewards_train.py::test_grpo_math_trains_and_resumes_exactly": (
+    "tests/trl/test_trl_grpo_rewards_train.py::test_grpo_math_trains_and_resumes_exactly": (
         "the GRPO reward path: test_grpo_code_trains_and_resumes_exactly; the math verifier: "
         "test_trl_rewards"
     ),
-    "tests/test_trl_grpo_rewards_train.py::test_grpo_judge_trains_and_resumes_exactly": (
+    "tests/trl/test_trl_grpo_rewards_train.py::test_grpo_judge_trains_and_resumes_exactly": (
         "the GRPO reward path: test_grpo_code_trains_and_resumes_exactly; judge: test_trl_rewards"
     ),
-    "tests/test_gpu_check.py::test_gpu_check_driver_on_cpu_smoke": (
+    "tests/install/test_gpu_check.py::test_gpu_check_driver_on_cpu_smoke": (
         "titan crash/hang/async save: faulted runs (tests/faulted.py); the one-call driver and its "
         "stages: test_script_stage_driver_on_cpu_smoke, test_a_stage_over_its_budget_is_cut_..."
     ),
-    "tests/test_gpu_check.py::test_trl_gpu_check_driver_on_cpu_smoke": (
+    "tests/install/test_gpu_check.py::test_trl_gpu_check_driver_on_cpu_smoke": (
         "trl-sft-tiny crash and exact resume: test_supervisor_real, test_trl_train"
     ),
 }
@@ -239,6 +242,14 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in EXTENDED:
             item.add_marker(pytest.mark.extended)
             seen.add(item.nodeid)
+    # a moved or renamed module: checked on every run, whatever is selected
+    modules = {f.stem for f in TESTS.glob("*/test_*.py")}
+    gone = [n for n in EXTENDED if not (REPO / n.split("::")[0]).is_file()]
+    gone += [m for m in LONGEST_FIRST if m not in modules]
+    if gone:
+        raise pytest.UsageError(
+            f"tests/conftest.py EXTENDED or LONGEST_FIRST names modules that do not exist: {gone}"
+        )
     files = {it.nodeid.split("::")[0] for it in items}
     stale = [n for n in EXTENDED if n.split("::")[0] in files and n not in seen]
     if stale and not (config.option.keyword or config.args != config.getini("testpaths")):

@@ -1,6 +1,7 @@
-"""One rank of ``tests/test_staging.py::test_qkv_split_after_staging_writes_what_the_hook_writes``
-(2 ranks, gloo, FSDP2 on a tiny torchtitan llama3 with fused QKV): the state dict staged with the
-split done after the copy (``QkvSplit``) against torchtitan's own hook
+"""One rank of
+``tests/ckpt/test_staging.py::test_qkv_split_after_staging_writes_what_the_hook_writes`` (2 ranks,
+gloo, FSDP2 on a tiny torchtitan llama3 with fused QKV): the state dict staged with the split done
+after the copy (``QkvSplit``) against torchtitan's own hook
 (``ModelWrapper.state_dict``), tensor by tensor, then both saved with DCP into OUT/new and OUT/old
 for the test to compare file by file.
 

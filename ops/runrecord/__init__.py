@@ -14,5 +14,6 @@ reducer (`events.py`), the JSONL writer and tail reader (`jsonl.py`), followers 
 (`follow.py`), `status.json` (`status.py`), the run lock (`lock.py`), the goodput account
 (`goodput.py`: productive time and where the rest went, for status, diagnose and the exporter
 alike), the one format of what ptops writes into a rank's log (`ranklog.py`: every rank-side part
-logs through it, no `print`; `tests/test_architecture.py` checks). May import (of ptops): nothing.
+logs through it, no `print`; `tests/install/test_architecture.py` checks). May import (of ptops):
+nothing.
 """

@@ -1,7 +1,7 @@
 """The sbatch script of a supervised multi-node run: written into the run directory, printed by
 ``--dry-run``.
 
-Why these directives (each one is checked by ``tests/test_slurm_dryrun.py``):
+Why these directives (each one is checked by ``tests/slurm/test_slurm_dryrun.py``):
 
 - ``--nodes=N+K``: the ranks' nodes plus K spares held for replacing blamed nodes in-job;
 - ``--ntasks-per-node=1``: one node agent per node; the agent starts that node's ranks;

@@ -7,7 +7,7 @@
 Each patch is a small named function with a docstring giving the upstream
 reason; each has a ``<name>_applied()`` check (the patch is in place) and a
 ``<name>_needed()`` check (the unpatched thing really is missing or broken in
-the installed versions). ``tests/test_titan_compat.py`` asserts both, so the
+the installed versions). ``tests/engines/test_titan_compat.py`` asserts both, so the
 day an upgrade makes a patch unnecessary, a test says so and the patch can go.
 
 Nothing here copies torchtitan source: patches wrap or replace single
@@ -584,7 +584,7 @@ def skip_final_sleep() -> None:
     gets there) and the supervisor waits for every rank's exit, so the 2 s are only added to
     every attempt that completes. Applied only while that sleep is the one ``time.sleep`` in
     ``torchtitan/trainer.py``: a second one would be skipped too, so the patch then stays off
-    and ``tests/test_titan_compat.py`` says so.
+    and ``tests/engines/test_titan_compat.py`` says so.
     """
     trainer = importlib.import_module("torchtitan.trainer")
     if isinstance(trainer.time, _TimeWithoutSleep) or not skip_final_sleep_needed():

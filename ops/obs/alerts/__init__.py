@@ -2,7 +2,7 @@
 Grafana-managed rules by ``ptops.ops.obs.dashboard``).
 
 The shipped ``ptops-rules.yml`` beside this file is ``render_rules()`` with the
-default runbook base URL; ``tests/test_alerts.py`` checks they agree, and
+default runbook base URL; ``tests/obs/test_alerts.py`` checks they agree, and
 ``ops/obs/alerts/tests/*.yml`` are ``promtool test rules`` unit tests for it.
 
 Event-driven alerts (hang, corrupt checkpoint, NaN, monitor findings) compare

@@ -1,5 +1,5 @@
-"""Synthetic metric traces with known ground truth, for tests/test_monitors*.py and
-bench/monitors_bench.py.
+"""Synthetic metric traces with known ground truth, for tests/monitors/,
+tests/diagnose/test_monitors_diagnose.py and bench/monitors_bench.py.
 
 Every generator is deterministic in ``seed`` and returns ``metrics.jsonl``-style
 records (one per step per rank, ranks interleaved as the probe writes them).

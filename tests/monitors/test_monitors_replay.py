@@ -1,0 +1,316 @@
+"""Replay equality: the monitors' findings on recorded runs and synthetic traces equal the stored
+ones.
+
+Why: the monitors' hot paths are tuned for speed (issue 12: <= 10 us per record); a faster
+monitor must say exactly what the old one said. ``tests/data/monitors_golden.json`` holds the
+findings of the monitors as they were before that work (every field, texts included) on the
+recorded runs' metrics.jsonl (tests/data/obs-*, tests/data/traces/*.jsonl), on every synthetic
+fault, and on rewound (restart/rollback) and garbled copies. Regenerate it only for an intended
+change of findings: ``PTOPS_WRITE_GOLDEN=1 pytest tests/monitors/test_monitors_replay.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import synth  # tests/data/traces (pytest's pythonpath)
+from conftest import TESTS
+from replay_corpus import corpus
+
+from ptops.monitors import build_monitors, replay
+from ptops.ops.supervisor.monitorfeed import MonitorFeed
+
+DATA = TESTS / "data"
+TRACES = DATA / "traces"
+GOLDEN = DATA / "monitors_golden.json"
+
+
+def findings(recs: list[dict], flush: bool) -> list[dict]:
+    return json.loads(
+        json.dumps([f.to_dict() for f in replay(recs, build_monitors(), flush=flush)])
+    )
+
+
+def test_findings_equal_the_stored_ones():
+    got = {}
+    for name, recs in corpus().items():
+        got[name] = findings(recs, True)
+        got[name + "#live"] = findings(recs, False)
+    if os.environ.get("PTOPS_WRITE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(got, sort_keys=True, indent=0) + "\n")
+        pytest.fail("golden written; rerun without PTOPS_WRITE_GOLDEN")
+    want = json.loads(GOLDEN.read_text())
+    assert sorted(got) == sorted(want)
+    assert (
+        sum(len(v) for v in want.values()) > 300
+    )  # the corpus does find things: equality is not vacuous
+    for name in want:
+        assert got[name] == want[name], name
+
+
+# ---------------------------------------------------------------- ranks that share one state
+
+
+def _shuffled(recs: list[dict], rng: random.Random) -> list[dict]:
+    """The same records with one rank's stream delayed by a few steps (a live supervisor reads the
+    ranks' streams as they come): followers fall several transitions behind the shared state."""
+    late = max(r["rank"] for r in recs if isinstance(r.get("rank"), int))
+    lag = rng.randint(2, 9)
+    out, held = [], []
+    for r in recs:
+        (held if r.get("rank") == late else out).append(r)
+        if (
+            held
+            and isinstance(r.get("step"), int)
+            and isinstance(held[0].get("step"), int)
+            and r["step"] - held[0]["step"] >= lag
+        ):
+            out.append(held.pop(0))
+    return out + held
+
+
+def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
+    """One rank's values drift from a random step on (a rank-local loss, a per-rank reward): its
+    state must split from the shared one exactly where it diverges."""
+    rank = rng.choice(sorted({r["rank"] for r in recs if isinstance(r.get("rank"), int)}))
+    at = rng.randint(1, max(r["step"] for r in recs if isinstance(r.get("step"), int)))
+    keys = [
+        "loss",
+        "grad_norm",
+        "entropy",
+        "kl",
+        "reward",
+        "completions_mean_length",
+        "frac_reward_zero_std",
+        "policy_lag",
+        "rewards_verifier_mean",
+    ]
+    out = []
+    for r in recs:
+        if r.get("rank") == rank and isinstance(r.get("step"), int) and r["step"] >= at:
+            r = dict(r)
+            k = rng.choice(keys)
+            if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool):
+                r[k] = r[k] * (1 + rng.choice([0.0, 1e-9, 0.5, 3.0]))
+        out.append(r)
+    return out
+
+
+def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
+    """Followers equal to the step's first rank but for what only a strict look tells apart (for the
+    live path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1
+    or True for 1.0, an extra key (a held-out eval, an unknown key), a key missing, the other
+    spelling of a key, the same step twice from one rank (a rewind)."""
+    keys = [
+        "loss",
+        "grad_norm",
+        "entropy",
+        "kl",
+        "reward",
+        "completions_mean_length",
+        "frac_reward_zero_std",
+        "rewards_verifier_mean",
+        "clip_ratio_region_mean",
+    ]
+    out = []
+    for r in recs:
+        r = dict(r)
+        if r["rank"] == 0 and r["step"] % 7 == 0:  # the leader's values 0.0 or 1.0 at these steps
+            for k in keys:
+                if k in r:
+                    r[k] = rng.choice([0.0, 1.0])
+        out.append(r)
+    lead = {r["step"]: r for r in out if r["rank"] == 0}
+    traps = []
+    for r in out:
+        if r["rank"] != 0:
+            r.update(
+                {k: v for k, v in lead[r["step"]].items() if k not in ("rank", "step_s", "ts")}
+            )
+            if (
+                r["step"] % 7 == 0 and rng.random() < 0.5
+            ):  # equal to the leader's 0.0 / 1.0, not the same
+                k = rng.choice([k for k in keys if k in r])
+                r[k] = -0.0 if r[k] == 0.0 else rng.choice([1, True])
+            elif rng.random() < 0.15:
+                k = rng.choice([k for k in keys if k in r])
+                v = r[k]
+                trap = rng.choice(["neg0", "int", "bool", "extra", "eval", "missing", "spelling"])
+                if trap == "neg0" and v == 0.0:
+                    r[k] = -0.0
+                elif trap == "int" and v == 1.0:
+                    r[k] = 1
+                elif trap == "bool" and v == 1.0:
+                    r[k] = True
+                elif trap == "extra":
+                    r["mystery"] = 1.0
+                elif trap == "eval":
+                    r["eval/heldout"] = 0.5
+                elif trap == "missing":
+                    del r[k]
+                elif trap == "spelling" and "/" not in k:
+                    r.pop(k)
+                    r["train/" + k] = v
+        traps.append(r)
+        if r["rank"] == 1 and r["step"] % 41 == 0:
+            traps.append(dict(r))  # the same step again from one rank: a rewind
+    return traps
+
+
+def _restart_after_finding(recs: list[dict]) -> list[dict] | None:
+    """A restart just after the stream's first finding, with the last rank's records a few steps
+    late: the rank that fired rewinds (its once-per-step entry goes) before the late rank feeds the
+    step that fired, which must then fire again for it, as its own state would."""
+    f = [x for x in replay(recs, build_monitors(), flush=False) if x.monitor != "straggler"]
+    if not f:
+        return None
+    s0 = f[0].step
+    out = [r for r in recs if r["step"] <= s0 + 1] + [
+        dict(r, attempt=2) for r in recs if r["step"] >= s0 - 3
+    ]
+    late = max(r["rank"] for r in recs)
+    held, res = [], []
+    for r in out:
+        (held if r["rank"] == late else res).append(r)
+        if len(held) > 4:  # the late rank: 4 steps behind the others
+            res.append(held.pop(0))
+    return res + held
+
+
+def _sharing_corpus() -> dict[str, list[dict]]:
+    rng = random.Random(11)
+    out: dict[str, list[dict]] = {}
+    for seed in range(1):
+        bases = [
+            synth.pretrain(250, seed, ranks=4, with_busy=True, with_data=True),
+            synth.pretrain(250, seed, ranks=4, inject="loss_spike", at=180),
+            synth.pretrain(250, seed, ranks=4, inject="nan", at=120),
+            synth.pretrain(250, seed, ranks=4, inject="none_nan", at=140),
+            synth.grpo(250, seed, ranks=4),
+            synth.grpo(250, seed, ranks=4, inject="entropy_collapse", at=150),
+            synth.grpo(250, seed, ranks=4, inject="reward_hacking", at=200),
+            synth.grpo(250, seed, ranks=4, inject="kl_drift", at=220),
+            synth.grpo(250, seed, ranks=4, inject="mode_collapse", at=180),
+            synth.grpo(250, seed, ranks=4, inject="stale_rollout", at=150),
+        ]
+        for i, base in enumerate(bases):
+            a, b = sorted(rng.sample(range(len(base)), 2))
+            rewound = base[:b] + [dict(r, attempt=2) for r in base[a:]]
+            again = _restart_after_finding(base)
+            if again is not None:
+                out[f"{seed}-{i}-restart-after-finding"] = again
+            for name, recs in (
+                ("plain", base),
+                ("rewound", rewound),
+                ("late", _shuffled(base, rng)),
+                ("rewound-late", _shuffled(rewound, rng)),
+                ("diverged", _diverged(base, rng)),
+                ("diverged-late", _shuffled(_diverged(rewound, rng), rng)),
+            ):
+                out[f"{seed}-{i}-{name}"] = recs
+    for every, ranks_with in (
+        (10, (0, 1)),
+        (25, (0,)),
+    ):  # held-out evals on the step's record (TRL's [eval])
+        recs = []
+        for r in synth.grpo(250, 3, ranks=2, inject="reward_hacking", at=120):
+            if r["step"] % every == 0 and r["rank"] in ranks_with:
+                r = dict(r, **{"eval/heldout": round(0.6 - 0.001 * r["step"], 6)})
+            recs.append(r)
+        out[f"eval-every-{every}-ranks-{len(ranks_with)}"] = recs
+    out["lockstep-traps"] = _lockstep_traps(synth.grpo(250, 5, ranks=4), rng)
+    out["lockstep-traps-pretrain"] = _lockstep_traps(synth.pretrain(250, 5, ranks=4), rng)
+    for name, recs in corpus().items():
+        if name.startswith(("odd-", "rewind-", "obs-", "trl-grpo-tiny-100")):
+            out[name] = recs
+    return out
+
+
+def _dump(x):
+    """A monitor state as plain data (floats by repr: NaN equals NaN), to compare two states."""
+    if isinstance(x, float):
+        return repr(x)
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    if isinstance(x, dict):
+        return {repr(k): _dump(v) for k, v in x.items()}
+    if isinstance(x, (set, frozenset)):
+        return sorted(repr(v) for v in x)
+    if isinstance(x, (list, tuple)) or type(x).__name__ == "deque":
+        return [_dump(v) for v in x]
+    slots = [a for c in type(x).__mro__ for a in getattr(c, "__slots__", ())]
+    attrs = {a: getattr(x, a) for a in slots if hasattr(x, a)}
+    attrs.update(getattr(x, "__dict__", {}))
+    return {type(x).__name__: {k: _dump(v) for k, v in sorted(attrs.items())}}
+
+
+def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
+    """Ranks whose inputs agree share one state (monitors/shared.py SharedRankedMonitor): the
+    findings, texts and ranks included, equal those of the same monitors with a state per rank, on
+    streams where ranks arrive late, diverge at a random step, rewind, carry garbage; with
+    checkpoints every few transitions (the shipped interval is 1,024, longer than these streams) so
+    that forks rebuild from them."""
+    import ptops.monitors.shared as shared
+    from ptops.monitors import SharedRankedMonitor as Shared
+
+    shared_kinds = [m for m in build_monitors() if isinstance(m, Shared)]
+    # straggler alone keeps a state per rank (its signals differ by rank by nature)
+    assert {m.name for m in shared_kinds} == {
+        "nan",
+        "loss_spike",
+        "grad_explosion",
+        "entropy_collapse",
+        "kl_drift",
+        "reward_hacking",
+        "mode_collapse",
+        "stale_rollout",
+    }
+    own_states: dict[str, tuple] = {}  # a state per rank does not depend on _LOG_MAX: once
+    for log_max in (1024, 16):
+        monkeypatch.setattr(shared, "_LOG_MAX", log_max)
+        forks = 0
+        for name, recs in _sharing_corpus().items():  # fresh records: nothing carried over
+            mons = build_monitors()
+            got = [f.to_dict() for f in replay(recs, mons)]
+            if name not in own_states:
+                alone = build_monitors()
+                for m in alone:
+                    if isinstance(m, Shared):
+                        m.share = False
+                own_states[name] = (alone, [f.to_dict() for f in replay(recs, alone)])
+            alone, want = own_states[name]
+            assert json.loads(json.dumps(got)) == json.loads(json.dumps(want)), (log_max, name)
+            # the live path: MonitorFeed moves a rank that repeats the step's leader on in every
+            # shared state at once (monitors/shared.py Lockstep); the same findings and states
+            live = build_monitors()
+            feed = MonitorFeed(live)
+            got_live = [f for r in recs for f in feed.feed(r)[0]]
+            for m in live:
+                if getattr(m, "flush", None) is not None:
+                    got_live.extend(m.flush())
+            assert not feed.errors, (name, feed.errors)
+            got_live = [f.to_dict() for f in got_live]
+            assert json.loads(json.dumps(got_live)) == json.loads(json.dumps(want)), (
+                log_max,
+                name,
+                "live",
+            )
+            for m in mons + live:
+                if isinstance(m, Shared):
+                    forks += sum(1 for mm in m._members.values() if mm[0].log is None)
+                    own = next(a for a in alone if a.name == m.name)
+                    for rank in list(
+                        m._members
+                    ):  # every rank's state (rebuilt when behind) is what its own is
+                        assert _dump(m._state_of(rank)) == _dump(own._state_of(rank)), (
+                            log_max,
+                            name,
+                            m.name,
+                            rank,
+                        )
+                        if getattr(m, "heldout_source", None):
+                            assert m.heldout_source(rank) == own.heldout_source(rank)
+        assert forks > 0  # the corpus does split states (and rebuild them), not only share them

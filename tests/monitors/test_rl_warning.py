@@ -1,0 +1,264 @@
+"""RL early warning: findings are episodes, dips that recover are tolerated, sparse held-out
+scores catch reward hacking, the entropy forecast comes before the threshold, replay = live."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+from conftest import TESTS
+
+from ptops.monitors import (
+    EntropyCollapseMonitor,
+    MonitorsSection,
+    RewardHackingMonitor,
+    build_monitors,
+    replay,
+)
+from ptops.ops.runrecord.events import reduce
+from ptops.ops.supervisor.policy import FindingPolicy
+
+TRACES = TESTS / "data" / "traces"
+
+
+def _ent(fn, steps=220, seed=0, noise=0.03, extra=None):
+    rng = random.Random(seed)
+    out = []
+    for t in range(1, steps + 1):
+        rec = {"step": t, "rank": 0, "attempt": 1, "entropy": fn(t) * (1 + rng.gauss(0, noise))}
+        if extra:
+            rec.update(extra(t, rng))
+        out.append(rec)
+    return out
+
+
+def _collapse_then_recover(t):
+    if t < 60:
+        return 1.5
+    if t < 110:
+        return 1.5 * (0.05 + 0.95 * math.exp(-(t - 60) / 12))
+    return 1.5  # the fix landed (say, a higher temperature): back to its level
+
+
+def test_collapse_then_recover_is_one_episode_warning_escalation_all_clear():
+    found = replay(_ent(_collapse_then_recover), [EntropyCollapseMonitor()])
+    assert [(f.phase, f.severity, f.episode) for f in found] == [
+        ("open", "warning", 1),
+        ("escalate", "critical", 1),
+        ("resolved", "info", 1),
+    ], found
+    warn, crit, clear = found
+    assert 60 < warn.step < crit.step < 110 <= clear.step
+    # the all-clear is recorded but never acted on, even where the monitor's action is rollback
+    pol = FindingPolicy(
+        MonitorsSection.model_validate({"entropy_collapse": {"action": "rollback"}})
+    )
+    assert pol.decide(warn).action == "rollback" and pol.decide(clear).action == "alert"
+    # and it closes the episode's open findings in the run's view
+    events = [{"ts": 0, "kind": "launch", "attempt": 1}] + [
+        {"ts": 1, **f.to_event()} for f in found
+    ]
+    assert reduce(events[:3]).open_findings and reduce(events).open_findings == []
+
+
+def test_dip_that_recovers_gives_no_warning():
+    for seed in range(10):
+        for depth, ramp, hold in ((0.3, 1, 4), (0.35, 3, 6), (0.3, 2, 3)):
+
+            def f(t):
+                d = t - 90
+                if 0 <= d < ramp:
+                    return 1.5 * (1 - depth * (d + 1) / ramp)
+                if ramp <= d < ramp + hold:
+                    return 1.5 * (1 - depth)
+                return 1.5
+
+            assert replay(_ent(f, seed=seed), build_monitors()) == [], (seed, depth, ramp, hold)
+
+
+def test_forecast_fires_before_the_threshold_is_crossed():
+    for seed in range(10):
+        recs = _ent(lambda t: 1.0 if t < 60 else 0.05 + 0.95 * math.exp(-(t - 60) / 25), seed=seed)
+        crossing = 60 + math.ceil(25 * math.log(0.95 / 0.25))  # noiseless curve under 30 %
+        (warn, *rest) = replay(recs, [EntropyCollapseMonitor()])
+        assert (
+            warn.severity == "warning" and warn.phase == "open" and 60 < warn.step < crossing - 10
+        ), warn
+        forecast_step = int(warn.detail.split(" at step ")[1].split()[0])
+        assert abs(forecast_step - crossing) <= 25, (forecast_step, crossing, warn.detail)
+
+
+def _hacking(every: int, seed: int):
+    rng = random.Random(seed)
+    out = []
+    for t in range(1, 201):
+        d = max(0, t - 100)
+        out.append(
+            {"step": t, "rank": 0, "reward": 0.3 + 0.0005 * t + 0.006 * d + rng.gauss(0, 0.03)}
+        )
+        held = 0.3 + 0.0004 * t - 0.003 * d + rng.gauss(0, 0.015)
+        if every == 1:
+            out[-1]["rewards_verifier_mean"] = held
+        elif t % every == 0:
+            out.append({"step": t, "rank": 0, "eval/accuracy": held})  # an eval record of its own
+    return out
+
+
+def test_reward_hacking_fires_with_dense_and_sparse_held_out_scores():
+    for every in (1, 5, 10):
+        for seed in range(5):
+            found = replay(_hacking(every, seed), [RewardHackingMonitor()])
+            assert found and all(f.step > 100 for f in found), (every, seed, found)
+            assert any(f.severity == "critical" for f in found), (every, seed, found)
+            assert len([f for f in found if f.phase == "open"]) == 1, (every, seed, found)
+
+
+def test_healthy_recorded_grpo_traces_give_no_rl_findings():
+    for p in sorted(TRACES.glob("trl-grpo-*.jsonl")):
+        recs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        assert [f for f in replay(recs, build_monitors()) if f.family == "rl"] == [], p.name
+
+
+def test_replay_gives_the_same_findings_as_live_feeding_with_two_ranks():
+    recs = []
+    for r in _ent(_collapse_then_recover):
+        recs += [r, {**r, "rank": 1}]
+    mons = build_monitors()
+    live = [f for rec in recs for m in mons for f in m.feed(rec)]
+    assert (
+        live == replay(recs, build_monitors()) and len(live) == 3
+    )  # one finding per transition, not per rank
+
+
+def test_rewind_starts_the_redone_timeline_without_an_open_episode():
+    recs = _ent(_collapse_then_recover, steps=100)
+    redo = [dict(r, attempt=2) for r in recs if r["step"] >= 40]
+    found = replay(recs + redo, [EntropyCollapseMonitor()])
+    opens = [f for f in found if f.phase == "open"]
+    assert len(opens) == 2 and opens[1].episode == 2 and opens[1].attempt == 2
+
+
+def test_eval_records_before_after_or_late_never_rewind_the_training_series():
+    base = _hacking(10, 1)
+    before, late = [], []
+    for r in base:
+        if "eval/accuracy" in r:
+            before.insert(
+                len(before) - 1, r
+            )  # the eval record just before its step's training record
+            late.append(dict(r, step=r["step"]))
+        else:
+            before.append(r)
+            late.append(r)
+    late = [r for r in late if "eval/accuracy" not in r]
+    for r in base:  # each eval record one training step late
+        if "eval/accuracy" in r:
+            i = (
+                next(j for j, x in enumerate(late) if x["step"] == r["step"] + 1)
+                if r["step"] < 200
+                else len(late)
+            )
+            late.insert(i + 1, r)
+    want = [(f.phase, f.severity) for f in replay(base, [RewardHackingMonitor()])]
+    assert ("open", "critical") in want or ("escalate", "critical") in want
+    for variant in (before, late):
+        got = replay(variant, [RewardHackingMonitor()])
+        assert [(f.phase, f.severity) for f in got] == want, got
+
+
+def test_kl_and_stale_rollout_findings_are_episodes_too():
+    from ptops.monitors import KLDriftMonitor, StaleRolloutMonitor
+
+    def kl(t):
+        return 0.02 if t < 40 else min(0.02 * 1.08 ** (t - 40), 3.0) if t < 120 else 0.02
+
+    recs = [
+        {"step": t, "rank": r, "kl": kl(t), "policy_lag": 8 if 50 <= t < 90 else 1}
+        for t in range(1, 160)
+        for r in (0, 1)
+    ]
+    found = replay(recs, [KLDriftMonitor(), StaleRolloutMonitor()])
+    by = {
+        m: [(f.phase, f.severity) for f in found if f.monitor == m]
+        for m in ("kl_drift", "stale_rollout")
+    }
+    assert by["kl_drift"] == [
+        ("open", "warning"),
+        ("escalate", "critical"),
+        ("resolved", "info"),
+    ], found
+    assert by["stale_rollout"] == [("open", "warning"), ("resolved", "info")], found
+    clear = [f for f in found if f.monitor == "stale_rollout"][1]
+    assert clear.step == 99  # 10 steps within the bound after step 89
+
+
+def test_diagnose_tells_an_rl_episode_as_one_incident_ended_by_its_all_clear(tmp_path):
+    """The warning, the escalation and the all-clear of one episode are one incident, not three."""
+    from ptops.diagnostics.diagnose import diagnose
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = _ent(_collapse_then_recover)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rep = diagnose(run)
+    rl = [i for i in rep["incidents"] if i["kind"] == "rl"]
+    assert len(rl) == 1, rl
+    (inc,) = rl
+    assert inc["severity"] == "critical" and inc["details"]["episode"] == 1
+    assert (
+        60 < inc["step"] < 110 <= inc["details"]["resolved_step"]
+        and "all clear at step" in inc["title"]
+    )
+    assert {f["phase"] for f in rep["findings"] if f["monitor"] == "entropy_collapse"} == {
+        "open",
+        "escalate",
+        "resolved",
+    }
+
+
+def _run(seed: int, every: int, hacked: bool, steps: int = 300):
+    """A fresh trace (not the bench's generator): from a random onset the reward climbs faster while
+    the held-out score falls (hacked) or rises with it (healthy); the score on every step or every
+    ``every``."""
+    rng = random.Random(seed * 1009 + every * 7 + hacked)
+    at = rng.randint(70, 130)
+    rise, fall, noise = (
+        rng.uniform(0.003, 0.006),
+        rng.uniform(0.0015, 0.003),
+        rng.uniform(0.01, 0.025),
+    )
+    out = []
+    for t in range(1, steps + 1):
+        d = max(0, t - at)
+        out.append(
+            {"step": t, "rank": 0, "reward": 0.3 + 0.0005 * t + rise * d + rng.gauss(0, 0.03)}
+        )
+        held = 0.3 + 0.0004 * t + (-fall if hacked else 0.5 * rise) * d + rng.gauss(0, noise)
+        if every == 1:
+            out[-1]["rewards_verifier_mean"] = held
+        elif t % every == 0:
+            out.append({"step": t, "rank": 0, "eval/accuracy": held})
+    return out, at
+
+
+def test_reward_hacking_is_flagged_soon_after_its_onset_dense_or_sparse():
+    # the fall is judged against the held-out noise (second differences): 3 sparse values can be
+    # enough
+    within = {1: 35, 10: 70, 25: 100}
+    for every, most in within.items():
+        delays = []
+        for seed in range(12):
+            recs, at = _run(seed, every, hacked=True)
+            found = [f for f in replay(recs, [RewardHackingMonitor()]) if f.phase != "resolved"]
+            assert found and found[0].step >= at, (every, seed, at, found[:1])
+            assert any(f.severity == "critical" for f in found), (every, seed, found)
+            delays.append(found[0].step - at)
+        assert sorted(delays)[len(delays) // 2] <= most, (every, delays)
+
+
+def test_no_reward_hacking_finding_when_the_held_out_score_rises_with_the_reward():
+    for every in (1, 10, 25):
+        for seed in range(12):
+            recs, _ = _run(seed, every, hacked=False)
+            assert replay(recs, [RewardHackingMonitor()]) == [], (every, seed)

@@ -1,0 +1,171 @@
+"""The scale load generator against the real supervisor, at a small size (issue 11, point 5).
+
+``bench/scale_load.py`` runs the real :class:`Supervisor` (channel server, node relay, handlers,
+hang and metric monitors, run directory) with the attempt's process replaced by simulated node
+agents. Here: 64 ranks on 8 simulated nodes, 4 steps each, then every rank waits (pinging, as in a
+collective) except one that goes silent. No timing in the assertions: the run ends by itself when
+the supervisor declares the hang; the subprocess timeout only guards against a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+RANKS, PER_NODE, STEPS, VICTIM = 64, 8, 4, 37
+
+
+def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "scale_load.py"),
+            "--ranks",
+            str(RANKS),
+            "--per-node",
+            str(PER_NODE),
+            "--step-s",
+            "0.5",
+            "--steps",
+            str(STEPS),
+            "--victim",
+            str(VICTIM),
+            "--victim-step",
+            str(STEPS),
+            "--peers",
+            "block",
+            "--work",
+            str(tmp_path),
+            "--json",
+            str(out),
+            "--timeout",
+            "240",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    run = tmp_path / "run"
+
+    # one connection per simulated node, every rank seen through the relay
+    assert res["node_agents"] == RANKS // PER_NODE
+    assert res["connections"] == RANKS // PER_NODE
+
+    # every simulated rank's every step reached metrics.jsonl, once
+    steps: dict[int, list[int]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        steps.setdefault(rec["rank"], []).append(rec["step"])
+    assert sorted(steps) == list(range(RANKS))
+    assert all(sorted(s) == list(range(1, STEPS + 1)) for s in steps.values()), steps
+
+    # the silent rank is the hang's culprit; its stacks came from its node agent, the others' over
+    # the channel
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    hang = next(e for e in events if e["kind"] == "hang")
+    assert hang["ranks"] == [VICTIM] and hang["why"] == "unresponsive"
+    assert hang["stack_sources"][str(VICTIM)].startswith("node agent sim")
+    assert sum(1 for r, how in hang["stack_sources"].items() if how == "channel") == RANKS - 1
+    assert "simulated py-spy" in (run / "stacks" / "attempt-1" / f"rank-{VICTIM}.txt").read_text()
+    assert res["hang"]["found_ranks"] == [VICTIM]
+    assert events[-1]["kind"] == "failed"  # a plain (temporary) launch ends on the hang
+
+
+def test_rendezvous_memo_follows_every_change() -> None:
+    """The hang monitor remembers when every live rank reached the rendezvous (it was O(ranks) per
+    question, O(ranks^2) per start-up); the memo must change whenever a rank enters, exits or
+    appears."""
+    from ptops.monitors.hang import HangConfig, HangMonitor
+
+    def truth(m: HangMonitor) -> float | None:
+        return m._all_in_rendezvous_now()
+
+    m = HangMonitor(50, 0.0, HangConfig())
+    seen = []
+    for r in range(50):
+        m.observe(
+            {
+                "kind": "beat",
+                "rank": r,
+                "step": 0,
+                "phase": "startup",
+                "section": "import",
+                "ts": 1.0,
+            }
+        )
+    for r in range(50):
+        m.observe(
+            {
+                "kind": "beat",
+                "rank": r,
+                "step": 0,
+                "phase": "startup",
+                "section": "rendezvous",
+                "ts": 2.0 + r,
+            }
+        )
+        seen.append(m._all_in_rendezvous())
+        assert seen[-1] == truth(m)
+    assert seen[:49] == [None] * 49 and seen[49] == 51.0
+    m.observe(
+        {"kind": "beat", "rank": 50, "step": 0, "phase": "startup", "section": "import", "ts": 60.0}
+    )  # a rank appears
+    assert m._all_in_rendezvous() is None and truth(m) is None
+    m.observe({"kind": "exit", "rank": 50, "ts": 61.0})  # ... and leaves
+    assert m._all_in_rendezvous() == truth(m) == 51.0
+    m.observe(
+        {"kind": "exit", "rank": 49, "ts": 62.0}
+    )  # the last to arrive leaves: the latest is now rank 48's
+    assert m._all_in_rendezvous() == truth(m) == 50.0
+    # the per-check budget memo gives the same finding as computing every budget per rank
+    for r in range(49):
+        m.observe(
+            {"kind": "beat", "rank": r, "step": 1, "phase": "step", "stage": "begin", "ts": 70.0}
+        )
+        m.observe({"kind": "metrics", "rank": r, "step": 1, "step_s": 1.0, "ts": 71.0})
+    m.observe({"kind": "beat", "rank": 3, "step": 2, "phase": "step", "stage": "begin", "ts": 72.0})
+    for now in (72.0, 200.0, 400.0, 800.0):
+        assert m.check(now) == m._check(now)
+    assert m.check(800.0) is not None
+
+
+def test_straggler_bookkeeping_matches_a_full_recount() -> None:
+    """The straggler monitor keeps the newest step and the expected ranks as records come (they were
+    recomputed over every rank for every record); after any stream, restarts and resets included,
+    they equal a full recount."""
+    import random
+
+    from ptops.monitors.config import StragglerConfig
+    from ptops.monitors.straggler import StragglerMonitor
+
+    for seed in range(50):
+        rnd = random.Random(seed)
+        m = StragglerMonitor(StragglerConfig(window=3, lag_steps=2))
+        n, step = rnd.choice([2, 5, 9]), 1
+        for _ in range(300):
+            if rnd.random() < 0.03:
+                step = max(1, step - rnd.randrange(4))  # a restart redoes steps
+            elif rnd.random() < 0.3:
+                step += 1
+            rec = {
+                "step": step,
+                "rank": rnd.randrange(n + 1),
+                "step_s": rnd.choice([1.0, 1.2, 0.3]),
+                "attempt": 1,
+            }
+            if rnd.random() < 0.1:
+                rec["world_size"] = n
+            m.feed(rec)
+            if rnd.random() < 0.005:
+                m.reset()
+            if m._last:
+                assert m._newest == max(m._last.values())
+            want = (set(range(m._world)) | m._known) if m._world is not None else m._known
+            assert m._expected() == want
