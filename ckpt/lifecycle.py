@@ -344,7 +344,7 @@ class SaveTransaction:
     def finish(self, err: Any = None, probe: Any = None) -> bool:
         """Every synchronous save's close: ``probe.faults.before_commit`` (``slow-save`` waits
         there) when this rank wrote its part, then :meth:`commit`. (An async save commits on its
-        own thread: ``recipes/titan/trainer.py``.)"""
+        own thread: ``recipes/titan/checkpointing.py``.)"""
         if err is None and probe is not None:
             probe.faults.before_commit(self.step)
         return self.commit(err)

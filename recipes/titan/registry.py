@@ -28,13 +28,10 @@ from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, co
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 
 from ptops.recipes.sdc import every_of  # noqa: E402
-from ptops.recipes.titan.trainer import (  # noqa: E402
-    PoisonableCrossEntropyLoss,
-    ProbeCheckpointManager,
-    ProbeMetricsProcessor,
-    ProbeTrainer,
-    register_local_text_dataset,
-)
+from ptops.recipes.titan.checkpointing import ProbeCheckpointManager  # noqa: E402
+from ptops.recipes.titan.dataset import register_local_text_dataset  # noqa: E402
+from ptops.recipes.titan.metrics import ProbeMetricsProcessor  # noqa: E402
+from ptops.recipes.titan.trainer import PoisonableCrossEntropyLoss, ProbeTrainer  # noqa: E402
 
 _RECIPE: Any = None
 

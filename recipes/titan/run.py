@@ -1,11 +1,11 @@
 """TorchTitan engine entry: ``main(recipe, probe)`` inside each torchrun rank.
 
 Applies the CPU/torch-2.13 compatibility layer, hands the recipe and the probe
-to ptops' torchtitan components (``registry``, ``trainer``), then runs
+to ptops' torchtitan components (``registry``, ``context``), then runs
 torchtitan's own ``torchtitan.train.main`` with
 ``--module ptops.recipes.titan.registry --config ptops_recipe``. A rerun on the
 same run directory resumes from the newest checkpoint that verifies against its
-ptops manifest (``ProbeCheckpointManager._load``: newer bad ones are quarantined
+ptops manifest (``checkpointing.ProbeCheckpointManager._load``: newer bad ones are quarantined
 to ``checkpoints/invalid/``), not torchtitan's highest ``step-N`` with ``.metadata``.
 Under a supervisor the ranks accept stop requests: Ctrl-C / SIGTERM of the
 supervisor makes them checkpoint the current step and return (exit 0).
@@ -58,10 +58,10 @@ def main(recipe: Any, probe: Any) -> None:
     (run_dir / "titan").mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from ptops.recipes.titan import registry, trainer
+    from ptops.recipes.titan import context, registry
 
     registry.set_recipe(recipe)
-    trainer.set_probe(probe)
+    context.set_probe(probe)
     probe.stop.accept()  # the trainer saves and returns on a stop request (ProbeTrainer)
 
     import torchtitan.train
