@@ -97,6 +97,11 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # end on the baseline's digest. Held before step 12 so the run cannot finish (and commit its
     # corrupt final checkpoint) before the supervisor acts on step 11's record.
     "bitflip": (("bitflip:rank=1,step=11", "hold:step=12,seconds=60"), ("anomaly", "rollback")),
+    # a gradient flipped at step 10, after the backward: on FSDP shards (titan) the step's recheck
+    # (KIND_SETS) outvotes it before the optimizer, no rollback; on DDP replicas (TRL) rank 1's
+    # weights part from rank 0's and the fingerprints of step 10 disagree: an exact rollback to
+    # before step 5, the last agreement (RECIPE_OVERRIDES hold TRL runs before step 11)
+    "bitflip-grad": (("bitflip:rank=1,step=10,target=grad",), ("anomaly",)),
 }
 # A NaN rollback skips the poisoned step's batch by default (monitors.rollback.skip_batches=1): a
 # deliberate change of the data order, so the result cannot equal the baseline. The injected NaN is
@@ -110,6 +115,7 @@ KIND_SETS: dict[str, tuple[str, ...]] = {
     # the flip before step 11 lands in the at-rest window after step 10 at this cadence, whatever
     # the default
     "bitflip": ("monitors.sdc.every=10",),
+    "bitflip-grad": ("monitors.sdc.every=5", "monitors.sdc.recheck_every=5"),
 }
 # why a launch of a run that keeps a warm pool may still start cold (the launch event's cold_why);
 # any other reason (the pool exited, or never became ready) is a failed fast restart
@@ -137,9 +143,16 @@ def default_recipes_help() -> str:
 TRL_KINDS = ALL_KINDS
 # per recipe tweaks of a kind's faults (TRL: truncate instead of flip, so both modes are exercised)
 RECIPE_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
-    (r, "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10")
-    for r in TINY_RECIPES
-    if r.startswith("trl")
+    **{
+        (r, "corrupt-ckpt"): ("corrupt-ckpt:step=8,mode=truncate", "crash:rank=1,step=10")
+        for r in TINY_RECIPES
+        if r.startswith("trl")
+    },
+    **{
+        (r, "bitflip-grad"): ("bitflip:rank=1,step=10,target=grad", "hold:step=11,seconds=60")
+        for r in TINY_RECIPES
+        if r.startswith("trl")
+    },
 }
 DETECT_KINDS_ANY = (
     "crash",
