@@ -67,6 +67,16 @@ class Cluster:
         bridge."""
         subprocess.run(["ip", "link", "set", f"pv-{node}", "up" if up else "down"], check=True)
 
+    def unreachable(self, node: str, to: str, cut: bool = True) -> None:
+        """``node`` loses its route to ``to`` (an unreachable route in its namespace: a bad route
+        or NIC on one path), or gets it back; the rest of its network, the controller included,
+        still works."""
+        addr = f"10.77.0.{10 + int(to.lstrip('n'))}/32"
+        subprocess.run(
+            ["ip", "-n", f"ptops-{node}", "route", "add" if cut else "del", "unreachable", addr],
+            check=cut, capture_output=True,
+        )  # fmt: skip
+
     def mount_tmpfs(self, node: str, path: Path, size: str) -> None:
         """A small tmpfs over ``path`` in ``node``'s mount namespace only (its slurmd's, which every
         step on the node inherits): that node alone sees a nearly full filesystem there."""

@@ -364,6 +364,28 @@ def test_a_node_failing_its_health_checks_is_replaced_before_any_rank_starts(
     assert inc[0]["runbook"] == "NodeUnhealthy" and "clock_skew" in inc[0]["title"]
 
 
+def test_a_node_that_cannot_reach_the_batch_node_is_replaced_before_any_rank_starts(
+    slurm_cluster, tmp_path, reference_digest
+):
+    """n2 has no route to n1 (the batch node: the supervisor, the rendezvous): the check step
+    cannot even start on n2, so n2 has no report and fails ``report``; the spare n3 takes its
+    place and the run ends digest-equal."""
+    run = tmp_path / "run"
+    slurm_cluster.unreachable("n2", "n1")
+    try:
+        job = submit(slurm_cluster, run, "--spare-nodes", "1")
+        wait_job_gone(slurm_cluster, job)
+    finally:
+        slurm_cluster.unreachable("n2", "n1", cut=False)
+    assert events(run)[-1]["kind"] == "completed", job_output(run)[-3000:]
+    hc = events(run, "health_check")[0]
+    assert hc["failed_nodes"] == {"n2": ["report"]}, hc
+    (miss,) = [c for c in hc["checks"] if c["node"] == "n2"]
+    assert miss["detail"].startswith("no report from n2"), miss
+    assert [e["nodes"] for e in events(run, "launch")] == [["n1", "n3"]]
+    assert digest(run) == reference_digest
+
+
 def test_preemption_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, reference_digest):
     """Slurm's warning signal (what --signal=B:USR1@S sends, here at once with scancel --batch):
     every rank saves at the next step boundary, the job requeues itself, the rerun resumes from that
