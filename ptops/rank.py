@@ -237,28 +237,13 @@ def start_step(step: int) -> None:
         _state["first_step"] = step
         info = rollback()
         if info is not None and abs(info.lr_factor - 1.0) > 1e-12:
-            _event(
-                "rollback_applied",
-                what="lr",
-                step=step,
-                lr_factor=info.lr_factor,
-                from_step=info.from_step,
-                to_step=info.to_step,
-            )
+            _event("rollback_applied", **info.applied("lr", step, lr_factor=info.lr_factor))
     info = rollback()
     n = info.batches_to_skip(step, _state["first_step"], position_in_checkpoint=True) if info else 0
     if n:
         _state["skipped"] += n
         _log(f"rollback: skipped {n} batch(es) before step {step}")
-        _event(
-            "rollback_applied",
-            what="skip",
-            step=step,
-            skip_batches=n,
-            batches_dropped=n,
-            from_step=info.from_step,
-            to_step=info.to_step,
-        )
+        _event("rollback_applied", **info.applied("skip", step, skip_batches=n, batches_dropped=n))
     _state["step"] = step
     _state["t0"] = time.monotonic()
     if _probe is not None:

@@ -92,6 +92,14 @@ class RollbackInfo:
             ranklog.get("rollback").warning("ignoring malformed %s=%r: %s", ENV, raw, e)
             return None
 
+    def applied(self, what: str, step: int, **extra: object) -> dict:
+        """The fields of the ``rollback_applied`` event an adapter sends when it carries out
+        ``what`` (``lr`` or ``skip``) at ``step``: one shape for every engine."""
+        return {
+            "what": what, "step": step, **extra,
+            "from_step": self.from_step, "to_step": self.to_step,
+        }  # fmt: skip
+
     def batches_to_skip(
         self, step: int, first_step: int, position_in_checkpoint: bool = True
     ) -> int:

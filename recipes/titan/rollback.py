@@ -78,12 +78,7 @@ def on_step(trainer: Any, data_iterator: Any, step: int, probe: Any) -> None:
         if probe is not None and _rank() == 0:
             probe.event(
                 "rollback_applied",
-                what="lr",
-                step=step,
-                lr_factor=info.lr_factor,
-                lr=lrs[0] if lrs else None,
-                from_step=info.from_step,
-                to_step=info.to_step,
+                **info.applied("lr", step, lr_factor=info.lr_factor, lr=lrs[0] if lrs else None),
             )
     n = info.batches_to_skip(step, first, position_in_checkpoint=True)
     if n:
@@ -92,10 +87,5 @@ def on_step(trainer: Any, data_iterator: Any, step: int, probe: Any) -> None:
         if probe is not None and _rank() == 0:
             probe.event(
                 "rollback_applied",
-                what="skip",
-                step=step,
-                skip_batches=n,
-                batches_dropped=dropped,
-                from_step=info.from_step,
-                to_step=info.to_step,
+                **info.applied("skip", step, skip_batches=n, batches_dropped=dropped),
             )

@@ -66,14 +66,10 @@ def callbacks(probe: Any) -> list:
                     if "initial_lr" in group:
                         group["initial_lr"] = base
             if _is_rank0(state):
+                step = int(state.global_step) + 1
+                lr = lrs[0] if lrs else base
                 probe.event(
-                    "rollback_applied",
-                    what="lr",
-                    step=int(state.global_step) + 1,
-                    lr_factor=rb.lr_factor,
-                    lr=lrs[0] if lrs else base,
-                    from_step=rb.from_step,
-                    to_step=rb.to_step,
+                    "rollback_applied", **rb.applied("lr", step, lr_factor=rb.lr_factor, lr=lr)
                 )
 
     return [RollbackLR()]
@@ -99,11 +95,6 @@ def skip(trainer: Any, epoch_iterator: Any, num_batches: int, probe: Any) -> int
     if trainer.state.is_world_process_zero:
         probe.event(
             "rollback_applied",
-            what="skip",
-            step=step,
-            skip_batches=n,
-            batches_dropped=dropped,
-            from_step=rb.from_step,
-            to_step=rb.to_step,
+            **rb.applied("skip", step, skip_batches=n, batches_dropped=dropped),
         )
     return dropped
