@@ -56,8 +56,20 @@ def _die_with_pytest() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def start_standing_pool(name: str, logs: Path, engines=("titan", "trl", "script")):
+def engines_here() -> tuple[str, ...]:
+    """The engines whose packages are installed here (the version matrix's oldest end has no
+    TorchTitan: its torch is below [titan]'s range)."""
+    import importlib.util
+
+    need = {"titan": "torchtitan", "trl": "trl"}
+    return tuple(
+        e for e in ("titan", "trl", "script") if e not in need or importlib.util.find_spec(need[e])
+    )
+
+
+def start_standing_pool(name: str, logs: Path, engines=None):
     """A real `ptops warm` (its pools die with pytest); returns it once every pool answers."""
+    engines = engines_here() if engines is None else engines
     warm = ["warm", *engines, "--name", name, "--log-dir", str(logs), "--json"]
     proc = subprocess.Popen(
         [*PTOPS, *warm],
