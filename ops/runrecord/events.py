@@ -33,6 +33,7 @@ class EventKind(StrEnum):
     HANG = "hang"
     MISCONFIGURED = "misconfigured"
     HEALTH_CHECK = "health_check"
+    INBOX_BEHIND = "inbox_behind"
     STRAGGLER = "straggler"
     ANOMALY = "anomaly"
     MONITOR_ERROR = "monitor_error"
@@ -430,6 +431,12 @@ SPECS: dict[EventKind, EventSpec] = {
         "run (failed, exit 1) before any rank starts, under Slurm the node is replaced by a spare "
         "that passed (node_blamed, node_replaced) or the job resubmitted without it",
         runbook="NodeUnhealthy",
+    ),
+    K.INBOX_BEHIND: EventSpec(
+        ("attempt", "lag_s", "queued"),
+        doc="the supervisor's inbox held messages received lag_s ago and not yet handled: hang "
+        "checks judge at the oldest one's arrival until it drains (no false hang from a backlog; "
+        "detection is late by the lag instead); once per episode",
     ),
     K.FAILED: EventSpec(
         ("reason",),

@@ -31,6 +31,10 @@ CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findi
 # loop, else the handlers fall behind, and a backlog older than the budget reads as a hang of every
 # rank (bench/scale_load.py). Small worlds check every CHECK_S as before.
 CHECK_SHARE = 0.1
+# A backlog older than this (messages received, not handled yet) is said once per episode: hangs
+# are judged at the oldest unhandled arrival meanwhile (``judge_time``), so a rank whose ping waits
+# in the inbox is never silent; detection waits for the backlog instead (issue 24, point 4).
+INBOX_LAG_S = 1.0
 
 
 class AttemptMixin:
@@ -168,7 +172,7 @@ class AttemptMixin:
                 if now < next_check:
                     self.write_status()
                     continue
-                finding = self.monitor.check(now + CHECK_S)
+                finding = self.monitor.check(self.judge_time(now) + CHECK_S)
                 next_check = now + (time.monotonic() - now) / CHECK_SHARE
                 if finding is not None:
                     finding = dataclasses.replace(
@@ -184,6 +188,26 @@ class AttemptMixin:
                 left = procs.run_processes(self.run.path)
                 if left:
                     procs.teardown(None, self.run.path, left, grace_s=0)
+
+    def judge_time(self, now: float) -> float:
+        """When the hang check may judge up to: ``now``, or, with messages received but not yet
+        handled, the oldest one's arrival (the monitor has seen everything before it, nothing
+        after). A lag over ``INBOX_LAG_S`` is recorded once per episode (``inbox_behind``)."""
+        oldest = self.server.oldest_unhandled() if self.server is not None else None
+        lag = 0.0 if oldest is None else max(0.0, now - oldest)
+        if lag > INBOX_LAG_S and not self.inbox_behind:
+            self.inbox_behind = True
+            queued = self.server.inbox.qsize()
+            self.event(
+                EventKind.INBOX_BEHIND, attempt=self.attempt, lag_s=round(lag, 3), queued=queued
+            )
+            self.say(
+                f"the inbox is {lag:.1f} s behind ({queued} messages): hang checks judge at the "
+                "oldest one's arrival until it drains"
+            )
+        elif lag < INBOX_LAG_S / 2:
+            self.inbox_behind = False
+        return now - lag
 
     # ---------------------------------------------- launch backend hooks (ops/slurm overrides them)
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:

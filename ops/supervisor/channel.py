@@ -65,6 +65,12 @@ class ChannelServer:
     when a connection closes. ``recv_ts`` is the supervisor's ``time.monotonic()``.
     """
 
+    def oldest_unhandled(self) -> float | None:
+        """The arrival time (``recv_ts``) of the oldest message still queued, None when the inbox
+        is empty: what the supervisor has not read yet, it cannot judge."""
+        with self.inbox.mutex:
+            return self.inbox.queue[0][2] if self.inbox.queue else None
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         self.token = token or new_token()
         self.inbox: queue.Queue[tuple[Peer, dict[str, Any], float]] = queue.Queue()

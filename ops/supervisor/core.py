@@ -91,6 +91,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.faults = faults
         self.progress = progress
         self.out = out or sys.stderr
+        self.inbox_behind = False  # an inbox_behind episode is open (attempt.py, judge_time)
         # node -> (boot id, kernel log record) where its last health check stopped reading XIDs
         self.xid_marks: dict[str, tuple[str, int]] = {}
         self.strategy = strategy

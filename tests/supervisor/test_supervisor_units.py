@@ -720,3 +720,38 @@ def test_exit_code_of_an_unreaped_rank_is_read_from_the_kernel():
         killed.wait()
         exited.wait()
     assert zombie_exit_code(exited.pid) is None  # reaped
+
+
+def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
+    """The ranks' last handled progress is 6 s old (budget 5 s), but what they sent since arrived
+    in the last 1.5 s and waits in the inbox: judged at the oldest unhandled arrival, none is late.
+    The lag is recorded once per episode (``inbox_behind``); a drained inbox judges at ``now``."""
+    import time
+
+    from ptops.ops.runrecord.rundir import RunDir
+    from ptops.ops.supervisor.channel import ChannelServer
+    from ptops.ops.supervisor.core import Supervisor
+    from ptops.ops.supervisor.launcher import prepare_run
+    from ptops.recipes.schema import load, resolve_path
+
+    rec, _ = load("titan-tiny", [])
+    sup = Supervisor(rec, prepare_run(rec, resolve_path("titan-tiny"), tmp_path / "run"), [])
+    sup.server, sup.attempt = ChannelServer(), 1
+    try:
+        now = time.monotonic()
+        mon = HangMonitor(2, now - 60, HangConfig(floor_s=5, ping_stale_s=100))
+        for r in (0, 1):  # the last progress handled: the end of step 5, 6 s ago
+            _steps(mon, r, 1, 5, now - 6.5, 0.1)
+        assert mon.check(now) is not None  # judged at now, the queued progress unseen: false hang
+        for k in range(200):  # the backlog: every message arrived in the last 1.5 s
+            sup.server.inbox.put((None, {"t": "ping"}, now - 1.5 + k * 0.005))
+        judge = sup.judge_time(now)
+        assert judge == pytest.approx(now - 1.5) and mon.check(judge) is None
+        assert sup.judge_time(now + 0.5) == pytest.approx(now - 1.5)  # still behind: said once
+        (ev,) = [e for e in RunDir(tmp_path / "run").read_events() if e["kind"] == "inbox_behind"]
+        assert ev["lag_s"] == pytest.approx(1.5, abs=0.01) and ev["queued"] == 200
+        while not sup.server.inbox.empty():
+            sup.server.inbox.get_nowait()
+        assert sup.judge_time(now + 1) == now + 1 and not sup.inbox_behind
+    finally:
+        sup.server.close()
