@@ -266,8 +266,9 @@ def test_live_fault_fires_at_next_opportunity_once(fx):
 def test_select_scenarios():
     names = [s.name for s in chaos.select()]
     assert (
-        len(names) == 4 * 11
+        len(names) == 4 * 12
         and "titan-tiny/kill-supervisor" in names
+        and "trl-dpo-tiny/bitflip-grad" in names
         and "trl-grpo-tiny/preempt" in names
     )
     assert {n.split("/")[0] for n in names} == {
