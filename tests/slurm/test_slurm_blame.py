@@ -119,3 +119,31 @@ def test_a_straggler_exclude_node_is_acted_on_under_slurm(tmp_path):
     ev = [e for e in sup.run.read_events() if e["kind"] == "exclude_node"][0]
     assert ev["acted"] is True and ev["host"] == "n2" and "n3" in ev["note"], ev
     assert sup.active == ["n1", "n3"]
+
+
+def test_a_persistent_sdc_rank_strikes_its_node_and_rolls_back_onto_the_spare(tmp_path):
+    """A bad device under Slurm (the gradient recheck caught rank 1 twice): its node n2 is struck,
+    the spare n3 takes its place from the next attempt, and the attempt ends on an exact rollback
+    (a local launch would stop instead: the same device)."""
+    from ptops.monitors import replay
+    from ptops.monitors.sdc import SdcMonitor
+
+    sup = _sup(tmp_path, ["n1", "n2", "n3"], "slurm.spare_nodes=1", "slurm.node_strikes=1")
+    records = [
+        {"step": s, "rank": r, "attempt": 1, "loss": 1.0, "sdc_recheck": 0}
+        for s in (5, 10)
+        for r in (0, 1)
+    ]
+    records += [
+        {"step": s, "rank": 1, "attempt": 1, "loss": 1.0, "sdc_recheck": 1,
+         "sdc_recheck_kept": "recompute"}
+        for s in (15, 20)
+    ]  # fmt: skip
+    contained, bad = replay(records, [SdcMonitor()])
+    sup.findings.on_finding(contained, 1, sup.rank_host)
+    assert sup.findings.pending is None and sup.active == ["n1", "n2"]  # outvoted: recorded only
+    sup.findings.on_finding(bad, 1, sup.rank_host)
+    ev = [e for e in sup.run.read_events() if e["kind"] == "exclude_node"][0]
+    assert ev["acted"] is True and ev["host"] == "n2", ev
+    assert sup.active == ["n1", "n3"]
+    assert sup.findings.pending.action == "rollback" and sup.findings.pending.step == 10
