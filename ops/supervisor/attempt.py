@@ -192,9 +192,17 @@ class AttemptMixin:
     def judge_time(self, now: float) -> float:
         """When the hang check may judge up to: ``now``, or, with messages received but not yet
         handled, the oldest one's arrival (the monitor has seen everything before it, nothing
-        after). A lag over ``INBOX_LAG_S`` is recorded once per episode (``inbox_behind``)."""
-        oldest = self.server.oldest_unhandled() if self.server is not None else None
-        lag = 0.0 if oldest is None else max(0.0, now - oldest)
+        after), or, when the channel thread is behind reading its sockets, the last time it had
+        read everything (``ChannelServer.read_until``). A lag over ``INBOX_LAG_S`` is recorded
+        once per episode (``inbox_behind``)."""
+        if self.server is None:
+            return now
+        oldest = min(
+            x
+            for x in (self.server.oldest_unhandled(), self.server.read_until(), now)
+            if x is not None
+        )
+        lag = max(0.0, now - oldest)
         if lag > INBOX_LAG_S and not self.inbox_behind:
             self.inbox_behind = True
             queued = self.server.inbox.qsize()

@@ -58,6 +58,9 @@ class Peer:
         return None if r is None else int(r)
 
 
+RECV_BYTES = 65536  # one read of a peer; a read that fills it leaves bytes behind
+
+
 class ChannelServer:
     """Accepts connections in a background thread and queues ``(peer, message, recv_ts)``.
 
@@ -70,6 +73,13 @@ class ChannelServer:
         is empty: what the supervisor has not read yet, it cannot judge."""
         with self.inbox.mutex:
             return self.inbox.queue[0][2] if self.inbox.queue else None
+
+    def read_until(self) -> float:
+        """Every byte that reached this host's sockets by this time has been read: now while the
+        channel thread waits in ``select`` (nothing is pending then), else the start of its last
+        pass whose reads all came back short (a full read leaves bytes behind: a busy or starved
+        thread is behind by that much, and messages still in the kernel have no arrival stamp)."""
+        return time.monotonic() if self._idle else self._caught_up
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         self.token = token or new_token()
@@ -86,6 +96,7 @@ class ChannelServer:
         self._peers: dict[int, Peer] = {}
         self._next = 0
         self._stop = threading.Event()
+        self._idle, self._caught_up = True, time.monotonic()  # read_until
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._loop, name="ptops-channel", daemon=True)
@@ -104,7 +115,12 @@ class ChannelServer:
             if time.monotonic() >= next_ka:
                 next_ka = time.monotonic() + KEEPALIVE_S
                 self._keepalive()
-            for key, _ in self._sel.select(timeout=0.5):
+            t = time.monotonic()
+            self._idle = True
+            ready = self._sel.select(timeout=0.5)
+            self._idle = False
+            full = False
+            for key, _ in ready:
                 if key.data == "wake":
                     try:
                         self._wake_r.recv(64)
@@ -113,7 +129,9 @@ class ChannelServer:
                 elif key.data is None:
                     self._accept()
                 else:
-                    self._read(key.data)
+                    full = self._read(key.data) or full
+            if not full:
+                self._caught_up = t
 
     def _accept(self) -> None:
         try:
@@ -154,19 +172,21 @@ class ChannelServer:
             peer.subs.clear()
             self.inbox.put((peer, {"t": "_eof"}, now))
 
-    def _read(self, peer: Peer) -> None:
+    def _read(self, peer: Peer) -> bool:
+        """One read of a ready peer; True when it filled the buffer (more may be waiting)."""
         try:
-            data = peer.sock.recv(65536)
+            data = peer.sock.recv(RECV_BYTES)
         except OSError:
             data = b""
         if not data:
             self._drop(peer)
-            return
+            return False
         peer.buf += data
         peer.last_rx = time.monotonic()
         if len(peer.buf) > MAX_LINE:
             self._drop(peer)
-            return
+            return False
+        full = len(data) == RECV_BYTES
         now = time.monotonic()
         for raw in take_lines(peer.buf):
             try:
@@ -182,7 +202,7 @@ class ChannelServer:
                 ):
                     peer.authed = False
                     self._drop(peer)
-                    return
+                    return False
                 msg.pop("token", None)
                 peer.hello = msg
                 peer.authed = True
@@ -193,6 +213,7 @@ class ChannelServer:
                     self._relayed(peer, msg, now)
                 continue
             self.inbox.put((peer, msg, now))
+        return full
 
     def _relayed(self, node: Peer, frame: dict[str, Any], now: float) -> None:
         try:

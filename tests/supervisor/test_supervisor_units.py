@@ -725,7 +725,8 @@ def test_exit_code_of_an_unreaped_rank_is_read_from_the_kernel():
 def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
     """The ranks' last handled progress is 6 s old (budget 5 s), but what they sent since arrived
     in the last 1.5 s and waits in the inbox: judged at the oldest unhandled arrival, none is late.
-    The lag is recorded once per episode (``inbox_behind``); a drained inbox judges at ``now``."""
+    The lag is recorded once per episode (``inbox_behind``); a drained inbox judges at ``now``;
+    a channel thread behind its sockets holds the judgment at the last time it had read all."""
     import time
 
     from ptops.ops.runrecord.rundir import RunDir
@@ -752,6 +753,12 @@ def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
         assert ev["lag_s"] == pytest.approx(1.5, abs=0.01) and ev["queued"] == 200
         while not sup.server.inbox.empty():
             sup.server.inbox.get_nowait()
-        assert sup.judge_time(now + 1) == now + 1 and not sup.inbox_behind
+        t = time.monotonic()  # the channel thread waits in select: it has read everything
+        assert sup.judge_time(t) == pytest.approx(t, abs=0.05) and not sup.inbox_behind
+        # bytes still in the kernel (the thread's last pass read full buffers 3 s ago): judged
+        # at the last time it had read everything, and said as a new episode
+        sup.server._idle, sup.server._caught_up = False, t - 3.0
+        assert sup.judge_time(t) == pytest.approx(t - 3.0) and sup.inbox_behind
+        sup.server._idle = True
     finally:
         sup.server.close()
