@@ -196,24 +196,11 @@ class SlurmSupervisor(Supervisor):
         if set(why) >= set(checked):
             return super().unhealthy(attempt, why)
         self.spares = [n for n in self.spares if n not in why]
-        for node, reason in why.items():
-            self.strikes[node] = self.slurm.node_strikes
-            self.event(
-                EventKind.NODE_BLAMED, attempt=attempt, node=node, strikes=self.strikes[node],
-                reason=f"health check: {reason}", ranks=[], limit=self.slurm.node_strikes,
-            )  # fmt: skip
-            self.say(f"node {node} failed its health check: {reason[:160]}")
-        for node in [n for n in self.active if n in why]:
-            if not self.spares:
+        # the failing spares are struck first, so a resubmit excludes them too
+        for node in sorted(why, key=lambda n: n in self.active):
+            if self._strike(node, [], f"health check: {why[node]}", at_once=True):
                 code = self._resubmit_without(node)
                 return code if code is not None else super().unhealthy(attempt, why)
-            spare = self.spares.pop(0)
-            self.active[self.active.index(node)] = spare
-            self.event(
-                EventKind.NODE_REPLACED, attempt=attempt, node=node, by=spare,
-                spares_left=len(self.spares),
-            )  # fmt: skip
-            self.say(f"node {node} replaced by spare {spare} ({len(self.spares)} spare(s) left)")
         return None
 
     def launch_fields(self, attempt: int) -> dict:
@@ -254,11 +241,12 @@ class SlurmSupervisor(Supervisor):
             )
         return f"strike {self.strikes[node]} of {self.slurm.node_strikes} against {node}"
 
-    def _strike(self, node: str, ranks: list, reason: str) -> bool:
-        """One strike; at the limit the node is swapped for a spare. True when the limit is reached
-        and no spare is left (the caller resubmits without it)."""
-        self.strikes[node] = self.strikes.get(node, 0) + 1
+    def _strike(self, node: str, ranks: list, reason: str, at_once: bool = False) -> bool:
+        """One strike (``at_once``: straight to the limit, a failed health check); at the limit an
+        active node is swapped for a spare. True when the limit is reached and no spare is left
+        (the caller resubmits without it)."""
         limit = self.slurm.node_strikes
+        self.strikes[node] = max(self.strikes.get(node, 0) + 1, limit if at_once else 0)
         self.event(
             EventKind.NODE_BLAMED,
             attempt=self.attempt,
@@ -269,8 +257,8 @@ class SlurmSupervisor(Supervisor):
             limit=limit,
         )
         self.say(f"node {node}: strike {self.strikes[node]} of {limit} ({reason[:80]})")
-        if self.strikes[node] < limit:
-            return False
+        if self.strikes[node] < limit or node not in self.active:
+            return False  # below the limit, or a spare (its caller took it out of the pool)
         if self.spares:
             spare = self.spares.pop(0)
             self.active[self.active.index(node)] = spare

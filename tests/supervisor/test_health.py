@@ -264,6 +264,7 @@ def _slurm_sup(tmp_path: Path, allocation: list[str], faults: list[str], *sets: 
     write(rec, run.path, [])
     sup = SlurmSupervisor(rec, run, parse_all(faults), allocation, "41")
     sup.cfg = sup.cfg.model_copy(update={"channel_advertise": "127.0.0.1"})
+    sup.attempt = 1  # the run loop numbers the attempt before its health gate
     return sup
 
 
