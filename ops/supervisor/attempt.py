@@ -210,8 +210,8 @@ class AttemptMixin:
                 EventKind.INBOX_BEHIND, attempt=self.attempt, lag_s=round(lag, 3), queued=queued
             )
             self.say(
-                f"the inbox is {lag:.1f} s behind ({queued} messages): hang checks judge at the "
-                "oldest one's arrival until it drains"
+                f"the channel is {lag:.1f} s behind ({queued} messages queued): hang checks "
+                "judge at what has been read until it catches up"
             )
         elif lag < INBOX_LAG_S / 2:
             self.inbox_behind = False

@@ -76,9 +76,9 @@ class ChannelServer:
 
     def read_until(self) -> float:
         """Every byte that reached this host's sockets by this time has been read: now while the
-        channel thread waits in ``select`` (nothing is pending then), else the start of its last
-        pass whose reads all came back short (a full read leaves bytes behind: a busy or starved
-        thread is behind by that much, and messages still in the kernel have no arrival stamp)."""
+        channel thread waits in ``select`` (nothing is pending then), else the return of its
+        last ``select`` whose ready sockets all read short (a full read leaves bytes behind: a
+        busy or starved thread is behind by that much, and bytes in the kernel have no stamp)."""
         return time.monotonic() if self._idle else self._caught_up
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
@@ -115,10 +115,12 @@ class ChannelServer:
             if time.monotonic() >= next_ka:
                 next_ka = time.monotonic() + KEEPALIVE_S
                 self._keepalive()
-            t = time.monotonic()
             self._idle = True
             ready = self._sel.select(timeout=0.5)
             self._idle = False
+            # select reports every socket with bytes at its return: once the ready ones are read
+            # short, everything that arrived before t has been read
+            t = time.monotonic()
             full = False
             for key, _ in ready:
                 if key.data == "wake":

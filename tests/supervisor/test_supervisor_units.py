@@ -756,7 +756,9 @@ def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
         t = time.monotonic()  # the channel thread waits in select: it has read everything
         assert sup.judge_time(t) == pytest.approx(t, abs=0.05) and not sup.inbox_behind
         # bytes still in the kernel (the thread's last pass read full buffers 3 s ago): judged
-        # at the last time it had read everything, and said as a new episode
+        # at the last time it had read everything, and said as a new episode (the thread is
+        # stopped first: it would overwrite the two fields)
+        sup.server.close()
         sup.server._idle, sup.server._caught_up = False, t - 3.0
         assert sup.judge_time(t) == pytest.approx(t - 3.0) and sup.inbox_behind
         sup.server._idle = True
