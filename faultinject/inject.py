@@ -61,6 +61,7 @@ from typing import Any, Callable
 from ptops.ckpt import checkpoint_path, is_writing, shard_files
 from ptops.faultinject.spec import (
     AT_REST,
+    COMPUTE,
     GRAD,
     HOLD_DEFAULT_S,
     ONE_RANK_KINDS,
@@ -85,7 +86,7 @@ _FLOAT_LAYOUT = {
 
 class Injector:
     # what flip_bits flips where an engine calls it (the engines do not import faultinject)
-    AT_REST, GRAD = AT_REST, GRAD
+    AT_REST, GRAD, COMPUTE = AT_REST, GRAD, COMPUTE
 
     def __init__(
         self,

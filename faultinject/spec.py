@@ -99,7 +99,14 @@ bitflip        step (req), rank, attempt, target, mode     silent data corruptio
                                                            ``step`` itself, after the backward and
                                                            before the optimizer (the step's compute
                                                            went wrong; ``probe.faults.flip_bits(step,
-                                                           tensors, GRAD)``); the tensor
+                                                           tensors, GRAD)``); ``compute``:
+                                                           what the rank hands to FSDP's gradient
+                                                           reduce-scatter in ``step`` (its first
+                                                           bucket; persistent: every bucket of
+                                                           every run from ``step`` on, the same
+                                                           element in every run of a step, a
+                                                           device wrong the same way each time,
+                                                           which only the partner run sees); the tensor
                                                            and element follow from the spec (same
                                                            spec, same flip). ``mode=persistent``: a
                                                            bad device, again before every step from
@@ -195,8 +202,10 @@ CLOCK_SKEW_DEFAULT_S = 30.0
 SLOW_SAVE_DEFAULT_S = 10.0  # slow-save without until
 LEAK_DEFAULT_MB = 64.0  # leak without mb: MB kept per step
 SLOW_SAVE_UNTIL = ("skipped",)
-BITFLIP_TARGETS = ("param", "optim", "grad")
-AT_REST, GRAD = ("param", "optim"), ("grad",)  # where an engine calls flip_bits, what it flips
+BITFLIP_TARGETS = ("param", "optim", "grad", "compute")
+# where an engine calls flip_bits, what it flips: at rest, gradients before the optimizer, and what
+# a rank hands to the gradient reduce-scatter (its own compute, before any other rank adds to it)
+AT_REST, GRAD, COMPUTE = ("param", "optim"), ("grad",), ("compute",)
 BITFLIP_MODES = ("transient", "persistent")
 HANG_MODES = ("sleep", "stop")
 # where a hang fires: the start of ``step`` (default), or a start-up section (no step then)

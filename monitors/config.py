@@ -506,6 +506,15 @@ class SdcConfig(_Strict):
         "forward-backward per `recheck_every` steps: a recheck costs about one step (1.07x on "
         "titan-tiny), so 125 keeps it under 1% (bench/README.md)",
     )
+    partner_every: int = Field(
+        1000,
+        ge=0,
+        description="FSDP without TP/PP/CP: every `partner_every`-th step (and whenever a "
+        "recheck's three runs all differ) each rank also computes the previous rank's batch and "
+        "the ranks compare what each device handed to the gradient reduce-scatter: the one check "
+        "that sees a device wrong the same way every time (its own re-runs agree with it); 0 = "
+        "off. One forward-backward without the reduce per `partner_every` steps (bench/README.md)",
+    )
 
 
 class MonitorsSection(_Strict):

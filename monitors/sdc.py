@@ -24,6 +24,15 @@ two record keys:
   caught again (or whose three runs all differ) is ``recompute persistent`` (critical): a device
   that computes wrong between rechecks too, so the finding's ``step`` is the rank's last clean
   recheck (the rollback goes before it) and the policy strikes its node.
+  ``sdc_recheck_contrib`` counts what the rank handed to the reduce-scatter that differed between
+  its runs: its own compute went wrong. A rank whose shard differed while ``sdc_recheck_compute``
+  (the ranks whose compute differed) names others only received the error: no finding for it.
+- ``sdc_partner`` (the re-run on another rank): batches whose two devices disagreed (0: all
+  equal), ``sdc_partner_suspects`` the devices common to every disagreement. A device wrong the
+  same way every time passes its own rechecks, so the finding (``partner``, critical, once per
+  attempt) goes back to the last clean partner check. One suspect is a bad device (``partner
+  persistent``, ``value`` 2: the policy strikes its node); two (a pair of ranks) cannot be told
+  apart (``partner unattributed``: ``rank`` None, rolled back, nobody struck).
 
 One finding per rank (or per disagreement) and attempt: the attempt is torn down on it. A rank
 caught in an earlier attempt too is ``persistent`` (a bad device, not a one-off upset): the
@@ -37,6 +46,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import Finding, record_attempt, record_ts, step_and_rank
+
+_KEYS = ("sdc_rest", "sdc_fp", "sdc_recheck", "sdc_partner")  # a record without them: nothing
 from .config import SdcConfig
 
 
@@ -56,6 +67,7 @@ class SdcMonitor:
         self._ranks: dict[Any, set[int]] = {}  # attempt -> the ranks that reported in it
         self._rechecked: dict[Any, int] = {}  # rank -> gradient rechecks it failed
         self._clean: dict[tuple[Any, Any], int] = {}  # (attempt, rank) -> last equal recheck
+        self._paired: dict[Any, int] = {}  # attempt -> last step every partner batch agreed
 
     def _finding(
         self, kind: str, step: int, rank: int | None, attempt: Any, rec: Mapping, what: str
@@ -108,20 +120,62 @@ class SdcMonitor:
         if isinstance(fp, str):
             out += self._replica(attempt, step, rank, fp, record)
         differed = record.get("sdc_recheck")
-        if isinstance(differed, int) and differed == 0:
+        computed = record.get("sdc_recheck_contrib")
+        if isinstance(computed, int) and computed > 0:
+            out += self._recheck(step, rank, attempt, record, computed, "computation")
+        elif isinstance(differed, int) and differed == 0:
             self._clean[(attempt, rank)] = step
         elif isinstance(differed, int) and differed > 0:
-            out += self._recheck(step, rank, attempt, record, differed)
+            culprits = record.get("sdc_recheck_compute") or []
+            if not culprits or rank in culprits:  # else: another rank's error reached its shard
+                out += self._recheck(step, rank, attempt, record, differed, "gradients")
+        paired = record.get("sdc_partner")
+        if isinstance(paired, int) and paired == 0:
+            self._paired[attempt] = max(self._paired.get(attempt, 0), step)
+        elif isinstance(paired, int) and paired > 0:
+            out += self._partner(step, attempt, record, paired)
         return out
 
+    def _partner(self, step: int, attempt: Any, rec: Mapping, paired: int) -> list[Finding]:
+        if (attempt, "partner") in self._done:
+            return []
+        self._done.add((attempt, "partner"))
+        suspects = [s for s in rec.get("sdc_partner_suspects") or [] if isinstance(s, int)]
+        since = self._paired.get(attempt, self._first[attempt] - 1)
+        one = suspects[0] if len(suspects) == 1 else None
+        who = (
+            f"rank {one} computes differently from another device"
+            if one is not None
+            else "ranks " + " and ".join(map(str, suspects)) + " disagree (which one is wrong "
+            "is unknown with two)"
+        )
+        detail = (
+            f"partner {'persistent' if one is not None else 'unattributed'}: {who}: {paired} "
+            f"batch(es) of step {step} gave different gradients on their own rank and on the "
+            "next one, while the same-rank re-runs agreed (a device wrong the same way each "
+            f"time); the weights may hold corruption since the last clean partner check, step "
+            f"{since}"
+        )
+        return [
+            Finding(
+                self.name, since, 2.0 if one is not None else 1.0, detail, "critical",
+                rank=one, attempt=attempt, ts=record_ts(rec),
+            )
+        ]  # fmt: skip
+
     def _recheck(
-        self, step: int, rank: int, attempt: Any, rec: Mapping, differed: int
+        self, step: int, rank: int, attempt: Any, rec: Mapping, differed: int, what: str
     ) -> list[Finding]:
         n = self._rechecked[rank] = self._rechecked.get(rank, 0) + 1
         kept = rec.get("sdc_recheck_kept")
+        where = (
+            f"{differed} reduce-scatter bucket(s) it computed"
+            if what == "computation"
+            else f"{differed} tensor(s), {rec.get('sdc_recheck_tensor') or '?'}"
+        )
         what = (
-            f"rank {rank}'s gradients at step {step} differed when computed again from the same "
-            f"batch and weights ({differed} tensor(s), {rec.get('sdc_recheck_tensor') or '?'})"
+            f"rank {rank}'s {what} at step {step} differed when computed again from the same "
+            f"batch and weights ({where})"
         )
         if n == 1 and kept in ("recompute", "first"):
             side = "second" if kept == "recompute" else "first"
@@ -181,6 +235,6 @@ class SdcMonitor:
         return self._finding("replica", since, odd, attempt, rec, what)
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
-        if "sdc_rest" not in keys and "sdc_fp" not in keys and "sdc_recheck" not in keys:
+        if not any(k in keys for k in _KEYS):
             return []
         return self.feed(record)

@@ -25,6 +25,21 @@ after it is "good". Two cheap checks, both from one fingerprint (each tensor's b
   ``sdc_recheck_kept`` (``recompute``: the first run was wrong; ``first``: the second was;
   ``none``: three different answers, a device that cannot compute the same thing twice).
 
+- contributions (FSDP: what the rank hands to the gradient reduce-scatter, before any other rank
+  adds to it; ``tap``): fingerprinted in each run of a recheck. The reduce-scatter spreads one
+  rank's compute error over every rank's shard, so a shard that differs names where the error
+  landed, not who made it: a rank whose own contribution differed between its runs is the one
+  (``sdc_recheck_contrib``), and on a disagreement the ranks exchange that flag so each record says
+  who computed wrong (``sdc_recheck_compute``: ranks; a rank whose shard differed and is not among
+  them received the error, it did not make it).
+- on another rank (``partner``): a device that is wrong the same way every time agrees with itself,
+  so no re-run on the same rank can see it. Every ``partner_every`` steps, and whenever the
+  same-rank runs were inconclusive (three answers), each rank also computes the batch of the rank
+  before it in the ring (the gradients restored afterwards) and the contributions are compared
+  across devices: ``sdc_partner`` (batches whose two devices disagreed; 0: all equal) and
+  ``sdc_partner_suspects`` (the devices common to every disagreement: one rank from 3 ranks up,
+  both of a pair of 2).
+
 ``sdc_s`` in a record is the time the checks took for it (not part of ``step_s``).
 
 The adapter calls ``before_step(step)`` right after ``probe.before_step`` (the ``bitflip`` fault
@@ -118,9 +133,13 @@ class StateChecks:
         optims: Callable[[], Named],
         replicated: bool = False,
         recheck_every: int = 0,
+        partner_every: int = 0,
+        tap: Any = None,
     ):
         self.every = max(0, int(every))
         self.recheck_every = max(0, int(recheck_every))
+        self.partner_every = max(0, int(partner_every))
+        self.tap = tap  # the engine's contribution tap: ``arm(bool)``, ``take() -> list[int]``
         self.probe = probe
         self.params, self.optims = params, optims
         self.replicated = replicated
@@ -141,6 +160,8 @@ class StateChecks:
         faults = getattr(self.probe, "faults", None)
         if faults is not None:
             faults.flip_bits(step, self.tensors)
+        if self.tap is not None:  # contributions are fingerprinted at check steps only
+            self.tap.arm(self._rechecks(step) or self._partners(step))
         after, self._after = self._after, None
         self._keys = {}
         if after is None or after[0] != step - 1:
@@ -157,38 +178,90 @@ class StateChecks:
             self._keys["sdc_rest_tensor"] = changed[0]
         self._spent += time.perf_counter() - t0
 
+    def _rechecks(self, step: int) -> bool:
+        return bool(self.recheck_every) and step % self.recheck_every == 0
+
+    def _partners(self, step: int) -> bool:
+        return bool(self.partner_every) and step % self.partner_every == 0
+
+    def _contribs(self) -> list[int]:
+        return self.tap.take() if self.tap is not None else []
+
     def before_optimizer(
         self,
         step: int,
         grads: Callable[[], Named],
         rerun: Callable[[], None] | None = None,
         agree: Callable[[bool], bool] = bool,
+        exchange: Callable[[bool], list[bool]] | None = None,
+        partner: Callable[[list[int]], tuple[list[int], list[int]] | None] | None = None,
     ) -> None:
         """Between the backward and the optimizer: ``bitflip target=grad`` faults, then at a
         recheck step the gradients compared with a second computation (``rerun`` recomputes them
         in place, None where the engine cannot: DDP replicas are compared after the optimizer
-        instead; ``agree`` is true on every rank when any rank's flag is)."""
+        instead; ``agree`` is true on every rank when any rank's flag is; ``exchange`` gives every
+        rank's flag, by rank), and at a partner step the re-run on another rank (``partner``: given
+        this rank's contributions, the batches whose devices disagreed and the suspects, the same
+        on every rank; None where it cannot run)."""
         faults = getattr(self.probe, "faults", None)
         if faults is not None:
             faults.flip_bits(step, lambda _target: grads(), faults.GRAD)
-        if rerun is None or not (self.recheck_every and step % self.recheck_every == 0):
+        recheck = rerun is not None and self._rechecks(step)
+        pair = partner is not None and self._partners(step)
+        if not (recheck or pair):
+            self._contribs()  # nothing is compared: forget what the tap saw
             return
         t0 = time.perf_counter()
+        own = self._contribs()
+        keys: dict[str, Any] = {}
+        if recheck:
+            inconclusive, own = self._recheck(grads, rerun, agree, exchange, own, keys)
+            pair = pair or (partner is not None and agree(inconclusive))
+        if pair and partner is not None:
+            verdict = partner(own)
+            if verdict is not None:
+                mismatched, suspects = verdict
+                keys["sdc_partner"] = len(mismatched)
+                if mismatched:
+                    keys["sdc_partner_suspects"] = suspects
+        self._keys.update(keys)
+        self._spent += time.perf_counter() - t0
+
+    def _recheck(
+        self,
+        grads: Callable[[], Named],
+        rerun: Any,
+        agree: Callable[[bool], bool],
+        exchange: Callable[[bool], list[bool]] | None,
+        c1: list[int],
+        keys: dict[str, Any],
+    ) -> tuple[bool, list[int]]:
+        """The same-rank runs (see the module docstring). Returns whether they were inconclusive
+        (three answers) and the contributions of the run that stands."""
         named = grads()
         names = [n for n, _ in named]
         first = fingerprint(named)
         rerun()
-        second = fingerprint(grads())
+        second, c2 = fingerprint(grads()), self._contribs()
         differ = [n for n, a, b in zip(names, first, second) if a != b]
-        keys: dict[str, Any] = {"sdc_recheck": len(differ)}
-        if agree(bool(differ)):  # a third run, on every rank: its backward's collectives need all
-            rerun()
-            third = fingerprint(grads())
-            if differ:
-                kept = "recompute" if third == second else "first" if third == first else "none"
-                keys.update(sdc_recheck_tensor=differ[0], sdc_recheck_kept=kept)
-        self._keys.update(keys)
-        self._spent += time.perf_counter() - t0
+        cdiff = sum(a != b for a, b in zip(c1, c2)) + abs(len(c1) - len(c2))
+        keys["sdc_recheck"] = len(differ)
+        if self.tap is not None:
+            keys["sdc_recheck_contrib"] = cdiff
+        if not agree(bool(differ or cdiff)):  # a third run, on every rank: its collectives need all
+            return False, c1
+        rerun()
+        third, c3 = fingerprint(grads()), self._contribs()
+        kept = ckept = None
+        if differ:
+            kept = _vote(first, second, third)
+            keys.update(sdc_recheck_tensor=differ[0], sdc_recheck_kept=kept)
+        if cdiff:
+            ckept = keys["sdc_recheck_kept"] = _vote(c1, c2, c3)  # the compute's verdict first
+        if exchange is not None:
+            keys["sdc_recheck_compute"] = [r for r, f in enumerate(exchange(bool(cdiff))) if f]
+        stands = c2 if c3 == c2 else c1 if c3 == c1 else c3
+        return "none" in (kept, ckept), stands
 
     def after_step(self, step: int) -> dict[str, Any]:
         """Record keys for ``step``: the at-rest verdict of its start, and at a check step the
@@ -206,6 +279,23 @@ class StateChecks:
             keys["sdc_s"] = round(self._spent, 6)  # the checks' cost, outside ``step_s``
             self._spent = 0.0
         return keys
+
+
+def _vote(first: list[int], second: list[int], third: list[int]) -> str:
+    """Which run a third one sided with: ``recompute`` (the second), ``first``, or ``none``."""
+    return "recompute" if third == second else "first" if third == first else "none"
+
+
+def partner_suspects(mismatched: list[int], world: int) -> list[int]:
+    """The devices common to every disagreeing batch: batch ``i`` was computed by rank ``i`` and,
+    on the partner run, by rank ``i + 1`` (mod ``world``). One bad device ``d`` spoils batch ``d``
+    (its own) and ``d - 1`` (its partner duty): from 3 ranks up only ``d`` is common to both."""
+    if not mismatched:
+        return []
+    common = set(range(world))
+    for i in mismatched:
+        common &= {i % world, (i + 1) % world}
+    return sorted(common)
 
 
 def grad_tensors(modules: list[Any]) -> Named:
@@ -237,3 +327,9 @@ def recheck_of(recipe: Any) -> int:
     """``[monitors.sdc] recheck_every`` of the recipe (0 when off)."""
     sdc = _sdc(recipe)
     return 0 if sdc is None else int(sdc.recheck_every)
+
+
+def partner_of(recipe: Any) -> int:
+    """``[monitors.sdc] partner_every`` of the recipe (0 when off)."""
+    sdc = _sdc(recipe)
+    return 0 if sdc is None else int(sdc.partner_every)

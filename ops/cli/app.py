@@ -291,6 +291,13 @@ def launch(
         if command is not None:
             recipe = _command_recipe(command)
         rec, path = load(recipe, set_)
+        for f in faults:
+            if f.kind == "bitflip" and f.params.get("target") == "compute" and rec.engine != "titan":
+                fail(
+                    f"--fault {f.text}: target=compute flips what a rank hands to FSDP's gradient "
+                    f"reduce-scatter, which only titan recipes have (this recipe's engine: "
+                    f"{rec.engine}; target=grad is the same error after the reduce)"
+                )
         target = run_dir or launcher.default_run_dir(rec)
         if slurm:
             try:

@@ -76,6 +76,7 @@ class ProbeTrainer(Trainer):
         if probe is not None:
             probe.startup("load")  # train() loads the checkpoint first, then the first step begins
             probe.faults.on_startup("load")
+        self.ptops_tap: Any = None  # recipes/titan/partner.py: what this rank hands the reduce
         self.ptops_sdc = self._state_checks(probe)
         self.ptops_fwd: list[tuple[tuple, dict]] = []  # this step's forward-backward calls
         if self.ptops_sdc is not None:
@@ -103,14 +104,26 @@ class ProbeTrainer(Trainer):
         def optims() -> sdc.Named:
             return sdc.optim_tensors(list(getattr(self.optimizers, "optimizers", [])))
 
+        from ptops.recipes.titan import partner
+
         recipe = registry._recipe()
+        rechecks, pairs = sdc.recheck_of(recipe), sdc.partner_of(recipe)
+        tap = partner.install(self.model_parts, probe, lambda: self.step)
+        if tap is None or not partner.data_parallel_only(self.parallel_dims) or _world() < 2:
+            pairs = 0  # no ring of batches: the partner run cannot say anything
+        self.ptops_tap = tap
         return sdc.StateChecks(
-            sdc.every_of(recipe), probe, params, optims, recheck_every=sdc.recheck_of(recipe)
-        )
+            sdc.every_of(recipe), probe, params, optims,
+            recheck_every=rechecks, partner_every=pairs, tap=tap,
+        )  # fmt: skip
 
     def forward_backward_step(self, *args: Any, **kwargs: Any) -> Any:
         """torchtitan's, its inputs kept for the step's recheck (references: alive all step)."""
         self.ptops_fwd.append((args, kwargs))
+        return super().forward_backward_step(*args, **kwargs)
+
+    def ptops_forward_backward(self, *args: Any, **kwargs: Any) -> Any:
+        """torchtitan's forward-backward, not kept (the recheck's and partner's runs)."""
         return super().forward_backward_step(*args, **kwargs)
 
     def _before_optimizer(self, *_hook: Any) -> None:
@@ -118,10 +131,19 @@ class ProbeTrainer(Trainer):
         flips, then the recheck (``recipes/sdc.py``)."""
         from ptops.recipes import sdc
 
+        from ptops.recipes.titan import partner
+
         ckpt = self.checkpointer
         agree = ckpt.agree_any if isinstance(ckpt, ProbeCheckpointManager) else bool
+        tap, many = self.ptops_tap, _world() > 1
+        pairs = tap is not None and self.ptops_sdc.partner_every > 0
         self.ptops_sdc.before_optimizer(
-            self.step, lambda: sdc.grad_tensors(self.model_parts), self._recompute_grads, agree
+            self.step,
+            lambda: sdc.grad_tensors(self.model_parts),
+            self._recompute_grads,
+            agree,
+            exchange=partner.exchange_flags if tap is not None and many else None,
+            partner=(lambda own: partner.partner_run(self, tap, own)) if pairs else None,
         )
 
     def _recompute_grads(self) -> None:
@@ -136,7 +158,7 @@ class ProbeTrainer(Trainer):
         )
         with torch.enable_grad():
             for args, kwargs in self.ptops_fwd:
-                super().forward_backward_step(*args, **kwargs)
+                self.ptops_forward_backward(*args, **kwargs)
         pd = self.parallel_dims
         dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],

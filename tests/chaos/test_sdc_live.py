@@ -232,3 +232,74 @@ def test_trl_replicas_disagree_and_the_run_recovers_to_the_reference_digest(trl_
     (rb,) = events(run, "rollback")
     assert (rb["from_step"], rb["to_step"], rb["skip_batches"]) == (10, 5, 0)
     assert final_digest(run, "checkpoint-24") == final_digest(ref, "checkpoint-24")
+
+
+# what a rank hands to the gradient reduce-scatter, flipped (``bitflip target=compute``); the
+# recheck and the partner run every 5 steps
+PARTNER = [*RECHECK, "--set", "monitors.sdc.partner_every=5"]
+
+
+@pytest.fixture(scope="module")
+def compute_flips(tmp_path_factory):
+    """2 ranks: a one-off compute error at step 5 (contained), then a device wrong the same way
+    in every run of every step from 10 (attempt 1 only): the partner run sees it, the pair cannot
+    say which device. 3 ranks: the same bad device in every attempt, named and struck. Both held
+    before step 11 until the supervisor acts on step 10's records."""
+    base = tmp_path_factory.mktemp("sdc-compute")
+    pair = launch(
+        base / "pair", "bitflip:rank=1,step=5,target=compute",
+        "bitflip:rank=1,step=10,target=compute,mode=persistent,attempt=1",
+        "hold:step=11,seconds=120,attempt=1", steps=PARTNER,
+    )  # fmt: skip
+    trio = launch(
+        base / "trio", "bitflip:rank=1,step=10,target=compute,mode=persistent",
+        "hold:step=11,seconds=120,attempt=0", steps=[*PARTNER, "--set", "launch.nproc=3"],
+    )  # fmt: skip
+    return (base / "pair", pair), (base / "trio", trio)
+
+
+def test_a_compute_error_is_blamed_on_its_rank_and_a_consistent_one_is_caught_by_the_partner(
+    compute_flips, faulted_runs
+):
+    (run, proc), _ = compute_flips
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["attempts"] == 2
+    recs = {(r["attempt"], r["step"], r["rank"]): r for r in metrics(run) if "sdc_partner" in r}
+    # step 5: rank 1's own contribution differed between its runs; both records name it
+    assert recs[(1, 5, 1)]["sdc_recheck_contrib"] == 1
+    assert recs[(1, 5, 0)]["sdc_recheck_contrib"] == 0
+    assert recs[(1, 5, 0)]["sdc_recheck_compute"] == recs[(1, 5, 1)]["sdc_recheck_compute"] == [1]
+    # step 10: every same-rank run agrees (the device is wrong the same way), the partner does not
+    for r in (0, 1):
+        assert recs[(1, 10, r)]["sdc_recheck"] == recs[(1, 10, r)]["sdc_recheck_contrib"] == 0
+        assert recs[(1, 10, r)]["sdc_partner"] == 2
+        assert recs[(1, 10, r)]["sdc_partner_suspects"] == [0, 1]
+    assert all(r["sdc_partner"] == 0 for k, r in recs.items() if k[0] == 2)  # attempt 2: clean
+    found = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
+    assert [(e["rank"], e["step"], e["severity"]) for e in found] == [
+        (1, 5, "warning"),  # contained: a third run outvoted the corrupt contribution
+        (None, 5, "critical"),  # since the last clean partner check
+    ]
+    assert found[0]["detail"].startswith("recompute transient: rank 1's computation at step 5")
+    assert found[1]["detail"].startswith("partner unattributed: ranks 0 and 1")
+    (rb,) = events(run, "rollback")
+    assert (rb["from_step"], rb["skip_batches"], rb["lr_factor"]) == (5, 0, 1.0)
+    assert not events(run, "exclude_node")
+    assert final_digest(run) == final_digest(faulted_runs.get("reference").run)
+
+
+def test_a_consistently_wrong_device_among_three_is_named_by_the_partner_and_struck(compute_flips):
+    _, (run, proc) = compute_flips
+    assert proc.returncode == 3, proc.stderr
+    recs = [r for r in metrics(run) if r.get("step") == 10 and "sdc_partner" in r]
+    assert sorted(r["rank"] for r in recs) == [0, 1, 2]
+    assert all(r["sdc_partner_suspects"] == [1] and r["sdc_recheck"] == 0 for r in recs)
+    (found,) = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
+    assert (found["rank"], found["step"], found["value"]) == (1, 5, 2)
+    assert found["detail"].startswith("partner persistent: rank 1 computes differently")
+    (ex,) = events(run, "exclude_node")
+    assert (ex["rank"], ex["host"], ex["acted"]) == (1, socket.gethostname(), False)
+    diag = json.loads(run_ptops("diagnose", str(run), "--json", check=True).stdout)
+    (inc,) = [i for i in diag["incidents"] if i["kind"] == "sdc"]
+    assert inc["rank"] == 1 and inc["details"]["kind"] == "partner"
+    assert inc["details"]["persistent"] is True and "struck" in inc["action"]
