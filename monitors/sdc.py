@@ -46,9 +46,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import Finding, record_attempt, record_ts, step_and_rank
+from .config import SdcConfig
 
 _KEYS = ("sdc_rest", "sdc_fp", "sdc_recheck", "sdc_partner")  # a record without them: nothing
-from .config import SdcConfig
 
 
 class SdcMonitor:

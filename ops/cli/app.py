@@ -292,7 +292,8 @@ def launch(
             recipe = _command_recipe(command)
         rec, path = load(recipe, set_)
         for f in faults:
-            if f.kind == "bitflip" and f.params.get("target") == "compute" and rec.engine != "titan":
+            compute = f.kind == "bitflip" and f.params.get("target") == "compute"
+            if compute and rec.engine != "titan":
                 fail(
                     f"--fault {f.text}: target=compute flips what a rank hands to FSDP's gradient "
                     f"reduce-scatter, which only titan recipes have (this recipe's engine: "

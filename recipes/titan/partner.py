@@ -90,9 +90,7 @@ def install(model_parts: list[Any], probe: Any, step_of: Any) -> ContributionTap
 
 def data_parallel_only(parallel_dims: Any) -> bool:
     """Every rank a data-parallel rank: the ring of ranks is a ring of batches."""
-    return all(
-        int(getattr(parallel_dims, name, 1) or 1) == 1 for name in ("tp", "pp", "cp", "ep")
-    )
+    return all(int(getattr(parallel_dims, name, 1) or 1) == 1 for name in ("tp", "pp", "cp", "ep"))
 
 
 def _ring(payload: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -119,7 +117,8 @@ def previous_batches(calls: list[tuple[tuple, dict]], device: torch.device) -> l
     buf = io.BytesIO()
     torch.save(calls, buf)
     data = _ring(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8), device)
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device, weights_only=True)
+    raw = io.BytesIO(data.cpu().numpy().tobytes())
+    return torch.load(raw, map_location=device, weights_only=True)
 
 
 def partner_run(trainer: Any, tap: ContributionTap, own: list[int]) -> tuple[list[int], list[int]]:

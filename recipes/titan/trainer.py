@@ -130,7 +130,6 @@ class ProbeTrainer(Trainer):
         """The optimizers' step pre-hook (after the backward and the clipping): gradient bit
         flips, then the recheck (``recipes/sdc.py``)."""
         from ptops.recipes import sdc
-
         from ptops.recipes.titan import partner
 
         ckpt = self.checkpointer
