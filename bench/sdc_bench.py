@@ -33,6 +33,13 @@ Gradient recheck (FSDP shards: ``monitors.sdc.recheck_every``; ``--recheck-only`
   again at 20 (the node struck; the run stops, exit 3). Flips between rechecks are not seen: the
   recheck samples steps.
 
+Re-run on another rank (``monitors.sdc.partner_every``; with ``--recheck-only`` too):
+
+- ``cost_partner``: see ``cost_partner`` (2 and 3 ranks);
+- ``catch_partner``: 3 ranks, rank 1 wrong the same way in every run from step 11
+  (``bitflip target=compute mode=persistent``), ``recheck_every=5``, ``partner_every=5``: the
+  rechecks at 15 agree with themselves; the partner run at 15 names rank 1 (struck, exit 3).
+
 Each: the ``fault_injected`` -> ``anomaly {monitor: sdc}`` time (wall clock, the supervisor's
 receive time) and steps (the anomaly's record step minus the fault's step), and for the persistent
 one the second catch.
@@ -111,7 +118,7 @@ def cost_recheck(work: Path, steps: int) -> dict:
     if not checked or not plain:
         return {"recipe": "titan-tiny", "rc": rc, "error": "no recheck / plain records"}
     per, step_s = statistics.median(checked), statistics.median(plain)
-    default = 125  # monitors/config.py SdcConfig.recheck_every
+    default = 200  # monitors/config.py SdcConfig.recheck_every
     return {
         "recipe": "titan-tiny",
         "rc": rc,
@@ -123,6 +130,43 @@ def cost_recheck(work: Path, steps: int) -> dict:
         "share_default_pct": round(100 * per / default / step_s, 3),
         "false_positives": sum(1 for r in recs if r.get("sdc_recheck")),
     }
+
+
+def cost_partner(work: Path, steps: int) -> dict:
+    """The re-run on another rank alone (``partner_every=2``, recheck and at rest off): the
+    partner steps' ``sdc_s`` (the batch passed along the ring, one forward-backward without the
+    reduce, the gradients kept aside and put back, the fingerprints exchanged) against the
+    other steps' ``step_s``; titan-tiny on 2 and on 3 ranks."""
+    out = {"recipe": "titan-tiny", "runs": []}
+    for nproc in (2, 3):
+        run = work / f"cost-partner-{nproc}"
+        sets = [
+            f"train.steps={steps}", "monitors.sdc.every=0", "monitors.sdc.recheck_every=0",
+            "monitors.sdc.partner_every=2", f"launch.nproc={nproc}",
+        ]  # fmt: skip
+        rc = launch(run, "titan-tiny", sets, [])
+        recs = [r for r in read(run / "metrics.jsonl") if r.get("step", 0) > 3]
+        paired = [float(r["sdc_s"]) for r in recs if r.get("sdc_partner") is not None]
+        plain = [float(r["step_s"]) for r in recs if r.get("sdc_partner") is None and "step_s" in r]
+        if not paired or not plain:
+            out["runs"].append({"nproc": nproc, "rc": rc, "error": "no partner / plain records"})
+            continue
+        per, step_s = statistics.median(paired), statistics.median(plain)
+        default = 1000  # monitors/config.py SdcConfig.partner_every
+        out["runs"].append(
+            {
+                "nproc": nproc,
+                "rc": rc,
+                "partner_runs": len(paired),
+                "partner_ms": round(per * 1e3, 2),
+                "step_ms": round(step_s * 1e3, 2),
+                "partner_vs_step": round(per / step_s, 3),
+                "default_partner_every": default,
+                "share_default_pct": round(100 * per / default / step_s, 3),
+                "false_positives": sum(1 for r in recs if r.get("sdc_partner")),
+            }
+        )
+    return out
 
 
 def catch(
@@ -142,7 +186,9 @@ def catch(
     for f in found:
         inj = by_attempt.get(f.get("attempt")) or flips[0]
         rec_step = f["step"] + 1 if f["detail"].startswith("at_rest") else None
-        if rec_step is None:  # replica: caught at the record of the step it names in its detail
+        if f["detail"].startswith("partner"):  # the record of the partner step it names
+            rec_step = int(f["detail"].split(" batch(es) of step ")[1].split(" ")[0])
+        elif rec_step is None:  # replica: caught at the record of the step it names in its detail
             rec_step = int(f["detail"].split(" at step ")[1].split(" ")[0])
         out["catches"].append(
             {
@@ -168,6 +214,8 @@ def main() -> None:
     out: dict = {"work_dir": str(work), "cost": [], "catch": []}
     out["cost"].append(cost_recheck(work, a.steps))
     print(json.dumps(out["cost"][-1]), flush=True)
+    out["cost"].append(cost_partner(work, a.steps))
+    print(json.dumps(out["cost"][-1]), flush=True)
     recheck = ("monitors.sdc.recheck_every=5",)
     for name, faults in (
         ("catch_recheck_transient", ["bitflip:rank=1,step=10,target=grad"]),
@@ -179,6 +227,12 @@ def main() -> None:
         if not a.cost_only:
             out["catch"].append(catch(work, name, "titan-tiny", 24, faults, recheck))
             print(json.dumps(out["catch"][-1]), flush=True)
+    if not a.cost_only:
+        partner = (*recheck, "monitors.sdc.partner_every=5", "launch.nproc=3")
+        bad = "bitflip:rank=1,step=11,target=compute,mode=persistent"
+        faults = [bad, "hold:step=16,seconds=60"]
+        out["catch"].append(catch(work, "catch_partner", "titan-tiny", 24, faults, partner))
+        print(json.dumps(out["catch"][-1]), flush=True)
     for recipe in () if a.recheck_only else ("titan-tiny", "trl-sft-tiny"):
         out["cost"].append(cost(work, recipe, a.steps))
         print(json.dumps(out["cost"][-1]), flush=True)

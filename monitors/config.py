@@ -497,14 +497,15 @@ class SdcConfig(_Strict):
         "on the tiny recipes (bench/README.md), a big model's step hides far more",
     )
     recheck_every: int = Field(
-        125,
+        200,
         ge=0,
         description="where no replica holds the same state (FSDP shards): every "
         "`recheck_every`-th step each rank computes its gradients a second time from the same "
         "batch and weights, before the optimizer, and compares them exactly (a third run decides "
         "a disagreement; the corrupt one is discarded, the weights never see it); 0 = off. One "
-        "forward-backward per `recheck_every` steps: a recheck costs about one step (1.07x on "
-        "titan-tiny), so 125 keeps it under 1% (bench/README.md)",
+        "forward-backward per `recheck_every` steps: a recheck costs about one step (0.82-1.07x "
+        "on titan-tiny), so 200 keeps it near 0.5% and every check together (at rest, recheck, "
+        "partner) under 1% (bench/README.md)",
     )
     partner_every: int = Field(
         1000,

@@ -156,4 +156,4 @@ def test_compute_target_parses_and_the_default_cadence_is_documented():
     with pytest.raises(FaultSpecError, match="target"):
         parse("bitflip:step=3,target=wire")
     section = MonitorsSection()
-    assert section.sdc.partner_every == 1000 and section.sdc.recheck_every == 125
+    assert section.sdc.partner_every == 1000 and section.sdc.recheck_every == 200
