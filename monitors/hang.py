@@ -51,6 +51,7 @@ the others entered step n); else every rank.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -284,6 +285,9 @@ class HangFinding:
 # a section without history yet is judged like this one (the first step is slower than the rest)
 _FALLBACK = {"data": "step", "step": "first_step"}
 _STAGE = {"startup": 0, "begin": 1, "end": 2, "checkpoint": 3, "after_checkpoint": 4}
+# the liveness heap takes a rank's newer last_seen only when it moved this far: a ping a second per
+# rank need not be a heap entry each (the key stays a lower bound, at most this much early)
+SEEN_GRAIN = 0.5
 
 
 @dataclass
@@ -297,6 +301,7 @@ class _Rank:
     pos: tuple[int, int] = (-1, 0)  # in the launch section
     steps_done: int = 0
     exited: bool = False
+    seen_key: float | None = None  # the last_seen in the liveness heap (at most SEEN_GRAIN old)
 
 
 @dataclass
@@ -328,6 +333,13 @@ class HangMonitor:
             None,
         )  # (version, _all_in_rendezvous()): O(1), not O(ranks)
         self._check_memo: dict | None = None  # section budgets during one check()
+        # the deadlines' lower bounds (``_might_stall``): per section, (last_progress, rank) of
+        # every rank that entered it, and (last_seen, rank); stale entries are skipped lazily
+        self._progress: dict[str, list[tuple[float, int]]] = {
+            "launch": [(self.start_ts, r) for r in range(self.world_size)]
+        }
+        self._seen: list[tuple[float, int]] = []
+        self.full_checks = 0  # checks that walked every rank (the rest looked at the heaps only)
 
     def _new_rank(self) -> _Rank:
         return _Rank(last_progress=self.start_ts, since=self.start_ts)
@@ -342,8 +354,9 @@ class HangMonitor:
         if st is None:
             st = self.ranks[int(rank)] = self._new_rank()
             self._rdv_version += 1
+            heapq.heappush(self._progress.setdefault("launch", []), (st.last_progress, int(rank)))
         ts = float(rec["ts"])
-        st.last_seen = ts if st.last_seen is None or ts > st.last_seen else st.last_seen
+        self._saw(st, int(rank), ts)
         if kind == "ping":
             return
         if kind == "exit":
@@ -419,6 +432,23 @@ class HangMonitor:
             self.resumed_at = max(self.resumed_at, ts)
         st.step, st.phase, st.pos, st.section = step, phase, pos, new_section
         st.last_progress = ts
+        if phase != HOLD:  # a hold has no deadline
+            heapq.heappush(self._progress.setdefault(new_section, []), (ts, int(rank)))
+
+    def _saw(self, st: _Rank, rank: int, ts: float) -> None:
+        if st.last_seen is None or ts > st.last_seen:
+            st.last_seen = ts
+            if st.seen_key is None or ts - st.seen_key > SEEN_GRAIN:
+                st.seen_key = ts
+                heapq.heappush(self._seen, (ts, rank))
+
+    def seen(self, rank: int, ts: float) -> None:
+        """A ping without the dict: a node's liveness summary names many ranks at once."""
+        st = self.ranks.get(rank)
+        if st is None:
+            self.observe({"kind": "ping", "rank": rank, "ts": ts})
+        else:
+            self._saw(st, rank, ts)
 
     def _all_in_rendezvous(self) -> float | None:
         """When the last live rank reached the rendezvous (None while one is still before it).
@@ -531,10 +561,76 @@ class HangMonitor:
             return False
         return now - st.last_seen > self._stale_after(st)
 
+    # ------------------------------------------------------------ deadlines
+    def _lowest_timeout(self, section: str) -> float:
+        """A lower bound of the timeout ``_budget`` gives any rank in ``section``: the deadline
+        is ``since + timeout`` with ``since`` never before the rank's last progress."""
+        c = self.config
+        if section in STARTUP_SECTIONS or section == "first_step":
+            return self.section_timeout(section)
+        if section == EVAL:
+            return self.section_timeout(EVAL)
+        if section == "checkpoint":  # the final save: checkpoint_s
+            return min(c.checkpoint_s, self.section_timeout("checkpoint"))
+        t = self.section_timeout("data") if section == "data" else self.step_timeout()
+        return min(c.checkpoint_s, t)  # past the last step: "finishing"
+
+    def _oldest(self, heap: list[tuple[float, int]], valid) -> float | None:
+        """The smallest key of ``heap`` still true of its rank (stale entries popped)."""
+        while heap:
+            key, rank = heap[0]
+            if valid(key, rank):
+                return key
+            heapq.heappop(heap)
+        return None
+
+    def _might_stall(self, now: float) -> bool:
+        """Whether any rank's deadline, or its liveness bound, may have passed: what a check walks
+        every rank for otherwise. Each section's oldest progress plus the least timeout any rank
+        in it can have; the oldest liveness stamp plus the least staleness bound. O(sections)
+        plus the stale entries popped (each pushed once), where the walk was O(ranks): 131,072
+        ranks checked every 0.1 s (issue 24)."""
+        ranks, limit = self.ranks, 4 * len(self.ranks) + 1024
+        for section, heap in self._progress.items():
+            if len(heap) > limit:  # one rank long in a section while the rest move on: compact
+                heap[:] = [
+                    (st.last_progress, r) for r, st in ranks.items()
+                    if st.section == section and st.phase != HOLD and not st.exited
+                ]  # fmt: skip
+                heapq.heapify(heap)
+
+            def current(key: float, r: int, section: str = section) -> bool:
+                st = ranks[r]
+                return (
+                    not st.exited and st.section == section and st.phase != HOLD
+                    and st.last_progress == key
+                )  # fmt: skip
+
+            oldest = self._oldest(heap, current)
+            if oldest is not None and now > oldest + self._lowest_timeout(section):
+                return True
+        if len(self._seen) > limit:
+            self._seen[:] = [
+                (st.seen_key, r) for r, st in ranks.items()
+                if st.seen_key is not None and not st.exited
+            ]  # fmt: skip
+            heapq.heapify(self._seen)
+        oldest = self._oldest(
+            self._seen, lambda key, r: not ranks[r].exited and ranks[r].seen_key == key
+        )
+        if oldest is None:
+            return False
+        c = self.config
+        stale = max(self.step_timeout(), min(c.startup_ping_stale_s, c.ping_stale_s))
+        return now - oldest > stale
+
     # ------------------------------------------------------------ output
     def check(self, now: float) -> HangFinding | None:
         self._check_memo = {}
         try:
+            if not self._might_stall(now):
+                return None
+            self.full_checks += 1
             return self._check(now)
         finally:
             self._check_memo = None

@@ -10,7 +10,9 @@ be stopped with it, and have their stacks read where they live. The agent, per n
    (``--nnodes N --node-rank I``, static rendezvous at the attempt's first node: the rank -> node
    mapping is fixed, so "rank 1" is always on the second node and blame by rank names a node;
    torchrun also gives the ranks the environment the engines already expect);
-3. relays every rank line upstream unchanged (``relay_frame``) and every command downstream;
+3. relays every rank line upstream unchanged (``relay_frame``) and every command downstream,
+   but its ranks' liveness ``ping`` lines: those it sums up in one ``a`` frame a second for the
+   node (which ranks sent anything, how long ago: the wire format in ``ops/rank/channel.py``);
 4. runs py-spy on its ranks on request (``pystacks``): ptrace does not cross hosts;
 5. kills its ranks when the supervisor goes away: EOF, or no keepalive for
    ``PTOPS_NODE_UPSTREAM_TIMEOUT_S`` (a cut link gives no EOF), or ``{"cmd": "kill"}``;
@@ -37,11 +39,14 @@ import time
 from typing import Any
 
 from ptops.ops.rank.channel import (
+    ALIVE,
+    ALIVE_S,
     ENV_ADDRESS,
     ENV_TOKEN,
     KEEPALIVE,
     KEEPALIVE_S,
     MAX_LINE,
+    PING_PREFIX,
     RELAY,
     RELAY_GONE,
     ROLE_NODE,
@@ -76,6 +81,7 @@ class Agent:
         self.why = ""
         self._conns: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
+        self._heard: dict[int, float] = {}  # cid -> its last line (monotonic), since the last a
         self._next = 0
         # local listener first: its address goes into the ranks' environment
         self._listen = socket.socket()
@@ -213,6 +219,10 @@ class Agent:
                 buf += data
                 for raw in take_lines(buf):
                     if cid in authed:
+                        with self._lock:
+                            self._heard[cid] = time.monotonic()
+                        if raw.startswith(PING_PREFIX):
+                            continue  # liveness only: in the node's next ``a`` frame
                         if not self.up.send_raw(relay_frame(cid, raw)):
                             self.stop("the supervisor's connection broke")
                         continue
@@ -234,18 +244,35 @@ class Agent:
                     self._conns[cid] = conn
                     self.up.send({"t": RELAY, "c": cid, "m": hello})
 
+    def alive_frame(self) -> dict[str, Any] | None:
+        """The node's liveness since the previous frame: the rank connections that sent a line,
+        and that line's age in ms (None when none did)."""
+        now = time.monotonic()
+        with self._lock:
+            heard, self._heard = self._heard, {}
+            live = [(c, t) for c, t in sorted(heard.items()) if c in self._conns]
+        if not live:
+            return None
+        ages = [round((now - t) * 1e3) for _, t in live]
+        return {"t": ALIVE, "c": [c for c, _ in live], "ms": ages}
+
     # ------------------------------------------------------------ main
     def run(self) -> int:
         threading.Thread(target=self.relay_loop, name="ptops-node-relay", daemon=True).start()
         self.start_ranks()
         rc: int | None = None
-        next_ka = 0.0
+        next_ka = next_alive = 0.0
         while not self.done.is_set():
             if (
                 time.monotonic() >= next_ka
             ):  # the supervisor tells a cut link from a quiet node by these
                 next_ka = time.monotonic() + KEEPALIVE_S
                 self.up.send({"t": KEEPALIVE})
+            if time.monotonic() >= next_alive:
+                next_alive = time.monotonic() + ALIVE_S
+                frame = self.alive_frame()
+                if frame is not None:
+                    self.up.send(frame)
             rc = self.proc.poll()
             if rc is not None:
                 self.stop(f"torchrun exited {rc}")

@@ -37,6 +37,13 @@ Frames on that connection (one JSON object per line, as everywhere):
   ``{"t": "node_stacks", "id": N, "stacks": {"RANK": {"text": "...", "note": "..."}}}`` (py-spy on
   its node: the supervisor cannot ptrace a process on another host); ``{"cmd": "kill"}``.
 - agent -> supervisor ``{"t": "node_exit", "code": RC}`` when its torchrun ended.
+- agent -> supervisor ``{"t": "a", "c": [3, 4], "ms": [120, 870]}`` every ``ALIVE_S``: the node's
+  liveness in one line. The agent keeps its ranks' ``ping`` lines (liveness only, no progress) to
+  itself and lists instead every rank connection ``c`` that sent any line since its previous
+  ``a`` frame, with the age of that line in ms when the frame left (ages, not timestamps: the
+  supervisor subtracts them from its own receive time, so no clock crosses hosts). One line a
+  node a second replaces a ping a rank a second: 8x fewer messages at 8 ranks a node, 2/3 of
+  what a 4 s step sent (issue 24).
 
 The agent forwards a rank's line without re-encoding it (``relay_frame``), so a relay costs one
 JSON parse on the supervisor, as a direct connection does.
@@ -63,6 +70,9 @@ RELAY = "r"  # a relayed rank message
 RELAY_GONE = "g"  # a relayed rank connection closed
 KEEPALIVE = "ka"
 KEEPALIVE_S = 2.0
+ALIVE = "a"  # a node's liveness summary (its ranks' pings, absorbed by the agent)
+ALIVE_S = 1.0  # how often an agent sends it: the probe's default heartbeat
+PING_PREFIX = b'{"t":"ping"'  # a rank's ping line as ``encode`` writes it (the agent keeps these)
 
 
 def relay_frame(cid: int, raw: bytes) -> bytes:

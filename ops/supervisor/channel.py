@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ptops.ops.rank.channel import (
+    ALIVE,
     KEEPALIVE,
     KEEPALIVE_S,
     MAX_LINE,
@@ -210,8 +211,10 @@ class ChannelServer:
                 peer.authed = True
                 self.inbox.put((peer, {**msg, "t": "_hello"}, now))
                 continue
-            if peer.role == ROLE_NODE and msg.get("t") in (RELAY, RELAY_GONE, KEEPALIVE):
-                if msg["t"] != KEEPALIVE:
+            if peer.role == ROLE_NODE and msg.get("t") in (RELAY, RELAY_GONE, KEEPALIVE, ALIVE):
+                if msg["t"] == ALIVE:
+                    self._alive(peer, msg, now)
+                elif msg["t"] != KEEPALIVE:
                     self._relayed(peer, msg, now)
                 continue
             self.inbox.put((peer, msg, now))
@@ -245,6 +248,22 @@ class ChannelServer:
             self.inbox.put((vp, {**hello, "t": "_hello"}, now))
             return
         self.inbox.put((vp, msg, now))
+
+    def _alive(self, node: Peer, frame: dict[str, Any], now: float) -> None:
+        """A node's liveness summary: ONE inbox entry for all its ranks, ``(rank peer, seen at)``
+        pairs (the agent's ages off this receive time). Malformed entries are dropped, never the
+        frame's neighbours."""
+        subs, ages = frame.get("c"), frame.get("ms")
+        if not isinstance(subs, list) or not isinstance(ages, list) or len(subs) != len(ages):
+            return
+        seen = []
+        for sub, age in zip(subs, ages):
+            vp = node.subs.get(sub) if isinstance(sub, int) else None
+            if vp is None or not isinstance(age, (int, float)) or not 0 <= age < 3.6e6:
+                continue
+            seen.append((vp, now - age / 1000.0))
+        if seen:
+            self.inbox.put((node, {"t": "_alive", "seen": seen}, now))
 
     # ------------------------------------------------------------ caller side
     def send(self, peer: Peer, obj: dict[str, Any]) -> bool:

@@ -61,6 +61,7 @@ NODE_HANDLERS = {
     "_hello": "_on_node_hello",
     "node_stacks": "_on_node_stacks",
     "node_exit": "_on_node_exit",
+    "_alive": "_on_node_alive",
     "_eof": "_on_node_eof",
 }
 CONTROL_HANDLERS = {
@@ -368,6 +369,13 @@ class MessagesMixin:
     def _on_node_stacks(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         for rank, reply in (msg.get("stacks") or {}).items():
             self.node_stacks[int(rank)] = {**reply, "node": peer.hello.get("node")}
+
+    def _on_node_alive(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        """A node's liveness summary (``ChannelServer._alive``): what a ping a rank was."""
+        seen = self.monitor.seen
+        for vp, at in msg.get("seen") or ():
+            if vp.rank is not None:
+                seen(vp.rank, at)
 
     def _on_node_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         peer.hello["exit_code"] = msg.get("code")

@@ -1,0 +1,95 @@
+"""The hang check looks at deadlines, not at every rank (``monitors/hang.py::_might_stall``): a
+check that finds nothing costs O(sections), and it never says "nothing" where walking every rank
+would find a hang. Checked against the walk itself on random record streams."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ptops.monitors.hang import STARTUP_SECTIONS, HangConfig, HangMonitor
+
+
+def _walk(m: HangMonitor, now: float):
+    """What the check walking every rank finds (the code path before the deadline bound)."""
+    m._check_memo = {}
+    try:
+        return m._check(now)
+    finally:
+        m._check_memo = None
+
+
+def _bound(m: HangMonitor, now: float) -> bool:
+    m._check_memo = {}
+    try:
+        return m._might_stall(now)
+    finally:
+        m._check_memo = None
+
+
+def _record(rng: random.Random, rank: int, step: int, ts: float) -> dict:
+    kind = rng.choice(["ping", "ping", "beat", "beat", "metrics", "exit"] if rng.random() < 0.02
+                      else ["ping", "ping", "beat", "beat", "metrics"])  # fmt: skip
+    rec = {"kind": kind, "rank": rank, "step": step, "ts": ts}
+    if kind == "metrics":
+        rec["step_s"] = rng.uniform(0.05, 2.0)
+    elif kind == "beat":
+        phase = rng.choice(["startup", "data", "step", "step", "checkpoint", "eval", "hold"])
+        rec["phase"] = phase
+        if phase == "startup":
+            rec["section"] = rng.choice(STARTUP_SECTIONS[1:])
+        elif phase == "step":
+            rec["stage"] = rng.choice(["begin", None])
+    return rec
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_bound_never_hides_a_hang_the_walk_finds(seed):
+    rng = random.Random(seed)
+    world = rng.randint(1, 6)
+    cfg = HangConfig(
+        floor_s=rng.uniform(0.5, 3.0), ping_stale_s=rng.uniform(1.0, 4.0),
+        startup_ping_stale_s=rng.uniform(2.0, 8.0), checkpoint_s=rng.uniform(2.0, 10.0),
+        total_steps=rng.choice([None, 5, 20]),
+    )  # fmt: skip
+    m = HangMonitor(world, 0.0, cfg)
+    ts, step = 0.0, 0
+    hangs = quiet = 0
+    for _ in range(400):
+        ts += rng.expovariate(4.0) * rng.choice([1, 1, 1, 10])  # now and then a long silence
+        if rng.random() < 0.05:
+            step += 1
+        m.observe(_record(rng, rng.randrange(world + (1 if rng.random() < 0.01 else 0)), step, ts))
+        for now in (ts, ts + rng.uniform(0, 3), ts + rng.uniform(3, 30)):
+            found = _walk(m, now)
+            if found is not None:
+                hangs += 1
+                assert _bound(m, now), (seed, now, found)
+                assert m.check(now) == found  # the same finding through the bound
+            else:
+                quiet += 1
+                assert m.check(now) is None
+    assert hangs and quiet  # both sides were exercised
+
+
+def test_a_quiet_check_at_scale_looks_at_the_heaps_not_the_ranks(monkeypatch):
+    world = 16_384
+    m = HangMonitor(world, 0.0, HangConfig(floor_s=10.0, ping_stale_s=10.0))
+    begin = {"kind": "beat", "phase": "step", "stage": "begin"}
+    for r in range(world):
+        m.observe({**begin, "rank": r, "step": 1, "ts": 1.0})
+    for r in range(world):
+        m.observe({"kind": "metrics", "rank": r, "step": 1, "step_s": 1.0, "ts": 2.0})
+    walked = []
+    budget = m._budget
+    monkeypatch.setattr(m, "_budget", lambda r: walked.append(r) or budget(r))
+    for i in range(100):
+        assert m.check(3.0 + i * 0.01) is None
+    assert m.full_checks == 0 and walked == []  # no rank looked at
+    assert len(m._progress["step"]) <= world  # the superseded entries were dropped
+    # one rank silent past its budget: found, and only then the walk
+    for r in range(1, world):
+        m.observe({**begin, "rank": r, "step": 2, "ts": 4.0})
+    found = m.check(40.0)
+    assert found is not None and found.ranks == [0] and m.full_checks == 1
