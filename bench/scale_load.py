@@ -20,7 +20,10 @@ ranks in relay frames (``ops/rank/channel.py::relay_frame``), byte for byte what
 rendezvous, build, load) and ``world``, then per step a ``begin`` beat and a ``metrics`` record (the
 keys of a real titan record), ``--step-s`` (1 s) a step in lockstep (data-parallel ranks finish a
 step together), and a liveness ``ping`` every ``--ping-s`` (the probe's default heartbeat, 1 s) half
-a second out of phase with the steps; each node sends its keepalive every 2 s and answers ``stacks``
+a second out of phase with the steps (``--liveness node``, the default: as the agent does since
+issue 24, each node sends one ``a`` frame for its ranks' pings instead; ``rank``: every ping
+relayed, the design before; ``both``: each size run both ways, side by side); each node sends its
+keepalive every 2 s and answers ``stacks``
 / ``pystacks``. After ``--victim-step`` one rank goes silent (no steps, no pings: SIGSTOPped); the
 others go on stepping (``--peers continue``, the load stays on while the hang is detected) or stop
 stepping and keep pinging (``--peers block``, as ranks waiting in a collective).
@@ -292,10 +295,20 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                             b'{"t":"r","c":%d,"m":{"t":"beat","step":%d,"phase":"step","stage":"begin","ts":%r}}\n'
                             % (c, k, now)
                         )
-                if ping:
+                if ping and args.liveness == "rank":
                     parts.append(
                         b'{"t":"r","c":%d,"m":{"t":"ping","step":%d,"phase":"step","ts":%r}}\n'
                         % (c, k, now)
+                    )
+            if ping and args.liveness == "node":  # the agent's one frame for the node's pings
+                heard = [
+                    c for c, rank in enumerate(node.ranks, 1)
+                    if not (rank == args.victim and victim_silent)
+                ]  # fmt: skip
+                if heard:
+                    parts.append(
+                        b'{"t":"a","c":[%s],"ms":[%s]}\n'
+                        % (",".join(map(str, heard)).encode(), b",".join([b"0"] * len(heard)))
                     )
             if parts:
                 node.writer.write(b"".join(parts))
@@ -440,6 +453,8 @@ def run_one(args: argparse.Namespace) -> dict:
                 str(args.victim_step),
                 "--peers",
                 args.peers,
+                "--liveness",
+                args.liveness,
                 "--stop-file",
                 str(stop_file),
                 "--counters-dir",
@@ -640,6 +655,15 @@ def main() -> None:
             "--victim-step", type=int, default=30, help="... after sending this step's record"
         )
         p.add_argument("--peers", choices=("continue", "block"), default="continue")
+    for p, choices in ((ap, ("node", "rank", "both")), (g, ("node", "rank"))):
+        p.add_argument(
+            "--liveness",
+            choices=choices,
+            default="node",
+            help="node: each node agent keeps its ranks' pings and sends one liveness frame a "
+            "second (ops/node/agent.py since issue 24); rank: every rank's ping relayed (the "
+            "design before); both: each size twice, side by side",
+        )
     g.add_argument("--nodes", type=int, required=True)
     g.add_argument("--part", type=int, default=-1)
     g.add_argument("--stop-file", default="")
@@ -677,6 +701,8 @@ def main() -> None:
         generate_main(a)
         return
     if a.ranks:
+        if a.liveness == "both":
+            ap.error("--liveness both runs each of --sizes twice; with --ranks give node or rank")
         a.nodes = max(1, a.ranks // a.per_node)
         if a.victim < 0:
             a.victim = a.nodes * a.per_node - 1
@@ -688,7 +714,8 @@ def main() -> None:
             Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
         return
     results = []
-    for size in [int(s) for s in a.sizes.split(",") if s]:
+    designs = ("rank", "node") if a.liveness == "both" else (a.liveness,)
+    for size, liveness in [(int(s), d) for s in a.sizes.split(",") if s for d in designs]:
         with tempfile.TemporaryDirectory(prefix=f"ptops-scale-{size}-") as d:
             argv = [
                 sys.executable,
@@ -707,6 +734,8 @@ def main() -> None:
                 str(a.steady),
                 "--peers",
                 a.peers,
+                "--liveness",
+                liveness,
                 "--timeout",
                 str(a.timeout),
                 "--work",
@@ -715,7 +744,8 @@ def main() -> None:
                 f"{d}/r.json",
             ]
             print(
-                f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), load "
+                f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), liveness "
+                f"{liveness}, load "
                 f"{os.getloadavg()}",
                 flush=True,
             )
@@ -724,6 +754,7 @@ def main() -> None:
                 res = json.loads(Path(f"{d}/r.json").read_text())
             except (OSError, ValueError):
                 res = {"ranks": size, "error": "no result (see the output above)"}
+            res["liveness"] = liveness
             res.pop("run_dir", None)
             results.append(res)
             print(json.dumps(res), flush=True)

@@ -27,9 +27,9 @@ from ptops.ops.supervisor.policy import fatal_startup_error
 
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
-# the hang check walks every rank (8,192 ranks: 30-70 ms); it may take at most this share of the
-# loop, else the handlers fall behind, and a backlog older than the budget reads as a hang of every
-# rank (bench/scale_load.py). Small worlds check every CHECK_S as before.
+# a hang check that finds nothing looks at deadlines only (``HangMonitor._might_stall``); it walks
+# every rank (8,192 ranks: 30-70 ms) only when a deadline may have passed. A check may take at most
+# this share of the loop, else the handlers fall behind (bench/scale_load.py).
 CHECK_SHARE = 0.1
 # A backlog older than this (messages received, not handled yet) is said once per episode: hangs
 # are judged at the oldest unhandled arrival meanwhile (``judge_time``), so a rank whose ping waits

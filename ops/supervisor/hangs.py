@@ -20,12 +20,28 @@ from ptops.ops.supervisor import launcher, procs, stacks
 from ptops.ops.supervisor.outcome import Outcome
 
 
+def rank_list(ranks: list[int], show: int = 16) -> str:
+    """Ranks for a line a person reads: ``[3]``, ``[0-7, 9]``; a long list as ranges and a count
+    (an all-rank hang at 8,192 ranks printed 8,192 numbers)."""
+    spans: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
+    more = f", ... ({len(spans) - show} more ranges)" if len(spans) > show else ""
+    count = f" ({len(set(ranks))} ranks)" if len(ranks) > show else ""
+    return "[" + ", ".join(text[:show]) + more + "]" + count
+
+
 class HangMixin:
     def on_hang(self, finding, attempt: int, stack_dir: Path) -> Outcome:
         self.state = RunState.COLLECTING_STACKS
         self.write_status(force=True)
         self.say(
-            f"hang: rank(s) {finding.ranks} made no progress for {finding.silent_s:.1f} s "
+            f"hang: rank(s) {rank_list(finding.ranks)} made no progress for "
+            f"{finding.silent_s:.1f} s "
             f"(timeout {finding.timeout_s:.1f} s, {finding.phase}"
             + (
                 f" {finding.section}"
@@ -51,7 +67,8 @@ class HangMixin:
         self.step = max(self.step, launcher.completed_step(self.run))
         return Outcome(
             "hang",
-            f"hang: rank(s) {finding.ranks} silent {finding.silent_s:.0f} s at step {finding.step}",
+            f"hang: rank(s) {rank_list(finding.ranks)} silent {finding.silent_s:.0f} s at step "
+            f"{finding.step}",
             ev,
         )
 

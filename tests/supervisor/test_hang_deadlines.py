@@ -93,3 +93,13 @@ def test_a_quiet_check_at_scale_looks_at_the_heaps_not_the_ranks(monkeypatch):
         m.observe({**begin, "rank": r, "step": 2, "ts": 4.0})
     found = m.check(40.0)
     assert found is not None and found.ranks == [0] and m.full_checks == 1
+
+
+def test_the_hang_line_names_ranks_as_ranges():
+    from ptops.ops.supervisor.hangs import rank_list
+
+    assert rank_list([3]) == "[3]"
+    assert rank_list([5, 0, 1, 2, 3]) == "[0-3, 5]"
+    assert rank_list(list(range(8192))) == "[0-8191] (8192 ranks)"
+    evens = rank_list(list(range(0, 100, 2)))
+    assert evens.startswith("[0, 2, 4,") and "(34 more ranges)] (50 ranks)" in evens
