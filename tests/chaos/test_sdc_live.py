@@ -269,11 +269,13 @@ def test_a_compute_error_is_blamed_on_its_rank_and_a_consistent_one_is_caught_by
     assert recs[(1, 5, 1)]["sdc_recheck_contrib"] == 1
     assert recs[(1, 5, 0)]["sdc_recheck_contrib"] == 0
     assert recs[(1, 5, 0)]["sdc_recheck_compute"] == recs[(1, 5, 1)]["sdc_recheck_compute"] == [1]
-    # step 10: every same-rank run agrees (the device is wrong the same way), the partner does not
-    for r in (0, 1):
-        assert recs[(1, 10, r)]["sdc_recheck"] == recs[(1, 10, r)]["sdc_recheck_contrib"] == 0
-        assert recs[(1, 10, r)]["sdc_partner"] == 2
-        assert recs[(1, 10, r)]["sdc_partner_suspects"] == [0, 1]
+    # step 10: every same-rank run agrees (the device is wrong the same way), the partner does not;
+    # the attempt ends on the first record that says so: the other rank's may never be handled
+    tenth = [recs[(1, 10, r)] for r in (0, 1) if (1, 10, r) in recs]
+    assert tenth
+    for rec in tenth:
+        assert rec["sdc_recheck"] == rec["sdc_recheck_contrib"] == 0
+        assert rec["sdc_partner"] == 2 and rec["sdc_partner_suspects"] == [0, 1]
     assert all(r["sdc_partner"] == 0 for k, r in recs.items() if k[0] == 2)  # attempt 2: clean
     found = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
     assert [(e["rank"], e["step"], e["severity"]) for e in found] == [
@@ -292,7 +294,7 @@ def test_a_consistently_wrong_device_among_three_is_named_by_the_partner_and_str
     _, (run, proc) = compute_flips
     assert proc.returncode == 3, proc.stderr
     recs = [r for r in metrics(run) if r.get("step") == 10 and "sdc_partner" in r]
-    assert sorted(r["rank"] for r in recs) == [0, 1, 2]
+    assert recs  # every rank's that was handled before the attempt ended on the first
     assert all(r["sdc_partner_suspects"] == [1] and r["sdc_recheck"] == 0 for r in recs)
     (found,) = [e for e in events(run, "anomaly") if e["monitor"] == "sdc"]
     assert (found["rank"], found["step"], found["value"]) == (1, 5, 2)
