@@ -365,8 +365,9 @@ ALLOWED_IMPORTS = {
     "bisect",
     "copy",
     "operator",
+    "heapq",
 }  # bisect: sorted windows; copy: a shared state's checkpoint; operator:
-# itemgetter (pure, stdlib)
+# itemgetter; heapq: the hang check's deadline heaps (pure, stdlib)
 CKPT_FILES = sorted(str(p.relative_to(PKG)) for p in (PKG / "ckpt").rglob("*.py"))
 CKPT_THIRD_PARTY = {"torch", "numpy"}
 
