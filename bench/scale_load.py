@@ -15,18 +15,20 @@ silent rank's node agent, one file per rank) and the teardown.
 Simulated: the attempt's process. ``attempt_command`` (the launch backend's hook, as Slurm fills it)
 starts this file's ``generate`` mode instead of torchrun/srun: ``--gen-procs`` processes of asyncio
 simulated node agents, each node ONE token-authenticated ``role: "node"`` connection carrying its
-ranks in relay frames (``ops/rank/channel.py::relay_frame``), byte for byte what
-``ops/node/agent.py`` sends. Each simulated rank sends its hello, the start-up beats (import,
-rendezvous, build, load) and ``world``, then per step a ``begin`` beat and a ``metrics`` record (the
-keys of a real titan record), ``--step-s`` (1 s) a step in lockstep (data-parallel ranks finish a
-step together), and a liveness ``ping`` every ``--ping-s`` (the probe's default heartbeat, 1 s) half
-a second out of phase with the steps (``--liveness node``, the default: as the agent does since
-issue 24, each node sends one ``a`` frame for its ranks' pings instead; ``rank``: every ping
+ranks' lines in batch frames made by the agent's own ``ops/rank/channel.py::Batcher`` (``--relay
+batch``, the default: a node's lines of one tick in one frame, step records as differences;
+``line``: a relay frame a line, ``relay_frame``, the design before issue 24; ``both``: side by
+side), as ``ops/node/agent.py`` sends them. Each simulated rank sends its hello, the start-up beats
+(import, rendezvous, build, load) and ``world``, then per step a ``begin`` beat and a ``metrics``
+record (the keys of a real titan record), ``--step-s`` (1 s) a step in lockstep (data-parallel ranks
+finish a step together), and a liveness ``ping`` every ``--ping-s`` (the probe's default heartbeat,
+1 s) half a second out of phase with the steps (``--liveness node``, the default: as the agent does
+since issue 24, each node sends one ``a`` frame for its ranks' pings instead; ``rank``: every ping
 relayed, the design before; ``both``: each size run both ways, side by side); each node sends its
-keepalive every 2 s and answers ``stacks``
-/ ``pystacks``. After ``--victim-step`` one rank goes silent (no steps, no pings: SIGSTOPped); the
-others go on stepping (``--peers continue``, the load stays on while the hang is detected) or stop
-stepping and keep pinging (``--peers block``, as ranks waiting in a collective).
+keepalive every 2 s and answers ``stacks`` / ``pystacks``. After ``--victim-step`` one rank goes
+silent (no steps, no pings: SIGSTOPped); the others go on stepping (``--peers continue``, the load
+stays on while the hang is detected) or stop stepping and keep pinging (``--peers block``, as ranks
+waiting in a collective).
 
 One size per process (CPU and RSS are this process's): ``--sizes`` runs each size in a child of this
 file and merges the results into ``bench/results/scale_load.json``.
@@ -76,6 +78,9 @@ _TITAN_KEYS = (
 )
 
 
+_GLOBAL = {"max_loss", "memory_num_alloc_retries", "memory_num_ooms", "n_tokens_seen"}
+
+
 # ================================================================ the load generator (simulated
 # node agents)
 
@@ -88,24 +93,46 @@ class _Node:
         self.reader: asyncio.StreamReader | None = None
 
 
-def _metrics_frame(
-    cid: int, rank: int, attempt: int, step: int, step_s: float, now: float
-) -> bytes:
-    loss = 6.5 - 0.0001 * step + 0.001 * (rank % 7)
-    extra = "".join(f',"{k}":{0.5 + (rank % 5) * 0.01 + step * 1e-6!r}' for k in _TITAN_KEYS)
+def _metrics_line(rank: int, attempt: int, step: int, step_s: float, now: float) -> bytes:
+    # as a real titan-tiny record (tests/data/obs-titan/metrics.jsonl): the loss, grad norm, lr,
+    # max loss, allocation retries, OOMs and tokens seen are the run's (the same on every rank);
+    # throughput, times and memory are the rank's own
+    loss = 6.5 - 0.0001 * step
+    extra = "".join(
+        f',"{k}":{0.5 + (0 if k in _GLOBAL else (rank % 5) * 0.01) + step * 1e-6!r}'
+        for k in _TITAN_KEYS
+    )
     rec = (
         f'{{"step":{step},"rank":{rank},"attempt":{attempt},"loss":{loss!r},'
         f'"grad_norm":{0.48 + (step % 13) * 0.001!r},'
         f'"lr":0.0003,"step_s":{step_s!r},"tokens_per_s":{11597.0 + rank % 11!r}{extra},'
         f'"ts":{now!r}}}'
     )
-    return b'{"t":"r","c":%d,"m":{"t":"metrics","rec":%s,"ts":%r}}\n' % (cid, rec.encode(), now)
+    return b'{"t":"metrics","rec":%s,"ts":%r}' % (rec.encode(), now)
+
+
+def _line(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
 
 
 def _frame(cid: int, msg: dict) -> bytes:
     from ptops.ops.rank.channel import relay_frame
 
-    return relay_frame(cid, json.dumps(msg, separators=(",", ":")).encode())
+    return relay_frame(cid, _line(msg))
+
+
+def _frames(relay: str, lines: list[tuple[int, bytes]]) -> list[bytes]:
+    """A node's rank lines as its agent sends them: one ``b`` frame (``Batcher``, the agent's own
+    code, since issue 24) or a relay frame a line (``line``: the design before)."""
+    from ptops.ops.rank.channel import Batcher, relay_frame
+
+    if relay == "line":
+        return [relay_frame(c, raw) for c, raw in lines]
+    b = Batcher()
+    for c, raw in lines:
+        b.add(c, raw, 0.0)
+    frame = b.frame()
+    return [frame] if frame is not None else []
 
 
 async def _generate(args: argparse.Namespace, part: int) -> None:
@@ -140,7 +167,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 break
             except OSError:
                 await asyncio.sleep(0.05)
-        lines = [
+        head = [
             json.dumps(
                 {
                     "t": "hello",
@@ -155,8 +182,8 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
             ).encode()
             + b"\n"
         ]
-        for c, rank in enumerate(node.ranks, 1):
-            lines.append(
+        for c, rank in enumerate(node.ranks, 1):  # hellos leave one by one (the agent's check)
+            head.append(
                 _frame(
                     c,
                     {
@@ -171,35 +198,40 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                     },
                 )
             )
+        lines = []
         for section in ("import", "rendezvous", "build", "load"):
             for c in range(1, len(node.ranks) + 1):
                 lines.append(
-                    _frame(
+                    (
                         c,
-                        {
-                            "t": "beat",
-                            "step": 0,
-                            "phase": "startup",
-                            "section": section,
-                            "ts": time.time(),
-                        },
+                        _line(
+                            {
+                                "t": "beat",
+                                "step": 0,
+                                "phase": "startup",
+                                "section": section,
+                                "ts": time.time(),
+                            }
+                        ),
                     )
                 )
         for c, rank in enumerate(node.ranks, 1):
             lines.append(
-                _frame(
+                (
                     c,
-                    {
-                        "t": "world",
-                        "world_size": world,
-                        "rank": rank,
-                        "host": f"sim{node.index:05d}",
-                        "ts": time.time(),
-                    },
+                    _line(
+                        {
+                            "t": "world",
+                            "world_size": world,
+                            "rank": rank,
+                            "host": f"sim{node.index:05d}",
+                            "ts": time.time(),
+                        }
+                    ),
                 )
             )
-        node.writer.write(b"".join(lines))
-        counters["sent_msgs"] += len(lines)
+        node.writer.write(b"".join(head + _frames(args.relay, lines)))
+        counters["sent_msgs"] += len(head) + len(lines)
 
     async def serve(node: _Node) -> None:
         """The agent's downstream side: commands for its ranks, py-spy requests, keepalives."""
@@ -222,17 +254,9 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 c = int(msg["c"])
                 if node.ranks[c - 1] == args.victim and counters["victim_silent_ts"] is not None:
                     continue  # SIGSTOPped: cannot answer
-                node.writer.write(
-                    _frame(
-                        c,
-                        {
-                            "t": "stacks",
-                            "id": msg["m"].get("id"),
-                            "text": STACK_TEXT,
-                            "ts": time.time(),
-                        },
-                    )
-                )
+                reply = {"t": "stacks", "id": msg["m"].get("id"), "text": STACK_TEXT}
+                reply["ts"] = time.time()
+                node.writer.write(b"".join(_frames(args.relay, [(c, _line(reply))])))
                 counters["replies"] += 1
             elif msg.get("cmd") == "pystacks":
                 stacks = {
@@ -277,7 +301,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         boundary = tick % per_step == 0
         ping = tick % per_ping == per_ping // 2  # half a heartbeat out of phase with the steps
         for node in nodes:
-            parts = []
+            lines = []
             for c, rank in enumerate(node.ranks, 1):
                 if rank == args.victim and victim_silent:
                     continue
@@ -286,20 +310,22 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 )
                 if boundary and stepping:
                     if k > 1:
-                        parts.append(_metrics_frame(c, rank, attempt, k - 1, args.step_s, now))
+                        lines.append((c, _metrics_line(rank, attempt, k - 1, args.step_s, now)))
                         counters["sent_metrics"] += 1
                     if (args.steps == 0 or k <= args.steps) and not (
                         rank == args.victim and k - 1 >= args.victim_step
                     ):
-                        parts.append(
-                            b'{"t":"r","c":%d,"m":{"t":"beat","step":%d,"phase":"step","stage":"begin","ts":%r}}\n'
-                            % (c, k, now)
+                        lines.append(
+                            (
+                                c,
+                                b'{"t":"beat","step":%d,"phase":"step","stage":"begin","ts":%r}'
+                                % (k, now),
+                            )
                         )
-                if ping and args.liveness == "rank":
-                    parts.append(
-                        b'{"t":"r","c":%d,"m":{"t":"ping","step":%d,"phase":"step","ts":%r}}\n'
-                        % (c, k, now)
-                    )
+                if ping and args.liveness == "rank":  # (the design before: relayed one by one)
+                    lines.append((c, b'{"t":"ping","step":%d,"phase":"step","ts":%r}' % (k, now)))
+            counters["sent_msgs"] += len(lines)
+            parts = _frames(args.relay, lines)
             if ping and args.liveness == "node":  # the agent's one frame for the node's pings
                 heard = [
                     c for c, rank in enumerate(node.ranks, 1)
@@ -310,9 +336,9 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                         b'{"t":"a","c":[%s],"ms":[%s]}\n'
                         % (",".join(map(str, heard)).encode(), b",".join([b"0"] * len(heard)))
                     )
+                    counters["sent_msgs"] += 1
             if parts:
                 node.writer.write(b"".join(parts))
-                counters["sent_msgs"] += len(parts)
         if (
             boundary
             and not victim_silent
@@ -455,6 +481,8 @@ def run_one(args: argparse.Namespace) -> dict:
                 args.peers,
                 "--liveness",
                 args.liveness,
+                "--relay",
+                args.relay,
                 "--stop-file",
                 str(stop_file),
                 "--counters-dir",
@@ -499,7 +527,10 @@ def run_one(args: argparse.Namespace) -> dict:
                     "main_cpu_s": _thread_cpu(main_tid),
                     "channel_cpu_s": _thread_cpu(ch_tid),
                     "rss_mb": _rss_mb(),
-                    "inbox": server.inbox.qsize() if server is not None else 0,
+                    # messages waiting (a node's batch counts its messages; before issue 24's
+                    # batches this was the queue's length)
+                    "inbox": server.received - server.handled if server is not None else 0,
+                    "inbox_entries": server.inbox.qsize() if server is not None else 0,
                     "connections": len(server._peers) if server is not None else 0,
                     "nodes": len(server.nodes()) if server is not None else 0,
                     "ranks": len(sup.ranks),
@@ -664,6 +695,15 @@ def main() -> None:
             "second (ops/node/agent.py since issue 24); rank: every rank's ping relayed (the "
             "design before); both: each size twice, side by side",
         )
+    for p, choices in ((ap, ("batch", "line", "both")), (g, ("batch", "line"))):
+        p.add_argument(
+            "--relay",
+            choices=choices,
+            default="batch",
+            help="batch: each node agent sends its ranks' lines of a few ms as one frame, step "
+            "records as differences (ops/rank/channel.py::Batcher, since issue 24); line: a "
+            "relay frame a line (the design before); both: each size both ways",
+        )
     g.add_argument("--nodes", type=int, required=True)
     g.add_argument("--part", type=int, default=-1)
     g.add_argument("--stop-file", default="")
@@ -701,8 +741,8 @@ def main() -> None:
         generate_main(a)
         return
     if a.ranks:
-        if a.liveness == "both":
-            ap.error("--liveness both runs each of --sizes twice; with --ranks give node or rank")
+        if a.liveness == "both" or a.relay == "both":
+            ap.error("both runs each of --sizes twice; with --ranks give one design")
         a.nodes = max(1, a.ranks // a.per_node)
         if a.victim < 0:
             a.victim = a.nodes * a.per_node - 1
@@ -714,8 +754,14 @@ def main() -> None:
             Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
         return
     results = []
-    designs = ("rank", "node") if a.liveness == "both" else (a.liveness,)
-    for size, liveness in [(int(s), d) for s in a.sizes.split(",") if s for d in designs]:
+    # the design before first: (liveness, relay)
+    designs = [
+        (live, relay)
+        for live in (("rank", "node") if a.liveness == "both" else (a.liveness,))
+        for relay in (("line", "batch") if a.relay == "both" else (a.relay,))
+        if not (live == "rank" and relay == "batch" and a.liveness == a.relay == "both")
+    ]
+    for size, (liveness, relay) in [(int(s), d) for s in a.sizes.split(",") if s for d in designs]:
         with tempfile.TemporaryDirectory(prefix=f"ptops-scale-{size}-") as d:
             argv = [
                 sys.executable,
@@ -736,6 +782,8 @@ def main() -> None:
                 a.peers,
                 "--liveness",
                 liveness,
+                "--relay",
+                relay,
                 "--timeout",
                 str(a.timeout),
                 "--work",
@@ -745,7 +793,7 @@ def main() -> None:
             ]
             print(
                 f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), liveness "
-                f"{liveness}, load "
+                f"{liveness}, relay {relay}, load "
                 f"{os.getloadavg()}",
                 flush=True,
             )
@@ -755,6 +803,7 @@ def main() -> None:
             except (OSError, ValueError):
                 res = {"ranks": size, "error": "no result (see the output above)"}
             res["liveness"] = liveness
+            res["relay"] = relay
             res.pop("run_dir", None)
             results.append(res)
             print(json.dumps(res), flush=True)

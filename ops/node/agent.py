@@ -10,9 +10,11 @@ be stopped with it, and have their stacks read where they live. The agent, per n
    (``--nnodes N --node-rank I``, static rendezvous at the attempt's first node: the rank -> node
    mapping is fixed, so "rank 1" is always on the second node and blame by rank names a node;
    torchrun also gives the ranks the environment the engines already expect);
-3. relays every rank line upstream unchanged (``relay_frame``) and every command downstream,
-   but its ranks' liveness ``ping`` lines: those it sums up in one ``a`` frame a second for the
-   node (which ranks sent anything, how long ago: the wire format in ``ops/rank/channel.py``);
+3. relays its ranks' lines upstream in batches of a few ms (``b`` frames: one parse and one queue
+   entry on the supervisor for many lines, a step's records as differences from the first) and
+   every command downstream; its ranks' liveness ``ping`` lines it sums up in one ``a`` frame a
+   second for the node (which ranks sent anything, how long ago); the wire format is in
+   ``ops/rank/channel.py``;
 4. runs py-spy on its ranks on request (``pystacks``): ptrace does not cross hosts;
 5. kills its ranks when the supervisor goes away: EOF, or no keepalive for
    ``PTOPS_NODE_UPSTREAM_TIMEOUT_S`` (a cut link gives no EOF), or ``{"cmd": "kill"}``;
@@ -50,10 +52,10 @@ from ptops.ops.rank.channel import (
     RELAY,
     RELAY_GONE,
     ROLE_NODE,
+    Batcher,
     ChannelClient,
     encode,
     new_token,
-    relay_frame,
     take_lines,
 )
 from ptops.ops.supervisor import procs, stacks
@@ -183,6 +185,13 @@ class Agent:
         bufs: dict[int, bytearray] = {}
         authed: set[int] = set()
 
+        batch = Batcher()
+
+        def flush() -> None:
+            frame = batch.frame()
+            if frame is not None and not self.up.send_raw(frame):
+                self.stop("the supervisor's connection broke")
+
         def drop(cid: int, conn: socket.socket) -> None:
             try:
                 sel.unregister(conn)
@@ -193,10 +202,13 @@ class Agent:
             bufs.pop(cid, None)
             if cid in authed:
                 authed.discard(cid)
+                flush()  # its last lines before the word that it is gone
                 self.up.send({"t": RELAY_GONE, "c": cid})
 
         while not self.done.is_set():
-            for key, _ in sel.select(timeout=0.5):
+            if batch.due(time.monotonic()):
+                flush()
+            for key, _ in sel.select(timeout=batch.wait_s(time.monotonic(), 0.5)):
                 if key.data is None:
                     try:
                         conn, _ = self._listen.accept()
@@ -223,8 +235,7 @@ class Agent:
                             self._heard[cid] = time.monotonic()
                         if raw.startswith(PING_PREFIX):
                             continue  # liveness only: in the node's next ``a`` frame
-                        if not self.up.send_raw(relay_frame(cid, raw)):
-                            self.stop("the supervisor's connection broke")
+                        batch.add(cid, raw, time.monotonic())
                         continue
                     try:
                         hello = json.loads(raw)
@@ -242,7 +253,9 @@ class Agent:
                     hello["node"] = self.node
                     authed.add(cid)
                     self._conns[cid] = conn
+                    flush()
                     self.up.send({"t": RELAY, "c": cid, "m": hello})
+        flush()
 
     def alive_frame(self) -> dict[str, Any] | None:
         """The node's liveness since the previous frame: the rank connections that sent a line,

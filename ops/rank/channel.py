@@ -45,8 +45,18 @@ Frames on that connection (one JSON object per line, as everywhere):
   node a second replaces a ping a rank a second: 8x fewer messages at 8 ranks a node, 2/3 of
   what a 4 s step sent (issue 24).
 
-The agent forwards a rank's line without re-encoding it (``relay_frame``), so a relay costs one
-JSON parse on the supervisor, as a direct connection does.
+- agent -> supervisor ``{"t": "b", "c": [3, 4, 3], "k": [{...}], "m": [{...}, {...}, {...}]}``:
+  every other line of its ranks, batched (``Batcher``): message ``m[i]`` of connection ``c[i]``, in
+  the order each rank sent them, held at most ``BATCH_S`` (20 ms). A step record may come as the
+  differences from its step's first record in the frame: ``{"t": "metrics", "rec": {changed keys},
+  "_k": j}`` is ``rec = {**k[j], **changed}`` (same keys, same order; ``unbatch``). One frame a
+  node every few ms replaces a frame a line (the start-up burst: ~50 lines a node), and the
+  records' common values cross once (issue 24). Hellos, ``g`` and the agent's own frames stay
+  single and leave after the batch before them.
+
+The agent checks that each rank line is a JSON object (a broken line is dropped, not its
+neighbours') and puts it into the frame without re-encoding it, so a batch costs the supervisor
+one JSON parse; only a step record that joins a group is re-encoded, by the agent.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -80,17 +90,164 @@ def relay_frame(cid: int, raw: bytes) -> bytes:
     return b'{"t":"r","c":%d,"m":%s}\n' % (cid, raw)
 
 
+BATCH = "b"  # a node's rank lines of a few ms in one frame (issue 24)
+BATCH_S = 0.02  # the longest an agent holds a rank's line before its batch leaves
+BATCH_BYTES = 256 * 1024  # a batch this large leaves at once
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same JSON scalar, as a record would be rebuilt from it: equal, of one type (1, 1.0 and
+    True are not), a zero of one sign. Containers never count as the same (kept per rank)."""
+    if type(a) is not type(b) or isinstance(a, (list, dict)) or a != b:
+        return False
+    return type(a) is not float or a != 0.0 or str(a) == str(b)
+
+
+class Batcher:
+    """A node agent's rank lines, gathered for up to ``BATCH_S`` and sent as ONE ``b`` frame.
+
+    Why: at thousands of nodes the supervisor's channel thread paid a ``recv`` slice, a JSON parse
+    and a queue entry per rank line; the start-up burst alone was ~50 lines a node. A batch is one
+    parse and one queue entry. Its step records are also told as differences: ranks of one step
+    mostly log the same values, so the first record of a step in the batch (the leader) goes whole
+    in ``k`` and each later one as the keys whose values differ (``"_k": i`` names the leader).
+    Lossless: only a record with exactly the leader's keys in the leader's order is cut, and a
+    value is left out only when the leader's is the same JSON scalar, so ``{**leader, **diff}``
+    is the record, key order included. A rank's own lines keep their order: a record joins its
+    step's group only if its rank sent nothing since the group's place in the batch.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, bytes, dict | None]] = []  # (cid, line, parsed step record)
+        self.size = 0
+        self.since: float | None = None  # when the oldest line waiting arrived (monotonic)
+
+    def add(self, cid: int, raw: bytes, now: float) -> bool:
+        """Queue one rank line; False (dropped) when it is no JSON object: it goes into the frame
+        as it is, and a broken line must not break its neighbours' frame."""
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            return False
+        if not isinstance(msg, dict) or "_k" in msg:  # ("_k": the frame's own reference)
+            return False
+        if not (
+            msg.get("t") == "metrics"
+            and isinstance(msg.get("rec"), dict)
+            and type(msg["rec"].get("step")) is int
+        ):
+            msg = None  # relayed as it is
+        self.items.append((cid, raw, msg))
+        self.size += len(raw)
+        if self.since is None:
+            self.since = now
+        return True
+
+    def due(self, now: float) -> bool:
+        return self.since is not None and (now - self.since >= BATCH_S or self.size >= BATCH_BYTES)
+
+    def wait_s(self, now: float, idle: float) -> float:
+        """How long the relay may wait for more lines before this batch is due."""
+        return idle if self.since is None else max(0.0, self.since + BATCH_S - now)
+
+    def frame(self) -> bytes | None:
+        """The waiting lines as one frame (None when none), and an empty batch."""
+        if not self.items:
+            return None
+        items, self.items, self.size, self.since = self.items, [], 0, None
+        # entries in order: [cid, line] or a step group [cid, line, record, members]
+        out: list[list] = []
+        groups: dict[int, list] = {}  # step -> its open group
+        last: dict[int, int] = {}  # cid -> the place of its last line in ``out``
+        for cid, raw, msg in items:
+            if msg is not None:
+                g = groups.get(msg["rec"]["step"])
+                lead = g[2]["rec"] if g is not None else None
+                if g is not None and last.get(cid, -1) < g[4] and list(msg["rec"]) == list(lead):
+                    g[3].append((cid, msg))
+                    last[cid] = g[4]
+                    continue
+                g = [cid, raw, msg, [], len(out)]
+                groups[msg["rec"]["step"]] = g
+                out.append(g)
+            else:
+                out.append([cid, raw])
+            last[cid] = len(out) - 1
+        cids: list[int] = []
+        lines: list[bytes] = []
+        leaders: list[bytes] = []
+        for e in out:
+            if len(e) == 2 or not e[3]:
+                cids.append(e[0])
+                lines.append(e[1])
+                continue
+            lead = e[2]["rec"]
+            j = len(leaders)
+            leaders.append(json.dumps(lead, separators=(",", ":")).encode())
+            for cid, msg in [(e[0], e[2])] + e[3]:
+                rec = msg["rec"]
+                diff = {k: v for k, v in rec.items() if not _same(v, lead[k])}
+                cids.append(cid)
+                lines.append(
+                    json.dumps({**msg, "rec": diff, "_k": j}, separators=(",", ":")).encode()
+                )
+        return b'{"t":"b","c":[%s],"k":[%s],"m":[%s]}\n' % (
+            ",".join(map(str, cids)).encode(),
+            b",".join(leaders),
+            b",".join(lines),
+        )
+
+
+def unbatch(frame: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """A ``b`` frame's (cid, message) pairs in order, each step record whole again. Entries that do
+    not parse as such (lengths that differ, a message that is no object, a leader index out of
+    range) are dropped, never their neighbours."""
+    cids, msgs, leaders = frame.get("c"), frame.get("m"), frame.get("k", [])
+    if (
+        not isinstance(cids, list)
+        or not isinstance(msgs, list)
+        or not isinstance(leaders, list)
+        or len(cids) != len(msgs)
+    ):
+        return []
+    out = []
+    for cid, msg in zip(cids, msgs):
+        if not isinstance(msg, dict):
+            continue
+        if "_k" in msg:
+            j, rec = msg.pop("_k"), msg.get("rec")
+            if (
+                type(j) is not int
+                or not 0 <= j < len(leaders)
+                or not isinstance(leaders[j], dict)
+                or not isinstance(rec, dict)
+            ):
+                continue
+            full = dict(leaders[j])
+            full.update(rec)
+            msg["rec"] = full
+        out.append((cid, msg))
+    return out
+
+
 def take_lines(buf: bytearray) -> Iterator[bytes]:
-    """The complete lines in ``buf``, each removed before it is yielded (a partial line stays for
-    the next ``recv``). Every end of the channel reads its stream this way: rank, node agent,
-    supervisor."""
-    while True:
-        i = buf.find(b"\n")
-        if i < 0:
-            return
-        raw = bytes(buf[:i])
-        del buf[: i + 1]
-        yield raw
+    """The complete lines in ``buf``, removed from it (a partial line stays for the next
+    ``recv``). Every end of the channel reads its stream this way: rank, node agent, supervisor.
+    The lines read are cut off once, when the caller is done (or stops early: what it did not take
+    is left), not one by one: a 64 KB read of a node's frames holds ~100 lines, and moving the rest
+    of the buffer after each cost ~3 us a line on the supervisor's channel thread."""
+    start = 0
+    try:
+        while True:
+            i = buf.find(b"\n", start)
+            if i < 0:
+                return
+            raw = bytes(buf[start:i])
+            start = i + 1
+            yield raw
+    finally:
+        if start:
+            del buf[:start]
 
 
 def new_token() -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from ptops.ops.rank.channel import (
     ALIVE,
+    BATCH,
     KEEPALIVE,
     KEEPALIVE_S,
     MAX_LINE,
@@ -29,7 +30,10 @@ from ptops.ops.rank.channel import (
     encode,
     new_token,
     take_lines,
+    unbatch,
 )
+
+NODE_FRAMES = (RELAY, RELAY_GONE, KEEPALIVE, ALIVE, BATCH)  # a node agent's own frame types
 
 
 @dataclass
@@ -85,6 +89,10 @@ class ChannelServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         self.token = token or new_token()
         self.inbox: queue.Queue[tuple[Peer, dict[str, Any], float]] = queue.Queue()
+        # messages queued so far (a batch counts its messages): less ``handled`` (the supervisor's
+        # count), how many wait; the queue's length counts a batch as one
+        self.received = 0
+        self.handled = 0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listen = socket.socket(family, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,6 +110,10 @@ class ChannelServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._loop, name="ptops-channel", daemon=True)
         self._thread.start()
+
+    def _put(self, item: tuple[Peer, dict[str, Any], float]) -> None:
+        self.received += 1
+        self.inbox.put(item)
 
     def address(self, advertise: str = "") -> str:
         host = advertise or self.host
@@ -171,9 +183,9 @@ class ChannelServer:
             now = time.monotonic()
             for sub in list(peer.subs.values()):  # the node's ranks are gone with it
                 if sub.authed:
-                    self.inbox.put((sub, {"t": "_eof"}, now))
+                    self._put((sub, {"t": "_eof"}, now))
             peer.subs.clear()
-            self.inbox.put((peer, {"t": "_eof"}, now))
+            self._put((peer, {"t": "_eof"}, now))
 
     def _read(self, peer: Peer) -> bool:
         """One read of a ready peer; True when it filled the buffer (more may be waiting)."""
@@ -209,15 +221,18 @@ class ChannelServer:
                 msg.pop("token", None)
                 peer.hello = msg
                 peer.authed = True
-                self.inbox.put((peer, {**msg, "t": "_hello"}, now))
+                self._put((peer, {**msg, "t": "_hello"}, now))
                 continue
-            if peer.role == ROLE_NODE and msg.get("t") in (RELAY, RELAY_GONE, KEEPALIVE, ALIVE):
-                if msg["t"] == ALIVE:
+            if peer.role == ROLE_NODE and msg.get("t") in NODE_FRAMES:
+                t = msg["t"]
+                if t == BATCH:
+                    self._batch(peer, msg, now)
+                elif t == ALIVE:
                     self._alive(peer, msg, now)
-                elif msg["t"] != KEEPALIVE:
+                elif t != KEEPALIVE:
                     self._relayed(peer, msg, now)
                 continue
-            self.inbox.put((peer, msg, now))
+            self._put((peer, msg, now))
         return full
 
     def _relayed(self, node: Peer, frame: dict[str, Any], now: float) -> None:
@@ -230,7 +245,7 @@ class ChannelServer:
             if vp is not None:
                 node.subs.pop(sub, None)
                 if vp.authed:
-                    self.inbox.put((vp, {"t": "_eof"}, now))
+                    self._put((vp, {"t": "_eof"}, now))
             return
         msg = frame.get("m")
         if not isinstance(msg, dict):
@@ -245,9 +260,22 @@ class ChannelServer:
             hello.setdefault("node", node.hello.get("node"))
             vp = Peer(self._next, node.sock, hello=hello, authed=True, via=node, sub=sub)
             node.subs[sub] = vp
-            self.inbox.put((vp, {**hello, "t": "_hello"}, now))
+            self._put((vp, {**hello, "t": "_hello"}, now))
             return
-        self.inbox.put((vp, msg, now))
+        self._put((vp, msg, now))
+
+    def _batch(self, node: Peer, frame: dict[str, Any], now: float) -> None:
+        """A node's batch of rank lines: ONE inbox entry, ``(rank peer, message)`` pairs in the
+        order sent (``unbatch`` rebuilds the step records). A line of a connection the node never
+        said hello for is dropped, as a relayed one is."""
+        items = []
+        for sub, msg in unbatch(frame):
+            vp = node.subs.get(sub) if type(sub) is int else None
+            if vp is not None:
+                items.append((vp, msg))
+        if items:
+            self._put((node, {"t": "_batch", "items": items}, now))
+            self.received += len(items) - 1
 
     def _alive(self, node: Peer, frame: dict[str, Any], now: float) -> None:
         """A node's liveness summary: ONE inbox entry for all its ranks, ``(rank peer, seen at)``
@@ -263,7 +291,7 @@ class ChannelServer:
                 continue
             seen.append((vp, now - age / 1000.0))
         if seen:
-            self.inbox.put((node, {"t": "_alive", "seen": seen}, now))
+            self._put((node, {"t": "_alive", "seen": seen}, now))
 
     # ------------------------------------------------------------ caller side
     def send(self, peer: Peer, obj: dict[str, Any]) -> bool:

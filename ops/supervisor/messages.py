@@ -62,6 +62,7 @@ NODE_HANDLERS = {
     "node_stacks": "_on_node_stacks",
     "node_exit": "_on_node_exit",
     "_alive": "_on_node_alive",
+    "_batch": "_on_node_batch",
     "_eof": "_on_node_eof",
 }
 CONTROL_HANDLERS = {
@@ -99,6 +100,7 @@ class MessagesMixin:
             except queue.Empty:
                 return
             self.handle(peer, msg, ts)
+            self.server.handled += len(msg["items"]) if msg.get("t") == "_batch" else 1
             if self.stop_signal is not None and not drain:
                 return
 
@@ -376,6 +378,13 @@ class MessagesMixin:
         for vp, at in msg.get("seen") or ():
             if vp.rank is not None:
                 seen(vp.rank, at)
+
+    def _on_node_batch(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+        """A node's batch of rank messages (``ChannelServer._batch``): each handled as if it had
+        come alone, in the order sent."""
+        handle = self.handle
+        for vp, m in msg.get("items") or ():
+            handle(vp, m, ts)
 
     def _on_node_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         peer.hello["exit_code"] = msg.get("code")

@@ -18,6 +18,7 @@ from ptops.ops.supervisor.channel import ChannelServer
 
 
 def _next(server: ChannelServer, t: str, timeout: float = 10.0):
+    """The next inbox message of type ``t``; a node's batch is looked into (its rank messages)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -26,6 +27,9 @@ def _next(server: ChannelServer, t: str, timeout: float = 10.0):
             continue
         if msg.get("t") == t:
             return peer, msg, ts
+        for vp, m in msg.get("items") or () if msg.get("t") == "_batch" else ():
+            if m.get("t") == t:
+                return vp, m, ts
     pytest.fail(f"no {t!r} message")
 
 
@@ -75,7 +79,8 @@ def test_pings_stay_on_the_node_and_one_frame_names_the_ranks_heard(relay):
     # no ping ever reached the supervisor's inbox
     rest = []
     while not server.inbox.empty():
-        rest.append(server.inbox.get_nowait()[1].get("t"))
+        msg = server.inbox.get_nowait()[1]
+        rest += [msg.get("t")] + [m.get("t") for _, m in msg.get("items") or ()]
     assert "ping" not in rest
     for c in ranks:
         c.sock.close()

@@ -1,0 +1,219 @@
+"""A node agent batches its ranks' lines (issue 24): one ``b`` frame a few ms, a step's records as
+differences from the first, rebuilt exactly on the supervisor (values, types, key order), each
+rank's lines in the order it sent them, and a broken or forged line dropped without its
+neighbours. The wire format: ``ops/rank/channel.py``."""
+
+from __future__ import annotations
+
+import json
+import queue
+import random
+import threading
+import time
+
+import pytest
+
+from ptops.ops.node.agent import Agent
+from ptops.ops.rank.channel import (
+    BATCH_S,
+    ENV_ADDRESS,
+    ENV_TOKEN,
+    Batcher,
+    ChannelClient,
+    encode,
+    relay_frame,
+    unbatch,
+)
+from ptops.ops.supervisor.channel import ChannelServer
+
+
+def _line(msg: dict) -> bytes:
+    return encode(msg).rstrip(b"\n")
+
+
+def _record(rank: int, step: int, rng: random.Random) -> dict:
+    """A record with the traps a diff could lose: 1 / 1.0 / True, 0.0 / -0.0, NaN, None, a list,
+    and values the ranks share or not."""
+    return {
+        "step": step,
+        "rank": rank,
+        "attempt": 1,
+        "loss": 6.5 - 0.01 * step,  # the run's: the same on every rank
+        "step_s": rng.choice([0.5, 0.5, 0.51]),
+        "zero": rng.choice([0.0, -0.0]),
+        "one": rng.choice([1, 1.0, True]),
+        "gone": rng.choice([None, None, "nan"]),
+        "nan": float("nan"),
+        "hist": [1, rng.choice([2, 2.0])],
+        "ts": 1000.0 + step,
+    }
+
+
+def _same(a, b) -> bool:
+    """Equal as JSON text (types, signs, order) - NaN included."""
+    return json.dumps(a) == json.dumps(b)
+
+
+def test_a_batch_rebuilds_every_line_exactly_in_each_ranks_order():
+    rng = random.Random(7)
+    for trial in range(50):
+        b = Batcher()
+        sent: dict[int, list[dict]] = {}
+        for step in range(1, rng.randint(2, 4)):
+            order = list(range(1, rng.randint(2, 9)))
+            rng.shuffle(order)
+            for cid in order:
+                lines = [{"t": "metrics", "rec": _record(cid - 1, step, rng), "ts": 5.0}]
+                if rng.random() < 0.3:
+                    del lines[0]["rec"]["hist"]  # other keys: relayed whole
+                if rng.random() < 0.5:
+                    lines.append({"t": "beat", "step": step + 1, "stage": "begin"})
+                if rng.random() < 0.2:
+                    lines.insert(0, {"t": "event", "kind": "x", "step": step})
+                for msg in lines:
+                    assert b.add(cid, _line(msg), 0.0)
+                    sent.setdefault(cid, []).append(msg)
+        frame = b.frame()
+        assert frame is not None and frame.endswith(b"\n") and b.frame() is None
+        got: dict[int, list[dict]] = {}
+        for cid, msg in unbatch(json.loads(frame)):
+            got.setdefault(cid, []).append(msg)
+        assert got.keys() == sent.keys(), trial
+        for cid in sent:
+            assert _same(got[cid], sent[cid]), (trial, cid)
+            for g, s in zip(got[cid], sent[cid]):
+                if g["t"] == "metrics":
+                    assert list(g["rec"]) == list(s["rec"])  # key order kept
+
+
+def test_records_of_one_step_cross_as_differences():
+    rng = random.Random(1)
+    b, plain = Batcher(), 0
+    for cid in range(1, 9):
+        raw = _line({"t": "metrics", "rec": _record(cid - 1, 3, rng), "ts": 5.0})
+        plain += len(relay_frame(cid, raw))
+        b.add(cid, raw, 0.0)
+    frame = b.frame()
+    assert len(frame) < 0.7 * plain
+    parsed = json.loads(frame)
+    assert len(parsed["k"]) == 1  # one leader for the step
+    assert all("loss" not in m["rec"] for m in parsed["m"])  # the shared value crossed once
+
+
+def test_a_record_after_its_ranks_later_line_starts_a_new_group():
+    """Rank 2's record may not move ahead of a line rank 2 sent before it."""
+    b = Batcher()
+    rec = lambda r: {"t": "metrics", "rec": {"step": 1, "rank": r, "loss": 1.0}}  # noqa: E731
+    b.add(1, _line(rec(0)), 0.0)
+    b.add(2, _line({"t": "beat", "step": 1, "stage": "end"}), 0.0)
+    b.add(2, _line(rec(1)), 0.0)
+    frame = json.loads(b.frame())
+    assert [m["t"] for m in frame["m"]] == ["metrics", "beat", "metrics"]
+    assert frame["c"] == [1, 2, 2]
+    out = unbatch(frame)
+    assert [m["rec"]["rank"] for _, m in out if m["t"] == "metrics"] == [0, 1]
+
+
+def test_broken_forged_and_malformed_entries_drop_alone():
+    b = Batcher()
+    assert not b.add(1, b'{"t":"beat"', 0.0)  # cut short
+    assert not b.add(1, b"[1, 2]", 0.0)  # no object
+    assert not b.add(1, b'{"t":"metrics","rec":{"step":1},"_k":0}', 0.0)  # the frame's own key
+    assert b.add(2, _line({"t": "beat", "step": 1}), 0.0)
+    assert unbatch(json.loads(b.frame())) == [(2, {"t": "beat", "step": 1})]
+    bad = {
+        "t": "b",
+        "c": [1, 2, 3, 4],
+        "k": [{"step": 1, "rank": 0}],
+        "m": [
+            {"t": "metrics", "rec": {"rank": 1}, "_k": 5},  # no such leader
+            {"t": "metrics", "rec": "x", "_k": 0},
+            7,
+            {"t": "metrics", "rec": {"rank": 3}, "_k": 0},
+        ],
+    }
+    assert unbatch(bad) == [(4, {"t": "metrics", "rec": {"step": 1, "rank": 3}})]
+    assert unbatch({"t": "b", "c": [1], "m": []}) == []  # lengths differ
+
+
+def test_due_after_the_hold_or_the_size():
+    b = Batcher()
+    assert not b.due(0.0) and b.wait_s(0.0, 0.5) == 0.5
+    b.add(1, _line({"t": "beat", "step": 1}), 10.0)
+    assert not b.due(10.0) and b.wait_s(10.0, 0.5) == pytest.approx(BATCH_S)
+    assert b.due(10.0 + 2 * BATCH_S)
+    b2 = Batcher()
+    b2.add(1, _line({"t": "event", "text": "x" * 300_000}), 0.0)
+    assert b2.due(0.0)
+
+
+# ---------------------------------------------------------------- a real agent and server
+
+
+def _rank_messages(server: ChannelServer, n: int, timeout: float = 10.0) -> list:
+    """(rank, message, inbox entry type) of the next ``n`` rank messages."""
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        try:
+            peer, msg, _ = server.inbox.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if msg.get("t") == "_batch":
+            out += [(vp.rank, m, "_batch") for vp, m in msg["items"]]
+        elif peer.role == "rank" and not msg["t"].startswith("_"):
+            out.append((peer.rank, msg, msg["t"]))
+    return out
+
+
+@pytest.fixture
+def relay():
+    server = ChannelServer()
+    env = {ENV_ADDRESS: server.address(), ENV_TOKEN: server.token, "PTOPS_NODE_RANK": "0"}
+    agent = Agent(env)
+    thread = threading.Thread(target=agent.relay_loop, daemon=True)
+    thread.start()
+    local = f"127.0.0.1:{agent._listen.getsockname()[1]}"
+    try:
+        yield server, agent, local
+    finally:
+        agent.stop("test over")
+        agent.up.close()
+        thread.join(timeout=3)
+        server.close()
+
+
+def test_the_agent_batches_and_the_server_rebuilds(relay):
+    server, agent, local = relay
+    ranks = [
+        ChannelClient(local, agent.local_token, {"role": "rank", "rank": r, "pid": 1, "host": "n"})
+        for r in (0, 1)
+    ]
+    deadline = time.monotonic() + 10
+    while len(server.nodes()) < 1 or sum(1 for _ in agent._conns) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)  # both hellos relayed
+    while not server.inbox.empty():
+        server.inbox.get_nowait()
+    rng = random.Random(3)
+    sent = {0: [], 1: []}
+    for step in (1, 2):
+        for r, c in enumerate(ranks):
+            for msg in (
+                {"t": "metrics", "rec": _record(r, step, rng), "ts": 9.0},
+                {"t": "beat", "step": step + 1, "phase": "step", "stage": "begin"},
+            ):
+                c.send(msg)
+                sent[r].append(msg)
+    ranks[1].sock.sendall(b'{"t":"beat","step":\n')  # a broken line: dropped alone
+    ranks[0].send({"t": "exit", "code": 0})
+    sent[0].append({"t": "exit", "code": 0})
+    got = _rank_messages(server, 9)
+    assert {kind for _, _, kind in got} == {"_batch"}
+    for r in (0, 1):
+        assert _same([m for rank, m, _ in got if rank == r], sent[r])
+    # a batch counts its messages in what the server received (+ the node's and ranks' hellos)
+    assert server.received == len(got) + 3
+    for c in ranks:
+        c.sock.close()
