@@ -9,8 +9,8 @@ server (``ops/supervisor/channel.py``: selector thread, token check, node relay 
 virtual rank peers), every message handler (``messages.py``), the hang monitor and the metric
 monitors of the ``titan-tiny`` recipe's ``[monitors]`` defaults (``monitorfeed.py``),
 ``metrics.jsonl``, ``events.jsonl`` and ``status.json`` in a real run directory, stack collection at
-the hang (``hangs.py``: ``stacks`` over the channel to every responsive rank, ``pystacks`` to the
-silent rank's node agent, one file per rank) and the teardown.
+the hang (``hangs.py``: ``dump`` to every node agent, which gathers its ranks' stacks, one file a
+node) and the teardown.
 
 Simulated: the attempt's process. ``attempt_command`` (the launch backend's hook, as Slurm fills it)
 starts this file's ``generate`` mode instead of torchrun/srun: ``--gen-procs`` processes of asyncio
@@ -25,7 +25,7 @@ finish a step together), and a liveness ``ping`` every ``--ping-s`` (the probe's
 1 s) half a second out of phase with the steps (``--liveness node``, the default: as the agent does
 since issue 24, each node sends one ``a`` frame for its ranks' pings instead; ``rank``: every ping
 relayed, the design before; ``both``: each size run both ways, side by side); each node sends its
-keepalive every 2 s and answers ``stacks`` / ``pystacks``. After ``--victim-step`` one rank goes
+keepalive every 2 s and answers ``dump``. After ``--victim-step`` one rank goes
 silent (no steps, no pings: SIGSTOPped); the others go on stepping (``--peers continue``, the load
 stays on while the hang is detected) or stop stepping and keep pinging (``--peers block``, as ranks
 waiting in a collective).
@@ -53,9 +53,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CLK = os.sysconf("SC_CLK_TCK")
-STACK_TEXT = "".join(  # ~2 KB, the size of a rank's own dump of a few threads
-    f'Thread 0x7f00000{i:03d} (most recent call first):\n  File "/opt/train/step.py", line '
-    f"{100 + i}, in step\n"
+STACK_TEXT = "".join(  # ~2 KB, the size of a rank's own dump of a few threads (its format)
+    f'Thread 0x7f00000{i:03d} "{"MainThread" if i == 0 else f"Thread-{i}"}" (most recent call '
+    f'last):\n  File "/opt/train/step.py", line {100 + i}, in step\n'
     f'  File "/opt/torch/distributed/c10d.py", line {2000 + i}, in all_reduce\n'
     for i in range(16)
 )
@@ -93,22 +93,24 @@ class _Node:
         self.reader: asyncio.StreamReader | None = None
 
 
-def _metrics_line(rank: int, attempt: int, step: int, step_s: float, now: float) -> bytes:
-    # as a real titan-tiny record (tests/data/obs-titan/metrics.jsonl): the loss, grad norm, lr,
-    # max loss, allocation retries, OOMs and tokens seen are the run's (the same on every rank);
-    # throughput, times and memory are the rank's own
-    loss = 6.5 - 0.0001 * step
-    extra = "".join(
-        f',"{k}":{0.5 + (0 if k in _GLOBAL else (rank % 5) * 0.01) + step * 1e-6!r}'
-        for k in _TITAN_KEYS
-    )
-    rec = (
-        f'{{"step":{step},"rank":{rank},"attempt":{attempt},"loss":{loss!r},'
-        f'"grad_norm":{0.48 + (step % 13) * 0.001!r},'
-        f'"lr":0.0003,"step_s":{step_s!r},"tokens_per_s":{11597.0 + rank % 11!r}{extra},'
-        f'"ts":{now!r}}}'
-    )
-    return b'{"t":"metrics","rec":%s,"ts":%r}' % (rec.encode(), now)
+def _metrics_msg(rank: int, attempt: int, step: int, step_s: float, now: float) -> dict:
+    """A rank's step record message, as a real titan-tiny record (tests/data/obs-titan/
+    metrics.jsonl): the loss, grad norm, lr, max loss, allocation retries, OOMs and tokens seen are
+    the run's (the same on every rank); throughput, times and memory are the rank's own."""
+    rec = {
+        "step": step,
+        "rank": rank,
+        "attempt": attempt,
+        "loss": 6.5 - 0.0001 * step,
+        "grad_norm": 0.48 + (step % 13) * 0.001,
+        "lr": 0.0003,
+        "step_s": step_s,
+        "tokens_per_s": 11597.0 + rank % 11,
+    }
+    for k in _TITAN_KEYS:
+        rec[k] = 0.5 + (0 if k in _GLOBAL else (rank % 5) * 0.01) + step * 1e-6
+    rec["ts"] = now
+    return {"t": "metrics", "rec": rec, "ts": now}
 
 
 def _line(msg: dict) -> bytes:
@@ -121,16 +123,18 @@ def _frame(cid: int, msg: dict) -> bytes:
     return relay_frame(cid, _line(msg))
 
 
-def _frames(relay: str, lines: list[tuple[int, bytes]]) -> list[bytes]:
-    """A node's rank lines as its agent sends them: one ``b`` frame (``Batcher``, the agent's own
-    code, since issue 24) or a relay frame a line (``line``: the design before)."""
+def _frames(relay: str, lines: list[tuple]) -> list[bytes]:
+    """A node's rank lines ``(c, line[, its message])`` as its agent sends them: one ``b`` frame
+    (``Batcher``, the agent's own code, since issue 24; handed the message the line was made from,
+    so the generator does not parse what it wrote) or a relay frame a line (``line``: the design
+    before)."""
     from ptops.ops.rank.channel import Batcher, relay_frame
 
     if relay == "line":
-        return [relay_frame(c, raw) for c, raw in lines]
+        return [relay_frame(c, raw) for c, raw, *_ in lines]
     b = Batcher()
-    for c, raw in lines:
-        b.add(c, raw, 0.0)
+    for c, raw, *msg in lines:
+        b.add(c, raw, 0.0, msg[0] if msg else None)
     frame = b.frame()
     return [frame] if frame is not None else []
 
@@ -234,7 +238,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         counters["sent_msgs"] += len(head) + len(lines)
 
     async def serve(node: _Node) -> None:
-        """The agent's downstream side: commands for its ranks, py-spy requests, keepalives."""
+        """The agent's downstream side: commands for its ranks, stack requests, keepalives."""
         while True:
             try:
                 raw = await node.reader.readline()
@@ -246,32 +250,28 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 msg = json.loads(raw)
             except ValueError:
                 continue
-            if (
-                msg.get("t") == "r"
-                and isinstance(msg.get("m"), dict)
-                and msg["m"].get("cmd") == "stacks"
-            ):
-                c = int(msg["c"])
-                if node.ranks[c - 1] == args.victim and counters["victim_silent_ts"] is not None:
-                    continue  # SIGSTOPped: cannot answer
-                reply = {"t": "stacks", "id": msg["m"].get("id"), "text": STACK_TEXT}
-                reply["ts"] = time.time()
-                node.writer.write(b"".join(_frames(args.relay, [(c, _line(reply))])))
-                counters["replies"] += 1
-            elif msg.get("cmd") == "pystacks":
-                stacks = {
-                    str(r): {
-                        "text": f"Process {p}: simulated py-spy dump\n{STACK_TEXT}",
-                        "note": "py-spy (simulated)",
-                        "pid": p,
-                    }
-                    for r, p in (msg.get("pids") or {}).items()
-                }
-                node.writer.write(
-                    json.dumps({"t": "node_stacks", "id": msg.get("id"), "stacks": stacks}).encode()
-                    + b"\n"
-                )
-                counters["replies"] += 1
+            if msg.get("cmd") == "dump":  # the agent's ``_dump``: its ranks' stacks, one reply
+                asyncio.ensure_future(dump(node, msg))
+
+    async def dump(node: _Node, msg: dict) -> None:
+        stacks, wait = {}, False
+        for r, v in (msg.get("ranks") or {}).items():
+            silent = int(r) == args.victim and counters["victim_silent_ts"] is not None
+            if v.get("ask") and not silent:
+                stacks[r] = {"text": STACK_TEXT, "note": "channel", "pid": v.get("pid")}
+                continue
+            wait = wait or bool(v.get("ask"))  # asked, SIGSTOPped: the agent waits it out
+            stacks[r] = {
+                "text": f"Process {v.get('pid')}: simulated py-spy dump\n{STACK_TEXT}",
+                "note": "py-spy (simulated)",
+                "pid": v.get("pid"),
+            }
+        if wait:
+            await asyncio.sleep(float(msg.get("timeout_s") or 5.0))
+        node.writer.write(
+            json.dumps({"t": "node_stacks", "id": msg.get("id"), "stacks": stacks}).encode() + b"\n"
+        )
+        counters["replies"] += 1
 
     for i in range(0, len(nodes), 128):
         await asyncio.gather(*(connect(n) for n in nodes[i : i + 128]))
@@ -310,7 +310,8 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 )
                 if boundary and stepping:
                     if k > 1:
-                        lines.append((c, _metrics_line(rank, attempt, k - 1, args.step_s, now)))
+                        msg = _metrics_msg(rank, attempt, k - 1, args.step_s, now)
+                        lines.append((c, _line(msg), msg))
                         counters["sent_metrics"] += 1
                     if (args.steps == 0 or k <= args.steps) and not (
                         rank == args.victim and k - 1 >= args.victim_step

@@ -1,5 +1,6 @@
-"""Hang stacks: read every rank's ``stacks/attempt-K/rank-R.txt``, group ranks by the same stack,
-name the odd rank out by its innermost frame that is not the interpreter's own.
+"""Hang stacks: read every rank's ``stacks/attempt-K/rank-R.txt`` (or its section of its node's
+``node-NAME.txt``), group ranks by the same stack, name the odd rank out by its innermost frame
+that is not the interpreter's own.
 
 Two formats land there (``ops/supervisor/hangs.py``): the rank's own dump over the channel
 (``traceback.format_stack`` per thread) and ``py-spy dump --locals`` for a rank that cannot answer
@@ -16,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ptops.ops.runrecord.rundir import STACK_SECTION
 
 _TB_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
 _PYSPY_FRAME = re.compile(r"^\s{4}(?P<func>\S.*?) \((?P<file>[^()]+?):(?P<line>\d+)\)\s*$")
@@ -146,10 +149,35 @@ def parse(text: str, rank: int) -> RankStack:
     return RankStack(rank, src, main[2], state=main[1])
 
 
+def node_sections(text: str) -> dict[int, str]:
+    """A node file's sections (``STACK_SECTION``), rank -> its text as a rank file holds it."""
+    out: dict[int, str] = {}
+    rank, lines = None, []
+    marker = re.compile(re.escape(STACK_SECTION).replace("%d", r"(\d+)"))
+    for line in text.splitlines(keepends=True):
+        m = marker.fullmatch(line.rstrip("\n"))
+        if m:
+            if rank is not None:
+                out[rank] = "".join(lines)
+            rank, lines = int(m.group(1)), []
+        elif rank is not None:
+            lines.append(line)
+    if rank is not None:
+        out[rank] = "".join(lines)
+    return out
+
+
 def read_attempt(stack_dir: Path) -> dict[int, RankStack]:
     out: dict[int, RankStack] = {}
     if not stack_dir.is_dir():
         return out
+    for path in sorted(stack_dir.glob("node-*.txt")):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for rank, part in node_sections(text).items():
+            out[rank] = parse(part, rank)
     for path in sorted(stack_dir.glob("rank-*.txt")):
         m = re.fullmatch(r"rank-(\d+)\.txt", path.name)
         if not m:

@@ -33,9 +33,12 @@ Frames on that connection (one JSON object per line, as everywhere):
 - supervisor -> agent ``{"t": "ka"}`` every ``KEEPALIVE_S``: the agent kills its ranks when the
   supervisor's connection closes or stays silent for ``PTOPS_NODE_UPSTREAM_TIMEOUT_S``
   (a network cut gives no EOF).
-- supervisor -> agent ``{"cmd": "pystacks", "id": N, "pids": {"RANK": PID}}`` -> agent replies
-  ``{"t": "node_stacks", "id": N, "stacks": {"RANK": {"text": "...", "note": "..."}}}`` (py-spy on
-  its node: the supervisor cannot ptrace a process on another host); ``{"cmd": "kill"}``.
+- supervisor -> agent at a hang ``{"cmd": "dump", "id": N, "timeout_s": T, "ranks": {"RANK": {"c": 3,
+  "pid": PID, "ask": true}}}`` -> the agent asks each ``ask`` rank for its own dump (its answer is
+  kept, not relayed), runs py-spy on the others and on those silent for ``T`` s (the supervisor
+  cannot ptrace a process on another host), and replies ONCE ``{"t": "node_stacks", "id": N,
+  "stacks": {"RANK": {"text": "...", "note": "channel" | py-spy's note, "pid": PID}}}``; the
+  supervisor writes one file a node; ``{"cmd": "kill"}``.
 - agent -> supervisor ``{"t": "node_exit", "code": RC}`` when its torchrun ended.
 - agent -> supervisor ``{"t": "a", "c": [3, 4], "ms": [120, 870]}`` every ``ALIVE_S``: the node's
   liveness in one line. The agent keeps its ranks' ``ping`` lines (liveness only, no progress) to
@@ -122,11 +125,12 @@ class Batcher:
         self.size = 0
         self.since: float | None = None  # when the oldest line waiting arrived (monotonic)
 
-    def add(self, cid: int, raw: bytes, now: float) -> bool:
+    def add(self, cid: int, raw: bytes, now: float, parsed: dict | None = None) -> bool:
         """Queue one rank line; False (dropped) when it is no JSON object: it goes into the frame
-        as it is, and a broken line must not break its neighbours' frame."""
+        as it is, and a broken line must not break its neighbours' frame. ``parsed``: the line's
+        object, from a caller that made the line from it (a load generator), never from a rank."""
         try:
-            msg = json.loads(raw)
+            msg = json.loads(raw) if parsed is None else parsed
         except ValueError:
             return False
         if not isinstance(msg, dict) or "_k" in msg:  # ("_k": the frame's own reference)

@@ -20,12 +20,16 @@ __all__ = [
     "PRIVATE_FILE",
     "JsonlTail",
     "RunDir",
+    "STACK_SECTION",
     "append_jsonl",
     "final_metrics_by_step",
     "read_jsonl",
 ]
 
 PRIVATE_DIR = 0o700
+# a rank's part of ``stacks/attempt-K/node-NAME.txt`` starts with this line (the node agent gathers
+# its ranks' stacks into one file; a rank connected directly has ``rank-R.txt``)
+STACK_SECTION = "#### rank %d ####"
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import time
 from pathlib import Path
 
 from ptops.ops.runrecord.events import EventKind, RunState
+from ptops.ops.runrecord.rundir import STACK_SECTION
 from ptops.ops.supervisor import launcher, procs, stacks
 from ptops.ops.supervisor.outcome import Outcome
 
@@ -73,34 +75,47 @@ class HangMixin:
         )
 
     def collect_stacks(self, stack_dir: Path) -> dict[str, str]:
-        """Every rank's stacks into ``stack_dir/rank-R.txt``; returns rank -> how it was
-        obtained."""
+        """Every rank's stacks: a rank connected directly into ``stack_dir/rank-R.txt``, the ranks
+        of a node agent into one ``stack_dir/node-NAME.txt`` (sections ``#### rank R ####``, read
+        back by ``diagnostics/stacks.py``); returns rank -> how it was obtained."""
         stack_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(stack_dir, 0o700)
         self.stacks_replies = {}
         asked = []
         now = time.monotonic()
+        remote: dict[int, str] = {}  # rank -> node (its agent gathers the node's stacks)
+        by_node: dict[str, tuple] = {}  # node -> (its peer, {"R": {c, pid, ask}})
         for info in self.ranks.values():
             seen = (
                 self.monitor.ranks.get(info.rank).last_seen
                 if self.monitor and info.rank in self.monitor.ranks
                 else None
             )
-            if seen is not None and now - seen > self.cfg.hang.ping_stale_s:
-                # not even pinging (stopped, or stuck in C holding the GIL): go straight to py-spy
+            # not even pinging (stopped, or stuck in C holding the GIL): straight to py-spy
+            ask = not (seen is not None and now - seen > self.cfg.hang.ping_stale_s)
+            if info.peer is not None and info.peer.via is not None:
+                node = str(info.peer.via.hello.get("node") or info.host)
+                remote[info.rank] = node
+                entry = {"c": info.peer.sub, "pid": info.pid, "ask": ask and info.gone_ts is None}
+                by_node.setdefault(node, (info.peer.via, {}))[1][str(info.rank)] = entry
                 continue
             if (
-                info.peer is not None
+                ask
+                and info.peer is not None
                 and info.gone_ts is None
                 and self.server.send(info.peer, {"cmd": "stacks", "id": info.rank})
             ):
                 asked.append(info.rank)
+        self._ask_node_agents(by_node)
         deadline = time.monotonic() + self.cfg.stack_timeout_s
         while time.monotonic() < deadline and not all(r in self.stacks_replies for r in asked):
             self.pump(0.1)
-        remote = self._ask_node_agents(asked)
+        self._wait_node_agents(by_node)
         notes: dict[str, str] = {}
+        self._write_node_files(stack_dir, by_node, notes)
         for rank in range(self.world):
+            if rank in remote:
+                continue
             path = stack_dir / f"rank-{rank}.txt"
             reply = self.stacks_replies.get(rank)
             if reply is not None:
@@ -115,18 +130,6 @@ class HangMixin:
                     )
                 continue
             info = self.ranks.get(rank)
-            if rank in remote:
-                got = self.node_stacks.get(rank)
-                if got is not None and got.get("text"):
-                    note = f"node agent {got.get('node')}: {got.get('note')}"
-                    stacks.write_private(path, f"# source: {note}\n{got['text']}")
-                else:
-                    note = f"node agent {remote[rank]}: " + (
-                        (got or {}).get("note") or "no answer (node unreachable?)"
-                    )
-                    stacks.write_private(path, f"# no stack: {note}\n")
-                notes[str(rank)] = note
-                continue
             if info is None:
                 stacks.write_private(
                     path, "# no stack: this rank never connected to the supervisor\n"
@@ -152,41 +155,69 @@ class HangMixin:
             notes.setdefault("flight_recorder", str(fr))
         return notes
 
-    def _ask_node_agents(self, answered: list[int]) -> dict[int, str]:
-        """Ranks on other nodes that did not answer over the channel: their node agent runs py-spy
-        where they live. Returns rank -> node for every rank asked that way (answers in
-        ``node_stacks``)."""
+    def _ask_node_agents(self, by_node: dict[str, tuple]) -> None:
+        """Each node agent gathers its ranks' stacks (``dump``: their own dumps, py-spy where they
+        do not answer: ptrace does not cross hosts). Answers land in ``node_stacks``; a node whose
+        link is silent (no keepalive: a cut) is not asked."""
         self.node_stacks = {}
-        by_node: dict[str, dict[str, int]] = {}
-        peers = {}
-        for info in self.ranks.values():
-            if info.rank in self.stacks_replies or info.peer is None or info.peer.via is None:
-                continue
-            node = str(info.peer.via.hello.get("node") or info.host)
-            by_node.setdefault(node, {})[str(info.rank)] = info.pid
-            peers[node] = info.peer.via
-        out: dict[int, str] = {}
         now = time.monotonic()
-        for node, pids in by_node.items():
-            out.update({int(r): node for r in pids})
-            if (
-                now - peers[node].last_rx > self.cfg.hang.ping_stale_s
-            ):  # no keepalive: a cut link, do not wait
-                for r in pids:
+        for node, (peer, ranks) in by_node.items():
+            if now - peer.last_rx > self.cfg.hang.ping_stale_s:
+                for r in ranks:
                     self.node_stacks[int(r)] = {
                         "text": None,
                         "node": node,
-                        "note": f"node unreachable (silent {now - peers[node].last_rx:.0f} s)",
+                        "note": f"node unreachable (silent {now - peer.last_rx:.0f} s)",
                     }
                 continue
-            self.server.send(peers[node], {"cmd": "pystacks", "id": self.attempt, "pids": pids})
-        deadline = (
-            time.monotonic() + self.cfg.stack_timeout_s + 20.0
-        )  # py-spy's own timeout is 20 s
-        while out and time.monotonic() < deadline and not all(r in self.node_stacks for r in out):
-            if any(p.hello.get("gone_ts") for p in peers.values() if p is not None) and all(
-                r in self.node_stacks or peers[out[r]].hello.get("gone_ts") for r in out
-            ):
-                break
+            self.server.send(
+                peer,
+                {
+                    "cmd": "dump",
+                    "id": self.attempt,
+                    "ranks": ranks,
+                    "timeout_s": self.cfg.stack_timeout_s,
+                },
+            )
+
+    def _wait_node_agents(self, by_node: dict[str, tuple]) -> None:
+        want = [int(r) for _, ranks in by_node.values() for r in ranks]
+        # the ranks' own dumps, then py-spy's own timeout (20 s)
+        deadline = time.monotonic() + self.cfg.stack_timeout_s + 20.0
+        peers = [p for p, _ in by_node.values()]
+        while want and time.monotonic() < deadline:
+            if all(r in self.node_stacks for r in want):
+                return
+            if all(p.hello.get("gone_ts") for p in peers):
+                return
             self.pump(0.1)
-        return out
+
+    def _write_node_files(self, stack_dir: Path, by_node: dict[str, tuple], notes: dict) -> None:
+        """One file a node: a section a rank, its source in the section's first line."""
+        used: set[str] = set()
+        for node, (peer, ranks) in sorted(by_node.items()):
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", node)[:64] or "node"
+            if name in used:
+                name = f"{name}-{peer.cid}"
+            used.add(name)
+            parts = []
+            for r in sorted(ranks, key=int):
+                rank = int(r)
+                got = self.node_stacks.get(rank)
+                if got is not None and got.get("text"):
+                    how = got.get("note")
+                    note = "channel" if how == "channel" else f"node agent {node}: {how}"
+                    src = "channel (the rank's own dump)" if how == "channel" else note
+                    parts.append(f"{STACK_SECTION % rank}\n# source: {src}\n{got['text']}")
+                    fr = got.get("flight_recorder_b64")
+                    if fr:
+                        stacks.write_private(
+                            stack_dir / f"rank-{rank}.flight_recorder", base64.b64decode(fr)
+                        )
+                else:
+                    note = f"node agent {node}: " + (
+                        (got or {}).get("note") or "no answer (node unreachable?)"
+                    )
+                    parts.append(f"{STACK_SECTION % rank}\n# no stack: {note}\n")
+                notes[r] = note
+            stacks.write_private(stack_dir / f"node-{name}.txt", "\n".join(parts))

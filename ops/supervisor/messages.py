@@ -369,8 +369,10 @@ class MessagesMixin:
         self.node_peers[str(peer.hello.get("node") or peer.hello.get("host"))] = peer
 
     def _on_node_stacks(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
-        for rank, reply in (msg.get("stacks") or {}).items():
-            self.node_stacks[int(rank)] = {**reply, "node": peer.hello.get("node")}
+        got = msg.get("stacks")
+        for rank, reply in got.items() if isinstance(got, dict) else ():
+            if isinstance(reply, dict) and str(rank).isdigit():
+                self.node_stacks[int(rank)] = {**reply, "node": peer.hello.get("node")}
 
     def _on_node_alive(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         """A node's liveness summary (``ChannelServer._alive``): what a ping a rank was."""

@@ -20,6 +20,8 @@ import pytest
 from conftest import run_ptops
 from faulted import STEPS
 
+from ptops.diagnostics.stacks import node_sections
+
 pytestmark = pytest.mark.slurm
 
 TWO_NODES = [
@@ -252,8 +254,12 @@ def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(
         slurm_cluster, run, job, lambda evs: [e for e in evs if e["kind"] == "hang"], "the hang"
     )[0]
     assert hang["ranks"] == [1], hang
-    stack = (run / "stacks" / "attempt-1" / "rank-1.txt").read_text()
+    # one file a node, a section a rank (the agent gathered them)
+    node_file = (run / "stacks" / "attempt-1" / "node-n2.txt").read_text()
+    stack = node_sections(node_file)[1]
     assert stack.startswith("# source: node agent n2: py-spy"), stack[:300]
+    assert node_sections((run / "stacks" / "attempt-1" / "node-n1.txt").read_text())[0]
+    assert not list((run / "stacks" / "attempt-1").glob("rank-*.txt"))
     assert "Thread" in stack or "File" in stack or "(" in stack
     assert hang["stack_sources"]["1"].startswith("node agent n2")
 

@@ -217,3 +217,85 @@ def test_the_agent_batches_and_the_server_rebuilds(relay):
     assert server.received == len(got) + 3
     for c in ranks:
         c.sock.close()
+
+
+# ---------------------------------------------------------------- stacks: one reply a node
+
+
+def test_the_agent_gathers_its_ranks_stacks_in_one_reply(relay):
+    """``dump``: the ranks asked answer over their connections (their answers are not relayed one
+    by one); a rank not asked (not even pinging) goes to py-spy; ONE ``node_stacks`` comes back."""
+    server, agent, local = relay
+    answers = []
+
+    def answer(msg):
+        if msg.get("cmd") == "stacks":
+            answers.append(msg["id"])
+            ranks[0].send({"t": "stacks", "id": msg["id"], "text": "Thread 1 (most recent...)"})
+
+    ranks = [
+        ChannelClient(
+            local,
+            agent.local_token,
+            {"role": "rank", "rank": r, "pid": 1, "host": "n"},
+            on_message=answer if r == 0 else None,
+        )
+        for r in (0, 1)
+    ]
+    deadline = time.monotonic() + 10
+    while len(agent._conns) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    subs = sorted(agent._conns)
+    agent._from_supervisor(
+        {
+            "cmd": "dump",
+            "id": 4,
+            "timeout_s": 0.5,
+            "ranks": {
+                "0": {"c": subs[0], "pid": 999_999_991, "ask": True},
+                "1": {"c": subs[1], "pid": 999_999_992, "ask": False},  # silent: py-spy only
+                "x": {"c": "bad"},  # malformed: skipped
+            },
+        }
+    )
+    deadline = time.monotonic() + 30
+    reply = None
+    while reply is None and time.monotonic() < deadline:
+        try:
+            peer, msg, _ = server.inbox.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if msg.get("t") == "node_stacks":
+            reply = msg
+        elif msg.get("t") == "_batch":  # the answer must not be relayed as a rank message
+            assert "stacks" not in [m.get("t") for _, m in msg["items"]]
+    assert reply is not None and reply["id"] == 4 and answers == [0]
+    got = reply["stacks"]
+    assert set(got) == {"0", "1"}
+    assert got["0"]["note"] == "channel" and got["0"]["text"].startswith("Thread 1")
+    assert got["1"]["note"] != "channel" and not got["1"]["text"]  # no such process to py-spy
+    for c in ranks:
+        c.sock.close()
+
+
+def test_a_node_file_reads_back_rank_by_rank(tmp_path):
+    from ptops.diagnostics.stacks import analyse, node_sections, read_attempt
+    from ptops.ops.runrecord.rundir import STACK_SECTION
+
+    head = 'Thread 0x1 "MainThread" (most recent call last):\n'
+    wait = head + '  File "/x/c10d.py", line 9, in all_reduce\n'
+    odd = head + '  File "/x/data.py", line 3, in next_batch\n'
+    src = "# source: channel (the rank's own dump)"
+    parts = [f"{STACK_SECTION % r}\n{src}\n{wait}" for r in (8, 9)]
+    parts.append(f"{STACK_SECTION % 10}\n# source: node agent n2: py-spy\n{odd}")
+    parts.append(f"{STACK_SECTION % 11}\n# no stack: node agent n2: no answer\n")
+    (tmp_path / "node-n2.txt").write_text("\n".join(parts))
+    (tmp_path / "rank-0.txt").write_text(f"# source: channel\n{wait}")
+    got = read_attempt(tmp_path)
+    assert sorted(got) == [0, 8, 9, 10, 11]
+    assert got[10].top.func == "next_batch" and got[10].source.startswith("node agent n2")
+    assert got[11].note.startswith("no stack") or "no answer" in (got[11].note or "")
+    res = analyse(tmp_path, blamed=[10])
+    assert res is not None and 10 in res["odd"]["ranks"]
+    assert node_sections("garbage\n#### rank x ####\n") == {}  # a hostile file: nothing, no error

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from conftest import REPO
 
+from ptops.diagnostics.stacks import read_attempt
+
 RANKS, PER_NODE, STEPS, VICTIM = 64, 8, 4, 37
 
 
@@ -73,7 +75,14 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
     assert hang["ranks"] == [VICTIM] and hang["why"] == "unresponsive"
     assert hang["stack_sources"][str(VICTIM)].startswith("node agent sim")
     assert sum(1 for r, how in hang["stack_sources"].items() if how == "channel") == RANKS - 1
-    assert "simulated py-spy" in (run / "stacks" / "attempt-1" / f"rank-{VICTIM}.txt").read_text()
+    # one file a node (the agents gathered their ranks' stacks), read back a rank at a time
+    stack_dir = run / "stacks" / "attempt-1"
+    assert len(list(stack_dir.glob("node-*.txt"))) == RANKS // PER_NODE
+    assert not list(stack_dir.glob("rank-*.txt"))
+    stacks = read_attempt(stack_dir)
+    assert sorted(stacks) == list(range(RANKS))
+    assert stacks[VICTIM].source.startswith(f"node agent sim{VICTIM // PER_NODE:05d}: py-spy")
+    assert stacks[0].source.startswith("channel") and stacks[0].frames
     assert res["hang"]["found_ranks"] == [VICTIM]
     assert events[-1]["kind"] == "failed"  # a plain (temporary) launch ends on the hang
 
