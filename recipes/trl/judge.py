@@ -134,8 +134,9 @@ def unaddressed(text: str, controls=()) -> list[str]:
     """The completion without the words that address the grader (``ADDRESSED``) or a control
     string of the judge's tokenizer (a completion has no business opening or closing a turn), three
     ways: each such sentence dropped; each cut from the words to its end (an answer and an address
-    may share a sentence); everything from the first such words (or control string) on. Empty when
-    the completion has none: it is judged as it is. Else its score is the least of its own and
+    may share a sentence); everything from the first such words (or control string) on, and that
+    again less its last one or two words (a lead-in such as "The" before the words matched). Empty
+    when the completion has none: it is judged as it is. Else its score is the least of its own and
     these."""
 
     def tidy(parts) -> str:
@@ -154,7 +155,13 @@ def unaddressed(text: str, controls=()) -> list[str]:
         return []
     dropped = tidy(x for x, m in zip(sentences, hits) if not m)
     cut = tidy(x[: m.start()] if m else x for x, m in zip(sentences, hits))
-    return list(dict.fromkeys((dropped, cut, tidy(text[: min(starts)]))))
+    head = text[: min(starts)]
+    # the address's lead-in may hang on the answer ("4 The answer above is correct.": the match
+    # starts at "answer", and neither "" nor "4 The" is the plain "4"): the head less its last one
+    # and two words too
+    words = head.rstrip().rsplit(None, 2)
+    less = [" ".join(words[:-k]) for k in (1, 2) if len(words) > k]
+    return list(dict.fromkeys((dropped, cut, tidy(head), *(tidy(x) for x in less))))
 
 
 class Judge:
