@@ -37,8 +37,9 @@ Frames on that connection (one JSON object per line, as everywhere):
   "pid": PID, "ask": true}}}`` -> the agent asks each ``ask`` rank for its own dump (its answer is
   kept, not relayed), runs py-spy on the others and on those silent for ``T`` s (the supervisor
   cannot ptrace a process on another host), and replies ONCE ``{"t": "node_stacks", "id": N,
-  "stacks": {"RANK": {"text": "...", "note": "channel" | py-spy's note, "pid": PID}}}``; the
-  supervisor writes one file a node; ``{"cmd": "kill"}``.
+  "stacks": {"RANK": {"text": "...", "note": "channel" | py-spy's note, "pid": PID}}}`` (kept
+  beside the supervisor's inbox, never behind its backlog); the supervisor writes one file a node;
+  ``{"cmd": "kill"}``.
 - agent -> supervisor ``{"t": "node_exit", "code": RC}`` when its torchrun ended.
 - agent -> supervisor ``{"t": "a", "c": [3, 4], "ms": [120, 870]}`` every ``ALIVE_S``: the node's
   liveness in one line. The agent keeps its ranks' ``ping`` lines (liveness only, no progress) to

@@ -52,6 +52,7 @@ class Peer:
     last_rx: float = (
         0.0  # monotonic time of the last bytes from this connection (a node's keepalives)
     )
+    closed: bool = False  # the channel thread dropped it (its ``_eof`` may still be queued)
 
     @property
     def role(self) -> str:
@@ -93,6 +94,9 @@ class ChannelServer:
         # count), how many wait; the queue's length counts a batch as one
         self.received = 0
         self.handled = 0
+        # a node agent's stacks at a hang (``node_stacks``), beside the inbox: the hang path waits
+        # for them, and behind a backlog of 100,000s of messages they came after the wait ended
+        self.replies: queue.Queue[tuple[Peer, dict[str, Any], float]] = queue.Queue()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listen = socket.socket(family, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -179,6 +183,7 @@ class ChannelServer:
         except OSError:
             pass
         self._peers.pop(peer.cid, None)
+        peer.closed = True
         if peer.authed:
             now = time.monotonic()
             for sub in list(peer.subs.values()):  # the node's ranks are gone with it
@@ -222,6 +227,9 @@ class ChannelServer:
                 peer.hello = msg
                 peer.authed = True
                 self._put((peer, {**msg, "t": "_hello"}, now))
+                continue
+            if peer.role == ROLE_NODE and msg.get("t") == "node_stacks":
+                self.replies.put((peer, msg, now))  # not behind a backlog: see ``replies``
                 continue
             if peer.role == ROLE_NODE and msg.get("t") in NODE_FRAMES:
                 t = msg["t"]

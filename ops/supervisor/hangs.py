@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import os
+import queue
 import re
 import time
 from pathlib import Path
@@ -160,6 +161,8 @@ class HangMixin:
         do not answer: ptrace does not cross hosts). Answers land in ``node_stacks``; a node whose
         link is silent (no keepalive: a cut) is not asked."""
         self.node_stacks = {}
+        while not self.server.replies.empty():  # a late answer to an earlier hang
+            self.server.replies.get_nowait()
         now = time.monotonic()
         for node, (peer, ranks) in by_node.items():
             if now - peer.last_rx > self.cfg.hang.ping_stale_s:
@@ -188,9 +191,13 @@ class HangMixin:
         while want and time.monotonic() < deadline:
             if all(r in self.node_stacks for r in want):
                 return
-            if all(p.hello.get("gone_ts") for p in peers):
+            if all(p.closed or p.hello.get("gone_ts") for p in peers):
                 return
-            self.pump(0.1)
+            try:  # the replies beside the inbox: not behind its backlog
+                peer, msg, ts = self.server.replies.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.handle(peer, msg, ts)
 
     def _write_node_files(self, stack_dir: Path, by_node: dict[str, tuple], notes: dict) -> None:
         """One file a node: a section a rank, its source in the section's first line."""

@@ -360,18 +360,15 @@ def test_the_agent_gathers_its_ranks_stacks_in_one_reply(relay):
             },
         }
     )
-    deadline = time.monotonic() + 30
-    reply = None
-    while reply is None and time.monotonic() < deadline:
-        try:
-            peer, msg, _ = server.inbox.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        if msg.get("t") == "node_stacks":
-            reply = msg
-        elif msg.get("t") == "_batch":  # the answer must not be relayed as a rank message
-            assert "stacks" not in [m.get("t") for _, m in msg["items"]]
-    assert reply is not None and reply["id"] == 4 and answers == [0]
+    # the reply comes beside the inbox (``replies``: never behind a backlog), and the rank's own
+    # answer is not relayed as a rank message
+    peer, reply, _ = server.replies.get(timeout=30)
+    assert peer.role == "node" and reply["t"] == "node_stacks"
+    while not server.inbox.empty():
+        msg = server.inbox.get_nowait()[1]
+        assert msg.get("t") != "node_stacks"
+        assert "stacks" not in [m.get("t") for _, m in msg.get("items") or ()]
+    assert reply["id"] == 4 and answers == [0]
     got = reply["stacks"]
     assert set(got) == {"0", "1"}
     assert got["0"]["note"] == "channel" and got["0"]["text"].startswith("Thread 1")
