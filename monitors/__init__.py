@@ -10,8 +10,8 @@ The same objects run live in the supervisor and offline over a run's ``metrics.j
 
 What the folder holds: pure monitors (straggler, numeric, RL, hang, memory, silent data
 corruption), their `[monitors]` config, the registry (`registry.py`: name, class, config,
-runbook); the contract and helpers (`base.py`); one state for ranks that report the same values,
-and `Lockstep` (`shared.py`). May import (of ptops): nothing.
+runbook); the contract and helpers (`base.py`); one state for ranks that report the same values
+(`shared.py`). May import (of ptops): nothing.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ All three follow each rank's series and report a step once across ranks
 (``loss`` and ``grad_norm`` are global values in both adapters: TRL logs the
 rank-averaged loss and the clipped-before norm of the whole model, TorchTitan
 the global loss and norm); all three keep one state for the ranks whose values
-agree (``SharedRankedMonitor``): the live feed then moves a rank that repeats its
-step's first rank on in every such state at once (``Lockstep``).
+agree (``SharedRankedMonitor``).
 """
 
 from __future__ import annotations
@@ -69,8 +68,6 @@ class NaNMonitor(SharedRankedMonitor):
         self._keys = tuple((k, spelled(k)) for k in self.cfg.keys)
         self._nkeys = len(set(self.cfg.keys))
         self._all_finite = (True,) * len(self._keys)
-        # Lockstep compares these values (and the key set): equal raw values give equal inputs
-        self._lockstep_keys = tuple(dict.fromkeys(s for _, sp in self._keys for s in sp if s))
         self._noop = (_MISSING,) * len(self._keys)  # no key present: nothing read, nothing changed
         super().__init__()
 
@@ -158,12 +155,6 @@ class LossSpikeMonitor(SharedRankedMonitor):
     def __init__(self, cfg: LossSpikeConfig | None = None) -> None:
         self.cfg = cfg or LossSpikeConfig()
         self._key = spelled(self.cfg.key)
-        self._lockstep_keys = tuple(
-            [k for k in self._key if k]
-        )  # _inputs: these values and whether "reward" is a key
-        self._idle_key = (
-            "reward" if self.cfg.skip_rl else None
-        )  # feed_at's RL path: what Lockstep repeats
         super().__init__()
 
     def _new_state(self) -> list[Any]:
@@ -172,22 +163,6 @@ class LossSpikeMonitor(SharedRankedMonitor):
     def _rewind(self, st: list[Any], step: int) -> None:
         st[0].rewind(step)
         st[1] = False
-
-    # feed_at below: an RL record advances no state (its inputs are no value) unless it rewinds,
-    # which a record Lockstep moves on never does; otherwise the follower path
-    _lockstep = True
-
-    def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
-        if "reward" in keys and self.cfg.skip_rl:  # an RL record: no value to read (see _inputs)
-            m = self._members.get(rank)
-            if m is not None:
-                last = m[2]
-                if (
-                    last is None or step > last
-                ):  # and no rewind: no transition, nothing but the last step
-                    m[2] = step
-                    return []
-        return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
         if self.cfg.skip_rl and "reward" in record:
@@ -252,7 +227,6 @@ class GradExplosionMonitor(SharedRankedMonitor):
     def __init__(self, cfg: GradExplosionConfig | None = None) -> None:
         self.cfg = cfg or GradExplosionConfig()
         self._key = spelled(self.cfg.key)
-        self._one_key = self._key
         super().__init__()
 
     def _new_state(self) -> list[Any]:

@@ -486,9 +486,6 @@ class EntropyCollapseMonitor(_SharedRL):
         self._own = _spellings(self.cfg.key)
         self._key, self._reward = spelled(self.cfg.key), spelled(self.cfg.reward_key)
         self._gate = self._rewind_keys = self._own
-        self._set_raw_keys(
-            self.cfg.key, self.cfg.reward_key
-        )  # a follower compares two raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -665,7 +662,6 @@ class KLDriftMonitor(_SharedRL):
         self.cfg = cfg or KLDriftConfig()
         self._own = _spellings(self.cfg.key)
         self._key = spelled(self.cfg.key)
-        self._one_key = self._key
         self._gate = self._rewind_keys = self._own
         super().__init__()
 
@@ -805,7 +801,6 @@ class RewardHackingMonitor(_SharedRL):
         self._quick = _spellings(self.cfg.reward_key, *self._proxy)
         self._proxy_sp = spelled(self._proxy[0]) if self._proxy else None
         self._rewind_keys = self._own
-        self._set_raw_keys(self.cfg.reward_key, *self._proxy, *self.cfg.coupled_keys)
         self._noop = (None,) * 5
         super().__init__()
 
@@ -852,17 +847,11 @@ class RewardHackingMonitor(_SharedRL):
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
-    _lockstep = True  # feed_at below: a function of the keys, then the follower path
-
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see
         # _RL.feed)
-        noeval = keys <= self._plain
-        if noeval and keys.isdisjoint(self._quick):
+        if keys <= self._plain and keys.isdisjoint(self._quick):
             return []
-        self._raw_ok = (
-            noeval  # without a possible eval key, the raw values of _raw_keys decide the inputs
-        )
         return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:
@@ -1114,9 +1103,6 @@ class ModeCollapseMonitor(_SharedRL):
         self._distinct = spelled(self.cfg.distinct_key) if self.cfg.distinct_key else None
         self._noop = (None, None)
         self._gate = self._rewind_keys = self._own
-        self._set_raw_keys(
-            self.cfg.key, self.cfg.distinct_key
-        )  # a follower compares raw values, no _inputs call
         super().__init__()
 
     def _new_state(self) -> _St:
@@ -1226,9 +1212,6 @@ class StaleRolloutMonitor(_SharedRL):
         self._keys = tuple(spelled(k) for k in self.cfg.keys)
         self._sp0 = self._keys[0] if self._keys else (None, None)
         self._gate = self._rewind_keys = self._own
-        self._lockstep_keys = tuple(
-            s for sp in self._keys for s in sp if s
-        )  # (Lockstep compares their values)
         self._noop = (None, None)
         super().__init__()
 

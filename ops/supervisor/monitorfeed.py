@@ -14,7 +14,6 @@ from typing import Any
 from ptops.monitors import fast_entries
 from ptops.monitors.base import step_and_rank
 from ptops.monitors.config import MonitorsSection
-from ptops.monitors.shared import Lockstep
 from ptops.recipes.schema import build_monitors_of
 
 
@@ -41,7 +40,6 @@ class MonitorFeed:
         self._calls: list = []
         # the monitors ``_calls`` was built for (``monitors`` may be changed in place)
         self._of: list = []
-        self._lock: Lockstep | None = None
 
     def feed(self, rec: dict[str, Any]) -> tuple[list, list[tuple[str, Exception]]]:
         """(findings, first errors): the findings of every monitor, and (name, exception) for each
@@ -53,23 +51,9 @@ class MonitorFeed:
         if self._of != self.monitors:  # identity first, in C: ~0.1 µs
             self._of = list(self.monitors)
             self._calls = list(zip(self._of, fast_entries(self._of)))
-            self._lock = Lockstep(self._calls)
-            if len(self._lock.monitors) < 2:  # nothing to follow at once: no cost on every record
-                self._lock = None
         calls = self._calls
-        lock = self._lock
-        if (
-            step is None
-        ):  # no step: each monitor's plain feed (the monitors here ignore such a record)
+        if step is None:  # no step: each monitor's plain feed (the monitors here ignore it)
             calls = [(m, _plain(m)) for m, _ in calls]
-            lock = None
-        elif lock is not None:
-            # a rank that reports what the step's first rank did: the shared states move it on at
-            # once
-            rest = lock.follow(rec, keys, step, rank)
-            if rest is not None:
-                calls = rest
-                lock = None
         for m, f in calls:
             try:
                 found = f(rec, keys, step, rank)
@@ -80,8 +64,6 @@ class MonitorFeed:
                 self.errors[name] = self.errors.get(name, 0) + 1
                 if self.errors[name] == 1:
                     first_errors.append((name, e))
-        if lock is not None:
-            lock.lead(rec, keys, step, rank)
         return findings, first_errors
 
 

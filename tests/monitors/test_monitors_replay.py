@@ -100,8 +100,8 @@ def _diverged(recs: list[dict], rng: random.Random) -> list[dict]:
 
 
 def _lockstep_traps(recs: list[dict], rng: random.Random) -> list[dict]:
-    """Followers equal to the step's first rank but for what only a strict look tells apart (for the
-    live path's Lockstep, which moves such a rank on without asking each monitor): -0.0 for 0.0, 1
+    """Followers equal to the step's first rank but for what only a strict look tells apart (a
+    follower compares its inputs with the logged ones): -0.0 for 0.0, 1
     or True for 1.0, an extra key (a held-out eval, an unknown key), a key missing, the other
     spelling of a key, the same step twice from one rank (a rewind)."""
     keys = [
@@ -283,8 +283,7 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
                 own_states[name] = (alone, [f.to_dict() for f in replay(recs, alone)])
             alone, want = own_states[name]
             assert json.loads(json.dumps(got)) == json.loads(json.dumps(want)), (log_max, name)
-            # the live path: MonitorFeed moves a rank that repeats the step's leader on in every
-            # shared state at once (monitors/shared.py Lockstep); the same findings and states
+            # the live path (MonitorFeed): the same findings and states
             live = build_monitors()
             feed = MonitorFeed(live)
             got_live = [f for r in recs for f in feed.feed(r)[0]]
