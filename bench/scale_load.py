@@ -26,7 +26,9 @@ finish a step together), and a liveness ``ping`` every ``--ping-s`` (the probe's
 since issue 24, each node sends one ``a`` frame for its ranks' pings instead; ``rank``: every ping
 relayed, the design before; ``both``: each size run both ways, side by side); each node sends its
 keepalive every 2 s and answers ``dump``. After ``--victim-step`` one rank goes
-silent (no steps, no pings: SIGSTOPped); the others go on stepping (``--peers continue``, the load
+silent (no steps, no pings: SIGSTOPped), or with ``--silent node`` its whole node (a frozen host or
+a cut link: nothing from its agent any more, no keepalive, no liveness frame, no answer to
+``dump``, the connection left open); the others go on stepping (``--peers continue``, the load
 stays on while the hang is detected) or stop stepping and keep pinging (``--peers block``, as ranks
 waiting in a collective).
 
@@ -161,6 +163,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         "replies": 0,
     }
     victim_here = any(args.victim in n.ranks for n in nodes)
+    frozen: set[int] = set()  # --silent node: the victim's node, once silent (nothing from it)
 
     async def connect(node: _Node) -> None:
         for _ in range(
@@ -250,7 +253,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 msg = json.loads(raw)
             except ValueError:
                 continue
-            if msg.get("cmd") == "dump":  # the agent's ``_dump``: its ranks' stacks, one reply
+            if msg.get("cmd") == "dump" and node.index not in frozen:  # one reply: its stacks
                 asyncio.ensure_future(dump(node, msg))
 
     async def dump(node: _Node, msg: dict) -> None:
@@ -301,6 +304,8 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         boundary = tick % per_step == 0
         ping = tick % per_ping == per_ping // 2  # half a heartbeat out of phase with the steps
         for node in nodes:
+            if node.index in frozen:
+                continue
             lines = []
             for c, rank in enumerate(node.ranks, 1):
                 if rank == args.victim and victim_silent:
@@ -349,14 +354,24 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         ):
             victim_silent = True  # its last message (step victim_step's record) went out just now
             counters["victim_silent_ts"] = now
+            if args.silent == "node":
+                frozen.update(n.index for n in nodes if args.victim in n.ranks)
             if stop_file is not None:
                 stop_file.write_text(
-                    json.dumps({"rank": args.victim, "after_step": args.victim_step, "ts": now})
+                    json.dumps(
+                        {
+                            "rank": args.victim,
+                            "after_step": args.victim_step,
+                            "ts": now,
+                            "silent": args.silent,
+                        }
+                    )
                 )
         if time.monotonic() >= next_ka:
             next_ka = time.monotonic() + KEEPALIVE_S
             for node in nodes:
-                node.writer.write(b'{"t":"ka"}\n')
+                if node.index not in frozen:
+                    node.writer.write(b'{"t":"ka"}\n')
         buffered = sum(n.writer.transport.get_write_buffer_size() for n in nodes)
         counters["buffered_max"] = max(counters["buffered_max"], buffered)
         if counters_file is not None and time.monotonic() >= next_counters:
@@ -480,6 +495,8 @@ def run_one(args: argparse.Namespace) -> dict:
                 str(args.victim_step),
                 "--peers",
                 args.peers,
+                "--silent",
+                args.silent,
                 "--liveness",
                 args.liveness,
                 "--relay",
@@ -581,6 +598,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "gen_procs": args.gen_procs,
         "step_s": args.step_s,
         "peers": args.peers,
+        "silent": args.silent,
         "exit_code": rc,
         "wall_s": round(t_end - t_start, 1),
     }
@@ -643,6 +661,19 @@ def run_one(args: argparse.Namespace) -> dict:
             "why": hang.get("why"),
             "found_count": len(hang.get("ranks") or []),
             "found_ranks": (hang.get("ranks") or [])[:16],
+            "silent": victim.get("silent", "rank"),
+            # --silent node: every rank of the victim's node named, and no other
+            "found_exactly_the_silent": sorted(hang.get("ranks") or [])
+            == (
+                list(
+                    range(
+                        victim["rank"] // args.per_node * args.per_node,
+                        (victim["rank"] // args.per_node + 1) * args.per_node,
+                    )
+                )
+                if victim.get("silent") == "node"
+                else [victim["rank"]]
+            ),
             "detect_s": round(
                 hang["found_ts"] - victim["ts"], 2
             ),  # victim's last message -> the hang decision
@@ -652,7 +683,7 @@ def run_one(args: argparse.Namespace) -> dict:
             ),  # -> the hang event written (after the stacks)
             "stacks_s": hang.get("stacks_s"),
             "teardown_s": hang.get("teardown_s"),
-            "stack_files": len(list((run.path / "stacks" / "attempt-1").glob("rank-*.txt"))),
+            "stack_files": len(list((run.path / "stacks" / "attempt-1").glob("*.txt"))),
         }
     out["run_dir"] = str(run.path)
     return out
@@ -687,6 +718,13 @@ def main() -> None:
             "--victim-step", type=int, default=30, help="... after sending this step's record"
         )
         p.add_argument("--peers", choices=("continue", "block"), default="continue")
+        p.add_argument(
+            "--silent",
+            choices=("rank", "node"),
+            default="rank",
+            help="rank: the victim alone goes silent (SIGSTOPped); node: its whole node (nothing "
+            "from its agent: a frozen host or a cut link)",
+        )
     for p, choices in ((ap, ("node", "rank", "both")), (g, ("node", "rank"))):
         p.add_argument(
             "--liveness",
@@ -781,6 +819,8 @@ def main() -> None:
                 str(a.steady),
                 "--peers",
                 a.peers,
+                "--silent",
+                a.silent,
                 "--liveness",
                 liveness,
                 "--relay",
