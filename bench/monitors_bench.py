@@ -110,7 +110,33 @@ def live_feed_at(ref: str, pkg):
     return mod.MonitorFeed
 
 
-def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None) -> dict[str, float]:
+def _as_batched(stream: list[dict], per_node: int) -> tuple[list[dict], list]:
+    """The records as the supervisor handles them from node agents of ``per_node`` ranks (each
+    node's records of a step through the agent's own ``Batcher``, one frame, rebuilt by
+    ``unbatch``), and each one's certificate (``like``: None for a node's first of the step)."""
+    from ptops.ops.rank.channel import Batcher, unbatch
+
+    out: list[dict] = []
+    likes: list = []
+    by_step: dict = {}
+    for r in stream:
+        by_step.setdefault(r["step"], []).append(r)
+    for step in sorted(by_step):
+        nodes: dict[int, Batcher] = {}
+        for r in by_step[step]:
+            b = nodes.setdefault(r["rank"] // per_node, Batcher())
+            b.add(r["rank"] % per_node + 1, json.dumps({"t": "metrics", "rec": r}).encode(), 0.0)
+        for node in sorted(nodes):
+            got: list = []
+            for _, msg in unbatch(json.loads(nodes[node].frame()), got):
+                out.append(msg["rec"])
+            likes.extend(got)
+    return out, likes
+
+
+def _cost_once(
+    ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None, per_node: int = 0
+) -> dict[str, float]:
     """``runs`` runs of ``ranks // runs`` ranks each, ranks numbered on, records ordered by (step,
     rank). One run (default) is what the supervisor sees: the global values (loss, reward, ...)
     agree across its ranks; ``runs = ranks // 2`` is the stream this bench fed before 2026-11-30
@@ -136,17 +162,23 @@ def _cost_once(ranks: int, steps: int, pkg=None, runs: int = 1, feed_cls=None) -
     out: dict[str, float] = {}
     for kind in ("pretrain", "grpo"):
         stream = [r for s, rk, k, r in sorted(recs, key=lambda x: (x[0], x[1])) if k == kind]
+        likes = [None] * len(stream)
+        if per_node:
+            stream, certs = _as_batched(stream, per_node)
+            if feed_cls is MonitorFeed:  # (another ref's feed takes no certificate)
+                likes = certs
+        pairs = list(zip(stream, likes))
         for name, cls in classes.items():
             feed = feed_cls([cls()]).feed
             t0 = time.process_time()
-            for r in stream:
-                feed(r)
+            for r, like in pairs:
+                feed(r) if like is None else feed(r, like)
             out[f"{kind}/{name}"] = (time.process_time() - t0) / len(stream) * 1e6
         live = feed_cls(build())
         feed = live.feed
         t0 = time.process_time()
-        for r in stream:
-            feed(r)
+        for r, like in pairs:
+            feed(r) if like is None else feed(r, like)
         out[f"{kind}/ALL"] = (time.process_time() - t0) / len(stream) * 1e6
         assert not live.errors, (
             live.errors
@@ -273,6 +305,13 @@ def main() -> None:
         help="also measure the monitors as they were at this git ref, "
         "in the same run (interleaved passes), and print new/old ratios",
     )
+    ap.add_argument(
+        "--per-node",
+        type=int,
+        default=0,
+        help="--against: the records as node agents of this many ranks batch them (Batcher, "
+        "unbatch), each with its certificate for this ref's MonitorFeed (0: plain records)",
+    )
     ap.add_argument("--cost-only", action="store_true")
     ap.add_argument(
         "--per-state",
@@ -320,8 +359,12 @@ def main() -> None:
         old_feed = live_feed_at(a.against, old_pkg)
         new_runs, old_runs = [], []
         for _ in range(a.reps):  # interleaved: both see the same load
-            new_runs.append(_cost_once(a.ranks, a.steps, runs=a.runs))
-            old_runs.append(_cost_once(a.ranks, a.steps, old_pkg, runs=a.runs, feed_cls=old_feed))
+            new_runs.append(_cost_once(a.ranks, a.steps, runs=a.runs, per_node=a.per_node))
+            old_runs.append(
+                _cost_once(
+                    a.ranks, a.steps, old_pkg, runs=a.runs, feed_cls=old_feed, per_node=a.per_node
+                )
+            )
         new = {k: statistics.median(r[k] for r in new_runs) for k in new_runs[0]}
         old = {k: statistics.median(r[k] for r in old_runs) for k in old_runs[0]}
         res_c = {

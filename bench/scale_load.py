@@ -517,13 +517,13 @@ def run_one(args: argparse.Namespace) -> dict:
                 }
             }
 
-        def _on_metrics(self, peer, msg, ts):  # counted here, handled by the real handler
+        def _on_metrics(self, peer, msg, ts, like=None):  # counted, then the real handler
             handled[0] += 1
             r = msg.get("rec") or {}
             t = r.get("ts")
             if isinstance(t, float):
                 lat.append(time.time() - t)
-            super()._on_metrics(peer, msg, ts)
+            super()._on_metrics(peer, msg, ts, like if args.certify == "on" else None)
 
     log = open(work / "supervisor.log", "w")
     sup = LoadSupervisor(rec, run, [], out=log, strategy="temporary")
@@ -734,6 +734,14 @@ def main() -> None:
             "second (ops/node/agent.py since issue 24); rank: every rank's ping relayed (the "
             "design before); both: each size twice, side by side",
         )
+    ap.add_argument(
+        "--certify",
+        choices=("on", "off", "both"),
+        default="on",
+        help="on: a record the batch certifies equal to its node's first of the step but for "
+        "some keys moves the shared monitors on unread (MonitorFeed.feed's like, since issue 24); "
+        "off: every record read by every monitor (the design before); both: side by side",
+    )
     for p, choices in ((ap, ("batch", "line", "both")), (g, ("batch", "line"))):
         p.add_argument(
             "--relay",
@@ -780,7 +788,7 @@ def main() -> None:
         generate_main(a)
         return
     if a.ranks:
-        if a.liveness == "both" or a.relay == "both":
+        if "both" in (a.liveness, a.relay, a.certify):
             ap.error("both runs each of --sizes twice; with --ranks give one design")
         a.nodes = max(1, a.ranks // a.per_node)
         if a.victim < 0:
@@ -795,12 +803,15 @@ def main() -> None:
     results = []
     # the design before first: (liveness, relay)
     designs = [
-        (live, relay)
+        (live, relay, cert)
         for live in (("rank", "node") if a.liveness == "both" else (a.liveness,))
         for relay in (("line", "batch") if a.relay == "both" else (a.relay,))
+        for cert in (("off", "on") if a.certify == "both" and relay == "batch" else (a.certify,))
         if not (live == "rank" and relay == "batch" and a.liveness == a.relay == "both")
     ]
-    for size, (liveness, relay) in [(int(s), d) for s in a.sizes.split(",") if s for d in designs]:
+    for size, (liveness, relay, cert) in [
+        (int(s), d) for s in a.sizes.split(",") if s for d in designs
+    ]:
         with tempfile.TemporaryDirectory(prefix=f"ptops-scale-{size}-") as d:
             argv = [
                 sys.executable,
@@ -825,6 +836,8 @@ def main() -> None:
                 liveness,
                 "--relay",
                 relay,
+                "--certify",
+                "off" if cert == "both" else cert,
                 "--timeout",
                 str(a.timeout),
                 "--work",
@@ -834,7 +847,7 @@ def main() -> None:
             ]
             print(
                 f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), liveness "
-                f"{liveness}, relay {relay}, load "
+                f"{liveness}, relay {relay}, certify {cert}, load "
                 f"{os.getloadavg()}",
                 flush=True,
             )
@@ -845,6 +858,7 @@ def main() -> None:
                 res = {"ranks": size, "error": "no result (see the output above)"}
             res["liveness"] = liveness
             res["relay"] = relay
+            res["certify"] = cert
             res.pop("run_dir", None)
             results.append(res)
             print(json.dumps(res), flush=True)

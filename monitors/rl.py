@@ -851,6 +851,7 @@ class RewardHackingMonitor(_SharedRL):
         # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see
         # _RL.feed)
         if keys <= self._plain and keys.isdisjoint(self._quick):
+            self._led = None
             return []
         return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 

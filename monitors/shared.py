@@ -24,6 +24,40 @@ from typing import Any, Mapping
 from .base import Finding, RankedMonitor, Severity, record_attempt, record_ts
 
 _LOG_MAX = 1024  # transitions kept before a checkpoint (a copy of the shared state) replaces them
+_GATED = object()  # ``_led``: the record had none of the monitor's keys
+_NOOP = object()  # ``_led``: its inputs changed nothing
+
+
+class _Reads(dict):
+    """A record that notes the keys whose values are read (``get``, ``[]``, ``items``,
+    ``values``). Its keys themselves (``in``, ``keys()``, iteration) are no values: a certified
+    repeat has the same keys."""
+
+    __slots__ = ("read",)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return dict.get(self, key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return dict.__getitem__(self, key)
+
+    def items(self) -> Any:
+        self.read.update(self)
+        return dict.items(self)
+
+    def values(self) -> Any:
+        self.read.update(self)
+        return dict.values(self)
+
+
+def _keys_read(inputs: Any, record: Mapping[str, Any]) -> frozenset:
+    """The keys whose values ``inputs(record)`` reads."""
+    r = _Reads(record)
+    r.read = set()
+    inputs(r)
+    return frozenset(r.read)
 
 
 def _same_sig(a: tuple, b: tuple) -> bool:
@@ -81,6 +115,9 @@ class SharedRankedMonitor(RankedMonitor):
         self._fresh: list[_Group] = []  # logging groups from the fresh state (new ranks join one)
         self._tried: list | None = None
         self._silent = False
+        # the last transition this monitor made, for ``repeat``: (step, rank, record, log entry |
+        # _GATED | _NOOP, group, position, rewound[, keys read]), None after a rank's own state
+        self._led: tuple | None = None
 
     def _inputs(self, record: Mapping[str, Any]) -> tuple:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -105,10 +142,88 @@ class SharedRankedMonitor(RankedMonitor):
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         gate = self._gate
         if gate is not None and keys.isdisjoint(gate):
+            self._led = (step, rank, record, _GATED, None, 0, False)
             return []
+        rew = self._seen(keys, step, rank)
+        inputs = self._inputs(record)
+        if not rew and inputs == self._noop:
+            self._led = (step, rank, record, _NOOP, None, 0, False)
+            return []  # changes nothing: not a transition
+        return self._move(record, step, rank, rew, inputs)
+
+    def repeat(
+        self, record: Mapping[str, Any], keys: Any, step: int, rank: int, lead: Any, diff: Any
+    ) -> list[Finding]:
+        """``feed_at`` for a record that a node agent certified equal, key for key, to rank
+        ``lead``'s record of this step but for the keys in ``diff`` (``unbatch`` in
+        ``ops/rank/channel.py``: the keys, their order and every other value are the same). If
+        that record was the last one this monitor moved on and none of ``diff`` is a key whose
+        value ``_inputs`` read from it, the inputs are the same: the rank follows that transition
+        without its record being read. Why: at thousands of nodes most records repeat their node's
+        first one; the comparison is made once, on the node, not once per monitor here."""
+        led = self._led
+        if led is None or led[0] != step or led[1] != lead:
+            return self.feed_at(record, keys, step, rank)
+        e = led[3]
+        if e is _GATED:  # the same keys: gated too
+            return []
+        if len(led) == 7:  # the keys whose values the leader's inputs came from, once
+            self._led = led = led + (_keys_read(self._inputs, led[2]),)
+        if not diff.isdisjoint(led[7]):
+            return self._aside(record, keys, step, rank)
         rew = False
         rk = self._rewind_keys
-        if rk is None or rk is gate or not keys.isdisjoint(rk):  # (a record past the gate has one)
+        if rk is None or rk is self._gate or not keys.isdisjoint(rk):  # _seen, inlined
+            last = self._last_step.get(rank)
+            if last is not None and step <= last:
+                rew = self._seen(keys, step, rank)
+            else:
+                self._last_step[rank] = step
+        if e is _NOOP:
+            if not rew:
+                return []
+            return self._aside(record, keys, step, rank, rew)
+        g, pos = led[4], led[5]
+        m = self._members.get(rank)
+        log = g.log
+        if (
+            rew is not led[6]
+            or m is None
+            or m[0] is not g
+            or m[1] != pos
+            or log is None
+            or pos < g.pos0
+            or log[pos - g.pos0] is not e
+        ):
+            return self._aside(record, keys, step, rank, rew)
+        m[1] = pos + 1
+        if not e[4]:
+            return []
+        out: list[Finding] = []
+        self._replay(out, e[4], record, rank)
+        return out
+
+    def _aside(
+        self, record: Mapping[str, Any], keys: Any, step: int, rank: int, rew: bool | None = None
+    ) -> list[Finding]:
+        """The record the plain way (its step already noted when ``rew`` is given), leaving the
+        leader's transition in place for the followers after it."""
+        led = self._led
+        try:
+            if rew is None:
+                return self.feed_at(record, keys, step, rank)
+            inputs = self._inputs(record)
+            if not rew and inputs == self._noop:
+                return []  # changes nothing: not a transition
+            return self._move(record, step, rank, rew, inputs)
+        finally:
+            self._led = led
+
+    def _seen(self, keys: Any, step: int, rank: int) -> bool:
+        """Note the rank's step; True when it went back (resume, rollback: a rewind)."""
+        rew = False
+        rk = self._rewind_keys
+        if rk is None or rk is self._gate or not keys.isdisjoint(rk):  # (past the gate: it has one)
             last = self._last_step.get(rank)
             if last is not None and step <= last:
                 rew = True
@@ -117,9 +232,12 @@ class SharedRankedMonitor(RankedMonitor):
                         if r == rank and key[0] >= step:
                             del self._fired[key]
             self._last_step[rank] = step
-        inputs = self._inputs(record)
-        if not rew and inputs == self._noop:
-            return []  # changes nothing: not a transition
+        return rew
+
+    def _move(
+        self, record: Mapping[str, Any], step: int, rank: int, rew: bool, inputs: tuple
+    ) -> list[Finding]:
+        """A transition: follow the shared state, lead it, or move the rank's own state."""
         m = self._members.get(rank)
         if m is None:
             m = self._members[rank] = [None, 0]
@@ -131,6 +249,7 @@ class SharedRankedMonitor(RankedMonitor):
             e = g.log[pos - g.pos0]
             if e[0] == step and e[3] is rew and _same_sig(e[1], inputs):
                 m[1] = pos + 1
+                self._led = (step, rank, record, e, g, pos, rew)
                 if not e[4]:
                     return []
                 out: list[Finding] = []
@@ -142,6 +261,7 @@ class SharedRankedMonitor(RankedMonitor):
             self._checkpoint(g)
         st = g.state
         if g.log is None:  # its own state
+            self._led = None
             if rew:
                 self._rewind(st, step)
             return self._apply(st, inputs, record, step, rank)
@@ -153,7 +273,9 @@ class SharedRankedMonitor(RankedMonitor):
             out = self._apply(st, inputs, record, step, rank)
         finally:
             self._tried = None
-        g.log.append((step, inputs, record, rew, tuple(tried)))
+        e = (step, inputs, record, rew, tuple(tried))
+        g.log.append(e)
+        self._led = (step, rank, record, e, g, m[1], rew)
         m[1] += 1
         return out
 

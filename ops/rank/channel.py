@@ -203,10 +203,16 @@ class Batcher:
         )
 
 
-def unbatch(frame: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+def unbatch(frame: dict[str, Any], likes: list | None = None) -> list[tuple[Any, dict[str, Any]]]:
     """A ``b`` frame's (cid, message) pairs in order, each step record whole again. Entries that do
     not parse as such (lengths that differ, a message that is no object, a leader index out of
-    range) are dropped, never their neighbours."""
+    range) are dropped, never their neighbours.
+
+    ``likes``, when given, gets one entry per pair: for a step record cut against its leader and
+    not the leader itself, (the leader's ``rank``, the keys sent), else None. True by construction
+    (every other key holds the leader's own value), so the supervisor may let its monitors treat
+    the record as that rank's, but for those keys (``MonitorFeed.feed``); never read from a
+    message, so no rank can claim it."""
     cids, msgs, leaders = frame.get("c"), frame.get("m"), frame.get("k", [])
     if (
         not isinstance(cids, list)
@@ -216,9 +222,11 @@ def unbatch(frame: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
     ):
         return []
     out = []
+    seen: set[int] = set()  # leaders whose own record went out whole
     for cid, msg in zip(cids, msgs):
         if not isinstance(msg, dict):
             continue
+        like = None
         if "_k" in msg:
             j, rec = msg.pop("_k"), msg.get("rec")
             if (
@@ -228,10 +236,16 @@ def unbatch(frame: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
                 or not isinstance(rec, dict)
             ):
                 continue
+            if j in seen:
+                like = (leaders[j].get("rank"), frozenset(rec))
+            elif not rec:  # the leader itself (the Batcher sends it first, nothing cut away)
+                seen.add(j)
             full = dict(leaders[j])
             full.update(rec)
             msg["rec"] = full
         out.append((cid, msg))
+        if likes is not None:
+            likes.append(like)
     return out
 
 

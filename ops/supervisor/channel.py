@@ -277,10 +277,11 @@ class ChannelServer:
         order sent (``unbatch`` rebuilds the step records). A line of a connection the node never
         said hello for is dropped, as a relayed one is."""
         items = []
-        for sub, msg in unbatch(frame):
+        likes: list = []
+        for (sub, msg), like in zip(unbatch(frame, likes), likes):
             vp = node.subs.get(sub) if type(sub) is int else None
             if vp is not None:
-                items.append((vp, msg))
+                items.append((vp, msg, like))
         if items:
             self._put((node, {"t": "_batch", "items": items}, now))
             self.received += len(items) - 1

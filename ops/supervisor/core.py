@@ -171,8 +171,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         info = self.ranks.get(rank) if rank is not None else None
         return info.host if info is not None else None
 
-    def feed_monitors(self, rec: dict[str, Any]) -> None:
-        findings, errors = self.feed.feed(rec)
+    def feed_monitors(self, rec: dict[str, Any], like: Any = None) -> None:
+        findings, errors = self.feed.feed(rec, like)
         for name, e in errors:
             self.event(
                 EventKind.MONITOR_ERROR,

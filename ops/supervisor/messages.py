@@ -104,7 +104,7 @@ class MessagesMixin:
             if self.stop_signal is not None and not drain:
                 return
 
-    def handle(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+    def handle(self, peer: Peer, msg: dict[str, Any], ts: float, like: Any = None) -> None:
         t = str(msg.get("t"))
         if peer.role == "control":
             name = CONTROL_HANDLERS.get(t)
@@ -121,6 +121,9 @@ class MessagesMixin:
             self.unknown_messages[key] = self.unknown_messages.get(key, 0) + 1
             if self.unknown_messages[key] == 1:
                 self.say(f"ignoring channel messages of unknown type {t!r} (from a {peer.role})")
+            return
+        if like is not None and name == "_on_metrics":
+            self._on_metrics(peer, msg, ts, like)
             return
         getattr(self, name)(peer, msg, ts)
 
@@ -286,7 +289,7 @@ class MessagesMixin:
             f"and nproc x nodes",
         }
 
-    def _on_metrics(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
+    def _on_metrics(self, peer: Peer, msg: dict[str, Any], ts: float, like: Any = None) -> None:
         rank = peer.rank
         rec = msg.get("rec") or {}
         self.metrics_out.append(rec)
@@ -296,7 +299,7 @@ class MessagesMixin:
             info.step_s = (
                 rec.get("step_s") if isinstance(rec.get("step_s"), (int, float)) else info.step_s
             )
-        self.feed_monitors(rec)
+        self.feed_monitors(rec, like)
         self.monitor.observe(
             {
                 "kind": "metrics",
@@ -383,10 +386,11 @@ class MessagesMixin:
 
     def _on_node_batch(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         """A node's batch of rank messages (``ChannelServer._batch``): each handled as if it had
-        come alone, in the order sent."""
+        come alone, in the order sent; a record the batch certified equal to its node's first of
+        the step but for some keys carries that (``like``) to the monitors."""
         handle = self.handle
-        for vp, m in msg.get("items") or ():
-            handle(vp, m, ts)
+        for vp, m, like in msg.get("items") or ():
+            handle(vp, m, ts, like)
 
     def _on_node_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         peer.hello["exit_code"] = msg.get("code")

@@ -42,7 +42,7 @@ def _next(server: ChannelServer, t: str, timeout: float = 10.0):
             continue
         if msg.get("t") == t:
             return peer, msg, ts
-        for vp, m in msg.get("items") or () if msg.get("t") == "_batch" else ():
+        for vp, m, _ in msg.get("items") or () if msg.get("t") == "_batch" else ():
             if m.get("t") == t:
                 return vp, m, ts
     pytest.fail(f"no {t!r} message")
@@ -254,6 +254,40 @@ def test_broken_forged_and_malformed_entries_drop_alone():
     assert unbatch({"t": "b", "c": [1], "m": []}) == []  # lengths differ
 
 
+def test_a_certificate_names_the_leader_and_exactly_the_keys_that_differ():
+    """``unbatch``'s likes: the node's first record of a step goes whole (no certificate); each
+    later one of its group says (the leader's rank, the keys sent), and every other key holds the
+    leader's own value. A certificate comes from the frame's structure only: a message's own
+    fields cannot make one, and a group whose first entry is cut (not the leader) certifies
+    nothing."""
+    base = {"step": 3, "rank": 0, "loss": 2.5, "step_s": 0.5, "ok": 1.0, "z": 0.0}
+    b = Batcher()
+    b.add(1, _line({"t": "metrics", "rec": base}), 0.0)
+    b.add(2, _line({"t": "metrics", "rec": {**base, "rank": 1, "step_s": 0.6}}), 0.0)
+    b.add(3, _line({"t": "metrics", "rec": {**base, "rank": 2, "ok": 1, "z": -0.0}}), 0.0)
+    b.add(4, _line({"t": "metrics", "rec": {**base, "rank": 3}, "like": [0, []]}), 0.0)
+    likes: list = []
+    out = unbatch(json.loads(b.frame()), likes)
+    assert [m["rec"] for _, m in out][1] == {**base, "rank": 1, "step_s": 0.6}
+    assert likes == [
+        None,
+        (0, frozenset({"rank", "step_s"})),
+        (0, frozenset({"rank", "ok", "z"})),  # 1 is not 1.0, -0.0 is not 0.0
+        (0, frozenset({"rank"})),  # its own "like" field is a field, nothing more
+    ]
+    forged = {
+        "t": "b",
+        "c": [1, 2],
+        "k": [base],
+        "m": [
+            {"t": "metrics", "rec": {"loss": 9.0}, "_k": 0},  # cut: not the leader itself
+            {"t": "metrics", "rec": {"rank": 1}, "_k": 0},
+        ],
+    }
+    likes = []
+    assert len(unbatch(forged, likes)) == 2 and likes == [None, None]
+
+
 def test_due_after_the_hold_or_the_size():
     b = Batcher()
     assert not b.due(0.0) and b.wait_s(0.0, 0.5) == 0.5
@@ -278,7 +312,7 @@ def _rank_messages(server: ChannelServer, n: int, timeout: float = 10.0) -> list
         except queue.Empty:
             continue
         if msg.get("t") == "_batch":
-            out += [(vp.rank, m, "_batch") for vp, m in msg["items"]]
+            out += [(vp.rank, m, "_batch") for vp, m, _ in msg["items"]]
         elif peer.role == "rank" and not msg["t"].startswith("_"):
             out.append((peer.rank, msg, msg["t"]))
     return out
