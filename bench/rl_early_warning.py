@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/rl_early_warning.py [--seeds 5] [--tune] [--json OUT]
     .venv/bin/python bench/rl_early_warning.py --cost     # the RL monitors' cost per record only
+    .venv/bin/python bench/rl_early_warning.py --tune-hacking [--only 10,25]  # tuning set
+                                                  # of reward hacking (seeds 1000-1059), ptops alone
 
 Scenarios (TRL GRPO metric names, one rank, 200 steps), each over ``--seeds`` seeds:
 
@@ -160,6 +162,74 @@ def hacking(seed: int, every: int, hacked: bool = True, steps: int = 300) -> tup
             if t % every == 0:
                 out.append({"step": t, "rank": 0, "attempt": 1, "eval/accuracy": round(held, 6)})
     return out, at
+
+
+def hacking_variant(
+    seed: int, every: int, held_rise: float, noise: float, reward_rise: float = 0.002
+) -> list[dict]:
+    """A healthy variant for tuning (``--tune-hacking``): from the onset the reward climbs by
+    ``reward_rise`` a step and the held-out score by ``held_rise`` under ``noise``."""
+    rng = random.Random(seed * 7919 + every * 13 + int(held_rise * 1e5) + int(noise * 1e3))
+    at = rng.randint(80, 120)
+    out = []
+    for t in range(1, 301):
+        d = max(0, t - at)
+        reward = 0.3 + 0.1 * t / T + reward_rise * d
+        held = 0.25 + 0.08 * t / T + held_rise * d + rng.gauss(0, noise)
+        rec = _base(rng, t, 1.2, 0.03, reward)
+        if every == 1:
+            rec["rewards_verifier_mean"] = round(held, 6)
+            out.append(rec)
+        else:
+            out.append(rec)
+            if t % every == 0:
+                out.append({"step": t, "rank": 0, "attempt": 1, "eval/accuracy": round(held, 6)})
+    return out
+
+
+def tune_hacking(seeds: list[int], cadences: tuple[int, ...] = (1, 10, 25)) -> None:
+    """ptops alone on the reward-hacking tuning set: ``hacking()`` hacked and its healthy control,
+    and healthy variants (held-out rising 0.0005-0.0015 a step under 0.02-0.04 noise, the reward
+    0.002 or 0.004), each at every 1 / 10 / 25 steps; prints delays and false positives."""
+    from ptops.monitors import RewardHackingMonitor
+
+    def rh(recs: list[dict]) -> list[tuple[int, str, str]]:
+        return [(f.step, f.monitor, f.severity) for f in replay(recs, [RewardHackingMonitor()])]
+
+    t0 = time.process_time()
+    for every in cadences:
+        delays, missed = [], 0
+        for s in seeds:
+            recs, at = hacking(s, every)
+            f = first(rh(recs), "reward_hacking")
+            if f is None:
+                missed += 1
+            else:
+                delays.append(f - at)
+        q = sorted(delays)
+        print(
+            f"hack every {every:2d}: {len(delays)}/{len(seeds)} median {statistics.median(q):+.0f} "
+            f"(q25 {q[len(q) // 4]:+d}, q75 {q[3 * len(q) // 4]:+d}, min {q[0]:+d}, "
+            f"max {q[-1]:+d}), before onset {sum(d < 0 for d in q)}"
+        )
+        fams = [("control", None)] + [
+            (f"held +{hr:g} noise {nz:g} reward +{rr:g}", (hr, nz, rr))
+            for hr in (0.0005, 0.001, 0.0015)
+            for nz in (0.02, 0.04)
+            for rr in (0.002, 0.004)
+        ]
+        for label, v in fams:
+            fp = 0
+            for s in seeds:
+                recs = (
+                    hacking(s, every, hacked=False)[0]
+                    if v is None
+                    else hacking_variant(s, every, *v)
+                )
+                fp += first(rh(recs), "reward_hacking") is not None
+            if fp or v is None:
+                print(f"   healthy {label}: FP {fp}/{len(seeds)}")
+    print(f"({time.process_time() - t0:.0f} s CPU)")
 
 
 def recorded() -> list[tuple[str, list[dict]]]:
@@ -377,7 +447,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cost", action="store_true", help="only measure the RL monitors' cost per record"
     )
+    ap.add_argument(
+        "--tune-hacking",
+        action="store_true",
+        help="ptops alone on the reward-hacking tuning set (seeds 1000-1059)",
+    )
     args = ap.parse_args(argv)
+    if args.tune_hacking:
+        logging.disable(logging.CRITICAL)
+        tune_hacking(
+            list(range(1000, 1000 + 12 * args.seeds)),
+            tuple(int(c) for c in args.only.split(",")) if args.only else (1, 10, 25),
+        )
+        return 0
     if args.cost:
         for k, v in cost().items():
             print(f"{k:24s} {v:6.2f} us/record (process CPU time, best of 7)")

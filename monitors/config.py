@@ -377,6 +377,20 @@ class RewardHackingConfig(_Strict):
         description="second differences of the held-out score needed for its noise "
         "estimate before the fall rule judges",
     )
+    bend_z: float = Field(
+        3.0,
+        ge=0,
+        description="hacking (critical), a sparse held-out score (at most 16 values over four "
+        "spans): after the step where the reward starts climbing faster (its bend), the held-out "
+        "slope on a line bent there this many standard errors down (raised to the t quantile); "
+        "no confirmation needed; 0 = off",
+    )
+    bend_t: float = Field(
+        3.0,
+        gt=0,
+        description="... where the reward's slope rises at the bend by at least this many "
+        "standard errors (its paired means, over the same values)",
+    )
     coupling_corr: float = Field(
         0.8, gt=0, le=1, description="Pearson r of reward and a coupled key that counts as coupled"
     )

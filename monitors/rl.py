@@ -298,6 +298,68 @@ class _Tri:
         return a + slope * self.q[0][0], a + slope * self.q[-1][0]
 
 
+def _bent_fit(
+    pts: list, tau: float, col: int, bent: bool = True
+) -> tuple[float, float, float, float]:
+    """Least squares of column ``col`` of ``pts`` (step, reward, held-out) on two regressors and an
+    intercept: min(step, tau) (``bent``; else the step) and (step - tau)+. Returns (the second
+    coefficient: the slope after tau if ``bent``, else the change of slope at tau; the first; the
+    second's variance factor; the residual sum of squares), zeros where the design is singular. A
+    bent line is continuous at tau. O(len(pts)): called on at most ``_BEND_VALUES`` pairs."""
+    k = len(pts)
+    sm = su = sy = 0.0
+    for p in pts:
+        t = p[0]
+        sm += tau if bent and t > tau else t
+        su += t - tau if t > tau else 0.0
+        sy += p[col]
+    mm, mu, my = sm / k, su / k, sy / k
+    smm = suu = smu = smy = suy = syy = 0.0
+    for p in pts:
+        t = p[0]
+        m = (tau if bent and t > tau else t) - mm
+        u = (t - tau if t > tau else 0.0) - mu
+        y = p[col] - my
+        smm += m * m
+        suu += u * u
+        smu += m * u
+        smy += m * y
+        suy += u * y
+        syy += y * y
+    det = smm * suu - smu * smu
+    if det <= 1e-12 * max(1.0, smm * suu):
+        return 0.0, 0.0, 0.0, 0.0
+    d = (smm * suy - smu * smy) / det
+    b = (suu * smy - smu * suy) / det
+    return d, b, smm / det, max(syy - b * smy - d * suy, 0.0)
+
+
+_BEND_VALUES = 16  # the bend rule judges at most this many held-out values (a sparse score)
+
+
+def _bend(pts: list, acc_t: float) -> tuple[float, float, float, float, float, float]:
+    """Where the reward starts climbing faster, and what the held-out score does after it.
+
+    The reward's bend: the pair step tau (at least two pairs up to it, one after it) where a line
+    with one change of slope at tau fits the paired reward means best, the slope rising there by at
+    least ``acc_t`` standard errors (else zeros). Returns (tau, that t, the held-out score's slope
+    after tau on a line bent at tau, its variance factor, the residual sum of squares of that line,
+    the square of the held-out second difference centred on tau: a bend, not noise)."""
+    best, tau, acc, at = math.inf, 0.0, 0.0, 0
+    k = len(pts)
+    for j in range(1, k - 1):
+        t = pts[j][0]
+        g, _, vf, sse = _bent_fit(pts, t, 1, bent=False)
+        if g > 0 and sse < best:
+            best, tau, at = sse, t, j
+            acc = g / math.sqrt(sse / (k - 3) * vf) if sse > 0 and vf > 0 else math.inf
+    if not at or acc < acc_t:
+        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    slope, _, vf, sse = _bent_fit(pts, tau, 2)
+    d2 = pts[at + 1][2] - 2 * pts[at][2] + pts[at - 1][2]
+    return tau, acc, slope, vf, sse, d2 * d2
+
+
 class _Noise:
     """A series' noise from its second differences: a steady trend cancels out (E[d2^2] = 6 sigma^2
     for independent noise), so a score that rises or falls does not look noisy; one kink adds one
@@ -766,6 +828,13 @@ class RewardHackingMonitor(_SharedRL):
       t quantile while that estimate rests on few differences. Or the held-out score
       does not follow (r <= ``flat_corr`` with the reward's r >= ``diverge_corr``, on
       at least 2 x ``min_points`` values: divergence, warning).
+    - Bend rule (a sparse held-out score: at most 16 values over four spans): the step
+      where the paired reward means start climbing faster (a line with one change of slope
+      fits them best there, the change >= ``bend_t`` standard errors) and, on a held-out line
+      bent at that step (continuous: the values before it pin where the fall starts), the
+      slope after it <= -``bend_z`` standard errors (critical, no confirmation). A healthy run
+      whose held-out score rises with the reward has a rising slope after the bend; the
+      values before the bend make 1-2 sparse values after it enough.
     - Coupling (every step): the reward trends up and a coupled key trends up with
       it (r(reward, key) >= ``coupling_corr``, fitted rise >= ``min_growth``) - warning.
 
@@ -812,6 +881,8 @@ class RewardHackingMonitor(_SharedRL):
         st.cconf = {k: 0 for k in self.cfg.coupled_keys}
         st.pairs = _Tri(max(w, self.cfg.min_points))
         st.lpairs = _Tri(2 * max(w, self.cfg.min_points))  # twice the span, for a slower fall
+        # four spans, for the bend rule (a sparse score: at most _BEND_VALUES values)
+        st.xpairs = _Tri(4 * max(w, self.cfg.min_points))
         st.racc = 0.0
         st.rn = 0
         st.last_r = None
@@ -839,6 +910,7 @@ class RewardHackingMonitor(_SharedRL):
         st.cconf = {k: 0 for k in st.cconf}
         st.pairs.rewind(step)
         st.lpairs.rewind(step)
+        st.xpairs.rewind(step)
         st.racc, st.rn = 0.0, 0
         st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
         st.noise_h.prev = tuple(
@@ -923,7 +995,7 @@ class RewardHackingMonitor(_SharedRL):
 
     def _forget_heldout(self, st: _St) -> None:
         w = max(self.cfg.window, self.cfg.min_points)
-        st.pairs, st.lpairs = _Tri(w), _Tri(2 * w)
+        st.pairs, st.lpairs, st.xpairs = _Tri(w), _Tri(2 * w), _Tri(4 * w)
         st.h_last, st.h_step, st.h_key = None, 0, None
         st.noise_h, st.h_min = _Noise(), 0
         st.h_level = st.h_conf = st.h_conf2 = 0
@@ -936,7 +1008,10 @@ class RewardHackingMonitor(_SharedRL):
         p.drop_before(step - span + 1)
         lp = st.lpairs
         lp.drop_before(step - 2 * span + 1)
+        xp = st.xpairs
+        xp.drop_before(step - 4 * span + 1)
         level = 0
+        bend, bend_text = False, ""
         st.h_quiet = True
         if step > cfg.warmup_steps and len(p.q) >= cfg.min_points:
             rc, vc = p.r_xa(), p.r_xb()
@@ -966,6 +1041,32 @@ class RewardHackingMonitor(_SharedRL):
                     and zl <= -fall
                 ):
                     level = 2  # a slower fall: twice the span
+                # the bend rule (a sparse score): the reward starts climbing faster at some step
+                # (its bend, from the paired reward means: precise) and the held-out score falls
+                # after it, on a line bent there - continuous, so the values before the bend pin
+                # where the fall starts from, and 2 values after it can be enough. Its noise: the
+                # second differences (less the one on the bend) pooled with that line's residuals
+                k = len(xp.q)
+                if (
+                    cfg.bend_z
+                    and 5 <= k <= _BEND_VALUES
+                    and xp.r_xa() >= cfg.trend_corr
+                    and (climbs or lp.t_xa() >= cfg.rise_t)
+                ):
+                    tau, acc, slope, vf, sse, d2 = _bend(list(xp.q), cfg.bend_t)
+                    if slope < 0 and vf > 0:
+                        dof = n - 1 + k - 3
+                        sig = math.sqrt((max(st.noise_h.ss - d2, 0.0) / 6 + sse) / dof)
+                        zb = slope / (sig * math.sqrt(vf)) if sig > 0 else -math.inf
+                        if zb <= -cfg.bend_z * (1 + (cfg.bend_z**2 + 1) / (4 * dof)):
+                            bend = True
+                            if not level:
+                                level, z = 2, zb
+                                bend_text = (
+                                    f"{cfg.reward_key} climbs faster from step {int(tau)} on "
+                                    f"({acc:.1f} standard errors) while held-out {st.h_key} falls "
+                                    f"after it ({slope:.2g} a step, {zb:.1f} standard errors)"
+                                )
             if (
                 not level
                 and rc >= cfg.diverge_corr
@@ -973,7 +1074,14 @@ class RewardHackingMonitor(_SharedRL):
                 and len(p.q) >= 2 * cfg.min_points
             ):
                 level = 1  # held-out flat: weaker evidence than a fall, twice the values
-            if level:
+            if level and bend_text:
+                first = xp.q[0]
+                st.h_detail = (
+                    f"{bend_text} over steps {int(first[0])}-{step} ({k} held-out values"
+                    + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")")
+                )
+                st.h_value = vc
+            elif level:
                 first, last = p.q[0], p.q[-1]
                 how = "falls" if level == 2 else "does not follow"
                 st.h_detail = (
@@ -994,6 +1102,8 @@ class RewardHackingMonitor(_SharedRL):
         # away (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does
         # not make it sparse)
         need = max(1, min(cfg.confirm, 1 + cfg.confirm_steps // max(1, st.h_min)))
+        if bend:
+            need = 1  # the bend rule's evidence accumulates over the values after the bend
         st.h_level = 2 if st.h_conf2 >= need else 1 if st.h_conf >= need + 1 else 0
 
     def _apply(
@@ -1018,6 +1128,8 @@ class RewardHackingMonitor(_SharedRL):
                 st.pairs.add(step, rm, hv)
                 st.noise_h.add(hv)
                 st.lpairs.add(step, rm, hv)
+                if not st.h_min or st.h_min * _BEND_VALUES >= 4 * cfg.window:
+                    st.xpairs.add(step, rm, hv)  # a sparse score only (a dense one: no cost)
                 st.racc, st.rn = 0.0, 0
                 st.h_last = step
                 st.h_key = hk

@@ -262,3 +262,84 @@ def test_no_reward_hacking_finding_when_the_held_out_score_rises_with_the_reward
         for seed in range(12):
             recs, _ = _run(seed, every, hacked=False)
             assert replay(recs, [RewardHackingMonitor()]) == [], (every, seed)
+
+
+def _first_open(recs, cfg=None):
+    from ptops.monitors.config import RewardHackingConfig
+
+    mon = RewardHackingMonitor(cfg or RewardHackingConfig())
+    return next((f for f in replay(recs, [mon]) if f.phase == "open"), None)
+
+
+def test_the_bend_rule_flags_a_sparse_hack_earlier_than_the_slope_rules_alone():
+    """The bend rule (issue 23 point 5): where the reward starts climbing faster, the held-out
+    score's slope after that step on a line bent there; the values before the bend pin where the
+    fall starts, so 1-2 sparse values after it can be enough. Removing it (bend_z=0) makes the
+    same traces' findings later, never earlier."""
+    from ptops.monitors.config import RewardHackingConfig
+
+    off = RewardHackingConfig(bend_z=0)
+    gains = []
+    for every in (10, 25):
+        for seed in range(12):
+            recs, at = _run(seed, every, hacked=True)
+            on, old = _first_open(recs), _first_open(recs, off)
+            assert on is not None and old is not None and at <= on.step <= old.step, (
+                every,
+                seed,
+                at,
+                on,
+                old,
+            )
+            gains.append(old.step - on.step)
+    assert sum(1 for g in gains if g > 0) >= 8 and sum(gains) >= 150, gains
+    # one every 25 steps: the bend rule alone, 50 steps before the slope rules
+    recs, at = _run(6, 25, hacked=True)
+    on, old = _first_open(recs), _first_open(recs, off)
+    assert on.severity == "critical" and "climbs faster from step" in on.detail, on.detail
+    assert on.step - at <= 40 and old.step - on.step >= 50, (at, on.step, old.step)
+
+
+def _slow_rise(seed: int, every: int, frac: float):
+    """Healthy: from a random onset the reward climbs faster and the sparse held-out score rises
+    with it, ``frac`` as fast."""
+    rng = random.Random(seed * 31 + every)
+    at = rng.randint(70, 130)
+    rise, noise = rng.uniform(0.003, 0.006), rng.uniform(0.01, 0.025)
+    out = []
+    for t in range(1, 301):
+        d = max(0, t - at)
+        r = 0.3 + 0.0005 * t + rise * d + rng.gauss(0, 0.03)
+        out.append({"step": t, "rank": 0, "reward": r})
+        if t % every == 0:
+            held = 0.3 + 0.0004 * t + frac * rise * d + rng.gauss(0, noise)
+            out.append({"step": t, "rank": 0, "eval/accuracy": held})
+    return out, at
+
+
+def test_the_bend_rule_never_flags_a_held_out_score_that_rises_after_the_bend():
+    from ptops.monitors.rl import _bend
+
+    found_bend = 0
+    for frac in (0.1, 0.5):
+        for every in (5, 10, 25):
+            for seed in range(12):
+                recs, at = _slow_rise(seed, every, frac)
+                assert replay(recs, [RewardHackingMonitor()]) == [], (frac, every, seed)
+                # not vacuous: around the onset the reward's bend is found (the monitor's pairs:
+                # each held-out value with the mean reward since the previous one), and the
+                # held-out slope after it is positive (a tenth of the reward's rise: within noise)
+                means: dict[int, list[float]] = {}
+                for r in recs:
+                    if "reward" in r:
+                        means.setdefault((r["step"] - 1) // every, []).append(r["reward"])
+                pts = [
+                    (s, sum(means[(s - 1) // every]) / every, r["eval/accuracy"])
+                    for r in recs
+                    if "eval/accuracy" in r and at - 6 * every <= (s := r["step"]) <= at + 6 * every
+                ]
+                tau, acc, slope, *_ = _bend(pts, 3.0)
+                if tau:
+                    found_bend += 1
+                    assert slope > 0 or frac < 0.5, (frac, every, seed, tau, slope)
+    assert found_bend >= 36, found_bend
