@@ -69,7 +69,7 @@ from ptops.ops.runrecord.events import (
     spec,
 )
 from ptops.ops.runrecord.goodput import Goodput, rounded
-from ptops.ops.runrecord.metrics import MetricsIndexError, segments
+from ptops.ops.runrecord.metrics import MetricsIndexError, live_rank0, segments, tail_records
 from ptops.ops.runrecord.ranks import compact
 from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
@@ -79,6 +79,11 @@ RUNBOOKS: dict[str, str] = {
     **MONITOR_RUNBOOKS,
     **{str(k): sp.runbook for k, sp in SPECS.items() if sp.runbook},
 }
+
+
+# a rotated run (metrics/) replays its last this many MB of records (~57,000 titan records: a few
+# seconds), not all of them; --full replays all (docs/scale.md)
+WINDOW_BYTES = 32 << 20
 
 
 class DiagnoseError(Exception):
@@ -151,33 +156,42 @@ class _Pass:
         self.curves: list[dict[str, Any]] = []
         self._want_curves = want_curves
 
-    def prefeed(self, index: list[dict[str, Any]]) -> None:
-        """Older segments from their index lines (not read): counts, last step, attempts, and rank
-        0's records (the goodput account, the loss around an incident, each attempt's last
-        step)."""
-        for info in index:
+    def rotated(self, run: RunDir, segs: list[Any]) -> None:
+        """A rotated run's whole-run account without reading its segments: their index lines
+        (counts, last step, attempts, rank 0's records), then rank 0's records of the live file
+        (other ranks' lines counted, not parsed). The monitors then see only the window
+        (``feed(..., account=False)``)."""
+        for info in (s.info for s in segs):
             self.count += info.get("lines") or 0
             self.attempts.update(a for a in info.get("attempts", []) if isinstance(a, int))
-            for _ in self.feed(info.get("rank0", [])):
-                self.count -= 1  # counted from "lines"
+            for _ in self.feed(info.get("rank0", []), window=False):
+                pass
             top = info.get("max_step")
             if isinstance(top, int) and (self.last_step is None or top > self.last_step):
                 self.last_step = top
+        recs, lines = live_rank0(run.path)
+        self.count += lines
+        for _ in self.feed(recs, window=False):
+            pass
 
-    def feed(self, records: Any) -> Any:
+    def feed(self, records: Any, account: bool = True, window: bool = True) -> Any:
+        """Every record, or (a rotated run) rank 0's for the whole-run ``account`` and the
+        ``window``'s records for the rest."""
         from ptops.diagnostics.baseline import slim
 
         named, kept, top = self._named, self._kept, self._top
         for r in records:
-            self.count += 1
+            self.count += account and window
             step, rank, att = r.get("step"), r.get("rank", 0), r.get("attempt", 1)
             if isinstance(r.get("rank"), int):
                 self.ranks.add(rank)
             if isinstance(att, int) and "attempt" in r:
                 self.attempts.add(att)
             if rank == 0:
-                self._goodput.record(r)
-            if rank == 0 or (isinstance(rank, (int, float)) and rank in named):
+                if account:
+                    self._goodput.record(r)
+                    kept.append(r)
+            elif window and isinstance(rank, (int, float)) and rank in named:
                 kept.append(r)
             if isinstance(step, int):
                 if self.last_step is None or step > self.last_step:
@@ -363,10 +377,10 @@ def diagnose(
 ) -> dict[str, Any]:
     """The report for one run directory (see the module docstring for its shape).
 
-    A run whose metrics rotated (``metrics/``) is replayed from its newest segment on (bounded by
-    ``[supervisor] metrics_rotate_mb``: seconds, whatever the run's size); what the report says of
-    the whole run (records, last step, attempts, goodput, rank 0's loss around an incident) comes
-    from the index, and earlier findings are the live ones in events.jsonl. ``full`` (or
+    A run whose metrics rotated (``metrics/``) replays its last :data:`WINDOW_BYTES` of records
+    (seconds, whatever the run's size); what the report says of the whole run (records, last step,
+    attempts, goodput, rank 0's loss around an incident) comes from the index and rank 0's lines
+    of the live file, and earlier findings are the live ones in events.jsonl. ``full`` (or
     ``baselines``, whose curves span the run) replays every record, streamed."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
@@ -408,18 +422,19 @@ def diagnose(
     seen = _Pass(events, want_curves=bool(baselines))
     try:
         segs = segments(run.path) if has_metrics else []
-        since_segment = 0
-        if segs and not full and not baselines and all(s.info for s in segs[:-1]):
-            since_segment = segs[-1].number
-            seen.prefeed([s.info for s in segs[:-1]])  # type: ignore[misc]
+        if segs and not full and not baselines and all(s.info for s in segs):
+            seen.rotated(run, segs)
+            stream = seen.feed(tail_records(run.path, WINDOW_BYTES), account=False)
             notes.append(
-                f"the monitors replayed the newest records only (metrics/{segs[-1].path.name} "
-                f"and metrics.jsonl, of {len(segs)} segment(s) and the live file); earlier "
-                "findings are the supervisor's live ones (events.jsonl); --full replays every "
-                "record"
+                f"the monitors replayed the run's last {WINDOW_BYTES / 2**20:g} MB of records (its "
+                "metrics "
+                f"rotated: {len(segs)} segment(s) in metrics/); earlier findings are the "
+                "supervisor's live ones (events.jsonl); the counts, last step and goodput are the "
+                "whole run's; --full replays every record"
             )
-        stream = run.iter_metrics(since_segment) if has_metrics else iter(())
-        found = replay(seen.feed(stream), build_monitors(section))
+        else:
+            stream = seen.feed(run.iter_metrics() if has_metrics else iter(()))
+        found = replay(stream, build_monitors(section))
     except MetricsIndexError as e:
         raise DiagnoseError(str(e)) from None
     metrics = seen.kept()

@@ -50,9 +50,6 @@ DEFAULT_ROTATE_MB = 256.0
 RANK0_KEYS = ("step", "rank", "attempt", "ts", "step_s", "loss", "grad_norm")
 _INT_KEYS = ("lines", "bytes")
 _OPT_NUM_KEYS = ("first_step", "last_step", "max_step", "first_ts", "last_ts")
-# a line that names one rank, not 0 (``"rank":5``): only such lines are skipped unparsed when
-# rank 0's records are wanted; anything unsure is parsed
-_RANK_KEY = re.compile(rb'"rank"\s*:\s*(-?[0-9][0-9.eE+-]*)')
 
 
 class MetricsIndexError(ValueError):
@@ -235,23 +232,61 @@ def iter_metrics(run_path: str | Path, since_segment: int = 0) -> Iterator[dict[
                 yield rec
 
 
+def tail_records(run_path: str | Path, nbytes: int) -> Iterator[dict[str, Any]]:
+    """The records of the run's last ``nbytes`` (the live file, and the newest segments' ends when
+    it holds less), from a step boundary when the window holds one (a cut step's first ranks are
+    left out), oldest first; the whole run when it is smaller. What ``ptops diagnose`` replays on
+    a rotated run: seconds, whatever the run's size."""
+    run_path = Path(run_path)
+    parts: list[tuple[Path, bool]] = [(s.path, True) for s in segments(run_path)]
+    if (run_path / LIVE).is_file():
+        parts.append((run_path / LIVE, False))
+    sizes = [p.stat().st_size if not seg else os.lstat(p).st_size for p, seg in parts]
+    need, first, offset = nbytes, 0, 0
+    for i in range(len(parts) - 1, -1, -1):
+        if sizes[i] >= need:
+            first, offset = i, sizes[i] - need
+            break
+        need -= sizes[i]
+    cut = first > 0 or offset > 0
+    held: list[dict[str, Any]] = []  # the first (maybe cut) step's records, until the next step
+    for i in range(first, len(parts)):
+        path, seg = parts[i]
+        fd = _open_regular(path) if seg else os.open(path, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            start = offset if i == first else 0
+            if start:
+                f.seek(start - 1)
+                if f.read(1) != b"\n":
+                    f.readline()  # the rest of a cut line
+                start = f.tell()
+            for _, raw in _lines(f, start):
+                rec = parse_line(raw)
+                if rec is None:
+                    continue
+                if cut:
+                    if not held or rec.get("step") == held[0].get("step"):
+                        held.append(rec)
+                        continue
+                    cut, held = False, []  # a step boundary: the cut step is dropped
+                yield rec
+    yield from held  # no boundary in the window: the part of one step it holds
+
+
 def has_metrics(run_path: str | Path) -> bool:
     run_path = Path(run_path)
     return (run_path / LIVE).is_file() or bool(_listing(run_path))
 
 
 def maybe_rank0(raw: bytes) -> bool:
-    """False only for a line that surely is another rank's record (one ``"rank"`` key, a number
-    other than 0): rank 0's records are a 1/N share, so the rest are not parsed."""
-    if raw.count(b'"rank"') != 1:
-        return True
-    m = _RANK_KEY.search(raw)
-    if m is None:
-        return True
-    try:
-        return float(m.group(1)) == 0
-    except ValueError:
-        return True
+    """False only for a line whose ``"rank"`` key has a value other than 0 (rank 0's records are a
+    1/N share: the rest are not parsed). A line without a ``"rank"`` key counts (the goodput
+    account takes it as rank 0's); one whose only ``"rank"`` is nested is taken as that rank's."""
+    return (
+        b'"rank":0' in raw
+        or b'"rank": 0' in raw
+        or (b'"rank":' not in raw and b'"rank": ' not in raw)
+    )
 
 
 def rank0_slim(rec: dict[str, Any]) -> dict[str, Any]:
@@ -278,13 +313,37 @@ def rank0_records(run_path: str | Path) -> Iterator[dict[str, Any]]:
         yield from _rank0_of(f)
 
 
-def _rank0_of(f: Any) -> Iterator[dict[str, Any]]:
-    for _, raw in _lines(f):
-        if not maybe_rank0(raw):
-            continue
-        rec = parse_line(raw)
-        if rec is not None and rec.get("rank", 0) == 0:
-            yield rank0_slim(rec)
+def live_rank0(run_path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """Rank 0's records of the live file (cut as :func:`rank0_records`) and how many lines it
+    holds (``ptops diagnose`` on a rotated run: the segments are counted by the index)."""
+    lines = [0]
+    try:
+        f = open(Path(run_path) / LIVE, "rb")
+    except OSError:
+        return [], 0
+    with f:
+        return list(_rank0_of(f, lines=lines)), lines[0]
+
+
+def _rank0_of(
+    f: Any, block: int = 8 << 20, lines: list[int] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Rank 0's records of a file, read in blocks (a line at a time in Python was most of
+    ``ptops status``'s time at 4,096 ranks); a torn last line is left out. ``lines[0]`` counts the
+    whole lines."""
+    rest = b""
+    while True:
+        chunk = f.read(block)
+        if not chunk:
+            return
+        whole = (rest + chunk).split(b"\n")
+        rest = whole.pop()  # after the last newline: the next block's start, or a torn line
+        if lines is not None:
+            lines[0] += len(whole)
+        for raw in [x for x in whole if maybe_rank0(x)]:
+            rec = parse_line(raw)
+            if rec is not None and rec.get("rank", 0) == 0:
+                yield rank0_slim(rec)
 
 
 @dataclass

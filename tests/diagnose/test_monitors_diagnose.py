@@ -306,11 +306,17 @@ def test_a_rotated_run_diagnoses_as_the_same_run_unrotated(tmp_path):
     assert '"crash"' in a and '"nan"' in a
 
 
-def test_a_rotated_run_replays_its_newest_segment_and_counts_the_rest_from_the_index(tmp_path):
-    """Without --full a rotated run's monitors replay from the newest segment on (seconds at any
-    size); the whole-run numbers still come out exact (the index), the NaN of attempt 1 (an older
+def test_a_rotated_run_replays_its_last_records_and_counts_the_rest_from_the_index(
+    tmp_path, monkeypatch
+):
+    """Without --full a rotated run's monitors replay its last WINDOW_BYTES (seconds at any size);
+    the whole-run numbers still come out exact (the index), the NaN of attempt 1 (an older
     segment) is still an incident through its live finding, and --full is the unrotated report."""
     import shutil
+
+    import ptops.diagnostics.diagnose as dg
+
+    monkeypatch.setattr(dg, "WINDOW_BYTES", 6000)
 
     from ptops.ops.runrecord.metrics import MetricsWriter, segments
     from ptops.ops.runrecord.rundir import RunDir
@@ -328,7 +334,8 @@ def test_a_rotated_run_replays_its_newest_segment_and_counts_the_rest_from_the_i
     a, b = diagnose(plain), diagnose(rotated)
     for k in ("metrics_records", "last_step", "goodput", "events_summary"):
         assert a[k] == b[k], k
-    assert any("replayed the newest records only" in n for n in b["notes"])
+    assert any("replayed the run's last" in n for n in b["notes"])
+    assert b["findings"] != a["findings"]  # the window's replay is not the whole run's
     assert len(segs) > 3
     nan = [i for i in b["incidents"] if i["kind"] == "numeric"]
     assert nan and nan[0]["step"] == 30

@@ -321,9 +321,22 @@ def test_the_rank0_prefilter_never_skips_a_rank_0_line():
     assert maybe_rank0(b'{"step":1,"rank":0.0}\n')
     assert maybe_rank0(b'{"step":1}\n')  # no rank: counts as rank 0 for the goodput account
     assert maybe_rank0(b'{"rank":3,"inner":{"rank":0}}\n')  # unsure: parsed
-    assert maybe_rank0(b'{"rank":"0"}\n')
+    assert not maybe_rank0(b'{"rank":"0"}\n')  # "0" is not 0 (the goodput account's rule)
     assert not maybe_rank0(b'{"step":1,"rank":3,"loss":1}\n')
     assert not maybe_rank0(b'{"step": 1, "rank": 10}\n')
+
+
+def test_rank0_read_in_blocks_is_the_line_by_line_read(tmp_path):
+    from ptops.ops.runrecord.metrics import _rank0_of
+
+    recs = _records(12, ranks=3)
+    _write(tmp_path, recs, 0)
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step":99,"rank":0,"lo')  # torn: left out
+    want = [rank0_slim(r) for r in recs if r["rank"] == 0]
+    for block in (1, 7, 100, 701, 1 << 20):
+        with open(tmp_path / "metrics.jsonl", "rb") as f:
+            assert list(_rank0_of(f, block)) == want, block
 
 
 def test_metrics_rotate_mb_is_a_checked_recipe_key(tmp_path):
@@ -378,3 +391,20 @@ def test_status_and_diagnose_print_a_hang_of_thousands_of_ranks_as_ranges(tmp_pa
     assert "0-7,9,12-4095 (4093 ranks)" in inc["title"]
     what = next(t["what"] for t in rep["timeline"] if t["kind"] == "hang")
     assert "ranks=0-7,9,12-4095 (4093 ranks)" in what and len(what) < 500
+
+
+def test_the_tail_window_starts_at_a_step_boundary(tmp_path):
+    from ptops.ops.runrecord.metrics import tail_records
+
+    recs = _records(20, ranks=4, attempts=1)
+    _write(tmp_path, recs, 3000)
+    total = sum(s.path.stat().st_size for s in segments(tmp_path))
+    total += (tmp_path / "metrics.jsonl").stat().st_size
+    assert list(tail_records(tmp_path, total)) == recs == list(tail_records(tmp_path, 10**9))
+    for nbytes in (1, 700, 2500, 5000, 9000, total - 1):
+        got = list(tail_records(tmp_path, nbytes))
+        assert got == recs[len(recs) - len(got) :]  # the run's end, in order
+        if len(got) >= 4:
+            assert len(got) % 4 == 0  # whole steps of the 4 ranks
+            assert got[0]["rank"] == 0
+    assert list(tail_records(tmp_path, 1)) == []  # no whole line in one byte
