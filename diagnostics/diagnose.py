@@ -179,12 +179,16 @@ class _Pass:
         ``window``'s records for the rest."""
         from ptops.diagnostics.baseline import slim
 
-        named, kept, top = self._named, self._kept, self._top
-        for r in records:
-            self.count += account and window
-            step, rank, att = r.get("step"), r.get("rank", 0), r.get("attempt", 1)
-            if isinstance(r.get("rank"), int):
-                self.ranks.add(rank)
+        named, kept, top, ranks = self._named, self._kept, self._top, self.ranks
+        counted = account and window
+        for r in records:  # the per-record cost here adds to the replay's: kept lean
+            get = r.get
+            step, rank = get("step"), get("rank", 0)
+            if counted:
+                self.count += 1
+            if isinstance(rank, int) and "rank" in r:
+                ranks.add(rank)
+            att = get("attempt", 1)
             if isinstance(att, int) and "attempt" in r:
                 self.attempts.add(att)
             if rank == 0:
@@ -197,10 +201,13 @@ class _Pass:
                 if self.last_step is None or step > self.last_step:
                     self.last_step = step
                 key = att if isinstance(att, int) else None  # None: the furthest of any attempt
-                for k in {key, None}:
-                    t = top.get(k)
+                t = top.get(key)
+                if t is None or step > t["step"]:
+                    top[key] = r
+                if key is not None:
+                    t = top.get(None)
                     if t is None or step > t["step"]:
-                        top[k] = r
+                        top[None] = r
             if self._want_curves:
                 self.curves.append(slim(r))
             yield r

@@ -207,10 +207,7 @@ def _lines(f: Any, offset: int = 0) -> Iterator[tuple[int, bytes]]:
 def _segment_records(seg: Segment) -> Iterator[dict[str, Any]]:
     fd = _open_regular(seg.path)
     with os.fdopen(fd, "rb") as f:
-        for _, raw in _lines(f):
-            rec = parse_line(raw)
-            if rec is not None:
-                yield rec
+        yield from _records_of(f)
 
 
 def iter_metrics(run_path: str | Path, since_segment: int = 0) -> Iterator[dict[str, Any]]:
@@ -226,10 +223,16 @@ def iter_metrics(run_path: str | Path, since_segment: int = 0) -> Iterator[dict[
     except OSError:
         return
     with f:
-        for _, raw in _lines(f):
-            rec = parse_line(raw)
-            if rec is not None:
-                yield rec
+        yield from _records_of(f)
+
+
+def _records_of(f: Any) -> Iterator[dict[str, Any]]:
+    for raw in f:  # one generator a line, no more: a full replay reads millions
+        if not raw.endswith(b"\n"):
+            return  # torn: its writer has not finished it
+        rec = parse_line(raw)
+        if rec is not None:
+            yield rec
 
 
 def tail_records(run_path: str | Path, nbytes: int) -> Iterator[dict[str, Any]]:
