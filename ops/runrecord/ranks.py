@@ -29,14 +29,28 @@ def rank_list(ranks: Iterable[int], show: int = 16, *, bare: bool = False) -> st
     return (body if bare else "[" + body + "]") + count
 
 
+# event fields that list ranks without "rank" in their name (the hang event's)
+RANK_LIST_KEYS = frozenset({"stalled", "blamed"})
+
+
 def compact(key: str, value: Any, show: int = 16) -> Any:
     """An event field for a printed line: a long list of ints under a key that names ranks
-    (``ranks``, ``blamed_ranks``, ...) as its ranges; anything else as it is."""
+    (``ranks``, ``stalled``, ...) as its ranges; a long map keyed by rank (the hang event's
+    ``stack_sources``) as its values with their ranks' ranges; anything else as it is."""
     if (
-        "rank" in key
+        ("rank" in key or key in RANK_LIST_KEYS)
         and isinstance(value, list)
         and len(value) > show
         and all(type(x) is int for x in value)
     ):
         return rank_list(value, show, bare=True)
+    if (
+        isinstance(value, dict)
+        and len(value) > show
+        and all(isinstance(k, str) and k.isdigit() for k in value)
+    ):
+        by: dict[str, list[int]] = {}
+        for k, v in value.items():
+            by.setdefault(str(v), []).append(int(k))
+        return "; ".join(f"{v}: {rank_list(r, show, bare=True)}" for v, r in by.items())
     return value

@@ -364,6 +364,9 @@ def test_ranks_as_ranges():
     assert rank_list(["a", "b"], bare=True) == "a,b"  # not rank numbers: as given
     assert compact("ranks", many) == "0-7,9,12-4095 (4093 ranks)"
     assert compact("pids", many) is many and compact("ranks", [1, 2]) == [1, 2]
+    assert compact("stalled", many) == "0-7,9,12-4095 (4093 ranks)"
+    sources = {str(r): "own dump" if r != 9 else "py-spy" for r in many}
+    assert compact("stack_sources", sources) == ("own dump: 0-7,12-4095 (4092 ranks); py-spy: 9")
 
 
 def test_status_and_diagnose_print_a_hang_of_thousands_of_ranks_as_ranges(tmp_path):
@@ -381,6 +384,8 @@ def test_status_and_diagnose_print_a_hang_of_thousands_of_ranks_as_ranges(tmp_pa
         step=7,
         silent_s=60.0,
         ranks_text=rank_list(ranks, bare=True),
+        stalled=ranks,
+        stack_sources={str(r): "own dump" for r in ranks},
     )
     run.event("failed", reason="hang", attempt=1)
     text = render({**collect(run.path), "open_findings": [hang]})
