@@ -210,14 +210,13 @@ def _segment_records(seg: Segment) -> Iterator[dict[str, Any]]:
         yield from _records_of(f)
 
 
-def iter_metrics(run_path: str | Path, since_segment: int = 0) -> Iterator[dict[str, Any]]:
-    """Every record of the run, oldest first: the segments (those numbered ``since_segment`` and
-    on), then the live file (its torn last line left out). Streams: memory does not grow with the
-    run. The index is checked too: a tampered copy is an error here as in ``ptops status``."""
+def iter_metrics(run_path: str | Path) -> Iterator[dict[str, Any]]:
+    """Every record of the run, oldest first: the segments, then the live file (its torn last line
+    left out). Streams: memory does not grow with the run. The index is checked too: a tampered
+    copy is an error here as in ``ptops status``."""
     run_path = Path(run_path)
     for seg in segments(run_path):
-        if seg.number >= since_segment:
-            yield from _segment_records(seg)
+        yield from _segment_records(seg)
     try:
         f = open(run_path / LIVE, "rb")
     except OSError:

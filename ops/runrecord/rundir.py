@@ -89,8 +89,8 @@ class RunDir:
         :meth:`iter_metrics`)."""
         return list(iter_metrics(self.path))
 
-    def iter_metrics(self, since_segment: int = 0) -> Iterator[dict[str, Any]]:
-        return iter_metrics(self.path, since_segment)
+    def iter_metrics(self) -> Iterator[dict[str, Any]]:
+        return iter_metrics(self.path)
 
     def has_metrics(self) -> bool:
         """A live metrics file or a rotated segment."""
