@@ -413,3 +413,42 @@ def test_the_tail_window_starts_at_a_step_boundary(tmp_path):
             assert len(got) % 4 == 0  # whole steps of the 4 ranks
             assert got[0]["rank"] == 0
     assert list(tail_records(tmp_path, 1)) == []  # no whole line in one byte
+
+
+def test_the_supervisor_rotates_at_its_recipe_limit(tmp_path):
+    """The supervisor's own path: rank messages through ``messages._on_metrics`` into its writer,
+    rotated at ``supervisor.metrics_rotate_mb``; the resume point reads across the segments."""
+    import io
+
+    from ptops.ops.supervisor import Supervisor, launcher
+    from ptops.ops.supervisor.channel import Peer
+    from ptops.recipes.schema import load
+
+    rec, _ = load("titan-tiny", ["launch.nproc=2", "supervisor.metrics_rotate_mb=0.004"])
+    run = RunDir(tmp_path / "run").create()
+    sup = Supervisor(rec, run, [], out=io.StringIO(), strategy="temporary")
+
+    class Server:
+        def send(self, peer, msg):
+            return True
+
+        def address(self, advertise=""):
+            return "127.0.0.1:1"
+
+    from ptops.monitors.hang import HangMonitor
+
+    sup.server, sup.attempt = Server(), 1
+    sup.monitor = HangMonitor(2, 0.0, rec.supervisor.hang)
+    peers = [
+        Peer(cid=r, sock=None, hello={"role": "rank", "rank": r, "attempt": 1, "pid": 100 + r})
+        for r in (0, 1)
+    ]
+    sent = _records(25, ranks=2, attempts=1)
+    for p in peers:
+        sup.handle(p, {"t": "_hello"}, 1.0)
+    for i, r in enumerate(sent):
+        sup.handle(peers[r["rank"]], {"t": "metrics", "rec": r}, 2.0 + i)
+    sup.metrics_out.close()
+    assert sup.metrics_out.rotations >= 5 and len(segments(run.path)) == sup.metrics_out.rotations
+    assert run.read_metrics() == sent
+    assert launcher.completed_step(run) == 25
