@@ -42,6 +42,11 @@ class BaselineError(Exception):
     """One line for the user (exit 2)."""
 
 
+def slim(r: dict[str, Any]) -> dict[str, Any]:
+    """A record cut to what :func:`curves` reads."""
+    return {k: r[k] for k in ("step", "rank", *CURVES) if k in r}
+
+
 def curves(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
     """metric -> step -> mean over ranks of the last value written for that step and rank."""
     last: dict[tuple[int, int], dict[str, Any]] = {}
@@ -74,14 +79,18 @@ def _noise_one(ys: list[float]) -> float:
 
 
 def _read(run_dir: Path) -> list[dict[str, Any]]:
-    from ptops.ops.runrecord.rundir import RunDir, read_jsonl
+    from ptops.ops.runrecord.metrics import MetricsIndexError
+    from ptops.ops.runrecord.rundir import RunDir
 
     run = RunDir(Path(run_dir))
     if not Path(run_dir).is_dir():
         raise BaselineError(f"{run_dir}: no such baseline run directory")
-    if not run.metrics.is_file():
+    if not run.has_metrics():
         raise BaselineError(f"{run.metrics}: the baseline has no metrics.jsonl")
-    return list(read_jsonl(run.metrics))
+    try:  # the curves' keys only (a baseline may be large)
+        return [slim(r) for r in run.iter_metrics()]
+    except MetricsIndexError as e:
+        raise BaselineError(str(e)) from None
 
 
 def compare(

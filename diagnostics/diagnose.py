@@ -68,7 +68,9 @@ from ptops.ops.runrecord.events import (
     reduce,
     spec,
 )
-from ptops.ops.runrecord.goodput import account
+from ptops.ops.runrecord.goodput import Goodput, rounded
+from ptops.ops.runrecord.metrics import MetricsIndexError, live_rank0, segments, tail_records
+from ptops.ops.runrecord.ranks import compact
 from ptops.ops.runrecord.rundir import RunDir, read_jsonl
 
 # monitor or event kind -> runbook (runbooks/<Name>.md): the monitor registry's, then the event
@@ -77,6 +79,11 @@ RUNBOOKS: dict[str, str] = {
     **MONITOR_RUNBOOKS,
     **{str(k): sp.runbook for k, sp in SPECS.items() if sp.runbook},
 }
+
+
+# a rotated run (metrics/) replays its last this many MB of records (~57,000 titan records: a few
+# seconds), not all of them; --full replays all (docs/scale.md)
+WINDOW_BYTES = 32 << 20
 
 
 class DiagnoseError(Exception):
@@ -127,13 +134,102 @@ def _hosts(events: list[dict[str, Any]]) -> dict[int, str]:
     return out
 
 
+class _Pass:
+    """What diagnose needs of every record, gathered in one streaming pass (a run directory at
+    scale does not fit in memory as a list): counts, ranks, attempts, the last step, the goodput
+    account, and the records the incidents read (``kept``): rank 0's (the context around a numeric
+    incident), those of each rank an event names (a crash's last step and memory curve), and each
+    attempt's furthest record (its last step). With baselines, every record cut to the curves'
+    keys."""
+
+    def __init__(self, events: list[dict[str, Any]], want_curves: bool = False) -> None:
+        self.count = 0
+        self.ranks: set[int] = set()
+        self.attempts: set[int] = set()
+        self.last_step: int | None = None
+        self._goodput = Goodput()
+        for e in events:
+            self._goodput.event(e)
+        self._named = {e["rank"] for e in events if type(e.get("rank")) is int}
+        self._kept: list[dict[str, Any]] = []
+        self._top: dict[Any, dict[str, Any]] = {}  # attempt -> its record of the highest step
+        self.curves: list[dict[str, Any]] = []
+        self._want_curves = want_curves
+
+    def rotated(self, run: RunDir, segs: list[Any]) -> None:
+        """A rotated run's whole-run account without reading its segments: their index lines
+        (counts, last step, attempts, rank 0's records), then rank 0's records of the live file
+        (other ranks' lines counted, not parsed). The monitors then see only the window
+        (``feed(..., account=False)``)."""
+        for info in (s.info for s in segs):
+            self.count += info.get("lines") or 0
+            self.attempts.update(a for a in info.get("attempts", []) if isinstance(a, int))
+            for _ in self.feed(info.get("rank0", []), window=False):
+                pass
+            top = info.get("max_step")
+            if isinstance(top, int) and (self.last_step is None or top > self.last_step):
+                self.last_step = top
+        recs, lines = live_rank0(run.path)
+        self.count += lines
+        for _ in self.feed(recs, window=False):
+            pass
+
+    def feed(self, records: Any, account: bool = True, window: bool = True) -> Any:
+        """Every record, or (a rotated run) rank 0's for the whole-run ``account`` and the
+        ``window``'s records for the rest."""
+        from ptops.diagnostics.baseline import slim
+
+        named, kept, top, ranks = self._named, self._kept, self._top, self.ranks
+        counted = account and window
+        for r in records:  # the per-record cost here adds to the replay's: kept lean
+            get = r.get
+            step, rank = get("step"), get("rank", 0)
+            if counted:
+                self.count += 1
+            if isinstance(rank, int) and "rank" in r:
+                ranks.add(rank)
+            att = get("attempt", 1)
+            if isinstance(att, int) and "attempt" in r:
+                self.attempts.add(att)
+            if rank == 0:
+                if account:
+                    self._goodput.record(r)
+                    kept.append(r)
+            elif window and isinstance(rank, (int, float)) and rank in named:
+                kept.append(r)
+            if isinstance(step, int):
+                if self.last_step is None or step > self.last_step:
+                    self.last_step = step
+                key = att if isinstance(att, int) else None  # None: the furthest of any attempt
+                t = top.get(key)
+                if t is None or step > t["step"]:
+                    top[key] = r
+                if key is not None:
+                    t = top.get(None)
+                    if t is None or step > t["step"]:
+                        top[None] = r
+            if self._want_curves:
+                self.curves.append(slim(r))
+            yield r
+
+    def kept(self) -> list[dict[str, Any]]:
+        """The kept records in file order, then the furthest records not kept already (only
+        ``_last_step`` reads those, and it takes a maximum)."""
+        ids = {id(r) for r in self._kept}
+        extra = {id(r): r for r in self._top.values() if id(r) not in ids}
+        return self._kept + list(extra.values())
+
+    def goodput(self, now: float | None) -> dict[str, Any]:
+        return rounded(self._goodput.summary(now))
+
+
 def _event_what(e: dict[str, Any]) -> str:
     kind = e.get("kind", "?")
     skip = {"ts", "kind"}
     fields = ", ".join(
         f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
-        for k, v in e.items()
-        if k not in skip
+        for k, v in ((k, compact(k, v)) for k, v in e.items())  # a rank list as ranges
+        if k not in skip and not (k == "ranks_text" and "ranks" in e)
     )
     return f"{kind} {fields}".strip()
 
@@ -284,22 +380,32 @@ def diagnose(
     attempt: int | None = None,
     since: float | None = None,
     baselines: list[Path] | None = None,
+    full: bool = False,
 ) -> dict[str, Any]:
-    """The report for one run directory (see the module docstring for its shape)."""
+    """The report for one run directory (see the module docstring for its shape).
+
+    A run whose metrics rotated (``metrics/``) replays its last :data:`WINDOW_BYTES` of records
+    (seconds, whatever the run's size); what the report says of the whole run (records, last step,
+    attempts, goodput, rank 0's loss around an incident) comes from the index and rank 0's lines
+    of the live file, and earlier findings are the live ones in events.jsonl. ``full`` (or
+    ``baselines``, whose curves span the run) replays every record, streamed."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise DiagnoseError(f"{run_dir}: no such run directory")
     if not run_dir.is_dir():
         raise DiagnoseError(f"{run_dir}: not a directory")
     run = RunDir(run_dir)
-    has_metrics, has_events = run.metrics.is_file(), run.events.is_file()
+    try:
+        has_metrics = run.has_metrics()
+    except MetricsIndexError as e:
+        raise DiagnoseError(str(e)) from None
+    has_events = run.events.is_file()
     if not has_metrics and not has_events:
         raise DiagnoseError(
             f"{run_dir}: not a run directory (no metrics.jsonl and no events.jsonl)"
         )
     notes: list[str] = []
     section, config_src = load_section(run)
-    metrics = list(read_jsonl(run.metrics)) if has_metrics else []
     events = list(read_jsonl(run.events)) if has_events else []
     if not has_metrics:
         notes.append(
@@ -318,7 +424,28 @@ def diagnose(
     except (OSError, ValueError, AttributeError):
         pass
 
-    replayed = [_finding_row(f, hosts) for f in replay(metrics, build_monitors(section))]
+    # one streaming pass over every record (segments, then the live file): the monitors' replay
+    # and the counts see all of them; only what the report shows of them is kept (_Pass)
+    seen = _Pass(events, want_curves=bool(baselines))
+    try:
+        segs = segments(run.path) if has_metrics else []
+        if segs and not full and not baselines and all(s.info for s in segs):
+            seen.rotated(run, segs)
+            stream = seen.feed(tail_records(run.path, WINDOW_BYTES), account=False)
+            notes.append(
+                f"the monitors replayed the run's last {WINDOW_BYTES / 2**20:g} MB of records (its "
+                "metrics "
+                f"rotated: {len(segs)} segment(s) in metrics/); earlier findings are the "
+                "supervisor's live ones (events.jsonl); the counts, last step and goodput are the "
+                "whole run's; --full replays every record"
+            )
+        else:
+            stream = seen.feed(run.iter_metrics() if has_metrics else iter(()))
+        found = replay(stream, build_monitors(section))
+    except MetricsIndexError as e:
+        raise DiagnoseError(str(e)) from None
+    metrics = seen.kept()
+    replayed = [_finding_row(f, hosts) for f in found]
     rows = list(replayed)
     # live findings the supervisor wrote: match them to the replay, keep the ones the replay lacks
     for e in events:
@@ -392,8 +519,7 @@ def diagnose(
         )
     )
 
-    steps = [r["step"] for r in metrics if isinstance(r.get("step"), int)]
-    ranks = sorted({r["rank"] for r in metrics if isinstance(r.get("rank"), int)})
+    ranks = sorted(seen.ranks)
     recipe_name = None
     if run.recipe_json.is_file():
         try:
@@ -409,9 +535,7 @@ def diagnose(
         and isinstance(e.get("attempt"), int)
     ]
     if attempt is not None:
-        attempts = {a for _, a in launches} | {
-            r.get("attempt") for r in metrics if isinstance(r.get("attempt"), int)
-        }
+        attempts = {a for _, a in launches} | seen.attempts
         if attempts and attempt not in attempts:
             raise DiagnoseError(
                 f"--attempt {attempt}: the run has attempt(s) "
@@ -447,9 +571,9 @@ def diagnose(
         "run_dir": str(run_dir),
         "recipe": recipe_name,
         "config": config_src,
-        "metrics_records": len(metrics),
+        "metrics_records": seen.count,
         "ranks": ranks,
-        "last_step": max(steps, default=None),
+        "last_step": seen.last_step,
         "findings": rows,
         "events_summary": _summarize_events(events),
         "timeline": timeline,
@@ -457,13 +581,13 @@ def diagnose(
         "incidents": incidents,
         "filters": {"attempt": attempt, "since": since},
         # the whole run's (filters do not apply): a live run's wall time runs to now
-        "goodput": account(events, metrics, now=time.time() if live else None),
+        "goodput": seen.goodput(now=time.time() if live else None),
     }
     if baselines:
         from ptops.diagnostics import baseline as _baseline
 
         try:
-            report["baseline"] = _baseline.against(metrics, [Path(b) for b in baselines])
+            report["baseline"] = _baseline.against(seen.curves, [Path(b) for b in baselines])
         except _baseline.BaselineError as e:
             raise DiagnoseError(str(e)) from None
     return report

@@ -34,6 +34,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ptops.ops.runrecord.ranks import rank_list
+
 _NAMES = (re.compile(r"rank-(\d+)\.flight_recorder$"), re.compile(r"flight_recorder_rank_(\d+)$"))
 
 
@@ -218,12 +220,12 @@ def analyse(
         behind = sorted(int(r) for r, v in out["last"].items() if (v["seq"] or 0) < top)
         if behind:
             out["summary"].append(
-                f"default group: rank(s) {','.join(map(str, behind))} last issued collective "
+                f"default group: rank(s) {rank_list(behind, bare=True)} last issued collective "
                 f"#{min(out['last'][str(r)]['seq'] or 0 for r in behind)}, others reached #{top}"
             )
     for m in out["mismatches"][:3]:
         miss = (
-            f"rank(s) {','.join(map(str, m['missing_ranks']))} never joined"
+            f"rank(s) {rank_list(m['missing_ranks'], bare=True)} never joined"
             if m["missing_ranks"]
             else m["type"]
         )
@@ -232,12 +234,12 @@ def analyse(
         silent = sorted(set(range(world)) - set(found))
         if silent:
             out["summary"].append(
-                f"no dump from rank(s) {','.join(map(str, silent))} (it could not answer: "
+                f"no dump from rank(s) {rank_list(silent, bare=True)} (it could not answer: "
                 "stopped, or stuck outside Python)"
             )
     if not out["mismatches"]:
         out["summary"].append(
             f"{out['collectives']} collective(s) matched; no mismatch among the ranks dumped "
-            f"({','.join(map(str, out['ranks']))})"
+            f"({rank_list(out['ranks'], bare=True)})"
         )
     return out

@@ -125,7 +125,9 @@ def _where(i: dict[str, Any]) -> str:
     if i.get("step") is not None:
         bits.append(f"step {i['step']}")
     ranks = i.get("ranks")
-    if isinstance(ranks, list) and ranks:
+    if isinstance(i.get("ranks_text"), str) and ranks:  # ranges (diagnostics/incidents.py)
+        bits.append("ranks " + i["ranks_text"])
+    elif isinstance(ranks, list) and ranks:
         bits.append("ranks " + ",".join(str(r) for r in ranks))
     elif i.get("rank") is not None:
         bits.append(f"rank {i['rank']}")

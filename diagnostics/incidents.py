@@ -7,8 +7,11 @@ runbook, and what the supervisor did about it (the restart or rollback that foll
 
 Shape (``diagnose()["incidents"]``; keys only ever added, extras go under ``details``)::
 
-    {"id", "kind", "title", "severity", "ts", "ts_end", "attempt", "step", "rank", "ranks", "host",
-     "evidence", "runbook", "action", "details"}
+    {"id", "kind", "title", "severity", "ts", "ts_end", "attempt", "step", "rank", "ranks",
+     "ranks_text", "host", "evidence", "runbook", "action", "details"}
+
+``ranks_text`` is ``ranks`` as ranges (``0-7,9,12-4095 (4090 ranks)``: ``ops/runrecord/ranks.py``),
+what a page or a line shows; null when no rank is named.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ptops.diagnostics import flightrec
 from ptops.diagnostics import stacks as hangstacks
 from ptops.diagnostics.memcurve import about_memory, curve_lines, memory_curve
 from ptops.ops.runrecord.events import is_all_clear
+from ptops.ops.runrecord.ranks import rank_list
 
 # anomaly findings of one monitor closer than this many steps are one episode
 EPISODE_GAP_STEPS = 10
@@ -175,6 +179,7 @@ class _Builder:
             "step": step,
             "rank": rank,
             "ranks": ranks,
+            "ranks_text": rank_list(ranks, bare=True) if ranks else None,
             "host": host,
             "evidence": [str(x) for x in (evidence or []) if x],
             "runbook": runbook,
@@ -316,7 +321,7 @@ class _Builder:
                 where = g["frame"] or g["note"] or "?"
                 tag = " (in a collective)" if g["in_collective"] else ""
                 ev.append(
-                    f"rank(s) {','.join(map(str, g['ranks']))}: {where}{tag} "
+                    f"rank(s) {rank_list(g['ranks'], bare=True)}: {where}{tag} "
                     f"[{', '.join(g['sources'])}]"
                 )
         else:
@@ -327,14 +332,14 @@ class _Builder:
         if odd and odd["frame"]:
             title = (
                 f"hang in attempt {attempt} at step {step}: rank "
-                f"{','.join(map(str, odd['ranks']))} stuck in "
+                f"{rank_list(odd['ranks'], bare=True)} stuck in "
                 f"{odd['frame']}"
                 + (" while the others wait in a collective" if len(st["groups"]) > 1 else "")
             )
         else:
             title = (
                 f"hang in attempt {attempt} at step {step}: rank(s) "
-                f"{','.join(map(str, blamed)) or '?'} silent"
+                f"{rank_list(blamed, bare=True) or '?'} silent"
             )
         self.add(
             "hang",

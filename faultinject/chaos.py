@@ -537,7 +537,7 @@ class Runner:
         dig, problem = (
             digest_of(run_dir, steps) if rc == 0 else (None, f"baseline launch exited {rc}")
         )
-        metrics = _read_jsonl(run_dir / "metrics.jsonl")
+        metrics = RunDir(run_dir).read_metrics()
         step_s = [
             m.get("step_s") for m in metrics if m.get("rank") == 0 and _finite(m.get("step_s"))
         ]
@@ -595,7 +595,7 @@ class Runner:
 
             teardown(None, run_dir, leftover, grace_s=0)
         events = _read_jsonl(run_dir / "events.jsonl")
-        metrics = _read_jsonl(run_dir / "metrics.jsonl")
+        metrics = RunDir(run_dir).read_metrics()
         a = analyze(events, metrics, steps, sc.detect)
         for k in (
             "fired",

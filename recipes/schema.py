@@ -201,6 +201,12 @@ class SupervisorSection(_Strict):
     kill_timeout_s: float = Field(
         10.0, gt=0, description="SIGTERM to SIGKILL escalation when tearing an attempt down"
     )
+    metrics_rotate_mb: float = Field(
+        256.0,
+        ge=0,
+        description="metrics.jsonl past this size (MB) moves to the next metrics/NNNNNN.jsonl "
+        "segment, described in metrics/index.jsonl (0: never rotate; docs/scale.md)",
+    )
     restart: RestartConfig = Field(
         RestartConfig(), description="restart policy (``ptops launch --supervise`` only)"
     )

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ptops.ops.runrecord.rundir import final_metrics_by_step, read_jsonl
+from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -49,7 +49,7 @@ def assert_launched(proc, logs: str) -> None:
 
 
 def records_by_rank(run_dir: Path) -> dict[int, dict[int, dict]]:
-    records = list(read_jsonl(run_dir / "metrics.jsonl"))
+    records = RunDir(run_dir).read_metrics()
     return {rank: final_metrics_by_step(records, rank) for rank in range(NPROC)}
 
 

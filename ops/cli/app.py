@@ -481,6 +481,14 @@ def diagnose(
             "axis, runbook links; no network needed to open it).",
         ),
     ] = None,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="A run whose metrics rotated (metrics/): replay the monitors over every record "
+            "(streamed; minutes at scale), not the newest segment on.",
+        ),
+    ] = False,
 ) -> None:
     """What happened in a run: incidents first (crash, hang, numeric, straggler, RL, checkpoint),
     each with where (attempt, step, rank, host), evidence, what the supervisor did and the runbook.
@@ -504,7 +512,7 @@ def diagnose(
     """
     from ptops.ops.cli.diagnose import diagnose_command
 
-    raise typer.Exit(diagnose_command(run_dir, json_out, attempt, since, baseline, html_out))
+    raise typer.Exit(diagnose_command(run_dir, json_out, attempt, since, baseline, html_out, full))
 
 
 from ptops.ops.cli.profile import register as _register_profile  # noqa: E402

@@ -1,14 +1,15 @@
-"""``ptops diagnose RUN_DIR [--json] [--attempt K] [--since T] [--baseline OTHER]... [--html OUT]``:
-the on-call report.
+"""``ptops diagnose RUN_DIR [--json] [--attempt K] [--since T] [--baseline OTHER]... [--html OUT]
+[--full]``: the on-call report.
 
 Wiring (ops/cli/app.py)::
 
     @app.command()
     def diagnose(run_dir: Path, json_out: bool = ..., attempt: int | None = ...,
                  since: str | None = ..., baseline: list[Path] | None = ...,
-                 html_out: Path | None = ...):
+                 html_out: Path | None = ..., full: bool = ...):
         from ptops.ops.cli.diagnose import diagnose_command
-        raise typer.Exit(diagnose_command(run_dir, json_out, attempt, since, baseline, html_out))
+        raise typer.Exit(
+            diagnose_command(run_dir, json_out, attempt, since, baseline, html_out, full))
 
 Exit codes: 0 = report printed (also when it lists findings: a report is not a
 verdict; read ``findings``), 2 = no such run directory / not a run directory /
@@ -26,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ptops.ops.runrecord.ranks import rank_list
+
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 
@@ -39,6 +42,7 @@ def diagnose_command(
     since: str | None = None,
     baseline: list[Path] | None = None,
     html_out: Path | None = None,
+    full: bool = False,
 ) -> int:
     """Print the report (JSON on stdout with ``json_out``, else a compact summary); return the exit
     code. With ``html_out`` also write the self-contained HTML page there."""
@@ -56,7 +60,11 @@ def diagnose_command(
             raise DiagnoseError(f"--attempt {attempt}: attempts are numbered from 1")
         since_ts = parse_since(since) if since is not None else None
         report = diagnose(
-            Path(run_dir), attempt=attempt, since=since_ts, baselines=list(baseline or []) or None
+            Path(run_dir),
+            attempt=attempt,
+            since=since_ts,
+            baselines=list(baseline or []) or None,
+            full=full,
         )
     except DiagnoseError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -89,10 +97,11 @@ def write_html(run_dir: Path, report: dict[str, Any], out: Path) -> str | None:
     """Render and write the page; the error line on failure, else None (a note on stderr says
     where)."""
     from ptops.diagnostics.html import render
-    from ptops.ops.runrecord.rundir import RunDir, read_jsonl
+    from ptops.ops.runrecord.rundir import RunDir
 
-    run = RunDir(run_dir)
-    metrics = list(read_jsonl(run.metrics)) if run.metrics.is_file() else []
+    # the charts' lines: a list of every record (the page is for a run a person reads, not for a
+    # run directory at 16k ranks: docs/scale.md)
+    metrics = RunDir(run_dir).read_metrics()
     page = render(report, metrics, runbook_href=_runbook_href)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +136,7 @@ def _print_human(r: dict[str, Any]) -> None:
     head = (
         f"{r['run_dir']}  recipe {r['recipe'] or '?'}  state {s['state']}  last step "
         f"{r['last_step']}  "
-        f"attempts {s['attempts']}  ranks {','.join(map(str, r['ranks'])) or '-'}  "
+        f"attempts {s['attempts']}  ranks {rank_list(r['ranks'], bare=True) or '-'}  "
         f"monitors config: {r['config']}"
     )
     console.print(head, markup=False)
@@ -223,7 +232,7 @@ def _print_incidents(console: Any, incs: list[dict[str, Any]]) -> None:
                 (
                     f"rank {i['rank']}"
                     if i["rank"] is not None
-                    else (f"ranks {','.join(map(str, i['ranks']))}" if i["ranks"] else "")
+                    else (f"ranks {rank_list(i['ranks'], bare=True)}" if i["ranks"] else "")
                 ),
                 f"host {i['host']}" if i["host"] else "",
             )
@@ -301,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         help="compare loss/grad-norm/reward curves with this reference run (repeatable)",
     )
     p.add_argument(
+        "--full",
+        action="store_true",
+        help="a rotated run: replay the monitors over every record, not the newest segment on",
+    )
+    p.add_argument(
         "--html",
         dest="html_out",
         type=Path,
@@ -308,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also write a self-contained HTML report",
     )
     a = p.parse_args(argv)
-    return diagnose_command(a.run_dir, a.json_out, a.attempt, a.since, a.baseline, a.html_out)
+    return diagnose_command(
+        a.run_dir, a.json_out, a.attempt, a.since, a.baseline, a.html_out, a.full
+    )
 
 
 if __name__ == "__main__":

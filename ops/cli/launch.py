@@ -72,10 +72,11 @@ def summarize(run, wall_s: float, code: int) -> dict:
     from ptops.ckpt import latest_good
     from ptops.ops.runrecord.events import EventKind as K
     from ptops.ops.runrecord.events import reduce
+    from ptops.ops.runrecord.metrics import rank0_records
     from ptops.ops.runrecord.rundir import final_metrics_by_step
 
     view = reduce(run.read_events())
-    steps = final_metrics_by_step(run.read_metrics())
+    steps = final_metrics_by_step(rank0_records(run.path))
     last = steps[max(steps)] if steps else {}
     end = view.end
     count = lambda kind: view.counts.get(kind, 0)  # noqa: E731

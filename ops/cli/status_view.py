@@ -7,6 +7,8 @@ import json
 import time
 from typing import Any
 
+from ptops.ops.runrecord.ranks import compact, rank_list
+
 
 def render(s: dict[str, Any]) -> str:
     total = f"/{s['total_steps']}" if s.get("total_steps") else ""
@@ -36,12 +38,22 @@ def render(s: dict[str, Any]) -> str:
             + (f"; spares {','.join(sl['spares'])}" if sl.get("spares") else "")
             + (f"; requeues {sl['restart_count']}" if sl.get("restart_count") else "")
         )
-    if s.get("ranks"):
+    if s.get("ranks") and len(s["ranks"]) <= 16:
         lines.append(
             "  ranks: " + ", ".join(f"{r['rank']}=pid {r['pid']}@{r['host']}" for r in s["ranks"])
         )
+    elif s.get("ranks"):  # thousands: ranges and hosts, the pids are in --json
+        hosts = {r.get("host") for r in s["ranks"]}
+        lines.append(
+            f"  ranks: {rank_list([r['rank'] for r in s['ranks']], bare=True)} on "
+            f"{len(hosts)} host(s) (pids: --json)"
+        )
     for f in s.get("open_findings", []):
-        detail = {k: v for k, v in f.items() if k not in ("ts", "kind")}
+        detail = {
+            k: compact(k, v)  # a rank list as ranges
+            for k, v in f.items()
+            if k not in ("ts", "kind") and not (k == "ranks_text" and "ranks" in f)
+        }
         when = time.strftime("%H:%M:%S", time.localtime(f.get("ts", 0)))
         lines.append(f"  finding {when} {f['kind']}: {json.dumps(detail, default=str)}")
     if s.get("reason"):

@@ -48,13 +48,14 @@ def status_cmd(
         return
     from ptops.ckpt import latest_good
     from ptops.ops.cli.status_view import render
+    from ptops.ops.runrecord.metrics import MetricsIndexError
     from ptops.ops.runrecord.rundir import RunDir
     from ptops.ops.runrecord.status import collect
 
     try:
         good = latest_good(RunDir(run_dir).checkpoints, deep=False)
         s = collect(run_dir, good.ref() if good else None)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, MetricsIndexError) as e:
         fail(str(e))
     typer.echo(json.dumps(s, indent=2, default=str) if json_out else render(s))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .jsonl import JsonlTail
+from .metrics import MetricsTail
 
 log = logging.getLogger("ptops.runrecord.follow")
 
@@ -43,7 +44,8 @@ def feed(sinks: Iterable[Any], events: list[dict], metrics: list[dict]) -> int:
 
 
 class Follower(threading.Thread):
-    """Tails ``events.jsonl`` and ``metrics.jsonl`` of a run directory into sinks."""
+    """Tails ``events.jsonl`` and the metrics (across rotations: :class:`MetricsTail`) of a run
+    directory into sinks."""
 
     def __init__(
         self,
@@ -58,7 +60,7 @@ class Follower(threading.Thread):
         self.sinks = list(sinks)
         self.poll_s = poll_s
         self._events = JsonlTail(run_dir / "events.jsonl", from_end=not from_start)
-        self._metrics = JsonlTail(run_dir / "metrics.jsonl", from_end=not from_start)
+        self._metrics = MetricsTail(run_dir, from_end=not from_start)
         self._stop_event = threading.Event()
         self.records = 0
 
@@ -75,6 +77,7 @@ class Follower(threading.Thread):
                 log.exception("following %s failed", self.run_dir)
             self._stop_event.wait(self.poll_s)
         self.poll_once()
+        self._metrics.close()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop_event.set()

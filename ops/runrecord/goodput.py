@@ -166,7 +166,11 @@ def account(
         g.event(e)
     for r in records:
         g.record(r)
-    out = g.summary(now)
+    return rounded(g.summary(now))
+
+
+def rounded(out: dict[str, Any]) -> dict[str, Any]:
+    """A summary rounded for people (ratio to 4 places, seconds to ms)."""
     return {
         "ratio": None if out["ratio"] is None else round(out["ratio"], 4),
         "wall_s": round(out["wall_s"], 3),

@@ -27,28 +27,6 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-class JsonlAppender:
-    """:func:`append_jsonl` for the supervisor's per-record path: the same line, one ``write`` on an
-    ``O_APPEND`` file, but the file stays open (an open + close per record was the largest single
-    cost of a record at 1,024 simulated ranks: ``bench/scale_load.py``). Opened on first use;
-    ``close()`` at the end."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._fd: int | None = None
-
-    def append(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n").encode()
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
-        os.write(self._fd, line)
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-
 def parse_line(raw: bytes) -> dict[str, Any] | None:
     """One line as a record; None for garbage (bad JSON, or JSON that is not an object)."""
     try:

@@ -1,7 +1,8 @@
 """The run directory: the single source of truth for a run.
 
-Its JSONL files are written and read only through :mod:`.jsonl` (re-exported here);
-event kinds and the reducer live in :mod:`.events`.
+Its JSONL files are written and read only through :mod:`.jsonl` (re-exported here); the
+metrics, which may be rotated into ``metrics/`` segments, only through :mod:`.metrics`; event
+kinds and the reducer live in :mod:`.events`.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .events import reduce
 from .jsonl import PRIVATE_FILE, JsonlTail, append_jsonl, read_jsonl
+from .metrics import has_metrics, iter_metrics
 
 __all__ = [
     "PRIVATE_DIR",
@@ -42,7 +44,13 @@ class RunDir:
 
     @property
     def metrics(self) -> Path:
+        """The live metrics file; older records may be in :attr:`metrics_dir` (read them all with
+        :meth:`iter_metrics`)."""
         return self.path / "metrics.jsonl"
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.path / "metrics"
 
     @property
     def checkpoints(self) -> Path:
@@ -77,7 +85,16 @@ class RunDir:
         return list(read_jsonl(self.events))
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        return list(read_jsonl(self.metrics))
+        """Every record, segments first (a list: for small runs; large ones stream
+        :meth:`iter_metrics`)."""
+        return list(iter_metrics(self.path))
+
+    def iter_metrics(self) -> Iterator[dict[str, Any]]:
+        return iter_metrics(self.path)
+
+    def has_metrics(self) -> bool:
+        """A live metrics file or a rotated segment."""
+        return has_metrics(self.path)
 
     def last_attempt(self) -> int:
         return reduce(read_jsonl(self.events)).attempt

@@ -47,8 +47,8 @@ from ptops.monitors.hang import HangMonitor, Learned
 from ptops.ops.rank.channel import write_info
 from ptops.ops.rank.warm import ENV_STANDING
 from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
-from ptops.ops.runrecord.jsonl import JsonlAppender
 from ptops.ops.runrecord.lock import acquire, release
+from ptops.ops.runrecord.metrics import MetricsWriter
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
 from ptops.ops.supervisor import exitcodes, health, launcher, monitorfeed, procs
@@ -133,9 +133,10 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.feed = monitorfeed.MonitorFeed(
             monitorfeed.build(recipe.monitors, str(run.recipe_toml))
         )
-        self.metrics_out = JsonlAppender(
-            run.metrics
-        )  # held open: metrics.jsonl takes a line per rank per step
+        # held open: metrics.jsonl takes a line per rank per step; rotated past metrics_rotate_mb
+        self.metrics_out = MetricsWriter(
+            run.path, rotate_bytes=int(self.cfg.metrics_rotate_mb * 1024 * 1024)
+        )
         self.findings = FindingActions(
             recipe.monitors, run, self.say, record_only=not self.supervised
         )

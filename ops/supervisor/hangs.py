@@ -18,24 +18,10 @@ import time
 from pathlib import Path
 
 from ptops.ops.runrecord.events import EventKind, RunState
+from ptops.ops.runrecord.ranks import rank_list
 from ptops.ops.runrecord.rundir import STACK_SECTION
 from ptops.ops.supervisor import launcher, procs, stacks
 from ptops.ops.supervisor.outcome import Outcome
-
-
-def rank_list(ranks: list[int], show: int = 16) -> str:
-    """Ranks for a line a person reads: ``[3]``, ``[0-7, 9]``; a long list as ranges and a count
-    (an all-rank hang at 8,192 ranks printed 8,192 numbers)."""
-    spans: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
-    more = f", ... ({len(spans) - show} more ranges)" if len(spans) > show else ""
-    count = f" ({len(set(ranks))} ranks)" if len(ranks) > show else ""
-    return "[" + ", ".join(text[:show]) + more + "]" + count
 
 
 class HangMixin:
@@ -57,6 +43,7 @@ class HangMixin:
         t0 = time.monotonic()
         notes = self.collect_stacks(stack_dir)
         ev = finding.as_event(attempt)
+        ev["ranks_text"] = rank_list(finding.ranks, bare=True)  # the list stays (scripts read it)
         ev["found_ts"] = round(
             found_ts, 3
         )  # when the budget ran out (the event is written after the stacks)

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ptops.ops.runrecord.events import EventKind
+from ptops.ops.runrecord.metrics import rank0_records
 from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
 from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 
@@ -113,6 +114,7 @@ def rank_constants(omp_num_threads: int) -> dict[str, str]:
 
 
 def completed_step(run: RunDir) -> int:
-    """The last step rank 0 recorded, 0 when none."""
-    steps = final_metrics_by_step(run.read_metrics())
+    """The last step rank 0 recorded, 0 when none (rank 0's lines only: a resumed run at scale
+    does not parse every rank's)."""
+    steps = final_metrics_by_step(rank0_records(run.path))
     return max(steps, default=0)

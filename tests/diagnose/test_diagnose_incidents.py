@@ -31,6 +31,7 @@ INCIDENT_KEYS = {
     "step",
     "rank",
     "ranks",
+    "ranks_text",
     "host",
     "evidence",
     "runbook",

@@ -276,3 +276,74 @@ def test_ptops_diagnose_help_teaches_and_the_cli_behaves_like_the_module():
         and q.stderr.strip().startswith("error:")
         and q.stderr.count("\n") == 1
     )
+
+
+def test_a_rotated_run_diagnoses_as_the_same_run_unrotated(tmp_path):
+    """The metrics in ``metrics/`` segments (the supervisor's writer at a tiny limit) give the
+    same report, baselines included, as one ``metrics.jsonl``: diagnose streams every segment in
+    order."""
+    import shutil
+
+    from ptops.ops.runrecord.metrics import MetricsWriter, segments
+    from ptops.ops.runrecord.rundir import RunDir
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    plain = make_run(tmp_path / "a")
+    rotated = tmp_path / "b" / "run"
+    shutil.copytree(plain, rotated)
+    (rotated / "metrics.jsonl").unlink()
+    w = MetricsWriter(rotated, rotate_bytes=3000)
+    for r in RunDir(plain).read_metrics():
+        w.append(r)
+    w.close()
+    assert (
+        len(segments(rotated)) > 3
+        and RunDir(rotated).read_metrics() == RunDir(plain).read_metrics()
+    )
+    a = json.dumps(diagnose(plain, baselines=[plain]), sort_keys=True).replace(str(plain), "RUN")
+    b = json.dumps(diagnose(rotated, baselines=[plain]), sort_keys=True)
+    assert a == b.replace(str(rotated), "RUN").replace(str(plain), "RUN")
+    assert '"crash"' in a and '"nan"' in a
+
+
+def test_a_rotated_run_replays_its_last_records_and_counts_the_rest_from_the_index(
+    tmp_path, monkeypatch
+):
+    """Without --full a rotated run's monitors replay its last WINDOW_BYTES (seconds at any size);
+    the whole-run numbers still come out exact (the index), the NaN of attempt 1 (an older
+    segment) is still an incident through its live finding, and --full is the unrotated report."""
+    import shutil
+
+    import ptops.diagnostics.diagnose as dg
+
+    monkeypatch.setattr(dg, "WINDOW_BYTES", 6000)
+
+    from ptops.ops.runrecord.metrics import MetricsWriter, segments
+    from ptops.ops.runrecord.rundir import RunDir
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    plain = make_run(tmp_path / "a")
+    rotated = tmp_path / "b" / "run"
+    shutil.copytree(plain, rotated)
+    (rotated / "metrics.jsonl").unlink()
+    w = MetricsWriter(rotated, rotate_bytes=3000)
+    for r in RunDir(plain).read_metrics():
+        w.append(r)
+    w.close()
+    segs = segments(rotated)
+    a, b = diagnose(plain), diagnose(rotated)
+    for k in ("metrics_records", "last_step", "goodput", "events_summary"):
+        assert a[k] == b[k], k
+    assert any("replayed the run's last" in n for n in b["notes"])
+    assert b["findings"] != a["findings"]  # the window's replay is not the whole run's
+    assert len(segs) > 3
+    nan = [i for i in b["incidents"] if i["kind"] == "numeric"]
+    assert nan and nan[0]["step"] == 30
+    # the loss around it comes from the index's rank 0 records
+    assert [e for e in nan[0]["evidence"] if e.startswith("around it (rank 0)")] == [
+        e
+        for e in next(i for i in a["incidents"] if i["kind"] == "numeric")["evidence"]
+        if e.startswith("around it (rank 0)")
+    ]
+    full = json.dumps(diagnose(rotated, full=True), sort_keys=True).replace(str(rotated), "RUN")
+    assert full == json.dumps(a, sort_keys=True).replace(str(plain), "RUN")

@@ -96,7 +96,7 @@ def test_a_quiet_check_at_scale_looks_at_the_heaps_not_the_ranks(monkeypatch):
 
 
 def test_the_hang_line_names_ranks_as_ranges():
-    from ptops.ops.supervisor.hangs import rank_list
+    from ptops.ops.runrecord.ranks import rank_list
 
     assert rank_list([3]) == "[3]"
     assert rank_list([5, 0, 1, 2, 3]) == "[0-3, 5]"
