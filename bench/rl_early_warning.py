@@ -148,31 +148,24 @@ def hacking(seed: int, every: int, hacked: bool = True, steps: int = 300) -> tup
     its own)."""
     rng = random.Random(seed * 15485863 + every * 31 + hacked)
     at = rng.randint(80, 120)
+    rises = (0.004, -0.002) if hacked else (0.002, 0.0015)
+    return _trace(rng, at, steps, every, *rises, 0.02), at
+
+
+def _trace(
+    rng: random.Random,
+    at: int,
+    steps: int,
+    every: int,
+    reward_rise: float,
+    held_rise: float,
+    noise: float,
+) -> list[dict]:
+    """From the onset ``at`` the reward climbs ``reward_rise`` a step and the held-out score
+    ``held_rise`` under ``noise``: on each step's record (``every`` 1) or as an eval record every
+    ``every`` steps."""
     out = []
     for t in range(1, steps + 1):
-        d = max(0, t - at)
-        reward = 0.3 + 0.1 * t / T + (0.004 * d if hacked else 0.002 * d)
-        held = 0.25 + 0.08 * t / T + (-0.002 * d if hacked else 0.0015 * d) + rng.gauss(0, 0.02)
-        rec = _base(rng, t, 1.2, 0.03, reward)
-        if every == 1:
-            rec["rewards_verifier_mean"] = round(held, 6)
-            out.append(rec)
-        else:
-            out.append(rec)
-            if t % every == 0:
-                out.append({"step": t, "rank": 0, "attempt": 1, "eval/accuracy": round(held, 6)})
-    return out, at
-
-
-def hacking_variant(
-    seed: int, every: int, held_rise: float, noise: float, reward_rise: float = 0.002
-) -> list[dict]:
-    """A healthy variant for tuning (``--tune-hacking``): from the onset the reward climbs by
-    ``reward_rise`` a step and the held-out score by ``held_rise`` under ``noise``."""
-    rng = random.Random(seed * 7919 + every * 13 + int(held_rise * 1e5) + int(noise * 1e3))
-    at = rng.randint(80, 120)
-    out = []
-    for t in range(1, 301):
         d = max(0, t - at)
         reward = 0.3 + 0.1 * t / T + reward_rise * d
         held = 0.25 + 0.08 * t / T + held_rise * d + rng.gauss(0, noise)
@@ -185,6 +178,16 @@ def hacking_variant(
             if t % every == 0:
                 out.append({"step": t, "rank": 0, "attempt": 1, "eval/accuracy": round(held, 6)})
     return out
+
+
+def hacking_variant(
+    seed: int, every: int, held_rise: float, noise: float, reward_rise: float = 0.002
+) -> list[dict]:
+    """A healthy variant for tuning (``--tune-hacking``): from the onset the reward climbs by
+    ``reward_rise`` a step and the held-out score by ``held_rise`` under ``noise``."""
+    rng = random.Random(seed * 7919 + every * 13 + int(held_rise * 1e5) + int(noise * 1e3))
+    at = rng.randint(80, 120)
+    return _trace(rng, at, 300, every, reward_rise, held_rise, noise)
 
 
 def tune_hacking(seeds: list[int], cadences: tuple[int, ...] = (1, 10, 25)) -> None:

@@ -278,13 +278,11 @@ def test_ptops_diagnose_help_teaches_and_the_cli_behaves_like_the_module():
     )
 
 
-def test_a_rotated_run_diagnoses_as_the_same_run_unrotated(tmp_path):
-    """The metrics in ``metrics/`` segments (the supervisor's writer at a tiny limit) give the
-    same report, baselines included, as one ``metrics.jsonl``: diagnose streams every segment in
-    order."""
+def _rotated_copy(tmp_path):
+    """A recorded run and a copy of it whose metrics went through the writer rotating every 3 KB."""
     import shutil
 
-    from ptops.ops.runrecord.metrics import MetricsWriter, segments
+    from ptops.ops.runrecord.metrics import MetricsWriter
     from ptops.ops.runrecord.rundir import RunDir
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
@@ -296,6 +294,17 @@ def test_a_rotated_run_diagnoses_as_the_same_run_unrotated(tmp_path):
     for r in RunDir(plain).read_metrics():
         w.append(r)
     w.close()
+    return plain, rotated
+
+
+def test_a_rotated_run_diagnoses_as_the_same_run_unrotated(tmp_path):
+    """The metrics in ``metrics/`` segments (the supervisor's writer at a tiny limit) give the
+    same report, baselines included, as one ``metrics.jsonl``: diagnose streams every segment in
+    order."""
+    from ptops.ops.runrecord.metrics import segments
+    from ptops.ops.runrecord.rundir import RunDir
+
+    plain, rotated = _rotated_copy(tmp_path)
     assert (
         len(segments(rotated)) > 3
         and RunDir(rotated).read_metrics() == RunDir(plain).read_metrics()
@@ -312,24 +321,13 @@ def test_a_rotated_run_replays_its_last_records_and_counts_the_rest_from_the_ind
     """Without --full a rotated run's monitors replay its last WINDOW_BYTES (seconds at any size);
     the whole-run numbers still come out exact (the index), the NaN of attempt 1 (an older
     segment) is still an incident through its live finding, and --full is the unrotated report."""
-    import shutil
-
     import ptops.diagnostics.diagnose as dg
 
     monkeypatch.setattr(dg, "WINDOW_BYTES", 6000)
 
-    from ptops.ops.runrecord.metrics import MetricsWriter, segments
-    from ptops.ops.runrecord.rundir import RunDir
+    from ptops.ops.runrecord.metrics import segments
 
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    plain = make_run(tmp_path / "a")
-    rotated = tmp_path / "b" / "run"
-    shutil.copytree(plain, rotated)
-    (rotated / "metrics.jsonl").unlink()
-    w = MetricsWriter(rotated, rotate_bytes=3000)
-    for r in RunDir(plain).read_metrics():
-        w.append(r)
-    w.close()
+    plain, rotated = _rotated_copy(tmp_path)
     segs = segments(rotated)
     a, b = diagnose(plain), diagnose(rotated)
     for k in ("metrics_records", "last_step", "goodput", "events_summary"):
