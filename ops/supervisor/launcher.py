@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ptops.ops.runrecord.events import EventKind
-from ptops.ops.runrecord.metrics import rank0_records
+from ptops.ops.runrecord.metrics import MetricsIndexError, rank0_records, segments
 from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
 from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 
@@ -44,6 +44,10 @@ def prepare_run(recipe: Recipe, recipe_path: Path, run_dir: Path) -> RunDir:
     """Create a new run directory, or check that an existing one holds this same recipe."""
     run = RunDir(Path(run_dir))
     if run.recipe_json.exists():
+        try:  # a resumed run's rotated metrics: a hostile index is a line before launch, not a
+            segments(run.path)  # supervisor error after it
+        except MetricsIndexError as e:
+            raise RecipeError(f"{e} (the run directory to resume)") from None
         stored = from_json(run.recipe_json.read_text())
         a = stored.model_dump(exclude=OPERATIONAL_SECTIONS)
         b = recipe.model_dump(exclude=OPERATIONAL_SECTIONS)

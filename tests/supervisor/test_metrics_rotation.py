@@ -298,6 +298,23 @@ def test_status_and_diagnose_say_one_line_and_exit_2_on_a_hostile_index(tmp_path
         assert p.stderr.count("\n") == 1 and "key 'file'" in p.stderr and INDEX in p.stderr
 
 
+def test_launching_on_a_run_directory_with_a_hostile_index_is_one_line_before_any_attempt(
+    tmp_path,
+):
+    """Resuming a copied run directory whose index is hostile: a recipe-style error naming the
+    index file and key (``ptops launch`` prints it and exits 2), before a supervisor starts."""
+    from ptops.ops.supervisor.launcher import prepare_run
+    from ptops.recipes.schema import RecipeError, load, resolve_path
+
+    rec, _ = load("titan-tiny", [])
+    run = prepare_run(rec, resolve_path("titan-tiny"), tmp_path / "run").path
+    (run / "metrics").mkdir()
+    (run / "metrics" / INDEX).write_text(_entry("../../x.jsonl"))
+    with pytest.raises(RecipeError) as e:
+        prepare_run(rec, resolve_path("titan-tiny"), run)
+    assert "key 'file'" in str(e.value) and INDEX in str(e.value) and "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------- status on a rotated run
 
 
