@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 
 from ptops.ckpt import RESUME_ENV
@@ -21,11 +20,10 @@ from ptops.monitors.hang import HangMonitor
 from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN
 from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.supervisor import launcher, procs
-from ptops.ops.supervisor.blame import Blame, root_cause
+from ptops.ops.supervisor.blame import WORKER_FAILED, Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
 from ptops.ops.supervisor.policy import fatal_startup_error
 
-_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
 # a hang check that finds nothing looks at deadlines only (``HangMonitor._might_stall``); it walks
 # every rank (8,192 ranks: 30-70 ms) only when a deadline may have passed. A check may take at most
@@ -297,7 +295,7 @@ class AttemptMixin:
             text = (self.run.logs(attempt) / "torchrun.log").read_text(errors="replace")
         except OSError:
             return None
-        for m in _WORKER_FAILED.finditer(text):
+        for m in WORKER_FAILED.finditer(text):
             if int(m.group(2)) == rank:
                 return int(m.group(1))
         return None
@@ -308,7 +306,12 @@ class AttemptMixin:
             text = (self.run.logs(attempt) / "torchrun.log").read_text(errors="replace")
         except OSError:
             text = ""
-        return root_cause(self.blame.first, text, self.proc.returncode if self.proc else None)
+        return root_cause(
+            self.blame.first,
+            text,
+            self.proc.returncode if self.proc else None,
+            self.blame.displaced,
+        )
 
 
 def completes_on_exit(recipe) -> bool:

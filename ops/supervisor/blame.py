@@ -24,6 +24,12 @@ GOODBYE = "goodbye"
 NO_GOODBYE = "channel closed without goodbye"
 
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+# the launcher's line as soon as it sees a child fail (torchrun's and warmlaunch's): the first one
+# is the first of its ranks to die
+WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# warmlaunch writes it once, for the first child it saw exit (torchrun may log several ranks found
+# dead in one poll in rank order, so its first line is no order of death)
+_WARM_FAILED = re.compile(r"\[ptops\.warmlaunch\] failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Blame:
     """The first bad rank of an attempt, as the channel reported it."""
 
     first: Bad | None = None
+    displaced: Bad | None = None  # the error goodbye a silent exit right after it displaced
 
     def note(self, rank: int, code: int | None, how: str, ts: float) -> None:
         """Keep the first failure, except that a rank killed outright (no goodbye) right
@@ -49,6 +56,7 @@ class Blame:
         elif (
             self.first.how == GOODBYE and code is None and ts - self.first.ts <= KILLED_PEER_RACE_S
         ):
+            self.displaced = self.first
             self.first = Bad(rank, code, how, ts)
 
 
@@ -58,10 +66,21 @@ def torchrun_failures(log_text: str) -> list[tuple[int, int]]:
 
 
 def root_cause(
-    first: Bad | None, log_text: str, torchrun_rc: int | None
+    first: Bad | None, log_text: str, torchrun_rc: int | None, displaced: Bad | None = None
 ) -> tuple[int | None, int | None, str]:
-    """(rank, exit code, how it was determined) of the rank that failed first."""
+    """(rank, exit code, how it was determined) of the rank that failed first.
+
+    ``displaced``: the error goodbye that ``first``, a silent exit just after it, displaced
+    (``Blame.note``). The launcher decides between them: when it stopped the silent one (torchrun's
+    SIGTERM) or saw the goodbye's rank die first (warmlaunch's one ``failed (exitcode: N)
+    local_rank: R`` line, one node), the silent one died after it, not before (a plain launch under
+    load)."""
     failures = torchrun_failures(log_text)
+    if first is not None and displaced is not None and first.how == NO_GOODBYE:
+        m = _WARM_FAILED.search(log_text)
+        stopped = dict(failures).get(first.rank) == -signal.SIGTERM  # torchrun's own stop
+        if stopped or (m is not None and int(m.group(2)) == displaced.rank):
+            return displaced.rank, displaced.exit_code, displaced.how
     if first is not None:
         code = first.exit_code if first.exit_code is not None else dict(failures).get(first.rank)
         return first.rank, code, first.how

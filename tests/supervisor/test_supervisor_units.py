@@ -477,6 +477,27 @@ def test_killed_rank_beats_the_peer_whose_error_it_caused():
     assert root_cause(b.first, TORCHRUN_FAILURES, 1) == (1, -9, NO_GOODBYE)
 
 
+def test_a_rank_the_launcher_stopped_after_the_failing_one_does_not_take_its_blame():
+    """A plain launch: rank 1 raises (an OOM, goodbye with exit 1); the launcher sees it die first
+    and stops rank 0, whose channel closes without goodbye within the race window. The launcher's
+    first line decides: rank 1 (seen in a fresh-clone run under load, 2026-12-03). A rank killed
+    outright before its peer's error keeps the blame (the launcher saw it die first)."""
+    b = Blame()
+    b.note(1, 1, GOODBYE, 100.0)
+    b.note(0, None, NO_GOODBYE, 100.0 + KILLED_PEER_RACE_S / 5)
+    warm = "[ptops.warmlaunch] failed (exitcode: 1) local_rank: 1 (pid: 42)\n"
+    assert root_cause(b.first, warm, 1, b.displaced) == (1, 1, GOODBYE)
+    killed = "[ptops.warmlaunch] failed (exitcode: -9) local_rank: 0 (pid: 41)\n"
+    assert root_cause(b.first, killed, 1, b.displaced)[::2] == (0, NO_GOODBYE)
+    assert root_cause(b.first, "", 1, b.displaced) == (0, None, NO_GOODBYE)  # nothing to decide
+    # torchrun: its failure blocks say it SIGTERMed rank 0 (it stopped it after rank 1 failed)
+    stopped = "  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 1)\n"
+    assert root_cause(b.first, stopped, 1, b.displaced) == (1, 1, GOODBYE)
+    # torchrun's first line is no order of death (ranks found dead in one poll, in rank order)
+    line = "failed (exitcode: 1) local_rank: 1 (pid: 42) of binary: python\n"
+    assert root_cause(b.first, line, 1, b.displaced)[::2] == (0, NO_GOODBYE)
+
+
 def test_late_silent_exit_does_not_steal_the_blame():
     b = Blame()
     b.note(0, 1, GOODBYE, 100.0)  # rank 0 raised a real error
