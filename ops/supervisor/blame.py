@@ -29,7 +29,7 @@ _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.
 WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 # warmlaunch writes it once, for the first child it saw exit (torchrun may log several ranks found
 # dead in one poll in rank order, so its first line is no order of death)
-_WARM_FAILED = re.compile(r"\[ptops\.warmlaunch\] failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+WARM_FAILED = re.compile(r"\[ptops\.warmlaunch\] failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def root_cause(
     load)."""
     failures = torchrun_failures(log_text)
     if first is not None and displaced is not None and first.how == NO_GOODBYE:
-        m = _WARM_FAILED.search(log_text)
+        m = WARM_FAILED.search(log_text)
         stopped = dict(failures).get(first.rank) == -signal.SIGTERM  # torchrun's own stop
         if stopped or (m is not None and int(m.group(2)) == displaced.rank):
             return displaced.rank, displaced.exit_code, displaced.how

@@ -261,16 +261,18 @@ def test_warm_launch_all_ranks_exit_zero(pool, tmp_path):
 
 
 def test_warm_launch_reports_the_failed_rank_as_torchrun_does_and_stops_the_others(pool, tmp_path):
-    """The supervisor reads the failed rank from torchrun's own line (ops/supervisor/attempt.py);
-    the others get the rank environment torchrun gives them and are stopped (SIGTERM) after the
-    failure."""
-    from ptops.ops.supervisor.attempt import _WORKER_FAILED
+    """The supervisor reads the failed rank from torchrun's own line (ops/supervisor/blame.py,
+    which also reads warmlaunch's as the first death it saw); the others get the rank environment
+    torchrun gives them and are stopped (SIGTERM) after the failure."""
+    from ptops.ops.supervisor.blame import WARM_FAILED, WORKER_FAILED
 
     p = launcher(pool, tmp_path, "rank", CODE="5")
     out = p.communicate(timeout=60)[0]
     assert p.returncode == 1, out
-    m = _WORKER_FAILED.search(out)
+    m = WORKER_FAILED.search(out)
     assert m and (m.group(1), m.group(2)) == ("5", "1"), out
+    w = WARM_FAILED.search(out)
+    assert w and (w.group(1), w.group(2)) == ("5", "1"), out
     for r in (0, 2):
         assert (tmp_path / f"pid{r}").read_text() == "3 29999"
 
