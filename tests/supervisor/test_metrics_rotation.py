@@ -4,6 +4,7 @@ hostile copied index, ``ptops status`` on a rotated run directory, and ranks as 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -93,6 +94,45 @@ def test_rotation_at_a_tiny_limit_reads_back_every_record_byte_for_byte(tmp_path
     assert list(rank0_records(plain)) == list(rank0_records(rotated))
     assert oct((rotated / "metrics").stat().st_mode & 0o777) == "0o700"
     assert oct(segs[0].path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_held_batch_is_one_write_and_reads_back_as_if_written_alone(tmp_path, monkeypatch):
+    """A node's batch goes out in one ``write`` at its end, rotations inside it included; the
+    files are byte for byte the ones a record-at-a-time writer makes, and a handler that raises
+    mid-batch loses none of the records appended before it."""
+    recs = _records(n_steps=12)
+    plain, held = tmp_path / "plain", tmp_path / "held"
+    plain.mkdir(), held.mkdir()
+    _write(plain, recs, 4096)
+    writes: list[int] = []
+    real_write = os.write
+    monkeypatch.setattr(
+        "ptops.ops.runrecord.metrics.os.write",
+        lambda fd, data: writes.append(len(data)) or real_write(fd, data),
+    )
+    w = MetricsWriter(held, rotate_bytes=4096)
+    batches = [recs[i : i + 16] for i in range(0, len(recs), 16)]
+    for i, batch in enumerate(batches):
+        with pytest.raises(RuntimeError) if i == 3 else contextlib.nullcontext():
+            with w.held():
+                rotations, n = w.rotations, len(writes)
+                for r in batch:
+                    w.append(r)
+                    with w.held():  # nested: still the outer batch's
+                        pass
+                if w.rotations == rotations:  # nothing written before the batch's end
+                    assert len(writes) == n
+                if i == 3:
+                    raise RuntimeError("a handler's bug")
+    w.close()
+    assert w.rotations == len(segments(held)) > 5
+    assert [s.path.read_bytes() for s in segments(held)] == [
+        s.path.read_bytes() for s in segments(plain)
+    ]
+    assert (held / "metrics.jsonl").read_bytes() == (plain / "metrics.jsonl").read_bytes()
+    assert list(iter_metrics(held)) == recs
+    # a write a batch, plus per rotation inside one what was held before it and the index line
+    assert len(writes) <= len(batches) + 2 * w.rotations < len(recs) / 2
 
 
 def test_a_new_writer_continues_the_numbering_and_the_live_files_account(tmp_path):
