@@ -386,6 +386,8 @@ def generate_main(args: argparse.Namespace) -> None:
     from ptops.ops.supervisor.procs import die_with_parent
 
     die_with_parent()
+    if args.cpus:  # off the starved supervisor's CPU (the parts inherit it)
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     children = []
     if args.part < 0:  # the spawned one: start the other parts, run part 0
         for p in range(1, args.gen_procs):
@@ -448,6 +450,27 @@ def _gen_counters(d: Path) -> dict:
     return total
 
 
+def _starve() -> tuple[subprocess.Popen, str]:
+    """Pin this process (the supervisor: its threads start later and inherit it) to one CPU and a
+    busy loop beside it, so the supervisor gets about half a core; returns the loop and the other
+    CPUs, for the load generators. Why pinning: a competitor anywhere else on the machine starves
+    the generators as much as the supervisor, and a starved generator's ranks really do go silent
+    (docs/scale.md, 2026-12-02)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--starve needs two CPUs: the supervisor's and the generators'")
+    mine, rest = cpus[0], cpus[1:]
+    from ptops.ops.supervisor.procs import die_with_parent
+
+    def pinned() -> None:  # before the loop starts: on that CPU from its first instruction
+        die_with_parent()
+        os.sched_setaffinity(0, {mine})
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pinned)
+    os.sched_setaffinity(0, {mine})
+    return busy, ",".join(str(c) for c in rest)
+
+
 def run_one(args: argparse.Namespace) -> dict:
     from ptops.ops.runrecord.events import EventKind
     from ptops.ops.supervisor import launcher
@@ -464,6 +487,7 @@ def run_one(args: argparse.Namespace) -> dict:
         args.recipe, [f"train.steps={args.total_steps}", f"supervisor.heartbeat_s={args.ping_s}"]
     )
     run = launcher.prepare_run(rec, path, work / "run")
+    busy, gen_cpus = _starve() if args.starve else (None, "")
     handled = [0]
     lat = array.array("d")
 
@@ -506,6 +530,8 @@ def run_one(args: argparse.Namespace) -> dict:
                 "--counters-dir",
                 str(counters_dir),
             ]
+            if gen_cpus:
+                argv += ["--cpus", gen_cpus]
             return launcher.RankCommand(argv, env)
 
         def launch_fields(self, attempt: int) -> dict:
@@ -575,6 +601,9 @@ def run_one(args: argparse.Namespace) -> dict:
             prof.disable()
         done.set()
         log.close()
+        if busy is not None:
+            busy.kill()
+            busy.wait()
     t_end = time.time()
     if prof is not None:
         prof.dump_stats(args.profile)
@@ -599,6 +628,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "step_s": args.step_s,
         "peers": args.peers,
         "silent": args.silent,
+        "starved": bool(args.starve),
         "exit_code": rc,
         "wall_s": round(t_end - t_start, 1),
     }
@@ -751,6 +781,13 @@ def main() -> None:
             "records as differences (ops/rank/channel.py::Batcher, since issue 24); line: a "
             "relay frame a line (the design before); both: each size both ways",
         )
+    ap.add_argument(
+        "--starve",
+        action="store_true",
+        help="the supervisor pinned to one CPU with a busy loop pinned beside it (about half a "
+        "core: issue 24 point 6), the load generators on the other CPUs",
+    )
+    g.add_argument("--cpus", default="", help="(internal) the CPUs the generators run on")
     g.add_argument("--nodes", type=int, required=True)
     g.add_argument("--part", type=int, default=-1)
     g.add_argument("--stop-file", default="")
@@ -840,6 +877,7 @@ def main() -> None:
                 "off" if cert == "both" else cert,
                 "--timeout",
                 str(a.timeout),
+                *(["--starve"] if a.starve else []),
                 "--work",
                 d,
                 "--json",

@@ -10,6 +10,7 @@ the supervisor declares the hang; the subprocess timeout only guards against a b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,32 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
     assert stacks[0].source.startswith("channel") and stacks[0].frames
     assert res["hang"]["found_ranks"] == [VICTIM]
     assert events[-1]["kind"] == "failed"  # a plain (temporary) launch ends on the hang
+
+
+def test_starve_pins_the_supervisor_beside_a_busy_loop_and_frees_the_other_cpus() -> None:
+    """``--starve`` (issue 24 point 6: no false hang with the supervisor on half a core): the
+    process and a busy loop share one CPU, the generators get the rest; in a child process, so
+    this one keeps its CPUs."""
+    code = f"""
+import os, sys
+sys.path.insert(0, {str(REPO / "bench")!r})
+import scale_load
+before = sorted(os.sched_getaffinity(0))
+busy, rest = scale_load._starve()
+try:
+    assert busy.poll() is None, "the busy loop is running"
+    assert os.sched_getaffinity(0) == {{before[0]}}, os.sched_getaffinity(0)
+    assert os.sched_getaffinity(busy.pid) == {{before[0]}}
+    assert rest == ",".join(str(c) for c in before[1:]), rest
+finally:
+    busy.kill()
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if len(os.sched_getaffinity(0)) < 2:
+        assert p.returncode != 0 and "needs two CPUs" in p.stderr
+    else:
+        assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
 
 
 def test_rendezvous_memo_follows_every_change() -> None:
