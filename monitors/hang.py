@@ -54,6 +54,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -625,30 +626,35 @@ class HangMonitor:
         return now - oldest > stale
 
     # ------------------------------------------------------------ output
-    def check(self, now: float) -> HangFinding | None:
+    def check(self, now: float, judge: Callable[[int], float] | None = None) -> HangFinding | None:
+        """The hang, if any, judged at ``now``; with ``judge``, each rank at ``min(now,
+        judge(rank))``: the time up to which everything that rank sent has been seen (a
+        supervisor behind on some connections judges their ranks at what it has read, the
+        others at the clock)."""
         self._check_memo = {}
         try:
             if not self._might_stall(now):
                 return None
             self.full_checks += 1
-            return self._check(now)
+            return self._check(now, judge)
         finally:
             self._check_memo = None
 
-    def _check(self, now: float) -> HangFinding | None:
+    def _check(self, now: float, judge: Callable[[int], float] | None = None) -> HangFinding | None:
         c = self.config
+        live = [r for r, st in sorted(self.ranks.items()) if not st.exited]
+        at = dict.fromkeys(live, now) if judge is None else {r: min(now, judge(r)) for r in live}
 
         def unresponsive(r: int) -> bool:
             seen = self.ranks[r].last_seen
-            return seen is None or now - seen > c.ping_stale_s
+            return seen is None or at[r] - seen > c.ping_stale_s
 
-        live = [r for r, st in sorted(self.ranks.items()) if not st.exited]
         # a declared pause of a live rank pauses the job: its peers block on it by design
         pausing = [r for r in live if self.ranks[r].phase in PAUSES and not unresponsive(r)]
         stalled = [
             r for r in live
-            if ((not pausing or r in pausing) and now > self._budget(r)[0])
-            or self._unresponsive_past_step_timeout(r, now)
+            if ((not pausing or r in pausing) and at[r] > self._budget(r)[0])
+            or self._unresponsive_past_step_timeout(r, at[r])
         ]  # fmt: skip
         if not stalled:
             return None
@@ -666,15 +672,15 @@ class HangMonitor:
         first = min(culprits, key=lambda r: self.ranks[r].last_progress)
         judged = next((r for r in culprits if r in stalled), stalled[0])
         deadline, timeout, phase, section = self._budget(judged)
-        if (
-            pausing and judged not in pausing
-        ) or now <= deadline:  # stalled by the unresponsive rule
+        if (pausing and judged not in pausing) or at[
+            judged
+        ] <= deadline:  # stalled by the unresponsive rule
             timeout, phase = self._stale_after(self.ranks[judged]), f"unresponsive in {phase}"
         return HangFinding(
             ranks=culprits,
             stalled=stalled,
             step=min(self.ranks[r].step for r in culprits),
-            silent_s=now - self.ranks[first].last_progress,
+            silent_s=at[first] - self.ranks[first].last_progress,
             phase=phase,
             timeout_s=timeout,
             why=why,

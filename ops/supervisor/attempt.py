@@ -170,7 +170,15 @@ class AttemptMixin:
                 if now < next_check:
                     self.write_status()
                     continue
-                finding = self.monitor.check(self.judge_time(now) + CHECK_S)
+                judge = self.judge_time(now)
+                finding = self.monitor.check(judge + CHECK_S)
+                if finding is None and self.inbox_behind:
+                    # behind: a rank silent on a connection that is read and handled to about the
+                    # clock is silent for sure (a frozen node); a stall among ranks whose progress
+                    # may be queued waits for the rule above
+                    silent = self.monitor.check(now + CHECK_S, self.rank_judge(now, judge))
+                    if silent is not None and silent.why == "unresponsive":
+                        finding = silent
                 next_check = now + (time.monotonic() - now) / CHECK_SHARE
                 if finding is not None:
                     finding = dataclasses.replace(
@@ -186,6 +194,23 @@ class AttemptMixin:
                 left = procs.run_processes(self.run.path)
                 if left:
                     procs.teardown(None, self.run.path, left, grace_s=0)
+
+    def rank_judge(self, now: float, floor: float):
+        """Per rank, the time up to which the hang check may judge it while the supervisor is
+        behind (``inbox_behind``): its connection's ``conn_read_until``, one cadence ahead as the
+        check is; ``floor`` (``judge_time``) for a rank without a connection yet. Why: under a
+        backlog the global rule held every judgment at the oldest queued message, so a frozen
+        node was found the backlog's age late (16,384 ranks: 74-118 s on a 40 s budget), though
+        nothing it sent could be in the queue."""
+        server, ranks = self.server, self.ranks
+
+        def judge(rank: int) -> float:
+            info = ranks.get(rank)
+            if info is None or info.peer is None or server is None:
+                return floor + CHECK_S
+            return server.conn_read_until(info.peer, now) + CHECK_S
+
+        return judge
 
     def judge_time(self, now: float) -> float:
         """When the hang check may judge up to: ``now``, or, with messages received but not yet

@@ -15,6 +15,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,12 @@ class Peer:
         0.0  # monotonic time of the last bytes from this connection (a node's keepalives)
     )
     closed: bool = False  # the channel thread dropped it (its ``_eof`` may still be queued)
+    # a connection's messages queued and not yet taken: their arrival times, oldest first (the
+    # channel thread appends, the main thread pops; ``conn_read_until``)
+    arrivals: deque = field(default_factory=deque)
+    # a connection last read full since the round after this time: what reached its socket
+    # before it has been read (``conn_read_until``)
+    caught_t: float = 0.0
 
     @property
     def role(self) -> str:
@@ -110,6 +117,10 @@ class ChannelServer:
         self._next = 0
         self._stop = threading.Event()
         self._idle, self._caught_up = True, time.monotonic()  # read_until
+        # conn_read_until: the connections (ids) the last round read full, and when that round's
+        # select returned (both published when the round is done)
+        self._full: frozenset = frozenset()
+        self._round_t = self._caught_up
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._loop, name="ptops-channel", daemon=True)
@@ -117,7 +128,34 @@ class ChannelServer:
 
     def _put(self, item: tuple[Peer, dict[str, Any], float]) -> None:
         self.received += 1
+        peer = item[0]
+        (peer.via or peer).arrivals.append(item[2])
         self.inbox.put(item)
+
+    def took(self, peer: Peer | None, ts: float) -> None:
+        """The main thread took ``peer``'s message that arrived at ``ts`` off the inbox (one not
+        put by ``_put``, such as a test's, has no arrival to drop)."""
+        if peer is None:
+            return
+        a = (peer.via or peer).arrivals
+        if a and a[0] == ts:
+            a.popleft()
+
+    def conn_read_until(self, peer: Peer, now: float) -> float:
+        """``read_until`` for ONE rank's connection (its node agent's, when relayed): every message
+        it sent that reached this host before the time returned has been handled. Its own oldest
+        queued message, and its own socket left unread by a full read: a backlog on other
+        connections does not hold it, so a node that went silent is judged at about the clock
+        while the others' messages wait (issue 24 point 4)."""
+        conn = peer.via or peer
+        t = now if self._idle else (conn.caught_t if id(conn) in self._full else self._round_t)
+        a = conn.arrivals
+        if a:
+            try:
+                t = min(t, a[0])
+            except IndexError:  # taken meanwhile
+                pass
+        return min(t, now)
 
     def address(self, advertise: str = "") -> str:
         host = advertise or self.host
@@ -138,7 +176,7 @@ class ChannelServer:
             # select reports every socket with bytes at its return: once the ready ones are read
             # short, everything that arrived before t has been read
             t = time.monotonic()
-            full = False
+            full = []
             for key, _ in ready:
                 if key.data == "wake":
                     try:
@@ -147,10 +185,16 @@ class ChannelServer:
                         pass
                 elif key.data is None:
                     self._accept()
-                else:
-                    full = self._read(key.data) or full
+                elif self._read(key.data):
+                    full.append(key.data)
             if not full:
                 self._caught_up = t
+            # a connection read full this round is caught up to the round before it first was
+            for p in full:
+                if id(p) not in self._full:
+                    p.caught_t = self._round_t
+            self._full = frozenset(map(id, full))
+            self._round_t = t
 
     def _accept(self) -> None:
         try:

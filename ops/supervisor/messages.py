@@ -99,6 +99,7 @@ class MessagesMixin:
                 peer, msg, ts = self.server.inbox.get(timeout=left)
             except queue.Empty:
                 return
+            self.server.took(peer, ts)
             self.handle(peer, msg, ts)
             self.server.handled += len(msg["items"]) if msg.get("t") == "_batch" else 1
             if self.stop_signal is not None and not drain:

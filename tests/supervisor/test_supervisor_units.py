@@ -785,3 +785,51 @@ def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
         sup.server._idle = True
     finally:
         sup.server.close()
+
+
+def test_behind_a_backlog_a_rank_silent_on_a_caught_up_connection_is_found_at_the_clock():
+    """Under a backlog the check judges each rank at what its own connection has had handled:
+    the node whose connection is read and empty is judged at the clock (silent: found), the
+    ranks whose messages may wait in the queue at their connection's oldest arrival (not
+    silent). Judged at one time for all (no ``judge``), the same three ranks look alike."""
+    cfg = HangConfig(floor_s=5, ping_stale_s=4)
+    now = 1000.0
+    mon = HangMonitor(3, now - 60, cfg)
+    for r in (0, 1, 2):
+        _steps(mon, r, 1, 5, now - 6.5, 0.1)  # each rank's last message: 6 s ago
+    behind = {0: now - 3.0, 1: now - 3.0, 2: now}  # ranks 0, 1: their messages since are queued
+    found = mon.check(now, judge=behind.__getitem__)
+    assert found is not None and found.ranks == [2] and found.why == "unresponsive"
+    assert found.stalled == [2] and found.silent_s == pytest.approx(6.0)
+    assert mon.check(now - 3.0) is None  # the global rule: all judged at the oldest arrival
+    alike = mon.check(now)  # all judged at the clock: every rank quiet, none told apart
+    assert alike is not None and alike.ranks == [0, 1, 2] and alike.why != "unresponsive"
+
+
+def test_a_connections_read_until_is_its_own_oldest_queued_message_or_unread_bytes():
+    """``conn_read_until``: a connection's own queued messages (a relayed rank's count on its
+    node's connection) and its own socket read full hold its time; another's do not."""
+    from ptops.ops.supervisor.channel import Peer
+
+    server = ChannelServer()
+    server.close()  # the thread would overwrite the fields set below
+    node, other = Peer(1, None, authed=True), Peer(2, None, authed=True)
+    rank = Peer(3, None, authed=True, via=node, sub=0)
+    now = time.monotonic()
+    server._idle = True
+    assert server.conn_read_until(rank, now) == now == server.conn_read_until(other, now)
+    server._put((rank, {"t": "beat"}, now - 2.0))  # queued on the node's connection
+    server._put((node, {"t": "_batch", "items": []}, now - 1.0))
+    assert server.conn_read_until(rank, now) == now - 2.0 == server.conn_read_until(node, now)
+    assert server.conn_read_until(other, now) == now
+    server.took(rank, now - 2.0)  # handled, oldest first
+    assert server.conn_read_until(rank, now) == now - 1.0
+    server.took(None, now)  # a test's own entry: nothing to drop
+    server.took(other, now - 5.0)  # not queued on that connection: nothing dropped
+    assert server.conn_read_until(node, now) == now - 1.0
+    server.took(node, now - 1.0)
+    # the channel thread's last round read the node's socket full: held at the round before
+    server._idle, server._round_t = False, now - 0.01
+    server._full, node.caught_t = frozenset({id(node)}), now - 3.0
+    assert server.conn_read_until(rank, now) == now - 3.0
+    assert server.conn_read_until(other, now) == now - 0.01
