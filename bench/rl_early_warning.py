@@ -4,6 +4,9 @@
     .venv/bin/python bench/rl_early_warning.py --cost     # the RL monitors' cost per record only
     .venv/bin/python bench/rl_early_warning.py --tune-hacking [--only 10,25]  # tuning set
                                                   # of reward hacking (seeds 1000-1059), ptops alone
+    .venv/bin/python bench/rl_early_warning.py --bound    # reward hacking: how early could any
+        # detector be at 0 / 1 / 5 % false alarms (an oracle that knows the generator's model
+        # but the onset), vs ptops and rldoctor; bench/results/rl_early_warning_bound.json
 
 Scenarios (TRL GRPO metric names, one rank, 200 steps), each over ``--seeds`` seeds:
 
@@ -57,6 +60,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 TRACES = REPO / "tests" / "data" / "traces"
 T = 200
+REWARD_NOISE = 0.03  # the training reward's Gaussian noise (every trace)
 
 from ptops.monitors import build_monitors, replay  # noqa: E402
 
@@ -71,7 +75,7 @@ def _base(
         "rank": 0,
         "attempt": 1,
         "entropy": round(h * (1 + rng.gauss(0, noise)), 6),
-        "reward": round(reward + rng.gauss(0, 0.03), 6),
+        "reward": round(reward + rng.gauss(0, REWARD_NOISE), 6),
         "reward_std": round(0.2 + rng.gauss(0, 0.01), 6),
         "kl": round(0.01 + 0.00005 * t + abs(rng.gauss(0, 0.001)), 6),
         "frac_reward_zero_std": round(min(1.0, max(0.0, 0.2 + rng.gauss(0, 0.05))), 6),
@@ -148,8 +152,24 @@ def hacking(seed: int, every: int, hacked: bool = True, steps: int = 300) -> tup
     its own)."""
     rng = random.Random(seed * 15485863 + every * 31 + hacked)
     at = rng.randint(80, 120)
-    rises = (0.004, -0.002) if hacked else (0.002, 0.0015)
-    return _trace(rng, at, steps, every, *rises, 0.02), at
+    rises = HACKED_RISES if hacked else HEALTHY_RISES
+    return _trace(rng, at, steps, every, *rises, HELD_NOISE), at
+
+
+# hacking()'s model, named so that --bound's oracle reads the generator's numbers, not copies
+HACKED_RISES = (0.004, -0.002)  # from the onset, a step: training reward, held-out score
+HEALTHY_RISES = (0.002, 0.0015)  # the healthy control: both rise
+HELD_NOISE = 0.02  # the held-out score's Gaussian noise
+
+
+def held_base(t: float) -> float:
+    """The held-out score's noiseless level at step ``t`` before any onset (``_trace``)."""
+    return 0.25 + 0.08 * t / T
+
+
+def reward_base(t: float) -> float:
+    """The training reward's noiseless level at step ``t`` before any onset (``_trace``)."""
+    return 0.3 + 0.1 * t / T
 
 
 def _trace(
@@ -167,8 +187,8 @@ def _trace(
     out = []
     for t in range(1, steps + 1):
         d = max(0, t - at)
-        reward = 0.3 + 0.1 * t / T + reward_rise * d
-        held = 0.25 + 0.08 * t / T + held_rise * d + rng.gauss(0, noise)
+        reward = reward_base(t) + reward_rise * d
+        held = held_base(t) + held_rise * d + rng.gauss(0, noise)
         rec = _base(rng, t, 1.2, 0.03, reward)
         if every == 1:
             rec["rewards_verifier_mean"] = round(held, 6)
@@ -182,12 +202,13 @@ def _trace(
 
 def hacking_variant(
     seed: int, every: int, held_rise: float, noise: float, reward_rise: float = 0.002
-) -> list[dict]:
-    """A healthy variant for tuning (``--tune-hacking``): from the onset the reward climbs by
-    ``reward_rise`` a step and the held-out score by ``held_rise`` under ``noise``."""
+) -> tuple[list[dict], int]:
+    """(records, onset): a healthy variant for tuning (``--tune-hacking``): from the onset the
+    reward climbs by ``reward_rise`` a step and the held-out score by ``held_rise`` under
+    ``noise``."""
     rng = random.Random(seed * 7919 + every * 13 + int(held_rise * 1e5) + int(noise * 1e3))
     at = rng.randint(80, 120)
-    return _trace(rng, at, 300, every, reward_rise, held_rise, noise)
+    return _trace(rng, at, 300, every, reward_rise, held_rise, noise), at
 
 
 def tune_hacking(seeds: list[int], cadences: tuple[int, ...] = (1, 10, 25)) -> None:
@@ -227,7 +248,7 @@ def tune_hacking(seeds: list[int], cadences: tuple[int, ...] = (1, 10, 25)) -> N
                 recs = (
                     hacking(s, every, hacked=False)[0]
                     if v is None
-                    else hacking_variant(s, every, *v)
+                    else hacking_variant(s, every, *v)[0]
                 )
                 fp += first(rh(recs), "reward_hacking") is not None
             if fp or v is None:
@@ -434,6 +455,307 @@ def cost(reps: int = 7) -> dict[str, float]:
     return best
 
 
+# ---------------------------------------------------------------- the evidence bound (--bound)
+
+CADENCES = ((1, "dense"), (10, "sparse/10"), (25, "sparse/25"))
+ALPHAS = (0.0, 0.01, 0.05)  # the false-alarm rates the table shows
+CAL_SEED0 = 5000  # calibration seeds: disjoint from the table's (0..), the tuning set's (1000..)
+# the healthy families the oracle is calibrated on, as (held rise, reward rise) from the onset:
+# the table's control, and --tune-hacking's variants at the hacked runs' noise (its 0.04-noise
+# variants are left out: they would only raise the oracle's threshold, so the bound stays a bound)
+CAL_FAMILIES: tuple[tuple[float, float], ...] = (HEALTHY_RISES[::-1],) + tuple(
+    (hr, rr) for hr in (0.0005, 0.001, 0.0015) for rr in (0.002, 0.004)
+)
+
+
+def _lse(x: Any, axis: Any) -> Any:
+    """log(sum(exp(x))) over ``axis``, without overflow."""
+    import numpy as np
+
+    m = np.max(x, axis=axis, keepdims=True)
+    return np.log(np.sum(np.exp(x - m), axis=axis)) + np.squeeze(m, axis=axis)
+
+
+def evidence(recs: list[dict], onset: int | None = None) -> tuple[list[int], dict[str, Any]]:
+    """(steps, {oracle: log odds of "hacked" over "healthy" at every step}) on a trace, for an
+    oracle that knows hacking()'s whole model but the onset: the levels before it, both noises,
+    the hacked held-out fall after it, and the healthy families' held-out rises (CAL_FAMILIES).
+
+    Bayes factors, the onset uniform over every step (``onset`` given: that step only): hacked
+    = the held-out score falls from the onset; healthy = no onset yet (prior 1/2) or an onset
+    after which the held-out score rises at one of the families' rates. ``held``: from the
+    held-out score alone; ``joint`` (and ``known``, the onset given): the training reward's bend
+    at the onset is evidence for both (its slope after it fitted, >= 0, since the healthy
+    families' reward climbs as fast as the hacked one's): it says when, the held-out score says
+    what. For a fixed onset the likelihood ratio is the most powerful test (Neyman-Pearson), so a
+    detector that does not know the model should not beat this one by much; it is a reference
+    to measure against, not a proof."""
+    import numpy as np
+
+    n = max(int(r["step"]) for r in recs)
+    ry, rm, hx, hm = (np.zeros(n) for _ in range(4))
+    for r in recs:
+        i = int(r["step"]) - 1
+        if "reward" in r:
+            ry[i], rm[i] = float(r["reward"]) - reward_base(i + 1), 1.0
+        v = r.get("rewards_verifier_mean", r.get("eval/accuracy"))
+        if v is not None:
+            hx[i], hm[i] = float(v) - held_base(i + 1), 1.0
+    steps = np.arange(1, n + 1, dtype=float)
+    taus = np.arange(n, dtype=float) if onset is None else np.array([float(onset)])
+    d = np.clip(steps[None, :] - taus[:, None], 0.0, None)  # steps since the onset tau
+    s_yd = np.cumsum(rm * ry * d, axis=1)
+    s_rdd = np.cumsum(rm * d * d, axis=1)
+    bend = np.where(s_yd > 0, s_yd**2 / (2 * REWARD_NOISE**2 * np.maximum(s_rdd, 1e-12)), 0.0)
+    s_xd = np.cumsum(hm * hx * d, axis=1)
+    s_hdd = np.cumsum(hm * d * d, axis=1)
+    var = HELD_NOISE**2
+
+    def held(slope: float) -> Any:  # log likelihood ratio: slope from tau vs no change
+        return (slope / var) * s_xd - (slope * slope / (2 * var)) * s_hdd
+
+    rises = sorted({h for h, _ in CAL_FAMILIES})
+    fall, rise = held(HACKED_RISES[1]), np.stack([held(c) for c in rises])
+    out = {}
+    for name, b in (("held", 0.0), ("joint", bend)) if onset is None else (("known", bend),):
+        hacked = _lse(b + fall, 0) - math.log(len(taus))
+        healthy = _lse(b + rise, (0, 1)) - math.log(len(taus) * len(rises))
+        if onset is None:  # healthy: no onset yet, or an onset and a rise
+            healthy = np.logaddexp(0.0, healthy)
+        out[name] = hacked - healthy
+    return list(range(1, n + 1)), out
+
+
+ORACLES = ("held", "known", "joint")
+
+
+def oracles(recs: list[dict], onset: int) -> dict[str, tuple[list[int], Any]]:
+    """(steps, evidence) of each oracle on a trace: the held-out score alone (``held``), reward
+    and held-out score (``joint``), and given the onset (``known``: what locating it exactly,
+    e.g. from the reward's bend, is worth)."""
+    steps, ev = evidence(recs)
+    ev.update(evidence(recs, onset)[1])
+    return {k: (steps, v) for k, v in ev.items()}
+
+
+def threshold(maxima: list[float], fp: int) -> float:
+    """The lowest threshold (alarm: evidence > threshold) that at most ``fp`` of the healthy runs,
+    whose largest evidence values are ``maxima``, cross: the (fp+1)-th largest maximum."""
+    q = sorted(maxima, reverse=True)
+    return q[fp] if fp < len(q) else -math.inf
+
+
+def alarm(steps: list[int], stat: Any, h: float) -> int | None:
+    """The step of the first held-out value whose evidence exceeds ``h``."""
+    import numpy as np
+
+    i = int(np.searchsorted(np.maximum.accumulate(stat), h, side="right"))
+    return steps[i] if i < len(steps) else None
+
+
+def delays(firsts: list[int | None], onsets: list[int]) -> dict[str, Any]:
+    """Median / min / max of first alert minus onset (negative: a false alarm before it), and the
+    median of the alerts at or after the onset alone."""
+    d = [f - o for f, o in zip(firsts, onsets) if f is not None]
+    after = [x for x in d if x >= 0]
+    return {
+        "traces": len(firsts),
+        "detected": len(d),
+        "before_onset": sum(x < 0 for x in d),
+        "median": statistics.median(d) if d else None,
+        "min": min(d, default=None),
+        "max": max(d, default=None),
+        "median_after_onset": statistics.median(after) if after else None,
+    }
+
+
+def _cell(x: dict[str, Any]) -> str:
+    if not x["detected"]:
+        return f"0/{x['traces']}"
+    s = f"{x['median']:+.0f} ({x['min']:+d}..{x['max']:+d})"
+    if x["detected"] < x["traces"]:
+        s += f", {x['traces'] - x['detected']} missed"
+    if x["before_onset"]:
+        after = x["median_after_onset"]
+        s += f", {x['before_onset']} before onset"
+        s += f" (at/after: {after:+.0f})" if after is not None else " (none at/after)"
+    return s
+
+
+def bound(n_cal: int, n_seeds: int, rld_seeds: int, table_json: Path) -> dict[str, Any]:
+    """How early can any detector flag hacking() at a given false-alarm rate: the oracle
+    (``evidence``) with its threshold calibrated on ``n_cal`` healthy runs of every family in
+    CAL_FAMILIES, at every false-alarm rate; ptops on the same seeds; rldoctor on its first
+    ``rld_seeds`` seeds if it is installed, else its alerts from the table's run
+    (``table_json``)."""
+    try:
+        import rl_doctor  # noqa: F401
+
+        have_rld = rld_seeds > 0
+    except ImportError:
+        have_rld = False
+    table = json.loads(table_json.read_text()) if table_json.exists() else {"traces": []}
+    out: dict[str, Any] = {"n_cal": n_cal, "cal_seeds": [CAL_SEED0, CAL_SEED0 + n_cal - 1]}
+    out["cal_families"] = [{"held_rise": h, "reward_rise": r} for h, r in CAL_FAMILIES]
+    out["rldoctor_source"] = (
+        f"run here on seeds 0-{rld_seeds - 1}" if have_rld else f"{table_json.name} (seeds 0-4)"
+    )
+    seed_sets = {"0-4": list(range(5))}
+    if have_rld and 5 < rld_seeds < n_seeds:  # rldoctor's own seeds, to compare on the same
+        seed_sets[f"0-{rld_seeds - 1}"] = list(range(rld_seeds))
+    seed_sets[f"0-{n_seeds - 1}"] = list(range(n_seeds))
+    for every, label in CADENCES:
+        sc: dict[str, Any] = {}
+        # calibration: the largest evidence of every healthy run, per family
+        fam_max: dict[str, list[list[float]]] = {k: [] for k in ORACLES}
+        for i, (held_rise, reward_rise) in enumerate(CAL_FAMILIES):
+            m: dict[str, list[float]] = {k: [] for k in ORACLES}
+            for s in range(CAL_SEED0, CAL_SEED0 + n_cal):
+                recs, at = (
+                    hacking(s, every, hacked=False)
+                    if i == 0
+                    else hacking_variant(s, every, held_rise, HELD_NOISE, reward_rise)
+                )
+                for k, (_, stat) in oracles(recs, at).items():
+                    m[k].append(float(stat.max()))
+            for k in ORACLES:
+                fam_max[k].append(m[k])
+
+        def h_at(rate: float, kind: str = "held") -> float:
+            """Every family false-alarms on at most ``rate`` of its runs."""
+            fp = math.floor(rate * n_cal + 1e-9)
+            return max(threshold(m, fp) for m in fam_max[kind])
+
+        traces = []
+        for s in range(n_seeds):
+            recs, at = hacking(s, every)
+            ev = oracles(recs, at)
+            traces.append((s, at, *ev["held"], ev, recs))
+        ptops_first = [first(run_ptops(t[5]), "reward_hacking") for t in traces]
+        ptops_fp = [
+            first(run_ptops(hacking(s, every, hacked=False)[0]), "reward_hacking") is not None
+            for s in range(n_seeds)
+        ]
+        # rldoctor: its alerts on the hacked runs and its false alarms on the control
+        if have_rld:
+            rld_first = [first(run_rldoctor(t[5]), "reward_hacking") for t in traces[:rld_seeds]]
+            rld_fp = [
+                first(run_rldoctor(hacking(s, every, hacked=False)[0]), "reward_hacking")
+                is not None
+                for s in range(rld_seeds)
+            ]
+        else:
+            by = {r["name"]: r for r in table.get("traces", [])}
+            rld_first = [
+                by[f"hack-{label}-s{s}"]["rldoctor"]["first"]
+                for s in range(5)
+                if f"hack-{label}-s{s}" in by
+            ]
+            ctrl = [by.get(f"healthy-heldout-s{s}") for s in range(5)] if every == 10 else []
+            rld_fp = [bool(c["rldoctor"]["fp"]) for c in ctrl if c]
+        rld_on = [t[1] for t in traces[: len(rld_first)]]
+        rld = delays(rld_first, rld_on)
+        rld["seeds"] = f"0-{len(rld_first) - 1}" if rld_first else "none"
+        rld["fp_runs"] = sum(rld_fp)
+        rld["fp_traces"] = len(rld_fp)
+        rld["fp_rate"] = sum(rld_fp) / len(rld_fp) if rld_fp else None
+        rld["firsts"] = rld_first
+        sc["rldoctor"] = rld
+        sc["thresholds"] = {k: {f"{a:g}": h_at(a, k) for a in ALPHAS} for k in ORACLES}
+        sc["calibration_fp"] = {  # what the thresholds give on each family's calibration runs
+            k: {f"{a:g}": [sum(x > h_at(a, k) for x in m) for m in fam_max[k]] for a in ALPHAS}
+            for k in ORACLES
+        }
+        for name, seeds in seed_sets.items():
+            sub = [t for t in traces if t[0] in seeds]
+            onsets = [t[1] for t in sub]
+            row: dict[str, Any] = {
+                "ptops": delays([ptops_first[t[0]] for t in sub], onsets),
+                "ptops_fp_control": [sum(ptops_fp[s] for s in seeds), len(seeds)],
+                "ptops_fp_seeds": [s for s in seeds if ptops_fp[s]],
+            }
+            row["ptops"]["firsts"] = [ptops_first[t[0]] for t in sub]
+            for a in ALPHAS:
+                f = [alarm(t[2], t[3], h_at(a)) for t in sub]
+                row[f"oracle {a:.0%}"] = {**delays(f, onsets), "firsts": f}
+                for k in ("known", "joint"):
+                    fk = [alarm(*t[4][k], h_at(a, k)) for t in sub]
+                    row[f"oracle {k} {a:.0%}"] = {**delays(fk, onsets), "firsts": fk}
+            if not set(seeds) <= set(range(len(rld_first))):
+                sc[name] = row  # rldoctor did not run on all of them: no comparison
+                continue
+            rld_sub = delays([rld_first[s] for s in seeds], onsets)
+            row["rldoctor"] = rld_sub
+            for k in ("held", "joint"):
+                if rld["fp_rate"] is not None:
+                    f = [alarm(*t[4][k], h_at(rld["fp_rate"], k)) for t in sub]
+                    row[f"oracle {k} at rldoctor's FP rate"] = delays(f, onsets)
+                # the lowest false-alarm rate at which the oracle's median (its false alarms
+                # before the onset counted, a miss as last) is no later than rldoctor's median:
+                # counting its alerts before the onset, as the table does, or only those after
+                for key, target in (
+                    ("median", rld_sub["median"]),
+                    ("at/after", rld_sub["median_after_onset"]),
+                ):
+                    reach = None
+                    for fp in range(n_cal + 1) if target is not None else ():
+                        f = [alarm(*t[4][k], h_at(fp / n_cal, k)) for t in sub]
+                        last = [math.inf if x is None else x - o for x, o in zip(f, onsets)]
+                        if statistics.median(last) <= target:
+                            reach = {"fp_rate": fp / n_cal, "target": target, **delays(f, onsets)}
+                            break
+                    row[f"oracle {k} reaches rldoctor's {key} at"] = reach
+            sc[name] = row
+        out[label] = sc
+    return out
+
+
+def print_bound(res: dict[str, Any]) -> None:
+    """Two markdown tables: the delays at 0 / 1 / 5 % false alarms, then rldoctor's."""
+    print(
+        "| scenario | seeds | ptops (FP on controls) | oracle, held-out: 0 % FP | 1 % | 5 % "
+        "| oracle, reward + held-out: 0 % FP | 1 % | 5 % | oracle, onset given: 0 % FP |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = [(label, name, row) for _, label in CADENCES for name, row in res[label].items()]
+    rows = [r for r in rows if r[1][0].isdigit()]
+    for label, name, row in rows:
+        pf, pn = row["ptops_fp_control"]
+        print(
+            f"| {label} | {name} | {_cell(row['ptops'])} (FP {pf}/{pn} controls) | "
+            + " | ".join(_cell(row[f"oracle {a:.0%}"]) for a in ALPHAS)
+            + " | "
+            + " | ".join(_cell(row[f"oracle joint {a:.0%}"]) for a in ALPHAS)
+            + f" | {_cell(row['oracle known 0%'])} |"
+        )
+    print()
+    print(
+        "| scenario | seeds | rldoctor (FP on controls) | oracle at rldoctor's FP rate: "
+        "held-out; reward + held-out | FP rate at which the oracle's median reaches rldoctor's "
+        "(all its alerts; those at/after the onset): held-out; reward + held-out |"
+    )
+    print("|---|---|---|---|---|")
+    for label, name, row in rows:
+        if "rldoctor" not in row:
+            continue
+        rld = res[label]["rldoctor"]
+        rate = f"{rld['fp_runs']}/{rld['fp_traces']}" if rld["fp_traces"] else "not measured"
+        at = [row.get(f"oracle {k} at rldoctor's FP rate") for k in ("held", "joint")]
+        reach = []
+        for k in ("held", "joint"):
+            r = [row[f"oracle {k} reaches rldoctor's {q} at"] for q in ("median", "at/after")]
+            reach.append(
+                ", ".join(f"{x['fp_rate']:.1%} for {x['target']:+.0f}" if x else "-" for x in r)
+            )
+        print(
+            f"| {label} | {name} | {_cell(row['rldoctor'])} (FP {rate}, seeds {rld['seeds']}) | "
+            + "; ".join(_cell(x) if x else "-" for x in at)
+            + " | "
+            + "; ".join(reach)
+            + " |"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -455,7 +777,32 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="ptops alone on the reward-hacking tuning set (seeds 1000-1059)",
     )
+    ap.add_argument(
+        "--bound",
+        action="store_true",
+        help="reward hacking: the oracle's delay at 0/1/5 %% false alarms vs ptops and rldoctor",
+    )
+    ap.add_argument("--bound-cal", type=int, default=300, help="healthy runs per family (--bound)")
+    ap.add_argument("--bound-seeds", type=int, default=100, help="hacked seeds 0..N-1 (--bound)")
+    ap.add_argument(
+        "--bound-rldoctor-seeds",
+        type=int,
+        default=15,
+        help="seeds rldoctor runs on (--bound; 0: its alerts from the table's JSON, seeds 0-4)",
+    )
     args = ap.parse_args(argv)
+    if args.bound:
+        logging.disable(logging.CRITICAL)
+        t0, c0 = time.time(), time.process_time()
+        table = REPO / "bench" / "results" / "rl_early_warning.json"
+        res = bound(args.bound_cal, args.bound_seeds, args.bound_rldoctor_seeds, table)
+        res["elapsed_s"] = time.time() - t0
+        res["cpu_s"] = time.process_time() - c0
+        print_bound(res)
+        print(f"({res['elapsed_s']:.0f} s wall, {res['cpu_s']:.0f} s CPU)")
+        out = REPO / "bench" / "results" / "rl_early_warning_bound.json"
+        out.write_text(json.dumps(res, indent=1, default=str))
+        return 0
     if args.tune_hacking:
         logging.disable(logging.CRITICAL)
         tune_hacking(

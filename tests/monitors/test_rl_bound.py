@@ -1,0 +1,58 @@
+"""The RL bench's evidence bound (``bench/rl_early_warning.py --bound``): the oracle's threshold,
+calibrated on healthy runs, false-alarms on exactly the number of them it claims, and the oracle
+it calibrates tells the bench's hacks from its healthy control."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from conftest import REPO
+
+
+def _bench():
+    name = "rl_early_warning_bench"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "rl_early_warning.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _healthy(b, n: int, every: int):
+    runs = []
+    for s in range(b.CAL_SEED0, b.CAL_SEED0 + n):
+        steps, ev = b.evidence(b.hacking(s, every, hacked=False)[0])
+        runs.append((steps, ev["joint"]))
+    return runs
+
+
+def test_threshold_false_alarms_on_the_claimed_number_of_healthy_runs():
+    b = _bench()
+    runs = _healthy(b, 30, 10)
+    maxima = [float(stat.max()) for _, stat in runs]
+    assert len(set(maxima)) == len(maxima)  # no ties: the counts below are exact
+    for fp in (0, 1, 3, 10):
+        h = b.threshold(maxima, fp)
+        # the alarm the bench reports, run by run, not just the maxima
+        alarms = sum(b.alarm(steps, stat, h) is not None for steps, stat in runs)
+        assert alarms == fp, (fp, h, alarms)
+        # and it is the lowest such threshold: any lower one alarms on one run more
+        lower = b.threshold(maxima, fp + 1)
+        assert lower < h
+        assert sum(b.alarm(steps, stat, lower) is not None for steps, stat in runs) == fp + 1
+    assert all(b.alarm(steps, stat, b.threshold(maxima, 30)) for steps, stat in runs)
+
+
+def test_oracle_catches_hacks_after_the_onset_and_knows_the_onset():
+    b = _bench()
+    h = b.threshold([float(stat.max()) for _, stat in _healthy(b, 30, 1)], 0)
+    for s in range(3):
+        recs, at = b.hacking(s, 1)
+        steps, ev = b.evidence(recs)
+        first = b.alarm(steps, ev["joint"], h)
+        assert first is not None and at <= first <= at + 40, (s, at, first)
+        known = b.evidence(recs, at)[1]["known"]
+        assert not known[: at - 1].any()  # no evidence before the onset it is given
+        assert known[at + 30] > 10  # and plenty 30 steps after it
