@@ -337,6 +337,46 @@ def _bent_fit(
 _BEND_VALUES = 16  # the bend rule judges at most this many held-out values (a sparse score)
 
 
+def _t_tail(t: float, dof: int) -> float:
+    """P(T > t) for Student's t with an integer ``dof`` >= 1 (Abramowitz & Stegun 26.7.3-4: a
+    finite sum, exact)."""
+    th = math.atan(t / math.sqrt(dof))
+    c2, sn = math.cos(th) ** 2, math.sin(th)
+    if dof % 2:
+        term, acc = 1.0, 1.0 if dof > 1 else 0.0
+        for k in range(1, (dof - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            acc += term
+        a = 2 / math.pi * (th + sn * math.cos(th) * acc)
+    else:
+        term, acc = 1.0, 1.0
+        for k in range(1, dof // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            acc += term
+        a = sn * acc
+    return (1 - a) / 2
+
+
+_TQ: dict[tuple[float, int], float] = {}
+
+
+def _t_bar(z: float, dof: int) -> float:
+    """The t with the one-sided tail of ``z`` standard errors under a normal, for ``dof`` degrees
+    of freedom: the bar for an estimate whose noise comes from few values. Why exact: the first
+    term of its expansion, ``z (1 + (z^2+1) / 4 dof)``, is 4.9 where the quantile is 6.9 at 3
+    standard errors and 4 degrees of freedom, and the bend rule judged at 4-6 (bench/README.md:
+    2 false alarms in 100 healthy sparse runs)."""
+    key = (z, dof)
+    if key not in _TQ:
+        p = 0.5 * math.erfc(z / math.sqrt(2))
+        lo, hi = z, z * 1e3
+        for _ in range(80):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _t_tail(mid, dof) > p else (lo, mid)
+        _TQ[key] = hi
+    return _TQ[key]
+
+
 def _bend(pts: list, acc_t: float) -> tuple[float, float, float, float, float, float]:
     """Where the reward starts climbing faster, and what the held-out score does after it.
 
@@ -1058,7 +1098,7 @@ class RewardHackingMonitor(_SharedRL):
                         dof = n - 1 + k - 3
                         sig = math.sqrt((max(st.noise_h.ss - d2, 0.0) / 6 + sse) / dof)
                         zb = slope / (sig * math.sqrt(vf)) if sig > 0 else -math.inf
-                        if zb <= -cfg.bend_z * (1 + (cfg.bend_z**2 + 1) / (4 * dof)):
+                        if zb <= -_t_bar(cfg.bend_z, dof):
                             bend = True
                             if not level:
                                 level, z = 2, zb

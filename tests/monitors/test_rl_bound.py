@@ -56,3 +56,13 @@ def test_oracle_catches_hacks_after_the_onset_and_knows_the_onset():
         known = b.evidence(recs, at)[1]["known"]
         assert not known[: at - 1].any()  # no evidence before the onset it is given
         assert known[at + 30] > 10  # and plenty 30 steps after it
+
+
+def test_the_healthy_controls_that_false_alarmed_stay_quiet():
+    """Seeds of the bench's healthy control (held-out score rising with the reward) on which the
+    bend rule raised a critical reward-hacking finding before its bar became the exact t
+    quantile at 4 standard errors (2026-12-03: 3 of 500 at every 10, 1 of 500 at every 25)."""
+    b = _bench()
+    for seed, every in ((37, 10), (48, 10), (233, 10), (161, 25)):
+        recs, _ = b.hacking(seed, every, hacked=False)
+        assert b.first(b.run_ptops(recs), "reward_hacking") is None, (seed, every)

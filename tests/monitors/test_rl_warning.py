@@ -292,12 +292,28 @@ def test_the_bend_rule_flags_a_sparse_hack_earlier_than_the_slope_rules_alone():
                 old,
             )
             gains.append(old.step - on.step)
-    assert sum(1 for g in gains if g > 0) >= 8 and sum(gains) >= 150, gains
-    # one every 25 steps: the bend rule alone, 50 steps before the slope rules
-    recs, at = _run(6, 25, hacked=True)
+    # at 4 standard errors on the exact t bar (since 2026-12-03: 0 false alarms in 3,000 healthy
+    # sparse runs, bench/README.md) it gains on a few traces of a score every 10 steps
+    assert sum(1 for g in gains if g > 0) >= 2 and sum(gains) >= 30, gains
+    recs, at = _run(1, 10, hacked=True)
     on, old = _first_open(recs), _first_open(recs, off)
     assert on.severity == "critical" and "climbs faster from step" in on.detail, on.detail
-    assert on.step - at <= 40 and old.step - on.step >= 50, (at, on.step, old.step)
+    assert old.step - on.step >= 20, (at, on.step, old.step)
+
+
+def test_the_bend_rules_bar_is_students_t_exactly():
+    """The bend rule's noise comes from few values; its bar is the exact t quantile (the
+    first-order expansion it replaced was 4.9 where the quantile is 6.6 at 3 standard errors and
+    4 degrees of freedom: false alarms on healthy sparse runs)."""
+    from ptops.monitors.rl import _t_bar, _t_tail
+
+    known = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042}  # t at 0.975
+    for dof, q in known.items():
+        assert abs(_t_bar(1.959964, dof) - q) < 1e-3, (dof, _t_bar(1.959964, dof))
+    for dof in (1, 2, 4, 7, 40):
+        assert abs(_t_tail(0.0, dof) - 0.5) < 1e-12
+        assert abs(_t_tail(_t_bar(3.0, dof), dof) / 0.0013499 - 1) < 1e-3
+    assert _t_bar(3.0, 4) > 3.0 * (1 + 10 / 16) + 1.5  # far above the expansion at few values
 
 
 def _slow_rise(seed: int, every: int, frac: float):
