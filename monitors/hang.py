@@ -268,8 +268,12 @@ class HangFinding:
     section: str = (
         ""  # the budget that ran out (startup section, first_step, step, checkpoint, ...)
     )
+    # > 0: judged while the supervisor was this far behind the clock, each rank at what its own
+    # connection had had handled (a silent node found under a backlog)
+    behind_s: float = 0.0
 
     def as_event(self, attempt: int) -> dict:
+        extra = {"behind_s": round(self.behind_s, 3)} if self.behind_s > 0 else {}
         return {
             "attempt": attempt,
             "ranks": self.ranks,
@@ -280,6 +284,7 @@ class HangFinding:
             "timeout_s": round(self.timeout_s, 3),
             "stalled": self.stalled,
             "why": self.why,
+            **extra,
         }
 
 

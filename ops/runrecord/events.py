@@ -231,6 +231,7 @@ SPECS: dict[EventKind, EventSpec] = {
             "stacks_s",
             "teardown_s",
             "found_ts",
+            "behind_s",
         ),
         state=RunState.HUNG,
         finding=True,

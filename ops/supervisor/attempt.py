@@ -178,7 +178,7 @@ class AttemptMixin:
                     # may be queued waits for the rule above
                     silent = self.monitor.check(now + CHECK_S, self.rank_judge(now, judge))
                     if silent is not None and silent.why == "unresponsive":
-                        finding = silent
+                        finding = dataclasses.replace(silent, behind_s=now - judge)
                 next_check = now + (time.monotonic() - now) / CHECK_SHARE
                 if finding is not None:
                     finding = dataclasses.replace(

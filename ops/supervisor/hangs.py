@@ -37,7 +37,13 @@ class HangMixin:
                 if finding.section and finding.section not in finding.phase
                 else ""
             )
-            + f", step {finding.step}); collecting stacks"
+            + f", step {finding.step}"
+            + (
+                f"; judged on its own connection, the supervisor {finding.behind_s:.0f} s behind"
+                if getattr(finding, "behind_s", 0) > 0
+                else ""
+            )
+            + "); collecting stacks"
         )
         found_ts = time.time()
         t0 = time.monotonic()

@@ -788,6 +788,8 @@ def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
 
 
 def test_behind_a_backlog_a_rank_silent_on_a_caught_up_connection_is_found_at_the_clock():
+    from ptops.ops.runrecord.events import SPECS, EventKind
+
     """Under a backlog the check judges each rank at what its own connection has had handled:
     the node whose connection is read and empty is judged at the clock (silent: found), the
     ranks whose messages may wait in the queue at their connection's oldest arrival (not
@@ -801,6 +803,9 @@ def test_behind_a_backlog_a_rank_silent_on_a_caught_up_connection_is_found_at_th
     found = mon.check(now, judge=behind.__getitem__)
     assert found is not None and found.ranks == [2] and found.why == "unresponsive"
     assert found.stalled == [2] and found.silent_s == pytest.approx(6.0)
+    assert "behind_s" not in found.as_event(1)  # the loop sets it (attempt.py): the lag judged at
+    ev = dataclasses.replace(found, behind_s=3.0).as_event(1)
+    assert ev["behind_s"] == 3.0 and "behind_s" in SPECS[EventKind.HANG].optional
     assert mon.check(now - 3.0) is None  # the global rule: all judged at the oldest arrival
     alike = mon.check(now)  # all judged at the clock: every rank quiet, none told apart
     assert alike is not None and alike.ranks == [0, 1, 2] and alike.why != "unresponsive"
