@@ -677,9 +677,8 @@ class HangMonitor:
         first = min(culprits, key=lambda r: self.ranks[r].last_progress)
         judged = next((r for r in culprits if r in stalled), stalled[0])
         deadline, timeout, phase, section = self._budget(judged)
-        if (pausing and judged not in pausing) or at[
-            judged
-        ] <= deadline:  # stalled by the unresponsive rule
+        by_silence = (pausing and judged not in pausing) or at[judged] <= deadline
+        if by_silence:  # stalled by the unresponsive rule
             timeout, phase = self._stale_after(self.ranks[judged]), f"unresponsive in {phase}"
         return HangFinding(
             ranks=culprits,

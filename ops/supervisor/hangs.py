@@ -40,7 +40,7 @@ class HangMixin:
             + f", step {finding.step}"
             + (
                 f"; judged on its own connection, the supervisor {finding.behind_s:.0f} s behind"
-                if getattr(finding, "behind_s", 0) > 0
+                if finding.behind_s > 0
                 else ""
             )
             + "); collecting stacks"

@@ -312,6 +312,7 @@ def test_the_bend_rules_bar_is_students_t_exactly():
         assert abs(_t_bar(1.959964, dof) - q) < 1e-3, (dof, _t_bar(1.959964, dof))
     for dof in (1, 2, 4, 7, 40):
         assert abs(_t_tail(0.0, dof) - 0.5) < 1e-12
+        assert abs(_t_tail(_t_bar(4.0, dof), dof) / 3.16712e-5 - 1) < 1e-3  # far out, few dof
         assert abs(_t_tail(_t_bar(3.0, dof), dof) / 0.0013499 - 1) < 1e-3
     assert _t_bar(3.0, 4) > 3.0 * (1 + 10 / 16) + 1.5  # far above the expansion at few values
 
