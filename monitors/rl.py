@@ -24,7 +24,6 @@ record, no per-record window copies.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import deque
 from typing import Any, Mapping
@@ -358,13 +357,17 @@ def _t_tail(t: float, dof: int) -> float:
     return (1 - a) / 2
 
 
-@functools.lru_cache(maxsize=None)
+_TQ: dict[tuple[float, int], float] = {}  # (z, dof) -> _t_bar: a pure function, computed once
+
+
 def _t_bar(z: float, dof: int) -> float:
     """The t with the one-sided tail of ``z`` standard errors under a normal, for ``dof`` degrees
     of freedom: the bar for an estimate whose noise comes from few values. Why exact: the first
     term of its expansion, ``z (1 + (z^2+1) / 4 dof)``, is 4.9 where the quantile is 6.6 at 3
     standard errors and 4 degrees of freedom, and the bend rule judged at 4-6 (bench/README.md:
     2 false alarms in 100 healthy sparse runs)."""
+    if (z, dof) in _TQ:
+        return _TQ[(z, dof)]
     p = 0.5 * math.erfc(z / math.sqrt(2))
     lo, hi = z, 2 * z
     while _t_tail(hi, dof) > p:  # bracket it (at 1 degree of freedom and 4 standard errors: ~1e4)
@@ -372,6 +375,7 @@ def _t_bar(z: float, dof: int) -> float:
     for _ in range(80):  # bisection: the tail falls as t rises
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if _t_tail(mid, dof) > p else (lo, mid)
+    _TQ[(z, dof)] = hi
     return hi
 
 
