@@ -22,9 +22,16 @@ be stopped with it, and have their stacks read where they live. The agent, per n
    and when the agent itself dies, the kernel kills torchrun (``PR_SET_PDEATHSIG``), whose
    ranks die with it the same way (``ops/rank/entry.py``). No orphan on any node.
 
+A local run is a one-node run through the same agent (issue 24: the code every laptop run tests is
+the code that runs at 16k nodes): the supervisor starts it directly with the launcher it chose
+(torchrun, or ``warmlaunch`` on a warm restart) in ``PTOPS_NODE_ARGV`` and that launcher's log in
+``PTOPS_NODE_LOG``; the agent then exits as the launcher did (its code, or its signal) and lets a
+SIGTERM reach the launcher instead of dying first (the ranks' graceful stop).
+
 Environment (set by the supervisor's Slurm attempt, ``ops/slurm/inside.py``): ``PTOPS_CHANNEL``,
 ``PTOPS_CHANNEL_TOKEN`` (upstream), ``PTOPS_NODE_NPROC``, ``PTOPS_NODE_MASTER``,
 ``PTOPS_NODE_PORT``, ``PTOPS_NODE_NNODES``; node rank from ``SLURM_NODEID`` (one task per node).
+Local (``ops/supervisor/attempt.py``): ``PTOPS_NODE_ARGV`` (JSON list), ``PTOPS_NODE_LOG``.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ from ptops.ops.rank.channel import (
 from ptops.ops.supervisor import procs, stacks
 
 UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"
+ARGV_ENV = "PTOPS_NODE_ARGV"  # a local attempt's launcher command (JSON list)
+LOG_ENV = "PTOPS_NODE_LOG"  # ... and the file its output goes to
 STACKS_PREFIX = b'{"t":"stacks"'  # a rank's answer to ``stacks``, as ``encode`` writes it
 
 
@@ -75,7 +84,10 @@ class Agent:
     def __init__(self, env: dict[str, str]):
         self.env = env
         self.node = socket.gethostname()
-        self.node_rank = int(env.get("SLURM_NODEID") or env.get("PTOPS_NODE_RANK") or 0)
+        self.launcher = _launcher_argv(env.get(ARGV_ENV))  # None: Slurm's torchrun, built here
+        # local: one node whatever the environment (a run started inside an allocation)
+        node_id = None if self.launcher is not None else env.get("SLURM_NODEID")
+        self.node_rank = int(node_id or env.get("PTOPS_NODE_RANK") or 0)
         self.nnodes = int(env.get("PTOPS_NODE_NNODES") or env.get("SLURM_NNODES") or 1)
         self.attempt = int(env.get("PTOPS_ATTEMPT") or 0)
         self.upstream_timeout = float(env.get(UPSTREAM_TIMEOUT_ENV) or 10.0)
@@ -114,7 +126,7 @@ class Agent:
     # ------------------------------------------------------------ ranks
     def start_ranks(self) -> None:
         nproc = self.env.get("PTOPS_NODE_NPROC", "1")
-        argv = [
+        argv = self.launcher or [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(self.nnodes),
             "--node-rank", str(self.node_rank),
@@ -134,12 +146,21 @@ class Agent:
         path = os.path.join(log_dir, f"torchrun-{self.node}.log") if log_dir else os.devnull
         from pathlib import Path
 
-        self.proc = procs.spawn(argv, env, Path(path))
+        self.proc = procs.spawn(argv, env, Path(self.env.get(LOG_ENV) or path))
+        if self.launcher is not None:
+            log(f"local node: launcher pid {self.proc.pid} ({nproc} rank(s)): {argv[2]}")
+            return
         log(
             f"node rank {self.node_rank}/{self.nnodes}: torchrun pid {self.proc.pid} ({nproc} "
             "rank(s)), "
             f"rendezvous {self.env['PTOPS_NODE_MASTER']}:{self.env['PTOPS_NODE_PORT']}"
         )
+
+    def _on_term(self, signum: int, _frame: Any) -> None:
+        """Local: a graceful stop (the supervisor's teardown) is the launcher's to carry out; dying
+        here first would SIGKILL it (``PR_SET_PDEATHSIG``) before the ranks could stop."""
+        if self.proc is not None and self.proc.poll() is None:
+            procs.killpg(self.proc.pid, signum)
 
     def kill_ranks(self) -> None:
         if self.proc is None:
@@ -364,17 +385,40 @@ class Agent:
         self.up.send({"t": "node_exit", "code": rc})
         self.up.close()
         log(f"done ({self.why})")
+        if self.launcher is not None:
+            return rc  # the supervisor reads the launcher's own status (blame.root_cause)
         return 0 if rc == 0 else 1
+
+
+def _launcher_argv(raw: str | None) -> list[str] | None:
+    if not raw:
+        return None
+    argv = json.loads(raw)
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        raise ValueError(f"{ARGV_ENV}: expected a JSON list of strings, got {raw[:80]!r}")
+    return argv
+
+
+def _exit_as(rc: int) -> None:
+    """Exit with the launcher's status: its code, or death by its signal."""
+    if rc < 0:
+        if -rc != signal.SIGKILL:  # its disposition cannot be set (nor needs to be)
+            signal.signal(-rc, signal.SIG_DFL)
+        os.kill(os.getpid(), -rc)
+        time.sleep(1)  # a signal whose default is not to die (none torchrun dies of): exit below
+    sys.exit(rc if rc >= 0 else 128 - rc)
 
 
 def main() -> None:
     procs.die_with_parent()  # srun's task (slurmstepd) gone -> this agent gone -> torchrun gone
     try:
         agent = Agent(dict(os.environ))
-    except ConnectionError as e:
+    except (ConnectionError, ValueError) as e:
         log(str(e))
         sys.exit(1)
-    sys.exit(agent.run())
+    if agent.launcher is not None:
+        signal.signal(signal.SIGTERM, agent._on_term)
+    _exit_as(agent.run())
 
 
 if __name__ == "__main__":

@@ -242,8 +242,15 @@ class AttemptMixin:
 
     # ---------------------------------------------- launch backend hooks (ops/slurm overrides them)
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
-        """The process that runs one attempt's ranks: local torchrun here, or the warm pool's
-        launcher once the pool is up (a restart); ``srun`` + node agents in Slurm."""
+        """The process that runs one attempt's ranks: this machine's node agent (a one-node run:
+        the path of every node of a Slurm run, ``ops/node/agent.py``) around local torchrun, or
+        around the warm pool's launcher once the pool is up (a restart); ``srun`` + node agents in
+        Slurm."""
+        cmd = self._launcher_command(attempt, extra)
+        log = self.run.logs(attempt) / "torchrun.log"
+        return launcher.node_agent_command(cmd, self.recipe.launch.nproc, log)
+
+    def _launcher_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
         cmd = launcher.rank_command(self.recipe, self.run, attempt, extra_env=extra)
         if self.warm is None:
             return cmd

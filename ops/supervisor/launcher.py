@@ -7,6 +7,7 @@ command (``rank_command``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -101,6 +102,21 @@ def rank_command(
     env.update({"PTOPS_RUN_DIR": str(run.path.resolve()), "PTOPS_ATTEMPT": str(attempt)})
     env.update(extra_env or {})
     return RankCommand(argv, env)
+
+
+def node_agent_command(cmd: RankCommand, nproc: int, log: Path) -> RankCommand:
+    """``cmd`` (torchrun, or warmlaunch) run by a node agent on this machine: the ranks connect
+    to the agent, which relays them to the supervisor as every node of a Slurm run does. The
+    launcher's output goes to ``log`` (the agent's own lines too: the supervisor's file)."""
+    env = {
+        **cmd.env,
+        "PTOPS_NODE_ARGV": json.dumps(cmd.argv),
+        "PTOPS_NODE_LOG": str(log),
+        "PTOPS_NODE_NPROC": str(nproc),
+        "PTOPS_NODE_NNODES": "1",
+        "PTOPS_NODE_RANK": "0",
+    }
+    return RankCommand([sys.executable, "-m", "ptops.ops.node.agent"], env)
 
 
 def rank_constants(omp_num_threads: int) -> dict[str, str]:

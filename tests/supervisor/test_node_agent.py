@@ -10,6 +10,7 @@ ranks are this test); the wire format is in ``ops/rank/channel.py``."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import random
 import threading
@@ -431,3 +432,77 @@ def test_a_node_file_reads_back_rank_by_rank(tmp_path):
     res = analyse(tmp_path, blamed=[10])
     assert res is not None and 10 in res["odd"]["ranks"]
     assert node_sections("garbage\n#### rank x ####\n") == {}  # a hostile file: nothing, no error
+
+
+# ------------------------------------------------------------ the local path (a one-node run)
+def test_a_local_attempt_runs_its_launcher_through_the_node_agent(tmp_path):
+    """Every local attempt is a one-node run: the supervisor starts the agent, which starts the
+    launcher it was given (torchrun, or warmlaunch on a warm restart; here a stand-in rank) with
+    its output where the supervisor reads torchrun's lines; the rank reaches the supervisor through
+    the agent (a node peer), and the agent exits as the launcher did. A Slurm variable in the
+    environment (a run started inside an allocation) does not make it node 3 of something."""
+    import subprocess
+    import sys
+
+    from ptops.ops.supervisor.launcher import RankCommand, node_agent_command
+
+    rank = (
+        "import os, sys; from ptops.ops.rank.channel import ChannelClient, ENV_ADDRESS, ENV_TOKEN; "
+        "c = ChannelClient(os.environ[ENV_ADDRESS], os.environ[ENV_TOKEN], "
+        "{'rank': 0, 'pid': os.getpid(), 'attempt': 1}); "
+        "c.send({'t': 'beat', 'step': 1, 'phase': 'step'}); c.close(); "
+        "print('launcher says bye'); sys.exit(3)"
+    )
+    server = ChannelServer()
+    log = tmp_path / "torchrun.log"
+    cmd = node_agent_command(RankCommand([sys.executable, "-c", rank], {}), 1, log)
+    assert cmd.argv[-2:] == ["-m", "ptops.ops.node.agent"]
+    assert json.loads(cmd.env["PTOPS_NODE_ARGV"])[1] == "-c"
+    env = {**os.environ, **cmd.env, ENV_ADDRESS: server.address(), ENV_TOKEN: server.token}
+    env.update({"SLURM_NODEID": "3", "PTOPS_ATTEMPT": "1"})
+    try:
+        with open(log, "ab") as out:
+            agent = subprocess.Popen(cmd.argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+            peer, beat, _ = _next(server, "beat", timeout=30)
+            assert agent.wait(timeout=30) == 3
+    finally:
+        server.close()
+    assert beat["step"] == 1 and peer.rank == 0
+    assert peer.via is not None and peer.via.hello["node_rank"] == 0  # through the node agent
+    text = log.read_text()
+    assert "launcher says bye" in text and "local node: launcher pid" in text
+
+
+@pytest.mark.parametrize("raw", ["{}", "[]", '["python", 3]', '"python"'])
+def test_a_launcher_that_is_not_a_list_of_strings_is_refused(raw):
+    from ptops.ops.node.agent import _launcher_argv
+
+    with pytest.raises(ValueError, match="PTOPS_NODE_ARGV: expected a JSON list of strings"):
+        _launcher_argv(raw)
+
+
+@pytest.mark.parametrize("code", [0, 1, 3, -9, -15])
+def test_the_local_agent_exits_as_its_launcher_did(code):
+    """The supervisor blames on the launcher's status (blame.root_cause): a code passes through,
+    and so does death by a signal."""
+    import subprocess
+    import sys
+
+    prog = f"from ptops.ops.node.agent import _exit_as; _exit_as({code})"
+    assert subprocess.run([sys.executable, "-c", prog], timeout=30).returncode == code
+
+
+def test_the_agent_starts_without_the_supervisors_imports():
+    """The agent is started on every attempt, restarts included: importing it must not pull in
+    the supervisor (~0.7 s: pydantic, the monitors, the recipes) or torch."""
+    import subprocess
+    import sys
+
+    prog = (
+        "import sys, ptops.ops.node.agent; "
+        "print(sorted(m for m in sys.modules if m.startswith(('ptops.ops.supervisor.core', "
+        "'ptops.monitors', 'ptops.recipes', 'torch', 'pydantic'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
