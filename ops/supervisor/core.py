@@ -11,15 +11,16 @@ Why it is split: each part answers one question a person asks at 03:00.
 - ``hangs``: stacks of every rank at a hang; ``stop``: Ctrl-C / SIGTERM.
 - ``monitorfeed``: the pure metric monitors live; ``actions``: what their findings do.
 
-One attempt = one torchrun started by ``launcher.rank_command``, plus the channel's
+One attempt = one torchrun (``launcher.rank_command``) under this machine's node agent
+(``launcher.node_agent_command``: a local run is a one-node run), plus the channel's
 address and token in the environment. The loop reads the channel, writes
 ``metrics.jsonl``, ``events.jsonl`` and ``status.json``, and ends an attempt on:
 
 - completion (torchrun exit 0 and every step recorded) -> ``completed``;
 - a crash (a rank left without saying goodbye, or torchrun exited non-zero)
   -> ``crash {attempt, rank, exit_code}``, restart by policy;
-- a hang (monitors.hang) -> stacks of every rank into
-  ``stacks/attempt-K/rank-R.txt``, ``hang {attempt, ranks, step, silent_s}``,
+- a hang (monitors.hang) -> stacks of every rank, gathered by its node agent, into
+  ``stacks/attempt-K/node-NAME.txt``, ``hang {attempt, ranks, step, silent_s}``,
   teardown, restart by policy;
 - SIGINT / SIGTERM -> save request to the ranks (if their engine supports it),
   teardown, ``stopped``, exit 130 / 143.

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PTOPS, REPO, run_ptops
+
 from ptops.diagnostics.stacks import node_sections
 
 # the default path, torchrun and the run's own pool, not the session's standing pool
