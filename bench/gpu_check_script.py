@@ -183,7 +183,7 @@ def launch(
         for r in recs
         if isinstance(r.get("memory_max_allocated_gib"), (int, float))
     ]
-    stacks = sorted(run.glob("stacks/attempt-*/rank-*.txt"))
+    stacks = sorted(run.glob("stacks/attempt-*/node-*.txt"))  # one file a node, a local run too
     return {
         "exit": proc.returncode,
         "wall_s": round(time.monotonic() - t0, 1),
