@@ -11,7 +11,10 @@ the supervisor's ``time.monotonic()`` at receipt, so hosts' clocks never matter)
   step n, e.g. the ``hold`` fault);
 - ``{"kind": "metrics", "rank": r, "step": n, "step_s": s}``: step n finished (progress);
 - ``{"kind": "ping", "rank": r}``: liveness only (a thread of the rank is alive), no progress;
-- ``{"kind": "exit", "rank": r}``: the rank left on purpose; it is no longer watched.
+- ``{"kind": "exit", "rank": r, "code": c}``: the rank left on purpose; it is no longer watched.
+  ``code`` 0 (it finished) puts the live ranks in the final shutdown's budget (``finishing``):
+  the job is ending, and a peer's teardown (a process group's destructor, a logger's flush) may
+  outlast a step's budget, most of all where no step is known to be the last (a user's script).
 
 Why budgets are learned, not tuned: one fixed timeout is either too long for a 0.1 s step
 or too short for a 20-minute checkpoint load. Each *section* (a startup sub-phase, the
@@ -345,6 +348,7 @@ class HangMonitor:
             "launch": [(self.start_ts, r) for r in range(self.world_size)]
         }
         self._seen: list[tuple[float, int]] = []
+        self.finished_ts: float | None = None  # a rank's clean exit: the job is ending
         self.full_checks = 0  # checks that walked every rank (the rest looked at the heaps only)
 
     def _new_rank(self) -> _Rank:
@@ -368,6 +372,8 @@ class HangMonitor:
         if kind == "exit":
             st.exited = True
             self._rdv_version += 1
+            if rec.get("code") == 0 and self.finished_ts is None:
+                self.finished_ts = ts
             return
         step = int(rec.get("step", st.step) or 0)
         section = st.section
@@ -533,7 +539,7 @@ class HangMonitor:
             t = self.section_timeout(section)
             return since + t, t, "startup", section
         if section == "checkpoint":
-            if c.total_steps is not None and st.step >= c.total_steps:
+            if (c.total_steps is not None and st.step >= c.total_steps) or self.finished_ts:
                 return (
                     since + c.checkpoint_s,
                     c.checkpoint_s,
@@ -545,7 +551,9 @@ class HangMonitor:
         if section == EVAL:
             t = self.section_timeout(EVAL)
             return st.last_progress + t, t, EVAL, EVAL
-        if c.total_steps is not None and st.step >= c.total_steps and st.pos[1] >= _STAGE["end"]:
+        if (
+            c.total_steps is not None and st.step >= c.total_steps and st.pos[1] >= _STAGE["end"]
+        ) or self.finished_ts is not None:
             return since + c.checkpoint_s, c.checkpoint_s, "finishing", "finishing"
         if section == "data":
             t = self.section_timeout("data")

@@ -355,7 +355,7 @@ class MessagesMixin:
         code = int(msg.get("code", 0))
         if info is not None:
             info.exit_code, info.error = code, msg.get("error")
-        self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts})
+        self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts, "code": code})
         if code != 0:
             self.blame.note(rank, code, GOODBYE, ts)
 

@@ -548,3 +548,19 @@ def test_second_step_of_a_fresh_run_is_judged_by_its_first_step():
     run_steps(m, 1, 1, startup(m, 0.0), 3.0)  # only the first step is known
     assert m.step_timeout() == pytest.approx(30.0, rel=0.05)  # 10 x the first step, not 300 s
     assert m.section_timeout("data") == m.step_timeout()
+
+
+def test_a_peers_clean_exit_gives_the_others_the_shutdowns_budget():
+    """A user's script has no known last step (``total_steps`` None): once a rank left cleanly the
+    job is ending, and a peer still tearing down (a process group's destructor: 5 s once on a
+    loaded box, a false hang at the end of a finished run) is judged by the final shutdown's budget,
+    not a step's. A rank that left with an error changes nothing: its peers' step budget stands."""
+    for code, hang_after in ((0, DEFAULTS.checkpoint_s), (1, 5.0)):
+        m = HangMonitor(2, 0.0, DEFAULTS)
+        t = run_steps(m, 1, 12, startup(m, 0.0), 0.1)
+        m.observe({"kind": "exit", "rank": 0, "ts": t, "code": code})
+        ping(m, t, t + hang_after + 2, ranks=[1])
+        no_hang_until(m, t, t + hang_after - 1, step=1)
+        found = m.check(t + hang_after + 1)
+        assert found is not None and found.ranks == [1], (code, found)
+        assert found.phase == ("finishing" if code == 0 else "step")
