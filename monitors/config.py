@@ -378,12 +378,12 @@ class RewardHackingConfig(_Strict):
         "estimate before the fall rule judges",
     )
     bend_z: float = Field(
-        4.0,
+        3.0,
         ge=0,
         description="hacking (critical), a sparse held-out score (at most 16 values over four "
         "spans): after the step where the reward starts climbing faster (its bend), the held-out "
-        "slope on a line bent there this many standard errors down (raised to the t quantile); "
-        "no confirmation needed; 0 = off",
+        "slope on a line bent there this many standard errors down (raised to the t quantile for "
+        "the noise estimate's honest degrees of freedom); no confirmation needed; 0 = off",
     )
     bend_t: float = Field(
         3.0,
