@@ -410,3 +410,38 @@ def test_the_bend_rules_noise_counts_its_degrees_of_freedom_honestly():
     p = NormalDist().cdf(-2.5)
     assert 0.7 * p <= rate(True) <= 1.15 * p, (rate(True), p)
     assert rate(False) > 1.2 * p  # the naive count: the test can tell them apart
+
+
+def test_the_noise_keeps_apart_the_differences_before_a_window():
+    """``_Noise.before``: the second differences whose three values all precede a step (the bend
+    rule pools only those with its window's residuals: the window's own would count its values
+    twice); after a rewind the redone values' differences start over, the old ones stay in the
+    sums (other evaluations of the same score) but count as before any window."""
+    from ptops.monitors.rl import _BEND_VALUES, _Noise
+
+    rng = random.Random(7)
+    vals = [(10 * i, rng.gauss(0, 1)) for i in range(1, 41)]
+    nz = _Noise()
+    for s, v in vals:
+        nz.add(v, s)
+
+    def direct(upto: int, series) -> tuple[float, int]:
+        v = [x for s, x in series if s < upto]
+        d = [v[i + 1] - 2 * v[i] + v[i - 1] for i in range(1, len(v) - 1)]
+        return sum(x * x for x in d), len(d)
+
+    for first in (400 - 10 * (_BEND_VALUES - 1), 300, 350, 401):
+        ss, n = nz.before(first)
+        want = direct(first, vals)
+        assert n == want[1] and abs(ss - want[0]) < 1e-9, (first, ss, n, want)
+    # rewind to step 300: values 300.. are redone with new noise
+    kept = [(s, v) for s, v in vals if s < 300]
+    nz.rewind(300, tuple(v for _, v in kept[-2:]))
+    redo = [(s, rng.gauss(0, 1)) for s in range(300, 410, 10)]
+    for s, v in redo:
+        nz.add(v, s)
+    old = direct(10**9, vals)[0] - direct(300, vals)[0]  # the rewound-away differences
+    for first in (320, 350):
+        ss, n = nz.before(first)
+        new = direct(first, kept + redo)
+        assert abs(ss - (new[0] + old)) < 1e-9, (first, ss, new, old)
