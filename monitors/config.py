@@ -378,7 +378,7 @@ class RewardHackingConfig(_Strict):
         "estimate before the fall rule judges",
     )
     bend_z: float = Field(
-        3.0,
+        4.0,
         ge=0,
         description="hacking (critical), a sparse held-out score (at most 16 values over four "
         "spans): after the step where the reward starts climbing faster (its bend), the held-out "

@@ -292,19 +292,15 @@ def test_the_bend_rule_flags_a_sparse_hack_earlier_than_the_slope_rules_alone():
                 old,
             )
             gains.append(old.step - on.step)
-    # at 3 standard errors on the exact t bar for its noise's honest degrees of freedom (since
-    # 2026-12-03, _bend_noise; bench/README.md) it gains on half the traces of a score every 10
-    # steps (6 of 12, 10-30 steps each), on none every 25 (too few values to know the noise)
-    assert sum(1 for g in gains if g > 0) >= 5 and sum(gains) >= 80, gains
-    recs, at = _run(2, 10, hacked=True)
-    on, old = _first_open(recs), _first_open(recs, off)
-    assert on.severity == "critical" and "climbs faster from step" in on.detail, on.detail
-    assert old.step - on.step >= 20, (at, on.step, old.step)
-    # where a slope rule holds at the same value, its text is shown, but the bend's evidence needs
-    # no confirmation: 30 steps earlier than the slope rules alone on this trace
+    # at 4 standard errors on the exact t bar for its noise's honest degrees of freedom (since
+    # 2026-12-03, _bend_noise; bench/README.md: the bar of 3 that count seemed to allow
+    # false-alarmed on held-out healthy seeds) it gains on one trace of these 24 (a score every 10
+    # steps, 10 steps), never loses; before that count (4 standard errors on n - 1 + k - 3 degrees
+    # of freedom) it gained on more traces and false-alarmed on healthy variants (bench/README.md)
+    assert sum(1 for g in gains if g > 0) >= 1 and sum(gains) >= 10, gains
     recs, at = _run(1, 10, hacked=True)
     on, old = _first_open(recs), _first_open(recs, off)
-    assert on.severity == "critical" and old.step - on.step >= 20, (at, on.step, old.step)
+    assert on.severity == "critical" and old.step - on.step >= 10, (at, on.step, old.step)
 
 
 def test_the_bend_rules_bar_is_students_t_exactly():
