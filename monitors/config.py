@@ -382,8 +382,8 @@ class RewardHackingConfig(_Strict):
         ge=0,
         description="hacking (critical), a sparse held-out score (at most 16 values over four "
         "spans): after the step where the reward starts climbing faster (its bend), the held-out "
-        "slope on a line bent there this many standard errors down (raised to the t quantile); "
-        "no confirmation needed; 0 = off",
+        "slope on a line bent there this many standard errors down (raised to the t quantile for "
+        "the noise estimate's honest degrees of freedom); no confirmation needed; 0 = off",
     )
     bend_t: float = Field(
         3.0,

@@ -379,14 +379,14 @@ def _t_bar(z: float, dof: int) -> float:
     return hi
 
 
-def _bend(pts: list, acc_t: float) -> tuple[float, float, float, float, float, float]:
+def _bend(pts: list, acc_t: float) -> tuple[float, float, float, float, float]:
     """Where the reward starts climbing faster, and what the held-out score does after it.
 
     The reward's bend: the pair step tau (at least two pairs up to it, one after it) where a line
     with one change of slope at tau fits the paired reward means best, the slope rising there by at
     least ``acc_t`` standard errors (else zeros). Returns (tau, that t, the held-out score's slope
-    after tau on a line bent at tau, its variance factor, the residual sum of squares of that line,
-    the square of the held-out second difference centred on tau: a bend, not noise)."""
+    after tau on a line bent at tau, its variance factor, the residual sum of squares of that
+    line)."""
     best, tau, acc, at = math.inf, 0.0, 0.0, 0
     k = len(pts)
     for j in range(1, k - 1):
@@ -396,30 +396,72 @@ def _bend(pts: list, acc_t: float) -> tuple[float, float, float, float, float, f
             best, tau, at = sse, t, j
             acc = g / math.sqrt(sse / (k - 3) * vf) if sse > 0 and vf > 0 else math.inf
     if not at or acc < acc_t:
-        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0, 0.0
     slope, _, vf, sse = _bent_fit(pts, tau, 2)
-    d2 = pts[at + 1][2] - 2 * pts[at][2] + pts[at - 1][2]
-    return tau, acc, slope, vf, sse, d2 * d2
+    return tau, acc, slope, vf, sse
+
+
+def _d2_dof(n: int) -> float:
+    """The degrees of freedom that ``n`` squared second differences of independent noise are worth
+    (Satterthwaite: 2 E[S]^2 / Var[S] for their sum S): neighbours share values (correlations -2/3
+    at lag 1, 1/6 at lag 2), so ``36 n^2 / (70 n - 36)``, about n / 2 - not n. Counted as n, a noise
+    estimate from few of them looks surer than it is, and a t bar for it is too low."""
+    return 36.0 * n * n / (70.0 * n - 36.0) if n > 0 else 0.0
+
+
+def _bend_noise(sse: float, k: int, before: tuple[float, int]) -> tuple[float, int]:
+    """(variance, integer degrees of freedom) of the held-out noise for the bend rule: the bent
+    line's residuals over its ``k`` values (``sse``, k - 3 degrees of freedom: exact for that
+    model), pooled with the second differences wholly before them (``before``: sum of squares,
+    count; ``_d2_dof`` degrees of freedom, so weighted by that over 6 x count), and nothing else -
+    the window's own second differences would count its values twice. The degrees of freedom are
+    rounded down (a higher bar)."""
+    sb, nb = before
+    db = _d2_dof(nb)
+    dof = k - 3 + db
+    return (sse + (sb * db / (6 * nb) if nb else 0.0)) / dof, int(dof)
 
 
 class _Noise:
     """A series' noise from its second differences: a steady trend cancels out (E[d2^2] = 6 sigma^2
     for independent noise), so a score that rises or falls does not look noisy; one kink adds one
-    term."""
+    term. The last ``_BEND_VALUES`` squared differences are kept with the step of their last value
+    (``before``: those wholly before a window, independent of a fit over it)."""
 
-    __slots__ = ("prev", "ss", "n")
+    __slots__ = ("prev", "ss", "n", "recent")
 
     def __init__(self) -> None:
         self.prev: tuple[float, ...] = ()
         self.ss = 0.0
         self.n = 0
+        self.recent: deque[tuple[float, float]] = deque(maxlen=_BEND_VALUES)
 
-    def add(self, v: float) -> None:
+    def add(self, v: float, step: float = 0.0) -> None:
         if len(self.prev) == 2:
             d2 = v - 2 * self.prev[1] + self.prev[0]
             self.ss += d2 * d2
             self.n += 1
+            self.recent.append((step, d2 * d2))
         self.prev = (self.prev[-1], v) if self.prev else (v,)
+
+    def rewind(self, step: float, prev: tuple[float, ...]) -> None:
+        """The run rewound to ``step``: the differences after it stay in the sums (the same score,
+        other evaluations: independent noise) but no longer overlap a window of the redone
+        values."""
+        while self.recent and self.recent[-1][0] >= step:
+            self.recent.pop()
+        self.prev = prev
+
+    def before(self, step: float) -> tuple[float, int]:
+        """(sum of squares, count) of the second differences whose three values all come before
+        ``step``: at most ``_BEND_VALUES`` values from the end, so within a bend window's reach."""
+        ss, n = self.ss, self.n
+        for s, q in reversed(self.recent):
+            if s < step:
+                break
+            ss -= q
+            n -= 1
+        return max(ss, 0.0), n
 
     def sigma(self) -> float:
         return math.sqrt(self.ss / self.n / 6) if self.n else math.inf
@@ -955,9 +997,7 @@ class RewardHackingMonitor(_SharedRL):
         st.xpairs.rewind(step)
         st.racc, st.rn = 0.0, 0
         st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
-        st.noise_h.prev = tuple(
-            p[2] for p in list(st.pairs.q)[-2:]
-        )  # its sums stay: the same score
+        st.noise_h.rewind(step, tuple(p[2] for p in list(st.pairs.q)[-2:]))
         st.h_level = st.h_conf = st.h_conf2 = 0
         st.h_quiet = True
 
@@ -1086,8 +1126,9 @@ class RewardHackingMonitor(_SharedRL):
                 # the bend rule (a sparse score): the reward starts climbing faster at some step
                 # (its bend, from the paired reward means: precise) and the held-out score falls
                 # after it, on a line bent there - continuous, so the values before the bend pin
-                # where the fall starts from, and 2 values after it can be enough. Its noise: the
-                # second differences (less the one on the bend) pooled with that line's residuals
+                # where the fall starts from, and 2 values after it can be enough. Its noise: that
+                # line's residuals pooled with the second differences before its values, each
+                # counted for the degrees of freedom it has (``_bend_noise``)
                 k = len(xp.q)
                 if (
                     cfg.bend_z
@@ -1095,10 +1136,10 @@ class RewardHackingMonitor(_SharedRL):
                     and xp.r_xa() >= cfg.trend_corr
                     and (climbs or lp.t_xa() >= cfg.rise_t)
                 ):
-                    tau, acc, slope, vf, sse, d2 = _bend(list(xp.q), cfg.bend_t)
+                    tau, acc, slope, vf, sse = _bend(list(xp.q), cfg.bend_t)
                     if slope < 0 and vf > 0:
-                        dof = n - 1 + k - 3
-                        sig = math.sqrt((max(st.noise_h.ss - d2, 0.0) / 6 + sse) / dof)
+                        var, dof = _bend_noise(sse, k, st.noise_h.before(xp.q[0][0]))
+                        sig = math.sqrt(var)
                         zb = slope / (sig * math.sqrt(vf)) if sig > 0 else -math.inf
                         if zb <= -_t_bar(cfg.bend_z, dof):
                             bend = True
@@ -1168,7 +1209,7 @@ class RewardHackingMonitor(_SharedRL):
             if st.h_last is None or step > st.h_last:
                 rm = st.racc / st.rn if st.rn else st.last_r
                 st.pairs.add(step, rm, hv)
-                st.noise_h.add(hv)
+                st.noise_h.add(hv, step)
                 st.lpairs.add(step, rm, hv)
                 if not st.h_min or st.h_min * _BEND_VALUES >= 4 * cfg.window:
                     st.xpairs.add(step, rm, hv)  # a sparse score only (a dense one: no cost)
