@@ -303,6 +303,28 @@ def test_the_bend_rule_flags_a_sparse_hack_earlier_than_the_slope_rules_alone():
     assert on.severity == "critical" and old.step - on.step >= 10, (at, on.step, old.step)
 
 
+def test_the_bend_rule_speaks_for_itself_on_a_stark_sparse_hack():
+    """The bend rule's own finding, end to end through the monitor (the generator above is too
+    noisy at the honest bar for it to lead there): the reward bends at step 100, the held-out score
+    (every 10 steps, noise 0.01) falls 0.006 a step after it; the bend rule names the bend and is
+    found 20 steps before the slope rules alone would be."""
+    from ptops.monitors.config import RewardHackingConfig
+
+    rng = random.Random(3)
+    recs = []
+    for t in range(1, 301):
+        d = max(0, t - 100)
+        recs.append(
+            {"step": t, "rank": 0, "reward": 0.3 + 0.0005 * t + 0.005 * d + rng.gauss(0, 0.03)}
+        )
+        held = 0.3 + 0.0004 * t - 0.006 * d + rng.gauss(0, 0.01)
+        if t % 10 == 0:
+            recs.append({"step": t, "rank": 0, "eval/accuracy": held})
+    on, old = _first_open(recs), _first_open(recs, RewardHackingConfig(bend_z=0))
+    assert on.severity == "critical" and "climbs faster from step 100 on" in on.detail, on.detail
+    assert on.step == 111 and old.step - on.step >= 20, (on.step, old.step)
+
+
 def test_the_bend_rules_bar_is_students_t_exactly():
     """The bend rule's noise comes from few values; its bar is the exact t quantile (the
     first-order expansion it replaced was 4.9 where the quantile is 6.6 at 3 standard errors and
