@@ -89,7 +89,7 @@ def test_forecast_fires_before_the_threshold_is_crossed():
         assert abs(forecast_step - crossing) <= 25, (forecast_step, crossing, warn.detail)
 
 
-def _hacking(every: int, seed: int):
+def _hacking(every: int, seed: int, fall: float = 0.003, noise: float = 0.015):
     rng = random.Random(seed)
     out = []
     for t in range(1, 201):
@@ -97,7 +97,7 @@ def _hacking(every: int, seed: int):
         out.append(
             {"step": t, "rank": 0, "reward": 0.3 + 0.0005 * t + 0.006 * d + rng.gauss(0, 0.03)}
         )
-        held = 0.3 + 0.0004 * t - 0.003 * d + rng.gauss(0, 0.015)
+        held = 0.3 + 0.0004 * t - fall * d + rng.gauss(0, noise)
         if every == 1:
             out[-1]["rewards_verifier_mean"] = held
         elif t % every == 0:
@@ -310,16 +310,7 @@ def test_the_bend_rule_speaks_for_itself_on_a_stark_sparse_hack():
     found 20 steps before the slope rules alone would be."""
     from ptops.monitors.config import RewardHackingConfig
 
-    rng = random.Random(3)
-    recs = []
-    for t in range(1, 301):
-        d = max(0, t - 100)
-        recs.append(
-            {"step": t, "rank": 0, "reward": 0.3 + 0.0005 * t + 0.005 * d + rng.gauss(0, 0.03)}
-        )
-        held = 0.3 + 0.0004 * t - 0.006 * d + rng.gauss(0, 0.01)
-        if t % 10 == 0:
-            recs.append({"step": t, "rank": 0, "eval/accuracy": held})
+    recs = _hacking(10, 3, fall=0.006, noise=0.01)
     on, old = _first_open(recs), _first_open(recs, RewardHackingConfig(bend_z=0))
     assert on.severity == "critical" and "climbs faster from step 100 on" in on.detail, on.detail
     assert on.step == 111 and old.step - on.step >= 20, (on.step, old.step)
