@@ -528,6 +528,10 @@ class HangMonitor:
             return math.inf, math.inf, HOLD, HOLD
         section = st.section
         since = max(st.last_progress, self.resumed_at)
+        # the run's end: past its known last step, or a peer already left cleanly
+        ending = self.finished_ts is not None or (
+            c.total_steps is not None and st.step >= c.total_steps
+        )
         if section in STARTUP_SECTIONS or section == "first_step":
             if section == "rendezvous":
                 everyone = self._all_in_rendezvous()
@@ -539,7 +543,7 @@ class HangMonitor:
             t = self.section_timeout(section)
             return since + t, t, "startup", section
         if section == "checkpoint":
-            if (c.total_steps is not None and st.step >= c.total_steps) or self.finished_ts:
+            if ending:
                 return (
                     since + c.checkpoint_s,
                     c.checkpoint_s,
@@ -551,9 +555,7 @@ class HangMonitor:
         if section == EVAL:
             t = self.section_timeout(EVAL)
             return st.last_progress + t, t, EVAL, EVAL
-        if (
-            c.total_steps is not None and st.step >= c.total_steps and st.pos[1] >= _STAGE["end"]
-        ) or self.finished_ts is not None:
+        if ending and (self.finished_ts is not None or st.pos[1] >= _STAGE["end"]):
             return since + c.checkpoint_s, c.checkpoint_s, "finishing", "finishing"
         if section == "data":
             t = self.section_timeout("data")

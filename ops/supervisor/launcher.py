@@ -108,10 +108,12 @@ def node_agent_command(cmd: RankCommand, nproc: int, log: Path) -> RankCommand:
     """``cmd`` (torchrun, or warmlaunch) run by a node agent on this machine: the ranks connect
     to the agent, which relays them to the supervisor as every node of a Slurm run does. The
     launcher's output goes to ``log`` (the agent's own lines too: the supervisor's file)."""
+    from ptops.ops.node import agent  # light (no torch, no supervisor), and only here
+
     env = {
         **cmd.env,
-        "PTOPS_NODE_ARGV": json.dumps(cmd.argv),
-        "PTOPS_NODE_LOG": str(log),
+        agent.ARGV_ENV: json.dumps(cmd.argv),
+        agent.LOG_ENV: str(log),
         "PTOPS_NODE_NPROC": str(nproc),
         "PTOPS_NODE_NNODES": "1",
         "PTOPS_NODE_RANK": "0",
