@@ -70,8 +70,7 @@ from ptops.ops.rank.channel import (
 from ptops.ops.supervisor import procs, stacks
 
 UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"
-ARGV_ENV = "PTOPS_NODE_ARGV"  # a local attempt's launcher command (JSON list)
-LOG_ENV = "PTOPS_NODE_LOG"  # ... and the file its output goes to
+ARGV_ENV, LOG_ENV = procs.NODE_ARGV_ENV, procs.NODE_LOG_ENV
 STACKS_PREFIX = b'{"t":"stacks"'  # a rank's answer to ``stacks``, as ``encode`` writes it
 
 

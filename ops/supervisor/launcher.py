@@ -19,6 +19,7 @@ from pathlib import Path
 from ptops.ops.runrecord.events import EventKind
 from ptops.ops.runrecord.metrics import MetricsIndexError, rank0_records, segments
 from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
+from ptops.ops.supervisor import procs
 from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 
 # Sections that change how a run is watched, not what it computes: a resume may retune them.
@@ -108,12 +109,10 @@ def node_agent_command(cmd: RankCommand, nproc: int, log: Path) -> RankCommand:
     """``cmd`` (torchrun, or warmlaunch) run by a node agent on this machine: the ranks connect
     to the agent, which relays them to the supervisor as every node of a Slurm run does. The
     launcher's output goes to ``log`` (the agent's own lines too: the supervisor's file)."""
-    from ptops.ops.node import agent  # light (no torch, no supervisor), and only here
-
     env = {
         **cmd.env,
-        agent.ARGV_ENV: json.dumps(cmd.argv),
-        agent.LOG_ENV: str(log),
+        procs.NODE_ARGV_ENV: json.dumps(cmd.argv),
+        procs.NODE_LOG_ENV: str(log),
         "PTOPS_NODE_NPROC": str(nproc),
         "PTOPS_NODE_NNODES": "1",
         "PTOPS_NODE_RANK": "0",

@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+# a local attempt's node agent: the launcher it runs (JSON list) and the file its output goes to
+# (here, not in ops/node, so the supervisor names them without importing the agent)
+NODE_ARGV_ENV = "PTOPS_NODE_ARGV"
+NODE_LOG_ENV = "PTOPS_NODE_LOG"
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
