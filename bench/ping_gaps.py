@@ -4,16 +4,18 @@
 
 A rank (a subprocess with a real probe, heartbeat 1 s) runs 6 s of torch matmuls, a ``torch.save``
 of a 400 MB tensor, then builds and sorts a 30M-element list (one C call that holds the GIL); the
-supervisor's side (a channel server here) records the longest silence in each. The liveness rule
+receiving side (its agent's listener) records the longest silence in each. The liveness rule
 (`ping_stale_s`, default 4 s, never below the step budget) must not fire on the first two.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,17 +38,28 @@ p.close()
 """  # noqa: E501
 
 
-def main() -> int:
-    from ptops.ops.supervisor.channel import ChannelServer
+def _lines(listen: socket.socket):
+    """The rank's lines as they arrive, stamped (a rank's channel is its node agent's loopback
+    listener; what matters here is when the rank sends, so a plain listener stands in for it)."""
+    conn, _ = listen.accept()
+    buf = b""
+    while True:
+        data = conn.recv(65536)
+        if not data:
+            return
+        ts, buf = time.monotonic(), buf + data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield json.loads(line), ts
 
-    server = ChannelServer()
+
+def main() -> int:
+    listen = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{listen.getsockname()[1]}"
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", CODE, tmp, server.address(), server.token], cwd=REPO
-        )
+        proc = subprocess.Popen([sys.executable, "-c", CODE, tmp, addr, "token"], cwd=REPO)
         last, gaps, phase = None, {}, "start"
-        while True:
-            peer, msg, ts = server.inbox.get(timeout=300)
+        for msg, ts in _lines(listen):
             if msg.get("t") == "beat":
                 if last is not None:
                     gaps[phase] = max(gaps.get(phase, 0.0), ts - last)
@@ -55,10 +68,10 @@ def main() -> int:
                 if last is not None:
                     gaps[phase] = max(gaps.get(phase, 0.0), ts - last)
                 last = ts
-            if msg.get("t") in ("exit", "_eof"):
+            if msg.get("t") == "exit":
                 break
         proc.wait()
-    server.close()
+    listen.close()
     out = {k: round(v, 2) for k, v in gaps.items() if k not in ("start", "end")}
     print(json.dumps({"largest_gap_s": out}))
     return 0

@@ -114,6 +114,7 @@ def probe_cost(n: int = 5000) -> dict:
     file."""
     import threading
 
+    from ptops.ops.node.agent import relay_in_thread
     from ptops.ops.rank.probe import Probe
     from ptops.ops.runrecord.rundir import append_jsonl
     from ptops.ops.supervisor.channel import ChannelServer
@@ -130,6 +131,8 @@ def probe_cost(n: int = 5000) -> dict:
     with tempfile.TemporaryDirectory() as d:
         run = Path(d)
         server = ChannelServer()
+        relay = relay_in_thread(server.address(), server.token)
+        agent = relay.__enter__()  # the rank's channel is its node agent
         stop = threading.Event()
 
         def consume():  # what the supervisor does with each message
@@ -138,12 +141,14 @@ def probe_cost(n: int = 5000) -> dict:
                     _, msg, _ = server.inbox.get(timeout=0.1)
                 except Exception:
                     continue
-                if msg.get("t") == "metrics":
-                    append_jsonl(run / "sup-metrics.jsonl", msg["rec"])
+                for _, m, _ in msg["items"] if msg.get("t") == "_batch" else [(0, msg, 0)]:
+                    if m.get("t") == "metrics":
+                        append_jsonl(run / "sup-metrics.jsonl", m["rec"])
 
         threading.Thread(target=consume, daemon=True).start()
         for mode in ("file", "channel"):
-            kw = {"channel": server.address(), "token": server.token} if mode == "channel" else {}
+            kw = {"channel": agent.local_address, "token": agent.local_token}
+            kw = kw if mode == "channel" else {}
             probe = Probe(run, 0, 1, **kw)
             t0 = time.perf_counter()
             for step in range(1, n + 1):
@@ -155,6 +160,7 @@ def probe_cost(n: int = 5000) -> dict:
             out[f"{mode}_us_per_step"] = (time.perf_counter() - t0) / n * 1e6
             probe.close()
         stop.set()
+        relay.__exit__(None, None, None)
         server.close()
     return out
 

@@ -36,6 +36,7 @@ Local (``ops/supervisor/attempt.py``): ``PTOPS_NODE_ARGV`` (JSON list), ``PTOPS_
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import os
@@ -47,7 +48,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterator
 
 from ptops.ops.rank.channel import (
     ALIVE,
@@ -122,6 +123,11 @@ class Agent:
             connect_timeout=30.0,
         )
 
+    @property
+    def local_address(self) -> str:
+        """Where this node's ranks connect (with ``local_token``)."""
+        return f"127.0.0.1:{self._listen.getsockname()[1]}"
+
     # ------------------------------------------------------------ ranks
     def start_ranks(self) -> None:
         nproc = self.env.get("PTOPS_NODE_NPROC", "1")
@@ -137,7 +143,7 @@ class Agent:
             "-m", "ptops.ops.rank.entry",
         ]  # fmt: skip
         env = dict(self.env)
-        env[ENV_ADDRESS] = f"127.0.0.1:{self._listen.getsockname()[1]}"
+        env[ENV_ADDRESS] = self.local_address
         env[ENV_TOKEN] = self.local_token
         env["PTOPS_PTRACER_PID"] = str(os.getpid())  # the agent runs py-spy here (PR_SET_PTRACER)
         env["PTOPS_NODE"] = self.node
@@ -387,6 +393,28 @@ class Agent:
         if self.launcher is not None:
             return rc  # the supervisor reads the launcher's own status (blame.root_cause)
         return 0 if rc == 0 else 1
+
+
+@contextlib.contextmanager
+def relay_in_thread(address: str, token: str) -> Iterator[Agent]:
+    """An agent relaying in this process, with no launcher: tests and benches connect their own
+    ranks (``Probe``, ``ChannelClient``) to ``agent.local_address`` with ``agent.local_token``,
+    as torchrun's ranks do; the supervisor accepts no rank any other way."""
+    agent = Agent({ENV_ADDRESS: address, ENV_TOKEN: token, "PTOPS_NODE_RANK": "0"})
+    thread = threading.Thread(target=agent.relay_loop, name="ptops-node-relay", daemon=True)
+    thread.start()
+    try:
+        yield agent
+    finally:
+        agent.stop("over")
+        agent.up.close()
+        thread.join(timeout=3)
+        for conn in list(agent._conns.values()):  # what the agent's exit does to its ranks
+            try:
+                conn.close()
+            except OSError:
+                pass
+        agent._listen.close()
 
 
 def _launcher_argv(raw: str | None) -> list[str] | None:

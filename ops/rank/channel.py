@@ -2,21 +2,24 @@
 
 The supervisor listens (``127.0.0.1`` and a free port by default; the recipe's
 ``[supervisor].channel_host`` / ``channel_port`` change that for multi-node
-runs) and passes the address and a random token to every rank in
-``PTOPS_CHANNEL`` (``host:port``) and ``PTOPS_CHANNEL_TOKEN``. No shared
-filesystem is assumed: ranks on other hosts only need to reach the address.
+runs); every node agent gets the address and a random token, and passes its own
+loopback address and token to its ranks in ``PTOPS_CHANNEL`` (``host:port``) and
+``PTOPS_CHANNEL_TOKEN``. No shared filesystem is assumed: agents on other hosts
+only need to reach the address. A local run is a one-node run: the same agent.
 
-Every connection starts with a hello line::
+Every connection starts with a hello line (a rank's, to its agent)::
 
     {"t": "hello", "token": "...", "role": "rank", "rank": 0, "pid": 123, "host": "n1", "attempt": 1}
 
-A connection with a wrong token is closed without an answer. After the hello,
-ranks send ``beat`` / ``ping`` / ``metrics`` / ``fault`` / ``stacks`` / ``exit``
+A connection with a wrong token is closed without an answer; the supervisor closes
+an authenticated one whose role is not ``node`` or ``control`` after one
+``{"error": ...}`` line (a rank connects to its agent, never to the supervisor).
+After the hello, ranks send ``beat`` / ``ping`` / ``metrics`` / ``fault`` / ``stacks`` / ``exit``
 messages, and the supervisor sends commands (``{"cmd": "stacks", "id": 1}``,
-``{"cmd": "stop", ...}``, ``{"cmd": "fault", ...}``). ``role: "control"``
+``{"cmd": "stop", ...}``, ``{"cmd": "fault", ...}``), relayed by the agent. ``role: "control"``
 connections (``ptops inject``) send one request and read one answer.
 
-Node relay (multi-node runs, ``ops/node/agent.py``): the ranks of a node connect to their
+Node relay (every run, ``ops/node/agent.py``): the ranks of a node connect to their
 node agent on loopback exactly as above (the agent's own address and token), and the agent
 carries all of them over ONE connection to the supervisor, opened with::
 
@@ -27,7 +30,7 @@ Frames on that connection (one JSON object per line, as everywhere):
 - agent -> supervisor ``{"t": "r", "c": 3, "m": {...}}``: message ``m`` of the agent's local rank
   connection ``c`` (the agent's own number). The first ``m`` of a ``c`` is that rank's hello with
   the token removed (the agent checked it); the supervisor then sees a virtual peer per ``c`` and
-  every later ``m`` exactly as if the rank were connected directly (same handlers, same records).
+  every later ``m`` exactly as the rank sent it (the handlers see per-rank messages).
 - agent -> supervisor ``{"t": "g", "c": 3}``: connection ``c`` closed (the supervisor's ``_eof``).
 - supervisor -> agent ``{"t": "r", "c": 3, "m": {"cmd": ...}}``: a command for rank ``c``.
 - supervisor -> agent ``{"t": "ka"}`` every ``KEEPALIVE_S``: the agent kills its ranks when the
@@ -80,6 +83,7 @@ ENV_TOKEN = "PTOPS_CHANNEL_TOKEN"
 
 
 ROLE_NODE = "node"
+ROLE_CONTROL = "control"  # `ptops inject`, `ptops profile`, ...: a client of the supervisor
 RELAY = "r"  # a relayed rank message
 RELAY_GONE = "g"  # a relayed rank connection closed
 KEEPALIVE = "ka"

@@ -41,7 +41,6 @@ class AttemptMixin:
 
     def run_attempt(self, attempt: int) -> Outcome:
         self.ranks = {}
-        self.stacks_replies = {}
         self.stop_acks = {}
         self.blame = Blame()
         self.ckpt_started = {}

@@ -1,9 +1,10 @@
-"""The supervisor's side of the channel: accepts ranks and control clients, queues their messages.
+"""The supervisor's side of the channel: accepts node agents and control clients, queues messages.
 
 The wire format, token and address handling are in :mod:`ptops.ops.rank.channel` (the rank side).
-A node agent's connection (``role: "node"``) carries many ranks: each relayed rank becomes a
-virtual :class:`Peer` (``via`` the node's peer), so the handlers see the same per-rank messages
-as from a rank connected directly, and ``send`` to it is wrapped for the agent.
+A node agent's connection (``role: "node"``) carries its node's ranks: each relayed rank becomes a
+virtual :class:`Peer` (``via`` the node's peer), so the handlers see per-rank messages, and
+``send`` to it is wrapped for the agent. A rank connecting directly is refused: a local run is a
+one-node run through the same agent, so there is one path to test.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ptops.ops.rank.channel import (
     MAX_LINE,
     RELAY,
     RELAY_GONE,
+    ROLE_CONTROL,
     ROLE_NODE,
     encode,
     new_token,
@@ -35,6 +37,8 @@ from ptops.ops.rank.channel import (
 )
 
 NODE_FRAMES = (RELAY, RELAY_GONE, KEEPALIVE, ALIVE, BATCH)  # a node agent's own frame types
+DIRECT_ROLES = (ROLE_NODE, ROLE_CONTROL)  # who may connect; ranks arrive relayed by an agent
+REFUSED = "role %r refused: ranks connect through their node agent (python -m ptops.ops.node.agent)"
 
 
 @dataclass
@@ -101,6 +105,7 @@ class ChannelServer:
         # count), how many wait; the queue's length counts a batch as one
         self.received = 0
         self.handled = 0
+        self.refused = 0  # authenticated connections refused for their role (a direct rank)
         # a node agent's stacks at a hang (``node_stacks``), beside the inbox: the hang path waits
         # for them, and behind a backlog of 100,000s of messages they came after the wait ended
         self.replies: queue.Queue[tuple[Peer, dict[str, Any], float]] = queue.Queue()
@@ -268,6 +273,16 @@ class ChannelServer:
                     self._drop(peer)
                     return False
                 msg.pop("token", None)
+                if msg.get("role") not in DIRECT_ROLES:
+                    # a rank reaches the supervisor only through its node agent (one path for
+                    # one node and many: issue 24 item 2); told why, then dropped
+                    self.refused += 1
+                    try:
+                        peer.sock.sendall(encode({"error": REFUSED % msg.get("role", "rank")}))
+                    except OSError:
+                        pass
+                    self._drop(peer)
+                    return False
                 peer.hello = msg
                 peer.authed = True
                 self._put((peer, {**msg, "t": "_hello"}, now))

@@ -107,7 +107,6 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.monitor: HangMonitor | None = None
         self.learned = Learned()  # hang sections' durations, kept across attempts
         self.misconfigured: dict[str, Any] | None = None
-        self.stacks_replies: dict[int, dict] = {}
         self.node_peers: dict[
             str, Any
         ] = {}  # node name -> its agent's channel peer (multi-node attempts)

@@ -69,17 +69,16 @@ class HangMixin:
         )
 
     def collect_stacks(self, stack_dir: Path) -> dict[str, str]:
-        """Every rank's stacks: a rank connected directly into ``stack_dir/rank-R.txt``, the ranks
-        of a node agent into one ``stack_dir/node-NAME.txt`` (sections ``#### rank R ####``, read
-        back by ``diagnostics/stacks.py``); returns rank -> how it was obtained."""
+        """Every rank's stacks, gathered by its node agent into one ``stack_dir/node-NAME.txt``
+        (sections ``#### rank R ####``, read back by ``diagnostics/stacks.py``); returns rank ->
+        how it was obtained (a rank that never said hello: "never connected")."""
         stack_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(stack_dir, 0o700)
-        self.stacks_replies = {}
-        asked = []
         now = time.monotonic()
-        remote: dict[int, str] = {}  # rank -> node (its agent gathers the node's stacks)
         by_node: dict[str, tuple] = {}  # node -> (its peer, {"R": {c, pid, ask}})
         for info in self.ranks.values():
+            if info.peer is None or info.peer.via is None:
+                continue
             seen = (
                 self.monitor.ranks.get(info.rank).last_seen
                 if self.monitor and info.rank in self.monitor.ranks
@@ -87,64 +86,15 @@ class HangMixin:
             )
             # not even pinging (stopped, or stuck in C holding the GIL): straight to py-spy
             ask = not (seen is not None and now - seen > self.cfg.hang.ping_stale_s)
-            if info.peer is not None and info.peer.via is not None:
-                node = str(info.peer.via.hello.get("node") or info.host)
-                remote[info.rank] = node
-                entry = {"c": info.peer.sub, "pid": info.pid, "ask": ask and info.gone_ts is None}
-                by_node.setdefault(node, (info.peer.via, {}))[1][str(info.rank)] = entry
-                continue
-            if (
-                ask
-                and info.peer is not None
-                and info.gone_ts is None
-                and self.server.send(info.peer, {"cmd": "stacks", "id": info.rank})
-            ):
-                asked.append(info.rank)
+            node = str(info.peer.via.hello.get("node") or info.host)
+            entry = {"c": info.peer.sub, "pid": info.pid, "ask": ask and info.gone_ts is None}
+            by_node.setdefault(node, (info.peer.via, {}))[1][str(info.rank)] = entry
         self._ask_node_agents(by_node)
-        deadline = time.monotonic() + self.cfg.stack_timeout_s
-        while time.monotonic() < deadline and not all(r in self.stacks_replies for r in asked):
-            self.pump(0.1)
         self._wait_node_agents(by_node)
         notes: dict[str, str] = {}
         self._write_node_files(stack_dir, by_node, notes)
         for rank in range(self.world):
-            if rank in remote:
-                continue
-            path = stack_dir / f"rank-{rank}.txt"
-            reply = self.stacks_replies.get(rank)
-            if reply is not None:
-                stacks.write_private(
-                    path, f"# source: channel (the rank's own dump)\n{reply.get('text', '')}"
-                )
-                notes[str(rank)] = "channel"
-                fr = reply.get("flight_recorder_b64")
-                if fr:
-                    stacks.write_private(
-                        stack_dir / f"rank-{rank}.flight_recorder", base64.b64decode(fr)
-                    )
-                continue
-            info = self.ranks.get(rank)
-            if info is None:
-                stacks.write_private(
-                    path, "# no stack: this rank never connected to the supervisor\n"
-                )
-                notes[str(rank)] = "never connected"
-                continue
-            if info.host not in (self.host, "localhost") or not procs.alive(info.pid):
-                stacks.write_private(
-                    path, f"# no stack: rank unreachable (pid {info.pid} on {info.host})\n"
-                )
-                notes[str(rank)] = "unreachable"
-                continue
-            text, note = stacks.with_py_spy(info.pid)
-            if text is None:
-                text2, note2 = stacks.with_faulthandler(
-                    info.pid, self.run.logs(self.attempt) / f"rank-{rank}.stacks"
-                )
-                note = f"{note}; {note2}"
-                text = text2
-            stacks.write_private(path, f"# source: {note}\n{text or ''}")
-            notes[str(rank)] = note
+            notes.setdefault(str(rank), "never connected")
         for fr in stack_dir.parent.glob(f"attempt-{self.attempt}/flight_recorder_rank_*"):
             notes.setdefault("flight_recorder", str(fr))
         return notes

@@ -344,7 +344,8 @@ class MessagesMixin:
                 self.good = {"step": int(fields.get("step", 0)), "path": str(fields["path"])}
 
     def _on_stacks(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
-        self.stacks_replies[peer.rank] = msg
+        """A rank's own dump its agent relayed after the hang's deadline: the node's file was
+        written without it (py-spy's stacks, or why not); nothing to do."""
 
     def _on_stop_ack(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         self.stop_acks[peer.rank] = msg

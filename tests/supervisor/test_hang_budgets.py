@@ -305,22 +305,31 @@ def test_a_section_that_ended_in_the_same_read_is_learned_as_short():
 
 def test_probe_eval_pause_reaches_the_monitor_as_a_declared_pause(tmp_path):
     """``with probe.pause("eval", step)`` over a real channel: beats with phase eval, then step."""
+    import contextlib
+
+    from ptops.ops.node.agent import relay_in_thread
     from ptops.ops.rank.probe import Probe
     from ptops.ops.supervisor.channel import ChannelServer
 
     server = ChannelServer()
+    stack = contextlib.ExitStack()
+    stack.callback(server.close)
+    agent = stack.enter_context(relay_in_thread(server.address(), server.token))
     probe = Probe(
-        tmp_path, 0, 1, world_size=1, channel=server.address(), token=server.token, heartbeat_s=30
-    )
-    try:
+        tmp_path, 0, 1, world_size=1, channel=agent.local_address, token=agent.local_token,
+        heartbeat_s=30,
+    )  # fmt: skip
+    stack.callback(probe.close)
+    with stack:
         probe.startup("build")
         probe.world(1, 0)
         with probe.pause("eval", 7):
             pass
         got = []
-        while len(got) < 5:
+        while len(got) < 5:  # the rank's messages, its agent's batches opened
             peer, msg, ts = server.inbox.get(timeout=10)
-            got.append(msg)
+            if msg.get("role") != "node":
+                got += [m for _, m, _ in msg["items"]] if msg["t"] == "_batch" else [msg]
         kinds = [(m.get("t"), m.get("phase"), m.get("section")) for m in got]
         assert kinds[0][0] == "_hello"
         assert ("beat", "startup", "build") in kinds and ("world", None, None) in kinds
@@ -339,9 +348,6 @@ def test_probe_eval_pause_reaches_the_monitor_as_a_declared_pause(tmp_path):
                 )
                 t += 100.0  # each phase lasts 100 s: the eval pause too, under its own budget
         assert m.learned.p99("eval") == pytest.approx(100.0, rel=0.05)
-    finally:
-        probe.close()
-        server.close()
 
 
 # ---------------------------------------------------------------- real runs, shipped defaults

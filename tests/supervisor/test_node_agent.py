@@ -13,13 +13,12 @@ import json
 import os
 import queue
 import random
-import threading
 import time
 
 import pytest
 
 from ptops.monitors.hang import HangConfig, HangMonitor
-from ptops.ops.node.agent import Agent
+from ptops.ops.node.agent import relay_in_thread
 from ptops.ops.rank.channel import (
     BATCH_S,
     ENV_ADDRESS,
@@ -52,17 +51,10 @@ def _next(server: ChannelServer, t: str, timeout: float = 10.0):
 @pytest.fixture
 def relay():
     server = ChannelServer()
-    env = {ENV_ADDRESS: server.address(), ENV_TOKEN: server.token, "PTOPS_NODE_RANK": "0"}
-    agent = Agent(env)
-    thread = threading.Thread(target=agent.relay_loop, daemon=True)
-    thread.start()
-    local = f"127.0.0.1:{agent._listen.getsockname()[1]}"
     try:
-        yield server, agent, local
+        with relay_in_thread(server.address(), server.token) as agent:
+            yield server, agent, agent.local_address
     finally:
-        agent.stop("test over")
-        agent.up.close()
-        thread.join(timeout=3)
         server.close()
 
 

@@ -15,6 +15,7 @@ import pytest
 from ptops.faultinject.inject import Injector
 from ptops.faultinject.spec import parse
 from ptops.monitors.hang import HangConfig, HangMonitor
+from ptops.ops.node.agent import relay_in_thread
 from ptops.ops.rank.channel import ChannelClient
 from ptops.ops.supervisor.blame import (
     GOODBYE,
@@ -216,54 +217,89 @@ def test_exited_rank_is_not_watched():
 
 
 def test_channel_roundtrip_and_auth():
+    """A rank's message reaches the supervisor through its node agent and a command comes back;
+    a wrong token is dropped unanswered; a rank connecting to the supervisor itself is refused
+    (one line saying why), so every rank takes the agent's path."""
     server = ChannelServer()
     try:
-        got = []
-        client = ChannelClient(
-            server.address(),
-            server.token,
-            {"role": "rank", "rank": 3, "attempt": 1},
-            on_message=got.append,
-        )
-        client.send({"t": "beat", "step": 1})
-        peer, hello, _ = server.inbox.get(timeout=5)
-        assert hello["t"] == "_hello" and hello["rank"] == 3 and "token" not in hello
-        assert server.inbox.get(timeout=5)[1] == {"t": "beat", "step": 1}
-        server.send(peer, {"cmd": "stacks", "id": 1})
-        deadline = time.monotonic() + 5
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert got == [{"cmd": "stacks", "id": 1}]
-        # a wrong token is dropped without an answer and never reaches the inbox
-        bad = ChannelClient(server.address(), "wrong", {"role": "rank", "rank": 9})
-        bad.send({"t": "beat", "step": 99})
-        time.sleep(0.3)
-        assert server.inbox.empty()
-        client.close()
-        assert server.inbox.get(timeout=5)[1] == {"t": "_eof"}
+        with relay_in_thread(server.address(), server.token) as agent:
+            got = []
+            client = ChannelClient(
+                agent.local_address,
+                agent.local_token,
+                {"role": "rank", "rank": 3, "attempt": 1},
+                on_message=got.append,
+            )
+            client.send({"t": "beat", "step": 1})
+            assert server.inbox.get(timeout=5)[1]["role"] == "node"  # the agent's own hello
+            peer, hello, _ = server.inbox.get(timeout=5)
+            assert hello["t"] == "_hello" and hello["rank"] == 3 and "token" not in hello
+            assert peer.via is not None and peer.via.role == "node"
+            _, batch, _ = server.inbox.get(timeout=5)
+            assert [m for _, m, _ in batch["items"]] == [{"t": "beat", "step": 1}]
+            server.send(peer, {"cmd": "stacks", "id": 1})
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert got == [{"cmd": "stacks", "id": 1}]
+            # a wrong token is dropped without an answer and never reaches the inbox
+            told = []
+            bad = ChannelClient(
+                server.address(), "wrong", {"role": "node", "node": "x"}, on_message=told.append
+            )
+            bad.send({"t": "ka"})
+            # the right token, but a rank of its own: refused, told why, never in the inbox
+            direct = ChannelClient(
+                server.address(),
+                server.token,
+                {"role": "rank", "rank": 9, "attempt": 1},
+                on_message=told.append,
+            )
+            direct.send({"t": "beat", "step": 99})
+            deadline = time.monotonic() + 5
+            while not told and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert (
+                len(told) == 1
+                and "refused" in told[0]["error"]
+                and "node agent" in told[0]["error"]
+            )
+            assert server.refused == 1 and server.inbox.empty()
+            client.close()
+            _, gone, _ = server.inbox.get(timeout=5)
+            assert gone == {"t": "_eof"}
     finally:
         server.close()
 
 
-def test_probe_dies_when_supervisor_channel_closes(tmp_path):
-    """The rank-side half of 'no orphans': channel EOF -> the rank kills itself."""
+def test_probe_dies_when_its_channel_closes(tmp_path):
+    """The rank-side half of 'no orphans': its node agent's connection ends (the agent exited:
+    its sockets close) -> the rank kills itself."""
     server = ChannelServer()
-    code = (
-        "import time\n"
-        "from ptops.ops.rank.probe import Probe\n"
-        f"p = Probe({str(tmp_path)!r}, 0, 1, channel={server.address()!r}, "
-        f"token={server.token!r}, heartbeat_s=0.2)\n"
-        "p.startup()\n"
-        "time.sleep(60)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code])
     try:
-        server.inbox.get(timeout=30)
-        server.close()
-        assert proc.wait(timeout=15) == -signal.SIGKILL
+        with relay_in_thread(server.address(), server.token) as agent:
+            code = (
+                "import time\n"
+                "from ptops.ops.rank.probe import Probe\n"
+                f"p = Probe({str(tmp_path)!r}, 0, 1, channel={agent.local_address!r}, "
+                f"token={agent.local_token!r}, heartbeat_s=0.2)\n"
+                "p.startup()\n"
+                "time.sleep(60)\n"
+            )
+            proc = subprocess.Popen([sys.executable, "-c", code])
+            try:
+                server.inbox.get(timeout=30)  # the agent
+                assert server.inbox.get(timeout=30)[1]["t"] == "_hello"  # the rank, relayed
+            except BaseException:
+                proc.kill()
+                raise
+        try:  # the agent's sockets are closed on leaving the block
+            assert proc.wait(timeout=15) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        server.close()
 
 
 # ---------------------------------------------------------------- injectors
