@@ -484,7 +484,8 @@ def run_one(args: argparse.Namespace) -> dict:
     counters_dir.mkdir(exist_ok=True)
     stop_file = work / "victim.json"
     rec, path = load(
-        args.recipe, [f"train.steps={args.total_steps}", f"supervisor.heartbeat_s={args.ping_s}"]
+        args.recipe,
+        [f"train.steps={args.total_steps}", f"supervisor.heartbeat_s={args.ping_s}", *args.set],
     )
     run = launcher.prepare_run(rec, path, work / "run")
     busy, gen_cpus = _starve() if args.starve else (None, "")
@@ -797,6 +798,13 @@ def main() -> None:
         "--sizes", default="64,1024,8192", help="several sizes, each in a child process"
     )
     ap.add_argument("--recipe", default="titan-tiny")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for the supervisor, e.g. supervisor.metrics_lines=node",
+    )
     ap.add_argument("--total-steps", type=int, default=1_000_000)
     ap.add_argument(
         "--steady", type=int, default=30, help="seconds of full load before the victim goes silent"
@@ -878,6 +886,7 @@ def main() -> None:
                 "--timeout",
                 str(a.timeout),
                 *(["--starve"] if a.starve else []),
+                *[x for kv in a.set for x in ("--set", kv)],
                 "--work",
                 d,
                 "--json",

@@ -207,6 +207,12 @@ class SupervisorSection(_Strict):
         description="metrics.jsonl past this size (MB) moves to the next metrics/NNNNNN.jsonl "
         "segment, described in metrics/index.jsonl (0: never rotate; docs/scale.md)",
     )
+    metrics_lines: Literal["rank", "node"] = Field(
+        "rank",
+        description="metrics.jsonl: a line per rank per step (rank), or a line per node batch "
+        "(node: each rank's keys that differ from its node's first record; every ptops reader "
+        "expands it to the same records; for thousands of nodes: docs/scale.md)",
+    )
     restart: RestartConfig = Field(
         RestartConfig(), description="restart policy (``ptops launch --supervise`` only)"
     )

@@ -17,6 +17,14 @@ An index line: ``{"file": "000001.jsonl", "lines", "bytes", "first_step", "last_
 0's records of the segment cut to :data:`RANK0_KEYS` (what ``ptops status`` and the goodput
 account read), so status never opens a described segment.
 
+A node line (``[supervisor] metrics_lines = "node"``, for thousands of nodes): a node agent's
+batch of step records as ONE line, ``["node", NAME, [ENTRY, ...]]``: an ENTRY is a record whole,
+or ``[J, {keys}]``, the record equal to entry J (an earlier whole one) but for those keys (the
+agent's batch certified it; the writer checks the rebuilt record equals it, key order included,
+else writes it whole). Readers expand it (:func:`records_of_line`) to the records a line each
+would hold, in order; a top-level array, so no rank's record can pass for one. Entries that do not
+rebuild are dropped, never their neighbours.
+
 The reader's contract: the segments are the files named ``NNNNNN.jsonl`` (six digits) in
 ``metrics/``, read in number order, then ``metrics.jsonl``; the index never adds, drops or
 reorders one (a rotation cut short before its index line leaves a segment the index does not
@@ -205,6 +213,42 @@ def _lines(f: Any, offset: int = 0) -> Iterator[tuple[int, bytes]]:
         yield offset, raw
 
 
+NODE_LINE = "node"
+
+
+def records_of_line(raw: bytes) -> list[dict[str, Any]]:
+    """The records one line holds: a record line's one, a node line's each (see the module
+    docstring); none for garbage."""
+    if not raw.startswith(b"["):
+        rec = parse_line(raw)
+        return [rec] if rec is not None else []
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return []
+    if not (
+        isinstance(line, list)
+        and len(line) == 3
+        and line[0] == NODE_LINE
+        and isinstance(line[2], list)
+    ):
+        return []
+    entries = line[2]
+    out: list[Any] = []  # entry index -> its record, None for one that did not rebuild
+    for e in entries:
+        if type(e) is dict:
+            out.append(e)
+            continue
+        ok = type(e) is list and len(e) == 2 and type(e[0]) is int and type(e[1]) is dict
+        j = e[0] if ok else -1
+        # a diff refers to an earlier entry written whole, never to another diff
+        if 0 <= j < len(out) and type(entries[j]) is dict:
+            out.append({**entries[j], **e[1]})
+        else:
+            out.append(None)
+    return [r for r in out if r is not None]
+
+
 def _segment_records(seg: Segment) -> Iterator[dict[str, Any]]:
     fd = _open_regular(seg.path)
     with os.fdopen(fd, "rb") as f:
@@ -230,9 +274,7 @@ def _records_of(f: Any) -> Iterator[dict[str, Any]]:
     for raw in f:  # one generator a line, no more: a full replay reads millions
         if not raw.endswith(b"\n"):
             return  # torn: its writer has not finished it
-        rec = parse_line(raw)
-        if rec is not None:
-            yield rec
+        yield from records_of_line(raw)
 
 
 def tail_records(run_path: str | Path, nbytes: int) -> Iterator[dict[str, Any]]:
@@ -264,15 +306,13 @@ def tail_records(run_path: str | Path, nbytes: int) -> Iterator[dict[str, Any]]:
                     f.readline()  # the rest of a cut line
                 start = f.tell()
             for _, raw in _lines(f, start):
-                rec = parse_line(raw)
-                if rec is None:
-                    continue
-                if cut:
-                    if not held or rec.get("step") == held[0].get("step"):
-                        held.append(rec)
-                        continue
-                    cut, held = False, []  # a step boundary: the cut step is dropped
-                yield rec
+                for rec in records_of_line(raw):
+                    if cut:
+                        if not held or rec.get("step") == held[0].get("step"):
+                            held.append(rec)
+                            continue
+                        cut, held = False, []  # a step boundary: the cut step is dropped
+                    yield rec
     yield from held  # no boundary in the window: the part of one step it holds
 
 
@@ -341,12 +381,16 @@ def _rank0_of(
             return
         whole = (rest + chunk).split(b"\n")
         rest = whole.pop()  # after the last newline: the next block's start, or a torn line
+        nodes = [x for x in whole if x.startswith(b"[")]  # node lines: parsed, to count them
         if lines is not None:
-            lines[0] += len(whole)
-        for raw in [x for x in whole if maybe_rank0(x)]:
-            rec = parse_line(raw)
-            if rec is not None and rec.get("rank", 0) == 0:
-                yield rank0_slim(rec)
+            lines[0] += len(whole) - len(nodes)
+        for raw in [x for x in whole if maybe_rank0(x) or x.startswith(b"[")]:
+            recs = records_of_line(raw)
+            if lines is not None and raw.startswith(b"["):
+                lines[0] += len(recs)
+            for rec in recs:
+                if rec.get("rank", 0) == 0:
+                    yield rank0_slim(rec)
 
 
 @dataclass
@@ -381,6 +425,11 @@ class _Stats:
         if rec.get("rank", 0) == 0:
             self.rank0.append(rank0_slim(rec))
 
+    def add_line(self, recs: list[dict[str, Any]], size: int) -> None:
+        """A line's records (a node line holds many): ``lines`` counts records, ``bytes`` bytes."""
+        for i, rec in enumerate(recs):
+            self.add(rec, size if i == 0 else 0)
+
     def entry(self, name: str) -> dict[str, Any]:
         return {
             "file": name,
@@ -401,9 +450,7 @@ def _scan(path: Path) -> _Stats:
     fd = _open_regular(path)
     with os.fdopen(fd, "rb") as f:
         for _, raw in _lines(f):
-            rec = parse_line(raw)
-            if rec is not None:
-                st.add(rec, len(raw))
+            st.add_line(records_of_line(raw), len(raw))
     return st
 
 
@@ -426,6 +473,7 @@ class MetricsWriter:
         self._next: int | None = None
         self.rotations = 0
         self._held: list[bytes] | None = None  # lines of a node's batch, written at its end
+        self._node: tuple[str, list, dict] | None = None  # a node line being built (``node``)
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -442,6 +490,45 @@ class MetricsWriter:
         finally:
             self._flush()
             self._held = None
+
+    @contextmanager
+    def node(self, name: str) -> Iterator[None]:
+        """The records appended inside become ONE node line (module docstring): a record its
+        node's batch certified equal to an earlier one but for some keys (``like``: that rank,
+        the keys) is written as those keys only. At 16k nodes a line a rank was the largest
+        part of the file and of the supervisor's encoding (docs/scale.md)."""
+        if self._node is not None:
+            yield
+            return
+        self._node = (name, [], {})
+        try:
+            yield
+        finally:
+            name, entries, _ = self._node
+            self._node = None
+            if entries:
+                self._line(
+                    [NODE_LINE, name, [e if type(e) is dict else [e[0], e[1]] for e in entries]],
+                    [e if type(e) is dict else e[2] for e in entries],
+                )
+
+    def _as_entry(self, record: dict[str, Any], like: Any) -> Any:
+        """``record`` as its node line's entry: whole, or (J, its keys, record) when the certified
+        leader's entry J rebuilt with those keys gives it back exactly."""
+        _, entries, whole = self._node  # type: ignore[misc]
+        step = record.get("step")
+        j = whole.get((like[0], step)) if like is not None else None
+        if j is not None:
+            try:
+                diff = {k: record[k] for k in like[1]}
+            except KeyError:
+                diff = None
+            if diff is not None:
+                back = {**entries[j], **diff}
+                if back == record and list(back) == list(record):  # checked, not assumed
+                    return (j, diff, record)
+        whole[(record.get("rank"), step)] = len(entries)
+        return record
 
     def _flush(self) -> None:
         held = self._held
@@ -467,8 +554,15 @@ class MetricsWriter:
             for seg in undescribed:
                 self._append_index(_scan(seg.path).entry(seg.path.name))
 
-    def append(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n").encode()
+    def append(self, record: dict[str, Any], like: Any = None) -> None:
+        """One record; ``like`` (``unbatch``'s certificate) lets a node line keep only its keys."""
+        if self._node is not None:
+            self._node[1].append(self._as_entry(record, like))
+            return
+        self._line(record, (record,))
+
+    def _line(self, obj: Any, records: Any) -> None:
+        line = (json.dumps(obj, separators=(",", ":"), allow_nan=True) + "\n").encode()
         if self._fd is None:
             self._open()
         if self._held is not None:
@@ -476,7 +570,7 @@ class MetricsWriter:
         else:
             os.write(self._fd, line)  # type: ignore[arg-type]
         if self.rotate_bytes > 0:
-            self._stats.add(record, len(line))
+            self._stats.add_line(records, len(line))
             if self._stats.bytes >= self.rotate_bytes:
                 self.rotate()
 
@@ -566,9 +660,7 @@ class MetricsTail:
             self.offset = 0
         for end, raw in _lines(self._f, self.offset):
             self.offset = end
-            rec = parse_line(raw)
-            if rec is not None:
-                yield rec
+            yield from records_of_line(raw)
 
     def records(self) -> Iterator[dict[str, Any]]:
         if self._f is None:

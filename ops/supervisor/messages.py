@@ -12,6 +12,7 @@ the attempt's live state (``ranks``, ``monitor``, ``blame``, ``step``, ``state``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import secrets
@@ -293,7 +294,7 @@ class MessagesMixin:
     def _on_metrics(self, peer: Peer, msg: dict[str, Any], ts: float, like: Any = None) -> None:
         rank = peer.rank
         rec = msg.get("rec") or {}
-        self.metrics_out.append(rec)
+        self.metrics_out.append(rec, like)
         info = self.ranks.get(rank)
         if info is not None:
             info.step = max(info.step, int(rec.get("step") or 0))
@@ -390,8 +391,9 @@ class MessagesMixin:
         """A node's batch of rank messages (``ChannelServer._batch``): each handled as if it had
         come alone, in the order sent; a record the batch certified equal to its node's first of
         the step but for some keys carries that (``like``) to the monitors."""
-        handle = self.handle
-        with self.metrics_out.held():  # the batch's records: one write
+        handle, out = self.handle, self.metrics_out
+        lines = out.node(str(peer.hello.get("node"))) if self.cfg.metrics_lines == "node" else None
+        with out.held(), lines or contextlib.nullcontext():  # the batch's records: one write
             for vp, m, like in msg.get("items") or ():
                 handle(vp, m, ts, like)
 
