@@ -491,11 +491,6 @@ class MetricsWriter:
             self._flush()
             self._held = None
 
-    def flush(self) -> None:
-        """Write what ``held`` holds so far (a caller about to wait)."""
-        if self._fd is not None:
-            self._flush()
-
     @contextmanager
     def node(self, name: str) -> Iterator[None]:
         """The records appended inside become ONE node line (module docstring): a record its

@@ -92,27 +92,19 @@ class MessagesMixin:
     def pump(self, timeout: float, drain: bool = False) -> None:
         """Handle channel messages for up to ``timeout`` seconds (``drain``: until quiet)."""
         deadline = time.monotonic() + timeout
-        inbox, out = self.server.inbox, self.metrics_out
-        # the records of what is queued go out in one write; nothing is held while waiting (a
-        # write a node batch was ~0.3 ms of the main thread at 2,048 ranks: bench/README.md)
-        with out.held():
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                try:
-                    peer, msg, ts = inbox.get_nowait()
-                except queue.Empty:
-                    out.flush()
-                    try:
-                        peer, msg, ts = inbox.get(timeout=left)
-                    except queue.Empty:
-                        return
-                self.server.took(peer, ts)
-                self.handle(peer, msg, ts)
-                self.server.handled += len(msg["items"]) if msg.get("t") == "_batch" else 1
-                if self.stop_signal is not None and not drain:
-                    return
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                peer, msg, ts = self.server.inbox.get(timeout=left)
+            except queue.Empty:
+                return
+            self.server.took(peer, ts)
+            self.handle(peer, msg, ts)
+            self.server.handled += len(msg["items"]) if msg.get("t") == "_batch" else 1
+            if self.stop_signal is not None and not drain:
+                return
 
     def handle(self, peer: Peer, msg: dict[str, Any], ts: float, like: Any = None) -> None:
         t = str(msg.get("t"))
@@ -401,7 +393,7 @@ class MessagesMixin:
         the step but for some keys carries that (``like``) to the monitors."""
         handle, out = self.handle, self.metrics_out
         lines = out.node(str(peer.hello.get("node"))) if self.cfg.metrics_lines == "node" else None
-        with out.held(), lines or contextlib.nullcontext():  # held: written with the pump's
+        with out.held(), lines or contextlib.nullcontext():  # the batch's records: one write
             for vp, m, like in msg.get("items") or ():
                 handle(vp, m, ts, like)
 

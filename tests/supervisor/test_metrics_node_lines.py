@@ -204,19 +204,28 @@ def test_a_ranks_record_cannot_pass_for_a_node_line():
     assert records_of_line(w_line) == [rec]
 
 
-def _supervisor(tmp_path, lines: str):
-    """The real supervisor of 4 nodes of 8 ranks (hello'd through their agents' peers), on a real
-    channel server whose inbox the test fills."""
+def test_the_supervisor_writes_node_lines_from_its_node_batches(tmp_path, sent):
+    """The supervisor's own path: node batches through ``_on_node_batch`` (the certificates as
+    the channel server passes them) with ``supervisor.metrics_lines=node``; read back as sent,
+    and the resume point reads across them."""
     from ptops.monitors.hang import HangMonitor
-    from ptops.ops.supervisor import Supervisor
-    from ptops.ops.supervisor.channel import ChannelServer, Peer
+    from ptops.ops.supervisor import Supervisor, launcher
+    from ptops.ops.supervisor.channel import Peer
     from ptops.recipes.schema import load
 
     world = 4 * PER_NODE
-    rec, _ = load("titan-tiny", [f"launch.nproc={world}", f"supervisor.metrics_lines={lines}"])
+    rec, _ = load("titan-tiny", [f"launch.nproc={world}", "supervisor.metrics_lines=node"])
     run = RunDir(tmp_path / "run").create()
     sup = Supervisor(rec, run, [], out=io.StringIO(), strategy="temporary")
-    sup.server, sup.attempt = ChannelServer(), 1
+
+    class Server:
+        def send(self, peer, msg):
+            return True
+
+        def address(self, advertise=""):
+            return "127.0.0.1:1"
+
+    sup.server, sup.attempt = Server(), 1
     sup.monitor = HangMonitor(world, 0.0, rec.supervisor.hang)
     nodes = {
         f"node{n}": Peer(
@@ -231,77 +240,15 @@ def _supervisor(tmp_path, lines: str):
             cid=r, sock=None, hello={"role": "rank", "rank": r, "attempt": 1, "pid": 1}, via=node
         )
         sup.handle(peers[r], {"t": "_hello"}, 1.0)
-
-    def batch(name, items):
-        return nodes[name], {
-            "t": "_batch",
-            "items": [(peers[r["rank"]], {"t": "metrics", "rec": r}, like) for r, like in items],
-        }
-
-    return sup, run, batch
-
-
-def test_the_supervisor_writes_node_lines_from_its_node_batches(tmp_path, sent):
-    """The supervisor's own path: node batches through ``_on_node_batch`` (the certificates as
-    the channel server passes them) with ``supervisor.metrics_lines=node``; read back as sent,
-    and the resume point reads across them."""
-    from ptops.ops.supervisor import launcher
-
-    sup, run, batch = _supervisor(tmp_path, "node")
-    try:
-        for i, (name, items) in enumerate(_batches(sent)):
-            sup.handle(*batch(name, items), 2.0 + i)
-    finally:
-        sup.server.close()
+    for i, (name, items) in enumerate(_batches(sent)):
+        batch = [(peers[rec_["rank"]], {"t": "metrics", "rec": rec_}, like) for rec_, like in items]
+        sup.handle(nodes[name], {"t": "_batch", "items": batch}, 2.0 + i)
     sup.metrics_out.close()
     raw = run.metrics.read_bytes()
     assert raw.startswith(b'["node","node0",') and raw.count(b"\n") == len(_batches(sent))
     assert _enc(run.read_metrics()) == _enc(sent)
     assert len(raw) < 0.35 * len(_enc(sent))  # the certified followers went as their keys
     assert launcher.completed_step(run) == 12
-
-
-@pytest.mark.parametrize("lines", ["rank", "node"])
-def test_the_pump_writes_what_was_queued_at_once_and_holds_nothing_while_it_waits(
-    tmp_path, sent, monkeypatch, lines
-):
-    """Node batches queued together go out in ONE write; once the inbox is empty the records are
-    in the file while the pump still waits for more (exporters and status read them)."""
-    import os
-    import threading
-    import time
-
-    sup, run, batch = _supervisor(tmp_path, lines)
-    writes: list[int] = []  # to metrics.jsonl (os.write is every module's: events too)
-    real_write = os.write
-    monkeypatch.setattr(
-        "ptops.ops.runrecord.metrics.os.write",
-        lambda fd, data: (
-            (writes.append(len(data)) if fd == sup.metrics_out._fd else None)
-            or real_write(fd, data)
-        ),
-    )
-    first = [b for b in _batches(sent) if b[1][0][0]["step"] == 1]  # step 1 of the 4 nodes
-    try:
-        for name, items in first:
-            sup.server.inbox.put((*batch(name, items), 2.0))
-        pump = threading.Thread(target=sup.pump, args=(60.0,), daemon=True)
-        pump.start()
-        want = 4 * PER_NODE
-        deadline = time.monotonic() + 30
-        while len(list(iter_metrics(run.path))) < want and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(list(iter_metrics(run.path))) == want and pump.is_alive()  # still waiting
-        assert len(writes) == 1  # the four batches: one write
-        sup.stop_signal = 15  # wakes the pump at its next message
-        node0 = batch("node0", [])[0]
-        sup.server.inbox.put((node0, {"t": "_alive", "seen": []}, 3.0))
-        pump.join(timeout=30)
-        assert not pump.is_alive()
-    finally:
-        sup.server.close()
-        sup.metrics_out.close()
-    assert _enc(run.read_metrics()) == _enc(sent[:want])
 
 
 def test_metrics_lines_is_a_checked_recipe_key():
