@@ -24,16 +24,17 @@ from conftest import REPO
 NEWER_TORCH = "2.14.1"
 
 
+def _pip_argv(py: Path, *args: str) -> list[str]:
+    return [str(py), "-m", "pip", "--disable-pip-version-check", *args]
+
+
+def _pip_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}  # a user's pip: no lock
+
+
 def _pip(py: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {
-        k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"
-    }  # a user's pip: no project lock
     return subprocess.run(
-        [str(py), "-m", "pip", "--disable-pip-version-check", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
+        _pip_argv(py, *args), capture_output=True, text=True, timeout=timeout, env=_pip_env()
     )
 
 
@@ -98,8 +99,45 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory, wheel):
-    """A venv that already holds torch 2.14.1, then ptops[trl] installed into it."""
+def resolving(tmp_path_factory, wheel):
+    """``test_resolver_keeps_an_older_torch_for_the_trl_extra``'s dry run, started in the
+    background before the image's installs: its resolve (one core, much of it waiting on the
+    registry) and the torch install (one core, unpacking) overlap on a 2-core box instead of
+    taking turns; the test waits for it. The venv's torch 2.11.0+cu130 is its dist-info alone
+    (the 3 GB of libraries do not change pip's decision)."""
+    root = tmp_path_factory.mktemp("resolver")
+    py = _venv(root / "venv")
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    info = site / "torch-2.11.0+cu130.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "RECORD").write_text("")
+    out, err = root / "report.json", root / "stderr.txt"
+    with out.open("w") as o, err.open("w") as e:  # files, not pipes: nothing waits on a reader
+        proc = subprocess.Popen(
+            _pip_argv(py, "install", "--dry-run", "--quiet", "--report", "-", f"{wheel}[trl]"),
+            stdout=o,
+            stderr=e,
+            env=_pip_env(),
+        )
+    yield proc, out, err
+    if proc.poll() is None:  # only the image's tests ran
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory, wheel, resolving):
+    """A venv that already holds torch 2.14.1, then ptops[trl] installed into it (the resolver
+    test's dry run, ``resolving``, runs meanwhile)."""
     root = tmp_path_factory.mktemp("image")
     py = _venv(root / "venv")
     got = _pip(
@@ -149,30 +187,15 @@ def test_a_supervised_trl_recipe_completes_on_the_images_torch(image, tmp_path):
     assert json.loads(manifests[-1].read_text())["versions"]["torch"].startswith(NEWER_TORCH)
 
 
-def test_resolver_keeps_an_older_torch_for_the_trl_extra(tmp_path, wheel):
+def test_resolver_keeps_an_older_torch_for_the_trl_extra(resolving):
     """pip's resolver decides from installed metadata: a venv whose torch 2.11.0+cu130 is known to
-    pip (its dist-info; the 3 GB of libraries do not change the decision) gets no torch from
-    ``ptops[trl]``. (The titan extra's torch bound, 2.13, is the lock's:
-    tests/install/test_packaging.py.)"""
-    py = _venv(tmp_path / "venv")
-    site = Path(
-        subprocess.run(
-            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
-    info = site / "torch-2.11.0+cu130.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
-    (info / "INSTALLER").write_text("pip\n")
-    (info / "RECORD").write_text("")
-    got = _pip(py, "install", "--dry-run", "--quiet", "--report", "-", f"{wheel}[trl]")
-    assert got.returncode == 0, got.stderr[-3000:]
+    pip (``resolving``) gets no torch from ``ptops[trl]``. (The titan extra's torch bound, 2.13,
+    is the lock's: tests/install/test_packaging.py.)"""
+    proc, out, err = resolving
+    assert proc.wait(timeout=900) == 0, err.read_text()[-3000:]
     wanted = {
         i["metadata"]["name"].lower(): i["metadata"]["version"]
-        for i in json.loads(got.stdout)["install"]
+        for i in json.loads(out.read_text())["install"]
     }
     assert "trl" in wanted and "transformers" in wanted  # the extra did resolve
     assert "torch" not in wanted, f"ptops[trl] would replace torch 2.11: {wanted.get('torch')}"
