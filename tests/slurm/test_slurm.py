@@ -124,7 +124,13 @@ def release(cluster, run: Path) -> None:
     assert out.returncode == 0 and "injected release" in out.stdout, out.stdout + out.stderr
 
 
-def digest(path: Path) -> str:
+def digest(path: Path, cli: bool = False) -> str:
+    """``ptops ckpt digest PATH``: the CLI once (the reference), in-process otherwise (the same
+    function, without a torch start-up of ~5 s each)."""
+    if not cli:
+        from ptops.ckpt import digest as digest_of
+
+        return digest_of(path)
     out = run_ptops("ckpt", "digest", str(path))
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
@@ -179,7 +185,7 @@ def gone(pid: int, within_s: float = 15.0) -> bool:
 def reference_digest(faulted_runs):
     ref = faulted_runs.get("reference")
     assert ref.proc.returncode == 0, ref.proc.stderr
-    return digest(ref.run)
+    return digest(ref.run, cli=True)
 
 
 def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(
