@@ -12,9 +12,10 @@ the supervisor's ``time.monotonic()`` at receipt, so hosts' clocks never matter)
 - ``{"kind": "metrics", "rank": r, "step": n, "step_s": s}``: step n finished (progress);
 - ``{"kind": "ping", "rank": r}``: liveness only (a thread of the rank is alive), no progress;
 - ``{"kind": "exit", "rank": r, "code": c}``: the rank left on purpose; it is no longer watched.
-  ``code`` 0 (it finished) puts the live ranks in the final shutdown's budget (``finishing``):
-  the job is ending, and a peer's teardown (a process group's destructor, a logger's flush) may
-  outlast a step's budget, most of all where no step is known to be the last (a user's script).
+  ``code`` 0 (it finished) puts the live ranks in the final shutdown's budget (``finishing``),
+  for progress and for liveness: the job is ending, and a peer's teardown (a process group's
+  destructor, in C with the GIL held: no pings; a logger's flush) may outlast a step's budget,
+  most of all where no step is known to be the last (a user's script).
 
 Why budgets are learned, not tuned: one fixed timeout is either too long for a 0.1 s step
 or too short for a 20-minute checkpoint load. Each *section* (a startup sub-phase, the
@@ -566,6 +567,10 @@ class HangMonitor:
     def _stale_after(self, st: _Rank) -> float:
         if st.section in STARTUP_SECTIONS or st.section == "first_step":
             return max(self.config.startup_ping_stale_s, self.step_timeout())
+        if self.finished_ts is not None:
+            # a peer finished: this rank's teardown may ping nothing for longer than a step (a
+            # process group's destructor in C holding the GIL: ~5 s on a loaded box)
+            return max(self.step_timeout(), self.config.checkpoint_s)
         return max(self.step_timeout(), self.config.ping_stale_s)
 
     def _unresponsive_past_step_timeout(self, rank: int, now: float) -> bool:

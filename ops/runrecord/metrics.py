@@ -381,13 +381,15 @@ def _rank0_of(
             return
         whole = (rest + chunk).split(b"\n")
         rest = whole.pop()  # after the last newline: the next block's start, or a torn line
-        nodes = [x for x in whole if x.startswith(b"[")]  # node lines: parsed, to count them
-        if lines is not None:
-            lines[0] += len(whole) - len(nodes)
-        for raw in [x for x in whole if maybe_rank0(x) or x.startswith(b"[")]:
+        # a node line holds many records: parsed to count them only when asked (diagnose)
+        count = lines is not None
+        nodes = [x for x in whole if x.startswith(b"[")] if count else []
+        if count:
+            lines[0] += len(whole) - len(nodes)  # type: ignore[index]
+        for raw in [x for x in whole if maybe_rank0(x) or (count and x.startswith(b"["))]:
             recs = records_of_line(raw)
-            if lines is not None and raw.startswith(b"["):
-                lines[0] += len(recs)
+            if count and raw.startswith(b"["):
+                lines[0] += len(recs)  # type: ignore[index]
             for rec in recs:
                 if rec.get("rank", 0) == 0:
                     yield rank0_slim(rec)

@@ -570,3 +570,19 @@ def test_a_peers_clean_exit_gives_the_others_the_shutdowns_budget():
         found = m.check(t + hang_after + 1)
         assert found is not None and found.ranks == [1], (code, found)
         assert found.phase == ("finishing" if code == 0 else "step")
+
+
+def test_after_a_peers_clean_exit_a_silent_teardown_gets_the_shutdowns_budget_too():
+    """The peer still tearing down may not even ping (fresh clone s12a, the accelerate example:
+    rank 1 idle in C after its script's ``main()`` returned, no ping for 5 s, rank 0 gone with
+    code 0): judged by the shutdown's budget for liveness as for progress. After an error exit the
+    liveness bound stands."""
+    for code in (0, 1):
+        m = HangMonitor(2, 0.0, DEFAULTS)
+        t = run_steps(m, 1, 12, startup(m, 0.0), 0.1)
+        m.observe({"kind": "exit", "rank": 0, "ts": t, "code": code})  # rank 1: nothing after t
+        bound = max(m.step_timeout(), DEFAULTS.ping_stale_s)  # a step's liveness bound (5 s)
+        hang_after = DEFAULTS.checkpoint_s if code == 0 else bound
+        no_hang_until(m, t, t + hang_after - 1, step=1)
+        found = m.check(t + hang_after + 1)
+        assert found is not None and found.ranks == [1], (code, found)
