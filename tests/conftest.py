@@ -13,6 +13,32 @@ REPO = TESTS.parent
 PTOPS = [sys.executable, "-m", "ptops"]
 
 
+def supervisor_without_ranks(tmp_path: Path, sets: list[str], world: int):
+    """The real ``Supervisor`` of titan-tiny with ``sets``, attempt 1, a hang monitor for
+    ``world`` ranks and a server stub that accepts every send: a test feeds ``handle`` itself."""
+    import io
+
+    from ptops.monitors.hang import HangMonitor
+    from ptops.ops.runrecord.rundir import RunDir
+    from ptops.ops.supervisor import Supervisor
+    from ptops.recipes.schema import load
+
+    rec, _ = load("titan-tiny", sets)
+    run = RunDir(tmp_path / "run").create()
+    sup = Supervisor(rec, run, [], out=io.StringIO(), strategy="temporary")
+
+    class Server:
+        def send(self, peer, msg):
+            return True
+
+        def address(self, advertise=""):
+            return "127.0.0.1:1"
+
+    sup.server, sup.attempt = Server(), 1
+    sup.monitor = HangMonitor(world, 0.0, rec.supervisor.hang)
+    return sup, run
+
+
 def run_ptops(
     *args: str, timeout: float = 600, env: dict | None = None, check: bool = False
 ) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import math
 import random
 
 import pytest
-from conftest import REPO
+from conftest import REPO, supervisor_without_ranks
 
 from ptops.ops.rank.channel import Batcher, encode, unbatch
 from ptops.ops.runrecord.metrics import (
@@ -24,7 +24,7 @@ from ptops.ops.runrecord.metrics import (
     segments,
     tail_records,
 )
-from ptops.ops.runrecord.rundir import RunDir, read_jsonl
+from ptops.ops.runrecord.rundir import read_jsonl
 
 TITAN = REPO / "tests" / "data" / "obs-titan"
 PER_NODE = 8
@@ -208,25 +208,13 @@ def test_the_supervisor_writes_node_lines_from_its_node_batches(tmp_path, sent):
     """The supervisor's own path: node batches through ``_on_node_batch`` (the certificates as
     the channel server passes them) with ``supervisor.metrics_lines=node``; read back as sent,
     and the resume point reads across them."""
-    from ptops.monitors.hang import HangMonitor
-    from ptops.ops.supervisor import Supervisor, launcher
+    from ptops.ops.supervisor import launcher
     from ptops.ops.supervisor.channel import Peer
-    from ptops.recipes.schema import load
 
     world = 4 * PER_NODE
-    rec, _ = load("titan-tiny", [f"launch.nproc={world}", "supervisor.metrics_lines=node"])
-    run = RunDir(tmp_path / "run").create()
-    sup = Supervisor(rec, run, [], out=io.StringIO(), strategy="temporary")
-
-    class Server:
-        def send(self, peer, msg):
-            return True
-
-        def address(self, advertise=""):
-            return "127.0.0.1:1"
-
-    sup.server, sup.attempt = Server(), 1
-    sup.monitor = HangMonitor(world, 0.0, rec.supervisor.hang)
+    sup, run = supervisor_without_ranks(
+        tmp_path, [f"launch.nproc={world}", "supervisor.metrics_lines=node"], world
+    )
     nodes = {
         f"node{n}": Peer(
             cid=100 + n, sock=None, hello={"role": "node", "node": f"node{n}", "attempt": 1}

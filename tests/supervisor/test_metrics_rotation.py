@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_ptops
+from conftest import REPO, run_ptops, supervisor_without_ranks
 
 from ptops.ops.runrecord.follow import replay
 from ptops.ops.runrecord.metrics import (
@@ -475,27 +475,11 @@ def test_the_tail_window_starts_at_a_step_boundary(tmp_path):
 def test_the_supervisor_rotates_at_its_recipe_limit(tmp_path):
     """The supervisor's own path: rank messages through ``messages._on_metrics`` into its writer,
     rotated at ``supervisor.metrics_rotate_mb``; the resume point reads across the segments."""
-    import io
-
-    from ptops.ops.supervisor import Supervisor, launcher
+    from ptops.ops.supervisor import launcher
     from ptops.ops.supervisor.channel import Peer
-    from ptops.recipes.schema import load
 
-    rec, _ = load("titan-tiny", ["launch.nproc=2", "supervisor.metrics_rotate_mb=0.004"])
-    run = RunDir(tmp_path / "run").create()
-    sup = Supervisor(rec, run, [], out=io.StringIO(), strategy="temporary")
-
-    class Server:
-        def send(self, peer, msg):
-            return True
-
-        def address(self, advertise=""):
-            return "127.0.0.1:1"
-
-    from ptops.monitors.hang import HangMonitor
-
-    sup.server, sup.attempt = Server(), 1
-    sup.monitor = HangMonitor(2, 0.0, rec.supervisor.hang)
+    sets = ["launch.nproc=2", "supervisor.metrics_rotate_mb=0.004"]
+    sup, run = supervisor_without_ranks(tmp_path, sets, 2)
     peers = [
         Peer(cid=r, sock=None, hello={"role": "rank", "rank": r, "attempt": 1, "pid": 100 + r})
         for r in (0, 1)
