@@ -71,7 +71,6 @@ from ptops.ops.rank.channel import (
 from ptops.ops.supervisor import procs, stacks
 
 UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"
-ARGV_ENV, LOG_ENV = procs.NODE_ARGV_ENV, procs.NODE_LOG_ENV
 STACKS_PREFIX = b'{"t":"stacks"'  # a rank's answer to ``stacks``, as ``encode`` writes it
 
 
@@ -84,7 +83,9 @@ class Agent:
     def __init__(self, env: dict[str, str]):
         self.env = env
         self.node = socket.gethostname()
-        self.launcher = _launcher_argv(env.get(ARGV_ENV))  # None: Slurm's torchrun, built here
+        self.launcher = _launcher_argv(
+            env.get(procs.NODE_ARGV_ENV)
+        )  # None: Slurm's torchrun, built here
         # local: one node whatever the environment (a run started inside an allocation)
         node_id = None if self.launcher is not None else env.get("SLURM_NODEID")
         self.node_rank = int(node_id or env.get("PTOPS_NODE_RANK") or 0)
@@ -151,7 +152,7 @@ class Agent:
         path = os.path.join(log_dir, f"torchrun-{self.node}.log") if log_dir else os.devnull
         from pathlib import Path
 
-        self.proc = procs.spawn(argv, env, Path(self.env.get(LOG_ENV) or path))
+        self.proc = procs.spawn(argv, env, Path(self.env.get(procs.NODE_LOG_ENV) or path))
         if self.launcher is not None:
             log(f"local node: launcher pid {self.proc.pid} ({nproc} rank(s)): {argv[2]}")
             return
@@ -422,7 +423,9 @@ def _launcher_argv(raw: str | None) -> list[str] | None:
         return None
     argv = json.loads(raw)
     if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-        raise ValueError(f"{ARGV_ENV}: expected a JSON list of strings, got {raw[:80]!r}")
+        raise ValueError(
+            f"{procs.NODE_ARGV_ENV}: expected a JSON list of strings, got {raw[:80]!r}"
+        )
     return argv
 
 

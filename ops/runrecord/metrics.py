@@ -383,9 +383,8 @@ def _rank0_of(
         rest = whole.pop()  # after the last newline: the next block's start, or a torn line
         # a node line holds many records: parsed to count them only when asked (diagnose)
         count = lines is not None
-        nodes = [x for x in whole if x.startswith(b"[")] if count else []
         if count:
-            lines[0] += len(whole) - len(nodes)  # type: ignore[index]
+            lines[0] += sum(not x.startswith(b"[") for x in whole)  # type: ignore[index]
         for raw in [x for x in whole if maybe_rank0(x) or (count and x.startswith(b"["))]:
             recs = records_of_line(raw)
             if count and raw.startswith(b"["):
@@ -520,15 +519,11 @@ class MetricsWriter:
         _, entries, whole = self._node  # type: ignore[misc]
         step = record.get("step")
         j = whole.get((like[0], step)) if like is not None else None
-        if j is not None:
-            try:
-                diff = {k: record[k] for k in like[1]}
-            except KeyError:
-                diff = None
-            if diff is not None:
-                back = {**entries[j], **diff}
-                if back == record and list(back) == list(record):  # checked, not assumed
-                    return (j, diff, record)
+        if j is not None and like[1] <= record.keys():
+            diff = {k: record[k] for k in like[1]}
+            back = {**entries[j], **diff}
+            if back == record and list(back) == list(record):  # checked, not assumed
+                return (j, diff, record)
         whole[(record.get("rank"), step)] = len(entries)
         return record
 

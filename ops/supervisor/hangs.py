@@ -1,7 +1,7 @@
 """A hung attempt: every rank's stacks first, then teardown, then the ``hang`` event.
 
 Why a part of its own: at 03:00 the stacks are what the on-call reads, so how they are
-obtained (the rank's own dump over the channel; py-spy or faulthandler for a rank that
+obtained (each node agent gathers its ranks': their own dumps, py-spy for a rank that
 cannot answer; a note for a rank that never connected) is kept in one place. Detection
 itself is the pure ``ptops.monitors.hang`` monitor, driven by the channel handlers.
 

@@ -52,7 +52,7 @@ RANK_HANDLERS = {
     "fault": "_on_fault",
     "fault_armed": "_on_ignored",
     "event": "_on_event",
-    "stacks": "_on_stacks",
+    "stacks": "_on_ignored",  # a dump its agent relayed after the hang's deadline
     "stop_ack": "_on_stop_ack",
     "exit": "_on_exit",
     "_eof": "_on_eof",
@@ -343,10 +343,6 @@ class MessagesMixin:
             if kind == EventKind.CHECKPOINT and fields.get("path"):
                 # the engine's own event, sent after its commit: the one source of ``checkpoint``
                 self.good = {"step": int(fields.get("step", 0)), "path": str(fields["path"])}
-
-    def _on_stacks(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
-        """A rank's own dump its agent relayed after the hang's deadline: the node's file was
-        written without it (py-spy's stacks, or why not); nothing to do."""
 
     def _on_stop_ack(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         self.stop_acks[peer.rank] = msg

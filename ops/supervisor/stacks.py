@@ -1,19 +1,16 @@
-"""Stacks of ranks that are not answering over the channel: py-spy first, faulthandler as fallback.
+"""Stacks of ranks that are not answering over the channel: py-spy, run by their node agent.
 
 py-spy reads a process' memory from outside (``--nonblocking``), so it works on a
 SIGSTOPped rank or one stuck in C code; the rank allows it via ``PR_SET_PTRACER``
-(``ops/rank/entry.py``). faulthandler (SIGUSR1, registered by every rank) needs
-the rank to run, but not the GIL.
+(``ops/rank/entry.py``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 
@@ -42,35 +39,6 @@ def with_py_spy(pid: int, timeout_s: float = 20.0) -> tuple[str | None, str]:
     if out.returncode != 0 or not out.stdout.strip():
         return None, f"py-spy failed ({out.returncode}): {(out.stderr or out.stdout).strip()[:300]}"
     return out.stdout, "py-spy dump --nonblocking"
-
-
-def with_faulthandler(pid: int, stack_file: Path, wait_s: float = 2.0) -> tuple[str | None, str]:
-    """SIGUSR1 -> the rank's faulthandler appends all threads' stacks to ``stack_file``."""
-    try:
-        before = stack_file.stat().st_size
-    except OSError:
-        before = 0
-    try:
-        os.kill(pid, signal.SIGUSR1)
-    except ProcessLookupError:
-        return None, "process gone"
-    deadline = time.monotonic() + wait_s
-    text = ""
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        try:
-            with open(stack_file, "rb") as f:
-                f.seek(before)
-                text = f.read().decode(errors="replace")
-        except OSError:
-            text = ""
-        if text.strip() and "File" in text:
-            time.sleep(0.2)  # let it finish writing
-            with open(stack_file, "rb") as f:
-                f.seek(before)
-                text = f.read().decode(errors="replace")
-            return text, "faulthandler (SIGUSR1)"
-    return None, f"faulthandler wrote nothing within {wait_s:g} s (process stopped?)"
 
 
 def write_private(path: Path, text: str | bytes) -> None:
