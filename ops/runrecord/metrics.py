@@ -23,7 +23,8 @@ or ``[J, {keys}]``, the record equal to entry J (an earlier whole one) but for t
 agent's batch certified it; the writer checks the rebuilt record equals it, key order included,
 else writes it whole). Readers expand it (:func:`records_of_line`) to the records a line each
 would hold, in order; a top-level array, so no rank's record can pass for one. Entries that do not
-rebuild are dropped, never their neighbours.
+rebuild are dropped, never their neighbours, and so are diffs past ``NODE_LINE_KEYS_PER_BYTE`` keys
+rebuilt per byte of the line (no quadratic expansion of a hostile copy).
 
 The reader's contract: the segments are the files named ``NNNNNN.jsonl`` (six digits) in
 ``metrics/``, read in number order, then ``metrics.jsonl``; the index never adds, drops or
@@ -214,6 +215,8 @@ def _lines(f: Any, offset: int = 0) -> Iterator[tuple[int, bytes]]:
 
 
 NODE_LINE = "node"
+# a real node line rebuilds ~1 key per 2-3 of its bytes (a diff of one key rebuilds a whole record)
+NODE_LINE_KEYS_PER_BYTE = 16
 
 
 def records_of_line(raw: bytes) -> list[dict[str, Any]]:
@@ -235,6 +238,9 @@ def records_of_line(raw: bytes) -> list[dict[str, Any]]:
         return []
     entries = line[2]
     out: list[Any] = []  # entry index -> its record, None for one that did not rebuild
+    # rebuilt records may hold at most this many keys in all: a copied run directory's line of
+    # one huge record and many tiny diffs must not expand quadratically in memory
+    budget = NODE_LINE_KEYS_PER_BYTE * len(raw)
     for e in entries:
         if type(e) is dict:
             out.append(e)
@@ -243,7 +249,8 @@ def records_of_line(raw: bytes) -> list[dict[str, Any]]:
         j = e[0] if ok else -1
         # a diff refers to an earlier entry written whole, never to another diff
         if 0 <= j < len(out) and type(entries[j]) is dict:
-            out.append({**entries[j], **e[1]})
+            budget -= len(entries[j]) + len(e[1])
+            out.append({**entries[j], **e[1]} if budget >= 0 else None)
         else:
             out.append(None)
     return [r for r in out if r is not None]

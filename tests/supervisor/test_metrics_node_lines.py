@@ -196,6 +196,20 @@ def test_an_array_that_is_no_node_line_is_garbage(raw):
     assert records_of_line(raw) == []
 
 
+def test_a_node_line_cannot_expand_quadratically():
+    """One wide record and thousands of one-key diffs of it (a hostile copy): the rebuilt keys stay
+    within NODE_LINE_KEYS_PER_BYTE of the line's bytes; the whole record itself is kept."""
+    from ptops.ops.runrecord.metrics import NODE_LINE_KEYS_PER_BYTE
+
+    wide = {f"k{i}": 0 for i in range(20_000)}
+    raw = json.dumps(["node", "n", [wide] + [[0, {"r": i}] for i in range(5_000)]]).encode()
+    got = records_of_line(raw)
+    assert got[0] == wide and 1 < len(got) < 5_001
+    assert sum(map(len, got[1:])) <= NODE_LINE_KEYS_PER_BYTE * len(raw)
+    # a real line (the module's records) is far inside the bound: every entry rebuilds
+    # (test_a_node_line_reads_back_as_the_line_a_rank_file)
+
+
 def test_a_ranks_record_cannot_pass_for_a_node_line():
     """The supervisor writes a rank's record as an object: whatever keys a rank chooses, its line
     is one record (a node line is a top-level array only the writer makes)."""
