@@ -552,6 +552,20 @@ def run_one(args: argparse.Namespace) -> dict:
                 lat.append(time.time() - t)
             super()._on_metrics(peer, msg, ts, like if args.certify == "on" else None)
 
+        STEP_GROUPS = args.groups == "on"
+
+        def _on_step_group(self, items, ts):  # a node's step group: its records counted too
+            if items[0][1].get("t") == "metrics":
+                handled[0] += len(items)
+                now = time.time()
+                for _, m, _ in items:
+                    t = m["rec"].get("ts")
+                    if isinstance(t, float):
+                        lat.append(now - t)
+                if args.certify != "on":
+                    items = [(vp, m, None) for vp, m, _ in items]
+            super()._on_step_group(items, ts)
+
     log = open(work / "supervisor.log", "w")
     sup = LoadSupervisor(rec, run, [], out=log, strategy="temporary")
     sup.world = world
@@ -773,6 +787,14 @@ def main() -> None:
         "some keys moves the shared monitors on unread (MonitorFeed.feed's like, since issue 24); "
         "off: every record read by every monitor (the design before); both: side by side",
     )
+    ap.add_argument(
+        "--groups",
+        choices=("on", "off"),
+        default="on",
+        help="on: a node's step group (its ranks' records of a step, their beats that begin the "
+        "next) handled as one unit by the supervisor (_on_step_group, since issue 24); off: "
+        "message by message (the design before)",
+    )
     for p, choices in ((ap, ("batch", "line", "both")), (g, ("batch", "line"))):
         p.add_argument(
             "--relay",
@@ -841,6 +863,7 @@ def main() -> None:
         if a.steps == 0:
             a.victim_step = int(a.steady / a.step_s) + 3  # the first steps are the ramp
         res = run_one(a)
+        res["groups"] = a.groups
         print(json.dumps(res, indent=2))
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
@@ -883,6 +906,8 @@ def main() -> None:
                 relay,
                 "--certify",
                 "off" if cert == "both" else cert,
+                "--groups",
+                a.groups,
                 "--timeout",
                 str(a.timeout),
                 *(["--starve"] if a.starve else []),
@@ -906,6 +931,7 @@ def main() -> None:
             res["liveness"] = liveness
             res["relay"] = relay
             res["certify"] = cert
+            res["groups"] = a.groups
             res.pop("run_dir", None)
             results.append(res)
             print(json.dumps(res), flush=True)

@@ -203,6 +203,52 @@ class SharedRankedMonitor(RankedMonitor):
         self._replay(out, e[4], record, rank)
         return out
 
+    def repeat_group(self, step: int, ranks: list, lead: Any, diffs: list, keys: Any) -> bool:
+        """``repeat`` of a whole step group's followers (``ranks``, each certified equal to rank
+        ``lead``'s record, fed just before, but for its keys in ``diffs``; all with ``keys``),
+        when every one of them would just follow the leader's transition with no finding: True
+        when done (each rank moved on), False when nothing was done and each is for ``repeat``.
+        The checks come first and change nothing, so a group is never half moved. Why: a node's
+        step is one unit for the supervisor (docs/scale.md), one call here, not one a rank."""
+        led = self._led
+        if led is None or led[0] != step or led[1] != lead:
+            return False
+        e = led[3]
+        if e is _GATED:  # the same keys: gated too
+            return True
+        if len(led) == 7:
+            self._led = led = led + (_keys_read(self._inputs, led[2]),)
+        read = led[7]
+        for d in diffs:
+            if not d.isdisjoint(read):
+                return False
+        if len(set(ranks)) != len(ranks) or lead in ranks:
+            return False
+        rk = self._rewind_keys
+        last_step = self._last_step
+        noted = rk is None or rk is self._gate or not keys.isdisjoint(rk)
+        if noted:
+            for r in ranks:
+                last = last_step.get(r)
+                if last is not None and step <= last:
+                    return False  # a rewind: its own way
+        if e is not _NOOP:
+            g, pos = led[4], led[5]
+            log = g.log
+            if led[6] or e[4] or log is None or pos < g.pos0 or log[pos - g.pos0] is not e:
+                return False
+            members = self._members
+            for r in ranks:
+                m = members.get(r)
+                if m is None or m[0] is not g or m[1] != pos:
+                    return False
+            for r in ranks:
+                members[r][1] = pos + 1
+        if noted:
+            for r in ranks:
+                last_step[r] = step
+        return True
+
     def _aside(
         self, record: Mapping[str, Any], keys: Any, step: int, rank: int, rew: bool | None = None
     ) -> list[Finding]:

@@ -174,7 +174,16 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
 
     def feed_monitors(self, rec: dict[str, Any], like: Any = None) -> None:
         findings, errors = self.feed.feed(rec, like)
-        for name, e in errors:
+        self._monitored(findings, [(name, e, rec) for name, e in errors])
+
+    def feed_monitors_group(self, recs: list, likes: list) -> None:
+        """A node's step group (``MonitorFeed.feed_group``)."""
+        self._monitored(*self.feed.feed_group(recs, likes))
+
+    def _monitored(self, findings: list, errors: list) -> None:
+        """Events (and the policy's actions) for the monitors' findings; a monitor's first error
+        (name, exception, the record it raised on) said once."""
+        for name, e, rec in errors:
             self.event(
                 EventKind.MONITOR_ERROR,
                 attempt=self.attempt,

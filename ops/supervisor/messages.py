@@ -312,11 +312,14 @@ class MessagesMixin:
             }
         )
         if rank == 0:
-            self.step = int(rec.get("step", self.step))
-            if self.state == RunState.STARTING:
-                self.state = RunState.RUNNING
-            if self.progress is not None:
-                self.progress.update(rec)
+            self._rank0_record(rec)
+
+    def _rank0_record(self, rec: dict[str, Any]) -> None:
+        self.step = int(rec.get("step", self.step))
+        if self.state == RunState.STARTING:
+            self.state = RunState.RUNNING
+        if self.progress is not None:
+            self.progress.update(rec)
 
     def _on_fault(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         fields = {k: msg.get(k) for k in ("fault", "rank", "step", "attempt")}
@@ -384,14 +387,68 @@ class MessagesMixin:
                 seen(vp.rank, at)
 
     def _on_node_batch(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
-        """A node's batch of rank messages (``ChannelServer._batch``): each handled as if it had
-        come alone, in the order sent; a record the batch certified equal to its node's first of
-        the step but for some keys carries that (``like``) to the monitors."""
+        """A node's batch of rank messages (``ChannelServer._batch``), in the order sent: each
+        handled as if it had come alone, but a node's step group (its ranks' records of one
+        step, the first whole and the rest certified equal to it but for some keys: ``like``;
+        or their beats that begin the next step) is handled as ONE unit (``_on_step_group``),
+        with the same effect. Why: at 16k nodes the supervisor's work must grow with nodes, not
+        ranks (docs/scale.md, "The budget at 131,072 ranks")."""
         handle, out = self.handle, self.metrics_out
         lines = out.node(str(peer.hello.get("node"))) if self.cfg.metrics_lines == "node" else None
+        items = msg.get("items") or ()
         with out.held(), lines or contextlib.nullcontext():  # the batch's records: one write
-            for vp, m, like in msg.get("items") or ():
-                handle(vp, m, ts, like)
+            i, n = 0, len(items)
+            while i < n:
+                j = _group_end(items, i, self.attempt) if self.STEP_GROUPS else i + 1
+                if j - i > 1:
+                    self._on_step_group(items[i:j], ts)
+                else:
+                    vp, m, like = items[i]
+                    handle(vp, m, ts, like)
+                i = j
+
+    STEP_GROUPS = True  # False: every message of a batch alone (the reference the tests compare)
+
+    def _on_step_group(self, items: list, ts: float) -> None:
+        """``_on_metrics`` (or ``_on_beat``) of each message of a node's step group (``_group_end``)
+        as one pass a part: the lines, the monitors (``MonitorFeed.feed_group``), the hang monitor
+        (``HangMonitor.observe_steps``). The same records, findings and state as one by one; only
+        rank 0's progress line moves to the group's end."""
+        ranks = self.ranks
+        if items[0][1]["t"] == "beat":
+            done = []
+            for vp, m, _ in items:
+                rank, step = vp.rank, m["step"]
+                info = ranks.get(rank)
+                if info is not None and step > info.step:
+                    info.step = step
+                done.append((rank, step, None))
+            self.monitor.observe_steps("begin", done, ts)
+            if any(d[0] == 0 for d in done):
+                self._checkpoint_beat("step", done[0][1], ts)
+            return
+        append = self.metrics_out.append
+        recs, likes, done = [], [], []
+        zero = None
+        for vp, m, like in items:
+            rec = m["rec"]
+            append(rec, like)
+            rank, step, step_s = vp.rank, rec["step"], rec.get("step_s")
+            info = ranks.get(rank)
+            if info is not None:
+                if step > info.step:
+                    info.step = step
+                if isinstance(step_s, (int, float)):
+                    info.step_s = step_s
+            recs.append(rec)
+            likes.append(like)
+            done.append((rank, step, step_s))
+            if rank == 0:
+                zero = rec
+        self.feed_monitors_group(recs, likes)
+        self.monitor.observe_steps("metrics", done, ts)
+        if zero is not None:
+            self._rank0_record(zero)
 
     def _on_node_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         peer.hello["exit_code"] = msg.get("code")
@@ -409,3 +466,68 @@ class MessagesMixin:
         elif step in self.ckpt_started:
             self.ckpt_started.pop(step)
             self.state = RunState.RUNNING
+
+
+def _group_end(items: Any, i: int, attempt: int) -> int:
+    """Where the node's step group that opens at ``items[i]`` ends (``i + 1``: none opens there).
+    A group is a run of this attempt's ranks' messages of one step: ``metrics`` records, the
+    first whole (no ``like``) and each later one certified against it (``like`` naming its
+    rank), or ``beat``s that begin the step. Steps must be ints (what the handlers would parse
+    the same way); anything else is left to the handlers one by one."""
+    vp, m, like = items[i]
+    t = m.get("t")
+    if not _current_rank(vp, attempt) or t not in ("metrics", "beat"):
+        return i + 1
+    if t == "metrics":
+        rec = m.get("rec")
+        if like is not None or not isinstance(rec, dict) or type(rec.get("step")) is not int:
+            return i + 1
+        step, lead = rec["step"], rec.get("rank")
+        j = i + 1
+        while j < len(items):
+            vp, m, like = items[j]
+            rec = m.get("rec")
+            if (
+                m.get("t") != "metrics"
+                or like is None
+                or like[0] != lead
+                or not isinstance(rec, dict)
+                or rec.get("step") != step
+                or type(rec["step"]) is not int
+                or not _current_rank(vp, attempt)
+            ):
+                break
+            j += 1
+        return j
+    if not _begins(m):
+        return i + 1
+    step = m["step"]
+    j = i + 1
+    while j < len(items):
+        vp, m, _ = items[j]
+        if m.get("t") != "beat" or not _begins(m) or m["step"] != step:
+            break
+        if not _current_rank(vp, attempt):
+            break
+        j += 1
+    return j
+
+
+def _begins(m: dict[str, Any]) -> bool:
+    """A ``step`` beat that begins step ``m["step"]`` (an int)."""
+    return (
+        m.get("phase", "step") == "step"
+        and m.get("stage") == "begin"
+        and type(m.get("step")) is int
+    )
+
+
+def _current_rank(vp: Any, attempt: int) -> bool:
+    """What ``handle`` takes as this attempt's rank (``Peer.role`` and ``Peer.rank`` read off its
+    hello, as they do: a call a message here was a tenth of the grouping's cost)."""
+    h = vp.hello
+    return (
+        h.get("role", "rank") not in ("control", "node")
+        and h.get("rank") is not None
+        and int(h.get("attempt", -1)) == attempt
+    )

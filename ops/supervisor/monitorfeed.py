@@ -58,10 +58,7 @@ class MonitorFeed:
         first_errors: list[tuple[str, Exception]] = []
         step, rank = step_and_rank(rec)  # once for every monitor
         keys = rec.keys()
-        if self._of != self.monitors:  # identity first, in C: ~0.1 µs
-            self._of = list(self.monitors)
-            self._calls = list(zip(self._of, fast_entries(self._of)))
-            self._reps = [m.repeat if _repeats(m, f) else None for m, f in self._calls]
+        self._sync()
         calls = self._calls
         if step is None:  # no step: each monitor's plain feed (the monitors here ignore it)
             calls = [(m, _plain(m)) for m, _ in calls]
@@ -76,11 +73,97 @@ class MonitorFeed:
                 if found:
                     findings.extend(found)
             except Exception as e:  # noqa: BLE001 - one monitor's bug must not blind the others
-                name = getattr(m, "name", type(m).__name__)
-                self.errors[name] = self.errors.get(name, 0) + 1
-                if self.errors[name] == 1:
-                    first_errors.append((name, e))
+                self._raised(m, e, first_errors)
         return findings, first_errors
+
+    def feed_group(self, recs: list, likes: list) -> tuple[list, list[tuple[str, Exception, dict]]]:
+        """``feed`` of each record of a node's step group in turn: ``recs[0]`` the leader (whole),
+        each later one certified equal to it but for the keys in its ``likes`` entry
+        (``unbatch``'s (leader's rank, keys)). The same findings in the same order, the same
+        errors: each monitor takes the group in one call, a shared monitor moving its followers on
+        at once where none of them changes its inputs (``SharedRankedMonitor.repeat_group``), and
+        the findings are put back in record order. Why: at 16k nodes a call per record per
+        monitor was a third of the monitors' cost (docs/scale.md, "The budget at 131,072 ranks").
+        A group that is not one (steps or keys that differ, a record without a step) is fed
+        record by record. The first errors come as (name, exception, the record)."""
+        lead = recs[0]
+        step, lead_rank = step_and_rank(lead)
+        keys = lead.keys()
+        ranks: list = []
+        for rec, like in zip(recs[1:], likes[1:]):
+            s, r = step_and_rank(rec)
+            if s != step or like is None or like[0] != lead_rank or rec.keys() != keys:
+                break
+            ranks.append(r)
+        if step is None or likes[0] is not None or len(ranks) != len(recs) - 1:
+            return self._each(recs, likes)
+        self._sync()
+        diffs = [like[1] for like in likes[1:]]
+        found: list = []  # (record's place, monitor's place, findings)
+        first_errors: list = []  # (record's place, monitor's place, (name, exception))
+        for mi, ((m, f), rep) in enumerate(zip(self._calls, self._reps)):
+            try:
+                got = f(lead, keys, step, lead_rank)
+                if got:
+                    found.append((0, mi, got))
+            except Exception as e:  # noqa: BLE001 - as in ``feed``
+                self._raised(m, e, first_errors, (0, mi))
+            if rep is None:
+                for i in range(1, len(recs)):
+                    try:
+                        got = f(recs[i], keys, step, ranks[i - 1])
+                        if got:
+                            found.append((i, mi, got))
+                    except Exception as e:  # noqa: BLE001 - as in ``feed``
+                        self._raised(m, e, first_errors, (i, mi))
+            elif not _moved(m, step, ranks, lead_rank, diffs, keys):
+                for i in range(1, len(recs)):
+                    try:
+                        got = rep(recs[i], keys, step, ranks[i - 1], lead_rank, diffs[i - 1])
+                        if got:
+                            found.append((i, mi, got))
+                    except Exception as e:  # noqa: BLE001 - as in ``feed``
+                        self._raised(m, e, first_errors, (i, mi))
+        if len(found) > 1:
+            found.sort(key=_place)
+        findings = [x for _, _, got in found for x in got]
+        return findings, [(*x, recs[i]) for i, _, x in sorted(first_errors, key=_place)]
+
+    def _each(self, recs: list, likes: list) -> tuple[list, list[tuple[str, Exception, dict]]]:
+        findings: list = []
+        first_errors: list = []
+        for rec, like in zip(recs, likes):
+            got, errs = self.feed(rec, like)
+            findings.extend(got)
+            first_errors.extend((name, e, rec) for name, e in errs)
+        return findings, first_errors
+
+    def _sync(self) -> None:
+        """The calls for the monitors as they are now (``monitors`` may be changed in place)."""
+        if self._of != self.monitors:  # identity first, in C: ~0.1 µs
+            self._of = list(self.monitors)
+            self._calls = list(zip(self._of, fast_entries(self._of)))
+            self._reps = [m.repeat if _repeats(m, f) else None for m, f in self._calls]
+
+    def _raised(self, m: Any, e: Exception, first: list, place: tuple | None = None) -> None:
+        name = getattr(m, "name", type(m).__name__)
+        self.errors[name] = self.errors.get(name, 0) + 1
+        if self.errors[name] == 1:
+            first.append((name, e) if place is None else (*place, (name, e)))
+
+
+def _moved(m: Any, step: int, ranks: list, lead: Any, diffs: list, keys: Any) -> bool:
+    """``m.repeat_group``; an exception there (a monitor's ``_inputs`` raising on the leader's
+    record) is left to each follower's ``repeat`` to raise again and be counted, as it would be
+    record by record (``repeat_group`` changes nothing before its checks pass)."""
+    try:
+        return m.repeat_group(step, ranks, lead, diffs, keys)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _place(x: tuple) -> tuple:
+    return x[0], x[1]
 
 
 def _repeats(m: Any, entry: Any) -> bool:

@@ -342,19 +342,31 @@ def _through_batches(recs: list[dict], rng: random.Random, per_node: int) -> lis
     return out
 
 
-def test_a_node_batch_certified_repeat_gives_the_findings_and_states_of_one_state_per_rank():
+def test_a_node_batch_certified_repeat_gives_the_findings_and_states_of_one_state_per_rank(
+    monkeypatch,
+):
     """The live path with node agents: a record that the agent's batch certifies equal to its
     node's first record of the step but for some keys (``unbatch`` likes) moves the shared states
     on without being read (``SharedRankedMonitor.repeat``) when none of those keys is one the
     monitor's inputs read. Findings and every rank's state equal a state per rank on the same
     handled stream (late, diverged, rewound, garbled, eval-on-some-ranks streams), and the repeat
     really skips reading records (fewer ``_inputs`` calls than without the certificates, with 4
-    ranks a node)."""
+    ranks a node). Fed a node's step group at a time (``MonitorFeed.feed_group``, the
+    supervisor's path): the same findings and states, and whole groups moved on in one call."""
     from ptops.monitors import SharedRankedMonitor as Shared
 
     rng = random.Random(5)
     calls = {"n": 0}
     repeated = 0
+    moved = [0]  # groups whose followers a shared monitor moved on in one call
+    group_of = Shared.repeat_group
+
+    def counted_group(self, *a):
+        done = group_of(self, *a)
+        moved[0] += done
+        return done
+
+    monkeypatch.setattr(Shared, "repeat_group", counted_group)
     for i, (name, recs) in enumerate(_sharing_corpus().items()):
         if (i % 4 >= 2 and not name.startswith(("lockstep", "eval-"))) or not all(
             isinstance(r, dict) for r in recs
@@ -369,7 +381,7 @@ def test_a_node_batch_certified_repeat_gives_the_findings_and_states_of_one_stat
                     m.share = False
             want = [f.to_dict() for f in replay(stream, alone)]
             got = {}
-            for with_likes in (False, True):
+            for with_likes in (False, True, "groups"):
                 live = build_monitors()
                 for m in live:
                     if isinstance(m, Shared):
@@ -382,9 +394,14 @@ def test_a_node_batch_certified_repeat_gives_the_findings_and_states_of_one_stat
                         m._inputs = counted
                 feed = MonitorFeed(live)
                 before = calls["n"]
-                found = [
-                    f for r, like in handled for f in feed.feed(r, like if with_likes else None)[0]
-                ]
+                if with_likes == "groups":  # a node's step group in one call (the supervisor's)
+                    found = [f for g in _step_groups(handled) for f in feed.feed_group(*g)[0]]
+                else:
+                    found = [
+                        f
+                        for r, like in handled
+                        for f in feed.feed(r, like if with_likes else None)[0]
+                    ]
                 for m in live:
                     if getattr(m, "flush", None) is not None:
                         found.extend(m.flush())
@@ -406,8 +423,28 @@ def test_a_node_batch_certified_repeat_gives_the_findings_and_states_of_one_stat
                             )
             assert got[False][0] == json.loads(json.dumps(want)), (name, per_node)
             assert got[True][0] == got[False][0], (name, per_node)
+            assert got["groups"][0] == got[False][0], (name, per_node)
             if per_node == 4:  # (with 2 a node, one follower per leader: what it saves, the
                 # leader's read keys cost once)
                 repeated += got[False][1] - got[True][1]
-    print("records moved on without being read:", repeated)
+    print("records moved on without being read:", repeated, "groups moved at once:", moved[0])
     assert repeated > 5_000  # records really moved on without being read
+    assert moved[0] > 1_000  # and whole groups in one call
+
+
+def _step_groups(handled: list) -> list[tuple[list, list]]:
+    """(records, likes) of consecutive records the way the supervisor groups a node's batch: a
+    record whole, then those certified against its rank (``_group_end``); the rest alone."""
+    out: list[tuple[list, list]] = []
+    for r, like in handled:
+        if (
+            like is not None
+            and out
+            and out[-1][1][0] is None
+            and like[0] == out[-1][0][0].get("rank")
+        ):
+            out[-1][0].append(r)
+            out[-1][1].append(like)
+        else:
+            out.append(([r], [like]))
+    return out
