@@ -728,6 +728,9 @@ def run_one(args: argparse.Namespace) -> dict:
             ),  # -> the hang event written (after the stacks)
             "stacks_s": hang.get("stacks_s"),
             "teardown_s": hang.get("teardown_s"),
+            # the generators' lateness to the end (the steady window's figure stops before the
+            # hang): a starved generator's ranks go quiet and are named with the silent one
+            "generator_late_max_s": round(samples[-1]["gen"]["late_max_s"], 3) if samples else None,
             "stack_files": len(list((run.path / "stacks" / "attempt-1").glob("*.txt"))),
         }
     out["run_dir"] = str(run.path)
