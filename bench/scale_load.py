@@ -792,11 +792,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--groups",
-        choices=("on", "off"),
+        choices=("on", "off", "both"),
         default="on",
         help="on: a node's step group (its ranks' records of a step, their beats that begin the "
         "next) handled as one unit by the supervisor (_on_step_group, since issue 24); off: "
-        "message by message (the design before)",
+        "message by message (the design before); both: each size both ways, side by side",
     )
     for p, choices in ((ap, ("batch", "line", "both")), (g, ("batch", "line"))):
         p.add_argument(
@@ -858,7 +858,7 @@ def main() -> None:
         generate_main(a)
         return
     if a.ranks:
-        if "both" in (a.liveness, a.relay, a.certify):
+        if "both" in (a.liveness, a.relay, a.certify, a.groups):
             ap.error("both runs each of --sizes twice; with --ranks give one design")
         a.nodes = max(1, a.ranks // a.per_node)
         if a.victim < 0:
@@ -880,8 +880,9 @@ def main() -> None:
         for cert in (("off", "on") if a.certify == "both" and relay == "batch" else (a.certify,))
         if not (live == "rank" and relay == "batch" and a.liveness == a.relay == "both")
     ]
-    for size, (liveness, relay, cert) in [
-        (int(s), d) for s in a.sizes.split(",") if s for d in designs
+    groupings = ("off", "on") if a.groups == "both" else (a.groups,)
+    for size, (liveness, relay, cert), groups in [
+        (int(s), d, g) for s in a.sizes.split(",") if s for d in designs for g in groupings
     ]:
         with tempfile.TemporaryDirectory(prefix=f"ptops-scale-{size}-") as d:
             argv = [
@@ -910,7 +911,7 @@ def main() -> None:
                 "--certify",
                 "off" if cert == "both" else cert,
                 "--groups",
-                a.groups,
+                groups,
                 "--timeout",
                 str(a.timeout),
                 *(["--starve"] if a.starve else []),
@@ -922,7 +923,7 @@ def main() -> None:
             ]
             print(
                 f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), liveness "
-                f"{liveness}, relay {relay}, certify {cert}, load "
+                f"{liveness}, relay {relay}, certify {cert}, groups {groups}, load "
                 f"{os.getloadavg()}",
                 flush=True,
             )
@@ -934,7 +935,7 @@ def main() -> None:
             res["liveness"] = liveness
             res["relay"] = relay
             res["certify"] = cert
-            res["groups"] = a.groups
+            res["groups"] = groups
             res.pop("run_dir", None)
             results.append(res)
             print(json.dumps(res), flush=True)
