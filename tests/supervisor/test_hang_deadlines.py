@@ -103,3 +103,64 @@ def test_the_hang_line_names_ranks_as_ranges():
     assert rank_list(list(range(8192))) == "[0-8191] (8192 ranks)"
     evens = rank_list(list(range(0, 100, 2)))
     assert evens.startswith("[0, 2, 4,") and "(34 more ranges)] (50 ranks)" in evens
+
+
+def _state(m: HangMonitor) -> dict:
+    import dataclasses
+
+    return {
+        "ranks": {r: dataclasses.asdict(st) for r, st in m.ranks.items()},
+        "learned": {s: (d.n, list(d.counts), list(d.mins)) for s, d in m.learned.sections.items()},
+        "recent": (list(m._recent), m._recent_i),
+        "progress": {s: list(h) for s, h in m._progress.items()},
+        "seen": list(m._seen),
+        "rdv": (dict(m._rdv_entered), m._rdv_version),
+        "resumed_at": m.resumed_at,
+        "finished_ts": m.finished_ts,
+    }
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_step_group_in_one_call_leaves_the_state_of_each_observed_alone(seed):
+    """``observe_steps`` (a node's step group: its records, or its beats that begin a step, in one
+    call) against ``observe`` of each, on random streams that leave the steady state now and then
+    (start-up, checkpoints, pauses, a first step, exits, ranks never seen): the same state, heaps
+    included, and the same finding."""
+    rng = random.Random(1000 + seed)
+    world = rng.randint(1, 8)
+    cfg = HangConfig(floor_s=rng.uniform(0.5, 3.0), window=rng.choice([None, None, 5]))
+    one, grouped = HangMonitor(world, 0.0, cfg), HangMonitor(world, 0.0, cfg)
+    ts, step = 0.0, 0
+    groups = 0
+    for _ in range(300):
+        ts += rng.expovariate(4.0)
+        if rng.random() < 0.5:  # a node's step group: some ranks (now and then one never seen)
+            step += rng.random() < 0.5
+            ranks = rng.sample(range(world + 1), rng.randint(1, world))
+            kind = rng.choice(["metrics", "begin"])
+            done = [(r, step, rng.choice([rng.uniform(0.05, 2.0), None, 0, True])) for r in ranks]
+            for r, s, step_s in done:
+                one.observe(
+                    {"kind": "metrics", "rank": r, "step": s, "step_s": step_s, "ts": ts}
+                    if kind == "metrics"
+                    else {
+                        "kind": "beat",
+                        "rank": r,
+                        "step": s,
+                        "phase": "step",
+                        "stage": "begin",
+                        "section": None,
+                        "ts": ts,
+                    }  # fmt: skip
+                )
+            grouped.observe_steps(kind, done, ts)
+            groups += 1
+        else:  # anything else, alone, to both
+            rec = _record(rng, rng.randrange(world), step, ts)
+            one.observe(dict(rec))
+            grouped.observe(dict(rec))
+        assert _state(grouped) == _state(one)
+    assert groups > 100
+    later = ts + rng.uniform(1.0, 50.0)
+    a, b = one.check(later), grouped.check(later)
+    assert (a and a.as_event(1)) == (b and b.as_event(1))
