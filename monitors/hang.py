@@ -481,7 +481,7 @@ class HangMonitor:
                         "stage": "begin",
                         "section": None,
                         "ts": ts,
-                    }  # fmt: skip
+                    }
                 )
                 heap = self._progress.get("step")
                 continue

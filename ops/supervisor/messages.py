@@ -40,6 +40,13 @@ class RankInfo:
     step: int = 0  # the highest step this rank has begun (its beats) or finished (its metrics)
     step_s: float | None = None  # its last step's duration
 
+    def reached(self, step: int, step_s: Any = None) -> None:
+        """A beat or a record of ``step`` (a record's ``step_s``: kept when it is a number)."""
+        if step > self.step:
+            self.step = step
+        if isinstance(step_s, (int, float)):
+            self.step_s = step_s
+
 
 # message type -> handler method name (``t`` of the message; ``_hello``/``_eof`` come from the
 # server)
@@ -115,7 +122,7 @@ class MessagesMixin:
                 return
             name = NODE_HANDLERS.get(t)
         else:
-            if int(peer.hello.get("attempt", -1)) != self.attempt or peer.rank is None:
+            if not _current_rank(peer, self.attempt):
                 return  # a straggler from an earlier attempt
             name = RANK_HANDLERS.get(t)
         if name is None:  # e.g. a rank of a newer ptops: ignored, counted, said once per type
@@ -252,7 +259,7 @@ class MessagesMixin:
         step = int(msg.get("step", 0))
         info = self.ranks.get(rank)
         if info is not None:
-            info.step = max(info.step, step)
+            info.reached(step)
         self.monitor.observe(
             {
                 "kind": "beat",
@@ -297,10 +304,7 @@ class MessagesMixin:
         self.metrics_out.append(rec, like)
         info = self.ranks.get(rank)
         if info is not None:
-            info.step = max(info.step, int(rec.get("step") or 0))
-            info.step_s = (
-                rec.get("step_s") if isinstance(rec.get("step_s"), (int, float)) else info.step_s
-            )
+            info.reached(int(rec.get("step") or 0), rec.get("step_s"))
         self.feed_monitors(rec, like)
         self.monitor.observe(
             {
@@ -420,8 +424,8 @@ class MessagesMixin:
             for vp, m, _ in items:
                 rank, step = vp.rank, m["step"]
                 info = ranks.get(rank)
-                if info is not None and step > info.step:
-                    info.step = step
+                if info is not None:
+                    info.reached(step)
                 done.append((rank, step, None))
             self.monitor.observe_steps("begin", done, ts)
             if any(d[0] == 0 for d in done):
@@ -436,10 +440,7 @@ class MessagesMixin:
             rank, step, step_s = vp.rank, rec["step"], rec.get("step_s")
             info = ranks.get(rank)
             if info is not None:
-                if step > info.step:
-                    info.step = step
-                if isinstance(step_s, (int, float)):
-                    info.step_s = step_s
+                info.reached(step, step_s)
             recs.append(rec)
             likes.append(like)
             done.append((rank, step, step_s))
