@@ -20,6 +20,7 @@ from ptops.diagnostics.profile import (
     rank_steps,
     render,
 )
+from ptops.ops.supervisor.channel import Peer
 from ptops.ops.supervisor.messages import MessagesMixin, RankInfo, profile_start
 
 MAIN, WORKER = 100, 200
@@ -252,9 +253,7 @@ class FakeSupervisor(MessagesMixin):
         pass
 
     def ask(self, **msg) -> dict:
-        self.handle(
-            SimpleNamespace(role="control", hello={}, rank=None), {"t": "profile", **msg}, 0.0
-        )
+        self.handle(Peer(cid=1, sock=None, hello={"role": "control"}), {"t": "profile", **msg}, 0.0)
         return self.server.sent[-1][1]
 
 
@@ -284,7 +283,7 @@ def test_supervisor_forwards_one_start_step_to_every_rank():
     assert not again["ok"] and "still being captured by ranks [0, 1]" in again["error"]
     for r in (0, 1):
         sup.handle(
-            SimpleNamespace(role="rank", hello={"attempt": 1}, rank=r),
+            Peer(cid=10 + r, sock=None, hello={"attempt": 1, "rank": r}),
             {"t": "event", "kind": "profile_captured", "fields": {"id": answer["id"], "rank": r}},
             0.0,
         )
