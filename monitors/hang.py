@@ -49,8 +49,10 @@ liveness bound).
 When any rank is stalled the attempt hangs, and the finding names the *silent*
 ranks, the likely culprits rather than the peers blocked in a collective
 waiting for them: ranks whose liveness pings stopped too (SIGSTOPped, stuck in C
-holding the GIL); else the ranks furthest behind (e.g. still in step n-1 while
-the others entered step n); else every rank.
+holding the GIL), those of them that went silent first (within ``ping_stale_s`` of the
+longest silence: a frozen node's ranks together, not a rank a late sender left quiet
+for a few seconds, listed as ``also_quiet``); else the ranks furthest behind (e.g. still
+in step n-1 while the others entered step n); else every rank.
 """
 
 from __future__ import annotations
@@ -275,9 +277,14 @@ class HangFinding:
     # > 0: judged while the supervisor was this far behind the clock, each rank at what its own
     # connection had had handled (a silent node found under a backlog)
     behind_s: float = 0.0
+    # ranks also quiet past ping_stale_s but silent for less than the named ones: not named (see
+    # ``HangMonitor._first_silent``), listed for the operator
+    also_quiet: list[int] = field(default_factory=list)
 
     def as_event(self, attempt: int) -> dict:
-        extra = {"behind_s": round(self.behind_s, 3)} if self.behind_s > 0 else {}
+        extra: dict = {"behind_s": round(self.behind_s, 3)} if self.behind_s > 0 else {}
+        if self.also_quiet:
+            extra["also_quiet"] = self.also_quiet
         return {
             "attempt": attempt,
             "ranks": self.ranks,
@@ -728,8 +735,10 @@ class HangMonitor:
             return None
 
         quiet = [r for r in live if unresponsive(r)]
+        also_quiet: list[int] = []
         if quiet and len(quiet) < len(live):
-            culprits, why = quiet, "unresponsive"
+            culprits, also_quiet = self._first_silent(quiet, stalled, at)
+            why = "unresponsive"
         else:
             lowest = min(self.ranks[r].pos for r in live)
             behind = [r for r in live if self.ranks[r].pos == lowest]
@@ -752,4 +761,24 @@ class HangMonitor:
             timeout_s=timeout,
             why=why,
             section=section,
+            also_quiet=also_quiet,
         )
+
+    def _first_silent(
+        self, quiet: list[int], stalled: list[int], at: dict[int, float]
+    ) -> tuple[list[int], list[int]]:
+        """The quiet ranks that went silent first (within ``ping_stale_s`` of the longest silence
+        among the stalled ones), and the rest. A frozen node's ranks stop together, their last pings
+        at most a heartbeat apart; a rank quiet for a few seconds when another's budget ran out (a
+        late sender, a loaded host) has not been silent as long, and naming it would blame its
+        node too (a Slurm strike needs every named rank on one node)."""
+
+        def silence(r: int) -> float:
+            seen = self.ranks[r].last_seen
+            return at[r] - (self.start_ts if seen is None else seen)
+
+        stalled_set = set(stalled)
+        longest = max(silence(r) for r in ([r for r in quiet if r in stalled_set] or quiet))
+        first = longest - self.config.ping_stale_s
+        named = [r for r in quiet if silence(r) >= first]
+        return named, [r for r in quiet if silence(r) < first]

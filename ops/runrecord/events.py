@@ -232,6 +232,7 @@ SPECS: dict[EventKind, EventSpec] = {
             "teardown_s",
             "found_ts",
             "behind_s",
+            "also_quiet",
         ),
         state=RunState.HUNG,
         finding=True,

@@ -30,7 +30,7 @@ def rank_list(ranks: Iterable[int], show: int = 16, *, bare: bool = False) -> st
 
 
 # event fields that list ranks without "rank" in their name (the hang event's)
-RANK_LIST_KEYS = frozenset({"stalled", "blamed"})
+RANK_LIST_KEYS = frozenset({"stalled", "blamed", "also_quiet"})
 
 
 def compact(key: str, value: Any, show: int = 16) -> Any:

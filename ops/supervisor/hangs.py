@@ -43,6 +43,12 @@ class HangMixin:
                 if finding.behind_s > 0
                 else ""
             )
+            + (
+                f"; {len(finding.also_quiet)} more quiet for less, not named: "
+                f"{rank_list(finding.also_quiet, bare=True)}"
+                if finding.also_quiet
+                else ""
+            )
             + "); collecting stacks"
         )
         found_ts = time.time()

@@ -180,6 +180,61 @@ def test_checkpoint_budget_and_unresponsive_rank():
     assert mon2.check(t + 61).phase == "checkpoint"
 
 
+def _node_world(mon, pings, until):
+    """24 ranks (3 nodes of 8) finish steps 1-5 (1 s each), enter step 6 together at t=5 and wait
+    in its collective; rank r pings every 0.5 s until ``pings.get(r, until)``."""
+    for r in range(24):
+        _steps(mon, r, 1, 5, 0.0, 1.0)
+        mon.observe(
+            {"kind": "beat", "rank": r, "step": 6, "phase": "step", "stage": "begin", "ts": 5.0}
+        )
+    for r in range(24):
+        k = 1
+        while 5.0 + 0.5 * k <= pings.get(r, until):
+            mon.observe({"kind": "ping", "rank": r, "ts": 5.0 + 0.5 * k})
+            k += 1
+
+
+def test_a_frozen_node_is_named_whole_and_a_late_sender_quiet_for_less_is_not():
+    """Node 1 (ranks 8-15) freezes: its last pings a heartbeat apart. When its budget runs out,
+    node 2's sender has been late for 5.5 s (quiet past ping_stale_s, 4 s): named before, which
+    blamed two nodes (no Slurm strike); now listed as also quiet, not named."""
+    from ptops.ops.runrecord.events import SPECS, EventKind
+
+    mon = HangMonitor(24, 0.0, HangConfig(multiplier=10, floor_s=2, ping_stale_s=4))
+    pings = {8 + i: 5.0 + 0.5 * (i % 2) for i in range(8)} | {16 + i: 10.0 for i in range(8)}
+    _node_world(mon, pings, until=15.5)
+    assert mon.step_timeout() == 10
+    f = mon.check(15.5)
+    assert f is not None and f.why == "unresponsive"
+    assert f.ranks == list(range(8, 16)) and f.also_quiet == list(range(16, 24))
+    assert f.stalled == list(range(24))  # every rank is past its step budget: all in step 6
+    ev = f.as_event(1)
+    assert ev["also_quiet"] == list(range(16, 24))
+    assert "also_quiet" in SPECS[EventKind.HANG].optional
+    # the same world without the late sender: the node alone, nothing else listed
+    mon = HangMonitor(24, 0.0, HangConfig(multiplier=10, floor_s=2, ping_stale_s=4))
+    _node_world(mon, {8 + i: 5.0 for i in range(8)}, until=15.5)
+    f = mon.check(15.5)
+    assert f.ranks == list(range(8, 16)) and f.also_quiet == []
+    assert "also_quiet" not in f.as_event(1)
+
+
+@pytest.mark.parametrize(
+    "apart, named, also",
+    [(3.0, [3, 12], []), (5.5, [3], [12]), (0.0, [3, 12], [])],
+)
+def test_two_silent_ranks_are_both_named_only_when_they_went_silent_together(apart, named, also):
+    """Rank 3 stops pinging at t=5, rank 12 ``apart`` seconds later: within ping_stale_s (4 s)
+    of each other both are culprits (a fault that took two nodes); further apart the second is
+    listed as also quiet, the first named (its node is the one that stopped the job)."""
+    mon = HangMonitor(24, 0.0, HangConfig(multiplier=10, floor_s=2, ping_stale_s=4))
+    _node_world(mon, {3: 5.0, 12: 5.0 + apart}, until=15.5)
+    f = mon.check(15.5)
+    assert f is not None and f.why == "unresponsive"
+    assert f.ranks == named and f.also_quiet == also and f.step == 6
+
+
 def test_culprit_is_the_rank_behind():
     mon = HangMonitor(2, 0.0, HangConfig(floor_s=2, ping_stale_s=100))
     t = max(_steps(mon, r, 1, 7, 1.0, 0.1) for r in (0, 1))
