@@ -353,7 +353,9 @@ def test_config_defaults_policy_and_strictness():
 
 
 PKG = REPO
-MONITOR_FILES = sorted(p.name for p in (PKG / "monitors").glob("*.py"))
+MONITOR_FILES = sorted(
+    str(p.relative_to(PKG / "monitors")) for p in (PKG / "monitors").rglob("*.py")
+)
 ALLOWED_IMPORTS = {
     "__future__",
     "math",
@@ -391,7 +393,8 @@ def _imports(path: Path):
 
 
 def test_purity_lists_cover_the_packages():
-    assert {"hang.py", "base.py", "numeric.py", "straggler.py", "rl.py", "__init__.py"} <= set(
+    assert {"hang.py", "base.py", "numeric.py", "straggler.py", "__init__.py"} <= set(MONITOR_FILES)
+    assert {"rl/__init__.py", "rl/common.py", "rl/trend.py", "rl/reward_hacking.py"} <= set(
         MONITOR_FILES
     )
     assert {"ckpt/__init__.py", "ckpt/manifest.py", "ckpt/verify.py"} <= set(CKPT_FILES)

@@ -320,7 +320,7 @@ def test_the_bend_rules_bar_is_students_t_exactly():
     """The bend rule's noise comes from few values; its bar is the exact t quantile (the
     first-order expansion it replaced was 4.9 where the quantile is 6.6 at 3 standard errors and
     4 degrees of freedom: false alarms on healthy sparse runs)."""
-    from ptops.monitors.rl import _t_bar, _t_tail
+    from ptops.monitors.rl.trend import _t_bar, _t_tail
 
     known = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042}  # t at 0.975
     for dof, q in known.items():
@@ -350,7 +350,7 @@ def _slow_rise(seed: int, every: int, frac: float):
 
 
 def test_the_bend_rule_never_flags_a_held_out_score_that_rises_after_the_bend():
-    from ptops.monitors.rl import _bend
+    from ptops.monitors.rl.trend import _bend
 
     found_bend = 0
     for frac in (0.1, 0.5):
@@ -386,7 +386,7 @@ def test_the_bend_rules_noise_counts_its_degrees_of_freedom_honestly():
     rule until 2026-12-03) crosses it a third more often: the few-value false alarms it had."""
     from statistics import NormalDist
 
-    from ptops.monitors.rl import _bend_noise, _bent_fit, _d2_dof, _t_bar
+    from ptops.monitors.rl.trend import _bend_noise, _bent_fit, _d2_dof, _t_bar
 
     # the Satterthwaite count: 2 E[S]^2 / Var[S] for S the sum of n squared second differences
     rng = random.Random(3)
@@ -426,7 +426,7 @@ def test_the_noise_keeps_apart_the_differences_before_a_window():
     rule pools only those with its window's residuals: the window's own would count its values
     twice); after a rewind the redone values' differences start over, the old ones stay in the
     sums (other evaluations of the same score) but count as before any window."""
-    from ptops.monitors.rl import _BEND_VALUES, _Noise
+    from ptops.monitors.rl.trend import _BEND_VALUES, _Noise
 
     rng = random.Random(7)
     vals = [(10 * i, rng.gauss(0, 1)) for i in range(1, 41)]
