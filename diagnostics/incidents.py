@@ -316,6 +316,11 @@ class _Builder:
             f"{e.get('phase') or 'step'}"
             f"{', ' + str(e.get('why')) if e.get('why') else ''})"
         ]
+        also = [r for r in e.get("also_quiet") or [] if isinstance(r, int)]
+        if also:  # quiet past ping_stale_s when the budget ran out, silent for less: not blamed
+            ev.append(
+                f"also quiet, not named (silent for less): rank(s) {rank_list(also, bare=True)}"
+            )
         if st:
             for g in st["groups"]:
                 where = g["frame"] or g["note"] or "?"

@@ -211,6 +211,32 @@ def test_events_only_run(tmp_path):
     assert rep["events_summary"]["state"] == "failed"
 
 
+def test_a_hangs_also_quiet_ranks_are_evidence_not_blame(tmp_path):
+    """The hang event's ``also_quiet`` (quiet when the budget ran out, silent for less than the
+    named ranks) is a line of evidence; the incident's ranks stay the named ones."""
+    run = tmp_path / "r"
+    run.mkdir()
+    _write(
+        run / "events.jsonl",
+        [
+            {"ts": T0, "kind": "launch", "attempt": 1},
+            {
+                "ts": T0 + 5,
+                "kind": "hang",
+                "attempt": 1,
+                "ranks": list(range(8, 16)),
+                "step": 6,
+                "silent_s": 10.5,
+                "why": "unresponsive",
+                "also_quiet": list(range(16, 24)),
+            },
+        ],
+    )
+    (hang,) = [i for i in diagnose(run)["incidents"] if i["kind"] == "hang"]
+    assert hang["ranks"] == list(range(8, 16)) and "rank(s) 8-15 silent" in hang["title"]
+    assert "also quiet, not named (silent for less): rank(s) 16-23" in hang["evidence"]
+
+
 def test_healthy_recorded_run_has_no_findings(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
