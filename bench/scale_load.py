@@ -706,6 +706,8 @@ def run_one(args: argparse.Namespace) -> dict:
             "why": hang.get("why"),
             "found_count": len(hang.get("ranks") or []),
             "found_ranks": (hang.get("ranks") or [])[:16],
+            # quiet past ping_stale_s when the budget ran out but silent for less: listed, not named
+            "also_quiet_count": len(hang.get("also_quiet") or []),
             "silent": victim.get("silent", "rank"),
             # --silent node: every rank of the victim's node named, and no other
             "found_exactly_the_silent": sorted(hang.get("ranks") or [])
