@@ -112,6 +112,17 @@ def load_section(run: RunDir) -> tuple[MonitorsSection, str]:
         raise DiagnoseError(f"{path}: key '{key}': {err['msg'].lower()}") from None
 
 
+def _rank_detail_every(run: RunDir) -> int:
+    """``supervisor.metrics_rank_detail_every`` of the run's recipe.json (1 when absent or not a
+    positive int: a copied run directory is not trusted)."""
+    try:
+        sup = json.loads(run.recipe_json.read_text()).get("supervisor")
+        every = sup.get("metrics_rank_detail_every") if isinstance(sup, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return 1
+    return every if type(every) is int and every > 1 else 1
+
+
 def _num(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
@@ -416,6 +427,14 @@ def diagnose(
         notes.append("no events.jsonl: no crash/hang/restart history")
     if not section.enabled:
         notes.append("recipe.json has [monitors] enabled = false: nothing replayed")
+    every = _rank_detail_every(run)
+    if every > 1:
+        notes.append(
+            f"metrics.jsonl holds every rank's record every {every} steps "
+            "(supervisor.metrics_rank_detail_every), and between them rank 0's and the odd ones, "
+            "the rest summed up a node: the replayed monitors judged the records it holds, the "
+            "live findings (events.jsonl) every record"
+        )
     hosts = _hosts(events)
     try:  # the live (or last) attempt's ranks: a hang event does not name hosts
         for r in json.loads((run_dir / "status.json").read_text()).get("ranks") or []:

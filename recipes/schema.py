@@ -213,6 +213,13 @@ class SupervisorSection(_Strict):
         "(node: each rank's keys that differ from its node's first record; every ptops reader "
         "expands it to the same records; for thousands of nodes: docs/scale.md)",
     )
+    metrics_rank_detail_every: int = Field(
+        1,
+        ge=1,
+        description='with metrics_lines = "node": each rank\'s keys in metrics.jsonl every this '
+        "many steps; between, a node's routine ranks (not rank 0, finite numbers) as one summary "
+        "(their min, median, max); the monitors still read every record live (docs/scale.md)",
+    )
     restart: RestartConfig = Field(
         RestartConfig(), description="restart policy (``ptops launch --supervise`` only)"
     )
@@ -526,6 +533,13 @@ def _check_cross_keys(recipe: Recipe, origin: str) -> None:
                 f"{origin}: key '{key}': not supported by engine \"{recipe.engine}\" (only "
                 f"{', '.join(engines)})"
             )
+    sup = recipe.supervisor
+    if sup.metrics_rank_detail_every > 1 and sup.metrics_lines != "node":
+        raise RecipeError(
+            f"{origin}: key 'supervisor.metrics_rank_detail_every': expected 1 unless "
+            f'supervisor.metrics_lines = "node" (got {sup.metrics_rank_detail_every} with '
+            f'"{sup.metrics_lines}")'
+        )
     check = _engines.get(recipe.engine).check
     problem = check(recipe) if check is not None else None
     if problem is not None:

@@ -22,7 +22,14 @@ batch of step records as ONE line, ``["node", NAME, [ENTRY, ...]]``: an ENTRY is
 or ``[J, {keys}]``, the record equal to entry J (an earlier whole one) but for those keys (the
 agent's batch certified it; the writer checks the rebuilt record equals it, key order included,
 else writes it whole). Readers expand it (:func:`records_of_line`) to the records a line each
-would hold, in order; a top-level array, so no rank's record can pass for one. Entries that do not
+would hold, in order; a top-level array, so no rank's record can pass for one. With
+``[supervisor] metrics_rank_detail_every = K`` > 1, on a step that is not a multiple of K a
+routine follower (not rank 0, no key its leader lacks, every differing value a finite number) is
+left out, and its leader with it when all its followers are (and it is not rank 0 and holds no
+NaN or inf); what a group leaves out becomes ``["summary", {"step", "ranks": [...], "keys": {KEY:
+[min, its rank, low median, max, its rank]}}]`` (:func:`node_summaries_of_line`), which
+records_of_line skips. Every rank's record still reaches the monitors live: only the file is
+sampled. Entries that do not
 rebuild are dropped, never their neighbours, and so are diffs past ``NODE_LINE_KEYS_PER_BYTE`` keys
 rebuilt per byte of the line (no quadratic expansion of a hostile copy).
 
@@ -39,6 +46,7 @@ read leaves the run directory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -215,6 +223,7 @@ def _lines(f: Any, offset: int = 0) -> Iterator[tuple[int, bytes]]:
 
 
 NODE_LINE = "node"
+NODE_SUMMARY = "summary"  # a node line's entry: followers left out (``metrics_rank_detail_every``)
 # a real node line rebuilds ~1 key per 2-3 of its bytes (a diff of one key rebuilds a whole record)
 NODE_LINE_KEYS_PER_BYTE = 16
 
@@ -453,6 +462,142 @@ class _Stats:
         }
 
 
+def _node_line(name: str, entries: list, every: int) -> tuple[list, list]:
+    """A node line and the records it holds. With ``every`` > 1, on a step not a multiple of
+    ``every``, routine records are left out and summed up (module docstring): a certified
+    follower (``(J, diff, record)``) that is not rank 0 (status, resume and goodput read rank 0),
+    lacks no key of its leader's and differs only in finite numbers; and its leader with it when
+    every follower of the leader is left out, the leader is not rank 0 and holds no non-finite
+    number. What is left out of a group becomes one summary entry at the line's end."""
+    if every <= 1:
+        return (
+            [NODE_LINE, name, [e if type(e) is dict else [e[0], e[1]] for e in entries]],
+            [e if type(e) is dict else e[2] for e in entries],
+        )
+    follows: dict[int, list] = {}  # a leader's place -> its followers' places
+    routine: dict[int, bool] = {}  # a follower's place -> whether it is left out
+    for i, e in enumerate(entries):
+        if type(e) is not dict:
+            j, diff, rec = e
+            follows.setdefault(j, []).append(i)
+            routine[i] = _routine(rec, diff, entries[j], every)
+    out: list = []
+    recs: list = []
+    where: dict[int, int] = {}  # an entry written whole: its place -> its place in ``out``
+    left: dict[int, list] = {}  # a leader's place -> its ranks left out, leader first if it is
+    for i, e in enumerate(entries):
+        if type(e) is dict:
+            fs = follows.get(i)
+            if fs and all(routine[f] for f in fs) and _routine_leader(e, every):
+                left[i] = [e["rank"]]
+                continue
+            where[i] = len(out)
+            out.append(e)
+            recs.append(e)
+            continue
+        j, diff, rec = e
+        if routine[i]:
+            left.setdefault(j, []).append(rec["rank"])
+            continue
+        out.append([where[j], diff])
+        recs.append(rec)
+    for j, ranks in left.items():
+        lead = entries[j]
+        diffs = {entries[i][2]["rank"]: entries[i][1] for i in follows[j]}
+        out.append([NODE_SUMMARY, _spread(lead, ranks, diffs)])
+    return [NODE_LINE, name, out], recs
+
+
+def _routine(rec: dict[str, Any], diff: dict[str, Any], lead: dict[str, Any], every: int) -> bool:
+    step, rank = rec.get("step"), rec.get("rank")
+    return (
+        type(step) is int
+        and step % every != 0
+        and type(rank) is int
+        and rank != 0
+        and all(k == "rank" or (k in lead and _finite_number(v)) for k, v in diff.items())
+    )
+
+
+def _routine_leader(rec: dict[str, Any], every: int) -> bool:
+    step, rank = rec.get("step"), rec.get("rank")
+    return (
+        type(step) is int
+        and step % every != 0
+        and type(rank) is int
+        and rank != 0
+        and not any(type(v) is float and not math.isfinite(v) for v in rec.values())
+    )
+
+
+def _finite_number(v: Any) -> bool:
+    return type(v) is int or (type(v) is float and math.isfinite(v))  # a bool is not an int here
+
+
+def _spread(lead: dict[str, Any], ranks: list, diffs: dict) -> dict[str, Any]:
+    """A summary: ``{"step", "ranks": [...], "keys": {KEY: [min, min's rank, low median, max,
+    max's rank]}}`` over the ranks left out, for each key that differs in the group (``step_s``
+    always), a rank's value its diff's or else its leader's."""
+    names = {k for d in diffs.values() for k in d if k != "rank"}
+    if "step_s" in lead:
+        names.add("step_s")
+    keys = {}
+    for k in sorted(names):
+        vals = []
+        for r in ranks:
+            v = diffs[r].get(k, lead.get(k)) if r in diffs else lead.get(k)
+            if not _finite_number(v):
+                break
+            vals.append((v, r))
+        else:
+            vals.sort()
+            lo, hi = vals[0], vals[-1]
+            keys[k] = [lo[0], lo[1], vals[(len(vals) - 1) // 2][0], hi[0], hi[1]]
+    return {"step": lead.get("step"), "ranks": ranks, "keys": keys}
+
+
+def node_summaries_of_line(raw: bytes) -> list[dict[str, Any]]:
+    """The summary entries of a node line (``metrics_rank_detail_every`` > 1): ``{"step",
+    "ranks", "keys"}`` each; none for any other line, nor for an entry that is not one (a key
+    whose five values are not finite numbers with int ranks is left out)."""
+    if not raw.startswith(b"["):
+        return []
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return []
+    if not (
+        isinstance(line, list)
+        and len(line) == 3
+        and line[0] == NODE_LINE
+        and isinstance(line[2], list)
+    ):
+        return []
+    out = []
+    for e in line[2]:
+        if not (type(e) is list and len(e) == 2 and e[0] == NODE_SUMMARY and type(e[1]) is dict):
+            continue
+        step, ranks, keys = e[1].get("step"), e[1].get("ranks"), e[1].get("keys")
+        if not (
+            type(step) is int
+            and type(ranks) is list
+            and all(type(r) is int for r in ranks)
+            and type(keys) is dict
+        ):
+            continue
+        good = {
+            k: v
+            for k, v in keys.items()
+            if type(v) is list
+            and len(v) == 5
+            and all(_finite_number(x) for x in v)
+            and type(v[1]) is int
+            and type(v[4]) is int
+        }
+        out.append({"step": step, "ranks": ranks, "keys": good})
+    return out
+
+
 def _scan(path: Path) -> _Stats:
     st = _Stats()
     fd = _open_regular(path)
@@ -472,10 +617,12 @@ class MetricsWriter:
     the numbering, and first describes a segment a killed one left undescribed.
     """
 
-    def __init__(self, run_path: str | Path, rotate_bytes: int = 0):
+    def __init__(self, run_path: str | Path, rotate_bytes: int = 0, detail_every: int = 1):
         self.run_path = Path(run_path)
         self.path = self.run_path / LIVE
         self.rotate_bytes = int(rotate_bytes)
+        # node lines: a certified follower's keys every this many steps, else in a summary
+        self.detail_every = max(1, int(detail_every))
         self._fd: int | None = None
         self._stats = _Stats()
         self._next: int | None = None
@@ -515,10 +662,7 @@ class MetricsWriter:
             name, entries, _ = self._node
             self._node = None
             if entries:
-                self._line(
-                    [NODE_LINE, name, [e if type(e) is dict else [e[0], e[1]] for e in entries]],
-                    [e if type(e) is dict else e[2] for e in entries],
-                )
+                self._line(*_node_line(name, entries, self.detail_every))
 
     def _as_entry(self, record: dict[str, Any], like: Any) -> Any:
         """``record`` as its node line's entry: whole, or (J, its keys, record) when the certified

@@ -135,7 +135,9 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         )
         # held open: metrics.jsonl takes a line per rank per step; rotated past metrics_rotate_mb
         self.metrics_out = MetricsWriter(
-            run.path, rotate_bytes=int(self.cfg.metrics_rotate_mb * 1024 * 1024)
+            run.path,
+            rotate_bytes=int(self.cfg.metrics_rotate_mb * 1024 * 1024),
+            detail_every=self.cfg.metrics_rank_detail_every,
         )
         self.findings = FindingActions(
             recipe.monitors, run, self.say, record_only=not self.supervised

@@ -218,16 +218,14 @@ def test_a_ranks_record_cannot_pass_for_a_node_line():
     assert records_of_line(w_line) == [rec]
 
 
-def test_the_supervisor_writes_node_lines_from_its_node_batches(tmp_path, sent):
-    """The supervisor's own path: node batches through ``_on_node_batch`` (the certificates as
-    the channel server passes them) with ``supervisor.metrics_lines=node``; read back as sent,
-    and the resume point reads across them."""
-    from ptops.ops.supervisor import launcher
+def _supervised(tmp_path, sent, *sets):
+    """``sent`` through the supervisor's own path: node batches through ``_on_node_batch`` (the
+    certificates as the channel server passes them)."""
     from ptops.ops.supervisor.channel import Peer
 
     world = 4 * PER_NODE
     sup, run = supervisor_without_ranks(
-        tmp_path, [f"launch.nproc={world}", "supervisor.metrics_lines=node"], world
+        tmp_path, [f"launch.nproc={world}", "supervisor.metrics_lines=node", *sets], world
     )
     nodes = {
         f"node{n}": Peer(
@@ -246,11 +244,64 @@ def test_the_supervisor_writes_node_lines_from_its_node_batches(tmp_path, sent):
         batch = [(peers[rec_["rank"]], {"t": "metrics", "rec": rec_}, like) for rec_, like in items]
         sup.handle(nodes[name], {"t": "_batch", "items": batch}, 2.0 + i)
     sup.metrics_out.close()
+    return sup, run
+
+
+def test_the_supervisor_writes_node_lines_from_its_node_batches(tmp_path, sent):
+    """With ``supervisor.metrics_lines=node``: read back as sent, and the resume point reads
+    across them."""
+    from ptops.ops.supervisor import launcher
+
+    sup, run = _supervised(tmp_path, sent)
     raw = run.metrics.read_bytes()
     assert raw.startswith(b'["node","node0",') and raw.count(b"\n") == len(_batches(sent))
     assert _enc(run.read_metrics()) == _enc(sent)
     assert len(raw) < 0.35 * len(_enc(sent))  # the certified followers went as their keys
     assert launcher.completed_step(run) == 12
+
+
+def test_the_supervisor_samples_rank_detail_and_its_monitors_still_read_every_record(
+    tmp_path, sent
+):
+    """``supervisor.metrics_rank_detail_every=4``: the file keeps rank 0 every step (the resume
+    point reads it) and sums up routine ranks between samples, while the live monitors saw every
+    record: the same findings as the full file's supervisor, a straggler among them whose records
+    the file mostly sums up."""
+    from ptops.ops.supervisor import launcher
+
+    slow = [{**r, "step_s": 0.2} if r["rank"] == 13 else r for r in sent]  # the others wait on 13
+    _, full_run = _supervised(tmp_path / "a", slow)
+    _, run = _supervised(tmp_path / "b", slow, "supervisor.metrics_rank_detail_every=4")
+    assert launcher.completed_step(run) == 12
+    back = run.read_metrics()
+    assert len(back) < 0.5 * len(sent) and {r["step"] for r in back if r["rank"] == 0} == set(
+        range(1, 13)
+    )
+    summed = [s["step"] for s in _summaries(run.metrics) if 13 in s["ranks"]]
+    assert len(summed) >= 5 and len([r for r in back if r["rank"] == 13]) == 12 - len(summed)
+    # the summary names it as its group's fastest (min step_s) wherever it is summed up
+    assert all(s["keys"]["step_s"][1] == 13 for s in _summaries(run.metrics) if 13 in s["ranks"])
+
+    def findings(run):
+        return [
+            {k: v for k, v in e.items() if k != "ts"}
+            for e in run.read_events()
+            if e.get("kind") in ("anomaly", "straggler")
+        ]
+
+    got = findings(run)
+    assert any(e["kind"] == "straggler" and e["rank"] == 13 for e in got)
+    assert got == findings(full_run)
+    # diagnose reads the sampled file and says what its replay could judge
+    from ptops.diagnostics.diagnose import diagnose
+    from ptops.recipes.schema import dump_json, load
+
+    for path, sets in ((run.path, ["supervisor.metrics_rank_detail_every=4"]), (full_run.path, [])):
+        rec, _ = load("titan-tiny", ["supervisor.metrics_lines=node", *sets])
+        (path / "recipe.json").write_text(dump_json(rec))
+    said = [n for n in diagnose(run.path)["notes"] if "metrics_rank_detail_every" in n]
+    assert len(said) == 1 and "every 4 steps" in said[0]
+    assert not [n for n in diagnose(full_run.path)["notes"] if "rank_detail" in n]
 
 
 def test_metrics_lines_is_a_checked_recipe_key():
@@ -259,3 +310,144 @@ def test_metrics_lines_is_a_checked_recipe_key():
     assert load("titan-tiny", [])[0].supervisor.metrics_lines == "rank"
     with pytest.raises(RecipeError, match="metrics_lines"):
         load("titan-tiny", ["supervisor.metrics_lines=nodes"])
+
+
+def _write_sampled(path, batches, every: int) -> MetricsWriter:
+    w = MetricsWriter(path, detail_every=every)
+    for name, items in batches:
+        with w.held(), w.node(name):
+            for rec, like in items:
+                w.append(rec, like)
+    w.close()
+    return w
+
+
+def _summaries(path) -> list[dict]:
+    from ptops.ops.runrecord.metrics import node_summaries_of_line
+
+    return [s for raw in path.read_bytes().splitlines() for s in node_summaries_of_line(raw)]
+
+
+def test_rank_detail_every_k_steps_keeps_rank_0_the_odd_ones_and_sums_up_the_rest(tmp_path, sent):
+    """``metrics_rank_detail_every = 4``: steps 4, 8, 12 whole; on the others a node line keeps
+    rank 0 and every record that is not routine (a key of its own, a NaN loss, a record the
+    certificate did not rebuild and the leader it needs) and sums up the rest: each record sent is
+    kept as sent or named in exactly one summary of its step, whose spread is exact. Rank 0's
+    readers see every step; with clean records, the unsampled steps keep rank 0 alone."""
+    full, sampled = tmp_path / "full", tmp_path / "sampled"
+    full.mkdir(), sampled.mkdir()
+    batches = _batches(sent)
+    _write_sampled(full, batches, 1)
+    _write_sampled(sampled, batches, 4)
+    back = list(iter_metrics(sampled))
+    kept = [(r["step"], r["rank"]) for r in back]
+    assert _enc(back) == _enc(r for r in sent if (r["step"], r["rank"]) in set(kept))
+    assert {k for k in kept if k[0] % 4 == 0} == {
+        (r["step"], r["rank"]) for r in sent if r["step"] % 4 == 0
+    }
+    odd = {(r["step"], r["rank"]) for r in sent if "mem_rss_mb" in r or r["loss"] != r["loss"]}
+    assert odd <= set(kept) and {(s, 0) for s in range(1, 13)} <= set(kept)
+    assert _enc(rank0_records(sampled)) == _enc(rank0_records(full))
+    assert live_rank0(sampled)[1] == len(kept)  # the index account counts what the file holds
+    by = {(r["step"], r["rank"]): r for r in sent}
+    summaries = _summaries(sampled / "metrics.jsonl")
+    named = [(s["step"], r) for s in summaries for r in s["ranks"]]
+    assert sorted(named + kept) == sorted(by)  # a partition: nothing lost, nothing twice
+    assert all(s["step"] % 4 for s in summaries)
+    for s in summaries:
+        for key in ("step_s", "ts"):
+            vals = sorted((by[(s["step"], r)][key], r) for r in s["ranks"])
+            lo, mid, hi = vals[0], vals[(len(vals) - 1) // 2], vals[-1]
+            assert s["keys"][key] == [lo[0], lo[1], mid[0], hi[0], hi[1]]
+    assert all("keys" not in r for r in back)  # a summary is never read as a record
+    assert (sampled / "metrics.jsonl").stat().st_size < 0.8 * (
+        full / "metrics.jsonl"
+    ).stat().st_size
+    # clean records: on the unsampled steps rank 0 alone is kept, every other node summed up
+    clean = [r for r in sent if (r["step"], r["rank"]) not in odd]
+    sparse = tmp_path / "clean"
+    sparse.mkdir()
+    _write_sampled(sparse, _batches(clean), 10)
+    kept = {(r["step"], r["rank"]) for r in iter_metrics(sparse)}
+    zeros = {(r["step"], 0) for r in clean if r["rank"] == 0 and r["step"] != 10}
+    assert {k for k in kept if k[0] != 10} == zeros and len(zeros) >= 9
+    # every 1: the node lines of before, byte for byte
+    again = tmp_path / "again"
+    again.mkdir()
+    _write(again, batches, node_lines=True)
+    assert (again / "metrics.jsonl").read_bytes() == (full / "metrics.jsonl").read_bytes()
+
+
+def test_a_summary_reads_a_rank_its_leaders_value_and_rank_0_keeps_its_leader(tmp_path):
+    """Rank 0 as a follower is kept, so is the leader its diff needs; a follower whose step time
+    equals its leader's (not in its diff) is summed up with the leader's value; step 4 (a multiple
+    of 2) keeps everyone."""
+    from ptops.ops.runrecord.metrics import node_summaries_of_line
+
+    def rec(step, rank, step_s, ts):
+        return {"step": step, "rank": rank, "loss": 1.5, "step_s": step_s, "ts": ts}
+
+    w = MetricsWriter(tmp_path, detail_every=2)
+    for step in (3, 4):
+        lead = rec(step, 1, 0.5, 10.0)
+        with w.node("n"):
+            w.append(lead)
+            for r, step_s, ts in ((0, 0.7, 10.1), (2, 0.5, 10.2), (3, 0.9, 10.3)):
+                other = rec(step, r, step_s, ts)
+                w.append(other, (1, frozenset(k for k in other if other[k] != lead[k])))
+    w.close()
+    line3, line4 = (tmp_path / "metrics.jsonl").read_bytes().splitlines()
+    assert [(r["step"], r["rank"]) for r in records_of_line(line3)] == [(3, 1), (3, 0)]
+    assert node_summaries_of_line(line3) == [
+        {
+            "step": 3,
+            "ranks": [2, 3],
+            "keys": {"step_s": [0.5, 2, 0.5, 0.9, 3], "ts": [10.2, 2, 10.2, 10.3, 3]},
+        }
+    ]
+    assert [r["rank"] for r in records_of_line(line4)] == [1, 0, 2, 3]
+    assert node_summaries_of_line(line4) == []
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ["summary", {"step": "3", "ranks": [1], "keys": {}}],
+        ["summary", {"step": 3, "ranks": "1", "keys": {}}],
+        ["summary", {"step": 3, "ranks": [1.0], "keys": {}}],
+        ["summary", {"step": 3, "ranks": [1], "keys": []}],
+        ["summary", []],
+        ["summary", {"step": 3, "ranks": [1], "keys": {}}, 9],
+        ["summaries", {"step": 3, "ranks": [1], "keys": {}}],
+    ],
+)
+def test_a_hostile_summary_entry_is_no_summary_and_no_record(entry):
+    from ptops.ops.runrecord.metrics import node_summaries_of_line
+
+    raw = json.dumps(["node", "n", [{"step": 3, "rank": 0}, [0, {"rank": 1}], entry]]).encode()
+    assert node_summaries_of_line(raw) == []
+    assert records_of_line(raw) == [{"step": 3, "rank": 0}, {"step": 3, "rank": 1}]
+    keys = {"a": [1, 2, 1, 1, 2], "b": [1, 2, "x", 1, 2], "c": [1, 2.0, 1, 1, 2], "d": [1e999] * 5}
+    raw = json.dumps(["node", "n", [["summary", {"step": 3, "ranks": [2], "keys": keys}]]])
+    assert node_summaries_of_line(raw.encode()) == [
+        {"step": 3, "ranks": [2], "keys": {"a": [1, 2, 1, 1, 2]}}
+    ]
+
+
+def test_rank_detail_every_is_a_checked_recipe_key():
+    from ptops.recipes.schema import RecipeError, load
+
+    assert load("titan-tiny", [])[0].supervisor.metrics_rank_detail_every == 1
+    with pytest.raises(RecipeError) as e:
+        load("titan-tiny", ["supervisor.metrics_rank_detail_every=4"])
+    assert "supervisor.metrics_rank_detail_every" in str(e.value) and "metrics_lines" in str(
+        e.value
+    )
+    assert "\n" not in str(e.value)
+    sup = load(
+        "titan-tiny",
+        ["supervisor.metrics_rank_detail_every=4", "supervisor.metrics_lines=node"],
+    )[0].supervisor
+    assert sup.metrics_rank_detail_every == 4
+    with pytest.raises(RecipeError, match="metrics_rank_detail_every"):
+        load("titan-tiny", ["supervisor.metrics_rank_detail_every=0"])
