@@ -698,7 +698,11 @@ def run_one(args: argparse.Namespace) -> dict:
     out["connections"] = max((s["connections"] for s in samples), default=0)
     out["node_agents"] = max((s["nodes"] for s in samples), default=0)
     out["metrics_records"] = mlines
-    out["metrics_bytes_per_record"] = round(mbytes / mlines, 1) if mlines else None
+    out["metrics_bytes_per_record"] = round(mbytes / mlines, 1) if mlines else None  # a line
+    # the file's growth a rank-step, whatever its lines hold (node lines, sampled rank detail)
+    handled = samples[-1]["handled"] if samples else 0
+    out["metrics_bytes"] = mbytes
+    out["metrics_bytes_per_handled_record"] = round(mbytes / handled, 1) if handled else None
     out["events_bytes"] = run.events.stat().st_size if run.events.exists() else 0
     if hang is not None and victim is not None:
         out["hang"] = {
