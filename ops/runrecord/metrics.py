@@ -228,24 +228,31 @@ NODE_SUMMARY = "summary"  # a node line's entry: followers left out (``metrics_r
 NODE_LINE_KEYS_PER_BYTE = 16
 
 
+def _node_entries(raw: bytes) -> list | None:
+    """A node line's entries, or None when ``raw`` is no node line."""
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return None
+    if (
+        isinstance(line, list)
+        and len(line) == 3
+        and line[0] == NODE_LINE
+        and isinstance(line[2], list)
+    ):
+        return line[2]
+    return None
+
+
 def records_of_line(raw: bytes) -> list[dict[str, Any]]:
     """The records one line holds: a record line's one, a node line's each (see the module
     docstring); none for garbage."""
     if not raw.startswith(b"["):
         rec = parse_line(raw)
         return [rec] if rec is not None else []
-    try:
-        line = json.loads(raw)
-    except ValueError:
+    entries = _node_entries(raw)
+    if entries is None:
         return []
-    if not (
-        isinstance(line, list)
-        and len(line) == 3
-        and line[0] == NODE_LINE
-        and isinstance(line[2], list)
-    ):
-        return []
-    entries = line[2]
     out: list[Any] = []  # entry index -> its record, None for one that did not rebuild
     # rebuilt records may hold at most this many keys in all: a copied run directory's line of
     # one huge record and many tiny diffs must not expand quadratically in memory
@@ -560,21 +567,8 @@ def node_summaries_of_line(raw: bytes) -> list[dict[str, Any]]:
     """The summary entries of a node line (``metrics_rank_detail_every`` > 1): ``{"step",
     "ranks", "keys"}`` each; none for any other line, nor for an entry that is not one (a key
     whose five values are not finite numbers with int ranks is left out)."""
-    if not raw.startswith(b"["):
-        return []
-    try:
-        line = json.loads(raw)
-    except ValueError:
-        return []
-    if not (
-        isinstance(line, list)
-        and len(line) == 3
-        and line[0] == NODE_LINE
-        and isinstance(line[2], list)
-    ):
-        return []
-    out = []
-    for e in line[2]:
+    out: list[dict[str, Any]] = []
+    for e in (_node_entries(raw) if raw.startswith(b"[") else None) or ():
         if not (type(e) is list and len(e) == 2 and e[0] == NODE_SUMMARY and type(e[1]) is dict):
             continue
         step, ranks, keys = e[1].get("step"), e[1].get("ranks"), e[1].get("keys")
