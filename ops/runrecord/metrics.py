@@ -515,25 +515,21 @@ def _node_line(name: str, entries: list, every: int) -> tuple[list, list]:
     return [NODE_LINE, name, out], recs
 
 
-def _routine(rec: dict[str, Any], diff: dict[str, Any], lead: dict[str, Any], every: int) -> bool:
+def _between_samples(rec: dict[str, Any], every: int) -> bool:
+    """A step record of a rank but 0, on a step that is not a multiple of ``every``."""
     step, rank = rec.get("step"), rec.get("rank")
-    return (
-        type(step) is int
-        and step % every != 0
-        and type(rank) is int
-        and rank != 0
-        and all(k == "rank" or (k in lead and _finite_number(v)) for k, v in diff.items())
+    return type(step) is int and step % every != 0 and type(rank) is int and rank != 0
+
+
+def _routine(rec: dict[str, Any], diff: dict[str, Any], lead: dict[str, Any], every: int) -> bool:
+    return _between_samples(rec, every) and all(
+        k == "rank" or (k in lead and _finite_number(v)) for k, v in diff.items()
     )
 
 
 def _routine_leader(rec: dict[str, Any], every: int) -> bool:
-    step, rank = rec.get("step"), rec.get("rank")
-    return (
-        type(step) is int
-        and step % every != 0
-        and type(rank) is int
-        and rank != 0
-        and not any(type(v) is float and not math.isfinite(v) for v in rec.values())
+    return _between_samples(rec, every) and not any(
+        type(v) is float and not math.isfinite(v) for v in rec.values()
     )
 
 
