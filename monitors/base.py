@@ -604,6 +604,22 @@ class RankedMonitor:
         key = (step, kind)
         if key in self._fired:
             return
+        self._fire(out, key, record, step, rank, value, detail, severity)
+
+    def _fire(
+        self,
+        out: list[Finding],
+        key: tuple,
+        record: Mapping[str, Any],
+        step: int,
+        rank: int,
+        value: float | None,
+        detail: str,
+        severity: Severity,
+        episode: int | None = None,
+        phase: str | None = None,
+    ) -> None:
+        """The finding of ``key``, reported once across ranks: ``rank`` is the one that fired it."""
         self._fired[key] = rank
         out.append(
             Finding(
@@ -615,6 +631,8 @@ class RankedMonitor:
                 rank,
                 record_attempt(record),
                 record_ts(record),
+                episode=episode,
+                phase=phase,
             )
         )
 

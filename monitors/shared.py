@@ -21,7 +21,7 @@ import copy
 import math
 from typing import Any, Mapping
 
-from .base import Finding, RankedMonitor, Severity, record_attempt, record_ts
+from .base import Finding, RankedMonitor, Severity
 
 _LOG_MAX = 1024  # transitions kept before a checkpoint (a copy of the shared state) replaces them
 _GATED = object()  # ``_led``: the record had none of the monitor's keys
@@ -377,23 +377,8 @@ class SharedRankedMonitor(RankedMonitor):
     ) -> None:
         fired = self._fired
         for key, step, value, text, severity, episode, phase in tried:
-            if key in fired:
-                continue
-            fired[key] = rank
-            out.append(
-                Finding(
-                    self.name,
-                    step,
-                    value,
-                    text,
-                    severity,
-                    rank,
-                    record_attempt(record),
-                    record_ts(record),
-                    episode=episode,
-                    phase=phase,
-                )
-            )
+            if key not in fired:
+                self._fire(out, key, record, step, rank, value, text, severity, episode, phase)
 
     def _emit(
         self,

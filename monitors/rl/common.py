@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Mapping
 
-from ..base import Finding, RankedMonitor, record_attempt, record_ts
+from ..base import Finding, RankedMonitor
 from ..shared import SharedRankedMonitor
 
 
@@ -115,21 +115,7 @@ class _RL(RankedMonitor):
             tried.append((key, step, value, text, severity, st.ep.n, phase))
             if key in self._fired:
                 return
-        self._fired[key] = rank
-        out.append(
-            Finding(
-                self.name,
-                step,
-                value,
-                text,
-                severity,
-                rank,
-                record_attempt(record),
-                record_ts(record),
-                episode=st.ep.n,
-                phase=phase,
-            )
-        )
+        self._fire(out, key, record, step, rank, value, text, severity, st.ep.n, phase)
 
 
 class _SharedRL(_RL, SharedRankedMonitor):
