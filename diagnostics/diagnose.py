@@ -245,6 +245,31 @@ def _event_what(e: dict[str, Any]) -> str:
     return f"{kind} {fields}".strip()
 
 
+def _behind_note(events: list[dict[str, Any]]) -> str | None:
+    """A note when the supervisor fell behind its inbox: its hang findings in those windows came
+    late by up to the lag (never false), which matters when reading a hang's timing."""
+    starts = [e for e in events if e.get("kind") == EventKind.INBOX_BEHIND]
+    if not starts:
+        return None
+    ends = [e for e in events if e.get("kind") == EventKind.INBOX_CAUGHT_UP]
+
+    def seconds(key: str, of: list) -> list[float]:  # a copied run directory: any type
+        vals = [e.get(key) for e in of]
+        return [x for x in vals if type(x) in (int, float) and math.isfinite(x)]
+
+    lags = seconds("lag_s", starts) + seconds("max_lag_s", ends)
+    spans = seconds("behind_s", ends)
+    worst = f", worst lag {max(lags):.1f} s" if lags else ""
+    longest = f", longest {max(spans):.1f} s" if spans else ""
+    still = len(starts) - len(ends)
+    open_ = f"; {still} not closed by an inbox_caught_up" if still > 0 else ""
+    return (
+        f"the supervisor fell behind its inbox {len(starts)} time(s){worst}{longest}{open_}: "
+        "hang detection in those windows was late by up to the lag, never false (runbook "
+        "SupervisorBehind)"
+    )
+
+
 def _event_step(e: dict[str, Any]) -> int | None:
     for k in ("step", "from_step"):
         v = e.get(k)
@@ -435,6 +460,9 @@ def diagnose(
             "the rest summed up a node: the replayed monitors judged the records it holds, the "
             "live findings (events.jsonl) every record"
         )
+    behind = _behind_note(events)
+    if behind:
+        notes.append(behind)
     hosts = _hosts(events)
     try:  # the live (or last) attempt's ranks: a hang event does not name hosts
         for r in json.loads((run_dir / "status.json").read_text()).get("ranks") or []:

@@ -172,6 +172,16 @@ PANELS: tuple[PanelSpec, ...] = (
     ),
     _p(
         "Restarts and incidents",
+        "Supervisor behind",
+        [
+            (f"ptops_supervisor_behind{{{SEL}}}", "{{run}} behind"),
+            (f"ptops_supervisor_lag_seconds{{{SEL}}}", "{{run}} lag when it began (s)"),
+        ],
+        description="1 while the supervisor handles its ranks' messages late (an inbox_behind "
+        "episode): hang detection is late by the lag meanwhile. Runbook SupervisorBehind.",
+    ),
+    _p(
+        "Restarts and incidents",
         "Events",
         [(f"sum by (run, kind) (ptops_events_total{{{SEL}}})", "{{run}} {{kind}}")],
     ),

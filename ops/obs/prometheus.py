@@ -183,6 +183,12 @@ def _goodput_lost(x: _Scrape) -> dict[str, float]:
     return x.good["lost_s"] if x.good["ratio"] is not None else {}
 
 
+def _supervisor_lag(x: _Scrape) -> float | None:
+    if not x.v.launches:
+        return None
+    return _finite(x.v.behind.get("lag_s")) if x.v.behind is not None else 0.0
+
+
 G, C, H = "gauge", "counter", "histogram"
 # One table: name, type, help, extra label, and where the value comes from: a number (None: no
 # sample), a {label value: number} dict (or ordered pairs) for the family's one extra label, or for
@@ -257,6 +263,11 @@ FAMILIES: tuple[tuple[str, str, str, str | None, Callable[[_Scrape], Any]], ...]
      lambda x: x.first_launch_ts),
     ("ptops_last_progress_timestamp_seconds", G, "Unix time of the latest step record or launch.",
      None, lambda x: x.last_progress_ts),
+    ("ptops_supervisor_behind", G, "1 while the supervisor is behind its ranks' messages (an "
+     "inbox_behind episode: hang checks judge at what it has read, so detection is late by the "
+     "lag), 0 otherwise.", None, lambda x: int(x.v.behind is not None) if x.v.launches else None),
+    ("ptops_supervisor_lag_seconds", G, "How far behind the supervisor was when its open "
+     "inbox_behind episode began; 0 while it keeps up.", None, _supervisor_lag),
     ("ptops_run_state", G, "1 for the run's current state, 0 for the others.", "state",
      lambda x: [(str(name), 1.0 if x.state == name else 0.0) for name in EXPORTED_STATES]),
 )  # fmt: skip

@@ -34,6 +34,7 @@ class EventKind(StrEnum):
     MISCONFIGURED = "misconfigured"
     HEALTH_CHECK = "health_check"
     INBOX_BEHIND = "inbox_behind"
+    INBOX_CAUGHT_UP = "inbox_caught_up"
     STRAGGLER = "straggler"
     ANOMALY = "anomaly"
     MONITOR_ERROR = "monitor_error"
@@ -438,7 +439,15 @@ SPECS: dict[EventKind, EventSpec] = {
         ("attempt", "lag_s", "queued"),
         doc="the supervisor's inbox held messages received lag_s ago and not yet handled: hang "
         "checks judge at the oldest one's arrival until it drains (no false hang from a backlog; "
-        "detection is late by the lag instead); once per episode",
+        "detection is late by the lag instead); once per episode, closed by inbox_caught_up",
+        runbook="SupervisorBehind",
+    ),
+    K.INBOX_CAUGHT_UP: EventSpec(
+        ("attempt", "behind_s", "max_lag_s", "max_queued", "why"),
+        doc="an inbox_behind episode ended: behind_s how long it lasted, max_lag_s and max_queued "
+        "its worst lag and backlog (hang detection was late by up to max_lag_s); why: drained, or "
+        "attempt_ended (the attempt ended while behind)",
+        runbook="SupervisorBehind",
     ),
     K.FAILED: EventSpec(
         ("reason",),
@@ -553,6 +562,9 @@ class RunView:
     stragglers: dict[int, int] = field(default_factory=dict)  # rank -> straggler findings
     straggler_ratio: dict[int, tuple[float, float]] = field(default_factory=dict)  # (ratio, ts)
     last_checkpoint: dict[str, Any] | None = None  # the latest ``checkpoint`` event
+    # the open ``inbox_behind`` event: the supervisor judges hangs late (closed by
+    # inbox_caught_up, a launch or the run's end)
+    behind: dict[str, Any] | None = None
     first_launch_ts: float | None = None
     last_launch_ts: float | None = None
     first_ts: float | None = None
@@ -620,13 +632,19 @@ class Reducer:
             v.attempt = max(v.attempt, _as_int(e.get("attempt")))
             v.end = None
             v.open_findings = []
+            v.behind = None
             v.state = RunState.RUNNING
             if ts is not None:
                 v.first_launch_ts = ts if v.first_launch_ts is None else min(v.first_launch_ts, ts)
                 v.last_launch_ts = ts if v.last_launch_ts is None else max(v.last_launch_ts, ts)
         elif kind in END_KINDS:
             v.end = dict(e)
+            v.behind = None
             v.state = kind
+        elif kind == EventKind.INBOX_BEHIND:
+            v.behind = dict(e)
+        elif kind == EventKind.INBOX_CAUGHT_UP:
+            v.behind = None
         elif kind == EventKind.RESTART:
             v.restarts += 1
             reason = str(e.get("reason") or "unknown")

@@ -186,6 +186,7 @@ class AttemptMixin:
                     return self.on_hang(finding, attempt, stack_dir)
                 self.write_status()
         finally:
+            self.inbox_caught_up(time.monotonic(), "attempt_ended")
             self.attempt_cleanup(attempt)
             if self.proc is not None and self.proc.poll() is None:
                 procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
@@ -225,9 +226,10 @@ class AttemptMixin:
             if x is not None
         )
         lag = max(0.0, now - oldest)
-        if lag > INBOX_LAG_S and not self.inbox_behind:
-            self.inbox_behind = True
+        ep = self.inbox_behind
+        if lag > INBOX_LAG_S and not ep:
             queued = self.server.inbox.qsize()
+            self.inbox_behind = {"since": now, "max_lag_s": lag, "max_queued": queued}
             self.event(
                 EventKind.INBOX_BEHIND, attempt=self.attempt, lag_s=round(lag, 3), queued=queued
             )
@@ -235,9 +237,34 @@ class AttemptMixin:
                 f"the channel is {lag:.1f} s behind ({queued} messages queued): hang checks "
                 "judge at what has been read until it catches up"
             )
-        elif lag < INBOX_LAG_S / 2:
-            self.inbox_behind = False
+        elif ep and lag < INBOX_LAG_S / 2:
+            self.inbox_caught_up(now)
+        elif ep:
+            ep["max_lag_s"] = max(ep["max_lag_s"], lag)
+            ep["max_queued"] = max(ep["max_queued"], self.server.inbox.qsize())
         return now - lag
+
+    def inbox_caught_up(self, now: float, why: str = "drained") -> None:
+        """Close an open ``inbox_behind`` episode with how long it lasted and its worst lag: the
+        exporter's ``ptops_supervisor_behind`` (and the SupervisorBehind alert) clears on it.
+        ``why``: drained, or the attempt ended while behind."""
+        ep, self.inbox_behind = self.inbox_behind, None
+        if not ep:
+            return
+        behind_s = max(0.0, now - ep["since"])
+        self.event(
+            EventKind.INBOX_CAUGHT_UP,
+            attempt=self.attempt,
+            behind_s=round(behind_s, 3),
+            max_lag_s=round(ep["max_lag_s"], 3),
+            max_queued=ep["max_queued"],
+            why=why,
+        )
+        if why == "drained":
+            self.say(
+                f"the channel caught up after {behind_s:.1f} s behind (worst lag "
+                f"{ep['max_lag_s']:.1f} s): hang checks judge at the clock again"
+            )
 
     # ---------------------------------------------- launch backend hooks (ops/slurm overrides them)
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:

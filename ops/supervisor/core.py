@@ -92,7 +92,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.faults = faults
         self.progress = progress
         self.out = out or sys.stderr
-        self.inbox_behind = False  # an inbox_behind episode is open (attempt.py, judge_time)
+        # the open inbox_behind episode (attempt.py, judge_time): since, max_lag_s, max_queued
+        self.inbox_behind: dict | None = None
         # node -> (boot id, kernel log record) where its last health check stopped reading XIDs
         self.xid_marks: dict[str, tuple[str, int]] = {}
         self.strategy = strategy

@@ -197,6 +197,37 @@ def test_live_run_incidents_so_far(faulted_runs, tmp_path):
     assert any("still going" in n for n in rep["notes"])
 
 
+def test_a_supervisor_behind_its_inbox_is_noted_with_its_worst_lag(faulted_runs, tmp_path):
+    """The hang run, its supervisor made to have fallen behind twice (the second episode still
+    open at the end, one field garbled as a copied run directory may have it): diagnose says so
+    in a note (how often, the worst lag, the longest episode) and lists the episodes in the
+    timeline with the runbook; the hang incident itself is unchanged."""
+    run = tmp_path / "run"
+    shutil.copytree(faulted_runs.get("hang").run, run)
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    at = next(n for n, e in enumerate(events) if e["kind"] == "launch") + 1
+    ts = events[at - 1]["ts"]
+    extra = [
+        {"ts": ts + 1, "kind": "inbox_behind", "attempt": 1, "lag_s": 1.4, "queued": 300},
+        {"ts": ts + 4, "kind": "inbox_caught_up", "attempt": 1, "behind_s": 3.0,
+         "max_lag_s": 2.6, "max_queued": 900, "why": "drained"},
+        {"ts": ts + 5, "kind": "inbox_behind", "attempt": 1, "lag_s": "nan?", "queued": 2},
+    ]  # fmt: skip
+    events[at:at] = extra
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    rep = _json(run)
+    (note,) = [n for n in rep["notes"] if "fell behind" in n]
+    assert "2 time(s)" in note and "worst lag 2.6 s" in note and "longest 3.0 s" in note
+    assert "1 not closed" in note and "SupervisorBehind" in note
+    rows = [t for t in rep["timeline"] if t["kind"].startswith("inbox_")]
+    assert [t["kind"] for t in rows] == ["inbox_behind", "inbox_caught_up", "inbox_behind"]
+    assert {t["runbook"] for t in rows} == {"SupervisorBehind"}
+    before = _json(faulted_runs.get("hang").run)["incidents"]
+    assert [(i["kind"], i["title"]) for i in rep["incidents"]] == [
+        (i["kind"], i["title"]) for i in before
+    ]
+
+
 def test_since_filters_and_bad_values(faulted_runs):
     run = faulted_runs.get("hang").run
     rep = _json(run)

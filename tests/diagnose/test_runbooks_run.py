@@ -47,6 +47,8 @@ MAPPING = {
     "NodeUnhealthy": "crash",  # any run: its nodes are checked before every attempt
     "SilentDataCorruption": "crash",  # any run: the sdc checks run on every titan run
     "StragglerRank": "straggler",
+    # no faulted run falls behind (that takes thousands of ranks); a hang's timing is what it delays
+    "SupervisorBehind": "hang",
     "TrainingCrashLoop": "crash",
     "TrainingHang": "hang",
     "TrainingNaN": "nan",
@@ -70,6 +72,7 @@ EXPECT = {
     "GoodputLow": ["ptops_goodput_ratio", '"kind":"restart"', "startup_s"],
     "LossSpike": ['"loss":"nan"'],
     "StragglerRank": ['"monitor":"straggler"', '"mean_step_s"'],
+    "SupervisorBehind": ["ptops_supervisor_behind", '"metrics_lines":"rank"', '"nproc":2'],
     "TrainingCrashLoop": [
         '"exit_code":-9',
         "last crash: attempt 1 rank 1",

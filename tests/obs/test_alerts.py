@@ -301,6 +301,33 @@ CASES: dict[str, list[tuple]] = {
             [({}, "1")],
         ),
     ],
+    "SupervisorBehind": [
+        (
+            "behind for 3 minutes while running",
+            "10s",
+            [s("ptops_supervisor_behind", "0 0 1x30"), state("running", "1x32")],
+            "4m",
+            [({}, "1")],
+        ),
+        (
+            "caught up after a minute",
+            "10s",
+            [s("ptops_supervisor_behind", "0 0 1x6 0x24"), state("running", "1x32")],
+            "4m",
+            [],
+        ),
+        (
+            "the run ended while behind",
+            "10s",
+            [
+                s("ptops_supervisor_behind", "1x32"),
+                state("running", "1x6 0x26"),
+                state("completed", "0x6 1x26"),
+            ],
+            "4m",
+            [],
+        ),
+    ],
     "GoodputLow": [
         (
             "25% for 2h while running",
@@ -430,6 +457,7 @@ def test_every_alert_has_for_severity_annotations_and_runbook():
         "GoodputLow",
         "GPUErrors",
         "SilentDataCorruption",
+        "SupervisorBehind",
     }
     assert set(ALERT_NAMES) == want
     doc = yaml.safe_load(RULES_FILE.read_text())

@@ -491,3 +491,31 @@ def test_every_metric_family_is_declared_once_with_help():
     names = [f[0] for f in FAMILIES]
     assert len(names) == len(set(names)), names
     assert all(f[1] in ("gauge", "counter", "histogram") and f[2].strip() for f in FAMILIES)
+
+
+def test_supervisor_behind_opens_and_closes_with_its_episode():
+    """``ptops_supervisor_behind`` (the SupervisorBehind alert's input) is 1 from an
+    ``inbox_behind`` event until its ``inbox_caught_up``, a new launch or the run's end; the lag
+    is the episode's when it began, 0 otherwise; nothing before a launch."""
+    e = PrometheusExporter("r", "t", registry=None, nvml=False, clock=lambda: 100.0)
+    behind, lag = ("ptops_supervisor_behind", ()), ("ptops_supervisor_lag_seconds", ())
+    assert behind not in samples(e)
+    e.observe_event({"ts": 1.0, "kind": "launch", "attempt": 1})
+    assert samples(e)[behind] == 0 and samples(e)[lag] == 0
+    e.observe_event({"ts": 2.0, "kind": "inbox_behind", "attempt": 1, "lag_s": 1.7, "queued": 9})
+    s = samples(e)
+    assert s[behind] == 1 and s[lag] == 1.7
+    e.observe_event(
+        {"ts": 9.0, "kind": "inbox_caught_up", "attempt": 1, "behind_s": 7.0, "max_lag_s": 3.1,
+         "max_queued": 40, "why": "drained"}
+    )  # fmt: skip
+    s = samples(e)
+    assert s[behind] == 0 and s[lag] == 0
+    e.observe_event({"ts": 10.0, "kind": "inbox_behind", "attempt": 1, "lag_s": "x", "queued": 1})
+    s = samples(e)
+    assert s[behind] == 1 and lag not in s  # a copied run directory: a lag that is no number
+    e.observe_event({"ts": 11.0, "kind": "launch", "attempt": 2})  # a restart while behind
+    assert samples(e)[behind] == 0 and samples(e)[lag] == 0
+    e.observe_event({"ts": 12.0, "kind": "inbox_behind", "attempt": 2, "lag_s": 2.0, "queued": 1})
+    e.observe_event({"ts": 13.0, "kind": "completed", "step": 8, "attempt": 2})
+    assert samples(e)[behind] == 0

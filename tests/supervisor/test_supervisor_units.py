@@ -860,6 +860,7 @@ def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
             sup.server.inbox.put((None, {"t": "ping"}, now - 1.5 + k * 0.005))
         judge = sup.judge_time(now)
         assert judge == pytest.approx(now - 1.5) and mon.check(judge) is None
+        sup.server.inbox.put((None, {"t": "ping"}, now))  # the backlog grows: worst of the episode
         assert sup.judge_time(now + 0.5) == pytest.approx(now - 1.5)  # still behind: said once
         (ev,) = [e for e in RunDir(tmp_path / "run").read_events() if e["kind"] == "inbox_behind"]
         assert ev["lag_s"] == pytest.approx(1.5, abs=0.01) and ev["queued"] == 200
@@ -867,6 +868,12 @@ def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
             sup.server.inbox.get_nowait()
         t = time.monotonic()  # the channel thread waits in select: it has read everything
         assert sup.judge_time(t) == pytest.approx(t, abs=0.05) and not sup.inbox_behind
+        # the episode closed, with how long it lasted and its worst (the exporter's gauge clears)
+        events = RunDir(tmp_path / "run").read_events()
+        (up,) = [e for e in events if e["kind"] == "inbox_caught_up"]
+        assert up["why"] == "drained" and up["max_queued"] == 201
+        assert up["max_lag_s"] == pytest.approx(2.0, abs=0.01)
+        assert up["behind_s"] == pytest.approx(t - now, abs=0.05)
         # bytes still in the kernel (the thread's last pass read full buffers 3 s ago): judged
         # at the last time it had read everything, and said as a new episode (the thread is
         # stopped first: it would overwrite the two fields)
@@ -874,6 +881,11 @@ def test_a_backlog_in_the_inbox_is_no_hang_and_is_said_once(tmp_path):
         sup.server._idle, sup.server._caught_up = False, t - 3.0
         assert sup.judge_time(t) == pytest.approx(t - 3.0) and sup.inbox_behind
         sup.server._idle = True
+        sup.inbox_caught_up(t + 1.0, "attempt_ended")  # what the attempt's end does while behind
+        kinds = [e["kind"] for e in RunDir(tmp_path / "run").read_events()]
+        assert kinds == ["inbox_behind", "inbox_caught_up"] * 2
+        last = RunDir(tmp_path / "run").read_events()[-1]
+        assert last["why"] == "attempt_ended" and last["behind_s"] == pytest.approx(1.0)
     finally:
         sup.server.close()
 

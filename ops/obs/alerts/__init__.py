@@ -216,6 +216,18 @@ ALERTS: tuple[Alert, ...] = (
         "stalls eat the rest.",
     ),
     Alert(
+        "SupervisorBehind",
+        f"ptops_supervisor_behind == 1\nand on (run, recipe)\n({_ACTIVE})",
+        "2m",
+        "warning",
+        "The supervisor of run {{ $labels.run }} is behind its ranks' messages",
+        "The supervisor of run {{ $labels.run }} ({{ $labels.recipe }}) has handled its ranks' "
+        "messages late for 2 minutes or more (ptops_supervisor_lag_seconds: by how much when it "
+        "began): hang detection is late by that lag (never false), and a backlog that keeps "
+        "growing ends in an out-of-memory supervisor. The run outgrew one supervisor at this "
+        "step rate, or the supervisor's host is starved of CPU.",
+    ),
+    Alert(
         "GPUErrors",
         'increase(ptops_gpu_ecc_errors_total{type="uncorrected"}[15m]) > 0\n'
         "or\nincrease(ptops_gpu_xid_errors_total[15m]) > 0\n"
