@@ -22,6 +22,15 @@ def render(s: dict[str, Any]) -> str:
         "  supervisor: "
         f"{'pid ' + str(s['supervisor_pid']) if s['supervisor_alive'] else 'not running'}",
     ]
+    b = s.get("supervisor_behind")
+    if b:
+        ts = b.get("ts")
+        when = time.strftime("%H:%M:%S", time.localtime(ts)) if type(ts) in (int, float) else "?"
+        lines[-1] += (
+            f", behind its ranks' messages since {when} ({b.get('lag_s')} s, {b.get('queued')} "
+            "queued when it began): hangs are found late by the lag (ptops runbook "
+            "SupervisorBehind)"
+        )
     g = s.get("goodput") or {}
     if g.get("ratio") is not None:
         lost = sorted(((v, k) for k, v in g["lost_s"].items() if v >= 0.05), reverse=True)

@@ -78,6 +78,12 @@ def slurm_view(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out or None
 
 
+def _behind(e: dict[str, Any] | None) -> dict[str, Any] | None:
+    if e is None:
+        return None
+    return {k: e.get(k) for k in ("ts", "attempt", "lag_s", "queued")}
+
+
 def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything ``ptops status`` reports, as one dict. The caller names the last good checkpoint
     (``ptops.ckpt.latest_good``): which checkpoint is good is the checkpoint layer's call, not the
@@ -120,6 +126,8 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
         "supervisor_pid": st.get("supervisor_pid") if lock_pid else None,
         "supervisor_alive": lock_pid is not None,
         "ranks": st.get("ranks", []) if state in LIVE_STATES else [],
+        # the open inbox_behind episode of a live supervisor: its hang findings come late
+        "supervisor_behind": _behind(view.behind) if state in LIVE_STATES else None,
         "open_findings": view.open_findings,
         "reason": view.reason if view.ended else st.get("reason"),
         "updated": st.get("updated"),

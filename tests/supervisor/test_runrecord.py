@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from pathlib import Path
 
 from conftest import REPO
@@ -426,3 +427,33 @@ def test_the_reducer_kept_open_gives_reduce_at_every_prefix():
     for i, e in enumerate(CRASH_RESTART_COMPLETE):
         r.add(e)
         assert r.view == reduce(CRASH_RESTART_COMPLETE[: i + 1])
+
+
+def test_status_says_a_live_supervisor_is_behind_its_ranks(tmp_path):
+    """An open inbox_behind episode of a live supervisor (it holds the lock) shows in ``ptops
+    status`` and its --json; closed by inbox_caught_up, or the supervisor gone, it does not."""
+    from ptops.ops.cli.status_view import render
+    from ptops.ops.runrecord.lock import acquire, release
+    from ptops.ops.runrecord.status import collect
+
+    behind = {"ts": 5.0, "kind": "inbox_behind", "attempt": 1, "lag_s": 1.3, "queued": 2503}
+    st = {"state": "running", "attempt": 1, "supervisor_pid": os.getpid(), "ranks": []}
+    path = _run(tmp_path, [{"ts": 1.0, "kind": "launch", "attempt": 1}, behind], st)
+    assert collect(path)["supervisor_behind"] is None  # no supervisor holds the run: dead
+    fd = acquire(path)
+    try:
+        s = collect(path)
+        assert s["supervisor_behind"] == {"ts": 5.0, "attempt": 1, "lag_s": 1.3, "queued": 2503}
+        line = next(x for x in render(s).splitlines() if x.startswith("  supervisor:"))
+        assert "behind its ranks' messages since" in line and "2503 queued" in line
+        assert "SupervisorBehind" in line
+        json.dumps(s)
+        append_jsonl(
+            RunDir(path).events,
+            {"ts": 9.0, "kind": "inbox_caught_up", "attempt": 1, "behind_s": 4.0,
+             "max_lag_s": 2.0, "max_queued": 9000, "why": "drained"},
+        )  # fmt: skip
+        s = collect(path)
+        assert s["supervisor_behind"] is None and "behind" not in render(s)
+    finally:
+        release(fd)
