@@ -60,6 +60,7 @@ from typing import Any
 from ptops.diagnostics import incidents as _incidents
 from ptops.monitors import FAMILIES, Finding, MonitorsSection, build_monitors, replay
 from ptops.monitors import RUNBOOKS as MONITOR_RUNBOOKS
+from ptops.monitors.base import number
 from ptops.ops.runrecord.events import (
     INCIDENT_KINDS,
     MONITOR_FINDING_KINDS,
@@ -254,8 +255,8 @@ def _behind_note(events: list[dict[str, Any]]) -> str | None:
     ends = [e for e in events if e.get("kind") == EventKind.INBOX_CAUGHT_UP]
 
     def seconds(key: str, of: list) -> list[float]:  # a copied run directory: any type
-        vals = [e.get(key) for e in of]
-        return [x for x in vals if type(x) in (int, float) and math.isfinite(x)]
+        vals = [number(e.get(key)) for e in of]  # read as the exporter reads them
+        return [x for x in vals if x is not None and math.isfinite(x)]
 
     lags = seconds("lag_s", starts) + seconds("max_lag_s", ends)
     spans = seconds("behind_s", ends)

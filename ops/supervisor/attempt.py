@@ -186,7 +186,6 @@ class AttemptMixin:
                     return self.on_hang(finding, attempt, stack_dir)
                 self.write_status()
         finally:
-            self.inbox_caught_up(time.monotonic(), "attempt_ended")
             self.attempt_cleanup(attempt)
             if self.proc is not None and self.proc.poll() is None:
                 procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
@@ -194,6 +193,8 @@ class AttemptMixin:
                 left = procs.run_processes(self.run.path)
                 if left:
                     procs.teardown(None, self.run.path, left, grace_s=0)
+            # last: an event write that fails (a full disk) must not skip the teardown above
+            self.inbox_caught_up(time.monotonic(), "attempt_ended")
 
     def rank_judge(self, now: float, floor: float):
         """Per rank, the time up to which the hang check may judge it while the supervisor is
