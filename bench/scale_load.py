@@ -130,11 +130,12 @@ def _frames(relay: str, lines: list[tuple]) -> list[bytes]:
     (``Batcher``, the agent's own code, since issue 24; handed the message the line was made from,
     so the generator does not parse what it wrote) or a relay frame a line (``line``: the design
     before)."""
-    from ptops.ops.rank.channel import Batcher, relay_frame
+    from ptops.ops.rank.channel import SUMMARY_ENV, Batcher, relay_frame, summary_settings
 
     if relay == "line":
         return [relay_frame(c, raw) for c, raw, *_ in lines]
-    b = Batcher()
+    # ``supervisor.node_summaries=true``: what the supervisor told its agents (the env)
+    b = Batcher(*summary_settings(os.environ.get(SUMMARY_ENV)))
     for c, raw, *msg in lines:
         b.add(c, raw, 0.0, msg[0] if msg else None)
     frame = b.frame()

@@ -113,15 +113,17 @@ def load_section(run: RunDir) -> tuple[MonitorsSection, str]:
         raise DiagnoseError(f"{path}: key '{key}': {err['msg'].lower()}") from None
 
 
-def _rank_detail_every(run: RunDir) -> int:
+def _rank_detail_every(run: RunDir) -> tuple[int, bool]:
     """``supervisor.metrics_rank_detail_every`` of the run's recipe.json (1 when absent or not a
-    positive int: a copied run directory is not trusted)."""
+    positive int: a copied run directory is not trusted), and whether its node agents summed up
+    on the wire (``node_summaries`` true)."""
     try:
         sup = json.loads(run.recipe_json.read_text()).get("supervisor")
         every = sup.get("metrics_rank_detail_every") if isinstance(sup, dict) else None
+        wire = sup.get("node_summaries") is True if isinstance(sup, dict) else False
     except (OSError, ValueError, AttributeError):
-        return 1
-    return every if type(every) is int and every > 1 else 1
+        return 1, False
+    return (every, wire) if type(every) is int and every > 1 else (1, False)
 
 
 def _num(v: Any) -> Any:
@@ -453,13 +455,18 @@ def diagnose(
         notes.append("no events.jsonl: no crash/hang/restart history")
     if not section.enabled:
         notes.append("recipe.json has [monitors] enabled = false: nothing replayed")
-    every = _rank_detail_every(run)
+    every, wire = _rank_detail_every(run)
     if every > 1:
+        live = (
+            "the live straggler and memory monitors too (supervisor.node_summaries: the node "
+            "agents summed up on the wire; the loss, NaN and RL monitors judged every rank)"
+            if wire
+            else "the live findings (events.jsonl) every record"
+        )
         notes.append(
             f"metrics.jsonl holds every rank's record every {every} steps "
             "(supervisor.metrics_rank_detail_every), and between them rank 0's and the odd ones, "
-            "the rest summed up a node: the replayed monitors judged the records it holds, the "
-            "live findings (events.jsonl) every record"
+            f"the rest summed up a node: the replayed monitors judged the records it holds, {live}"
         )
     behind = _behind_note(events)
     if behind:

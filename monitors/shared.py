@@ -60,6 +60,79 @@ def _keys_read(inputs: Any, record: Mapping[str, Any]) -> frozenset:
     return frozenset(r.read)
 
 
+class _Every(Exception):
+    """A monitor's inputs read every value of the record (``items``, ``values``)."""
+
+
+class _Probe(dict):
+    """A record that has every key asked for but those ``absent`` (None: it has none), a finite
+    number each: what a monitor's inputs read of a record they might be given. Its key set is
+    empty (a summed-up rank has its leader's keys: what its inputs make of the keys alone is the
+    same)."""
+
+    def __init__(self, absent: frozenset | None) -> None:
+        super().__init__()
+        self.absent, self.read = absent, set()
+
+    def _has(self, key: Any) -> bool:
+        return self.absent is not None and key not in self.absent
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return 1.0 if self._has(key) else default
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        if not self._has(key):
+            raise KeyError(key)
+        return 1.0
+
+    def __contains__(self, key: Any) -> bool:
+        return self._has(key)
+
+    def _every(self, *_: Any) -> Any:
+        raise _Every
+
+    items = values = _every
+
+
+PROBES = 256  # a monitor's probes at most (``keys_any_record_reads``)
+
+
+def keys_any_record_reads(monitors: list) -> frozenset | None:
+    """The keys the shared monitors' inputs read of a record (None: some monitor reads every
+    value, or its inputs raised on a probe): probed with no key present, with every key, and
+    then with each key read missing in turn, and so on (a second spelling is read only when the
+    first is missing), at most ``PROBES`` a monitor. What a node agent's rank may differ from
+    its leader in and still be summed up (``node_summaries``); a key missed here is still
+    checked against the record itself (``repeat_group``, ``keys_read``)."""
+    read: set = set()
+    for m in monitors:
+        if not (isinstance(m, SharedRankedMonitor) and m.share):
+            continue
+        todo: list = [None, frozenset()]
+        tried: set = set()
+        while todo and len(tried) < PROBES:
+            absent = todo.pop(0)
+            if absent in tried:
+                continue
+            tried.add(absent)
+            probe = _Probe(absent)
+            try:
+                m._inputs(probe)
+            except Exception:  # noqa: BLE001 - _Every, or a probe it cannot read: it reads all
+                return None
+            read |= probe.read
+            if absent is not None:
+                todo.extend(absent | {k} for k in probe.read if k not in absent)
+    return frozenset(read)
+
+
+def keys_read(inputs: Any, record: Mapping[str, Any]) -> frozenset:
+    """The keys whose values ``inputs(record)`` reads (the public name of ``_keys_read``)."""
+    return _keys_read(inputs, record)
+
+
 def _same_sig(a: tuple, b: tuple) -> bool:
     """The same inputs: equal, and equal as what a monitor makes of them. Inputs are parsed (floats,
     None, strings), where -0.0 == 0.0 (but may print differently) is the one trap."""

@@ -220,6 +220,13 @@ class SupervisorSection(_Strict):
         "many steps; between, a node's routine ranks (not rank 0, finite numbers) as one summary "
         "(their min, median, max); the monitors still read every record live (docs/scale.md)",
     )
+    node_summaries: bool = Field(
+        False,
+        description="with metrics_rank_detail_every > 1: the node agents sum up their routine "
+        "ranks between samples on the wire, so the supervisor's work a step grows with nodes, "
+        "not ranks; the straggler and memory monitors then see those ranks on sample steps only "
+        "(docs/scale.md)",
+    )
     restart: RestartConfig = Field(
         RestartConfig(), description="restart policy (``ptops launch --supervise`` only)"
     )
@@ -539,6 +546,12 @@ def _check_cross_keys(recipe: Recipe, origin: str) -> None:
             f"{origin}: key 'supervisor.metrics_rank_detail_every': expected 1 unless "
             f'supervisor.metrics_lines = "node" (got {sup.metrics_rank_detail_every} with '
             f'"{sup.metrics_lines}")'
+        )
+    if sup.node_summaries and sup.metrics_rank_detail_every < 2:
+        raise RecipeError(
+            f"{origin}: key 'supervisor.node_summaries': expected false unless "
+            "supervisor.metrics_rank_detail_every > 1 (the steps every rank is sent whole on; "
+            f"got {sup.metrics_rank_detail_every})"
         )
     check = _engines.get(recipe.engine).check
     problem = check(recipe) if check is not None else None

@@ -12,9 +12,10 @@ be stopped with it, and have their stacks read where they live. The agent, per n
    torchrun also gives the ranks the environment the engines already expect);
 3. relays its ranks' lines upstream in batches of a few ms (``b`` frames: one parse and one queue
    entry on the supervisor for many lines, a step's records as differences from the first) and
-   every command downstream; its ranks' liveness ``ping`` lines it sums up in one ``a`` frame a
-   second for the node (which ranks sent anything, how long ago); the wire format is in
-   ``ops/rank/channel.py``;
+   every command downstream (with ``[supervisor] node_summaries``, a node's routine ranks
+   between samples as one summary: ``Batcher``); its ranks' liveness ``ping`` lines it sums up
+   in one ``a`` frame a second for the node (which ranks sent anything, how long ago); the wire
+   format is in ``ops/rank/channel.py``;
 4. at a hang gathers its ranks' stacks into one reply (``dump``: each rank's own dump, py-spy for
    a rank that does not answer: ptrace does not cross hosts); the supervisor writes one file a node;
 5. kills its ranks when the supervisor goes away: EOF, or no keepalive for
@@ -62,10 +63,12 @@ from ptops.ops.rank.channel import (
     RELAY,
     RELAY_GONE,
     ROLE_NODE,
+    SUMMARY_ENV,
     Batcher,
     ChannelClient,
     encode,
     new_token,
+    summary_settings,
     take_lines,
 )
 from ptops.ops.supervisor import procs, stacks
@@ -270,7 +273,7 @@ class Agent:
         bufs: dict[int, bytearray] = {}
         authed: set[int] = set()
 
-        batch = Batcher()
+        batch = Batcher(*summary_settings(self.env.get(SUMMARY_ENV)))
 
         def flush() -> None:
             frame = batch.frame()

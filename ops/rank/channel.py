@@ -60,6 +60,13 @@ Frames on that connection (one JSON object per line, as everywhere):
   node every few ms replaces a frame a line (the start-up burst: ~50 lines a node), and the
   records' common values cross once (issue 24). Hellos, ``g`` and the agent's own frames stay
   single and leave after the batch before them.
+  With ``[supervisor] node_summaries`` (``PTOPS_NODE_SUMMARY``: ``{"every": K, "read": [keys]}``)
+  the frame may end in ``"s": [[at, j, [c, ...], {summary}, lead_out, [names]], ...]``: the
+  group whose leader is ``m[j]`` had the ranks of connections ``c`` summed up instead of sent
+  (``ops/runrecord/nodesummary.py``'s rule: on steps that are not a multiple of K, ranks that
+  differ from their leader only in finite numbers of keys none of ``read``), the entry standing
+  for them after ``m[at - 1]``; ``lead_out``: the summary holds the leader's values too (the
+  file then leaves its record out), ``names``: the keys those ranks differ in.
 
 The agent checks that each rank line is a JSON object (a broken line is dropped, not its
 neighbours') and puts it into the frame without re-encoding it, so a batch costs the supervisor
@@ -76,6 +83,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from ptops.ops.runrecord.nodesummary import sum_up, summary_entry
 
 MAX_LINE = 16 * 1024 * 1024
 ENV_ADDRESS = "PTOPS_CHANNEL"
@@ -101,6 +110,21 @@ def relay_frame(cid: int, raw: bytes) -> bytes:
 BATCH = "b"  # a node's rank lines of a few ms in one frame (issue 24)
 BATCH_S = 0.02  # the longest an agent holds a rank's line before its batch leaves
 BATCH_BYTES = 256 * 1024  # a batch this large leaves at once
+SUMMARY_ENV = "PTOPS_NODE_SUMMARY"  # ``node_summaries``: {"every": K, "read": [keys] or null}
+SUMMED = object()  # ``unbatch``'s like for a summary: from the frame's ``s``, never a message
+
+
+def summary_settings(raw: str | None) -> tuple[int, frozenset | None]:
+    """(every, read) of ``PTOPS_NODE_SUMMARY``; (1, None), sum nothing up, when absent or
+    malformed (a node that cannot read its settings sends every rank whole: the safe way)."""
+    try:
+        cfg = json.loads(raw or "null")
+        every, read = int(cfg["every"]), cfg["read"]
+    except (ValueError, TypeError, KeyError):
+        return 1, None
+    if not isinstance(read, list) or not all(isinstance(k, str) for k in read):
+        return 1, None
+    return max(1, every), frozenset(read)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -125,8 +149,10 @@ class Batcher:
     step's group only if its rank sent nothing since the group's place in the batch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1, read: frozenset | None = None) -> None:
         self.items: list[tuple[int, bytes, dict | None]] = []  # (cid, line, parsed step record)
+        # ``node_summaries``: routine ranks every K steps only, else summed up (module docstring)
+        self.every, self.read = every, read
         self.size = 0
         self.since: float | None = None  # when the oldest line waiting arrived (monotonic)
 
@@ -185,6 +211,7 @@ class Batcher:
         cids: list[int] = []
         lines: list[bytes] = []
         leaders: list[bytes] = []
+        sums: list[list] = []
         for e in out:
             if len(e) == 2 or not e[3]:
                 cids.append(e[0])
@@ -193,21 +220,41 @@ class Batcher:
             lead = e[2]["rec"]
             j = len(leaders)
             leaders.append(json.dumps(lead, separators=(",", ":")).encode())
-            for cid, msg in [(e[0], e[2])] + e[3]:
-                rec = msg["rec"]
-                diff = {k: v for k, v in rec.items() if not _same(v, lead[k])}
+            group = [(cid, msg, _diff(msg["rec"], lead)) for cid, msg in [(e[0], e[2])] + e[3]]
+            left: Any = ()
+            if self.every > 1:
+                lead_out, out_at, entry = sum_up(
+                    lead, [(m["rec"], d) for _, m, d in group[1:]], self.every, self.read
+                )
+                left = {i + 1 for i in out_at}
+            at = len(lines)
+            for i, (cid, msg, diff) in enumerate(group):
+                if i in left:
+                    continue
                 cids.append(cid)
                 lines.append(
                     json.dumps({**msg, "rec": diff, "_k": j}, separators=(",", ":")).encode()
                 )
-        return b'{"t":"b","c":[%s],"k":[%s],"m":[%s]}\n' % (
+            if left:
+                names = sorted({k for i in left for k in group[i][2] if k != "rank"})
+                gone = [group[i][0] for i in sorted(left)]
+                sums.append([len(lines), at, gone, entry, lead_out, names])
+        tail = b',"s":%s' % json.dumps(sums, separators=(",", ":")).encode() if sums else b""
+        return b'{"t":"b","c":[%s],"k":[%s],"m":[%s]%s}\n' % (
             ",".join(map(str, cids)).encode(),
             b",".join(leaders),
             b",".join(lines),
+            tail,
         )
 
 
-def unbatch(frame: dict[str, Any], likes: list | None = None) -> list[tuple[Any, dict[str, Any]]]:
+def _diff(rec: dict[str, Any], lead: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in rec.items() if not _same(v, lead[k])}
+
+
+def unbatch(
+    frame: dict[str, Any], likes: list | None = None, sums: list | None = None
+) -> list[tuple[Any, dict[str, Any]]]:
     """A ``b`` frame's (cid, message) pairs in order, each step record whole again. Entries that do
     not parse as such (lengths that differ, a message that is no object, a leader index out of
     range) are dropped, never their neighbours.
@@ -216,7 +263,12 @@ def unbatch(frame: dict[str, Any], likes: list | None = None) -> list[tuple[Any,
     not the leader itself, (the leader's ``rank``, the keys sent), else None. True by construction
     (every other key holds the leader's own value), so the supervisor may let its monitors treat
     the record as that rank's, but for those keys (``MonitorFeed.feed``); never read from a
-    message, so no rank can claim it."""
+    message, so no rank can claim it.
+
+    ``sums``, when given, gets the frame's summaries (``node_summaries``) as ``(at, lead, cids,
+    entry, lead_out, names)``: after the first ``at`` pairs returned, standing for the ranks of
+    connections ``cids``, whose leader is pair ``lead``; one that does not parse, or whose leader
+    was dropped or is no step record of the entry's step, is dropped."""
     cids, msgs, leaders = frame.get("c"), frame.get("m"), frame.get("k", [])
     if (
         not isinstance(cids, list)
@@ -227,7 +279,9 @@ def unbatch(frame: dict[str, Any], likes: list | None = None) -> list[tuple[Any,
         return []
     out = []
     seen: set[int] = set()  # leaders whose own record went out whole
+    place: list = []  # m's index -> its pair's place in ``out`` (None: dropped)
     for cid, msg in zip(cids, msgs):
+        place.append(None)
         if not isinstance(msg, dict):
             continue
         like = None
@@ -247,10 +301,44 @@ def unbatch(frame: dict[str, Any], likes: list | None = None) -> list[tuple[Any,
             full = dict(leaders[j])
             full.update(rec)
             msg["rec"] = full
+        place[-1] = len(out)
         out.append((cid, msg))
         if likes is not None:
             likes.append(like)
+    if sums is not None and frame.get("s"):
+        _summaries(frame["s"], out, place, sums)
     return out
+
+
+def _summaries(raw: Any, out: list, place: list, sums: list) -> None:
+    """``unbatch``'s summaries, each checked (an agent is trusted, its frame is still parsed)."""
+    if not isinstance(raw, list):
+        return
+    kept = [0]  # kept[i]: pairs kept among the first i messages
+    for p in place:
+        kept.append(kept[-1] + (p is not None))
+    for s in raw:
+        if not (isinstance(s, list) and len(s) == 6):
+            continue
+        at, j, cids, entry, lead_out, names = s
+        entry = summary_entry(entry)
+        if (
+            type(at) is not int
+            or type(j) is not int
+            or not 0 <= j < at <= len(place)
+            or place[j] is None
+            or entry is None
+            or not isinstance(cids, list)
+            or not all(type(c) is int for c in cids)
+            or type(lead_out) is not bool
+            or not isinstance(names, list)
+            or not all(isinstance(k, str) for k in names)
+        ):
+            continue
+        rec = out[place[j]][1].get("rec")
+        if not isinstance(rec, dict) or rec.get("step") != entry["step"]:
+            continue
+        sums.append((kept[at], place[j], cids, entry, lead_out, frozenset(names)))
 
 
 def take_lines(buf: bytearray) -> Iterator[bytes]:

@@ -15,7 +15,8 @@ Imports nothing else of ptops (design.md), so every layer above may read the rec
 
 What the folder holds: the run directory: paths (`rundir.py`), the event/state vocabulary and the
 reducer (`events.py`), the JSONL writer and tail reader (`jsonl.py`), the rotated metrics and their
-index (`metrics.py`), ranks as ranges (`ranks.py`), followers for exporters
+index (`metrics.py`), which ranks a node line sums up (`nodesummary.py`: the writer's rule, and the
+node agent's with `node_summaries`), ranks as ranges (`ranks.py`), followers for exporters
 (`follow.py`), `status.json` (`status.py`), the run lock (`lock.py`), the goodput account
 (`goodput.py`: productive time and where the rest went, for status, diagnose and the exporter
 alike), the one format of what ptops writes into a rank's log (`ranklog.py`: every rank-side part

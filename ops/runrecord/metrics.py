@@ -28,10 +28,12 @@ routine follower (not rank 0, no key its leader lacks, every differing value a f
 left out, and its leader with it when all its followers are (and it is not rank 0 and holds no
 NaN or inf); what a group leaves out becomes ``["summary", {"step", "ranks": [...], "keys": {KEY:
 [min, its rank, low median, max, its rank]}}]`` (:func:`node_summaries_of_line`), which
-records_of_line skips. Every rank's record still reaches the monitors live: only the file is
-sampled. Entries that do not
-rebuild are dropped, never their neighbours, and so are diffs past ``NODE_LINE_KEYS_PER_BYTE`` keys
-rebuilt per byte of the line (no quadratic expansion of a hostile copy).
+records_of_line skips (the rule: ``nodesummary.py``). Every rank's record still reaches the
+monitors live: only the file is sampled; unless ``[supervisor] node_summaries``, where the node
+agents apply the rule on the wire and the writer writes their summary entries as they come
+(:meth:`MetricsWriter.summary`). Entries that do not rebuild are dropped, never their
+neighbours, and so are diffs past ``NODE_LINE_KEYS_PER_BYTE`` keys rebuilt per byte of the line
+(no quadratic expansion of a hostile copy).
 
 The reader's contract: the segments are the files named ``NNNNNN.jsonl`` (six digits) in
 ``metrics/``, read in number order, then ``metrics.jsonl``; the index never adds, drops or
@@ -46,7 +48,6 @@ read leaves the run directory.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import stat
@@ -56,6 +57,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .jsonl import PRIVATE_FILE, parse_line
+from .nodesummary import sum_up, summary_entry
 
 LIVE = "metrics.jsonl"
 SEGMENT_DIR = "metrics"
@@ -469,94 +471,55 @@ class _Stats:
         }
 
 
-def _node_line(name: str, entries: list, every: int) -> tuple[list, list]:
+def _node_line(name: str, entries: list, every: int, wire: list = ()) -> tuple[list, list]:
     """A node line and the records it holds. With ``every`` > 1, on a step not a multiple of
-    ``every``, routine records are left out and summed up (module docstring): a certified
-    follower (``(J, diff, record)``) that is not rank 0 (status, resume and goodput read rank 0),
-    lacks no key of its leader's and differs only in finite numbers; and its leader with it when
-    every follower of the leader is left out, the leader is not rank 0 and holds no non-finite
-    number. What is left out of a group becomes one summary entry at the line's end."""
-    if every <= 1:
+    ``every``, routine records are left out and summed up (``nodesummary.sum_up``: a certified
+    follower is ``(J, diff, record)``). ``wire``: the summaries a node agent sent in place of
+    its routine ranks (``node_summaries``), ``(entry, place of a leader left out or None)``.
+    A group's summary entry goes at the line's end, in the order its first rank left out came."""
+    if every <= 1 and not wire:
         return (
             [NODE_LINE, name, [e if type(e) is dict else [e[0], e[1]] for e in entries]],
             [e if type(e) is dict else e[2] for e in entries],
         )
-    follows: dict[int, list] = {}  # a leader's place -> its followers' places
-    routine: dict[int, bool] = {}  # a follower's place -> whether it is left out
-    for i, e in enumerate(entries):
-        if type(e) is not dict:
-            j, diff, rec = e
-            follows.setdefault(j, []).append(i)
-            routine[i] = _routine(rec, diff, entries[j], every)
+    drop: set[int] = set()
+    sums: list = []  # (the place of the first rank left out, its summary entry)
+    for at, entry, lead in wire:
+        if lead is not None:
+            drop.add(lead)
+        sums.append((at, entry))
+    if every > 1:
+        follows: dict[int, list] = {}  # a leader's place -> its followers' places
+        for i, e in enumerate(entries):
+            if type(e) is not dict:
+                follows.setdefault(e[0], []).append(i)
+        for j, fs in follows.items():
+            lead_out, left, entry = sum_up(
+                entries[j], [(entries[i][2], entries[i][1]) for i in fs], every
+            )
+            if entry is None:
+                continue
+            drop.update(fs[k] for k in left)
+            if lead_out:
+                drop.add(j)
+            sums.append((j if lead_out else fs[left[0]], entry))
     out: list = []
     recs: list = []
     where: dict[int, int] = {}  # an entry written whole: its place -> its place in ``out``
-    left: dict[int, list] = {}  # a leader's place -> its ranks left out, leader first if it is
     for i, e in enumerate(entries):
-        if type(e) is dict:
-            fs = follows.get(i)
-            if fs and all(routine[f] for f in fs) and _routine_leader(e, every):
-                left[i] = [e["rank"]]
-                continue
-            where[i] = len(out)
-            out.append(e)
-            recs.append(e)
+        if i in drop:
             continue
-        j, diff, rec = e
-        if routine[i]:
-            left.setdefault(j, []).append(rec["rank"])
+        if type(e) is not dict and e[0] in where:
+            out.append([where[e[0]], e[1]])
+            recs.append(e[2])
             continue
-        out.append([where[j], diff])
-        recs.append(rec)
-    for j, ranks in left.items():
-        lead = entries[j]
-        diffs = {entries[i][2]["rank"]: entries[i][1] for i in follows[j]}
-        out.append([NODE_SUMMARY, _spread(lead, ranks, diffs)])
+        e = e if type(e) is dict else e[2]  # (a leader a hostile summary left out: whole)
+        where[i] = len(out)
+        out.append(e)
+        recs.append(e)
+    sums.sort(key=lambda s: s[0])
+    out.extend([NODE_SUMMARY, s] for _, s in sums)
     return [NODE_LINE, name, out], recs
-
-
-def _between_samples(rec: dict[str, Any], every: int) -> bool:
-    """A step record of a rank but 0, on a step that is not a multiple of ``every``."""
-    step, rank = rec.get("step"), rec.get("rank")
-    return type(step) is int and step % every != 0 and type(rank) is int and rank != 0
-
-
-def _routine(rec: dict[str, Any], diff: dict[str, Any], lead: dict[str, Any], every: int) -> bool:
-    return _between_samples(rec, every) and all(
-        k == "rank" or (k in lead and _finite_number(v)) for k, v in diff.items()
-    )
-
-
-def _routine_leader(rec: dict[str, Any], every: int) -> bool:
-    return _between_samples(rec, every) and not any(
-        type(v) is float and not math.isfinite(v) for v in rec.values()
-    )
-
-
-def _finite_number(v: Any) -> bool:
-    return type(v) is int or (type(v) is float and math.isfinite(v))  # a bool is not an int here
-
-
-def _spread(lead: dict[str, Any], ranks: list, diffs: dict) -> dict[str, Any]:
-    """A summary: ``{"step", "ranks": [...], "keys": {KEY: [min, min's rank, low median, max,
-    max's rank]}}`` over the ranks left out, for each key that differs in the group (``step_s``
-    always), a rank's value its diff's or else its leader's."""
-    names = {k for d in diffs.values() for k in d if k != "rank"}
-    if "step_s" in lead:
-        names.add("step_s")
-    keys = {}
-    for k in sorted(names):
-        vals = []
-        for r in ranks:
-            v = diffs[r].get(k, lead.get(k)) if r in diffs else lead.get(k)
-            if not _finite_number(v):
-                break
-            vals.append((v, r))
-        else:
-            vals.sort()
-            lo, hi = vals[0], vals[-1]
-            keys[k] = [lo[0], lo[1], vals[(len(vals) - 1) // 2][0], hi[0], hi[1]]
-    return {"step": lead.get("step"), "ranks": ranks, "keys": keys}
 
 
 def node_summaries_of_line(raw: bytes) -> list[dict[str, Any]]:
@@ -565,26 +528,10 @@ def node_summaries_of_line(raw: bytes) -> list[dict[str, Any]]:
     whose five values are not finite numbers with int ranks is left out)."""
     out: list[dict[str, Any]] = []
     for e in (_node_entries(raw) if raw.startswith(b"[") else None) or ():
-        if not (type(e) is list and len(e) == 2 and e[0] == NODE_SUMMARY and type(e[1]) is dict):
-            continue
-        step, ranks, keys = e[1].get("step"), e[1].get("ranks"), e[1].get("keys")
-        if not (
-            type(step) is int
-            and type(ranks) is list
-            and all(type(r) is int for r in ranks)
-            and type(keys) is dict
-        ):
-            continue
-        good = {
-            k: v
-            for k, v in keys.items()
-            if type(v) is list
-            and len(v) == 5
-            and all(_finite_number(x) for x in v)
-            and type(v[1]) is int
-            and type(v[4]) is int
-        }
-        out.append({"step": step, "ranks": ranks, "keys": good})
+        if type(e) is list and len(e) == 2 and e[0] == NODE_SUMMARY:
+            entry = summary_entry(e[1])
+            if entry is not None:
+                out.append(entry)
     return out
 
 
@@ -645,19 +592,19 @@ class MetricsWriter:
         if self._node is not None:
             yield
             return
-        self._node = (name, [], {})
+        self._node = (name, [], {}, [])
         try:
             yield
         finally:
-            name, entries, _ = self._node
+            name, entries, _, wire = self._node
             self._node = None
             if entries:
-                self._line(*_node_line(name, entries, self.detail_every))
+                self._line(*_node_line(name, entries, self.detail_every, wire))
 
     def _as_entry(self, record: dict[str, Any], like: Any) -> Any:
         """``record`` as its node line's entry: whole, or (J, its keys, record) when the certified
         leader's entry J rebuilt with those keys gives it back exactly."""
-        _, entries, whole = self._node  # type: ignore[misc]
+        _, entries, whole, _ = self._node  # type: ignore[misc]
         step = record.get("step")
         j = whole.get((like[0], step)) if like is not None else None
         if j is not None and like[1] <= record.keys():
@@ -691,6 +638,16 @@ class MetricsWriter:
             self._repair_index_tail()
             for seg in undescribed:
                 self._append_index(_scan(seg.path).entry(seg.path.name))
+
+    def summary(self, entry: dict[str, Any], lead: Any = None) -> None:
+        """A node agent's summary of its routine ranks (``nodesummary``), at the node line's end;
+        ``lead``: the rank of the leader it holds too, whose record (appended before, whole) the
+        line then leaves out. Outside a node line: nothing (no line stands for a summary)."""
+        if self._node is None:
+            return
+        _, entries, whole, wire = self._node
+        j = whole.get((lead, entry.get("step"))) if lead is not None else None
+        wire.append((len(entries), entry, j))
 
     def append(self, record: dict[str, Any], like: Any = None) -> None:
         """One record; ``like`` (``unbatch``'s certificate) lets a node line keep only its keys."""

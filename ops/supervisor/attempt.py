@@ -11,13 +11,14 @@ Used as a mixin of :class:`ptops.ops.supervisor.core.Supervisor`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 
 from ptops.ckpt import RESUME_ENV
 from ptops.faultinject.spec import to_env as faults_to_env
 from ptops.monitors.hang import HangMonitor
-from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN
+from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN, SUMMARY_ENV
 from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.supervisor import launcher, procs
 from ptops.ops.supervisor.blame import WORKER_FAILED, Blame, root_cause
@@ -70,6 +71,7 @@ class AttemptMixin:
         ):
             if key not in os.environ:
                 extra[key] = value
+        extra.update(self.summary_env())
         # attempt_command may say warm
         self.ranks_from = {
             "ranks_from": "cold",
@@ -268,6 +270,20 @@ class AttemptMixin:
             )
 
     # ---------------------------------------------- launch backend hooks (ops/slurm overrides them)
+    def summary_env(self) -> dict[str, str]:
+        """``node_summaries``: what the node agents may sum up (``ops/rank/channel.py``): every
+        K-th step whole, and the keys the shared monitors read (a rank differing in one goes
+        whole); nothing when off."""
+        if not self.cfg.node_summaries:
+            return {}
+        read = self.feed.read_keys()
+        every = self.cfg.metrics_rank_detail_every
+        return {
+            SUMMARY_ENV: json.dumps(
+                {"every": every, "read": sorted(read) if read is not None else None}
+            )
+        }
+
     def attempt_command(self, attempt: int, extra: dict[str, str]) -> launcher.RankCommand:
         """The process that runs one attempt's ranks: this machine's node agent (a one-node run:
         the path of every node of a Slurm run, ``ops/node/agent.py``) around local torchrun, or

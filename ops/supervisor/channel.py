@@ -30,6 +30,7 @@ from ptops.ops.rank.channel import (
     RELAY_GONE,
     ROLE_CONTROL,
     ROLE_NODE,
+    SUMMED,
     encode,
     new_token,
     take_lines,
@@ -337,10 +338,15 @@ class ChannelServer:
         said hello for is dropped, as a relayed one is."""
         items = []
         likes: list = []
-        for (sub, msg), like in zip(unbatch(frame, likes), likes):
+        sums: list = []
+        place: list = []  # a pair's place -> its item's (None: dropped)
+        for (sub, msg), like in zip(unbatch(frame, likes, sums), likes):
             vp = node.subs.get(sub) if type(sub) is int else None
+            place.append(len(items) if vp is not None else None)
             if vp is not None:
                 items.append((vp, msg, like))
+        if sums:
+            _with_summaries(node, items, place, sums)
         if items:
             self._put((node, {"t": "_batch", "items": items}, now))
             self.received += len(items) - 1
@@ -398,3 +404,29 @@ class ChannelServer:
                 s.close()
             except OSError:
                 pass
+
+
+def _with_summaries(node: Peer, items: list, place: list, sums: list) -> None:
+    """A frame's summaries (``unbatch``) put into its items where they stood, as ``(leader's
+    peer, {"t": "_summary", "lead": its record, "ranks": [peers], "entry", "lead_out",
+    "names"}, SUMMED)``: ``SUMMED`` is no message's, so no rank's line can pass for one. A
+    summary whose leader's line was dropped is dropped; so is a rank its node never said hello
+    for."""
+    kept = [0]  # kept[i]: items among the first i pairs
+    for p in place:
+        kept.append(kept[-1] + (p is not None))
+    for at, lead, cids, entry, lead_out, names in reversed(sums):
+        i = place[lead]
+        if i is None:
+            continue
+        vp, msg, _ = items[i]
+        peers = [node.subs[c] for c in cids if c in node.subs]
+        summary = {
+            "t": "_summary",
+            "lead": msg["rec"],
+            "ranks": peers,
+            "entry": entry,
+            "lead_out": lead_out,
+            "names": names,
+        }
+        items.insert(kept[at], (vp, summary, SUMMED))

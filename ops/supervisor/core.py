@@ -138,7 +138,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.metrics_out = MetricsWriter(
             run.path,
             rotate_bytes=int(self.cfg.metrics_rotate_mb * 1024 * 1024),
-            detail_every=self.cfg.metrics_rank_detail_every,
+            # node_summaries: the agents sampled; the file holds what arrives
+            detail_every=1 if self.cfg.node_summaries else self.cfg.metrics_rank_detail_every,
         )
         self.findings = FindingActions(
             recipe.monitors, run, self.say, record_only=not self.supervised

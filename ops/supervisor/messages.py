@@ -23,6 +23,7 @@ from typing import Any
 
 from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
 from ptops.faultinject.spec import parse_live as parse_fault
+from ptops.ops.rank.channel import SUMMED
 from ptops.ops.runrecord.events import RANK_KINDS, EventKind, RunState
 from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
 from ptops.ops.supervisor.channel import Peer
@@ -408,7 +409,10 @@ class MessagesMixin:
                     self._on_step_group(items[i:j], ts)
                 else:
                     vp, m, like = items[i]
-                    handle(vp, m, ts, like)
+                    if like is SUMMED:
+                        self._on_node_summary(vp, m, ts)
+                    else:
+                        handle(vp, m, ts, like)
                 i = j
 
     STEP_GROUPS = True  # False: every message of a batch alone (the reference the tests compare)
@@ -450,6 +454,33 @@ class MessagesMixin:
         self.monitor.observe_steps("metrics", done, ts)
         if zero is not None:
             self._rank0_record(zero)
+
+    def _on_node_summary(self, lead: Peer, msg: dict[str, Any], ts: float) -> None:
+        """A node's routine ranks of one step, summed up by its agent (``node_summaries``): the
+        summary into the node line, each rank's progress (its step ended; the step time only
+        for the rank of the summary's slowest, which can only lengthen the hang budget), the
+        shared monitors moving them on with their leader (``MonitorFeed.repeat_summary``). The
+        other monitors see these ranks only on sample steps (docs/scale.md)."""
+        if not _current_rank(lead, self.attempt):
+            return
+        entry, rec = msg["entry"], msg["lead"]
+        step = entry["step"]
+        self.metrics_out.summary(entry, rec.get("rank") if msg["lead_out"] else None)
+        hi = entry["keys"].get("step_s")
+        slow, slow_s = (hi[4], hi[3]) if hi else (None, None)
+        ranks, done = [], []
+        for vp in msg["ranks"]:
+            if not _current_rank(vp, self.attempt):
+                continue
+            rank = vp.rank
+            step_s = slow_s if rank == slow else None
+            info = self.ranks.get(rank)
+            if info is not None:
+                info.reached(step, step_s)
+            ranks.append(rank)
+            done.append((rank, step, step_s))
+        self.monitor.observe_steps("metrics", done, ts)
+        self._monitored(*self.feed.repeat_summary(rec, ranks, msg["names"]))
 
     def _on_node_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         peer.hello["exit_code"] = msg.get("code")

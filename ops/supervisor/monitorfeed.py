@@ -15,7 +15,7 @@ from typing import Any
 from ptops.monitors import fast_entries
 from ptops.monitors.base import step_and_rank
 from ptops.monitors.config import MonitorsSection
-from ptops.monitors.shared import SharedRankedMonitor
+from ptops.monitors.shared import SharedRankedMonitor, keys_any_record_reads, keys_read
 from ptops.recipes.schema import build_monitors_of
 
 
@@ -37,6 +37,8 @@ class MonitorFeed:
 
     monitors: list
     errors: dict[str, int] = field(default_factory=dict)  # monitor name -> records it raised on
+    # monitor name -> summed-up ranks it could not move on (``repeat_summary``)
+    unmoved: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._calls: list = []
@@ -128,6 +130,52 @@ class MonitorFeed:
             found.sort(key=_place)
         findings = [x for _, _, got in found for x in got]
         return findings, [(*x, recs[i]) for i, _, x in sorted(first_errors, key=_place)]
+
+    def repeat_summary(
+        self, lead: dict[str, Any], ranks: list, names: frozenset
+    ) -> tuple[list, list[tuple[str, Exception, dict]]]:
+        """The ranks a node agent summed up (``node_summaries``), each equal to ``lead`` (fed
+        before) but for keys in ``names``: each shared monitor moves them on with their leader
+        (``repeat_group``), or else takes each as the leader's record under its own rank when
+        none of ``names`` is a key it reads of it (then the same inputs: the same state and
+        findings). A monitor that reads one of them cannot: those ranks stay where they were
+        (at their next sample step it rebuilds them, ``SharedRankedMonitor``), counted in
+        ``unmoved``. The other monitors see these ranks on sample steps only (docs/scale.md)."""
+        step, lead_rank = step_and_rank(lead)
+        if step is None or not ranks:
+            return [], []
+        self._sync()
+        keys = lead.keys()
+        diffs = [names] * len(ranks)
+        findings: list = []
+        first_errors: list = []
+        for (m, _), rep in zip(self._calls, self._reps):
+            if rep is None or _moved(m, step, ranks, lead_rank, diffs, keys):
+                continue
+            try:
+                read = keys_read(m._inputs, lead)
+            except Exception:  # noqa: BLE001 - as unreadable: left where they were
+                read = None
+            if read is None or not names.isdisjoint(read):
+                name = getattr(m, "name", type(m).__name__)
+                self.unmoved[name] = self.unmoved.get(name, 0) + len(ranks)
+                continue
+            for r in ranks:
+                rec = dict(lead)
+                rec["rank"] = r
+                try:
+                    got = rep(rec, keys, step, r, lead_rank, names)
+                    if got:
+                        findings.extend(got)
+                except Exception as e:  # noqa: BLE001 - as in ``feed``
+                    errs: list = []
+                    self._raised(m, e, errs)
+                    first_errors.extend((n, x, rec) for n, x in errs)
+        return findings, first_errors
+
+    def read_keys(self) -> frozenset | None:
+        """What a summed-up rank may not differ from its leader in (``keys_any_record_reads``)."""
+        return keys_any_record_reads(self.monitors)
 
     def _each(self, recs: list, likes: list) -> tuple[list, list[tuple[str, Exception, dict]]]:
         findings: list = []
