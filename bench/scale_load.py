@@ -30,7 +30,9 @@ silent (no steps, no pings: SIGSTOPped), or with ``--silent node`` its whole nod
 a cut link: nothing from its agent any more, no keepalive, no liveness frame, no answer to
 ``dump``, the connection left open); the others go on stepping (``--peers continue``, the load
 stays on while the hang is detected) or stop stepping and keep pinging (``--peers block``, as ranks
-waiting in a collective).
+waiting in a collective). With ``--set supervisor.node_summaries=true`` (and node lines, K > 1) the
+simulated agents sum up their routine ranks between samples, as the supervisor's environment tells
+them (``PTOPS_NODE_SUMMARY``: the agent's own ``Batcher``).
 
 One size per process (CPU and RSS are this process's): ``--sizes`` runs each size in a child of this
 file and merges the results into ``bench/results/scale_load.json``.

@@ -480,7 +480,14 @@ class MessagesMixin:
             ranks.append(rank)
             done.append((rank, step, step_s))
         self.monitor.observe_steps("metrics", done, ts)
+        unmoved = len(self.feed.unmoved)
         self._monitored(*self.feed.repeat_summary(rec, ranks, msg["names"]))
+        for name in list(self.feed.unmoved)[unmoved:]:  # said once a monitor
+            keys = ", ".join(sorted(msg["names"]))
+            self.say(
+                f"monitor {name} reads a key summed-up ranks differ in ({keys}): it judges them "
+                "again from their next whole record (supervisor.node_summaries)"
+            )
 
     def _on_node_exit(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         peer.hello["exit_code"] = msg.get("code")

@@ -75,7 +75,7 @@ def supervised(tmp_path):
 
     servers = []
 
-    def run(name: str, records: list[dict], *sets: str, wire: bool = False):
+    def run(name: str, records: list[dict], *sets: str, wire: bool = False, read=None):
         sup, rd = supervisor_without_ranks(
             tmp_path / name,
             [f"launch.nproc={WORLD}", "supervisor.metrics_lines=node", *sets],
@@ -99,7 +99,8 @@ def supervised(tmp_path):
             )
             node.subs[vp.sub] = vp
             sup.handle(vp, {"t": "_hello"}, 1.0)
-        read = sup.feed.read_keys() if wire else None
+        if read is None:
+            read = sup.feed.read_keys() if wire else None
         frames = _frames(records, EVERY if wire else 1, read)
         for i, (n, frame) in enumerate(frames):
             server._batch(nodes[n], json.loads(frame), 2.0 + i)
@@ -176,6 +177,20 @@ def test_a_rank_that_differs_in_a_key_a_monitor_reads_is_sent_whole(supervised):
     assert {r["step"] for r in back if r["rank"] == 13} == set(range(1, STEPS + 1))
     assert {r["step"] for r in back if r["rank"] == 12} < set(range(1, STEPS + 1))
     assert sup.feed.unmoved == {}
+
+
+def test_ranks_summed_up_in_a_key_a_monitor_reads_are_left_where_they_were_and_said(supervised):
+    """An agent told nothing about what is read (``read`` empty: an agent of another version)
+    sums up rank 13 whose loss is its own: the loss monitors cannot move it on from its leader's
+    record, so they leave it (it rejoins at its next whole record), count it and say so once a
+    monitor; the run's progress is unaffected."""
+    sent = _records(loss_of_its_own=13)
+    sets = (f"supervisor.metrics_rank_detail_every={EVERY}", "supervisor.node_summaries=true")
+    sup, run, _ = supervised("b", sent, *sets, wire=True, read=frozenset())
+    assert {"loss_spike", "nan"} <= set(sup.feed.unmoved)
+    said = [ln for ln in sup.out.getvalue().splitlines() if "summed-up ranks differ in" in ln]
+    assert len(said) == len(sup.feed.unmoved) and "loss" in said[0]
+    assert sup.ranks[13].step == STEPS and sup.monitor.ranks[13].step == STEPS
 
 
 def test_a_summary_is_the_agents_alone_and_a_bad_one_loses_nothing_else(supervised, tmp_path):
