@@ -67,11 +67,35 @@ def _frames(records: list[dict], every: int = 1, read=None) -> list[tuple[int, b
     return out
 
 
+def _nodes(sup, n: int) -> list:
+    """``n`` node agents' peers, each with its ranks' virtual peers said hello to ``sup`` (rank r
+    is connection ``r % PER_NODE + 1`` of node ``r // PER_NODE``)."""
+    from ptops.ops.supervisor.channel import Peer
+
+    nodes = [
+        Peer(cid=100 + i, sock=None, hello={"role": "node", "node": f"n{i}", "attempt": 1})
+        for i in range(n)
+    ]
+    for r in range(n * PER_NODE):
+        node = nodes[r // PER_NODE]
+        vp = Peer(
+            cid=r,
+            sock=None,
+            hello={"role": "rank", "rank": r, "attempt": 1, "pid": 1},
+            authed=True,
+            via=node,
+            sub=r % PER_NODE + 1,
+        )
+        node.subs[vp.sub] = vp
+        sup.handle(vp, {"t": "_hello"}, 1.0)
+    return nodes
+
+
 @pytest.fixture()
 def supervised(tmp_path):
     """A run's frames through the supervisor's own path: the channel server's ``_batch`` (the
     summaries put where they stood), then ``handle``, as its main thread does."""
-    from ptops.ops.supervisor.channel import ChannelServer, Peer
+    from ptops.ops.supervisor.channel import ChannelServer
 
     servers = []
 
@@ -83,22 +107,7 @@ def supervised(tmp_path):
         )
         server = ChannelServer()
         servers.append(server)
-        nodes = [
-            Peer(cid=100 + n, sock=None, hello={"role": "node", "node": f"n{n}", "attempt": 1})
-            for n in range(NODES)
-        ]
-        for r in range(WORLD):
-            node = nodes[r // PER_NODE]
-            vp = Peer(
-                cid=r,
-                sock=None,
-                hello={"role": "rank", "rank": r, "attempt": 1, "pid": 1},
-                authed=True,
-                via=node,
-                sub=r % PER_NODE + 1,
-            )
-            node.subs[vp.sub] = vp
-            sup.handle(vp, {"t": "_hello"}, 1.0)
+        nodes = _nodes(sup, NODES)
         if read is None:
             read = sup.feed.read_keys() if wire else None
         frames = _frames(records, EVERY if wire else 1, read)
@@ -196,7 +205,7 @@ def test_ranks_summed_up_in_a_key_a_monitor_reads_are_left_where_they_were_and_s
 def test_a_summary_is_the_agents_alone_and_a_bad_one_loses_nothing_else(supervised, tmp_path):
     """A rank's own line that looks like a summary is an unknown message (a rank cannot speak
     for other ranks); a malformed summary in a frame is dropped, the frame's records are not."""
-    from ptops.ops.supervisor.channel import ChannelServer, Peer
+    from ptops.ops.supervisor.channel import ChannelServer
 
     sup, run = supervisor_without_ranks(
         tmp_path / "h",
@@ -204,18 +213,7 @@ def test_a_summary_is_the_agents_alone_and_a_bad_one_loses_nothing_else(supervis
          f"supervisor.metrics_rank_detail_every={EVERY}", "supervisor.node_summaries=true"],
         WORLD,
     )  # fmt: skip
-    node = Peer(cid=100, sock=None, hello={"role": "node", "node": "n0", "attempt": 1})
-    for r in range(PER_NODE):
-        vp = Peer(
-            cid=r,
-            sock=None,
-            hello={"role": "rank", "rank": r, "attempt": 1, "pid": 1},
-            authed=True,
-            via=node,
-            sub=r + 1,
-        )
-        node.subs[r + 1] = vp
-        sup.handle(vp, {"t": "_hello"}, 1.0)
+    (node,) = _nodes(sup, 1)
     recs = [r for r in _records() if r["rank"] < PER_NODE and r["step"] == 2]
     forged = {"t": "_summary", "entry": {"step": 2, "ranks": [5], "keys": {}}, "ranks": [5],
               "lead_out": True, "names": []}  # fmt: skip
