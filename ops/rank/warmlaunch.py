@@ -9,8 +9,8 @@ for ``--nproc`` children with the environment torchrun would give them (rank 0 h
 ``MASTER_PORT``), and stands where torchrun stood for the supervisor:
 
 - on the first child that fails it writes torchrun's own line, ``failed (exitcode: N) local_rank:
-  R`` (``ops/supervisor/attempt.py`` reads it), stops the others and exits 1; it exits 0 when all
-  do;
+  R`` (``ops/supervisor/attempt.py`` reads it), stops the others (each then gets an ``exited
+  (exitcode: N) local_rank: R`` line) and exits 1; it exits 0 when all do;
 - SIGTERM/SIGINT are forwarded to the children; each child dies with this process (the pool's pidfd
   watch on the requester) and with the pool (``PR_SET_PDEATHSIG``), and carries the run's
   ``PTOPS_RUN_DIR``.
@@ -66,6 +66,14 @@ def _code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def _status(line: str) -> int:
+    """A child's code from the pool's status line."""
+    try:
+        return _code(int(json.loads(line)["status"]))
+    except (ValueError, KeyError, TypeError):
+        return -signal.SIGKILL  # the pool died under its child (which dies with it)
+
+
 def launch(nproc: int, port: int, fallback: list[str]) -> int:
     name = os.environ.get(ENV_SOCKET, "")
     entry = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py")]
@@ -98,14 +106,14 @@ def launch(nproc: int, port: int, fallback: list[str]) -> int:
         except InterruptedError:
             continue
         for fd in ready:
+            if fd not in live:  # read by _stop_rest after an earlier failure in this batch
+                continue
             rank, s = live.pop(fd)
-            line = files[fd].readline()
-            try:
-                code = _code(int(json.loads(line)["status"]))
-            except (ValueError, KeyError, TypeError):
-                code = -signal.SIGKILL  # the pool died under its child (which dies with it)
+            code = _status(files[fd].readline())
             s.close()
-            if code != 0 and failed is None:
+            if failed is not None:
+                _exited(rank, code, pids)
+            elif code != 0:
                 failed = (rank, code)
                 print(
                     f"[ptops.warmlaunch] failed (exitcode: {code}) local_rank: {rank} (pid: "
@@ -114,12 +122,22 @@ def launch(nproc: int, port: int, fallback: list[str]) -> int:
                 )
                 others = [pids[r] for r, _ in live.values()]
                 _kill(others, signal.SIGTERM)
-                _stop_rest(live, files, time.monotonic() + STOP_GRACE_S)
+                _stop_rest(live, files, pids, time.monotonic() + STOP_GRACE_S)
                 _kill([pids[r] for r, _ in live.values()], signal.SIGKILL)  # their statuses follow
     return 0 if failed is None else 1
 
 
-def _stop_rest(live: dict, files: dict, deadline: float) -> None:
+def _exited(rank: int, code: int, pids: list[int]) -> None:
+    """How a child after the first failure ended: the supervisor's blame tells a child this process
+    stopped (SIGTERM) from one that died on its own in the same ``select`` (two statuses ready at
+    once come in rank order, so the ``failed`` line alone is no order of death)."""
+    print(
+        f"[ptops.warmlaunch] exited (exitcode: {code}) local_rank: {rank} (pid: {pids[rank]})",
+        flush=True,
+    )
+
+
+def _stop_rest(live: dict, files: dict, pids: list[int], deadline: float) -> None:
     """After a failure: wait for the others until ``deadline``, then SIGKILL whoever is left."""
     while live:
         left = deadline - time.monotonic()
@@ -127,9 +145,12 @@ def _stop_rest(live: dict, files: dict, deadline: float) -> None:
             break
         ready, _, _ = select.select(list(live), [], [], left)
         for fd in ready:
-            _, s = live.pop(fd)
-            files[fd].readline()
+            if fd not in live:  # read by _stop_rest after an earlier failure in this batch
+                continue
+            rank, s = live.pop(fd)
+            code = _status(files[fd].readline())
             s.close()
+            _exited(rank, code, pids)
 
 
 def main(argv: list[str]) -> int:

@@ -27,9 +27,14 @@ _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.
 # the launcher's line as soon as it sees a child fail (torchrun's and warmlaunch's): the first one
 # is the first of its ranks to die
 WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
-# warmlaunch writes it once, for the first child it saw exit (torchrun may log several ranks found
-# dead in one poll in rank order, so its first line is no order of death)
+# warmlaunch writes it once, for the first child it saw fail (torchrun may log several ranks found
+# dead in one poll in rank order, so its first line is no order of death; warmlaunch's neither when
+# two statuses come in one select)
 WARM_FAILED = re.compile(r"\[ptops\.warmlaunch\] failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# ... and one line for each child after it: how it ended
+WARM_EXITED = re.compile(r"\[ptops\.warmlaunch\] exited \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# how a rank the launcher stopped ends: SIGTERM's default, or a handler's exit 128+15
+STOPPED_CODES = (-signal.SIGTERM, 128 + signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -72,17 +77,27 @@ def root_cause(
 
     ``displaced``: the error goodbye that ``first``, a silent exit just after it, displaced
     (``Blame.note``). The launcher decides between them: when it stopped the silent one (torchrun's
-    SIGTERM) or saw the goodbye's rank die first (warmlaunch's one ``failed (exitcode: N)
-    local_rank: R`` line, one node), the silent one died after it, not before (a plain launch under
-    load)."""
+    failure block says SIGTERM; warmlaunch named the goodbye's rank ``failed`` and the silent one
+    ``exited`` with SIGTERM's code), the silent one died after it, not before (a plain launch under
+    load). The ``failed`` line alone is no order of death: two statuses ready in one ``select`` come
+    in rank order (a SIGKILLed rank 1 and the rank 0 it failed, CI 2026-12-04)."""
     failures = torchrun_failures(log_text)
+    ended = {int(e.group(2)): int(e.group(1)) for e in WARM_EXITED.finditer(log_text)}
+    m = WARM_FAILED.search(log_text)
+    if m is not None:
+        ended[int(m.group(2))] = int(m.group(1))
     if first is not None and displaced is not None and first.how == NO_GOODBYE:
-        m = WARM_FAILED.search(log_text)
         stopped = dict(failures).get(first.rank) == -signal.SIGTERM  # torchrun's own stop
-        if stopped or (m is not None and int(m.group(2)) == displaced.rank):
+        warm_stopped = (
+            m is not None
+            and int(m.group(2)) == displaced.rank
+            and ended.get(first.rank) in STOPPED_CODES
+        )
+        if stopped or warm_stopped:
             return displaced.rank, displaced.exit_code, displaced.how
     if first is not None:
-        code = first.exit_code if first.exit_code is not None else dict(failures).get(first.rank)
+        codes = {**ended, **dict(failures)}
+        code = first.exit_code if first.exit_code is not None else codes.get(first.rank)
         return first.rank, code, first.how
     for rank, code in failures:
         if code != -signal.SIGTERM:

@@ -577,7 +577,12 @@ def test_a_rank_the_launcher_stopped_after_the_failing_one_does_not_take_its_bla
     b.note(1, 1, GOODBYE, 100.0)
     b.note(0, None, NO_GOODBYE, 100.0 + KILLED_PEER_RACE_S / 5)
     warm = "[ptops.warmlaunch] failed (exitcode: 1) local_rank: 1 (pid: 42)\n"
-    assert root_cause(b.first, warm, 1, b.displaced) == (1, 1, GOODBYE)
+    stop = "[ptops.warmlaunch] exited (exitcode: -15) local_rank: 0 (pid: 41)\n"
+    assert root_cause(b.first, warm + stop, 1, b.displaced) == (1, 1, GOODBYE)
+    # a handler that exits 128+15 on SIGTERM was stopped too
+    assert root_cause(b.first, warm + stop.replace("-15", "143"), 1, b.displaced)[0] == 1
+    # the failed line alone is no order of death: nothing says warmlaunch stopped rank 0
+    assert root_cause(b.first, warm, 1, b.displaced)[::2] == (0, NO_GOODBYE)
     killed = "[ptops.warmlaunch] failed (exitcode: -9) local_rank: 0 (pid: 41)\n"
     assert root_cause(b.first, killed, 1, b.displaced)[::2] == (0, NO_GOODBYE)
     assert root_cause(b.first, "", 1, b.displaced) == (0, None, NO_GOODBYE)  # nothing to decide
@@ -587,6 +592,20 @@ def test_a_rank_the_launcher_stopped_after_the_failing_one_does_not_take_its_bla
     # torchrun's first line is no order of death (ranks found dead in one poll, in rank order)
     line = "failed (exitcode: 1) local_rank: 1 (pid: 42) of binary: python\n"
     assert root_cause(b.first, line, 1, b.displaced)[::2] == (0, NO_GOODBYE)
+
+
+def test_a_killed_rank_keeps_the_blame_when_warmlaunch_reads_both_deaths_at_once():
+    """Rank 1 is SIGKILLed; rank 0 fails on it and says goodbye first on the channel (both handled
+    in one batch). warmlaunch found both statuses in one select and named rank 0 ``failed`` (rank
+    order); rank 1's own SIGKILL says no launcher stopped it: rank 1 (CI, 2026-12-04)."""
+    b = Blame()
+    b.note(0, 1, GOODBYE, 100.0)
+    b.note(1, None, NO_GOODBYE, 100.0 + KILLED_PEER_RACE_S / 50)
+    log = (
+        "[ptops.warmlaunch] failed (exitcode: 1) local_rank: 0 (pid: 41)\n"
+        "[ptops.warmlaunch] exited (exitcode: -9) local_rank: 1 (pid: 42)\n"
+    )
+    assert root_cause(b.first, log, 1, b.displaced) == (1, -9, NO_GOODBYE)
 
 
 def test_late_silent_exit_does_not_steal_the_blame():

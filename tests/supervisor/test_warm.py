@@ -50,6 +50,15 @@ POOL = textwrap.dedent("""
             os.rename(mine + ".tmp", mine)
             while True:
                 time.sleep(0.1)
+        if how == "wait":  # warmlaunch: each rank waits; SIGUSR1 fails it (exit 1), SIGTERM stops it
+            signal.signal(signal.SIGUSR1, lambda *a: os._exit(1))
+            signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+            mine = os.environ["PIDFILE"] + os.environ["RANK"]
+            with open(mine + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(mine + ".tmp", mine)
+            while True:
+                time.sleep(0.1)
         if how == "exec":  # no Python left in the child: its own watchdog thread is gone too
             with open(os.environ["PIDFILE"], "w") as f:
                 f.write(str(os.getpid()))
@@ -264,7 +273,7 @@ def test_warm_launch_reports_the_failed_rank_as_torchrun_does_and_stops_the_othe
     """The supervisor reads the failed rank from torchrun's own line (ops/supervisor/blame.py,
     which also reads warmlaunch's as the first death it saw); the others get the rank environment
     torchrun gives them and are stopped (SIGTERM) after the failure."""
-    from ptops.ops.supervisor.blame import WARM_FAILED, WORKER_FAILED
+    from ptops.ops.supervisor.blame import WARM_EXITED, WARM_FAILED, WORKER_FAILED
 
     p = launcher(pool, tmp_path, "rank", CODE="5")
     out = p.communicate(timeout=60)[0]
@@ -275,6 +284,42 @@ def test_warm_launch_reports_the_failed_rank_as_torchrun_does_and_stops_the_othe
     assert w and (w.group(1), w.group(2)) == ("5", "1"), out
     for r in (0, 2):
         assert (tmp_path / f"pid{r}").read_text() == "3 29999"
+    # the stopped ones' ends (their SIGTERM handler exits 0): blame tells a stopped rank by them
+    ended = sorted((e.group(2), e.group(1)) for e in WARM_EXITED.finditer(out))
+    assert ended == [("0", "0"), ("2", "0")], out
+
+
+def test_warm_launch_reading_two_deaths_at_once_names_each_ones_own_end(pool, tmp_path):
+    """Rank 1 SIGKILLed and rank 0 failing (exit 1) while warmlaunch is stopped: both statuses come
+    in one select. The ``failed`` line then names rank 0 (rank order, no order of death), so each
+    other child's own end follows it: rank 1's -9 tells blame no launcher stopped it. Rank 2 is
+    stopped as usual; warmlaunch exits 1 without a traceback."""
+    from ptops.ops.supervisor.blame import WARM_EXITED, WARM_FAILED
+
+    p = launcher(pool, tmp_path, "wait")
+    files = [tmp_path / f"pid{r}" for r in range(3)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() for f in files):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0]
+        time.sleep(0.05)
+    pids = [int(f.read_text()) for f in files]
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[0], signal.SIGUSR1)
+        for pid in pids[:2]:  # gone (reaped by the pool, whose status lines now wait unread)
+            while Path(f"/proc/{pid}").exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 1 and "Traceback" not in out, out
+    w = WARM_FAILED.search(out)
+    assert w and (w.group(2), w.group(1)) == ("0", "1"), out
+    ended = sorted((e.group(2), e.group(1)) for e in WARM_EXITED.finditer(out))
+    assert ended == [("1", "-9"), ("2", "0")], out
 
 
 def test_warm_launch_without_a_pool_becomes_its_torchrun_fallback(tmp_path):
