@@ -187,7 +187,10 @@ def _series(metrics: list[dict[str, Any]], key: str, by: str) -> Series:
 
     def order(label: str) -> tuple[int, Any]:
         n = label.split(" ", 1)[1]
-        return (0, int(n)) if n.lstrip("-").isdigit() else (1, n)
+        try:  # a record's rank is not trusted: "--5" or "²" pass a digit test, not int()
+            return (0, int(n))
+        except ValueError:
+            return (1, n)
 
     return {k: out[k] for k in sorted(out, key=order)}
 

@@ -371,7 +371,7 @@ def encode(obj: dict[str, Any]) -> bytes:
 
 def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdecimal():
         raise ValueError(f"channel address {address!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
 

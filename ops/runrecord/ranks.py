@@ -47,7 +47,7 @@ def compact(key: str, value: Any, show: int = 16) -> Any:
     if (
         isinstance(value, dict)
         and len(value) > show
-        and all(isinstance(k, str) and k.isdigit() for k in value)
+        and all(isinstance(k, str) and k.isdecimal() for k in value)
     ):
         by: dict[str, list[int]] = {}
         for k, v in value.items():

@@ -381,7 +381,7 @@ class MessagesMixin:
     def _on_node_stacks(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         got = msg.get("stacks")
         for rank, reply in got.items() if isinstance(got, dict) else ():
-            if isinstance(reply, dict) and str(rank).isdigit():
+            if isinstance(reply, dict) and str(rank).isdecimal():
                 self.node_stacks[int(rank)] = {**reply, "node": peer.hello.get("node")}
 
     def _on_node_alive(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:

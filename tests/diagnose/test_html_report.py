@@ -304,6 +304,16 @@ def test_incidents_of_prefers_the_incidents_key():
     assert src == "findings" and rows[0]["kind"] == "entropy_collapse" and rows[0]["step"] == 12
 
 
+def test_series_of_ranks_that_are_no_numbers_keep_their_order():
+    """A record's rank is not trusted: "--5" and "²" pass a digit test but not int()."""
+    from ptops.diagnostics.html import _series
+
+    recs = [{"step": 1, "rank": r, "loss": 1.0} for r in (10, "--5", "\u00b2", 2, "x")]
+    assert list(_series(recs, "loss", "rank")) == [
+        "rank 2", "rank 10", "rank --5", "rank x", "rank \u00b2"
+    ]  # fmt: skip
+
+
 def test_html_bad_output_path_is_one_error_line(tmp_path):
     run = tmp_path / "r"
     run.mkdir()

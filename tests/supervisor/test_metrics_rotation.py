@@ -424,6 +424,9 @@ def test_ranks_as_ranges():
     assert compact("stalled", many) == "0-7,9,12-4095 (4093 ranks)"
     sources = {str(r): "own dump" if r != 9 else "py-spy" for r in many}
     assert compact("stack_sources", sources) == ("own dump: 0-7,12-4095 (4092 ranks); py-spy: 9")
+    # a copied run directory's keys: "²" is a digit to str.isdigit, not a number to int()
+    odd = {**sources, "\u00b2": "py-spy"}
+    assert compact("stack_sources", odd) is odd
 
 
 def test_status_and_diagnose_print_a_hang_of_thousands_of_ranks_as_ranges(tmp_path):
