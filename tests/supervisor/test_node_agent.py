@@ -404,6 +404,55 @@ def test_the_agent_gathers_its_ranks_stacks_in_one_reply(relay):
         c.sock.close()
 
 
+def test_the_wait_for_stacks_ends_when_each_asked_rank_is_answered_for():
+    """The supervisor's side: each reply crosses off its own ranks (no walk of every rank and
+    every link after each reply: O(nodes x ranks) at a hang); it stops reading once all are
+    answered for, looks at the links only when no reply comes, and a reply's rank that only
+    looks like a number ("\u00b2" is a digit to str.isdigit) is dropped, not fatal."""
+    from types import SimpleNamespace
+
+    from ptops.ops.supervisor.hangs import HangMixin
+    from ptops.ops.supervisor.messages import MessagesMixin
+
+    class Replies:
+        def __init__(self, items):
+            self.items, self.empties = list(items), 0
+
+        def get(self, timeout):
+            if not self.items:
+                self.empties += 1
+                raise queue.Empty
+            return self.items.pop(0)
+
+    def host(items, closed=False):
+        h = SimpleNamespace(node_stacks={}, cfg=SimpleNamespace(stack_timeout_s=5.0))
+        h.server = SimpleNamespace(replies=Replies(items))
+        h.handle = lambda peer, msg, ts: MessagesMixin._on_node_stacks(h, peer, msg, ts)
+        peers = {n: SimpleNamespace(closed=closed, hello={"node": n}) for n in "abc"}
+        by_node = {n: (peers[n], {str(2 * i): {}, str(2 * i + 1): {}}) for i, n in enumerate("abc")}
+        return h, peers, by_node
+
+    def reply(peer, ranks, **extra):
+        stacks = {str(r): {"text": f"rank {r}"} for r in ranks}
+        return peer, {"t": "node_stacks", "stacks": {**stacks, **extra}}, 0.0
+
+    h, peers, by_node = host([])
+    late = reply(peers["c"], [5])
+    h.server.replies.items = [
+        reply(peers["a"], [0, 1], **{"\u00b2": {"text": "odd"}}),
+        reply(peers["b"], [2, 3]),
+        reply(peers["c"], [4, 5]),
+        late,  # after every asked rank is answered for: not read
+    ]
+    HangMixin._wait_node_agents(h, by_node)
+    assert sorted(h.node_stacks) == [0, 1, 2, 3, 4, 5]
+    assert h.server.replies.items == [late] and h.server.replies.empties == 0
+
+    h, peers, by_node = host([reply(peers["a"], [0, 1])], closed=True)  # every link gone
+    HangMixin._wait_node_agents(h, by_node)
+    assert sorted(h.node_stacks) == [0, 1] and h.server.replies.empties == 1
+
+
 def test_a_node_file_reads_back_rank_by_rank(tmp_path):
     from ptops.diagnostics.stacks import analyse, node_sections, read_attempt
     from ptops.ops.runrecord.rundir import STACK_SECTION
