@@ -31,15 +31,21 @@ def status_path(run: RunDir) -> Path:
     return run.path / "status.json"
 
 
-def write_status(run: RunDir, status: dict[str, Any]) -> None:
+def write_status(
+    run: RunDir, status: dict[str, Any], encoded: dict[str, str] | None = None
+) -> None:
     """Atomic rewrite: readers see the old or the new file, never half of one. One line, encoded
     by ``json``'s C encoder (``indent`` and ``json.dump`` to a file take the pure-Python one: at
-    2,048 ranks each rewrite cost 84 ms of the supervisor's main thread, once a second)."""
+    2,048 ranks each rewrite cost 84 ms of the supervisor's main thread, once a second).
+    ``encoded``: more keys, their values already JSON text (the supervisor's list of ranks, which
+    changes at hellos and exits, not every second: 131,072 ranks are ~7 MB to encode)."""
     path = status_path(run)
     tmp = path.with_name(f".status.{os.getpid()}.tmp")
+    parts = [json.dumps(status, default=str)[1:-1]] if status else []
+    parts += [f"{json.dumps(k)}:{v}" for k, v in (encoded or {}).items()]
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(status, default=str) + "\n")
+        f.write("{" + ",".join(parts) + "}\n")
     os.replace(tmp, path)
 
 

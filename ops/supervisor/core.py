@@ -33,6 +33,7 @@ Everything else (records, stacks, summary) is the same for both.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -103,6 +104,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.state = RunState.STARTING
         self.step = 0
         self.ranks: dict[int, RankInfo] = {}
+        self.ranks_changed = 0  # bumped at each hello and EOF: status.json's list (``_ranks_json``)
+        self._ranks_held: tuple | None = None
         self.server: ChannelServer | None = None
         self.proc = None
         self.monitor: HangMonitor | None = None
@@ -233,17 +236,29 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 "supervisor_pid": os.getpid(),
                 "supervisor_host": self.host,
                 "torchrun_pid": self.proc.pid if self.proc is not None else None,
-                "ranks": [
-                    {"rank": r.rank, "pid": r.pid, "host": r.host}
-                    for r in sorted(self.ranks.values(), key=lambda r: r.rank)
-                    if r.gone_ts is None
-                ],
                 "last_good_checkpoint": self.good,
                 "channel": self.server.address(self.cfg.channel_advertise) if self.server else None,
                 "reason": self.reason or None,
                 "updated": time.time(),
             },
+            {"ranks": self._ranks_json()},
         )
+
+    def _ranks_json(self) -> str:
+        """The live ranks as status.json lists them, encoded again only after a hello or an EOF
+        (``ranks_changed``): a sort and an encoding of every rank once a second was ~40 ms of the
+        main thread at 16,384 ranks and ~0.3 s at 131,072 (docs/scale.md)."""
+        held = self._ranks_held
+        if held is None or held[0] is not self.ranks or held[1] != self.ranks_changed:
+            text = json.dumps(
+                [
+                    {"rank": r.rank, "pid": r.pid, "host": r.host}
+                    for r in sorted(self.ranks.values(), key=lambda r: r.rank)
+                    if r.gone_ts is None
+                ]
+            )
+            held = self._ranks_held = (self.ranks, self.ranks_changed, text)
+        return held[2]
 
     # ------------------------------------------------------------ entry
     def run_all(self, lock_fd: int | None = None) -> int:

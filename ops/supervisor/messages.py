@@ -247,6 +247,7 @@ class MessagesMixin:
         self.ranks[rank] = RankInfo(
             rank, int(hello.get("pid", 0)), str(hello.get("host", "?")), peer
         )
+        self.ranks_changed += 1
         self.monitor.observe(
             {"kind": "beat", "rank": rank, "step": 0, "phase": "startup", "ts": ts}
         )
@@ -370,6 +371,7 @@ class MessagesMixin:
         info = self.ranks.get(rank)
         if info is not None:
             info.gone_ts = ts
+            self.ranks_changed += 1
             if info.exit_code is None:
                 self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts})
                 self.blame.note(rank, None, NO_GOODBYE, ts)
