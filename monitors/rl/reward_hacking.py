@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from ..base import Finding, finite_floats, finite_of, first_number, get_number, spelled
 from ..config import RewardHackingConfig
-from ..shared import SharedRankedMonitor
+from ..shared import _GATED, SharedRankedMonitor
 from .common import _SharedRL, _spellings, _St
 from .trend import _BEND_VALUES, _bend, _bend_noise, _Fit, _Noise, _t_bar, _Tri
 
@@ -123,9 +123,11 @@ class RewardHackingMonitor(_SharedRL):
 
     def feed_at(self, record: Mapping[str, Any], keys: Any, step: int, rank: int) -> list[Finding]:
         # no reward, no proxy, and only keys known to be no held-out eval: nothing to do (see
-        # _RL.feed)
+        # _RL.feed). Gated, as the base's gate: a record certified equal to this one but for some
+        # values has the same keys, so its rank is gated too (``repeat``, ``repeat_group``), not
+        # fed record by record (a node summary's seven ranks were, on every pre-training step)
         if keys <= self._plain and keys.isdisjoint(self._quick):
-            self._led = None
+            self._led = (step, rank, record, _GATED, None, 0, False)
             return []
         return SharedRankedMonitor.feed_at(self, record, keys, step, rank)
 

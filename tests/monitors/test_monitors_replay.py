@@ -489,6 +489,30 @@ def _through_summaries(recs: list[dict], rng: random.Random, per_node: int, ever
     return whole, items
 
 
+def test_a_record_with_no_rl_key_gates_reward_hacking_for_the_ranks_certified_like_it():
+    """Reward hacking skips a record of only keys it has learned are plain (pre-training's); a
+    node's followers certified equal to it but for some values have its keys, so they are skipped
+    as one group (``repeat_group``), not each fed its leader's record (it was 7 copies and calls a
+    node-step under node summaries); a record with a reward is judged as before."""
+    from ptops.monitors.config import RewardHackingConfig
+    from ptops.monitors.rl.reward_hacking import RewardHackingMonitor
+
+    m = RewardHackingMonitor(RewardHackingConfig())
+    rec = {"step": 4, "rank": 0, "loss": 6.5, "grad_norm": 0.5, "lr": 3e-4, "step_s": 1.0}
+    keys, differ = frozenset(rec), [frozenset({"step_s"})] * 3
+    assert m.feed_at(rec, keys, 4, 0) == []  # its keys learned: none is an eval
+    assert keys <= m._plain
+    seen = dict(m._last_step)
+    rec = {**rec, "step": 5}
+    assert m.feed_at(rec, keys, 5, 0) == []
+    assert m.repeat_group(5, [1, 2, 3], 0, differ, keys) is True
+    assert m.repeat({**rec, "rank": 4, "step_s": 1.1}, keys, 5, 4, 0, differ[0]) == []
+    assert m._last_step == seen  # skipped: no step noted, no rank placed
+    assert not any(m._members.get(r) for r in (1, 2, 3, 4))
+    judged = {**rec, "step": 6, "reward": 0.5}
+    assert m.feed_at(judged, frozenset(judged), 6, 0) == [] and m._last_step[0] == 6
+
+
 def test_node_summaries_give_the_shared_monitors_the_findings_and_states_of_every_record():
     """``[supervisor] node_summaries``: the corpus through the agents' summaries (routine ranks
     between samples never reach the supervisor; ``MonitorFeed.repeat_summary`` moves them on
