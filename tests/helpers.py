@@ -69,3 +69,28 @@ def assert_one_clear_line(proc, *needles):
     assert err.startswith("error: ")
     for n in needles:
         assert n in err, (n, err)
+
+
+def offline_supervisor(tmp_path: Path, nproc: int):
+    """A titan-tiny ``Supervisor`` in attempt 1 with no channel (sends succeed, nothing is sent) and
+    a fresh hang monitor: for driving its message handlers directly."""
+    import io
+
+    from ptops.monitors.hang import HangMonitor
+    from ptops.ops.supervisor import Supervisor
+    from ptops.recipes.schema import load
+
+    class _Server:
+        def send(self, peer, msg):
+            return True
+
+        def address(self, advertise=""):
+            return "127.0.0.1:1"
+
+    rec, _ = load("titan-tiny", [f"launch.nproc={nproc}"])
+    sup = Supervisor(
+        rec, RunDir(tmp_path / "run").create(), [], out=io.StringIO(), strategy="temporary"
+    )
+    sup.server, sup.attempt, sup.misconfigured = _Server(), 1, None
+    sup.monitor = HangMonitor(nproc, 0.0, rec.supervisor.hang)
+    return sup

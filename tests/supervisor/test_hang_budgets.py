@@ -505,26 +505,11 @@ def test_startup_hang_found_from_the_first_attempts_durations(tmp_path, ptops):
 def test_supervisor_hands_sections_and_world_reports_on(tmp_path):
     """The channel handlers pass a beat's start-up section to the monitor, and a rank's report of
     a world of one marks the attempt misconfigured (the attempt loop then fails the run)."""
-    import io
+    from helpers import offline_supervisor
 
-    from ptops.ops.runrecord.rundir import RunDir
-    from ptops.ops.supervisor import Supervisor
     from ptops.ops.supervisor.channel import Peer
-    from ptops.recipes.schema import load
 
-    class _Server:
-        def send(self, peer, msg):
-            return True
-
-        def address(self, advertise=""):
-            return "127.0.0.1:1"
-
-    rec, _ = load("titan-tiny", ["launch.nproc=2"])
-    sup = Supervisor(
-        rec, RunDir(tmp_path / "run").create(), [], out=io.StringIO(), strategy="temporary"
-    )
-    sup.server, sup.attempt, sup.misconfigured = _Server(), 1, None
-    sup.monitor = HangMonitor(2, 0.0, rec.supervisor.hang)
+    sup = offline_supervisor(tmp_path, 2)
     peers = [
         Peer(
             cid=r,

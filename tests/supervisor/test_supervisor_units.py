@@ -459,25 +459,12 @@ def test_status_lists_the_live_ranks_encoded_again_only_when_they_change(tmp_pat
     """status.json's ranks (pid and host: what ``ptops status --json`` and ``inject`` read) follow
     every hello, a rank's new hello and every EOF; between those the list is not sorted and
     encoded again each second (131,072 ranks: ~0.3 s of the main thread a rewrite)."""
-    from ptops.ops.runrecord.rundir import RunDir
+    from helpers import offline_supervisor
+
     from ptops.ops.runrecord.status import write_status
-    from ptops.ops.supervisor import Supervisor
     from ptops.ops.supervisor.channel import Peer
-    from ptops.recipes.schema import load
 
-    class _Server:
-        def send(self, peer, msg):
-            return True
-
-        def address(self, advertise=""):
-            return "127.0.0.1:1"
-
-    rec, _ = load("titan-tiny", ["launch.nproc=3"])
-    sup = Supervisor(
-        rec, RunDir(tmp_path / "run").create(), [], out=io.StringIO(), strategy="temporary"
-    )
-    sup.server, sup.attempt, sup.misconfigured = _Server(), 1, None
-    sup.monitor = HangMonitor(3, 0.0, rec.supervisor.hang)
+    sup = offline_supervisor(tmp_path, 3)
 
     def peer(r, pid):
         hello = {"role": "rank", "rank": r, "attempt": 1, "pid": pid, "host": f"h{r}"}
@@ -486,7 +473,7 @@ def test_status_lists_the_live_ranks_encoded_again_only_when_they_change(tmp_pat
     def listed():
         sup.write_status(force=True)
         st = json.loads((sup.run.path / "status.json").read_text())
-        assert st["attempt"] == 1 and st["total_steps"] == rec.train.steps
+        assert st["attempt"] == 1 and st["total_steps"] == sup.recipe.train.steps
         return [(r["rank"], r["pid"], r["host"]) for r in st["ranks"]]
 
     for r in (2, 0, 1):
