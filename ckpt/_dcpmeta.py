@@ -6,7 +6,11 @@ DCP writes `.metadata` with plain `pickle.dump`, and torch's
 with a restricted unpickler that resolves only the dataclasses/enums of
 `torch.distributed.checkpoint`, `torch.Size`, torch dtypes/layouts/memory
 formats, `pathlib` paths and a few builtins, which is everything DCP itself
-pickles. Anything else is refused (`UnsafeMetadata`).
+pickles. Anything else is refused (`UnsafeMetadata`). One builtin more, held on
+a leash: `getattr`, which some Python releases (3.11.0-3.11.4, Debian 12's
+3.11.2) use to pickle an enum member by name; it resolves only a member of an
+enum already allowed, nothing else (a crafted `getattr(dict, "fromkeys")` is
+refused).
 """
 
 from __future__ import annotations
@@ -33,12 +37,30 @@ def _plain(module: str, name: str) -> bool:
     )
 
 
+def _is_getattr(module: str, name: str) -> bool:
+    return module in ("builtins", "__builtin__") and name == "getattr"
+
+
+def _enum_member(cls, name):
+    """``getattr`` as an enum's pickle by name uses it: a member of an allowed enum, or refused."""
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and type(name) is str
+        and name in cls.__members__
+    ):
+        return cls[name]
+    raise UnsafeMetadata(f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, ...)")
+
+
 class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         import torch
 
         if _plain(module, name):
             return super().find_class(module, name)
+        if _is_getattr(module, name):
+            return _enum_member
         if module == "torch":
             obj = getattr(torch, name, None)
             if obj is torch.Size or isinstance(
@@ -141,10 +163,19 @@ def _stub(module: str, name: str) -> type:
     return _STUBS[key]
 
 
+def _stub_member(cls, name):
+    """``getattr`` of an enum pickled by name, read without torch: an inert stub of its class."""
+    if isinstance(cls, type) and issubclass(cls, _Stub) and type(name) is str:
+        return cls(name)
+    raise UnsafeMetadata(f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, ...)")
+
+
 class _LiteUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if _plain(module, name):
             return super().find_class(module, name)
+        if _is_getattr(module, name):
+            return _stub_member
         if module == "torch" and name == "Size":
             return lambda seq=(): tuple(seq)
         if module == "torch" and name.isidentifier():

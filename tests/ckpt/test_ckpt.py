@@ -369,6 +369,52 @@ def test_metadata_unsafe_pickle_refused(dcp_run, tmp_path):
     assert not marker.exists()
 
 
+def test_metadata_with_enums_pickled_by_name_loads_and_getattr_stays_leashed(dcp_run):
+    """Python 3.11.0-3.11.4 (Debian 12's python3.11 is 3.11.2) pickle an enum member as
+    ``getattr(Enum, name)``: a checkpoint saved there must verify and load as one saved elsewhere
+    (it was refused, so no save could commit), and ``getattr`` reaches only an allowed enum's
+    member."""
+    import enum
+    import io
+
+    from ptops.ckpt._dcpmeta import UnsafeMetadata, read_metadata, read_metadata_lite
+
+    ck = dcp_run / "checkpoints/step-3"
+    md = read_metadata(ck)
+    named = []
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                named.append(obj)
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    buf = io.BytesIO()
+    ByName(buf, protocol=2).dump(md)
+    assert named and b"getattr" in buf.getvalue()  # DCP's metadata holds enums: the case
+    (ck / ".metadata").write_bytes(buf.getvalue())
+    assert read_metadata(ck) == md
+    assert read_metadata_lite(ck).state_dict_metadata.keys() == md.state_dict_metadata.keys()
+    r = verify(ck, deep=True)
+    assert r.ok, r.problems
+
+    class Reach:
+        def __init__(self, target, name):
+            self.target, self.name = target, name
+
+        def __reduce__(self):
+            return getattr, (self.target, self.name)
+
+    for target, name in ((dict, "fromkeys"), (Path, "write_text"), (named[0].__class__, "mro")):
+        (ck / ".metadata").write_bytes(pickle.dumps(Reach(target, name), protocol=2))
+        for read in (read_metadata, read_metadata_lite):
+            with pytest.raises(UnsafeMetadata):
+                read(ck)
+        r = verify(ck)  # (lite: an allowed enum's non-member is an inert stub, still no Metadata)
+        assert not r.ok and "does not load (UnsafeMetadata" in r.problems[0]["reason"], r.problems
+
+
 def test_corrupt_newest_catalog_and_quarantine(dcp_run):
     root = dcp_run / "checkpoints"
     for s in (1, 2, 3):
