@@ -97,10 +97,14 @@ class _Node:
         self.reader: asyncio.StreamReader | None = None
 
 
-def _metrics_msg(rank: int, attempt: int, step: int, step_s: float, now: float) -> dict:
+def _metrics_msg(
+    rank: int, attempt: int, step: int, step_s: float, now: float, vary: int | None = None
+) -> dict:
     """A rank's step record message, as a real titan-tiny record (tests/data/obs-titan/
     metrics.jsonl): the loss, grad norm, lr, max loss, allocation retries, OOMs and tokens seen are
-    the run's (the same on every rank); throughput, times and memory are the rank's own."""
+    the run's (the same on every rank); throughput, times and memory are the rank's own (they vary
+    with ``vary``, the rank by default; ``--template``: its place on its node)."""
+    v = rank if vary is None else vary
     rec = {
         "step": step,
         "rank": rank,
@@ -109,10 +113,10 @@ def _metrics_msg(rank: int, attempt: int, step: int, step_s: float, now: float) 
         "grad_norm": 0.48 + (step % 13) * 0.001,
         "lr": 0.0003,
         "step_s": step_s,
-        "tokens_per_s": 11597.0 + rank % 11,
+        "tokens_per_s": 11597.0 + v % 11,
     }
     for k in _TITAN_KEYS:
-        rec[k] = 0.5 + (0 if k in _GLOBAL else (rank % 5) * 0.01) + step * 1e-6
+        rec[k] = 0.5 + (0 if k in _GLOBAL else (v % 5) * 0.01) + step * 1e-6
     rec["ts"] = now
     return {"t": "metrics", "rec": rec, "ts": now}
 
@@ -142,6 +146,24 @@ def _frames(relay: str, lines: list[tuple]) -> list[bytes]:
         b.add(c, raw, 0.0, msg[0] if msg else None)
     frame = b.frame()
     return [frame] if frame is not None else []
+
+
+# ``--template``: stand-ins for a node's ranks in a frame made once a tick for all ordinary nodes
+# (negative, so no value of a record can hold one; increasing with the place, as real ranks are, so
+# the summary's order by (value, rank) is the same)
+_STAND_IN = -999_000_100
+
+
+def _stand_ins(per_node: int) -> list[int]:
+    return [_STAND_IN + j for j in range(per_node)]
+
+
+def _placed(frame: bytes, ranks: list[int]) -> bytes:
+    """The template frame with each stand-in replaced by the rank at its place: the bytes the
+    agent's ``Batcher`` makes of those ranks' records (tests/supervisor/test_scale_load.py)."""
+    for j, rank in enumerate(ranks):
+        frame = frame.replace(b"%d" % (_STAND_IN + j), b"%d" % rank)
+    return frame
 
 
 async def _generate(args: argparse.Namespace, part: int) -> None:
@@ -306,11 +328,10 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         k = tick // per_step + 1  # step k begins at tick per_step * (k - 1)
         boundary = tick % per_step == 0
         ping = tick % per_ping == per_ping // 2  # half a heartbeat out of phase with the steps
-        for node in nodes:
-            if node.index in frozen:
-                continue
+
+        def lines_of(ranks: list[int]) -> list[tuple]:
             lines = []
-            for c, rank in enumerate(node.ranks, 1):
+            for c, rank in enumerate(ranks, 1):
                 if rank == args.victim and victim_silent:
                     continue
                 stepping = (args.steps == 0 or k - 1 <= args.steps) and not (
@@ -318,9 +339,10 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 )
                 if boundary and stepping:
                     if k > 1:
-                        msg = _metrics_msg(rank, attempt, k - 1, args.step_s, now)
+                        msg = _metrics_msg(
+                            rank, attempt, k - 1, args.step_s, now, c if args.template else None
+                        )
                         lines.append((c, _line(msg), msg))
-                        counters["sent_metrics"] += 1
                     if (args.steps == 0 or k <= args.steps) and not (
                         rank == args.victim and k - 1 >= args.victim_step
                     ):
@@ -333,8 +355,24 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                         )
                 if ping and args.liveness == "rank":  # (the design before: relayed one by one)
                     lines.append((c, b'{"t":"ping","step":%d,"phase":"step","ts":%r}' % (k, now)))
-            counters["sent_msgs"] += len(lines)
-            parts = _frames(args.relay, lines)
+            return lines
+
+        if args.template:  # one frame for every ordinary node, its ranks put in (``_placed``)
+            t_lines = lines_of(_stand_ins(args.per_node))
+            t_frames = _frames(args.relay, t_lines)
+            t_metrics = sum(1 for x in t_lines if len(x) > 2)
+        for node in nodes:
+            if node.index in frozen:
+                continue
+            if args.template and 0 not in node.ranks and args.victim not in node.ranks:
+                parts = [_placed(f, node.ranks) for f in t_frames]
+                counters["sent_msgs"] += len(t_lines)
+                counters["sent_metrics"] += t_metrics
+            else:
+                lines = lines_of(node.ranks)
+                counters["sent_msgs"] += len(lines)
+                counters["sent_metrics"] += sum(1 for x in lines if len(x) > 2)
+                parts = _frames(args.relay, lines)
             if ping and args.liveness == "node":  # the agent's one frame for the node's pings
                 heard = [
                     c for c, rank in enumerate(node.ranks, 1)
@@ -529,6 +567,7 @@ def run_one(args: argparse.Namespace) -> dict:
                 args.liveness,
                 "--relay",
                 args.relay,
+                *(["--template"] if args.template else []),
                 "--stop-file",
                 str(stop_file),
                 "--counters-dir",
@@ -782,6 +821,15 @@ def main() -> None:
             help="rank: the victim alone goes silent (SIGSTOPped); node: its whole node (nothing "
             "from its agent: a frozen host or a cut link)",
         )
+    for p in (ap, g):
+        p.add_argument(
+            "--template",
+            action="store_true",
+            help="the generators make one frame a tick for every node but the one of rank 0 and "
+            "the victim's, and put each node's ranks in it (bytes the agent's Batcher makes of "
+            "records that vary with a rank's place on its node): the load of 131,072 ranks from "
+            "a fraction of a core. Without it every node's records are made and batched",
+        )
     for p, choices in ((ap, ("node", "rank", "both")), (g, ("node", "rank"))):
         p.add_argument(
             "--liveness",
@@ -924,6 +972,7 @@ def main() -> None:
                 "--timeout",
                 str(a.timeout),
                 *(["--starve"] if a.starve else []),
+                *(["--template"] if a.template else []),
                 *[x for kv in a.set for x in ("--set", kv)],
                 "--work",
                 d,

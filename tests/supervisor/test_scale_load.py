@@ -88,6 +88,45 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
     assert events[-1]["kind"] == "failed"  # a plain (temporary) launch ends on the hang
 
 
+def test_a_template_frame_with_a_nodes_ranks_put_in_is_what_its_agent_sends(monkeypatch) -> None:
+    """``--template`` (131,072 simulated ranks from a fraction of a core) makes one frame a tick
+    and puts each node's ranks in: it must be, byte for byte, the frame the agent's own ``Batcher``
+    makes of those ranks' records, with node summaries (a sample step and one between) and
+    without, and with a rank whose record is not routine (a NaN loss: sent whole)."""
+    import importlib.util
+
+    from ptops.ops.rank.channel import SUMMARY_ENV
+
+    spec = importlib.util.spec_from_file_location("scale_load", REPO / "bench" / "scale_load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def lines(ranks: list[int], step: int, nan_at: int = -1) -> list[tuple]:
+        out = []
+        for c, rank in enumerate(ranks, 1):
+            msg = bench._metrics_msg(rank, 1, step, 1.0, 1764860000.25, c)
+            if c == nan_at:
+                msg["rec"]["loss"] = float("nan")
+            out.append((c, bench._line(msg), msg))
+            out.append((c, b'{"t":"beat","step":%d,"phase":"step","stage":"begin"}' % (step + 1)))
+        return out
+
+    stand_ins, ranks = bench._stand_ins(8), list(range(8 * 2041, 8 * 2042))
+    checked = 0
+    for env in (None, json.dumps({"every": 8, "read": ["loss", "grad_norm"]})):
+        if env is None:
+            monkeypatch.delenv(SUMMARY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(SUMMARY_ENV, env)
+        for step, nan_at in ((16, -1), (17, -1), (17, 3)):
+            (template,) = bench._frames("batch", lines(stand_ins, step, nan_at))
+            (own,) = bench._frames("batch", lines(ranks, step, nan_at))
+            assert bench._placed(template, ranks) == own, (env, step, nan_at)
+            assert str(bench._STAND_IN)[:5].encode() not in own
+            checked += b'"s":' in own
+    assert checked == 2  # summed up between samples (NaN or not), never on the sample step
+
+
 def test_starve_pins_the_supervisor_beside_a_busy_loop_and_frees_the_other_cpus() -> None:
     """``--starve`` (issue 24 point 6: no false hang with the supervisor on half a core): the
     process and a busy loop share one CPU, the generators get the rest; in a child process, so
