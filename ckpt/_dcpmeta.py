@@ -7,8 +7,8 @@ with a restricted unpickler that resolves only the dataclasses/enums of
 `torch.distributed.checkpoint`, `torch.Size`, torch dtypes/layouts/memory
 formats, `pathlib` paths and a few builtins, which is everything DCP itself
 pickles. Anything else is refused (`UnsafeMetadata`). One builtin more, held on
-a leash: `getattr`, which some Python releases (3.11.0-3.11.4, Debian 12's
-3.11.2) use to pickle an enum member by name; it resolves only a member of an
+a leash: `getattr`, which some Python releases (Debian 12's 3.11.2; 3.11.7
+pickles by value) use to pickle an enum member by name; it resolves only a member of an
 enum already allowed, nothing else (a crafted `getattr(dict, "fromkeys")` is
 refused).
 """

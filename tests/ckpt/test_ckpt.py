@@ -370,7 +370,7 @@ def test_metadata_unsafe_pickle_refused(dcp_run, tmp_path):
 
 
 def test_metadata_with_enums_pickled_by_name_loads_and_getattr_stays_leashed(dcp_run):
-    """Python 3.11.0-3.11.4 (Debian 12's python3.11 is 3.11.2) pickle an enum member as
+    """Some Python releases (Debian 12's python3.11, 3.11.2; not 3.11.7) pickle an enum member as
     ``getattr(Enum, name)``: a checkpoint saved there must verify and load as one saved elsewhere
     (it was refused, so no save could commit), and ``getattr`` reaches only an allowed enum's
     member."""
