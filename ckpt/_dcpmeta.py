@@ -41,6 +41,10 @@ def _is_getattr(module: str, name: str) -> bool:
     return module in ("builtins", "__builtin__") and name == "getattr"
 
 
+def _refused_getattr(cls) -> UnsafeMetadata:
+    return UnsafeMetadata(f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, ...)")
+
+
 def _enum_member(cls, name):
     """``getattr`` as an enum's pickle by name uses it: a member of an allowed enum, or refused."""
     if (
@@ -50,7 +54,7 @@ def _enum_member(cls, name):
         and name in cls.__members__
     ):
         return cls[name]
-    raise UnsafeMetadata(f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, ...)")
+    raise _refused_getattr(cls)
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -167,7 +171,7 @@ def _stub_member(cls, name):
     """``getattr`` of an enum pickled by name, read without torch: an inert stub of its class."""
     if isinstance(cls, type) and issubclass(cls, _Stub) and type(name) is str:
         return cls(name)
-    raise UnsafeMetadata(f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, ...)")
+    raise _refused_getattr(cls)
 
 
 class _LiteUnpickler(pickle.Unpickler):
