@@ -169,6 +169,7 @@ def _placed(frame: bytes, ranks: list[int]) -> bytes:
 async def _generate(args: argparse.Namespace, part: int) -> None:
     from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN, KEEPALIVE_S, split_address
 
+    relays = [split_address(a) for a in args.relay_addrs.split(",") if a]
     host, port = split_address(os.environ[ENV_ADDRESS])
     token = os.environ[ENV_TOKEN]
     attempt = int(os.environ.get("PTOPS_ATTEMPT", "1"))
@@ -195,7 +196,8 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
             200
         ):  # the listen backlog is 256: a burst of 1,024 connects gets a few refusals
             try:
-                node.reader, node.writer = await asyncio.open_connection(host, port, limit=1 << 20)
+                to = relays[node.index // args.relay_tier] if relays else (host, port)
+                node.reader, node.writer = await asyncio.open_connection(*to, limit=1 << 20)
                 break
             except OSError:
                 await asyncio.sleep(0.05)
@@ -423,6 +425,56 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         tick += 1
 
 
+def _start_relays(args: argparse.Namespace) -> tuple[list[subprocess.Popen], str]:
+    """One real relay (``python -m ptops.ops.node.relay``) per ``--relay-tier`` nodes, on this
+    machine's loopback; they sum up (``PTOPS_NODE_SUMMARY``), so the simulated agents behind them
+    do not (the variable leaves this process's environment). Their pids go into the counters
+    folder, for their CPU."""
+    from ptops.ops.rank.channel import SUMMARY_ENV
+    from ptops.ops.supervisor.procs import die_with_parent
+
+    env = {**os.environ, "PTOPS_RELAY_LISTEN": "127.0.0.1:0"}
+    os.environ.pop(SUMMARY_ENV, None)
+    n = -(-args.nodes // args.relay_tier)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ptops.ops.node.relay"],
+            env=env,
+            stdout=subprocess.PIPE,
+            preexec_fn=die_with_parent,
+        )
+        for _ in range(n)
+    ]
+    addrs = []
+    for p in procs:
+        line = p.stdout.readline()
+        try:
+            addrs.append(json.loads(line)["relay"])
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f"relay {p.pid} did not start (its output: {line[:200]!r})") from None
+    if args.counters_dir:
+        (Path(args.counters_dir) / "relays.json").write_text(json.dumps([p.pid for p in procs]))
+    return procs, ",".join(addrs)
+
+
+def _relays_cpu(d: Path) -> tuple[int, float]:
+    """(relays, their CPU seconds so far) from /proc (0, 0.0 without relays)."""
+    try:
+        pids = json.loads((d / "relays.json").read_text())
+    except (OSError, ValueError):
+        return 0, 0.0
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{int(pid)}/stat", "rb") as f:
+                s = f.read()
+            fields = s[s.rindex(b")") + 2 :].split()
+            total += (int(fields[11]) + int(fields[12])) / CLK
+        except (OSError, ValueError, IndexError):
+            continue
+    return len(pids), total
+
+
 def generate_main(args: argparse.Namespace) -> None:
     from ptops.ops.supervisor.procs import die_with_parent
 
@@ -430,9 +482,12 @@ def generate_main(args: argparse.Namespace) -> None:
     if args.cpus:  # off the starved supervisor's CPU (the parts inherit it)
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     children = []
+    if args.part < 0 and args.relay_tier > 0:  # the relays first: their addresses for the parts
+        children, args.relay_addrs = _start_relays(args)
     if args.part < 0:  # the spawned one: start the other parts, run part 0
         for p in range(1, args.gen_procs):
             argv = [sys.executable, __file__, "generate", *sys.argv[2:], "--part", str(p)]
+            argv += ["--relay-addrs", args.relay_addrs]
             children.append(subprocess.Popen(argv, preexec_fn=die_with_parent))
         part = 0
     else:
@@ -568,6 +623,8 @@ def run_one(args: argparse.Namespace) -> dict:
                 "--relay",
                 args.relay,
                 *(["--template"] if args.template else []),
+                "--relay-tier",
+                str(args.relay_tier),
                 "--stop-file",
                 str(stop_file),
                 "--counters-dir",
@@ -636,6 +693,7 @@ def run_one(args: argparse.Namespace) -> dict:
                     "nodes": len(server.nodes()) if server is not None else 0,
                     "ranks": len(sup.ranks),
                     "gen": _gen_counters(counters_dir),
+                    "relays": _relays_cpu(counters_dir),
                     "lat_n": len(lat),
                     "load1": os.getloadavg()[0],
                 }
@@ -686,6 +744,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "peers": args.peers,
         "silent": args.silent,
         "starved": bool(args.starve),
+        "relay_tier": args.relay_tier,
         "exit_code": rc,
         "wall_s": round(t_end - t_start, 1),
     }
@@ -706,6 +765,10 @@ def run_one(args: argparse.Namespace) -> dict:
         )
         out["inbox_max"] = max(s["inbox"] for s in steady)
         out["inbox_last"] = b["inbox"]
+        if b["relays"][0]:  # the relays' CPU, all of them, and one's on average
+            out["relays"] = b["relays"][0]
+            out["relays_cpu_pct"] = round(100 * (b["relays"][1] - a["relays"][1]) / dt, 1)
+            out["relay_cpu_pct_mean"] = round(out["relays_cpu_pct"] / out["relays"], 1)
         window = sorted(lat[a["lat_n"] : b["lat_n"]])
         if window:
             out["record_latency_s"] = {
@@ -871,10 +934,20 @@ def main() -> None:
         "core: issue 24 point 6), the load generators on the other CPUs",
     )
     g.add_argument("--cpus", default="", help="(internal) the CPUs the generators run on")
+    g.add_argument("--relay-tier", type=int, default=0)
+    g.add_argument("--relay-addrs", default="", help="(internal) the relays' addresses")
     g.add_argument("--nodes", type=int, required=True)
     g.add_argument("--part", type=int, default=-1)
     g.add_argument("--stop-file", default="")
     g.add_argument("--counters-dir", default="")
+    ap.add_argument(
+        "--relay-tier",
+        default="0",
+        help="N: a real relay (ops/node/relay.py) per N nodes between the simulated agents and "
+        "the supervisor, summing up over its nodes' ranks (since issue 24); 0: the agents "
+        "straight to the supervisor; with --sizes a list (0,64: each size both ways, side by "
+        "side)",
+    )
     ap.add_argument("--ranks", type=int, default=0, help="one size, in this process")
     ap.add_argument(
         "--sizes", default="64,1024,8192", help="several sizes, each in a child process"
@@ -914,9 +987,11 @@ def main() -> None:
             a.victim = a.nodes * a.per_node - 1
         generate_main(a)
         return
+    tiers = [int(t) for t in a.relay_tier.split(",") if t]
     if a.ranks:
-        if "both" in (a.liveness, a.relay, a.certify, a.groups):
+        if "both" in (a.liveness, a.relay, a.certify, a.groups) or len(tiers) != 1:
             ap.error("both runs each of --sizes twice; with --ranks give one design")
+        a.relay_tier = tiers[0]
         a.nodes = max(1, a.ranks // a.per_node)
         if a.victim < 0:
             a.victim = a.nodes * a.per_node - 1
@@ -938,8 +1013,13 @@ def main() -> None:
         if not (live == "rank" and relay == "batch" and a.liveness == a.relay == "both")
     ]
     groupings = ("off", "on") if a.groups == "both" else (a.groups,)
-    for size, (liveness, relay, cert), groups in [
-        (int(s), d, g) for s in a.sizes.split(",") if s for d in designs for g in groupings
+    for size, (liveness, relay, cert), groups, tier in [
+        (int(s), d, g, t)
+        for s in a.sizes.split(",")
+        if s
+        for d in designs
+        for g in groupings
+        for t in tiers
     ]:
         with tempfile.TemporaryDirectory(prefix=f"ptops-scale-{size}-") as d:
             argv = [
@@ -969,6 +1049,8 @@ def main() -> None:
                 "off" if cert == "both" else cert,
                 "--groups",
                 groups,
+                "--relay-tier",
+                str(tier),
                 "--timeout",
                 str(a.timeout),
                 *(["--starve"] if a.starve else []),
@@ -981,7 +1063,8 @@ def main() -> None:
             ]
             print(
                 f"== {size} ranks ({size // a.per_node} nodes x {a.per_node}), liveness "
-                f"{liveness}, relay {relay}, certify {cert}, groups {groups}, load "
+                f"{liveness}, relay {relay}, certify {cert}, groups {groups}, relay tier "
+                f"{tier}, load "
                 f"{os.getloadavg()}",
                 flush=True,
             )

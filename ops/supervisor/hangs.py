@@ -81,7 +81,7 @@ class HangMixin:
         stack_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(stack_dir, 0o700)
         now = time.monotonic()
-        by_node: dict[str, tuple] = {}  # node -> (its peer, {"R": {c, pid, ask}})
+        by_node: dict[tuple, tuple] = {}  # (link, node) -> (link's peer, {"R": {c, pid, ask}})
         for info in self.ranks.values():
             if info.peer is None or info.peer.via is None:
                 continue
@@ -92,9 +92,12 @@ class HangMixin:
             )
             # not even pinging (stopped, or stuck in C holding the GIL): straight to py-spy
             ask = not (seen is not None and now - seen > self.cfg.hang.ping_stale_s)
-            node = str(info.peer.via.hello.get("node") or info.host)
+            # the rank's own node (its agent named it), asked through its link: the agent's, or
+            # a relay's for many nodes (ops/node/relay.py), whose numbers ``c`` are its own
+            via = info.peer.via
+            node = str(info.peer.hello.get("node") or via.hello.get("node") or info.host)
             entry = {"c": info.peer.sub, "pid": info.pid, "ask": ask and info.gone_ts is None}
-            by_node.setdefault(node, (info.peer.via, {}))[1][str(info.rank)] = entry
+            by_node.setdefault((via.cid, node), (via, {}))[1][str(info.rank)] = entry
         self._ask_node_agents(by_node)
         self._wait_node_agents(by_node)
         notes: dict[str, str] = {}
@@ -105,7 +108,7 @@ class HangMixin:
             notes.setdefault("flight_recorder", str(fr))
         return notes
 
-    def _ask_node_agents(self, by_node: dict[str, tuple]) -> None:
+    def _ask_node_agents(self, by_node: dict[tuple, tuple]) -> None:
         """Each node agent gathers its ranks' stacks (``dump``: their own dumps, py-spy where they
         do not answer: ptrace does not cross hosts). Answers land in ``node_stacks``; a node whose
         link is silent (no keepalive: a cut) is not asked."""
@@ -113,7 +116,7 @@ class HangMixin:
         while not self.server.replies.empty():  # a late answer to an earlier hang
             self.server.replies.get_nowait()
         now = time.monotonic()
-        for node, (peer, ranks) in by_node.items():
+        for (_, node), (peer, ranks) in by_node.items():
             if now - peer.last_rx > self.cfg.hang.ping_stale_s:
                 for r in ranks:
                     self.node_stacks[int(r)] = {
@@ -132,7 +135,7 @@ class HangMixin:
                 },
             )
 
-    def _wait_node_agents(self, by_node: dict[str, tuple]) -> None:
+    def _wait_node_agents(self, by_node: dict[tuple, tuple]) -> None:
         """Until every asked rank is answered for, every node's link is gone, or py-spy's time is
         up. The ranks left are crossed off by each reply's own ranks, and the links looked at
         only when no reply comes: both were walked after every reply, O(nodes x ranks) at a
@@ -154,10 +157,10 @@ class HangMixin:
                 if str(r).isdecimal() and int(r) in self.node_stacks:
                     left.discard(int(r))
 
-    def _write_node_files(self, stack_dir: Path, by_node: dict[str, tuple], notes: dict) -> None:
+    def _write_node_files(self, stack_dir: Path, by_node: dict[tuple, tuple], notes: dict) -> None:
         """One file a node: a section a rank, its source in the section's first line."""
         used: set[str] = set()
-        for node, (peer, ranks) in sorted(by_node.items()):
+        for (_, node), (peer, ranks) in sorted(by_node.items(), key=lambda kv: kv[0][::-1]):
             name = re.sub(r"[^A-Za-z0-9._-]", "_", node)[:64] or "node"
             if name in used:
                 name = f"{name}-{peer.cid}"

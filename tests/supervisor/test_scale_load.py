@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 from ptops.diagnostics.stacks import read_attempt
@@ -22,7 +23,11 @@ from ptops.diagnostics.stacks import read_attempt
 RANKS, PER_NODE, STEPS, VICTIM = 64, 8, 4, 37
 
 
-def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", [0, 4], ids=["agents", "relays"])
+def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path, tier: int) -> None:
+    """``tier`` 4: two real relays (``ops/node/relay.py``) between the 8 agents and the supervisor,
+    both named after this host: each rank's stacks must still be asked for under its own relay's
+    numbers and land in its own node's file."""
     out = tmp_path / "r.json"
     p = subprocess.run(
         [
@@ -48,6 +53,8 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
             str(out),
             "--timeout",
             "240",
+            "--relay-tier",
+            str(tier),
         ],
         capture_output=True,
         text=True,
@@ -57,9 +64,9 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     run = tmp_path / "run"
 
-    # one connection per simulated node, every rank seen through the relay
-    assert res["node_agents"] == RANKS // PER_NODE
-    assert res["connections"] == RANKS // PER_NODE
+    # one connection per simulated node (or relay), every rank seen through it
+    links = RANKS // PER_NODE // (tier or 1)
+    assert res["node_agents"] == links and res["connections"] == links
 
     # every simulated rank's every step reached metrics.jsonl, once
     steps: dict[int, list[int]] = {}

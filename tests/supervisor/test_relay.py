@@ -1,0 +1,291 @@
+"""The relay between node agents and the supervisor (issue 24; ``ops/node/relay.py``). To the
+supervisor a relay is one node agent whose ranks live on several hosts; to an agent it is the
+supervisor. Checked here with the real parts on loopback: a real channel server, a real relay,
+real node agents (``relay_in_thread``), real rank clients. What must hold: every rank's lines
+arrive exactly as sent and in its order, under its own node's name; a step's records of several
+nodes cross as ONE group (a leader and certified differences) and, with node summaries, their
+routine ranks as ONE summary over the nodes; commands, ``g`` and liveness find the right rank
+through two numberings; a hang's ``dump`` reaches each agent under its own numbers, and an agent
+gone silent is answered for by the relay at once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import random
+import socket
+import threading
+import time
+
+import pytest
+from test_node_agent import _rank_messages, _record, _same
+
+from ptops.ops.node import relay as relay_mod
+from ptops.ops.node.agent import relay_in_thread
+from ptops.ops.rank.channel import (
+    ENV_ADDRESS,
+    ENV_TOKEN,
+    SUMMARY_ENV,
+    SUMMED,
+    ChannelClient,
+    encode,
+)
+from ptops.ops.supervisor.channel import ChannelServer
+
+
+@contextlib.contextmanager
+def _relay(server: ChannelServer, **env: str):
+    r = relay_mod.Relay(
+        {ENV_ADDRESS: server.address(), ENV_TOKEN: server.token, **env}, name="relay-host"
+    )
+    t = threading.Thread(target=r.loop, daemon=True)
+    t.start()
+    try:
+        yield r
+    finally:
+        r.stop("over")
+        t.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _nodes(relay: relay_mod.Relay, server: ChannelServer, per_node: dict[str, list[int]]):
+    """Agents named after ``per_node``'s keys behind ``relay``, each with its ranks connected:
+    ``{rank: its client}``, with ``.got`` ({rank: the commands it got}) and ``.agents`` ({name:
+    agent}). The agents relay only (no ``run``): a test sends their ``a`` frames and keepalives."""
+    with contextlib.ExitStack() as stack:
+        cs = _Clients()
+        for name, ranks in per_node.items():
+            agent = stack.enter_context(relay_in_thread(relay.address, server.token))
+            agent.node = name  # what its ranks' hellos say (a host name a node)
+            cs.agents[name] = agent
+            for r in ranks:
+                cs.got[r] = []
+                cs[r] = ChannelClient(
+                    agent.local_address,
+                    agent.local_token,
+                    {"role": "rank", "rank": r, "pid": 1000 + r, "host": name},
+                    on_message=cs.got[r].append,
+                )
+        _until(lambda: len(relay._down) == len(cs))
+        _until(lambda: sum(len(n.subs) for n in server.nodes()) == len(cs))
+        yield cs
+        for c in cs.values():
+            c.close()
+
+
+class _Clients(dict):
+    def __init__(self) -> None:
+        super().__init__()
+        self.got: dict[int, list] = {}
+        self.agents: dict = {}
+
+
+def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _drain(server: ChannelServer) -> list:
+    time.sleep(0.3)
+    out = []
+    while not server.inbox.empty():
+        out.append(server.inbox.get_nowait())
+    return out
+
+
+def test_ranks_of_many_nodes_reach_the_supervisor_through_one_relay_exactly():
+    server = ChannelServer()
+    try:
+        with _relay(server) as relay, _nodes(relay, server, {"n1": [0, 1], "n2": [2, 3]}) as cs:
+            # one link at the supervisor; each rank's hello keeps its own node's name
+            assert [n.hello["node"] for n in server.nodes()] == ["relay-host"]
+            (link,) = server.nodes()
+            assert {vp.hello["rank"]: vp.hello["node"] for vp in link.subs.values()} == {
+                0: "n1",
+                1: "n1",
+                2: "n2",
+                3: "n2",
+            }
+            _drain(server)
+            rng = random.Random(5)
+            sent: dict[int, list] = {r: [] for r in cs}
+            for step in (1, 2):
+                for r, c in cs.items():
+                    for msg in (
+                        {"t": "metrics", "rec": _record(r, step, rng), "ts": 9.0},
+                        {"t": "beat", "step": step + 1, "phase": "step", "stage": "begin"},
+                    ):
+                        c.send(msg)
+                        sent[r].append(msg)
+            got = _rank_messages(server, 16)
+            for r in cs:
+                assert _same([m for rank, m, _ in got if rank == r], sent[r]), r
+    finally:
+        server.close()
+
+
+def test_a_steps_records_of_two_nodes_cross_as_one_group():
+    """The point of the relay: one leader for the step over all its nodes, the other nodes'
+    records certified as its differences (the supervisor's ``like``), not a leader a node."""
+    server = ChannelServer()
+    try:
+        with _relay(server) as relay, _nodes(relay, server, {"n1": [0, 1], "n2": [2, 3]}) as cs:
+            _drain(server)
+            base = {"step": 4, "loss": 2.5, "lr": 1e-4, "step_s": 1.0}
+            for r, c in cs.items():
+                c.send({"t": "metrics", "rec": {**base, "rank": r, "step_s": 1.0 + r / 10}})
+            items = []
+            _until(lambda: items.extend(_batched(server)) or len(items) >= 4)
+            likes = {vp.rank: like for vp, m, like in items if m.get("t") == "metrics"}
+            assert sorted(likes) == [0, 1, 2, 3]
+            leader = next(r for r, like in likes.items() if like is None)
+            assert all(
+                like == (leader, frozenset({"rank", "step_s"}))
+                for r, like in likes.items()
+                if r != leader
+            )
+    finally:
+        server.close()
+
+
+def _batched(server: ChannelServer) -> list:
+    out = []
+    for _, msg, _ in _drain(server):
+        if msg.get("t") == "_batch":
+            out += msg["items"]
+    return out
+
+
+def test_routine_ranks_of_all_its_nodes_become_one_summary():
+    """``PTOPS_NODE_SUMMARY`` on the relay: the routine ranks of both nodes (between samples, not
+    rank 0, differing only in keys no shared monitor reads) leave as ONE summary entry, the rule
+    of ``ops/runrecord/nodesummary.py`` over the relay's ranks."""
+    server = ChannelServer()
+    cfg = json.dumps({"every": 10, "read": ["loss"]})
+    try:
+        with (
+            _relay(server, **{SUMMARY_ENV: cfg}) as relay,
+            _nodes(relay, server, {"n1": [0, 1, 2], "n2": [3, 4, 5]}) as cs,
+        ):
+            _drain(server)
+            for r, c in cs.items():
+                rec = {"step": 3, "rank": r, "loss": 2.5, "step_s": 1.0 + r / 10}
+                c.send({"t": "metrics", "rec": rec})
+            items = []
+            _until(lambda: items.extend(_batched(server)) or any(x[2] is SUMMED for x in items))
+            (summary,) = [m for _, m, like in items if like is SUMMED]
+            summed = sorted(vp.rank for vp in summary["ranks"])
+            whole = sorted(vp.rank for vp, m, like in items if like is not SUMMED)
+            # rank 0 always whole (status and resume read it), and the group's leader: the first
+            # record the relay got, of whichever node's frame came first
+            assert 0 in whole and len(whole) <= 2 and sorted(whole + summed) == list(range(6))
+            assert {1, 2} & set(summed) and {4, 5} & set(summed)  # over both nodes: one entry
+            assert summary["entry"]["keys"]["step_s"][3:] == [1.5, 5]  # the max and its rank
+    finally:
+        server.close()
+
+
+def test_commands_goodbyes_and_liveness_find_their_rank_through_two_numberings():
+    server = ChannelServer()
+    try:
+        with _relay(server) as relay, _nodes(relay, server, {"n1": [0, 1], "n2": [2, 3]}) as cs:
+            (link,) = server.nodes()
+            by_rank = {vp.rank: vp for vp in link.subs.values()}
+            server.send(by_rank[2], {"cmd": "stop", "why": "test"})
+            _until(lambda: cs.got[2])
+            assert cs.got[2] == [{"cmd": "stop", "why": "test"}]
+            assert not cs.got[0] and not cs.got[1] and not cs.got[3]
+            # liveness: a ping stays in the agent, the relay names the rank in its ``a`` frame
+            _drain(server)
+            cs[3].send({"t": "ping", "step": 1})
+            agent = cs.agents["n2"]
+            _until(lambda: agent._heard)
+            agent.up.send(agent.alive_frame())  # what its ``run`` sends every second
+            seen: list = []
+            _until(
+                lambda: (
+                    seen.extend(
+                        vp.rank
+                        for _, m, _ in _drain(server)
+                        if m["t"] == "_alive"
+                        for vp, _ in m["seen"]
+                    )
+                    or 3 in seen
+                )
+            )
+            # a rank's connection closing is its ``_eof``, and only its
+            cs[1].close()
+            eofs: list = []
+            _until(
+                lambda: (
+                    eofs.extend(p.rank for p, m, _ in _drain(server) if m["t"] == "_eof") or eofs
+                )
+            )
+            assert eofs == [1]
+    finally:
+        server.close()
+
+
+def test_a_dump_reaches_each_agent_under_its_numbers_and_a_silent_one_is_answered_for(
+    monkeypatch,
+):
+    monkeypatch.setattr(relay_mod, "STALE_S", 0.5)
+    server = ChannelServer()
+    try:
+        with _relay(server) as relay, _nodes(relay, server, {"n1": [0, 1]}) as cs:
+            # a second agent that said hello for one rank and then nothing (a frozen host)
+            host, port = relay.address.rsplit(":", 1)
+            frozen = socket.create_connection((host, int(port)))
+            hello = {"t": "hello", "token": server.token, "role": "node", "node": "n9"}
+            rank_hello = {"t": "hello", "role": "rank", "rank": 7, "pid": 1007, "node": "n9"}
+            frozen.sendall(
+                b"".join(encode(m) for m in (hello, {"t": "r", "c": 1, "m": rank_hello}))
+            )
+            (link,) = server.nodes()
+            _until(lambda: len(link.subs) == 3)
+            time.sleep(0.7)  # past STALE_S for the frozen one
+            cs.agents["n1"].up.send({"t": "ka"})  # the live agent's keepalive (its ``run``'s)
+            time.sleep(0.1)
+            ranks = {
+                str(vp.rank): {"c": vp.sub, "pid": 1000 + vp.rank, "ask": True}
+                for vp in link.subs.values()
+            }
+            server.send(link, {"cmd": "dump", "id": 3, "timeout_s": 0.2, "ranks": ranks})
+            replies = {}
+            deadline = time.monotonic() + 30
+            while len(replies) < 3 and time.monotonic() < deadline:
+                try:
+                    _, msg, _ = server.replies.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                replies.update(msg["stacks"])
+            assert sorted(replies) == ["0", "1", "7"]
+            assert "behind relay relay-host" in replies["7"]["note"]
+            assert replies["7"]["text"] is None
+            # the live agent was asked under ITS numbers: each rank got its own ``stacks`` request
+            assert cs.got[0] == [{"cmd": "stacks", "id": 0}]
+            assert cs.got[1] == [{"cmd": "stacks", "id": 1}]
+            assert "behind relay" not in replies["0"]["note"]
+            frozen.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("line", [b'{"t":"hello","token":"wrong","role":"node"}', b"[1,2]"])
+def test_an_agent_without_the_token_is_dropped(line):
+    server = ChannelServer()
+    try:
+        with _relay(server) as relay:
+            host, port = relay.address.rsplit(":", 1)
+            s = socket.create_connection((host, int(port)))
+            s.sendall(line + b"\n" + b'{"t":"r","c":1,"m":{"t":"hello","rank":5}}\n')
+            s.settimeout(5)
+            assert s.recv(100) == b""  # closed, nothing said
+            time.sleep(0.3)
+            assert not relay._down
+            s.close()
+    finally:
+        server.close()
