@@ -24,7 +24,8 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -c 'import ptops.ops.node.relay' || { echo "scale_check: ptops does not import"; exit 2; }
 echo "scale_check: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, python $("$PY" -V 2>&1), ulimit -n $(ulimit -n)"
 SUM=(--set supervisor.node_summaries=true --set supervisor.metrics_lines=node
-     --set supervisor.metrics_rank_detail_every=60)
+     --set supervisor.metrics_rank_detail_every=60
+     --set supervisor.health.enabled=false)  # simulated ranks: no GPU of this host is theirs
 run() {  # NAME NEED_S TIMEOUT_S ARGS...: one size, if NEED_S is left
   local name=$1 need=$2 tmo=$3; shift 3
   local left=$((BUDGET - SECONDS))
