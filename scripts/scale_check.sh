@@ -32,7 +32,7 @@ run() {  # NAME NEED_S TIMEOUT_S ARGS...: one size, if NEED_S is left
   if [ "$left" -lt "$need" ]; then echo "scale_check: $name skipped ($left s left, needs $need)"; return; fi
   echo "scale_check: $name (timeout $tmo s, $left s left) at $(date -u +%T)"
   rm -rf "/tmp/scale-$name"
-  timeout $((tmo + 60)) "$PY" bench/scale_load.py "$@" --timeout "$tmo" --work "/tmp/scale-$name" \
+  timeout -k 10 $((tmo + 60)) "$PY" bench/scale_load.py "$@" --timeout "$tmo" --work "/tmp/scale-$name" \
     --json "$OUTD/$name.json" > "$OUTD/$name.log" 2>&1
   echo "scale_check: $name rc=$? $(tail -c 300 "$OUTD/$name.log" | tr '\n' ' ' | cut -c1-200)"
   "$PY" - "$OUTD/$name.json" <<'EOF'

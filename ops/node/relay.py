@@ -29,7 +29,9 @@ What the relay does with each frame of a node agent (wire format: ``ops/rank/cha
 Downstream: a rank's command goes to its agent under the agent's number; keepalives to every
 agent; ``dump`` split by agent (an agent silent for ``STALE_S`` is answered for at once, "node
 agent unreachable behind relay R", instead of holding the hang's stacks for py-spy's time);
-``kill`` to every agent, then the relay ends. When the supervisor's link closes or stays silent
+``kill`` to every agent, then the relay ends. A send to an agent that does not take it within
+``SEND_TIMEOUT_S`` cuts that agent off (its ranks go as at its EOF): a frozen host must not hold
+the relay, and behind it the supervisor. When the supervisor's link closes or stays silent
 for ``PTOPS_NODE_UPSTREAM_TIMEOUT_S`` the relay closes its agents' connections, and each agent
 kills its ranks as it would had the supervisor gone (no orphans).
 
@@ -80,13 +82,14 @@ from ptops.ops.rank.channel import (
 LISTEN_ENV = "PTOPS_RELAY_LISTEN"
 UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"  # the agent's, same meaning
 STALE_S = 5.0  # an agent this long silent is not asked for stacks (the supervisor's ping_stale_s)
+SEND_TIMEOUT_S = 2.0  # a send to an agent that does not read gives up, and the agent is dropped
 KA_LINE = encode({"t": KEEPALIVE})
 
 
 class _Agent:
     """One node agent's connection to the relay."""
 
-    __slots__ = ("sock", "buf", "hello", "last_rx", "lock", "cids")
+    __slots__ = ("sock", "buf", "hello", "last_rx", "lock", "cids", "broken")
 
     def __init__(self, sock: socket.socket, now: float) -> None:
         self.sock = sock
@@ -95,13 +98,23 @@ class _Agent:
         self.last_rx = now
         self.lock = threading.Lock()
         self.cids: dict[int, int] = {}  # the agent's number for a rank -> the relay's
+        self.broken = False
 
     def send(self, data: bytes) -> None:
+        """Within the socket's ``SEND_TIMEOUT_S``, else the agent is cut off: an agent that
+        stopped reading (a frozen host) must not hold the relay's upstream reader, and behind
+        it the supervisor's sends to the relay. Its ranks then go as at its EOF (``g``)."""
+        if self.broken:
+            return
         try:
             with self.lock:
                 self.sock.sendall(data)
         except OSError:
-            pass
+            self.broken = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # the loop reads its EOF and drops it
+            except OSError:
+                pass
 
 
 class Relay:
@@ -161,8 +174,8 @@ class Relay:
         elif t == KEEPALIVE:
             for a in list(self._agents.values()):
                 a.send(KA_LINE)
-        elif cmd == "dump":
-            self._dump(msg)
+        elif cmd == "dump":  # (its sends may wait on agents: off this reader)
+            threading.Thread(target=self._dump, args=(msg,), daemon=True).start()
         elif cmd == "kill":
             for a in list(self._agents.values()):
                 a.send(encode({"cmd": "kill"}))
@@ -316,7 +329,7 @@ class Relay:
                         conn, _ = self._listen.accept()
                     except OSError:
                         continue
-                    conn.setblocking(True)
+                    conn.settimeout(SEND_TIMEOUT_S)  # (reads happen when select says ready)
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     agent = _Agent(conn, time.monotonic())
                     self._agents[conn.fileno()] = agent

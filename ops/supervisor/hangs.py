@@ -110,30 +110,30 @@ class HangMixin:
 
     def _ask_node_agents(self, by_node: dict[tuple, tuple]) -> None:
         """Each node agent gathers its ranks' stacks (``dump``: their own dumps, py-spy where they
-        do not answer: ptrace does not cross hosts). Answers land in ``node_stacks``; a node whose
-        link is silent (no keepalive: a cut) is not asked."""
+        do not answer: ptrace does not cross hosts). Answers land in ``node_stacks``; a link that
+        is silent (no keepalive: a cut) is not asked, nor one whose send failed. ONE ``dump`` a
+        link: a relay (``ops/node/relay.py``) splits it for its nodes; a dump a node was 64 sends
+        a relay, each up to the socket's 10 s when the relay stopped reading (131,072 ranks on
+        16 cores: the supervisor sat in this loop for minutes)."""
         self.node_stacks = {}
         while not self.server.replies.empty():  # a late answer to an earlier hang
             self.server.replies.get_nowait()
         now = time.monotonic()
+        links: dict[int, tuple] = {}  # link -> (its peer, {"R": entry}, {"R": node})
         for (_, node), (peer, ranks) in by_node.items():
-            if now - peer.last_rx > self.cfg.hang.ping_stale_s:
-                for r in ranks:
-                    self.node_stacks[int(r)] = {
-                        "text": None,
-                        "node": node,
-                        "note": f"node unreachable (silent {now - peer.last_rx:.0f} s)",
-                    }
-                continue
-            self.server.send(
-                peer,
-                {
-                    "cmd": "dump",
-                    "id": self.attempt,
-                    "ranks": ranks,
-                    "timeout_s": self.cfg.stack_timeout_s,
-                },
-            )
+            _, asked, named = links.setdefault(peer.cid, (peer, {}, {}))
+            asked.update(ranks)
+            named.update(dict.fromkeys(ranks, node))
+        for peer, ranks, named in links.values():
+            silent = now - peer.last_rx
+            why = f"node unreachable (silent {silent:.0f} s)"
+            if silent <= self.cfg.hang.ping_stale_s:
+                msg = {"cmd": "dump", "id": self.attempt, "ranks": ranks}
+                if self.server.send(peer, {**msg, "timeout_s": self.cfg.stack_timeout_s}):
+                    continue
+                why = "node unreachable (its link took no dump)"
+            for r in ranks:
+                self.node_stacks[int(r)] = {"text": None, "node": named[r], "note": why}
 
     def _wait_node_agents(self, by_node: dict[tuple, tuple]) -> None:
         """Until every asked rank is answered for, every node's link is gone, or py-spy's time is

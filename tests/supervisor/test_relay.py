@@ -289,3 +289,78 @@ def test_an_agent_without_the_token_is_dropped(line):
             s.close()
     finally:
         server.close()
+
+
+def test_an_agent_that_stops_reading_is_cut_off_not_waited_for(monkeypatch):
+    """A frozen host's agent takes no more bytes: the relay's send to it gives up after
+    ``SEND_TIMEOUT_S`` and drops it (its ranks go as at its EOF), so commands for the other nodes,
+    and behind them the supervisor's sends to the relay, never wait on it for long."""
+    monkeypatch.setattr(relay_mod, "SEND_TIMEOUT_S", 0.3)
+    server = ChannelServer()
+    try:
+        with _relay(server) as relay:
+            host, port = relay.address.rsplit(":", 1)
+            frozen = socket.create_connection((host, int(port)))
+            frozen.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            hello = {"t": "hello", "token": server.token, "role": "node", "node": "n9"}
+            rank_hello = {"t": "hello", "role": "rank", "rank": 7, "pid": 1007, "node": "n9"}
+            frozen.sendall(
+                b"".join(encode(m) for m in (hello, {"t": "r", "c": 1, "m": rank_hello}))
+            )
+            _until(lambda: relay._down)
+            (mine,) = relay._down
+            (agent,) = relay._agents.values()
+            big = {"t": "r", "c": mine, "m": {"cmd": "noise", "pad": "x" * (1 << 20)}}
+            t0 = time.monotonic()
+            for _ in range(64):  # far past any socket buffer, were the relay to wait on it
+                relay._from_supervisor(big)
+                if agent.broken:
+                    break
+            assert agent.broken and time.monotonic() - t0 < 10
+            eofs: list = []
+            _until(
+                lambda: (
+                    eofs.extend(p.rank for p, m, _ in _drain(server) if m["t"] == "_eof") or eofs
+                )
+            )
+            assert eofs == [7] and not relay._down
+            frozen.close()
+    finally:
+        server.close()
+
+
+def test_the_supervisor_asks_each_link_once_and_notes_a_link_that_took_no_dump():
+    """Nodes behind one relay share a link: ONE ``dump`` goes to it with all their ranks (the relay
+    splits it), not one a node (each send waits up to the socket's timeout on a relay that does not
+    read). A link whose send fails is not waited for: its ranks are noted unreachable at once."""
+    from types import SimpleNamespace
+
+    from ptops.ops.supervisor.hangs import HangMixin
+
+    sent: list = []
+
+    class Server:
+        replies: queue.Queue = queue.Queue()
+
+        def send(self, peer, msg):
+            sent.append((peer.cid, msg))
+            return peer.cid != 2  # link 2 takes nothing
+
+    now = time.monotonic()
+    relay = SimpleNamespace(cid=1, last_rx=now)
+    stuck = SimpleNamespace(cid=2, last_rx=now)
+    h = SimpleNamespace(
+        server=Server(),
+        attempt=3,
+        cfg=SimpleNamespace(stack_timeout_s=5.0, hang=SimpleNamespace(ping_stale_s=5.0)),
+    )
+    entry = {"c": 1, "pid": 9, "ask": True}
+    by_node = {
+        (1, "n1"): (relay, {"0": entry, "1": entry}),
+        (1, "n2"): (relay, {"2": entry}),
+        (2, "n3"): (stuck, {"3": entry}),
+    }
+    HangMixin._ask_node_agents(h, by_node)
+    assert [(cid, sorted(m["ranks"])) for cid, m in sent] == [(1, ["0", "1", "2"]), (2, ["3"])]
+    assert sorted(h.node_stacks) == [3]
+    assert h.node_stacks[3]["node"] == "n3" and "took no dump" in h.node_stacks[3]["note"]
