@@ -68,6 +68,11 @@ Frames on that connection (one JSON object per line, as everywhere):
   for them after ``m[at - 1]``; ``lead_out``: the summary holds the leader's values too (the
   file then leaves its record out), ``names``: the keys those ranks differ in.
 
+Relays (``ops/node/relay.py``, at scale): ~64 agents connect to a relay exactly as to the supervisor
+(the same hello and token), and the relay to the supervisor as one agent whose ranks live on several
+hosts: the frames above both ways, under the relay's own numbers ``c``, its agents' ranks batched again
+as one node's (one leader and one summary a step for all of them).
+
 The agent checks that each rank line is a JSON object (a broken line is dropped, not its
 neighbours') and puts it into the frame without re-encoding it, so a batch costs the supervisor
 one JSON parse; only a step record that joins a group is re-encoded, by the agent.
