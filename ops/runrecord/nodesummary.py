@@ -74,6 +74,20 @@ def finite_number(v: Any) -> bool:
     return type(v) is int or (type(v) is float and math.isfinite(v))  # a bool is not an int here
 
 
+_NUMBERS = frozenset((int, float))  # exactly: a bool is not a number here
+
+
+def _all_finite(vals: list) -> bool:
+    """No NaN or inf among ints and floats: one sum (any NaN or inf makes it NaN or inf), each
+    value looked at only when it is not finite or an int too large for a float overflowed it."""
+    try:
+        if _finite(sum(vals)):
+            return True
+    except OverflowError:
+        pass
+    return all(type(v) is int or _finite(v) for v in vals)
+
+
 def spread(lead: dict[str, Any], ranks: list, diffs: dict) -> dict[str, Any]:
     """The summary entry over ``ranks``, for each key that differs in the group (``step_s``
     always), a rank's value its diff's or else its leader's."""
@@ -82,19 +96,14 @@ def spread(lead: dict[str, Any], ranks: list, diffs: dict) -> dict[str, Any]:
         names.add("step_s")
     keys = {}
     own = [diffs.get(r) for r in ranks]  # a rank's diff, or None: its leader's values
-    for k in sorted(names):
-        vals = []
+    for k in sorted(names):  # (keys x ranks a step on a relay: no Python call a value)
         lv = lead.get(k)
-        for r, d in zip(ranks, own):
-            v = lv if d is None else d.get(k, lv)
-            t = type(v)  # finite_number inlined (this loop runs keys x ranks a step on a relay)
-            if not (t is int or (t is float and _finite(v))):
-                break
-            vals.append((v, r))
-        else:
-            vals.sort()
-            lo, hi = vals[0], vals[-1]
-            keys[k] = [lo[0], lo[1], vals[(len(vals) - 1) // 2][0], hi[0], hi[1]]
+        vals = [lv if d is None else d.get(k, lv) for d in own]
+        if not _NUMBERS.issuperset(map(type, vals)) or not _all_finite(vals):
+            continue
+        pairs = sorted(zip(vals, ranks))
+        lo, hi = pairs[0], pairs[-1]
+        keys[k] = [lo[0], lo[1], pairs[(len(pairs) - 1) // 2][0], hi[0], hi[1]]
     return {"step": lead.get("step"), "ranks": ranks, "keys": keys}
 
 

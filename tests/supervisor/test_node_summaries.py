@@ -308,3 +308,27 @@ def test_node_summaries_is_a_checked_recipe_key():
     assert "supervisor.node_summaries" in str(e.value) and "metrics_rank_detail_every" in str(
         e.value
     )
+
+
+@pytest.mark.parametrize(
+    "values, kept",
+    [
+        ([1.5, 2.5, 0.5], [0.5, 3, 1.5, 2.5, 2]),
+        ([1e308, 1e308, 1.0], [1.0, 3, 1e308, 1e308, 2]),  # a sum that overflows: still finite
+        ([10**400, 1, 2], [1, 2, 2, 10**400, 1]),  # an int too large for a float: a number
+        ([1.0, math.nan, 2.0], None),  # NaN or inf: no spread for the key
+        ([1.0, -math.inf, 2.0], None),
+        ([1.0, True, 2.0], None),  # a bool is not a number here
+        ([1.0, "x", 2.0], None),
+    ],
+)
+def test_a_keys_spread_is_over_finite_numbers_only(values, kept):
+    """``spread`` (the summary entry's ``keys``): [min, its rank, low median, max, its rank] over
+    the ranks left out, only when every value is an int or a finite float (the checks run on a
+    whole key at once, with a per-value look when the sum is not finite)."""
+    from ptops.ops.runrecord.nodesummary import spread
+
+    lead = {"step": 3, "rank": 1, "v": values[0]}
+    diffs = {2: {"rank": 2, "v": values[1]}, 3: {"rank": 3, "v": values[2]}}
+    got = spread(lead, [1, 2, 3], diffs)["keys"]
+    assert got.get("v") == kept
