@@ -281,6 +281,14 @@ class SlurmSection(_Strict):
         description="a node agent kills its ranks when it hears nothing from the supervisor this "
         "long (a cut link)",
     )
+    relay_every: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="nodes a relay (ops/node/relay.py) serves: the first node of each group also "
+        "relays the group's agents to the supervisor, so its work grows with relays, not nodes "
+        "(docs/scale.md); 0: every agent straight to the supervisor. At thousands of nodes, 64",
+    )
     sbatch_args: list[str] = Field(
         default_factory=list, description='extra #SBATCH options, e.g. ["--mem=0"]'
     )

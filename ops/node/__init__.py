@@ -9,6 +9,7 @@ first node), relays their channel lines over ONE token-authenticated connection 
 or no keepalive) or when it dies (`PR_SET_PDEATHSIG`); and the health checks before each attempt
 (`health.py`: the table of `ops/supervisor/health.py` on this node, one report file); and the relay
 (`relay.py`: between ~64 agents and the supervisor, their ranks' lines batched again as one node's,
-so the supervisor's work grows with relays, not nodes; started by `bench/scale_load.py`, not yet by
-Slurm). May import (of ptops): ops.rank (wire format), ops.supervisor (`procs`, `stacks`, `health`).
+so the supervisor's work grows with relays, not nodes; hosted by the agent of each group's first
+node with `[slurm] relay_every`, started alone by `bench/scale_load.py`). May import (of ptops):
+ops.rank (wire format), ops.supervisor (`procs`, `stacks`, `health`).
 """

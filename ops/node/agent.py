@@ -31,7 +31,10 @@ SIGTERM reach the launcher instead of dying first (the ranks' graceful stop).
 
 Environment (set by the supervisor's Slurm attempt, ``ops/slurm/inside.py``): ``PTOPS_CHANNEL``,
 ``PTOPS_CHANNEL_TOKEN`` (upstream), ``PTOPS_NODE_NPROC``, ``PTOPS_NODE_MASTER``,
-``PTOPS_NODE_PORT``, ``PTOPS_NODE_NNODES``; node rank from ``SLURM_NODEID`` (one task per node).
+``PTOPS_NODE_PORT``, ``PTOPS_NODE_NNODES``; node rank from ``SLURM_NODEID`` (one task per node);
+``PTOPS_RELAYS`` with ``[slurm] relay_every``: the first node of each group also runs the group's
+relay (``ops/node/relay.py``, a thread of its agent, kept until the group's other agents are gone)
+and every agent of the group connects to it instead of the supervisor.
 Local (``ops/supervisor/attempt.py``): ``PTOPS_NODE_ARGV`` (JSON list), ``PTOPS_NODE_LOG``.
 """
 
@@ -62,12 +65,14 @@ from ptops.ops.rank.channel import (
     PING_PREFIX,
     RELAY,
     RELAY_GONE,
+    RELAYS_ENV,
     ROLE_NODE,
     SUMMARY_ENV,
     Batcher,
     ChannelClient,
     encode,
     new_token,
+    relay_group,
     summary_settings,
     take_lines,
 )
@@ -111,8 +116,22 @@ class Agent:
         self._listen.bind(("127.0.0.1", 0))
         self._listen.listen(256)
         self._listen.setblocking(False)
+        # ``[slurm] relay_every``: the group's first node relays it; its agents go through it and
+        # leave the summing-up to it (over all the group's ranks)
+        upstream, self.relay = env[ENV_ADDRESS], None
+        self.summary = summary_settings(env.get(SUMMARY_ENV))
+        group = relay_group(env.get(RELAYS_ENV), self.node_rank) if self.launcher is None else None
+        if group is not None:
+            head, port, hosts = group
+            if hosts:
+                from ptops.ops.node.relay import LISTEN_ENV, Relay
+
+                self.relay = Relay({**env, LISTEN_ENV: f"0.0.0.0:{port}"}, name=self.node)
+                threading.Thread(target=self.relay.loop, name="ptops-relay", daemon=True).start()
+                log(f"relaying the agents of {head}'s group on port {port}")
+            upstream, self.summary = f"{head}:{port}", (1, None)
         self.up = ChannelClient(
-            env[ENV_ADDRESS],
+            upstream,
             env[ENV_TOKEN],
             {
                 "role": ROLE_NODE,
@@ -273,7 +292,7 @@ class Agent:
         bufs: dict[int, bytearray] = {}
         authed: set[int] = set()
 
-        batch = Batcher(*summary_settings(self.env.get(SUMMARY_ENV)))
+        batch = Batcher(*self.summary)
 
         def flush() -> None:
             frame = batch.frame()
@@ -393,6 +412,8 @@ class Agent:
             time.sleep(0.3)  # the relay thread forwards the ranks' goodbyes first
         self.up.send({"t": "node_exit", "code": rc})
         self.up.close()
+        if self.relay is not None:  # the group's other agents still go through it
+            self.relay.serve_out()
         log(f"done ({self.why})")
         if self.launcher is not None:
             return rc  # the supervisor reads the launcher's own status (blame.root_cause)

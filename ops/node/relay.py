@@ -35,9 +35,9 @@ the relay, and behind it the supervisor. When the supervisor's link closes or st
 for ``PTOPS_NODE_UPSTREAM_TIMEOUT_S`` the relay closes its agents' connections, and each agent
 kills its ranks as it would had the supervisor gone (no orphans).
 
-Where relays run: ``bench/scale_load.py --relay-tier N`` starts one per N simulated nodes; the
-Slurm launch does not start relays yet (docs/scale.md says what it needs: a relay elected per
-group of nodes, its address in the group's ``PTOPS_CHANNEL``).
+Where relays run: with ``[slurm] relay_every = N`` the agent of the first node of every N hosts one
+(a thread; ``ops/node/agent.py``) and the group's agents connect to it; ``bench/scale_load.py
+--relay-tier N`` starts one process per N simulated nodes (``main`` below).
 
 Environment: ``PTOPS_CHANNEL``, ``PTOPS_CHANNEL_TOKEN`` (upstream), ``PTOPS_RELAY_LISTEN``
 (``HOST:PORT`` to listen on for agents, default ``127.0.0.1:0``), ``PTOPS_NODE_SUMMARY`` (the
@@ -162,6 +162,13 @@ class Relay:
         if not self.done.is_set():
             self.why = why
             self.done.set()
+
+    def serve_out(self) -> None:
+        """The hosting agent is done (``[slurm] relay_every``): relay on until the group's other
+        agents are gone (their ranks may still be saving) or the supervisor is, then stop."""
+        while self._agents and not self.done.wait(0.2):
+            pass
+        self.stop("its agents are gone")
 
     # ------------------------------------------------------------ upstream (reader thread)
     def _from_supervisor(self, msg: dict[str, Any]) -> None:

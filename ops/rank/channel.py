@@ -117,6 +117,22 @@ BATCH_S = 0.02  # the longest an agent holds a rank's line before its batch leav
 BATCH_BYTES = 256 * 1024  # a batch this large leaves at once
 SUMMARY_ENV = "PTOPS_NODE_SUMMARY"  # ``node_summaries``: {"every": K, "read": [keys] or null}
 SUMMED = object()  # ``unbatch``'s like for a summary: from the frame's ``s``, never a message
+RELAYS_ENV = "PTOPS_RELAYS"  # ``[slurm] relay_every``: {"every": N, "port": P, "nodes": [...]}
+
+
+def relay_group(raw: str | None, node_rank: int) -> tuple[str, int, bool] | None:
+    """(the group's relay host, its port, whether this node hosts it) under ``PTOPS_RELAYS``: the
+    first node of every ``every`` in ``nodes`` relays its group (``ops/node/relay.py``); None
+    (straight to the supervisor) when unset or not for this node."""
+    try:
+        cfg = json.loads(raw or "null")
+        every, port, nodes = int(cfg["every"]), int(cfg["port"]), cfg["nodes"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if every < 1 or not 0 <= node_rank < len(nodes) or not 0 < port < 65536:
+        return None
+    head = nodes[node_rank // every * every]
+    return (head, port, node_rank % every == 0) if isinstance(head, str) else None
 
 
 def summary_settings(raw: str | None) -> tuple[int, frozenset | None]:

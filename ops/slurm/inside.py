@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ptops.faultinject.spec import FaultSpecError
 from ptops.faultinject.spec import parse as parse_fault
-from ptops.ops.rank.channel import new_token
+from ptops.ops.rank.channel import RELAYS_ENV, new_token
 from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.runrecord.lock import LockedError, acquire
 from ptops.ops.runrecord.rundir import RunDir
@@ -110,6 +110,10 @@ class SlurmSupervisor(Supervisor):
                 "PTOPS_NODE_UPSTREAM_TIMEOUT_S": str(self.slurm.upstream_timeout_s),
             }
         )
+        if self.slurm.relay_every and n > 1:  # relays: the first node of each group (agent.py)
+            base.env[RELAYS_ENV] = json.dumps(
+                {"every": self.slurm.relay_every, "port": port + 1, "nodes": list(self.active)}
+            )
         argv = [
             "srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={','.join(self.active)}", f"--job-name=ptops-attempt-{attempt}",

@@ -193,7 +193,8 @@ def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(
 ):
     """Through sbatch on 2 nodes: rank 1 (node n2) SIGKILLs itself at step 12 -> a new srun step in
     the same allocation (no requeue), completed, digest equal to the local 2-rank run; status shows
-    the job."""
+    the job. Both agents go through a relay on n1 (``[slurm] relay_every = 2``; the other tests
+    here keep every agent straight to the supervisor): blame, restart and digest are the same."""
     run = tmp_path / "run"
     job = submit(
         slurm_cluster,
@@ -202,6 +203,8 @@ def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(
         "crash:rank=1,step=12",
         "--fault",
         "hold:step=12,until=committed,seconds=120",
+        "--set",
+        "slurm.relay_every=2",
     )
     wait_for(slurm_cluster, run, job, lambda evs: held(evs, 1), "both ranks running")
     st = status(run)
@@ -227,6 +230,10 @@ def test_crash_on_node_2_restarts_in_job_and_ends_digest_equal(
     assert not events(run, "node_replaced")
     assert digest(run) == reference_digest
     assert run_pids(run) == []
+    # each attempt's agents went through a relay on n1 (the agents' log: the attempt's srun output)
+    for attempt in (1, 2):
+        log = (run / "logs" / f"attempt-{attempt}" / "torchrun.log").read_text(errors="replace")
+        assert "[ptops.node n1] relaying the agents of n1's group" in log, log[-2000:]
 
 
 def test_hang_on_node_2_stacks_from_its_agent_then_agent_killed_restarts(

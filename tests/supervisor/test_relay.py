@@ -364,3 +364,25 @@ def test_the_supervisor_asks_each_link_once_and_notes_a_link_that_took_no_dump()
     assert [(cid, sorted(m["ranks"])) for cid, m in sent] == [(1, ["0", "1", "2"]), (2, ["3"])]
     assert sorted(h.node_stacks) == [3]
     assert h.node_stacks[3]["node"] == "n3" and "took no dump" in h.node_stacks[3]["note"]
+
+
+@pytest.mark.parametrize(
+    "raw, node_rank, want",
+    [
+        ({"every": 2, "port": 9, "nodes": ["a", "b", "c"]}, 0, ("a", 9, True)),
+        ({"every": 2, "port": 9, "nodes": ["a", "b", "c"]}, 1, ("a", 9, False)),
+        ({"every": 2, "port": 9, "nodes": ["a", "b", "c"]}, 2, ("c", 9, True)),  # a group of one
+        ({"every": 2, "port": 9, "nodes": ["a", "b", "c"]}, 3, None),  # not a node of the job
+        ({"every": 0, "port": 9, "nodes": ["a"]}, 0, None),
+        ({"every": 2, "port": 70000, "nodes": ["a"]}, 0, None),
+        ({"every": 2, "port": 9, "nodes": [1, 2]}, 1, None),
+        ({"every": 2}, 0, None),
+        (None, 0, None),
+    ],
+)
+def test_each_node_finds_its_groups_relay(raw, node_rank, want):
+    """``[slurm] relay_every``: the first node of every group relays it; anything malformed
+    leaves the agent straight to the supervisor (the path that always works)."""
+    from ptops.ops.rank.channel import relay_group
+
+    assert relay_group(json.dumps(raw) if raw is not None else None, node_rank) == want
