@@ -95,6 +95,7 @@ class _Node:
         self.ranks = ranks  # global rank of local connection c = i + 1
         self.writer: asyncio.StreamWriter | None = None
         self.reader: asyncio.StreamReader | None = None
+        self.stepped: set[int] = set()  # local c with a beat or record sent since the last a
 
 
 def _metrics_msg(
@@ -167,7 +168,13 @@ def _placed(frame: bytes, ranks: list[int]) -> bytes:
 
 
 async def _generate(args: argparse.Namespace, part: int) -> None:
-    from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN, KEEPALIVE_S, split_address
+    from ptops.ops.rank.channel import (
+        ENV_ADDRESS,
+        ENV_TOKEN,
+        KEEPALIVE_S,
+        STEP_PREFIXES,
+        split_address,
+    )
 
     relays = [split_address(a) for a in args.relay_addrs.split(",") if a]
     host, port = split_address(os.environ[ENV_ADDRESS])
@@ -363,6 +370,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
             t_lines = lines_of(_stand_ins(args.per_node))
             t_frames = _frames(args.relay, t_lines)
             t_metrics = sum(1 for x in t_lines if len(x) > 2)
+            t_stepped = {x[0] for x in t_lines if x[1].startswith(STEP_PREFIXES)}
         for node in nodes:
             if node.index in frozen:
                 continue
@@ -370,16 +378,20 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 parts = [_placed(f, node.ranks) for f in t_frames]
                 counters["sent_msgs"] += len(t_lines)
                 counters["sent_metrics"] += t_metrics
+                node.stepped |= t_stepped
             else:
                 lines = lines_of(node.ranks)
                 counters["sent_msgs"] += len(lines)
                 counters["sent_metrics"] += sum(1 for x in lines if len(x) > 2)
                 parts = _frames(args.relay, lines)
+                node.stepped.update(x[0] for x in lines if x[1].startswith(STEP_PREFIXES))
             if ping and args.liveness == "node":  # the agent's one frame for the node's pings
+                # (as its ``alive_frame``: not the ranks whose beat or record went up since)
                 heard = [
                     c for c, rank in enumerate(node.ranks, 1)
-                    if not (rank == args.victim and victim_silent)
+                    if not (rank == args.victim and victim_silent) and c not in node.stepped
                 ]  # fmt: skip
+                node.stepped.clear()
                 if heard:
                     parts.append(
                         b'{"t":"a","c":[%s],"ms":[%s]}\n'
@@ -899,8 +911,9 @@ def main() -> None:
             choices=choices,
             default="node",
             help="node: each node agent keeps its ranks' pings and sends one liveness frame a "
-            "second (ops/node/agent.py since issue 24); rank: every rank's ping relayed (the "
-            "design before); both: each size twice, side by side",
+            "second naming the ranks whose beat or record did not go up since the last "
+            "(ops/node/agent.py since issue 24); rank: every rank's ping relayed (the design "
+            "before); both: each size twice, side by side",
         )
     ap.add_argument(
         "--certify",

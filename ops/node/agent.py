@@ -67,6 +67,7 @@ from ptops.ops.rank.channel import (
     RELAY_GONE,
     RELAYS_ENV,
     ROLE_NODE,
+    STEP_PREFIXES,
     SUMMARY_ENV,
     Batcher,
     ChannelClient,
@@ -108,6 +109,7 @@ class Agent:
         self._conns: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self._heard: dict[int, float] = {}  # cid -> its last line (monotonic), since the last a
+        self._stepped: set[int] = set()  # cids with a beat or record relayed since the last a
         self._dumping: set[int] = set()  # connections asked for their stacks (``_dump``)
         self._dumps: dict[int, dict] = {}  # ... and their answers
         self._next = 0
@@ -345,7 +347,9 @@ class Agent:
                         if self._dumping and raw.startswith(STACKS_PREFIX):
                             if self._dumped(cid, raw):  # for the node's one reply
                                 continue
-                        batch.add(cid, raw, time.monotonic())
+                        if batch.add(cid, raw, time.monotonic()) and raw.startswith(STEP_PREFIXES):
+                            with self._lock:
+                                self._stepped.add(cid)
                         continue
                     try:
                         hello = json.loads(raw)
@@ -369,11 +373,15 @@ class Agent:
 
     def alive_frame(self) -> dict[str, Any] | None:
         """The node's liveness since the previous frame: the rank connections that sent a line,
-        and that line's age in ms (None when none did)."""
+        and that line's age in ms (None when none did), but those whose beat or step record went
+        up since (the supervisor counted it as a sign of life: at 1 s steps the frame is empty)."""
         now = time.monotonic()
         with self._lock:
             heard, self._heard = self._heard, {}
-            live = [(c, t) for c, t in sorted(heard.items()) if c in self._conns]
+            stepped, self._stepped = self._stepped, set()
+            live = [
+                (c, t) for c, t in sorted(heard.items()) if c in self._conns and c not in stepped
+            ]
         if not live:
             return None
         ages = [round((now - t) * 1e3) for _, t in live]

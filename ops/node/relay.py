@@ -69,6 +69,7 @@ from ptops.ops.rank.channel import (
     RELAY,
     RELAY_GONE,
     ROLE_NODE,
+    STEP_KINDS,
     SUMMARY_ENV,
     Batcher,
     ChannelClient,
@@ -130,6 +131,7 @@ class Relay:
         self._agents: dict[int, _Agent] = {}  # fd -> agent
         self._down: dict[int, tuple[_Agent, int]] = {}  # the relay's number -> (agent, its)
         self._heard: dict[int, float] = {}  # the relay's number -> seen at (monotonic)
+        self._stepped: set[int] = set()  # numbers with a beat or record sent since the last a
         self._next = 0
         host, port = split_address(env.get(LISTEN_ENV) or "127.0.0.1:0")
         self._listen = socket.socket()
@@ -303,12 +305,14 @@ class Relay:
             return
         pairs = unbatch(frame)
         size = len(raw) // max(1, len(pairs))  # a line's share of the frame: the batch's bytes
-        add, heard = self.batch.add, self._heard
+        add, heard, stepped = self.batch.add, self._heard, self._stepped
         for cid, m in pairs:
             mine = agent.cids.get(cid) if type(cid) is int else None
             if mine is not None:
                 heard[mine] = now
                 add(mine, None, now, m, size)  # encoded by the batch, only if it leaves whole
+                if m.get("t") in STEP_KINDS:
+                    stepped.add(mine)
 
     def loop(self) -> None:
         sel = selectors.DefaultSelector()
@@ -367,8 +371,11 @@ class Relay:
         self.up.close()
 
     def _alive(self, now: float) -> None:
+        """One ``a`` frame for all its ranks heard since the last, but those whose beat or record
+        it sent since (each was a sign of life to the supervisor): the agent's own rule."""
         heard, self._heard = self._heard, {}
-        live = sorted((c, at) for c, at in heard.items() if c in self._down)
+        stepped, self._stepped = self._stepped, set()
+        live = sorted((c, at) for c, at in heard.items() if c in self._down and c not in stepped)
         if live:
             ages = ",".join(str(max(0, round((now - at) * 1e3))) for _, at in live)
             cids = ",".join(str(c) for c, _ in live)

@@ -76,14 +76,24 @@ def test_pings_stay_on_the_node_and_one_frame_names_the_ranks_heard(relay):
     while len(agent._heard) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.2)  # the lines are ~0.2 s old when the frame leaves
+    # rank 4's beat went up (a sign of life to the supervisor): only rank 5, heard by its ping
     frame = agent.alive_frame()
-    assert frame is not None and len(frame["c"]) == 2 and all(150 <= a < 5000 for a in frame["ms"])
+    assert frame is not None and len(frame["c"]) == 1 and all(150 <= a < 5000 for a in frame["ms"])
     assert agent.alive_frame() is None  # nothing heard since
     agent.up.send(frame)
     node, alive, recv = _next(server, "_alive")
     assert node.role == "node"
     seen = {vp.rank: at for vp, at in alive["seen"]}
-    assert set(seen) == {4, 5} and all(recv - 5 < at <= recv - 0.15 for at in seen.values())
+    assert set(seen) == {5} and all(recv - 5 < at <= recv - 0.15 for at in seen.values())
+    # the next interval: rank 4 only pings (stuck in a collective): listed again
+    ranks[0].send({"t": "ping", "step": 1, "phase": "step"})
+    deadline = time.monotonic() + 5
+    while not agent._heard and time.monotonic() < deadline:
+        time.sleep(0.05)
+    frame = agent.alive_frame()
+    assert frame is not None and len(frame["c"]) == 1
+    agent.up.send(frame)
+    assert {vp.rank for vp, _ in _next(server, "_alive")[1]["seen"]} == {4}
     # no ping ever reached the supervisor's inbox
     rest = []
     while not server.inbox.empty():

@@ -188,7 +188,8 @@ def test_routine_ranks_of_all_its_nodes_become_one_summary():
         server.close()
 
 
-def test_commands_goodbyes_and_liveness_find_their_rank_through_two_numberings():
+def test_commands_goodbyes_and_liveness_find_their_rank_through_two_numberings(monkeypatch):
+    monkeypatch.setattr(relay_mod, "ALIVE_S", 3600.0)  # its ``a`` frame when the test says
     server = ChannelServer()
     try:
         with _relay(server) as relay, _nodes(relay, server, {"n1": [0, 1], "n2": [2, 3]}) as cs:
@@ -198,12 +199,18 @@ def test_commands_goodbyes_and_liveness_find_their_rank_through_two_numberings()
             _until(lambda: cs.got[2])
             assert cs.got[2] == [{"cmd": "stop", "why": "test"}]
             assert not cs.got[0] and not cs.got[1] and not cs.got[3]
-            # liveness: a ping stays in the agent, the relay names the rank in its ``a`` frame
+            # liveness: a ping stays in the agent, the relay names the rank in its ``a`` frame;
+            # rank 2, whose beat went up meanwhile (a sign of life itself), it does not name
             _drain(server)
             cs[3].send({"t": "ping", "step": 1})
+            cs[2].send({"t": "ping", "step": 1})
             agent = cs.agents["n2"]
-            _until(lambda: agent._heard)
+            _until(lambda: len(agent._heard) == 2)
             agent.up.send(agent.alive_frame())  # what its ``run`` sends every second
+            cs[2].send({"t": "beat", "step": 1, "phase": "step", "stage": "begin"})
+            two = next(sub for sub, vp in link.subs.items() if vp.rank == 2)
+            _until(lambda: two in relay._stepped and len(relay._heard) == 2)
+            relay._alive(time.monotonic())  # what its loop does every ALIVE_S
             seen: list = []
             _until(
                 lambda: (
@@ -216,6 +223,7 @@ def test_commands_goodbyes_and_liveness_find_their_rank_through_two_numberings()
                     or 3 in seen
                 )
             )
+            assert seen == [3]
             # a rank's connection closing is its ``_eof``, and only its
             cs[1].close()
             eofs: list = []
