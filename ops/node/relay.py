@@ -194,8 +194,10 @@ class Relay:
         """The supervisor's ``dump`` for ranks behind this relay, split by agent, each under its
         own numbers; an agent silent for ``STALE_S`` answered for here at once."""
         by_agent: dict[int, tuple[_Agent, dict]] = {}
-        for r, v in (msg.get("ranks") or {}).items():
-            to = self._down.get(v.get("c")) if isinstance(v, dict) else None
+        ranks = msg.get("ranks")
+        for r, v in ranks.items() if isinstance(ranks, dict) else ():
+            c = v.get("c") if isinstance(v, dict) else None
+            to = self._down.get(c) if type(c) is int else None  # (a list would not hash)
             if to is not None:
                 by_agent.setdefault(id(to[0]), (to[0], {}))[1][r] = {**v, "c": to[1]}
         now = time.monotonic()

@@ -261,6 +261,7 @@ def test_a_dump_reaches_each_agent_under_its_numbers_and_a_silent_one_is_answere
                 str(vp.rank): {"c": vp.sub, "pid": 1000 + vp.rank, "ask": True}
                 for vp in link.subs.values()
             }
+            ranks["99"] = {"c": [1], "pid": 1, "ask": True}  # malformed: skipped, not fatal
             server.send(link, {"cmd": "dump", "id": 3, "timeout_s": 0.2, "ranks": ranks})
             replies = {}
             deadline = time.monotonic() + 30
