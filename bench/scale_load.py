@@ -475,16 +475,7 @@ def _relays_cpu(d: Path) -> tuple[int, float]:
         pids = json.loads((d / "relays.json").read_text())
     except (OSError, ValueError):
         return 0, 0.0
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{int(pid)}/stat", "rb") as f:
-                s = f.read()
-            fields = s[s.rindex(b")") + 2 :].split()
-            total += (int(fields[11]) + int(fields[12])) / CLK
-        except (OSError, ValueError, IndexError):
-            continue
-    return len(pids), total
+    return len(pids), sum(_stat_cpu(f"/proc/{int(pid)}/stat") for pid in pids)
 
 
 def generate_main(args: argparse.Namespace) -> None:
@@ -514,16 +505,19 @@ def generate_main(args: argparse.Namespace) -> None:
 # ================================================================ the real supervisor, measured
 
 
-def _thread_cpu(tid: int | None) -> float:
-    if tid is None:
-        return 0.0
+def _stat_cpu(path: str) -> float:
+    """utime + stime in seconds of a /proc ``stat`` file (0.0 when it is gone)."""
     try:
-        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             s = f.read()
         fields = s[s.rindex(b")") + 2 :].split()
         return (int(fields[11]) + int(fields[12])) / CLK
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def _thread_cpu(tid: int | None) -> float:
+    return 0.0 if tid is None else _stat_cpu(f"/proc/self/task/{tid}/stat")
 
 
 def _proc_cpu() -> float:

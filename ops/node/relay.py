@@ -73,6 +73,7 @@ from ptops.ops.rank.channel import (
     SUMMARY_ENV,
     Batcher,
     ChannelClient,
+    alive_entries,
     encode,
     split_address,
     summary_settings,
@@ -259,14 +260,11 @@ class Relay:
         if t == BATCH:
             self._batched(agent, msg, raw, now)
         elif t == ALIVE:
-            cids, ages = msg.get("c"), msg.get("ms")
-            if isinstance(cids, list) and isinstance(ages, list) and len(cids) == len(ages):
-                for cid, age in zip(cids, ages):
-                    mine = agent.cids.get(cid) if type(cid) is int else None
-                    if mine is not None and isinstance(age, (int, float)) and 0 <= age < 3.6e6:
-                        at = now - age / 1000.0
-                        if at > self._heard.get(mine, 0.0):
-                            self._heard[mine] = at
+            for cid, age in alive_entries(msg):
+                mine = agent.cids.get(cid) if type(cid) is int else None
+                at = now - age / 1000.0
+                if mine is not None and at > self._heard.get(mine, 0.0):
+                    self._heard[mine] = at
         elif t == RELAY:
             cid, m = msg.get("c"), msg.get("m")
             if type(cid) is not int or not isinstance(m, dict):
@@ -379,9 +377,8 @@ class Relay:
         stepped, self._stepped = self._stepped, set()
         live = sorted((c, at) for c, at in heard.items() if c in self._down and c not in stepped)
         if live:
-            ages = ",".join(str(max(0, round((now - at) * 1e3))) for _, at in live)
-            cids = ",".join(str(c) for c, _ in live)
-            self.up.send_raw(b'{"t":"a","c":[%s],"ms":[%s]}\n' % (cids.encode(), ages.encode()))
+            ages = [max(0, round((now - at) * 1e3)) for _, at in live]
+            self.up.send({"t": ALIVE, "c": [c for c, _ in live], "ms": ages})
 
 
 def main() -> None:

@@ -113,6 +113,19 @@ STEP_PREFIXES = (b'{"t":"beat"', b'{"t":"metrics"')
 STEP_KINDS = frozenset(("beat", "metrics"))
 
 
+def alive_entries(frame: dict[str, Any]) -> list[tuple[Any, float]]:
+    """An ``a`` frame's (connection, age in ms) pairs with a well-formed age (a number, under an
+    hour); none when its lists do not pair up. The caller looks each connection up."""
+    subs, ages = frame.get("c"), frame.get("ms")
+    if not isinstance(subs, list) or not isinstance(ages, list) or len(subs) != len(ages):
+        return []
+    return [
+        (sub, age)
+        for sub, age in zip(subs, ages)
+        if isinstance(age, (int, float)) and 0 <= age < 3.6e6
+    ]
+
+
 def relay_frame(cid: int, raw: bytes) -> bytes:
     """One relayed rank line (``raw``: a JSON object without its newline), as sent upstream."""
     return b'{"t":"r","c":%d,"m":%s}\n' % (cid, raw)
@@ -152,6 +165,9 @@ def summary_settings(raw: str | None) -> tuple[int, frozenset | None]:
     if not isinstance(read, list) or not all(isinstance(k, str) for k in read):
         return 1, None
     return max(1, every), frozenset(read)
+
+
+_COMPACT = {"separators": (",", ":")}  # a line as ``encode`` writes it, without its newline
 
 
 class Batcher:
@@ -195,7 +211,7 @@ class Batcher:
             and type(msg["rec"].get("step")) is int
         ):
             if raw is None:
-                raw = json.dumps(msg, separators=(",", ":")).encode()
+                raw = json.dumps(msg, **_COMPACT).encode()
             msg = None  # relayed as it is
         self.items.append((cid, raw, msg))
         self.size += len(raw) if raw is not None else size
@@ -271,9 +287,6 @@ class Batcher:
             b",".join(lines),
             tail,
         )
-
-
-_COMPACT = {"separators": (",", ":")}
 
 
 def _diff(rec: dict[str, Any], lead: dict[str, Any]) -> dict[str, Any]:

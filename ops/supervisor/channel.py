@@ -31,6 +31,7 @@ from ptops.ops.rank.channel import (
     ROLE_CONTROL,
     ROLE_NODE,
     SUMMED,
+    alive_entries,
     encode,
     new_token,
     take_lines,
@@ -355,15 +356,11 @@ class ChannelServer:
         """A node's liveness summary: ONE inbox entry for all its ranks, ``(rank peer, seen at)``
         pairs (the agent's ages off this receive time). Malformed entries are dropped, never the
         frame's neighbours."""
-        subs, ages = frame.get("c"), frame.get("ms")
-        if not isinstance(subs, list) or not isinstance(ages, list) or len(subs) != len(ages):
-            return
         seen = []
-        for sub, age in zip(subs, ages):
+        for sub, age in alive_entries(frame):
             vp = node.subs.get(sub) if isinstance(sub, int) else None
-            if vp is None or not isinstance(age, (int, float)) or not 0 <= age < 3.6e6:
-                continue
-            seen.append((vp, now - age / 1000.0))
+            if vp is not None:
+                seen.append((vp, now - age / 1000.0))
         if seen:
             self._put((node, {"t": "_alive", "seen": seen}, now))
 

@@ -128,8 +128,13 @@ class HangMixin:
             silent = now - peer.last_rx
             why = f"node unreachable (silent {silent:.0f} s)"
             if silent <= self.cfg.hang.ping_stale_s:
-                msg = {"cmd": "dump", "id": self.attempt, "ranks": ranks}
-                if self.server.send(peer, {**msg, "timeout_s": self.cfg.stack_timeout_s}):
+                msg = {
+                    "cmd": "dump",
+                    "id": self.attempt,
+                    "ranks": ranks,
+                    "timeout_s": self.cfg.stack_timeout_s,
+                }
+                if self.server.send(peer, msg):
                     continue
                 why = "node unreachable (its link took no dump)"
             for r in ranks:
