@@ -23,6 +23,7 @@ from test_node_agent import _rank_messages, _record, _same
 
 from ptops.ops.node import relay as relay_mod
 from ptops.ops.node.agent import relay_in_thread
+from ptops.ops.rank import channel as channel_mod
 from ptops.ops.rank.channel import (
     ENV_ADDRESS,
     ENV_TOKEN,
@@ -127,9 +128,17 @@ def test_ranks_of_many_nodes_reach_the_supervisor_through_one_relay_exactly():
         server.close()
 
 
-def test_a_steps_records_of_two_nodes_cross_as_one_group():
+def _one_window(monkeypatch) -> None:
+    """Agents and relay hold their batches 2 s (not 20 ms) and the relay's ``a`` frame waits: a
+    step's lines of both nodes meet in ONE relay batch however slow the machine is that second."""
+    monkeypatch.setattr(channel_mod, "BATCH_S", 2.0)
+    monkeypatch.setattr(relay_mod, "ALIVE_S", 3600.0)
+
+
+def test_a_steps_records_of_two_nodes_cross_as_one_group(monkeypatch):
     """The point of the relay: one leader for the step over all its nodes, the other nodes'
     records certified as its differences (the supervisor's ``like``), not a leader a node."""
+    _one_window(monkeypatch)
     server = ChannelServer()
     try:
         with _relay(server) as relay, _nodes(relay, server, {"n1": [0, 1], "n2": [2, 3]}) as cs:
@@ -159,10 +168,11 @@ def _batched(server: ChannelServer) -> list:
     return out
 
 
-def test_routine_ranks_of_all_its_nodes_become_one_summary():
+def test_routine_ranks_of_all_its_nodes_become_one_summary(monkeypatch):
     """``PTOPS_NODE_SUMMARY`` on the relay: the routine ranks of both nodes (between samples, not
     rank 0, differing only in keys no shared monitor reads) leave as ONE summary entry, the rule
     of ``ops/runrecord/nodesummary.py`` over the relay's ranks."""
+    _one_window(monkeypatch)
     server = ChannelServer()
     cfg = json.dumps({"every": 10, "read": ["loss"]})
     try:
@@ -240,7 +250,7 @@ def test_commands_goodbyes_and_liveness_find_their_rank_through_two_numberings(m
 def test_a_dump_reaches_each_agent_under_its_numbers_and_a_silent_one_is_answered_for(
     monkeypatch,
 ):
-    monkeypatch.setattr(relay_mod, "STALE_S", 0.5)
+    monkeypatch.setattr(relay_mod, "STALE_S", 1.0)
     server = ChannelServer()
     try:
         with _relay(server) as relay, _nodes(relay, server, {"n1": [0, 1]}) as cs:
@@ -254,9 +264,12 @@ def test_a_dump_reaches_each_agent_under_its_numbers_and_a_silent_one_is_answere
             )
             (link,) = server.nodes()
             _until(lambda: len(link.subs) == 3)
-            time.sleep(0.7)  # past STALE_S for the frozen one
-            cs.agents["n1"].up.send({"t": "ka"})  # the live agent's keepalive (its ``run``'s)
-            time.sleep(0.1)
+            time.sleep(1.3)  # past STALE_S for the frozen one
+            # the live agent's keepalive (its ``run``'s), seen by the relay before the dump
+            (live,) = [a for a in relay._agents.values() if a.hello and a.hello["node"] != "n9"]
+            t_ka = time.monotonic()
+            cs.agents["n1"].up.send({"t": "ka"})
+            _until(lambda: live.last_rx >= t_ka)
             ranks = {
                 str(vp.rank): {"c": vp.sub, "pid": 1000 + vp.rank, "ask": True}
                 for vp in link.subs.values()
