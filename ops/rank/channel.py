@@ -60,7 +60,11 @@ Frames on that connection (one JSON object per line, as everywhere):
   differences from its step's first record in the frame: ``{"t": "metrics", "rec": {changed keys},
   "_k": j}`` is ``rec = {**k[j], **changed}`` (same keys, same order; ``unbatch``). One frame a
   node every few ms replaces a frame a line (the start-up burst: ~50 lines a node), and the
-  records' common values cross once (issue 24). Hellos, ``g`` and the agent's own frames stay
+  records' common values cross once (issue 24). The beats that begin one step (``{"t": "beat",
+  "step": N, "phase": "step", "stage": "begin", "ts": T}``, no other key) of several ranks, each with
+  nothing sent since the first's place, cross as the first's line with ``"_b": [c, ...]``: the same
+  beat from those connections too (their own ``ts``, the rank's clock, is not carried: the
+  supervisor stamps a beat on arrival). A rank's line holding ``_k`` or ``_b`` is dropped. Hellos, ``g`` and the agent's own frames stay
   single and leave after the batch before them.
   With ``[supervisor] node_summaries`` (``PTOPS_NODE_SUMMARY``: ``{"every": K, "read": [keys]}``)
   the frame may end in ``"s": [[at, j, [c, ...], {summary}, lead_out, [names]], ...]``: the
@@ -197,23 +201,23 @@ class Batcher:
         """Queue one rank line; False (dropped) when it is no JSON object: it goes into the frame
         as it is, and a broken line must not break its neighbours' frame. ``parsed``: the line's
         object, from a caller that made the line from it (a load generator, a relay), never from
-        a rank; with it ``raw`` may be None for a step record (encoded only if it leaves whole:
-        in a group it leaves as its differences), ``size`` then its bytes' estimate."""
+        a rank; with it ``raw`` may be None for a step record or a begin beat (encoded only if it
+        leaves alone: in a group it leaves as its differences, or folded), ``size`` then its
+        bytes' estimate."""
         try:
             msg = json.loads(raw) if parsed is None else parsed
         except (ValueError, TypeError):
             return False
-        if not isinstance(msg, dict) or "_k" in msg:  # ("_k": the frame's own reference)
+        if not isinstance(msg, dict) or "_k" in msg or "_b" in msg:  # (the frame's own keys)
             return False
-        if not (
-            msg.get("t") == "metrics"
-            and isinstance(msg.get("rec"), dict)
-            and type(msg["rec"].get("step")) is int
-        ):
-            if raw is None:
-                raw = json.dumps(msg, **_COMPACT).encode()
-            msg = None  # relayed as it is
-        self.items.append((cid, raw, msg))
+        if msg.get("t") == "metrics":
+            rec = msg.get("rec")
+            kind = REC if isinstance(rec, dict) and type(rec.get("step")) is int else LINE
+        else:
+            kind = BEGIN if msg.keys() <= _BEGIN_KEYS and begins(msg) else LINE
+        if kind == LINE and raw is None:  # (records and begin beats: encoded if they leave alone)
+            raw = json.dumps(msg, **_COMPACT).encode()
+        self.items.append((cid, raw, msg if kind else None, kind))
         self.size += len(raw) if raw is not None else size
         if self.since is None:
             self.since = now
@@ -231,20 +235,24 @@ class Batcher:
         if not self.items:
             return None
         items, self.items, self.size, self.since = self.items, [], 0, None
-        # entries in order: [cid, line] or a step group [cid, line, record, members]
+        # entries in order: [cid, line] or a group [cid, line, message, members, place, kind]
         out: list[list] = []
-        groups: dict[int, list] = {}  # step -> its open group
+        groups: dict[tuple[int, int], list] = {}  # (kind, step) -> its open group
         last: dict[int, int] = {}  # cid -> the place of its last line in ``out``
-        for cid, raw, msg in items:
-            if msg is not None:
-                g = groups.get(msg["rec"]["step"])
-                lead = g[2]["rec"] if g is not None else None
-                if g is not None and last.get(cid, -1) < g[4] and list(msg["rec"]) == list(lead):
+        for cid, raw, msg, kind in items:
+            if kind:
+                step = msg["rec"]["step"] if kind == REC else msg["step"]
+                g = groups.get((kind, step))
+                if (
+                    g is not None
+                    and last.get(cid, -1) < g[4]
+                    and (kind == BEGIN or list(msg["rec"]) == list(g[2]["rec"]))
+                ):
                     g[3].append((cid, msg))
                     last[cid] = g[4]
                     continue
-                g = [cid, raw, msg, [], len(out)]
-                groups[msg["rec"]["step"]] = g
+                g = [cid, raw, msg, [], len(out), kind]
+                groups[(kind, step)] = g
                 out.append(g)
             else:
                 out.append([cid, raw])
@@ -257,6 +265,10 @@ class Batcher:
             if len(e) == 2 or not e[3]:
                 cids.append(e[0])
                 lines.append(e[1] if e[1] is not None else json.dumps(e[2], **_COMPACT).encode())
+                continue
+            if e[5] == BEGIN:  # the step's begin beats of these ranks as one line
+                cids.append(e[0])
+                lines.append(json.dumps({**e[2], "_b": [c for c, _ in e[3]]}, **_COMPACT).encode())
                 continue
             lead = e[2]["rec"]
             j = len(leaders)
@@ -287,6 +299,20 @@ class Batcher:
             b",".join(lines),
             tail,
         )
+
+
+LINE, REC, BEGIN = 0, 1, 2  # a batched line: as it is, a step record, a beat that begins a step
+_BEGIN_KEYS = frozenset(("t", "step", "phase", "stage", "ts"))  # a begin beat that may be folded
+
+
+def begins(m: dict[str, Any]) -> bool:
+    """A ``step`` beat that begins step ``m["step"]`` (an int)."""
+    return (
+        m.get("t") == "beat"
+        and m.get("phase", "step") == "step"
+        and m.get("stage") == "begin"
+        and type(m.get("step")) is int
+    )
 
 
 def _diff(rec: dict[str, Any], lead: dict[str, Any]) -> dict[str, Any]:
@@ -332,12 +358,24 @@ def unbatch(
         return []
     out = []
     seen: set[int] = set()  # leaders whose own record went out whole
-    place: list = []  # m's index -> its pair's place in ``out`` (None: dropped)
+    place: list = []  # m's index -> its (first) pair's place in ``out`` (None: dropped)
+    kept = []  # kept[i]: pairs made of the first i messages
     for cid, msg in zip(cids, msgs):
+        kept.append(len(out))
         place.append(None)
         if not isinstance(msg, dict):
             continue
         like = None
+        if "_b" in msg:  # a step's begin beats: one pair a rank, all of them this one message
+            also = msg.pop("_b")
+            if not isinstance(also, list) or not begins(msg) or msg.keys() - _BEGIN_KEYS:
+                continue
+            place[-1] = len(out)
+            for c in [cid, *also]:
+                out.append((c, msg))
+            if likes is not None:
+                likes.extend([None] * (1 + len(also)))
+            continue
         if "_k" in msg:
             j, rec = msg.pop("_k"), msg.get("rec")
             if (
@@ -358,18 +396,16 @@ def unbatch(
         out.append((cid, msg))
         if likes is not None:
             likes.append(like)
+    kept.append(len(out))
     if sums is not None and frame.get("s"):
-        _summaries(frame["s"], out, place, sums)
+        _summaries(frame["s"], out, place, kept, sums)
     return out
 
 
-def _summaries(raw: Any, out: list, place: list, sums: list) -> None:
+def _summaries(raw: Any, out: list, place: list, kept: list, sums: list) -> None:
     """``unbatch``'s summaries, each checked (an agent is trusted, its frame is still parsed)."""
     if not isinstance(raw, list):
         return
-    kept = [0]  # kept[i]: pairs kept among the first i messages
-    for p in place:
-        kept.append(kept[-1] + (p is not None))
     for s in raw:
         if not (isinstance(s, list) and len(s) == 6):
             continue

@@ -23,7 +23,7 @@ from typing import Any
 
 from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
 from ptops.faultinject.spec import parse_live as parse_fault
-from ptops.ops.rank.channel import SUMMED
+from ptops.ops.rank.channel import SUMMED, begins
 from ptops.ops.runrecord.events import RANK_KINDS, EventKind, RunState
 from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
 from ptops.ops.supervisor.channel import Peer
@@ -540,13 +540,14 @@ def _group_end(items: Any, i: int, attempt: int) -> int:
                 break
             j += 1
         return j
-    if not _begins(m):
+    if not begins(m):
         return i + 1
-    step = m["step"]
+    step, first = m["step"], m
     j = i + 1
     while j < len(items):
         vp, m, _ = items[j]
-        if m.get("t") != "beat" or not _begins(m) or m["step"] != step:
+        # (a folded line's ranks share its one message: ``unbatch``)
+        if m is not first and (not begins(m) or m["step"] != step):
             break
         if not _current_rank(vp, attempt):
             break
@@ -554,21 +555,8 @@ def _group_end(items: Any, i: int, attempt: int) -> int:
     return j
 
 
-def _begins(m: dict[str, Any]) -> bool:
-    """A ``step`` beat that begins step ``m["step"]`` (an int)."""
-    return (
-        m.get("phase", "step") == "step"
-        and m.get("stage") == "begin"
-        and type(m.get("step")) is int
-    )
-
-
 def _current_rank(vp: Any, attempt: int) -> bool:
-    """What ``handle`` takes as this attempt's rank (``Peer.role`` and ``Peer.rank`` read off its
-    hello, as they do: a call a message here was a tenth of the grouping's cost)."""
-    h = vp.hello
-    return (
-        h.get("role", "rank") not in ("control", "node")
-        and h.get("rank") is not None
-        and int(h.get("attempt", -1)) == attempt
-    )
+    """What ``handle`` takes as this attempt's rank: a rank's hello (``Peer.key``, read once) of
+    this attempt."""
+    k = vp.key
+    return k is not None and k[1] == attempt

@@ -235,6 +235,48 @@ def test_a_record_after_its_ranks_later_line_starts_a_new_group():
     assert [m["rec"]["rank"] for _, m in out if m["t"] == "metrics"] == [0, 1]
 
 
+def test_the_beats_that_begin_a_step_cross_as_one_line():
+    """A step's begin beats of several ranks are one line (``_b``: the same beat from these
+    connections too), each rank given its beat back; a beat with another key, or of a rank that
+    sent a line since the group's place, goes alone; a rank's own ``_b`` is refused (it would
+    speak for other ranks); a summary after a folded line still stands after the right pairs."""
+    beat = lambda step, ts, **kw: {  # noqa: E731
+        "t": "beat", "step": step, "phase": "step", "stage": "begin", "ts": ts, **kw
+    }  # fmt: skip
+    b = Batcher()
+    for c in range(1, 9):
+        assert b.add(c, _line(beat(5, 100.0 + c)), 0.0)
+    assert b.add(9, _line({"t": "event", "kind": "x"}), 0.0)
+    assert b.add(9, _line(beat(5, 200.0)), 0.0)  # after its own line: a group of its own
+    assert b.add(10, _line(beat(5, 300.0, section="data")), 0.0)  # another key: whole
+    assert not b.add(11, _line({**beat(5, 1.0), "_b": [1, 2]}), 0.0)
+    frame = json.loads(b.frame())
+    assert frame["c"] == [1, 9, 9, 10]
+    assert frame["m"][0] == {**beat(5, 101.0), "_b": [2, 3, 4, 5, 6, 7, 8]}
+    out = unbatch(frame)
+    assert out == [(c, beat(5, 101.0)) for c in range(1, 9)] + [
+        (9, {"t": "event", "kind": "x"}),
+        (9, beat(5, 200.0)),
+        (10, beat(5, 300.0, section="data")),
+    ]
+    for bad in ([{"t": "beat", "step": 5, "_b": [2]}], [{**beat(5, 1.0, section="x"), "_b": [2]}]):
+        assert unbatch({"t": "b", "c": [1], "m": bad}) == []  # no begin beat: dropped, alone
+    # node summaries: 4 ranks' beats of step 7, then their records, 3 of them summed up
+    b = Batcher(every=60, read=frozenset({"loss"}))
+    for c in range(1, 5):
+        b.add(c, _line(beat(7, 1.0)), 0.0)
+    for c in range(1, 5):
+        rec = {"step": 7, "rank": c - 1, "loss": 2.0, "step_s": 0.5 + c / 100}
+        b.add(c, _line({"t": "metrics", "rec": rec}), 0.0)
+    frame = json.loads(b.frame())
+    assert frame["c"] == [1, 1] and frame["s"][0][:3] == [2, 1, [2, 3, 4]]
+    sums: list = []
+    out = unbatch(frame, sums=sums)
+    assert [c for c, _ in out] == [1, 2, 3, 4, 1]
+    ((at, lead, cids, entry, _, _),) = sums
+    assert (at, lead, cids, entry["step"]) == (5, 4, [2, 3, 4], 7)  # after the 4 beats + leader
+
+
 def test_broken_forged_and_malformed_entries_drop_alone():
     b = Batcher()
     assert not b.add(1, b'{"t":"beat"', 0.0)  # cut short

@@ -1000,3 +1000,21 @@ def test_a_connections_read_until_is_its_own_oldest_queued_message_or_unread_byt
     server._full, node.caught_t = frozenset({id(node)}), now - 3.0
     assert server.conn_read_until(rank, now) == now - 3.0
     assert server.conn_read_until(other, now) == now - 0.01
+
+
+def test_a_peers_rank_and_attempt_are_read_once_off_its_hello():
+    """``Peer.key`` (what every message's check reads): set with the hello, however it is set;
+    None for a node or control peer and for a hello whose numbers are no ints (its messages are
+    then no rank's, instead of an error in the supervisor's loop)."""
+    from ptops.ops.supervisor.channel import Peer
+    from ptops.ops.supervisor.messages import _current_rank
+
+    p = Peer(1, None, hello={"rank": "3", "attempt": 2})
+    assert p.key == (3, 2) and p.rank == 3 and _current_rank(p, 2) and not _current_rank(p, 1)
+    late = Peer(2, None)
+    assert late.key is None and not _current_rank(late, 0)
+    late.hello = {"role": "rank", "rank": 5, "attempt": 1}
+    assert late.key == (5, 1) and _current_rank(late, 1)
+    for hello in ({"role": "node", "rank": 1, "attempt": 1}, {"rank": [1], "attempt": 1},
+                  {"rank": 1, "attempt": "x"}, {"attempt": 1}):  # fmt: skip
+        assert Peer(3, None, hello=hello).key is None, hello
