@@ -299,6 +299,16 @@ class HangFinding:
         }
 
 
+def _push(heap: list[tuple], ts: float, ranks: list[int]) -> None:
+    """One deadline heap entry for ``ranks`` all stamped ``ts``: ``(ts, rank)`` for one, ``(ts,
+    first, ranks)`` for several (a node's or a relay's step group: one push and one pop a group,
+    not a rank; ``HangMonitor._oldest``)."""
+    if len(ranks) == 1:
+        heapq.heappush(heap, (ts, ranks[0]))
+    elif ranks:
+        heapq.heappush(heap, (ts, ranks[0], ranks))
+
+
 # a section without history yet is judged like this one (the first step is slower than the rest)
 _FALLBACK = {"data": "step", "step": "first_step"}
 _STAGE = {"startup": 0, "begin": 1, "end": 2, "checkpoint": 3, "after_checkpoint": 4}
@@ -476,6 +486,9 @@ class HangMonitor:
         recent = self._recent
         end = kind == "metrics"
         stage = _STAGE["end" if end else "begin"]
+        pos = (None, stage)  # one tuple for the ranks of a step (a group's are all of one)
+        moved: list[int] = []  # the ranks stamped ``ts`` here: ONE heap entry (``_push``)
+        seen: list[int] = []
         for rank, step, step_s in done:
             st = ranks.get(rank)
             if (
@@ -500,7 +513,12 @@ class HangMonitor:
                 )
                 heap = self._progress.get("step")
                 continue
-            self._saw(st, rank, ts)
+            last = st.last_seen  # ``_saw``, inline: its call was a sixth of this loop
+            if last is None or ts > last:
+                st.last_seen = ts
+                if st.seen_key is None or ts - st.seen_key > SEEN_GRAIN:
+                    st.seen_key = ts
+                    seen.append(rank)
             if end:
                 if isinstance(step_s, (int, float)) and step_s > 0:
                     durations.add(float(step_s))
@@ -508,8 +526,12 @@ class HangMonitor:
                         recent[self._recent_i % len(recent)] = float(step_s)
                         self._recent_i += 1
                 st.steps_done += 1
-            st.step, st.pos, st.last_progress = step, (step, stage), ts
-            heapq.heappush(heap, (ts, rank))
+            if step != pos[0]:
+                pos = (step, stage)
+            st.step, st.pos, st.last_progress = step, pos, ts
+            moved.append(rank)
+        _push(heap, ts, moved)
+        _push(self._seen, ts, seen)
 
     def _saw(self, st: _Rank, rank: int, ts: float) -> None:
         if st.last_seen is None or ts > st.last_seen:
@@ -663,11 +685,27 @@ class HangMonitor:
         t = self.section_timeout("data") if section == "data" else self.step_timeout()
         return min(c.checkpoint_s, t)  # past the last step: "finishing"
 
-    def _oldest(self, heap: list[tuple[float, int]], valid) -> float | None:
-        """The smallest key of ``heap`` still true of its rank (stale entries popped)."""
+    def _oldest(self, heap: list[tuple], valid, stamp: str) -> float | None:
+        """The smallest key of ``heap`` still true of its rank, or of one of its group's ranks
+        (``_push``): stale entries popped, a group cut down to its ranks still at the key (each
+        rank's ``stamp`` looked at first, so a group that moved on costs no call a rank)."""
         while heap:
-            key, rank = heap[0]
-            if valid(key, rank):
+            e = heap[0]
+            key = e[0]
+            if len(e) == 2:
+                if valid(key, e[1]):
+                    return key
+                heapq.heappop(heap)
+                continue
+            ranks = self.ranks
+            if stamp == "last_progress":
+                live = [r for r in e[2] if ranks[r].last_progress == key and valid(key, r)]
+            else:
+                live = [r for r in e[2] if ranks[r].seen_key == key and valid(key, r)]
+            if live and len(live) == len(e[2]):
+                return key
+            if live:
+                heapq.heapreplace(heap, (key, live[0], live))
                 return key
             heapq.heappop(heap)
         return None
@@ -694,7 +732,7 @@ class HangMonitor:
                     and st.last_progress == key
                 )  # fmt: skip
 
-            oldest = self._oldest(heap, current)
+            oldest = self._oldest(heap, current, "last_progress")
             if oldest is not None and now > oldest + self._lowest_timeout(section):
                 return True
         if len(self._seen) > limit:
@@ -704,7 +742,7 @@ class HangMonitor:
             ]  # fmt: skip
             heapq.heapify(self._seen)
         oldest = self._oldest(
-            self._seen, lambda key, r: not ranks[r].exited and ranks[r].seen_key == key
+            self._seen, lambda key, r: not ranks[r].exited and ranks[r].seen_key == key, "seen_key"
         )
         if oldest is None:
             return False

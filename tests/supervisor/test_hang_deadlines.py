@@ -95,6 +95,33 @@ def test_a_quiet_check_at_scale_looks_at_the_heaps_not_the_ranks(monkeypatch):
     assert found is not None and found.ranks == [0] and m.full_checks == 1
 
 
+def test_a_group_of_ranks_is_one_deadline_entry_and_its_last_rank_still_counts():
+    """``observe_steps`` stamps a group of ranks with ONE heap entry (a relay's step of 512 ranks:
+    one push and one pop, not 512). A check cuts an entry down to its ranks still at its key, so
+    one rank left behind by its group (pinging: stuck in a collective) is found on its own
+    budget while the others step on, and a quiet check pops whole groups without a walk."""
+    world, per = 4096, 512
+    m = HangMonitor(world, 0.0, HangConfig(floor_s=10.0, ping_stale_s=10.0))
+    begin = {"kind": "beat", "phase": "step", "stage": "begin"}
+    for r in range(world):  # the first step one by one (its slow path), then groups
+        m.observe({**begin, "rank": r, "step": 1, "ts": 1.0})
+        m.observe({"kind": "metrics", "rank": r, "step": 1, "step_s": 1.0, "ts": 2.0})
+    found = None
+    for step in range(2, 30):
+        for g in range(0, world, per):
+            group = [r for r in range(g, g + per) if not (r == 777 and step > 2)]
+            m.observe_steps("begin", [(r, step, None) for r in group], step + 0.1)
+            m.observe_steps("metrics", [(r, step, 1.0) for r in group], step + 1.0)
+        m.observe({"kind": "ping", "rank": 777, "ts": step + 1.0})  # alive, in a collective
+        found = m.check(step + 1.5)
+        if found is not None:
+            break
+        assert len(m._progress["step"]) <= 2 * world // per * step  # an entry a group-step
+    assert m.full_checks == 1  # the quiet checks looked at the heaps only
+    # rank 777 ended step 2 at 3.0; its budget is 10 s: found at the first check past it
+    assert found is not None and found.ranks == [777] and step + 1.5 == 13.5
+
+
 def test_the_hang_line_names_ranks_as_ranges():
     from ptops.ops.runrecord.ranks import rank_list
 
@@ -105,6 +132,11 @@ def test_the_hang_line_names_ranks_as_ranges():
     assert evens.startswith("[0, 2, 4,") and "(34 more ranges)] (50 ranks)" in evens
 
 
+def _entries(heap: list) -> list:
+    """A deadline heap's (key, rank) pairs, a group entry's one a rank (``hang._push``)."""
+    return sorted((e[0], r) for e in heap for r in (e[2] if len(e) > 2 else [e[1]]))
+
+
 def _state(m: HangMonitor) -> dict:
     import dataclasses
 
@@ -112,8 +144,8 @@ def _state(m: HangMonitor) -> dict:
         "ranks": {r: dataclasses.asdict(st) for r, st in m.ranks.items()},
         "learned": {s: (d.n, list(d.counts), list(d.mins)) for s, d in m.learned.sections.items()},
         "recent": (list(m._recent), m._recent_i),
-        "progress": {s: list(h) for s, h in m._progress.items()},
-        "seen": list(m._seen),
+        "progress": {s: _entries(h) for s, h in m._progress.items()},
+        "seen": _entries(m._seen),
         "rdv": (dict(m._rdv_entered), m._rdv_version),
         "resumed_at": m.resumed_at,
         "finished_ts": m.finished_ts,

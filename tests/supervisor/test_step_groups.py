@@ -135,15 +135,27 @@ def _events(run) -> list[dict]:
     return [{k: v for k, v in e.items() if k not in ("ts", "time")} for e in read_jsonl(run.events)]
 
 
+def _entries(heap: list, valid) -> list:
+    """A deadline heap's (key, rank) pairs still true of their rank, a group entry's one a rank
+    (``hang._push``): what the checks read (how many stale entries wait to be popped is not
+    state: one by one a node's records and beats of one arrival are two entries a rank)."""
+    pairs = {(e[0], r) for e in heap for r in (e[2] if len(e) > 2 else [e[1]])}
+    return sorted(p for p in pairs if valid(*p))
+
+
 def _hang_state(mon) -> dict:
+    rk = mon.ranks
     return {
         "ranks": {r: dataclasses.asdict(st) for r, st in mon.ranks.items()},
         "learned": {
             s: (d.n, list(d.counts), list(d.mins)) for s, d in mon.learned.sections.items()
         },
         "recent": (list(mon._recent), mon._recent_i),
-        "progress": {s: sorted(h) for s, h in mon._progress.items()},
-        "seen": sorted(mon._seen),
+        "progress": {
+            s: _entries(h, lambda k, r, s=s: (rk[r].section, rk[r].last_progress) == (s, k))
+            for s, h in mon._progress.items()
+        },
+        "seen": _entries(mon._seen, lambda k, r: rk[r].seen_key == k),
         "resumed_at": mon.resumed_at,
     }
 
