@@ -37,7 +37,8 @@ kills its ranks as it would had the supervisor gone (no orphans).
 
 Where relays run: with ``[slurm] relay_every = N`` the agent of the first node of every N hosts one
 (a thread; ``ops/node/agent.py``) and the group's agents connect to it; ``bench/scale_load.py
---relay-tier N`` starts one process per N simulated nodes (``main`` below).
+--relay-tier N`` starts one process per N simulated nodes (``main`` below; with ``--template`` only
+those of rank 0 and the victim, the other groups' bytes made by ``upstream_hello`` and ``rebatch``).
 
 Environment: ``PTOPS_CHANNEL``, ``PTOPS_CHANNEL_TOKEN`` (upstream), ``PTOPS_RELAY_LISTEN``
 (``HOST:PORT`` to listen on for agents, default ``127.0.0.1:0``), ``PTOPS_NODE_SUMMARY`` (the
