@@ -47,8 +47,9 @@ numbers, the start-up burst, then a tick's ONE frame, made once a tick for all t
 by the relay's own code (``relay.py::rebatch`` into its ``Batcher``, summing up) from its
 agents' frames of stand-in ranks, each group's ranks put in (tests/supervisor/
 test_scale_load.py); its liveness frame and keepalive, its agents' answers to ``dump``. So the
-supervisor is real and sees 256 relay links; 2 relays are real (``relays_cpu_pct`` is theirs;
-``relays_real``, ``relay_templated``); the others' bytes are the relay code's, not a relay's.
+supervisor is real and sees every relay link (256 at 131,072 ranks); the relays of rank 0 and
+the victim (2) are real processes (``relays_cpu_pct`` is theirs; ``relays_real``,
+``relay_templated``); the others' bytes are the relay's code's, made once a tick, not a relay's.
 
 One size per process (CPU and RSS are this process's): ``--sizes`` runs each size in a child of this
 file and merges the results into ``bench/results/scale_load.json``.
