@@ -34,6 +34,23 @@ waiting in a collective). With ``--set supervisor.node_summaries=true`` (and nod
 simulated agents sum up their routine ranks between samples, as the supervisor's environment tells
 them (``PTOPS_NODE_SUMMARY``: the agent's own ``Batcher``).
 
+``--relay-tier N``: a real relay process (``ops/node/relay.py``) per N simulated nodes, between
+their agents and the supervisor; it sums up, its agents do not. At 131,072 ranks that is 256
+relays, ~8 cores: in production each runs on its own node, here they do not fit beside the
+supervisor. ``--template`` (the load of 131,072 ranks from a fraction of a core): the generators
+make one frame a tick for every node agent but those of rank 0 and the victim, of stand-in ranks
+with the agent's own ``Batcher``, and put each node's ranks in (``_Template``). With both, only the
+relays of rank 0's and the victim's groups are real processes, their simulated agents behind
+them; every other group is a templated relay: ONE connection of the generator straight to the
+supervisor that sends the bytes the real relay sends: its hello, its ranks' hellos under its
+numbers, the start-up burst, then a tick's ONE frame, made once a tick for all templated relays
+by the relay's own code (``relay.py::rebatch`` into its ``Batcher``, summing up) from its
+agents' frames of stand-in ranks, each group's ranks put in (tests/supervisor/
+test_scale_load.py); its liveness frame and keepalive, its agents' answers to ``dump``. So the
+supervisor is real and sees every relay link (256 at 131,072 ranks); the relays of rank 0 and
+the victim (2) are real processes (``relays_cpu_pct`` is theirs; ``relays_real``,
+``relay_templated``); the others' bytes are the relay's code's, made once a tick, not a relay's.
+
 One size per process (CPU and RSS are this process's): ``--sizes`` runs each size in a child of this
 file and merges the results into ``bench/results/scale_load.json``.
 """
@@ -47,6 +64,7 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import signal
 import subprocess
 import sys
@@ -90,9 +108,13 @@ _GLOBAL = {"max_loss", "memory_num_alloc_retries", "memory_num_ooms", "n_tokens_
 
 
 class _Node:
-    def __init__(self, index: int, ranks: list[int]):
+    """A simulated node agent's link to the supervisor or its relay, or (``relay``) a templated
+    relay's link to the supervisor: ``index`` then the group's, ``ranks`` the group's."""
+
+    def __init__(self, index: int, ranks: list[int], relay: bool = False):
         self.index = index
         self.ranks = ranks  # global rank of local connection c = i + 1
+        self.relay = relay
         self.writer: asyncio.StreamWriter | None = None
         self.reader: asyncio.StreamReader | None = None
         self.stepped: set[int] = set()  # local c with a beat or record sent since the last a
@@ -149,22 +171,113 @@ def _frames(relay: str, lines: list[tuple]) -> list[bytes]:
     return [frame] if frame is not None else []
 
 
-# ``--template``: stand-ins for a node's ranks in a frame made once a tick for all ordinary nodes
-# (negative, so no value of a record can hold one; increasing with the place, as real ranks are, so
-# the summary's order by (value, rank) is the same)
-_STAND_IN = -999_000_100
+# ``--template``: stand-ins for the ranks of a node (or of a relay's group of nodes) in a frame made
+# once a tick for all ordinary ones (negative, so no value of a record can hold one; increasing with
+# the place, as real ranks are, so the summary's order by (value, rank) is the same; -999 and six
+# digits up to a million places, which ``_STAND_IN_AT`` finds)
+_STAND_IN = -999_999_999
+# a stand-in where the template is split: a whole number (not in a longer one, an exponent, a float)
+_STAND_IN_AT = re.compile(rb"(?<![\w.])(-999\d+)(?![\w.])")
 
 
-def _stand_ins(per_node: int) -> list[int]:
-    return [_STAND_IN + j for j in range(per_node)]
+def _stand_ins(places: int) -> list[int]:
+    return [_STAND_IN + j for j in range(places)]
+
+
+class _Template:
+    """A frame made of stand-in ranks, split once at them: ``put(ranks)`` is that frame with the
+    rank at each stand-in's place put in, the bytes the agent's or the relay's ``Batcher`` makes of
+    those ranks' records (tests/supervisor/test_scale_load.py). One ``%`` format a frame, not a
+    ``replace`` a rank: a relay's frame holds ~1,000 stand-ins in ~50 KB, and ~250 are filled a
+    tick at 131,072 ranks."""
+
+    def __init__(self, frame: bytes, places: int) -> None:
+        own = {b"%d" % n: j for j, n in enumerate(_stand_ins(places))}
+        parts = _STAND_IN_AT.split(frame)
+        lits, self.order = [parts[0]], []
+        for num, lit in zip(parts[1::2], parts[2::2]):
+            j = own.get(num)
+            if j is None:  # a number that only looks like one: kept as it is
+                lits[-1] += num + lit
+            else:
+                self.order.append(j)
+                lits.append(lit)
+        self.fmt = b"%d".join(x.replace(b"%", b"%%") for x in lits)
+
+    def put(self, ranks) -> bytes:
+        return self.fmt % tuple(map(ranks.__getitem__, self.order))
 
 
 def _placed(frame: bytes, ranks: list[int]) -> bytes:
-    """The template frame with each stand-in replaced by the rank at its place: the bytes the
-    agent's ``Batcher`` makes of those ranks' records (tests/supervisor/test_scale_load.py)."""
-    for j, rank in enumerate(ranks):
-        frame = frame.replace(b"%d" % (_STAND_IN + j), b"%d" % rank)
-    return frame
+    """The template frame with each stand-in replaced by the rank at its place."""
+    return _Template(frame, len(ranks)).put(ranks)
+
+
+def _relay_frame(
+    node_frames: list[list[bytes]], per_node: int, batch
+) -> tuple[bytes | None, set[int]]:
+    """What a relay sends of its agents' frames (``node_frames[j]``: node j's, each line with its
+    newline), made by the relay's own code (``ops/node/relay.py::rebatch`` into its ``Batcher``,
+    then ``frame``), and the relay's numbers of the ranks that stepped (beat or record: not in its
+    next liveness frame). The relay's numbers: node j's connection c is j * per_node + c, as a
+    relay numbers them when its agents' hellos come node by node."""
+    from ptops.ops.node.relay import rebatch
+    from ptops.ops.rank.channel import STEP_KINDS
+
+    stepped: set[int] = set()
+    for j, frames in enumerate(node_frames):
+        mine = {c: j * per_node + c for c in range(1, per_node + 1)}
+        for f in frames:
+            for c, m in rebatch(batch, json.loads(f), len(f) - 1, 0.0, mine):
+                if m.get("t") in STEP_KINDS:
+                    stepped.add(c)
+    return batch.frame(), stepped
+
+
+def _rank_hello(rank: int, index: int, pid: int, attempt: int, world: int) -> dict:
+    """A simulated rank's hello (node ``index``'s agent relays it, its token checked)."""
+    return {
+        "t": "hello",
+        "role": "rank",
+        "rank": rank,
+        "pid": pid,
+        "host": f"sim{index:05d}",
+        "attempt": attempt,
+        "world_size": world,
+        "node": f"sim{index:05d}",
+    }
+
+
+def _relay_hellos(
+    g: int, token: str, pid: int, attempt: int, group: list[tuple[int, list[int]]], world: int
+) -> list[bytes]:
+    """A templated relay's first lines: its own hello as ``Relay`` sends it (``ChannelClient``:
+    the token first, then ``upstream_hello``), then each rank's as the relay passes it on under its
+    own number, node by node (``group``: (node index, its ranks))."""
+    from ptops.ops.node.relay import upstream_hello
+    from ptops.ops.rank.channel import RELAY, encode
+
+    name = f"relay{g:05d}"
+    out = [encode({"t": "hello", "token": token, **upstream_hello(name, os.environ)})]
+    for index, ranks in group:
+        for rank in ranks:
+            m = _rank_hello(rank, index, pid, attempt, world)
+            out.append(encode({"t": RELAY, "c": len(out), "m": m}))
+    return out
+
+
+def _startup_lines(index: int, ranks: list[int], world: int) -> list[tuple]:
+    """A node's start-up burst: each rank's start-up beats (import, rendezvous, build, load) and
+    its ``world``."""
+    lines = []
+    for section in ("import", "rendezvous", "build", "load"):
+        for c in range(1, len(ranks) + 1):
+            msg = {"t": "beat", "step": 0, "phase": "startup", "section": section}
+            lines.append((c, _line({**msg, "ts": time.time()})))
+    for c, rank in enumerate(ranks, 1):
+        msg = {"t": "world", "world_size": world, "rank": rank, "host": f"sim{index:05d}"}
+        lines.append((c, _line({**msg, "ts": time.time()})))
+    return lines
 
 
 async def _generate(args: argparse.Namespace, part: int) -> None:
@@ -173,19 +286,33 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         ENV_TOKEN,
         KEEPALIVE_S,
         STEP_PREFIXES,
+        Batcher,
         split_address,
+        summary_settings,
     )
 
-    relays = [split_address(a) for a in args.relay_addrs.split(",") if a]
+    # a real relay's address for each group of --relay-tier nodes ("": a templated one)
+    relays = [split_address(a) if a else None for a in args.relay_addrs.split(",")]
     host, port = split_address(os.environ[ENV_ADDRESS])
     token = os.environ[ENV_TOKEN]
     attempt = int(os.environ.get("PTOPS_ATTEMPT", "1"))
     world = args.nodes * args.per_node
     pid = os.getpid()
+    tier, per = args.relay_tier, args.per_node
+    real = set(_real_groups(args)) if tier else set()
     nodes = [
-        _Node(i, list(range(i * args.per_node, (i + 1) * args.per_node)))
+        _Node(i, list(range(i * per, (i + 1) * per)))
         for i in range(part, args.nodes, args.gen_procs)
+        if not tier or i // tier in real
     ]
+    if tier:  # --template: one link a group without a real relay, its bytes the relay's
+        nodes += [
+            _Node(g, list(range(g * tier * per, min(args.nodes, (g + 1) * tier) * per)), True)
+            for g in range(part, -(-args.nodes // tier), args.gen_procs)
+            if g not in real
+        ]
+    # the summing up is the relays' (``_start_relays``): their settings, for the templated ones
+    relay_batch = summary_settings(os.environ.get(_RELAY_SUMMARY))
     counters = {
         "part": part,
         "sent_metrics": 0,
@@ -196,18 +323,28 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         "replies": 0,
     }
     victim_here = any(args.victim in n.ranks for n in nodes)
-    frozen: set[int] = set()  # --silent node: the victim's node, once silent (nothing from it)
+    frozen: set[_Node] = set()  # --silent node: the victim's node, once silent (nothing from it)
 
     async def connect(node: _Node) -> None:
-        for _ in range(
-            200
-        ):  # the listen backlog is 256: a burst of 1,024 connects gets a few refusals
+        to = relays[node.index // tier] if tier and not node.relay else (host, port)
+        for _ in range(200):  # the listen backlog is 256: a burst of 1,024 connects, some refused
             try:
-                to = relays[node.index // args.relay_tier] if relays else (host, port)
                 node.reader, node.writer = await asyncio.open_connection(*to, limit=1 << 20)
                 break
             except OSError:
                 await asyncio.sleep(0.05)
+        if node.relay:  # the hellos, then the start-up burst in one frame, as the relay's code
+            group = [
+                (node.index * tier + j, node.ranks[j * per : (j + 1) * per])
+                for j in range(len(node.ranks) // per)
+            ]
+            head = _relay_hellos(node.index, token, pid, attempt, group, world)
+            lines = [_startup_lines(i, ranks, world) for i, ranks in group]
+            frames = [_frames(args.relay, x) for x in lines]
+            frame, _ = _relay_frame(frames, per, Batcher(*relay_batch))
+            node.writer.write(b"".join(head) + (frame or b""))
+            counters["sent_msgs"] += len(head) + sum(map(len, lines))
+            return
         head = [
             json.dumps(
                 {
@@ -224,53 +361,8 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
             + b"\n"
         ]
         for c, rank in enumerate(node.ranks, 1):  # hellos leave one by one (the agent's check)
-            head.append(
-                _frame(
-                    c,
-                    {
-                        "t": "hello",
-                        "role": "rank",
-                        "rank": rank,
-                        "pid": pid,
-                        "host": f"sim{node.index:05d}",
-                        "attempt": attempt,
-                        "world_size": world,
-                        "node": f"sim{node.index:05d}",
-                    },
-                )
-            )
-        lines = []
-        for section in ("import", "rendezvous", "build", "load"):
-            for c in range(1, len(node.ranks) + 1):
-                lines.append(
-                    (
-                        c,
-                        _line(
-                            {
-                                "t": "beat",
-                                "step": 0,
-                                "phase": "startup",
-                                "section": section,
-                                "ts": time.time(),
-                            }
-                        ),
-                    )
-                )
-        for c, rank in enumerate(node.ranks, 1):
-            lines.append(
-                (
-                    c,
-                    _line(
-                        {
-                            "t": "world",
-                            "world_size": world,
-                            "rank": rank,
-                            "host": f"sim{node.index:05d}",
-                            "ts": time.time(),
-                        }
-                    ),
-                )
-            )
+            head.append(_frame(c, _rank_hello(rank, node.index, pid, attempt, world)))
+        lines = _startup_lines(node.index, node.ranks, world)
         node.writer.write(b"".join(head + _frames(args.relay, lines)))
         counters["sent_msgs"] += len(head) + len(lines)
 
@@ -287,8 +379,16 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 msg = json.loads(raw)
             except ValueError:
                 continue
-            if msg.get("cmd") == "dump" and node.index not in frozen:  # one reply: its stacks
+            if msg.get("cmd") != "dump" or node in frozen:
+                continue
+            if not node.relay:  # one reply: its stacks
                 asyncio.ensure_future(dump(node, msg))
+                continue
+            by_node: dict[int, dict] = {}  # a relay splits it by agent, each answers for its own
+            for r, v in (msg.get("ranks") or {}).items():
+                by_node.setdefault(int(r) // per, {})[r] = v
+            for ranks in by_node.values():
+                asyncio.ensure_future(dump(node, {**msg, "ranks": ranks}))
 
     async def dump(node: _Node, msg: dict) -> None:
         stacks, wait = {}, False
@@ -366,16 +466,38 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                     lines.append((c, b'{"t":"ping","step":%d,"phase":"step","ts":%r}' % (k, now)))
             return lines
 
-        if args.template:  # one frame for every ordinary node, its ranks put in (``_placed``)
-            t_lines = lines_of(_stand_ins(args.per_node))
-            t_frames = _frames(args.relay, t_lines)
+        if args.template:  # one frame for every ordinary node, its ranks put in (``_Template``)
+            t_lines = lines_of(_stand_ins(per))
+            t_frames = [_Template(f, per) for f in _frames(args.relay, t_lines)]
             t_metrics = sum(1 for x in t_lines if len(x) > 2)
             t_stepped = {x[0] for x in t_lines if x[1].startswith(STEP_PREFIXES)}
+        t_relays: dict[int, tuple] = {}  # a templated relay's nodes -> this tick's frame, ...
+
+        def relay_tick(n: int) -> tuple:
+            """This tick's frame of a templated relay of ``n`` nodes, once for all of them: its
+            agents' frames made of stand-in ranks as every agent makes its own, through the relay's
+            own batching (``_relay_frame``); and what it stepped, sent, of which records."""
+            if n not in t_relays:
+                stand = _stand_ins(n * per)
+                lines = [lines_of(stand[j * per : (j + 1) * per]) for j in range(n)]
+                frames = [_frames(args.relay, x) for x in lines]
+                frame, stepped = _relay_frame(frames, per, Batcher(*relay_batch))
+                metrics = sum(1 for x in lines for y in x if len(y) > 2)
+                t = _Template(frame, n * per) if frame is not None else None
+                t_relays[n] = (t, stepped, sum(map(len, lines)), metrics)
+            return t_relays[n]
+
         for node in nodes:
-            if node.index in frozen:
+            if node in frozen:
                 continue
-            if args.template and 0 not in node.ranks and args.victim not in node.ranks:
-                parts = [_placed(f, node.ranks) for f in t_frames]
+            if node.relay:
+                t, stepped, msgs, metrics = relay_tick(len(node.ranks) // per)
+                parts = [t.put(node.ranks)] if t is not None else []
+                counters["sent_msgs"] += msgs
+                counters["sent_metrics"] += metrics
+                node.stepped |= stepped
+            elif args.template and 0 not in node.ranks and args.victim not in node.ranks:
+                parts = [t.put(node.ranks) for t in t_frames]
                 counters["sent_msgs"] += len(t_lines)
                 counters["sent_metrics"] += t_metrics
                 node.stepped |= t_stepped
@@ -385,8 +507,9 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 counters["sent_metrics"] += sum(1 for x in lines if len(x) > 2)
                 parts = _frames(args.relay, lines)
                 node.stepped.update(x[0] for x in lines if x[1].startswith(STEP_PREFIXES))
-            if ping and args.liveness == "node":  # the agent's one frame for the node's pings
-                # (as its ``alive_frame``: not the ranks whose beat or record went up since)
+            if ping and (args.liveness == "node" or node.relay):  # one frame for the pings
+                # (as the agent's ``alive_frame`` and the relay's ``_alive``: not the ranks whose
+                # beat or record went up since; a relay's frame follows its agents' at once)
                 heard = [
                     c for c, rank in enumerate(node.ranks, 1)
                     if not (rank == args.victim and victim_silent) and c not in node.stepped
@@ -410,7 +533,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
             victim_silent = True  # its last message (step victim_step's record) went out just now
             counters["victim_silent_ts"] = now
             if args.silent == "node":
-                frozen.update(n.index for n in nodes if args.victim in n.ranks)
+                frozen.update(n for n in nodes if args.victim in n.ranks)
             if stop_file is not None:
                 stop_file.write_text(
                     json.dumps(
@@ -424,8 +547,8 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 )
         if time.monotonic() >= next_ka:
             next_ka = time.monotonic() + KEEPALIVE_S
-            for node in nodes:
-                if node.index not in frozen:
+            for node in nodes:  # (a templated relay's own, as a relay's)
+                if node not in frozen:
                     node.writer.write(b'{"t":"ka"}\n')
         buffered = sum(n.writer.transport.get_write_buffer_size() for n in nodes)
         counters["buffered_max"] = max(counters["buffered_max"], buffered)
@@ -437,17 +560,31 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         tick += 1
 
 
+# the supervisor's summary settings, kept for the templated relays (``_start_relays``)
+_RELAY_SUMMARY = "SCALE_LOAD_RELAY_SUMMARY"
+
+
+def _real_groups(args: argparse.Namespace) -> list[int]:
+    """The groups of ``--relay-tier`` nodes that get a real relay process: all, or with
+    ``--template`` those of rank 0 and of the victim (the others' links are templated)."""
+    groups = -(-args.nodes // args.relay_tier)
+    if not args.template:
+        return list(range(groups))
+    return sorted({0, args.victim // args.per_node // args.relay_tier})
+
+
 def _start_relays(args: argparse.Namespace) -> tuple[list[subprocess.Popen], str]:
-    """One real relay (``python -m ptops.ops.node.relay``) per ``--relay-tier`` nodes, on this
-    machine's loopback; they sum up (``PTOPS_NODE_SUMMARY``), so the simulated agents behind them
-    do not (the variable leaves this process's environment). Their pids go into the counters
-    folder, for their CPU."""
+    """One real relay (``python -m ptops.ops.node.relay``) per ``--relay-tier`` nodes (with
+    ``--template``: per ``_real_groups``), on this machine's loopback; the addresses in group order,
+    "" for a templated one. They sum up (``PTOPS_NODE_SUMMARY``), so the simulated agents behind
+    them do not (the variable leaves this process's environment, kept as ``_RELAY_SUMMARY`` for the
+    templated relays). Their pids go into the counters folder, for their CPU."""
     from ptops.ops.rank.channel import SUMMARY_ENV
     from ptops.ops.supervisor.procs import die_with_parent
 
     env = {**os.environ, "PTOPS_RELAY_LISTEN": "127.0.0.1:0"}
-    os.environ.pop(SUMMARY_ENV, None)
-    n = -(-args.nodes // args.relay_tier)
+    os.environ[_RELAY_SUMMARY] = os.environ.pop(SUMMARY_ENV, "")
+    real = _real_groups(args)
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "ptops.ops.node.relay"],
@@ -455,18 +592,28 @@ def _start_relays(args: argparse.Namespace) -> tuple[list[subprocess.Popen], str
             stdout=subprocess.PIPE,
             preexec_fn=die_with_parent,
         )
-        for _ in range(n)
+        for _ in real
     ]
-    addrs = []
-    for p in procs:
+    addrs = [""] * -(-args.nodes // args.relay_tier)
+    for g, p in zip(real, procs):
         line = p.stdout.readline()
         try:
-            addrs.append(json.loads(line)["relay"])
+            addrs[g] = json.loads(line)["relay"]
         except (ValueError, KeyError, TypeError):
             raise SystemExit(f"relay {p.pid} did not start (its output: {line[:200]!r})") from None
     if args.counters_dir:
         (Path(args.counters_dir) / "relays.json").write_text(json.dumps([p.pid for p in procs]))
     return procs, ",".join(addrs)
+
+
+def _relay_counts(args: argparse.Namespace) -> dict:
+    """With relays: how many are real processes (``relays_cpu_pct`` is theirs) and how many links
+    are templated (``--template``: one connection of the generator's a group, the bytes the relay's
+    code makes, made once a tick for all of them)."""
+    if not args.relay_tier:
+        return {}
+    real = len(_real_groups(args))
+    return {"relays_real": real, "relay_templated": -(-args.nodes // args.relay_tier) - real}
 
 
 def _relays_cpu(d: Path) -> tuple[int, float]:
@@ -751,6 +898,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "silent": args.silent,
         "starved": bool(args.starve),
         "relay_tier": args.relay_tier,
+        **_relay_counts(args),
         "exit_code": rc,
         "wall_s": round(t_end - t_start, 1),
     }
@@ -897,7 +1045,11 @@ def main() -> None:
             help="the generators make one frame a tick for every node but the one of rank 0 and "
             "the victim's, and put each node's ranks in it (bytes the agent's Batcher makes of "
             "records that vary with a rank's place on its node): the load of 131,072 ranks from "
-            "a fraction of a core. Without it every node's records are made and batched",
+            "a fraction of a core. With --relay-tier: only the relays of rank 0's and the "
+            "victim's groups are real processes; every other group is one link of the generator "
+            "to the supervisor sending the bytes the real relay's code makes of its agents' "
+            "frames (made once a tick for all, each group's ranks put in). Without it every "
+            "node's records are made and batched",
         )
     for p, choices in ((ap, ("node", "rank", "both")), (g, ("node", "rank"))):
         p.add_argument(
@@ -999,6 +1151,8 @@ def main() -> None:
         if "both" in (a.liveness, a.relay, a.certify, a.groups) or len(tiers) != 1:
             ap.error("both runs each of --sizes twice; with --ranks give one design")
         a.relay_tier = tiers[0]
+        if a.template and a.relay_tier and a.relay != "batch":
+            ap.error("--template with --relay-tier: the templated relays take batch frames")
         a.nodes = max(1, a.ranks // a.per_node)
         if a.victim < 0:
             a.victim = a.nodes * a.per_node - 1

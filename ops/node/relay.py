@@ -37,7 +37,8 @@ kills its ranks as it would had the supervisor gone (no orphans).
 
 Where relays run: with ``[slurm] relay_every = N`` the agent of the first node of every N hosts one
 (a thread; ``ops/node/agent.py``) and the group's agents connect to it; ``bench/scale_load.py
---relay-tier N`` starts one process per N simulated nodes (``main`` below).
+--relay-tier N`` starts one process per N simulated nodes (``main`` below; with ``--template`` only
+those of rank 0 and the victim, the other groups' bytes made by ``upstream_hello`` and ``rebatch``).
 
 Environment: ``PTOPS_CHANNEL``, ``PTOPS_CHANNEL_TOKEN`` (upstream), ``PTOPS_RELAY_LISTEN``
 (``HOST:PORT`` to listen on for agents, default ``127.0.0.1:0``), ``PTOPS_NODE_SUMMARY`` (the
@@ -119,6 +120,41 @@ class _Agent:
                 pass
 
 
+def upstream_hello(name: str, env: dict[str, str]) -> dict[str, Any]:
+    """A relay's hello to the supervisor (after the token ``ChannelClient`` puts first): a node
+    agent's, ``relay: true``. A function of its own: ``bench/scale_load.py --template`` says it
+    for the relays it stands in for, and must say what a relay says."""
+    return {
+        "role": ROLE_NODE,
+        "node": name,
+        "relay": True,
+        "pid": os.getpid(),
+        "host": name,
+        "attempt": int(env.get("PTOPS_ATTEMPT") or 0),
+    }
+
+
+def rebatch(
+    batch: Batcher, frame: dict[str, Any], size: int, now: float, mine: dict[int, int]
+) -> list[tuple[int, dict[str, Any]]]:
+    """An agent's ``b`` frame (parsed; ``size``: its line's bytes) unbatched into the relay's
+    ``batch``, each line under the relay's number for its rank (``mine``: the agent's number ->
+    the relay's; a line of a number the agent never said hello for is dropped). Returns the
+    (relay's number, message) pairs added, for the relay's liveness. A function, not a method:
+    ``bench/scale_load.py --template`` makes the frames of the relays it stands in for with it,
+    so what they send is what this code makes."""
+    pairs = unbatch(frame)
+    share = size // max(1, len(pairs))  # a line's share of the frame: the batch's bytes
+    add = batch.add
+    out = []
+    for cid, m in pairs:
+        c = mine.get(cid) if type(cid) is int else None
+        if c is not None:
+            add(c, None, now, m, share)  # encoded by the batch, only if it leaves whole
+            out.append((c, m))
+    return out
+
+
 class Relay:
     def __init__(self, env: dict[str, str], name: str | None = None) -> None:
         self.env = env
@@ -143,14 +179,7 @@ class Relay:
         self.up = ChannelClient(
             env[ENV_ADDRESS],
             self.token,
-            {
-                "role": ROLE_NODE,
-                "node": self.name,
-                "relay": True,
-                "pid": os.getpid(),
-                "host": self.name,
-                "attempt": int(env.get("PTOPS_ATTEMPT") or 0),
-            },
+            upstream_hello(self.name, env),
             on_message=self._from_supervisor,
             on_eof=lambda: self.stop("the supervisor's connection closed"),
             connect_timeout=30.0,
@@ -303,16 +332,11 @@ class Relay:
             self._flush()
             self.up.send_raw(encode(frame))
             return
-        pairs = unbatch(frame)
-        size = len(raw) // max(1, len(pairs))  # a line's share of the frame: the batch's bytes
-        add, heard, stepped = self.batch.add, self._heard, self._stepped
-        for cid, m in pairs:
-            mine = agent.cids.get(cid) if type(cid) is int else None
-            if mine is not None:
-                heard[mine] = now
-                add(mine, None, now, m, size)  # encoded by the batch, only if it leaves whole
-                if m.get("t") in STEP_KINDS:
-                    stepped.add(mine)
+        heard, stepped = self._heard, self._stepped
+        for mine, m in rebatch(self.batch, frame, len(raw), now, agent.cids):
+            heard[mine] = now
+            if m.get("t") in STEP_KINDS:
+                stepped.add(mine)
 
     def loop(self) -> None:
         sel = selectors.DefaultSelector()

@@ -9,6 +9,7 @@ the supervisor declares the hang; the subprocess timeout only guards against a b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -95,29 +96,36 @@ def test_simulated_nodes_reach_the_real_supervisor(tmp_path: Path, tier: int) ->
     assert events[-1]["kind"] == "failed"  # a plain (temporary) launch ends on the hang
 
 
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scale_load", REPO / "bench" / "scale_load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _lines(bench, ranks: list[int], step: int, nan_at: int = -1) -> list[tuple]:
+    """A node's lines of a step as the generator makes them under ``--template`` (records that
+    vary with the place ``c`` on the node); the record at ``nan_at`` has a NaN loss."""
+    out = []
+    for c, rank in enumerate(ranks, 1):
+        msg = bench._metrics_msg(rank, 1, step, 1.0, 1764860000.25, c)
+        if c == nan_at:
+            msg["rec"]["loss"] = float("nan")
+        out.append((c, bench._line(msg), msg))
+        out.append((c, b'{"t":"beat","step":%d,"phase":"step","stage":"begin"}' % (step + 1)))
+    return out
+
+
 def test_a_template_frame_with_a_nodes_ranks_put_in_is_what_its_agent_sends(monkeypatch) -> None:
     """``--template`` (131,072 simulated ranks from a fraction of a core) makes one frame a tick
     and puts each node's ranks in: it must be, byte for byte, the frame the agent's own ``Batcher``
     makes of those ranks' records, with node summaries (a sample step and one between) and
     without, and with a rank whose record is not routine (a NaN loss: sent whole)."""
-    import importlib.util
-
     from ptops.ops.rank.channel import SUMMARY_ENV
 
-    spec = importlib.util.spec_from_file_location("scale_load", REPO / "bench" / "scale_load.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-
-    def lines(ranks: list[int], step: int, nan_at: int = -1) -> list[tuple]:
-        out = []
-        for c, rank in enumerate(ranks, 1):
-            msg = bench._metrics_msg(rank, 1, step, 1.0, 1764860000.25, c)
-            if c == nan_at:
-                msg["rec"]["loss"] = float("nan")
-            out.append((c, bench._line(msg), msg))
-            out.append((c, b'{"t":"beat","step":%d,"phase":"step","stage":"begin"}' % (step + 1)))
-        return out
-
+    bench = _bench()
     stand_ins, ranks = bench._stand_ins(8), list(range(8 * 2041, 8 * 2042))
     checked = 0
     for env in (None, json.dumps({"every": 8, "read": ["loss", "grad_norm"]})):
@@ -126,12 +134,91 @@ def test_a_template_frame_with_a_nodes_ranks_put_in_is_what_its_agent_sends(monk
         else:
             monkeypatch.setenv(SUMMARY_ENV, env)
         for step, nan_at in ((16, -1), (17, -1), (17, 3)):
-            (template,) = bench._frames("batch", lines(stand_ins, step, nan_at))
-            (own,) = bench._frames("batch", lines(ranks, step, nan_at))
+            (template,) = bench._frames("batch", _lines(bench, stand_ins, step, nan_at))
+            (own,) = bench._frames("batch", _lines(bench, ranks, step, nan_at))
             assert bench._placed(template, ranks) == own, (env, step, nan_at)
             assert str(bench._STAND_IN)[:5].encode() not in own
             checked += b'"s":' in own
     assert checked == 2  # summed up between samples (NaN or not), never on the sample step
+
+
+def test_a_templated_relays_bytes_with_its_ranks_put_in_are_what_a_real_relay_sends(
+    monkeypatch,
+) -> None:
+    """``--template --relay-tier N``: a group of N nodes without a real relay process is ONE link
+    sending what its relay would: the relay's hello, its ranks' hellos under its numbers, then a
+    tick's frame made once for all such groups of stand-in ranks by the relay's own batching and
+    each group's ranks put in. Compared byte for byte with a REAL ``Relay`` (its upstream a bare
+    socket, no supervisor) fed the same agents' hellos and frames: with node summaries on, a
+    sample step and one between (summed up over the group), a NaN in one node's record."""
+    import socket
+
+    from ptops.ops.node import relay as relay_mod
+    from ptops.ops.rank.channel import (
+        ENV_ADDRESS,
+        ENV_TOKEN,
+        SUMMARY_ENV,
+        Batcher,
+        summary_settings,
+    )
+
+    bench = _bench()
+    per, n, g, pid, world = 8, 64, 3, os.getpid(), 4096
+    group = [(i, list(range(i * per, (i + 1) * per))) for i in range(g * n, (g + 1) * n)]
+    summary = json.dumps({"every": 60, "read": ["loss", "grad_norm"]})
+    monkeypatch.delenv(SUMMARY_ENV, raising=False)  # the agents behind a relay do not sum up
+    monkeypatch.setenv("PTOPS_ATTEMPT", "2")
+    upstream = socket.create_server(("127.0.0.1", 0))
+    env = {ENV_ADDRESS: "127.0.0.1:%d" % upstream.getsockname()[1], ENV_TOKEN: "tok"}
+    relay = relay_mod.Relay({**env, SUMMARY_ENV: summary, "PTOPS_ATTEMPT": "2"}, f"relay{g:05d}")
+    conn, _ = upstream.accept()
+    agents = []
+    try:
+        for i, ranks in group:  # each agent's hello and its ranks', node by node
+            agents.append(relay_mod._Agent(socket.socket(), 0.0))
+            hello = {"t": "hello", "token": "tok", "role": "node", "node": f"sim{i:05d}"}
+            assert relay._line(agents[-1], json.dumps(hello).encode(), 0.0)
+            for c, rank in enumerate(ranks, 1):
+                m = bench._rank_hello(rank, i, pid, 2, world)
+                assert relay._line(agents[-1], bench._frame(c, m)[:-1], 0.0)
+        want = b"".join(bench._relay_hellos(g, "tok", pid, 2, group, world))
+        conn.settimeout(1.0)  # (the relay sent them before ``_line`` returned)
+        got = b""
+        with contextlib.suppress(TimeoutError):
+            while len(got) < len(want):
+                got += conn.recv(1 << 16) or b"!"
+        assert got == want
+
+        stand_ins = bench._stand_ins(n * per)
+        ranks = [r for _, rs in group for r in rs]
+        checked = 0
+        for step, nan_at in ((59, -1), (60, -1), (59, 3)):
+            nan = [nan_at if j == 1 else -1 for j in range(n)]  # in node 1's only
+            frames = [
+                bench._frames("batch", _lines(bench, stand_ins[j * per : (j + 1) * per], step, x))
+                for j, x in enumerate(nan)
+            ]
+            template, _ = bench._relay_frame(frames, per, Batcher(*summary_settings(summary)))
+            for agent, (_, rs), x in zip(agents, group, nan):
+                for f in bench._frames("batch", _lines(bench, rs, step, x)):
+                    relay._line(agent, f[:-1], 0.0)
+            own = relay.batch.frame()
+            assert bench._Template(template, n * per).put(ranks) == own, (step, nan_at)
+            assert str(bench._STAND_IN)[:5].encode() not in own
+            checked += b'"s":' in own
+        assert checked == 2  # summed up over the group between samples, never on the sample
+    finally:
+        relay.up.close()
+        relay._listen.close()
+        for a in agents:
+            a.sock.close()
+        conn.close()
+        upstream.close()
+
+    # a stand-in is put in only where it is a whole number of its own
+    s0, s1 = bench._stand_ins(2)
+    odd = b"[%d,%d1,1e%d,%d.5,%d]" % (s1, s1, s1, s1, s0)
+    assert bench._Template(odd, 2).put([7, 8]) == b"[8,%d1,1e%d,%d.5,7]" % (s1, s1, s1)
 
 
 def test_starve_pins_the_supervisor_beside_a_busy_loop_and_frees_the_other_cpus() -> None:
