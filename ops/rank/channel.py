@@ -140,6 +140,7 @@ BATCH_S = 0.02  # the longest an agent holds a rank's line before its batch leav
 BATCH_BYTES = 256 * 1024  # a batch this large leaves at once
 SUMMARY_ENV = "PTOPS_NODE_SUMMARY"  # ``node_summaries``: {"every": K, "read": [keys] or null}
 SUMMED = object()  # ``unbatch``'s like for a summary: from the frame's ``s``, never a message
+BEGUN = object()  # the supervisor's like for a folded line of begin beats (``_b``), never a message
 RELAYS_ENV = "PTOPS_RELAYS"  # ``[slurm] relay_every``: {"every": N, "port": P, "nodes": [...]}
 
 
@@ -332,7 +333,10 @@ def _diff(rec: dict[str, Any], lead: dict[str, Any]) -> dict[str, Any]:
 
 
 def unbatch(
-    frame: dict[str, Any], likes: list | None = None, sums: list | None = None
+    frame: dict[str, Any],
+    likes: list | None = None,
+    sums: list | None = None,
+    folds: dict | None = None,
 ) -> list[tuple[Any, dict[str, Any]]]:
     """A ``b`` frame's (cid, message) pairs in order, each step record whole again. Entries that do
     not parse as such (lengths that differ, a message that is no object, a leader index out of
@@ -347,7 +351,11 @@ def unbatch(
     ``sums``, when given, gets the frame's summaries (``node_summaries``) as ``(at, lead, cids,
     entry, lead_out, names)``: after the first ``at`` pairs returned, standing for the ranks of
     connections ``cids``, whose leader is pair ``lead``; one that does not parse, or whose leader
-    was dropped or is no step record of the entry's step, is dropped."""
+    was dropped or is no step record of the entry's step, is dropped.
+
+    ``folds``, when given, keeps a line of begin beats folded (``_b``): ONE pair, its place in
+    the pairs mapped to the other connections' list (the supervisor handles them as one); without
+    it each rank gets its pair (a relay batches them again)."""
     cids, msgs, leaders = frame.get("c"), frame.get("m"), frame.get("k", [])
     if (
         not isinstance(cids, list)
@@ -371,6 +379,9 @@ def unbatch(
             if not isinstance(also, list) or not begins(msg) or msg.keys() - _BEGIN_KEYS:
                 continue
             place[-1] = len(out)
+            if folds is not None:
+                folds[len(out)] = also
+                also = ()
             for c in [cid, *also]:
                 out.append((c, msg))
             if likes is not None:

@@ -23,6 +23,7 @@ from typing import Any
 from ptops.ops.rank.channel import (
     ALIVE,
     BATCH,
+    BEGUN,
     KEEPALIVE,
     KEEPALIVE_S,
     MAX_LINE,
@@ -359,23 +360,11 @@ class ChannelServer:
         self._put((vp, msg, now))
 
     def _batch(self, node: Peer, frame: dict[str, Any], now: float) -> None:
-        """A node's batch of rank lines: ONE inbox entry, ``(rank peer, message)`` pairs in the
-        order sent (``unbatch`` rebuilds the step records). A line of a connection the node never
-        said hello for is dropped, as a relayed one is."""
-        items = []
-        likes: list = []
-        sums: list = []
-        place: list = []  # a pair's place -> its item's (None: dropped)
-        for (sub, msg), like in zip(unbatch(frame, likes, sums), likes):
-            vp = node.subs.get(sub) if type(sub) is int else None
-            place.append(len(items) if vp is not None else None)
-            if vp is not None:
-                items.append((vp, msg, like))
-        if sums:
-            _with_summaries(node, items, place, sums)
-        if items:
-            self._put((node, {"t": "_batch", "items": items}, now))
-            self.received += len(items) - 1
+        """A node's batch of rank lines: ONE inbox entry (``batch_entry``)."""
+        entry = batch_entry(node, frame)
+        if entry["items"]:
+            self._put((node, entry, now))
+            self.received += entry["n"] - 1
 
     def _alive(self, node: Peer, frame: dict[str, Any], now: float) -> None:
         """A node's liveness summary: ONE inbox entry for all its ranks, ``(rank peer, seen at)``
@@ -426,6 +415,50 @@ class ChannelServer:
                 s.close()
             except OSError:
                 pass
+
+
+def batch_entry(node: Peer, frame: dict[str, Any]) -> dict[str, Any]:
+    """A node's ``b`` frame as the supervisor's inbox entry ``{"t": "_batch", "items": [(rank
+    peer, message, like)], "n": rank messages}``, in the order sent (``unbatch`` rebuilds the
+    step records). A line of a connection the node never said hello for is dropped, as a relayed
+    one is. A folded line of begin beats stays ONE item for all its ranks (``_begun``, ``BEGUN``):
+    no tuple a rank in the channel thread, which shares the GIL with the handlers (at 131,072
+    ranks the expansion alone was a third of that thread)."""
+    items: list = []
+    likes: list = []
+    sums: list = []
+    folds: dict = {}
+    place: list = []  # a pair's place -> its item's (None: dropped)
+    subs, n = node.subs, 0
+    for i, ((sub, msg), like) in enumerate(zip(unbatch(frame, likes, sums, folds), likes)):
+        if i in folds:
+            vps = [subs[c] for c in [sub, *folds[i]] if type(c) is int and c in subs]
+            place.append(len(items) if vps else None)
+            if vps:
+                items.append((vps[0], {"t": "_begun", "beat": msg, "ranks": vps}, BEGUN))
+                n += len(vps)
+            continue
+        vp = subs.get(sub) if type(sub) is int else None
+        place.append(len(items) if vp is not None else None)
+        if vp is not None:
+            items.append((vp, msg, like))
+            n += 1
+    if sums:
+        _with_summaries(node, items, place, sums)
+    return {"t": "_batch", "items": items, "n": n}
+
+
+def batch_items(msg: dict[str, Any]) -> list[tuple[Peer, dict[str, Any], Any]]:
+    """A ``_batch`` inbox entry's (rank peer, message, like), a folded line of begin beats
+    (``_begun``) one a rank again: the messages as their ranks sent them, for a reader that is
+    not the supervisor's handlers (a test, a bench)."""
+    out = []
+    for vp, m, like in msg.get("items") or ():
+        if like is BEGUN:
+            out += [(p, m["beat"], None) for p in m["ranks"]]
+        else:
+            out.append((vp, m, like))
+    return out
 
 
 def _with_summaries(node: Peer, items: list, place: list, sums: list) -> None:

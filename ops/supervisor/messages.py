@@ -23,7 +23,7 @@ from typing import Any
 
 from ptops.faultinject.spec import Fault, FaultSpecError, format_spec
 from ptops.faultinject.spec import parse_live as parse_fault
-from ptops.ops.rank.channel import SUMMED, begins
+from ptops.ops.rank.channel import BEGUN, SUMMED, begins
 from ptops.ops.runrecord.events import RANK_KINDS, EventKind, RunState
 from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
 from ptops.ops.supervisor.channel import Peer
@@ -110,7 +110,8 @@ class MessagesMixin:
                 return
             self.server.took(peer, ts)
             self.handle(peer, msg, ts)
-            self.server.handled += len(msg["items"]) if msg.get("t") == "_batch" else 1
+            batch = msg.get("t") == "_batch"  # (``n``: the rank messages its items stand for)
+            self.server.handled += msg.get("n", len(msg["items"])) if batch else 1
             if self.stop_signal is not None and not drain:
                 return
 
@@ -413,6 +414,8 @@ class MessagesMixin:
                     vp, m, like = items[i]
                     if like is SUMMED:
                         self._on_node_summary(vp, m, ts)
+                    elif like is BEGUN:
+                        self._on_begun(m, ts)
                     else:
                         handle(vp, m, ts, like)
                 i = j
@@ -456,6 +459,24 @@ class MessagesMixin:
         self.monitor.observe_steps("metrics", done, ts)
         if zero is not None:
             self._rank0_record(zero)
+
+    def _on_begun(self, msg: dict[str, Any], ts: float) -> None:
+        """A folded line of begin beats (``ChannelServer._batch``): each rank's ``_on_beat`` as
+        one step group (``_on_step_group``'s effect), or one by one without groups."""
+        beat, peers = msg["beat"], msg["ranks"]
+        if not self.STEP_GROUPS:
+            for vp in peers:
+                self.handle(vp, beat, ts)
+            return
+        attempt, step, infos = self.attempt, beat["step"], self.ranks
+        ranks = [vp.key[0] for vp in peers if vp.key is not None and vp.key[1] == attempt]
+        for rank in ranks:
+            info = infos.get(rank)
+            if info is not None and step > info.step:  # (``RankInfo.reached``, inline)
+                info.step = step
+        self.monitor.observe_steps("begin", [(rank, step, None) for rank in ranks], ts)
+        if 0 in ranks:
+            self._checkpoint_beat("step", step, ts)
 
     def _on_node_summary(self, lead: Peer, msg: dict[str, Any], ts: float) -> None:
         """A node's routine ranks of one step, summed up by its agent (``node_summaries``): the

@@ -29,7 +29,7 @@ from ptops.ops.rank.channel import (
     relay_frame,
     unbatch,
 )
-from ptops.ops.supervisor.channel import ChannelServer
+from ptops.ops.supervisor.channel import ChannelServer, batch_items
 
 
 def _next(server: ChannelServer, t: str, timeout: float = 10.0):
@@ -42,7 +42,7 @@ def _next(server: ChannelServer, t: str, timeout: float = 10.0):
             continue
         if msg.get("t") == t:
             return peer, msg, ts
-        for vp, m, _ in msg.get("items") or () if msg.get("t") == "_batch" else ():
+        for vp, m, _ in batch_items(msg) if msg.get("t") == "_batch" else ():
             if m.get("t") == t:
                 return vp, m, ts
     pytest.fail(f"no {t!r} message")
@@ -357,7 +357,7 @@ def _rank_messages(server: ChannelServer, n: int, timeout: float = 10.0) -> list
         except queue.Empty:
             continue
         if msg.get("t") == "_batch":
-            out += [(vp.rank, m, "_batch") for vp, m, _ in msg["items"]]
+            out += [(vp.rank, m, "_batch") for vp, m, _ in batch_items(msg)]
         elif peer.role == "rank" and not msg["t"].startswith("_"):
             out.append((peer.rank, msg, msg["t"]))
     return out

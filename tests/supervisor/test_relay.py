@@ -32,7 +32,7 @@ from ptops.ops.rank.channel import (
     ChannelClient,
     encode,
 )
-from ptops.ops.supervisor.channel import ChannelServer
+from ptops.ops.supervisor.channel import ChannelServer, batch_items
 
 
 @contextlib.contextmanager
@@ -164,7 +164,7 @@ def _batched(server: ChannelServer) -> list:
     out = []
     for _, msg, _ in _drain(server):
         if msg.get("t") == "_batch":
-            out += msg["items"]
+            out += batch_items(msg)
     return out
 
 

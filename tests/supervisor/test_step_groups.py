@@ -12,7 +12,7 @@ import random
 
 from conftest import REPO, supervisor_without_ranks
 
-from ptops.ops.rank.channel import Batcher, encode, unbatch
+from ptops.ops.rank.channel import Batcher, encode
 from ptops.ops.runrecord.rundir import read_jsonl
 
 TITAN = REPO / "tests" / "data" / "obs-titan"
@@ -90,7 +90,7 @@ class _Says:
 
 
 def _run(tmp_path, groups: bool):
-    from ptops.ops.supervisor.channel import Peer
+    from ptops.ops.supervisor.channel import Peer, batch_entry
 
     sup, run = supervisor_without_ranks(
         tmp_path, [f"launch.nproc={WORLD}", "supervisor.metrics_lines=node"], WORLD
@@ -98,13 +98,17 @@ def _run(tmp_path, groups: bool):
     sup.STEP_GROUPS = groups
     sup.feed.monitors[:] = [_Says("says-late", 7), *sup.feed.monitors, _Raises(), _Says("says", 0)]
     calls = {"groups": 0}
-    inner = sup._on_step_group
+    inner, begun = sup._on_step_group, sup._on_begun
 
     def counted(items, ts):
         calls["groups"] += 1
         return inner(items, ts)
 
-    sup._on_step_group = counted
+    def counted_begun(msg, ts):  # a folded line of begin beats: a group unless groups are off
+        calls["groups"] += groups
+        return begun(msg, ts)
+
+    sup._on_step_group, sup._on_begun = counted, counted_begun
     nodes = [
         Peer(cid=100 + n, sock=None, hello={"role": "node", "node": f"node{n}", "attempt": 1})
         for n in range(NODES)
@@ -113,6 +117,7 @@ def _run(tmp_path, groups: bool):
     for r in range(WORLD):
         hello = {"role": "rank", "rank": r, "attempt": 1, "pid": 1}
         peers[r] = Peer(cid=r, sock=None, hello=hello, via=nodes[r // PER_NODE])
+        nodes[r // PER_NODE].subs[r] = peers[r]
         sup.handle(peers[r], {"t": "_hello"}, 0.5)
         for section in ("import", "rendezvous", "build", "load"):
             beat = {"t": "beat", "phase": "startup", "section": section, "step": 0}
@@ -122,10 +127,8 @@ def _run(tmp_path, groups: bool):
         b = Batcher()
         for rank, msg in lines:
             b.add(rank, encode(msg).rstrip(b"\n"), 0.0)
-        likes: list = []
-        pairs = unbatch(json.loads(b.frame()), likes)
-        items = [(peers[cid], m, like) for (cid, m), like in zip(pairs, likes)]
-        sup.handle(nodes[node], {"t": "_batch", "items": items}, 1.0 + i * 0.05)
+        entry = batch_entry(nodes[node], json.loads(b.frame()))  # the channel thread's
+        sup.handle(nodes[node], entry, 1.0 + i * 0.05)
     sup.metrics_out.close()
     finding = sup.monitor.check(1.0 + len(_stream()) * 0.05 + 500.0)
     return sup, run, calls["groups"], finding
