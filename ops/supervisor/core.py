@@ -241,15 +241,21 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 "reason": self.reason or None,
                 "updated": time.time(),
             },
-            {"ranks": self._ranks_json()},
+            {"ranks": self._ranks_json(force)},
         )
 
-    def _ranks_json(self) -> str:
+    def _ranks_json(self, force: bool = False) -> str:
         """The live ranks as status.json lists them, encoded again only after a hello or an EOF
         (``ranks_changed``): a sort and an encoding of every rank once a second was ~40 ms of the
-        main thread at 16,384 ranks and ~0.3 s at 131,072 (docs/scale.md)."""
+        main thread at 16,384 ranks and ~0.3 s at 131,072 (docs/scale.md). While ranks keep
+        coming (a start-up burst: a hello at a time), at most one encoding in 20 times its own
+        cost, unless ``force`` (the last hello, a state change): at 131,072 ranks the list is then
+        up to ~6 s behind during the burst, not re-encoded every second of it."""
         held = self._ranks_held
         if held is None or held[0] is not self.ranks or held[1] != self.ranks_changed:
+            now = time.monotonic()
+            if held is not None and held[0] is self.ranks and not force and now < held[3]:
+                return held[2]
             text = json.dumps(
                 [
                     {"rank": r.rank, "pid": r.pid, "host": r.host}
@@ -257,7 +263,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                     if r.gone_ts is None
                 ]
             )
-            held = self._ranks_held = (self.ranks, self.ranks_changed, text)
+            took = time.monotonic() - now
+            held = self._ranks_held = (self.ranks, self.ranks_changed, text, now + 20 * took)
         return held[2]
 
     # ------------------------------------------------------------ entry

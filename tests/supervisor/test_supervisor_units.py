@@ -488,6 +488,11 @@ def test_status_lists_the_live_ranks_encoded_again_only_when_they_change(tmp_pat
     assert listed() == [(1, 555, "h1"), (2, 102, "h2")]
     sup.ranks = {}  # the next attempt
     assert listed() == []
+    # a start-up burst: a change within 20x the last encoding's cost waits, unless forced
+    sup._ranks_held = (*sup._ranks_held[:3], time.monotonic() + 60.0)
+    sup.handle(peer(2, 102), {"t": "_hello"}, 4.0)
+    assert sup._ranks_json() == "[]"
+    assert listed() == [(2, 102, "h2")]
     # the keys given encoded join the others as one JSON object, with or without others
     write_status(sup.run, {}, {"ranks": "[1]"})
     assert json.loads((sup.run.path / "status.json").read_text()) == {"ranks": [1]}
