@@ -292,7 +292,7 @@ class SharedRankedMonitor(RankedMonitor):
         if len(led) == 7:
             self._led = led = led + (_keys_read(self._inputs, led[2]),)
         read = led[7]
-        for d in diffs:
+        for d in set(diffs):  # (a summary's ranks: one set of names, checked once)
             if not d.isdisjoint(read):
                 return False
         if len(set(ranks)) != len(ranks) or lead in ranks:
@@ -300,26 +300,22 @@ class SharedRankedMonitor(RankedMonitor):
         rk = self._rewind_keys
         last_step = self._last_step
         noted = rk is None or rk is self._gate or not keys.isdisjoint(rk)
-        if noted:
-            for r in ranks:
-                last = last_step.get(r)
-                if last is not None and step <= last:
-                    return False  # a rewind: its own way
+        # the loops a rank below run in C (``map``, ``count``): a relay's 511 followers, for
+        # each shared monitor, every step (docs/scale.md)
+        if noted and ranks and step <= max(map(last_step.get, ranks, [-(2**62)] * len(ranks))):
+            return False  # a rewind: its own way
         if e is not _NOOP:
             g, pos = led[4], led[5]
             log = g.log
             if led[6] or e[4] or log is None or pos < g.pos0 or log[pos - g.pos0] is not e:
                 return False
-            members = self._members
-            for r in ranks:
-                m = members.get(r)
-                if m is None or m[0] is not g or m[1] != pos:
-                    return False
-            for r in ranks:
-                members[r][1] = pos + 1
+            ms = list(map(self._members.get, ranks))
+            if ms.count([g, pos]) != len(ms):  # each placed in g at pos (g compared by identity)
+                return False
+            for m in ms:
+                m[1] = pos + 1
         if noted:
-            for r in ranks:
-                last_step[r] = step
+            last_step.update(dict.fromkeys(ranks, step))
         return True
 
     def _aside(

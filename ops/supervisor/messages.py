@@ -491,17 +491,19 @@ class MessagesMixin:
         self.metrics_out.summary(entry, rec.get("rank") if msg["lead_out"] else None)
         hi = entry["keys"].get("step_s")
         slow, slow_s = (hi[4], hi[3]) if hi else (None, None)
-        ranks, done = [], []
-        for vp in msg["ranks"]:
-            if not _current_rank(vp, self.attempt):
-                continue
-            rank = vp.rank
-            step_s = slow_s if rank == slow else None
-            info = self.ranks.get(rank)
+        attempt, infos = self.attempt, self.ranks
+        ranks = [vp.key[0] for vp in msg["ranks"] if vp.key is not None and vp.key[1] == attempt]
+        for rank in ranks:  # (``RankInfo.reached``, inline: a loop a rank, kept to its least)
+            info = infos.get(rank)
+            if info is not None and step > info.step:
+                info.step = step
+        done = [(rank, step, None) for rank in ranks]
+        if slow in ranks:
+            i = ranks.index(slow)
+            done[i] = (slow, step, slow_s)
+            info = infos.get(slow)
             if info is not None:
-                info.reached(step, step_s)
-            ranks.append(rank)
-            done.append((rank, step, step_s))
+                info.reached(step, slow_s)
         self.monitor.observe_steps("metrics", done, ts)
         unmoved = len(self.feed.unmoved)
         self._monitored(*self.feed.repeat_summary(rec, ranks, msg["names"]))
