@@ -106,6 +106,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.ranks: dict[int, RankInfo] = {}
         self.ranks_changed = 0  # bumped at each hello and EOF: status.json's list (``_ranks_json``)
         self._ranks_held: tuple | None = None
+        self._rank_lists: dict[int, tuple] = {}  # ``current_ranks``' memo
         self.server: ChannelServer | None = None
         self.proc = None
         self.monitor: HangMonitor | None = None

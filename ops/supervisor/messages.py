@@ -460,6 +460,20 @@ class MessagesMixin:
         if zero is not None:
             self._rank0_record(zero)
 
+    def current_ranks(self, peers: list) -> list[int]:
+        """The ranks of this attempt among ``peers``, a list the channel shares from frame to
+        frame (``peers_of``): worked out once a list and attempt, not a rank a step. Read it,
+        never change it."""
+        hit = self._rank_lists.get(id(peers))
+        if hit is not None and hit[0] is peers and hit[1] == self.attempt:
+            return hit[2]
+        attempt = self.attempt
+        ranks = [vp.key[0] for vp in peers if vp.key is not None and vp.key[1] == attempt]
+        if len(self._rank_lists) >= 4096:
+            self._rank_lists.clear()
+        self._rank_lists[id(peers)] = (peers, attempt, ranks)  # (holds peers: no id reused)
+        return ranks
+
     def _on_begun(self, msg: dict[str, Any], ts: float) -> None:
         """A folded line of begin beats (``ChannelServer._batch``): each rank's ``_on_beat`` as
         one step group (``_on_step_group``'s effect), or one by one without groups."""
@@ -468,8 +482,8 @@ class MessagesMixin:
             for vp in peers:
                 self.handle(vp, beat, ts)
             return
-        attempt, step, infos = self.attempt, beat["step"], self.ranks
-        ranks = [vp.key[0] for vp in peers if vp.key is not None and vp.key[1] == attempt]
+        step, infos = beat["step"], self.ranks
+        ranks = self.current_ranks(peers)
         for rank in ranks:
             info = infos.get(rank)
             if info is not None and step > info.step:  # (``RankInfo.reached``, inline)
@@ -491,8 +505,8 @@ class MessagesMixin:
         self.metrics_out.summary(entry, rec.get("rank") if msg["lead_out"] else None)
         hi = entry["keys"].get("step_s")
         slow, slow_s = (hi[4], hi[3]) if hi else (None, None)
-        attempt, infos = self.attempt, self.ranks
-        ranks = [vp.key[0] for vp in msg["ranks"] if vp.key is not None and vp.key[1] == attempt]
+        infos = self.ranks
+        ranks = self.current_ranks(msg["ranks"])
         for rank in ranks:  # (``RankInfo.reached``, inline: a loop a rank, kept to its least)
             info = infos.get(rank)
             if info is not None and step > info.step:

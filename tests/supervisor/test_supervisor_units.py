@@ -1023,3 +1023,28 @@ def test_a_peers_rank_and_attempt_are_read_once_off_its_hello():
     for hello in ({"role": "node", "rank": 1, "attempt": 1}, {"rank": [1], "attempt": 1},
                   {"rank": 1, "attempt": "x"}, {"attempt": 1}):  # fmt: skip
         assert Peer(3, None, hello=hello).key is None, hello
+
+
+def test_a_nodes_lists_of_connections_are_remembered_until_its_connections_change():
+    """``peers_of``: a relay names the same ~511 connections every step, so their peers are
+    looked up once a list; a new hello or a connection gone makes the lists be looked up again."""
+    from ptops.ops.supervisor.channel import ChannelServer, Peer, peers_of
+
+    server = ChannelServer()
+    try:
+        node = Peer(1, None, hello={"role": "node", "node": "r", "attempt": 1}, authed=True)
+
+        def hello(c: int) -> None:
+            m = {"t": "hello", "role": "rank", "rank": c, "attempt": 1}
+            server._relayed(node, {"t": "r", "c": c, "m": m}, 0.0)
+
+        hello(1), hello(2)
+        got = peers_of(node, [1, 2, 3])
+        assert [p.rank for p in got] == [1, 2] and peers_of(node, [1, 2, 3]) is got
+        hello(3)
+        assert [p.rank for p in peers_of(node, [1, 2, 3])] == [1, 2, 3]
+        server._relayed(node, {"t": "g", "c": 1}, 0.0)
+        assert [p.rank for p in peers_of(node, [1, 2, 3])] == [2, 3]
+        assert [p.rank for p in peers_of(node, [[1], 2, "3"])] == [2]  # no number: no peer
+    finally:
+        server.close()
