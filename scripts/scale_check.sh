@@ -4,6 +4,9 @@
 # (ops/node/relay.py) and without, side by side where the time allows; one device call:
 #   here:  bash scripts/gpu_wheels.sh      (.whl/: pydantic & co. for the image's python)
 #   there: run(command="bash scripts/scale_check.sh", carry=[".whl"], timeout_s=590)
+# With --template and --relay-tier the relays of rank 0's and the victim's groups are real processes and
+# every other group one link sending the relay's own bytes (bench/README.md, "Templated relays"): 131,072
+# ranks then need ~2 cores besides the supervisor's, not 256 relay processes.
 # Runs in order of what they tell, each only if the time left (SCALE_CHECK_BUDGET, 560 s) holds it:
 # 131,072 ranks through relays; 16,384 ranks (a whole node silent) through relays, then without;
 # 1,024 ranks both ways; 16,384 through relays with the supervisor starved to half a core.
