@@ -55,7 +55,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from ptops.ops.rank.channel import (
-    ALIVE,
     ALIVE_S,
     ENV_ADDRESS,
     ENV_TOKEN,
@@ -71,6 +70,7 @@ from ptops.ops.rank.channel import (
     SUMMARY_ENV,
     Batcher,
     ChannelClient,
+    alive_frame,
     encode,
     new_token,
     relay_group,
@@ -379,13 +379,7 @@ class Agent:
         with self._lock:
             heard, self._heard = self._heard, {}
             stepped, self._stepped = self._stepped, set()
-            live = [
-                (c, t) for c, t in sorted(heard.items()) if c in self._conns and c not in stepped
-            ]
-        if not live:
-            return None
-        ages = [round((now - t) * 1e3) for _, t in live]
-        return {"t": ALIVE, "c": [c for c, _ in live], "ms": ages}
+            return alive_frame(heard, stepped, self._conns, now)
 
     # ------------------------------------------------------------ main
     def run(self) -> int:

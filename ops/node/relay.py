@@ -75,6 +75,7 @@ from ptops.ops.rank.channel import (
     Batcher,
     ChannelClient,
     alive_entries,
+    alive_frame,
     encode,
     split_address,
     summary_settings,
@@ -399,10 +400,9 @@ class Relay:
         it sent since (each was a sign of life to the supervisor): the agent's own rule."""
         heard, self._heard = self._heard, {}
         stepped, self._stepped = self._stepped, set()
-        live = sorted((c, at) for c, at in heard.items() if c in self._down and c not in stepped)
-        if live:
-            ages = [max(0, round((now - at) * 1e3)) for _, at in live]
-            self.up.send({"t": ALIVE, "c": [c for c, _ in live], "ms": ages})
+        frame = alive_frame(heard, stepped, self._down, now)
+        if frame is not None:
+            self.up.send(frame)
 
 
 def main() -> None:

@@ -130,6 +130,20 @@ def alive_entries(frame: dict[str, Any]) -> list[tuple[Any, float]]:
     ]
 
 
+def alive_frame(
+    heard: dict[int, float], stepped: set, known: Any, now: float
+) -> dict[str, Any] | None:
+    """An ``a`` frame (above): the connections of ``known`` heard since the last frame
+    (``heard``: number -> when, monotonic) but those in ``stepped`` (their beat or record went up:
+    a sign of life already), with the ages in ms at ``now``; None when none is left. The agent's
+    rule and its relay's."""
+    live = sorted((c, at) for c, at in heard.items() if c in known and c not in stepped)
+    if not live:
+        return None
+    ages = [max(0, round((now - at) * 1e3)) for _, at in live]
+    return {"t": ALIVE, "c": [c for c, _ in live], "ms": ages}
+
+
 def relay_frame(cid: int, raw: bytes) -> bytes:
     """One relayed rank line (``raw``: a JSON object without its newline), as sent upstream."""
     return b'{"t":"r","c":%d,"m":%s}\n' % (cid, raw)

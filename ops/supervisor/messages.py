@@ -428,17 +428,8 @@ class MessagesMixin:
         (``HangMonitor.observe_steps``). The same records, findings and state as one by one; only
         rank 0's progress line moves to the group's end."""
         ranks = self.ranks
-        if items[0][1]["t"] == "beat":
-            done = []
-            for vp, m, _ in items:
-                rank, step = vp.rank, m["step"]
-                info = ranks.get(rank)
-                if info is not None:
-                    info.reached(step)
-                done.append((rank, step, None))
-            self.monitor.observe_steps("begin", done, ts)
-            if any(d[0] == 0 for d in done):
-                self._checkpoint_beat("step", done[0][1], ts)
+        if items[0][1]["t"] == "beat":  # (one step: ``_group_end``)
+            self._steps_begun([vp.rank for vp, _, _ in items], items[0][1]["step"], ts)
             return
         append = self.metrics_out.append
         recs, likes, done = [], [], []
@@ -482,12 +473,12 @@ class MessagesMixin:
             for vp in peers:
                 self.handle(vp, beat, ts)
             return
-        step, infos = beat["step"], self.ranks
-        ranks = self.current_ranks(peers)
-        for rank in ranks:
-            info = infos.get(rank)
-            if info is not None and step > info.step:  # (``RankInfo.reached``, inline)
-                info.step = step
+        self._steps_begun(self.current_ranks(peers), beat["step"], ts)
+
+    def _steps_begun(self, ranks: list[int], step: int, ts: float) -> None:
+        """Each of ``ranks`` began ``step``, their beats come together at ``ts`` (a step group,
+        a folded line): their progress, the hang monitor in one call, rank 0's checkpoint state."""
+        _reached(self.ranks, ranks, step)
         self.monitor.observe_steps("begin", [(rank, step, None) for rank in ranks], ts)
         if 0 in ranks:
             self._checkpoint_beat("step", step, ts)
@@ -507,10 +498,7 @@ class MessagesMixin:
         slow, slow_s = (hi[4], hi[3]) if hi else (None, None)
         infos = self.ranks
         ranks = self.current_ranks(msg["ranks"])
-        for rank in ranks:  # (``RankInfo.reached``, inline: a loop a rank, kept to its least)
-            info = infos.get(rank)
-            if info is not None and step > info.step:
-                info.step = step
+        _reached(infos, ranks, step)
         done = [(rank, step, None) for rank in ranks]
         if slow in ranks:
             i = ranks.index(slow)
@@ -544,6 +532,15 @@ class MessagesMixin:
         elif step in self.ckpt_started:
             self.ckpt_started.pop(step)
             self.state = RunState.RUNNING
+
+
+def _reached(infos: dict[int, RankInfo], ranks: list[int], step: int) -> None:
+    """``RankInfo.reached(step)`` of each of ``ranks`` (no step time), inline: a loop a rank of a
+    relay's step, kept to its least."""
+    for rank in ranks:
+        info = infos.get(rank)
+        if info is not None and step > info.step:
+            info.step = step
 
 
 def _group_end(items: Any, i: int, attempt: int) -> int:
