@@ -144,6 +144,12 @@ def _metrics_msg(
     return {"t": "metrics", "rec": rec, "ts": now}
 
 
+def _records(lines: list[tuple]) -> int:
+    """The step records among a node's lines ``(c, line[, its message])``: those made with their
+    message (``lines_of``)."""
+    return sum(1 for x in lines if len(x) > 2)
+
+
 def _line(msg: dict) -> bytes:
     return json.dumps(msg, separators=(",", ":")).encode()
 
@@ -308,7 +314,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
     if tier:  # --template: one link a group without a real relay, its bytes the relay's
         nodes += [
             _Node(g, list(range(g * tier * per, min(args.nodes, (g + 1) * tier) * per)), True)
-            for g in range(part, -(-args.nodes // tier), args.gen_procs)
+            for g in range(part, _groups(args), args.gen_procs)
             if g not in real
         ]
     # the summing up is the relays' (``_start_relays``): their settings, for the templated ones
@@ -469,7 +475,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
         if args.template:  # one frame for every ordinary node, its ranks put in (``_Template``)
             t_lines = lines_of(_stand_ins(per))
             t_frames = [_Template(f, per) for f in _frames(args.relay, t_lines)]
-            t_metrics = sum(1 for x in t_lines if len(x) > 2)
+            t_metrics = _records(t_lines)
             t_stepped = {x[0] for x in t_lines if x[1].startswith(STEP_PREFIXES)}
         t_relays: dict[int, tuple] = {}  # a templated relay's nodes -> this tick's frame, ...
 
@@ -482,7 +488,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                 lines = [lines_of(stand[j * per : (j + 1) * per]) for j in range(n)]
                 frames = [_frames(args.relay, x) for x in lines]
                 frame, stepped = _relay_frame(frames, per, Batcher(*relay_batch))
-                metrics = sum(1 for x in lines for y in x if len(y) > 2)
+                metrics = sum(map(_records, lines))
                 t = _Template(frame, n * per) if frame is not None else None
                 t_relays[n] = (t, stepped, sum(map(len, lines)), metrics)
             return t_relays[n]
@@ -504,7 +510,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
             else:
                 lines = lines_of(node.ranks)
                 counters["sent_msgs"] += len(lines)
-                counters["sent_metrics"] += sum(1 for x in lines if len(x) > 2)
+                counters["sent_metrics"] += _records(lines)
                 parts = _frames(args.relay, lines)
                 node.stepped.update(x[0] for x in lines if x[1].startswith(STEP_PREFIXES))
             if ping and (args.liveness == "node" or node.relay):  # one frame for the pings
@@ -564,10 +570,15 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
 _RELAY_SUMMARY = "SCALE_LOAD_RELAY_SUMMARY"
 
 
+def _groups(args: argparse.Namespace) -> int:
+    """How many groups of ``--relay-tier`` nodes (the last may be short)."""
+    return -(-args.nodes // args.relay_tier)
+
+
 def _real_groups(args: argparse.Namespace) -> list[int]:
     """The groups of ``--relay-tier`` nodes that get a real relay process: all, or with
     ``--template`` those of rank 0 and of the victim (the others' links are templated)."""
-    groups = -(-args.nodes // args.relay_tier)
+    groups = _groups(args)
     if not args.template:
         return list(range(groups))
     return sorted({0, args.victim // args.per_node // args.relay_tier})
@@ -594,7 +605,7 @@ def _start_relays(args: argparse.Namespace) -> tuple[list[subprocess.Popen], str
         )
         for _ in real
     ]
-    addrs = [""] * -(-args.nodes // args.relay_tier)
+    addrs = [""] * _groups(args)
     for g, p in zip(real, procs):
         line = p.stdout.readline()
         try:
@@ -613,7 +624,7 @@ def _relay_counts(args: argparse.Namespace) -> dict:
     if not args.relay_tier:
         return {}
     real = len(_real_groups(args))
-    return {"relays_real": real, "relay_templated": -(-args.nodes // args.relay_tier) - real}
+    return {"relays_real": real, "relay_templated": _groups(args) - real}
 
 
 def _relays_cpu(d: Path) -> tuple[int, float]:
