@@ -168,6 +168,25 @@ class _Group:
         return self.pos0 + len(self.log or ())
 
 
+class _Cohort:
+    """Followers that ``repeat_group`` moved on as one and that nothing touched one by one since:
+    their step and their place, held once for all of them. Why: a relay's 511 followers come as the
+    same group every step, for each shared monitor; noting each one's step and place was most of
+    the supervisor's core at 131,072 ranks (docs/scale.md).
+
+    ``step``: the step of every rank (their ``_last_step`` entries are stale), or None (each one's
+    own ``_last_step`` entry). ``member``: the one ``[group, position]`` list that is every rank's
+    ``_members`` entry (never changed through one rank: it is dissolved first), or None (each
+    one's own entry). ``ranks``: a copy (the caller's list is compared, never trusted)."""
+
+    __slots__ = ("ranks", "step", "member")
+
+    def __init__(self, ranks: list, step: int | None, member: list | None) -> None:
+        self.ranks = list(ranks)
+        self.step = step
+        self.member = member
+
+
 class SharedRankedMonitor(RankedMonitor):
     """A :class:`RankedMonitor` whose ranks share one state while their inputs agree.
 
@@ -185,6 +204,8 @@ class SharedRankedMonitor(RankedMonitor):
     def reset(self) -> None:
         super().reset()
         self._members: dict[int, list] = {}  # rank -> [group or None (not placed yet), position]
+        self._cohort_of: dict[int, _Cohort] = {}  # rank -> the cohort it is in (``repeat_group``)
+        self._cohorts: dict[_Cohort, None] = {}  # the cohorts (``_checkpoint``)
         self._fresh: list[_Group] = []  # logging groups from the fresh state (new ranks join one)
         self._tried: list | None = None
         self._silent = False
@@ -205,6 +226,9 @@ class SharedRankedMonitor(RankedMonitor):
 
     def _state_of(self, rank: int) -> Any:
         """The rank's own state (rebuilt when it is behind the state it shares), or None."""
+        c = self._cohort_of.get(rank)
+        if c is not None:
+            self._dissolve(c)
         m = self._members.get(rank)
         if m is None or m[0] is None:
             return None
@@ -217,6 +241,9 @@ class SharedRankedMonitor(RankedMonitor):
         if gate is not None and keys.isdisjoint(gate):
             self._led = (step, rank, record, _GATED, None, 0, False)
             return []
+        c = self._cohort_of.get(rank)
+        if c is not None:
+            self._dissolve(c)
         rew = self._seen(keys, step, rank)
         inputs = self._inputs(record)
         if not rew and inputs == self._noop:
@@ -240,6 +267,9 @@ class SharedRankedMonitor(RankedMonitor):
         e = led[3]
         if e is _GATED:  # the same keys: gated too
             return []
+        c = self._cohort_of.get(rank)
+        if c is not None:
+            self._dissolve(c)
         if len(led) == 7:  # the keys whose values the leader's inputs came from, once
             self._led = led = led + (_keys_read(self._inputs, led[2]),)
         if not diff.isdisjoint(led[7]):
@@ -276,13 +306,15 @@ class SharedRankedMonitor(RankedMonitor):
         self._replay(out, e[4], record, rank)
         return out
 
-    def repeat_group(self, step: int, ranks: list, lead: Any, diffs: list, keys: Any) -> bool:
+    def repeat_group(self, step: int, ranks: list, lead: Any, diffs: Any, keys: Any) -> bool:
         """``repeat`` of a whole step group's followers (``ranks``, each certified equal to rank
-        ``lead``'s record, fed just before, but for its keys in ``diffs``; all with ``keys``),
-        when every one of them would just follow the leader's transition with no finding: True
-        when done (each rank moved on), False when nothing was done and each is for ``repeat``.
-        The checks come first and change nothing, so a group is never half moved. Why: a node's
-        step is one unit for the supervisor (docs/scale.md), one call here, not one a rank."""
+        ``lead``'s record, fed just before, but for its keys in ``diffs``: a list, one set a rank,
+        or one set for all of them; all with ``keys``), when every one of them would just follow
+        the leader's transition with no finding: True when done (each rank moved on), False when
+        nothing was done and each is for ``repeat``. The checks come first and change nothing, so
+        a group is never half moved. Why: a node's step is one unit for the supervisor
+        (docs/scale.md), one call here, not one a rank; and the group that was moved on last time
+        (a ``_Cohort``, the same ``ranks`` again) is moved on in O(1), not a rank at a time."""
         led = self._led
         if led is None or led[0] != step or led[1] != lead:
             return False
@@ -292,31 +324,79 @@ class SharedRankedMonitor(RankedMonitor):
         if len(led) == 7:
             self._led = led = led + (_keys_read(self._inputs, led[2]),)
         read = led[7]
-        for d in set(diffs):  # (a summary's ranks: one set of names, checked once)
-            if not d.isdisjoint(read):
+        if isinstance(diffs, (set, frozenset)):  # every rank's (``repeat_summary``)
+            if not diffs.isdisjoint(read):
                 return False
-        if len(set(ranks)) != len(ranks) or lead in ranks:
-            return False
+        else:
+            for d in set(diffs):  # (a summary's ranks: one set of names, checked once)
+                if not d.isdisjoint(read):
+                    return False
         rk = self._rewind_keys
-        last_step = self._last_step
         noted = rk is None or rk is self._gate or not keys.isdisjoint(rk)
-        # the loops a rank below run in C (``map``, ``count``): a relay's 511 followers, for
-        # each shared monitor, every step (docs/scale.md)
-        if noted and ranks and step <= max(map(last_step.get, ranks, [-(2**62)] * len(ranks))):
-            return False  # a rewind: its own way
+        g = pos = None
         if e is not _NOOP:
             g, pos = led[4], led[5]
             log = g.log
             if led[6] or e[4] or log is None or pos < g.pos0 or log[pos - g.pos0] is not e:
                 return False
+        cohort_of = self._cohort_of
+        c = cohort_of.get(ranks[0]) if ranks else None
+        if (
+            c is not None
+            and ranks == c.ranks  # (equal ints are mostly the same objects: ~2 us)
+            and cohort_of.get(lead) is not c
+            and (not noted or c.step is not None)
+            and (g is None or c.member is not None)
+        ):  # the cohort moved on last time: its step and place, once for all its ranks
+            if noted and step <= c.step:
+                return False  # a rewind: its own way
+            if g is not None:
+                m = c.member
+                if m[0] is not g or m[1] != pos:
+                    return False
+                m[1] = pos + 1
+            if noted:
+                c.step = step
+            return True
+        if len(set(ranks)) != len(ranks) or lead in ranks:
+            return False
+        if cohort_of:  # ranks of other cohorts (or this one, not all it holds): each its own again
+            for c in set(map(cohort_of.get, ranks)):
+                if c is not None:
+                    self._dissolve(c)
+        last_step = self._last_step
+        # the loops a rank below run in C (``map``, ``count``), once: then the ranks are a cohort
+        if noted and ranks and step <= max(map(last_step.get, ranks, [-(2**62)] * len(ranks))):
+            return False  # a rewind: its own way
+        member = None
+        if g is not None:
             ms = list(map(self._members.get, ranks))
             if ms.count([g, pos]) != len(ms):  # each placed in g at pos (g compared by identity)
                 return False
-            for m in ms:
-                m[1] = pos + 1
-        if noted:
-            last_step.update(dict.fromkeys(ranks, step))
+            member = [g, pos + 1]
+        if ranks and (noted or member is not None):
+            c = _Cohort(ranks, step if noted else None, member)
+            cohort_of.update(dict.fromkeys(ranks, c))
+            self._cohorts[c] = None
+            if member is not None:
+                self._members.update(dict.fromkeys(ranks, member))
         return True
+
+    def _dissolve(self, c: _Cohort) -> None:
+        """Each rank of cohort ``c`` its own step and its own place again (a list of its own, never
+        shared): before anything reads or moves one of them alone."""
+        del self._cohorts[c]
+        cohort_of = self._cohort_of
+        ranks = c.ranks
+        for r in ranks:
+            del cohort_of[r]
+        if c.step is not None:
+            self._last_step.update(dict.fromkeys(ranks, c.step))
+        if c.member is not None:
+            g, pos = c.member
+            members = self._members
+            for r in ranks:
+                members[r] = [g, pos]
 
     def _aside(
         self, record: Mapping[str, Any], keys: Any, step: int, rank: int, rew: bool | None = None
@@ -413,6 +493,10 @@ class SharedRankedMonitor(RankedMonitor):
 
     def _checkpoint(self, g: _Group) -> None:
         """Replace the log by a copy of the state; members behind get their own state first."""
+        head = g.head
+        for c in [c for c in self._cohorts if c.member is not None and c.member[0] is g]:
+            if c.member[1] < head:
+                self._dissolve(c)  # (at the head, a cohort's one list is left as it is)
         for m in self._members.values():
             if m[0] is g and m[1] < g.head:
                 self._fork(m)

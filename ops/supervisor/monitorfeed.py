@@ -146,11 +146,11 @@ class MonitorFeed:
             return [], []
         self._sync()
         keys = lead.keys()
-        diffs = [names] * len(ranks)
         findings: list = []
         first_errors: list = []
         for (m, _), rep in zip(self._calls, self._reps):
-            if rep is None or _moved(m, step, ranks, lead_rank, diffs, keys):
+            # (``names``: every rank's diff, one set, not a list of it a rank: O(1) a monitor)
+            if rep is None or _moved(m, step, ranks, lead_rank, names, keys):
                 continue
             try:
                 read = keys_read(m._inputs, lead)
@@ -200,7 +200,7 @@ class MonitorFeed:
             first.append((name, e) if place is None else (*place, (name, e)))
 
 
-def _moved(m: Any, step: int, ranks: list, lead: Any, diffs: list, keys: Any) -> bool:
+def _moved(m: Any, step: int, ranks: list, lead: Any, diffs: Any, keys: Any) -> bool:
     """``m.repeat_group``; an exception there (a monitor's ``_inputs`` raising on the leader's
     record) is left to each follower's ``repeat`` to raise again and be counted, as it would be
     record by record (``repeat_group`` changes nothing before its checks pass)."""

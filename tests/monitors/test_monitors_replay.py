@@ -578,3 +578,87 @@ def test_node_summaries_give_the_shared_monitors_the_findings_and_states_of_ever
                     others_differ[key] = others_differ.get(key, 0) + 1
     print("ranks summed up:", summed, "other monitors' differences:", others_differ)
     assert summed > 5_000  # the summaries were there: the equality is not vacuous
+
+
+class _Counted(dict):
+    """A dict that counts the ranks read or written through it (``get``, ``[]``, ``update``)."""
+
+    n = 0
+
+    def get(self, key, default=None):
+        _Counted.n += 1
+        return dict.get(self, key, default)
+
+    def __getitem__(self, key):
+        _Counted.n += 1
+        return dict.__getitem__(self, key)
+
+    def __setitem__(self, key, value):
+        _Counted.n += 1
+        dict.__setitem__(self, key, value)
+
+    def update(self, other=(), **kw):
+        _Counted.n += len(other) + len(kw)
+        dict.update(self, other, **kw)
+
+
+def test_a_cohort_of_followers_moves_on_in_one_step_and_dissolves_exactly():
+    """A relay's followers, summed up step after step (``repeat_summary``), move on as a cohort:
+    no rank's step or place is read or written (``_last_step``, ``_members``) on a steady step.
+    One of them fed its own record (another loss: a state of its own), another rewound to an
+    earlier step, then the group again (with and without them, the same list or an equal one):
+    the findings, every rank's state, step and fired table are those of a state per rank fed
+    every record."""
+    from ptops.monitors import SharedRankedMonitor as Shared
+
+    lead, ranks = 0, list(range(1, 65))
+    names = frozenset({"step_s"})
+    shared = [m for m in build_monitors() if isinstance(m, Shared)]
+    alone = [m for m in build_monitors() if isinstance(m, Shared)]
+    for m in alone:
+        m.share = False
+    feed = MonitorFeed(shared)
+    found, fed = [], []  # (the shared monitors' findings, every record as if each came)
+
+    def rec(step, rank, loss=None):
+        loss = 5.0 - 0.01 * step + 0.003 * (step % 3) if loss is None else loss
+        return {"step": step, "rank": rank, "loss": loss, "grad_norm": 0.5, "step_s": 1.0 + rank}
+
+    def group(step, members, spike=False):
+        lr = rec(step, lead, 50.0 if spike else None)
+        found.extend(feed.feed(lr)[0])
+        found.extend(feed.repeat_summary(lr, members, names)[0])
+        fed.extend([lr] + [{**lr, "rank": r, "step_s": 1.0 + r} for r in members])
+
+    def alone_rec(r):
+        found.extend(feed.feed(r)[0])
+        fed.append(r)
+
+    steady = []
+    for step in range(1, 41):  # the same list (``current_ranks``' memo), then an equal one
+        before = _Counted.n
+        group(step, ranks if step < 30 else list(ranks), spike=step == 25)
+        if step >= 5 and step not in (25, 26):  # (the spike: each rank replays its finding)
+            steady.append(_Counted.n - before)
+        if step == 3:  # counted from here: the cohorts are there by now
+            for m in shared:
+                m._last_step, m._members = _Counted(m._last_step), _Counted(m._members)
+    # the leader's own record takes a few a step; a rank at a time would be 64 a monitor or more
+    assert max(steady) <= 2 * len(shared), steady
+    alone_rec(rec(40, 7, loss=9.0))  # one follower's own record: another loss than its leader's
+    rest = [r for r in ranks if r != 7]
+    for step in range(41, 46):
+        group(step, ranks if step == 41 else rest)
+    alone_rec(rec(42, 11))  # another one rewinds to an earlier step
+    for step in range(46, 52):
+        group(step, ranks if step in (46, 50) else rest)
+    got = json.loads(json.dumps([f.to_dict() for f in found]))
+    want = json.loads(json.dumps([f.to_dict() for f in replay(fed, alone, flush=False)]))
+    assert any(f["step"] == 25 for f in want)  # (the spike: the equality is not vacuous)
+    assert got == want
+    for m in shared:
+        own = next(a for a in alone if a.name == m.name)
+        for rank in [lead, *ranks]:
+            assert _dump(m._state_of(rank)) == _dump(own._state_of(rank)), (m.name, rank)
+        assert dict(m._last_step) == own._last_step and m._fired == own._fired, m.name
+        assert not m._cohort_of and len({id(v) for v in m._members.values()}) == len(m._members)
