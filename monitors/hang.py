@@ -309,6 +309,14 @@ def _push(heap: list[tuple], ts: float, ranks: list[int]) -> None:
         heapq.heappush(heap, (ts, ranks[0], ranks))
 
 
+# the sections whose duration is learned when they end (from ``since``; steps from ``step_s``)
+_TIMED = frozenset(("checkpoint", "eval", "data", *STARTUP_SECTIONS[1:]))
+
+
+def _timed(timed: tuple | None, rank: int) -> float | None:
+    return timed[1] if timed is not None and timed[0] == rank else None
+
+
 # a section without history yet is judged like this one (the first step is slower than the rest)
 _FALLBACK = {"data": "step", "step": "first_step"}
 _STAGE = {"startup": 0, "begin": 1, "end": 2, "checkpoint": 3, "after_checkpoint": 4}
@@ -317,18 +325,41 @@ _STAGE = {"startup": 0, "begin": 1, "end": 2, "checkpoint": 3, "after_checkpoint
 SEEN_GRAIN = 0.5
 
 
-@dataclass
+@dataclass(slots=True)
 class _Rank:
+    """One rank's state; ranks of a cohort (``HangMonitor._cohorts``) share one object."""
+
     last_progress: float
     last_seen: float | None = None
     step: int = 0
     phase: str = "startup"
     section: str = "launch"
-    since: float = 0.0  # when the current section began
+    # when the current section began: a timed one's (``_TIMED``), 0 in the others, where nothing
+    # reads it (ranks that entered a step at different times are then of one state: a cohort)
+    since: float = 0.0
     pos: tuple[int, int] = (-1, 0)  # in the launch section
-    steps_done: int = 0
+    stepped: bool = False  # it ended a step this attempt (later ones are judged as steps)
     exited: bool = False
     seen_key: float | None = None  # the last_seen in the liveness heap (at most SEEN_GRAIN old)
+    # how many ranks map to this object (``HangMonitor.ranks``): > 1 in a cohort; a rank's own
+    # change first gives it a copy of its own (``HangMonitor._own``)
+    refs: int = field(default=1, compare=False, repr=False)
+
+    def alone(self) -> "_Rank":
+        """A copy of its own (``refs`` 1): ``dataclasses.replace`` took 4 us, a rank of a relay
+        each sample step (its whole records leave the cohort)."""
+        return _Rank(
+            self.last_progress, self.last_seen, self.step, self.phase, self.section, self.since,
+            self.pos, self.stepped, self.exited, self.seen_key,
+        )  # fmt: skip
+
+
+# a group of ranks shares one state (a cohort) from this size on: a relay's step of 511 ranks is
+# then one update, not 511; a node's 8 cost little one by one
+COHORT_MIN = 16
+# a group whose ranks' states differ (a cohort cannot form) is tried again after this many of its
+# steps: the try is a walk over its ranks
+COHORT_RETRY = 64
 
 
 @dataclass
@@ -368,6 +399,10 @@ class HangMonitor:
             "launch": [(self.start_ts, r) for r in range(self.world_size)]
         }
         self._seen: list[tuple[float, int]] = []
+        # cohorts: first rank -> (its ranks, the one state they share, their set); valid while
+        # that state's ``refs`` is their number (none left it: ``_own``, ``_form``)
+        self._cohorts: dict[int, tuple[list[int], _Rank, frozenset]] = {}
+        self._unformed: dict[int, int] = {}  # first rank -> groups to pass before trying again
         self.finished_ts: float | None = None  # a rank's clean exit: the job is ending
         self.full_checks = 0  # checks that walked every rank (the rest looked at the heaps only)
 
@@ -390,6 +425,8 @@ class HangMonitor:
                 self._rdv_waiting.add(int(rank))
             heapq.heappush(self._progress.setdefault("launch", []), (st.last_progress, int(rank)))
         ts = float(rec["ts"])
+        if st.refs > 1 and (kind != "ping" or st.last_seen is None or ts > st.last_seen):
+            st = self._own(rank, st)
         self._saw(st, int(rank), ts)
         if kind == "ping":
             return
@@ -406,14 +443,11 @@ class HangMonitor:
             pos, phase = (step, _STAGE["end"]), "step"
             step_s = rec.get("step_s")
             if isinstance(step_s, (int, float)) and step_s > 0:
-                if st.steps_done == 0:
+                if not st.stepped:
                     self.learned.add("first_step", float(step_s))
                 else:
-                    self.learned.add("step", float(step_s))
-                    if self._recent:
-                        self._recent[self._recent_i % len(self._recent)] = float(step_s)
-                        self._recent_i += 1
-            st.steps_done += 1
+                    self._step_took(float(step_s))
+            st.stepped = True
             new_section = "step"
         elif kind == "beat":
             phase = rec.get("phase", "step")
@@ -437,11 +471,11 @@ class HangMonitor:
             ):  # the batch of step n; before the attempt's first step: part of it
                 pos, new_section = (
                     (step - 1, _STAGE["end"]),
-                    "data" if st.steps_done else "first_step",
+                    "data" if st.stepped else "first_step",
                 )
             elif rec.get("stage") == "begin":
                 pos = (step, _STAGE["begin"])
-                new_section = "first_step" if st.steps_done == 0 else "step"
+                new_section = "step" if st.stepped else "first_step"
             elif st.phase == "checkpoint":
                 pos, new_section = (step, _STAGE["after_checkpoint"]), "step"
             else:
@@ -450,9 +484,7 @@ class HangMonitor:
             return
         # the section that ends here: learn its duration (steps learn from step_s, holds have none)
         if new_section != section or phase != st.phase:
-            if section in ("checkpoint", "eval", "data") or (
-                section in STARTUP_SECTIONS and section != "launch"
-            ):
+            if section in _TIMED:
                 begun = st.since
                 if section == "rendezvous":
                     begun = max(begun, self._all_in_rendezvous() or begun)
@@ -461,7 +493,7 @@ class HangMonitor:
                 )
             elif section == "launch" and new_section != "launch":
                 self.learned.add("launch", ts - self.start_ts)
-            st.since = ts
+            st.since = ts if new_section in _TIMED else 0.0
             if new_section == "rendezvous":
                 self._rdv_entered[int(rank)] = ts
                 self._rdv_waiting.discard(int(rank))
@@ -482,8 +514,6 @@ class HangMonitor:
         path's dict and branches (docs/scale.md, "The budget at 131,072 ranks")."""
         ranks = self.ranks
         heap = self._progress.get("step")
-        durations = self.learned.sections["step"]
-        recent = self._recent
         end = kind == "metrics"
         stage = _STAGE["end" if end else "begin"]
         pos = (None, stage)  # one tuple for the ranks of a step (a group's are all of one)
@@ -491,12 +521,14 @@ class HangMonitor:
         seen: list[int] = []
         for rank, step, step_s in done:
             st = ranks.get(rank)
+            if st is not None and st.refs > 1:
+                st = self._own(rank, st)
             if (
                 heap is None
                 or st is None
                 or st.section != "step"
                 or st.phase != "step"
-                or not st.steps_done
+                or not st.stepped
             ):
                 self.observe(
                     {"kind": "metrics", "rank": rank, "step": step, "step_s": step_s, "ts": ts}
@@ -521,17 +553,111 @@ class HangMonitor:
                     seen.append(rank)
             if end:
                 if isinstance(step_s, (int, float)) and step_s > 0:
-                    durations.add(float(step_s))
-                    if recent:
-                        recent[self._recent_i % len(recent)] = float(step_s)
-                        self._recent_i += 1
-                st.steps_done += 1
+                    self._step_took(float(step_s))
+                st.stepped = True
             if step != pos[0]:
                 pos = (step, stage)
             st.step, st.pos, st.last_progress = step, pos, ts
             moved.append(rank)
         _push(heap, ts, moved)
         _push(self._seen, ts, seen)
+
+    def observe_ranks(
+        self, kind: str, ranks: list[int], step: int, ts: float, timed: tuple | None = None
+    ) -> None:
+        """``observe_steps`` of ``ranks`` all at ``step``, without a step time but ``timed``'s
+        ((rank, step_s): a summary's slowest). Ranks that share one state (a cohort: a relay's
+        routine ranks, step after step) move as ONE update and one heap entry, not one a rank:
+        the supervisor's work grows with relays, not ranks (issue 24; docs/scale.md). A group
+        becomes a cohort once its ranks' states are equal (they moved together); any rank's own
+        change gives it its own state again (``_own``). Its leader, whose record is its own and
+        whose beat comes with the others', stands beside it (``lone``)."""
+        c, lone = self._cohort(ranks)
+        if c is not None and self._move_cohort(kind, c, step, ts, timed):
+            if lone is not None:
+                self.observe_steps(kind, [(lone, step, _timed(timed, lone))], ts)
+            return
+        self.observe_steps(kind, [(r, step, _timed(timed, r)) for r in ranks], ts)
+        if len(ranks) >= COHORT_MIN and (c is None or lone is None):
+            self._form(ranks)
+
+    def _cohort(self, ranks: list[int]) -> tuple[tuple | None, int | None]:
+        """The live cohort of ``ranks``, or of all but the first (then named: the leader)."""
+        if len(ranks) < COHORT_MIN:
+            return None, None
+        c = self._cohorts.get(ranks[0])
+        if c is not None and c[1].refs == len(c[0]) and (c[0] is ranks or c[0] == ranks):
+            return c, None
+        c = self._cohorts.get(ranks[1])
+        if c is not None and c[1].refs == len(c[0]) and c[0] == ranks[1:]:
+            return c, ranks[0]
+        return None, None
+
+    def _move_cohort(self, kind: str, c: tuple, step: int, ts: float, timed: tuple | None) -> bool:
+        """``observe_steps``' steady-state body, once for a cohort's shared state; False (nothing
+        done) when it is not in the steady state (its ranks then go one by one)."""
+        members, st, mset = c
+        heap = self._progress.get("step")
+        if heap is None or st.section != "step" or st.phase != "step" or not st.stepped:
+            return False
+        end = kind == "metrics"
+        last = st.last_seen
+        if last is None or ts > last:
+            st.last_seen = ts
+            if st.seen_key is None or ts - st.seen_key > SEEN_GRAIN:
+                st.seen_key = ts
+                _push(self._seen, ts, members)
+        if end:
+            step_s = timed[1] if timed is not None and timed[0] in mset else None
+            if isinstance(step_s, (int, float)) and step_s > 0:
+                self._step_took(float(step_s))
+            st.stepped = True
+        st.step, st.pos, st.last_progress = step, (step, _STAGE["end" if end else "begin"]), ts
+        _push(heap, ts, members)
+        return True
+
+    def _step_took(self, seconds: float) -> None:
+        """A step's duration learned (and kept in the ``window`` ring of older recipes)."""
+        self.learned.add("step", seconds)
+        if self._recent:
+            self._recent[self._recent_i % len(self._recent)] = seconds
+            self._recent_i += 1
+
+    def _form(self, ranks: list[int]) -> None:
+        """Make ``ranks`` a cohort when their states are equal and steady (one walk over them;
+        a group that cannot be one is tried again ``COHORT_RETRY`` groups later)."""
+        key = ranks[0]
+        wait = self._unformed.get(key, 0)
+        if wait > 0:
+            self._unformed[key] = wait - 1
+            return
+        sts = list(map(self.ranks.get, ranks))
+        first = sts[0]
+        if (
+            first is None
+            or first.section != "step"
+            or first.phase != "step"
+            or first.exited
+            or sts.count(first) != len(sts)  # (equal but ``refs``: dataclass ``__eq__``)
+            or len(set(ranks)) != len(ranks)
+        ):
+            self._unformed[key] = COHORT_RETRY
+            return
+        shared = first.alone()
+        shared.refs = len(ranks)
+        for old in sts:
+            old.refs -= 1  # (a cohort it was of is no longer live)
+        self.ranks.update(dict.fromkeys(ranks, shared))
+        members = list(ranks)
+        self._cohorts[key] = (members, shared, frozenset(members))
+        self._unformed.pop(key, None)
+
+    def _own(self, rank: int, st: _Rank) -> _Rank:
+        """The rank's state to change alone: a copy of its own when it shares one (a cohort,
+        which is then no longer live)."""
+        st.refs -= 1
+        own = self.ranks[rank] = st.alone()
+        return own
 
     def _saw(self, st: _Rank, rank: int, ts: float) -> None:
         if st.last_seen is None or ts > st.last_seen:
@@ -546,6 +672,8 @@ class HangMonitor:
         if st is None:
             self.observe({"kind": "ping", "rank": rank, "ts": ts})
         else:
+            if st.refs > 1 and (st.last_seen is None or ts > st.last_seen):
+                st = self._own(rank, st)
             self._saw(st, rank, ts)
 
     def _all_in_rendezvous(self) -> float | None:
@@ -697,6 +825,12 @@ class HangMonitor:
                     return key
                 heapq.heappop(heap)
                 continue
+            c = self._cohorts.get(e[1])
+            if c is not None and c[0] is e[2] and c[1].refs == len(e[2]):
+                if valid(key, e[1]):  # one state: what is true of one is true of all
+                    return key
+                heapq.heappop(heap)
+                continue
             ranks = self.ranks
             if stamp == "last_progress":
                 live = [r for r in e[2] if ranks[r].last_progress == key and valid(key, r)]
@@ -767,24 +901,44 @@ class HangMonitor:
 
     def _check(self, now: float, judge: Callable[[int], float] | None = None) -> HangFinding | None:
         c = self.config
-        live = [r for r, st in sorted(self.ranks.items()) if not st.exited]
+        ranks = self.ranks
+        live = [r for r, st in sorted(ranks.items()) if not st.exited]
         at = dict.fromkeys(live, now) if judge is None else {r: min(now, judge(r)) for r in live}
+        # (a state, the time it is judged at) -> (pausing, unresponsive, past its budget, silent
+        # past its step budget): the ranks of a cohort share one state, so one answer (131,072
+        # ranks: the walk took 1.3 s, which the silent rank's finding waited for)
+        memo: dict[tuple, tuple] = {}
 
-        def unresponsive(r: int) -> bool:
-            seen = self.ranks[r].last_seen
-            return seen is None or at[r] - seen > c.ping_stale_s
+        def facts(r: int) -> tuple:
+            st, t = ranks[r], at[r]
+            f = memo.get((id(st), t))
+            if f is None:
+                quiet = st.last_seen is None or t - st.last_seen > c.ping_stale_s
+                f = memo[(id(st), t)] = (
+                    st.phase in PAUSES and not quiet,
+                    quiet,
+                    t > self._budget(r)[0],
+                    self._unresponsive_past_step_timeout(r, t),
+                )
+            return f
 
+        if judge is None:  # all judged at ``now``: the states' answers, then each rank's (in C)
+            states = list(map(ranks.__getitem__, live))
+            first = dict(zip(map(id, reversed(states)), reversed(live)))  # a rank of each state
+            answer = {k: facts(r) for k, r in first.items()}
+            fs = list(map(answer.__getitem__, map(id, states)))
+        else:
+            fs = [facts(r) for r in live]
         # a declared pause of a live rank pauses the job: its peers block on it by design
-        pausing = [r for r in live if self.ranks[r].phase in PAUSES and not unresponsive(r)]
+        pausing = [r for r, f in zip(live, fs) if f[0]]
+        held = set(pausing)
         stalled = [
-            r for r in live
-            if ((not pausing or r in pausing) and at[r] > self._budget(r)[0])
-            or self._unresponsive_past_step_timeout(r, at[r])
+            r for r, f in zip(live, fs) if ((not pausing or r in held) and f[2]) or f[3]
         ]  # fmt: skip
         if not stalled:
             return None
 
-        quiet = [r for r in live if unresponsive(r)]
+        quiet = [r for r, f in zip(live, fs) if f[1]]
         also_quiet: list[int] = []
         if quiet and len(quiet) < len(live):
             culprits, also_quiet = self._first_silent(quiet, stalled, at)

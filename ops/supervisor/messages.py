@@ -38,7 +38,9 @@ class RankInfo:
     exit_code: int | None = None  # from the rank's goodbye
     error: str | None = None
     gone_ts: float | None = None  # EOF (monotonic)
-    step: int = 0  # the highest step this rank has begun (its beats) or finished (its metrics)
+    # the highest step this rank has begun (its beats) or finished (its metrics) by its own
+    # messages; with the steps its relay folded or summed up: ``MessagesMixin.rank_step``
+    step: int = 0
     step_s: float | None = None  # its last step's duration
 
     def reached(self, step: int, step_s: Any = None) -> None:
@@ -200,10 +202,11 @@ class MessagesMixin:
                 f"is still being captured by ranks {sorted(busy['waiting'])}"
             )
         times = [i.step_s for i in live if i.step_s]
-        start = profile_start([i.step for i in live], statistics.median(times) if times else None)
+        at_step = [self.rank_step(i) for i in live]
+        start = profile_start(at_step, statistics.median(times) if times else None)
         total = int(self.recipe.train.steps)
         if start + steps > total:
-            at = max(i.step for i in live)
+            at = max(at_step)
             return refuse(
                 f"the run is at step {at} of {total}: too few steps left to profile {steps} steps "
                 f"from step {start} (the window must end before the last step)"
@@ -475,18 +478,27 @@ class MessagesMixin:
             return
         self._steps_begun(self.current_ranks(peers), beat["step"], ts)
 
+    def rank_step(self, info: RankInfo) -> int:
+        """The highest step ``info``'s rank has begun or finished: by its own messages
+        (``RankInfo.step``), or by a step group, a folded line or a summary of its node or relay,
+        which the hang monitor holds (one update for a relay's ranks, not a write a rank a step:
+        ~8 % of a core at 131,072 ranks)."""
+        st = self.monitor.ranks.get(info.rank) if self.monitor is not None else None
+        return info.step if st is None or st.step < info.step else st.step
+
     def _steps_begun(self, ranks: list[int], step: int, ts: float) -> None:
         """Each of ``ranks`` began ``step``, their beats come together at ``ts`` (a step group,
-        a folded line): their progress, the hang monitor in one call, rank 0's checkpoint state."""
-        _reached(self.ranks, ranks, step)
-        self.monitor.observe_steps("begin", [(rank, step, None) for rank in ranks], ts)
+        a folded line): the hang monitor in one call (their progress: ``rank_step``), rank 0's
+        checkpoint state."""
+        self.monitor.observe_ranks("begin", ranks, step, ts)
         if 0 in ranks:
             self._checkpoint_beat("step", step, ts)
 
     def _on_node_summary(self, lead: Peer, msg: dict[str, Any], ts: float) -> None:
         """A node's routine ranks of one step, summed up by its agent (``node_summaries``): the
-        summary into the node line, each rank's progress (its step ended; the step time only
-        for the rank of the summary's slowest, which can only lengthen the hang budget), the
+        summary into the node line, each rank's progress in the hang monitor (its step ended,
+        ``rank_step``; the step time only for the rank of the summary's slowest, which can only
+        lengthen the hang budget), the
         shared monitors moving them on with their leader (``MonitorFeed.repeat_summary``). The
         other monitors see these ranks only on sample steps (docs/scale.md)."""
         if not _current_rank(lead, self.attempt):
@@ -498,15 +510,11 @@ class MessagesMixin:
         slow, slow_s = (hi[4], hi[3]) if hi else (None, None)
         infos = self.ranks
         ranks = self.current_ranks(msg["ranks"])
-        _reached(infos, ranks, step)
-        done = [(rank, step, None) for rank in ranks]
         if slow in ranks:
-            i = ranks.index(slow)
-            done[i] = (slow, step, slow_s)
             info = infos.get(slow)
             if info is not None:
                 info.reached(step, slow_s)
-        self.monitor.observe_steps("metrics", done, ts)
+        self.monitor.observe_ranks("metrics", ranks, step, ts, (slow, slow_s))
         unmoved = len(self.feed.unmoved)
         self._monitored(*self.feed.repeat_summary(rec, ranks, msg["names"]))
         for name in list(self.feed.unmoved)[unmoved:]:  # said once a monitor
@@ -532,15 +540,6 @@ class MessagesMixin:
         elif step in self.ckpt_started:
             self.ckpt_started.pop(step)
             self.state = RunState.RUNNING
-
-
-def _reached(infos: dict[int, RankInfo], ranks: list[int], step: int) -> None:
-    """``RankInfo.reached(step)`` of each of ``ranks`` (no step time), inline: a loop a rank of a
-    relay's step, kept to its least."""
-    for rank in ranks:
-        info = infos.get(rank)
-        if info is not None and step > info.step:
-            info.step = step
 
 
 def _group_end(items: Any, i: int, attempt: int) -> int:

@@ -245,6 +245,7 @@ class FakeSupervisor(MessagesMixin):
         }
         self.recipe = SimpleNamespace(train=SimpleNamespace(steps=total))
         self.server, self.events, self.profiling = FakeServer(), [], None
+        self.monitor = None  # (the hang monitor: the steps a relay summed up, ``rank_step``)
 
     def event(self, kind, **fields):
         self.events.append({"kind": kind, **fields})
@@ -255,6 +256,18 @@ class FakeSupervisor(MessagesMixin):
     def ask(self, **msg) -> dict:
         self.handle(Peer(cid=1, sock=None, hello={"role": "control"}), {"t": "profile", **msg}, 0.0)
         return self.server.sent[-1][1]
+
+
+def test_the_start_step_counts_the_steps_a_relay_summed_up():
+    """A rank whose steps came only in its relay's summaries and folded beats (``RankInfo.step``
+    not written: ``rank_step`` reads the hang monitor): the start is past its step too."""
+    from ptops.monitors.hang import HangMonitor
+
+    sup = FakeSupervisor(steps=(10, 0))
+    sup.monitor = HangMonitor(2, 0.0)
+    sup.monitor.observe({"kind": "metrics", "rank": 1, "step": 20, "step_s": 0.5, "ts": 1.0})
+    answer = sup.ask(steps=4)
+    assert answer["ok"] and answer["start_step"] == 20 + 3
 
 
 def test_supervisor_forwards_one_start_step_to_every_rank():

@@ -140,8 +140,11 @@ def _entries(heap: list) -> list:
 def _state(m: HangMonitor) -> dict:
     import dataclasses
 
+    def own(st) -> dict:  # (how many ranks share it is not the rank's state)
+        return {k: v for k, v in dataclasses.asdict(st).items() if k != "refs"}
+
     return {
-        "ranks": {r: dataclasses.asdict(st) for r, st in m.ranks.items()},
+        "ranks": {r: own(st) for r, st in m.ranks.items()},
         "learned": {s: (d.n, list(d.counts), list(d.mins)) for s, d in m.learned.sections.items()},
         "recent": (list(m._recent), m._recent_i),
         "progress": {s: _entries(h) for s, h in m._progress.items()},
@@ -196,3 +199,107 @@ def test_a_step_group_in_one_call_leaves_the_state_of_each_observed_alone(seed):
     later = ts + rng.uniform(1.0, 50.0)
     a, b = one.check(later), grouped.check(later)
     assert (a and a.as_event(1)) == (b and b.as_event(1))
+
+
+def _live(m: HangMonitor) -> dict:
+    """``_state`` with each heap as its live entries: a check pops stale entries, a rank's one at
+    a time or a group's at once (what is left to judge is what must agree)."""
+    state = _state(m)
+    for section, pairs in state["progress"].items():
+        state["progress"][section] = sorted({
+            (key, r) for key, r in pairs
+            if not m.ranks[r].exited and m.ranks[r].section == section
+            and m.ranks[r].phase != "hold" and m.ranks[r].last_progress == key
+        })  # fmt: skip
+    state["seen"] = sorted({
+        (key, r) for key, r in state["seen"]
+        if not m.ranks[r].exited and m.ranks[r].seen_key == key
+    })  # fmt: skip
+    return state
+
+
+def _as_one_by_one(m: HangMonitor, kind: str, ranks: list, step: int, ts: float, timed=None):
+    for r in ranks:
+        step_s = timed[1] if timed is not None and timed[0] == r else None
+        m.observe(
+            {"kind": "metrics", "rank": r, "step": step, "step_s": step_s, "ts": ts}
+            if kind == "metrics"
+            else {"kind": "beat", "rank": r, "step": step, "phase": "step", "stage": "begin",
+                  "section": None, "ts": ts}
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_relays_routine_ranks_share_one_state_and_each_leaves_it_exactly(seed):
+    """``observe_ranks`` (a relay's step: its leader's record alone, its other ranks summed up,
+    every rank's begin beat folded) against ``observe`` of each rank, on random streams where ranks
+    leave the cohort now and then (a rank's own beat, ping, record or exit; a rank missing from a
+    step; a checkpoint; a rank never seen): the same state, heaps included, at every step, and the
+    same finding at the end. And the point: in the steady steps the cohort moves as one state
+    (ranks share one object; an update a step, not one a rank)."""
+    rng = random.Random(2000 + seed)
+    world = rng.randint(40, 80)
+    cfg = HangConfig(floor_s=rng.uniform(0.5, 3.0), window=rng.choice([None, 5]))
+    one, grouped = HangMonitor(world, 0.0, cfg), HangMonitor(world, 0.0, cfg)
+    moved = []
+    real = grouped._move_cohort
+
+    def counted(*a):
+        done = real(*a)
+        moved.append(done)
+        return done
+
+    grouped._move_cohort = counted
+    ts = 0.0
+    shared_seen = 0
+    gone: set = set()
+    for step in range(1, 80):
+        ts += rng.uniform(0.5, 1.5)
+        ranks = [r for r in range(world + (rng.random() < 0.03)) if r not in gone]
+        if rng.random() < 0.1:  # a rank missing from this step (late, gone, in its own frame)
+            ranks.remove(rng.choice(ranks[1:]))
+        lead, followers = ranks[0], ranks[1:]
+        slow = rng.choice([None, rng.choice(followers)])
+        timed = (slow, rng.uniform(0.5, 2.0)) if slow is not None else None
+        if step > 1:
+            for m in (one, grouped):
+                m.observe({"kind": "metrics", "rank": lead, "step": step - 1, "step_s": 1.0,
+                           "ts": ts})  # fmt: skip
+            _as_one_by_one(one, "metrics", followers, step - 1, ts, timed)
+            grouped.observe_ranks("metrics", followers, step - 1, ts, timed)
+        for _ in range(rng.choice([0, 0, 0, 1, 3])):  # a rank's own message between
+            rec = _record(rng, rng.randrange(1, world), step, ts)
+            one.observe(dict(rec))
+            grouped.observe(dict(rec))
+            if rec["kind"] == "exit":  # (it sends nothing more)
+                gone.add(rec["rank"])
+        if rng.random() < 0.05:  # a liveness frame naming some ranks
+            for r in rng.sample(range(world), 5):
+                one.seen(r, ts - 0.2)
+                grouped.seen(r, ts - 0.2)
+        _as_one_by_one(one, "begin", ranks, step, ts)
+        grouped.observe_ranks("begin", ranks, step, ts)
+        assert _live(grouped) == _live(one), (seed, step)
+        live = [r for r in followers if r not in gone]
+        shared_seen += grouped.ranks[live[-1]] is grouped.ranks[live[-2]]
+        now = ts + rng.uniform(0, 20)
+        a, b = one.check(now), grouped.check(now)
+        assert (a and a.as_event(1)) == (b and b.as_event(1)), (seed, step)
+        assert grouped.full_checks == one.full_checks  # (a stale cohort entry is no deadline)
+    # most steps moved a cohort as one (its first steps, and a few after each break, go rank by
+    # rank), and its ranks do share one state object
+    assert moved.count(True) > 40 and shared_seen > 20, (moved.count(True), shared_seen)
+
+
+def test_a_ranks_own_copy_of_a_shared_state_holds_every_field():
+    import dataclasses
+
+    from ptops.monitors.hang import _Rank
+
+    st = _Rank(*[object() for f in dataclasses.fields(_Rank) if f.name != "refs"], refs=9)
+    own = st.alone()
+    assert own.refs == 1 and all(
+        getattr(own, f.name) is getattr(st, f.name)
+        for f in dataclasses.fields(_Rank)
+        if f.name != "refs"
+    )

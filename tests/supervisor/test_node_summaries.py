@@ -154,7 +154,7 @@ def test_the_agents_summaries_write_the_file_the_supervisor_would_and_keep_every
     assert any(e["kind"] == "anomaly" and e.get("step") == SPIKE for e in got)
     assert got == _findings(run_a)
     for r in range(WORLD):
-        assert sup_b.ranks[r].step == STEPS and sup_b.monitor.ranks[r].step == STEPS
+        assert sup_b.rank_step(sup_b.ranks[r]) == STEPS and sup_b.monitor.ranks[r].step == STEPS
     assert sup_b.feed.unmoved == {}
     for m_a, m_b in zip(sup_a.feed.monitors, sup_b.feed.monitors):
         members = getattr(m_b, "_members", None)
@@ -199,7 +199,7 @@ def test_ranks_summed_up_in_a_key_a_monitor_reads_are_left_where_they_were_and_s
     assert {"loss_spike", "nan"} <= set(sup.feed.unmoved)
     said = [ln for ln in sup.out.getvalue().splitlines() if "summed-up ranks differ in" in ln]
     assert len(said) == len(sup.feed.unmoved) and "loss" in said[0]
-    assert sup.ranks[13].step == STEPS and sup.monitor.ranks[13].step == STEPS
+    assert sup.rank_step(sup.ranks[13]) == STEPS and sup.monitor.ranks[13].step == STEPS
 
 
 def test_a_summary_is_the_agents_alone_and_a_bad_one_loses_nothing_else(supervised, tmp_path):
@@ -237,7 +237,7 @@ def test_a_summary_is_the_agents_alone_and_a_bad_one_loses_nothing_else(supervis
     assert sup.unknown_messages == {"rank:_summary": 1}
     raw = run.metrics.read_bytes()
     assert b'"summary"' not in raw and len(run.read_metrics()) == len(good["m"])
-    assert summed and all(sup.ranks[r].step == 0 for r in summed)  # nobody said they ended it
+    assert summed and all(sup.rank_step(sup.ranks[r]) == 0 for r in summed)  # nobody said so
 
 
 def test_an_agent_without_its_settings_sends_every_rank_whole():
