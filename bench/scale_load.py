@@ -61,6 +61,7 @@ import argparse
 import array
 import asyncio
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -731,6 +732,22 @@ def _starve() -> tuple[subprocess.Popen, str]:
     return busy, ",".join(str(c) for c in rest)
 
 
+def _gc_timer(pauses: list) -> object:
+    """A ``gc.callbacks`` entry appending (generation, seconds, its end's wall time, objects it
+    freed) of each collection to ``pauses``."""
+    began = [0.0]
+
+    def timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append(
+                (info["generation"], time.perf_counter() - began[0], time.time(), info["collected"])
+            )
+
+    return timer
+
+
 def run_one(args: argparse.Namespace) -> dict:
     from ptops.ops.runrecord.events import EventKind
     from ptops.ops.supervisor import launcher
@@ -751,6 +768,8 @@ def run_one(args: argparse.Namespace) -> dict:
     busy, gen_cpus = _starve() if args.starve else (None, "")
     handled = [0]
     lat = array.array("d")
+    pauses: list[tuple] = []  # the supervisor process's collections (``_gc_timer``)
+    gc.callbacks.append(_gc_timer(pauses))
 
     class LoadSupervisor(Supervisor):
         """The real supervisor; only the attempt's process is the load generator (the launch backend
@@ -892,6 +911,11 @@ def run_one(args: argparse.Namespace) -> dict:
     events = run.read_events()
     hang = next((e for e in events if e["kind"] == EventKind.HANG), None)
     victim = json.loads(stop_file.read_text()) if stop_file.exists() else None
+    # the silent rank's last message as the hang monitor stamped its arrival (wall clock): what
+    # the budget counts from; detect_s less budget_s is its way there plus the judging's delay
+    last = sup.monitor.ranks.get(victim["rank"]) if victim and sup.monitor else None
+    seen = last.last_seen if last is not None else None
+    arrived = None if seen is None else seen + time.time() - time.monotonic()
     mbytes = run.metrics.stat().st_size if run.metrics.exists() else 0
     mlines = sum(1 for _ in open(run.metrics, "rb")) if mbytes else 0
 
@@ -965,6 +989,23 @@ def run_one(args: argparse.Namespace) -> dict:
         out["ranks_handled_max"] = max(s["ranks"] for s in samples)
         out["load1"] = round(sum(s["load1"] for s in samples) / len(samples), 2)
     out["rss_mb_max"] = round(max((s["rss_mb"] for s in samples), default=_rss_mb()), 1)
+    # the cyclic collector's pauses (a full one walks every object: at 131,072 ranks, seconds)
+    passes = [(s, t) for g, s, t, _ in pauses if g == 2]
+    out["gc_pause_max_s"] = round(max((s for _, s, _, _ in pauses), default=0.0), 3)
+    out["gc_full_count"], out["gc_full_s"] = len(passes), round(sum(s for s, _ in passes), 3)
+    if len(steady) >= 2:  # in the steady window and after it (the silent rank's budget)
+        late = [s for s, t in passes if t >= steady[0]["t"]]
+        out["gc_full_steady_count"] = len(late)
+        out["gc_full_steady_max_s"] = round(max(late, default=0.0), 3)
+        # the long ones: (seconds into the steady window, pause s), the silent rank's time at end
+        out["gc_full_steady_long"] = [
+            (round(t - steady[0]["t"], 1), round(s, 3))
+            for s, t in passes
+            if t >= steady[0]["t"] and s >= 0.05
+        ]
+        out["victim_silent_at_s"] = round(stop_ts - steady[0]["t"], 1)
+        # garbage in cycles the collector freed from then on (what a frozen object would keep)
+        out["gc_collected"] = sum(n for _, _, t, n in pauses if t >= steady[0]["t"])
     out["connections"] = max((s["connections"] for s in samples), default=0)
     out["node_agents"] = max((s["nodes"] for s in samples), default=0)
     out["metrics_records"] = mlines
@@ -999,6 +1040,8 @@ def run_one(args: argparse.Namespace) -> dict:
                 hang["found_ts"] - victim["ts"], 2
             ),  # victim's last message -> the hang decision
             "budget_s": hang.get("timeout_s"),
+            # its last message: sent -> stamped on arrival at the supervisor
+            "arrival_s": round(arrived - victim["ts"], 3) if arrived is not None else None,
             "event_s": round(
                 hang["ts"] - victim["ts"], 2
             ),  # -> the hang event written (after the stacks)
