@@ -65,6 +65,7 @@ import gc
 import json
 import os
 import pstats
+import random
 import re
 import signal
 import subprocess
@@ -431,6 +432,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
     per_step = max(1, round(args.step_s / tick_s))
     per_ping = max(1, round(args.ping_s / tick_s))
     tick = 0
+    spread, rng = min(400, max(0, args.spread_ms)) / 1000.0, random.Random()
     next_ka = time.monotonic()
     next_counters = time.monotonic()
     victim_silent = False
@@ -528,7 +530,12 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
                         % (",".join(map(str, heard)).encode(), b",".join([b"0"] * len(heard)))
                     )
                     counters["sent_msgs"] += 1
-            if parts:
+            if parts and spread and boundary and not node.relay:  # (its own writes keep order)
+                rng.seed(node.index * 1_000_003 + k)
+                asyncio.get_running_loop().call_later(
+                    rng.random() * spread, node.writer.write, b"".join(parts)
+                )
+            elif parts:
                 node.writer.write(b"".join(parts))
         if (
             boundary
@@ -799,6 +806,8 @@ def run_one(args: argparse.Namespace) -> dict:
                 str(args.victim_step),
                 "--peers",
                 args.peers,
+                "--spread-ms",
+                str(args.spread_ms),
                 "--silent",
                 args.silent,
                 "--liveness",
@@ -930,6 +939,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "gen_procs": args.gen_procs,
         "step_s": args.step_s,
         "peers": args.peers,
+        "spread_ms": args.spread_ms,
         "silent": args.silent,
         "starved": bool(args.starve),
         "relay_tier": args.relay_tier,
@@ -1006,6 +1016,8 @@ def run_one(args: argparse.Namespace) -> dict:
         out["victim_silent_at_s"] = round(stop_ts - steady[0]["t"], 1)
         # garbage in cycles the collector freed from then on (what a frozen object would keep)
         out["gc_collected"] = sum(n for _, _, t, n in pauses if t >= steady[0]["t"])
+    # ranks whose hang state a relay's cohort shares at the end (issue 24: what moves as one)
+    out["cohort_ranks"] = sup.monitor.cohort_ranks() if sup.monitor else 0
     out["connections"] = max((s["connections"] for s in samples), default=0)
     out["node_agents"] = max((s["nodes"] for s in samples), default=0)
     out["metrics_records"] = mlines
@@ -1085,6 +1097,14 @@ def main() -> None:
             "--victim-step", type=int, default=30, help="... after sending this step's record"
         )
         p.add_argument("--peers", choices=("continue", "block"), default="continue")
+        p.add_argument(
+            "--spread-ms",
+            type=int,
+            default=0,
+            help="each simulated node agent's step frame leaves a random 0..N ms after the step "
+            "boundary, anew each step (max 400): a real job's agents, whose frames reach their "
+            "relay over tens of ms, not all at once (0: all at the boundary)",
+        )
         p.add_argument(
             "--silent",
             choices=("rank", "node"),
@@ -1254,6 +1274,8 @@ def main() -> None:
                 str(a.steady),
                 "--peers",
                 a.peers,
+                "--spread-ms",
+                str(a.spread_ms),
                 "--silent",
                 a.silent,
                 "--liveness",

@@ -581,6 +581,10 @@ class HangMonitor:
         if len(ranks) >= COHORT_MIN and (c is None or lone is None):
             self._form(ranks)
 
+    def cohort_ranks(self) -> int:
+        """How many ranks share their state with a live cohort (``bench/scale_load.py``)."""
+        return sum(len(c[0]) for c in self._cohorts.values() if c[1].refs == len(c[0]))
+
     def _cohort(self, ranks: list[int]) -> tuple[tuple | None, int | None]:
         """The live cohort of ``ranks``, or of all but the first (then named: the leader)."""
         if len(ranks) < COHORT_MIN:

@@ -17,7 +17,9 @@ supervisor: the same frames, the same upstream token (every agent of the job has
 What the relay does with each frame of a node agent (wire format: ``ops/rank/channel.py``):
 
 - ``b``: unbatched (records whole again) into the relay's batch, under the relay's numbers for
-  the connections (``c``: unique over its nodes). A frame that carries its own summaries (an agent
+  the connections (``c``: unique over its nodes); a step that comes in several agents' frames is
+  held (up to ``HOLD_S``, ``PTOPS_RELAY_HOLD_S``) until it has the ranks its step before had, so it
+  leaves as one group in one order. A frame that carries its own summaries (an agent
   told to sum up) is passed on whole, renumbered: the relay does not sum up summaries.
 - ``r`` (a rank's hello): numbered, sent up after the batch before it; ``g``: the same.
 - ``a``: each rank's seen-at (receive time less its age) kept; the relay sends ONE ``a`` frame a
@@ -87,6 +89,8 @@ LISTEN_ENV = "PTOPS_RELAY_LISTEN"
 UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"  # the agent's, same meaning
 STALE_S = 5.0  # an agent this long silent is not asked for stacks (the supervisor's ping_stale_s)
 SEND_TIMEOUT_S = 2.0  # a send to an agent that does not read gives up, and the agent is dropped
+# a step's lines are held this long at most for its ranks still to come (``Batcher``'s hold_s)
+HOLD_ENV, HOLD_S = "PTOPS_RELAY_HOLD_S", 0.25
 KA_LINE = encode({"t": KEEPALIVE})
 
 
@@ -156,13 +160,22 @@ def rebatch(
     return out
 
 
+def hold_s(env: dict[str, str]) -> float:
+    """``PTOPS_RELAY_HOLD_S`` (seconds; 0: a step's pieces leave as they come), else ``HOLD_S``."""
+    try:
+        v = float(env.get(HOLD_ENV) or HOLD_S)
+    except ValueError:
+        return HOLD_S
+    return v if 0.0 <= v <= 10.0 else HOLD_S
+
+
 class Relay:
     def __init__(self, env: dict[str, str], name: str | None = None) -> None:
         self.env = env
         self.name = name or socket.gethostname()
         self.token = env[ENV_TOKEN]
         self.upstream_timeout = float(env.get(UPSTREAM_TIMEOUT_ENV) or 10.0)
-        self.batch = Batcher(*summary_settings(env.get(SUMMARY_ENV)))
+        self.batch = Batcher(*summary_settings(env.get(SUMMARY_ENV)), hold_s=hold_s(env))
         self.done = threading.Event()
         self.why = ""
         self.last_upstream = time.monotonic()
@@ -353,7 +366,8 @@ class Relay:
                 self.up.send({"t": KEEPALIVE})
             if now >= next_alive:
                 next_alive = now + ALIVE_S
-                self._flush()  # the lines heard before the word that they were heard
+                if not batch.holding(now):  # (a held step leaves whole: its ranks are stepped)
+                    self._flush()  # the lines heard before the word that they were heard
                 self._alive(now)
             if now - self.last_upstream > self.upstream_timeout:
                 self.stop(f"no word from the supervisor for {self.upstream_timeout:g} s")

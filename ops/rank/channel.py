@@ -87,6 +87,7 @@ one JSON parse; only a step record that joins a group is re-encoded, by the agen
 from __future__ import annotations
 
 import json
+import operator
 import os
 import secrets
 import socket
@@ -201,14 +202,29 @@ class Batcher:
     value is left out only when the leader's is the same JSON scalar, so ``{**leader, **diff}``
     is the record, key order included. A rank's own lines keep their order: a record joins its
     step's group only if its rank sent nothing since the group's place in the batch.
+
+    ``hold_s`` (a relay's; 0 for an agent, whose 8 ranks make no cohort): a batch whose newest step
+    has fewer ranks so far, of records or of begin beats, than the step before it had is held up
+    to ``hold_s`` past its oldest line instead of ``BATCH_S``, and a group's members leave in the
+    order of their connections' numbers, the lowest leading, whatever order they came in. So a
+    step that reaches the relay in its agents' several frames leaves as ONE group and the same
+    ranks make the same list every step: the supervisor's cohorts match lists
+    (``HangMonitor.observe_ranks``, ``SharedRankedMonitor.repeat_group``); pieces that differ
+    from step to step it would take rank by rank. Why here: only the relay sees all its nodes'
+    frames; a node's ranks finish a step within a few ms (their collectives), 64 nodes' frames
+    over tens of ms. (The order among ranks of one step is the relay's to choose: they run on
+    different hosts, and ranks of two attempts never share a relay's link.)
     """
 
-    def __init__(self, every: int = 1, read: frozenset | None = None) -> None:
+    def __init__(self, every: int = 1, read: frozenset | None = None, hold_s: float = 0.0) -> None:
         self.items: list[tuple[int, bytes, dict | None]] = []  # (cid, line, parsed step record)
         # ``node_summaries``: routine ranks every K steps only, else summed up (module docstring)
         self.every, self.read = every, read
         self.size = 0
         self.since: float | None = None  # when the oldest line waiting arrived (monotonic)
+        self.hold_s = hold_s
+        # kind (REC, BEGIN) -> [its newest step, its lines so far, the lines of the step before]
+        self._steps: dict[int, list[int]] = {}
 
     def add(
         self, cid: int, raw: bytes | None, now: float, parsed: dict | None = None, size: int = 0
@@ -232,18 +248,44 @@ class Batcher:
             kind = BEGIN if msg.keys() <= _BEGIN_KEYS and begins(msg) else LINE
         if kind == LINE and raw is None:  # (records and begin beats: encoded if they leave alone)
             raw = json.dumps(msg, **_COMPACT).encode()
+        elif kind and self.hold_s:
+            self._count(kind, msg["rec"]["step"] if kind == REC else msg["step"])
         self.items.append((cid, raw, msg if kind else None, kind))
         self.size += len(raw) if raw is not None else size
         if self.since is None:
             self.since = now
         return True
 
+    def _count(self, kind: int, step: int) -> None:
+        s = self._steps.get(kind)
+        if s is None:
+            self._steps[kind] = [step, 1, 0]
+        elif step == s[0]:
+            s[1] += 1
+        elif step > s[0]:  # (an older step's line, a late rank's, counts for none)
+            self._steps[kind] = [step, 1, s[1]]
+
+    def holding(self, now: float) -> bool:
+        """Whether a step's group is still short of the ranks its step before had (``hold_s``)."""
+        return (
+            self.since is not None
+            and now - self.since < self.hold_s
+            and any(s[1] < s[2] for s in self._steps.values())
+        )
+
     def due(self, now: float) -> bool:
-        return self.since is not None and (now - self.since >= BATCH_S or self.size >= BATCH_BYTES)
+        if self.since is None:
+            return False
+        if self.size >= BATCH_BYTES:
+            return True
+        return now - self.since >= BATCH_S and not (self.hold_s and self.holding(now))
 
     def wait_s(self, now: float, idle: float) -> float:
         """How long the relay may wait for more lines before this batch is due."""
-        return idle if self.since is None else max(0.0, self.since + BATCH_S - now)
+        if self.since is None:
+            return idle
+        hold = self.hold_s if self.hold_s and self.holding(now) else BATCH_S
+        return max(0.0, self.since + hold - now)
 
     def frame(self) -> bytes | None:
         """The waiting lines as one frame (None when none), and an empty batch."""
@@ -281,6 +323,9 @@ class Batcher:
                 cids.append(e[0])
                 lines.append(e[1] if e[1] is not None else json.dumps(e[2], **_COMPACT).encode())
                 continue
+            if self.hold_s:  # a relay's: one order (the class docstring)
+                every_one = sorted([(e[0], e[2]), *e[3]], key=_CID)
+                (e[0], e[2]), e[3] = every_one[0], every_one[1:]
             if e[5] == BEGIN:  # the step's begin beats of these ranks as one line
                 cids.append(e[0])
                 lines.append(json.dumps({**e[2], "_b": [c for c, _ in e[3]]}, **_COMPACT).encode())
@@ -317,6 +362,9 @@ class Batcher:
 
 
 LINE, REC, BEGIN = 0, 1, 2  # a batched line: as it is, a step record, a beat that begins a step
+_CID = operator.itemgetter(0)
+
+
 _BEGIN_KEYS = frozenset(("t", "step", "phase", "stage", "ts"))  # a begin beat that may be folded
 
 

@@ -198,6 +198,83 @@ def test_routine_ranks_of_all_its_nodes_become_one_summary(monkeypatch):
         server.close()
 
 
+def _record_frames(server: ChannelServer) -> list[list[tuple[int, int]]]:
+    """Each relay frame that reached the supervisor: its records' (rank, step), in order."""
+    return [
+        [(vp.rank, m["rec"]["step"]) for vp, m, _ in batch_items(msg) if m.get("t") == "metrics"]
+        for _, msg, _ in _drain(server)
+        if msg.get("t") == "_batch"
+    ]
+
+
+def test_a_step_that_comes_in_pieces_leaves_the_relay_as_one_group_in_one_order(monkeypatch):
+    """A real job's agents' frames reach their relay over tens of ms, so a step comes in pieces that
+    differ from step to step. The relay holds a step until it has the ranks its step before had
+    and sends its ranks in one order, the lowest number leading: the supervisor then sees the same
+    list every step (its cohorts: one update a relay-step, not one a rank). Its liveness frame,
+    due many times during the hold here, does not cut the step either."""
+    monkeypatch.setattr(relay_mod, "ALIVE_S", 0.05)
+    server = ChannelServer()
+    nodes = {f"n{i}": list(range(6 * i, 6 * i + 6)) for i in range(3)}
+    try:
+        with _relay(server, PTOPS_RELAY_HOLD_S="5") as relay, _nodes(relay, server, nodes) as cs:
+            _drain(server)
+            rng = random.Random(11)
+            orders = []
+            for step in (1, 2, 3, 4):
+                ranks = list(cs)
+                rng.shuffle(ranks)
+                for i, r in enumerate(ranks):  # three pieces, each past the agents' batch time
+                    if i % 6 == 0:
+                        time.sleep(0.06)
+                    rec = {"step": step, "rank": r, "loss": 2.5, "step_s": 1.0 + r / 100}
+                    cs[r].send({"t": "metrics", "rec": rec})
+                frames: list = []
+                _until(lambda: frames.extend(_record_frames(server)) or sum(map(len, frames)) >= 18)
+                frames = [f for f in frames if f]
+                assert all(st == step for f in frames for _, st in f)
+                if step > 1:  # (the first step has no step before it to wait for)
+                    assert len(frames) == 1, [len(f) for f in frames]
+                    assert sorted(r for r, _ in frames[0]) == list(range(18))
+                    orders.append([r for r, _ in frames[0]])
+            assert orders[0] == orders[1] == orders[2]
+    finally:
+        server.close()
+
+
+def test_a_held_step_leaves_when_its_ranks_are_in_or_when_the_hold_ends():
+    """The hold's two ends, on the relay's ``Batcher``: a step short of its step before's ranks
+    waits (up to ``hold_s`` from its oldest line), a complete one leaves after ``BATCH_S`` as any
+    batch; a step after a rank is gone waits for the ranks its step before had, not forever."""
+    from ptops.ops.rank.channel import BATCH_S, Batcher
+
+    def rec(r: int, step: int) -> dict:
+        return {"t": "metrics", "rec": {"step": step, "rank": r, "loss": 1.0}}
+
+    b = Batcher(hold_s=0.25)
+    for r in range(4):
+        b.add(r + 1, None, 0.0, rec(r, 1), 50)
+    assert b.due(2 * BATCH_S)  # the first step: nothing to wait for
+    b.frame()
+    for r in (2, 0, 1):  # step 2: three of four
+        b.add(r + 1, None, 10.0, rec(r, 2), 50)
+    assert not b.due(10.0 + 2 * BATCH_S) and not b.due(10.24)
+    assert b.wait_s(10.1, 1.0) == pytest.approx(0.15)
+    assert b.due(10.26)  # the hold's end: rank 3 stays behind
+    b.frame()
+    b.add(4, None, 10.3, rec(3, 2), 50)  # it comes late: its own frame, after BATCH_S
+    assert b.due(10.3 + 2 * BATCH_S)
+    b.frame()
+    for r in (3, 1, 2):  # step 3 without rank 0: held, then leaves; step 4 waits for none
+        b.add(r + 1, None, 20.0, rec(r, 3), 50)
+    assert not b.due(20.1) and b.due(20.26)
+    frame = json.loads(b.frame())
+    assert frame["c"] == [2, 3, 4]  # the lowest number leads, the others in order
+    for r in (2, 3, 1):
+        b.add(r + 1, None, 30.0, rec(r, 4), 50)
+    assert b.due(30.0 + 2 * BATCH_S)
+
+
 def test_commands_goodbyes_and_liveness_find_their_rank_through_two_numberings(monkeypatch):
     monkeypatch.setattr(relay_mod, "ALIVE_S", 3600.0)  # its ``a`` frame when the test says
     server = ChannelServer()
