@@ -1016,8 +1016,10 @@ def run_one(args: argparse.Namespace) -> dict:
         out["victim_silent_at_s"] = round(stop_ts - steady[0]["t"], 1)
         # garbage in cycles the collector freed from then on (what a frozen object would keep)
         out["gc_collected"] = sum(n for _, _, t, n in pauses if t >= steady[0]["t"])
-    # ranks whose hang state a relay's cohort shares at the end (issue 24: what moves as one)
-    out["cohort_ranks"] = sup.monitor.cohort_ranks() if sup.monitor else 0
+    # a relay's step groups (16 ranks or more) the hang monitor moved as one cohort, of all
+    moves = sup.monitor.group_moves if sup.monitor else [0, 0]
+    out["cohort_moves"], out["groups_rank_by_rank"] = moves
+    out["cohort_share"] = round(moves[0] / sum(moves), 3) if sum(moves) else None
     out["connections"] = max((s["connections"] for s in samples), default=0)
     out["node_agents"] = max((s["nodes"] for s in samples), default=0)
     out["metrics_records"] = mlines

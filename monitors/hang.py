@@ -405,6 +405,8 @@ class HangMonitor:
         self._unformed: dict[int, int] = {}  # first rank -> groups to pass before trying again
         self.finished_ts: float | None = None  # a rank's clean exit: the job is ending
         self.full_checks = 0  # checks that walked every rank (the rest looked at the heaps only)
+        # groups of ``COHORT_MIN`` ranks or more: [moved as a cohort, moved rank by rank]
+        self.group_moves = [0, 0]
 
     def _new_rank(self) -> _Rank:
         return _Rank(last_progress=self.start_ts, since=self.start_ts)
@@ -574,16 +576,15 @@ class HangMonitor:
         whose beat comes with the others', stands beside it (``lone``)."""
         c, lone = self._cohort(ranks)
         if c is not None and self._move_cohort(kind, c, step, ts, timed):
+            self.group_moves[0] += 1
             if lone is not None:
                 self.observe_steps(kind, [(lone, step, _timed(timed, lone))], ts)
             return
         self.observe_steps(kind, [(r, step, _timed(timed, r)) for r in ranks], ts)
-        if len(ranks) >= COHORT_MIN and (c is None or lone is None):
-            self._form(ranks)
-
-    def cohort_ranks(self) -> int:
-        """How many ranks share their state with a live cohort (``bench/scale_load.py``)."""
-        return sum(len(c[0]) for c in self._cohorts.values() if c[1].refs == len(c[0]))
+        if len(ranks) >= COHORT_MIN:
+            self.group_moves[1] += 1
+            if c is None or lone is None:
+                self._form(ranks)
 
     def _cohort(self, ranks: list[int]) -> tuple[tuple | None, int | None]:
         """The live cohort of ``ranks``, or of all but the first (then named: the leader)."""

@@ -289,6 +289,9 @@ def test_a_relays_routine_ranks_share_one_state_and_each_leaves_it_exactly(seed)
     # most steps moved a cohort as one (its first steps, and a few after each break, go rank by
     # rank), and its ranks do share one state object
     assert moved.count(True) > 40 and shared_seen > 20, (moved.count(True), shared_seen)
+    # what the bench reports (``group_moves``): those moves, and the groups that went rank by rank
+    assert grouped.group_moves[0] == moved.count(True) and grouped.group_moves[1] > 0
+    assert one.group_moves == [0, 0]
 
 
 def test_a_ranks_own_copy_of_a_shared_state_holds_every_field():
