@@ -205,13 +205,14 @@ SPECS: dict[EventKind, EventSpec] = {
     ),
     K.CRASH: EventSpec(
         ("attempt", "rank", "exit_code"),
-        ("step", "host", "how"),
+        ("step", "host", "how", "link_closed"),
         state=RunState.CRASHED,
         finding=True,
         severity="critical",
         summary=True,
         runbook="TrainingCrashLoop",
-        doc="a rank exited non-zero (rank: the blamed one)",
+        doc="a rank exited non-zero (rank: the blamed one; link_closed: its node agent's or "
+        "relay's link closed first, host is that link's)",
     ),
     K.EARLY_EXIT: EventSpec(
         ("attempt", "step"),

@@ -372,7 +372,10 @@ class AttemptMixin:
             self.say(reason)
             return Outcome("early_exit", reason)
         rank, code, how = self._root_cause(attempt)
-        host = self.rank_host(rank) or self.host
+        # its node agent's or relay's link closed first: the failure is that host's (a relay's
+        # death ends its 64 nodes' ranks at once; which of them came first is no one's fault)
+        link = self.blame.link_of(rank)
+        host = link or self.rank_host(rank) or self.host
         self.event(
             EventKind.CRASH,
             attempt=attempt,
@@ -381,16 +384,20 @@ class AttemptMixin:
             step=self.step,
             host=host,
             how=how,
+            **({"link_closed": link} if link else {}),
         )
         err = self.ranks[rank].error if rank in self.ranks else None
         desc = f"rank {rank} exited {code}" + (f" ({err})" if err else "") + f" at step {self.step}"
+        if link:
+            desc += f" (the link of node {link}'s agent or relay closed first)"
         self.say(
             f"crash: {desc}; logs: "
             f"{self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}"
         )
         info = self.ranks.get(rank) if rank is not None else None
         fatal = fatal_startup_error(err, began_step=info is None or self.rank_step(info) > 0)
-        return Outcome("crash", f"crash: {desc}", {"rank": rank, "exit_code": code, "fatal": fatal})
+        detail = {"rank": rank, "exit_code": code, "fatal": fatal, "link": link}
+        return Outcome("crash", f"crash: {desc}", detail)
 
     def _torchrun_exit_code(self, attempt: int, rank: int) -> int | None:
         """The exit code torchrun logged for ``rank`` as soon as it saw it fail (``failed (exitcode:

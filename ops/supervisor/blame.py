@@ -43,6 +43,9 @@ class Bad:
     exit_code: int | None  # None: no goodbye (killed outright)
     how: str
     ts: float  # the supervisor's monotonic receive time
+    # no goodbye because the link it came through closed (``LINK_CLOSED``): that node agent's or
+    # relay's host, where the failure is (a relay's death ends 64 nodes' ranks at once)
+    link: str | None = None
 
 
 @dataclass
@@ -52,17 +55,24 @@ class Blame:
     first: Bad | None = None
     displaced: Bad | None = None  # the error goodbye a silent exit right after it displaced
 
-    def note(self, rank: int, code: int | None, how: str, ts: float) -> None:
+    def note(
+        self, rank: int, code: int | None, how: str, ts: float, link: str | None = None
+    ) -> None:
         """Keep the first failure, except that a rank killed outright (no goodbye) right
         after a peer's error goodbye is the likelier cause: the peer's error is usually
         "connection closed by peer", raised within milliseconds of the kill."""
         if self.first is None:
-            self.first = Bad(rank, code, how, ts)
+            self.first = Bad(rank, code, how, ts, link)
         elif (
             self.first.how == GOODBYE and code is None and ts - self.first.ts <= KILLED_PEER_RACE_S
         ):
             self.displaced = self.first
-            self.first = Bad(rank, code, how, ts)
+            self.first = Bad(rank, code, how, ts, link)
+
+    def link_of(self, rank: int | None) -> str | None:
+        """The host of the link whose closing ended ``rank`` (the first failure), else None."""
+        first = self.first
+        return first.link if first is not None and first.rank == rank else None
 
 
 def torchrun_failures(log_text: str) -> list[tuple[int, int]]:

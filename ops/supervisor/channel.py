@@ -106,13 +106,17 @@ def _rank_key(hello: Any) -> tuple[int, int] | None:
 
 
 RECV_BYTES = 65536  # one read of a peer; a read that fills it leaves bytes behind
+# a relayed rank's ``_eof`` under ``"link"``: it ended because its node agent's or relay's link
+# closed, not by its own goodbye or ``g`` (the blame goes to that link's host); no message's value
+LINK_CLOSED = object()
 
 
 class ChannelServer:
     """Accepts connections in a background thread and queues ``(peer, message, recv_ts)``.
 
     Synthetic messages: ``{"t": "_hello"}`` after a good hello, ``{"t": "_eof"}``
-    when a connection closes. ``recv_ts`` is the supervisor's ``time.monotonic()``.
+    when a connection closes (a relayed rank's, when its node's link closed: ``"link":
+    LINK_CLOSED``). ``recv_ts`` is the supervisor's ``time.monotonic()``.
     """
 
     def oldest_unhandled(self) -> float | None:
@@ -267,7 +271,7 @@ class ChannelServer:
             now = time.monotonic()
             for sub in list(peer.subs.values()):  # the node's ranks are gone with it
                 if sub.authed:
-                    self._put((sub, {"t": "_eof"}, now))
+                    self._put((sub, {"t": "_eof", "link": LINK_CLOSED}, now))
             peer.subs.clear()
             peer.lists.clear()
             self._put((peer, {"t": "_eof"}, now))

@@ -26,7 +26,7 @@ from ptops.faultinject.spec import parse_live as parse_fault
 from ptops.ops.rank.channel import BEGUN, SUMMED, begins
 from ptops.ops.runrecord.events import RANK_KINDS, EventKind, RunState
 from ptops.ops.supervisor.blame import GOODBYE, NO_GOODBYE
-from ptops.ops.supervisor.channel import Peer
+from ptops.ops.supervisor.channel import LINK_CLOSED, Peer
 
 
 @dataclass
@@ -378,7 +378,9 @@ class MessagesMixin:
             self.ranks_changed += 1
             if info.exit_code is None:
                 self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts})
-                self.blame.note(rank, None, NO_GOODBYE, ts)
+                via = peer.via if msg.get("link") is LINK_CLOSED else None
+                link = str(via.hello.get("node") or via.hello.get("host")) if via else None
+                self.blame.note(rank, None, NO_GOODBYE, ts, link)
 
     # ------------------------------------------------------------ node agents (ops/node/agent.py)
     def _on_node_hello(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:

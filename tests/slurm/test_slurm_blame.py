@@ -65,6 +65,16 @@ def test_strikes_then_a_spare_replaces_the_node(tmp_path):
     assert _kinds(sup.run).count("node_blamed") == 2
 
 
+def test_a_crash_that_began_with_a_links_close_strikes_that_links_host(tmp_path):
+    """A relay's (or node agent's) link closed first (``Blame.link_of``: the crash's ``link``): the
+    strike goes to that host, not to the node of the rank the supervisor read first."""
+    sup = _sup(tmp_path, ["n1", "n2", "n3"], "slurm.spare_nodes=1", "slurm.node_strikes=1")
+    crash = Outcome("crash", "crash: rank 1 exited None", {"rank": 1, "link": "n1"})
+    assert sup.after_outcome(crash) is None
+    (blamed,) = [e for e in sup.run.read_events() if e["kind"] == "node_blamed"]
+    assert blamed["node"] == "n1" and "n1" not in sup.active and "n2" in sup.active
+
+
 def test_no_spare_left_resubmits_without_the_node_and_exits_resubmitted(tmp_path, monkeypatch):
     bindir = tmp_path / "bin"
     bindir.mkdir()

@@ -324,6 +324,56 @@ def test_commands_goodbyes_and_liveness_find_their_rank_through_two_numberings(m
         server.close()
 
 
+def test_a_relays_link_closing_ends_its_ranks_and_the_blame_goes_to_the_relays_host():
+    """A relay's death ends the ranks of all its nodes at once: each one's ``_eof`` says its link
+    closed (``LINK_CLOSED``, which no rank's line can carry), so the crash is blamed on the relay's
+    host, not on whichever node's rank the supervisor happened to read first (a strike against an
+    innocent node). A rank's own end before it (its ``g``) stays its own."""
+    from types import SimpleNamespace
+
+    from ptops.ops.supervisor.blame import Blame
+    from ptops.ops.supervisor.channel import LINK_CLOSED
+    from ptops.ops.supervisor.messages import MessagesMixin, RankInfo
+
+    server = ChannelServer()
+    try:
+        with _relay(server) as relay, _nodes(relay, server, {"n1": [0, 1], "n2": [2, 3]}) as cs:
+            _drain(server)
+            got: list = []
+
+            def eofs(n: int) -> bool:
+                got.extend(
+                    x for x in _drain(server) if x[1]["t"] == "_eof" and x[0].rank is not None
+                )
+                return len(got) >= n
+
+            cs[3].close()
+            _until(lambda: eofs(1))
+            relay.stop("its host went down")
+            _until(lambda: eofs(4))
+        assert [(vp.rank, m.get("link") is LINK_CLOSED) for vp, m, _ in got[:1]] == [(3, False)]
+        assert sorted(vp.rank for vp, _, _ in got[1:]) == [0, 1, 2]
+        assert all(m.get("link") is LINK_CLOSED for _, m, _ in got[1:])
+
+        def supervisor(blame: Blame) -> SimpleNamespace:
+            ranks = {r: RankInfo(r, 1000 + r, f"n{1 + r // 2}") for r in range(4)}
+            return SimpleNamespace(ranks=ranks, ranks_changed=0, blame=blame,
+                                   monitor=SimpleNamespace(observe=lambda e: None))  # fmt: skip
+
+        both, links = supervisor(Blame()), supervisor(Blame())
+        for vp, m, ts in got:
+            MessagesMixin._on_eof(both, vp, m, ts)
+            if m.get("link") is LINK_CLOSED:
+                MessagesMixin._on_eof(links, vp, m, ts)
+        assert both.blame.first.rank == 3 and both.blame.link_of(3) is None
+        first = links.blame.first.rank
+        assert (
+            links.blame.link_of(first) == "relay-host" and links.ranks[first].host != "relay-host"
+        )
+    finally:
+        server.close()
+
+
 def test_a_dump_reaches_each_agent_under_its_numbers_and_a_silent_one_is_answered_for(
     monkeypatch,
 ):
