@@ -256,6 +256,10 @@ EXTENDED = {
     "tests/trl/test_trl_grpo_rewards_train.py::test_grpo_judge_trains_and_resumes_exactly": (
         "the GRPO reward path: test_grpo_code_trains_and_resumes_exactly; judge: test_trl_rewards"
     ),
+    "tests/supervisor/test_supervisor_real.py::test_trl_sft_crash_restarts_from_checkpoint": (
+        "the same supervised trl-sft-tiny crash at step 12, restart from step 10, equal digest and "
+        "no process left: test_warm::test_trl_restart_from_a_warm_pool_is_exact"
+    ),
     "tests/install/test_gpu_check.py::test_gpu_check_driver_on_cpu_smoke": (
         "titan crash/hang/async save: faulted runs (tests/faulted.py); the one-call driver and its "
         "stages: test_script_stage_driver_on_cpu_smoke, test_a_stage_over_its_budget_is_cut_..."

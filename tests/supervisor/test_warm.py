@@ -371,8 +371,9 @@ def _assert_warm_attempt_2(run: Path) -> None:
 @pytest.mark.slow
 def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
     """The same for a TRL trainer (accelerate reads torchrun's environment, which the launcher
-    sets): the restart's ranks are forked from the pool and the final weights equal an uninterrupted
-    run's."""
+    sets): the crash is rank 1's, the restart resumes from step 10's checkpoint with ranks forked
+    from the pool, the final weights equal an uninterrupted run's and nothing is left running (the
+    TRL crash-restart of the default run; test_supervisor_real's cold one is extended)."""
     from conftest import run_ptops
 
     from ptops.ckpt import digest
@@ -383,7 +384,9 @@ def test_trl_restart_from_a_warm_pool_is_exact(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     run = tmp_path / "warm"
     ev = _warm_restart(run, "trl-sft-tiny", [], crash_step=12)
-    assert [e["exit_code"] for e in ev if e["kind"] == "crash"] == [-9]
+    crash = [(e["rank"], e["attempt"], e["exit_code"]) for e in ev if e["kind"] == "crash"]
+    assert crash == [(1, 1, -9)]
+    assert [e["from_step"] for e in ev if e["kind"] == "restart"] == [10]
     _assert_warm_attempt_2(run)
     last = "checkpoint-20"
     assert digest(run / "checkpoints" / last) == digest(ref / "checkpoints" / last)
