@@ -1066,6 +1066,11 @@ def run_one(args: argparse.Namespace) -> dict:
             "generator_late_max_s": round(samples[-1]["gen"]["late_max_s"], 3) if samples else None,
             "stack_files": len(list((run.path / "stacks" / "attempt-1").glob("*.txt"))),
         }
+    # how the run ended, in its own words (a --sizes child's run directory is gone after it)
+    out["last_events"] = [
+        {k: str(e[k])[:200] for k in ("kind", "reason", "why", "rank", "how") if k in e}
+        for e in events[-4:]
+    ]
     out["run_dir"] = str(run.path)
     return out
 
