@@ -284,9 +284,10 @@ class SlurmSupervisor(Supervisor):
         ranks = (
             outcome.detail.get("ranks") if outcome.kind == "hang" else [outcome.detail.get("rank")]
         )
-        hosts = {self.rank_host(r) for r in (ranks or []) if r is not None}
         if outcome.kind == "crash" and outcome.detail.get("link"):  # its agent's or relay's host
             hosts = {outcome.detail["link"]}
+        else:
+            hosts = {self.rank_host(r) for r in (ranks or []) if r is not None}
         hosts.discard(None)
         if len(hosts) != 1:
             return (

@@ -379,12 +379,12 @@ class MessagesMixin:
             if info.exit_code is None:
                 self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts})
                 via = peer.via if msg.get("link") is LINK_CLOSED else None
-                link = str(via.hello.get("node") or via.hello.get("host")) if via else None
+                link = _node_name(via) if via else None
                 self.blame.note(rank, None, NO_GOODBYE, ts, link)
 
     # ------------------------------------------------------------ node agents (ops/node/agent.py)
     def _on_node_hello(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
-        self.node_peers[str(peer.hello.get("node") or peer.hello.get("host"))] = peer
+        self.node_peers[_node_name(peer)] = peer
 
     def _on_node_stacks(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
         got = msg.get("stacks")
@@ -542,6 +542,12 @@ class MessagesMixin:
         elif step in self.ckpt_started:
             self.ckpt_started.pop(step)
             self.state = RunState.RUNNING
+
+
+def _node_name(peer: Peer) -> str:
+    """A node agent's (or relay's) name as its hello gave it: the key of ``node_peers``, the host
+    a closed link's blame goes to."""
+    return str(peer.hello.get("node") or peer.hello.get("host"))
 
 
 def _group_end(items: Any, i: int, attempt: int) -> int:
