@@ -166,8 +166,8 @@ def launch(
         Optional[str],
         typer.Option(
             "--mlflow-uri",
-            help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<runs "
-            "root>/mlflow.db beside the run directories.",
+            help="MLflow tracking URI (a server, or sqlite:///path). Default: sqlite:///<run "
+            "dir>/mlflow/mlflow.db inside the run directory.",
         ),
     ] = None,
     mlflow: Annotated[

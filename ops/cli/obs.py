@@ -217,8 +217,8 @@ def cmd_export(
         Optional[str],
         typer.Option(
             "--mlflow-uri",
-            help="Also export to MLflow (default store: sqlite:///<runs root>/mlflow.db with "
-            "--mlflow).",
+            help="Also export to MLflow (default store: sqlite:///<run dir>/mlflow/mlflow.db "
+            "with --mlflow).",
         ),
     ] = None,
     mlflow: Annotated[

@@ -36,7 +36,8 @@ def pipeline_cmd(
         Optional[str],
         typer.Option(
             "--mlflow-uri",
-            help="MLflow tracking URI. Default: sqlite:///<parent of the pipeline dir>/mlflow.db.",
+            help="MLflow tracking URI. Default: sqlite:///<pipeline dir>/mlflow/mlflow.db (one "
+            "store per pipeline, its stages included).",
         ),
     ] = None,
     mlflow: Annotated[

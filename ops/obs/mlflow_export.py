@@ -19,7 +19,9 @@ What lands in MLflow:
 
 The MLflow run id is stored in ``RUN_DIR/mlflow.json`` so a restarted supervisor
 (or an offline ``ptops export``) continues the same MLflow run. The default
-tracking URI is ``sqlite:///<runs root>/mlflow.db`` (the run directory's parent).
+tracking URI is ``sqlite:///<run dir>/mlflow/mlflow.db``, with the artifacts in
+``<run dir>/mlflow/mlartifacts/``: everything of a run lands in its run directory (private, 0700).
+An explicit tracking URI wins; a SQLite one keeps its artifacts in ``mlartifacts/`` beside its file.
 """
 
 from __future__ import annotations
@@ -64,9 +66,21 @@ def _quiet_third_party_loggers() -> None:
             logger.setLevel(logging.WARNING)
 
 
+STORE_DIR = "mlflow"  # the default store's folder inside the run (or pipeline) directory
+
+
 def default_tracking_uri(run_dir: str | Path) -> str:
-    root = Path(run_dir).resolve().parent
-    return f"sqlite:///{root / 'mlflow.db'}"
+    """``sqlite:///<run dir>/mlflow/mlflow.db``: the store of one run lands inside it."""
+    return f"sqlite:///{Path(run_dir).resolve() / STORE_DIR / 'mlflow.db'}"
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where an experiment created in a SQLite store keeps its artifacts: ``mlartifacts/`` beside
+    the database file (inside the run directory for the default store); None for a server store
+    (the server decides)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
 
 
 def seed_sqlite_store(uri: str) -> bool:
@@ -93,7 +107,8 @@ def seed_sqlite_store(uri: str) -> bool:
         tmp = empty.with_name(f".{empty.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()  # creates, migrates
         os.replace(tmp, empty)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    # private like the rest of the run directory (the default store's folder is new in it)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         shutil.copyfile(empty, tmp)
@@ -274,12 +289,9 @@ class MlflowExporter(QueuedExporter):
         exp = client.get_experiment_by_name(name)
         if exp is None:
             try:
-                art = (
-                    (Path(self.tracking_uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
-                    if self.tracking_uri.startswith("sqlite:///")
-                    else None
+                exp_id = client.create_experiment(
+                    name, artifact_location=artifact_location(self.tracking_uri)
                 )
-                exp_id = client.create_experiment(name, artifact_location=art)
             except Exception:  # created meanwhile by another process
                 exp = client.get_experiment_by_name(name)
                 if exp is None:

@@ -16,7 +16,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ptops.ops.obs.mlflow_export import _quiet_third_party_loggers, default_tracking_uri, flatten
+from ptops.ops.obs.mlflow_export import (
+    _quiet_third_party_loggers,
+    artifact_location,
+    default_tracking_uri,
+    flatten,
+    seed_sqlite_store,
+)
 
 log = logging.getLogger("ptops.pipeline.mlflow")
 
@@ -62,15 +68,13 @@ class Lineage:
         from mlflow.tracking import MlflowClient
 
         _quiet_third_party_loggers()
+        seed_sqlite_store(self.uri)  # the default store's folder is made private (0700)
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(self.name)
         if exp is None:
-            art = (
-                (Path(self.uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
-                if self.uri.startswith("sqlite:///")
-                else None
+            self.experiment_id = self.client.create_experiment(
+                self.name, artifact_location=artifact_location(self.uri)
             )
-            self.experiment_id = self.client.create_experiment(self.name, artifact_location=art)
         else:
             self.experiment_id = exp.experiment_id
         run_id = _stored(self.dir / "mlflow.json", self.uri)

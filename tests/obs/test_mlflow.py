@@ -60,8 +60,11 @@ def test_restarted_run_is_one_mlflow_run_with_every_step(tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    assert default_tracking_uri(run) == f"sqlite:///{runs.resolve() / 'mlflow.db'}"
-    assert (runs / "mlflow.db").exists()
+    # the store and its artifacts land inside the run directory, private like the rest of it
+    store = run.resolve() / "mlflow"
+    assert default_tracking_uri(run) == f"sqlite:///{store / 'mlflow.db'}"
+    assert (store / "mlflow.db").exists() and stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    assert sorted(p.name for p in runs.iterdir()) == ["obs-titan"]  # nothing beside the run
     client = MlflowClient(tracking_uri=default_tracking_uri(run))
     exp = client.get_experiment_by_name("titan-tiny")
     found = client.search_runs([exp.experiment_id])
@@ -90,6 +93,8 @@ def test_restarted_run_is_one_mlflow_run_with_every_step(tmp_path):
     assert [a.path for a in client.list_artifacts(r.info.run_id, "ptops/checkpoints/step-8")] == [
         "ptops/checkpoints/step-8/ptops-manifest.json"
     ]
+    assert r.info.artifact_uri.startswith((store / "mlartifacts").as_uri())
+    assert list((store / "mlartifacts").rglob("incident_summary.json"))
 
 
 def _closed_port() -> int:
@@ -198,9 +203,34 @@ def test_ptops_mlflow_0_turns_the_export_off_and_the_flag_wins_over_it(tmp_path)
     env = {"PTOPS_MLFLOW": "0"}
     p = run_ptops("launch", "titan-tiny", "--supervise", "--run-dir", str(off), *steps, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert not (off / "mlflow.json").exists() and not (off.parent / "mlflow.db").exists()
+    assert not (off / "mlflow.json").exists() and not (off / "mlflow").exists()
     p = run_ptops(
         "launch", "titan-tiny", "--supervise", "--run-dir", str(on), *steps, "--mlflow", env=env
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    assert (on / "mlflow.json").exists() and (on.parent / "mlflow.db").exists()
+    assert (on / "mlflow.json").exists() and (on / "mlflow" / "mlflow.db").exists()
+    assert sorted(p.name for p in on.parent.iterdir()) == ["run"]  # nothing beside the run dir
+
+
+def test_a_pipelines_default_store_is_inside_the_pipeline_dir_and_its_stages_share_it(tmp_path):
+    """Issue 47: a pipeline's directory is its run directory: one store inside it, the stages' runs
+    (below it) nested in that store; nothing lands beside it."""
+    from mlflow.tracking import MlflowClient
+
+    from ptops.ops.pipeline.lineage import Lineage
+
+    pipe = tmp_path / "runs" / "pipe"
+    stage = pipe / "stages" / "01-sft"
+    stage.mkdir(parents=True)
+    lineage = Lineage(pipe, "pipe")
+    assert lineage.error is None
+    store = pipe.resolve() / "mlflow"
+    assert lineage.uri == f"sqlite:///{store / 'mlflow.db'}"
+    assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    child = lineage.child("sft", 0, stage, {"name": "sft"}, None, None)
+    assert json.loads((stage / "mlflow.json").read_text())["tracking_uri"] == lineage.uri
+    client = MlflowClient(tracking_uri=lineage.uri)
+    run = client.get_run(child)
+    assert run.data.tags["mlflow.parentRunId"] == lineage.parent
+    assert run.info.artifact_uri.startswith((store / "mlartifacts").as_uri())
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["pipe"]
