@@ -100,12 +100,52 @@ def dump_stacks() -> str:
     return "\n".join(out) + "\n"
 
 
+# torch 2.8 renamed the flight recorder's variables (TORCH_NCCL_TRACE_BUFFER_SIZE ->
+# TORCH_FR_BUFFER_SIZE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE -> TORCH_FR_DUMP_TEMP_FILE) and records gloo
+# too; from then on the old names still work but print "Environment variable ... is deprecated" in
+# every rank's log (torch 2.13: c10d's Utils.hpp). (new name, name before torch 2.8)
+FR_BUFFER_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_DUMP_TEMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+FR_NEW_NAMES_SINCE = (2, 8)
+
+
+def _torch_version() -> tuple[int, int] | None:
+    """(major, minor) of the torch installed beside ptops (the ranks' torch), read from its package
+    metadata: importing torch costs ~2.5 s. None without one."""
+    from importlib import metadata
+
+    try:
+        major, minor = metadata.version("torch").split(".")[:2]
+        return int(major), int(minor)
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def flight_recorder_env(
+    dump_prefix: str, environ: dict[str, str] | None = None, torch_version: Any = "installed"
+) -> dict[str, str]:
+    """The flight recorder's settings for the ranks: buffer 2000 entries, dumps to
+    ``dump_prefix<rank>``, dump on an NCCL timeout. Only the names the ranks' torch reads: the
+    new ones from torch 2.8 (no deprecation warning in the rank logs), the old ones as well below
+    it. A setting the user made (under either name) is kept."""
+    environ = os.environ if environ is None else environ
+    version = _torch_version() if torch_version == "installed" else torch_version
+    old = version is not None and tuple(version) < FR_NEW_NAMES_SINCE
+    out: dict[str, str] = {}
+    for names, value in ((FR_BUFFER_SIZE, "2000"), (FR_DUMP_TEMP_FILE, dump_prefix)):
+        if not any(n in environ for n in names):
+            out.update({n: value for n in (names if old else names[:1])})
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ:  # NCCL's own name in every torch
+        out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    return out
+
+
 def flight_recorder_dump() -> bytes | None:
     """The flight-recorder trace (pickle bytes) of this rank's collectives; None without one.
 
-    NCCL records with ``TORCH_NCCL_TRACE_BUFFER_SIZE``; gloo too (torch >= 2.8) with
-    ``TORCH_FR_BUFFER_SIZE``. The supervisor sets both; ``diagnostics/flightrec.py`` reads the
-    dumps."""
+    NCCL records with a buffer (``TORCH_FR_BUFFER_SIZE``; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` before
+    torch 2.8), gloo too from torch 2.8. The supervisor sets the names the ranks' torch reads
+    (:func:`flight_recorder_env`); ``diagnostics/flightrec.py`` reads the dumps."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None

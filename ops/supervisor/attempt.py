@@ -20,6 +20,7 @@ from ptops.ckpt import RESUME_ENV
 from ptops.faultinject.spec import to_env as faults_to_env
 from ptops.monitors.hang import HangMonitor
 from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN, SUMMARY_ENV
+from ptops.ops.rank.probe import flight_recorder_env
 from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.supervisor import launcher, procs
 from ptops.ops.supervisor.blame import WORKER_FAILED, Blame, root_cause
@@ -87,17 +88,8 @@ class AttemptMixin:
         extra[RESUME_ENV] = (self.good or {}).get(
             "path"
         ) or ""  # verified by the supervisor: the ranks do not again
-        for key, value in (
-            ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
-            (
-                "TORCH_FR_BUFFER_SIZE",
-                "2000",
-            ),  # gloo records collectives too (torch >= 2.8): hang analysis on CPU
-            ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
-            ("TORCH_FR_DUMP_TEMP_FILE", str(stack_dir / "flight_recorder_rank_")),
-        ):
-            if key not in os.environ:
-                extra[key] = value
+        # the names the ranks' torch reads, no deprecated one (gloo records too: hang analysis)
+        extra.update(flight_recorder_env(str(stack_dir / "flight_recorder_rank_")))
         extra.update(self.summary_env())
         # attempt_command may say warm
         self.ranks_from = {
