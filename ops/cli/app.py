@@ -85,6 +85,12 @@ class _LaunchCommand(_EnginesCommand):
             i = args.index("--")
             ctx.meta["ptops.command"] = list(args[i + 1 :])
             args = list(args[:i])
+        else:  # the command without its -- (ptops launch --supervise python train.py): say so
+            from ptops.ops.cli.launch import command_hint
+
+            hint = command_hint(self.params, args)
+            if hint:
+                fail(hint)
         return super().parse_args(ctx, args)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import time
 
 import typer
@@ -127,3 +129,49 @@ def print_summary(s: dict) -> None:
             f"  exit {row.code} ({row.name}): requeue: {row.requeue}"
             + ("; a person must look (ptops status / ptops diagnose)" if look else "")
         )
+
+
+# what a user's own command starts with (a launcher, or a script run directly)
+_COMMAND_START = re.compile(
+    r"^(python[\d.]*|torchrun|accelerate|deepspeed|bash|sh|uv|.*\.(py|sh))$", re.I
+)
+
+
+def command_hint(params: list, args: list[str]) -> str | None:
+    """``ptops launch`` arguments (no ``--`` among them) that hold the user's own command where the
+    recipe goes (``ptops launch --supervise python train.py``, ``ptops launch train.py``): the
+    command line they meant, with its ``--``, for a one-line error. None when the first positional
+    argument is a recipe (a shipped name or a .toml file) or none is given."""
+    takes_value = {  # click's options (typer carries its own copy of click: duck-typed)
+        name
+        for p in params
+        if getattr(p, "param_type_name", "") == "option" and not p.is_flag and not p.count
+        for name in (*p.opts, *p.secondary_opts)
+    }
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--help", "-h"):
+            return None
+        if not a.startswith("-") or a == "-":
+            break
+        i += 2 if a in takes_value else 1  # "--set=x" or a flag: one token
+    else:
+        return None
+    first, rest = args[i], list(args[i + 1 :])
+    if first.endswith(".toml"):
+        return None
+    from ptops.recipes.schema import shipped_recipes
+
+    if first in shipped_recipes():
+        return None
+    if not (_COMMAND_START.match(os.path.basename(first)) or rest):
+        return None  # a mistyped recipe name: the loader's error lists the recipes
+    command = [first, *rest]
+    if first.endswith(".py"):
+        command.insert(0, "python")
+    before = ["ptops", "launch", *args[:i]]
+    return (
+        f"{shlex.join([first, *rest])}: not a recipe; your own command goes after -- "
+        f"(did you mean: {shlex.join(before)} -- {shlex.join(command)})"
+    )
