@@ -120,10 +120,46 @@ def run_rank() -> None:
         probe.close(code, None if code == 0 else f"SystemExit({e.code!r})")
         raise
     except BaseException as e:
-        probe.close(1, f"{type(e).__name__}: {e}"[:2000])
+        probe.close(1, f"{type(e).__name__}: {e}"[:2000], user_traceback(e))
         raise
     probe.close(0)
     _exit_done()
+
+
+# the frames of ptops' own harness around the user's code: the rank's entry, the engine adapters,
+# runpy and the import machinery
+_HARNESS = tuple(str(Path(__file__).resolve().parents[i]) + os.sep for i in (0, 1))  # ops/rank, ops
+_ADAPTERS = str(Path(__file__).resolve().parents[2] / "recipes") + os.sep
+
+
+def _harness(filename: str) -> bool:
+    if filename.startswith("<frozen") or Path(filename).name == "runpy.py":
+        return True
+    path = os.path.abspath(filename)
+    return path.startswith((*_HARNESS, _ADAPTERS))
+
+
+def user_traceback(exc: BaseException, max_lines: int = 20, max_chars: int = 2000) -> str:
+    """The short traceback the supervisor prints when it gives up: the innermost frames from where
+    the user's code starts (ptops' entry, the engine adapter, runpy left out), each with its file,
+    line and source line, then the exception (a SyntaxError's file, line and caret). Outer frames go
+    first to stay within ``max_lines`` / ``max_chars``. The rank log keeps the whole traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    start = next((i for i, f in enumerate(frames) if not _harness(f.filename)), len(frames))
+    frames = traceback.StackSummary.from_list(frames[start:])
+    tail = "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n").splitlines()
+    body = [ln for chunk in frames.format() for ln in chunk.rstrip("\n").splitlines()]
+    head = ["Traceback (most recent call last):"] if body else []
+    while body and (
+        len(head) + len(body) + len(tail) > max_lines
+        or sum(len(x) + 1 for x in (*head, *body, *tail)) > max_chars
+    ):
+        body = body[2:] if len(body) > 1 and body[1].startswith("    ") else body[1:]
+        head = ["Traceback (most recent call last, outer frames left out):"]
+    out = "\n".join([*head, *body, *tail])
+    return out if len(out) <= max_chars else out[-max_chars:]
 
 
 def _exit_done() -> None:

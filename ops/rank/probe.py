@@ -329,13 +329,17 @@ class Probe:
         else:
             self.run.event(kind, **fields)
 
-    def close(self, code: int = 0, error: str | None = None) -> None:
-        """Tell the supervisor this rank is leaving on purpose (``code`` is its exit status)."""
+    def close(self, code: int = 0, error: str | None = None, traceback: str | None = None) -> None:
+        """Tell the supervisor this rank is leaving on purpose (``code`` is its exit status;
+        ``traceback``: the short one of a failure, ``entry.user_traceback``)."""
         self.profile.close(self._step)
         if self.client is None:
             return
         self._closing = True
-        self._send({"t": "exit", "code": int(code), "error": error, "step": self._step})
+        msg = {"t": "exit", "code": int(code), "error": error, "step": self._step}
+        if traceback:
+            msg["traceback"] = traceback
+        self._send(msg)
         self.client.close()
 
     # ------------------------------------------------------------ internals

@@ -452,11 +452,12 @@ SPECS: dict[EventKind, EventSpec] = {
     ),
     K.FAILED: EventSpec(
         ("reason",),
-        ("attempt", "exit_code"),
+        ("attempt", "exit_code", "traceback"),
         state=RunState.FAILED,
         severity="critical",
         summary=True,
-        doc="the run gave up (reason names the cause)",
+        doc="the run gave up (reason names the cause; traceback: the short traceback of a fatal "
+        "error, e.g. at import, from the rank's goodbye)",
     ),
     K.STOPPED: EventSpec(
         (),

@@ -418,13 +418,17 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             if decision.action == "stop":
                 self.state = RunState.FAILED
                 self.reason = decision.reason
+                # a fatal error (at import, the same on every rank): the user's traceback with it
+                info = self.ranks.get(outcome.detail.get("rank"))
+                tb = (info.traceback or "") if info and outcome.detail.get("fatal") else ""
                 self.event(
                     EventKind.FAILED,
                     reason=decision.reason,
                     attempt=self.attempt,
                     exit_code=decision.exit_code,
+                    **({"traceback": tb} if tb else {}),
                 )
-                self.say(f"giving up: {decision.reason}")
+                self.say(f"giving up: {decision.reason}" + (f"\n{tb}" if tb else ""))
                 return decision.exit_code
             self.state = RunState.RESTARTING
             self.reason = outcome.reason

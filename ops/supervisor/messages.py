@@ -37,6 +37,7 @@ class RankInfo:
     peer: Peer | None = None
     exit_code: int | None = None  # from the rank's goodbye
     error: str | None = None
+    traceback: str | None = None  # the goodbye's short traceback of a failure (rank entry.py)
     gone_ts: float | None = None  # EOF (monotonic)
     # the highest step this rank has begun (its beats) or finished (its metrics) by its own
     # messages; with the steps its relay folded or summed up: ``MessagesMixin.rank_step``
@@ -366,6 +367,7 @@ class MessagesMixin:
         code = int(msg.get("code", 0))
         if info is not None:
             info.exit_code, info.error = code, msg.get("error")
+            info.traceback = msg.get("traceback")
         self.monitor.observe({"kind": "exit", "rank": rank, "ts": ts, "code": code})
         if code != 0:
             self.blame.note(rank, code, GOODBYE, ts)

@@ -4,6 +4,8 @@ flight recorder's settings cause no deprecation warning in the rank logs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import run_ptops
 
@@ -64,3 +66,55 @@ def test_the_flight_recorder_is_set_by_the_names_the_ranks_torch_reads():
     assert "TORCH_FR_BUFFER_SIZE" not in mine and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine
     # the installed torch (this venv: 2.13) is read from its metadata, without importing it
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in flight_recorder_env("/d/fr_", {})
+
+
+@pytest.mark.parametrize(
+    "source, shown",
+    [
+        # a typo at line 3: a SyntaxError (today's message named the file's name and line, not the
+        # path or the source line)
+        ("import os\n\nimprot torch\n", ["line 3", "    improt torch", "SyntaxError"]),
+        # a misspelt module at line 3, imported from the user's own module: both frames shown
+        ("import os\nimport sys\nimport torhc\n", ["line 3, in <module>", "    import torhc"]),
+    ],
+    ids=["syntax-error", "import-error"],
+)
+def test_an_error_at_import_stops_at_once_with_the_scripts_traceback(tmp_path, source, shown):
+    (tmp_path / "helpers.py").write_text(source)
+    script = tmp_path / "bad.py"
+    script.write_text("import helpers  # line 1\n")
+    run = tmp_path / "run"
+    p = run_ptops(
+        "launch", "--supervise", "--no-mlflow", "--run-dir", str(run), "--",
+        "python", str(script), timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 4, p.stderr[-3000:]
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["attempt"] for e in events if e["kind"] == "launch"] == [1]  # no restart
+    helpers = f'File "{tmp_path / "helpers.py"}", '
+    # the giving-up output carries the traceback: the user's frames, file, line and source line
+    out = p.stderr[p.stderr.index("giving up:") :]
+    assert helpers in out and all(s in out for s in shown), out
+    assert f'File "{script}", line 1, in <module>' in out and "import helpers" in out, out
+    assert "ops/rank/entry.py" not in out and "runpy" not in out, out  # ptops' harness left out
+    (failed,) = [e for e in events if e["kind"] == "failed"]
+    assert helpers in failed["traceback"] and shown[-1] in failed["traceback"], failed
+    assert len(failed["traceback"]) <= 2000 and len(failed["traceback"].splitlines()) <= 20
+
+
+def test_a_short_traceback_keeps_the_innermost_frames_within_its_caps():
+    from ptops.ops.rank.entry import user_traceback
+
+    # 40 distinct frames f0 -> f1 -> ... -> f39, the innermost raising
+    chain = "\n".join(f"def f{i}():\n    f{i + 1}()" for i in range(39))
+    space: dict = {}
+    exec(chain + "\ndef f39():\n    raise ValueError('the innermost')", space)
+    try:
+        space["f0"]()
+    except ValueError as e:
+        tb = user_traceback(e, max_lines=12, max_chars=800)
+    lines = tb.splitlines()
+    assert len(lines) <= 12 and len(tb) <= 800, tb
+    assert lines[0] == "Traceback (most recent call last, outer frames left out):", tb
+    assert lines[-1] == "ValueError: the innermost" and "in f39" in lines[-2], tb
+    assert "in f38" in tb and "in f0" not in tb, tb
