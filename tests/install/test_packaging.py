@@ -125,3 +125,17 @@ def test_declared_bounds_are_the_ones_the_matrix_ran():
                 )
     assert oldest["torch_untouched"] and newest["torch_untouched"]
     assert oldest["dry_run_installs_torch"] is False and newest["dry_run_installs_torch"] is False
+
+
+def test_the_core_resolves_to_the_locks_grafana_sdk_flavour():
+    """What renders dashboards must be the lock's build: grafana-foundation-sdk publishes one build
+    per Grafana flavour under an epoch, and the 10.1 flavour's later build (1769699998!10.1.0)
+    sorts above the lock's 11.6 one, so a bare lower bound let ``pip install ptops`` pick it."""
+    (req,) = [
+        r for r in _reqs(_project()["dependencies"]) if r.name.lower() == "grafana-foundation-sdk"
+    ]
+    lock = _lock()["grafana-foundation-sdk"]
+    assert lock == Version("1769699379!11.6.0")
+    assert req.specifier.contains(lock)
+    for other in ("1769699998!10.1.0", "1769699932!10.2.0", "1759917919!11.6.0", "1769699241"):
+        assert not req.specifier.contains(Version(other)), f"{req} admits {other}"
