@@ -157,7 +157,7 @@ class Agent:
     def start_ranks(self) -> None:
         nproc = self.env.get("PTOPS_NODE_NPROC", "1")
         argv = self.launcher or [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-P", "-m", "torch.distributed.run",
             "--nnodes", str(self.nnodes),
             "--node-rank", str(self.node_rank),
             "--nproc-per-node", nproc,
@@ -165,7 +165,8 @@ class Agent:
             "--master-port", self.env["PTOPS_NODE_PORT"],
             "--max-restarts", "0",
             "--monitor-interval", "0.5",
-            "-m", "ptops.ops.rank.entry",
+            # -P: a ``ptops`` folder in the cwd cannot shadow the package (launcher.RANK_PYTHON)
+            "--no-python", sys.executable, "-P", "-u", "-m", "ptops.ops.rank.entry",
         ]  # fmt: skip
         env = dict(self.env)
         env[ENV_ADDRESS] = self.local_address

@@ -79,6 +79,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# what torchrun runs in each rank (after ``--no-python``): torchrun's own ``python -u -m`` plus -P
+RANK_PYTHON = (sys.executable, "-P", "-u", "-m", "ptops.ops.rank.entry")
+
+
 @dataclass
 class RankCommand:
     argv: list[str]
@@ -89,15 +93,20 @@ def rank_command(
     recipe: Recipe, run: RunDir, attempt: int, extra_env: dict[str, str] | None = None
 ) -> RankCommand:
     port = recipe.launch.master_port or free_port()
+    # -P (every interpreter ptops starts): the cwd is not put first on sys.path, so a folder named
+    # ``ptops`` where the user launches (the project's checkout is one) cannot shadow the installed
+    # package. torchrun starts its workers as ``python -u -m ...`` itself; ``--no-python`` makes it
+    # run our interpreter line instead. A user's script still sees its own folder (and a ``-m``
+    # module the cwd) on sys.path: recipes/script/run.py puts them there as ``python`` would.
     argv = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-P", "-m", "torch.distributed.run",
         "--nnodes", "1",
         "--nproc-per-node", str(recipe.launch.nproc),
         "--master-addr", "127.0.0.1",
         "--master-port", str(port),
         "--max-restarts", "0",
         "--monitor-interval", "0.5",
-        "-m", "ptops.ops.rank.entry",
+        "--no-python", *RANK_PYTHON,
     ]  # fmt: skip
     env = {**os.environ, **rank_constants(recipe.launch.omp_num_threads)}
     env.update({"PTOPS_RUN_DIR": str(run.path.resolve()), "PTOPS_ATTEMPT": str(attempt)})
@@ -117,7 +126,7 @@ def node_agent_command(cmd: RankCommand, nproc: int, log: Path) -> RankCommand:
         "PTOPS_NODE_NNODES": "1",
         "PTOPS_NODE_RANK": "0",
     }
-    return RankCommand([sys.executable, "-m", "ptops.ops.node.agent"], env)
+    return RankCommand([sys.executable, "-P", "-m", "ptops.ops.node.agent"], env)
 
 
 def rank_constants(omp_num_threads: int) -> dict[str, str]:

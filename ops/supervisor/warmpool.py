@@ -68,6 +68,7 @@ class WarmPool:
         port = cmd.argv[cmd.argv.index("--master-port") + 1]
         argv = [
             sys.executable,
+            "-P",  # as every interpreter ptops starts (launcher.rank_command)
             "-m",
             "ptops.ops.rank.warmlaunch",
             "--nproc",
@@ -83,7 +84,7 @@ class WarmPool:
         env = launcher.rank_command(self.recipe, self.run, 0).env
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.proc = procs.spawn(
-            [sys.executable, "-m", "ptops.ops.rank.warm", self.name, self.recipe.engine],
+            [sys.executable, "-P", "-m", "ptops.ops.rank.warm", self.name, self.recipe.engine],
             env,
             self.log,
         )
