@@ -5,6 +5,8 @@
     python3 scripts/matrix.py --end oldest    # one end
     python3 scripts/matrix.py --list          # what each end would install, then exit
     python3 scripts/matrix.py --table         # the last run's table
+    python3 scripts/matrix.py --end next      # the newest torch on the index, beyond the ranges
+    python3 scripts/matrix.py --check-index   # newest torch/TRL/TorchTitan on PyPI vs the ranges
 
 Each end is a venv, ``.venv-matrix-END``, set up as a user's image is: first a torch of the end's
 version, the registry's own build (a CUDA build even on this CPU box), then this checkout's
@@ -15,7 +17,16 @@ lock. The end then proves:
   3. the engine-agnostic tests and the TRL recipes' crash-resume digest tests pass (TorchTitan's too
      where it imports).
 The oldest end is pyproject.toml's lower bounds, read from it, so a bound cannot drift from what
-ran; the newest is what pip resolves from the ranges today. Results go to
+ran; the newest is what pip resolves from the ranges today. The ``next`` end is the newest torch
+release on the package index (PyPI's JSON API), whether or not the ranges admit it: while they stop
+below it, that end shows pip replacing the image's torch (``torch_untouched`` false), which is what
+a user with that image would get; once a range is widened, it is the run that shows the widening
+works. It is not part of ``all``: where pip cannot install that torch (this machine's pip is capped
+at torch<=2.14.1 by /etc/xdg/pip) it records why and stops.
+
+Every run ends with the index report (also ``--check-index`` alone): for torch, TRL and TorchTitan,
+the newest release on the index against each extra's range, one line each. A report, not a failure:
+its exit status is 0 whatever it finds, and without network it says so in one line. Results go to
 ``bench/results/matrix.json``; ``tests/install/test_packaging.py`` fails when a declared lower bound
 is not the one the last matrix run used.
 """
@@ -63,6 +74,10 @@ ENGINE_AGNOSTIC = [
 ]
 TRL_DIGEST = ["tests/trl/test_trl_train.py"]  # SFT/DPO/GRPO on 2 ranks, kill + resume bit-identical
 TITAN = ["tests/engines/test_titan_train.py"]
+# what the index report watches: a new release of one of these is what makes an extra downgrade (or
+# refuse) a user's torch, or leave them on an old trainer
+INDEX_WATCH = ("torch", "trl", "torchtitan")
+INDEX_URL = "https://pypi.org/pypi/{name}/json"
 
 
 def extras() -> dict[str, list[str]]:
@@ -101,10 +116,101 @@ def plan(end: str) -> dict:
             "torch": f"torch=={pins['torch']}",
             "pins": {k: v for k, v in pins.items() if k != "torch"},
         }
+    if end == "next":  # the newest torch on the index, in or out of the ranges
+        return {"torch": f"torch=={newest_on_index('torch')}", "pins": {}}
     return {
         "torch": "torch",
         "pins": {},
     }  # newest: the newest release the ranges (and this machine's cap) admit
+
+
+def newest_on_index(name: str, timeout: float = 20.0) -> str:
+    """The newest final release of ``name`` on PyPI (not yanked, not a pre-release). Raises
+    ``OSError`` (no network, HTTP error) or ``ValueError`` (an answer without releases)."""
+    import urllib.request
+
+    InvalidVersion, Version = _packaging("version", "InvalidVersion", "Version")
+
+    with urllib.request.urlopen(INDEX_URL.format(name=name), timeout=timeout) as r:
+        data = json.load(r)
+    best = None
+    for ver, files in data.get("releases", {}).items():
+        try:
+            v = Version(ver)
+        except InvalidVersion:
+            continue
+        if v.is_prerelease or v.is_devrelease or not files:
+            continue
+        if all(f.get("yanked") for f in files):
+            continue
+        best = v if best is None or v > best else best
+    if best is None:
+        raise ValueError(f"no final release of {name} on the index")
+    return str(best)
+
+
+def _packaging(module: str, *names: str) -> tuple:
+    """``packaging``'s classes, or pip's vendored copy where there is no ``packaging``."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"packaging.{module}")
+    except ImportError:
+        mod = importlib.import_module(f"pip._vendor.packaging.{module}")
+    return tuple(getattr(mod, n) for n in names)
+
+
+def _spec(specifier) -> str:  # type: ignore[no-untyped-def]
+    """``>=2.13.0,<2.15``: lower bound first."""
+    return ",".join(sorted((str(s) for s in specifier), key=lambda t: (not t.startswith(">"), t)))
+
+
+def index_report(
+    names: tuple[str, ...] = INDEX_WATCH, newest=newest_on_index
+) -> tuple[list[str], list[dict]]:
+    """(lines, rows): each watched package's newest release on the index against every extra's
+    range that names it. ``newest`` (tests) maps a name to its newest version, or raises OSError."""
+    (Requirement,) = _packaging("requirements", "Requirement")
+    (Version,) = _packaging("version", "Version")
+
+    ranges: dict[str, list] = {}
+    for extra, reqs in extras().items():
+        for text in reqs:
+            req = Requirement(text)
+            if req.name.lower() in names:
+                ranges.setdefault(req.name.lower(), []).append((extra, req))
+    lines, rows = [], []
+    for name in names:
+        try:
+            ver = newest(name)
+        except (OSError, ValueError) as e:
+            why = " ".join(str(getattr(e, "reason", e)).split())[:200]
+            lines.append(f"index: cannot read {INDEX_URL.format(name=name)} ({why}): no report")
+            return lines, rows  # one line: no network means none of them answers
+        outside = [
+            (extra, req)
+            for extra, req in ranges.get(name, [])
+            if not req.specifier.contains(Version(ver), prereleases=True)
+        ]
+        row = {"name": name, "newest": ver, "outside": [f"[{x}] {r}" for x, r in outside]}
+        rows.append(row)
+        if not outside:
+            inside = ", ".join(f"[{x}] {name}{_spec(r.specifier)}" for x, r in ranges.get(name, []))
+            lines.append(f"index: {name} {ver} is the newest release; inside {inside}")
+            continue
+        what = "; ".join(f"[{x}] {name}{_spec(r.specifier)}" for x, r in outside)
+        extras_named = " or ".join(f"'ptops[{x}]'" for x, _ in outside)
+        lines.append(
+            f"index: {name} {ver} is the newest release and lies OUTSIDE {what}: "
+            + (
+                f"pip install {extras_named} into a torch-{ver} image would replace its torch; "
+                "widen the range once `python3 scripts/matrix.py --end next` passes"
+                if name == "torch"
+                else f"users cannot get {name} {ver} with ptops; widen the range once the matrix "
+                "runs it"
+            )
+        )
+    return lines, rows
 
 
 def sh(cmd: list[str], log, **kw) -> subprocess.CompletedProcess:
@@ -161,7 +267,15 @@ def run_end(end: str, log_dir: Path) -> dict:
         pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         step(f"installing {p['torch']} (the registry's build, as a user's image has it)")
         if sh([*pip, p["torch"]], log, env=env).returncode != 0:
-            return {**result, "ok": False, "failed": f"pip install {p['torch']}"}
+            log.flush()
+            lines = [ln for ln in log_path.read_text().splitlines() if ln.strip()]
+            tail = [ln for ln in lines if ln.startswith("ERROR:")][:1] or lines[-1:]
+            why = f"pip install {p['torch']}: {tail[0].strip() if tail else 'failed'}"
+            cap = Path("/etc/xdg/pip/constraints.txt")
+            if cap.exists() and "torch" in cap.read_text():
+                why += f" (this machine's pip constraints, {cap}, cap torch)"
+            step(f"FAIL: {why}")
+            return {**result, "ok": False, "failed": why, "torch_plan": p["torch"]}
         before = torch_identity(py)
         result["torch_before"] = before
         step(f"torch {before['version']} is there; installing ptops[trl,dev] from this checkout")
@@ -304,9 +418,15 @@ def table(results: dict) -> str:
         "dry run wants torch | tests | result |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for end in ("oldest", "newest"):
+    for end in ("oldest", "newest", "next"):
         r = results.get(end)
         if not r:
+            continue
+        if "versions" not in r:  # stopped before ptops was installed
+            rows.append(
+                f"| {end} | {r.get('torch_plan', '?')}: not installed | | | | | | | not run | "
+                f"{'PASS' if r.get('ok') else 'FAIL'}: {r.get('failed', '?')} |"
+            )
             continue
         v = r.get("versions", {})
         torch = (
@@ -335,18 +455,34 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--end", choices=["oldest", "newest", "all"], default="all")
+    ap.add_argument(
+        "--end",
+        choices=["oldest", "newest", "next", "all"],
+        default="all",
+        help="all: oldest and newest; next (the newest torch on the index) only when named",
+    )
     ap.add_argument("--list", action="store_true", help="print what each end installs and exit")
     ap.add_argument(
         "--table",
         action="store_true",
         help="print the last run's table (bench/results/matrix.json)",
     )
+    ap.add_argument(
+        "--check-index",
+        action="store_true",
+        help="only report the newest torch/TRL/TorchTitan on PyPI against the ranges (exit 0)",
+    )
     args = ap.parse_args()
     ends = ["oldest", "newest"] if args.end == "all" else [args.end]
+    if args.check_index:
+        print("\n".join(index_report()[0]))
+        return 0
     if args.list:
         for end in ends:
-            print(end, json.dumps(plan(end)))
+            try:
+                print(end, json.dumps(plan(end)))
+            except (OSError, ValueError) as e:
+                print(end, f"(the index does not answer: {e})")
         return 0
     if args.table:
         print(table(json.loads(RESULTS.read_text())))
@@ -365,6 +501,7 @@ def main() -> int:
         results["declared_lower_bounds"] = lower_bounds()
         RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(table(results))
+    print("\n".join(index_report()[0]))  # a report: it does not change the exit status
     return 0 if all(results[e].get("ok") for e in ends) else 1
 
 
