@@ -17,12 +17,15 @@ from ptops.ops.cli.obs import WANDB_HELP
 
 def engines_installed() -> str:
     """The engines installed, from package metadata: ``--help`` names them without importing a
-    plugin."""
+    plugin. A built-in engine whose packages are not found (``find_spec``, no import) is named with
+    the extra that installs it (``ops/cli/installcheck.py``)."""
+    from ptops.ops.cli.installcheck import engine_label
     from ptops.recipes.engines import installed
 
     by: dict[str, list[str]] = {}
     for name, provider in installed():
-        by.setdefault("ptops" if provider.startswith("ptops ") else provider, []).append(name)
+        own = provider.startswith("ptops ")
+        by.setdefault("ptops" if own else provider, []).append(engine_label(name) if own else name)
     return "; ".join(f"{', '.join(sorted(names))} ({provider})" for provider, names in by.items())
 
 
@@ -297,6 +300,10 @@ def launch(
         if command is not None:
             recipe = _command_recipe(command)
         rec, path = load(recipe, set_)
+        if not slurm:  # a Slurm job's nodes may hold another environment than this login node
+            from ptops.ops.cli.installcheck import launch_check
+
+            launch_check(rec.engine, recipe or str(path))
         for f in faults:
             compute = f.kind == "bitflip" and f.params.get("target") == "compute"
             if compute and rec.engine != "titan":
