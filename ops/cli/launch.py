@@ -31,7 +31,7 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
         err=True,
     )
     t0 = time.monotonic()
-    progress = Progress(rec.train.steps)
+    progress = Progress(progress_total(rec))
     sup = Supervisor(
         rec, run, faults, progress=progress, strategy="permanent" if supervise else "temporary"
     )
@@ -43,6 +43,15 @@ def run_launch(rec, run, faults: list, json_out: bool, lock_fd: int, supervise: 
     else:
         print_summary(summary)
     return code
+
+
+def progress_total(rec) -> int | None:
+    """The progress line's total: ``train.steps`` bounds a recipe's run; a script's own loop decides
+    its steps, so for the script engine only a ``train.steps`` the user set (``--set
+    train.steps=N``, or ``[train] steps`` in its recipe file) is one, never the default."""
+    if rec.engine == "script" and "steps" not in rec.train.model_fields_set:
+        return None
+    return rec.train.steps
 
 
 def _with_sidecars(rec, run, lock_fd: int, body) -> int:
