@@ -417,6 +417,10 @@ def _incident_table(incidents: list[dict[str, Any]], href: Callable[[str], str |
         sev = str(i.get("severity") or "")
         ev = i.get("evidence") if isinstance(i.get("evidence"), list) else []
         evidence = "".join(f"<li>{_e(x)}</li>" for x in ev) or '<li class="muted">-</li>'
+        details = i.get("details") if isinstance(i.get("details"), dict) else {}
+        evidence += "".join(  # about the collection (a dump that failed): not evidence
+            f'<li class="note">note: {_e(x)}</li>' for x in details.get("collection_notes") or []
+        )
         rb = i.get("runbook")
         if rb:
             url = href(str(rb))

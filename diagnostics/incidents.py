@@ -126,6 +126,63 @@ def _host_here(host: str | None) -> bool:
     return host in (None, "localhost", socket.gethostname())
 
 
+# a rank's stack note or a flight-recorder error that is the collection failing, not the rank
+_INTERNAL = ("failed", "error", "exception", "traceback", "timed out", "not installed", "assert")
+
+
+def _internal(text: str) -> bool:
+    t = text.lower()
+    return any(w in t for w in _INTERNAL)
+
+
+def _group_where(g: dict[str, Any], notes: list[str]) -> str:
+    """A stack group's place in words (``forward (train.py:11 in forward)``); a rank without a
+    stack says so, and why when the reason is about the rank (never connected, node unreachable),
+    while a dump that failed (py-spy's error) goes to the collection notes."""
+    if g.get("where"):
+        return str(g["where"])
+    if g.get("frame"):
+        return str(g["frame"])
+    note = str(g.get("note") or "").strip()
+    if not note:
+        return "no stack"
+    if _internal(note):
+        why = note.removeprefix("no stack:").strip()
+        notes.append(f"stacks of rank(s) {rank_list(g['ranks'], bare=True)}: {why}")
+        return "no stack (its dump failed: see the collection notes)"
+    return note
+
+
+def _flight_recorder_note(error: str) -> str:
+    """A flight-recorder analysis that failed, as a note about the collection. torch <= 2.11's
+    analyser asserts that a dump's backend is NCCL (``name formatting error? gloo != 'nccl'``)."""
+    if "gloo" in error and "nccl" in error:
+        return (
+            "flight recorder: not available with gloo (this torch's analyser reads NCCL dumps only)"
+        )
+    return f"flight recorder: the dumps could not be analysed ({error[:200]})"
+
+
+def _others(odd: dict[str, Any], groups: list[dict[str, Any]]) -> str:
+    """The title's tail: where the ranks other than the odd ones are. "wait in a collective" only
+    when every one of them is in one (by its stack)."""
+    rest = [g for g in groups if g is not odd]
+    if not rest:
+        return ""
+    if all(g.get("place") == "collective" for g in rest):
+        within = sorted({g["within"] for g in rest if g.get("within")})
+        return " while the others wait in a collective" + (
+            f" (in {', '.join(within)})" if within else ""
+        )
+    if len(rest) <= 2:
+        return "".join(
+            f"; rank(s) {rank_list(g['ranks'], bare=True)}: "
+            f"{g.get('where') or g.get('frame') or 'no stack'}"
+            for g in rest
+        )
+    return f"; the others in {len(rest)} other places (evidence)"
+
+
 class _Builder:
     def __init__(
         self,
@@ -321,31 +378,35 @@ class _Builder:
             ev.append(
                 f"also quiet, not named (silent for less): rank(s) {rank_list(also, bare=True)}"
             )
+        notes: list[str] = []  # about the collection (a dump that failed): not the hang's cause
         if st:
             for g in st["groups"]:
-                where = g["frame"] or g["note"] or "?"
-                tag = " (in a collective)" if g["in_collective"] else ""
+                src = [x for x in g["sources"] if x != "?"]  # a rank without a stack: none
                 ev.append(
-                    f"rank(s) {rank_list(g['ranks'], bare=True)}: {where}{tag} "
-                    f"[{', '.join(g['sources'])}]"
+                    f"rank(s) {rank_list(g['ranks'], bare=True)}: {_group_where(g, notes)}"
+                    + (f" [{', '.join(src)}]" if src else "")
                 )
         else:
             ev.append(f"no stacks in stacks/attempt-{attempt}/")
         if fr:
-            ev += [f"flight recorder: {m}" for m in fr.get("summary", [])]
+            if fr.get("error"):
+                notes.append(_flight_recorder_note(str(fr["error"])))
+            else:
+                ev += [f"flight recorder: {m}" for m in fr.get("summary", [])]
         who = odd["ranks"] if odd else blamed
         if odd and odd["frame"]:
             title = (
                 f"hang in attempt {attempt} at step {step}: rank "
-                f"{rank_list(odd['ranks'], bare=True)} stuck in "
-                f"{odd['frame']}"
-                + (" while the others wait in a collective" if len(st["groups"]) > 1 else "")
+                f"{rank_list(odd['ranks'], bare=True)} stuck in {odd.get('where') or odd['frame']}"
+                + _others(odd, st["groups"])
             )
         else:
             title = (
                 f"hang in attempt {attempt} at step {step}: rank(s) "
                 f"{rank_list(blamed, bare=True) or '?'} silent"
             )
+            if st and len(st["groups"]) == 1 and st["groups"][0].get("where"):
+                title += f", all in {st['groups'][0]['where']}"
         self.add(
             "hang",
             title,
@@ -365,6 +426,7 @@ class _Builder:
                 "stacks": st,
                 "flight_recorder": fr,
                 "stack_sources": e.get("stack_sources"),
+                "collection_notes": notes,
             },
         )
 

@@ -251,6 +251,9 @@ def _print_incidents(console: Any, incs: list[dict[str, Any]]) -> None:
             console.print(
                 f"   | ... {len(i['evidence']) - _EVIDENCE_LINES} more (--json)", markup=False
             )
+        details = i.get("details") if isinstance(i.get("details"), dict) else {}
+        for note in details.get("collection_notes") or []:  # a dump that failed, not a finding
+            console.print(f"   note: {note}", markup=False)
         if i["action"]:
             console.print(f"   supervisor: {i['action']}", markup=False)
         if i["runbook"]:

@@ -104,13 +104,17 @@ def test_sigstop_hang_odd_rank_named_from_its_stack(faulted_runs):
     # attempt 1: rank 0 hangs in Python (the _hang injector); rank 1 waits in the collective
     assert (
         a1["rank"] == 0
-        and "_hang (faultinject/inject.py:" in a1["title"]
+        and "stuck in sleep (faultinject/inject.py:" in a1["title"]
+        and " in _hang, from " in a1["title"]
         and a1["runbook"] == "TrainingHang"
     )
     groups = {tuple(g["ranks"]): g for g in a1["details"]["stacks"]["groups"]}
     assert groups[(1,)]["in_collective"] and not groups[(0,)]["in_collective"]
+    assert groups[(1,)]["place"] == "collective" and groups[(0,)]["place"] == "sleep"
+    assert "while the others wait in a collective" in a1["title"]
     # attempt 2: rank 1 SIGSTOPped while held, read by py-spy from outside
-    assert a2["rank"] == 1 and "_hold (faultinject/inject.py:" in a2["title"]
+    assert a2["rank"] == 1 and "(faultinject/inject.py:" in a2["title"]
+    assert " in _hold, from " in a2["title"]
     assert any(
         "py-spy" in s
         for g in a2["details"]["stacks"]["groups"]
