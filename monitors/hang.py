@@ -21,7 +21,8 @@ Why budgets are learned, not tuned: one fixed timeout is either too long for a 0
 or too short for a 20-minute checkpoint load. Each *section* (a startup sub-phase, the
 first step of an attempt, a step, the data fetch, a checkpoint, an eval) has its own budget
 
-    max(floor, multiplier x p99 of that section's durations observed in this run)
+    max(floor, multiplier x p99 of that section's durations observed in this run,
+        seen_multiplier x the longest of them)
 
 and, before the section has any history, a bounded first-occurrence budget (config). The p99
 comes from a fixed log-scale histogram per section (:class:`Durations`: no allocation per record;
@@ -36,9 +37,10 @@ from its last progress. Exceptions that keep peers blocked by someone else from 
 
 - a rank waiting in ``rendezvous`` is judged from the moment every live rank has reached it
   (a peer still importing is judged by its own import budget);
-- a declared pause (``hold``, or ``eval``) of a live rank that keeps pinging pauses the job: its
-  peers are not judged, and everyone's budgets restart when it ends. ``hold`` has no budget of its
-  own (the holding side ends it); ``eval`` has its section budget.
+- a declared pause (``hold``, ``eval``, or ``save``: one rank's own save) of a live rank that keeps
+  pinging pauses the job: its peers are not judged, and everyone's budgets restart when it ends.
+  ``hold`` has no budget of its own (the holding side ends it); ``eval`` has its section budget,
+  ``save`` the checkpoint's.
 
 A rank that sends nothing at all, not even its liveness pings, for longer than
 ``max(step budget, ping_stale_s)`` is stalled in every phase but the start-up (a SIGSTOPped rank
@@ -68,7 +70,10 @@ STARTUP_SECTIONS = ("launch", "import", "rendezvous", "build", "load")
 SECTIONS = (*STARTUP_SECTIONS, "first_step", "step", "data", "checkpoint", "eval")
 HOLD = "hold"  # the declared-pause phase (the hold fault): no budget of its own
 EVAL = "eval"  # a pause the engine declares: a budget of its own, peers wait for it
-PAUSES = (HOLD, EVAL)
+# one rank's own save (a script's ``torch.save`` on rank 0 while the others wait in a barrier or
+# their next collective): judged by the checkpoint budget, its peers wait for it as for an eval
+SAVE = "save"
+PAUSES = (HOLD, EVAL, SAVE)
 
 
 class HangConfig(BaseModel):
@@ -83,6 +88,13 @@ class HangConfig(BaseModel):
     )
     floor_s: float = Field(
         5.0, gt=0, description="... but never sooner than this (steps, data fetches)"
+    )
+    seen_multiplier: float = Field(
+        2.0,
+        ge=1,
+        description="... and never below this many times the longest duration of that section "
+        "this run has seen: a step that accumulates many micro-batches or holds an evaluation "
+        "every k steps is rarer than the p99, and has shown what it needs",
     )
     window: int | None = Field(
         None,
@@ -184,12 +196,13 @@ class Durations:
     never above the true value, at most 4.4 % (one bucket) below it.
     """
 
-    __slots__ = ("counts", "mins", "n", "_cache")
+    __slots__ = ("counts", "mins", "n", "longest", "_cache")
 
     def __init__(self) -> None:
         self.counts = [0] * _NB
         self.mins = [math.inf] * _NB
         self.n = 0
+        self.longest = 0.0  # the longest sample (the budget never falls below a multiple of it)
         self._cache: dict[float, float] = {}
 
     def add(self, seconds: float) -> None:
@@ -203,6 +216,8 @@ class Durations:
         self.counts[i] += 1
         if seconds < self.mins[i]:
             self.mins[i] = seconds
+        if seconds > self.longest:
+            self.longest = seconds
         self.n += 1
         if self._cache:
             self._cache.clear()
@@ -224,16 +239,8 @@ class Durations:
 
     def copy(self) -> "Durations":
         d = Durations()
-        d.counts, d.mins, d.n = list(self.counts), list(self.mins), self.n
+        d.counts, d.mins, d.n, d.longest = list(self.counts), list(self.mins), self.n, self.longest
         return d
-
-    def merge(self, other: "Durations") -> None:
-        for i, c in enumerate(other.counts):
-            if c:
-                self.counts[i] += c
-                self.mins[i] = min(self.mins[i], other.mins[i])
-        self.n += other.n
-        self._cache.clear()
 
 
 @dataclass
@@ -249,6 +256,9 @@ class Learned:
 
     def p99(self, section: str) -> float | None:
         return self.sections[section].quantile(0.99)
+
+    def longest(self, section: str) -> float:
+        return self.sections[section].longest
 
     def copy(self) -> "Learned":
         return Learned({s: d.copy() for s, d in self.sections.items()})
@@ -270,7 +280,7 @@ class HangFinding:
     silent_s: float  # how long the silent ranks made no progress
     phase: str
     timeout_s: float
-    why: str  # "unresponsive" | "behind" | "all"
+    why: str  # "unresponsive" | "behind" (also: a pause past its budget, its peers waiting) | "all"
     section: str = (
         ""  # the budget that ran out (startup section, first_step, step, checkpoint, ...)
     )
@@ -461,7 +471,7 @@ class HangMonitor:
                     -1,
                     STARTUP_SECTIONS.index(new_section),
                 )  # before any step; later sections ahead
-            elif phase == "checkpoint":
+            elif phase in ("checkpoint", SAVE):
                 pos, new_section = (step, _STAGE["checkpoint"]), "checkpoint"
             elif phase in PAUSES:
                 pos, new_section = (
@@ -726,7 +736,8 @@ class HangMonitor:
         # a start-up section is judged by earlier attempts; as a fallback (step 2 judged by the
         # first step) this attempt's durations count too
         startup = (section in STARTUP_SECTIONS or section == "first_step") and not _fallback
-        p99 = (self.prior if startup else self.learned).p99(section)
+        known = self.prior if startup else self.learned
+        p99 = known.p99(section)
         if p99 is None and section in _FALLBACK:  # no history yet: the slower section it follows
             return self.section_timeout(_FALLBACK[section], _fallback=True)
         if section == "step" and self._recent:
@@ -734,7 +745,7 @@ class HangMonitor:
             p99 = recent if p99 is None or recent > p99 else p99
         if p99 is None:
             return c.first_budget(section)
-        return max(c.floor(section), c.multiplier * p99)
+        return max(c.floor(section), c.multiplier * p99, c.seen_multiplier * known.longest(section))
 
     def step_timeout(self) -> float:
         return self.section_timeout("step")
@@ -948,6 +959,8 @@ class HangMonitor:
         if quiet and len(quiet) < len(live):
             culprits, also_quiet = self._first_silent(quiet, stalled, at)
             why = "unresponsive"
+        elif pausing and held.issuperset(stalled):  # a declared pause outran its own budget
+            culprits, why = stalled, "behind"
         else:
             lowest = min(self.ranks[r].pos for r in live)
             behind = [r for r in live if self.ranks[r].pos == lowest]

@@ -571,3 +571,44 @@ def test_after_a_peers_clean_exit_a_silent_teardown_gets_the_shutdowns_budget_to
         no_hang_until(m, t, t + hang_after - 1, step=1)
         found = m.check(t + hang_after + 1)
         assert found is not None and found.ranks == [1], (code, found)
+
+
+# ---------------------------------------------------------------- irregular steps (issue 47)
+
+
+def test_a_rare_long_step_sets_a_floor_the_p99_would_miss():
+    """1,000 steps of 1 s with an evaluation of 20 s every 200 steps: 0.5 % of the steps, below
+    the nearest-rank p99, so 10 x p99 is 10 s. The next such step must not be a hang: the budget is
+    also seen_multiplier x the longest step seen (40 s); a stall is still found within it."""
+    m = HangMonitor(2, 0.0)
+    t = startup(m, 0.0)
+    for block in range(5):
+        first = block * 200 + 1
+        t = run_steps(m, first, first + 198, t, 1.0)
+        t = run_steps(m, first + 199, first + 199, t, 20.0)
+    assert m.learned.p99("step") < 1.1 and m.step_timeout() == pytest.approx(40.0, rel=0.05)
+    # the 6th evaluation step: 20 s without progress after step 1000 ended
+    ping(m, t, t + 30)
+    no_hang_until(m, t, t + 25)
+    found = m.check(t + 41)
+    assert found is not None and found.section == "step" and found.timeout_s <= 41
+
+
+def test_one_ranks_own_save_is_a_pause_its_peers_wait_for():
+    """A script's rank 0 saves its snapshot (``save``: a declared pause, the checkpoint budget)
+    while rank 1 waits in a barrier: 30 s, over the 5 s step budget, is no hang of either."""
+    m = HangMonitor(2, 0.0)
+    t = run_steps(m, 1, 20, startup(m, 0.0), 0.1)
+    m.observe({"kind": "beat", "rank": 0, "step": 20, "phase": "save", "ts": t})
+    ping(m, t, t + 40)
+    no_hang_until(m, t, t + 30)
+    assert m.ranks[0].section == "checkpoint"
+    m.observe({"kind": "beat", "rank": 0, "step": 20, "phase": "step", "ts": t + 30})
+    assert m.learned.p99("checkpoint") == pytest.approx(30.0, rel=0.05)
+    t = run_steps(m, 21, 22, t + 30, 0.1)
+    # a save that never ends is still judged by its budget (60 s floor), a SIGSTOP at once
+    m.observe({"kind": "beat", "rank": 0, "step": 22, "phase": "save", "ts": t})
+    ping(m, t, t + 400)
+    no_hang_until(m, t, t + 299)
+    found = m.check(t + 301)
+    assert found is not None and found.ranks == [0] and found.section == "checkpoint", found
