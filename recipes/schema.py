@@ -109,8 +109,9 @@ class RestartConfig(_Strict):
     no_progress_attempts: int = Field(
         3,
         ge=1,
-        description="stop (exit 3) after this many attempts in a row without a newer good "
-        "checkpoint",
+        description="stop (exit 3) after this many attempts in a row without progress: no newer "
+        "good checkpoint (or save of a script's own), and no step beyond what earlier attempts "
+        "reached",
     )
     warm_spare: bool | Literal["auto"] = Field(
         "auto",

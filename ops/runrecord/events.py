@@ -26,6 +26,8 @@ class EventKind(StrEnum):
     CHECKPOINT_FAILED = "checkpoint_failed"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
     CHECKPOINT_VERIFIED = "checkpoint_verified"
+    SCRIPT_SAVE = "script_save"
+    SCRIPT_RESUME = "script_resume"
     FAULT_INJECTED = "fault_injected"
     INJECT = "inject"
     CRASH = "crash"
@@ -176,6 +178,18 @@ SPECS: dict[EventKind, EventSpec] = {
         ("verify_s", *_RANK),
         doc="rank 0 read a committed checkpoint back in the background and it verified",
     ),
+    K.SCRIPT_SAVE: EventSpec(
+        ("step", "path"),
+        ("inode", "size", "mtime_ns", *_RANK),
+        doc="an unchanged script saved a file of its own (torch.save, DCP save) after this many "
+        "optimizer steps: its snapshot, if a later attempt loads it back",
+    ),
+    K.SCRIPT_RESUME: EventSpec(
+        ("step", "path"),
+        _RANK,
+        doc="an unchanged script loaded a file it saved at this step in an earlier attempt: its "
+        "steps continue from there",
+    ),
     K.CHECKPOINT_INVALID: EventSpec(
         ("path", "reason"),
         ("moved_to", "step", "found_by", *_RANK),
@@ -278,7 +292,7 @@ SPECS: dict[EventKind, EventSpec] = {
     ),
     K.RESTART: EventSpec(
         ("attempt", "from_step", "reason"),
-        ("prev_from_step", "delay_s"),
+        ("prev_from_step", "delay_s", "reached", "progress_step", "signature"),
         state=RunState.RESTARTING,
         summary=True,
         doc="the supervisor relaunches (attempt: the next one)",
@@ -478,6 +492,8 @@ RANK_KINDS = frozenset(
         EventKind.CHECKPOINT_INVALID,
         EventKind.CHECKPOINT_SKIPPED,
         EventKind.CHECKPOINT_VERIFIED,
+        EventKind.SCRIPT_SAVE,
+        EventKind.SCRIPT_RESUME,
         EventKind.ROLLBACK_APPLIED,
         EventKind.HOLD_RELEASED,
         EventKind.PROFILE_CAPTURED,

@@ -25,7 +25,7 @@ from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.supervisor import launcher, procs
 from ptops.ops.supervisor.blame import WORKER_FAILED, Blame, root_cause
 from ptops.ops.supervisor.outcome import Outcome
-from ptops.ops.supervisor.policy import fatal_startup_error
+from ptops.ops.supervisor.policy import fatal_startup_error, same_error_everywhere
 
 CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findings and hangs
 # a hang check that finds nothing looks at deadlines only (``HangMonitor._might_stall``); it walks
@@ -387,8 +387,19 @@ class AttemptMixin:
             f"{self.run.rank_log(attempt, rank) if rank is not None else self.run.logs(attempt)}"
         )
         info = self.ranks.get(rank) if rank is not None else None
-        fatal = fatal_startup_error(err, began_step=info is None or self.rank_step(info) > 0)
-        detail = {"rank": rank, "exit_code": code, "fatal": fatal, "link": link}
+        began = info is None or self.rank_step(info) > 0
+        everyone = [i.error for _, i in sorted(self.ranks.items())]
+        fatal = fatal_startup_error(err, began_step=began) or same_error_everywhere(
+            everyone if len(everyone) == self.world else [None],
+            began_step=began or any(self.rank_step(i) > 0 for i in self.ranks.values()),
+        )
+        detail = {
+            "rank": rank,
+            "exit_code": code,
+            "fatal": fatal,
+            "link": link,
+            "signature": f"{err} at step {self.step}" if err else "",
+        }
         return Outcome("crash", f"crash: {desc}", detail)
 
     def _torchrun_exit_code(self, attempt: int, rank: int) -> int | None:

@@ -70,6 +70,7 @@ from ptops.ops.supervisor.policy import (
     RestartPolicy,
     Strategy,
 )
+from ptops.ops.supervisor.reached import Reached
 from ptops.ops.supervisor.stop import StopMixin
 from ptops.ops.supervisor.warmpool import WarmPool
 from ptops.recipes.schema import Recipe
@@ -111,6 +112,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.proc = None
         self.monitor: HangMonitor | None = None
         self.learned = Learned()  # hang sections' durations, kept across attempts
+        self.reached = Reached()  # a script's own saves and resumes (no checkpoint of ptops)
         self.misconfigured: dict[str, Any] | None = None
         self.node_peers: dict[
             str, Any
@@ -352,10 +354,13 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         write_info(
             self.run.path / "supervisor" / "channel.json", address, self.server.token, os.getpid()
         )
-        policy = RestartPolicy.from_events(self.cfg.restart, self.run.read_events(), self.strategy)
+        earlier = self.run.read_events()
+        policy = RestartPolicy.from_events(self.cfg.restart, earlier, self.strategy)
+        self.reached = Reached.from_events(earlier)
         while True:
             self.attempt += 1
-            start_step = (self.good or {}).get("step", 0)
+            self.reached.new_attempt()
+            start_step = max((self.good or {}).get("step", 0), self.reached.saved_step)
             unhealthy = self.health_gate(self.attempt)
             if unhealthy is not None:
                 return unhealthy
@@ -406,15 +411,16 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             if self.supervised:
                 self.good = self._good_checkpoint_for_restart()
             good_step = (self.good or {}).get("step", 0)
-            decision = policy.decide(
-                Failure(
-                    ts=time.time(),
-                    start_step=start_step,
-                    good_step=good_step,
-                    reason=outcome.reason,
-                    fatal=outcome.detail.get("fatal", ""),
-                )
+            failure = Failure(
+                ts=time.time(),
+                start_step=start_step,
+                good_step=max(good_step, self.reached.saved_step),
+                reason=outcome.reason,
+                fatal=outcome.detail.get("fatal", ""),
+                reached=self.step,
+                signature=outcome.detail.get("signature", ""),
             )
+            decision = policy.decide(failure)
             if decision.action == "stop":
                 self.state = RunState.FAILED
                 self.reason = decision.reason
@@ -439,11 +445,13 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 prev_from_step=start_step,
                 reason=outcome.reason,
                 delay_s=decision.delay_s,
+                reached=failure.reached,
+                **({"progress_step": failure.good_step} if failure.good_step != good_step else {}),
+                **({"signature": failure.signature} if failure.signature else {}),
             )
             self.say(
-                f"restarting (attempt {self.attempt + 1}) from "
-                + (f"checkpoint step {good_step}" if good_step else "scratch")
-                + f" in {decision.delay_s:g} s: {outcome.reason}"
+                f"restarting (attempt {self.attempt + 1}) {self.reached.restart_phrase(good_step)} "
+                f"in {decision.delay_s:g} s: {outcome.reason}"
             )
             self.write_status(force=True)
             deadline = time.monotonic() + decision.delay_s

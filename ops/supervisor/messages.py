@@ -354,6 +354,7 @@ class MessagesMixin:
                 and busy["id"] == fields.get("id")
             ):
                 busy["waiting"].discard(peer.rank)
+            self.reached.note(kind, fields)
             if kind == EventKind.CHECKPOINT and fields.get("path"):
                 # the engine's own event, sent after its commit: the one source of ``checkpoint``
                 self.good = {"step": int(fields.get("step", 0)), "path": str(fields["path"])}

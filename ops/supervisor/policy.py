@@ -48,14 +48,25 @@ EXIT_SIGTERM = exitcodes.STOPPED_SIGTERM
 @dataclass(frozen=True)
 class Failure:
     ts: float  # wall clock (time.time()) of the failure
-    start_step: int  # good checkpoint step the attempt started from
-    good_step: int  # good checkpoint step when it failed
+    # the newest saved state when the attempt started, and when it failed: a good checkpoint's
+    # step, or the step of a script's own save (``script_save``)
+    start_step: int
+    good_step: int
     reason: str = ""
     fatal: str = ""  # why no restart can help (an ImportError before the first step): stop at once
+    reached: int = 0  # the highest step the attempt reached
+    # the error and the step it ended at ("ValueError: ... at step 12"), when a rank said why: the
+    # same one twice in a row is a deterministic failure
+    signature: str = ""
 
-    @property
-    def progressed(self) -> bool:
-        return self.good_step > self.start_step
+
+def progressed(history: list[Failure], i: int) -> bool:
+    """Whether failed attempt ``i`` got the run further: a newer saved state than it started
+    from, or a step no earlier attempt reached (a script that keeps no state ptops sees)."""
+    f = history[i]
+    return f.good_step > f.start_step or f.reached > max(
+        (g.reached for g in history[:i]), default=0
+    )
 
 
 # Errors a rank raises before its first step that the next attempt would raise again the same way:
@@ -71,6 +82,26 @@ def fatal_startup_error(error: str | None, began_step: bool) -> str:
     return (
         f"{kind} before the first step: a restart would fail the same way (fix the "
         "environment or code, then rerun)"
+    )
+
+
+# errors of the environment (the rendezvous, the network, a timeout): the same on every rank, but a
+# restart may well not meet them again
+_TRANSIENT = ("Dist", "Timeout", "Connection", "Network", "Broken")
+
+
+def same_error_everywhere(errors: list[str | None], began_step: bool) -> str:
+    """Why a restart cannot help when every rank raised the same error before its first step (the
+    script's code or its data is wrong, as a typo is), or ""."""
+    first = errors[0] if errors else None
+    kind = (first or "").split(":", 1)[0].strip()
+    if began_step or not first or any(e != first for e in errors):
+        return ""
+    if any(word in kind for word in _TRANSIENT):
+        return ""
+    return (
+        f"every rank raised the same error before its first step ({kind}): a restart would fail "
+        "the same way (fix the code or its data, then rerun)"
     )
 
 
@@ -93,8 +124,8 @@ class RestartPolicy:
 
     def no_progress_streak(self) -> int:
         n = 0
-        for f in reversed(self.history):
-            if f.progressed:
+        for i in reversed(range(len(self.history))):
+            if progressed(self.history, i):
                 break
             n += 1
         return n
@@ -112,6 +143,14 @@ class RestartPolicy:
         if failure.fatal:
             return Decision(
                 "stop", f"{failure.reason}; {failure.fatal}", exit_code=EXIT_MISCONFIGURED
+            )
+        before = self.history[-2] if len(self.history) > 1 else None
+        if failure.signature and before is not None and before.signature == failure.signature:
+            return Decision(
+                "stop",
+                f"the same failure twice in a row, a restart would fail the same way: "
+                f"{failure.signature}; last: {failure.reason}",
+                exit_code=EXIT_NO_REQUEUE,
             )
         restarts_so_far = len(self.history) - 1
         in_window = [f for f in self.history if failure.ts - f.ts <= c.storm_window_min * 60]
@@ -158,8 +197,10 @@ class RestartPolicy:
                     Failure(
                         ts=float(e.get("ts", 0)),
                         start_step=int(e.get("prev_from_step", 0) or 0),
-                        good_step=int(e.get("from_step", 0) or 0),
+                        good_step=int(e.get("progress_step", e.get("from_step", 0)) or 0),
                         reason=str(e.get("reason", "")),
+                        reached=int(e.get("reached", 0) or 0),
+                        signature=str(e.get("signature", "") or ""),
                     )
                 )
         return cls(config, history, strategy)

@@ -5,12 +5,13 @@ process* (``runpy``, ``sys.argv`` and ``sys.path[0]`` as ``python`` would set th
 everything the rank entry set up applies to the script unchanged: the probe's liveness pings, stacks
 on request and faulthandler's SIGUSR1 file, py-spy, the flight recorder, the per-rank log.
 
-Without any change to the script, each optimizer step is a step: global ``torch.optim`` hooks send
-``probe.before_step`` / ``probe.step`` around the first optimizer's ``step()`` (faults such as
-``crash:step=S`` and ``hang:step=S`` fire there, goodput and the hang monitor see steps). Steps
-count from 1 in each attempt: a script that does not resume restarts from scratch. Until the first
-step, the script's own set-up is judged as the rank's ``import`` start-up section. A script that
-uses :mod:`ptops.rank` reports its own steps (the hooks then stand aside) and resumes exactly.
+Without any change to the script, each optimizer step is a step, timed from the step before, and
+its batches, backward passes, collectives and saves are progress (:mod:`.watch`: faults such as
+``crash:step=S`` and ``hang:step=S`` fire at the step's ``step()``). Steps count from 1 in each
+attempt, or from the step of a snapshot of its own the script loads back. Until the first step, the
+script's own set-up is judged as the rank's ``import`` start-up section (``load`` while it loads a
+file). A script that uses :mod:`ptops.rank` reports its own steps (the watch then stands aside) and
+resumes exactly.
 
 Any other program runs as a child process (in its own process group, killed with the rank):
 crash detection and restarts apply, hang detection only through its exit (no stacks, no steps).
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ptops.ops.runrecord import ranklog
+from ptops.recipes.script.watch import ScriptWatch
 
 _PYTHON_FLAGS_WITH_ARG = {"-W", "-X", "-Q"}
 
@@ -53,47 +55,6 @@ def python_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
             continue
         return "path", a, argv[i + 1 :]
     return None
-
-
-def _optimizer_beats(probe: Any) -> None:
-    """Each ``step()`` of the first optimizer seen is a step of the run (no API needed)."""
-    try:
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
-    except ImportError:
-        return
-    import time
-
-    from ptops import rank as api
-
-    state = {"owner": None, "n": 0, "t0": 0.0}
-
-    def pre(opt, args, kwargs):
-        if api._reports_steps() or (state["owner"] is not None and state["owner"] != id(opt)):
-            return
-        state["owner"] = id(opt)
-        state["n"] += 1
-        state["t0"] = time.monotonic()
-        probe.profile.at_step(state["n"])
-        probe.faults.before_step(state["n"])
-        probe.before_step(state["n"])
-
-    def post(opt, args, kwargs):
-        if api._reports_steps() or state["owner"] != id(opt):
-            return
-        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
-        probe.step(
-            state["n"],
-            {
-                "lr": float(lr) if isinstance(lr, (int, float)) else None,
-                "step_s": time.monotonic() - state["t0"],
-            },
-        )
-
-    register_optimizer_step_pre_hook(pre)
-    register_optimizer_step_post_hook(post)
 
 
 def _run_python(kind: str, target: str, args: list[str]) -> None:
@@ -159,7 +120,7 @@ def main(recipe: Any, probe: Any) -> None:
         if target is None:
             _run_child(argv)
         else:
-            _optimizer_beats(probe)
+            ScriptWatch(probe, api._reports_steps, probe.run.events).install()
             _run_python(*target)
     except SystemExit as e:
         if e.code not in (None, 0):
