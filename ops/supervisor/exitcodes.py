@@ -63,16 +63,18 @@ TABLE: tuple[ExitCode, ...] = (
         NO_PROGRESS,
         "no_progress",
         "no",
-        "ptops decided a rerun would fail the same way: restart storm, restarts without a newer "
-        "good checkpoint, a monitor finding whose action is stop, rollbacks spent",
+        "ptops decided a rerun would fail the same way: restart storm, restarts without progress "
+        "(no newer good checkpoint or script save, no step further), the same error at the same "
+        "step twice in a row, a monitor finding whose action is stop, rollbacks spent",
         "93 (no-restart: attribution stop, or no progress across cycles)",
     ),
     ExitCode(
         MISCONFIGURED,
         "misconfigured",
         "no",
-        "the job itself is wrong, not the nodes or the luck: a world of the wrong size, or an "
-        "ImportError / ModuleNotFoundError / SyntaxError before the first step; fix, then relaunch",
+        "the job itself is wrong, not the nodes or the luck: a world of the wrong size, an "
+        "ImportError / ModuleNotFoundError / SyntaxError before the first step, the same error on "
+        "every rank before its first step, the recipe's engine not installed; fix, then relaunch",
         "1 (restarted until --max-restarts)",
     ),
     ExitCode(
