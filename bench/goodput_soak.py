@@ -317,8 +317,10 @@ def elastic_soak(peer: str, tmp: Path, minutes: float, plan: list, step_s: float
     if peer == "ft":
         i = argv.index("torch.distributed.run")
         argv[i] = FT_LAUNCHER
+        # torchrun's own rank command (--no-python, the interpreter and its flags, the entry)
+        # becomes ft_launcher's worker script, which it runs with its own interpreter
         j = argv.index("ptops.ops.rank.entry")
-        argv[j - 1 : j + 1] = [
+        argv[argv.index("--no-python") : j + 1] = [
             f"--ft-initial-rank-heartbeat-timeout={FT_INITIAL_TIMEOUT_S}",
             f"--ft-rank-heartbeat-timeout={FT_TIMEOUT_S}",
             str(REPO / "bench" / "ft_worker.py"),
