@@ -34,7 +34,7 @@ DEFAULT_NAME = "ptops-standing"
 def pool_command(name: str, engine: str) -> list[str]:
     from ptops.ops.rank.warm import standing_name
 
-    return [sys.executable, "-m", "ptops.ops.rank.warm", standing_name(name, engine), engine]
+    return [sys.executable, "-P", "-m", "ptops.ops.rank.warm", standing_name(name, engine), engine]
 
 
 def start_pools(

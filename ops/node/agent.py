@@ -78,6 +78,7 @@ from ptops.ops.rank.channel import (
     take_lines,
 )
 from ptops.ops.supervisor import procs, stacks
+from ptops.ops.supervisor.launcher import RANK_PYTHON
 
 UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"
 STACKS_PREFIX = b'{"t":"stacks"'  # a rank's answer to ``stacks``, as ``encode`` writes it
@@ -165,8 +166,7 @@ class Agent:
             "--master-port", self.env["PTOPS_NODE_PORT"],
             "--max-restarts", "0",
             "--monitor-interval", "0.5",
-            # -P: a ``ptops`` folder in the cwd cannot shadow the package (launcher.RANK_PYTHON)
-            "--no-python", sys.executable, "-P", "-u", "-m", "ptops.ops.rank.entry",
+            "--no-python", *RANK_PYTHON,  # -P: a ``ptops`` folder in the cwd shadows nothing
         ]  # fmt: skip
         env = dict(self.env)
         env[ENV_ADDRESS] = self.local_address

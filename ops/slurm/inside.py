@@ -118,7 +118,7 @@ class SlurmSupervisor(Supervisor):
             "srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={','.join(self.active)}", f"--job-name=ptops-attempt-{attempt}",
             "--kill-on-bad-exit=0", "--export=ALL", "--mem=0",
-            sys.executable, "-m", "ptops.ops.node.agent",
+            sys.executable, "-P", "-m", "ptops.ops.node.agent",
         ]  # fmt: skip
         return launcher.RankCommand(argv, base.env)
 
@@ -162,7 +162,7 @@ class SlurmSupervisor(Supervisor):
                 "srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
                 "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
                 f"--job-name=ptops-health-{attempt}", "--kill-on-bad-exit=0", "--export=ALL",
-                "--mem=0", sys.executable, "-m", "ptops.ops.node.health",
+                "--mem=0", sys.executable, "-P", "-m", "ptops.ops.node.health",
             ]  # fmt: skip
             try:
                 proc = subprocess.run(

@@ -65,7 +65,7 @@ def script(
     if s.exclude:
         lines.append(f"#SBATCH --exclude={','.join(s.exclude)}")
     lines += [f"#SBATCH {a}" for a in s.sbatch_args]
-    args = [python or sys.executable, "-m", "ptops.ops.slurm.inside", str(run_dir)]
+    args = [python or sys.executable, "-P", "-m", "ptops.ops.slurm.inside", str(run_dir)]
     for f in faults:
         args += ["--fault", f]
     lines += [

@@ -118,7 +118,7 @@ class Sidecar:
         env.pop("PTOPS_RUN_DIR", None)  # not a rank: the attempts' sweep must not take it
         with open(self.log, "ab") as out:
             return subprocess.Popen(
-                [sys.executable, "-m", "ptops.ops.supervisor.sidecar", "--", *self.spec.argv],
+                [sys.executable, "-P", "-m", "ptops.ops.supervisor.sidecar", "--", *self.spec.argv],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
