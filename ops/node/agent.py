@@ -54,6 +54,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
+from ptops.ops.rank import RANK_PYTHON
 from ptops.ops.rank.channel import (
     ALIVE_S,
     ENV_ADDRESS,
@@ -78,7 +79,6 @@ from ptops.ops.rank.channel import (
     take_lines,
 )
 from ptops.ops.supervisor import procs, stacks
-from ptops.ops.supervisor.launcher import RANK_PYTHON
 
 UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"
 STACKS_PREFIX = b'{"t":"stacks"'  # a rank's answer to ``stacks``, as ``encode`` writes it

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ptops.ops.rank import RANK_PYTHON
 from ptops.ops.runrecord.events import EventKind
 from ptops.ops.runrecord.metrics import MetricsIndexError, rank0_records, segments
 from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
@@ -77,10 +78,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# what torchrun runs in each rank (after ``--no-python``): torchrun's own ``python -u -m`` plus -P
-RANK_PYTHON = (sys.executable, "-P", "-u", "-m", "ptops.ops.rank.entry")
 
 
 @dataclass
