@@ -180,9 +180,9 @@ SPECS: dict[EventKind, EventSpec] = {
     ),
     K.SCRIPT_SAVE: EventSpec(
         ("step", "path"),
-        ("inode", "size", "mtime_ns", *_RANK),
-        doc="an unchanged script saved a file of its own (torch.save, DCP save) after this many "
-        "optimizer steps: its snapshot, if a later attempt loads it back",
+        ("fingerprint", *_RANK),
+        doc="an unchanged script saved a state of its own (torch.save, DCP save) after this many "
+        "optimizer steps (fingerprint: of its bytes): its snapshot, if a later attempt loads it",
     ),
     K.SCRIPT_RESUME: EventSpec(
         ("step", "path"),

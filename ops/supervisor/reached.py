@@ -48,8 +48,6 @@ class Reached:
         if good_step:
             return f"from checkpoint step {good_step}"
         if self.saved_step:
-            return (
-                f"from the script's own save of step {self.saved_step} if it loads it "
-                f"({self.saved_path})"
-            )
+            where = f" ({self.saved_path})" if self.saved_path else ""
+            return f"from the script's own save of step {self.saved_step} if it loads it{where}"
         return "from scratch"

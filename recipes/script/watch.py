@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import io
 import os
 import time
 from pathlib import Path
@@ -36,6 +38,8 @@ from ptops.ops.runrecord.events import EventKind
 from ptops.ops.runrecord.jsonl import read_jsonl
 
 BEAT_S = 0.5  # at most one progress beat this often (a 10 ms step loop sends no more)
+# a saved state's fingerprint: all of it up to WHOLE bytes, else its head, tail and BLOCKS blocks
+WHOLE, SAMPLE, BLOCK, BLOCKS = 64 << 20, 64 << 10, 4096, 64
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier",
@@ -43,24 +47,72 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
-def _path_of(f: Any) -> str | None:
-    """A local file's absolute path, if ``f`` names one (a path, or an open file's name)."""
-    if isinstance(f, (str, os.PathLike)):
-        return os.path.abspath(os.fspath(f))
-    name = getattr(f, "name", None)
-    return os.path.abspath(name) if isinstance(name, str) and os.path.isfile(name) else None
+def _sampled(read: Callable[[int, int], bytes], size: int) -> str:
+    """A digest of a saved state's size and samples of its bytes (its head and tail, and blocks
+    spread through it, where the tensors are). Its bytes, not its name: a script that saves to
+    ``x.tmp`` and renames it, writes a buffer to a file (Lightning), or loads through a link or a
+    copy loads the same state. All of a state up to ``WHOLE`` bytes (~60 ms at 64 MB), ~200 KB of
+    a larger one."""
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    if size <= WHOLE:
+        h.update(read(0, size))
+        return h.hexdigest()
+    spots = [0, max(0, size - SAMPLE)]
+    spots += [size * i // (BLOCKS + 1) for i in range(1, BLOCKS + 1)]
+    for i, at in enumerate(spots):
+        h.update(read(at, SAMPLE if i < 2 else BLOCK))
+    return h.hexdigest()
 
 
-def _stamp(path: str) -> tuple[int, int, int] | None:
-    """(inode, size, mtime_ns) of a saved file; of a DCP folder, its ``.metadata`` (written last).
-    No path in it: a script that saves to ``x.tmp`` and renames it (the atomic idiom) loads the
-    same file under another name."""
-    p = Path(path)
+def _file_print(path: Path) -> str | None:
     try:
-        st = (p / ".metadata").stat() if p.is_dir() else p.stat()
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+
+            def read(at: int, n: int) -> bytes:
+                f.seek(at)
+                return f.read(n)
+
+            return _sampled(read, size)
     except OSError:
         return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def fingerprint(f: Any) -> str | None:
+    """What a save wrote or a load reads: a path (a file, or a DCP folder: each of its files), an
+    in-memory buffer, or a seekable file object (read where it stands, then put back); None for
+    anything else."""
+    if isinstance(f, (str, os.PathLike)):
+        p = Path(f)
+        if p.is_dir():
+            files = sorted(x for x in p.iterdir() if x.is_file())
+            prints = [f"{x.name}:{_file_print(x)}" for x in files]
+            return hashlib.blake2b("|".join(prints).encode(), digest_size=16).hexdigest()
+        return _file_print(p)
+    if isinstance(f, io.BytesIO):
+        buf = f.getbuffer()
+        return _sampled(lambda at, n: bytes(buf[at : at + n]), len(buf))
+    try:
+        here = f.tell()
+        size = f.seek(0, os.SEEK_END)
+
+        def read(at: int, n: int) -> bytes:
+            f.seek(at)
+            return f.read(n)
+
+        try:
+            return _sampled(read, size)
+        finally:
+            f.seek(here)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def _name_of(f: Any) -> str:
+    if isinstance(f, (str, os.PathLike)):
+        return os.path.abspath(os.fspath(f))
+    name = getattr(f, "name", None) or getattr(f, "path", None)
+    return os.path.abspath(name) if isinstance(name, str) else ""  # a buffer: no name
 
 
 class ScriptWatch:
@@ -82,8 +134,8 @@ class ScriptWatch:
         self.owner: int | None = None  # the optimizer whose steps count
         self.t_prev: float | None = None  # the step before ended (step 1: its first sign of work)
         self.t_beat = 0.0
-        self.saving = False
-        self._saves: dict[tuple[int, int, int], int] | None = None  # a saved file's stamp -> step
+        self.inside = False  # in a save or load of the script's (``_inside``)
+        self._saves: dict[str, int] | None = None  # a saved state's fingerprint -> its step
 
     @property
     def step(self) -> int:
@@ -94,7 +146,7 @@ class ScriptWatch:
 
     # ------------------------------------------------------------ steps
     def before_step(self, opt: Any) -> None:
-        if not self.watching() or (self.owner is not None and self.owner != id(opt)):
+        if self.inside or not self.watching() or self.owner not in (None, id(opt)):
             return
         self.owner = id(opt)
         self.n += 1
@@ -106,7 +158,7 @@ class ScriptWatch:
         self.probe.before_step(step)
 
     def after_step(self, opt: Any) -> None:
-        if not self.watching() or self.owner != id(opt):
+        if self.inside or not self.watching() or self.owner != id(opt):
             return
         now = self.clock()
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
@@ -121,7 +173,7 @@ class ScriptWatch:
         """Work inside a step (a batch, a backward pass, a collective): a beat, at most every
         ``BEAT_S``. Before the first step, only the first step's start is noted (start-up sections
         judge the rest)."""
-        if self.saving or not self.watching():
+        if self.inside or not self.watching():
             return
         now = self.clock()
         if self.n == 0:
@@ -134,46 +186,54 @@ class ScriptWatch:
 
     # ------------------------------------------------------------ the script's own files
     @contextlib.contextmanager
-    def saving_to(self, f: Any) -> Iterator[None]:
-        if self.saving or self.n == 0 or not self.watching():
-            yield
-            return
-        self.saving = True
-        self.probe.phase(SAVE, self.step)
+    def _inside(self) -> Iterator[None]:
+        """A save or load: its optimizer steps are torch's own (DCP's ``get_state_dict`` steps a
+        fresh optimizer once, with zero gradients, to create its state) and its collectives no
+        progress of the script's."""
+        self.inside = True
         try:
             yield
         finally:
-            self.saving = False
+            self.inside = False
+
+    @contextlib.contextmanager
+    def saving_to(self, f: Any) -> Iterator[None]:
+        if self.inside or not self.watching():
+            yield
+            return
+        if self.n == 0:  # before the first step: the start-up sections judge it
+            with self._inside():
+                yield
+            return
+        self.probe.phase(SAVE, self.step)
+        try:
+            with self._inside():
+                yield
+        finally:
             self.t_beat = self.clock()
             self.probe.phase("step", self.step)
-        path = _path_of(f) if isinstance(f, (str, os.PathLike)) else None
-        stamp = _stamp(path) if path else None
-        if path and stamp:
-            self._known()[stamp] = self.step
+        saved = fingerprint(f)
+        if saved is not None:
+            self._known()[saved] = self.step
             self.probe.event(
-                EventKind.SCRIPT_SAVE,
-                step=self.step,
-                path=path,
-                inode=stamp[0],
-                size=stamp[1],
-                mtime_ns=stamp[2],
+                EventKind.SCRIPT_SAVE, step=self.step, path=_name_of(f), fingerprint=saved
             )
 
     @contextlib.contextmanager
     def loading_from(self, f: Any) -> Iterator[None]:
-        if self.n > 0 or not self.watching():
+        if self.inside or self.n > 0 or not self.watching():
             yield
             return
         self.probe.startup("load")
-        yield
-        path = _path_of(f)
-        stamp = _stamp(path) if path else None
-        step = self._known().get(stamp) if stamp else None
+        loaded = fingerprint(f)  # before the load reads a file object to its end
+        with self._inside():
+            yield
+        step = self._known().get(loaded) if loaded is not None else None
         if step is not None and step > self.offset:
             self.offset = step
-            self.probe.event(EventKind.SCRIPT_RESUME, step=step, path=path)
+            self.probe.event(EventKind.SCRIPT_RESUME, step=step, path=_name_of(f))
 
-    def _known(self) -> dict[tuple[int, int, int], int]:
+    def _known(self) -> dict[str, int]:
         """Earlier attempts' saves (``script_save`` events), read once, then this attempt's."""
         if self._saves is None:
             self._saves = {}
@@ -181,8 +241,7 @@ class ScriptWatch:
                 for e in read_jsonl(self.events):
                     if e.get("kind") == EventKind.SCRIPT_SAVE:
                         try:
-                            stamp = (int(e["inode"]), int(e["size"]), int(e["mtime_ns"]))
-                            self._saves[stamp] = int(e["step"])
+                            self._saves[str(e["fingerprint"])] = int(e["step"])
                         except (KeyError, TypeError, ValueError):
                             continue  # a hand-edited or foreign line: not a save of this run
             except OSError:

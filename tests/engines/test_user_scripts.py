@@ -5,6 +5,10 @@
   accumulation, a dataset on slow storage, an evaluation every epoch and its own ``snapshot.pt``
   (rank 0 saves, every rank loads it back on a restart);
 - ``hf_trainer.py``: the Hugging Face ``Trainer`` with ``save_steps`` and ``get_last_checkpoint``;
+- ``lightning_train.py``: a ``LightningModule`` with DDP on CPU, a ``ModelCheckpoint`` every epoch
+  and ``ckpt_path="last"`` (Lightning writes its checkpoint from a buffer);
+- ``fsdp2_dcp.py``: FSDP2 (``fully_shard``) with the DCP tutorial's ``AppState`` and ``dcp.save`` /
+  ``dcp.load`` of its own step folders;
 - ``buggy.py``: a DDP loop with a bug no restart fixes (every rank's forward fails, or rank 0 meets
   the same bad batch each attempt).
 
@@ -67,6 +71,26 @@ def runs(tmp_path_factory):
             str(SCRIPTS / "hf_trainer.py"),
             "--max-steps",
             "10",
+        ],
+        "lightning": [
+            *WARM,
+            "--fault",
+            "crash:rank=1,step=6",
+            "--fault",
+            "hang:rank=0,step=11,mode=stop,attempt=2",
+            "--",
+            "python",
+            str(SCRIPTS / "lightning_train.py"),
+        ],
+        "fsdp2-dcp": [
+            *WARM,
+            "--fault",
+            "crash:rank=1,step=6",
+            "--fault",
+            "hang:rank=0,step=10,mode=stop,attempt=2",
+            "--",
+            "python",
+            str(SCRIPTS / "fsdp2_dcp.py"),
         ],
         # 2 micro-batches of 4 samples at 0.8 s a sample: 6.4 s between optimizer steps (over the
         # 5 s floor), an evaluation of the same length after each epoch, a 5 s slower first step
@@ -185,16 +209,47 @@ def test_a_sigstopped_rank_of_a_plain_script_is_found_named_and_the_run_complete
     assert _first_steps(run)[2] == 7 and _kinds(run, "completed")[0]["step"] == 8
 
 
-def test_hugging_face_trainer_resumes_its_checkpoints_through_a_crash_and_a_sigstop(runs):
-    run = _ok(runs, "hf")
+def _crash_then_sigstop(run: Path, resumed: dict[int, int], last: int) -> None:
+    """A crash (rank 1) in attempt 1, a SIGSTOP of rank 0 in attempt 2, each restart resumed from
+    the script's own newest save (``resumed``: attempt -> step), its steps continuing from there."""
     assert [c["attempt"] for c in _kinds(run, "crash")] == [1]
     hangs = _kinds(run, "hang")
     assert [h["attempt"] for h in hangs] == [2] and hangs[0]["ranks"] == [0], hangs
+    assert hangs[0]["why"] == "unresponsive"
+    got = {(e["attempt"], e["rank"]): e["step"] for e in _kinds(run, "script_resume")}
+    assert got == {(a, r): s for a, s in resumed.items() for r in (0, 1)}, got
+    assert _first_steps(run) == {1: 1, **{a: s + 1 for a, s in resumed.items()}}
+    st = json.loads(run_ptops("status", str(run), "--json", check=True).stdout)
+    assert st["state"] == "completed" and st["step"] == last, st
+    assert st["goodput"]["lost_s"]["recomputed"] > 0 and st["goodput"]["productive_s"] > 0
+
+
+def test_hugging_face_trainer_resumes_its_checkpoints_through_a_crash_and_a_sigstop(runs):
+    run = _ok(runs, "hf")
     # the Trainer loaded checkpoint-4, then checkpoint-6 (save_steps 2): ptops's steps are its own
-    assert {(e["attempt"], e["step"]) for e in _kinds(run, "script_resume")} == {(2, 4), (3, 6)}
-    assert _first_steps(run) == {1: 1, 2: 5, 3: 7}
+    _crash_then_sigstop(run, {2: 4, 3: 6}, last=10)
     state = json.loads((run.parent / "hf-out" / "checkpoint-10" / "trainer_state.json").read_text())
-    assert state["global_step"] == 10 == _kinds(run, "completed")[0]["step"]
+    assert state["global_step"] == 10
+
+
+def test_lightning_resumes_its_last_checkpoint_through_a_crash_and_a_sigstop(runs):
+    """Lightning saves through a buffer (``torch.save`` into BytesIO, then a file write): the
+    save is recognised by its bytes when ``last.ckpt`` is loaded back."""
+    run = _ok(runs, "lightning")
+    _crash_then_sigstop(run, {2: 4, 3: 8}, last=16)
+    saves = _kinds(run, "script_save")
+    assert saves and {e["path"] for e in saves} == {""}  # a buffer: no file name
+
+
+def test_fsdp2_with_dcp_resumes_its_step_folders_through_a_crash_and_a_sigstop(runs):
+    """``dcp.load`` steps a fresh optimizer once (DCP creates its state): not a step of the run."""
+    run = _ok(runs, "fsdp2-dcp")
+    _crash_then_sigstop(run, {2: 4, 3: 8}, last=12)
+    assert sorted({e["path"].rsplit("/", 1)[-1] for e in _kinds(run, "script_save")}) == [
+        "step-12",
+        "step-4",
+        "step-8",
+    ]
 
 
 def test_every_rank_failing_the_same_way_before_the_first_step_stops_at_once(runs):
