@@ -1,7 +1,7 @@
 """Unchanged scripts, irregular steps: no false hang with the shipped defaults, and a SIGSTOPped
 rank found within its budget (issue 47, point 1).
 
-    .venv/bin/python bench/script_soak.py [--profile quick|full] [--out bench/results]
+    .venv/bin/python bench/script_soak.py [--profile quick|full] [--configs 60s] [--out DIR]
 
 The script is ``tests/data/scripts/ddp_accum.py`` (the PyTorch tutorial's DDP trainer, gradient
 accumulation over 2 micro-batches, no ptops in it), its step time set by its data loader's latency,
@@ -118,9 +118,10 @@ def one(name: str, kind: str, root: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    ap.add_argument("--configs", help="comma-separated step times to run instead (e.g. 60s)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args()
-    names = PROFILES[args.profile]
+    names = args.configs.split(",") if args.configs else PROFILES[args.profile]
     jobs = [(n, k) for n in names for k in ("torchrun", "healthy", "sigstop")]
     with tempfile.TemporaryDirectory(prefix="script-soak-") as tmp:
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -131,7 +132,7 @@ def main() -> None:
         if ref["exit"] == 0 and ok["exit"] == 0:
             ok["wall_vs_torchrun"] = round(ok["wall_s"] / ref["wall_s"], 3)
     summary = {
-        "profile": args.profile,
+        "configs": list(names),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "false_hangs": sum(r.get("hangs", 0) for r in results if r["kind"] == "healthy"),
         "healthy_completed": all(r["exit"] == 0 for r in results if r["kind"] == "healthy"),
@@ -141,7 +142,8 @@ def main() -> None:
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "script_soak.json").write_text(json.dumps(summary, indent=1) + "\n")
+    name = "script_soak.json" if not args.configs else f"script_soak_{'_'.join(names)}.json"
+    (args.out / name).write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "stderr"}))

@@ -7,6 +7,8 @@
 - ``hf_trainer.py``: the Hugging Face ``Trainer`` with ``save_steps`` and ``get_last_checkpoint``;
 - ``lightning_train.py``: a ``LightningModule`` with DDP on CPU, a ``ModelCheckpoint`` every epoch
   and ``ckpt_path="last"`` (Lightning writes its checkpoint from a buffer);
+- ``accelerate_loop.py``: an Accelerate loop with ``save_state`` / ``load_state`` of its own step
+  folders and ``skip_first_batches``;
 - ``fsdp2_dcp.py``: FSDP2 (``fully_shard``) with the DCP tutorial's ``AppState`` and ``dcp.save`` /
   ``dcp.load`` of its own step folders;
 - ``buggy.py``: a DDP loop with a bug no restart fixes (every rank's forward fails, or rank 0 meets
@@ -81,6 +83,16 @@ def runs(tmp_path_factory):
             "--",
             "python",
             str(SCRIPTS / "lightning_train.py"),
+        ],
+        "accelerate": [
+            *WARM,
+            "--fault",
+            "crash:rank=1,step=6",
+            "--fault",
+            "hang:rank=0,step=10,mode=stop,attempt=2",
+            "--",
+            "python",
+            str(SCRIPTS / "accelerate_loop.py"),
         ],
         "fsdp2-dcp": [
             *WARM,
@@ -239,6 +251,11 @@ def test_lightning_resumes_its_last_checkpoint_through_a_crash_and_a_sigstop(run
     _crash_then_sigstop(run, {2: 4, 3: 8}, last=16)
     saves = _kinds(run, "script_save")
     assert saves and {e["path"] for e in saves} == {""}  # a buffer: no file name
+
+
+def test_accelerate_resumes_its_saved_state_through_a_crash_and_a_sigstop(runs):
+    run = _ok(runs, "accelerate")
+    _crash_then_sigstop(run, {2: 4, 3: 8}, last=12)
 
 
 def test_fsdp2_with_dcp_resumes_its_step_folders_through_a_crash_and_a_sigstop(runs):
