@@ -63,6 +63,10 @@ def main() -> None:
         if pr.should_stop():  # the supervisor asked for a save and a stop (preemption, Ctrl-C)
             break
         accelerator.print(f"step {step} loss {float(mean_loss):.5f}")
+    # the DDP model goes before the process group: with torch 2.13 and gloo, a reducer that outlives
+    # destroy_process_group can deadlock at exit (its last all-reduce freed under the GIL)
+    del model, optimizer
+    accelerator.free_memory()
     accelerator.end_training()
 
 
