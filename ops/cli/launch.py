@@ -151,12 +151,14 @@ def command_hint(params: list, args: list[str]) -> str | None:
     recipe goes (``ptops launch --supervise python train.py``, ``ptops launch train.py``): the
     command line they meant, with its ``--``, for a one-line error. None when the first positional
     argument is a recipe (a shipped name or a .toml file) or none is given."""
+    options = [p for p in params if getattr(p, "param_type_name", "") == "option"]
     takes_value = {  # click's options (typer carries its own copy of click: duck-typed)
         name
-        for p in params
-        if getattr(p, "param_type_name", "") == "option" and not p.is_flag and not p.count
+        for p in options
+        if not p.is_flag and not p.count
         for name in (*p.opts, *p.secondary_opts)
     }
+    known = {name for p in options for name in (*p.opts, *p.secondary_opts)}
     i = 0
     while i < len(args):
         a = args[i]
@@ -174,7 +176,15 @@ def command_hint(params: list, args: list[str]) -> str | None:
 
     if first in shipped_recipes():
         return None
-    if not (_COMMAND_START.match(os.path.basename(first)) or rest):
+    words, j = [], 0  # what follows that is not an option of launch's own (`NAME --dry-run`)
+    while j < len(rest):
+        opt = rest[j].split("=", 1)[0]
+        if opt in known:
+            j += 2 if rest[j] in takes_value else 1
+            continue
+        words.append(rest[j])
+        j += 1
+    if not (_COMMAND_START.match(os.path.basename(first)) or words):
         return None  # a mistyped recipe name: the loader's error lists the recipes
     command = [first, *rest]
     if first.endswith(".py"):

@@ -43,6 +43,10 @@ def test_a_command_without_its_dashes_gets_the_command_line_meant(args, meant):
 def test_a_recipe_or_a_mistyped_recipe_name_gets_no_command_hint():
     p = run_ptops("launch", "nosuchrecipe", timeout=60)
     assert p.returncode == 2 and "recipe file not found" in p.stderr and "--" not in p.stderr
+    # launch's own options after a mistyped name are no command (a plugin's recipe, not installed)
+    p = run_ptops("launch", "nosuchrecipe", "--dry-run", "--set", "train.steps=3", timeout=60)
+    assert p.returncode == 2 and "recipe file not found" in p.stderr, p.stderr
+    assert "did you mean" not in p.stderr
     p = run_ptops("launch", "titan-tiny", "--dry-run", "--json", timeout=120)
     assert "did you mean" not in p.stderr, p.stderr
 
