@@ -57,53 +57,30 @@ def _first_steps(run: Path) -> dict[int, int]:
     return first
 
 
+def crash_then_stop(crash: int, stop: int) -> list[str]:
+    """A crash of rank 1 at step ``crash`` in attempt 1, a SIGSTOP of rank 0 at step ``stop`` in
+    attempt 2 (restarts fork warm ranks), then the command."""
+    return [
+        *WARM,
+        *("--fault", f"crash:rank=1,step={crash}"),
+        *("--fault", f"hang:rank=0,step={stop},mode=stop,attempt=2"),
+        "--",
+    ]
+
+
+def script(name: str) -> str:
+    return str(SCRIPTS / name)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("user-scripts")
     accum = ["python", str(SCRIPTS / "ddp_accum.py")]
     plan = {  # the longest first; each runs in its own folder (the scripts save there)
-        "hf": [
-            *WARM,
-            "--fault",
-            "crash:rank=1,step=5",
-            "--fault",
-            "hang:rank=0,step=7,mode=stop,attempt=2",
-            "--",
-            "python",
-            str(SCRIPTS / "hf_trainer.py"),
-            "--max-steps",
-            "10",
-        ],
-        "lightning": [
-            *WARM,
-            "--fault",
-            "crash:rank=1,step=6",
-            "--fault",
-            "hang:rank=0,step=11,mode=stop,attempt=2",
-            "--",
-            "python",
-            str(SCRIPTS / "lightning_train.py"),
-        ],
-        "accelerate": [
-            *WARM,
-            "--fault",
-            "crash:rank=1,step=6",
-            "--fault",
-            "hang:rank=0,step=10,mode=stop,attempt=2",
-            "--",
-            "python",
-            str(SCRIPTS / "accelerate_loop.py"),
-        ],
-        "fsdp2-dcp": [
-            *WARM,
-            "--fault",
-            "crash:rank=1,step=6",
-            "--fault",
-            "hang:rank=0,step=10,mode=stop,attempt=2",
-            "--",
-            "python",
-            str(SCRIPTS / "fsdp2_dcp.py"),
-        ],
+        "hf": [*crash_then_stop(5, 7), "python", script("hf_trainer.py"), "--max-steps", "10"],
+        "lightning": [*crash_then_stop(6, 11), "python", script("lightning_train.py")],
+        "accelerate": [*crash_then_stop(6, 10), "python", script("accelerate_loop.py")],
+        "fsdp2-dcp": [*crash_then_stop(6, 10), "python", script("fsdp2_dcp.py")],
         # 2 micro-batches of 4 samples at 0.8 s a sample: 6.4 s between optimizer steps (over the
         # 5 s floor), an evaluation of the same length after each epoch, a 5 s slower first step
         "accum-slow": [
