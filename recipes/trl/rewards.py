@@ -155,8 +155,11 @@ def extract_answer(completion, prompt=None) -> tuple[str | None, str]:
     boxes = [b for b in every if b]
     if boxes:
         distinct = list(dict.fromkeys(normalise_answer(b) for b in boxes))
+        # a symbolic comparison (bounded, but not free) only for two spellings: a completion costs
+        # at most two bounded comparisons, this one and its grading
+        symbolic = len(distinct) == 2
         if len(distinct) > MAX_BOXES or any(
-            not answers_equal(b, distinct[-1]) for b in distinct[:-1]
+            not answers_equal(b, distinct[-1], symbolic=symbolic) for b in distinct[:-1]
         ):
             return None, "ambiguous"
         return boxes[-1], "boxed"
@@ -203,20 +206,78 @@ def _as_fraction(s: str):
         return None
 
 
-def _sympy_expr(s: str):
-    """A sympy expression of a whitelisted answer, or None. Never evaluates anything else: only
-    numbers, single-letter symbols, sqrt, pi and arithmetic pass, with one small exponent at
-    most."""
+# cheap refusals before any symbolic work (issue 49 point 3): more distinct symbols or deeper
+# parentheses than an honest final answer needs are not compared at all
+MAX_SYMBOLS = 4
+MAX_DEPTH = 6
+MAX_POWERS = 6
+MAX_TERMS = 2000  # a bound on the terms of an answer once expanded (checked before expand)
+
+
+def _safe_syntax(s: str) -> bool:
+    """Whether ``s`` may reach sympy: numbers, single-letter symbols, sqrt, pi and arithmetic, one
+    small exponents at most, bounded nesting and symbols. Regular expressions only (no sympy)."""
     if not _SAFE_EXPR.match(s) or re.search(r"[a-z)]\.", s) or re.search(r"\d{13,}", s):
-        return None
+        return False
     # Python number syntax the tokenizer would read: 1e999999 (a float sympy then expands for
     # minutes), 0x1f, 0b1, 0o7, 1j
     if re.search(r"[0-9.][ej]|(?<![0-9])0[xob]", s):
-        return None
+        return False
     if any(len(n) > 1 and n not in _ALLOWED_NAMES for n in _NAMES.findall(s)):
-        return None
-    powers = re.findall(r"(?:\^|\*\*)\s*\(?\s*([^\s()]+)", s)
-    if len(powers) > 1 or any(not re.fullmatch(r"-?[0-9]|[a-z]", p) for p in powers):
+        return False
+    # exponents: a digit or a letter, six at most (the exponent itself, not what follows it:
+    # ``x^2+1`` has the exponent 2)
+    powers = re.findall(r"(?:\^|\*\*)\s*(\(\s*-?[0-9a-z]+\s*\)|-?[0-9]+|[a-z]|.?)", s)
+    powers = [p.strip("() ") for p in powers]
+    if len(powers) > MAX_POWERS or any(not re.fullmatch(r"-?[0-9]|[a-z]", p) for p in powers):
+        return False
+    if len(powers) > 1 and _power_of_power(s):
+        return False
+    depth = 0
+    for ch in s:
+        depth += (ch == "(") - (ch == ")")
+        if depth > MAX_DEPTH or depth < 0:
+            return False
+    return depth == 0 and len(_symbols(s)) <= MAX_SYMBOLS
+
+
+_POW = re.compile(r"\^|\*\*")
+
+
+def _power_of_power(s: str) -> bool:
+    """``a^b^c``, ``(x^9)^9``, ``((x+1)^9)^9``: a power whose base or exponent holds a power (the
+    tower that builds a number of millions of digits, or a product of the exponents' size)."""
+    t = _POW.sub("^", s.replace(" ", ""))
+    for i, ch in enumerate(t):
+        if ch != "^":
+            continue
+        rest = t[i + 1 :]
+        m = re.match(r"\(?-?[0-9a-z]+\)?", rest)
+        if m and rest[m.end() : m.end() + 1] == "^":  # a^b^c
+            return True
+        if i and t[i - 1] == ")":  # the base is a group: does it hold a power?
+            depth, j = 0, i - 1
+            while j >= 0:
+                depth += (t[j] == ")") - (t[j] == "(")
+                if depth == 0:
+                    break
+                j -= 1
+            if "^" in t[max(j, 0) : i]:
+                return True
+    return False
+
+
+def _symbols(s: str) -> set[str]:
+    """The single-letter symbols of a whitelisted answer (``sqrt`` and ``pi`` are not symbols)."""
+    return {n for n in _NAMES.findall(s) if n not in _ALLOWED_NAMES}
+
+
+def _sympy_expr(s: str):
+    """A sympy expression of a whitelisted answer, or None. Never evaluates anything else: only
+    numbers, single-letter symbols, sqrt, pi and arithmetic pass, with six one-character
+    exponents at most. Runs in the bounded worker (:mod:`ptops.recipes.trl.bounded`), never in
+    the trainer."""
+    if not _safe_syntax(s):
         return None
     try:
         import sympy
@@ -237,10 +298,98 @@ def _sympy_expr(s: str):
         return None
 
 
-def answers_equal(got: str, want: str) -> bool:
+def _symbolic_equal(a: str, b: str) -> bool:
+    """Symbolic equality with sympy, unbounded: called only inside the bounded worker."""
+    ea, eb = _sympy_expr(a), _sympy_expr(b)
+    if ea is None or eb is None:
+        return False
+    import sympy
+
+    diff = ea - eb
+    if diff == 0:
+        return True
+    if _terms_bound(diff) > MAX_TERMS:  # (a+b+c+d+e)^9 and the like: not an honest final answer
+        return False
+    # cheap and sound refusal first: a difference that is clearly non-zero at one rational point
+    # (at a number, for a numeric answer) is not identically zero; near zero is no proof: go on
+    point = dict(
+        zip(sorted(diff.free_symbols, key=str), (sympy.Rational(p, p + 4) for p in _PRIMES))
+    )
+    try:
+        value = diff.evalf(30, subs=point)
+        if value.is_Number and value.is_finite and abs(value) > 1e-12:
+            return False
+    except Exception:  # noqa: BLE001 - no number: decide symbolically
+        pass
+    expanded = sympy.expand(diff)
+    if expanded == 0:
+        return True
+    # simplify only what is small: its cost grows fast with the expression
+    return sympy.count_ops(expanded) <= 12 and bool(sympy.simplify(expanded) == 0)
+
+
+_PRIMES = (
+    3,
+    5,
+    7,
+    11,
+    13,
+    17,
+    19,
+    23,
+    29,
+    31,
+    37,
+    41,
+    43,
+    47,
+    53,
+    59,
+    61,
+    67,
+    71,
+    73,
+    79,
+    83,
+    89,
+    97,
+)
+
+
+def _terms_bound(e) -> int:
+    """An upper bound on the terms of ``e`` once expanded, from its unexpanded tree (cheap): sums
+    add, products multiply, a power of an n-term sum by k has at most C(n+k-1, k) terms."""
+    from math import comb
+
+    if e.is_Add:
+        return sum(min(_terms_bound(a), 10**9) for a in e.args)
+    if e.is_Mul:
+        out = 1
+        for a in e.args:
+            out = min(out * _terms_bound(a), 10**9)
+        return out
+    if e.is_Pow:
+        n, k = _terms_bound(e.base), e.exp
+        if k.is_Integer and int(k) > 0:
+            return min(comb(n + int(k) - 1, int(k)), 10**9) if n < 10**6 else 10**9
+        return n
+    return 1
+
+
+# per process: symbolic comparisons asked of the worker, answers refused before any symbolic work
+# (outside the whitelist, over a cap, or symbols that differ from the expected answer's), and
+# comparisons without a verdict within the bound
+MATH_STATS = {"symbolic": 0, "refused": 0, "overrun": 0}
+
+
+def answers_equal(got: str, want: str, symbolic: bool = True) -> bool:
     """Exact equality of two final answers: as fractions (``0.5`` == ``1/2`` == ``\\frac{1}{2}``),
-    else symbolically with sympy when it is installed (``2x+1`` == ``1+2*x``), else as normalised
-    text."""
+    else symbolically with sympy (``2x+1`` == ``1+2*x``) in a bounded worker process (a deadline,
+    CPU and memory limits enforced from outside it: :mod:`ptops.recipes.trl.bounded`; no verdict
+    within the bound is False), else as normalised text. Refused before any symbolic work: answers
+    outside the whitelist, and answers whose symbols differ from the expected one's (a numeric
+    expected answer refuses every answer with a free symbol). ``symbolic=False``: fractions and
+    text only."""
     a, b = normalise_answer(got), normalise_answer(want)
     if a == b and a:
         return True
@@ -249,30 +398,33 @@ def answers_equal(got: str, want: str) -> bool:
     fa, fb = _as_fraction(a), _as_fraction(b)
     if fa is not None and fb is not None:
         return fa == fb
-    ea, eb = _sympy_expr(a), _sympy_expr(b)
-    if ea is not None and eb is not None:
-        try:
-            import sympy
+    if not symbolic:
+        return False
+    if not (_safe_syntax(a) and _safe_syntax(b)) or _symbols(a) != _symbols(b):
+        MATH_STATS["refused"] += 1
+        return False
+    from ptops.recipes.trl.bounded import comparer
 
-            diff = ea - eb
-            if diff == 0 or sympy.expand(diff) == 0:
-                return True
-            # simplify only what is small: its cost grows fast with the expression (bounded time per
-            # call)
-            return sympy.count_ops(diff) <= 12 and bool(sympy.simplify(diff) == 0)
-        except Exception:  # noqa: BLE001
-            return False
-    return False
+    MATH_STATS["symbolic"] += 1
+    verdict = comparer().equal(a, b)
+    if verdict is None:
+        MATH_STATS["overrun"] += 1
+    return bool(verdict)
 
 
-def math_verifier(completions, answer, prompts=None, **_: object) -> list[float]:
+def math_verifier(completions, answer, prompts=None, log_metric=None, **_: object) -> list[float]:
     """1.0 when the completion's final answer (:func:`extract_answer`) equals the row's ``answer``,
-    else 0.0."""
+    else 0.0. An answer whose comparison overran its bound scores 0 and is counted
+    (``math/overrun`` per call, with ``math/refused``: symbolic answers refused cheaply)."""
     prompts = prompts if prompts is not None else [None] * len(completions)
+    before = dict(MATH_STATS)
     out = []
     for completion, expected, prompt in zip(completions, answer, prompts):
         got, _how = extract_answer(completion, prompt)
         out.append(1.0 if got is not None and answers_equal(got, str(expected)) else 0.0)
+    if callable(log_metric):
+        log_metric("math/overrun", float(MATH_STATS["overrun"] - before["overrun"]))
+        log_metric("math/refused", float(MATH_STATS["refused"] - before["refused"]))
     return out
 
 
@@ -508,7 +660,12 @@ def reward_setup(
             funcs.append(verifier)
             weights.append(0.0)
     elif reward == "math":
+        from ptops.recipes.trl.bounded import DEADLINE_S, MEMORY_MB, comparer
+
         funcs, weights = [math_verifier, format], [1.0, 0.2]
+        # the bounded worker starts here (sympy's import), not inside the first step's deadline
+        helper = comparer().equal("x", "x") is True
+        source["math_bound"] = {"deadline_s": DEADLINE_S, "memory_mb": MEMORY_MB, "helper": helper}
     elif reward == "judge":
         from ptops.recipes.trl.judge import JudgeReward, load_judge
 
