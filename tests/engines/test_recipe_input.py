@@ -123,11 +123,21 @@ def test_resume_may_retune_watchdogs_and_records_it(tmp_path):
     assert [e["kind"] for e in RunDir(tmp_path / "run").read_events()] == ["recipe_updated"]
 
 
+# a recipe of the engine every install has (the version matrix runs this module without TorchTitan:
+# a titan recipe there stops at the missing engine, exit 4, before the run directory's lock)
+SCRIPT = """
+name = "s"
+engine = "script"
+[script]
+command = ["python", "-c", "pass"]
+"""
+
+
 def test_second_launcher_on_same_run_dir_refused(ptops, tmp_path):
     from ptops.ops.runrecord.lock import acquire, release
     from ptops.ops.supervisor.launcher import prepare_run
 
-    p = write(tmp_path, GOOD)
+    p = write(tmp_path, SCRIPT)
     rec, path = load(p)
     prepare_run(rec, path, tmp_path / "run")
     fd = acquire(tmp_path / "run")
