@@ -75,15 +75,33 @@ class TrlSandbox(_Strict):
     """``[trl.sandbox]``: limits of one completion's run for ``reward = "code"``
     (recipes/trl/sandbox.py)."""
 
-    cpu_s: int = Field(2, ge=1, description="CPU seconds (RLIMIT_CPU); then SIGKILL")
+    cpu_s: int = Field(
+        2,
+        ge=1,
+        description="CPU seconds of the whole completion (its cgroup) and of each process "
+        "(RLIMIT_CPU); then SIGKILL",
+    )
     wall_s: float = Field(
         10.0, gt=0, description="wall-clock seconds before the whole sandbox is killed"
     )
-    memory_mb: int = Field(512, ge=64, description="address space (RLIMIT_AS)")
+    memory_mb: int = Field(
+        512,
+        ge=64,
+        description="memory of the whole completion (its cgroup: all its processes together) "
+        "and address space of each process (RLIMIT_AS)",
+    )
     max_procs: int = Field(
-        16, ge=1, description="processes of the sandbox's own uid (RLIMIT_NPROC)"
+        16,
+        ge=1,
+        description="tasks of the whole completion (cgroup pids.max) and of its uid (RLIMIT_NPROC)",
     )
     file_mb: int = Field(8, ge=1, description="largest file it may write (RLIMIT_FSIZE)")
+    allow_weak_isolation: bool = Field(
+        False,
+        description="where the kernel refuses the network, pid, mount or IPC namespace, grade "
+        "anyway with the audit hook alone (it lives in the completion's interpreter and can be "
+        "switched off by it); false: such completions are not run and score 0 (status refused)",
+    )
 
 
 class TrlLora(_Strict):

@@ -61,6 +61,18 @@ fork bomb              RLIMIT_NPROC for a uid of its own (so concurrent sandboxe
                        that uid afterwards (nothing of it outlives the call)
 infinite loop          RLIMIT_CPU (SIGXCPU then SIGKILL) and a wall-clock kill
 memory bomb            RLIMIT_AS
+forked limits          a cgroup per completion, made here before the harness starts and
+                       removed after (v1 memory/memsw, pids, cpu quota, cpuacct; or v2):
+                       memory_mb, max_procs and cpu_s hold for all its processes together;
+                       an OOM kill or the CPU budget in it scores 0 (``killed``)
+other completions      an IPC namespace (System V IPC, POSIX mqueues), a UTS and a cgroup
+                       namespace each; a fresh session keyring (not the trainer's); a user
+                       namespace for the harness (uid mapped to itself), so the keyrings its
+                       uid creates die with it instead of staying on the host
+the guard itself       the audit hook lives in the completion's interpreter and can be
+                       switched off: where the kernel refuses a namespace the verdict relies
+                       on (:func:`weak_isolation`), nothing is run (``refused``) unless
+                       ``allow_weak_isolation``; with the namespaces the kernel enforces
 ``rm -rf`` / writes    an unprivileged uid that owns nothing but its private work dir
                        (cwd, HOME, TMPDIR); a private mount namespace with tmpfs /tmp,
                        /var/tmp, /dev/shm (size-limited, gone at exit) and a root of its own
@@ -99,6 +111,9 @@ from dataclasses import asdict, dataclass, field
 
 # clone(2) flags and mount(2) flags (linux/sched.h, linux/mount.h)
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -110,6 +125,13 @@ ST_NOATIME, ST_NODIRATIME, ST_RELATIME = (
     4096,
 )  # statvfs f_flag bits (the MS_ values but relatime)
 PR_SET_PDEATHSIG = 1
+MNT_DETACH = 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
+# syscalls without a libc wrapper everywhere: pivot_root(2), keyctl(2)
+SYSCALLS = {
+    "x86_64": {"pivot_root": 155, "keyctl": 250},
+    "aarch64": {"pivot_root": 41, "keyctl": 219},
+}
 UID_BASE = 200_000  # sandbox uid = UID_BASE + the launcher's pid: unique among live sandboxes
 OUTPUT_CAP = 1024 * 1024  # the harness's result records; beyond it the run is void
 
@@ -123,17 +145,23 @@ class Limits:
     memory_mb: int = 512
     max_procs: int = 16
     file_mb: int = 8
+    # where the kernel refuses the namespaces, grade anyway with the audit hook alone (a guard that
+    # lives in the completion's interpreter: it can be found and switched off). False: refuse.
+    allow_weak_isolation: bool = False
 
 
 @dataclass
 class Result:
     passed: int = 0
     total: int = 0
-    status: str = "ok"  # ok | error (the harness ran, code raised) | killed | timeout | no_result
+    # ok | error (the harness ran, code raised) | killed (a signal, or a limit of its cgroup) |
+    # timeout | no_result | malformed | hostile | refused (the kernel refused the isolation)
+    status: str = "ok"
     reward: float = 0.0
     isolation: dict = field(default_factory=dict)
     detail: str = ""
     wall_s: float = 0.0  # launcher-measured, harness start to reap
+    usage: dict = field(default_factory=dict)  # the completion's cgroup, measured from outside
 
 
 # what a result may be: plain data of exact types, bounded (the encoder inside and the decoder
@@ -662,6 +690,11 @@ def _launch(cfg: dict) -> dict:
         "netns": False,
         "pidns": False,
         "mountns": False,
+        "ipcns": False,
+        "utsns": False,
+        "cgroupns": False,
+        "keyrings": "shared",
+        "cgroup": "none",
         "network": "none",
     }
     root = os.geteuid() == 0
@@ -682,6 +715,10 @@ def _launch(cfg: dict) -> dict:
     if libc is not None and root and cfg.get("namespaces", True):
         iso["netns"] = _try(libc, "unshare", CLONE_NEWNET)
         iso["pidns"] = _try(libc, "unshare", CLONE_NEWPID)
+        # System V IPC and POSIX message queues of its own (a channel between completions, and
+        # segments that outlive them, otherwise); a host name of its own
+        iso["ipcns"] = _try(libc, "unshare", CLONE_NEWIPC)
+        iso["utsns"] = _try(libc, "unshare", CLONE_NEWUTS)
         if _try(libc, "unshare", CLONE_NEWNS) and _try(
             libc, "mount", None, b"/", None, MS_REC | MS_PRIVATE, None
         ):
@@ -697,8 +734,9 @@ def _launch(cfg: dict) -> dict:
         # not root: an unprivileged user namespace still gives no network, a pid namespace and a
         # mount namespace for a root of its own; the trainer's uid maps to itself, so the harness
         # (not uid 0 in the namespace) loses every capability at exec and cannot leave that root
-        if _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS):
-            iso["userns"] = iso["netns"] = iso["pidns"] = True
+        own = CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+        if _try(libc, "unshare", own | CLONE_NEWNS):
+            iso["userns"] = iso["netns"] = iso["pidns"] = iso["ipcns"] = iso["utsns"] = True
             gid = os.getgid()
             try:
                 maps = (
@@ -721,8 +759,15 @@ def _launch(cfg: dict) -> dict:
                     iso["mountns"] = tmp_private = True
             except OSError:
                 pass
-        elif _try(libc, "unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID):
-            iso["userns"] = iso["netns"] = iso["pidns"] = True
+        elif _try(libc, "unshare", own):
+            iso["userns"] = iso["netns"] = iso["pidns"] = iso["ipcns"] = iso["utsns"] = True
+    weak = weak_isolation(iso)
+    if weak and cfg.get("namespaces", True) and not limits.get("allow_weak_isolation"):
+        # the kernel refused what the verdict relies on: the audit hook alone lives in the
+        # completion's interpreter, so nothing is run
+        return {"refused": weak, "isolation": iso}
+    cg = _Cgroup.create(limits) if root else None
+    iso["cgroup"] = cg.kind if cg else "none"
     nproc = int(limits["max_procs"]) if root else _tasks_of(uid) + int(limits["max_procs"])
     view, inside = None, work
     if iso["mountns"] and tmp_private:
@@ -747,12 +792,19 @@ def _launch(cfg: dict) -> dict:
         os.chown(prog, uid, uid)
     out_r, out_w = os.pipe()
     in_r, in_w = os.pipe()
+    sync_r, sync_w = os.pipe()  # the harness -> here: which namespaces it took (one byte)
+    ack_r, ack_w = os.pipe()  # here -> the harness: its user namespace's uid map is written
+    calls = SYSCALLS.get(os.uname().machine, {})
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the harness: pid 1 of its namespace when pidns
         try:
             os.close(out_r)
             os.close(in_w)
+            os.close(sync_r)
+            os.close(ack_w)
+            if cg is not None:  # the whole completion in its cgroup, before anything of it runs
+                cg.join()
             os.dup2(in_r, 0)
             os.dup2(out_w, 1)
             devnull = os.open(os.devnull, os.O_WRONLY)
@@ -770,9 +822,27 @@ def _launch(cfg: dict) -> dict:
                     MS_NOSUID | MS_NODEV | MS_NOEXEC,
                     None,
                 )
+            pivoted = False
             if view:
-                os.chroot(view)
+                # pivot_root rather than chroot where it can: a chrooted process may not create
+                # the user namespace below
+                pivoted = root and "pivot_root" in calls and _pivot(libc, view, calls)
+                if not pivoted:
+                    os.chroot(view)
             os.chdir(inside)
+            took = 0
+            if root and (pivoted or not view) and libc is not None:
+                # a user namespace of its own (uid maps to itself: no capability after exec): the
+                # keyrings its uid creates are registered there and die with it, not on the host
+                os.setgroups([])
+                flags = CLONE_NEWUSER | (CLONE_NEWCGROUP if cg is not None else 0)
+                if _try(libc, "unshare", flags):
+                    took = 1 | (2 if cg is not None else 0)
+            elif cg is not None and _try(libc, "unshare", CLONE_NEWCGROUP):
+                took = 2
+            os.write(sync_w, bytes([took]))
+            if took & 1 and os.read(ack_r, 1) != b"1":
+                os._exit(127)
             cpu = int(limits["cpu_s"])
             resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
             mem = int(limits["memory_mb"]) * 1024 * 1024
@@ -782,9 +852,14 @@ def _launch(cfg: dict) -> dict:
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
             if root:
-                os.setgroups([])
+                if not took & 1:
+                    os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
+            if libc is not None and "keyctl" in calls:
+                # a fresh session keyring (else the trainer's, which every completion possesses:
+                # a channel between them, and keys left in the trainer's keyring)
+                libc.syscall(calls["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None)
             # counted per uid: as root the uid is the sandbox's own, so the count is the sandbox's;
             # else the trainer's tasks are counted too, and the sandbox gets max_procs on top of
             # them
@@ -812,8 +887,25 @@ def _launch(cfg: dict) -> dict:
     os.close(out_w)
     os.close(in_r)
     os.close(in_w)
+    for fd in cg.fds if cg is not None else ():
+        os.close(fd)
+    os.close(sync_w)
+    os.close(ack_r)
     deadline = t0 + float(limits["wall_s"])
-    out, timed_out = _read_until(out_r, pid, deadline)
+    took = _read_byte(sync_r, deadline)
+    if took & 1:
+        try:
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(f"{uid} {uid} 1")
+            os.write(ack_w, b"1")
+        except OSError:
+            _kill(pid)
+    os.close(sync_r)
+    os.close(ack_w)
+    iso["cgroupns"] = bool(took & 2)
+    iso["keyrings"] = "private" if (took & 1 or iso["userns"]) else "shared"
+    out, timed_out = _read_until(out_r, pid, deadline, cg)
     os.close(out_r)
     status_code = _reap(pid, deadline)
     if status_code is None:  # still running past the wall clock
@@ -826,13 +918,196 @@ def _launch(cfg: dict) -> dict:
         _kill(pid, group_only=True)
     if root:
         _kill_uid(uid)
+    usage = cg.finish() if cg is not None else {}
     return {
         "out": out.decode("utf-8", "replace"),
         "timed_out": timed_out,
         "wait_status": status_code,
         "wall_s": round(time.monotonic() - t0, 3),
         "isolation": iso,
+        "usage": usage,
     }
+
+
+def weak_isolation(iso: dict) -> str:
+    """What the kernel refused of what the verdict relies on ("" when nothing): without these,
+    only the audit hook inside the completion's own interpreter guards the network, the host's
+    files and the other completions."""
+    missing = [k for k in ("netns", "pidns", "mountns", "ipcns") if not iso.get(k)]
+    return ", ".join(missing)
+
+
+def _read_byte(fd: int, deadline: float) -> int:
+    import select
+
+    ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+    b = os.read(fd, 1) if ready else b""
+    return b[0] if b else 0
+
+
+def _pivot(libc, view: str, calls: dict) -> bool:
+    """Make ``view`` the root of this (own) mount namespace, the old root detached."""
+    if not _try(libc, "mount", view.encode(), view.encode(), None, MS_BIND | MS_REC, None):
+        return False
+    os.chdir(view)
+    if libc.syscall(calls["pivot_root"], b".", b".") != 0:
+        return False
+    if not _try(libc, "umount2", b".", MNT_DETACH):
+        os._exit(127)  # the host's root would still be on top: never run the completion so
+    os.chdir("/")
+    return True
+
+
+class _Cgroup:
+    """One completion's cgroup: memory, processes and CPU of all its processes together, set and
+    measured from outside it. cgroup v1 (memory, pids, cpu, cpuacct hierarchies) or v2; made by
+    the launcher under its own cgroup before the harness starts, removed after it ends."""
+
+    def __init__(self, kind: str, dirs: dict, limits: dict):
+        self.kind, self.dirs, self.cpu_ns_max = kind, dirs, int(limits["cpu_s"]) * 10**9
+        self.fds: list[int] = []
+        self.cpu_over = False
+
+    @staticmethod
+    def _own(controller: str) -> str | None:
+        for line in open("/proc/self/cgroup").read().splitlines():
+            _, ctrls, path = line.split(":", 2)
+            if controller in ctrls.split(","):
+                return path
+        return None
+
+    @classmethod
+    def create(cls, limits: dict) -> _Cgroup | None:
+        name = f"ptops-sandbox-{os.getpid()}"
+        mem = int(limits["memory_mb"]) * 1024 * 1024
+        procs = str(int(limits["max_procs"]))
+        dirs: dict = {}
+        try:
+            if os.path.isfile("/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+                for ctrl in ("memory", "pids", "cpu", "cpuacct"):
+                    own = cls._own(ctrl)
+                    if own is None or not os.path.isdir(f"/sys/fs/cgroup/{ctrl}"):
+                        raise OSError(f"no {ctrl} hierarchy")
+                    d = os.path.realpath(f"/sys/fs/cgroup/{ctrl}{own.rstrip('/')}/{name}")
+                    if d not in dirs.values():
+                        os.mkdir(d)
+                    dirs[ctrl] = d
+                cg = cls("v1", dirs, limits)
+                cg._write("memory", "memory.limit_in_bytes", str(mem))
+                try:  # no swap beyond the limit (where swap is accounted)
+                    cg._write("memory", "memory.memsw.limit_in_bytes", str(mem))
+                except OSError:
+                    pass
+                cg._write("pids", "pids.max", procs)
+                period = cg._read("cpu", "cpu.cfs_period_us").strip()
+                cg._write("cpu", "cpu.cfs_quota_us", period)  # one core for all its processes
+            elif os.path.isfile("/sys/fs/cgroup/cgroup.controllers"):
+                own = cls._own("") or "/"
+                d = f"/sys/fs/cgroup{own.rstrip('/')}/{name}"
+                os.mkdir(d)
+                dirs = {c: d for c in ("memory", "pids", "cpu")}
+                cg = cls("v2", dirs, limits)
+                cg._write("memory", "memory.max", str(mem))
+                cg._write("memory", "memory.swap.max", "0")
+                cg._write("pids", "pids.max", procs)
+                cg._write("cpu", "cpu.max", "100000 100000")
+            else:
+                return None
+            cg.fds = [
+                os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in set(dirs.values())
+            ]
+            return cg
+        except (OSError, ValueError):
+            for d in set(dirs.values()):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+            return None
+
+    def _write(self, ctrl: str, name: str, value: str) -> None:
+        with open(os.path.join(self.dirs[ctrl], name), "w") as f:
+            f.write(value)
+
+    def _read(self, ctrl: str, name: str) -> str:
+        with open(os.path.join(self.dirs[ctrl], name)) as f:
+            return f.read()
+
+    def _field(self, ctrl: str, name: str, key: str) -> int:
+        try:
+            for line in self._read(ctrl, name).splitlines():
+                k, _, v = line.partition(" ")
+                if k == key:
+                    return int(v)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def join(self) -> None:
+        """In the harness, before it runs anything of the completion: "0" is the writer."""
+        for fd in self.fds:
+            os.write(fd, b"0")
+            os.close(fd)
+
+    def cpu_ns(self) -> int:
+        try:
+            if self.kind == "v1":
+                return int(self._read("cpuacct", "cpuacct.usage"))
+            return self._field("cpu", "cpu.stat", "usage_usec") * 1000
+        except (OSError, ValueError):
+            return 0
+
+    def check_cpu(self) -> bool:
+        """Whether all its processes together used more than ``cpu_s`` of CPU."""
+        self.cpu_over = self.cpu_over or self.cpu_ns() > self.cpu_ns_max
+        return self.cpu_over
+
+    def finish(self) -> dict:
+        """Kill what is left in it, measure, remove it."""
+        dirs = sorted(set(self.dirs.values()))
+        for _ in range(100):
+            left = set()
+            for d in dirs:
+                try:
+                    left |= {int(x) for x in open(os.path.join(d, "cgroup.procs")).read().split()}
+                except OSError:
+                    pass
+            if not left:
+                break
+            for p in left:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.01)
+        v1 = self.kind == "v1"
+        try:
+            peak = int(self._read("memory", "memory.max_usage_in_bytes" if v1 else "memory.peak"))
+        except (OSError, ValueError):
+            peak = -1
+        usage = {
+            "cgroup": self.kind,
+            "memory_peak": peak,
+            "memory_limit": int(
+                self._read("memory", "memory.limit_in_bytes" if v1 else "memory.max")
+            ),
+            "oom_kills": self._field(
+                "memory", "memory.oom_control" if v1 else "memory.events", "oom_kill"
+            ),
+            "pids_refused": self._field("pids", "pids.events", "max"),
+            "cpu_ns": self.cpu_ns(),
+            "cpu_over": self.check_cpu(),
+        }
+        for d in dirs:
+            for _ in range(50):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
+        return usage
 
 
 def _private_root(libc, work: str, python: str) -> tuple[str, str]:
@@ -886,8 +1161,9 @@ def _private_root(libc, work: str, python: str) -> tuple[str, str]:
     return view, "/tmp/" + os.path.basename(work)
 
 
-def _read_until(fd: int, pid: int, deadline: float) -> tuple[bytes, bool]:
-    """The harness's stdout until EOF (every writer gone) or the deadline; capped."""
+def _read_until(fd: int, pid: int, deadline: float, cg=None) -> tuple[bytes, bool]:
+    """The harness's stdout until EOF (every writer gone) or the deadline; capped. With a
+    cgroup, the whole completion is killed once all its processes together used ``cpu_s``."""
     import select
 
     buf = b""
@@ -896,7 +1172,10 @@ def _read_until(fd: int, pid: int, deadline: float) -> tuple[bytes, bool]:
         if left <= 0:
             _kill(pid)
             return buf, True
-        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+        if cg is not None and cg.check_cpu():
+            _kill(pid)
+            return buf, False
+        ready, _, _ = select.select([fd], [], [], min(left, 0.1 if cg is not None else 0.5))
         if not ready:
             # the harness gone but a grandchild holds the pipe (no pid namespace): stop reading
             try:
@@ -1080,11 +1359,28 @@ def _records(out: str, n: int) -> tuple[list | None, str]:
 
 def _score(report: dict, checks: list[tuple[Clause, ...]]) -> Result:
     total = len(checks)
+    if report.get("refused"):
+        return Result(
+            total=total,
+            status="refused",
+            isolation=report["isolation"],
+            detail=f"the kernel refused {report['refused']}: not graded "
+            "([trl.sandbox] allow_weak_isolation = true grades with the audit hook alone)",
+        )
     res = Result(total=total, isolation=report["isolation"], wall_s=report["wall_s"])
+    res.usage = report.get("usage", {})
     status = report["wait_status"]
     n = sum(len(c) for c in checks)
     if report["timed_out"]:
         res.status = "timeout"
+        return res
+    if res.usage.get("oom_kills") or res.usage.get("cpu_over"):
+        # a limit of the whole completion (its cgroup), whatever the harness then printed
+        res.status = "killed"
+        res.detail = (
+            f"limit of the whole completion: oom kills {res.usage.get('oom_kills')}, "
+            f"cpu over {res.usage.get('cpu_over')}"
+        )
         return res
     if status is None or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
         res.status = "killed" if status is not None and os.WIFSIGNALED(status) else "error"
@@ -1109,9 +1405,28 @@ def _score(report: dict, checks: list[tuple[Clause, ...]]) -> Result:
     return res
 
 
-def isolation_available() -> dict:
-    """What a sandbox here would get (for the reward_source event): one harmless run."""
-    return run_code("x = 1", ["assert x == 1"]).isolation
+def isolation_available(limits: Limits = Limits()) -> dict:
+    """What a sandbox here would get (for the reward_source event): one harmless run. Says so
+    at start, in one line, where the kernel refuses the isolation or a cgroup."""
+    res = run_code("x = 1", ["assert x == 1"], limits)
+    iso = dict(res.isolation)
+    weak = weak_isolation(iso)
+    if weak:
+        how = (
+            "grading with the audit hook alone (allow_weak_isolation = true)"
+            if limits.allow_weak_isolation
+            else "refusing to grade untrusted code; [trl.sandbox] allow_weak_isolation = true "
+            "opts in to the audit hook alone"
+        )
+        print(f"sandbox: the kernel refused {weak}: {how}", file=sys.stderr)
+    elif iso.get("cgroup", "none") == "none":
+        print(
+            "sandbox: no writable cgroup: limits are per process (rlimits): memory up to "
+            "memory_mb x max_procs, CPU up to cpu_s per process",
+            file=sys.stderr,
+        )
+    iso["refused"] = res.status == "refused"
+    return iso
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--launch"]:
