@@ -564,7 +564,10 @@ def _example_args(rng, n_shown: int, n_hidden: int) -> tuple[list, list]:
 def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
     """GRPO rows ``{"prompt", "examples", "tests"}``: write a two-argument function. The prompt
     shows two ``examples`` (asserts, for reference); the reward runs the three hidden ``tests`` on
-    other inputs, so a completion that special-cases the shown inputs scores low."""
+    other inputs, so a completion that special-cases the shown inputs scores low. Hidden tests that
+    an answer solving nothing passes (``return a`` for ``biggest`` when ``a`` is the larger three
+    times, ``return b`` for ``smallest`` when ``b`` is the smaller: 23 of the first 256 rows
+    before issue 49) are drawn again."""
     import random
 
     rng = random.Random(seed)
@@ -572,8 +575,12 @@ def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
     for i in range(n):
         sig, does, name, fn = CODE_TASKS[i % len(CODE_TASKS)]
         shown, hidden = _example_args(rng, 2, 3)
-        examples = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in shown]
         tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in hidden]
+        redraw = random.Random(seed * 1_000_003 + i)  # the other rows stay as they were
+        while vacuous_test(tests):  # e.g. biggest(a, b) with a > b three times: `return a` passes
+            shown, hidden = _example_args(redraw, 2, 3)
+            tests = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in hidden]
+        examples = [f"assert {name}({a}, {b}) == {fn(a, b)}" for a, b in shown]
         eg = "; ".join(f"{name}({a}, {b}) == {fn(a, b)}" for a, b in shown)
         rows.append(
             {
@@ -590,10 +597,85 @@ def code_dataset(n: int = 256, seed: int = 6) -> list[dict]:
     return check_code_rows(rows)
 
 
+# answers a one-line completion returns without solving anything (issue 49 point 5): a row that one
+# of them passes entirely, or that a function returning one of its own arguments passes, is vacuous
+TRIVIAL_ANSWERS = ("", 0, None, [], {}, (), False, True, 1, -1, "0", " ")
+_NO_ARG = object()
+
+
+def _nth_literal_arg(probe: str, n: int):
+    """The ``n``-th positional argument of the call ``probe`` when it is a literal, else
+    _NO_ARG."""
+    import ast
+
+    try:
+        node = ast.parse(probe, mode="eval").body
+        if isinstance(node, ast.Call) and len(node.args) > n:
+            return ast.literal_eval(node.args[n])
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        pass
+    return _NO_ARG
+
+
+def _wanted(c) -> str:
+    """What a check expects, in words (``== 3``, ``truthy``, ``in 'abc'``)."""
+    return {
+        "eq": f"== {c.expected!r}",
+        "is": f"is {c.expected!r}",
+        "in": f"in {c.expected!r}",
+        "truthy": "truthy",
+        "falsy": "falsy",
+    }.get(c.kind, f"close to {c.expected!r}")
+
+
+def vacuous_test(tests: list[str]) -> str | None:
+    """Why a row's ``tests`` (assert statements that split) pass for an answer that solves nothing,
+    or None: a check whose probe is a literal (``assert True``, ``assert 1 == 1``: no completion
+    involved), ``in`` a string (the empty string is in every string), one trivial answer
+    (:data:`TRIVIAL_ANSWERS`: ``""``, ``0``, ``None``, ``[]``...) passing every test, or a function
+    returning one of its arguments passing every test. Judged on decoded values with the grader's
+    own comparison (:func:`ptops.recipes.trl.sandbox.holds`), nothing run."""
+    import ast
+
+    from ptops.recipes.trl.sandbox import holds, split_tests
+
+    split = split_tests(tests)
+    for t, clauses in zip(tests, split):
+        for c in clauses:
+            try:
+                ast.literal_eval(c.probe)
+                return f"test {t!r}: {c.probe} is a literal, not the completion's answer"
+            except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+                pass
+            if c.kind == "in" and isinstance(c.expected, str):
+                return (
+                    f"test {t!r}: `in` the string {c.expected!r} is passed by the empty string "
+                    "(expected a comparison with ==)"
+                )
+    every = [c for clauses in split for c in clauses]
+    wanted = [_wanted(c) for c in every]
+    for v in TRIVIAL_ANSWERS:
+        if all(holds(c, v) for c in every):
+            return (
+                f"tests {list(tests)!r}: an answer of {v!r} passes every one (expected: "
+                f"{', '.join(wanted)})"
+            )
+    for n in range(3):
+        args = [_nth_literal_arg(c.probe, n) for c in every]
+        if all(a is not _NO_ARG for a in args) and all(holds(c, a) for c, a in zip(every, args)):
+            return (
+                f"tests {list(tests)!r}: a function returning its argument {n + 1} passes every "
+                f"one (expected: {', '.join(wanted)})"
+            )
+    return None
+
+
 def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
     """The rows, once every test assert splits into a call and an expected value (see
-    :func:`ptops.recipes.trl.sandbox.split_assert`) and no graded call is shown in the prompt or
-    among the row's ``examples``; else ValueError with one line naming the row and the assert."""
+    :func:`ptops.recipes.trl.sandbox.split_assert`), no graded call is shown in the prompt or
+    among the row's ``examples``, and no answer that solves nothing passes the row's tests
+    (:func:`vacuous_test`); else ValueError with one line naming the source, the row and the
+    assert."""
     from ptops.recipes.trl.sandbox import AssertRefused, split_assert
 
     def probes(asserts, i: int) -> set[str]:
@@ -609,6 +691,9 @@ def check_code_rows(rows: list[dict], source: str = "code data") -> list[dict]:
         if not row.get("tests"):
             raise ValueError(f"{source} row {i}: no tests")
         hidden = probes(row["tests"], i)
+        why = vacuous_test([str(t) for t in row["tests"]])
+        if why:
+            raise ValueError(f"{source} row {i}: vacuous: {why}")
         shown = probes(row.get("examples") or [], i)
         prompt = re.sub(r"\s+", "", _prompt_text(row.get("prompt")))
         for p in sorted(hidden):
