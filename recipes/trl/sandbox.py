@@ -958,6 +958,9 @@ def _pivot(libc, view: str, calls: dict) -> bool:
     return True
 
 
+_LIVE: list = []  # this launcher's cgroups not yet removed
+
+
 class _Cgroup:
     """One completion's cgroup: memory, processes and CPU of all its processes together, set and
     measured from outside it. cgroup v1 (memory, pids, cpu, cpuacct hierarchies) or v2; made by
@@ -1016,6 +1019,7 @@ class _Cgroup:
             cg.fds = [
                 os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in set(dirs.values())
             ]
+            _LIVE.append(cg)  # removed by the launcher's last word if it fails half-way
             return cg
         except (OSError, ValueError):
             for d in set(dirs.values()):
@@ -1064,6 +1068,8 @@ class _Cgroup:
 
     def finish(self) -> dict:
         """Kill what is left in it, measure, remove it."""
+        if self in _LIVE:
+            _LIVE.remove(self)
         dirs = sorted(set(self.dirs.values()))
         for _ in range(100):
             left = set()
@@ -1434,6 +1440,8 @@ if __name__ == "__main__" and sys.argv[1:] == ["--launch"]:
     try:
         _out = _launch(_cfg)
     except Exception as _e:  # noqa: BLE001 - one line to the caller, who scores it 0
+        for _cg in list(_LIVE):  # what it made on the host goes, its processes killed first
+            _cg.finish()
         print(f"sandbox launcher failed: {type(_e).__name__}: {_e}", file=sys.stderr)
         sys.exit(1)
     print(json.dumps(_out))

@@ -295,8 +295,61 @@ def test_forging_is_visible_in_the_step_metrics(graded):
     assert logged["sandbox/runs"] == float(len(by_name)) and logged["sandbox/hostile"] >= 1
 
 
+# the class of each forgery (issue 49's classes; the isolation corpus's cross-completion
+# channels, host resources, limits and interpreter state are in tests/trl/test_sandbox_isolation.py)
+CLASS = {
+    **dict.fromkeys(
+        [
+            "always_equal_object",
+            "int_float_subclass",
+            "list_subclass_equal",
+            "class_spoofing",
+            "lazy_generator",
+            "huge_int",
+            "cyclic_list",
+            "nan_and_inf",
+            "deep_nesting_value",
+        ],
+        "result value",
+    ),
+    **dict.fromkeys(
+        [
+            "sys_exit_at_import",
+            "os_exit_at_import",
+            "base_exception_at_import",
+            "base_exception_in_call",
+            "atexit_writes_results",
+            "print_fake_results",
+            "write_every_fd_then_exit",
+            "write_every_fd_and_stay",
+            "thread_floods_channel",
+            "close_result_fds",
+            "dup2_devnull_over_fds",
+            "deeply_nested_record",
+            "exec_fake_harness",
+            "fork_child_writes_late",
+            "signal_exits_harness",
+        ],
+        "result channel",
+    ),
+    **dict.fromkeys(
+        [
+            "patched_json_dumps",
+            "patched_encoder_in_main",
+            "settrace_rewrites_records",
+            "builtins_patched",
+            "frame_and_heap_scan",
+            "argv_env_stdin_scan",
+        ],
+        "interpreter state",
+    ),
+    **dict.fromkeys(["read_the_test_file", "parent_memory"], "host resources"),
+}
+
+
 def test_the_corpus_is_large_enough():
     assert len(FORGERIES) >= 15
+    assert set(CLASS) == set(FORGERIES), set(CLASS) ^ set(FORGERIES)
 
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))

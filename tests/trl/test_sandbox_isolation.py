@@ -566,3 +566,29 @@ def test_a_trainer_session_keyring_is_no_channel():
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [1.0, 0.0]
+
+
+@pytest.mark.skipif(not ROOT, reason="cgroups are made by root")
+def test_a_completion_cgroup_is_set_from_outside_and_removed():
+    """What the launcher makes: the limits written before the harness starts, all of it removed
+    after (also by the launcher's last word when it fails half-way: ``_LIVE``). Where no cgroup
+    hierarchy is writable this must say so: ``isolation.cgroup == "none"``."""
+    res = run_code(HONEST, TESTS, LIMITS)
+    if not glob.glob("/sys/fs/cgroup/memory/memory.limit_in_bytes") + glob.glob(
+        "/sys/fs/cgroup/cgroup.controllers"
+    ):
+        assert res.isolation["cgroup"] == "none" and res.usage == {}, res
+        return
+    lim = {"memory_mb": 256, "max_procs": 8, "cpu_s": 2}
+    cg = sb._Cgroup.create(lim)
+    assert cg is not None and cg in sb._LIVE
+    mem = "memory.limit_in_bytes" if cg.kind == "v1" else "memory.max"
+    assert int(cg._read("memory", mem)) == 256 << 20
+    assert cg._read("pids", "pids.max").strip() == "8"
+    dirs = set(cg.dirs.values())
+    assert all(os.path.isdir(d) for d in dirs)
+    for fd in cg.fds:
+        os.close(fd)
+    usage = cg.finish()
+    assert not any(os.path.exists(d) for d in dirs) and cg not in sb._LIVE
+    assert usage["memory_limit"] == 256 << 20 and usage["oom_kills"] == 0
