@@ -30,7 +30,11 @@ text the judge could read as its own instructions or turns:
   a completion with them scores the least of its score and the scores of it without them
   (``unaddressed``), so it never scores above the same completion without those words; the share
   of such completions is logged as ``judge/addressed`` (a rising share is a policy learning to talk
-  to its grader). Paraphrases the pattern misses are only quoted.
+  to its grader). Paraphrases the pattern misses are only quoted;
+- before both, the completion is folded (``fold``: NFKC, no invisible characters: Unicode format
+  characters such as zero-width spaces, soft hyphens and bidi controls), and the pattern also reads
+  a copy with Latin look-alikes (Cyrillic, Greek) mapped to Latin and line breaks made spaces
+  (``plain``), so "іgnоrе previous\ninstructions" or "re\u200bply yes" is an address too.
 """
 
 from __future__ import annotations
@@ -128,6 +132,54 @@ def neutral(text: str, controls) -> str:
 
 def _sentences(text: str) -> list[str]:
     return [m.group(0) for m in _SENTENCE.finditer(text) if m.group(0)]
+
+
+# Latin look-alikes (Cyrillic, Greek, Armenian, ...) that NFKC leaves alone: mapped to Latin only
+# in the copy the address pattern reads, never in what the judge reads (a Russian answer stays one)
+_HOMOGLYPHS = str.maketrans(
+    {
+        **dict(zip("аеорсухіјѕԁһӏԛԝвнкмтѵүӡ", "aeopcyxijsdhlqwbhkmtvyz")),
+        **dict(zip("АВЕКМНОРСТХІЈЅУ", "ABEKMHOPCTXIJSY")),
+        **dict(zip("αβεικνορτυχγ", "abeiknoptuxy")),
+        **dict(zip("ΑΒΕΗΙΚΜΝΟΡΤΧΥΖ", "ABEHIKMNOPTXYZ")),
+        **dict(zip("օսհոզ", "ouhnq")),
+        "ı": "i",
+        "ȷ": "j",
+        "ℓ": "l",
+        "‐": "-",
+        "‑": "-",
+    }
+)
+# invisible characters that are not format (Cf) characters: the combining grapheme joiner and
+# variation selectors (dropped); Hangul fillers, blank but wide (made a space)
+_INVISIBLE = re.compile("[\u034f\ufe00-\ufe0f]")
+_FILLER = re.compile("[\u115f\u1160\u3164\uffa0]")
+
+
+def fold(text: str) -> str:
+    """What the judge reads: NFKC (fullwidth and mathematical letters are letters), without
+    invisible characters (Unicode format characters, category Cf: zero-width spaces and joiners,
+    soft hyphens, bidi controls; variation selectors), Hangul fillers made spaces."""
+    import unicodedata
+
+    text = unicodedata.normalize("NFKC", text)
+    text = "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
+    return _FILLER.sub(" ", _INVISIBLE.sub("", text))
+
+
+def plain(text: str) -> str:
+    """The copy the address pattern reads besides the folded text: homoglyphs mapped to Latin and
+    every run of white space (line breaks included) one space, so that a phrase split over lines
+    or spelled in look-alikes is found."""
+    return re.sub(r"\s+", " ", fold(text).translate(_HOMOGLYPHS))
+
+
+def bare_variants(text: str, controls=()) -> list[str]:
+    """:func:`unaddressed` of the folded text, else of its :func:`plain` copy (an address in
+    look-alikes, with invisible characters or line breaks inside it); empty when neither has
+    one."""
+    folded = fold(text)
+    return unaddressed(folded, controls) or unaddressed(plain(folded), controls)
 
 
 def unaddressed(text: str, controls=()) -> list[str]:
@@ -239,9 +291,10 @@ class Judge:
 
     def score(self, prompt, completion) -> float:
         """In [0, 1]; a completion that addresses the grader scores no higher than without it."""
-        text = _text(completion)[: self.max_chars]  # what the judge would read of it
+        # what the judge would read of it: folded (NFKC, no invisible characters) before anything
+        text = fold(_text(completion)[: self.max_chars])
         score = self._score(prompt, text)
-        bare = unaddressed(text, self.controls)
+        bare = bare_variants(text, self.controls)
         if bare:
             self.addressed += 1
             score = min([score, *(self._score(prompt, b) for b in bare)])
