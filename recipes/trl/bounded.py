@@ -150,7 +150,8 @@ def _zygote(deadline_s: float, memory_mb: int) -> None:
             status = pid
         out.write(b"died\n" if status else b"overrun\n")
         out.flush()
-        _kill(pid)
+        if not status:  # a reaped pid is not signalled again: it may be another process's by now
+            _kill(pid)
         os.close(wfd)
         os.close(rfd)
         pid, wfd, rfd = _fork_worker(memory_mb)

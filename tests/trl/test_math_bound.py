@@ -116,6 +116,27 @@ def test_an_overrun_is_killed_at_the_deadline_counted_and_scores_nothing():
         cmp.close()
 
 
+def test_a_worker_that_died_is_no_verdict_and_replaced():
+    """A worker killed under the helper (its RLIMIT_AS or RLIMIT_CPU does that with SIGKILL /
+    SIGXCPU): that call has no verdict, counted as ``died``; the next is answered by a new one."""
+    import os
+    import signal
+
+    cmp = bounded.BoundedComparer()
+    try:
+        assert cmp.equal("x", "x") is True
+        first = cmp.worker_pid()
+        os.kill(first, signal.SIGKILL)
+        time.sleep(0.2)
+        before = dict(bounded.STATS)
+        assert cmp.equal("x", "x") is None
+        assert bounded.STATS["died"] == before["died"] + 1
+        assert cmp.equal("x", "x") is True
+        assert cmp.worker_pid() not in (None, first)
+    finally:
+        cmp.close()
+
+
 def test_the_worker_runs_under_memory_and_cpu_limits():
     cmp = bounded.BoundedComparer(memory_mb=768)
     try:
