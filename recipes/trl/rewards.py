@@ -542,6 +542,8 @@ class CodeReward:
             log_metric(
                 "sandbox/failed", float(sum(r.status == "launcher_failed" for r in self.last))
             )
+            # the kernel refused the isolation and the recipe did not opt in: nothing was graded
+            log_metric("sandbox/refused", float(sum(r.status == "refused" for r in self.last)))
             # a result channel tampered with (extra or malformed records, or none after an exit 0):
             # no honest solution does that, so a policy learning to forge shows here before anywhere
             # else
@@ -762,7 +764,7 @@ def reward_setup(
 
         limits = Limits(**section.sandbox.model_dump()) if section is not None else Limits()
         funcs, weights = [CodeReward(limits), code_format], [1.0, 0.2]
-        source["sandbox"] = isolation_available()
+        source["sandbox"] = isolation_available(limits)  # its start line: the recipe's opt-in
         source["sandbox_limits"] = section.sandbox.model_dump() if section is not None else {}
     else:
         raise ValueError(

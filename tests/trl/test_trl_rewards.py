@@ -391,6 +391,7 @@ def test_code_reward_runs_every_completion():
         "sandbox/killed": 0.0,
         "sandbox/hostile": 0.0,
         "sandbox/failed": 0.0,
+        "sandbox/refused": 0.0,
         "sandbox/forged": 0.0,
     }
     assert extract_code(good).startswith("def add") and code_format([good, "x y"]) == [1.0, 0.0]
