@@ -22,6 +22,7 @@ from ptops.diagnostics.profile import (
 )
 from ptops.ops.supervisor.channel import Peer
 from ptops.ops.supervisor.messages import MessagesMixin, RankInfo, profile_start
+from ptops.ops.supervisor.reached import Reached
 
 MAIN, WORKER = 100, 200
 MS = 1000.0  # trace times are microseconds
@@ -246,6 +247,7 @@ class FakeSupervisor(MessagesMixin):
         self.recipe = SimpleNamespace(train=SimpleNamespace(steps=total))
         self.server, self.events, self.profiling = FakeServer(), [], None
         self.monitor = None  # (the hang monitor: the steps a relay summed up, ``rank_step``)
+        self.reached = Reached()  # a script's own saves (rank events pass through it)
 
     def event(self, kind, **fields):
         self.events.append({"kind": kind, **fields})
