@@ -94,3 +94,19 @@ def offline_supervisor(tmp_path: Path, nproc: int):
     sup.server, sup.attempt, sup.misconfigured = _Server(), 1, None
     sup.monitor = HangMonitor(nproc, 0.0, rec.supervisor.hang)
     return sup
+
+
+def source_tree(dest: Path) -> Path:
+    """This checkout's files as a user's source tree (no git, venvs, builds or runs): pip builds a
+    local directory in place (``build/``), which must not land in the repository others scan."""
+    import shutil
+
+    skip = {".git", "build", "runs", "__pycache__", "mlruns", "mlartifacts"}
+    shutil.copytree(
+        REPO,
+        dest,
+        ignore=lambda d, names: [
+            n for n in names if n in skip or n.startswith(".venv") or n.endswith(".egg-info")
+        ],
+    )
+    return dest

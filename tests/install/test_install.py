@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import source_tree
 
 NEWER_TORCH = "2.14.1"
 
@@ -60,27 +60,11 @@ def _torch_identity(py: Path) -> dict:
     )
 
 
-def _source(dest: Path) -> Path:
-    """This checkout's files as a user's source tree: pip builds a local directory in place
-    (``build/``), which must not land in the repository the other tests scan."""
-    import shutil
-
-    skip = {".git", "build", "runs", "__pycache__"}
-    shutil.copytree(
-        REPO,
-        dest,
-        ignore=lambda d, names: [
-            n for n in names if n in skip or n.startswith(".venv") or n.endswith(".egg-info")
-        ],
-    )
-    return dest
-
-
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """This checkout built once into a wheel, as a user gets ptops from a registry."""
     root = tmp_path_factory.mktemp("wheel")
-    src = _source(root / "ptops-src")
+    src = source_tree(root / "ptops-src")
     # no build isolation: the project venv's setuptools builds the same wheel (file for file)
     # without a temporary build env fetched from the registry first (~8 s)
     got = _pip(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from helpers import source_tree
 from packaging.requirements import Requirement
 
 from ptops.ops.cli import installcheck
@@ -191,25 +191,13 @@ def test_the_matrix_records_the_next_end():
 
 
 # ------------------------------------------------------------------ a launch from any directory
-def _source(dest: Path) -> Path:
-    skip = {".git", "build", "runs", "__pycache__", "mlruns", "mlartifacts"}
-    shutil.copytree(
-        REPO,
-        dest,
-        ignore=lambda d, names: [
-            n for n in names if n in skip or n.startswith(".venv") or n.endswith(".egg-info")
-        ],
-    )
-    return dest
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """ptops from its wheel in a venv of its own, the project venv's other packages (torch, ...)
     reached through a ``.pth`` line (a path only: the editable install's finder there is not run).
     Seconds, not the minutes of tests/install/test_install.py's image (a registry torch)."""
     root = tmp_path_factory.mktemp("truth")
-    src = _source(root / "src")
+    src = source_tree(root / "src")
     got = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
         + ["-w", str(root / "dist"), str(src)],
