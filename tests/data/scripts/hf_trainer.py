@@ -4,6 +4,7 @@ one (`get_last_checkpoint`). `torchrun --nproc-per-node 2 hf_trainer.py --output
 """
 
 import argparse
+import os
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -45,7 +46,9 @@ def main():
         dataloader_num_workers=0,
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=ToyText(256, 16, 128))
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
+    # the examples' idiom: the folder may not exist yet (rank 0 makes it)
+    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    trainer.train(resume_from_checkpoint=last)
 
 
 if __name__ == "__main__":
