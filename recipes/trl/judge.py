@@ -35,13 +35,24 @@ text the judge could read as its own instructions or turns:
   characters such as zero-width spaces, soft hyphens and bidi controls), and the pattern also reads
   a copy with Latin look-alikes (Cyrillic, Greek) mapped to Latin and line breaks made spaces
   (``plain``), so "іgnоrе previous\ninstructions" or "re\u200bply yes" is an address too.
+
+Each score is bounded from outside (issue 49 point 3): :class:`JudgeReward` scores in a worker of a
+helper process that loaded the judge once (:mod:`ptops.recipes.trl.bounded`), SIGKILLed and
+replaced past ``deadline_s`` (10 s) or its memory (2 GB on top of the loaded judge). A score
+without a verdict in that bound is None: TRL counts such a completion unscorable (no reward, no
+advantage, out of its group's baseline), never a 0 or a 1; each step logs ``judge/no_verdict``.
+The trainer's own :class:`Judge` loads its weights only when something scores in-process (tests,
+benches): a rank holds one copy of the judge, the helper's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+import struct
+import threading
 from pathlib import Path
 
 QUESTION = (
@@ -66,6 +77,11 @@ ADDRESSED = re.compile(
 )
 _SENTENCE = re.compile(r"[^.!?\n]*(?:[.!?\n]+|$)")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+DEADLINE_S = 10.0  # wall clock per completion's score (up to 6 forwards), killed from outside
+MEMORY_MB = 2048  # the scoring worker's address space on top of the loaded judge's
+# per process: scores asked of the helper, and those without a verdict (overrun, died, error,
+# failed: see bounded.Bounded.call)
+STATS = {"calls": 0, "overrun": 0, "died": 0, "error": 0, "zygote_failed": 0}
 
 
 class JudgeError(RuntimeError):
@@ -220,36 +236,50 @@ class Judge:
     """A loaded judge; ``score(prompt, completion)`` in [0, 1]."""
 
     def __init__(self, path: Path, max_chars: int = 2000) -> None:
-        import torch
-        from transformers import (
-            AutoModelForCausalLM,
-            AutoModelForSequenceClassification,
-            AutoTokenizer,
-        )
+        from transformers import AutoTokenizer
 
         self.path = Path(path)
         self.kind = judge_kind(self.path)
         self.max_chars = max_chars
         self.digest = weights_digest(self.path)
-        with torch.random.fork_rng(devices=[]):
-            cls = AutoModelForSequenceClassification if self.kind == "rm" else AutoModelForCausalLM
-            self.model = cls.from_pretrained(
-                str(self.path), dtype="float32", local_files_only=True
-            ).eval()
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        self._model = None
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         if self.kind == "lm":
             self.yes = self.tokenizer.encode("yes", add_special_tokens=False)[0]
             self.no = self.tokenizer.encode("no", add_special_tokens=False)[0]
             if self.yes == self.no:
                 raise JudgeError(f"[trl.judge] path {path}: 'yes' and 'no' share their first token")
-        self.params = sum(p.numel() for p in self.model.parameters())
+        self.params = _param_count(self.path)
         tok = self.tokenizer
         self.controls = [*tok.all_special_tokens, *tok.get_added_vocab()]
         self.addressed = 0  # completions of the last call that addressed the grader
 
+    @property
+    def model(self):
+        """The judge's weights, loaded on first use (without touching the training RNG)."""
+        if self._model is None:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+            with torch.random.fork_rng(devices=[]):
+                cls = (
+                    AutoModelForSequenceClassification
+                    if self.kind == "rm"
+                    else AutoModelForCausalLM
+                )
+                model = cls.from_pretrained(
+                    str(self.path), dtype="float32", local_files_only=True
+                ).eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+            self._model = model
+            if self.params is None:
+                self.params = sum(p.numel() for p in model.parameters())
+        return self._model
+
     def identity(self) -> dict:
+        if self.params is None:  # weights not in safetensors: counted from the loaded model
+            _ = self.model
         return {
             "judge_path": str(self.path),
             "judge_kind": self.kind,
@@ -291,30 +321,105 @@ class Judge:
 
     def score(self, prompt, completion) -> float:
         """In [0, 1]; a completion that addresses the grader scores no higher than without it."""
+        score, addressed = self.score_detail(prompt, completion)
+        self.addressed += addressed
+        return score
+
+    def score_detail(self, prompt, completion) -> tuple[float, bool]:
+        """(score, whether the completion addressed the grader)."""
         # what the judge would read of it: folded (NFKC, no invisible characters) before anything
         text = fold(_text(completion)[: self.max_chars])
         score = self._score(prompt, text)
         bare = bare_variants(text, self.controls)
         if bare:
-            self.addressed += 1
             score = min([score, *(self._score(prompt, b) for b in bare)])
-        return score
+        return score, bool(bare)
+
+
+def _param_count(path: Path) -> int | None:
+    """Parameters in the judge's safetensors files (their headers only), else None."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files or any(p.name.endswith((".bin", ".pt")) for p in path.iterdir()):
+        return None
+    n = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        n += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return n
+
+
+def _judge_setup(arg: dict):
+    """The judge's helper (:mod:`ptops.recipes.trl.bounded`): the judge loaded and warmed once,
+    single-threaded (so that a forked worker starts no thread pool its parent left half-held, and
+    a score does not depend on the machine's core count)."""
+    import torch
+
+    torch.set_num_threads(1)
+    judge = Judge(Path(arg["path"]), max_chars=int(arg["max_chars"]))
+
+    def score(prompt: str, completion: str) -> list:
+        s, addressed = judge.score_detail(prompt, completion)
+        return [s, addressed]
+
+    score("What is 2 plus 2?", "4")
+    return score, ("What is 2 plus 2?", "4")
+
+
+_HELPERS: dict = {}
+_HELPERS_LOCK = threading.Lock()
+
+
+def _helper(judge: Judge, deadline_s: float, memory_mb: int):
+    """One helper per judge and bound in a process, shared by its rewards, closed at exit."""
+    from ptops.recipes.trl.bounded import Bounded
+
+    key = (str(judge.path), judge.max_chars, deadline_s, memory_mb)
+    with _HELPERS_LOCK:
+        if key not in _HELPERS:
+            import atexit
+
+            _HELPERS[key] = Bounded(
+                "ptops.recipes.trl.judge:_judge_setup",
+                {"path": str(judge.path), "max_chars": judge.max_chars},
+                deadline_s=deadline_s,
+                memory_mb=memory_mb,
+                headroom=True,
+                stats=STATS,
+            )
+            atexit.register(_HELPERS[key].close)
+        return _HELPERS[key]
 
 
 class JudgeReward:
     """The GRPO reward function (TRL calls it with prompts and completions; logged as
-    ``rewards/judge``)."""
+    ``rewards/judge``). Each completion is scored in the judge's bounded helper; one without a
+    verdict within ``deadline_s`` / ``memory_mb`` is None (unscorable: see the module's
+    docstring), counted as ``judge/no_verdict``."""
 
     __name__ = "judge"
 
-    def __init__(self, judge: Judge) -> None:
+    def __init__(
+        self, judge: Judge, deadline_s: float = DEADLINE_S, memory_mb: int = MEMORY_MB
+    ) -> None:
         self.judge = judge
+        self.bound = _helper(judge, deadline_s, memory_mb)
 
-    def __call__(self, prompts, completions, log_metric=None, **_: object) -> list[float]:
-        self.judge.addressed = 0
-        scores = [self.judge.score(p, c) for p, c in zip(prompts, completions)]
+    def __call__(self, prompts, completions, log_metric=None, **_: object) -> list[float | None]:
+        scores: list[float | None] = []
+        addressed = 0
+        for p, c in zip(prompts, completions):
+            # what the judge reads: the prompt's text, the completion cut to max_chars
+            why, out = self.bound.call(_text(p), _text(c)[: self.judge.max_chars])
+            if why == "ok":
+                scores.append(float(out[0]))
+                addressed += bool(out[1])
+            else:
+                scores.append(None)
+        self.judge.addressed = addressed
         if log_metric is not None and scores:
-            log_metric("judge/addressed", self.judge.addressed / len(scores))
+            log_metric("judge/addressed", addressed / len(scores))
+            log_metric("judge/no_verdict", float(scores.count(None)))
         return scores
 
 

@@ -757,8 +757,15 @@ def reward_setup(
         from ptops.recipes.trl.judge import JudgeReward, load_judge
 
         judge = load_judge(section.judge)
-        funcs, weights = [JudgeReward(judge)], [1.0]
+        reward_fn = JudgeReward(judge)
+        funcs, weights = [reward_fn], [1.0]
         source.update(judge.identity())
+        # the bounded helper loads the judge here, not inside the first step's deadline
+        source["judge_bound"] = {
+            "deadline_s": reward_fn.bound.deadline_s,
+            "memory_mb": reward_fn.bound.memory_mb,
+            "helper": reward_fn.bound.start(),
+        }
     elif reward == "code":
         from ptops.recipes.trl.sandbox import Limits, isolation_available
 

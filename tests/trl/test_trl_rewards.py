@@ -543,7 +543,7 @@ def test_addressing_the_judge_never_scores_higher_than_the_same_answer_without(
             completions=[ANSWERS[0], ANSWERS[0] + ADDRESSING[0], ANSWERS[1], JUDGE_HOSTILE],
             log_metric=lambda k, v: logged.__setitem__(k, v),
         )
-        assert len(out) == 4 and logged == {"judge/addressed": 0.5}, logged
+        assert len(out) == 4 and logged == {"judge/addressed": 0.5, "judge/no_verdict": 0.0}, logged
         assert out[1] <= out[0]
         # the reward model reads the completion as the assistant's turn: no turn of its own either
         ids = [judge._ids(judge.render(prompt, c), False)[0].tolist() for c in (JUDGE_HOSTILE, "4")]
