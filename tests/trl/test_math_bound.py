@@ -1,7 +1,9 @@
-"""The math verifier's bound (issue 49 point 3): every adversarial answer costs under the 1 s
-ceiling per call and scores 0, the honest equivalents score 1. The bound is enforced from outside
-the evaluation (``ptops.recipes.trl.bounded``: a forked worker killed at its deadline), so the
-ceiling asserted here is deterministic, not a race."""
+"""The math verifier's bound (issue 49 point 3): enforced from outside the evaluation
+(``ptops.recipes.trl.bounded``: a forked worker killed at its deadline, under memory and CPU
+limits), so a ceiling asserted on it is deterministic, not a race; honest equivalents score 1.
+The costly answers themselves (many symbols, nested powers, products of sums, huge factorials,
+deep nesting: each 0 in under 1 s) are the hostile corpus's verifier-cost class
+(``tests/data/hostile/verifier_cost.toml``, ``tests/trl/test_hostile_corpus.py``)."""
 
 from __future__ import annotations
 
@@ -13,43 +15,6 @@ from ptops.recipes.trl import bounded
 from ptops.recipes.trl.rewards import MATH_STATS, answers_equal, math_verifier
 
 CEILING_S = 1.0
-
-# (boxed answer, expected): each scores 0. Before issue 49, the first ones cost 0.7-28 s of CPU
-# per call ((a+b+c+d+e+f+g+h)^9: 28 s, (a+b+c+d)^9: 0.7 s), and the nested powers 9^9^9 and
-# ((x+1)^9)^9 were then refused only by "one exponent"
-ADVERSARIAL = [
-    ("(a+b+c+d+e+f+g+h)^9", "7"),
-    ("(a+b+c+d+e+f+g+h)^9", "a+b+c+d+e+f+g+h"),
-    ("(a+b+c+d)^9", "7"),
-    ("(a+b+c+d)^9", "a+b+c+d"),
-    ("(a+b+c)^6", "a+b+c"),
-    ("(a+b+c+d)**40", "a+b+c+d"),
-    ("((x+1)**9)**9", "x+1"),
-    ("((x+1)^9)^9", "x"),
-    ("(x^9)^9", "x^81"),
-    ("x^9^9", "x"),
-    ("9^9^9", "1"),
-    ("2^2^2^2^2", "65536"),
-    ("(x+1)^(9)^(9)", "x+1"),
-    ("(x*y+z)**30*(x+y)**30", "x*y*z"),
-    ("(x*y+z)^9*(x+y)^9", "x*y*z"),
-    ("(a+b)^9(c+d)^9(a+c)^9", "a*b*c*d"),
-    ("(a+b+c+d)(a+b+c+d)(a+b+c+d)(a+b+c+d)(a+b+c+d)(a+b+c+d)", "a+b+c+d"),
-    ("(x+y+z)^9*(x+y)^9*(y+z)^9", "x+y+z"),
-    ("factorial(10**6)", "7"),
-    ("1000000!", "7"),
-    ("(10^6)!", "7"),
-    ("gamma(99999)", "7"),
-    ("binomial(10**6, 5*10**5)", "7"),
-    ("(" * 60 + "x+1" + ")" * 60, "x+2"),
-    ("(" * 5000 + "x+1" + ")" * 5000, "x+1"),
-    ("sqrt(" * 30 + "2" + ")" * 30, "2"),
-    ("-(" * 400 + "x" + ")" * 400, "x"),
-    ("(sqrt(2)+sqrt(3)+sqrt(5)+sqrt(7)+sqrt(11))^9", "25"),
-    ("(sqrt(2)+sqrt(3)+sqrt(5)+sqrt(7)+sqrt(11)+sqrt(13)+sqrt(17))^7", "21/2"),
-    ("(sqrt(2)+sqrt(3)+sqrt(5))^9*(sqrt(7)+1)^9", "7"),
-    ("x+1", "7"),  # a free symbol where the expected answer is a number
-]
 
 # (completion, expected): honest equivalents, each scores 1 (the first two scored 0 before: the
 # exponent's pattern read "2+2x+1" as the exponent of x^2+2x+1)
@@ -70,13 +35,6 @@ HONEST = [
 def _warm():
     """The helper starts (sympy imported once) outside the timed calls."""
     assert math_verifier([r"\boxed{x+1}"], ["1+x"]) == [1.0]
-
-
-@pytest.mark.parametrize("answer,expected", ADVERSARIAL)
-def test_adversarial_answer_scores_zero_under_the_ceiling(answer, expected):
-    t0 = time.monotonic()
-    assert math_verifier([f"\\boxed{{{answer}}}"], [expected]) == [0.0]
-    assert time.monotonic() - t0 < CEILING_S
 
 
 @pytest.mark.parametrize("completion,expected", HONEST)

@@ -1,0 +1,32 @@
+# tries: fake records written to descriptors 0-63, then staying with always-equal objects
+# task: square_pairs
+# expect: malformed
+import json
+N = @PROBES@
+def fake():
+    recs = [json.dumps({"i": i, "ok": True, "v": True}) for i in range(N)]
+    return ("\n".join(recs + [json.dumps({"end": N, "flag": "-"})]) + "\n").encode()
+import os
+for fd in range(0, 64):
+    try:
+        os.write(fd, fake())
+    except OSError:
+        pass
+
+class Always:
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    def __lt__(self, other): return True
+    def __le__(self, other): return True
+    def __hash__(self): return 0
+    def __bool__(self): return True
+    def __len__(self): return 1
+    def __iter__(self): return iter([self])
+    def __getitem__(self, i): return self
+    def __sub__(self, other): return 0.0
+    def __rsub__(self, other): return 0.0
+    def __abs__(self): return 0.0
+    def __float__(self): return 0.0
+    def __contains__(self, x): return True
+def square_pairs(n): return Always()
+mean_square = square_pairs
