@@ -8,8 +8,9 @@ it with a strict whitelist and compares it here. A crash, an exit, a kill, a lim
 processes, wall clock) or a broken result channel score 0, so the outcome depends on the code only and
 not on timing (a program near its CPU limit is the exception).
 
-Forgeries (a policy optimises what the grader pays for). Tests are in ``tests/trl/test_code_forgery.py``
-(forgery names of ``FORGERIES`` unless a ``test_`` is named); ``docs/rewards.md`` has the same table:
+Forgeries (a policy optimises what the grader pays for). Each is an entry of the hostile corpus
+(``tests/data/hostile/``, run by ``tests/trl/test_hostile_corpus.py``) unless a ``test_`` is named;
+``docs/rewards.md`` has the same table:
 
 ==========================  ========================================  =================================
 forgery                     what stops it                             test
