@@ -8,6 +8,7 @@ to the probe's beats they belong to (``ops/rank/probe.py``), and asks it what a 
   preempt, kill-supervisor, hold
 - ``on_startup(section)`` (after ``probe.startup(section)``): hang with ``phase=SECTION``
 - ``should_poison(step)``: nan
+- ``skip_sync(step)`` (the weight sync to a vLLM engine before ``step``'s rollouts): stale-sync
 - ``on_checkpoint(step)`` (after ``probe.phase("checkpoint", step)``): enospc (and it
   notes the save a ``hold:until=committed`` waits for). The
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
@@ -273,6 +274,24 @@ class Injector:
         with self._skipped:
             self._skips.append(int(step))
             self._skipped.notify_all()
+
+    def skip_sync(self, step: int) -> bool:
+        """``stale-sync`` due before ``step``'s rollouts: the weight sync to the engine must change
+        nothing. Persistent: every sync from ``step`` on (emitted once)."""
+        with self._lock:
+            due = [
+                (f, live)
+                for f, live in self._pending
+                if f.kind == "stale-sync"
+                and (step == f.step or (step > f.step and f.params.get("mode") == "persistent"))
+            ]
+            keep = [(f, live) for f, live in due if f.params.get("mode") == "persistent"]
+            self._pending = [p for p in self._pending if p not in due] + keep
+        for f, _ in due:
+            if id(f) not in self._flipping:
+                self._flipping.add(id(f))
+                self.emit(f, step)
+        return bool(due)
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)

@@ -114,6 +114,13 @@ bitflip        step (req), rank, attempt, target, mode     silent data corruptio
                                                            ``attempt=`` says otherwise); the adapter
                                                            hands its tensors to
                                                            ``probe.faults.flip_bits(step, tensors)``
+stale-sync     step (req), rank, attempt, mode              ``[trl.vllm]`` runs: the weight sync to the
+                                                           engine before ``step``'s rollouts returns
+                                                           and changes nothing (an engine that keeps
+                                                           serving stale weights); the re-sync after
+                                                           the check works, unless
+                                                           ``mode=persistent`` (every sync from
+                                                           ``step`` on: the run stops)
 clock-skew     node (req), offset_s, attempt (no step)     multi-node (``--slurm``) only: the health
                                                            check step on ``node`` reads its clock
                                                            ``offset_s`` seconds (default 30) ahead,
@@ -183,6 +190,7 @@ KINDS: dict[str, dict[str, str]] = {
     "leak": {"step": _INT, "rank": _INT, "attempt": _INT, "mb": _FLOAT},
     "bitflip": {"step": _INT, "rank": _INT, "attempt": _INT, "target": _STR, "mode": _STR},
     "clock-skew": {"node": _STR, "offset_s": _FLOAT, "attempt": _INT},
+    "stale-sync": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
@@ -207,6 +215,7 @@ BITFLIP_TARGETS = ("param", "optim", "grad", "compute")
 # a rank hands to the gradient reduce-scatter (its own compute, before any other rank adds to it)
 AT_REST, GRAD, COMPUTE = ("param", "optim"), ("grad",), ("compute",)
 BITFLIP_MODES = ("transient", "persistent")
+STALE_SYNC_MODES = ("transient", "persistent")
 HANG_MODES = ("sleep", "stop")
 # where a hang fires: the start of ``step`` (default), or a start-up section (no step then)
 HANG_PHASES = ("step", "import", "rendezvous", "build", "load")
@@ -330,6 +339,11 @@ def parse(spec: str) -> Fault:
             )
         if values.get("mode") == "persistent":
             values.setdefault("attempt", 0)  # a bad device stays bad across restarts
+    if kind == "stale-sync" and values.get("mode", "transient") not in STALE_SYNC_MODES:
+        raise FaultSpecError(
+            f"fault {spec!r}: key 'mode': expected one of {', '.join(STALE_SYNC_MODES)} "
+            f"(got {values['mode']!r})"
+        )
     if kind == "clock-skew":
         if "node" not in values:
             raise FaultSpecError(

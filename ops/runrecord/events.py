@@ -64,6 +64,8 @@ class EventKind(StrEnum):
     SIDECAR_RESTARTED = "sidecar_restarted"
     TEACHER = "teacher"
     VLLM_FALLBACK = "vllm_fallback"
+    ENGINE_RESYNC = "engine_resync"
+    ENGINE_STALE = "engine_stale"
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -437,6 +439,23 @@ SPECS: dict[EventKind, EventSpec] = {
         _RANK,
         doc="[trl.vllm] asked for vLLM but it cannot run here: TRL's generate path instead",
     ),
+    K.ENGINE_RESYNC: EventSpec(
+        ("mode", "step", "gap"),
+        ("why", *_RANK),
+        summary=True,
+        doc="a weight sync to the vLLM engine did not take (the engine's log-probabilities of the "
+        "probe sequence are not the trainer's): synced again",
+    ),
+    K.ENGINE_STALE: EventSpec(
+        ("mode", "step", "gap"),
+        ("version", *_RANK),
+        finding=True,
+        severity="critical",
+        summary=True,
+        runbook="EngineStaleWeights",
+        doc="the vLLM engine still served other weights than the trainer's after a sync and a "
+        "re-sync (version: the trainer step of its last good sync): the run stops",
+    ),
     K.COMPLETED: EventSpec(
         ("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"
     ),
@@ -501,6 +520,8 @@ RANK_KINDS = frozenset(
         EventKind.REWARD_SOURCE,
         EventKind.TEACHER,
         EventKind.VLLM_FALLBACK,
+        EventKind.ENGINE_RESYNC,
+        EventKind.ENGINE_STALE,
     }
 )
 # Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).

@@ -74,9 +74,19 @@ def progressed(history: list[Failure], i: int) -> bool:
 FATAL_STARTUP_ERRORS = ("ImportError", "ModuleNotFoundError", "SyntaxError", "IndentationError")
 
 
+# errors no restart fixes at any step: the engine served stale weights after a re-sync (a restart
+# loads the same weights into the same engine the same way)
+FATAL_ERRORS = {
+    "EngineStaleWeights": "the vLLM engine kept serving stale weights after a re-sync: a restart "
+    "would sync the same way (runbooks/EngineStaleWeights.md)",
+}
+
+
 def fatal_startup_error(error: str | None, began_step: bool) -> str:
     """Why a restart cannot help, or "" (the rank's goodbye error is ``"Type: message"``)."""
     kind = (error or "").split(":", 1)[0].strip()
+    if kind in FATAL_ERRORS:
+        return FATAL_ERRORS[kind]
     if began_step or kind not in FATAL_STARTUP_ERRORS:
         return ""
     return (

@@ -116,6 +116,9 @@ class TrlLora(_Strict):
     )
 
 
+ENGINE_MIN_HEAD = 32  # vLLM CPU: "Unsupported CPU attention configuration" below
+
+
 class TrlVllm(_Strict):
     """vLLM rollouts for GRPO / RLOO (TRL's own integration; needs a GPU and the ``vllm`` extra).
 
@@ -138,6 +141,22 @@ class TrlVllm(_Strict):
         600.0, gt=0, description="the server must answer /health within this"
     )
     max_restarts: int = Field(3, ge=0, description="server restarts before the sidecar is given up")
+    dtype: Literal["trainer", "float32", "bfloat16", "float16"] = Field(
+        "trainer",
+        description="the engine's precision; trainer: the trainer's (float32 on CPU), so that "
+        "rollouts and the loss see the same policy (engine/lp_gap reports what differs)",
+    )
+    verify: bool = Field(
+        True,
+        description="after every weight sync, check that the engine serves the trainer's weights "
+        "(log-probabilities of a probe sequence from both); a sync that did not take is redone "
+        "once, then the run stops",
+    )
+    python: str | None = Field(
+        None,
+        description="server mode: the interpreter of the engine's environment (default: the "
+        "launching one); the engine may live in its own environment, as in its own container",
+    )
 
 
 class TrlTarget(_Strict):
@@ -215,6 +234,17 @@ class TrlSection(_Strict):
         'rewards/verifier/mean (always on with reward = "length")',
     )
 
+    @model_validator(mode="after")
+    def _engine_head_size(self) -> "TrlSection":
+        """vLLM's CPU attention needs heads of >= 32 dimensions: a tiny model that did not choose
+        its head count gets fewer, wider heads when an engine serves it (check_recipe refuses a
+        chosen one that is too narrow)."""
+        m = self.model
+        if self.vllm is not None and m.pretrained is None and "num_heads" not in m.model_fields_set:
+            if m.hidden_size // m.num_heads < ENGINE_MIN_HEAD:
+                m.num_heads = max(1, m.hidden_size // ENGINE_MIN_HEAD)
+        return self
+
 
 def generation_batch(section: TrlSection, nproc: int) -> int:
     """Prompts x completions generated per optimizer step across all ranks (GRPO, RLOO)."""
@@ -226,6 +256,18 @@ def check_recipe(recipe) -> tuple[str, str] | None:
     sec = recipe.trl
     if sec is None:
         return None
+    m = sec.model
+    if (
+        sec.vllm is not None
+        and m.pretrained is None
+        and m.hidden_size // m.num_heads < ENGINE_MIN_HEAD
+    ):
+        return (
+            "trl.model.num_heads",
+            f"vLLM's CPU attention needs heads of >= {ENGINE_MIN_HEAD} dimensions: hidden_size "
+            f"{m.hidden_size} / num_heads {m.num_heads} = {m.hidden_size // m.num_heads} "
+            f"(at most {max(1, m.hidden_size // ENGINE_MIN_HEAD)} heads)",
+        )
     if sec.vllm is not None and sec.trainer not in ("grpo", "rloo"):
         return (
             "trl.vllm",

@@ -224,8 +224,15 @@ def _dist():
 
 
 def _make_callback(
-    probe, tally: _StepTally, keep: int, saves: _SaveState, heldout=None, sdc_every: int = 0
+    probe,
+    tally: _StepTally,
+    keep: int,
+    saves: _SaveState,
+    heldout=None,
+    sdc_every: int = 0,
+    more=None,
 ):
+    """``more()``: further keys for each step's record (the engine seam's)."""
     from transformers import TrainerCallback
 
     from ptops.recipes import sdc
@@ -331,6 +338,8 @@ def _make_callback(
                 heldout is not None
             ):  # [eval]: eval/<name> keys on this step's record (recipes/trl/evalloop.py)
                 metrics.update(heldout(kwargs.get("model"), step))
+            if more is not None:
+                metrics.update(more())
             probe.step(step, metrics)
 
         def on_save(self, args, state, control, **kwargs):
@@ -414,9 +423,8 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
             disable_tqdm=True,
             dataloader_num_workers=0,
             ddp_find_unused_parameters=False,
-            # TRL defaults gradient checkpointing on; a 100k-parameter model only pays the recompute
-            activation_checkpointing=sec.activation_checkpointing,
         )
+        | _checkpointing_arg(sec.activation_checkpointing)
         | (
             {"ddp_backend": "gloo"}
             if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda()
@@ -424,6 +432,20 @@ def _common_args(recipe, out_dir: Path) -> dict[str, Any]:
         )
         | fsdp_args(sec, _cuda())
     )
+
+
+def _checkpointing_arg(on: bool) -> dict[str, bool]:
+    """TRL defaults gradient checkpointing on; a 100k-parameter model only pays the recompute.
+    transformers 5.24 renamed the argument; vLLM's CPU build holds transformers < 5.20."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else "gradient_checkpointing"
+    )
+    return {name: on}
 
 
 def fsdp_args(sec, on_gpu: bool) -> dict[str, Any]:
@@ -445,6 +467,17 @@ def _cuda() -> bool:
 
 
 def build_trainer(recipe, probe, run: RunDir):
+    """The recipe's trainer, with the engine seam (``engine.py``) around its vLLM engine."""
+    from ptops.recipes.trl import engine
+
+    seam = engine.for_recipe(recipe, probe, run.path)
+    trainer = _build_trainer(recipe, probe, run, seam.metrics if seam is not None else None)
+    if seam is not None:
+        seam.attach(trainer)
+    return trainer
+
+
+def _build_trainer(recipe, probe, run: RunDir, more=None):
     from datasets import Dataset
 
     from ptops.recipes import assets
@@ -471,7 +504,9 @@ def build_trainer(recipe, probe, run: RunDir):
     heldout = evalloop.make(recipe, tokenizer, probe)
 
     callbacks = [
-        _make_callback(probe, tally, recipe.checkpoint.keep, saves, heldout, sdc_every=sdc_every)
+        _make_callback(
+            probe, tally, recipe.checkpoint.keep, saves, heldout, sdc_every=sdc_every, more=more
+        )
     ]
     from ptops.recipes.trl import rollback
 

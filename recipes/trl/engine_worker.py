@@ -1,0 +1,25 @@
+"""The vLLM server's worker extension (``--worker-extension-cls``): the engine side of the CPU
+weight sync of server mode (``engine.EngineSeam._server_sync``). Imported inside vLLM's worker
+process: nothing of ptops beyond this file.
+
+``ptops_reload(path)``: the worker reloads the safetensors the trainer wrote (vLLM's in-place
+``reload_weights``, which repacks the CPU build's linear layers), then repacks a tied ``lm_head``,
+which ``reload_weights`` leaves holding its pack of the old embedding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PtopsWorker:
+    model_runner: Any  # the worker's (vLLM sets it)
+
+    def ptops_reload(self, path: str) -> bool:
+        self.model_runner.reload_weights(weights_path=path)
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if head is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(head)
+        return True
