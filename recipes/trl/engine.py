@@ -11,9 +11,10 @@
   serves other weights the rank raises :class:`EngineStaleWeights` (the supervisor stops: rewards of
   a stale policy mean nothing, and a restart would load them the same way).
 - **Rollouts carry their model version** (the trainer step of the sync they were generated after):
-  ``engine/version`` and ``engine/staleness`` on each step's record, with the sync's and the check's
-  cost (``engine/sync_s``, ``engine/verify_s``) and the probe's gap (``engine/lp_gap``: the
-  precision gap between engine and trainer, e.g. a bf16 engine beside an fp32 trainer).
+  ``engine/version`` and ``staleness`` (the ``stale_rollout`` monitor's key) on each step's
+  record, with the sync's and the check's cost (``engine/sync_s``, ``engine/verify_s``) and the
+  probe's gap (``engine/lp_gap``: the precision gap between engine and trainer, e.g. a bf16 engine
+  beside an fp32 trainer).
 - **Sampling seeded per request** from (seed, rank, step, call, index): a restarted run draws the
   rollouts an uninterrupted one draws (vLLM's own generator restarts with the process).
 
@@ -208,7 +209,8 @@ class EngineSeam:
         """This step's keys (called once per step record)."""
         out = dict(self.last)
         if self.version is not None:
-            out["engine/staleness"] = float(max(0, self._step() - 1 - self.version))
+            # the key the stale_rollout monitor reads (bounded by [monitors.stale_rollout] max_lag)
+            out["staleness"] = float(max(0, self._step() - 1 - self.version))
         self.last = {}
         return out
 

@@ -37,6 +37,8 @@ MAPPING = {
     "CheckpointSaveFailing": "corrupt",
     "CheckpointStale": "crash",  # no run trains an hour without a checkpoint
     "EntropyCollapse": "grpo",  # the RL runbooks: a real GRPO run (no collapse in it)
+    # a real GRPO run without an engine (tests/trl/test_vllm_engine.py stops one on stale weights)
+    "EngineStaleWeights": "grpo",
     "KLDrift": "grpo",
     "RewardHacking": "grpo",
     "StaleRollouts": "grpo",
@@ -68,6 +70,7 @@ EXPECT = {
     "EntropyCollapse": ['"entropy":', '"kl":', "no rank-0 log"],
     "KLDrift": ['"kl":', '"beta":0.1'],
     "RewardHacking": ['"rewards_format_mean":'],
+    "EngineStaleWeights": ["no engine keys", "no engine sidecar log", "no server-mode weights"],
     "GPUErrors": ["rank 1 host"],
     "GoodputLow": ["ptops_goodput_ratio", '"kind":"restart"', "startup_s"],
     "LossSpike": ['"loss":"nan"'],
