@@ -239,6 +239,10 @@ LONGEST_FIRST = [
 # it. Run them with `bash scripts/test.sh -m extended` before resolving an issue that touches what
 # they name (the TRL recipes, the GPU check's drivers). Every entry must name a test that exists.
 EXTENDED = {
+    "tests/trl/test_vllm_engine.py::test_server_engine_recovery_ends_at_the_uninterrupted_digest": (
+        "the server engine's exact recovery: its redone steps match attempt 1's "
+        "(test_server_engine_outlives_...); the colocate engine's digest: test_colocate_engine_..."
+    ),
     "tests/trl/test_trl_catalogue.py::test_lora_sft_trains_adapters_and_resumes_exactly": (
         "the TRL adapter's crash-resume: test_trl_train (SFT kill/resume), test_supervisor_real"
     ),

@@ -265,8 +265,11 @@ class EngineSeam:
         import torch
 
         probe_ids = list(range(1, PROBE_TOKENS + 1))
-        ours = self._trainer_logprobs(probe_ids)
-        theirs = torch.tensor(self._engine_logprobs(probe_ids), dtype=torch.float64)
+        # the check draws nothing from the run's generators (a second check, after a re-sync, must
+        # leave the rollouts an uninterrupted run draws)
+        with torch.random.fork_rng(devices=[]):
+            ours = self._trainer_logprobs(probe_ids)
+            theirs = torch.tensor(self._engine_logprobs(probe_ids), dtype=torch.float64)
         gap = float((ours - theirs).abs().max())
         ok = gap <= self._tolerance()
         if ok and self.prev_lp is not None:

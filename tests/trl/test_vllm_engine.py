@@ -1,0 +1,195 @@
+"""GRPO with its rollouts from a real vLLM engine (issue 48): vLLM's CPU build in its own
+environment (``.venv-vllm``, made by ``scripts/setup.sh --vllm``, which ``scripts/test.sh`` runs),
+the tiny policy (2 layers, heads of 32), 2 gloo ranks, the run launched by that environment's
+``ptops`` as a user of the engine would.
+
+- colocate (the engine inside each rank): an uninterrupted run, and the same run with a crash at
+  step 7 (checkpoint every 4) and a sync that silently does not apply before step 3
+  (``stale-sync``): the check finds it in its step, the sync is redone, and the run ends at the
+  uninterrupted run's digest;
+- server (vLLM's OpenAI server as the run's sidecar, weights as files it reloads): a crash at step
+  7; the steps redone after the restart are the ones attempt 1 trained (the same rollouts, the same
+  loss); the server outlives the ranks' restart;
+- a sync that never applies (``mode=persistent``): the run stops, exit 4, ``engine_stale``.
+
+Runs made once for the module, two at a time. ``-m extended``: the server run against its own
+uninterrupted baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+ENGINE_PTOPS = REPO / ".venv-vllm" / "bin" / "ptops"
+COMMON = [
+    "--no-mlflow",
+    *("--set", "train.steps=8"),
+    *("--set", "checkpoint.interval=4"),
+    *("--set", "supervisor.restart.backoff_s=0.2"),
+]
+CRASH = ["--fault", "crash:rank=1,step=7"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(run: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
+    if not ENGINE_PTOPS.exists():
+        pytest.fail(f"{ENGINE_PTOPS} is missing: bash scripts/setup.sh --vllm makes it")
+    sets = ["--set", f"trl.vllm.mode={mode}"]
+    if mode == "server":
+        sets += ["--set", f"trl.vllm.port={_port()}"]
+    return subprocess.run(
+        [str(ENGINE_PTOPS), "launch", "trl-grpo-tiny", "--supervise", "--run-dir", str(run)]
+        + COMMON
+        + sets
+        + list(extra),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-engine")
+    plan = {  # the longest first
+        "server-crash": ("server", *CRASH),
+        "colocate": ("colocate",),
+        "colocate-faults": ("colocate", *CRASH, "--fault", "stale-sync:step=3"),
+        "stale-for-good": (
+            "colocate",
+            *("--set", "train.steps=4"),
+            *("--fault", "stale-sync:step=3,mode=persistent"),
+        ),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(zip(plan, pool.map(lambda n: _launch(root / n, *plan[n]), plan)))
+    return {name: (root / name, proc) for name, proc in done.items()}
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _kinds(run: Path, kind: str) -> list[dict]:
+    return [e for e in _events(run) if e["kind"] == kind]
+
+
+def _records(run: Path, rank: int = 0) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if r.get("rank") == rank]
+
+
+def _ok(runs: dict, name: str) -> Path:
+    run, proc = runs[name]
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return run
+
+
+def _digest(run: Path) -> str:
+    out = subprocess.run(
+        [str(ENGINE_PTOPS), "ckpt", "digest", str(run / "checkpoints" / "checkpoint-8")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def _redone_steps_match(run: Path) -> None:
+    """Steps 5 and 6 ran in attempt 1, then again after the restart from step 4: the same rollouts
+    (rewards) and the same loss, on every rank."""
+    for rank in (0, 1):
+        by = {(r["attempt"], r["step"]): r for r in _records(run, rank)}
+        for step in (5, 6):
+            first, again = by[(1, step)], by[(2, step)]
+            for key in ("loss", "reward", "rewards_format_mean", "engine/lp_gap"):
+                assert first[key] == again[key], (rank, step, key, first[key], again[key])
+
+
+def _engine_keys_hold(run: Path) -> None:
+    """Every step trained on rollouts of the policy synced just before it (version = step - 1,
+    staleness 0), and the engine served the trainer's weights (fp32 both: the probe's gap is
+    rounding)."""
+    for rank in (0, 1):
+        recs = _records(run, rank)
+        assert {r["step"] for r in recs} == set(range(1, 9))
+        for r in recs:
+            assert r["engine/version"] == r["step"] - 1 and r["staleness"] == 0.0, r
+            assert r["engine/lp_gap"] < 1e-4 and r["engine/sync_s"] > 0, r
+
+
+def test_colocate_engine_recovers_a_crash_and_a_stale_sync_exactly(runs):
+    base = _ok(runs, "colocate")
+    run = _ok(runs, "colocate-faults")
+    assert _kinds(base, "engine_resync") == [] and _kinds(base, "crash") == []
+    # the sync before step 3 did not apply: found in that step by each rank's check, redone
+    resync = _kinds(run, "engine_resync")
+    assert sorted(e["rank"] for e in resync) == [0, 1], resync
+    assert all(e["step"] == 2 and e["gap"] > 1e-3 and e["mode"] == "colocate" for e in resync)
+    assert [r["engine/resyncs"] for r in _records(run) if r["step"] == 3] == [1.0]
+    assert _kinds(run, "engine_stale") == []
+    (crash,) = _kinds(run, "crash")
+    assert crash["rank"] == 1 and crash["attempt"] == 1
+    (restart,) = _kinds(run, "restart")
+    assert restart["from_step"] == 4, restart
+    _redone_steps_match(run)
+    _engine_keys_hold(run)
+    _engine_keys_hold(base)
+    # the rollouts after the restart are the ones an uninterrupted run draws: the same weights
+    assert _digest(run) == _digest(base)
+
+
+def test_server_engine_outlives_a_crash_of_the_ranks_and_the_redone_steps_match(runs):
+    run = _ok(runs, "server-crash")
+    started = _kinds(run, "sidecar_started")
+    assert [s["name"] for s in started] == ["vllm"], started  # once: the server outlived attempt 1
+    assert "vllm.entrypoints.openai.api_server" in started[0]["argv"]
+    assert _kinds(run, "sidecar_died") == []
+    (restart,) = _kinds(run, "restart")
+    assert restart["from_step"] == 4
+    _redone_steps_match(run)
+    _engine_keys_hold(run)
+    # the weights travel as a file the server reloads
+    assert (run / "engine" / "weights" / "model.safetensors").stat().st_size > 100_000
+
+
+def test_an_engine_that_never_takes_the_weights_stops_the_run(runs):
+    run, proc = runs["stale-for-good"]
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    stale = _kinds(run, "engine_stale")
+    assert sorted(e["rank"] for e in stale) == [0, 1]
+    assert all(e["step"] == 2 and e["version"] == 1 for e in stale), stale
+    assert len(_kinds(run, "restart")) == 0  # a restart would sync the same way
+    (failed,) = _kinds(run, "failed")
+    assert "EngineStaleWeights" in failed["reason"] and "stale weights" in failed["reason"]
+    assert "runbooks/EngineStaleWeights.md" in proc.stderr
+    diag = subprocess.run(
+        [str(ENGINE_PTOPS), "diagnose", str(run)], capture_output=True, text=True, timeout=300
+    )
+    assert "EngineStaleWeights" in diag.stdout, diag.stdout[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server_base(tmp_path_factory):
+    run = tmp_path_factory.mktemp("vllm-server-base") / "run"
+    proc = _launch(run, "server")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run
+
+
+def test_server_engine_recovery_ends_at_the_uninterrupted_digest(runs, server_base):
+    assert _digest(_ok(runs, "server-crash")) == _digest(server_base)
