@@ -378,18 +378,19 @@ class RewardHackingConfig(_Strict):
         "estimate before the fall rule judges",
     )
     bend_z: float = Field(
-        4.0,
+        2.5,
         ge=0,
-        description="hacking (critical), a sparse held-out score (at most 16 values over four "
-        "spans): after the step where the reward starts climbing faster (its bend), the held-out "
-        "slope on a line bent there this many standard errors down (raised to the t quantile for "
-        "the noise estimate's honest degrees of freedom); no confirmation needed; 0 = off",
+        description="hacking (critical), the turn rule: after the step where the training reward "
+        "starts climbing faster (its bend, found on every reward value of the last 200 steps), "
+        "the held-out slope on a line bent there (its last 48 values, continuous at the bend) "
+        "this many standard errors down, raised to the t quantile for the noise estimate's honest "
+        "degrees of freedom; dense or sparse held-out scores; no confirmation needed; 0 = off",
     )
     bend_t: float = Field(
         3.0,
         gt=0,
         description="... where the reward's slope rises at the bend by at least this many "
-        "standard errors (its paired means, over the same values)",
+        "standard errors",
     )
     coupling_corr: float = Field(
         0.8, gt=0, le=1, description="Pearson r of reward and a coupled key that counts as coupled"

@@ -9,7 +9,7 @@ from ..base import Finding, finite_floats, finite_of, first_number, get_number, 
 from ..config import RewardHackingConfig
 from ..shared import _GATED, SharedRankedMonitor
 from .common import _SharedRL, _spellings, _St
-from .trend import _BEND_VALUES, _bend, _bend_noise, _Fit, _Noise, _t_bar, _Tri
+from .trend import _bend_noise, _Fit, _Noise, _t_bar, _Tri, _Turn
 
 
 class RewardHackingMonitor(_SharedRL):
@@ -32,13 +32,16 @@ class RewardHackingMonitor(_SharedRL):
       t quantile while that estimate rests on few differences. Or the held-out score
       does not follow (r <= ``flat_corr`` with the reward's r >= ``diverge_corr``, on
       at least 2 x ``min_points`` values: divergence, warning).
-    - Bend rule (a sparse held-out score: at most 16 values over four spans): the step
-      where the paired reward means start climbing faster (a line with one change of slope
-      fits them best there, the change >= ``bend_t`` standard errors) and, on a held-out line
-      bent at that step (continuous: the values before it pin where the fall starts), the
-      slope after it <= -``bend_z`` standard errors (critical, no confirmation). A healthy run
-      whose held-out score rises with the reward has a rising slope after the bend; the
-      values before the bend make 1-2 sparse values after it enough.
+    - Turn rule (``bend_z``, ``bend_t``; dense or sparse held-out scores): the step where the
+      training reward starts climbing faster (a line with one change of slope fits its last 200
+      values best there, the change >= ``bend_t`` standard errors) and, on the last 48 held-out
+      values fitted with a line bent at that step (continuous: the values before the bend pin
+      where the score was heading), the slope after it <= -``bend_z`` standard errors, the bar the
+      t quantile for the noise estimate's honest degrees of freedom (critical). The bend comes from
+      the reward, whose noise is not the held-out score's: one test a look. A sparse score needs
+      no confirmation (1-2 values after the bend can be enough); a dense one, judged at every
+      step, the usual ``confirm``. A healthy run whose held-out score rises with the reward has
+      a rising slope after the bend.
     - Coupling (every step): the reward trends up and a coupled key trends up with
       it (r(reward, key) >= ``coupling_corr``, fitted rise >= ``min_growth``) - warning.
 
@@ -85,8 +88,7 @@ class RewardHackingMonitor(_SharedRL):
         st.cconf = {k: 0 for k in self.cfg.coupled_keys}
         st.pairs = _Tri(max(w, self.cfg.min_points))
         st.lpairs = _Tri(2 * max(w, self.cfg.min_points))  # twice the span, for a slower fall
-        # four spans, for the bend rule (a sparse score: at most _BEND_VALUES values)
-        st.xpairs = _Tri(4 * max(w, self.cfg.min_points))
+        st.turn = _Turn()  # the turn rule: the dense reward, the last held-out values
         st.racc = 0.0
         st.rn = 0
         st.last_r = None
@@ -114,7 +116,7 @@ class RewardHackingMonitor(_SharedRL):
         st.cconf = {k: 0 for k in st.cconf}
         st.pairs.rewind(step)
         st.lpairs.rewind(step)
-        st.xpairs.rewind(step)
+        st.turn.rewind(step)
         st.racc, st.rn = 0.0, 0
         st.h_last = st.pairs.q[-1][0] if st.pairs.q else None
         st.noise_h.rewind(step, tuple(p[2] for p in list(st.pairs.q)[-2:]))
@@ -199,7 +201,8 @@ class RewardHackingMonitor(_SharedRL):
 
     def _forget_heldout(self, st: _St) -> None:
         w = max(self.cfg.window, self.cfg.min_points)
-        st.pairs, st.lpairs, st.xpairs = _Tri(w), _Tri(2 * w), _Tri(4 * w)
+        st.pairs, st.lpairs = _Tri(w), _Tri(2 * w)
+        st.turn.h.clear()
         st.h_last, st.h_step, st.h_key = None, 0, None
         st.noise_h, st.h_min = _Noise(), 0
         st.h_level = st.h_conf = st.h_conf2 = 0
@@ -212,8 +215,6 @@ class RewardHackingMonitor(_SharedRL):
         p.drop_before(step - span + 1)
         lp = st.lpairs
         lp.drop_before(step - 2 * span + 1)
-        xp = st.xpairs
-        xp.drop_before(step - 4 * span + 1)
         level = 0
         bend, bend_text = False, ""
         st.h_quiet = True
@@ -245,33 +246,33 @@ class RewardHackingMonitor(_SharedRL):
                     and zl <= -fall
                 ):
                     level = 2  # a slower fall: twice the span
-                # the bend rule (a sparse score): the reward starts climbing faster at some step
-                # (its bend, from the paired reward means: precise) and the held-out score falls
-                # after it, on a line bent there - continuous, so the values before the bend pin
-                # where the fall starts from, and 2 values after it can be enough. Its noise: that
-                # line's residuals pooled with the second differences before its values, each
-                # counted for the degrees of freedom it has (``_bend_noise``)
-                k = len(xp.q)
-                if (
-                    cfg.bend_z
-                    and 5 <= k <= _BEND_VALUES
-                    and xp.r_xa() >= cfg.trend_corr
-                    and (climbs or lp.t_xa() >= cfg.rise_t)
-                ):
-                    tau, acc, slope, vf, sse = _bend(list(xp.q), cfg.bend_t)
-                    if slope < 0 and vf > 0:
-                        var, dof = _bend_noise(sse, k, st.noise_h.before(xp.q[0][0]))
-                        sig = math.sqrt(var)
-                        zb = slope / (sig * math.sqrt(vf)) if sig > 0 else -math.inf
-                        if zb <= -_t_bar(cfg.bend_z, dof):
-                            bend = True
-                            if not level:
-                                level, z = 2, zb
-                                bend_text = (
-                                    f"{cfg.reward_key} climbs faster from step {int(tau)} on "
-                                    f"({acc:.1f} standard errors) while held-out {st.h_key} falls "
-                                    f"after it ({slope:.2g} a step, {zb:.1f} standard errors)"
-                                )
+                # the turn rule: the reward starts climbing faster at some step (its bend, found
+                # on every reward value: precise) and the held-out score falls after it, on a
+                # line bent there - continuous, so the values before the bend pin where the score
+                # was heading, and 1-2 sparse values after it can be enough. One test a look (the
+                # bend comes from the reward, whose noise is not the held-out score's), its noise
+                # the bent line's residuals pooled with the second differences before its values,
+                # each counted for the degrees of freedom it has (``_bend_noise``). Judged only
+                # while the reward climbs and the held-out score's recent slope is not up (cost)
+                if cfg.bend_z and (climbs or lp.t_xa() >= cfg.rise_t) and min(z, zl) < 0:
+                    turn = st.turn.judge(cfg.bend_t)
+                    if turn is not None:
+                        tau, acc, slope, vf, sse, k = turn
+                        first_step = st.turn.h[0][0]
+                        if slope < 0:
+                            var, dof = _bend_noise(sse, k, st.noise_h.before(first_step))
+                            sig = math.sqrt(var) if dof >= 1 else 0.0
+                            zb = slope / (sig * math.sqrt(vf)) if sig > 0 else 0.0
+                            if dof >= 1 and zb <= -_t_bar(cfg.bend_z, dof):
+                                bend = True
+                                if not level:
+                                    level, z = 2, zb
+                                    bend_text = (
+                                        f"{cfg.reward_key} climbs faster from step {int(tau)} on "
+                                        f"({acc:.1f} standard errors) while held-out {st.h_key} "
+                                        f"falls after it ({slope:.2g} a step, {zb:.1f} standard "
+                                        "errors)"
+                                    )
             if (
                 not level
                 and rc >= cfg.diverge_corr
@@ -280,9 +281,8 @@ class RewardHackingMonitor(_SharedRL):
             ):
                 level = 1  # held-out flat: weaker evidence than a fall, twice the values
             if level and bend_text:
-                first = xp.q[0]
                 st.h_detail = (
-                    f"{bend_text} over steps {int(first[0])}-{step} ({k} held-out values"
+                    f"{bend_text} over steps {int(first_step)}-{step} ({k} held-out values"
                     + (f", one every {st.h_step} steps)" if st.h_step > 1 else ")")
                 )
                 st.h_value = vc
@@ -307,8 +307,11 @@ class RewardHackingMonitor(_SharedRL):
         # away (the closest spacing seen: a gap in a dense score, a lost record or a rewind, does
         # not make it sparse)
         need = max(1, min(cfg.confirm, 1 + cfg.confirm_steps // max(1, st.h_min)))
-        if bend:
-            need = 1  # the bend rule's evidence accumulates over the values after the bend
+        if bend and st.h_min * cfg.confirm > cfg.confirm_steps // 2:
+            # the turn rule's evidence accumulates over the values after the bend: a sparse score
+            # is not kept waiting for its next value; a dense one (the next value a step away,
+            # and a look at every step: more looks, each on few values after the bend) confirms
+            need = 1
         st.h_level = 2 if st.h_conf2 >= need else 1 if st.h_conf >= need + 1 else 0
 
     def _apply(
@@ -321,6 +324,7 @@ class RewardHackingMonitor(_SharedRL):
             return []
         if r is not None:
             st.rfit.add(step, r)
+            st.turn.add_reward(step, r)
             st.racc += r
             st.rn += 1
             st.last_r = r
@@ -333,14 +337,31 @@ class RewardHackingMonitor(_SharedRL):
                 st.pairs.add(step, rm, hv)
                 st.noise_h.add(hv, step)
                 st.lpairs.add(step, rm, hv)
-                if not st.h_min or st.h_min * _BEND_VALUES >= 4 * cfg.window:
-                    st.xpairs.add(step, rm, hv)  # a sparse score only (a dense one: no cost)
+                st.turn.add_held(step, hv)
                 st.racc, st.rn = 0.0, 0
                 st.h_last = step
                 st.h_key = hk
                 self._judge_heldout(st, step)
         if r is None:
-            return []
+            # an eval record of its own: a finding it completes is reported on it, not on the next
+            # training record (a step later); the all-clear counts training steps only
+            out: list[Finding] = []
+            if st.h_level > st.ep.level:
+                phase = st.ep.update(st.h_level, False, cfg.clear_steps)
+                if phase is not None:
+                    self._report(
+                        out,
+                        st,
+                        record,
+                        step,
+                        rank,
+                        phase,
+                        st.h_level,
+                        st.h_value,
+                        st.h_detail,
+                        "",
+                    )
+            return out
         level = st.h_level
         value, detail = st.h_value, st.h_detail
         rising = (
@@ -376,7 +397,7 @@ class RewardHackingMonitor(_SharedRL):
                     f"({start:.3g} -> {end:.3g} fitted, r={value:.2f}) over steps "
                     f"{int(t.q[0][0])}-{step}"
                 )
-        out: list[Finding] = []
+        out = []
         phase = st.ep.update(level, level == 0 and st.h_quiet, cfg.clear_steps)
         if phase is not None:
             self._report(

@@ -269,6 +269,8 @@ def _bent_fit(
 
 
 _BEND_VALUES = 16  # the bend rule judges at most this many held-out values (a sparse score)
+_TURN_VALUES = 48  # the turn rule fits at most this many held-out values
+_NOISE_KEEP = 64  # squared second differences kept with their steps (> _TURN_VALUES: see before())
 
 
 def _t_tail(t: float, dof: int) -> float:
@@ -368,7 +370,7 @@ class _Noise:
         self.prev: tuple[float, ...] = ()
         self.ss = 0.0
         self.n = 0
-        self.recent: deque[tuple[float, float]] = deque(maxlen=_BEND_VALUES)
+        self.recent: deque[tuple[float, float]] = deque(maxlen=_NOISE_KEEP)
 
     def add(self, v: float, step: float = 0.0) -> None:
         if len(self.prev) == 2:
@@ -388,7 +390,7 @@ class _Noise:
 
     def before(self, step: float) -> tuple[float, int]:
         """(sum of squares, count) of the second differences whose three values all come before
-        ``step``: at most ``_BEND_VALUES`` values from the end, so within a bend window's reach."""
+        ``step``: at most ``_NOISE_KEEP`` values from the end, so within a window's reach."""
         ss, n = self.ss, self.n
         for s, q in reversed(self.recent):
             if s < step:
@@ -399,3 +401,96 @@ class _Noise:
 
     def sigma(self) -> float:
         return math.sqrt(self.ss / self.n / 6) if self.n else math.inf
+
+
+def _reward_bend(xs: list, ys: list, min_before: int = 10, min_after: int = 3) -> tuple:
+    """Where a dense series starts climbing faster: the step tau at which a continuous line with one
+    change of slope fits ``ys`` (at steps ``xs``) best, at least ``min_before`` points before it and
+    ``min_after`` after. Returns (tau, the change of slope over its standard error, the change), or
+    None. O(len(xs)): prefix sums, then each candidate's 3 x 3 normal equations from its suffix
+    sums; called only when a held-out value is judged."""
+    n = len(xs)
+    if n < min_before + min_after + 2:
+        return None
+    p0, p1, p2, py, pxy = [0.0], [0.0], [0.0], [0.0], [0.0]
+    syy = 0.0
+    for x, y in zip(xs, ys):
+        p0.append(p0[-1] + 1.0)
+        p1.append(p1[-1] + x)
+        p2.append(p2[-1] + x * x)
+        py.append(py[-1] + y)
+        pxy.append(pxy[-1] + x * y)
+        syy += y * y
+    N, X, XX, Y, XY = p0[-1], p1[-1], p2[-1], py[-1], pxy[-1]
+    cxx, cxy, cyy = XX - X * X / N, XY - X * Y / N, syy - Y * Y / N
+    best = None
+    for j in range(min_before - 1, n - min_after - 1):
+        tau = xs[j]
+        s0, s1, s2 = N - p0[j + 1], X - p1[j + 1], XX - p2[j + 1]
+        sy, sxy = Y - py[j + 1], XY - pxy[j + 1]
+        su = s1 - tau * s0  # sums over the points after tau of u = x - tau
+        cuu = s2 - 2 * tau * s1 + tau * tau * s0 - su * su / N
+        cxu = s2 - tau * s1 - X * su / N
+        cuy = sxy - tau * sy - su * Y / N
+        det = cxx * cuu - cxu * cxu
+        if det <= 1e-12 * max(1.0, cxx * cuu):
+            continue
+        g = (cxx * cuy - cxu * cxy) / det
+        sse = cyy - ((cuu * cxy - cxu * cuy) / det) * cxy - g * cuy
+        if best is None or sse < best[0]:
+            best = (sse, tau, g, cxx / det)
+    if best is None:
+        return None
+    sse, tau, g, vf = best
+    s2e = max(sse, 0.0) / (n - 3)
+    t = g / math.sqrt(s2e * vf) if s2e > 0 and vf > 0 else math.copysign(math.inf, g)
+    return tau, t, g
+
+
+class _Turn:
+    """The turn rule's memory: the dense training reward over the last ``steps`` steps and the
+    last ``values`` held-out values. ``judge`` finds the step where the reward starts climbing
+    faster (its bend, from every reward value: precise) and fits the held-out values on a line bent
+    there (continuous: the values before the bend pin where the score was heading)."""
+
+    __slots__ = ("steps", "r", "h")
+
+    def __init__(self, steps: int = 200, values: int = _TURN_VALUES) -> None:
+        self.steps = steps
+        self.r: deque[tuple[float, float]] = deque()
+        self.h: deque[tuple[float, float, float]] = deque(maxlen=values)
+
+    def add_reward(self, step: float, v: float) -> None:
+        r = self.r
+        r.append((step, v))
+        while r[0][0] <= step - self.steps:
+            r.popleft()
+
+    def add_held(self, step: float, v: float) -> None:
+        self.h.append((step, 0.0, v))  # _bent_fit's (step, reward, held-out) layout
+
+    def rewind(self, step: float) -> None:
+        for q in (self.r, self.h):
+            while q and q[-1][0] >= step:
+                q.pop()
+
+    def judge(self, bend_t: float, pre_min: int = 2) -> tuple | None:
+        """(tau, the reward's change of slope there in standard errors, the held-out slope after
+        tau, its variance factor, the bent line's residual sum of squares, held-out values) when
+        the reward bends up by ``bend_t`` standard errors with at least ``pre_min`` held-out values
+        up to the bend and one after it; else None."""
+        h = self.h
+        if len(h) < pre_min + 3 or len(self.r) < 16:
+            return None
+        rb = _reward_bend([p[0] for p in self.r], [p[1] for p in self.r])
+        if rb is None or rb[1] < bend_t:
+            return None
+        tau, acc, _ = rb
+        pts = list(h)
+        pre = sum(1 for p in pts if p[0] <= tau)
+        if pre < pre_min or pre == len(pts):
+            return None
+        slope, _, vf, sse = _bent_fit(pts, tau, 2)
+        if vf <= 0:
+            return None
+        return tau, acc, slope, vf, sse, len(pts)

@@ -66,3 +66,22 @@ def test_the_healthy_controls_that_false_alarmed_stay_quiet():
     for seed, every in ((37, 10), (48, 10), (233, 10), (161, 25)):
         recs, _ = b.hacking(seed, every, hacked=False)
         assert b.first(b.run_ptops(recs), "reward_hacking") is None, (seed, every)
+
+
+def test_the_monitor_on_held_out_seeds_of_the_bench_generator():
+    """Issue 49 point 7 on seeds neither the tuning (1000-1199) nor the target table (3000-3199)
+    used: ptops' defaults (``run_ptops``) stay silent on the bench's healthy controls at every
+    cadence and flag its hacks after the onset, at medians within the bench's target (measured
+    when written: +18 dense, +39.5 every 10, +68 every 25 - the last 3 steps past the bench's
+    allowance of one interval over the oracle's +38 on seeds 0-99; the gate here is looser)."""
+    b = _bench()
+    for every, most in ((1, 21), (10, 45), (25, 75)):
+        delays = []
+        for s in range(4000, 4020):
+            recs, at = b.hacking(s, every)
+            f = b.first(b.run_ptops(recs), "reward_hacking")
+            assert f is not None and f >= at, (every, s, at, f)
+            delays.append(f - at)
+            ctrl = b.hacking(s, every, hacked=False)[0]
+            assert b.first(b.run_ptops(ctrl), "reward_hacking") is None, (every, s)
+        assert sorted(delays)[len(delays) // 2] <= most, (every, sorted(delays))

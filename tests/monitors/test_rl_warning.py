@@ -304,16 +304,76 @@ def test_the_bend_rule_flags_a_sparse_hack_earlier_than_the_slope_rules_alone():
 
 
 def test_the_bend_rule_speaks_for_itself_on_a_stark_sparse_hack():
-    """The bend rule's own finding, end to end through the monitor (the generator above is too
-    noisy at the honest bar for it to lead there): the reward bends at step 100, the held-out score
-    (every 10 steps, noise 0.01) falls 0.006 a step after it; the bend rule names the bend and is
-    found 20 steps before the slope rules alone would be."""
+    """The turn rule's own finding, end to end through the monitor: the reward bends at step 100,
+    the held-out score (every 10 steps, noise 0.01) falls 0.006 a step after it; the rule names
+    the bend (found on every reward value: within a few steps of 100) and is reported on the eval
+    record that completes the evidence (step 110, not the next training record), 20 steps before
+    the slope rules alone would be."""
     from ptops.monitors.config import RewardHackingConfig
 
     recs = _hacking(10, 3, fall=0.006, noise=0.01)
     on, old = _first_open(recs), _first_open(recs, RewardHackingConfig(bend_z=0))
-    assert on.severity == "critical" and "climbs faster from step 100 on" in on.detail, on.detail
-    assert on.step == 111 and old.step - on.step >= 20, (on.step, old.step)
+    assert on.severity == "critical" and "climbs faster from step" in on.detail, on.detail
+    tau = int(on.detail.split("climbs faster from step ")[1].split()[0])
+    assert abs(tau - 100) <= 3, on.detail
+    assert on.step == 110 and old.step - on.step >= 20, (on.step, old.step)
+
+
+def test_the_turn_rule_warns_earlier_dense_or_sparse_and_never_before_the_onset():
+    """Issue 49 point 7, on this file's generator (random onset, reward rise, held-out fall and
+    noise: not the bench's): the turn rule (the held-out slope after the dense reward's bend,
+    bend_z) makes the monitor's first finding earlier, never later, and never before the onset.
+    Measured when written: median delay 15 steps dense (17 without it), 35 every 10 (47)."""
+    from ptops.monitors.config import RewardHackingConfig
+
+    off = RewardHackingConfig(bend_z=0)
+    for every, most, gained in ((1, 16, 15), (10, 38, 150)):
+        delays, gains = [], []
+        for seed in range(12):
+            recs, at = _run(seed, every, hacked=True)
+            on, old = _first_open(recs), _first_open(recs, off)
+            assert on is not None and old is not None, (every, seed)
+            assert at <= on.step <= old.step, (every, seed, at, on, old)
+            delays.append(on.step - at)
+            gains.append(old.step - on.step)
+        assert sorted(delays)[len(delays) // 2] <= most, (every, sorted(delays))
+        assert sum(gains) >= gained, (every, gains)
+
+
+def test_the_reward_bend_is_found_where_the_reward_starts_climbing_faster():
+    """``_reward_bend``: on a noisy reward that starts climbing 0.004 a step faster at a random
+    step, the bend is found within 5 steps, well above 3 standard errors; on the same reward
+    without a bend the best bend is under 3 standard errors on nearly every seed."""
+    from ptops.monitors.rl.trend import _reward_bend
+
+    near, quiet = 0, 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        at = rng.randint(60, 140)
+        xs = list(range(1, 201))
+        noise = [rng.gauss(0, 0.03) for _ in xs]
+        bent = [0.3 + 0.0005 * t + 0.004 * max(0, t - at) + e for t, e in zip(xs, noise)]
+        tau, t, g = _reward_bend(xs, bent)
+        near += abs(tau - at) <= 5 and t > 6 and abs(g - 0.004) < 0.001
+        straight = [0.3 + 0.0005 * t + e for t, e in zip(xs, noise)]
+        quiet += _reward_bend(xs, straight)[1] < 3.0
+    assert near >= 38 and quiet >= 36, (near, quiet)
+
+
+def test_the_turn_rule_forgets_the_rewound_steps():
+    """A run that rewinds (resume, rollback) redoes its steps: the turn rule's reward and held-out
+    values from the rewound steps are dropped, so a hack on the abandoned timeline is not
+    reported again on a healthy redo, and a redo that hacks is found."""
+    hacked, at = _run(2, 10, hacked=True)
+    healthy, _ = _run(2, 10, hacked=False)
+    cut = at + 60
+    first = [r for r in hacked if r["step"] < cut]
+    redo = [dict(r, attempt=2) for r in healthy if at - 40 <= r["step"]]
+    found = [f for f in replay(first + redo, [RewardHackingMonitor()]) if f.phase == "open"]
+    assert len(found) == 1 and found[0].step < cut, found  # the first timeline's, once
+    redo_h = [dict(r, attempt=2) for r in hacked if at - 40 <= r["step"]]
+    again = [f for f in replay(first + redo_h, [RewardHackingMonitor()]) if f.phase == "open"]
+    assert len(again) == 2 and again[1].attempt == 2 and again[1].step >= at, again
 
 
 def test_the_bend_rules_bar_is_students_t_exactly():
