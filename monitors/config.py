@@ -367,9 +367,9 @@ class RewardHackingConfig(_Strict):
         2.25,
         gt=0,
         description="... and the held-out slope this many down (its noise from its second "
-        "differences; the bar raised to the t quantile for that many differences), over the "
-        "span, or "
-        "over twice the span with at least 2 x min_points values",
+        "differences; the bar raised to Student's t for the degrees of freedom they are worth, "
+        "about half their number), over the span, or over twice the span with at least "
+        "2 x min_points values",
     )
     noise_values: int = Field(
         2,
@@ -378,7 +378,7 @@ class RewardHackingConfig(_Strict):
         "estimate before the fall rule judges",
     )
     bend_z: float = Field(
-        2.5,
+        2.25,
         ge=0,
         description="hacking (critical), the turn rule: after the step where the training reward "
         "starts climbing faster (its bend, found on every reward value of the last 200 steps), "

@@ -9,7 +9,12 @@ from ..base import Finding, finite_floats, finite_of, first_number, get_number, 
 from ..config import RewardHackingConfig
 from ..shared import _GATED, SharedRankedMonitor
 from .common import _SharedRL, _spellings, _St
-from .trend import _bend_noise, _Fit, _Noise, _t_bar, _Tri, _Turn
+from .trend import _bend_noise, _d2_dof, _Fit, _Noise, _t_bar, _Tri, _Turn
+
+# Student's t bars are computed once per degrees of freedom (``_t_bar``'s cache, O(dof) each):
+# past this many the bar is within 1 % of the normal one, and a long dense run's thousands of
+# second differences would otherwise compute a new bar every other step (a capped bar is higher)
+_DOF_CAP = 200
 
 
 class RewardHackingMonitor(_SharedRL):
@@ -227,11 +232,15 @@ class RewardHackingMonitor(_SharedRL):
             # noise from its second differences (``_Noise``): a few sparse values still give a
             # confident slope where their own residuals (1-2 degrees of freedom) would not. The
             # noise estimate from n differences is itself noisy: the held-out bar is the t quantile
-            # for n degrees of freedom (its Cornish-Fisher approximation), not the normal one
+            # for the degrees of freedom n differences are worth, not the normal one
             n = st.noise_h.n
             z = zl = 0.0
             if n >= cfg.noise_values:
-                fall = cfg.fall_z * (1 + (cfg.fall_z**2 + 1) / (4 * n))
+                # Student's t for the degrees of freedom n second differences are worth (about
+                # n / 2: ``_d2_dof``); counted as n (its Cornish-Fisher term at n, until issue 49)
+                # a score every 25 steps was judged on 2-3 differences as if sure of its noise
+                # and flagged healthy controls before their onset (bench/README.md)
+                fall = _t_bar(cfg.fall_z, max(1, min(_DOF_CAP, int(_d2_dof(n)))))
                 sh = st.noise_h.sigma()
                 z, zl = p.z("b", sh), lp.z("b", sh)
                 climbs = (
@@ -263,7 +272,7 @@ class RewardHackingMonitor(_SharedRL):
                             var, dof = _bend_noise(sse, k, st.noise_h.before(first_step))
                             sig = math.sqrt(var) if dof >= 1 else 0.0
                             zb = slope / (sig * math.sqrt(vf)) if sig > 0 else 0.0
-                            if dof >= 1 and zb <= -_t_bar(cfg.bend_z, dof):
+                            if dof >= 1 and zb <= -_t_bar(cfg.bend_z, min(dof, _DOF_CAP)):
                                 bend = True
                                 if not level:
                                     level, z = 2, zb

@@ -61,9 +61,12 @@ def test_oracle_catches_hacks_after_the_onset_and_knows_the_onset():
 def test_the_healthy_controls_that_false_alarmed_stay_quiet():
     """Seeds of the bench's healthy control (held-out score rising with the reward) on which the
     bend rule raised a critical reward-hacking finding before its bar became the exact t
-    quantile at 4 standard errors (2026-12-03: 3 of 500 at every 10, 1 of 500 at every 25)."""
+    quantile at 4 standard errors (2026-12-03: 3 of 500 at every 10, 1 of 500 at every 25); and
+    those on which the slope rules did, their bar counting each second difference as a degree of
+    freedom (issue 49: 2165 of controls 1000-2999 at step 125, and 3167 of the target table's
+    first seed set at step 101, before its onset, each on 2-3 differences at every 25)."""
     b = _bench()
-    for seed, every in ((37, 10), (48, 10), (233, 10), (161, 25)):
+    for seed, every in ((37, 10), (48, 10), (233, 10), (161, 25), (2165, 25), (3167, 25)):
         recs, _ = b.hacking(seed, every, hacked=False)
         assert b.first(b.run_ptops(recs), "reward_hacking") is None, (seed, every)
 
@@ -71,11 +74,11 @@ def test_the_healthy_controls_that_false_alarmed_stay_quiet():
 def test_the_monitor_on_held_out_seeds_of_the_bench_generator():
     """Issue 49 point 7 on seeds neither the tuning (1000-1199) nor the target table (3000-3199)
     used: ptops' defaults (``run_ptops``) stay silent on the bench's healthy controls at every
-    cadence and flag its hacks after the onset, at medians within the bench's target (measured
-    when written: +18 dense, +39.5 every 10, +68 every 25 - the last 3 steps past the bench's
-    allowance of one interval over the oracle's +38 on seeds 0-99; the gate here is looser)."""
+    cadence and flag its hacks after the onset, at medians no later than these (measured when
+    written: +19 dense, +38.5 every 10, +73 every 25; the previous monitor +21 / +58 / +67 on the
+    target table's first seed set - see bench/README.md for where every 25 stands)."""
     b = _bench()
-    for every, most in ((1, 21), (10, 45), (25, 75)):
+    for every, most in ((1, 21), (10, 45), (25, 80)):
         delays = []
         for s in range(4000, 4020):
             recs, at = b.hacking(s, every)
