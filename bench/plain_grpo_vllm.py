@@ -66,6 +66,11 @@ def main() -> None:
         disable_tqdm=True,
         logging_steps=1,
         gradient_checkpointing=False,
+        # as ptops' TRL adapter sets them (recipes/trl/run.py _common_args): the same work
+        max_grad_norm=sec.max_grad_norm,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
+        logging_nan_inf_filter=False,
         num_generations=sec.num_generations,
         max_completion_length=sec.max_completion_length,
         beta=sec.beta,

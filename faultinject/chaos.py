@@ -103,6 +103,18 @@ KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # before step 5, the last agreement (RECIPE_OVERRIDES hold TRL runs before step 11)
     "bitflip-grad": (("bitflip:rank=1,step=10,target=grad",), ("anomaly",)),
 }
+# The seams of a vLLM engine (GRPO / RLOO with ``--set trl.vllm.mode=...``, vLLM installed, e.g.
+# ``.venv-vllm/bin/ptops chaos --recipe trl-grpo-tiny --set trl.vllm.mode=colocate --scenario
+# stale-sync --scenario sync-hang``): not in the default matrix, which has no engine
+ENGINE_KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # the sync before step 6 changes nothing: the seam's check finds it in its step, syncs again
+    "stale-sync": (("stale-sync:step=6",), ("engine_resync",)),
+    # a hang inside the weight sync before step 6: found on the step's budget, phase engine_sync
+    "sync-hang": (("sync-hang:step=6",), ("hang",)),
+    # server mode: the engine's process dies before step 6's rollouts; restarted, synced, the same
+    # rollouts generated (no rank restarts)
+    "engine-crash": (("engine-crash:step=6",), ("sidecar_died",)),
+}
 # A NaN rollback skips the poisoned step's batch by default (monitors.rollback.skip_batches=1): a
 # deliberate change of the data order, so the result cannot equal the baseline. The injected NaN is
 # transient (attempt 1 only): replaying the same data is the comparison that can be bit-identical.
@@ -243,19 +255,25 @@ class Result:
 
 # ---------------------------------------------------------------- selection
 def scenario_for(
-    recipe: str, kind: str, faults: tuple[str, ...] | None = None, recipe_path: str = ""
+    recipe: str,
+    kind: str,
+    faults: tuple[str, ...] | None = None,
+    recipe_path: str = "",
+    sets: tuple[str, ...] = (),
 ) -> Scenario:
+    """``sets``: the user's ``--set`` for every launch, the baseline's too."""
+    known = {**KIND_SCENARIOS, **ENGINE_KIND_SCENARIOS}
     if faults is None:
-        if kind not in KIND_SCENARIOS:
+        if kind not in known:
             raise ScenarioError(
-                f"unknown scenario kind {kind!r} (expected one of: {', '.join(ALL_KINDS)}, or a "
+                f"unknown scenario kind {kind!r} (expected one of: {', '.join(known)}, or a "
                 "fault spec)"
             )
-        faults = RECIPE_OVERRIDES.get((recipe, kind), KIND_SCENARIOS[kind][0])
-        detect = KIND_SCENARIOS[kind][1]
+        faults = RECIPE_OVERRIDES.get((recipe, kind), known[kind][0])
+        detect = known[kind][1]
         name = f"{recipe}/{kind}"
     else:
-        detect = KIND_SCENARIOS.get(kind, ((), DETECT_KINDS_ANY))[1]
+        detect = known.get(kind, ((), DETECT_KINDS_ANY))[1]
         name = f"{recipe}/{','.join(faults)}" if len(faults) > 1 else f"{recipe}/{faults[0]}"
     return Scenario(
         name=name,
@@ -263,6 +281,7 @@ def scenario_for(
         kind=kind,
         faults=tuple(faults),
         detect=tuple(detect),
+        sets=COMMON_SETS + tuple(sets),
         extra_sets=KIND_SETS.get(kind, ()),
         recipe_path=recipe_path,
     )
@@ -280,14 +299,18 @@ def _resolve(recipe: str) -> tuple[str, str]:
     return ref.name, str(ref.path)
 
 
-def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[Scenario]:
+def select(
+    recipes: Iterable[str] = (), scenarios: Iterable[str] = (), sets: Iterable[str] = ()
+) -> list[Scenario]:
     """``--recipe R``... and ``--scenario S``... -> scenarios.
 
     R is a shipped recipe's name or a recipe file (as ``ptops launch`` takes it). S is
     ``RECIPE/KIND`` (``titan-tiny/crash``), ``KIND`` (for every selected recipe), or a fault
     spec with or without ``RECIPE/`` (``titan-tiny/crash:rank=0,step=3``) for a custom
     scenario. No S: the default matrix of the selected recipes (all of them without --recipe).
+    ``sets``: ``--set`` for every launch (the baselines' too).
     """
+    sets = tuple(sets)
     paths: dict[str, str] = {}
     for r in dict.fromkeys(recipes):
         name, path = _resolve(r)
@@ -299,7 +322,7 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
     if not scenarios:
         for r in pool:
             for k in DEFAULT_MATRIX.get(r, TRL_KINDS if r.startswith("trl") else ALL_KINDS):
-                out.append(scenario_for(r, k, recipe_path=paths.get(r, "")))
+                out.append(scenario_for(r, k, recipe_path=paths.get(r, ""), sets=sets))
     for s in scenarios:
         text = s.strip()
         head = text.split(":", 1)[0]
@@ -330,10 +353,12 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
                     kinds = [parse(x).kind for x in specs]
                 except FaultSpecError as e:
                     raise ScenarioError(f"--scenario {s!r}: {e}") from None
-                out.append(scenario_for(rec, kinds[0], specs, recipe_path=paths.get(rec, "")))
+                out.append(
+                    scenario_for(rec, kinds[0], specs, recipe_path=paths.get(rec, ""), sets=sets)
+                )
             else:
                 try:
-                    out.append(scenario_for(rec, what, recipe_path=paths.get(rec, "")))
+                    out.append(scenario_for(rec, what, recipe_path=paths.get(rec, ""), sets=sets))
                 except ScenarioError as e:
                     raise ScenarioError(f"--scenario {s!r}: {e}") from None
     seen: set[str] = set()
@@ -348,9 +373,9 @@ def select(recipes: Iterable[str] = (), scenarios: Iterable[str] = ()) -> list[S
 def check_recipes(scenarios: list[Scenario]) -> None:
     from ptops.recipes.schema import RecipeError, load
 
-    for r in dict.fromkeys(sc.recipe_path or sc.recipe for sc in scenarios):
+    for r, sets in dict.fromkeys((sc.recipe_path or sc.recipe, sc.sets) for sc in scenarios):
         try:
-            load(r, list(COMMON_SETS))
+            load(r, list(sets))
         except RecipeError as e:
             raise ScenarioError(f"--recipe {r!r}: {e}") from None
 

@@ -9,6 +9,8 @@ to the probe's beats they belong to (``ops/rank/probe.py``), and asks it what a 
 - ``on_startup(section)`` (after ``probe.startup(section)``): hang with ``phase=SECTION``
 - ``should_poison(step)``: nan
 - ``skip_sync(step)`` (the weight sync to a vLLM engine before ``step``'s rollouts): stale-sync
+- ``in_sync(step)`` (inside the weight sync to a vLLM engine): sync-hang
+- ``engine_crash(step)`` (server mode, before ``step``'s rollouts are asked for): engine-crash
 - ``on_checkpoint(step)`` (after ``probe.phase("checkpoint", step)``): enospc (and it
   notes the save a ``hold:until=committed`` waits for). The
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
@@ -292,6 +294,21 @@ class Injector:
                 self._flipping.add(id(f))
                 self.emit(f, step)
         return bool(due)
+
+    def in_sync(self, step: int) -> None:
+        """``sync-hang`` due in the weight sync before ``step``'s rollouts: the rank hangs there
+        (``mode=sleep`` keeps its liveness pings, ``stop`` SIGSTOPs it), as a sync whose transfer
+        never completes does."""
+        for f in self._take(("sync-hang",), step):
+            self.emit(f, step)
+            self._hang(f, step)
+
+    def engine_crash(self, step: int) -> bool:
+        """``engine-crash`` due before ``step``'s rollouts (server mode: the engine exits)."""
+        fired = self._take(("engine-crash",), step)
+        for f in fired:
+            self.emit(f, step)
+        return bool(fired)
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)

@@ -121,6 +121,17 @@ stale-sync     step (req), rank, attempt, mode              ``[trl.vllm]`` runs:
                                                            the check works, unless
                                                            ``mode=persistent`` (every sync from
                                                            ``step`` on: the run stops)
+sync-hang      step (req), rank, attempt, seconds, mode    ``[trl.vllm]`` runs: the rank hangs inside
+                                                           the weight sync before ``step``'s
+                                                           rollouts (as ``hang``: ``seconds`` default
+                                                           forever, ``mode=sleep|stop``); the hang is
+                                                           reported in phase ``engine_sync``
+engine-crash   step (req), attempt                         ``[trl.vllm] mode = "server"``: before
+                                                           ``step``'s rollouts the engine's process
+                                                           exits (through its own RPC, as a crashed
+                                                           engine does); the sidecar supervision
+                                                           restarts it, the seam finds the restarted
+                                                           engine's version, syncs and generates
 clock-skew     node (req), offset_s, attempt (no step)     multi-node (``--slurm``) only: the health
                                                            check step on ``node`` reads its clock
                                                            ``offset_s`` seconds (default 30) ahead,
@@ -191,6 +202,8 @@ KINDS: dict[str, dict[str, str]] = {
     "bitflip": {"step": _INT, "rank": _INT, "attempt": _INT, "target": _STR, "mode": _STR},
     "clock-skew": {"node": _STR, "offset_s": _FLOAT, "attempt": _INT},
     "stale-sync": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
+    "engine-crash": {"step": _INT, "attempt": _INT},
+    "sync-hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR},
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
@@ -373,7 +386,7 @@ def parse(spec: str) -> Fault:
         )
     if "steps" in values and values["steps"] < 1:
         raise FaultSpecError(f"fault {spec!r}: key 'steps': must be >= 1 (got {values['steps']})")
-    if kind == "hang" and values.get("mode", "sleep") not in HANG_MODES:
+    if kind in ("hang", "sync-hang") and values.get("mode", "sleep") not in HANG_MODES:
         raise FaultSpecError(
             f"fault {spec!r}: key 'mode': expected one of {', '.join(HANG_MODES)} (got "
             f"{values['mode']!r})"

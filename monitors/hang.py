@@ -73,7 +73,13 @@ EVAL = "eval"  # a pause the engine declares: a budget of its own, peers wait fo
 # one rank's own save (a script's ``torch.save`` on rank 0 while the others wait in a barrier or
 # their next collective): judged by the checkpoint budget, its peers wait for it as for an eval
 SAVE = "save"
-PAUSES = (HOLD, EVAL, SAVE)
+# a rank waiting for its inference engine to come back (a vLLM server the run's sidecar supervision
+# restarts): a budget of its own (engine_wait_s), its peers wait in their next collective
+ENGINE_WAIT = "engine_wait"
+PAUSES = (HOLD, EVAL, SAVE, ENGINE_WAIT)
+# the seams of an engine inside a step (recipes/trl/engine.py): judged by the step's budget, a hang
+# there is named by its seam
+SEAMS = ("engine_sync", "engine_generate", "reward")
 
 
 class HangConfig(BaseModel):
@@ -138,6 +144,12 @@ class HangConfig(BaseModel):
         gt=0,
         description="floor of the learned start-up budgets (import, rendezvous, build, load, "
         "first step)",
+    )
+    engine_wait_s: float = Field(
+        900.0,
+        gt=0,
+        description="how long a rank may wait for its inference engine to come back (a vLLM "
+        "server restarted by the run's sidecar supervision) before the wait is a hang",
     )
     checkpoint_s: float = Field(
         600.0,
@@ -789,13 +801,16 @@ class HangMonitor:
         if section == EVAL:
             t = self.section_timeout(EVAL)
             return st.last_progress + t, t, EVAL, EVAL
+        if section == ENGINE_WAIT:
+            t = c.engine_wait_s
+            return st.last_progress + t, t, ENGINE_WAIT, ENGINE_WAIT
         if ending and (self.finished_ts is not None or st.pos[1] >= _STAGE["end"]):
             return since + c.checkpoint_s, c.checkpoint_s, "finishing", "finishing"
         if section == "data":
             t = self.section_timeout("data")
             return since + t, t, "data", "data"
         t = self.step_timeout()
-        return since + t, t, "step", "step"
+        return since + t, t, st.phase if st.phase in SEAMS else "step", "step"
 
     def _stale_after(self, st: _Rank) -> float:
         if st.section in STARTUP_SECTIONS or st.section == "first_step":

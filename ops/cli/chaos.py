@@ -50,6 +50,15 @@ def chaos_cmd(
         bool,
         typer.Option("--list", help="List the selected scenarios and their faults; run nothing."),
     ] = False,
+    sets: Annotated[
+        list[str],
+        typer.Option(
+            "--set",
+            help="KEY=VALUE for every launch, the baselines' too (repeatable), e.g. "
+            "trl.vllm.mode=colocate for the engine's seam scenarios (stale-sync, sync-hang; "
+            "engine-crash with trl.vllm.mode=server).",
+        ),
+    ] = [],
     launch_timeout: Annotated[
         float,
         typer.Option("--launch-timeout", help="Seconds one launch may take before it is stopped."),
@@ -76,18 +85,21 @@ def chaos_cmd(
       ptops chaos --scenario titan-tiny/crash --scenario titan-tiny/corrupt-ckpt\n
       ptops chaos --recipe trl-sft-tiny --json\n
       ptops chaos --scenario titan-tiny/crash --junit chaos-junit.xml\n
-      ptops chaos --scenario titan-tiny/slow:rank=1,step=3,seconds=1,steps=5 --list
+      ptops chaos --scenario titan-tiny/slow:rank=1,step=3,seconds=1,steps=5 --list\n
+      .venv-vllm/bin/ptops chaos --recipe trl-grpo-tiny --set trl.vllm.mode=colocate
+      --scenario stale-sync --scenario sync-hang --scenario crash
     """
     from ptops.faultinject import chaos
 
     try:
-        scenarios = chaos.select(recipe, scenario)
+        scenarios = chaos.select(recipe, scenario, sets)
         chaos.check_recipes(scenarios)
     except chaos.ScenarioError as e:
         fail(str(e))
     if list_only:
         for sc in scenarios:
-            extra = "".join(f" --set {x}" for x in sc.extra_sets)
+            mine = [x for x in sc.sets if x not in chaos.COMMON_SETS]
+            extra = "".join(f" --set {x}" for x in (*mine, *sc.extra_sets))
             typer.echo(
                 f"{sc.name:28s} {' '.join('--fault ' + f for f in sc.faults)}{extra}   detect: "
                 f"{', '.join(sc.detect)}"

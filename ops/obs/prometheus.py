@@ -57,6 +57,12 @@ RL_KEYS = {
     "kl": "ptops_rl_kl",
     "reward": "ptops_rl_reward",
     "reward_std": "ptops_rl_reward_std",
+    # the vLLM engine seam (recipes/trl/engine.py): the rollouts' policy lag, the engine's model
+    # version, the train/inference gap on the probe sequence, the weight sync's time
+    "staleness": "ptops_rl_staleness",
+    "engine/version": "ptops_rl_engine_version",
+    "engine/lp_gap": "ptops_rl_engine_lp_gap",
+    "engine/sync_s": "ptops_rl_engine_sync_seconds",
 }
 MAX_LABEL_VALUES = 32  # per free-form label (reason, monitor, kind)
 

@@ -440,11 +440,12 @@ SPECS: dict[EventKind, EventSpec] = {
         doc="[trl.vllm] asked for vLLM but it cannot run here: TRL's generate path instead",
     ),
     K.ENGINE_RESYNC: EventSpec(
-        ("mode", "step", "gap"),
-        ("why", *_RANK),
+        ("mode", "step", "why"),
+        ("gap", *_RANK),
         summary=True,
         doc="a weight sync to the vLLM engine did not take (the engine's log-probabilities of the "
-        "probe sequence are not the trainer's): synced again",
+        "probe sequence are not the trainer's; gap: how far), or the engine restarted and lost it "
+        "(its version is not the synced one): synced again",
     ),
     K.ENGINE_STALE: EventSpec(
         ("mode", "step", "gap"),

@@ -3,13 +3,16 @@ environment (``.venv-vllm``, made by ``scripts/setup.sh --vllm``, which ``script
 the tiny policy (2 layers, heads of 32), 2 gloo ranks, the run launched by that environment's
 ``ptops`` as a user of the engine would.
 
-- colocate (the engine inside each rank): an uninterrupted run, and the same run with a crash at
-  step 7 (checkpoint every 4) and a sync that silently does not apply before step 3
-  (``stale-sync``): the check finds it in its step, the sync is redone, and the run ends at the
-  uninterrupted run's digest;
+- colocate (the engine inside each rank): an uninterrupted run, and the same run with a sync that
+  silently does not apply before step 3 (``stale-sync``: the check finds it in its step, the sync
+  is redone), a hang inside the sync before step 6 (found, named ``engine_sync``) and a crash at
+  step 7 of the next attempt (checkpoint every 4): it ends at the uninterrupted run's digest;
 - server (vLLM's OpenAI server as the run's sidecar, weights as files it reloads): a crash at step
   7; the steps redone after the restart are the ones attempt 1 trained (the same rollouts, the same
   loss); the server outlives the ranks' restart;
+- the server's engine process dies before step 3's rollouts (``engine-crash``): restarted by the
+  sidecar supervision, synced again, the same rollouts generated (the run's records equal the other
+  server run's);
 - a sync that never applies (``mode=persistent``): the run stops, exit 4, ``engine_stale``.
 
 Runs made once for the module, two at a time. ``-m extended``: the server run against its own
@@ -68,7 +71,15 @@ def runs(tmp_path_factory):
     plan = {  # the longest first
         "server-crash": ("server", *CRASH),
         "colocate": ("colocate",),
-        "colocate-faults": ("colocate", *CRASH, "--fault", "stale-sync:step=3"),
+        # a stale sync before step 3; a hang inside the sync before step 6 (attempt 1); a crash
+        # at step 7 of attempt 2: three attempts, each restart from step 4
+        "colocate-faults": (
+            "colocate",
+            *("--fault", "stale-sync:step=3"),
+            *("--fault", "sync-hang:step=6"),
+            *("--fault", "crash:rank=1,step=7,attempt=2"),
+        ),
+        "server-engine-crash": ("server", "--fault", "engine-crash:step=3"),
         "stale-for-good": (
             "colocate",
             *("--set", "train.steps=4"),
@@ -109,15 +120,19 @@ def _digest(run: Path) -> str:
     return out.stdout.strip()
 
 
-def _redone_steps_match(run: Path) -> None:
-    """Steps 5 and 6 ran in attempt 1, then again after the restart from step 4: the same rollouts
-    (rewards) and the same loss, on every rank."""
+def _redone_steps_match(run: Path, steps: set[int]) -> None:
+    """``steps`` ran in more than one attempt (each restart resumed from step 4): the same rollouts
+    (rewards) and the same loss every time, on every rank."""
     for rank in (0, 1):
-        by = {(r["attempt"], r["step"]): r for r in _records(run, rank)}
-        for step in (5, 6):
-            first, again = by[(1, step)], by[(2, step)]
-            for key in ("loss", "reward", "rewards_format_mean", "engine/lp_gap"):
-                assert first[key] == again[key], (rank, step, key, first[key], again[key])
+        by: dict[int, list[dict]] = {}
+        for r in _records(run, rank):
+            by.setdefault(r["step"], []).append(r)
+        assert {s for s, rs in by.items() if len(rs) > 1} == steps, (rank, sorted(by))
+        for step in steps:
+            first, *again = by[step]
+            for later in again:
+                for key in ("loss", "reward", "rewards_format_mean", "engine/lp_gap"):
+                    assert first[key] == later[key], (rank, step, key, first[key], later[key])
 
 
 def _engine_keys_hold(run: Path) -> None:
@@ -132,10 +147,13 @@ def _engine_keys_hold(run: Path) -> None:
             assert r["engine/lp_gap"] < 1e-4 and r["engine/sync_s"] > 0, r
 
 
-def test_colocate_engine_recovers_a_crash_and_a_stale_sync_exactly(runs):
+def test_colocate_engine_recovers_a_stale_sync_a_hung_sync_and_a_crash_exactly(runs):
     base = _ok(runs, "colocate")
     run = _ok(runs, "colocate-faults")
     assert _kinds(base, "engine_resync") == [] and _kinds(base, "crash") == []
+    # the hang inside the sync is found and named by its seam
+    (hang,) = _kinds(run, "hang")
+    assert hang["attempt"] == 1 and hang["phase"] == "engine_sync" and hang["step"] == 6, hang
     # the sync before step 3 did not apply: found in that step by each rank's check, redone
     resync = _kinds(run, "engine_resync")
     assert sorted(e["rank"] for e in resync) == [0, 1], resync
@@ -143,10 +161,9 @@ def test_colocate_engine_recovers_a_crash_and_a_stale_sync_exactly(runs):
     assert [r["engine/resyncs"] for r in _records(run) if r["step"] == 3] == [1.0]
     assert _kinds(run, "engine_stale") == []
     (crash,) = _kinds(run, "crash")
-    assert crash["rank"] == 1 and crash["attempt"] == 1
-    (restart,) = _kinds(run, "restart")
-    assert restart["from_step"] == 4, restart
-    _redone_steps_match(run)
+    assert crash["rank"] == 1 and crash["attempt"] == 2
+    assert [r["from_step"] for r in _kinds(run, "restart")] == [4, 4]
+    _redone_steps_match(run, {5, 6})
     _engine_keys_hold(run)
     _engine_keys_hold(base)
     # the rollouts after the restart are the ones an uninterrupted run draws: the same weights
@@ -161,10 +178,31 @@ def test_server_engine_outlives_a_crash_of_the_ranks_and_the_redone_steps_match(
     assert _kinds(run, "sidecar_died") == []
     (restart,) = _kinds(run, "restart")
     assert restart["from_step"] == 4
-    _redone_steps_match(run)
+    _redone_steps_match(run, {5, 6})
     _engine_keys_hold(run)
     # the weights travel as a file the server reloads
     assert (run / "engine" / "weights" / "model.safetensors").stat().st_size > 100_000
+
+
+def test_a_crashed_server_engine_is_restarted_synced_and_the_step_goes_on_unchanged(runs):
+    """The engine's process exits before step 3's rollouts: the sidecar supervision restarts it, the
+    seam finds it holds no synced version, syncs it, and generates with the same seed. Nothing is
+    lost or counted twice: every step's record equals the other server run's (same seeds) before its
+    own crash, and no rank restarted."""
+    run = _ok(runs, "server-engine-crash")
+    assert [e["name"] for e in _kinds(run, "sidecar_died")] == ["vllm"]
+    assert [e["name"] for e in _kinds(run, "sidecar_restarted")] == ["vllm"]
+    assert _kinds(run, "restart") == [] and _kinds(run, "crash") == []
+    (resync,) = _kinds(run, "engine_resync")
+    assert resync["step"] == 2 and "the engine restarted: it holds version -1" in resync["why"]
+    other, _ = runs["server-crash"]
+    for rank in (0, 1):
+        mine = {r["step"]: r for r in _records(run, rank)}
+        theirs = {r["step"]: r for r in _records(other, rank) if r["attempt"] == 1}
+        for step in range(1, 7):
+            for key in ("loss", "reward", "rewards_format_mean"):
+                assert mine[step][key] == theirs[step][key], (rank, step, key)
+    _engine_keys_hold(run)
 
 
 def test_an_engine_that_never_takes_the_weights_stops_the_run(runs):
