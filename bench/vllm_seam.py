@@ -38,8 +38,9 @@ def plain(steps: int, shipped: bool = False) -> dict:
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=1200)
     wall = time.monotonic() - t0
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("{")), None)
-    err = next((x for x in reversed(proc.stderr.splitlines()) if "Error" in x), "")
+    line = next((x for x in proc.stdout.splitlines() if x.startswith('{"steps"')), None)
+    errs = [x for x in proc.stderr.splitlines() if "Error: " in x and "ChildFailedError" not in x]
+    err = errs[-1] if errs else ""
     out = {"rc": proc.returncode, "wall_s": wall, "error": err[-200:] if proc.returncode else ""}
     return out | (json.loads(line) if line else {})
 
