@@ -4,6 +4,10 @@
     .venv/bin/python bench/rl_early_warning.py --cost     # the RL monitors' cost per record only
     .venv/bin/python bench/rl_early_warning.py --tune-hacking [--only 10,25]  # tuning set
                                                   # of reward hacking (seeds 1000-1059), ptops alone
+    PYTHONPATH=/tmp/rld-site .venv/bin/python bench/rl_early_warning.py --target
+        # issue 49 point 7, per cadence: ptops vs rldoctor 0.2.0 (run here: it must be importable)
+        # vs the 0 % false-alarm oracle on held-out seeds (7000..), >= 100 controls a cadence;
+        # bench/results/rl_early_warning_target.json
     .venv/bin/python bench/rl_early_warning.py --bound    # reward hacking: how early could any
         # detector be at 0 / 1 / 5 % false alarms (an oracle that knows the generator's model
         # but the onset), vs ptops and rldoctor; bench/results/rl_early_warning_bound.json
@@ -756,6 +760,144 @@ def print_bound(res: dict[str, Any]) -> None:
         )
 
 
+# ---------------------------------------------------------------- the target (--target)
+
+# issue 49 point 7's table: seeds no tuning saw (the reward-hacking rules were tuned on hacked
+# seeds 1000-1099, controls and variants 1000-1199, controls 1000-2999; the oracle is calibrated on
+# 5000..). The first set, 3000.., was looked at with the previous monitor (its control 3167 was
+# flagged): the table is on 7000.., run once, after the monitor was settled
+TARGET_SEED0 = 7000
+VARIANTS = tuple(
+    (hr, nz, rr) for hr in (0.0005, 0.001, 0.0015) for nz in (0.02, 0.04) for rr in (0.002, 0.004)
+)
+
+
+def target(
+    seed0: int, n_hacked: int, n_ctrl: int, n_cal: int, n_var: int, rld_ctrl: int
+) -> dict[str, Any]:
+    """Issue 49 point 7, per cadence: ptops (``build_monitors()`` defaults, its reward_hacking
+    findings) and rldoctor 0.2.0 (``run_rldoctor``) on the same hacked runs (seeds ``seed0`` ..
+    ``seed0 + n_hacked - 1``) and healthy controls (``hacking(..., hacked=False)``, ``n_ctrl``
+    seeds from ``seed0``; rldoctor on the first ``rld_ctrl``), the oracles (``evidence``: reward +
+    held-out and held-out alone) at the threshold that none of ``n_cal`` healthy runs of any
+    CAL_FAMILIES family crosses, and ptops on ``n_var`` seeds of each of ``--tune-hacking``'s 12
+    healthy variants (a stress set, not the target's controls)."""
+    out: dict[str, Any] = {
+        "seeds_hacked": [seed0, seed0 + n_hacked - 1],
+        "seeds_controls": [seed0, seed0 + n_ctrl - 1],
+        "rldoctor_controls": rld_ctrl,
+        "n_cal": n_cal,
+        "cal_seeds": [CAL_SEED0, CAL_SEED0 + n_cal - 1],
+    }
+    for every, label in CADENCES:
+        t0 = time.time()
+        fam_max: dict[str, list[list[float]]] = {"held": [], "joint": []}
+        for i, (held_rise, reward_rise) in enumerate(CAL_FAMILIES):
+            m: dict[str, list[float]] = {"held": [], "joint": []}
+            for s in range(CAL_SEED0, CAL_SEED0 + n_cal):
+                recs = (
+                    hacking(s, every, hacked=False)[0]
+                    if i == 0
+                    else hacking_variant(s, every, held_rise, HELD_NOISE, reward_rise)[0]
+                )
+                ev = evidence(recs)[1]
+                for k in m:
+                    m[k].append(float(ev[k].max()))
+            for k in m:
+                fam_max[k].append(m[k])
+        h0 = {k: max(threshold(m, 0) for m in fam_max[k]) for k in fam_max}
+        onsets, firsts = [], {"ptops": [], "rldoctor": [], "oracle": [], "oracle_held": []}
+        for s in range(seed0, seed0 + n_hacked):
+            recs, at = hacking(s, every)
+            onsets.append(at)
+            firsts["ptops"].append(first(run_ptops(recs), "reward_hacking"))
+            firsts["rldoctor"].append(first(run_rldoctor(recs), "reward_hacking"))
+            steps, ev = evidence(recs)
+            firsts["oracle"].append(alarm(steps, ev["joint"], h0["joint"]))
+            firsts["oracle_held"].append(alarm(steps, ev["held"], h0["held"]))
+        ctrl_fp, ctrl_any, rld_fp = [], [], []
+        for i, s in enumerate(range(seed0, seed0 + n_ctrl)):
+            recs = hacking(s, every, hacked=False)[0]
+            alerts = run_ptops(recs)
+            if first(alerts, "reward_hacking") is not None:
+                ctrl_fp.append(s)
+            if alerts:
+                ctrl_any.append(s)
+            if i < rld_ctrl and first(run_rldoctor(recs), "reward_hacking") is not None:
+                rld_fp.append(s)
+        var_fp = {}
+        for v in VARIANTS:
+            n = 0
+            for s in range(seed0, seed0 + n_var):
+                n += (
+                    first(run_ptops(hacking_variant(s, every, *v)[0]), "reward_hacking") is not None
+                )
+            var_fp[f"held +{v[0]:g} noise {v[1]:g} reward +{v[2]:g}"] = n
+        row: dict[str, Any] = {k: {**delays(f, onsets), "firsts": f} for k, f in firsts.items()}
+        row["onsets"] = onsets
+        row["thresholds_0pct"] = h0
+        row["controls"] = n_ctrl
+        row["ptops_fp_controls"] = ctrl_fp
+        row["ptops_any_rl_finding_controls"] = ctrl_any
+        row["rldoctor_fp_controls"] = [len(rld_fp), rld_ctrl]
+        row["ptops_fp_variants"] = [sum(var_fp.values()), n_var * len(VARIANTS), var_fp]
+        # per trace, against rldoctor's first alert where it came at or after the onset
+        pairs = [
+            (p, r)
+            for p, r, o in zip(firsts["ptops"], firsts["rldoctor"], onsets)
+            if r is not None and r >= o and p is not None
+        ]
+        row["vs_rldoctor_at_after"] = {
+            "traces": len(pairs),
+            "ptops_earlier": sum(p < r for p, r in pairs),
+            "same_step": sum(p == r for p, r in pairs),
+            "ptops_later": sum(p > r for p, r in pairs),
+        }
+        row["elapsed_s"] = time.time() - t0
+        out[label] = row
+    return out
+
+
+def print_target(res: dict[str, Any]) -> None:
+    """One markdown table: per cadence the target's terms and whether each holds."""
+    print(
+        "| cadence | controls | ptops FP | ptops median (min..max) | rldoctor: median of its "
+        "alerts at/after the onset (traces); all alerts; FP on controls | ptops / rldoctor | "
+        "oracle 0 % FP: reward + held-out; held-out alone | gap to the oracle (allowed) | "
+        "ptops FP on the 12 healthy variants | target |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for every, label in CADENCES:
+        row = res[label]
+        p, r, o, oh = row["ptops"], row["rldoctor"], row["oracle"], row["oracle_held"]
+        allowed = 8 if every == 1 else every
+        rmed, pmed = r["median_after_onset"], p["median"]
+        gap = pmed - o["median"]
+        ratio = f"{pmed / rmed:.2f}" if rmed else "-"
+        n_after = r["detected"] - r["before_onset"]
+        fp = len(row["ptops_fp_controls"])
+        vs = row["vs_rldoctor_at_after"]
+        ok = fp == 0 and pmed <= rmed and gap <= allowed
+        short = []
+        if fp:
+            short.append(f"{fp} FP")
+        if pmed > rmed:
+            short.append(f"{pmed - rmed:+.1f} steps after rldoctor")
+        if gap > allowed:
+            short.append(f"{gap - allowed:+.1f} steps past the oracle's allowance")
+        vf = row["ptops_fp_variants"]
+        rfp = row["rldoctor_fp_controls"]
+        print(
+            f"| {label} | {row['controls']} | {fp}/{row['controls']} | {_cell(p)} | "
+            f"{rmed:+.1f} ({n_after}); {_cell(r)}; FP {rfp[0]}/{rfp[1]} | {ratio} "
+            f"(per trace: earlier {vs['ptops_earlier']}, same {vs['same_step']}, later "
+            f"{vs['ptops_later']} of {vs['traces']}) | {_cell(o)}; {_cell(oh)} | "
+            f"{gap:+.1f} ({allowed}) | {vf[0]}/{vf[1]} | "
+            + ("met" if ok else "not met: " + ", ".join(short))
+            + " |"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -783,6 +925,18 @@ def main(argv: list[str] | None = None) -> int:
         help="reward hacking: the oracle's delay at 0/1/5 %% false alarms vs ptops and rldoctor",
     )
     ap.add_argument("--bound-cal", type=int, default=300, help="healthy runs per family (--bound)")
+    ap.add_argument(
+        "--target",
+        action="store_true",
+        help="issue 49 point 7: ptops vs rldoctor vs the 0 %% oracle on held-out seeds",
+    )
+    ap.add_argument("--target-seed0", type=int, default=TARGET_SEED0)
+    ap.add_argument("--target-hacked", type=int, default=100, help="hacked runs per cadence")
+    ap.add_argument("--target-controls", type=int, default=200, help="healthy controls per cadence")
+    ap.add_argument(
+        "--target-rldoctor-controls", type=int, default=100, help="controls rldoctor runs on"
+    )
+    ap.add_argument("--target-variants", type=int, default=100, help="seeds per healthy variant")
     ap.add_argument("--bound-seeds", type=int, default=100, help="hacked seeds 0..N-1 (--bound)")
     ap.add_argument(
         "--bound-rldoctor-seeds",
@@ -791,6 +945,33 @@ def main(argv: list[str] | None = None) -> int:
         help="seeds rldoctor runs on (--bound; 0: its alerts from the table's JSON, seeds 0-4)",
     )
     args = ap.parse_args(argv)
+    if args.target:
+        try:
+            import rl_doctor  # noqa: F401
+        except ImportError:
+            print(
+                "--target runs the peer in the same run: rldoctor 0.2.0 is not importable "
+                "(pip install --target /tmp/rld-site rldoctor==0.2.0; PYTHONPATH=/tmp/rld-site)",
+                file=sys.stderr,
+            )
+            return 2
+        logging.disable(logging.CRITICAL)
+        t0, c0 = time.time(), time.process_time()
+        res = target(
+            args.target_seed0,
+            args.target_hacked,
+            args.target_controls,
+            args.bound_cal,
+            args.target_variants,
+            args.target_rldoctor_controls,
+        )
+        res["elapsed_s"] = time.time() - t0
+        res["cpu_s"] = time.process_time() - c0
+        print_target(res)
+        print(f"({res['elapsed_s']:.0f} s wall, {res['cpu_s']:.0f} s CPU)")
+        out = REPO / "bench" / "results" / "rl_early_warning_target.json"
+        out.write_text(json.dumps(res, indent=1, default=str))
+        return 0
     if args.bound:
         logging.disable(logging.CRITICAL)
         t0, c0 = time.time(), time.process_time()
