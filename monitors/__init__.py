@@ -32,6 +32,7 @@ from .config import (
     SdcConfig,
     StaleRolloutConfig,
     StragglerConfig,
+    TrainInferenceGapConfig,
 )
 from .memory import MemoryMonitor
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
@@ -50,6 +51,7 @@ from .rl import (
     ModeCollapseMonitor,
     RewardHackingMonitor,
     StaleRolloutMonitor,
+    TrainInferenceGapMonitor,
 )
 from .sdc import SdcMonitor
 from .shared import SharedRankedMonitor
@@ -121,6 +123,8 @@ __all__ = [
     "RewardHackingMonitor",
     "ModeCollapseMonitor",
     "StaleRolloutMonitor",
+    "TrainInferenceGapConfig",
+    "TrainInferenceGapMonitor",
     "MemoryMonitor",
     "SdcConfig",
     "SdcMonitor",

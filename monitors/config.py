@@ -459,6 +459,24 @@ class StaleRolloutConfig(_Strict):
     )
 
 
+class TrainInferenceGapConfig(_Strict):
+    """Log-probability gap between the engine that sampled the rollouts and the trainer (see
+    rl/mismatch.py)."""
+
+    enabled: bool = True
+    action: Action = "alert"
+    keys: list[str] = Field(
+        ["sampling/sampling_logp_difference/mean", "engine/lp_gap"],
+        description="the first present key is read (TRL's gap on the rollouts, else ptops' probe)",
+    )
+    max_gap: float = Field(
+        0.05, ge=0, description="mean per-token gap (nats) above this is a mismatch"
+    )
+    clear_steps: int = Field(
+        10, ge=1, description="all-clear after this many consecutive steps at or under max_gap"
+    )
+
+
 class MemoryConfig(_Strict):
     """A rank's memory trend against its limit (see memory.py)."""
 
@@ -548,6 +566,7 @@ class MonitorsSection(_Strict):
     reward_hacking: RewardHackingConfig = RewardHackingConfig()
     mode_collapse: ModeCollapseConfig = ModeCollapseConfig()
     stale_rollout: StaleRolloutConfig = StaleRolloutConfig()
+    train_inference_gap: TrainInferenceGapConfig = TrainInferenceGapConfig()
     memory: MemoryConfig = MemoryConfig()
     sdc: SdcConfig = SdcConfig()
 

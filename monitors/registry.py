@@ -24,6 +24,7 @@ from .config import (
     SdcConfig,
     StaleRolloutConfig,
     StragglerConfig,
+    TrainInferenceGapConfig,
 )
 from .memory import MemoryMonitor
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
@@ -33,6 +34,7 @@ from .rl import (
     ModeCollapseMonitor,
     RewardHackingMonitor,
     StaleRolloutMonitor,
+    TrainInferenceGapMonitor,
 )
 from .sdc import SdcMonitor
 from .straggler import StragglerMonitor
@@ -64,6 +66,7 @@ MONITORS: dict[str, MonitorInfo] = {
         _info(RewardHackingMonitor, RewardHackingConfig, "rl", "RewardHacking"),
         _info(ModeCollapseMonitor, ModeCollapseConfig, "rl", "EntropyCollapse"),
         _info(StaleRolloutMonitor, StaleRolloutConfig, "rl", "StaleRollouts"),
+        _info(TrainInferenceGapMonitor, TrainInferenceGapConfig, "rl", "TrainInferenceMismatch"),
         _info(MemoryMonitor, MemoryConfig, "memory", "MemoryForecast"),
         _info(SdcMonitor, SdcConfig, "sdc", "SilentDataCorruption"),
     )

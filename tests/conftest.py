@@ -239,6 +239,9 @@ LONGEST_FIRST = [
 # it. Run them with `bash scripts/test.sh -m extended` before resolving an issue that touches what
 # they name (the TRL recipes, the GPU check's drivers). Every entry must name a test that exists.
 EXTENDED = {
+    "tests/trl/test_vllm_engine.py::test_rloo_with_a_colocated_engine_recovers_a_crash_exactly": (
+        "the engine seam's exact recovery: test_colocate_engine_recovers_... (GRPO, same seam)"
+    ),
     "tests/trl/test_vllm_engine.py::test_server_engine_recovery_ends_at_the_uninterrupted_digest": (
         "the server engine's exact recovery: its redone steps match attempt 1's "
         "(test_server_engine_outlives_...); the colocate engine's digest: test_colocate_engine_..."

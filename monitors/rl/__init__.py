@@ -27,6 +27,7 @@ fits and the statistics they share.
 
 from .entropy import EntropyCollapseMonitor
 from .kl import KLDriftMonitor
+from .mismatch import TrainInferenceGapMonitor
 from .mode_collapse import ModeCollapseMonitor
 from .reward_hacking import RewardHackingMonitor
 from .stale import StaleRolloutMonitor
@@ -37,4 +38,5 @@ __all__ = [
     "ModeCollapseMonitor",
     "RewardHackingMonitor",
     "StaleRolloutMonitor",
+    "TrainInferenceGapMonitor",
 ]

@@ -39,6 +39,7 @@ MAPPING = {
     "EntropyCollapse": "grpo",  # the RL runbooks: a real GRPO run (no collapse in it)
     # a real GRPO run without an engine (tests/trl/test_vllm_engine.py stops one on stale weights)
     "EngineStaleWeights": "grpo",
+    "TrainInferenceMismatch": "grpo",
     "KLDrift": "grpo",
     "RewardHacking": "grpo",
     "StaleRollouts": "grpo",
@@ -71,6 +72,7 @@ EXPECT = {
     "KLDrift": ['"kl":', '"beta":0.1'],
     "RewardHacking": ['"rewards_format_mean":'],
     "EngineStaleWeights": ["no engine keys", "no engine sidecar log", "no server-mode weights"],
+    "TrainInferenceMismatch": ["no [trl.vllm] section"],
     "GPUErrors": ["rank 1 host"],
     "GoodputLow": ["ptops_goodput_ratio", '"kind":"restart"', "startup_s"],
     "LossSpike": ['"loss":"nan"'],

@@ -425,3 +425,22 @@ def test_ckpt_imports_nothing_else_of_ptops(name):
 def test_nan_value_is_nan():
     f = replay([_rec(1, loss=1.0), _rec(2, loss="nan")], [NaNMonitor()])
     assert math.isnan(f[0].value)
+
+
+def test_train_inference_gap_opens_past_its_bound_and_clears_after_quiet_steps():
+    """TRL's per-token gap on the rollouts (sanitised key), read first; ptops' probe gap when TRL
+    logs none. One episode: open when the gap passes max_gap (0.05), all clear after 10 steps
+    within it; a run at a precision gap of 1e-6 stays silent."""
+    from ptops.monitors import TrainInferenceGapMonitor
+
+    trl_key = "sampling_sampling_logp_difference_mean"
+    gaps = [0.001] * 5 + [0.2] * 5 + [0.001] * 12
+    recs = [_rec(s, rank=r, **{trl_key: g}) for s, g in enumerate(gaps, 1) for r in (0, 1)]
+    found = _only(replay(recs, [TrainInferenceGapMonitor()]), "train_inference_gap")
+    assert [(f.step, f.severity) for f in found] == [(6, "warning"), (20, "info")], found
+    assert "sampling/sampling_logp_difference/mean 0.2 > 0.05" in found[0].detail
+    probe = [_rec(s, **{"engine/lp_gap": 4e-7}) for s in range(1, 30)]
+    assert replay(probe, [TrainInferenceGapMonitor()]) == []
+    bf16 = [_rec(s, **{"engine/lp_gap": 0.09}) for s in range(1, 4)]
+    (opened,) = replay(bf16, [TrainInferenceGapMonitor()])
+    assert opened.step == 1 and "engine/lp_gap" in opened.detail

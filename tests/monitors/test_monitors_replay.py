@@ -267,6 +267,7 @@ def test_shared_state_gives_the_findings_of_one_state_per_rank(monkeypatch):
         "reward_hacking",
         "mode_collapse",
         "stale_rollout",
+        "train_inference_gap",
     }
     own_states: dict[str, tuple] = {}  # a state per rank does not depend on _LOG_MAX: once
     for log_max in (1024, 16):
