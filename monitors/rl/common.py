@@ -123,6 +123,40 @@ class _SharedRL(_RL, SharedRankedMonitor):
     values)."""
 
 
+class _BoundRL(_SharedRL):
+    """One key's value past a bound (``stale_rollout``, ``train_inference_gap``): an episode opens
+    when it passes ``bound``, all clear after ``cfg.clear_steps`` steps within it. A subclass
+    names the bound and the two texts."""
+
+    cfg: Any
+
+    def _bound(self) -> float:
+        raise NotImplementedError
+
+    def _texts(self, key: str, value: float) -> tuple[str, str]:
+        """(the finding's detail, the all-clear's)."""
+        raise NotImplementedError
+
+    def _apply(
+        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
+        key, value = inputs
+        if value is None:
+            return []
+        over = value > self._bound()
+        if not over and not st.ep.level:
+            # within the bound, no episode open: update() would change nothing (quiet is 0 then)
+            return []
+        out: list[Finding] = []
+        phase = st.ep.update(1 if over else 0, not over, self.cfg.clear_steps)
+        if phase is not None:
+            detail, cleared = self._texts(key, value)
+            self._report(
+                out, st, record, step, rank, phase, 1 if over else 0, value, detail, cleared
+            )
+        return out
+
+
 _NO_VALUE = (None,)
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..base import Finding, first_finite, spelled
+from ..base import first_finite, spelled
 from ..config import TrainInferenceGapConfig
-from .common import _SharedRL, _spellings, _St
+from .common import _BoundRL, _spellings
 
 
-class TrainInferenceGapMonitor(_SharedRL):
+class TrainInferenceGapMonitor(_BoundRL):
     """Train/inference mismatch (``monitor="train_inference_gap"``): the per-token log-probability
     gap between the engine that sampled the rollouts and the trainer, past a bound.
 
@@ -38,29 +38,12 @@ class TrainInferenceGapMonitor(_SharedRL):
         """(key, gap): the first of ``keys`` holding a finite number, or (None, None)."""
         return first_finite(record, self._keys)
 
-    def _apply(
-        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
-    ) -> list[Finding]:
-        key, gap = inputs
-        if gap is None:
-            return []
-        wide = gap > self.cfg.max_gap
-        if not wide and not st.ep.level:
-            return []
-        out: list[Finding] = []
-        phase = st.ep.update(1 if wide else 0, not wide, self.cfg.clear_steps)
-        if phase is not None:
-            self._report(
-                out,
-                st,
-                record,
-                step,
-                rank,
-                phase,
-                1 if wide else 0,
-                gap,
-                f"{key} {gap:.3g} > {self.cfg.max_gap:g}: the engine samples from another policy "
-                "than the trainer trains (precision, kernels or stale weights)",
-                f"{key} {gap:.3g} within {self.cfg.max_gap:g} for {self.cfg.clear_steps} steps",
-            )
-        return out
+    def _bound(self) -> float:
+        return self.cfg.max_gap
+
+    def _texts(self, key: str, gap: float) -> tuple[str, str]:
+        return (
+            f"{key} {gap:.3g} > {self.cfg.max_gap:g}: the engine samples from another policy "
+            "than the trainer trains (precision, kernels or stale weights)",
+            f"{key} {gap:.3g} within {self.cfg.max_gap:g} for {self.cfg.clear_steps} steps",
+        )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..base import Finding, first_finite, spelled
+from ..base import first_finite, spelled
 from ..config import StaleRolloutConfig
-from .common import _SharedRL, _spellings, _St
+from .common import _BoundRL, _spellings
 
 
-class StaleRolloutMonitor(_SharedRL):
+class StaleRolloutMonitor(_BoundRL):
     """Stale rollouts (``monitor="stale_rollout"``): policy-version lag past a bound.
 
     Reads the first present of ``keys`` (``policy_lag``, ``policy_version_lag``,
@@ -45,30 +45,11 @@ class StaleRolloutMonitor(_SharedRL):
             return sp[0], float(v)
         return first_finite(record, self._keys)
 
-    def _apply(
-        self, st: _St, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
-    ) -> list[Finding]:
-        key, lag = inputs
-        if lag is None:
-            return []
-        stale = lag > self.cfg.max_lag
-        if not stale and not st.ep.level:
-            # within the bound, no episode open: update() would change nothing (quiet is 0 then)
-            return []
-        out: list[Finding] = []
-        phase = st.ep.update(1 if stale else 0, not stale, self.cfg.clear_steps)
-        if phase is not None:
-            self._report(
-                out,
-                st,
-                record,
-                step,
-                rank,
-                phase,
-                1 if stale else 0,
-                lag,
-                f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} "
-                "steps old",
-                f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps",
-            )
-        return out
+    def _bound(self) -> float:
+        return self.cfg.max_lag
+
+    def _texts(self, key: str, lag: float) -> tuple[str, str]:
+        return (
+            f"{key} {lag:g} > {self.cfg.max_lag:g}: rollouts come from a policy {lag:g} steps old",
+            f"{key} {lag:g} within {self.cfg.max_lag:g} for {self.cfg.clear_steps} steps",
+        )
