@@ -45,7 +45,8 @@ class EngineStaleWeights(RuntimeError):
 
 
 def engine_dtype(v: Any) -> str:
-    """``[trl.vllm] dtype``: ``trainer`` (float32 on CPU, bfloat16 where the trainer runs bf16)."""
+    """``[trl.vllm] dtype``: ``trainer`` is float32, the trainer's precision on CPU (the CPU build
+    is where ptops chooses the engine's precision; on a GPU TRL's own settings stand)."""
     if v.dtype != "trainer":
         return v.dtype
     return "float32"
