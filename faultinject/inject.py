@@ -87,6 +87,11 @@ _FLOAT_LAYOUT = {
 }
 
 
+def _lasting(f: Fault) -> bool:
+    """A ``mode=persistent`` fault: due at every step from its own."""
+    return f.params.get("mode") == "persistent"
+
+
 class Injector:
     # what flip_bits flips where an engine calls it (the engines do not import faultinject)
     AT_REST, GRAD, COMPUTE = AT_REST, GRAD, COMPUTE
@@ -130,7 +135,7 @@ class Injector:
         self._last_save: int | None = None  # the step of the last save this rank began
         self._skipped = threading.Condition()
         self._skips: list[int] = []  # steps whose save was skipped (another one still writing)
-        self._flipping: set[int] = set()  # id() of persistent bitflips that fired (emitted once)
+        self._flipping: set[int] = set()  # id() of persistent faults that fired (emitted once)
 
     def _for_rank(self, f: Fault) -> bool:
         if f.kind in ONE_RANK_KINDS and f.rank is None:
@@ -181,6 +186,20 @@ class Injector:
             "step" if f.kind == "hold" else f.params.get("phase", "step")
         )  # hold's phase names its pause
         return f.kind in kinds and where == phase and (step == f.step or (live and step >= f.step))
+
+    def _take_lasting(self, match: Callable[[Fault, bool], bool], step: int) -> list[Fault]:
+        """The pending faults ``match(fault, live)`` names, taken; a persistent one stays pending
+        (due again at later steps) and is emitted the first time only (bitflip, stale-sync)."""
+        with self._lock:
+            due = [(f, live) for f, live in self._pending if match(f, live)]
+            keep = [(f, live) for f, live in due if _lasting(f)]
+            self._pending = [p for p in self._pending if p not in due] + keep
+        for f, _ in due:
+            if id(f) not in self._flipping:
+                self.emit(f, step)
+                if _lasting(f):
+                    self._flipping.add(id(f))
+        return [f for f, _ in due]
 
     def _take(self, kinds: tuple[str, ...], step: int, phase: str = "step") -> list[Fault]:
         with self._lock:
@@ -247,25 +266,16 @@ class Injector:
         between steps with ``AT_REST`` (parameters, optimizer state) and between the backward and
         the optimizer with ``GRAD``. A persistent one stays pending and flips again at every later
         step. Returns what was flipped (for the log)."""
-        with self._lock:
-            due = [
-                (f, live)
-                for f, live in self._pending
-                if f.kind == "bitflip"
+        due = self._take_lasting(
+            lambda f, live: (
+                f.kind == "bitflip"
                 and f.params.get("target", "param") in targets
-                and (
-                    step == f.step
-                    or (step > f.step and (live or f.params.get("mode") == "persistent"))
-                )
-            ]
-            keep = [(f, live) for f, live in due if f.params.get("mode") == "persistent"]
-            self._pending = [p for p in self._pending if p not in due] + keep
+                and (step == f.step or (step > f.step and (live or _lasting(f))))
+            ),
+            step,
+        )
         done = []
-        for f, _ in due:
-            if id(f) not in self._flipping:
-                self.emit(f, step)
-                if f.params.get("mode") == "persistent":
-                    self._flipping.add(id(f))
+        for f in due:
             what = flip_one_bit(tensors(f.params.get("target", "param")), f, step)
             _warn(f"fault {f}: {what}")
             done.append(what)
@@ -280,19 +290,12 @@ class Injector:
     def skip_sync(self, step: int) -> bool:
         """``stale-sync`` due before ``step``'s rollouts: the weight sync to the engine must change
         nothing. Persistent: every sync from ``step`` on (emitted once)."""
-        with self._lock:
-            due = [
-                (f, live)
-                for f, live in self._pending
-                if f.kind == "stale-sync"
-                and (step == f.step or (step > f.step and f.params.get("mode") == "persistent"))
-            ]
-            keep = [(f, live) for f, live in due if f.params.get("mode") == "persistent"]
-            self._pending = [p for p in self._pending if p not in due] + keep
-        for f, _ in due:
-            if id(f) not in self._flipping:
-                self._flipping.add(id(f))
-                self.emit(f, step)
+        due = self._take_lasting(
+            lambda f, live: (
+                f.kind == "stale-sync" and (step == f.step or (step > f.step and _lasting(f)))
+            ),
+            step,
+        )
         return bool(due)
 
     def in_sync(self, step: int) -> None:
