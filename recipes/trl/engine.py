@@ -238,38 +238,32 @@ class EngineSeam:
         )
         self.sync()
 
+    def _healthy(self, timeout: float = 5.0) -> bool:
+        """The engine's server answers ``/health`` with 200 (one that answers for a dead engine, or
+        none at all, is not healthy)."""
+        import requests
+
+        try:
+            url = f"{self.gen.vllm_client.base_url}/health"
+            return requests.get(url, timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
     def _wait_engine(self) -> None:
         """Until the engine answers (the run's sidecar supervision restarts a dead one): a declared
         pause (``engine_wait``) while it does not, so that the peers waiting on this rank are not a
         hang."""
-        import requests
-
-        client = self.gen.vllm_client
-        try:
-            if requests.get(f"{client.base_url}/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        with self._seam("engine_wait"):
-            self._wait_healthy()
-
-    def _wait_healthy(self) -> None:
-        import requests
-
-        client = self.gen.vllm_client
+        if self._healthy():
+            return
         deadline = time.monotonic() + self.v.health_timeout_s
-        while True:
-            try:
-                if requests.get(f"{client.base_url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise ConnectionError(
-                    f"the vLLM engine at {client.base_url} did not come back within "
-                    f"{self.v.health_timeout_s:g} s ([trl.vllm] health_timeout_s)"
-                )
-            time.sleep(0.5)
+        with self._seam("engine_wait"):
+            while not self._healthy():
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"the vLLM engine at {self.gen.vllm_client.base_url} did not come back "
+                        f"within {self.v.health_timeout_s:g} s ([trl.vllm] health_timeout_s)"
+                    )
+                time.sleep(0.5)
 
     def _crash_engine(self) -> None:
         """The ``engine-crash`` fault: the engine's process exits; wait until it is seen gone."""
@@ -279,14 +273,8 @@ class EngineSeam:
             self._rpc("ptops_exit", timeout=10)
         except requests.RequestException:
             pass  # the engine died answering
-        client = self.gen.vllm_client
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"{client.base_url}/health", timeout=2).status_code != 200:
-                    return  # its server answers for a dead engine
-            except requests.RequestException:
-                return
+        while self._healthy(timeout=2) and time.monotonic() < deadline:
             time.sleep(0.2)
 
     # ------------------------------------------------------------ sync and its check
