@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -179,8 +178,3 @@ def _rmtree_safely(p: Path) -> None:
     os.rename(p, tmp)
     fsync_dir(p.parent)
     shutil.rmtree(tmp)
-
-
-def quarantine_note(path: str | os.PathLike) -> dict | None:
-    f = Path(path) / QUARANTINE_NOTE
-    return json.loads(f.read_text()) if f.exists() else None

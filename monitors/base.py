@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 Severity = str  # "info" | "warning" | "critical"
-SEVERITIES = ("info", "warning", "critical")
 # Where a finding stands in its episode (RL monitors report episodes, not repeats):
 # ``open`` (the first finding: warning or critical), ``escalate`` (warning -> critical),
 # ``resolved`` (the all-clear: severity ``info``; nothing to act on).
@@ -239,14 +238,6 @@ def spelled(key: str) -> tuple[str, str | None]:
     return key, (alt if alt != key else None)
 
 
-def raw_of(record: Mapping[str, Any], spelling: tuple[str, str | None]) -> Any:
-    """:func:`lookup`'s raw value for a :func:`spelled` key, or ``_MISSING`` when absent."""
-    v = record.get(spelling[0], _MISSING)
-    if v is _MISSING and spelling[1] is not None:
-        return record.get(spelling[1], _MISSING)
-    return v
-
-
 def finite_floats(
     record: Mapping[str, Any], spellings: tuple[tuple[str, str | None], ...]
 ) -> tuple:
@@ -360,31 +351,6 @@ def quantile(xs: list[float], q: float) -> float:
     return quantile_sorted(sorted(xs), q)
 
 
-def linfit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares line ``y = a + b*x``: returns (a, b). Needs >= 2 distinct xs (else slope 0)."""
-    n = len(xs)
-    mx = sum(xs) / n
-    my = sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return my, 0.0
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - b * mx, b
-
-
-def correlation(xs: list[float], ys: list[float]) -> float:
-    n = len(xs)
-    if n < 2:
-        return 0.0
-    mx = sum(xs) / n
-    my = sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    if sxx == 0 or syy == 0:
-        return 0.0
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)
-
-
 class StepSeries:
     """Per-rank history of one value, keyed by step, that rewinds when the run does.
 
@@ -485,40 +451,6 @@ def quantile_sorted(s: list[float], q: float) -> float:
     lo = int(math.floor(pos))
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-class Latch:
-    """Once-per-episode firing: a condition fires once, and again only after it cleared.
-
-    Keyed by step too, so that two ranks reporting the same global value at the
-    same step give one finding, and a rewound run may fire again on a step it
-    redoes only if it reached that step anew (the key holds the attempt).
-    """
-
-    __slots__ = ("active", "emitted")
-
-    def __init__(self) -> None:
-        self.active: set[Any] = set()
-        self.emitted: set[Any] = set()
-
-    def fire(self, key: Any, on: bool) -> bool:
-        if not on:
-            self.active.discard(key)
-            return False
-        if key in self.active:
-            return False
-        self.active.add(key)
-        return True
-
-    def once(self, key: Any) -> bool:
-        if key in self.emitted:
-            return False
-        self.emitted.add(key)
-        return True
-
-    def clear(self) -> None:
-        self.active.clear()
-        self.emitted.clear()
 
 
 class RankedMonitor:

@@ -84,7 +84,7 @@ class NaNMonitor(SharedRankedMonitor):
         keep sharing one state."""
         out = []
         for _, sp in self._keys:
-            raw = record.get(sp[0], _MISSING)  # raw_of, inlined
+            raw = record.get(sp[0], _MISSING)
             if raw is _MISSING and sp[1] is not None:
                 raw = record.get(sp[1], _MISSING)
             if raw is None or raw is _MISSING:

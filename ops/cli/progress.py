@@ -49,7 +49,6 @@ class Progress:
         self.tps = None
         self._last_line: float | None = None  # when the last line was written (monotonic)
         self._shown_step: int | None = None  # the step the last line showed
-        self._partial = b""
 
     def follow(self, path: Path, offset: int) -> int:
         """Read rank-0 records appended since ``offset``; returns the new offset."""

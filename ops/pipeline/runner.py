@@ -50,10 +50,6 @@ class Outcome:
     stages: list[dict[str, Any]] = field(default_factory=list)
 
 
-def is_pipeline_dir(path: Path) -> bool:
-    return (Path(path) / SNAPSHOT).is_file()
-
-
 def stage_dirs(pipe_dir: Path, snap: dict) -> list[Path]:
     return [Path(pipe_dir) / "stages" / s["dir"] for s in snap["stages"]]
 

@@ -63,7 +63,6 @@ LIVE = "metrics.jsonl"
 SEGMENT_DIR = "metrics"
 INDEX = "index.jsonl"
 SEGMENT_NAME = re.compile(r"^([0-9]{6})\.jsonl$")
-DEFAULT_ROTATE_MB = 256.0
 # rank 0's keys that ``ptops status`` (step, loss) and the goodput account (goodput.py)
 # read: the index carries these for each segment
 # (and ``ptops diagnose``'s loss and grad norm around a numeric incident)

@@ -44,13 +44,9 @@ class RunDir:
 
     @property
     def metrics(self) -> Path:
-        """The live metrics file; older records may be in :attr:`metrics_dir` (read them all with
+        """The live metrics file; older records are in the ``metrics/`` segments (read them all with
         :meth:`iter_metrics`)."""
         return self.path / "metrics.jsonl"
-
-    @property
-    def metrics_dir(self) -> Path:
-        return self.path / "metrics"
 
     @property
     def checkpoints(self) -> Path:

@@ -8,7 +8,6 @@ commands are what an on-call engineer would type. Every call has a timeout and r
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 
@@ -46,25 +45,3 @@ def hostnames(nodelist: str) -> list[str]:
 
 def requeue(job_id: str) -> None:
     _run(["scontrol", "requeue", job_id])
-
-
-def cancel(job_id: str, signal: str | None = None, batch: bool = False) -> None:
-    argv = ["scancel"]
-    if signal:
-        argv.append(f"--signal={signal}")
-    if batch:
-        argv.append("--batch")
-    _run([*argv, job_id])
-
-
-def job_state(job_id: str) -> tuple[str, str]:
-    """(state, node list) of a job from ``squeue``; ("", "") once it left the queue."""
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%N"]).strip()
-    if not out:
-        return "", ""
-    state, _, nodes = out.splitlines()[0].partition("|")
-    return state, nodes
-
-
-def in_allocation() -> bool:
-    return bool(os.environ.get("SLURM_JOB_ID"))

@@ -303,7 +303,3 @@ def render_rules(base: str | None = None) -> str:
     return header + yaml.dump(
         doc, Dumper=_literal_yaml(), sort_keys=False, width=120, allow_unicode=True
     )
-
-
-def shipped_rules() -> str:
-    return RULES_FILE.read_text()
