@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import scale_load  # noqa: E402 - the bench's own titan-like records
+import scale_load  # the bench's own titan-like records
 
-from ptops.monitors.hang import HangConfig, HangMonitor  # noqa: E402
-from ptops.ops.supervisor.monitorfeed import MonitorFeed, build  # noqa: E402
+from ptops.monitors.hang import HangConfig, HangMonitor
+from ptops.ops.supervisor.monitorfeed import MonitorFeed, build
 
 
 def _warm(m: HangMonitor, world: int) -> float:

@@ -97,7 +97,7 @@ class AsyncSaver:
             err = None
             try:
                 fut.result()
-            except Exception as e:  # noqa: BLE001 - a failed write is a failed save, recorded
+            except Exception as e:  # a failed write is a failed save, recorded
                 err = e
             if not txn.commit(err, collective=False):
                 self.errors.append(str(txn.error))

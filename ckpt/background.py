@@ -71,14 +71,14 @@ class BackgroundVerifier:
         try:
             res = verify(path, deep=self._deep)
             ok, reason = bool(res.ok), ("" if res.ok else res.reason)
-        except Exception as e:  # noqa: BLE001 - a verifier bug must not end training
+        except Exception as e:  # a verifier bug must not end training
             ok, reason = False, f"verify raised {type(e).__name__}: {e}"
         if not path.exists():
             return  # pruned while being read
         self.results.append((step, ok, reason))
         try:
             self._on_result(step, path, ok, reason, time.monotonic() - t)
-        except Exception:  # noqa: BLE001 - reporting must not kill the thread
+        except Exception:  # reporting must not kill the thread
             pass
 
     def wait_idle(self, timeout: float) -> bool:

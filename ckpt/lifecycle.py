@@ -306,7 +306,7 @@ class SaveTransaction:
             try:
                 write_manifest(self.path, self.step, self.world_size, self.versions)
                 commit(self.root, self.path, deep=False)  # write_manifest just hashed every file
-            except Exception as e:  # noqa: BLE001 - ManifestError, OSError (ENOSPC writing the manifest), ...
+            except Exception as e:  # ManifestError, OSError (ENOSPC writing the manifest), ...
                 cerr = e
         if collective and self._agree(cerr is not None):
             return self._fail(cerr or "commit failed on the leader rank")
@@ -319,7 +319,7 @@ class SaveTransaction:
                 self.pruned = prune(
                     self.root, keep_last=self.keep, keep_before=before, min_age_s=0
                 ).deleted
-            except Exception as e:  # noqa: BLE001 - retention failing is not a failed save
+            except Exception as e:  # retention failing is not a failed save
                 self.prune_error = _err_text(e)
         return True
 
@@ -359,7 +359,7 @@ class SaveTransaction:
         err: Any = None
         try:
             write(self.path)
-        except Exception as e:  # noqa: BLE001 - OSError, the engine's own errors: a failed save, not a crash
+        except Exception as e:  # OSError, the engine's own errors: a failed save, not a crash
             err = e
         return self.finish(err, probe)
 

@@ -201,7 +201,7 @@ def _check_dcp(p: Path, bad, load_check: bool, res: Result) -> None:
 
     try:
         md = read_metadata_lite(p)  # restricted unpickler into inert stubs: no torch import
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+    except Exception as e:  # any unpickling failure is a bad file
         bad(".metadata", f"does not load ({type(e).__name__}: {e})")
         return
     try:

@@ -130,7 +130,7 @@ def analyse(
         ):  # its logger says at import that tabulate is missing
             from torch.distributed.flight_recorder.components.builder import build_db
             from torch.distributed.flight_recorder.components.config_manager import JobConfig
-    except Exception as e:  # noqa: BLE001 - torch missing or its tooling moved: say so, diagnose goes on
+    except Exception as e:  # torch missing or its tooling moved: say so, diagnose goes on
         out["error"] = f"torch flight-recorder tooling not importable: {e}"
         out["summary"].append(out["error"])
         return out
@@ -183,7 +183,7 @@ def analyse(
         with contextlib.redirect_stdout(buf):
             args = JobConfig().parse_args(["--allow-incomplete-ranks"])
             db = build_db(details, args, version)
-    except Exception as e:  # noqa: BLE001 - a dump torch cannot read is reported, not fatal
+    except Exception as e:  # a dump torch cannot read is reported, not fatal
         out["error"] = f"{type(e).__name__}: {e}"
         out["summary"].append(f"torch could not analyse the dumps: {out['error']}"[:300])
         return out

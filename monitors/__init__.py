@@ -70,7 +70,7 @@ def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
         if cfg.enabled:
             try:
                 out.append(info.monitor(cfg))
-            except Exception as e:  # noqa: BLE001 - any constructor error is a bad config of that monitor
+            except Exception as e:  # any constructor error is a bad config of that monitor
                 raise MonitorConfigError(name, e) from e
     return out
 

@@ -120,7 +120,7 @@ def keys_any_record_reads(monitors: list) -> frozenset | None:
             probe = _Probe(absent)
             try:
                 m._inputs(probe)
-            except Exception:  # noqa: BLE001 - _Every, or a probe it cannot read: it reads all
+            except Exception:  # _Every, or a probe it cannot read: it reads all
                 return None
             read |= probe.read
             if absent is not None:

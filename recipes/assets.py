@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ptops.ops.runrecord import ranklog
-from ptops.ops.runrecord.cache import cache_root  # noqa: F401 - also this module's API
+from ptops.ops.runrecord.cache import cache_root  # also this module's API
 
 ASSETS_VERSION = 1
 WORDS = (
@@ -253,7 +253,7 @@ def build_once(name: str, builder: Callable[[Path], None], check: Callable[[Path
             builder(tmp)
             try:
                 check(tmp)
-            except Exception as e:  # noqa: BLE001 - any load error means incomplete
+            except Exception as e:  # any load error means incomplete
                 raise AssetError(
                     f"asset {name}: the fresh build fails its check, not cached: "
                     f"{type(e).__name__}: {e}"
@@ -275,7 +275,7 @@ def _adopted(path: Path, check: Callable[[Path], None]) -> bool:
     does not)."""
     try:
         check(path)
-    except Exception:  # noqa: BLE001 - any load error: not adopted (quarantined by the caller)
+    except Exception:  # any load error: not adopted (quarantined by the caller)
         return False
     _mark_complete(path)
     ranklog.get("assets").info("checked %s (built by an older ptops): it loads; kept", path)

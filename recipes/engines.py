@@ -172,7 +172,7 @@ def _load_plugins() -> None:
                     f"entry point {ep.name!r} registered no engine of that name "
                     f"(registered: {', '.join(sorted(added)) or 'none'})"
                 )
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - a plugin must never break ptops
+        except (Exception, SystemExit) as e:  # a plugin must never break ptops
             for name in set(_ENGINES) - before:
                 del _ENGINES[name]
                 _PROVIDERS.pop(name, None)

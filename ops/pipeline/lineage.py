@@ -56,7 +56,7 @@ class Lineage:
         self.error: str | None = None
         try:
             self._connect()
-        except Exception as e:  # noqa: BLE001 - MLflow down or misconfigured
+        except Exception as e:  # MLflow down or misconfigured
             self._fail(e)
 
     def _fail(self, e: BaseException) -> None:
@@ -144,7 +144,7 @@ class Lineage:
             )
             self.client.set_tag(self.parent, f"ptops.stage.{stage}.run_id", run_id)
             return run_id
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._fail(e)
             return None
 
@@ -160,7 +160,7 @@ class Lineage:
                 if run_id is not None:
                     self.client.set_tag(run_id, f"ptops.{k}", str(v))
                 self.client.set_tag(self.parent, f"ptops.stage.{stage}.{k}", str(v))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._fail(e)
 
     def finish(self, state: str, message: str | None = None) -> None:
@@ -172,5 +172,5 @@ class Lineage:
                 self.client.set_tag(self.parent, "ptops.message", message[:4000])
             status = {"completed": "FINISHED", "stopped": "KILLED"}.get(state, "FAILED")
             self.client.set_terminated(self.parent, status=status)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._fail(e)

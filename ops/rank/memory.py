@@ -97,7 +97,7 @@ def cuda_mb() -> dict[str, float]:
             "cuda_peak_mb": round(torch.cuda.max_memory_reserved(dev) / MB, 1),
             "cuda_total_mb": round(torch.cuda.get_device_properties(dev).total_memory / MB, 1),
         }
-    except Exception:  # noqa: BLE001 - a figure we cannot read is left out, never a failed step
+    except Exception:  # a figure we cannot read is left out, never a failed step
         return {}
 
 

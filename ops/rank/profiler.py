@@ -95,7 +95,7 @@ class Capture:
                 self.finish(step - self.first_step)
             else:
                 self._begin_step_range(step)
-        except Exception as e:  # noqa: BLE001 - profiling must never stop training
+        except Exception as e:  # profiling must never stop training
             self._fail(f"{type(e).__name__}: {e}")
 
     def mark(self, what: str):
@@ -137,7 +137,7 @@ class Capture:
                 pause_s=round(time.monotonic() - t_end, 4),
                 partial=partial,
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._fail(f"{type(e).__name__}: {e}")
 
     def close(self, step: int) -> None:

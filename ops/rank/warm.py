@@ -246,7 +246,7 @@ def forked_child_status(fn: Any) -> int:
     if pid == 0:
         try:
             fn()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             os._exit(1)
         os._exit(0)
     return os.waitpid(pid, 0)[1]
@@ -264,7 +264,7 @@ def cuda_fork_problem() -> str:
     try:
         if torch.cuda.device_count() == 0:
             return ""
-    except Exception:  # noqa: BLE001 - no usable driver: the ranks will say so themselves
+    except Exception:  # no usable driver: the ranks will say so themselves
         return ""
 
     def touch() -> None:
@@ -308,7 +308,7 @@ def serve(name: str, engine: str, target: Any = None) -> None:
             conn, _ = srv.accept()
             try:
                 child = _start(srv, conn, target, me)
-            except Exception as e:  # noqa: BLE001 - a bad request must not end the pool
+            except Exception as e:  # a bad request must not end the pool
                 say(f"request failed: {type(e).__name__}: {e}")
                 conn.close()
             else:
@@ -403,7 +403,7 @@ def _start(
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             os._exit(code)
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             import traceback
 
             traceback.print_exc()

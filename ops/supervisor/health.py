@@ -188,9 +188,9 @@ def gpus(ctx: Context) -> tuple[bool | None, str]:
     nv = ctx.nvml
     try:
         if nv is None:
-            import pynvml as nv  # noqa: PLC0415 - only here
+            import pynvml as nv  # only here
         nv.nvmlInit()
-    except Exception as e:  # noqa: BLE001 - no library, no driver
+    except Exception as e:  # no library, no driver
         if ctx.expected_gpus is None:
             return None, f"no NVML here ({type(e).__name__}): a CPU run"
         return (
@@ -214,7 +214,7 @@ def gpus(ctx: Context) -> tuple[bool | None, str]:
     finally:
         try:
             nv.nvmlShutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -232,7 +232,7 @@ def _device_faults(nv: Any, i: int) -> list[str]:
         fn = getattr(nv, name, None)
         try:
             return None if fn is None else fn(h, *args)
-        except Exception:  # noqa: BLE001 - NVMLError_NotSupported and kin
+        except Exception:  # NVMLError_NotSupported and kin
             return None
 
     ecc = read("nvmlDeviceGetTotalEccErrors", 1, 0)  # uncorrected, volatile
@@ -461,7 +461,7 @@ def run_checks(ctx: Context, skip: tuple[str, ...] | list[str] = ()) -> list[Res
             continue
         try:
             ok, detail = c.run(ctx)
-        except Exception as e:  # noqa: BLE001 - a broken check is a failed check, named
+        except Exception as e:  # a broken check is a failed check, named
             ok, detail = False, f"{type(e).__name__}: {e}"
         out.append(Result(c.name, ok, detail))
     return out

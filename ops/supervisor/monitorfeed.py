@@ -74,7 +74,7 @@ class MonitorFeed:
                     found = f(rec, keys, step, rank)
                 if found:
                     findings.extend(found)
-            except Exception as e:  # noqa: BLE001 - one monitor's bug must not blind the others
+            except Exception as e:  # one monitor's bug must not blind the others
                 self._raised(m, e, first_errors)
         return findings, first_errors
 
@@ -108,7 +108,7 @@ class MonitorFeed:
                 got = f(lead, keys, step, lead_rank)
                 if got:
                     found.append((0, mi, got))
-            except Exception as e:  # noqa: BLE001 - as in ``feed``
+            except Exception as e:  # as in ``feed``
                 self._raised(m, e, first_errors, (0, mi))
             if rep is None:
                 for i in range(1, len(recs)):
@@ -116,7 +116,7 @@ class MonitorFeed:
                         got = f(recs[i], keys, step, ranks[i - 1])
                         if got:
                             found.append((i, mi, got))
-                    except Exception as e:  # noqa: BLE001 - as in ``feed``
+                    except Exception as e:  # as in ``feed``
                         self._raised(m, e, first_errors, (i, mi))
             elif not _moved(m, step, ranks, lead_rank, diffs, keys):
                 for i in range(1, len(recs)):
@@ -124,7 +124,7 @@ class MonitorFeed:
                         got = rep(recs[i], keys, step, ranks[i - 1], lead_rank, diffs[i - 1])
                         if got:
                             found.append((i, mi, got))
-                    except Exception as e:  # noqa: BLE001 - as in ``feed``
+                    except Exception as e:  # as in ``feed``
                         self._raised(m, e, first_errors, (i, mi))
         if len(found) > 1:
             found.sort(key=_place)
@@ -154,7 +154,7 @@ class MonitorFeed:
                 continue
             try:
                 read = keys_read(m._inputs, lead)
-            except Exception:  # noqa: BLE001 - as unreadable: left where they were
+            except Exception:  # as unreadable: left where they were
                 read = None
             if read is None or not names.isdisjoint(read):
                 name = getattr(m, "name", type(m).__name__)
@@ -167,7 +167,7 @@ class MonitorFeed:
                     got = rep(rec, keys, step, r, lead_rank, names)
                     if got:
                         findings.extend(got)
-                except Exception as e:  # noqa: BLE001 - as in ``feed``
+                except Exception as e:  # as in ``feed``
                     errs: list = []
                     self._raised(m, e, errs)
                     first_errors.extend((n, x, rec) for n, x in errs)
@@ -206,7 +206,7 @@ def _moved(m: Any, step: int, ranks: list, lead: Any, diffs: Any, keys: Any) -> 
     record by record (``repeat_group`` changes nothing before its checks pass)."""
     try:
         return m.repeat_group(step, ranks, lead, diffs, keys)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 

@@ -96,7 +96,7 @@ def preload() -> None:
     """What a warm pool imports ahead of a script's rank (``ops/rank/warm.py``): torch with its
     distributed and checkpoint packages (``ptops.rank`` saves through DCP); the script's own
     imports still run in the rank."""
-    import torch.distributed  # noqa: F401
+    import torch.distributed
     import torch.distributed.checkpoint  # noqa: F401
 
 

@@ -217,7 +217,7 @@ class ProbeCheckpointManager(CheckpointManager):
                     self._save_last_step(curr_step)  # last_save_model_only / last_save_in_hf
                 else:
                     self._write(rec, final, probe)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not end training
+            except (Exception, CheckpointException) as e:  # a failed save must not end training
                 err = e
             rec.blocking_s = time.monotonic() - t0
             if rec.call_t0 is not None:
@@ -310,14 +310,14 @@ class ProbeCheckpointManager(CheckpointManager):
             if probe is not None and exc is None:
                 try:
                     probe.faults.before_commit(rec.step)  # slow-save: it stays "writing" meanwhile
-                except Exception as e:  # noqa: BLE001 - a fault hook never costs the commit
+                except Exception as e:  # a fault hook never costs the commit
                     _log(f"before_commit hook failed: {_err_text(e)}")
             try:
                 if rec.txn.commit(exc, collective=False):
                     self._committed(rec)
                 else:
                     self._failed(rec, rec.txn.error)
-            except BaseException as e:  # noqa: BLE001 - never kill the process from here
+            except BaseException as e:  # never kill the process from here
                 rec.error = rec.error or _err_text(e)
             finally:
                 rec.done.set()
@@ -402,7 +402,7 @@ class ProbeCheckpointManager(CheckpointManager):
         t = time.monotonic()
         try:
             fut.result()
-        except BaseException:  # noqa: BLE001 - the upload fails with it and reports checkpoint_failed
+        except BaseException:  # the upload fails with it and reports checkpoint_failed
             pass
         with self._stage_lock:
             if rec is not None and rec.staged is not None and not rec.staged.is_set():
@@ -433,7 +433,7 @@ class ProbeCheckpointManager(CheckpointManager):
 
                 try:
                     plan, why = QkvSplit.build(self.states.get(MODEL), self.pg)
-                except Exception as e:  # noqa: BLE001 - never fail a save over an optimisation
+                except Exception as e:  # never fail a save over an optimisation
                     plan, why = None, _err_text(e)
             (anyone_not,) = self._agree_flags(plan is None)
             if anyone_not and plan is not None:
@@ -510,7 +510,7 @@ class ProbeCheckpointManager(CheckpointManager):
         if fut is not None:
             try:
                 fut.result(timeout=timeout)
-            except BaseException:  # noqa: BLE001 - reported by _async_done as checkpoint_failed
+            except BaseException:  # reported by _async_done as checkpoint_failed
                 pass
         if rec is not None and rec.done is not None:
             rec.done.wait(timeout)

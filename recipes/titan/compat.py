@@ -501,7 +501,7 @@ def chat_template_generation_tags_needed() -> bool:
         original(
             probe, "{% for m in messages %}{% generation %}{{ m }}{% endgeneration %}{% endfor %}"
         )
-    except Exception:  # noqa: BLE001 - jinja2.TemplateSyntaxError
+    except Exception:  # jinja2.TemplateSyntaxError
         return True
     return False
 

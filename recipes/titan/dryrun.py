@@ -142,7 +142,7 @@ def main() -> None:
     world = int(sys.argv[2])
     try:
         out = run(recipe_json, world)
-    except Exception as e:  # noqa: BLE001 - reported as one line by the CLI
+    except Exception as e:  # reported as one line by the CLI
         tb = traceback.format_exc().strip().splitlines()
         out = {
             "ok": False,

@@ -68,14 +68,14 @@ class FlatStager:
         def run() -> None:
             try:
                 staged = self._stage(state_dict)
-            except BaseException as e:  # noqa: BLE001 - both futures carry it (DCP then fails the save)
+            except BaseException as e:  # both futures carry it (DCP then fails the save)
                 copied.set_exception(e)
                 done.set_exception(e)
                 return
             copied.set_result(None)
             try:
                 done.set_result(then(staged) if then is not None else staged)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 done.set_exception(e)
 
         if self._exec is None:
