@@ -1,10 +1,10 @@
 """Background read-back verification of committed checkpoints.
 
-Why: a checkpoint damaged after its commit (a bad disk, a bit flip, a truncated copy) used to be
-found only at the restart that needed it, when the run must then fall back further and redo more
-steps. The saving rank hands each commit to one background thread that reads it back (``verify``:
-the manifest's hashes), so corruption is reported within one checkpoint interval, off the training
-thread.
+Why: a checkpoint damaged after its commit (a bad disk, a bit flip, a truncated copy) would
+otherwise be found only at the restart that needs it, when the run must fall back further and redo
+more steps. The saving rank hands each commit to one background thread that reads it back
+(``verify``: the manifest's hashes), so corruption is reported within one checkpoint interval, off
+the training thread.
 """
 
 from __future__ import annotations

@@ -324,7 +324,7 @@ class SaveTransaction:
         return True
 
     def start(self, probe: Any = None) -> bool:
-        """Every engine's opening of a save (issue 25: one save path): ``probe.phase("checkpoint")``
+        """Every engine's opening of a save (one save path for all): ``probe.phase("checkpoint")``
         and ``probe.faults.on_checkpoint`` (an ``enospc`` fault raises OSError there), then
         :meth:`begin`, then ``probe.faults.in_save`` (``crash:phase=save``). False when the save
         cannot begin (every rank alike; :attr:`error` says why)."""

@@ -8,11 +8,10 @@ imports, no I/O.
 
 A monitor author writes two methods: ``_inputs(record)`` (a tuple of everything the monitor
 reads) and ``_apply(state, inputs, record, step, rank)``; ``_noop`` (inputs that change nothing)
-is optional. The live feed once had a fast path that moved a follower on in every shared state at
-once (``Lockstep``, with a dozen hooks per monitor: raw-key fingerprints, idle keys, one-key
-inlining); it saved a few µs a record and every monitor author had to learn it. It is gone: a
-follower here costs its ``_inputs`` and one tuple comparison, and the fan-in of many ranks is a
-matter for the node agents (docs/scale.md), not for each monitor.
+is optional, and that is all: a follower here costs its ``_inputs`` and one tuple comparison. A
+faster path that moves followers on in every shared state at once would save a few µs a record
+but make every monitor author learn its hooks; the fan-in of many ranks is a matter for the node
+agents (docs/scale.md), not for each monitor.
 """
 
 from __future__ import annotations

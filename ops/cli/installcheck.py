@@ -1,8 +1,8 @@
-"""What the installed environment can run, read without importing an engine (issue 47).
+"""What the installed environment can run, read without importing an engine.
 
-Why: ``ptops --help`` used to list every built-in engine whether its packages were there or not, and
-``ptops launch titan-tiny`` without TorchTitan failed inside every rank ("No module named
-'torchtitan'") with no word of the extra to install. And ``pip install 'ptops[titan]'`` into an
+Why: ``ptops --help`` should list only the built-in engines whose packages are there, and
+``ptops launch titan-tiny`` without TorchTitan should say which extra to install instead of failing
+inside every rank ("No module named 'torchtitan'"). And ``pip install 'ptops[titan]'`` into an
 image whose torch lies outside the extra's range replaces that torch (pip allows it); ptops must at
 least say so. Everything here is cheap enough for the CLI's start path: ``importlib.util.find_spec``
 of top-level names (no import: ``import trl`` costs 7-11 s) and the installed metadata.

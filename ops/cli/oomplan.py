@@ -1,4 +1,4 @@
-"""An OOM incident beside what ``ptops plan`` estimated for the run's recipe (issue 26, item 4).
+"""An OOM incident beside what ``ptops plan`` estimated for the run's recipe.
 
 Why: a memory curve says how the rank got to its limit; the plan says where it should have
 stopped. A run that crashed at 1.05x its plan is a tight recipe; one at 3x is a leak or a plan

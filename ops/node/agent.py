@@ -23,8 +23,8 @@ be stopped with it, and have their stacks read where they live. The agent, per n
    and when the agent itself dies, the kernel kills torchrun (``PR_SET_PDEATHSIG``), whose
    ranks die with it the same way (``ops/rank/entry.py``). No orphan on any node.
 
-A local run is a one-node run through the same agent (issue 24: the code every laptop run tests is
-the code that runs at 16k nodes): the supervisor starts it directly with the launcher it chose
+A local run is a one-node run through the same agent (so the code every laptop run tests is the
+code that runs at 16k nodes): the supervisor starts it directly with the launcher it chose
 (torchrun, or ``warmlaunch`` on a warm restart) in ``PTOPS_NODE_ARGV`` and that launcher's log in
 ``PTOPS_NODE_LOG``; the agent then exits as the launcher did (its code, or its signal) and lets a
 SIGTERM reach the launcher instead of dying first (the ranks' graceful stop).

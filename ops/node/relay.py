@@ -1,5 +1,5 @@
 """A relay between up to ~64 node agents and the supervisor: the supervisor's unit becomes a
-relay's group of nodes, not a node (issue 24; docs/scale.md, "The relay tier").
+relay's group of nodes, not a node (docs/scale.md, "The relay tier").
 
 Why: one supervisor process pays ~1.3 ms of CPU a node-step however little a node says (the
 frame's parse and dispatch, the leader's record through the monitors, the line written); 16,384

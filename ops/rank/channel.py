@@ -52,7 +52,7 @@ Frames on that connection (one JSON object per line, as everywhere):
   whose beat or step record went up in a batch since that frame (each one already told the
   supervisor the rank lives): at 1 s steps the frame is then empty and not sent. One line a
   node a second replaces a ping a rank a second: 8x fewer messages at 8 ranks a node, 2/3 of
-  what a 4 s step sent (issue 24).
+  what a 4 s step sent.
 
 - agent -> supervisor ``{"t": "b", "c": [3, 4, 3], "k": [{...}], "m": [{...}, {...}, {...}]}``:
   every other line of its ranks, batched (``Batcher``): message ``m[i]`` of connection ``c[i]``, in
@@ -60,7 +60,7 @@ Frames on that connection (one JSON object per line, as everywhere):
   differences from its step's first record in the frame: ``{"t": "metrics", "rec": {changed keys},
   "_k": j}`` is ``rec = {**k[j], **changed}`` (same keys, same order; ``unbatch``). One frame a
   node every few ms replaces a frame a line (the start-up burst: ~50 lines a node), and the
-  records' common values cross once (issue 24). The beats that begin one step (``{"t": "beat",
+  records' common values cross once. The beats that begin one step (``{"t": "beat",
   "step": N, "phase": "step", "stage": "begin", "ts": T}``, no other key) of several ranks, each with
   nothing sent since the first's place, cross as the first's line with ``"_b": [c, ...]``: the same
   beat from those connections too (their own ``ts``, the rank's clock, is not carried: the
@@ -150,7 +150,7 @@ def relay_frame(cid: int, raw: bytes) -> bytes:
     return b'{"t":"r","c":%d,"m":%s}\n' % (cid, raw)
 
 
-BATCH = "b"  # a node's rank lines of a few ms in one frame (issue 24)
+BATCH = "b"  # a node's rank lines of a few ms in one frame
 BATCH_S = 0.02  # the longest an agent holds a rank's line before its batch leaves
 BATCH_BYTES = 256 * 1024  # a batch this large leaves at once
 SUMMARY_ENV = "PTOPS_NODE_SUMMARY"  # ``node_summaries``: {"every": K, "read": [keys] or null}

@@ -13,8 +13,8 @@ what they would have seen).
 
 A restart that comes while the pool is still importing waits for it (``ops/supervisor/warmpool.py``)
 rather than starting cold: a cold start would import the same modules from nothing while competing
-with the pool for the same cores (issue 27: on 2 busy cores the pool needed ~30 s after the first
-step; a crash 8 s in went cold and was no faster than the first start). A connection that sends
+with the pool for the same cores (on 2 busy cores the pool needs ~30 s to import; a crash 8 s in
+that went cold would be no faster than the first start). A connection that sends
 nothing is the supervisor's readiness probe.
 
 No orphans: the pool dies with the supervisor (``PR_SET_PDEATHSIG``, and the supervisor kills it at

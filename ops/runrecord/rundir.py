@@ -30,7 +30,7 @@ __all__ = [
 
 PRIVATE_DIR = 0o700
 # a rank's part of ``stacks/attempt-K/node-NAME.txt`` starts with this line (the node agent gathers
-# its ranks' stacks into one file; runs before issue 24 item 2 have a ``rank-R.txt`` a rank)
+# its ranks' stacks into one file; older run directories have a ``rank-R.txt`` a rank)
 STACK_SECTION = "#### rank %d ####"
 
 

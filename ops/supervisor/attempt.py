@@ -34,7 +34,7 @@ CHECK_S = 0.1  # the attempt loop's cadence: channel messages, then exits, findi
 CHECK_SHARE = 0.1
 # A backlog older than this (messages received, not handled yet) is said once per episode: hangs
 # are judged at the oldest unhandled arrival meanwhile (``judge_time``), so a rank whose ping waits
-# in the inbox is never silent; detection waits for the backlog instead (issue 24, point 4).
+# in the inbox is never silent; detection waits for the backlog instead.
 INBOX_LAG_S = 1.0
 FREEZE_S = 10.0  # ``_Frozen``: what became long-lived since is frozen this often
 

@@ -185,7 +185,7 @@ class ChannelServer:
         it sent that reached this host before the time returned has been handled. Its own oldest
         queued message, and its own socket left unread by a full read: a backlog on other
         connections does not hold it, so a node that went silent is judged at about the clock
-        while the others' messages wait (issue 24 point 4)."""
+        while the others' messages wait."""
         conn = peer.via or peer
         t = now if self._idle else (conn.caught_t if id(conn) in self._full else self._round_t)
         a = conn.arrivals
@@ -310,7 +310,7 @@ class ChannelServer:
                 msg.pop("token", None)
                 if msg.get("role") not in DIRECT_ROLES:
                     # a rank reaches the supervisor only through its node agent (one path for
-                    # one node and many: issue 24 item 2); told why, then dropped
+                    # one node and many); told why, then dropped
                     self.refused += 1
                     try:
                         peer.sock.sendall(encode({"error": REFUSED % msg.get("role", "rank")}))

@@ -1,9 +1,9 @@
 """The pure metric monitors (``ptops.monitors``) as the supervisor runs them live.
 
-Why a part of its own: a monitor config that cannot be built used to be swallowed
-(the run went on with zero monitors, and nobody knew). Now it is a recipe error at
-launch (one line naming the file and the key, exit 2), and a monitor that raises on a
-record at run time is recorded once (``monitor_error``) while the others keep running.
+Why a part of its own: a monitor config that cannot be built must not leave a run going on with
+zero monitors and nobody knowing, so it is a recipe error at launch (one line naming the file and
+the key, exit 2); a monitor that raises on a record at run time is recorded once
+(``monitor_error``) while the others keep running.
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ found by the supervisor's sweeps) but is kept out of the sweeps between attempts
 it dies with the supervisor (``PR_SET_PDEATHSIG``) and is stopped at the supervisor's end.
 
 Each attempt asks ``source()`` where its ranks come from; the answer goes into the ``launch`` event
-(``ranks_from``; ``cold_why`` and ``cold_detail`` when cold). Issue 27: the pool used to start after
-the first step and needed 30-35 s to import on two busy cores, so a crash 8 s in found nothing
-listening (warm.log said "ready" 22 s after the restart) and the restart went cold, competing with
-that import. Now the pool imports alongside the first attempt's ranks, and a restart that still
-finds it importing waits for it (up to ``[supervisor.hang] import_s`` from its start) rather than
-importing everything again next to it. A pool that exited is replaced when the next attempt starts.
+(``ranks_from``; ``cold_why`` and ``cold_detail`` when cold). The pool imports alongside the first
+attempt's ranks, because its import takes 30-35 s on two busy cores: started after the first step,
+a crash 8 s in would find nothing listening and restart cold, competing with that import. A restart
+that finds it still importing waits for it (up to ``[supervisor.hang] import_s`` from its start)
+rather than importing everything again next to it. A pool that exited is replaced when the next
+attempt starts.
 
 A *standing* pool (``ptops warm``, named by ``PTOPS_STANDING_POOL``) is not the run's: the run
 neither starts nor stops it, and every attempt, the first included, asks it (:meth:`source`) whether
