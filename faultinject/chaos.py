@@ -115,6 +115,15 @@ ENGINE_KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # rollouts generated (no rank restarts)
     "engine-crash": (("engine-crash:step=6",), ("sidecar_died",)),
 }
+# The grader seam of GRPO / RLOO (recipes/trl/grader.py), engine or not: in the default matrix for
+# trl-grpo-tiny only (the other tiny recipes have no grader)
+RL_KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # rank 1's reward call for step 6 fails as a dead grader's does; its retry scores as an
+    # uninterrupted run (no verdict lost, no rank restarted)
+    "grader-crash": (("grader-crash:rank=1,step=6",), ("grader_failed",)),
+    # rank 0 stalls inside step 6's reward call: a hang in phase reward, restarted from step 4
+    "grader-timeout": (("grader-timeout:rank=0,step=6",), ("hang",)),
+}
 # A NaN rollback skips the poisoned step's batch by default (monitors.rollback.skip_batches=1): a
 # deliberate change of the data order, so the result cannot equal the baseline. The injected NaN is
 # transient (attempt 1 only): replaying the same data is the comparison that can be bit-identical.
@@ -138,7 +147,9 @@ ALL_KINDS = tuple(KIND_SCENARIOS)
 # layer, which both adapters share). Not every shipped tiny recipe: the others run with ``--recipe
 # NAME``. ``ptops chaos --help`` names these from this tuple (tests/chaos/test_chaos.py checks it).
 TINY_RECIPES = ("titan-tiny", "trl-sft-tiny", "trl-dpo-tiny", "trl-grpo-tiny")
-DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {r: ALL_KINDS for r in TINY_RECIPES}
+DEFAULT_MATRIX: dict[str, tuple[str, ...]] = {
+    r: ALL_KINDS + (tuple(RL_KIND_SCENARIOS) if r == "trl-grpo-tiny" else ()) for r in TINY_RECIPES
+}
 
 
 def default_recipes_help() -> str:
@@ -262,7 +273,7 @@ def scenario_for(
     sets: tuple[str, ...] = (),
 ) -> Scenario:
     """``sets``: the user's ``--set`` for every launch, the baseline's too."""
-    known = {**KIND_SCENARIOS, **ENGINE_KIND_SCENARIOS}
+    known = {**KIND_SCENARIOS, **RL_KIND_SCENARIOS, **ENGINE_KIND_SCENARIOS}
     if faults is None:
         if kind not in known:
             raise ScenarioError(

@@ -11,6 +11,9 @@ to the probe's beats they belong to (``ops/rank/probe.py``), and asks it what a 
 - ``skip_sync(step)`` (the weight sync to a vLLM engine before ``step``'s rollouts): stale-sync
 - ``in_sync(step)`` (inside the weight sync to a vLLM engine): sync-hang
 - ``engine_crash(step)`` (server mode, before ``step``'s rollouts are asked for): engine-crash
+- ``engine_hang(step)`` (before ``step``'s rollouts; the seam acts on what it returns): engine-hang
+- ``grader_crash(step)`` (each try of ``step``'s reward functions): grader-crash
+- ``in_reward(step)`` (inside ``step``'s reward call): grader-timeout
 - ``on_checkpoint(step)`` (after ``probe.phase("checkpoint", step)``): enospc (and it
   notes the save a ``hold:until=committed`` waits for). The
   ``OSError(ENOSPC)`` is raised to the adapter, whose guarded save block records
@@ -312,6 +315,36 @@ class Injector:
         for f in fired:
             self.emit(f, step)
         return bool(fired)
+
+    def engine_hang(self, step: int) -> list[Fault]:
+        """``engine-hang`` due before ``step``'s rollouts: the seam stops the engine (server) or
+        calls :meth:`stall` inside the generate (colocate)."""
+        fired = self._take(("engine-hang",), step)
+        for f in fired:
+            self.emit(f, step)
+        return fired
+
+    def stall(self, f: Fault, step: int) -> None:
+        """Hang where the caller stands (``seconds`` default forever)."""
+        self._hang(f, step)
+
+    def grader_crash(self, step: int) -> bool:
+        """``grader-crash`` due at this try of ``step``'s reward functions. Persistent: every try
+        from ``step`` on (emitted once)."""
+        due = self._take_lasting(
+            lambda f, live: (
+                f.kind == "grader-crash" and (step == f.step or (step > f.step and _lasting(f)))
+            ),
+            step,
+        )
+        return bool(due)
+
+    def in_reward(self, step: int) -> None:
+        """``grader-timeout`` due in ``step``'s reward call: the rank stalls there, as a call to a
+        grader that never answers does."""
+        for f in self._take(("grader-timeout",), step):
+            self.emit(f, step)
+            self._hang(f, step)
 
     def should_poison(self, step: int) -> bool:
         fired = self._take(("nan",), step)

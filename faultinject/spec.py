@@ -132,6 +132,27 @@ engine-crash   step (req), attempt                         ``[trl.vllm] mode = "
                                                            engine does); the sidecar supervision
                                                            restarts it, the seam finds the restarted
                                                            engine's version, syncs and generates
+engine-hang    step (req), rank, attempt, seconds          ``[trl.vllm]`` runs, before ``step``'s
+                                                           rollouts: server mode, the engine's
+                                                           processes stop (SIGSTOP: alive, silent);
+                                                           the sidecar's health checks fail and it
+                                                           is restarted, the seam re-syncs it;
+                                                           colocate, the rank stalls inside the
+                                                           engine's generate (``seconds`` default
+                                                           forever): a hang in phase
+                                                           ``engine_generate``
+grader-crash   step (req), rank, attempt, mode             GRPO / RLOO: ``step``'s reward call
+                                                           fails as a grader whose process died
+                                                           does (``GraderCrashed``); retried once
+                                                           (transient: the retry scores as an
+                                                           uninterrupted run); ``mode=persistent``
+                                                           (every try from ``step`` on): no verdict,
+                                                           the completions unscorable and counted
+grader-timeout step (req), rank, attempt, seconds, mode    GRPO / RLOO: the rank stalls inside
+                                                           ``step``'s reward call (as ``hang``:
+                                                           ``seconds`` default forever,
+                                                           ``mode=sleep|stop``): a hang in phase
+                                                           ``reward``
 clock-skew     node (req), offset_s, attempt (no step)     multi-node (``--slurm``) only: the health
                                                            check step on ``node`` reads its clock
                                                            ``offset_s`` seconds (default 30) ahead,
@@ -204,6 +225,15 @@ KINDS: dict[str, dict[str, str]] = {
     "stale-sync": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
     "engine-crash": {"step": _INT, "attempt": _INT},
     "sync-hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT, "mode": _STR},
+    "engine-hang": {"step": _INT, "rank": _INT, "attempt": _INT, "seconds": _FLOAT},
+    "grader-crash": {"step": _INT, "rank": _INT, "attempt": _INT, "mode": _STR},
+    "grader-timeout": {
+        "step": _INT,
+        "rank": _INT,
+        "attempt": _INT,
+        "seconds": _FLOAT,
+        "mode": _STR,
+    },
 }
 REQUIRED = ("step",)  # for every kind that has a step (``release`` has none: it acts at once)
 HOLD_DEFAULT_S = 600.0  # a forgotten hold ends by itself
@@ -352,7 +382,9 @@ def parse(spec: str) -> Fault:
             )
         if values.get("mode") == "persistent":
             values.setdefault("attempt", 0)  # a bad device stays bad across restarts
-    if kind == "stale-sync" and values.get("mode", "transient") not in STALE_SYNC_MODES:
+    if kind in ("stale-sync", "grader-crash") and values.get("mode", "transient") not in (
+        STALE_SYNC_MODES
+    ):
         raise FaultSpecError(
             f"fault {spec!r}: key 'mode': expected one of {', '.join(STALE_SYNC_MODES)} "
             f"(got {values['mode']!r})"
@@ -386,7 +418,9 @@ def parse(spec: str) -> Fault:
         )
     if "steps" in values and values["steps"] < 1:
         raise FaultSpecError(f"fault {spec!r}: key 'steps': must be >= 1 (got {values['steps']})")
-    if kind in ("hang", "sync-hang") and values.get("mode", "sleep") not in HANG_MODES:
+    if kind in ("hang", "sync-hang", "grader-timeout") and values.get("mode", "sleep") not in (
+        HANG_MODES
+    ):
         raise FaultSpecError(
             f"fault {spec!r}: key 'mode': expected one of {', '.join(HANG_MODES)} (got "
             f"{values['mode']!r})"

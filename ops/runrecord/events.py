@@ -66,6 +66,7 @@ class EventKind(StrEnum):
     VLLM_FALLBACK = "vllm_fallback"
     ENGINE_RESYNC = "engine_resync"
     ENGINE_STALE = "engine_stale"
+    GRADER_FAILED = "grader_failed"
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -457,6 +458,17 @@ SPECS: dict[EventKind, EventSpec] = {
         doc="the vLLM engine still served other weights than the trainer's after a sync and a "
         "re-sync (version: the trainer step of its last good sync): the run stops",
     ),
+    K.GRADER_FAILED: EventSpec(
+        ("step", "grader", "error", "retried", "no_verdict"),
+        ("attempt_of_call", *_RANK),
+        severity="warning",
+        summary=True,
+        runbook="GraderNoVerdict",
+        doc="a reward function's call failed as its infrastructure does (its process or service "
+        "went away: OSError, EOFError, TimeoutError); retried: called again; else its batch has no "
+        "verdict (no_verdict completions: None for every reward function, TRL's unscorable, never "
+        "a 0 or a 1; the step's grader/no_verdict)",
+    ),
     K.COMPLETED: EventSpec(
         ("step",), ("attempt",), state=RunState.COMPLETED, doc="the run reached its last step"
     ),
@@ -523,6 +535,7 @@ RANK_KINDS = frozenset(
         EventKind.VLLM_FALLBACK,
         EventKind.ENGINE_RESYNC,
         EventKind.ENGINE_STALE,
+        EventKind.GRADER_FAILED,
     }
 )
 # Findings the monitors raise live (one per monitor finding; diagnose matches them to its replay).

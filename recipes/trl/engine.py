@@ -18,9 +18,10 @@
 - **Sampling seeded per request** from (seed, rank, step, call, index): a restarted run draws the
   rollouts an uninterrupted one draws (vLLM's own generator restarts with the process).
 
-- **The seams named.** The rank's phase is ``engine_sync``, ``engine_generate`` or ``reward``
-  while it is in one (after the attempt's first step, whose warm-up its own section judges): a hang
-  there is reported with the seam's name (its budget is the step's). Waiting for a restarted
+- **The seams named.** The rank's phase is ``engine_sync`` or ``engine_generate`` (``reward``: the
+  grader seam, ``grader.py``) while it is in one (after the attempt's first step, whose warm-up
+  its own section judges): a hang there is reported with the seam's name (its budget is the
+  step's). Waiting for a restarted
   engine is a declared pause (``engine_wait``, ``[supervisor.hang] engine_wait_s``).
 
 A component: :meth:`EngineSeam.prepare` before TRL builds its engine, :meth:`EngineSeam.attach` to
@@ -137,15 +138,7 @@ class EngineSeam:
         self.gen = gen
         self._trl_sync = gen.sync_weights
         self.cpu = cpu_build()
-        gen.sync_weights = self.sync
-        rewards = getattr(trainer, "_calculate_rewards", None)
-        if rewards is not None:
-
-            def scored(*args: Any, **kw: Any) -> Any:
-                with self._seam("reward"):
-                    return rewards(*args, **kw)
-
-            trainer._calculate_rewards = scored
+        gen.sync_weights = self.sync  # the reward call's phase is the grader seam's (grader.py)
         if gen.mode == "colocate":
             gen.llm.generate = self._seeded_colocate(gen.llm.generate)
         elif getattr(gen, "vllm_client", None) is not None:
@@ -175,6 +168,9 @@ class EngineSeam:
                         many.append(one)
                     sampling_params = many
             with self._seam("engine_generate"):
+                if self.probe is not None:
+                    for f in self.probe.faults.engine_hang(self._step() + 1):
+                        self.probe.faults.stall(f, self._step() + 1)  # the engine never returns
                 return generate(prompts, sampling_params=sampling_params, **kw)
 
         return seeded
@@ -192,6 +188,8 @@ class EngineSeam:
             if self.probe is not None and self.probe.faults.engine_crash(step + 1):
                 with self._seam("engine_wait"):
                     self._crash_engine()
+            if self.probe is not None and self.probe.faults.engine_hang(step + 1):
+                self._freeze_engine()
             for _ in range(3):
                 self._ensure_version(step)
                 with self._seam("engine_generate"):
@@ -276,6 +274,15 @@ class EngineSeam:
         deadline = time.monotonic() + 60
         while self._healthy(timeout=2) and time.monotonic() < deadline:
             time.sleep(0.2)
+
+    def _freeze_engine(self) -> None:
+        """The ``engine-hang`` fault: the engine's processes stop (alive, answering nothing) until
+        the sidecar's health checks find it and replace it (the wait that follows is
+        ``_wait_engine``'s)."""
+        import requests
+
+        with contextlib.suppress(requests.RequestException):
+            self._rpc("ptops_freeze", timeout=3)  # never answered: the engine stops first
 
     # ------------------------------------------------------------ sync and its check
     @contextlib.contextmanager

@@ -7,12 +7,15 @@ place ``reload_weights``, which repacks the CPU build's linear layers), then rep
 ``lm_head``, which ``reload_weights`` leaves holding its pack of the old embedding, and remembers
 the version (the trainer step). ``ptops_version()``: that version, -1 in an engine that has had no
 sync since it started (a restarted engine serves its initial weights). ``ptops_exit()``: the
-``engine-crash`` fault, the engine's process dies as a crashed engine's does.
+``engine-crash`` fault, the engine's process dies as a crashed engine's does. ``ptops_freeze()``:
+the ``engine-hang`` fault, the engine's processes stop (SIGSTOP to its process group: alive and
+silent, as a wedged engine is).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 
@@ -34,3 +37,6 @@ class PtopsWorker:
 
     def ptops_exit(self) -> None:
         os._exit(70)
+
+    def ptops_freeze(self) -> None:
+        os.killpg(os.getpgrp(), signal.SIGSTOP)

@@ -232,7 +232,7 @@ def _make_callback(
     sdc_every: int = 0,
     more=None,
 ):
-    """``more()``: further keys for each step's record (the engine seam's)."""
+    """``more()``: further keys for each step's record (the engine and grader seams')."""
     from transformers import TrainerCallback
 
     from ptops.recipes import sdc
@@ -467,13 +467,24 @@ def _cuda() -> bool:
 
 
 def build_trainer(recipe, probe, run: RunDir):
-    """The recipe's trainer, with the engine seam (``engine.py``) around its vLLM engine."""
+    """The recipe's trainer, with the engine seam (``engine.py``) around its vLLM engine and the
+    grader seam (``grader.py``) around its reward functions."""
     from ptops.recipes.trl import engine
+    from ptops.recipes.trl.grader import GraderSeam
 
     seam = engine.for_recipe(recipe, probe, run.path)
-    trainer = _build_trainer(recipe, probe, run, seam.metrics if seam is not None else None)
-    if seam is not None:
-        seam.attach(trainer)
+    graded = GraderSeam(probe) if recipe.trl.trainer in ("grpo", "rloo") else None
+    parts = [p for p in (seam, graded) if p is not None]
+
+    def more() -> dict:
+        out: dict = {}
+        for part in parts:
+            out.update(part.metrics())
+        return out
+
+    trainer = _build_trainer(recipe, probe, run, more if parts else None)
+    for part in parts:
+        part.attach(trainer)
     return trainer
 
 

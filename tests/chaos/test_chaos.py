@@ -5,8 +5,10 @@ crash until the async save of step 4 is committed, so the restart point is one v
 corrupt checkpoint + crash (fall back past the damaged checkpoint), supervisor SIGKILL (relaunch
 adopts), and TRL SFT preemption (SIGTERM, save on request, relaunch resumes). The full default
 matrix (every fault kind on the 4 tiny recipes of ``faultinject.chaos.DEFAULT_MATRIX``: titan-tiny,
-trl-sft-tiny, trl-dpo-tiny, trl-grpo-tiny; 48 scenarios; the other shipped tiny recipes run with
-``--recipe``) is behind the ``chaos_full`` marker: scripts/test.sh -m chaos_full
+trl-sft-tiny, trl-dpo-tiny, trl-grpo-tiny, and the grader seam's 2 on trl-grpo-tiny; 50 scenarios;
+the other shipped tiny recipes run with ``--recipe``) is behind the ``chaos_full`` marker:
+scripts/test.sh -m chaos_full. The grader seam's 2 also run by default
+(tests/trl/test_grader_seam.py).
 """
 
 from __future__ import annotations
