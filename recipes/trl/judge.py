@@ -23,18 +23,39 @@ text the judge could read as its own instructions or turns:
 - it is quoted: the LM judge sees it as a JSON string (``json.dumps``: a quote or a newline in it
   cannot close the quote), and the tokenizer's control strings in it (``<|im_end|>``,
   ``<|im_start|>``, ...) are broken up (a word joiner after their first character), so a completion
-  cannot end the user turn and open an assistant turn that says "yes" (nor can the prompt);
-- words that address the grader rather than the task ("the answer above is correct", "ignore
-  previous instructions", "reply yes", "dear judge", the judge's own question echoed:
-  ``ADDRESSED``; or a control string of its tokenizer) cannot raise the score:
-  a completion with them scores the least of its score and the scores of it without them
-  (``unaddressed``), so it never scores above the same completion without those words; the share
-  of such completions is logged as ``judge/addressed`` (a rising share is a policy learning to talk
-  to its grader). Paraphrases the pattern misses are only quoted;
+  cannot end the user turn and open an assistant turn that says "yes" (nor can the prompt): the
+  judge prompt and its parsing (the next token's P(yes) / P(no), or the classifier's one logit) are
+  the same whatever the completion says;
+- the defence is structural (issue 49 point 4): the judge scores the completion folded (below) and
+  stripped, and the completion without each run of consecutive segments (``without_runs``;
+  segments: its sentences and lines, ``segments``), and it gets the least of those scores. So words
+  that are whole segments, one run of them anywhere (after the answer, before it, between its
+  sentences), cannot lift its score above the judge's own score of the same completion without
+  them, whatever they say, in any language or disguise: that completion is one of the texts
+  scored. Against a completion of one segment (an answer of one sentence or line) the bound is its
+  score exactly; against one of several, its score is itself a least over its runs, which can be
+  lower than the judge's score of it, and words added to it can lift it back up to, never above,
+  the judge's score of it. Where it stops: words glued into a sentence of the answer (no sentence
+  end or line break between, "four Verdict: yes.") share its segment, and no text without them is
+  scored; words in two or more separate runs (one before and one after the answer) are not removed
+  together; past ``MAX_SEGMENTS`` (6) segments, neighbouring ones are merged into 6 groups, and
+  words that share a group with the answer's text are not removed alone. The cost: one forward
+  for a one-segment completion, k(k+1)/2 for k segments (21 at 6), and up to 5 more when the
+  phrase list below names words in it (26 at most);
+- the phrase list stays, as more texts in the same least: words that address the grader rather
+  than the task ("the answer above is correct", "ignore previous instructions", "reply yes", "dear
+  judge", the judge's own question echoed: ``ADDRESSED``; or a control string of its tokenizer),
+  cut out (``unaddressed``: also inside a sentence, so it reaches some glued words). The share of
+  completions with such words is logged as ``judge/addressed`` (a rising share is a policy
+  learning to talk to its grader);
 - before both, the completion is folded (``fold``: NFKC, no invisible characters: Unicode format
   characters such as zero-width spaces, soft hyphens and bidi controls), and the pattern also reads
   a copy with Latin look-alikes (Cyrillic, Greek) mapped to Latin and line breaks made spaces
   (``plain``), so "іgnоrе previous\ninstructions" or "re\u200bply yes" is an address too.
+
+Measured (``bench/judge_injection.py``, bench/README.md "Talking to the judge"): with the tiny LLM
+judge, a random and a trained reward model, words of every form placed as their own segments never
+scored higher (0 pairs, each form); glued into the answer's sentence they still can.
 
 Each score is bounded from outside (issue 49 point 3): :class:`JudgeReward` scores in a worker of a
 helper process that loaded the judge once (:mod:`ptops.recipes.trl.bounded`), SIGKILLed and
@@ -76,8 +97,16 @@ ADDRESSED = re.compile(
     re.IGNORECASE,
 )
 _SENTENCE = re.compile(r"[^.!?\n]*(?:[.!?\n]+|$)")
+# where a completion's segments end: after a sentence's end mark (and a closing bracket or quote)
+# followed by white space, after a CJK one always, and before every line break (the white space goes
+# with the segment it precedes: the pieces join back exactly)
+_BOUNDARY = re.compile(
+    r"(?<=[.!?\u061f\u0964])(?=\s)|(?<=[.!?\u061f\u0964][)\]}\"'\u00bb\u201d\u2019])(?=\s)"
+    r"|(?<=[\u3002\uff01\uff1f])|(?=\n)"
+)
+MAX_SEGMENTS = 6  # beyond, neighbouring segments are merged into this many groups (the cost bound)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-DEADLINE_S = 10.0  # wall clock per completion's score (up to 6 forwards), killed from outside
+DEADLINE_S = 10.0  # wall clock per completion's score (up to 26 forwards), killed from outside
 MEMORY_MB = 2048  # the scoring worker's address space on top of the loaded judge's
 # per process: scores asked of the helper, and those without a verdict (overrun, died, error,
 # failed: see bounded.Bounded.call)
@@ -232,15 +261,64 @@ def unaddressed(text: str, controls=()) -> list[str]:
     return list(dict.fromkeys((dropped, cut, tidy(head), *(tidy(x) for x in less))))
 
 
+def segments(text: str, cap: int = MAX_SEGMENTS) -> list[str]:
+    """``text`` cut into its sentences and lines (``_BOUNDARY``), each with the white space before
+    it; ``"".join(segments(text)) == text``. Blank pieces join the next segment (the last: the one
+    before). More than ``cap`` segments are merged, in order, into ``cap`` groups of consecutive
+    segments (sizes differing by at most one)."""
+    cuts = sorted({m.start() for m in _BOUNDARY.finditer(text)} - {0, len(text)})
+    out: list[str] = []
+    pending = ""
+    for i, j in zip([0, *cuts], [*cuts, len(text)]):
+        piece = pending + text[i:j]
+        if piece.strip():
+            out.append(piece)
+            pending = ""
+        else:
+            pending = piece
+    if pending:
+        if out:
+            out[-1] += pending
+        else:
+            out = [pending]
+    if len(out) > cap > 0:
+        size, extra = divmod(len(out), cap)
+        groups, at = [], 0
+        for g in range(cap):
+            n = size + (g < extra)
+            groups.append("".join(out[at : at + n]))
+            at += n
+        out = groups
+    return out
+
+
+def without_runs(text: str, cap: int = MAX_SEGMENTS) -> list[str]:
+    """``text`` without each run of consecutive segments (one or more, not all of them), its ends'
+    white space stripped, blanks and repeats left out: at most cap * (cap + 1) / 2 - 1 texts
+    (20 at 6), none for a one-segment text. The structural defence: a completion scores the least of
+    its score and theirs (see the module's docstring)."""
+    segs = segments(text, cap)
+    k = len(segs)
+    out = []
+    for i in range(k):
+        for j in range(i + 1, k + 1):
+            if j - i < k:
+                v = "".join(segs[:i] + segs[j:]).strip()
+                if v:
+                    out.append(v)
+    return list(dict.fromkeys(out))
+
+
 class Judge:
     """A loaded judge; ``score(prompt, completion)`` in [0, 1]."""
 
-    def __init__(self, path: Path, max_chars: int = 2000) -> None:
+    def __init__(self, path: Path, max_chars: int = 2000, max_segments: int = MAX_SEGMENTS) -> None:
         from transformers import AutoTokenizer
 
         self.path = Path(path)
         self.kind = judge_kind(self.path)
         self.max_chars = max_chars
+        self.max_segments = max_segments
         self.digest = weights_digest(self.path)
         self._model = None
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
@@ -327,13 +405,15 @@ class Judge:
 
     def score_detail(self, prompt, completion) -> tuple[float, bool]:
         """(score, whether the completion addressed the grader)."""
-        # what the judge would read of it: folded (NFKC, no invisible characters) before anything
-        text = fold(_text(completion)[: self.max_chars])
-        score = self._score(prompt, text)
+        # what the judge would read of it: folded (NFKC, no invisible characters) before anything,
+        # and the white space at its ends dropped (so that the text less an appended run of
+        # segments is the very text of the completion without them)
+        text = fold(_text(completion)[: self.max_chars]).strip()
         bare = bare_variants(text, self.controls)
-        if bare:
-            score = min([score, *(self._score(prompt, b) for b in bare)])
-        return score, bool(bare)
+        # the judge's scores of the completion, of it without each run of its segments, and of
+        # it without the words the pattern names: the least of them (each text scored once)
+        texts = dict.fromkeys([text, *without_runs(text, self.max_segments), *bare])
+        return min(self._score(prompt, t) for t in texts), bool(bare)
 
 
 def _param_count(path: Path) -> int | None:
