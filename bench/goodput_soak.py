@@ -52,6 +52,8 @@ import threading
 import time
 from pathlib import Path
 
+from ptops import envnames
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from supervisor_bench import torchrun_peer_argv, torchrun_peer_env  # noqa: E402  (bench/ is on sys.path)
@@ -309,7 +311,7 @@ def elastic_soak(peer: str, tmp: Path, minutes: float, plan: list, step_s: float
     run = launcher.prepare_run(rec, path, tmp / peer)
     run.logs(1).mkdir(parents=True, exist_ok=True)
     faults = up_front(plan, step_s)
-    cmd = launcher.rank_command(rec, run, 1, {"PTOPS_FAULTS": to_env(faults)})
+    cmd = launcher.rank_command(rec, run, 1, {envnames.FAULTS: to_env(faults)})
     argv = torchrun_peer_argv(cmd.argv, max_restarts=1000)
     # ft_launcher's agent shares its store with the workers only for the static rendezvous, so its
     # restarted group trains without torch's opt-out (checked here: crash -> the next group trains)

@@ -32,9 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from ptops import envnames
+
 REPO = Path(__file__).resolve().parent.parent
 PTOPS = [sys.executable, "-m", "ptops"]
-STANDING = "PTOPS_STANDING_POOL"
+STANDING = envnames.STANDING_POOL
 
 
 def read(path: Path) -> list[dict]:

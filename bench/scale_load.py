@@ -75,6 +75,8 @@ import threading
 import time
 from pathlib import Path
 
+from ptops import envnames
+
 REPO = Path(__file__).resolve().parent.parent
 CLK = os.sysconf("SC_CLK_TCK")
 STACK_TEXT = "".join(  # ~2 KB, the size of a rank's own dump of a few threads (its format)
@@ -303,7 +305,7 @@ async def _generate(args: argparse.Namespace, part: int) -> None:
     relays = [split_address(a) if a else None for a in args.relay_addrs.split(",")]
     host, port = split_address(os.environ[ENV_ADDRESS])
     token = os.environ[ENV_TOKEN]
-    attempt = int(os.environ.get("PTOPS_ATTEMPT", "1"))
+    attempt = int(os.environ.get(envnames.ATTEMPT, "1"))
     world = args.nodes * args.per_node
     pid = os.getpid()
     tier, per = args.relay_tier, args.per_node
@@ -601,7 +603,7 @@ def _start_relays(args: argparse.Namespace) -> tuple[list[subprocess.Popen], str
     from ptops.ops.rank.channel import SUMMARY_ENV
     from ptops.ops.supervisor.procs import die_with_parent
 
-    env = {**os.environ, "PTOPS_RELAY_LISTEN": "127.0.0.1:0"}
+    env = {**os.environ, envnames.RELAY_LISTEN: "127.0.0.1:0"}
     os.environ[_RELAY_SUMMARY] = os.environ.pop(SUMMARY_ENV, "")
     real = _real_groups(args)
     procs = [

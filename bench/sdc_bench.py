@@ -56,6 +56,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ptops import envnames
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_EVERY = 25  # monitors/config.py SdcConfig.every
 
@@ -74,7 +76,7 @@ def launch(run: Path, recipe: str, sets: list[str], faults: list[str]) -> int:
         argv += ["--set", s]
     for f in faults:
         argv += ["--fault", f]
-    env = {k: v for k, v in os.environ.items() if k != "PTOPS_STANDING_POOL"}
+    env = {k: v for k, v in os.environ.items() if k != envnames.STANDING_POOL}
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     return proc.returncode
 

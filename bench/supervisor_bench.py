@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ptops import envnames
+
 REPO = Path(__file__).resolve().parent.parent
 PTOPS = [sys.executable, "-m", "ptops"]
 
@@ -206,7 +208,7 @@ def torchrun_fault(recipe: str, tmp: Path, name: str, fault: str, give_up_s: flo
     rec, path = load(recipe, ["train.steps=16", "checkpoint.interval=5"])
     run = launcher.prepare_run(rec, path, tmp / f"torchrun-{name}")
     run.logs(1).mkdir(parents=True, exist_ok=True)
-    cmd = launcher.rank_command(rec, run, 1, {"PTOPS_FAULTS": to_env([parse(fault)])})
+    cmd = launcher.rank_command(rec, run, 1, {envnames.FAULTS: to_env([parse(fault)])})
     argv = torchrun_peer_argv(cmd.argv, max_restarts=1)
     t0 = time.time()
     with open(run.logs(1) / "torchrun.log", "wb") as log:

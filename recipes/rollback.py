@@ -1,4 +1,5 @@
-"""The rollback contract between the supervisor and the engine adapters (stdlib only).
+"""The rollback contract between the supervisor and the engine adapters (the stdlib and
+ptops' environment names only).
 
 When a monitor finding's action is ``rollback`` (``[monitors.<name>] action``),
 the supervisor tears the attempt down, moves every checkpoint at or after the
@@ -39,7 +40,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Mapping
 
-ENV = "PTOPS_ROLLBACK"
+from ptops import envnames
+
+ENV = envnames.ROLLBACK
 
 
 def skip_start(from_step: int, to_step: int, skip_batches: int) -> int:

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from ptops import __version__
+from ptops import __version__, envnames
 from ptops.ops.cli.errors import fail
 from ptops.ops.cli.obs import WANDB_HELP
 
@@ -183,7 +183,7 @@ def launch(
         bool,
         typer.Option(
             "--mlflow/--no-mlflow",
-            envvar="PTOPS_MLFLOW",
+            envvar=envnames.MLFLOW,
             help="Log params, per-step metrics, events and an incident summary to MLflow "
             "(PTOPS_MLFLOW=0 turns it off for every launch of a shell or a CI job).",
         ),

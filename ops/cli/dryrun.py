@@ -18,6 +18,7 @@ from pathlib import Path
 
 import typer
 
+from ptops import envnames
 from ptops.ops.cli.errors import fail
 
 TOLERANCE = 0.10  # planner param bytes vs the fake-backend's rank-0 shard (docs/recipes.md)
@@ -37,12 +38,12 @@ def engine_dry_run(module: str, rec, args: list[str], path: Path, what: str) -> 
     from ptops.ops.supervisor.launcher import rank_constants
     from ptops.recipes.schema import dump_json
 
-    timeout = float(os.environ.get("PTOPS_DRYRUN_TIMEOUT_S", "900"))
+    timeout = float(os.environ.get(envnames.DRYRUN_TIMEOUT_S, "900"))
     with tempfile.TemporaryDirectory(prefix="ptops-dryrun-") as tmp:
         rj = Path(tmp) / "recipe.json"
         rj.write_text(dump_json(rec))
         # a rank's environment (offline hub), one thread: it builds what a rank builds, but here
-        penv = {**os.environ, **rank_constants(1), "PTOPS_RUN_DIR": tmp}
+        penv = {**os.environ, **rank_constants(1), envnames.RUN_DIR: tmp}
         pool = warmrun.standing_pool(rec.engine, penv)
         try:
             proc = None
@@ -61,14 +62,13 @@ def engine_dry_run(module: str, rec, args: list[str], path: Path, what: str) -> 
                 )
         except subprocess.TimeoutExpired:
             fail(f"{path}: {what} did not finish in {timeout:.0f} s (PTOPS_DRYRUN_TIMEOUT_S)")
-    line = next(
-        (x for x in reversed(proc.stdout.splitlines()) if x.startswith("PTOPS_DRYRUN ")), None
-    )
+    prefix = envnames.DRYRUN_LINE + " "
+    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith(prefix)), None)
     if line is None:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         fail(f"{path}: {what} died (exit {proc.returncode}): {tail}")
     return {
-        **json.loads(line.removeprefix("PTOPS_DRYRUN ")),
+        **json.loads(line.removeprefix(prefix)),
         **({"warm_pool": pool} if pool else {}),
     }
 

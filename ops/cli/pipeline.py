@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ptops import envnames
 from ptops.ops.cli.errors import fail
 
 
@@ -44,7 +45,7 @@ def pipeline_cmd(
         bool,
         typer.Option(
             "--mlflow/--no-mlflow",
-            envvar="PTOPS_MLFLOW",
+            envvar=envnames.MLFLOW,
             help="Lineage in MLflow: a parent run, a nested child run per stage, digests as "
             "tags/params (PTOPS_MLFLOW=0: off).",
         ),

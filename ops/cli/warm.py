@@ -26,6 +26,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ptops import envnames
 from ptops.ops.cli.errors import fail
 
 DEFAULT_NAME = "ptops-standing"
@@ -45,7 +46,7 @@ def start_pools(
     from ptops.ops.supervisor.launcher import rank_constants
 
     env = {**os.environ, **rank_constants(omp_num_threads), **environslot.blank()}
-    env.pop("PTOPS_STANDING_POOL", None)
+    env.pop(envnames.STANDING_POOL, None)
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {}
     for engine in engines:

@@ -54,6 +54,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
+from ptops import envnames
 from ptops.ops.rank import RANK_PYTHON
 from ptops.ops.rank.channel import (
     ALIVE_S,
@@ -65,7 +66,6 @@ from ptops.ops.rank.channel import (
     PING_PREFIX,
     RELAY,
     RELAY_GONE,
-    RELAYS_ENV,
     ROLE_NODE,
     STEP_PREFIXES,
     SUMMARY_ENV,
@@ -80,7 +80,6 @@ from ptops.ops.rank.channel import (
 )
 from ptops.ops.supervisor import procs, stacks
 
-UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"
 STACKS_PREFIX = b'{"t":"stacks"'  # a rank's answer to ``stacks``, as ``encode`` writes it
 
 
@@ -94,14 +93,14 @@ class Agent:
         self.env = env
         self.node = socket.gethostname()
         self.launcher = _launcher_argv(
-            env.get(procs.NODE_ARGV_ENV)
+            env.get(envnames.NODE_ARGV)
         )  # None: Slurm's torchrun, built here
         # local: one node whatever the environment (a run started inside an allocation)
         node_id = None if self.launcher is not None else env.get("SLURM_NODEID")
-        self.node_rank = int(node_id or env.get("PTOPS_NODE_RANK") or 0)
-        self.nnodes = int(env.get("PTOPS_NODE_NNODES") or env.get("SLURM_NNODES") or 1)
-        self.attempt = int(env.get("PTOPS_ATTEMPT") or 0)
-        self.upstream_timeout = float(env.get(UPSTREAM_TIMEOUT_ENV) or 10.0)
+        self.node_rank = int(node_id or env.get(envnames.NODE_RANK) or 0)
+        self.nnodes = int(env.get(envnames.NODE_NNODES) or env.get("SLURM_NNODES") or 1)
+        self.attempt = int(env.get(envnames.ATTEMPT) or 0)
+        self.upstream_timeout = float(env.get(envnames.NODE_UPSTREAM_TIMEOUT_S) or 10.0)
         self.local_token = new_token()
         self.proc: subprocess.Popen | None = None
         self.last_upstream = time.monotonic()
@@ -123,13 +122,17 @@ class Agent:
         # leave the summing-up to it (over all the group's ranks)
         upstream, self.relay = env[ENV_ADDRESS], None
         self.summary = summary_settings(env.get(SUMMARY_ENV))
-        group = relay_group(env.get(RELAYS_ENV), self.node_rank) if self.launcher is None else None
+        group = (
+            relay_group(env.get(envnames.RELAYS), self.node_rank) if self.launcher is None else None
+        )
         if group is not None:
             head, port, hosts = group
             if hosts:
-                from ptops.ops.node.relay import LISTEN_ENV, Relay
+                from ptops.ops.node.relay import Relay
 
-                self.relay = Relay({**env, LISTEN_ENV: f"0.0.0.0:{port}"}, name=self.node)
+                self.relay = Relay(
+                    {**env, envnames.RELAY_LISTEN: f"0.0.0.0:{port}"}, name=self.node
+                )
                 threading.Thread(target=self.relay.loop, name="ptops-relay", daemon=True).start()
                 log(f"relaying the agents of {head}'s group on port {port}")
             upstream, self.summary = f"{head}:{port}", (1, None)
@@ -156,14 +159,14 @@ class Agent:
 
     # ------------------------------------------------------------ ranks
     def start_ranks(self) -> None:
-        nproc = self.env.get("PTOPS_NODE_NPROC", "1")
+        nproc = self.env.get(envnames.NODE_NPROC, "1")
         argv = self.launcher or [
             sys.executable, "-P", "-m", "torch.distributed.run",
             "--nnodes", str(self.nnodes),
             "--node-rank", str(self.node_rank),
             "--nproc-per-node", nproc,
-            "--master-addr", self.env["PTOPS_NODE_MASTER"],
-            "--master-port", self.env["PTOPS_NODE_PORT"],
+            "--master-addr", self.env[envnames.NODE_MASTER],
+            "--master-port", self.env[envnames.NODE_PORT],
             "--max-restarts", "0",
             "--monitor-interval", "0.5",
             "--no-python", *RANK_PYTHON,  # -P: a ``ptops`` folder in the cwd shadows nothing
@@ -171,20 +174,20 @@ class Agent:
         env = dict(self.env)
         env[ENV_ADDRESS] = self.local_address
         env[ENV_TOKEN] = self.local_token
-        env["PTOPS_PTRACER_PID"] = str(os.getpid())  # the agent runs py-spy here (PR_SET_PTRACER)
-        env["PTOPS_NODE"] = self.node
-        log_dir = self.env.get("PTOPS_NODE_LOG_DIR")
+        env[envnames.PTRACER_PID] = str(os.getpid())  # the agent runs py-spy here (PR_SET_PTRACER)
+        env[envnames.NODE] = self.node
+        log_dir = self.env.get(envnames.NODE_LOG_DIR)
         path = os.path.join(log_dir, f"torchrun-{self.node}.log") if log_dir else os.devnull
         from pathlib import Path
 
-        self.proc = procs.spawn(argv, env, Path(self.env.get(procs.NODE_LOG_ENV) or path))
+        self.proc = procs.spawn(argv, env, Path(self.env.get(envnames.NODE_LOG) or path))
         if self.launcher is not None:
             log(f"local node: launcher pid {self.proc.pid} ({nproc} rank(s)): {argv[2]}")
             return
         log(
             f"node rank {self.node_rank}/{self.nnodes}: torchrun pid {self.proc.pid} ({nproc} "
             "rank(s)), "
-            f"rendezvous {self.env['PTOPS_NODE_MASTER']}:{self.env['PTOPS_NODE_PORT']}"
+            f"rendezvous {self.env[envnames.NODE_MASTER]}:{self.env[envnames.NODE_PORT]}"
         )
 
     def _on_term(self, signum: int, _frame: Any) -> None:
@@ -428,7 +431,7 @@ def relay_in_thread(address: str, token: str) -> Iterator[Agent]:
     """An agent relaying in this process, with no launcher: tests and benches connect their own
     ranks (``Probe``, ``ChannelClient``) to ``agent.local_address`` with ``agent.local_token``,
     as torchrun's ranks do; the supervisor accepts no rank any other way."""
-    agent = Agent({ENV_ADDRESS: address, ENV_TOKEN: token, "PTOPS_NODE_RANK": "0"})
+    agent = Agent({ENV_ADDRESS: address, ENV_TOKEN: token, envnames.NODE_RANK: "0"})
     thread = threading.Thread(target=agent.relay_loop, name="ptops-node-relay", daemon=True)
     thread.start()
     try:
@@ -450,9 +453,7 @@ def _launcher_argv(raw: str | None) -> list[str] | None:
         return None
     argv = json.loads(raw)
     if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-        raise ValueError(
-            f"{procs.NODE_ARGV_ENV}: expected a JSON list of strings, got {raw[:80]!r}"
-        )
+        raise ValueError(f"{envnames.NODE_ARGV}: expected a JSON list of strings, got {raw[:80]!r}")
     return argv
 
 

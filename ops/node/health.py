@@ -26,9 +26,8 @@ import socket
 import sys
 from pathlib import Path
 
+from ptops import envnames
 from ptops.ops.supervisor import health
-
-ENV, TOKEN_ENV = health.NODE_ENV, health.NODE_TOKEN_ENV
 
 
 def node_name(env: dict[str, str]) -> str:
@@ -38,14 +37,14 @@ def node_name(env: dict[str, str]) -> str:
 
 def check(env: dict[str, str]) -> dict:
     """Run the table here; the report this node writes."""
-    spec = json.loads(env[ENV])
+    spec = json.loads(env[envnames.HEALTH])
     node = node_name(env)
     if not node or "/" in node or node.startswith("."):
         raise ValueError(f"node name {node!r} cannot name a report file")
     offset = float((spec.get("clock_offsets") or {}).get(node, 0.0))
     mark = (spec.get("xid_marks") or {}).get(node)
     ctx = health.Context.from_dict(
-        {**spec, "clock_offset_s": offset, "xid_mark": mark}, env.get(TOKEN_ENV, "")
+        {**spec, "clock_offset_s": offset, "xid_mark": mark}, env.get(envnames.HEALTH_TOKEN, "")
     )
     results = health.run_checks(ctx, spec.get("skip") or [])
     injected = [f"clock-skew:node={node},offset_s={offset:g}"] if offset else []
@@ -62,9 +61,9 @@ def main() -> None:
     try:
         report = check(env)
     except (KeyError, ValueError, TypeError) as e:
-        print(f"error: {ENV}: {e}", file=sys.stderr)
+        print(f"error: {envnames.HEALTH}: {e}", file=sys.stderr)
         sys.exit(2)
-    out = Path(json.loads(env[ENV])["out"])
+    out = Path(json.loads(env[envnames.HEALTH])["out"])
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{report['node']}.json.tmp"
     tmp.write_text(json.dumps(report))

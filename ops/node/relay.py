@@ -60,6 +60,7 @@ import threading
 import time
 from typing import Any
 
+from ptops import envnames
 from ptops.ops.rank.channel import (
     ALIVE,
     ALIVE_S,
@@ -85,12 +86,10 @@ from ptops.ops.rank.channel import (
     unbatch,
 )
 
-LISTEN_ENV = "PTOPS_RELAY_LISTEN"
-UPSTREAM_TIMEOUT_ENV = "PTOPS_NODE_UPSTREAM_TIMEOUT_S"  # the agent's, same meaning
 STALE_S = 5.0  # an agent this long silent is not asked for stacks (the supervisor's ping_stale_s)
 SEND_TIMEOUT_S = 2.0  # a send to an agent that does not read gives up, and the agent is dropped
 # a step's lines are held this long at most for its ranks still to come (``Batcher``'s hold_s)
-HOLD_ENV, HOLD_S = "PTOPS_RELAY_HOLD_S", 0.25
+HOLD_S = 0.25
 KA_LINE = encode({"t": KEEPALIVE})
 
 
@@ -135,7 +134,7 @@ def upstream_hello(name: str, env: dict[str, str]) -> dict[str, Any]:
         "relay": True,
         "pid": os.getpid(),
         "host": name,
-        "attempt": int(env.get("PTOPS_ATTEMPT") or 0),
+        "attempt": int(env.get(envnames.ATTEMPT) or 0),
     }
 
 
@@ -163,7 +162,7 @@ def rebatch(
 def hold_s(env: dict[str, str]) -> float:
     """``PTOPS_RELAY_HOLD_S`` (seconds; 0: a step's pieces leave as they come), else ``HOLD_S``."""
     try:
-        v = float(env.get(HOLD_ENV) or HOLD_S)
+        v = float(env.get(envnames.RELAY_HOLD_S) or HOLD_S)
     except ValueError:
         return HOLD_S
     return v if 0.0 <= v <= 10.0 else HOLD_S
@@ -174,7 +173,7 @@ class Relay:
         self.env = env
         self.name = name or socket.gethostname()
         self.token = env[ENV_TOKEN]
-        self.upstream_timeout = float(env.get(UPSTREAM_TIMEOUT_ENV) or 10.0)
+        self.upstream_timeout = float(env.get(envnames.NODE_UPSTREAM_TIMEOUT_S) or 10.0)
         self.batch = Batcher(*summary_settings(env.get(SUMMARY_ENV)), hold_s=hold_s(env))
         self.done = threading.Event()
         self.why = ""
@@ -184,7 +183,7 @@ class Relay:
         self._heard: dict[int, float] = {}  # the relay's number -> seen at (monotonic)
         self._stepped: set[int] = set()  # numbers with a beat or record sent since the last a
         self._next = 0
-        host, port = split_address(env.get(LISTEN_ENV) or "127.0.0.1:0")
+        host, port = split_address(env.get(envnames.RELAY_LISTEN) or "127.0.0.1:0")
         self._listen = socket.socket()
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listen.bind((host, port))

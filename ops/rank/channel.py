@@ -96,11 +96,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ptops import envnames
 from ptops.ops.runrecord.nodesummary import sum_up, summary_entry
 
 MAX_LINE = 16 * 1024 * 1024
-ENV_ADDRESS = "PTOPS_CHANNEL"
-ENV_TOKEN = "PTOPS_CHANNEL_TOKEN"
+ENV_ADDRESS = envnames.CHANNEL
+ENV_TOKEN = envnames.CHANNEL_TOKEN
 
 
 ROLE_NODE = "node"
@@ -153,10 +154,9 @@ def relay_frame(cid: int, raw: bytes) -> bytes:
 BATCH = "b"  # a node's rank lines of a few ms in one frame
 BATCH_S = 0.02  # the longest an agent holds a rank's line before its batch leaves
 BATCH_BYTES = 256 * 1024  # a batch this large leaves at once
-SUMMARY_ENV = "PTOPS_NODE_SUMMARY"  # ``node_summaries``: {"every": K, "read": [keys] or null}
+SUMMARY_ENV = envnames.NODE_SUMMARY  # ``node_summaries``: {"every": K, "read": [keys] or null}
 SUMMED = object()  # ``unbatch``'s like for a summary: from the frame's ``s``, never a message
 BEGUN = object()  # the supervisor's like for a folded line of begin beats (``_b``), never a message
-RELAYS_ENV = "PTOPS_RELAYS"  # ``[slurm] relay_every``: {"every": N, "port": P, "nodes": [...]}
 
 
 def relay_group(raw: str | None, node_rank: int) -> tuple[str, int, bool] | None:

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from ptops import envnames
 from ptops.ops.runrecord import ranklog
 
 PR_SET_PDEATHSIG = 1
@@ -87,7 +88,9 @@ def run_rank() -> None:
     """This rank's life, in this process (cold) or in a warm pool's child (``ops/rank/warm.py``)."""
     # Yama: let the supervisor (py-spy) read our stacks; on a node of a multi-node run, the node
     # agent
-    tracer = int(os.environ.get("PTOPS_PTRACER_PID") or os.environ.get("PTOPS_SUPERVISOR_PID") or 0)
+    tracer = int(
+        os.environ.get(envnames.PTRACER_PID) or os.environ.get(envnames.SUPERVISOR_PID) or 0
+    )
     if tracer:
         _prctl(PR_SET_PTRACER, tracer)
 
@@ -95,16 +98,16 @@ def run_rank() -> None:
     from ptops.ops.runrecord.rundir import RunDir
     from ptops.recipes.schema import from_json
 
-    run = RunDir(Path(os.environ["PTOPS_RUN_DIR"]))
+    run = RunDir(Path(os.environ[envnames.RUN_DIR]))
     rank = int(os.environ.get("RANK", "0"))
     attempt = attempt_from_env()
-    if os.environ.get("PTOPS_RANK_LOGS", "1") == "1":
+    if os.environ.get(envnames.RANK_LOGS, "1") == "1":
         _redirect_output(run.rank_log(attempt, rank))
     _stack_file(run.logs(attempt) / f"rank-{rank}.stacks")
-    from ptops.ops.rank.warm import ENV_CHILD, WARM_LINE
+    from ptops.ops.rank.warm import WARM_LINE
 
-    if os.environ.get(ENV_CHILD):
-        ranklog.get("entry").info(WARM_LINE.format(pool=os.environ[ENV_CHILD]))
+    if os.environ.get(envnames.WARM_POOL):
+        ranklog.get("entry").info(WARM_LINE.format(pool=os.environ[envnames.WARM_POOL]))
     recipe = from_json(run.recipe_json.read_text())
     probe = Probe.from_env()
     try:

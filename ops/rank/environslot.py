@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 
-SLOT = "PTOPS_ENVIRON_SLOT"
+from ptops import envnames
+
+SLOT = envnames.ENVIRON_SLOT
 SIZE = 4096
 
 

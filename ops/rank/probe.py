@@ -65,6 +65,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ptops import envnames
 from ptops.ops.rank.memory import sample as memory_sample
 from ptops.ops.runrecord import ranklog
 from ptops.ops.runrecord.rundir import RunDir, append_jsonl
@@ -172,7 +173,7 @@ def attempt_from_env() -> int:
     0; under a plain ``torchrun --max-restarts N`` a restarted group is a new attempt too, so its
     records and its faults (which fire in attempt 1 only) are told apart from the group that failed.
     """
-    return int(os.environ.get("PTOPS_ATTEMPT", "1")) + int(
+    return int(os.environ.get(envnames.ATTEMPT, "1")) + int(
         os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0
     )
 
@@ -245,14 +246,14 @@ class Probe:
         from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN
 
         return cls(
-            run_dir=Path(os.environ["PTOPS_RUN_DIR"]),
+            run_dir=Path(os.environ[envnames.RUN_DIR]),
             rank=int(os.environ.get("RANK", "0")),
             attempt=attempt_from_env(),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             channel=os.environ.get(ENV_ADDRESS) or None,
             token=os.environ.get(ENV_TOKEN),
-            faults=os.environ.get("PTOPS_FAULTS"),
-            heartbeat_s=float(os.environ.get("PTOPS_HEARTBEAT_S", "1.0")),
+            faults=os.environ.get(envnames.FAULTS),
+            heartbeat_s=float(os.environ.get(envnames.HEARTBEAT_S, "1.0")),
         )
 
     @property

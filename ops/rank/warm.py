@@ -53,12 +53,10 @@ import threading
 import time
 from typing import Any
 
+from ptops import envnames
 from ptops.ops.rank import environslot
 from ptops.ops.runrecord import ranklog
 
-ENV_SOCKET = "PTOPS_WARM_SOCKET"
-ENV_CHILD = "PTOPS_WARM_POOL"  # set in a warm child: its pool's pid
-ENV_STANDING = "PTOPS_STANDING_POOL"  # `ptops warm`: NAME (each engine at NAME-ENGINE)
 # read once, at import (libgomp's thread count, huggingface_hub's and transformers' offline flags):
 # a child keeps its pool's values whatever its request says, so a launch must match them
 IMPORT_ENV = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -178,7 +176,7 @@ def identity(engine: str) -> dict[str, Any]:
 def handoff() -> None:
     """In a rank torchrun started: run this rank in a warm child and exit with its status (never
     returns), or return at once when no pool answers (the rank then starts cold)."""
-    name = os.environ.get(ENV_SOCKET)
+    name = os.environ.get(envnames.WARM_SOCKET)
     if not name:
         return
     try:
@@ -422,9 +420,10 @@ def _become(req: dict, fds: list[int], target: Any = None) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    os.environ[ENV_CHILD] = str(os.getppid())  # the pool: the rank's log says it started warm
-    if req["env"].get("PTOPS_RUN_DIR"):  # so the sweeps of its run find it
-        environslot.write(_SLOT, "PTOPS_RUN_DIR", req["env"]["PTOPS_RUN_DIR"])
+    # the pool's pid: the rank's log says it started warm
+    os.environ[envnames.WARM_POOL] = str(os.getppid())
+    if req["env"].get(envnames.RUN_DIR):  # so the sweeps of its run find it
+        environslot.write(_SLOT, envnames.RUN_DIR, req["env"][envnames.RUN_DIR])
     sys.argv = list(req["argv"])
     from ptops.ops.rank import entry
 

@@ -32,7 +32,8 @@ import sys
 import time
 from typing import Any
 
-from ptops.ops.rank.warm import ENV_SOCKET, request
+from ptops import envnames
+from ptops.ops.rank.warm import request
 
 STOP_GRACE_S = 5.0  # torchrun's: SIGTERM to the others, then SIGKILL
 
@@ -75,7 +76,7 @@ def _status(line: str) -> int:
 
 
 def launch(nproc: int, port: int, fallback: list[str]) -> int:
-    name = os.environ.get(ENV_SOCKET, "")
+    name = os.environ.get(envnames.WARM_SOCKET, "")
     entry = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py")]
     started: list[tuple[socket.socket, Any, int]] = []
     try:

@@ -16,13 +16,14 @@ import select
 import subprocess
 import time
 
-from ptops.ops.rank.warm import ENV_STANDING, fits, request, standing_name
+from ptops import envnames
+from ptops.ops.rank.warm import fits, request, standing_name
 
 
 def standing_pool(engine: str, env: dict[str, str]) -> str:
     """The name of the standing pool for ``engine`` a process with ``env`` may be forked from, or
     "" (none named, none answers, or it imported under another interpreter, ptops or env)."""
-    name = env.get(ENV_STANDING, "")
+    name = env.get(envnames.STANDING_POOL, "")
     if not name:
         return ""
     pool = standing_name(name, engine)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# ptops/envnames.py's CACHE, spelled here because runrecord imports nothing of ptops
+CACHE_ENV = "PTOPS_CACHE"
+
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PTOPS_CACHE", Path.home() / ".cache" / "ptops"))
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "ptops"))

@@ -38,9 +38,10 @@ import sys
 import time
 from pathlib import Path
 
+from ptops import envnames
 from ptops.faultinject.spec import FaultSpecError
 from ptops.faultinject.spec import parse as parse_fault
-from ptops.ops.rank.channel import RELAYS_ENV, new_token
+from ptops.ops.rank.channel import new_token
 from ptops.ops.runrecord.events import EventKind, RunState
 from ptops.ops.runrecord.lock import LockedError, acquire
 from ptops.ops.runrecord.rundir import RunDir
@@ -102,16 +103,16 @@ class SlurmSupervisor(Supervisor):
         port = self.recipe.launch.master_port or random.randint(20000, 39999)
         base.env.update(
             {
-                "PTOPS_NODE_NPROC": str(self.per_node),
-                "PTOPS_NODE_NNODES": str(n),
-                "PTOPS_NODE_MASTER": self.active[0],
-                "PTOPS_NODE_PORT": str(port),
-                "PTOPS_NODE_LOG_DIR": str(self.run.logs(attempt).resolve()),
-                "PTOPS_NODE_UPSTREAM_TIMEOUT_S": str(self.slurm.upstream_timeout_s),
+                envnames.NODE_NPROC: str(self.per_node),
+                envnames.NODE_NNODES: str(n),
+                envnames.NODE_MASTER: self.active[0],
+                envnames.NODE_PORT: str(port),
+                envnames.NODE_LOG_DIR: str(self.run.logs(attempt).resolve()),
+                envnames.NODE_UPSTREAM_TIMEOUT_S: str(self.slurm.upstream_timeout_s),
             }
         )
         if self.slurm.relay_every and n > 1:  # relays: the first node of each group (agent.py)
-            base.env[RELAYS_ENV] = json.dumps(
+            base.env[envnames.RELAYS] = json.dumps(
                 {"every": self.slurm.relay_every, "port": port + 1, "nodes": list(self.active)}
             )
         argv = [
@@ -152,11 +153,11 @@ class SlurmSupervisor(Supervisor):
             ctx.clock = (self.cfg.channel_advertise or _address_of_this_node(), clock.port)
             env = {
                 **launcher.rank_command(self.recipe, self.run, attempt).env,
-                health.NODE_ENV: json.dumps(
+                envnames.HEALTH: json.dumps(
                     {**ctx.to_dict(), "out": str(out.resolve()), "skip": skip,
                      "clock_offsets": offsets, "xid_marks": self.xid_marks}
                 ),
-                health.NODE_TOKEN_ENV: token,
+                envnames.HEALTH_TOKEN: token,
             }  # fmt: skip
             argv = [
                 "srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from ptops.ckpt import RESUME_ENV
+from ptops import envnames
 from ptops.faultinject.spec import to_env as faults_to_env
 from ptops.monitors.hang import HangMonitor
 from ptops.ops.rank.channel import ENV_ADDRESS, ENV_TOKEN, SUMMARY_ENV
@@ -79,13 +79,13 @@ class AttemptMixin:
         extra = {
             ENV_ADDRESS: self.server.address(self.cfg.channel_advertise),
             ENV_TOKEN: self.server.token,
-            "PTOPS_SUPERVISOR_PID": str(os.getpid()),
-            "PTOPS_HEARTBEAT_S": str(self.cfg.heartbeat_s),
+            envnames.SUPERVISOR_PID: str(os.getpid()),
+            envnames.HEARTBEAT_S: str(self.cfg.heartbeat_s),
         }
         if self.faults:
-            extra["PTOPS_FAULTS"] = faults_to_env(self.faults)
+            extra[envnames.FAULTS] = faults_to_env(self.faults)
         extra.update(self.findings.attempt_env())  # PTOPS_ROLLBACK after a rollback
-        extra[RESUME_ENV] = (self.good or {}).get(
+        extra[envnames.RESUME_FROM] = (self.good or {}).get(
             "path"
         ) or ""  # verified by the supervisor: the ranks do not again
         # the names the ranks' torch reads, no deprecated one (gloo records too: hang analysis)

@@ -43,11 +43,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ptops import envnames
 from ptops.ckpt import resume_point
 from ptops.faultinject.spec import Fault
 from ptops.monitors.hang import HangMonitor, Learned
 from ptops.ops.rank.channel import write_info
-from ptops.ops.rank.warm import ENV_STANDING
 from ptops.ops.runrecord.events import TERMINAL_STATES, EventKind, RunState
 from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.runrecord.metrics import MetricsWriter
@@ -153,10 +153,10 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         # warm spare ranks for restarts (a plain launch never restarts: no pool)
         wanted = self.cfg.restart.warm_pool_wanted(recipe.launch.nproc, os.cpu_count())
         self.warm = WarmPool(recipe, run) if wanted and self.supervised else None
-        if os.environ.get(ENV_STANDING):
+        if os.environ.get(envnames.STANDING_POOL):
             # `ptops warm`: every attempt, the first too, when a pool of this engine fits this
             # launch now; else the run's own pool (or none) as without it, and the log says why
-            standing = WarmPool(recipe, run, standing=os.environ[ENV_STANDING])
+            standing = WarmPool(recipe, run, standing=os.environ[envnames.STANDING_POOL])
             fits = standing.source(0, lambda: True)
             if fits["ranks_from"] == "warm":
                 self.warm = standing

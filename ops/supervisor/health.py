@@ -38,8 +38,6 @@ from typing import Any, Callable
 
 MB = 1 << 20
 # a node check step's environment (ops/node/health.py): the context as JSON, the clock's token
-NODE_ENV = "PTOPS_HEALTH"
-NODE_TOKEN_ENV = "PTOPS_HEALTH_TOKEN"
 
 
 @dataclass

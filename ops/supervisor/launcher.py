@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ptops import envnames
 from ptops.ops.rank import RANK_PYTHON
 from ptops.ops.runrecord.events import EventKind
 from ptops.ops.runrecord.metrics import MetricsIndexError, rank0_records, segments
 from ptops.ops.runrecord.rundir import RunDir, final_metrics_by_step
-from ptops.ops.supervisor import procs
 from ptops.recipes.schema import Recipe, RecipeError, dump_json, from_json
 
 # Sections that change how a run is watched, not what it computes: a resume may retune them.
@@ -106,7 +106,7 @@ def rank_command(
         "--no-python", *RANK_PYTHON,
     ]  # fmt: skip
     env = {**os.environ, **rank_constants(recipe.launch.omp_num_threads)}
-    env.update({"PTOPS_RUN_DIR": str(run.path.resolve()), "PTOPS_ATTEMPT": str(attempt)})
+    env.update({envnames.RUN_DIR: str(run.path.resolve()), envnames.ATTEMPT: str(attempt)})
     env.update(extra_env or {})
     return RankCommand(argv, env)
 
@@ -117,11 +117,11 @@ def node_agent_command(cmd: RankCommand, nproc: int, log: Path) -> RankCommand:
     launcher's output goes to ``log`` (the agent's own lines too: the supervisor's file)."""
     env = {
         **cmd.env,
-        procs.NODE_ARGV_ENV: json.dumps(cmd.argv),
-        procs.NODE_LOG_ENV: str(log),
-        "PTOPS_NODE_NPROC": str(nproc),
-        "PTOPS_NODE_NNODES": "1",
-        "PTOPS_NODE_RANK": "0",
+        envnames.NODE_ARGV: json.dumps(cmd.argv),
+        envnames.NODE_LOG: str(log),
+        envnames.NODE_NPROC: str(nproc),
+        envnames.NODE_NNODES: "1",
+        envnames.NODE_RANK: "0",
     }
     return RankCommand([sys.executable, "-P", "-m", "ptops.ops.node.agent"], env)
 

@@ -20,11 +20,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from ptops import envnames
+
 PR_SET_PDEATHSIG = 1
 # a local attempt's node agent: the launcher it runs (JSON list) and the file its output goes to
 # (here, not in ops/node, so the supervisor names them without importing the agent)
-NODE_ARGV_ENV = "PTOPS_NODE_ARGV"
-NODE_LOG_ENV = "PTOPS_NODE_LOG"
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -100,7 +100,7 @@ KEEP: set[int] = set()
 def run_processes(run_dir: Path, exclude: set[int] | None = None) -> list[int]:
     """Pids of live processes whose environment has ``PTOPS_RUN_DIR`` = this run (same user or
     root)."""
-    want = b"PTOPS_RUN_DIR=" + str(Path(run_dir).resolve()).encode()
+    want = envnames.RUN_DIR.encode() + b"=" + str(Path(run_dir).resolve()).encode()
     skip = {os.getpid()} | KEEP | (exclude or set())
     out = []
     try:

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ptops.ops.rank.warm import ENV_SOCKET, connect_own, fits, standing_name
+from ptops import envnames
+from ptops.ops.rank.warm import connect_own, fits, standing_name
 from ptops.ops.supervisor import launcher, procs
 
 
@@ -50,7 +51,7 @@ class WarmPool:
     def env(self) -> dict[str, str]:
         """What a warm attempt's launcher needs to find the pool (a cold attempt's ranks are not
         told of it)."""
-        return {ENV_SOCKET: self.name}
+        return {envnames.WARM_SOCKET: self.name}
 
     @property
     def started(self) -> bool:

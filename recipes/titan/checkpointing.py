@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 
+from ptops import envnames
 from ptops.ckpt import versions
 from ptops.recipes.titan.context import _dist_on, _err_text, _log, _rank, _world, get_probe
 from ptops.recipes.titan.staging import _pinned_stager, _save_staged, _stateful_to_state_dict
@@ -425,7 +426,7 @@ class ProbeCheckpointManager(CheckpointManager):
         if self._split_plan is None:
             plan, why = None, "CUDA: DefaultStager path"
             if (
-                os.environ.get("PTOPS_CKPT_QKV_SPLIT") == "inline"
+                os.environ.get(envnames.CKPT_QKV_SPLIT) == "inline"
             ):  # A/B and an escape hatch: torchtitan's hook
                 why = "PTOPS_CKPT_QKV_SPLIT=inline"
             elif not torch.cuda.is_available():

@@ -22,6 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
+from ptops import envnames
+
 NOT_CHECKED = [
     "weights stay on the meta device unless PTOPS_DRYRUN_MATERIALIZE=1 (shapes and sharding are "
     "real; values are not)",
@@ -58,7 +60,7 @@ def run(recipe_json: str, world: int) -> dict:
     cfg.checkpoint.enable = False  # nothing to save or load
     cfg.checkpoint.initial_load_path = None
     cfg.metrics.enable_tensorboard = False if hasattr(cfg.metrics, "enable_tensorboard") else None
-    materialize = os.environ.get("PTOPS_DRYRUN_MATERIALIZE") == "1"
+    materialize = os.environ.get(envnames.DRYRUN_MATERIALIZE) == "1"
     if not materialize:
         # TorchTitan moves the sharded model to ``utils.device_type`` and initialises it there; on
         # meta the same sharding, shapes and optimizer are built without allocating or filling
@@ -151,7 +153,7 @@ def main() -> None:
             "where": tb[-3:] if len(tb) > 3 else tb,
         }
     sys.stdout.flush()
-    print("PTOPS_DRYRUN " + json.dumps(out), flush=True)
+    print(envnames.DRYRUN_LINE + " " + json.dumps(out), flush=True)
     os._exit(0)  # no teardown of half-built trainers or fake process groups
 
 

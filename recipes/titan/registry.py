@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ptops import envnames
 from ptops.recipes.titan import compat
 
 compat.apply()
@@ -46,7 +47,7 @@ def _recipe() -> Any:
         return _RECIPE
     from ptops.recipes.schema import from_json
 
-    run_dir = Path(os.environ["PTOPS_RUN_DIR"])
+    run_dir = Path(os.environ[envnames.RUN_DIR])
     return from_json((run_dir / "recipe.json").read_text())
 
 
@@ -247,4 +248,4 @@ def _fr_buffer_size() -> int:
 
 def ptops_recipe() -> ProbeTrainer.Config:
     """config_registry entry: the recipe of ``$PTOPS_RUN_DIR`` as a torchtitan job config."""
-    return trainer_config(_recipe(), Path(os.environ["PTOPS_RUN_DIR"]))
+    return trainer_config(_recipe(), Path(os.environ[envnames.RUN_DIR]))

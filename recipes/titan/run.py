@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ptops import envnames
+
 REGISTRY = "ptops.recipes.titan.registry"
 CONFIG = "ptops_recipe"
 
@@ -34,7 +36,7 @@ def titan_argv() -> list[str]:
         REGISTRY,
         "--config",
         CONFIG,
-        *shlex.split(os.environ.get("PTOPS_TITAN_ARGS", "")),
+        *shlex.split(os.environ.get(envnames.TITAN_ARGS, "")),
     ]
 
 
@@ -54,7 +56,7 @@ def main(recipe: Any, probe: Any) -> None:
     from ptops.recipes.titan import compat
 
     compat.apply()
-    run_dir = Path(os.environ["PTOPS_RUN_DIR"])
+    run_dir = Path(os.environ[envnames.RUN_DIR])
     (run_dir / "titan").mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptops import envnames
 from ptops.monitors.registry import monitors_for_runbook
 from ptops.ops.runrecord.events import EventKind
 
@@ -246,7 +247,7 @@ ALERT_NAMES = tuple(a.name for a in ALERTS)
 
 
 def runbook_base_url(base: str | None = None) -> str:
-    return (base or os.environ.get("PTOPS_RUNBOOK_BASE_URL") or DEFAULT_RUNBOOK_BASE_URL).rstrip(
+    return (base or os.environ.get(envnames.RUNBOOK_BASE_URL) or DEFAULT_RUNBOOK_BASE_URL).rstrip(
         "/"
     )
 
