@@ -114,6 +114,9 @@ ENGINE_KIND_SCENARIOS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # server mode: the engine's process dies before step 6's rollouts; restarted, synced, the same
     # rollouts generated (no rank restarts)
     "engine-crash": (("engine-crash:step=6",), ("sidecar_died",)),
+    # the engine stops answering before step 6's rollouts: server mode, its failed health checks
+    # replace it (sidecar_died), re-synced, the same rollouts; colocate, a hang in engine_generate
+    "engine-hang": (("engine-hang:step=6",), ("sidecar_died", "hang")),
 }
 # The grader seam of GRPO / RLOO (recipes/trl/grader.py), engine or not: in the default matrix for
 # trl-grpo-tiny only (the other tiny recipes have no grader)

@@ -67,7 +67,15 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 STARTUP_SECTIONS = ("launch", "import", "rendezvous", "build", "load")
-SECTIONS = (*STARTUP_SECTIONS, "first_step", "step", "data", "checkpoint", "eval")
+# the seams inside an RL step (recipes/trl/engine.py, grader.py): a hang there is named by its seam.
+# The engine's learn their own durations and are judged by min(the step's budget, their own: floor,
+# multiplier x p99, seen_multiplier x longest), so a sync of 2 s in a 60 s step is hung after
+# ~20 s, not 600 s. The reward call keeps the step's: its graders carry bounds of their own (the
+# judge's 10 s a completion, the sandbox's timeouts) that a budget learned from fast calls would cut
+# short, killing a rank for what the grader turns into no verdict
+SEAMS = ("engine_sync", "engine_generate", "reward")
+LEARNED_SEAMS = ("engine_sync", "engine_generate")
+SECTIONS = (*STARTUP_SECTIONS, "first_step", "step", "data", "checkpoint", "eval", *LEARNED_SEAMS)
 HOLD = "hold"  # the declared-pause phase (the hold fault): no budget of its own
 EVAL = "eval"  # a pause the engine declares: a budget of its own, peers wait for it
 # one rank's own save (a script's ``torch.save`` on rank 0 while the others wait in a barrier or
@@ -77,9 +85,6 @@ SAVE = "save"
 # restarts): a budget of its own (engine_wait_s), its peers wait in their next collective
 ENGINE_WAIT = "engine_wait"
 PAUSES = (HOLD, EVAL, SAVE, ENGINE_WAIT)
-# the seams of an engine inside a step (recipes/trl/engine.py): judged by the step's budget, a hang
-# there is named by its seam
-SEAMS = ("engine_sync", "engine_generate", "reward")
 
 
 class HangConfig(BaseModel):
@@ -507,6 +512,8 @@ class HangMonitor:
         else:
             return
         # the section that ends here: learn its duration (steps learn from step_s, holds have none)
+        if st.phase in LEARNED_SEAMS and phase != st.phase and st.section == "step":
+            self.learned.add(st.phase, ts - st.last_progress)  # a seam began at its own beat
         if new_section != section or phase != st.phase:
             if section in _TIMED:
                 begun = st.since
@@ -750,6 +757,8 @@ class HangMonitor:
         startup = (section in STARTUP_SECTIONS or section == "first_step") and not _fallback
         known = self.prior if startup else self.learned
         p99 = known.p99(section)
+        if p99 is None and section in LEARNED_SEAMS:  # no history yet: the step's budget
+            return self.step_timeout()
         if p99 is None and section in _FALLBACK:  # no history yet: the slower section it follows
             return self.section_timeout(_FALLBACK[section], _fallback=True)
         if section == "step" and self._recent:
@@ -810,7 +819,11 @@ class HangMonitor:
             t = self.section_timeout("data")
             return since + t, t, "data", "data"
         t = self.step_timeout()
-        return since + t, t, st.phase if st.phase in SEAMS else "step", "step"
+        if st.phase in SEAMS:
+            if st.phase in LEARNED_SEAMS:
+                t = min(t, self.section_timeout(st.phase))
+            return since + t, t, st.phase, "step"
+        return since + t, t, "step", "step"
 
     def _stale_after(self, st: _Rank) -> float:
         if st.section in STARTUP_SECTIONS or st.section == "first_step":
@@ -842,6 +855,8 @@ class HangMonitor:
         if section == "checkpoint":  # the final save: checkpoint_s
             return min(c.checkpoint_s, self.section_timeout("checkpoint"))
         t = self.section_timeout("data") if section == "data" else self.step_timeout()
+        if section == "step":  # a rank in a seam: the seam's own budget when it is shorter
+            t = min([t, *(self.section_timeout(seam) for seam in LEARNED_SEAMS)])
         return min(c.checkpoint_s, t)  # past the last step: "finishing"
 
     def _oldest(self, heap: list[tuple], valid, stamp: str) -> float | None:

@@ -55,8 +55,8 @@ def chaos_cmd(
         typer.Option(
             "--set",
             help="KEY=VALUE for every launch, the baselines' too (repeatable), e.g. "
-            "trl.vllm.mode=colocate for the engine's seam scenarios (stale-sync, sync-hang; "
-            "engine-crash with trl.vllm.mode=server).",
+            "trl.vllm.mode=colocate for the engine's seam scenarios (stale-sync, sync-hang, "
+            "engine-hang; engine-crash and engine-hang with trl.vllm.mode=server).",
         ),
     ] = [],
     launch_timeout: Annotated[
@@ -87,7 +87,7 @@ def chaos_cmd(
       ptops chaos --scenario titan-tiny/crash --junit chaos-junit.xml\n
       ptops chaos --scenario titan-tiny/slow:rank=1,step=3,seconds=1,steps=5 --list\n
       .venv-vllm/bin/ptops chaos --recipe trl-grpo-tiny --set trl.vllm.mode=colocate
-      --scenario stale-sync --scenario sync-hang --scenario crash
+      --scenario stale-sync --scenario sync-hang --scenario engine-hang --scenario crash
     """
     from ptops.faultinject import chaos
 

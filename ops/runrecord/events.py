@@ -252,13 +252,16 @@ SPECS: dict[EventKind, EventSpec] = {
             "found_ts",
             "behind_s",
             "also_quiet",
+            "engine_version",
         ),
         state=RunState.HUNG,
         finding=True,
         severity="critical",
         summary=True,
         runbook="TrainingHang",
-        doc="ranks made no progress past their budget; stacks were collected",
+        doc="ranks made no progress past their budget; stacks were collected (a run's sidecars "
+        "too: stack_sources.sidecars); phase names an engine or grader seam where the ranks were "
+        "in one (engine_version: the model version of the engine's last sync)",
     ),
     K.MISCONFIGURED: EventSpec(
         ("attempt", "reason"),

@@ -11,6 +11,7 @@ Used as a mixin of :class:`ptops.ops.supervisor.core.Supervisor`.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import queue
 import re
@@ -22,6 +23,47 @@ from ptops.ops.runrecord.ranks import rank_list
 from ptops.ops.runrecord.rundir import STACK_SECTION
 from ptops.ops.supervisor import launcher, procs, stacks
 from ptops.ops.supervisor.outcome import Outcome
+
+# the rank's phases inside a step that wait on the inference engine (recipes/trl/engine.py)
+ENGINE_SEAMS = ("engine_sync", "engine_generate", "engine_wait")
+
+
+def sidecar_stacks(run_dir: Path, stack_dir: Path) -> str | None:
+    """The other side of a seam: py-spy stacks of the run's sidecar processes (a vLLM server and
+    its engine), one ``stack_dir/sidecars.txt``; None when the run has none."""
+    from ptops.ops.supervisor.sidecar import sidecar_pids
+
+    pids = sidecar_pids(run_dir)
+    if not pids:
+        return None
+    parts = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        except OSError:
+            cmd = "?"
+        text, how = stacks.with_py_spy(pid, timeout_s=10.0)
+        parts.append(f"#### sidecar pid {pid} ({how}): {cmd.strip()} ####\n{text or ''}")
+    out = stack_dir / "sidecars.txt"
+    stacks.write_private(out, "\n".join(parts))
+    return str(out)
+
+
+def engine_version(metrics: Path, tail_bytes: int = 262_144) -> int | None:
+    """The newest ``engine/version`` in the run's records (read from the file's end)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if b'"engine/version"' in line:
+            try:
+                return int(json.loads(line)["engine/version"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return None
 
 
 class HangMixin:
@@ -62,6 +104,11 @@ class HangMixin:
         ev["stacks"] = str(stack_dir)
         ev["stack_sources"] = notes
         ev["stacks_s"] = round(time.monotonic() - t0, 2)
+        if finding.phase in ENGINE_SEAMS:
+            # the model version the engine was asked for (the rank's last record says it)
+            version = engine_version(self.run.metrics)
+            if version is not None:
+                ev["engine_version"] = version
         t1 = time.monotonic()
         procs.teardown(self.proc, self.run.path, self._rank_pids(), grace_s=0)
         ev["teardown_s"] = round(time.monotonic() - t1, 2)
@@ -106,6 +153,9 @@ class HangMixin:
             notes.setdefault(str(rank), "never connected")
         for fr in stack_dir.parent.glob(f"attempt-{self.attempt}/flight_recorder_rank_*"):
             notes.setdefault("flight_recorder", str(fr))
+        other = sidecar_stacks(self.run.path, stack_dir)
+        if other is not None:
+            notes["sidecars"] = other
         return notes
 
     def _ask_node_agents(self, by_node: dict[tuple, tuple]) -> None:

@@ -80,6 +80,11 @@ def _marked(run_dir: Path) -> list[int]:
     return [p for p in out if alive(p)]
 
 
+def sidecar_pids(run_dir: Path) -> list[int]:
+    """The live processes of ``run_dir``'s sidecars (a server and the workers it started)."""
+    return _marked(run_dir)
+
+
 def kill_leftovers(run_dir: Path, wait_s: float = 5.0) -> list[int]:
     """Processes of ``run_dir``'s sidecars still alive (a worker its server left, or sidecars that
     outlived their owner): SIGKILLed, waited for (a signalled process is not gone yet), their pids

@@ -189,7 +189,8 @@ class EngineSeam:
                 with self._seam("engine_wait"):
                     self._crash_engine()
             if self.probe is not None and self.probe.faults.engine_hang(step + 1):
-                self._freeze_engine()
+                with self._seam("engine_wait"):
+                    self._freeze_engine()
             for _ in range(3):
                 self._ensure_version(step)
                 with self._seam("engine_generate"):
@@ -251,7 +252,7 @@ class EngineSeam:
         """Until the engine answers (the run's sidecar supervision restarts a dead one): a declared
         pause (``engine_wait``) while it does not, so that the peers waiting on this rank are not a
         hang."""
-        if self._healthy():
+        if self._healthy(timeout=2.0):  # short: a wedged engine's wait is the declared pause below
             return
         deadline = time.monotonic() + self.v.health_timeout_s
         with self._seam("engine_wait"):

@@ -612,3 +612,75 @@ def test_one_ranks_own_save_is_a_pause_its_peers_wait_for():
     no_hang_until(m, t, t + 299)
     found = m.check(t + 301)
     assert found is not None and found.ranks == [0] and found.section == "checkpoint", found
+
+
+# ---------------------------------------------------------------- the seams of an RL step
+
+
+def rl_steps(m: HangMonitor, first: int, last: int, t: float, sync: float, rest: float) -> float:
+    """Steps of ``sync + rest`` seconds whose weight sync to the engine (phase engine_sync) takes
+    ``sync`` on every rank; the generation and the reward call take ``rest``."""
+    for s in range(first, last + 1):
+        for r in list(m.ranks):
+            m.observe(
+                {"kind": "beat", "rank": r, "step": s, "phase": "step", "stage": "begin", "ts": t}
+            )
+            m.observe({"kind": "beat", "rank": r, "step": s, "phase": "engine_sync", "ts": t})
+            m.observe({"kind": "beat", "rank": r, "step": s, "phase": "step", "ts": t + sync})
+            m.observe(
+                {"kind": "beat", "rank": r, "step": s, "phase": "reward", "ts": t + sync + 0.1}
+            )
+            m.observe({"kind": "beat", "rank": r, "step": s, "phase": "step", "ts": t + sync + 1})
+            m.observe({"kind": "metrics", "rank": r, "step": s, "step_s": sync + rest, "ts": t})
+        t += sync + rest
+    return t
+
+
+def test_a_hung_weight_sync_is_found_on_its_own_learned_budget_not_the_steps():
+    """Steps of 60 s whose sync takes 2 s: the step's budget is 600 s, the sync's 20 s (10 x its
+    p99); a sync that never returns is found there, named by its seam."""
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    t = rl_steps(m, 1, 20, startup(m, 0.0), sync=2.0, rest=58.0)
+    assert m.step_timeout() == pytest.approx(600.0)
+    assert m.section_timeout("engine_sync") == pytest.approx(20.0, rel=0.1)
+    for r in (0, 1):  # step 21's sync begins and never ends (both ranks keep pinging)
+        m.observe(
+            {"kind": "beat", "rank": r, "step": 21, "phase": "step", "stage": "begin", "ts": t}
+        )
+        m.observe({"kind": "beat", "rank": r, "step": 21, "phase": "engine_sync", "ts": t})
+    ping(m, t, t + 60, every=1.0)
+    budget = m.section_timeout("engine_sync")
+    no_hang_until(m, t, t + budget - 0.1)
+    f = m.check(t + budget + 0.1)
+    assert f is not None and f.phase == "engine_sync" and f.step == 21, f
+    assert f.timeout_s == pytest.approx(budget)
+
+
+def test_a_slow_reward_call_keeps_the_steps_budget():
+    """The reward call's graders carry bounds of their own (the judge: 10 s a completion): a call
+    far longer than the ones before is judged by the step's budget, not cut short by its history."""
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    t = rl_steps(m, 1, 20, startup(m, 0.0), sync=2.0, rest=58.0)
+    for r in (0, 1):
+        m.observe(
+            {"kind": "beat", "rank": r, "step": 21, "phase": "step", "stage": "begin", "ts": t}
+        )
+        m.observe({"kind": "beat", "rank": r, "step": 21, "phase": "reward", "ts": t})
+    ping(m, t, t + 700, every=5.0)
+    no_hang_until(m, t, t + 599, step=10.0)
+    f = m.check(t + 601)
+    assert f is not None and f.phase == "reward" and f.timeout_s == pytest.approx(600.0)
+
+
+def test_a_seam_without_history_is_judged_by_the_step():
+    m = HangMonitor(2, 0.0, DEFAULTS)
+    t = run_steps(m, 1, 20, startup(m, 0.0), 3.0)  # 30 s step budget, no sync seen yet
+    for r in (0, 1):
+        m.observe(
+            {"kind": "beat", "rank": r, "step": 21, "phase": "step", "stage": "begin", "ts": t}
+        )
+        m.observe({"kind": "beat", "rank": r, "step": 21, "phase": "engine_generate", "ts": t})
+    ping(m, t, t + 40, every=1.0)
+    assert m.check(t + 29.9) is None
+    f = m.check(t + 30.1)
+    assert f is not None and f.phase == "engine_generate"

@@ -71,7 +71,12 @@ def _launch(
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-engine")
     plan = {  # the longest first
-        "server-crash": ("server", *CRASH),
+        # a hang inside the sync before step 6 (attempt 1), a crash at step 7 of attempt 2
+        "server-crash": (
+            "server",
+            *("--fault", "sync-hang:step=6"),
+            *("--fault", "crash:rank=1,step=7,attempt=2"),
+        ),
         "colocate": ("colocate",),
         # a stale sync before step 3; a hang inside the sync before step 6 (attempt 1); a crash
         # at step 7 of attempt 2: three attempts, each restart from step 4
@@ -81,7 +86,12 @@ def runs(tmp_path_factory):
             *("--fault", "sync-hang:step=6"),
             *("--fault", "crash:rank=1,step=7,attempt=2"),
         ),
-        "server-engine-crash": ("server", "--fault", "engine-crash:step=3"),
+        # the engine dies before step 3's rollouts, and stops answering before step 5's
+        "server-engine-crash": (
+            "server",
+            *("--fault", "engine-crash:step=3"),
+            *("--fault", "engine-hang:step=5"),
+        ),
         "stale-for-good": (
             "colocate",
             *("--set", "train.steps=4"),
@@ -172,14 +182,21 @@ def test_colocate_engine_recovers_a_stale_sync_a_hung_sync_and_a_crash_exactly(r
     assert _digest(run) == _digest(base)
 
 
-def test_server_engine_outlives_a_crash_of_the_ranks_and_the_redone_steps_match(runs):
+def test_server_engine_outlives_a_hang_and_a_crash_of_the_ranks_and_the_redone_steps_match(runs):
     run = _ok(runs, "server-crash")
     started = _kinds(run, "sidecar_started")
     assert [s["name"] for s in started] == ["vllm"], started  # once: the server outlived attempt 1
     assert "vllm.entrypoints.openai.api_server" in started[0]["argv"]
     assert _kinds(run, "sidecar_died") == []
-    (restart,) = _kinds(run, "restart")
-    assert restart["from_step"] == 4
+    assert [r["from_step"] for r in _kinds(run, "restart")] == [4, 4]
+    # the hang names its seam, the engine's model version, and both sides' stacks
+    (hang,) = _kinds(run, "hang")
+    assert hang["phase"] == "engine_sync" and hang["step"] == 6, hang
+    last = [r for r in _records(run) if r["attempt"] == 1 and "engine/version" in r][-1]
+    assert hang["engine_version"] == int(last["engine/version"]), (hang, last)
+    other_side = Path(hang["stack_sources"]["sidecars"]).read_text()
+    assert "#### sidecar pid" in other_side and "py-spy" in other_side, other_side[:2000]
+    assert "vllm" in other_side, other_side[:2000]  # the engine's own frames
     _redone_steps_match(run, {5, 6})
     _engine_keys_hold(run)
     # the weights travel as a file the server reloads
@@ -187,21 +204,26 @@ def test_server_engine_outlives_a_crash_of_the_ranks_and_the_redone_steps_match(
 
 
 def test_a_crashed_server_engine_is_restarted_synced_and_the_step_goes_on_unchanged(runs):
-    """The engine's process exits before step 3's rollouts: the sidecar supervision restarts it, the
-    seam finds it holds no synced version, syncs it, and generates with the same seed. Nothing is
-    lost or counted twice: every step's record equals the other server run's (same seeds) before its
-    own crash, and no rank restarted."""
+    """The engine's process exits before step 3's rollouts, and stops answering (alive) before step
+    5's: each time the sidecar supervision restarts it, the seam finds it holds no synced version,
+    syncs it, and generates with the same seed. Nothing is lost or counted twice: every step's
+    record equals the other server run's (same seeds) before its own hang, and no rank restarted."""
     run = _ok(runs, "server-engine-crash")
-    assert [e["name"] for e in _kinds(run, "sidecar_died")] == ["vllm"]
-    assert [e["name"] for e in _kinds(run, "sidecar_restarted")] == ["vllm"]
-    assert _kinds(run, "restart") == [] and _kinds(run, "crash") == []
-    (resync,) = _kinds(run, "engine_resync")
-    assert resync["step"] == 2 and "the engine restarted: it holds version -1" in resync["why"]
+    died = _kinds(run, "sidecar_died")
+    assert [e["name"] for e in died] == ["vllm", "vllm"], died
+    # the hang (engine-hang: every process alive, silent) is found by its health checks (the
+    # crash by either: its API server may outlive the engine's core for a few checks)
+    assert "failed health checks" in died[1]["reason"], died
+    assert [e["name"] for e in _kinds(run, "sidecar_restarted")] == ["vllm", "vllm"]
+    assert _kinds(run, "restart") == [] and _kinds(run, "crash") == [] and _kinds(run, "hang") == []
+    resync = _kinds(run, "engine_resync")
+    assert [e["step"] for e in resync] == [2, 4], resync
+    assert all("the engine restarted: it holds version -1" in e["why"] for e in resync)
     other, _ = runs["server-crash"]
     for rank in (0, 1):
         mine = {r["step"]: r for r in _records(run, rank)}
         theirs = {r["step"]: r for r in _records(other, rank) if r["attempt"] == 1}
-        for step in range(1, 7):
+        for step in range(1, 6):
             for key in ("loss", "reward", "rewards_format_mean"):
                 assert mine[step][key] == theirs[step][key], (rank, step, key)
     _engine_keys_hold(run)
