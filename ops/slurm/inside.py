@@ -327,7 +327,7 @@ class SlurmSupervisor(Supervisor):
             f"no spare node left: resubmitted as job {new} without {','.join(bad)}; this job "
             "ends (exit 5)"
         )
-        self.state = RunState.RESTARTING
+        self.transition(RunState.RESTARTING, "resubmitted")
         self.reason = f"resubmitted as Slurm job {new} without {','.join(bad)}"
         self.write_status(force=True)
         return EXIT_RESUBMITTED
@@ -356,7 +356,7 @@ class SlurmSupervisor(Supervisor):
         self.say(
             f"preempted: saved at step {(self.good or {}).get('step')}, job {self.job_id} requeued"
         )
-        self.state = RunState.RESTARTING
+        self.transition(RunState.RESTARTING, "requeued")
         self.reason = "requeued after the Slurm warning signal"
         self.write_status(force=True)
         return EXIT_DONE  # nothing for the scheduler to do: the job is already requeued

@@ -128,7 +128,7 @@ class AttemptMixin:
             # section durations of the earlier attempts: start-up judged in seconds
             learned=self.learned,
         )
-        self.state = RunState.STARTING
+        self.transition(RunState.STARTING, "launch")
         self.proc = procs.spawn(cmd.argv, cmd.env, self.run.logs(attempt) / "torchrun.log")
         if self.warm is not None and self.warm.wanted:
             # imports alongside this attempt's ranks: ready for a crash soon after they train

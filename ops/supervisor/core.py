@@ -40,6 +40,7 @@ import socket
 import sys
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ from ptops.ops.runrecord.lock import acquire, release
 from ptops.ops.runrecord.metrics import MetricsWriter
 from ptops.ops.runrecord.rundir import RunDir
 from ptops.ops.runrecord.status import read_status_file, write_status
-from ptops.ops.supervisor import exitcodes, health, launcher, monitorfeed, procs
+from ptops.ops.supervisor import exitcodes, health, launcher, monitorfeed, procs, states
 from ptops.ops.supervisor.actions import FindingActions
 from ptops.ops.supervisor.attempt import AttemptMixin, completes_on_exit
 from ptops.ops.supervisor.blame import Blame
@@ -102,7 +103,8 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.stop_signal: int | None = None
         self._signals = 0
         self.attempt = 0
-        self.state = RunState.STARTING
+        self.state: RunState = states.INITIAL  # changed only by ``transition`` (states.py)
+        self.transitions: deque[dict[str, Any]] = deque(maxlen=states.HISTORY_LEN)
         self.step = 0
         self.ranks: dict[int, RankInfo] = {}
         self.ranks_changed = 0  # bumped at each hello and EOF: status.json's list (``_ranks_json``)
@@ -247,6 +249,43 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             {"ranks": self._ranks_json(force)},
         )
 
+    def transition(self, to: RunState, why: str) -> None:
+        """The one way to change ``self.state``: ``why`` names a row of ``states.TRANSITIONS``
+        that leaves the current state for ``to``. One outside the table is said in one line and
+        taken (a bookkeeping error never ends a run), or raised under pytest. Kept in
+        ``transitions`` and ``supervisor/transitions.jsonl``; status.json is written by the caller,
+        as before."""
+        source = self.state
+        if to == source:
+            return  # not a transition (attempt 1's launch, repeated checkpoint beats)
+        ok = states.allowed(source, to, why)
+        if not ok:
+            line = f"state {source} -> {to} ({why}): not in the table (ops/supervisor/states.py)"
+            if states.strict():
+                raise states.TransitionError(line)
+            self.say(line)
+        self.state = to
+        rec = {
+            "ts": round(time.time(), 3),
+            "pid": os.getpid(),
+            "attempt": self.attempt,
+            "from": str(source),
+            "to": str(to),
+            "why": why,
+            "ok": ok,
+        }
+        self.transitions.append(rec)
+        try:  # the history across the run's supervisors; a full disk must not stop the run
+            folder = self.run.path / "supervisor"
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(
+                folder / "transitions.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+            )
+            with os.fdopen(fd, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError:
+            pass
+
     def _ranks_json(self, force: bool = False) -> str:
         """The live ranks as status.json lists them, encoded again only after a hello or an EOF
         (``ranks_changed``): a sort and an encoding of every rank once a second was ~40 ms of the
@@ -284,7 +323,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 Exception
             ) as e:  # a bug here must still leave a truthful run directory and no processes
                 traceback.print_exc()
-                self.state = RunState.FAILED
+                self.transition(RunState.FAILED, "supervisor_error")
                 self.reason = f"supervisor error: {type(e).__name__}: {e}"
                 self.event(
                     EventKind.FAILED,
@@ -334,7 +373,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
         self.good = self._good_checkpoint_for_restart()
         done = launcher.completed_step(self.run)
         if prev.get("state") == RunState.COMPLETED and completes_on_exit(self.recipe):
-            self.state = RunState.COMPLETED
+            self.transition(RunState.COMPLETED, "already_complete")
             self.step = done
             self.say("already complete (its script exited 0 on every rank); nothing to do")
             return EXIT_DONE
@@ -343,7 +382,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             and self.good
             and self.good["step"] >= self.recipe.train.steps
         ):
-            self.state = RunState.COMPLETED
+            self.transition(RunState.COMPLETED, "already_complete")
             self.step = done
             self.say(
                 f"already complete (step {done}, checkpoint {self.good['path']}); nothing to do"
@@ -371,21 +410,25 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             ):  # the launch backend ends this supervisor (Slurm: requeued, resubmitted)
                 return early
             if outcome.kind == "completed":
-                self.state = RunState.COMPLETED
+                self.transition(RunState.COMPLETED, "completed")
                 self.event(EventKind.COMPLETED, step=self.step, attempt=self.attempt)
                 return EXIT_DONE
             if outcome.kind in HALTING:  # a monitor finding's stop / rollback
                 verdict = self.findings.after_attempt(
                     outcome, self.attempt, self._good_checkpoint_for_restart
                 )
-                self.state, self.reason = verdict.state, verdict.reason
+                self.transition(
+                    verdict.state,
+                    "finding_rollback" if verdict.state == RunState.RESTARTING else "finding_stop",
+                )
+                self.reason = verdict.reason
                 if verdict.exit_code is not None:
                     return verdict.exit_code
                 self.good = verdict.good
                 self.write_status(force=True)
                 continue
             if outcome.kind == "misconfigured":  # a restart would form the same wrong world again
-                self.state = RunState.FAILED
+                self.transition(RunState.FAILED, "misconfigured")
                 self.reason = outcome.reason
                 self.event(
                     EventKind.FAILED,
@@ -397,7 +440,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 return EXIT_MISCONFIGURED
             if outcome.kind == "interrupted":
                 sig = self.stop_signal or signal.SIGTERM
-                self.state = RunState.STOPPED
+                self.transition(RunState.STOPPED, "interrupted")
                 self.reason = f"interrupted by {signal.Signals(sig).name}"
                 self.event(
                     EventKind.STOPPED,
@@ -422,7 +465,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             )
             decision = policy.decide(failure)
             if decision.action == "stop":
-                self.state = RunState.FAILED
+                self.transition(RunState.FAILED, "gave_up")
                 self.reason = decision.reason
                 # a fatal error (at import, the same on every rank): the user's traceback with it
                 info = self.ranks.get(outcome.detail.get("rank"))
@@ -436,7 +479,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
                 )
                 self.say(f"giving up: {decision.reason}" + (f"\n{tb}" if tb else ""))
                 return decision.exit_code
-            self.state = RunState.RESTARTING
+            self.transition(RunState.RESTARTING, "restart")
             self.reason = outcome.reason
             self.event(
                 EventKind.RESTART,
@@ -458,7 +501,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
             while time.monotonic() < deadline:
                 if self.stop_signal is not None:
                     sig = self.stop_signal
-                    self.state = RunState.STOPPED
+                    self.transition(RunState.STOPPED, "stopped_in_backoff")
                     self.event(
                         EventKind.STOPPED,
                         attempt=self.attempt,
@@ -529,7 +572,7 @@ class Supervisor(AttemptMixin, MessagesMixin, HangMixin, StopMixin):
     def unhealthy(self, attempt: int, why: dict[str, str]) -> int | None:
         """Nodes failed their checks (``why``: node -> what failed). Local: the run ends before any
         rank starts (exit 1: the node is at fault, not the job)."""
-        self.state = RunState.FAILED
+        self.transition(RunState.FAILED, "unhealthy")
         self.reason = "health check failed before attempt {}: {}".format(
             attempt, "; ".join(why.values())
         )

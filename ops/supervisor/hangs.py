@@ -68,7 +68,7 @@ def engine_version(metrics: Path, tail_bytes: int = 262_144) -> int | None:
 
 class HangMixin:
     def on_hang(self, finding, attempt: int, stack_dir: Path) -> Outcome:
-        self.state = RunState.COLLECTING_STACKS
+        self.transition(RunState.COLLECTING_STACKS, "hang")
         self.write_status(force=True)
         self.say(
             f"hang: rank(s) {rank_list(finding.ranks)} made no progress for "

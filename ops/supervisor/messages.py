@@ -257,7 +257,7 @@ class MessagesMixin:
             {"kind": "beat", "rank": rank, "step": 0, "phase": "startup", "ts": ts}
         )
         if self.state == RunState.STARTING and len(self.ranks) >= self.world:
-            self.state = RunState.RUNNING
+            self.transition(RunState.RUNNING, "all_ranks_hello")
         self.write_status(force=len(self.ranks) >= self.world)
 
     def _on_beat(self, peer: Peer, msg: dict[str, Any], ts: float) -> None:
@@ -328,7 +328,7 @@ class MessagesMixin:
     def _rank0_record(self, rec: dict[str, Any]) -> None:
         self.step = int(rec.get("step", self.step))
         if self.state == RunState.STARTING:
-            self.state = RunState.RUNNING
+            self.transition(RunState.RUNNING, "first_record")
         if self.progress is not None:
             self.progress.update(rec)
 
@@ -541,10 +541,10 @@ class MessagesMixin:
         so there is one source, supervised or not, and a failed save never looks saved."""
         if phase == "checkpoint":
             self.ckpt_started.setdefault(step, ts)
-            self.state = RunState.CHECKPOINTING
+            self.transition(RunState.CHECKPOINTING, "checkpoint_begun")
         elif step in self.ckpt_started:
             self.ckpt_started.pop(step)
-            self.state = RunState.RUNNING
+            self.transition(RunState.RUNNING, "checkpoint_done")
 
 
 def _node_name(peer: Peer) -> str:

@@ -124,11 +124,52 @@ class Decision:
 Strategy = Literal["permanent", "temporary"]
 
 
+@dataclass(frozen=True)
+class RestartSpec:
+    """When a failed attempt is restarted, as one value (Erlang/OTP's child spec: restart type,
+    intensity within a period, and here a backoff). Built once from the recipe's
+    ``[supervisor.restart]`` (``RestartConfig``: keys and defaults live there) and the launch's
+    strategy; :meth:`RestartPolicy.decide` reads only this. The state machine's ``restart`` and
+    ``gave_up`` rows (``ops/supervisor/states.py``) are its two answers. Bounds kept elsewhere, on
+    purpose: rollbacks (``[monitors.rollback] max_rollbacks``: a finding, not a failure) and node
+    strikes (``[slurm] node_strikes``)."""
+
+    strategy: Strategy  # permanent: restarted within the bounds below; temporary: never
+    max_restarts: int  # restarts in the whole run, across supervisors (then exit 1)
+    storm_restarts: int  # this many failures within storm_window_s: a restart storm (exit 3)
+    storm_window_s: float
+    no_progress_attempts: int  # failed attempts in a row without progress (then exit 3)
+    backoff_s: float  # the delay after the first attempt without progress, doubled each one more
+    backoff_max_s: float
+
+    @classmethod
+    def of(cls, config: RestartConfig, strategy: Strategy = "permanent") -> "RestartSpec":
+        return cls(
+            strategy=strategy,
+            max_restarts=config.max_restarts,
+            storm_restarts=config.storm_restarts,
+            storm_window_s=config.storm_window_min * 60,
+            no_progress_attempts=config.no_progress_attempts,
+            backoff_s=config.backoff_s,
+            backoff_max_s=config.backoff_max_s,
+        )
+
+    def delay_s(self, streak: int) -> float:
+        """The backoff after ``streak`` failed attempts in a row without progress: none after an
+        attempt that made progress (waiting only lengthens the outage), then ``backoff_s``,
+        doubling, capped at ``backoff_max_s``."""
+        return 0.0 if streak == 0 else min(self.backoff_max_s, self.backoff_s * (2 ** (streak - 1)))
+
+
 @dataclass
 class RestartPolicy:
     config: RestartConfig = field(default_factory=RestartConfig)
     history: list[Failure] = field(default_factory=list)
     strategy: Strategy = "permanent"
+    spec: RestartSpec = field(init=False)  # ``config`` and ``strategy`` as one value, read once
+
+    def __post_init__(self) -> None:
+        self.spec = RestartSpec.of(self.config, self.strategy)
 
     def no_progress_streak(self) -> int:
         n = 0
@@ -140,9 +181,9 @@ class RestartPolicy:
 
     def decide(self, failure: Failure) -> Decision:
         """Record ``failure`` and say what to do next."""
-        c = self.config
+        c = self.spec
         self.history.append(failure)
-        if self.strategy == "temporary":
+        if c.strategy == "temporary":
             return Decision(
                 "stop",
                 f"{failure.reason} (plain launch: no restart; --supervise restarts)",
@@ -161,11 +202,11 @@ class RestartPolicy:
                 exit_code=EXIT_NO_REQUEUE,
             )
         restarts_so_far = len(self.history) - 1
-        in_window = [f for f in self.history if failure.ts - f.ts <= c.storm_window_min * 60]
+        in_window = [f for f in self.history if failure.ts - f.ts <= c.storm_window_s]
         if len(in_window) >= c.storm_restarts:
             return Decision(
                 "stop",
-                f"restart storm: {len(in_window)} failures within {c.storm_window_min:g} min "
+                f"restart storm: {len(in_window)} failures within {c.storm_window_s / 60:g} min "
                 f"(supervisor.restart.storm_restarts={c.storm_restarts}); last: {failure.reason}",
                 exit_code=EXIT_NO_REQUEUE,
             )
@@ -187,11 +228,7 @@ class RestartPolicy:
                 f"last: {failure.reason}",
                 exit_code=EXIT_FAILED,
             )
-        # an attempt that made progress restarts at once (a waiting supervisor only lengthens the
-        # outage); attempts that fail without progress back off: backoff_s, doubling with each one,
-        # capped
-        delay = 0.0 if streak == 0 else min(c.backoff_max_s, c.backoff_s * (2 ** (streak - 1)))
-        return Decision("restart", failure.reason, delay_s=delay)
+        return Decision("restart", failure.reason, delay_s=c.delay_s(streak))
 
     @classmethod
     def from_events(

@@ -23,7 +23,7 @@ class StopMixin:
 
     def graceful_stop(self) -> None:
         """Ctrl-C / SIGTERM: ask ranks to save (if they can), then stop everything."""
-        self.state = RunState.STOPPING
+        self.transition(RunState.STOPPING, "stop_signal")
         self.write_status(force=True)
         name = signal.Signals(self.stop_signal).name
         live = [i for i in self.ranks.values() if i.peer is not None and i.gone_ts is None]
