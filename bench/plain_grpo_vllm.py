@@ -42,6 +42,8 @@ def main() -> None:
     vg.LLM = lambda *a, **kw: base(*a, **{"dtype": "float32", "enforce_eager": True, **kw})
 
     times: list[float] = []
+    gen_acc = [0.0, 0]  # this step's seconds inside the engine's generate, completion tokens
+    gens: list[tuple[float, int]] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **kw):
@@ -49,6 +51,8 @@ def main() -> None:
 
         def on_step_end(self, *a, **kw):
             times.append(time.monotonic() - self.t)
+            gens.append((gen_acc[0], gen_acc[1]))
+            gen_acc[0], gen_acc[1] = 0.0, 0
 
     funcs, weights = reward_setup(sec.reward, sec.verifier, section=sec)
     out = f"/tmp/plain-grpo-vllm-{os.getpid()}"
@@ -99,10 +103,32 @@ def main() -> None:
             gen.llm.reset_prefix_cache()
 
         gen.sync_weights = sync
+    engine_generate = trainer.vllm_generation.llm.generate
+
+    def timed(*a, **kw):  # the rollouts' throughput, measured as ptops' seam measures it
+        t0 = time.monotonic()
+        out = engine_generate(*a, **kw)
+        gen_acc[0] += time.monotonic() - t0
+        gen_acc[1] += sum(len(o.token_ids) for r in out for o in r.outputs)
+        return out
+
+    trainer.vllm_generation.llm.generate = timed
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         tail = times[2:] or times
-        print(json.dumps({"steps": len(times), "step_s": sum(tail) / len(tail)}), flush=True)
+        g = gens[2:] or gens
+        gen_s, tokens = sum(x for x, _ in g), sum(n for _, n in g)
+        print(
+            json.dumps(
+                {
+                    "steps": len(times),
+                    "step_s": sum(tail) / len(tail),
+                    "tokens_per_s": tokens / gen_s if gen_s else None,
+                    "generate_s": gen_s / len(g),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

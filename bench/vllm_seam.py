@@ -2,8 +2,9 @@
 run without ptops (``bench/plain_grpo_vllm.py`` under torchrun), in the same session, alternating.
 
 Reports per configuration the mean step time of steps 3.. (the engine's warm-up is step 1), the
-ratio to the peer, and for ptops the weight sync's and its check's cost per step
-(``engine/sync_s``, ``engine/verify_s``, from the run's records). Also runs the peer once with
+rollouts' throughput (completion tokens per second inside the engine's generate, measured the same
+way on both sides), the ratios to the peer, and for ptops the weight sync's and its check's cost per
+step (``engine/sync_s``, ``engine/verify_s``, from the run's records). Also runs the peer once with
 TRL's sync as shipped (on the CPU build it fails at the first sync: what a user meets without the
 seam). Needs ``.venv-vllm`` (``bash scripts/setup.sh --vllm``):
 
@@ -63,7 +64,11 @@ def supervised(steps: int, verify: bool, root: Path) -> dict:
     step_s = statistics.mean(r["step_s"] for r in recs)
     sync = statistics.mean(r["engine/sync_s"] for r in recs)
     check = statistics.mean(r["engine/verify_s"] for r in recs)
+    gen_s = sum(r.get("engine/generate_s", 0.0) for r in recs)
+    tokens = sum(r.get("engine/tokens", 0.0) for r in recs)
     return {
+        "tokens_per_s": tokens / gen_s if gen_s else None,
+        "generate_s": gen_s / len(recs),
         "rc": proc.returncode,
         "wall_s": wall,
         "steps": len(recs) + 2,
@@ -91,21 +96,35 @@ def main() -> None:
             rows["ptops-noverify"].append(supervised(args.steps, False, Path(tmp)))
             print(
                 f"rep {rep + 1}: "
-                + ", ".join(f"{k} {v[-1]['step_s']:.3f} s/step" for k, v in rows.items()),
+                + ", ".join(
+                    f"{k} {v[-1]['step_s']:.3f} s/step {v[-1]['tokens_per_s'] or 0:.0f} tok/s"
+                    for k, v in rows.items()
+                ),
                 flush=True,
             )
     base = statistics.mean(r["step_s"] for r in rows["plain"])
+    base_tps = statistics.mean(r["tokens_per_s"] for r in rows["plain"])
     table = {}
     for name, rs in rows.items():
         step = statistics.mean(r["step_s"] for r in rs)
-        table[name] = {"step_s": step, "ratio_to_plain": step / base, "runs": rs}
+        tps = statistics.mean(r["tokens_per_s"] for r in rs)
+        table[name] = {
+            "step_s": step,
+            "ratio_to_plain": step / base,
+            "tokens_per_s": tps,
+            "tokens_ratio_to_plain": tps / base_tps,
+            "runs": rs,
+        }
         if name != "plain":
             table[name]["sync_s"] = statistics.mean(r["sync_s"] for r in rs)
             table[name]["verify_s"] = statistics.mean(r["verify_s"] for r in rs)
     v = table["ptops"]
-    print(f"\n{'config':16} {'step s':>8} {'x plain':>8}")
+    print(f"\n{'config':16} {'step s':>8} {'x plain':>8} {'tok/s':>8} {'x plain':>8}")
     for name, row in table.items():
-        print(f"{name:16} {row['step_s']:8.3f} {row['ratio_to_plain']:8.3f}")
+        print(
+            f"{name:16} {row['step_s']:8.3f} {row['ratio_to_plain']:8.3f} "
+            f"{row['tokens_per_s']:8.0f} {row['tokens_ratio_to_plain']:8.3f}"
+        )
     share = v["verify_s"] / v["step_s"]
     print(
         f"check per sync: {v['verify_s'] * 1000:.1f} ms = {share:.1%} of a step, "

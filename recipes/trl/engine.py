@@ -14,7 +14,8 @@
   ``engine/version`` and ``staleness`` (the ``stale_rollout`` monitor's key) on each step's
   record, with the sync's and the check's cost (``engine/sync_s``, ``engine/verify_s``) and the
   probe's gap (``engine/lp_gap``: the precision gap between engine and trainer, e.g. a bf16 engine
-  beside an fp32 trainer).
+  beside an fp32 trainer), and the rollouts' throughput (``engine/generate_s``, ``engine/tokens``,
+  ``engine/tokens_per_s``: time inside the engine's generate, completion tokens it made).
 - **Sampling seeded per request** from (seed, rank, step, call, index): a restarted run draws the
   rollouts an uninterrupted one draws (vLLM's own generator restarts with the process).
 
@@ -98,6 +99,7 @@ class EngineSeam:
         self.last: dict[str, float | None] = {}
         self.resyncs = 0
         self.stepped = False  # this process recorded a step (its first step's warm-up is over)
+        self.gen_s, self.gen_tokens = 0.0, 0  # this step's time in generate, tokens it made
 
     # ------------------------------------------------------------ before TRL builds its engine
     def prepare(self) -> None:
@@ -171,7 +173,11 @@ class EngineSeam:
                 if self.probe is not None:
                     for f in self.probe.faults.engine_hang(self._step() + 1):
                         self.probe.faults.stall(f, self._step() + 1)  # the engine never returns
-                return generate(prompts, sampling_params=sampling_params, **kw)
+                t0 = time.monotonic()
+                out = generate(prompts, sampling_params=sampling_params, **kw)
+                tokens = sum(len(o.token_ids) for r in out for o in getattr(r, "outputs", ()))
+                self._generated(time.monotonic() - t0, tokens)
+                return out
 
         return seeded
 
@@ -194,7 +200,10 @@ class EngineSeam:
             for _ in range(3):
                 self._ensure_version(step)
                 with self._seam("engine_generate"):
+                    t0 = time.monotonic()
                     out = generate(*args, **kw)
+                    ids = out.get("completion_ids", []) if isinstance(out, dict) else []
+                    self._generated(time.monotonic() - t0, sum(len(c) for c in ids))
                 if self.version is None or self._engine_version() == self.version:
                     return out
             raise EngineStaleWeights(
@@ -340,10 +349,20 @@ class EngineSeam:
             "engine/resyncs": float(self.resyncs),
         }
 
+    def _generated(self, seconds: float, tokens: int) -> None:
+        """The step's rollouts: time inside the engine's generate and completion tokens it made."""
+        self.gen_s += seconds
+        self.gen_tokens += tokens
+
     def metrics(self) -> dict[str, float | None]:
         """This step's keys (called once per step record)."""
         self.stepped = True
         out = dict(self.last)
+        if self.gen_s > 0:
+            out["engine/generate_s"] = self.gen_s
+            out["engine/tokens"] = float(self.gen_tokens)
+            out["engine/tokens_per_s"] = self.gen_tokens / self.gen_s
+        self.gen_s, self.gen_tokens = 0.0, 0
         if self.version is not None:
             # the key the stale_rollout monitor reads (bounded by [monitors.stale_rollout] max_lag)
             out["staleness"] = float(max(0, self._step() - 1 - self.version))
