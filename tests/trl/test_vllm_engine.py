@@ -157,6 +157,8 @@ def _engine_keys_hold(run: Path) -> None:
         for r in recs:
             assert r["engine/version"] == r["step"] - 1 and r["staleness"] == 0.0, r
             assert r["engine/lp_gap"] < 1e-4 and r["engine/sync_s"] > 0, r
+            if rank == 0:  # the rollouts' throughput (server mode: rank 0 asks the engine)
+                assert r["engine/tokens"] > 0 and r["engine/tokens_per_s"] > 0, r
 
 
 def test_colocate_engine_recovers_a_stale_sync_a_hung_sync_and_a_crash_exactly(runs):
