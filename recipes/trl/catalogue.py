@@ -117,9 +117,9 @@ def pin_teacher(spec: str, run_dir: Path) -> dict[str, Any]:
 def frozen_dtype(sec) -> str:
     """Weights that never train (LoRA's base, the teacher): bf16 on GPUs with ``trl.bf16``, else
     fp32."""
-    from ptops.recipes.trl.run import _cuda
+    from ptops.recipes.trl.device import cuda
 
-    return "bfloat16" if sec.bf16 and _cuda() else "float32"
+    return "bfloat16" if sec.bf16 and cuda() else "float32"
 
 
 def load_teacher(path: Path, dtype: str = "float32"):
@@ -150,7 +150,7 @@ def _teacher(recipe, probe, run_dir: Path):
             "step": None,
             "builtin": True,
         }
-    from ptops.recipes.trl.run import _dist
+    from ptops.recipes.trl.device import dist as _dist
 
     dist = _dist()
     if dist is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -59,6 +59,8 @@ from typing import Any
 from ptops.ckpt import versions
 from ptops.ops.runrecord import ranklog
 from ptops.ops.runrecord.rundir import RunDir
+from ptops.recipes.trl.device import cuda as _cuda
+from ptops.recipes.trl.device import dist as _dist
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9_.]+")
 # transformers' names -> the probe's names
@@ -215,12 +217,6 @@ def _make_trainer_class(base: type, probe, tally: _StepTally, saves: _SaveState)
 
     PtopsTrainer.__name__ = PtopsTrainer.__qualname__ = f"Ptops{base.__name__}"
     return PtopsTrainer
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _make_callback(
@@ -458,12 +454,6 @@ def fsdp_args(sec, on_gpu: bool) -> dict[str, Any]:
         "fsdp": "full_shard auto_wrap",
         "fsdp_config": {"transformer_layer_cls_to_wrap": [layer]},
     }
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def build_trainer(recipe, probe, run: RunDir):
