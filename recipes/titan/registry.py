@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ptops import envnames
-from ptops.recipes.titan import compat
+from ptops.recipes.titan import compat, context
 
 compat.apply()
 
@@ -33,22 +33,6 @@ from ptops.recipes.titan.checkpointing import ProbeCheckpointManager  # noqa: E4
 from ptops.recipes.titan.dataset import register_local_text_dataset  # noqa: E402
 from ptops.recipes.titan.metrics import ProbeMetricsProcessor  # noqa: E402
 from ptops.recipes.titan.trainer import PoisonableCrossEntropyLoss, ProbeTrainer  # noqa: E402
-
-_RECIPE: Any = None
-
-
-def set_recipe(recipe: Any) -> None:
-    global _RECIPE
-    _RECIPE = recipe
-
-
-def _recipe() -> Any:
-    if _RECIPE is not None:
-        return _RECIPE
-    from ptops.recipes.schema import from_json
-
-    run_dir = Path(os.environ[envnames.RUN_DIR])
-    return from_json((run_dir / "recipe.json").read_text())
 
 
 def tiny_llama3(dim: int, n_layers: int, n_heads: int, vocab_size: int, seq_len: int) -> ModelSpec:
@@ -248,4 +232,4 @@ def _fr_buffer_size() -> int:
 
 def ptops_recipe() -> ProbeTrainer.Config:
     """config_registry entry: the recipe of ``$PTOPS_RUN_DIR`` as a torchtitan job config."""
-    return trainer_config(_recipe(), Path(os.environ[envnames.RUN_DIR]))
+    return trainer_config(context.get_recipe(), Path(os.environ[envnames.RUN_DIR]))

@@ -60,9 +60,12 @@ def main(recipe: Any, probe: Any) -> None:
     (run_dir / "titan").mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from ptops.recipes.titan import context, registry
+    from ptops.recipes.titan import (
+        context,
+        registry,  # noqa: F401 - before torchtitan.train, as preload
+    )
 
-    registry.set_recipe(recipe)
+    context.set_recipe(recipe)
     context.set_probe(probe)
     probe.stop.accept()  # the trainer saves and returns on a stop request (ProbeTrainer)
 

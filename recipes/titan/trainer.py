@@ -23,7 +23,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.trainer import Trainer
 
 from ptops.recipes.titan.checkpointing import ProbeCheckpointManager
-from ptops.recipes.titan.context import _log, _rank, _world, get_probe
+from ptops.recipes.titan.context import _log, _rank, _world, get_probe, get_recipe
 from ptops.recipes.titan.metrics import ProbeMetricsProcessor, _metric_name
 
 _POISON = False
@@ -92,7 +92,6 @@ class ProbeTrainer(Trainer):
         if probe is None:
             return None
         from ptops.recipes import sdc
-        from ptops.recipes.titan import registry
 
         def params() -> sdc.Named:
             return [
@@ -106,7 +105,7 @@ class ProbeTrainer(Trainer):
 
         from ptops.recipes.titan import partner
 
-        recipe = registry._recipe()
+        recipe = get_recipe()
         rechecks, pairs = sdc.recheck_of(recipe), sdc.partner_of(recipe)
         tap = partner.install(self.model_parts, probe, lambda: self.step)
         if tap is None or not partner.data_parallel_only(self.parallel_dims) or _world() < 2:
