@@ -293,13 +293,7 @@ class Injector:
     def skip_sync(self, step: int) -> bool:
         """``stale-sync`` due before ``step``'s rollouts: the weight sync to the engine must change
         nothing. Persistent: every sync from ``step`` on (emitted once)."""
-        due = self._take_lasting(
-            lambda f, live: (
-                f.kind == "stale-sync" and (step == f.step or (step > f.step and _lasting(f)))
-            ),
-            step,
-        )
-        return bool(due)
+        return self._due_from(("stale-sync",), step)
 
     def in_sync(self, step: int) -> None:
         """``sync-hang`` due in the weight sync before ``step``'s rollouts: the rank hangs there
@@ -308,6 +302,14 @@ class Injector:
         for f in self._take(("sync-hang",), step):
             self.emit(f, step)
             self._hang(f, step)
+
+    def _due_from(self, kinds: tuple[str, ...], step: int) -> bool:
+        """A fault of ``kinds`` due at ``step``, or a persistent one due at an earlier step."""
+        due = self._take_lasting(
+            lambda f, live: f.kind in kinds and (step == f.step or (step > f.step and _lasting(f))),
+            step,
+        )
+        return bool(due)
 
     def engine_crash(self, step: int) -> bool:
         """``engine-crash`` due before ``step``'s rollouts (server mode: the engine exits)."""
@@ -331,13 +333,7 @@ class Injector:
     def grader_crash(self, step: int) -> bool:
         """``grader-crash`` due at this try of ``step``'s reward functions. Persistent: every try
         from ``step`` on (emitted once)."""
-        due = self._take_lasting(
-            lambda f, live: (
-                f.kind == "grader-crash" and (step == f.step or (step > f.step and _lasting(f)))
-            ),
-            step,
-        )
-        return bool(due)
+        return self._due_from(("grader-crash",), step)
 
     def in_reward(self, step: int) -> None:
         """``grader-timeout`` due in ``step``'s reward call: the rank stalls there, as a call to a

@@ -266,10 +266,12 @@ def test_live_fault_fires_at_next_opportunity_once(fx):
 def test_select_scenarios():
     names = [s.name for s in chaos.select()]
     assert (
-        len(names) == 4 * 12
+        len(names) == 4 * 12 + 2  # every kind on 4 recipes, the grader seam's 2 on GRPO
         and "titan-tiny/kill-supervisor" in names
         and "trl-dpo-tiny/bitflip-grad" in names
         and "trl-grpo-tiny/preempt" in names
+        and "trl-grpo-tiny/grader-crash" in names
+        and "trl-sft-tiny/grader-crash" not in names
     )
     assert {n.split("/")[0] for n in names} == {
         "titan-tiny",
