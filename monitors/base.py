@@ -15,6 +15,7 @@ them.
 
 from __future__ import annotations
 
+import copy
 import math
 from bisect import bisect_left, insort
 from dataclasses import asdict, dataclass, field
@@ -108,34 +109,58 @@ class Finding:
         return ev
 
 
-@runtime_checkable
-class Monitor(Protocol):
-    """A monitor eats records one at a time and says what it saw.
+class Monitor:
+    """The contract: ``feed(record) -> list[Finding]`` and ``reset(step)``, a ``name``, a config.
 
-    ``feed`` must be cheap (it runs for every record of every rank), must not raise on odd records
-    (missing keys, strings, None) and must be deterministic: the same records in the same order give
-    the same findings. ``reset`` forgets everything (a new run). Optional: ``feed_at(record, keys,
-    step, rank)``, the same findings from a record already parsed (see :func:`fast_entries`).
+    Write ``feed`` for one rank's records in step order and ``reset(step)`` to forget everything at
+    or after ``step`` (the run went back to it: a restart or a rollback redoes those steps).
+    Findings are :class:`Finding`; their ``rank``, ``attempt`` and ``ts`` are filled in from the
+    record.
+    ``feed`` must be deterministic, cheap, and must not raise on odd records (strings, None).
+
+    The feed layer (:func:`replay`, the supervisor's ``MonitorFeed``) does the rest: one copy of the
+    monitor per rank (``copy.deepcopy`` of it as built), ``reset(step)`` on a rank's copy when that
+    rank's step goes back, a finding (its step and detail) reported once across ranks. Reading the
+    record any way (``items()``, ``dict(record)``) is safe: nothing watches it.
+
+    Opt-in, for scale: ``reads = ("loss",)`` says ``feed`` depends on those keys only (and the
+    step). Then ``feed`` gets ``{"step": ..., key: value}`` of them alone, a record with none of
+    them is not fed, and in the supervisor ranks whose values agree share one copy
+    (``SharedRankedMonitor``: a follower costs a tuple comparison; node agents' summed-up ranks move
+    on unread).
     """
+
+    name: str = ""
+    reads: tuple[str, ...] | None = None
+
+    def feed(self, record: Mapping[str, Any]) -> list[Finding]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def reset(self, step: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@runtime_checkable
+class Fed(Protocol):
+    """What the feed layer drives: a :class:`Monitor`, or a monitor with its own per-rank handling
+    (``RankedMonitor``, ``StragglerMonitor``, ...): ``feed``, optionally ``feed_at(record, keys,
+    step, rank)`` (the same findings from a record parsed once for all, see :func:`fast_entries`)
+    and ``flush() -> list[Finding]`` (score anything buffered at the end of a stream)."""
 
     name: str
 
     def feed(self, record: Mapping[str, Any]) -> list[Finding]: ...
 
-    def reset(self) -> None: ...
-
-    # optional: ``flush() -> list[Finding]`` scores anything buffered (end of a stream)
-
 
 def replay(
-    records: Iterable[Mapping[str, Any]], monitors: Iterable[Monitor], flush: bool = True
+    records: Iterable[Mapping[str, Any]], monitors: Iterable[Any], flush: bool = True
 ) -> list[Finding]:
     """Feed every record to every monitor, in order; all findings in the order they fired.
 
     With ``flush`` (default) monitors that buffer across ranks (straggler) score
     what they still hold at the end of the stream, as a finished run would.
     """
-    mons = list(monitors)
+    mons = [driven(m) for m in monitors]
     calls = fast_entries(mons)
     out: list[Finding] = []
     for record in records:
@@ -162,13 +187,14 @@ def replay(
     return out
 
 
-def fast_entries(monitors: Iterable[Monitor]) -> list:
+def fast_entries(monitors: Iterable[Any]) -> list:
     """Each monitor's ``feed_at(record, keys, step, rank)`` (the record parsed once for all of them:
     its ``keys()`` and :func:`step_and_rank`, step not None), or an adapter to ``feed(record)`` for
     a monitor without one. ``replay`` and the supervisor's ``MonitorFeed`` call these; a record
     without a step goes to ``feed`` (every monitor here ignores it)."""
     out = []
     for m in monitors:
+        m = driven(m)
         f = getattr(m, "feed_at", None)
         if f is None or _feed_overridden(m):
             f = _plain_entry(m.feed)
@@ -570,3 +596,95 @@ class RankedMonitor:
 
 
 # --------------------------------------------------------------- one state for the ranks that agree
+
+
+# --------------------------------------------------------------- the feed layer around a Monitor
+
+
+class PerRank(RankedMonitor):
+    """What drives a :class:`Monitor` (``monitor``): a copy of it per rank, ``reset(step)`` on a
+    rank's copy when its step goes back, each finding stamped with the rank, attempt and time of
+    its record and reported once across ranks (its step and detail). With ``monitor.reads``, each
+    copy is fed ``{"step", those keys}`` only and a record with none of them is not fed:
+    ``SharedRankedMonitor``'s driver (``shared.Shared``) feeds the same, so both give the same
+    findings."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+        self.name = monitor.name
+        fed = monitor.__dict__.get("_fed")  # (another driver of it: not part of a copy)
+        self._pristine = copy.deepcopy(monitor, {id(fed): None} if fed is not None else None)
+        reads = monitor.reads
+        self._names = tuple(reads) if reads is not None else None
+        if reads is not None:
+            self._spell = tuple(spelled(k) for k in reads)
+            self._gate = self._rewind_keys = frozenset(
+                k for sp in self._spell for k in sp if k is not None
+            )
+        super().__init__()
+
+    def _new_state(self) -> Monitor:
+        return copy.deepcopy(self._pristine)
+
+    def _rewind(self, state: Monitor, step: int) -> None:
+        state.reset(step)
+
+    def _check(
+        self, state: Monitor, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
+        if self._names is None:
+            return self._report(state.feed(record), record, rank)
+        return self._report(state.feed(self._view(step, self._read(record))), record, rank)
+
+    def _read(self, record: Mapping[str, Any]) -> tuple:
+        """The values of ``reads`` (``_MISSING`` where absent; an int as a float: equal inputs are
+        the same inputs)."""
+        out = []
+        for k, alt in self._spell:
+            v = record.get(k, _MISSING)
+            if v is _MISSING and alt is not None:
+                v = record.get(alt, _MISSING)
+            out.append(float(v) if type(v) is int else v)
+        return tuple(out)
+
+    def _view(self, step: int, values: tuple) -> dict[str, Any]:
+        view: dict[str, Any] = {"step": step}
+        for k, v in zip(self._names or (), values):
+            if v is not _MISSING:
+                view[k] = v
+        return view
+
+    def _report(self, found: list[Finding], record: Mapping[str, Any], rank: int) -> list[Finding]:
+        if not found or self._silent:
+            return []
+        out: list[Finding] = []
+        fired, tried = self._fired, self._tried
+        for f in found:
+            key = (f.step, f.detail)
+            if tried is not None:  # SharedRankedMonitor: followers replay what the leader tried
+                tried.append((key, f.step, f.value, f.detail, f.severity, f.episode, f.phase))
+            if key not in fired:
+                self._fire(
+                    out,
+                    key,
+                    record,
+                    f.step,
+                    rank,
+                    f.value,
+                    f.detail,
+                    f.severity,
+                    f.episode,
+                    f.phase,
+                )
+        return out
+
+
+def driven(m: Any) -> Any:
+    """What the feed layer calls for ``m``: a :class:`Monitor`'s :class:`PerRank` (kept on it, so
+    that a second ``replay`` goes on where the first stopped), any other monitor itself."""
+    if not isinstance(m, Monitor):
+        return m
+    d = m.__dict__.get("_fed")
+    if d is None:
+        d = m.__dict__["_fed"] = PerRank(m)
+    return d

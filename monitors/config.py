@@ -159,6 +159,32 @@ class LossSpikeConfig(_Strict):
     )
 
 
+class LossPlateauConfig(_Strict):
+    """The loss stopped improving (see plateau.py). Off by default: a run that converges, or a
+    fine-tune past its best, plateaus by design; turn it on for pre-training, where a flat loss
+    is money spent for nothing."""
+
+    enabled: bool = False
+    action: Action = "alert"
+    key: str = Field("loss", description="the loss key")
+    patience: int = Field(
+        200, ge=1, description="steps without an improvement of the smoothed loss: a plateau"
+    )
+    min_delta: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="an improvement: the smoothed loss below its best by more than this "
+        "fraction of |best|",
+    )
+    ema_span: int = Field(
+        20,
+        ge=1,
+        description="the loss is smoothed by an EMA of this span (alpha = 2 / (span + 1)): "
+        "one lucky low step does not set a best the curve never reaches again",
+    )
+
+
 class GradExplosionConfig(_Strict):
     """Grad norm against a trailing reference and an absolute cap (see numeric.py)."""
 
@@ -560,6 +586,7 @@ class MonitorsSection(_Strict):
     straggler: StragglerConfig = StragglerConfig()
     nan: NanConfig = NanConfig()
     loss_spike: LossSpikeConfig = LossSpikeConfig()
+    loss_plateau: LossPlateauConfig = LossPlateauConfig()
     grad_explosion: GradExplosionConfig = GradExplosionConfig()
     entropy_collapse: EntropyCollapseConfig = EntropyCollapseConfig()
     kl_drift: KLDriftConfig = KLDriftConfig()

@@ -3,9 +3,10 @@ once.
 
 ``[monitors]`` (``config.MonitorsSection``), ``build_monitors``, the Prometheus
 exporter's monitor labels, ``diagnose``'s runbook links and the alert rules' monitor
-selectors all read this table. Adding a monitor: write the class and its config,
-add one line here and the config field in ``MonitorsSection`` (a test checks they
-agree), and a ``runbooks/<runbook>.md`` (a test checks the file exists).
+selectors all read this table. Adding a monitor: write the class (``base.Monitor``: ``feed``
+and ``reset``; docs/development.md) and its config, add one line here and the config field in
+``MonitorsSection`` (a test checks they agree), and a ``runbooks/<runbook>.md`` (a test checks
+the file exists).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .config import (
     EntropyCollapseConfig,
     GradExplosionConfig,
     KLDriftConfig,
+    LossPlateauConfig,
     LossSpikeConfig,
     MemoryConfig,
     ModeCollapseConfig,
@@ -28,6 +30,7 @@ from .config import (
 )
 from .memory import MemoryMonitor
 from .numeric import GradExplosionMonitor, LossSpikeMonitor, NaNMonitor
+from .plateau import LossPlateauMonitor
 from .rl import (
     EntropyCollapseMonitor,
     KLDriftMonitor,
@@ -60,6 +63,7 @@ MONITORS: dict[str, MonitorInfo] = {
         _info(StragglerMonitor, StragglerConfig, "straggler", "StragglerRank"),
         _info(NaNMonitor, NanConfig, "numeric", "TrainingNaN"),
         _info(LossSpikeMonitor, LossSpikeConfig, "numeric", "LossSpike"),
+        _info(LossPlateauMonitor, LossPlateauConfig, "numeric", "LossPlateau"),
         _info(GradExplosionMonitor, GradExplosionConfig, "numeric", "LossSpike"),
         _info(EntropyCollapseMonitor, EntropyCollapseConfig, "rl", "EntropyCollapse"),
         _info(KLDriftMonitor, KLDriftConfig, "rl", "KLDrift"),

@@ -6,12 +6,14 @@ following one state exactly (a rank that diverges later gets its own, rebuilt fr
 its own machinery, apart from the monitor contract in ``base.py``. Pure like every monitor: no ptops
 imports, no I/O.
 
-A monitor author writes two methods: ``_inputs(record)`` (a tuple of everything the monitor
-reads) and ``_apply(state, inputs, record, step, rank)``; ``_noop`` (inputs that change nothing)
-is optional, and that is all: a follower here costs its ``_inputs`` and one tuple comparison. A
-faster path that moves followers on in every shared state at once would save a few µs a record
-but make every monitor author learn its hooks; the fan-in of many ranks is a matter for the node
-agents (docs/scale.md), not for each monitor.
+A :class:`~.base.Monitor` opts in with ``reads`` (the keys its ``feed`` depends on): ``driven``
+wraps it in :class:`Shared`, whose inputs are those keys' values. The monitors written against
+this class directly give ``_inputs(record)`` (a tuple of everything the monitor reads) and
+``_apply(state, inputs, record, step, rank)``. What a shared monitor reads of a record is learnt
+by reading it through a dict that notes the keys (``_Reads``, ``_Probe``); a read of every value
+(``items()``, ``dict(record)``, ``json.dumps``) is noted as such, never missed, and only takes that
+monitor off the node agents' summing-up (``keys_any_record_reads``), counted and said
+(``MonitorFeed.unmoved``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import copy
 import math
 from typing import Any, Mapping
 
-from .base import Finding, RankedMonitor, Severity
+from .base import _MISSING as _MISSING_INPUT
+from .base import Finding, Monitor, PerRank, RankedMonitor, Severity
 
 _LOG_MAX = 1024  # transitions kept before a checkpoint (a copy of the shared state) replaces them
 _GATED = object()  # ``_led``: the record had none of the monitor's keys
@@ -28,9 +31,10 @@ _NOOP = object()  # ``_led``: its inputs changed nothing
 
 
 class _Reads(dict):
-    """A record that notes the keys whose values are read (``get``, ``[]``, ``items``,
-    ``values``). Its keys themselves (``in``, ``keys()``, iteration) are no values: a certified
-    repeat has the same keys."""
+    """A record that notes the keys whose values are read: ``get``, ``[]``, and every way of reading
+    all of them (``items``, ``values``, ``dict(record)``, ``{**record}``, ``copy``, ``|``, ``==``,
+    ``repr``, ``json.dumps``). Its keys themselves (``in``, ``keys()``, iteration) are no values: a
+    certified repeat has the same keys."""
 
     __slots__ = ("read",)
 
@@ -42,13 +46,53 @@ class _Reads(dict):
         self.read.add(key)
         return dict.__getitem__(self, key)
 
+    def __iter__(self) -> Any:  # (not dict's own: ``dict(r)``, ``{**r}`` then read through ``[]``)
+        return dict.__iter__(self)
+
+    def _all(self) -> None:
+        self.read.update(dict.keys(self))
+
     def items(self) -> Any:
-        self.read.update(self)
+        self._all()
         return dict.items(self)
 
     def values(self) -> Any:
-        self.read.update(self)
+        self._all()
         return dict.values(self)
+
+    def copy(self) -> dict:
+        self._all()
+        return dict(dict.items(self))
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return dict.setdefault(self, key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.read.add(key)
+        return dict.pop(self, key, *default)
+
+    def __or__(self, other: Any) -> Any:
+        self._all()
+        return dict.__or__(self, other)
+
+    def __ror__(self, other: Any) -> Any:
+        self._all()
+        return dict.__ror__(self, other)
+
+    def __eq__(self, other: Any) -> bool:
+        self._all()
+        return dict.__eq__(self, other)
+
+    def __ne__(self, other: Any) -> bool:
+        self._all()
+        return dict.__ne__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._all()
+        return dict.__repr__(self)
 
 
 def _keys_read(inputs: Any, record: Mapping[str, Any]) -> frozenset:
@@ -60,14 +104,16 @@ def _keys_read(inputs: Any, record: Mapping[str, Any]) -> frozenset:
 
 
 class _Every(Exception):
-    """A monitor's inputs read every value of the record (``items``, ``values``)."""
+    """A monitor's inputs read every value of the record (``items``, ``dict(record)``, ...)."""
 
 
 class _Probe(dict):
     """A record that has every key asked for but those ``absent`` (None: it has none), a finite
     number each: what a monitor's inputs read of a record they might be given. Its key set is
     empty (a summed-up rank has its leader's keys: what its inputs make of the keys alone is the
-    same)."""
+    same). Reading all values (``items``, ``values``, ``copy``, ``|``, ``==``, ``repr``,
+    ``json.dumps``) raises :class:`_Every`: that monitor reads every value. A read this misses
+    (``dict(record)`` copies no key of it) is caught on the real record (``_Reads``)."""
 
     def __init__(self, absent: frozenset | None) -> None:
         super().__init__()
@@ -92,38 +138,45 @@ class _Probe(dict):
     def _every(self, *_: Any) -> Any:
         raise _Every
 
-    items = values = _every
+    items = values = copy = __or__ = __ror__ = __eq__ = __ne__ = __repr__ = _every
+    __hash__ = None  # type: ignore[assignment]
 
 
 PROBES = 256  # a monitor's probes at most (``keys_any_record_reads``)
 
 
-def keys_any_record_reads(monitors: list) -> frozenset | None:
-    """The keys the shared monitors' inputs read of a record (None: some monitor reads every
-    value, or its inputs raised on a probe): probed with no key present, with every key, and
-    then with each key read missing in turn, and so on (a second spelling is read only when the
-    first is missing), at most ``PROBES`` a monitor. What a node agent's rank may differ from
-    its leader in and still be summed up (``node_summaries``); a key missed here is still
-    checked against the record itself (``repeat_group``, ``keys_read``)."""
+def keys_any_record_reads(monitors: list, every: list | None = None) -> frozenset:
+    """The keys the shared monitors' inputs read of a record: probed with no key present, with
+    every key, and then with each key read missing in turn, and so on (a second spelling is read
+    only when the first is missing), at most ``PROBES`` a monitor. What a node agent's rank may
+    differ from its leader in and still be summed up (``node_summaries``); a key missed here is
+    still checked against the record itself (``repeat_group``, ``keys_read``). A monitor whose
+    inputs read every value (``items()``, ``dict(record)``, ...) or raise on a probe is left out,
+    its name appended to ``every``: summing up stays on for the others, and the ranks it cannot
+    move on are counted (``MonitorFeed.unmoved``) and judged again from their next whole record."""
     read: set = set()
     for m in monitors:
         if not (isinstance(m, SharedRankedMonitor) and m.share):
             continue
+        mine: set = set()
         todo: list = [None, frozenset()]
         tried: set = set()
-        while todo and len(tried) < PROBES:
-            absent = todo.pop(0)
-            if absent in tried:
-                continue
-            tried.add(absent)
-            probe = _Probe(absent)
-            try:
+        try:
+            while todo and len(tried) < PROBES:
+                absent = todo.pop(0)
+                if absent in tried:
+                    continue
+                tried.add(absent)
+                probe = _Probe(absent)
                 m._inputs(probe)
-            except Exception:  # _Every, or a probe it cannot read: it reads all
-                return None
-            read |= probe.read
-            if absent is not None:
-                todo.extend(absent | {k} for k in probe.read if k not in absent)
+                mine |= probe.read
+                if absent is not None:
+                    todo.extend(absent | {k} for k in probe.read if k not in absent)
+        except Exception:  # _Every, or a probe it cannot read: it reads all
+            if every is not None:
+                every.append(getattr(m, "name", type(m).__name__))
+            continue
+        read |= mine
     return frozenset(read)
 
 
@@ -548,3 +601,31 @@ class SharedRankedMonitor(RankedMonitor):
         if self._tried is not None:
             self._tried.append(((step, kind), step, value, detail, severity, None, None))
         super()._emit(out, record, step, rank, kind, value, detail, severity)
+
+
+class Shared(SharedRankedMonitor, PerRank):
+    """:class:`PerRank` for a :class:`~.base.Monitor` that declares ``reads``: the ranks whose
+    values of those keys agree share one copy of it. Its inputs are those values; the copy is fed
+    the same ``{"step", keys}`` as ``PerRank`` feeds each rank's own, so the findings are the
+    same (``tests/monitors/test_monitor_contract.py``)."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        super().__init__(monitor)
+        self._noop = (_MISSING_INPUT,) * len(self._spell)  # (past the gate: never all missing)
+
+    def _inputs(self, record: Mapping[str, Any]) -> tuple:
+        return self._read(record)
+
+    def _apply(
+        self, state: Monitor, inputs: tuple, record: Mapping[str, Any], step: int, rank: int
+    ) -> list[Finding]:
+        return self._report(state.feed(self._view(step, inputs)), record, rank)
+
+
+def driven(m: Any) -> Any:
+    """What the supervisor's feed calls for ``m``: a :class:`~.base.Monitor` with ``reads`` in
+    :class:`Shared`, one without in :class:`PerRank`, any other monitor itself. A new driver each
+    call: the caller keeps it (``MonitorFeed``)."""
+    if not isinstance(m, Monitor):
+        return m
+    return Shared(m) if m.reads is not None else PerRank(m)

@@ -15,7 +15,7 @@ from typing import Any
 from ptops.monitors import fast_entries
 from ptops.monitors.base import step_and_rank
 from ptops.monitors.config import MonitorsSection
-from ptops.monitors.shared import SharedRankedMonitor, keys_any_record_reads, keys_read
+from ptops.monitors.shared import SharedRankedMonitor, driven, keys_any_record_reads, keys_read
 from ptops.recipes.schema import build_monitors_of
 
 
@@ -32,15 +32,21 @@ class MonitorFeed:
 
     Why the fast path: the record is parsed once for all monitors (its keys, step and rank, handed
     to each monitor's ``feed_at``; see ``ptops.monitors.fast_entries``) instead of once per monitor
-    in ``feed``.
+    in ``feed``. A ``Monitor`` (``feed`` and ``reset``) is driven here by ``shared.driven``: a copy
+    per rank, shared by the ranks whose values agree when it declares ``reads``.
     """
 
     monitors: list
     errors: dict[str, int] = field(default_factory=dict)  # monitor name -> records it raised on
     # monitor name -> summed-up ranks it could not move on (``repeat_summary``)
     unmoved: dict[str, int] = field(default_factory=dict)
+    # shared monitors whose inputs read every value of a record (``items()``, ...): left out of
+    # what node agents may sum up, their summed-up ranks counted in ``unmoved`` (``read_keys``)
+    read_every: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # id(monitor) -> (monitor, what drives it: ``shared.driven``)
+        self._drivers: dict[int, tuple] = {}
         self._calls: list = []
         # the monitors ``_calls`` was built for (``monitors`` may be changed in place)
         self._of: list = []
@@ -174,8 +180,13 @@ class MonitorFeed:
         return findings, first_errors
 
     def read_keys(self) -> frozenset | None:
-        """What a summed-up rank may not differ from its leader in (``keys_any_record_reads``)."""
-        return keys_any_record_reads(self.monitors)
+        """What a summed-up rank may not differ from its leader in (``keys_any_record_reads``); the
+        monitors left out of it for reading every value in ``read_every``."""
+        self._sync()
+        every: list = []
+        read = keys_any_record_reads([m for m, _ in self._calls], every)
+        self.read_every = every
+        return read
 
     def _each(self, recs: list, likes: list) -> tuple[list, list[tuple[str, Exception, dict]]]:
         findings: list = []
@@ -190,7 +201,12 @@ class MonitorFeed:
         """The calls for the monitors as they are now (``monitors`` may be changed in place)."""
         if self._of != self.monitors:  # identity first, in C: ~0.1 µs
             self._of = list(self.monitors)
-            self._calls = list(zip(self._of, fast_entries(self._of)))
+            old, self._drivers = self._drivers, {}
+            for m in self._of:  # (a monitor kept keeps its driver and its state)
+                kept = old.get(id(m))
+                self._drivers[id(m)] = kept if kept and kept[0] is m else (m, driven(m))
+            drivers = [self._drivers[id(m)][1] for m in self._of]
+            self._calls = list(zip(drivers, fast_entries(drivers)))
             self._reps = [m.repeat if _repeats(m, f) else None for m, f in self._calls]
 
     def _raised(self, m: Any, e: Exception, first: list, place: tuple | None = None) -> None:

@@ -48,6 +48,7 @@ MAPPING = {
     "GPUErrors": "straggler",  # no GPU here; a slow rank is what a throttled GPU looks like
     "GoodputLow": "crash",  # restarts and redone steps
     "LossSpike": "nan",
+    "LossPlateau": "crash",  # the monitor is off by default: no run has a plateau finding
     "MemoryForecast": "crash",  # any run: every rank records its memory each step
     "NodeUnhealthy": "crash",  # any run: its nodes are checked before every attempt
     "SilentDataCorruption": "crash",  # any run: the sdc checks run on every titan run
