@@ -1,6 +1,7 @@
-"""The monitor in docs/development.md ("Writing a monitor"), run as written: a newcomer's four
-methods give the findings of one state per rank through replay and through the live feed with
-node-batch certificates, and find what they should."""
+"""The monitor in docs/development.md ("Writing a monitor") is the real one: its code block is
+``monitors/plateau.py`` as written, and that monitor, fed a real-looking run (every rank, flattening
+loss), gives the same findings through replay and through the live feed with node-batch
+certificates. Its own behaviour is tested in test_monitor_contract.py."""
 
 from __future__ import annotations
 
@@ -13,42 +14,35 @@ from conftest import REPO
 from test_monitors_replay import _through_batches
 
 from ptops.monitors import replay
+from ptops.monitors.config import LossPlateauConfig
+from ptops.monitors.plateau import LossPlateauMonitor
 from ptops.ops.supervisor.monitorfeed import MonitorFeed
 
 
-def _guide_class():
+def _guide_code() -> str:
     doc = (REPO / "docs" / "development.md").read_text()
-    section = doc.split("## Writing a monitor", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    space: dict = {}
-    exec(compile(code, "docs/development.md", "exec"), space)  # the repo's own doc
-    return space["VanishingGradMonitor"]
+    section = doc.split("## Writing a monitor", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def _stream(ranks: int) -> list[dict]:
-    recs = []
-    for r in synth.pretrain(200, 3, ranks=ranks, with_busy=True):
-        if 120 <= r["step"] < 126:
-            r = dict(r, grad_norm=1e-10)  # every rank: the global norm vanished
-        recs.append(r)
-    return recs
+def test_the_guides_code_is_the_real_monitor():
+    code = _guide_code()
+    assert "class LossPlateauMonitor(Monitor):" in code
+    assert code in (REPO / "monitors" / "plateau.py").read_text()
 
 
-def test_the_guides_monitor_finds_what_it_should_and_shares_exactly():
-    cls = _guide_class()
-    recs = _stream(4)
-    found = replay(recs, [cls()])
-    assert [(f.monitor, f.step, f.severity) for f in found] == [("vanishing_grad", 122, "warning")]
-    alone = cls()
-    alone.share = False
-    want = [f.to_dict() for f in replay(recs, [alone])]
-    assert [f.to_dict() for f in found] == want
-    handled = _through_batches(recs, random.Random(1), 4)  # the live path from node agents
-    live = MonitorFeed([cls()])
-    got = [f.to_dict() for r, like in handled for f in live.feed(r, like)[0]]
-    alone = cls()
-    alone.share = False
-    assert json.loads(json.dumps(got)) == [
-        f.to_dict() for f in replay([r for r, _ in handled], [alone])
+def test_the_guides_monitor_finds_a_plateau_alike_offline_and_live():
+    recs = [
+        dict(r, loss=2.29) if r["step"] > 100 else r  # the loss flat from step 100, every rank
+        for r in synth.pretrain(260, 3, ranks=4, with_busy=True)
     ]
-    assert got and not live.errors
+    cfg = LossPlateauConfig(enabled=True, patience=50)
+    found = replay(recs, [LossPlateauMonitor(cfg)])
+    assert [(f.monitor, f.severity) for f in found] == [("loss_plateau", "warning")]
+    assert 150 <= found[0].step <= 150 + 2 * cfg.ema_span  # patience + the EMA's lag
+    live = MonitorFeed([LossPlateauMonitor(cfg)])
+    handled = _through_batches(recs, random.Random(1), 4)  # the live path from node agents
+    got = [f.to_dict() for r, like in handled for f in live.feed(r, like)[0]]
+    want = replay([r for r, _ in handled], [LossPlateauMonitor(cfg)])  # (that order: that rank)
+    assert json.loads(json.dumps(got)) == json.loads(json.dumps([f.to_dict() for f in want]))
+    assert not live.errors
