@@ -16,7 +16,7 @@ runbook); the contract and helpers (`base.py`); one state for ranks that report 
 
 from __future__ import annotations
 
-from .base import Finding, Monitor, RankedMonitor, fast_entries, number, replay
+from .base import Fed, Finding, Monitor, RankedMonitor, fast_entries, number, replay
 from .config import (
     ACTIONS,
     EntropyCollapseConfig,
@@ -58,13 +58,13 @@ from .shared import SharedRankedMonitor
 from .straggler import StragglerMonitor
 
 
-def build_monitors(section: MonitorsSection | None = None) -> list[Monitor]:
+def build_monitors(section: MonitorsSection | None = None) -> list[Fed]:
     """Fresh monitor objects for every enabled monitor of a ``[monitors]`` section (defaults when
     None)."""
     section = section or MonitorsSection()
     if not section.enabled:
         return []
-    out: list[Monitor] = []
+    out: list[Fed] = []
     for name, info in MONITORS.items():
         cfg = getattr(section, name)
         if cfg.enabled:
@@ -93,6 +93,7 @@ __all__ = [
     "RUNBOOKS",
     "MonitorInfo",
     "monitors_for_runbook",
+    "Fed",
     "Finding",
     "Monitor",
     "MonitorConfigError",
