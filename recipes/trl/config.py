@@ -69,6 +69,14 @@ class TrlJudge(_Strict):
     max_chars: int = Field(
         2000, ge=16, description="longest completion text the judge reads (the rest is cut)"
     )
+    sees: Literal["completion", "answer"] = Field(
+        "completion",
+        description="what of a completion the judge reads: `completion` (all of it, folded and "
+        "quoted; it scores the least of its score and those of it without each run of its "
+        "sentences/lines that leaves the stated final answer's in place) or `answer` (for tasks "
+        "with a fixed answer format: only the final answer that the math grader's extractor "
+        'finds, as "The answer is N.", at most 64 characters; no answer found scores 0)',
+    )
 
 
 class TrlSandbox(_Strict):
