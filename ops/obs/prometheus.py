@@ -306,7 +306,7 @@ class PrometheusExporter:
         self._reducer = Reducer()  # what the events say: the one reducer (ops/runrecord/events.py)
         self._r = _Records()  # what the step records say
         self._good = Goodput()  # productive time and where the rest went (ops/runrecord/goodput.py)
-        self._state_note = "starting"  # the state before any event says one
+        self._state_note = RunState.STARTING  # the state before any event says one
         self._rank_label = _Capped(max_ranks)
         self._reason_label = _Capped(MAX_LABEL_VALUES)
         self._monitor_label = _Capped(MAX_LABEL_VALUES, (m for m in KNOWN_MONITORS))
