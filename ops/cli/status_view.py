@@ -65,8 +65,23 @@ def render(s: dict[str, Any]) -> str:
         }
         when = time.strftime("%H:%M:%S", time.localtime(f.get("ts", 0)))
         lines.append(f"  finding {when} {f['kind']}: {json.dumps(detail, default=str)}")
+    moves = s.get("transitions") or []
+    if moves:
+        lines.append(
+            "  last state changes: "
+            + ", ".join(
+                f"{_hms(m.get('ts'))} {m.get('from')} -> {m.get('to')} ({m.get('why')}"
+                + ("" if m.get("ok", True) else ", not in the table")
+                + ")"
+                for m in moves
+            )
+        )
     if s.get("reason"):
         lines.append(f"  reason: {s['reason']}")
     if s.get("hint"):
         lines.append(f"  hint: {s['hint']}")
     return "\n".join(lines)
+
+
+def _hms(ts: Any) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if type(ts) in (int, float) else "?"

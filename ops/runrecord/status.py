@@ -90,6 +90,27 @@ def _behind(e: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: e.get(k) for k in ("ts", "attempt", "lag_s", "queued")}
 
 
+def last_transitions(path: Path, n: int = 5, tail_bytes: int = 16_384) -> list[dict[str, Any]]:
+    """The supervisor's last ``n`` state changes (``supervisor/transitions.jsonl``, written by
+    ``Supervisor.transition``): ``ts``, ``attempt``, ``from``, ``to``, ``why``, ``ok``. A copied or
+    hand-edited file yields what parses, never an error."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines[-n:]:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("to"), str):
+            out.append({k: rec.get(k) for k in ("ts", "attempt", "from", "to", "why", "ok")})
+    return out
+
+
 def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything ``ptops status`` reports, as one dict. The caller names the last good checkpoint
     (``ptops.ckpt.latest_good``): which checkpoint is good is the checkpoint layer's call, not the
@@ -141,6 +162,7 @@ def collect(run_dir: Path, last_good_checkpoint: dict[str, Any] | None = None) -
         # a live run's wall time runs to now; an ended (or dead) one's to its last event or record
         "goodput": account(events, records, now=time.time() if state in LIVE_STATES else None),
     }
+    out["transitions"] = last_transitions(run.path / "supervisor" / "transitions.jsonl")
     slurm = slurm_view(events)
     if slurm:
         out["slurm"] = slurm
