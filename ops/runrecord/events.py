@@ -375,12 +375,16 @@ SPECS: dict[EventKind, EventSpec] = {
             "judge_kind",
             "judge_digest",
             "judge_params",
+            "judge_sees",
+            "judge_bound",
+            "math_bound",
             "sandbox",
             "sandbox_limits",
             *_RANK,
         ),
         doc="what a GRPO run's reward is: its functions and weights, the judge's identity "
-        "(path, sha256 of its weights) or the code sandbox's isolation",
+        "(path, sha256 of its weights, what it reads: judge_sees) and its bound, the math "
+        "comparer's bound, or the code sandbox's isolation",
     ),
     K.SLURM_SUBMITTED: EventSpec(
         ("job_id", "script"),
