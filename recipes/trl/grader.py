@@ -53,6 +53,7 @@ class GraderSeam:
         self.probe = probe
         self.trainer: Any = None
         self.funcs: list[Any] = []
+        self.plain: list[bool] = []  # which of them the seam calls (the others are TRL's)
         self.weights: list[float] = []
         self._batch: Any = None  # the completions list the cached columns were computed for
         self._columns: list[list[float | None]] = []
@@ -68,8 +69,9 @@ class GraderSeam:
         weights = getattr(trainer, "reward_weights", None)
         self.weights = [float(w) for w in weights] if weights is not None else [1.0] * len(funcs)
         self.funcs = funcs
-        for i, f in enumerate(funcs):
-            if _plain(f):
+        self.plain = [_plain(f) for f in funcs]
+        for i, plain in enumerate(self.plain):
+            if plain:
                 trainer.reward_funcs[i] = self._column(i)
         calc = getattr(trainer, "_calculate_rewards", None)
         if calc is not None:
@@ -96,15 +98,15 @@ class GraderSeam:
         n = len(kw.get("completions") or [])
         step = self._step()
         columns: list[list[float | None]] = []
-        for f in self.funcs:
-            columns.append(self._call(f, kw, n, step) if _plain(f) else [0.0] * n)
+        for f, plain in zip(self.funcs, self.plain):
+            columns.append(self._call(f, kw, n, step) if plain else [0.0] * n)
         # a sample a weighted grader could not judge has no verdict at all
         unjudged = [
             any(self.weights[j] != 0 and columns[j][k] is None for j in range(len(columns)))
             for k in range(n)
         ]
-        for j, f in enumerate(self.funcs):
-            if _plain(f):
+        for j, plain in enumerate(self.plain):
+            if plain:
                 columns[j] = [None if unjudged[k] else columns[j][k] for k in range(n)]
         self.no_verdict += sum(unjudged)
         return columns
