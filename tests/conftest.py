@@ -130,6 +130,17 @@ MLFLOW = "PTOPS_MLFLOW"
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _strict_transitions():
+    """The supervisors tests run in this process raise on a state change outside the table
+    (ops/supervisor/states.py); in production it is one line and the run goes on."""
+    from ptops.ops.supervisor.core import Supervisor
+
+    Supervisor.strict_transitions = True
+    yield
+    Supervisor.strict_transitions = False
+
+
+@pytest.fixture(scope="session", autouse=True)
 def standing_pool(tmp_path_factory):
     if os.environ.get("PTOPS_TESTS_COLD") == "1":
         os.environ.pop(STANDING, None)

@@ -21,9 +21,10 @@ The spelling of the states is :class:`~ptops.ops.runrecord.events.RunState` (sta
 
 A transition that is not in the table is a bookkeeping bug, never a reason to end a run: the
 supervisor logs one line (``ptops: state ...: not in the table``) and takes the new state anyway.
-In a test's own process (pytest imported, ``PYTEST_CURRENT_TEST`` set) it raises
-:class:`TransitionError` instead; supervisors a test starts as subprocesses log and record it
-(``ok: false`` in ``transitions.jsonl``), which the tests of real runs check. A change to
+A supervisor whose ``strict_transitions`` is set raises :class:`TransitionError` instead (the
+test suite sets it for the supervisors it runs in its own process, tests/conftest.py); supervisors
+a test starts as subprocesses log and record it (``ok: false`` in ``transitions.jsonl``), which the
+tests of real runs check. A change to
 the same state is not a transition (repeated checkpoint beats, attempt 1's launch): nothing is
 checked or recorded.
 
@@ -38,8 +39,6 @@ the launch's strategy; the ``restart`` and ``gave_up`` rows below are its two an
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 
 from ptops.ops.runrecord.events import RunState
@@ -193,14 +192,6 @@ def allowed(source: str, to: str, why: str) -> bool:
     """Whether ``why`` is a row of the table that leaves ``source`` for ``to``."""
     t = BY_WHY.get(why)
     return t is not None and t.to == to and source in t.sources
-
-
-def strict() -> bool:
-    """Raise on a transition the table does not allow in a test's own process, else log it and go
-    on. A supervisor a test starts as a subprocess logs too: a rare path must not fail a test run
-    for bookkeeping; its ``transitions.jsonl`` says ``ok: false``, which the tests of real runs
-    read (tests/supervisor/test_states.py)."""
-    return "pytest" in sys.modules and "PYTEST_CURRENT_TEST" in os.environ
 
 
 def render_markdown() -> str:
