@@ -11,7 +11,6 @@ Used as a mixin of :class:`ptops.ops.supervisor.core.Supervisor`.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import queue
 import re
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 from ptops.ops.runrecord.events import EventKind, RunState
+from ptops.ops.runrecord.metrics import tail_records
 from ptops.ops.runrecord.ranks import rank_list
 from ptops.ops.runrecord.rundir import STACK_SECTION
 from ptops.ops.supervisor import launcher, procs, stacks
@@ -49,21 +49,18 @@ def sidecar_stacks(run_dir: Path, stack_dir: Path) -> str | None:
     return str(out)
 
 
-def engine_version(metrics: Path, tail_bytes: int = 262_144) -> int | None:
-    """The newest ``engine/version`` in the run's records (read from the file's end)."""
+def engine_version(run_dir: Path, tail_bytes: int = 262_144) -> int | None:
+    """The newest ``engine/version`` in the run's records (their last ``tail_bytes``, read as every
+    reader of the record reads them: rotated segments and node lines included)."""
+    version = None
     try:
-        with open(metrics, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - tail_bytes))
-            lines = f.read().splitlines()
-    except OSError:
+        for rec in tail_records(run_dir, tail_bytes):
+            v = rec.get("engine/version")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                version = int(v)
+    except (OSError, ValueError):  # a segment the hang's report can do without
         return None
-    for line in reversed(lines):
-        if b'"engine/version"' in line:
-            try:
-                return int(json.loads(line)["engine/version"])
-            except (ValueError, KeyError, TypeError):
-                continue
-    return None
+    return version
 
 
 class HangMixin:
@@ -106,7 +103,7 @@ class HangMixin:
         ev["stacks_s"] = round(time.monotonic() - t0, 2)
         if finding.phase in ENGINE_SEAMS:
             # the model version the engine was asked for (the rank's last record says it)
-            version = engine_version(self.run.metrics)
+            version = engine_version(self.run.path)
             if version is not None:
                 ev["engine_version"] = version
         t1 = time.monotonic()
